@@ -1,0 +1,1138 @@
+"""Distributed Muon, ZeRO-1 x tensor parallel, on 8 CPU processes over Gloo.
+
+Muon (MomentUm Orthogonalized by Newton-Schulz) replaces the momentum of every
+2-D weight by its nearest semi-orthogonal matrix. Newton-Schulz needs the WHOLE
+matrix, but distributed training shards every matrix twice:
+
+  * tensor parallelism (TP) splits a weight across the TP ranks of a row of the grid;
+  * ZeRO-1 flattens the TP-local weights into buckets and splits each bucket
+    across the data-parallel (DP) ranks, so each rank keeps optimizer state for
+    its 1/DP slice only.
+
+This script puts each matrix back together, orthogonalizes it, and hands every
+rank exactly its piece:
+
+    DP gather  ->  TP gather  ->  Newton-Schulz  ->  TP shard  ->  DP shard
+
+and then checks every parameter, bit for bit (torch.equal), against PyTorch's
+own single-device torch.optim.Muon and torch.optim.AdamW fed the same total
+gradient.
+
+Launch recipes
+--------------
+    python distributed_muon_cpu.py                      # 8 ranks, DP=4 x TP=2, 3 steps
+    python distributed_muon_cpu.py --dp 2 --tp 4 --explain   # print the virtual buffer map too
+    python distributed_muon_cpu.py --dp 8 --tp 1 --steps 5 --json run.json
+    python distributed_muon_cpu.py --help
+
+Import it and the optimizer is a real torch.optim.Optimizer:
+    from distributed_muon_cpu import DistributedMuon, make_grid
+
+Reading order (each section opens with what it does and why)
+    1. Newton-Schulz, momentum and the learning-rate adjustment (the math)
+    2. The grid and its collectives (the one place bytes cross between ranks)
+    3. The parameters (a small transformer) and their per-rank gradients
+    4. The virtual buffer (param groups, buckets, dist_meta)
+    5. The step (DistributedMuon, a torch.optim.Optimizer)
+    6. Verification against torch.optim.Muon / torch.optim.AdamW
+    7. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy)
+    8. Main (arguments, spawning the ranks, the report)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# =============================================================================
+# 1. Newton-Schulz, momentum and the learning-rate adjustment
+# =============================================================================
+# This is the math of torch.optim.Muon (torch/optim/_muon.py), written out so
+# the reader sees every operation, and kept operation-for-operation identical so
+# that the distributed result can be bit-identical to it:
+#
+#   * the input is cast to bfloat16 first, and a tall matrix is transposed so the
+#     Gram matrix X @ X.T is the small one;
+#   * X is scaled by its Frobenius norm (clamped by eps) so its spectral norm is <= 1;
+#   * 5 quintic iterations  X <- a X + (b A + c A A) X,  A = X X^T.
+#
+# The coefficients (3.4445, -4.7750, 2.0315), 5 steps and eps = 1e-7 are Keller
+# Jordan's, the defaults of torch.optim.Muon.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+
+
+def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """Approximately orthogonalize a full 2-D matrix; returns bfloat16."""
+    a, b, c = coefficients
+    x = matrix.bfloat16()
+    tall = matrix.size(0) > matrix.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # out of place: a bf16 input is not modified
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A
+        x = torch.addmm(x, poly, x, beta=a)  # a*X + poly@X
+    return x.T if tall else x
+
+
+def newton_schulz_flops(shape, steps=NS_STEPS):
+    """Matmul FLOPs of newton_schulz on a (rows, cols) matrix (2 per multiply-add).
+
+    With m = min(rows, cols), n = max(rows, cols), each iteration does
+    X@X.T (2 m m n), A@A (2 m m m) and poly@X (2 m m n). Elementwise work is left out.
+    """
+    m, n = sorted(shape)
+    return steps * (4 * m * m * n + 2 * m * m * m)
+
+
+def muon_momentum_(momentum_buffer, grad, momentum, nesterov):
+    """Update the momentum buffer in place and return the Newton-Schulz input.
+
+    torch.optim.Muon keeps an exponential moving average (lerp): buf <- buf + (1-mu)(g - buf),
+    and its Nesterov input is g.lerp(buf, mu). The Moonshot proof of concept
+    (Megatron-LM PR 1428) wrote buf <- mu*buf + g with mul_().add_() instead: a
+    different scale, so not bit-identical to torch; we follow torch.
+    Everything here is elementwise, so it gives the same bits on a shard as on
+    the whole matrix.
+    """
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def adjusted_lr(lr, adjust_lr_fn, global_shape):
+    """Muon's per-matrix learning rate, from the FULL (TP-gathered) shape.
+
+    'original'        : sqrt(max(1, A/B))     (Keller Jordan; torch's default)
+    'match_rms_adamw' : 0.2 * sqrt(max(A, B)) (Moonlight, "Muon is Scalable for LLM Training")
+    """
+    rows, cols = global_shape
+    if adjust_lr_fn in (None, "original"):
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
+
+
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_decay):
+    """torch.optim.AdamW's single-tensor math, line for line, on any slice.
+
+    `step` is the already-incremented step count. Every operation is elementwise,
+    so a ZeRO-1 shard gets the same bits as the full tensor would.
+    """
+    beta1, beta2 = betas
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+# =============================================================================
+# 2. The grid and its collectives
+# =============================================================================
+# world = DP x TP ranks laid out as a matrix, rank = dp_rank * TP + tp_rank:
+#
+#            TP 0   TP 1          a row    = one TP group: contiguous ranks, as the
+#    DP 0  [   0      1 ]                    GPUs of one node, where TP's frequent
+#    DP 1  [   2      3 ]                    traffic belongs
+#    DP 2  [   4      5 ]         a column = one DP group: strided ranks that hold
+#    DP 3  [   6      7 ]                    the same TP piece of every weight
+#
+# The groups are sliced from torch.arange(world).view(DP, TP). Every rank must
+# create every group, in the same order, even the groups it is not part of.
+#
+# Every collective of the optimizer goes through all_gather / reduce_scatter
+# below, which record what each rank logically sends and receives. We count
+# bytes ourselves because Gloo's profiler records no message sizes. The count is
+# that of a ring (bandwidth-optimal) algorithm: for a group of n ranks and a
+# shard of k bytes, each rank sends and receives (n - 1) * k. Gloo moves more
+# than that: its reduce_scatter is implemented as a full all-reduce.
+
+# torch >= 2.14 renamed the "tensor" collectives to "single" and deprecated the
+# old names; older torch (as on Colab) has only the old ones. Resolve once here.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# A world this large on one machine is a typo, not a plan: every rank is a
+# Python process with torch loaded (a few hundred MB each).
+MAX_WORLD = 64
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One direction of the grid, seen from one rank."""
+
+    name: str  # "DP" or "TP"
+    size: int
+    rank: int  # this rank's index along the axis
+    ranks: tuple  # global ranks of this rank's group along the axis
+    group: object = None  # the torch.distributed ProcessGroup (None when not initialized)
+
+
+@dataclass(frozen=True)
+class Grid:
+    rank: int
+    dp: Axis
+    tp: Axis
+
+    @property
+    def world(self):
+        return self.dp.size * self.tp.size
+
+
+def check_topology(dp, tp, world=None):
+    """Raise ValueError naming every factor when the grid cannot exist."""
+    if dp < 1 or tp < 1:
+        raise ValueError(f"DP and TP must be >= 1 (got DP={dp}, TP={tp})")
+    if world is not None and dp * tp != world:
+        raise ValueError(f"world size {world} != DP {dp} x TP {tp} = {dp * tp}")
+    if dp * tp > MAX_WORLD:
+        raise ValueError(f"DP {dp} x TP {tp} = {dp * tp} ranks is more than {MAX_WORLD} on one machine")
+
+
+def rank_grid(dp, tp):
+    return torch.arange(dp * tp).view(dp, tp)
+
+
+def make_grid(dp, tp, rank):
+    """Build the DP and TP process groups. Collective: call on every rank."""
+    check_topology(dp, tp, dist.get_world_size())
+    grid = rank_grid(dp, tp)
+    tp_group = dp_group = None
+    for row in grid.tolist():  # TP groups: rows
+        group = dist.new_group(row)
+        if rank in row:
+            tp_group, tp_ranks = group, tuple(row)
+    for col in grid.T.tolist():  # DP groups: columns
+        group = dist.new_group(col)
+        if rank in col:
+            dp_group, dp_ranks = group, tuple(col)
+    dp_rank, tp_rank = divmod(rank, tp)
+    return Grid(
+        rank=rank,
+        dp=Axis("DP", dp, dp_rank, dp_ranks, dp_group),
+        tp=Axis("TP", tp, tp_rank, tp_ranks, tp_group),
+    )
+
+
+def format_grid(dp, tp):
+    """The rank layout as a small table."""
+    grid = rank_grid(dp, tp)
+    width = max(4, len(str(dp * tp - 1)) + 1)
+    lines = ["      " + "".join(f"{'TP ' + str(t):>{width + 2}}" for t in range(tp))]
+    for d in range(dp):
+        lines.append(f"DP {d:<3}" + "".join(f"{r:>{width + 2}}" for r in grid[d].tolist()))
+    return "\n".join(lines)
+
+
+@dataclass
+class Ledger:
+    """What this rank communicated and computed, step by step."""
+
+    step: int = 0
+    comm: list = field(default_factory=list)  # dicts: step, phase, op, axis, numel, dtype, sent, received
+    compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
+
+    def record_comm(self, phase, op, axis, numel, dtype):
+        nbytes = (axis.size - 1) * numel * torch.finfo(dtype).bits // 8
+        self.comm.append(dict(step=self.step, phase=phase, op=op, axis=axis.name, numel=numel,
+                              dtype=str(dtype).replace("torch.", ""), sent=nbytes, received=nbytes))
+
+
+def all_gather(shard, axis, ledger, phase):
+    """Concatenate every rank's equal-sized 1-D shard along `axis`: (size * k,)."""
+    if axis.size == 1:
+        return shard
+    out = shard.new_empty(axis.size * shard.numel())
+    _all_gather_single(out, shard, group=axis.group)
+    ledger.record_comm(phase, "all_gather", axis, shard.numel(), shard.dtype)
+    return out
+
+
+def reduce_scatter(bucket, axis, ledger, phase):
+    """Sum `bucket` over the ranks of `axis` and keep this rank's 1/size of it."""
+    if axis.size == 1:
+        return bucket
+    out = bucket.new_empty(bucket.numel() // axis.size)
+    # ReduceOp.SUM: the total gradient, as the reference is fed. (AVG is avoided
+    # for older torch; divide afterwards if you want a mean.)
+    _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group)
+    ledger.record_comm(phase, "reduce_scatter", axis, out.numel(), bucket.dtype)
+    return out
+
+
+# =============================================================================
+# 3. The parameters and their gradients
+# =============================================================================
+# A small transformer that exercises every case the optimizer must handle:
+#
+#   name                      global shape   TP split        optimizer
+#   embed.weight              (V, d)         dim 0 (vocab)   AdamW  (embeddings: AdamW, as in practice)
+#   layers.i.norm1.weight     (d,)           replicated      AdamW, no weight decay
+#   layers.i.attn.qkv.weight  (3d, d)        dim 0 (column)  Muon   tall
+#   layers.i.attn.qkv.bias    (3d,)          dim 0           AdamW, no weight decay
+#   layers.i.attn.proj.weight (d, d)         dim 1 (row)     Muon   square
+#   layers.i.attn.proj.bias   (d,)           replicated      AdamW, no weight decay
+#   layers.i.norm2.weight     (d,)           replicated      AdamW, no weight decay
+#   layers.i.router.weight    (E, d)         replicated      Muon   wide, never split (an MoE router)
+#   layers.i.mlp.fc1.weight   (4d, d)        dim 0 (column)  Muon   tall
+#   layers.i.mlp.fc1.bias     (4d,)          dim 0           AdamW, no weight decay
+#   layers.i.mlp.fc2.weight   (d, 4d)        dim 1 (row)     Muon   wide
+#   layers.i.mlp.fc2.bias     (d,)           replicated      AdamW, no weight decay
+#   final_norm.weight         (d,)           replicated      AdamW, no weight decay
+#   lm_head.weight            (V, d)         dim 0 (vocab)   AdamW
+#
+# Gradients differ per DP rank (each saw different data) and agree across the
+# TP ranks of a row (they hold pieces of the same gradient). They are drawn as
+# integers times 2**-10 in [-1/4, 1/4]: any sum of up to MAX_WORLD of them is a
+# multiple of 2**-10 below 2**4, which float32 (24-bit significand) holds
+# exactly, so the DP reduction gives the same bits in any order. Real gradients
+# would make the sum order-dependent, and bit-identity would then be impossible
+# for a reason that has nothing to do with Muon.
+
+VOCAB, D_MODEL, N_LAYERS, N_EXPERTS = 512, 128, 2, 8
+GRAD_SCALE = 2.0**-10
+GRAD_MAX_INT = 256  # |gradient| <= 256 * 2**-10 = 1/4
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    global_shape: tuple
+    tp_split_dim: int  # -1: the same full tensor on every TP rank
+    group: str  # "muon", "adamw" or "adamw_no_wd"
+
+
+def transformer_specs(vocab=VOCAB, d=D_MODEL, n_layers=N_LAYERS, n_experts=N_EXPERTS):
+    specs = [ParamSpec("embed.weight", (vocab, d), 0, "adamw")]
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        specs += [
+            ParamSpec(p + "norm1.weight", (d,), -1, "adamw_no_wd"),
+            ParamSpec(p + "attn.qkv.weight", (3 * d, d), 0, "muon"),
+            ParamSpec(p + "attn.qkv.bias", (3 * d,), 0, "adamw_no_wd"),
+            ParamSpec(p + "attn.proj.weight", (d, d), 1, "muon"),
+            ParamSpec(p + "attn.proj.bias", (d,), -1, "adamw_no_wd"),
+            ParamSpec(p + "norm2.weight", (d,), -1, "adamw_no_wd"),
+            ParamSpec(p + "router.weight", (n_experts, d), -1, "muon"),
+            ParamSpec(p + "mlp.fc1.weight", (4 * d, d), 0, "muon"),
+            ParamSpec(p + "mlp.fc1.bias", (4 * d,), 0, "adamw_no_wd"),
+            ParamSpec(p + "mlp.fc2.weight", (d, 4 * d), 1, "muon"),
+            ParamSpec(p + "mlp.fc2.bias", (d,), -1, "adamw_no_wd"),
+        ]
+    specs += [ParamSpec("final_norm.weight", (d,), -1, "adamw_no_wd"),
+              ParamSpec("lm_head.weight", (vocab, d), 0, "adamw")]
+    return specs
+
+
+def check_tp_divides(specs, tp):
+    """Raise ValueError naming the first parameter TP cannot split evenly."""
+    for s in specs:
+        if s.tp_split_dim >= 0 and s.global_shape[s.tp_split_dim] % tp:
+            raise ValueError(f"TP {tp} does not divide {s.name} dim {s.tp_split_dim} "
+                             f"(size {s.global_shape[s.tp_split_dim]}, global shape {tuple(s.global_shape)})")
+
+
+def tp_piece(full, tp_split_dim, tp_rank, tp):
+    """This TP rank's piece of a full tensor (the whole tensor when not split)."""
+    if tp_split_dim < 0:
+        return full
+    return full.chunk(tp, dim=tp_split_dim)[tp_rank].contiguous()
+
+
+def tp_local_shape(spec, tp):
+    shape = list(spec.global_shape)
+    if spec.tp_split_dim >= 0:
+        shape[spec.tp_split_dim] //= tp
+    return tuple(shape)
+
+
+def initial_params(specs, seed):
+    """The full single-device parameters every run starts from."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for s in specs:
+        if s.name.endswith("norm1.weight") or s.name.endswith("norm2.weight") or s.name == "final_norm.weight":
+            out[s.name] = torch.ones(s.global_shape)
+        elif s.name.endswith(".bias"):
+            out[s.name] = torch.zeros(s.global_shape)
+        else:
+            out[s.name] = torch.randn(s.global_shape, generator=g) * 0.02
+    return out
+
+
+def dp_rank_grads(specs, seed, step, dp_rank):
+    """Full gradients that DP rank `dp_rank` computed at `step` (see the block above)."""
+    g = torch.Generator().manual_seed((seed * 100_003 + step) * 1_009 + dp_rank)
+    return {s.name: torch.randint(-GRAD_MAX_INT, GRAD_MAX_INT + 1, s.global_shape, generator=g).float() * GRAD_SCALE
+            for s in specs}
+
+
+def total_grads(specs, seed, step, dp):
+    """The gradient the single-device reference sees: the sum over DP ranks."""
+    per_rank = [dp_rank_grads(specs, seed, step, r) for r in range(dp)]
+    return {s.name: sum(grads[s.name] for grads in per_rank) for s in specs}
+
+
+# =============================================================================
+# 4. The virtual buffer
+# =============================================================================
+# ZeRO-1 sees a param group's TP-local parameters as one flat "virtual buffer",
+# cut into buckets of at most --bucket-size elements (a parameter larger than
+# that gets a bucket of its own). Each bucket is padded to a multiple of DP and
+# DP rank r owns the r-th of its DP equal shards:
+#
+#   bucket (buffer 0, bucket 0), DP = 4, shard = L elements
+#   |<---- qkv.weight ---->|<- proj.weight ->|<router>|pad|
+#   |<--- DP 0 --->|<--- DP 1 --->|<--- DP 2 --->|<--- DP 3 --->|
+#   0              L              2L             3L             4L
+#
+# A parameter's range may straddle shard boundaries: above, qkv.weight is owned
+# partly by DP 0 and partly by DP 1. Each rank's optimizer state covers only
+# its shard, and its `local_range` of a parameter may be empty.
+#
+# dist_meta (one per parameter, per rank; the names of the Moonshot PoC's MuonDistMeta):
+#   buffer_idx    which param group / virtual buffer
+#   bucket_idx    which bucket inside that buffer
+#   shape         TP-local shape (what this rank holds)
+#   global_shape  shape after the TP gather (what Newton-Schulz sees)
+#   tp_split_dim  dim TP splits (-1: not split)
+#   bucket_range  [start, end) of the parameter inside its bucket
+#   local_range   [start, end) of the part this DP rank owns, in bucket coordinates;
+#                 empty (start == end) when its shard does not touch the parameter
+# The layout depends only on shapes, DP and the bucket size: every rank (and
+# the parent process, for --explain) computes the same one without talking.
+
+
+@dataclass(frozen=True)
+class Bucket:
+    buffer_idx: int
+    bucket_idx: int
+    names: tuple  # parameters, in bucket order
+    used: int  # elements holding parameters
+    numel: int  # padded to a multiple of DP
+
+    def shard_range(self, dp_rank, dp):
+        shard = self.numel // dp
+        return dp_rank * shard, (dp_rank + 1) * shard
+
+
+@dataclass(frozen=True)
+class DistMeta:
+    name: str
+    buffer_idx: int
+    bucket_idx: int
+    shape: tuple
+    global_shape: tuple
+    tp_split_dim: int
+    bucket_range: tuple
+    local_range: tuple
+
+    @property
+    def local_numel(self):
+        return self.local_range[1] - self.local_range[0]
+
+    @property
+    def param_slice(self):
+        """The local range as a slice of the flattened TP-local parameter."""
+        start = self.bucket_range[0]
+        return slice(self.local_range[0] - start, self.local_range[1] - start)
+
+
+def plan_buckets(buffers, dp, bucket_size):
+    """buffers: one list per param group of (name, numel). Returns (buckets, bucket_ranges)."""
+    buckets, bucket_ranges = [], {}
+    for buffer_idx, entries in enumerate(buffers):
+        current, used = [], 0
+
+        def close():
+            if current:
+                padded = -(-used // dp) * dp
+                buckets.append(Bucket(buffer_idx, sum(b.buffer_idx == buffer_idx for b in buckets),
+                                      tuple(current), used, padded))
+
+        for name, numel in entries:
+            if current and used + numel > bucket_size:
+                close()
+                current, used = [], 0
+            bucket_ranges[name] = (used, used + numel)
+            current.append(name)
+            used += numel
+        close()
+    return buckets, bucket_ranges
+
+
+def build_dist_metas(buckets, bucket_ranges, shapes, global_shapes, tp_split_dims, dp_rank, dp):
+    metas = {}
+    for b in buckets:
+        lo, hi = b.shard_range(dp_rank, dp)
+        for name in b.names:
+            start, end = bucket_ranges[name]
+            l0 = min(max(start, lo), end)
+            l1 = max(min(end, hi), l0)
+            metas[name] = DistMeta(name, b.buffer_idx, b.bucket_idx, tuple(shapes[name]),
+                                   tuple(global_shapes[name]), tp_split_dims[name], (start, end), (l0, l1))
+    return metas
+
+
+def global_shape_of(local_shape, tp_split_dim, tp):
+    shape = list(local_shape)
+    if tp_split_dim >= 0:
+        shape[tp_split_dim] *= tp
+    return tuple(shape)
+
+
+def format_buffer_map(buckets, bucket_ranges, shapes, dp):
+    """--explain: which DP rank owns which range of which parameter."""
+    lines = []
+    for b in buckets:
+        shard = b.numel // dp
+        lines.append(f"bucket ({b.buffer_idx}, {b.bucket_idx}): {b.used:,} elements + {b.numel - b.used} padding "
+                     f"= {b.numel:,}; DP shard = {shard:,} elements")
+        for name in b.names:
+            start, end = bucket_ranges[name]
+            owners = []
+            for r in range(dp):
+                lo, hi = b.shard_range(r, dp)
+                l0, l1 = max(start, lo), min(end, hi)
+                if l1 > l0:
+                    owners.append(f"DP{r}[{l0 - start}:{l1 - start}]")
+            lines.append(f"    {name:<26} {str(tuple(shapes[name])):<11} [{start:>6}, {end:>6})  " + " ".join(owners))
+        if b.numel > b.used:
+            lines.append(f"    {'(padding)':<26} {'':<11} [{b.used:>6}, {b.numel:>6})  owned by DP{(b.numel - 1) // shard}")
+    return "\n".join(lines)
+
+
+# =============================================================================
+# 5. The step
+# =============================================================================
+# One optimizer step, bucket by bucket, as seen from one rank (DP=4, TP=2):
+#
+#   grads (TP-local, full)     --DP reduce-scatter (fp32)-->   gradient shard
+#   gradient shard             --momentum (lerp)-------------> update shard (bf16)
+#   update shard               --DP gather (all-gather)-----> every TP-local matrix of the bucket
+#   TP-local matrix            --TP gather (along split dim)-> full matrix  [only where local_range]
+#   full matrix                --Newton-Schulz--------------> orthogonal full matrix
+#   orthogonal full matrix     --TP shard (slice)-----------> TP-local piece
+#   TP-local piece             --DP shard (slice)-----------> this rank's local range
+#   param shard                -= lr*wd*param, adjusted_lr * update
+#   param shards               --param all-gather (fp32)----> every rank holds its full TP-local weights
+#
+# The gather path is communication; its mirror, the shard path, is free: every
+# rank already holds the full result and just slices out its own piece.
+#
+# Why the DP gather is bucketed but the TP gather is not:
+#   * the DP gather moves the update shards as they lie in memory: one flat
+#     all-gather per bucket rebuilds every TP-local matrix of the bucket as a
+#     contiguous view, so one large message replaces many small ones;
+#   * the TP gather must put pieces together along each matrix's own split dim
+#     (dim 0 or 1, or nothing for a replicated matrix), so each matrix needs its
+#     own concatenation anyway, and it is needed only for the matrices this
+#     rank's DP shard touches (the TP peers of a row share the same DP shard,
+#     so they agree on which). Coalescing the TP gathers is a possible
+#     optimization; it would not change the bytes.
+# The bf16 cast before the DP gather is the one Newton-Schulz does first anyway:
+# it halves those bytes and changes no bit of the result.
+#
+# AdamW parameters ride the same gradient reduce-scatter and parameter
+# all-gather; their update is elementwise, so they need no gather at all.
+
+
+class DistributedMuon(torch.optim.Optimizer):
+    """ZeRO-1 x TP Muon (and AdamW for non-matrix parameters), bit-identical to torch.
+
+    params: named parameters, as torch optimizers accept them: a list of groups
+        {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", ...hyperparameters}.
+        Each tensor is this rank's TP-local piece, the same on every DP rank.
+    grid: from make_grid; tp_split_dims: {name: dim} for TP-split parameters
+        (missing names are replicated across TP).
+    bucket_size: largest bucket, in elements, before padding to a multiple of DP.
+    Gradients are summed over DP (ReduceOp.SUM); every parameter needs a .grad.
+    """
+
+    def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, lr=0.02,
+                 weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS,
+                 ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original", betas=(0.9, 0.999), eps=1e-8):
+        if bucket_size < 1:
+            raise ValueError(f"bucket_size must be >= 1 (got {bucket_size})")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1) (got {momentum})")
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS} (got {adjust_lr_fn!r})")
+        defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
+                        nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps,
+                        ns_eps=ns_eps, adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
+        super().__init__(params, defaults)
+        self.grid, self.bucket_size = grid, bucket_size
+        self.ledger = Ledger()
+        tp_split_dims = dict(tp_split_dims or {})
+
+        buffers, shapes, global_shapes, split_dims, self.param_by_name = [], {}, {}, {}, {}
+        for group in self.param_groups:
+            if group["algorithm"] not in ("muon", "adamw"):
+                raise ValueError(f"unknown algorithm {group['algorithm']!r}; use 'muon' or 'adamw'")
+            if "param_names" not in group:
+                raise ValueError("pass named parameters: [(name, tensor), ...] (dist_meta is keyed by name)")
+            for name, p in zip(group["param_names"], group["params"]):
+                if name in self.param_by_name:
+                    raise ValueError(f"parameter {name} appears twice")
+                if group["algorithm"] == "muon" and p.ndim != 2:
+                    raise ValueError(f"Muon needs 2-D parameters; {name} has shape {tuple(p.shape)}")
+                if not p.is_contiguous():
+                    raise ValueError(f"{name} must be contiguous (it is viewed flat)")
+                split = tp_split_dims.get(name, -1)
+                if split >= p.ndim:
+                    raise ValueError(f"tp_split_dim {split} of {name} is out of range for shape {tuple(p.shape)}")
+                self.param_by_name[name] = p
+                shapes[name], split_dims[name] = tuple(p.shape), split
+                global_shapes[name] = global_shape_of(p.shape, split, grid.tp.size)
+            buffers.append([(n, p.numel()) for n, p in zip(group["param_names"], group["params"])])
+        unknown = set(tp_split_dims) - set(self.param_by_name)
+        if unknown:
+            raise ValueError(f"tp_split_dims names unknown parameters: {sorted(unknown)}")
+
+        self.buckets, self.bucket_ranges = plan_buckets(buffers, grid.dp.size, bucket_size)
+        self.dist_metas = build_dist_metas(self.buckets, self.bucket_ranges, shapes, global_shapes,
+                                           split_dims, grid.dp.rank, grid.dp.size)
+
+    # -- the layout a checkpoint belongs to ---------------------------------
+    def _layout(self):
+        return dict(dp=self.grid.dp.size, tp=self.grid.tp.size, dp_rank=self.grid.dp.rank,
+                    tp_rank=self.grid.tp.rank, bucket_size=self.bucket_size)
+
+    def state_dict(self):
+        """This rank's shard of the state (ZeRO-1 checkpoints are per rank)."""
+        sd = super().state_dict()
+        sd["layout"] = self._layout()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        saved, here = state_dict.pop("layout", None), self._layout()
+        if saved != here:
+            diff = ", ".join(f"{k} {saved.get(k) if saved else None} != {v}" for k, v in here.items()
+                             if not saved or saved.get(k) != v)
+            raise ValueError(f"state_dict was saved for another shard layout: {diff}")
+        super().load_state_dict(state_dict)
+
+    # -- the step ------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.ledger.step += 1
+        for bucket in self.buckets:
+            self._step_bucket(bucket, self.param_groups[bucket.buffer_idx])
+        return loss
+
+    def _step_bucket(self, bucket, group):
+        dp, tp, ledger = self.grid.dp, self.grid.tp, self.ledger
+        metas = [self.dist_metas[n] for n in bucket.names]
+        params = [self.param_by_name[n] for n in bucket.names]
+        shard_lo, _ = bucket.shard_range(dp.rank, dp.size)
+
+        def shard_slice(meta):  # the local range as a slice of this rank's shard
+            return slice(meta.local_range[0] - shard_lo, meta.local_range[1] - shard_lo)
+
+        # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
+        grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=params[0].device)
+        for meta, p in zip(metas, params):
+            if p.grad is None:
+                raise ValueError(f"{meta.name} has no gradient; every parameter needs one "
+                                 "(ZeRO-1 reduces whole buckets)")
+            grad_bucket[slice(*meta.bucket_range)] = p.grad.reshape(-1)
+        grad_shard = reduce_scatter(grad_bucket, dp, ledger, "grad reduce-scatter")
+
+        if group["algorithm"] == "adamw":
+            for meta, p in zip(metas, params):
+                if meta.local_numel:
+                    self._adamw_part(p, meta, grad_shard[shard_slice(meta)], group)
+        else:
+            self._muon_bucket(bucket, metas, params, grad_shard, shard_slice, group)
+
+        # Parameter all-gather: every DP rank again holds its full TP-local weights.
+        param_shard = grad_shard.new_zeros(bucket.numel // dp.size)
+        for meta, p in zip(metas, params):
+            param_shard[shard_slice(meta)] = p.view(-1)[meta.param_slice]
+        param_bucket = all_gather(param_shard, dp, ledger, "param all-gather")
+        for meta, p in zip(metas, params):
+            p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
+
+    def _adamw_part(self, p, meta, grad, group):
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = grad.new_zeros(meta.local_numel)
+            state["exp_avg_sq"] = grad.new_zeros(meta.local_numel)
+        state["step"] += 1
+        adamw_(p.view(-1)[meta.param_slice], grad, state["exp_avg"], state["exp_avg_sq"],
+               state["step"].item(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+               weight_decay=group["weight_decay"])
+
+    def _muon_bucket(self, bucket, metas, params, grad_shard, shard_slice, group):
+        dp, tp, ledger = self.grid.dp, self.grid.tp, self.ledger
+
+        # Momentum on the local shard only: the state never exists for the full matrix.
+        update_shard = torch.zeros(grad_shard.numel(), dtype=torch.bfloat16, device=grad_shard.device)
+        for meta, p in zip(metas, params):
+            if meta.local_numel:
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = grad_shard.new_zeros(meta.local_numel)
+                update = muon_momentum_(state["momentum_buffer"], grad_shard[shard_slice(meta)],
+                                        group["momentum"], group["nesterov"])
+                update_shard[shard_slice(meta)] = update  # the cast to bf16 Newton-Schulz does first
+
+        update_bucket = dp_gather(update_shard, dp, ledger)
+        for meta, p in zip(metas, params):
+            if not meta.local_numel:
+                continue  # our DP shard does not touch it: neither do our TP peers
+            tp_local = update_bucket[slice(*meta.bucket_range)].view(meta.shape)
+            full = tp_gather(tp_local, meta.tp_split_dim, tp, ledger)
+            ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+            ledger.compute.append(dict(step=ledger.step, name=meta.name, shape=meta.global_shape,
+                                       flops=newton_schulz_flops(meta.global_shape, group["ns_steps"])))
+            ortho_part = dp_shard(tp_shard(ortho, meta.tp_split_dim, tp), meta)
+
+            part = p.view(-1)[meta.param_slice]
+            part.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay: unadjusted lr
+            part.add_(ortho_part, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], meta.global_shape))
+
+
+# The gather path and its mirror, the shard path.
+def dp_gather(update_shard, dp, ledger):
+    """Every DP rank's update shard -> the whole bucket (every TP-local matrix in it)."""
+    return all_gather(update_shard, dp, ledger, "DP gather")
+
+
+def tp_gather(tp_local, tp_split_dim, tp, ledger):
+    """TP-local pieces of one matrix -> the full matrix, concatenated along tp_split_dim."""
+    if tp_split_dim < 0 or tp.size == 1:
+        return tp_local
+    pieces = all_gather(tp_local.reshape(-1), tp, ledger, "TP gather").view(tp.size, *tp_local.shape)
+    return torch.cat(pieces.unbind(0), dim=tp_split_dim)
+
+
+def tp_shard(full, tp_split_dim, tp):
+    """Full matrix -> this rank's TP-local piece (a slice: no communication)."""
+    if tp_split_dim < 0 or tp.size == 1:
+        return full
+    return full.chunk(tp.size, dim=tp_split_dim)[tp.rank]
+
+
+def dp_shard(tp_local, meta):
+    """TP-local matrix -> the part in this rank's DP shard (a slice: no communication)."""
+    return tp_local.reshape(-1)[meta.param_slice]
+
+
+# =============================================================================
+# 6. Verification
+# =============================================================================
+# The reference is PyTorch's own single-device torch.optim.Muon and
+# torch.optim.AdamW on the full parameters, fed the sum of every DP rank's
+# gradient: an independent implementation, not this script's code path. Every
+# rank's TP-local piece of every parameter must equal the matching piece of the
+# reference bit for bit (torch.equal). No tolerance is needed anywhere: the only
+# cross-rank reduction is the gradient sum, exact by construction (section 3);
+# everything else is elementwise on shards or one Newton-Schulz on the same full
+# bf16 matrix with the same thread count.
+
+MUON_GROUP = "muon"
+
+
+def group_hyperparameters(cfg):
+    """The three param groups of the demo model and their hyperparameters."""
+    muon = dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                nesterov=True, ns_steps=cfg.ns_steps, adjust_lr_fn=cfg.adjust_lr_fn)
+    # One lr and weight decay for Muon and AdamW (Moonlight's practice with
+    # match_rms_adamw); torch's default betas and eps; no decay on norms and biases.
+    adamw = dict(algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    return {"muon": muon, "adamw": adamw, "adamw_no_wd": dict(adamw, weight_decay=0.0)}
+
+
+def reference_params(specs, cfg):
+    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params."""
+    torch.set_num_threads(1)  # same thread count as every rank: bf16 matmul bits can depend on it
+    params = {n: t.clone() for n, t in initial_params(specs, cfg.seed).items()}
+    hyper = group_hyperparameters(cfg)
+    optimizers = []
+    for group_name, h in hyper.items():
+        ps = [params[s.name] for s in specs if s.group == group_name]
+        if not ps:
+            continue
+        if h["algorithm"] == "muon":
+            optimizers.append(torch.optim.Muon(ps, lr=h["lr"], weight_decay=h["weight_decay"],
+                                               momentum=h["momentum"], nesterov=h["nesterov"],
+                                               ns_steps=h["ns_steps"], adjust_lr_fn=h["adjust_lr_fn"]))
+        else:
+            optimizers.append(torch.optim.AdamW(ps, lr=h["lr"], betas=h["betas"], eps=h["eps"],
+                                                weight_decay=h["weight_decay"]))
+    for step in range(1, cfg.steps + 1):
+        grads = total_grads(specs, cfg.seed, step, cfg.dp)
+        for s in specs:
+            params[s.name].grad = grads[s.name]
+        for opt in optimizers:
+            opt.step()
+    return params
+
+
+def compare_to_reference(specs, reference, rank_params, dp, tp):
+    """One row per parameter: max |delta| over every rank's piece and torch.equal on all of them."""
+    rows = []
+    for s in specs:
+        max_diff, identical = 0.0, True
+        for rank, params in rank_params.items():
+            expected = tp_piece(reference[s.name], s.tp_split_dim, rank % tp, tp)
+            got = params[s.name]
+            same = got.shape == expected.shape and torch.equal(got, expected)
+            identical &= same
+            if got.shape == expected.shape:
+                max_diff = max(max_diff, (got.double() - expected.double()).abs().max().item())
+            else:
+                max_diff = float("inf")
+        rows.append(dict(name=s.name, global_shape=list(s.global_shape), tp_split_dim=s.tp_split_dim,
+                         optimizer="Muon" if s.group == MUON_GROUP else "AdamW",
+                         max_abs_diff=max_diff, identical=bool(identical)))
+    return rows
+
+
+# =============================================================================
+# 7. Accounting
+# =============================================================================
+# Bytes per phase come from each rank's Ledger (section 2); FLOPs from the
+# Newton-Schulz calls each rank made. The redundancy factor is
+#
+#     sum over ranks of Newton-Schulz FLOPs  /  FLOPs of one device doing each matrix once.
+#
+# In this flow every TP peer orthogonalizes the same full matrix, and so does
+# every DP rank whose shard touches it: the redundancy is TP x (how many DP
+# shards a matrix touches, FLOP-weighted), at most DP x TP, which it reaches
+# when every rank touches every matrix. Zero-redundancy designs give each matrix
+# one owner instead.
+
+PHASES = ("grad reduce-scatter", "DP gather", "TP gather", "param all-gather")
+
+
+def bytes_per_step(ledgers, step):
+    """{phase: {"axis", "dtype", "sent": [per rank], "received": [per rank]}} for one step."""
+    table = {}
+    for phase in PHASES:
+        sent, received, axes, dtypes = [], [], set(), set()
+        for ledger in ledgers:
+            records = [r for r in ledger["comm"] if r["step"] == step and r["phase"] == phase]
+            sent.append(sum(r["sent"] for r in records))
+            received.append(sum(r["received"] for r in records))
+            axes |= {r["axis"] for r in records}
+            dtypes |= {r["dtype"] for r in records}
+        table[phase] = dict(axis="/".join(sorted(axes)) or "-", dtype="/".join(sorted(dtypes)) or "-",
+                            sent=sent, received=received)
+    return table
+
+
+def flops_per_step(ledgers, specs, step, ns_steps):
+    per_rank = [sum(r["flops"] for r in ledger["compute"] if r["step"] == step) for ledger in ledgers]
+    single = sum(newton_schulz_flops(s.global_shape, ns_steps) for s in specs if s.group == MUON_GROUP)
+    return dict(per_rank=per_rank, single_device=single, redundancy=sum(per_rank) / single)
+
+
+def format_table(header, rows, aligns):
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = lambda row: "  ".join(f"{str(x):{a}{w}}" for x, a, w in zip(row, aligns, widths))
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def human_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+
+
+# =============================================================================
+# 8. Main
+# =============================================================================
+# The parent process checks the arguments (before spawning anything), spawns
+# one process per rank, waits, then runs the single-device reference and
+# prints the report. Each rank writes its final parameters, ledger and timings
+# to a temporary folder that the parent reads.
+
+PG_TIMEOUT_S = 60  # a collective stuck longer than this is a bug, not slowness (a step takes < 1 s here)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dp: int = 4
+    tp: int = 2
+    steps: int = 3
+    seed: int = 0
+    bucket_size: int = 1 << 16
+    lr: float = 0.02
+    momentum: float = 0.95
+    weight_decay: float = 0.1
+    ns_steps: int = NS_STEPS
+    adjust_lr_fn: str = "original"
+    fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
+
+
+def validate(cfg, specs):
+    """Every check that can be made before spawning; raises ValueError with one line."""
+    check_topology(cfg.dp, cfg.tp)
+    if cfg.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
+    if cfg.bucket_size < 1:
+        raise ValueError(f"--bucket-size must be >= 1 element (got {cfg.bucket_size})")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0 (got {cfg.lr})")
+    if not 0 <= cfg.momentum < 1:
+        raise ValueError(f"--momentum must be in [0, 1) (got {cfg.momentum})")
+    if cfg.weight_decay < 0:
+        raise ValueError(f"--weight-decay must be >= 0 (got {cfg.weight_decay})")
+    if cfg.ns_steps < 1:
+        raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
+    if cfg.adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"--adjust-lr-fn must be one of {', '.join(ADJUST_LR_FNS)} (got {cfg.adjust_lr_fn!r})")
+    if not -1 <= cfg.fail_rank < cfg.dp * cfg.tp:
+        raise ValueError(f"--fail-rank must name a rank in [0, {cfg.dp * cfg.tp}) (got {cfg.fail_rank})")
+    check_tp_divides(specs, cfg.tp)
+
+
+def build_optimizer(specs, cfg, grid, params, **overrides):
+    """The demo's DistributedMuon over this rank's TP-local `params` ({name: tensor})."""
+    groups = [dict(h, params=[(s.name, params[s.name]) for s in specs if s.group == g])
+              for g, h in group_hyperparameters(cfg).items()]
+    return DistributedMuon([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
+                           tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
+                           **overrides)
+
+
+def run_rank(rank, cfg, port, out_dir, device="cpu", backend="gloo"):
+    """One rank: init, build grid and optimizer, run the steps, write results."""
+    torch.set_num_threads(1)  # see section 6: same thread count everywhere
+    world = cfg.dp * cfg.tp
+    if port is not None:  # spawned by this script; under torchrun the env:// variables are set
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    else:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    try:
+        result = run_steps(rank, cfg, device)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_steps(rank, cfg, device):
+    specs = transformer_specs()
+    grid = make_grid(cfg.dp, cfg.tp, rank)
+    params = {s.name: tp_piece(t, s.tp_split_dim, grid.tp.rank, cfg.tp).to(device)
+              for s, t in zip(specs, initial_params(specs, cfg.seed).values())}
+    opt = build_optimizer(specs, cfg, grid, params)
+    resume_at = (cfg.steps + 1) // 2  # checkpoint round trip halfway through (see below)
+    step_ms = []
+    for step in range(1, cfg.steps + 1):
+        if rank == cfg.fail_rank:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-rank)")
+        grads = dp_rank_grads(specs, cfg.seed, step, grid.dp.rank)
+        for s in specs:
+            params[s.name].grad = tp_piece(grads[s.name], s.tp_split_dim, grid.tp.rank, cfg.tp).to(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.step()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        if step == resume_at:
+            # Resume from a checkpoint mid-run: a fresh optimizer loads this rank's
+            # state_dict. If the state were lost, the momentum would restart and
+            # the final comparison with torch would fail.
+            fresh = build_optimizer(specs, cfg, grid, params)
+            fresh.load_state_dict(opt.state_dict())
+            fresh.ledger = opt.ledger
+            opt = fresh
+    return dict(rank=rank, params={n: p.detach().cpu() for n, p in params.items()},
+                ledger=asdict(opt.ledger), step_ms=step_ms)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_method():
+    """How ranks are started: forked from a server that has already imported torch.
+
+    Each freshly spawned process spends seconds importing torch (and torch._dynamo,
+    which torch.optim.Optimizer imports on first use): 8 ranks on 2 cores took
+    about 20 s to reach their first step. A forkserver imports them once and forks
+    each rank from it, in about 3 s. "spawn" remains where there is no forkserver.
+    """
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo"])
+    return "forkserver"
+
+
+def spawn_ranks(cfg):
+    """Run every rank; return their results or raise RuntimeError naming the failed rank."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(run_rank, args=(cfg, free_port(), out_dir), nprocs=cfg.dp * cfg.tp,
+                               join=True, start_method=start_method())
+        except mp.ProcessRaisedException as e:
+            last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+            raise RuntimeError(f"rank {e.error_index} failed: {last}\n{e}") from None
+        except mp.ProcessExitedException as e:
+            raise RuntimeError(f"rank {e.error_index} exited with code {e.exit_code}") from None
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(cfg.dp * cfg.tp)]
+
+
+def run(cfg, explain=False, print_fn=print):
+    """Spawn the ranks, verify against torch, account; returns the results dict."""
+    specs = transformer_specs()
+    validate(cfg, specs)
+    world = cfg.dp * cfg.tp
+    print_fn(f"Distributed Muon: {world} CPU ranks over Gloo, DP={cfg.dp} x TP={cfg.tp}, {cfg.steps} steps, "
+             f"seed {cfg.seed}, torch {torch.__version__}\n")
+    print_fn("[2] The grid (rank = dp_rank * TP + tp_rank; a row is a TP group, a column a DP group)")
+    print_fn(format_grid(cfg.dp, cfg.tp) + "\n")
+
+    # The layout is the same on every rank; compute it here for the report.
+    shapes = {s.name: tp_local_shape(s, cfg.tp) for s in specs}
+    buffers = [[(s.name, math.prod(shapes[s.name])) for s in specs if s.group == g]
+               for g in group_hyperparameters(cfg)]
+    buffers = [b for b in buffers if b]
+    buckets, bucket_ranges = plan_buckets(buffers, cfg.dp, cfg.bucket_size)
+    used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
+    print_fn(f"[4] Virtual buffer: {len(buffers)} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
+             f"elements, {used:,} TP-local elements + {padded - used} padding per rank")
+    if explain:
+        print_fn(format_buffer_map(buckets, bucket_ranges, shapes, cfg.dp))
+    print_fn("")
+
+    t0 = time.perf_counter()
+    results = spawn_ranks(cfg)
+    spawn_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    reference = reference_params(specs, cfg)
+    checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp)
+    ref_s = time.perf_counter() - t1
+
+    n_same = sum(c["identical"] for c in checks)
+    print_fn(f"[6] Every rank's piece against torch.optim.Muon / torch.optim.AdamW on one device "
+             f"(torch.equal): {n_same}/{len(checks)} parameters identical")
+    rows = [[c["name"], "x".join(map(str, c["global_shape"])),
+             "-" if c["tp_split_dim"] < 0 else c["tp_split_dim"], c["optimizer"],
+             f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0", "yes" if c["identical"] else "NO"]
+            for c in checks]
+    print_fn(format_table(["parameter", "global shape", "split", "optimizer", "max |d|", "identical"], rows,
+                          ["<", ">", ">", "<", ">", ">"]) + "\n")
+
+    ledgers = [r["ledger"] for r in results]
+    tables = [bytes_per_step(ledgers, s) for s in range(1, cfg.steps + 1)]
+    same_every_step = all(t == tables[0] for t in tables)
+    table = tables[-1]
+    print_fn(f"[7] Bytes per step, counted as a ring algorithm moves them "
+             f"({'the same every step' if same_every_step else 'last step; steps differ'}; "
+             f"Gloo's reduce-scatter is an all-reduce and moves more)")
+    rows, total_sent = [], 0
+    for phase, t in table.items():
+        total_sent += sum(t["sent"])
+        rows.append([phase, t["axis"], t["dtype"], human_bytes(max(t["sent"])), human_bytes(max(t["received"])),
+                     human_bytes(sum(t["sent"]))])
+    rows.append(["total", "", "", human_bytes(max(map(sum, zip(*(t["sent"] for t in table.values()))))),
+                 human_bytes(max(map(sum, zip(*(t["received"] for t in table.values()))))), human_bytes(total_sent)])
+    print_fn(format_table(["phase", "axis", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"],
+                          rows, ["<", "<", "<", ">", ">", ">"]) + "\n")
+
+    flops = flops_per_step(ledgers, specs, cfg.steps, cfg.ns_steps)
+    print_fn(f"[7] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
+             f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
+    print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
+             f"(upper bound DP x TP = {world}: every TP peer, and every DP rank whose shard touches a "
+             f"matrix, orthogonalizes it)\n")
+
+    step_ms = [max(r["step_ms"][i] for r in results) for i in range(cfg.steps)]
+    timings = dict(spawn_and_run_s=spawn_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
+                   step_ms_median=statistics.median(step_ms))
+    passed = n_same == len(checks)
+    print_fn(f"Timing: ranks {spawn_s:.1f} s (spawn, init, {cfg.steps} steps), reference {ref_s:.1f} s, "
+             f"median step {timings['step_ms_median']:.0f} ms (slowest rank)")
+    print_fn(f"Result: {'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch")
+    return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks,
+                buckets=[asdict(b) for b in buckets], bytes_per_step=table, bytes_same_every_step=same_every_step,
+                ns_flops=flops, timings=timings, ledgers=ledgers)
+
+
+def parse_args(argv=None):
+    d = RunConfig()
+    p = argparse.ArgumentParser(description="ZeRO-1 x TP distributed Muon on CPU ranks over Gloo, checked "
+                                            "bit for bit against torch.optim.Muon / AdamW.")
+    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel size (default %(default)s)")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of parameters and gradients")
+    p.add_argument("--bucket-size", type=int, default=d.bucket_size,
+                   help="largest bucket in elements, before padding to a multiple of DP (default %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate, Muon and AdamW (default %(default)s)")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="Muon momentum in [0, 1)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
+    p.add_argument("--ns-steps", type=int, default=d.ns_steps, help="Newton-Schulz iterations")
+    p.add_argument("--adjust-lr-fn", default=d.adjust_lr_fn, help=f"one of {', '.join(ADJUST_LR_FNS)}")
+    p.add_argument("--explain", action="store_true", help="print which rank owns which range of which parameter")
+    p.add_argument("--json", metavar="PATH", help="write the run's results (checks, bytes, FLOPs, timings)")
+    p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: make this rank raise
+    a = p.parse_args(argv)
+    cfg = RunConfig(dp=a.dp, tp=a.tp, steps=a.steps, seed=a.seed, bucket_size=a.bucket_size, lr=a.lr,
+                    momentum=a.momentum, weight_decay=a.weight_decay, ns_steps=a.ns_steps,
+                    adjust_lr_fn=a.adjust_lr_fn, fail_rank=a.fail_rank)
+    return cfg, a
+
+
+def main(argv=None):
+    cfg, args = parse_args(argv)
+    try:
+        validate(cfg, transformer_specs())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        results = run(cfg, explain=args.explain)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if results["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
