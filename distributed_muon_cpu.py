@@ -51,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -303,6 +304,7 @@ def reduce_scatter(bucket, axis, ledger, phase):
 #   layers.i.mlp.fc2.weight   (d, 4d)        dim 1 (row)     Muon   wide
 #   layers.i.mlp.fc2.bias     (d,)           replicated      AdamW, no weight decay
 #   final_norm.weight         (d,)           replicated      AdamW, no weight decay
+#   logit_scale               ()             replicated      AdamW, no weight decay  (a 0-dim tensor)
 #   lm_head.weight            (V, d)         dim 0 (vocab)   AdamW
 #
 # Gradients differ per DP rank (each saw different data) and agree across the
@@ -344,6 +346,7 @@ def transformer_specs(vocab=VOCAB, d=D_MODEL, n_layers=N_LAYERS, n_experts=N_EXP
             ParamSpec(p + "mlp.fc2.bias", (d,), -1, "adamw_no_wd"),
         ]
     specs += [ParamSpec("final_norm.weight", (d,), -1, "adamw_no_wd"),
+              ParamSpec("logit_scale", (), -1, "adamw_no_wd"),
               ParamSpec("lm_head.weight", (vocab, d), 0, "adamw")]
     return specs
 
@@ -423,6 +426,8 @@ def total_grads(specs, seed, step, dp):
 #   bucket_range  [start, end) of the parameter inside its bucket
 #   local_range   [start, end) of the part this DP rank owns, in bucket coordinates;
 #                 empty (start == end) when its shard does not touch the parameter
+#   shard_start   where this DP rank's shard begins in the bucket (to find the
+#                 local range inside the shard)
 # The layout depends only on shapes, DP and the bucket size: every rank (and
 # the parent process, for --explain) computes the same one without talking.
 
@@ -450,6 +455,7 @@ class DistMeta:
     tp_split_dim: int
     bucket_range: tuple
     local_range: tuple
+    shard_start: int  # where this DP rank's shard begins in the bucket
 
     @property
     def local_numel(self):
@@ -460,6 +466,11 @@ class DistMeta:
         """The local range as a slice of the flattened TP-local parameter."""
         start = self.bucket_range[0]
         return slice(self.local_range[0] - start, self.local_range[1] - start)
+
+    @property
+    def shard_slice(self):
+        """The local range as a slice of this DP rank's shard."""
+        return slice(self.local_range[0] - self.shard_start, self.local_range[1] - self.shard_start)
 
 
 def plan_buckets(buffers, dp, bucket_size):
@@ -494,7 +505,7 @@ def build_dist_metas(buckets, bucket_ranges, shapes, global_shapes, tp_split_dim
             l0 = min(max(start, lo), end)
             l1 = max(min(end, hi), l0)
             metas[name] = DistMeta(name, b.buffer_idx, b.bucket_idx, tuple(shapes[name]),
-                                   tuple(global_shapes[name]), tp_split_dims[name], (start, end), (l0, l1))
+                                   tuple(global_shapes[name]), tp_split_dims[name], (start, end), (l0, l1), lo)
     return metas
 
 
@@ -603,6 +614,8 @@ class DistributedMuon(torch.optim.Optimizer):
                     raise ValueError(f"Muon needs 2-D parameters; {name} has shape {tuple(p.shape)}")
                 if not p.is_contiguous():
                     raise ValueError(f"{name} must be contiguous (it is viewed flat)")
+                if p.dtype != torch.float32:
+                    raise ValueError(f"{name} is {p.dtype}; this reference keeps float32 parameters")
                 split = tp_split_dims.get(name, -1)
                 if split >= p.ndim:
                     raise ValueError(f"tp_split_dim {split} of {name} is out of range for shape {tuple(p.shape)}")
@@ -654,10 +667,6 @@ class DistributedMuon(torch.optim.Optimizer):
         dp, tp, ledger = self.grid.dp, self.grid.tp, self.ledger
         metas = [self.dist_metas[n] for n in bucket.names]
         params = [self.param_by_name[n] for n in bucket.names]
-        shard_lo, _ = bucket.shard_range(dp.rank, dp.size)
-
-        def shard_slice(meta):  # the local range as a slice of this rank's shard
-            return slice(meta.local_range[0] - shard_lo, meta.local_range[1] - shard_lo)
 
         # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
         grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=params[0].device)
@@ -671,14 +680,14 @@ class DistributedMuon(torch.optim.Optimizer):
         if group["algorithm"] == "adamw":
             for meta, p in zip(metas, params):
                 if meta.local_numel:
-                    self._adamw_part(p, meta, grad_shard[shard_slice(meta)], group)
+                    self._adamw_part(p, meta, grad_shard[meta.shard_slice], group)
         else:
-            self._muon_bucket(bucket, metas, params, grad_shard, shard_slice, group)
+            self._muon_bucket(metas, params, grad_shard, group)
 
         # Parameter all-gather: every DP rank again holds its full TP-local weights.
         param_shard = grad_shard.new_zeros(bucket.numel // dp.size)
         for meta, p in zip(metas, params):
-            param_shard[shard_slice(meta)] = p.view(-1)[meta.param_slice]
+            param_shard[meta.shard_slice] = p.view(-1)[meta.param_slice]
         param_bucket = all_gather(param_shard, dp, ledger, "param all-gather")
         for meta, p in zip(metas, params):
             p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
@@ -694,7 +703,7 @@ class DistributedMuon(torch.optim.Optimizer):
                state["step"].item(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                weight_decay=group["weight_decay"])
 
-    def _muon_bucket(self, bucket, metas, params, grad_shard, shard_slice, group):
+    def _muon_bucket(self, metas, params, grad_shard, group):
         dp, tp, ledger = self.grid.dp, self.grid.tp, self.ledger
 
         # Momentum on the local shard only: the state never exists for the full matrix.
@@ -704,9 +713,9 @@ class DistributedMuon(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["momentum_buffer"] = grad_shard.new_zeros(meta.local_numel)
-                update = muon_momentum_(state["momentum_buffer"], grad_shard[shard_slice(meta)],
+                update = muon_momentum_(state["momentum_buffer"], grad_shard[meta.shard_slice],
                                         group["momentum"], group["nesterov"])
-                update_shard[shard_slice(meta)] = update  # the cast to bf16 Newton-Schulz does first
+                update_shard[meta.shard_slice] = update  # the cast to bf16 Newton-Schulz does first
 
         update_bucket = dp_gather(update_shard, dp, ledger)
         for meta, p in zip(metas, params):
@@ -942,6 +951,13 @@ def run_rank(rank, cfg, port, out_dir, device="cpu", backend="gloo"):
     try:
         result = run_steps(rank, cfg, device)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException as e:
+        # When one rank dies its peers fail too ("connection closed"), and any of
+        # them may be the one the launcher reports. The timestamp lets the parent
+        # name the rank that failed first: the cause.
+        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
+            f.write(f"{time.time()!r}\n{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -1000,17 +1016,30 @@ def start_method():
     return "forkserver"
 
 
+def first_failure(out_dir):
+    """'rank R failed: <error>' for the rank whose error came first, with its traceback."""
+    failures = []
+    for name in os.listdir(out_dir):
+        if name.endswith(".error"):
+            with open(os.path.join(out_dir, name)) as f:
+                when, error, trace = f.read().split("\n", 2)
+            failures.append((float(when), int(name[4:-6]), error, trace))
+    if not failures:
+        return None
+    _, rank, error, trace = min(failures)
+    others = sorted(r for _, r, _, _ in failures if r != rank)
+    also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
+    return f"rank {rank} failed: {error}{also}\n{trace}"
+
+
 def spawn_ranks(cfg):
     """Run every rank; return their results or raise RuntimeError naming the failed rank."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(run_rank, args=(cfg, free_port(), out_dir), nprocs=cfg.dp * cfg.tp,
                                join=True, start_method=start_method())
-        except mp.ProcessRaisedException as e:
-            last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
-            raise RuntimeError(f"rank {e.error_index} failed: {last}\n{e}") from None
-        except mp.ProcessExitedException as e:
-            raise RuntimeError(f"rank {e.error_index} exited with code {e.exit_code}") from None
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            raise RuntimeError(first_failure(out_dir) or f"rank {e.error_index} failed: {e}") from None
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(cfg.dp * cfg.tp)]
 
 
@@ -1048,7 +1077,7 @@ def run(cfg, explain=False, print_fn=print):
     n_same = sum(c["identical"] for c in checks)
     print_fn(f"[6] Every rank's piece against torch.optim.Muon / torch.optim.AdamW on one device "
              f"(torch.equal): {n_same}/{len(checks)} parameters identical")
-    rows = [[c["name"], "x".join(map(str, c["global_shape"])),
+    rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
              "-" if c["tp_split_dim"] < 0 else c["tp_split_dim"], c["optimizer"],
              f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0", "yes" if c["identical"] else "NO"]
             for c in checks]

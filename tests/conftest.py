@@ -1,0 +1,55 @@
+"""Shared fixtures for the test suite.
+
+Tolerance policy
+----------------
+Every comparison in this suite is bit-exact (torch.equal), with no tolerance:
+  * nothing but the gradient is reduced across ranks, and the gradients are
+    multiples of 2**-10 whose float32 sum is exact in any order (script, section 3);
+  * momentum, AdamW and the parameter update are elementwise, so a shard gets the
+    same bits as the whole tensor;
+  * Newton-Schulz runs on the same full bf16 matrix as torch's, with the thread
+    count pinned to 1 everywhere (bf16 matmul bits can depend on it).
+If a test here ever needs a tolerance, the reason must be written beside it.
+
+Every reference is PyTorch's own torch.optim.Muon / torch.optim.AdamW (or its
+Newton-Schulz), never this project's code compared with itself.
+"""
+
+import datetime
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import distributed_muon_cpu as dm  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "distributed_muon_cpu.py")
+
+
+@pytest.fixture(scope="session")
+def run_grid():
+    """run_grid(dp, tp, **config) -> results of dm.run, each configuration spawned once per session."""
+    cache = {}
+
+    def run(dp, tp, **overrides):
+        cfg = dm.RunConfig(dp=dp, tp=tp, **overrides)
+        if cfg not in cache:
+            cache[cfg] = dm.run(cfg, print_fn=lambda *a, **k: None)
+        return cache[cfg]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def single_process_group():
+    """A world of one Gloo rank inside the test process, for the optimizer's API."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dm.free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    yield dm.make_grid(1, 1, 0)
+    dist.destroy_process_group()

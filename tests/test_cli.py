@@ -1,0 +1,92 @@
+"""The command line: bad input, a failing rank, and the default run as a user starts it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SCRIPT, dm
+
+BAD_INPUT = [
+    (["--dp", "0"], "DP and TP must be >= 1 (got DP=0, TP=2)"),
+    (["--tp", "0"], "DP and TP must be >= 1 (got DP=4, TP=0)"),
+    (["--tp", "3"], "TP 3 does not divide embed.weight dim 0"),
+    (["--dp", "1", "--tp", "256"], "DP 1 x TP 256 = 256 ranks is more than 64"),
+    (["--dp", "16", "--tp", "8"], "DP 16 x TP 8 = 128 ranks is more than 64"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--bucket-size", "0"], "--bucket-size must be >= 1"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--lr", "-0.1"], "--lr must be > 0"),
+    (["--lr", "nan"], "--lr must be > 0"),
+    (["--ns-steps", "0"], "--ns-steps must be >= 1"),
+    (["--momentum", "1"], "--momentum must be in [0, 1)"),
+    (["--momentum", "-0.5"], "--momentum must be in [0, 1)"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    (["--adjust-lr-fn", "spectral"], "--adjust-lr-fn must be one of original, match_rms_adamw"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUT)
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert dm.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {err[len('error: '):]}" and err.count("\n") == 1
+    assert message in err
+
+
+def test_tp_that_divides_some_but_not_all_parameters_names_the_first():
+    specs = dm.transformer_specs(vocab=512, d=96)  # 3*96 divides by 3... but 96 / ... keep it explicit:
+    with pytest.raises(ValueError, match=r"TP 5 does not divide embed.weight dim 0 \(size 512"):
+        dm.check_tp_divides(specs, 5)
+    specs = [dm.ParamSpec("a", (6, 4), 0, "muon"), dm.ParamSpec("b", (4, 6), 1, "muon"),
+             dm.ParamSpec("c", (6, 5), 1, "muon")]
+    with pytest.raises(ValueError, match=r"TP 2 does not divide c dim 1 \(size 5"):
+        dm.check_tp_divides(specs, 2)
+
+
+def run_script(*argv, timeout=120):
+    return subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_bad_input_in_a_real_process():
+    proc = run_script("--tp", "3")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line
+    assert "TP 3 does not divide embed.weight" in proc.stderr
+
+
+def test_a_failing_rank_ends_the_run_with_its_error():
+    # subprocess.run's timeout turns a hang into a test failure
+    proc = run_script("--dp", "2", "--tp", "2", "--fail-rank", "3", timeout=90)
+    assert proc.returncode == 1
+    assert "error: rank 3 failed: RuntimeError: injected failure on rank 3 at step 1" in proc.stderr
+    assert "Result:" not in proc.stdout
+
+
+def test_default_run_prints_the_report_and_writes_json(tmp_path):
+    path = tmp_path / "run.json"
+    proc = run_script("--explain", "--json", str(path))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "DP=4 x TP=2" in out
+    assert "(padding)" in out and "bucket (0, 0)" in out  # --explain's map
+    results = json.loads(path.read_text())
+    n = len(dm.transformer_specs())
+    assert f"Result: PASS: {n}/{n} parameters bit-identical to torch" in out
+    assert results["passed"] and all(c["identical"] for c in results["checks"]) and len(results["checks"]) == n
+    assert results["config"]["dp"] == 4 and results["config"]["tp"] == 2
+    assert set(results["bytes_per_step"]) == set(dm.PHASES)
+    assert len(results["ns_flops"]["per_rank"]) == 8 and len(results["ledgers"]) == 8
+    assert len(results["timings"]["step_ms_slowest_rank"]) == results["config"]["steps"]
+    for phase, row in results["bytes_per_step"].items():  # the printed table shows the JSON's numbers
+        line = next(line for line in out.splitlines() if line.startswith(phase))
+        assert dm.human_bytes(max(row["sent"])) in line
+
+
+def test_help():
+    proc = run_script("--help")
+    assert proc.returncode == 0
+    for flag in ["--dp", "--tp", "--steps", "--seed", "--bucket-size", "--lr", "--momentum", "--weight-decay",
+                 "--ns-steps", "--adjust-lr-fn", "--explain", "--json"]:
+        assert flag in proc.stdout

@@ -1,0 +1,118 @@
+"""The whole flow on real Gloo ranks, against torch.optim.Muon / AdamW, and its accounting."""
+
+import math
+
+import pytest
+
+from conftest import dm
+
+GRIDS = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8), (3, 2)]
+STEPS = 3  # the run resumes from a state_dict after step 2, so the checkpoint path is covered too
+BUCKET = 16_384  # elements: small enough for several Muon buckets on every grid, TP = 8 included
+
+
+def grid_run(run_grid, dp, tp):
+    return run_grid(dp, tp, steps=STEPS, bucket_size=BUCKET)
+
+
+@pytest.mark.parametrize("dp,tp", GRIDS)
+def test_bit_identical_to_torch(run_grid, dp, tp):
+    result = grid_run(run_grid, dp, tp)
+    specs = dm.transformer_specs()
+    assert [c["name"] for c in result["checks"]] == [s.name for s in specs]
+    not_identical = [c["name"] for c in result["checks"] if not c["identical"]]
+    assert not_identical == []
+    assert all(c["max_abs_diff"] == 0 for c in result["checks"])
+    assert result["passed"]
+    buffers = {b["buffer_idx"] for b in result["buckets"]}
+    assert len(buffers) == 3  # Muon, AdamW, AdamW without weight decay
+    assert sum(b["buffer_idx"] == 0 for b in result["buckets"]) > 1  # several Muon buckets
+
+
+def test_uneven_grid_pads_and_straddles(run_grid):
+    result = grid_run(run_grid, 3, 2)
+    assert any(b["numel"] > b["used"] for b in result["buckets"])  # padding exists
+    specs = dm.transformer_specs()
+    metas = layout_metas(specs, 3, 2, BUCKET)
+    straddling = [n for n in metas[0] if sum(metas[r][n].local_numel > 0 for r in range(3)) > 1]
+    assert straddling  # some parameter is split between DP ranks
+
+
+def test_the_run_actually_changes_the_parameters():
+    # Guards against a comparison that passes because nothing moved.
+    cfg = dm.RunConfig(dp=1, tp=1, steps=1)
+    specs = dm.transformer_specs()
+    before = dm.initial_params(specs, cfg.seed)
+    after = dm.reference_params(specs, cfg)
+    assert all(not after[s.name].equal(before[s.name]) for s in specs)
+
+
+def test_comparison_detects_a_single_flipped_bit():
+    specs = dm.transformer_specs()[:3]
+    reference = dm.initial_params(specs, 0)
+    pieces = {r: {s.name: dm.tp_piece(reference[s.name], s.tp_split_dim, r, 2).clone() for s in specs}
+              for r in range(2)}
+    assert all(c["identical"] for c in dm.compare_to_reference(specs, reference, pieces, 1, 2))
+    flat = pieces[1]["layers.0.attn.qkv.weight"].view(-1)
+    flat[5] = flat[5].nextafter(flat[5] + 1)  # one ulp
+    rows = {c["name"]: c for c in dm.compare_to_reference(specs, reference, pieces, 1, 2)}
+    assert not rows["layers.0.attn.qkv.weight"]["identical"] and rows["layers.0.attn.qkv.weight"]["max_abs_diff"] > 0
+    assert rows["embed.weight"]["identical"]
+
+
+# --- accounting --------------------------------------------------------------
+
+def layout_metas(specs, dp, tp, bucket_size):
+    shapes = {s.name: dm.tp_local_shape(s, tp) for s in specs}
+    buffers = [[(s.name, math.prod(shapes[s.name])) for s in specs if s.group == g]
+               for g in ("muon", "adamw", "adamw_no_wd")]
+    buckets, ranges = dm.plan_buckets(buffers, dp, bucket_size)
+    global_shapes = {s.name: s.global_shape for s in specs}
+    splits = {s.name: s.tp_split_dim for s in specs}
+    return [dm.build_dist_metas(buckets, ranges, shapes, global_shapes, splits, r, dp) for r in range(dp)]
+
+
+def expected_per_rank(specs, dp, tp, buckets):
+    """Bytes each rank sends per phase and its Newton-Schulz FLOPs, from sizes alone."""
+    metas = layout_metas(specs, dp, tp, BUCKET)
+    spec = {s.name: s for s in specs}
+    out = []
+    for rank in range(dp * tp):
+        dp_rank = rank // tp
+        rs = sum((dp - 1) * (b["numel"] // dp) * 4 for b in buckets)
+        dp_gather = sum((dp - 1) * (b["numel"] // dp) * 2 for b in buckets if b["buffer_idx"] == 0)
+        touched = [n for n, m in metas[dp_rank].items() if spec[n].group == "muon" and m.local_numel]
+        tp_gather = sum((tp - 1) * math.prod(metas[dp_rank][n].shape) * 2
+                        for n in touched if spec[n].tp_split_dim >= 0)
+        flops = sum(dm.newton_schulz_flops(spec[n].global_shape) for n in touched)
+        out.append(({"grad reduce-scatter": rs, "DP gather": dp_gather, "TP gather": tp_gather,
+                     "param all-gather": rs}, flops))
+    return out
+
+
+@pytest.mark.parametrize("dp,tp", GRIDS)
+def test_bytes_and_flops_match_sizes(run_grid, dp, tp):
+    result = grid_run(run_grid, dp, tp)
+    specs = dm.transformer_specs()
+    expected = expected_per_rank(specs, dp, tp, result["buckets"])
+    assert result["bytes_same_every_step"]
+    for phase, row in result["bytes_per_step"].items():
+        assert row["sent"] == [e[0][phase] for e in expected], phase
+        assert row["received"] == row["sent"]  # ring count: symmetric
+    assert result["ns_flops"]["per_rank"] == [e[1] for e in expected]
+    single = sum(dm.newton_schulz_flops(s.global_shape) for s in specs if s.group == "muon")
+    assert result["ns_flops"]["single_device"] == single
+    assert result["ns_flops"]["redundancy"] == pytest.approx(sum(e[1] for e in expected) / single, rel=1e-12)
+
+
+def test_known_redundancies(run_grid):
+    assert grid_run(run_grid, 1, 1)["ns_flops"]["redundancy"] == 1.0  # one device, each matrix once
+    assert grid_run(run_grid, 1, 8)["ns_flops"]["redundancy"] == 8.0  # every TP rank does every matrix
+    redundancy = grid_run(run_grid, 4, 2)["ns_flops"]["redundancy"]
+    assert 2.0 < redundancy < 8.0  # TP x (DP shards a matrix touches): above TP, below DP x TP
+
+
+def test_no_bytes_on_one_rank(run_grid):
+    table = grid_run(run_grid, 1, 1)["bytes_per_step"]
+    assert all(sum(row["sent"]) == 0 for row in table.values())
+    assert sum(grid_run(run_grid, 8, 1)["bytes_per_step"]["TP gather"]["sent"]) == 0

@@ -1,0 +1,125 @@
+"""Section 1 of the script against PyTorch's own Muon and AdamW, bit for bit."""
+
+import math
+
+import pytest
+import torch
+from torch.optim._muon import _adjust_lr as torch_adjust_lr
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import dm
+
+SHAPES = [(1, 1), (3, 5), (5, 3), (64, 64), (384, 128), (128, 512), (8, 128), (257, 31)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_newton_schulz_is_torchs(shape, dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    matrix = torch.randn(shape, generator=g).to(dtype)
+    expected = torch_newton_schulz(matrix.clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+    got = dm.newton_schulz(matrix)
+    assert got.dtype == torch.bfloat16 and got.shape == matrix.shape
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("steps", [1, 3, 7])
+def test_newton_schulz_steps_and_coefficients(steps):
+    matrix = torch.randn(48, 80, generator=torch.Generator().manual_seed(steps))
+    coefficients = (2.0, -1.5, 0.5)
+    expected = torch_newton_schulz(matrix, coefficients, steps, 1e-5)
+    assert torch.equal(dm.newton_schulz(matrix, steps, coefficients, 1e-5), expected)
+
+
+def test_newton_schulz_does_not_modify_a_bf16_input():
+    matrix = torch.randn(16, 32).bfloat16()
+    before = matrix.clone()
+    dm.newton_schulz(matrix)
+    assert torch.equal(matrix, before)
+
+
+def test_newton_schulz_orthogonalizes():
+    # Not a bit-identity check: a sanity check that the math does what Muon needs.
+    # The quintic iteration leaves singular values roughly in [0.5, 1.5] (Keller Jordan).
+    s = torch.linalg.svdvals(dm.newton_schulz(torch.randn(64, 256)).float())
+    assert s.min() > 0.5 and s.max() < 1.5
+
+
+@pytest.mark.parametrize("fn", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("shape", [(384, 128), (128, 512), (128, 128), (8, 128)])
+def test_adjusted_lr_is_torchs(fn, shape):
+    assert dm.adjusted_lr(0.02, fn, shape) == torch_adjust_lr(0.02, fn, torch.Size(shape))
+
+
+def test_newton_schulz_flops_match_torchs_flop_counter():
+    for shape in SHAPES:
+        with FlopCounterMode(display=False) as counter:
+            dm.newton_schulz(torch.randn(shape))
+        assert dm.newton_schulz_flops(shape) == counter.get_total_flops(), shape
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("fn", ["original", "match_rms_adamw"])
+def test_muon_steps_from_the_pieces_equal_torch_optim_muon(nesterov, fn):
+    g = torch.Generator().manual_seed(1)
+    start = torch.randn(96, 40, generator=g)
+    ours, theirs = start.clone(), torch.nn.Parameter(start.clone())
+    opt = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=fn)
+    buf = torch.zeros_like(start)
+    for _ in range(4):
+        grad = torch.randn(start.shape, generator=g)
+        theirs.grad = grad.clone()
+        opt.step()
+        update = dm.newton_schulz(dm.muon_momentum_(buf, grad, 0.9, nesterov))
+        ours.mul_(1 - 0.02 * 0.1)
+        ours.add_(update, alpha=-dm.adjusted_lr(0.02, fn, start.shape))
+        assert torch.equal(ours, theirs.detach())
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adamw_on_shards_equals_torch_optim_adamw(weight_decay):
+    """adamw_ applied to uneven pieces of a flat tensor gives torch.optim.AdamW's bits."""
+    g = torch.Generator().manual_seed(2)
+    start = torch.randn(1000, generator=g)
+    cuts = [0, 1, 17, 256, 257, 600, 999, 1000]  # uneven pieces: SIMD bodies and tails fall differently
+    theirs = torch.nn.Parameter(start.clone())
+    opt = torch.optim.AdamW([theirs], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    ours = start.clone()
+    exp_avg, exp_avg_sq = torch.zeros_like(start), torch.zeros_like(start)
+    for step in range(1, 6):
+        grad = torch.randn(start.shape, generator=g)
+        theirs.grad = grad.clone()
+        opt.step()
+        for lo, hi in zip(cuts, cuts[1:]):
+            dm.adamw_(ours[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], float(step),
+                      lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+        assert torch.equal(ours, theirs.detach()), step
+
+
+def test_sharded_momentum_equals_whole():
+    g = torch.Generator().manual_seed(3)
+    buf_whole, buf_parts = torch.randn(777, generator=g), None
+    buf_parts = buf_whole.clone()
+    grad = torch.randn(777, generator=g)
+    whole = dm.muon_momentum_(buf_whole, grad, 0.95, True)
+    parts = torch.cat([dm.muon_momentum_(buf_parts[lo:hi], grad[lo:hi], 0.95, True)
+                       for lo, hi in [(0, 5), (5, 300), (300, 777)]])
+    assert torch.equal(whole, parts) and torch.equal(buf_whole, buf_parts)
+
+
+def test_gradient_draw_sums_exactly_in_any_order():
+    specs = dm.transformer_specs()
+    per_rank = [dm.dp_rank_grads(specs, 0, 1, r) for r in range(dm.MAX_WORLD)]
+    for name in ["embed.weight", "layers.0.mlp.fc1.weight"]:
+        forward = sum(g[name] for g in per_rank)
+        backward = sum(g[name] for g in reversed(per_rank))
+        exact = sum(g[name].double() for g in per_rank)
+        assert torch.equal(forward, backward) and torch.equal(forward.double(), exact)
+        assert not torch.equal(per_rank[0][name], per_rank[1][name])  # DP ranks saw different data
+    assert math.isclose(dm.GRAD_SCALE * dm.GRAD_MAX_INT * dm.MAX_WORLD, 16.0)

@@ -1,0 +1,96 @@
+"""DistributedMuon as a library: a real torch.optim.Optimizer, on one Gloo rank in this process."""
+
+import pytest
+import torch
+
+from conftest import dm
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.hidden = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(48, 16)
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, tokens):
+        return self.norm(self.out(torch.relu(self.hidden(self.embed(tokens))))).pow(2).mean()
+
+
+def split_groups(model, **muon_hyper):
+    matrices = [(n, p) for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith("embed")]
+    others = [(n, p) for n, p in model.named_parameters() if not (p.ndim == 2 and not n.startswith("embed"))]
+    return [dict(params=matrices, algorithm="muon", **muon_hyper), dict(params=others, algorithm="adamw")]
+
+
+def test_trains_a_real_model_exactly_like_torch(single_process_group):
+    """Real backward passes (no DP reduction on one rank), so the match must be exact."""
+    torch.manual_seed(0)
+    ours, theirs = TinyNet(), TinyNet()
+    theirs.load_state_dict(ours.state_dict())
+    opt = dm.DistributedMuon(split_groups(ours), grid=single_process_group, bucket_size=300, lr=0.02,
+                             weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    assert isinstance(opt, torch.optim.Optimizer)
+    muon_params = [p for n, p in theirs.named_parameters() if p.ndim == 2 and not n.startswith("embed")]
+    other_params = [p for n, p in theirs.named_parameters() if not (p.ndim == 2 and not n.startswith("embed"))]
+    ref = [torch.optim.Muon(muon_params, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+           torch.optim.AdamW(other_params, lr=0.02, weight_decay=0.1)]
+    for step in range(3):
+        tokens = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(step))
+        for model, optimizers in ((ours, [opt]), (theirs, ref)):
+            for o in optimizers:
+                o.zero_grad()
+            model(tokens).backward()
+            for o in optimizers:
+                o.step()
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+            assert torch.equal(a, b), (step, name)
+        assert not torch.equal(ours.hidden.weight, TinyNet().hidden.weight)
+
+
+def test_state_dict_round_trip_and_layout_check(single_process_group):
+    torch.manual_seed(1)
+    model = TinyNet()
+    opt = dm.DistributedMuon(split_groups(model), grid=single_process_group)
+    model(torch.randint(0, 50, (2, 3))).backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["layout"] == dict(dp=1, tp=1, dp_rank=0, tp_rank=0, bucket_size=1 << 16)
+    fresh = dm.DistributedMuon(split_groups(model), grid=single_process_group)
+    fresh.load_state_dict(sd)
+    hidden = model.hidden.weight
+    assert torch.equal(fresh.state[hidden]["momentum_buffer"], opt.state[hidden]["momentum_buffer"])
+
+    other = dm.DistributedMuon(split_groups(model), grid=single_process_group, bucket_size=100)
+    with pytest.raises(ValueError, match="bucket_size 65536 != 100"):
+        other.load_state_dict(sd)
+
+
+def test_missing_gradient_is_named(single_process_group):
+    model = TinyNet()
+    opt = dm.DistributedMuon(split_groups(model), grid=single_process_group)
+    with pytest.raises(ValueError, match="hidden.weight has no gradient"):
+        opt.step()
+
+
+@pytest.mark.parametrize("make_groups,kwargs,message", [
+    (lambda m: [dict(params=list(m.parameters()))], {}, "pass named parameters"),
+    (lambda m: [dict(params=list(m.named_parameters()), algorithm="muon")], {}, "Muon needs 2-D parameters"),
+    (lambda m: [dict(params=list(m.named_parameters()), algorithm="sgd")], {}, "unknown algorithm 'sgd'"),
+    (lambda m: split_groups(m), dict(tp_split_dims={"nope.weight": 0}), "unknown parameters"),
+    (lambda m: split_groups(m), dict(tp_split_dims={"hidden.weight": 2}), "out of range"),
+    (lambda m: split_groups(m), dict(bucket_size=0), "bucket_size must be >= 1"),
+    (lambda m: split_groups(m), dict(momentum=1.0), "momentum must be in"),
+    (lambda m: split_groups(m), dict(adjust_lr_fn="spectral"), "adjust_lr_fn must be one of"),
+])
+def test_bad_construction_is_a_clear_error(single_process_group, make_groups, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dm.DistributedMuon(make_groups(TinyNet()), grid=single_process_group, **kwargs)
+
+
+def test_topology_errors_name_every_factor():
+    with pytest.raises(ValueError, match=r"world size 8 != DP 4 x TP 3 = 12"):
+        dm.check_topology(4, 3, 8)
+    with pytest.raises(ValueError, match=r"DP=0, TP=2"):
+        dm.check_topology(0, 2)
