@@ -50,7 +50,7 @@ def test_the_run_actually_changes_the_parameters():
 def test_comparison_detects_a_single_flipped_bit():
     specs = dm.transformer_specs()[:3]
     reference = dm.initial_params(specs, 0)
-    pieces = {r: {s.name: dm.tp_piece(reference[s.name], s.tp_split_dim, r, 2).clone() for s in specs}
+    pieces = {r: {s.name: dm.tp_shard(reference[s.name], s.tp_split_dim, r, 2).clone() for s in specs}
               for r in range(2)}
     assert all(c["identical"] for c in dm.compare_to_reference(specs, reference, pieces, 1, 2))
     flat = pieces[1]["layers.0.attn.qkv.weight"].view(-1)
