@@ -511,23 +511,21 @@ def global_shape_of(local_shape, tp_split_dim, tp):
 
 
 def format_buffer_map(buckets, bucket_ranges, shapes, dp):
-    """--explain: which DP rank owns which range of which parameter."""
+    """--explain: which DP rank owns which range of which parameter, and the padding."""
+    not_split = {name: -1 for name in shapes}
+    metas = [build_dist_metas(buckets, bucket_ranges, shapes, shapes, not_split, r, dp) for r in range(dp)]
     lines = []
     for b in buckets:
-        shard = b.numel // dp
         lines.append(f"bucket ({b.buffer_idx}, {b.bucket_idx}): {b.used:,} elements + {b.numel - b.used} padding "
-                     f"= {b.numel:,}; DP shard = {shard:,} elements")
+                     f"= {b.numel:,}; DP shard = {b.numel // dp:,} elements")
         for name in b.names:
             start, end = bucket_ranges[name]
-            owners = []
-            for r in range(dp):
-                lo, hi = b.shard_range(r, dp)
-                l0, l1 = max(start, lo), min(end, hi)
-                if l1 > l0:
-                    owners.append(f"DP{r}[{l0 - start}:{l1 - start}]")
-            lines.append(f"    {name:<26} {str(tuple(shapes[name])):<11} [{start:>6}, {end:>6})  " + " ".join(owners))
+            owners = " ".join(f"DP{r}[{m.param_slice.start}:{m.param_slice.stop}]"
+                              for r, m in enumerate(ms[name] for ms in metas) if m.local_numel)
+            lines.append(f"    {name:<26} {str(shapes[name]):<11} [{start:>6}, {end:>6})  {owners}")
         if b.numel > b.used:
-            lines.append(f"    {'(padding)':<26} {'':<11} [{b.used:>6}, {b.numel:>6})  owned by DP{(b.numel - 1) // shard}")
+            owners = " ".join(f"DP{r}" for r in range(dp) if b.shard_range(r, dp)[1] > b.used)
+            lines.append(f"    {'(padding)':<26} {'':<11} [{b.used:>6}, {b.numel:>6})  {owners}")
     return "\n".join(lines)
 
 
@@ -972,7 +970,8 @@ def run_steps(rank, cfg, device):
             raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-rank)")
         grads = dp_rank_grads(specs, cfg.seed, step, grid.dp.rank)
         for s in specs:
-            params[s.name].grad = tp_shard(grads[s.name], s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
+            grad = tp_shard(grads[s.name], s.tp_split_dim, grid.tp.rank, cfg.tp)
+            params[s.name].grad = grad.contiguous().to(device)
         dist.barrier()
         t0 = time.perf_counter()
         opt.step()

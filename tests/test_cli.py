@@ -36,7 +36,7 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
 
 
 def test_tp_that_divides_some_but_not_all_parameters_names_the_first():
-    specs = dm.transformer_specs(vocab=512, d=96)  # 3*96 divides by 3... but 96 / ... keep it explicit:
+    specs = dm.transformer_specs()
     with pytest.raises(ValueError, match=r"TP 5 does not divide embed.weight dim 0 \(size 512"):
         dm.check_tp_divides(specs, 5)
     specs = [dm.ParamSpec("a", (6, 4), 0, "muon"), dm.ParamSpec("b", (4, 6), 1, "muon"),

@@ -49,7 +49,8 @@ def check_invariants(numels, dp, bucket_size, groups):
         assert all(owner[i] is not None for i in range(b.used))
     # buckets of one buffer are numbered 0, 1, ...
     for g in {b.buffer_idx for b in buckets}:
-        assert [b.bucket_idx for b in buckets if b.buffer_idx == g] == list(range(sum(b.buffer_idx == g for b in buckets)))
+        numbers = [b.bucket_idx for b in buckets if b.buffer_idx == g]
+        assert numbers == list(range(len(numbers)))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -96,3 +97,13 @@ def test_transformer_tp_shapes():
     for s in specs.values():
         assert dm.global_shape_of(dm.tp_local_shape(s, 2), s.tp_split_dim, 2) == s.global_shape
     assert math.prod(specs["logit_scale"].global_shape) == 1
+
+
+def test_explain_map_names_owners_and_padding():
+    buckets, ranges, _, _ = layout([3, 2], dp=4, bucket_size=100)  # used 5, padded to 8, shards of 2
+    text = dm.format_buffer_map(buckets, ranges, {"p0": (3,), "p1": (2,)}, dp=4)
+    lines = text.splitlines()
+    assert lines[0] == "bucket (0, 0): 5 elements + 3 padding = 8; DP shard = 2 elements"
+    assert lines[1].split()[-2:] == ["DP0[0:2]", "DP1[2:3]"]
+    assert lines[2].split()[-2:] == ["DP1[0:1]", "DP2[1:2]"]
+    assert lines[3].startswith("    (padding)") and lines[3].split()[-2:] == ["DP2", "DP3"]
