@@ -779,10 +779,10 @@ def group_hyperparameters(cfg):
     return {"muon": muon, "adamw": adamw, "adamw_no_wd": dict(adamw, weight_decay=0.0)}
 
 
-def reference_params(specs, cfg):
-    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params."""
+def reference_params(specs, cfg, device="cpu"):
+    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU)."""
     torch.set_num_threads(1)  # same thread count as every rank: bf16 matmul bits can depend on it
-    params = {n: t.clone() for n, t in initial_params(specs, cfg.seed).items()}
+    params = {n: t.to(device) for n, t in initial_params(specs, cfg.seed).items()}
     hyper = group_hyperparameters(cfg)
     optimizers = []
     for group_name, h in hyper.items():
@@ -794,15 +794,17 @@ def reference_params(specs, cfg):
                                                momentum=h["momentum"], nesterov=h["nesterov"],
                                                ns_steps=h["ns_steps"], adjust_lr_fn=h["adjust_lr_fn"]))
         else:
+            # foreach=False: torch's single-tensor AdamW, its default on the CPU; on a GPU
+            # torch would pick the multi-tensor kernels, whose rounding may differ.
             optimizers.append(torch.optim.AdamW(ps, lr=h["lr"], betas=h["betas"], eps=h["eps"],
-                                                weight_decay=h["weight_decay"]))
+                                                weight_decay=h["weight_decay"], foreach=False))
     for step in range(1, cfg.steps + 1):
         grads = total_grads(specs, cfg.seed, step, cfg.dp)
         for s in specs:
-            params[s.name].grad = grads[s.name]
+            params[s.name].grad = grads[s.name].to(device)
         for opt in optimizers:
             opt.step()
-    return params
+    return {n: p.cpu() for n, p in params.items()}
 
 
 def compare_to_reference(specs, reference, rank_params, dp, tp):
@@ -1040,34 +1042,52 @@ def spawn_ranks(cfg):
 
 
 def run(cfg, explain=False, print_fn=print):
-    """Spawn the ranks, verify against torch, account; returns the results dict."""
+    """Spawn the ranks on this machine, verify against torch, account; returns the results dict."""
+    validate(cfg, transformer_specs())
+    print_header(cfg, "CPU ranks over Gloo", explain, print_fn)
+    t0 = time.perf_counter()
+    results = spawn_ranks(cfg)
+    return report(cfg, results, time.perf_counter() - t0, print_fn=print_fn)
+
+
+def print_header(cfg, where, explain, print_fn):
+    """The grid and the virtual buffer, which every rank computes alike."""
     specs = transformer_specs()
-    validate(cfg, specs)
-    world = cfg.dp * cfg.tp
-    print_fn(f"Distributed Muon: {world} CPU ranks over Gloo, DP={cfg.dp} x TP={cfg.tp}, {cfg.steps} steps, "
+    print_fn(f"Distributed Muon: {cfg.dp * cfg.tp} {where}, DP={cfg.dp} x TP={cfg.tp}, {cfg.steps} steps, "
              f"seed {cfg.seed}, torch {torch.__version__}\n")
     print_fn("[2] The grid (rank = dp_rank * TP + tp_rank; a row is a TP group, a column a DP group)")
     print_fn(format_grid(cfg.dp, cfg.tp) + "\n")
-
-    # The layout is the same on every rank; compute it here for the report.
-    shapes = {s.name: tp_local_shape(s, cfg.tp) for s in specs}
-    buffers = [[(s.name, math.prod(shapes[s.name])) for s in specs if s.group == g]
-               for g in group_hyperparameters(cfg)]
-    buffers = [b for b in buffers if b]
-    buckets, bucket_ranges = plan_buckets(buffers, cfg.dp, cfg.bucket_size)
+    buckets, bucket_ranges, shapes = demo_layout(cfg)
     used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
-    print_fn(f"[4] Virtual buffer: {len(buffers)} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
+    n_buffers = len({b.buffer_idx for b in buckets})
+    print_fn(f"[4] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
              f"elements, {used:,} TP-local elements + {padded - used} padding per rank")
     if explain:
         print_fn(format_buffer_map(buckets, bucket_ranges, shapes, cfg.dp))
     print_fn("")
 
-    t0 = time.perf_counter()
-    results = spawn_ranks(cfg)
-    spawn_s = time.perf_counter() - t0
+
+def demo_layout(cfg):
+    """The demo model's buckets, as every rank's DistributedMuon plans them (build_optimizer's order)."""
+    specs = transformer_specs()
+    shapes = {s.name: tp_local_shape(s, cfg.tp) for s in specs}
+    buffers = [[(s.name, math.prod(shapes[s.name])) for s in specs if s.group == g]
+               for g in group_hyperparameters(cfg)]
+    buckets, bucket_ranges = plan_buckets([b for b in buffers if b], cfg.dp, cfg.bucket_size)
+    return buckets, bucket_ranges, shapes
+
+
+def report(cfg, results, ranks_s, device="cpu", print_fn=print):
+    """Verify every rank's parameters against torch on `device`, print the accounting, return it all."""
+    specs = transformer_specs()
+    world = cfg.dp * cfg.tp
+    buckets, _, _ = demo_layout(cfg)
     t1 = time.perf_counter()
-    reference = reference_params(specs, cfg)
+    reference = reference_params(specs, cfg, device)
     checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp)
+    start = initial_params(specs, cfg.seed)
+    for c in checks:  # how far the weights moved: the scale against which max |d| = 0 means something
+        c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
     ref_s = time.perf_counter() - t1
 
     n_same = sum(c["identical"] for c in checks)
@@ -1105,10 +1125,10 @@ def run(cfg, explain=False, print_fn=print):
              f"matrix, orthogonalizes it)\n")
 
     step_ms = [max(r["step_ms"][i] for r in results) for i in range(cfg.steps)]
-    timings = dict(spawn_and_run_s=spawn_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
+    timings = dict(ranks_s=ranks_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
                    step_ms_median=statistics.median(step_ms))
     passed = n_same == len(checks)
-    print_fn(f"Timing: ranks {spawn_s:.1f} s (spawn, init, {cfg.steps} steps), reference {ref_s:.1f} s, "
+    print_fn(f"Timing: ranks {ranks_s:.1f} s (start, init, {cfg.steps} steps), reference {ref_s:.1f} s, "
              f"median step {timings['step_ms_median']:.0f} ms (slowest rank)")
     print_fn(f"Result: {'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch")
     return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks,
