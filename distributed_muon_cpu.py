@@ -936,17 +936,13 @@ def build_optimizer(specs, cfg, grid, params, **overrides):
                            **overrides)
 
 
-def run_rank(rank, cfg, port, out_dir, device="cpu", backend="gloo"):
-    """One rank: init, build grid and optimizer, run the steps, write results."""
+def run_rank(rank, cfg, port, out_dir):
+    """One spawned rank: join the Gloo world, run the steps, write the results to out_dir."""
     torch.set_num_threads(1)  # see section 6: same thread count everywhere
-    world = cfg.dp * cfg.tp
-    if port is not None:  # spawned by this script; under torchrun the env:// variables are set
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    else:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.dp * cfg.tp,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     try:
-        result = run_steps(rank, cfg, device)
+        result = run_steps(rank, cfg, "cpu")
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException as e:
         # When one rank dies its peers fail too ("connection closed"), and any of
@@ -960,6 +956,7 @@ def run_rank(rank, cfg, port, out_dir, device="cpu", backend="gloo"):
 
 
 def run_steps(rank, cfg, device):
+    """The body of every rank, whatever launched it: returns its final params, ledger and step times."""
     specs = transformer_specs()
     grid = make_grid(cfg.dp, cfg.tp, rank)
     params = {s.name: tp_shard(t, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
@@ -1136,10 +1133,9 @@ def report(cfg, results, ranks_s, device="cpu", print_fn=print):
                 ns_flops=flops, timings=timings, ledgers=ledgers)
 
 
-def parse_args(argv=None):
+def build_parser(description):
     d = RunConfig()
-    p = argparse.ArgumentParser(description="ZeRO-1 x TP distributed Muon on CPU ranks over Gloo, checked "
-                                            "bit for bit against torch.optim.Muon / AdamW.")
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel size (default %(default)s)")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
@@ -1154,15 +1150,25 @@ def parse_args(argv=None):
     p.add_argument("--explain", action="store_true", help="print which rank owns which range of which parameter")
     p.add_argument("--json", metavar="PATH", help="write the run's results (checks, bytes, FLOPs, timings)")
     p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: make this rank raise
-    a = p.parse_args(argv)
-    cfg = RunConfig(dp=a.dp, tp=a.tp, steps=a.steps, seed=a.seed, bucket_size=a.bucket_size, lr=a.lr,
-                    momentum=a.momentum, weight_decay=a.weight_decay, ns_steps=a.ns_steps,
-                    adjust_lr_fn=a.adjust_lr_fn, fail_rank=a.fail_rank)
-    return cfg, a
+    return p
+
+
+def config_from_args(a):
+    return RunConfig(dp=a.dp, tp=a.tp, steps=a.steps, seed=a.seed, bucket_size=a.bucket_size, lr=a.lr,
+                     momentum=a.momentum, weight_decay=a.weight_decay, ns_steps=a.ns_steps,
+                     adjust_lr_fn=a.adjust_lr_fn, fail_rank=a.fail_rank)
+
+
+def write_json(path, results):
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def main(argv=None):
-    cfg, args = parse_args(argv)
+    args = build_parser("ZeRO-1 x TP distributed Muon on CPU ranks over Gloo, checked bit for bit against "
+                        "torch.optim.Muon / AdamW.").parse_args(argv)
+    cfg = config_from_args(args)
     try:
         validate(cfg, transformer_specs())
     except ValueError as e:
@@ -1173,9 +1179,7 @@ def main(argv=None):
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
     return 0 if results["passed"] else 1
 
 
