@@ -1,0 +1,117 @@
+"""Distributed Muon on GPUs: the NCCL sibling of distributed_muon_cpu.py.
+
+Launch recipes (torchrun starts one process per GPU):
+    torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2
+    torchrun --standalone --nproc-per-node 1 distributed_muon.py            # one GPU: DP=1 x TP=1
+    torchrun --standalone --nproc-per-node 4 distributed_muon.py --backend gloo --device cpu --dp 2 --tp 2
+By default TP=1 and DP = the number of processes.
+
+Nothing of the algorithm lives here. The math, the grid, the virtual buffer,
+the step, the verification against torch.optim.Muon / AdamW and the
+accounting are imported from distributed_muon_cpu.py; this file launches them
+the way GPU jobs are launched. What differs on GPUs, and why:
+
+  1. Backend: NCCL instead of Gloo. NCCL runs the collectives on the GPUs
+     themselves, over NVLink inside a node and InfiniBand/RoCE between nodes;
+     Gloo would copy through host memory. NCCL needs CUDA tensors.
+  2. Device placement: rank <-> GPU `cuda:LOCAL_RANK`, set once with
+     torch.cuda.set_device. Parameters, gradients and every bucket the optimizer
+     allocates live on that GPU (it allocates on the parameters' device).
+  3. Launcher: torchrun starts the processes and sets RANK, WORLD_SIZE,
+     LOCAL_RANK, MASTER_ADDR and MASTER_PORT, so init_process_group reads them
+     (env://): no mp.spawn, no free-port search. Results reach rank 0 through
+     gather_object instead of files.
+  4. Synchronization: CUDA kernels and NCCL collectives return to Python before
+     they finish, so a step is timed only after torch.cuda.synchronize().
+  5. bf16 on tensor cores: Newton-Schulz's bf16 matmuls run on tensor cores
+     with cuBLAS's own summation order, so a GPU result differs from a CPU one in
+     the low bits. Bit-identity therefore holds against torch run on the same
+     kind of device: the reference runs on rank 0's GPU.
+"""
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import distributed_muon_cpu as dm
+
+
+def parse(argv):
+    parser = dm.build_parser("Distributed Muon on GPUs (NCCL, one process per GPU, launched with torchrun), "
+                             "checked bit for bit against torch.optim.Muon / AdamW on the same device.")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.set_defaults(dp=None, tp=1)
+    return parser.parse_args(argv)
+
+
+def environment():
+    """RANK, WORLD_SIZE, LOCAL_RANK from torchrun, or a ValueError saying how to launch."""
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v not in os.environ]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} not set: launch with torchrun --standalone "
+                         f"--nproc-per-node N {os.path.basename(__file__)}")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+def check(args, world):
+    if args.dp is None:
+        if world % args.tp:
+            raise ValueError(f"TP {args.tp} does not divide the world size {world}")
+        args.dp = world // args.tp
+    cfg = dm.config_from_args(args)
+    dm.check_topology(cfg.dp, cfg.tp, world)
+    dm.validate(cfg, dm.transformer_specs())
+    if args.backend == "nccl" and args.device != "cuda":
+        raise ValueError("NCCL needs --device cuda; on CPUs use --backend gloo --device cpu")
+    if args.device == "cuda" and torch.cuda.device_count() < 1:
+        raise ValueError("no CUDA device here: use --backend gloo --device cpu")
+    return cfg
+
+
+def main(argv=None):
+    args = parse(argv)
+    try:
+        rank, world, local_rank = environment()
+        cfg = check(args, world)
+        if args.device == "cuda" and local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) here")
+    except ValueError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    torch.set_num_threads(1)  # as in the CPU script: the CPU-side reference and any CPU ranks agree
+    device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=dm.PG_TIMEOUT_S))
+    try:
+        if rank == 0:
+            where = f"{'GPU' if args.device == 'cuda' else 'CPU'} ranks over {args.backend.upper()}"
+            dm.print_header(cfg, where, args.explain, print)
+        t0 = time.perf_counter()
+        result = dm.run_steps(rank, cfg, device)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        ranks_s = time.perf_counter() - t0
+        code = 0
+        if rank == 0:
+            if args.device == "cuda":
+                print(f"device: {torch.cuda.get_device_name(device)}\n")
+            results = dm.report(cfg, gathered, ranks_s, device=device)
+            results["launcher"] = dict(backend=args.backend, device=args.device,
+                                       gpu=torch.cuda.get_device_name(device) if args.device == "cuda" else None)
+            dm.write_json(args.json, results)
+            code = 0 if results["passed"] else 1
+    finally:
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

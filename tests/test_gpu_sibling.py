@@ -1,0 +1,45 @@
+"""distributed_muon.py, the NCCL/GPU sibling, run on CPUs: torchrun, Gloo, 4 ranks."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, dm
+
+SIBLING = os.path.join(ROOT, "distributed_muon.py")
+
+
+def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_grid):
+    path = tmp_path / "run.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           SIBLING, "--backend", "gloo", "--device", "cpu", "--dp", "2", "--tp", "2",
+                           "--json", str(path)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(path.read_text())
+    assert results["passed"] and all(c["identical"] for c in results["checks"])
+    assert results["launcher"] == dict(backend="gloo", device="cpu", gpu=None)
+    assert "4 CPU ranks over GLOO, DP=2 x TP=2" in proc.stdout
+    # The same algorithm as the mp.spawn launcher: the same bytes, FLOPs and layout.
+    spawned = run_grid(2, 2, steps=results["config"]["steps"])
+    assert results["bytes_per_step"] == spawned["bytes_per_step"]
+    assert results["ns_flops"] == spawned["ns_flops"]
+    assert results["buckets"] == json.loads(json.dumps(spawned["buckets"]))  # tuples became lists
+
+
+def test_outside_torchrun_says_how_to_launch():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, SIBLING], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: RANK, WORLD_SIZE, LOCAL_RANK not set: launch with torchrun "
+                                   "--standalone --nproc-per-node N distributed_muon.py")
+
+
+def test_the_sibling_holds_no_copy_of_the_algorithm():
+    tree = ast.parse(open(SIBLING).read())
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    algorithm = {n.name for n in ast.parse(open(dm.__file__).read()).body
+                 if isinstance(n, (ast.FunctionDef, ast.ClassDef))} - {"main"}
+    assert defined & algorithm == set()
+    assert defined <= {"parse", "environment", "check", "main"}
