@@ -103,7 +103,7 @@ def main(argv=None):
         if rank == 0:
             if args.device == "cuda":
                 print(f"device: {torch.cuda.get_device_name(device)}\n")
-            results = dm.report(cfg, gathered, ranks_s, device=device)
+            results = dm.report(cfg, gathered, ranks_s, device=device, backend=args.backend)
             results["launcher"] = dict(backend=args.backend, device=args.device,
                                        gpu=torch.cuda.get_device_name(device) if args.device == "cuda" else None)
             dm.write_json(args.json, results)

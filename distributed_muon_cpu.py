@@ -1074,7 +1074,7 @@ def demo_layout(cfg):
     return buckets, bucket_ranges, shapes
 
 
-def report(cfg, results, ranks_s, device="cpu", print_fn=print):
+def report(cfg, results, ranks_s, device="cpu", backend="gloo", print_fn=print):
     """Verify every rank's parameters against torch on `device`, print the accounting, return it all."""
     specs = transformer_specs()
     world = cfg.dp * cfg.tp
@@ -1101,9 +1101,9 @@ def report(cfg, results, ranks_s, device="cpu", print_fn=print):
     tables = [bytes_per_step(ledgers, s) for s in range(1, cfg.steps + 1)]
     same_every_step = all(t == tables[0] for t in tables)
     table = tables[-1]
+    gloo_note = "; Gloo's reduce-scatter is an all-reduce and moves more" if backend == "gloo" else ""
     print_fn(f"[7] Bytes per step, counted as a ring algorithm moves them "
-             f"({'the same every step' if same_every_step else 'last step; steps differ'}; "
-             f"Gloo's reduce-scatter is an all-reduce and moves more)")
+             f"({'the same every step' if same_every_step else 'last step; steps differ'}{gloo_note})")
     rows, total_sent = [], 0
     for phase, t in table.items():
         total_sent += sum(t["sent"])
