@@ -89,7 +89,9 @@ def main(argv=None):
     device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=dm.PG_TIMEOUT_S))
+    # device_id binds the NCCL communicator to this rank's GPU up front (else NCCL guesses it from the rank).
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=dm.PG_TIMEOUT_S),
+                            device_id=torch.device(device) if args.device == "cuda" else None)
     try:
         if rank == 0:
             where = f"{'GPU' if args.device == 'cuda' else 'CPU'} ranks over {args.backend.upper()}"

@@ -1,0 +1,40 @@
+"""The notebook: runs top to bottom headless, and matches its jupytext pair."""
+
+import os
+import shutil
+
+import jupytext
+import nbformat
+from nbclient import NotebookClient
+
+from conftest import ROOT
+
+NOTEBOOK = os.path.join(ROOT, "distributed_muon_cpu.ipynb")
+PAIR = os.path.join(ROOT, "distributed_muon_cpu.nb.py")
+
+
+def cells(nb):
+    return [(c.cell_type, c.source) for c in nb.cells]
+
+
+def test_notebook_and_its_py_pair_are_in_sync():
+    # Edit distributed_muon_cpu.nb.py, then: jupytext --sync distributed_muon_cpu.nb.py
+    assert cells(nbformat.read(NOTEBOOK, as_version=4)) == cells(jupytext.read(PAIR))
+
+
+def test_notebook_is_committed_without_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
+
+
+def test_notebook_runs_top_to_bottom(tmp_path):
+    for name in ("distributed_muon_cpu.py", "distributed_muon_cpu.ipynb", "requirements.txt"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path)
+    nb = nbformat.read(tmp_path / "distributed_muon_cpu.ipynb", as_version=4)
+    NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in nb.cells for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "Result: PASS: 26/26 parameters bit-identical to torch" in text
+    assert text.count("Result: PASS") == 5  # the 4x2 run and the four grids of the sweep
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3  # checks, accounting, grids
