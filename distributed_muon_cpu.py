@@ -581,6 +581,8 @@ class DistributedMuon(torch.optim.Optimizer):
                  ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original", betas=(0.9, 0.999), eps=1e-8):
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 (got {bucket_size})")
+        if not (lr >= 0 and weight_decay >= 0):
+            raise ValueError(f"lr and weight_decay must be >= 0 (got {lr}, {weight_decay})")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1) (got {momentum})")
         if adjust_lr_fn not in ADJUST_LR_FNS:
@@ -912,12 +914,14 @@ def validate(cfg, specs):
         raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
     if cfg.bucket_size < 1:
         raise ValueError(f"--bucket-size must be >= 1 element (got {cfg.bucket_size})")
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr must be > 0 (got {cfg.lr})")
+    if not 0 <= cfg.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise ValueError(f"--lr must be > 0 and finite (got {cfg.lr})")
     if not 0 <= cfg.momentum < 1:
         raise ValueError(f"--momentum must be in [0, 1) (got {cfg.momentum})")
-    if cfg.weight_decay < 0:
-        raise ValueError(f"--weight-decay must be >= 0 (got {cfg.weight_decay})")
+    if not (cfg.weight_decay >= 0 and math.isfinite(cfg.weight_decay)):
+        raise ValueError(f"--weight-decay must be >= 0 and finite (got {cfg.weight_decay})")
     if cfg.ns_steps < 1:
         raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
     if cfg.adjust_lr_fn not in ADJUST_LR_FNS:

@@ -82,6 +82,7 @@ def test_missing_gradient_is_named(single_process_group):
     (lambda m: split_groups(m), dict(tp_split_dims={"hidden.weight": 2}), "out of range"),
     (lambda m: split_groups(m), dict(bucket_size=0), "bucket_size must be >= 1"),
     (lambda m: split_groups(m), dict(momentum=1.0), "momentum must be in"),
+    (lambda m: split_groups(m), dict(lr=-1.0), "lr and weight_decay must be >= 0"),
     (lambda m: split_groups(m), dict(adjust_lr_fn="spectral"), "adjust_lr_fn must be one of"),
 ])
 def test_bad_construction_is_a_clear_error(single_process_group, make_groups, kwargs, message):
