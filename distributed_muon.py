@@ -94,8 +94,8 @@ def main(argv=None):
                             device_id=torch.device(device) if args.device == "cuda" else None)
     try:
         if rank == 0:
-            where = f"{'GPU' if args.device == 'cuda' else 'CPU'} ranks over {args.backend.upper()}"
-            dm.print_header(cfg, where, args.explain, print)
+            backend = {"gloo": "Gloo", "nccl": "NCCL"}[args.backend]
+            dm.print_header(cfg, "GPU" if args.device == "cuda" else "CPU", backend, args.explain, print)
         t0 = time.perf_counter()
         result = dm.run_steps(rank, cfg, device)
         gathered = [None] * world if rank == 0 else None

@@ -1045,17 +1045,17 @@ def spawn_ranks(cfg):
 def run(cfg, explain=False, print_fn=print):
     """Spawn the ranks on this machine, verify against torch, account; returns the results dict."""
     validate(cfg, transformer_specs())
-    print_header(cfg, "CPU ranks over Gloo", explain, print_fn)
+    print_header(cfg, "CPU", "Gloo", explain, print_fn)
     t0 = time.perf_counter()
     results = spawn_ranks(cfg)
     return report(cfg, results, time.perf_counter() - t0, print_fn=print_fn)
 
 
-def print_header(cfg, where, explain, print_fn):
+def print_header(cfg, device_kind, backend, explain, print_fn):
     """The grid and the virtual buffer, which every rank computes alike."""
-    specs = transformer_specs()
-    print_fn(f"Distributed Muon: {cfg.dp * cfg.tp} {where}, DP={cfg.dp} x TP={cfg.tp}, {cfg.steps} steps, "
-             f"seed {cfg.seed}, torch {torch.__version__}\n")
+    world = cfg.dp * cfg.tp
+    print_fn(f"Distributed Muon: {world} {device_kind} rank{'s' * (world != 1)} over {backend}, "
+             f"DP={cfg.dp} x TP={cfg.tp}, {cfg.steps} steps, seed {cfg.seed}, torch {torch.__version__}\n")
     print_fn("[2] The grid (rank = dp_rank * TP + tp_rank; a row is a TP group, a column a DP group)")
     print_fn(format_grid(cfg.dp, cfg.tp) + "\n")
     buckets, bucket_ranges, shapes = demo_layout(cfg)

@@ -20,7 +20,7 @@ def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_gr
     results = json.loads(path.read_text())
     assert results["passed"] and all(c["identical"] for c in results["checks"])
     assert results["launcher"] == dict(backend="gloo", device="cpu", gpu=None)
-    assert "4 CPU ranks over GLOO, DP=2 x TP=2" in proc.stdout
+    assert "4 CPU ranks over Gloo, DP=2 x TP=2" in proc.stdout
     # The same algorithm as the mp.spawn launcher: the same bytes, FLOPs and layout.
     spawned = run_grid(2, 2, steps=results["config"]["steps"])
     assert results["bytes_per_step"] == spawned["bytes_per_step"]
