@@ -658,7 +658,7 @@ class DistributedMuon(torch.optim.Optimizer):
         return loss
 
     def _step_bucket(self, bucket, group):
-        dp, tp, ledger = self.grid.dp, self.grid.tp, self.ledger
+        dp, ledger = self.grid.dp, self.ledger
         metas = [self.dist_metas[n] for n in bucket.names]
         params = [self.param_by_name[n] for n in bucket.names]
 
@@ -1172,14 +1172,11 @@ def write_json(path, results):
 def main(argv=None):
     args = build_parser("ZeRO-1 x TP distributed Muon on CPU ranks over Gloo, checked bit for bit against "
                         "torch.optim.Muon / AdamW.").parse_args(argv)
-    cfg = config_from_args(args)
     try:
-        validate(cfg, transformer_specs())
+        results = run(config_from_args(args), explain=args.explain)  # validates before spawning anything
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        results = run(cfg, explain=args.explain)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

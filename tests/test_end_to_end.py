@@ -63,10 +63,8 @@ def test_comparison_detects_a_single_flipped_bit():
 # --- accounting --------------------------------------------------------------
 
 def layout_metas(specs, dp, tp, bucket_size):
-    shapes = {s.name: dm.tp_local_shape(s, tp) for s in specs}
-    buffers = [[(s.name, math.prod(shapes[s.name])) for s in specs if s.group == g]
-               for g in ("muon", "adamw", "adamw_no_wd")]
-    buckets, ranges = dm.plan_buckets(buffers, dp, bucket_size)
+    """Every DP rank's dist_meta for the demo model, from the layout the run used."""
+    buckets, ranges, shapes = dm.demo_layout(dm.RunConfig(dp=dp, tp=tp, bucket_size=bucket_size))
     global_shapes = {s.name: s.global_shape for s in specs}
     splits = {s.name: s.tp_split_dim for s in specs}
     return [dm.build_dist_metas(buckets, ranges, shapes, global_shapes, splits, r, dp) for r in range(dp)]
