@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -78,18 +78,25 @@ NS_EPS = 1e-7
 
 
 def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
-    """Approximately orthogonalize a full 2-D matrix; returns bfloat16."""
+    """Approximately orthogonalize a full (rows, cols) matrix, or a stack (batch, rows, cols)
+    of same-shape matrices at once; returns bfloat16.
+
+    A stack goes through batched matmuls (baddbmm), one call for all its matrices:
+    the same arithmetic per matrix, so the same bits (tests/test_math.py checks it).
+    """
     a, b, c = coefficients
+    fused_mm = torch.addmm if matrix.ndim == 2 else torch.baddbmm  # beta * input + alpha * (m1 @ m2)
     x = matrix.bfloat16()
-    tall = matrix.size(0) > matrix.size(1)
+    tall = matrix.size(-2) > matrix.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # out of place: a bf16 input is not modified
+        x = x.mT
+    norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)  # one norm per matrix
+    x = x / norm.clamp(min=eps)  # out of place: a bf16 input is not modified
     for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A
-        x = torch.addmm(x, poly, x, beta=a)  # a*X + poly@X
-    return x.T if tall else x
+        gram = x @ x.mT
+        poly = fused_mm(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A
+        x = fused_mm(x, poly, x, beta=a)  # a*X + poly@X
+    return x.mT if tall else x
 
 
 def newton_schulz_flops(shape, steps=NS_STEPS):
@@ -165,12 +172,15 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_dec
 # The groups are sliced from torch.arange(world).view(DP, TP). Every rank must
 # create every group, in the same order, even the groups it is not part of.
 #
-# Every collective of the optimizer goes through all_gather / reduce_scatter
-# below, which record what each rank logically sends and receives. We count
-# bytes ourselves because Gloo's profiler records no message sizes. The count is
-# that of a ring (bandwidth-optimal) algorithm: for a group of n ranks and a
-# shard of k bytes, each rank sends and receives (n - 1) * k. Gloo moves more
-# than that: its reduce_scatter is implemented as a full all-reduce.
+# Every collective of the optimizer goes through all_gather / reduce_scatter /
+# exchange below, which record what each rank logically sends and receives. We
+# count bytes ourselves because Gloo's profiler records no message sizes. For
+# all_gather and reduce_scatter the count is that of a ring (bandwidth-optimal)
+# algorithm: for a group of n ranks and a shard of k bytes, each rank sends and
+# receives (n - 1) * k. Gloo moves more than that: its reduce_scatter is
+# implemented as a full all-reduce. exchange (an all-to-all with uneven sizes)
+# sends each piece straight to its destination, so the count is exact: what a
+# rank sends to the others, and what it receives from them.
 
 # torch 2.14 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour
 # of all_gather_single / reduce_scatter_single; older torch has only the old
@@ -187,7 +197,7 @@ MAX_WORLD = 64
 class Axis:
     """One direction of the grid, seen from one rank."""
 
-    name: str  # "DP" or "TP"
+    name: str  # "DP", "TP" or "world"
     size: int
     rank: int  # this rank's index along the axis
     ranks: tuple  # global ranks of this rank's group along the axis
@@ -199,10 +209,7 @@ class Grid:
     rank: int
     dp: Axis
     tp: Axis
-
-    @property
-    def world(self):
-        return self.dp.size * self.tp.size
+    world: Axis  # every rank: the owner strategy's exchanges cross both axes at once
 
 
 def check_topology(dp, tp, world=None):
@@ -237,6 +244,7 @@ def make_grid(dp, tp, rank):
         rank=rank,
         dp=Axis("DP", dp, dp_rank, dp_ranks, dp_group),
         tp=Axis("TP", tp, tp_rank, tp_ranks, tp_group),
+        world=Axis("world", dp * tp, rank, tuple(range(dp * tp)), dist.group.WORLD),
     )
 
 
@@ -258,10 +266,11 @@ class Ledger:
     comm: list = field(default_factory=list)  # dicts: step, phase, op, axis, numel, dtype, sent, received
     compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
 
-    def record_comm(self, phase, op, axis, numel, dtype):
-        nbytes = (axis.size - 1) * numel * torch.finfo(dtype).bits // 8
-        self.comm.append(dict(step=self.step, phase=phase, op=op, axis=axis.name, numel=numel,
-                              dtype=str(dtype).replace("torch.", ""), sent=nbytes, received=nbytes))
+    def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
+        size = torch.finfo(dtype).bits // 8
+        self.comm.append(dict(step=self.step, phase=phase, op=op, axis=axis.name,
+                              dtype=str(dtype).replace("torch.", ""),
+                              sent=sent_numel * size, received=received_numel * size))
 
 
 def all_gather(shard, axis, ledger, phase):
@@ -270,7 +279,8 @@ def all_gather(shard, axis, ledger, phase):
         return shard
     out = shard.new_empty(axis.size * shard.numel())
     _all_gather_single(out, shard, group=axis.group)
-    ledger.record_comm(phase, "all_gather", axis, shard.numel(), shard.dtype)
+    ring = (axis.size - 1) * shard.numel()
+    ledger.record_comm(phase, "all_gather", axis, ring, ring, shard.dtype)
     return out
 
 
@@ -282,8 +292,37 @@ def reduce_scatter(bucket, axis, ledger, phase):
     # ReduceOp.SUM: the total gradient, as the reference is fed. (AVG is avoided
     # for older torch; divide afterwards if you want a mean.)
     _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group)
-    ledger.record_comm(phase, "reduce_scatter", axis, out.numel(), bucket.dtype)
+    ring = (axis.size - 1) * out.numel()
+    ledger.record_comm(phase, "reduce_scatter", axis, ring, ring, bucket.dtype)
     return out
+
+
+def exchange(sends, receive_numels, axis, ledger, phase, async_op=False):
+    """All-to-all with uneven sizes: sends[i] (1-D) goes to rank i of `axis`.
+
+    receive_numels[i] is how much rank i sends here (every rank knows the whole
+    plan, so nobody has to ask). Returns one 1-D tensor per source rank; with
+    async_op, a function that waits for them and returns them instead.
+    """
+    send = torch.cat(sends)
+    received = send.new_empty(sum(receive_numels))
+    split_sizes = [t.numel() for t in sends]
+    work = None
+    if axis.size == 1:
+        received.copy_(send)
+    else:
+        work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
+                                      group=axis.group, async_op=async_op)
+    others = [i for i in range(axis.size) if i != axis.rank]
+    ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
+                       sum(receive_numels[i] for i in others), send.dtype)
+
+    def wait():
+        if work is not None and async_op:
+            work.wait()
+        return list(received.split(list(receive_numels)))
+
+    return wait if async_op else wait()
 
 
 # =============================================================================
@@ -532,7 +571,8 @@ def format_buffer_map(buckets, bucket_ranges, shapes, dp):
 # =============================================================================
 # 5. The step
 # =============================================================================
-# One optimizer step, bucket by bucket, as seen from one rank (DP=4, TP=2):
+# One optimizer step as seen from one rank (DP=4, TP=2), in the default
+# strategy, "gather":
 #
 #   grads (TP-local, full)     --DP reduce-scatter (fp32)-->   gradient shard
 #   gradient shard             --momentum (lerp)-------------> update shard (bf16)
@@ -562,6 +602,21 @@ def format_buffer_map(buckets, bucket_ranges, shapes, dp):
 #
 # AdamW parameters ride the same gradient reduce-scatter and parameter
 # all-gather; their update is elementwise, so they need no gather at all.
+#
+# The step is written in four stages so that section 6's strategies can swap the
+# middle one (and, for comm-free, the first and last) without touching the rest:
+#
+#   _reduce_grads      every rank's part of the summed gradient
+#   momentum / AdamW   on that part only (elementwise)
+#   _orthogonalize     Newton-Schulz of every matrix, back as each rank's part
+#   _gather_params     every rank again holds its full TP-local weights
+#
+# A rank's "part" of a parameter is the range of its flattened TP-local tensor
+# whose optimizer state it keeps: its ZeRO-1 local range, or (comm-free) the
+# whole matrix on the owner's DP row and nothing elsewhere.
+
+STRATEGIES = ("gather", "owner", "comm-free")
+BASELINE = "adamw"  # a run-level choice (section 9): AdamW ZeRO-1 for every parameter, the yardstick
 
 
 class DistributedMuon(torch.optim.Optimizer):
@@ -573,14 +628,24 @@ class DistributedMuon(torch.optim.Optimizer):
     grid: from make_grid; tp_split_dims: {name: dim} for TP-split parameters
         (missing names are replicated across TP).
     bucket_size: largest bucket, in elements, before padding to a multiple of DP.
+    strategy: "gather" (section 5), "owner" or "comm-free" (section 6).
+    owners: for owner / comm-free, {rank: [matrix names]} to override the
+        balanced assignment (every Muon matrix exactly once).
+    overlap_chunks: owner strategy only: split the exchanges into this many
+        chunks and overlap each chunk's Newton-Schulz with the next one's transfer.
     Gradients are summed over DP (ReduceOp.SUM); every parameter needs a .grad.
     """
 
-    def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, lr=0.02,
-                 weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS,
-                 ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original", betas=(0.9, 0.999), eps=1e-8):
+    def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, strategy="gather", owners=None,
+                 overlap_chunks=1, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original",
+                 betas=(0.9, 0.999), eps=1e-8):
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 (got {bucket_size})")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} (got {strategy!r})")
+        if overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks must be >= 1 (got {overlap_chunks})")
         if not (lr >= 0 and weight_decay >= 0):
             raise ValueError(f"lr and weight_decay must be >= 0 (got {lr}, {weight_decay})")
         if not 0 <= momentum < 1:
@@ -591,11 +656,13 @@ class DistributedMuon(torch.optim.Optimizer):
                         nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps,
                         ns_eps=ns_eps, adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
-        self.grid, self.bucket_size = grid, bucket_size
+        self.grid, self.bucket_size, self.strategy = grid, bucket_size, strategy
+        self.overlap_chunks = overlap_chunks
         self.ledger = Ledger()
         tp_split_dims = dict(tp_split_dims or {})
 
         buffers, shapes, global_shapes, split_dims, self.param_by_name = [], {}, {}, {}, {}
+        self.group_of, ns_flops = {}, {}
         for group in self.param_groups:
             if group["algorithm"] not in ("muon", "adamw"):
                 raise ValueError(f"unknown algorithm {group['algorithm']!r}; use 'muon' or 'adamw'")
@@ -613,22 +680,49 @@ class DistributedMuon(torch.optim.Optimizer):
                 split = tp_split_dims.get(name, -1)
                 if split >= p.ndim:
                     raise ValueError(f"tp_split_dim {split} of {name} is out of range for shape {tuple(p.shape)}")
-                self.param_by_name[name] = p
+                self.param_by_name[name], self.group_of[name] = p, group
                 shapes[name], split_dims[name] = tuple(p.shape), split
                 global_shapes[name] = global_shape_of(p.shape, split, grid.tp.size)
-            buffers.append([(n, p.numel()) for n, p in zip(group["param_names"], group["params"])])
+                if group["algorithm"] == "muon":
+                    ns_flops[name] = newton_schulz_flops(global_shapes[name], group["ns_steps"])
+            comm_free_muon = strategy == "comm-free" and group["algorithm"] == "muon"
+            buffers.append([] if comm_free_muon else  # comm-free: Muon matrices live whole, not in buckets
+                           [(n, p.numel()) for n, p in zip(group["param_names"], group["params"])])
         unknown = set(tp_split_dims) - set(self.param_by_name)
         if unknown:
             raise ValueError(f"tp_split_dims names unknown parameters: {sorted(unknown)}")
+        self.muon_names = list(ns_flops)  # the canonical order every rank walks the matrices in
+        self.shapes, self.global_shapes, self.split_dims = shapes, global_shapes, split_dims
 
         self.buckets, self.bucket_ranges = plan_buckets(buffers, grid.dp.size, bucket_size)
-        self.dist_metas = build_dist_metas(self.buckets, self.bucket_ranges, shapes, global_shapes,
-                                           split_dims, grid.dp.rank, grid.dp.size)
+        metas_by_dp_rank = [build_dist_metas(self.buckets, self.bucket_ranges, shapes, global_shapes, split_dims,
+                                             r, grid.dp.size) for r in range(grid.dp.size)]
+        self.dist_metas = metas_by_dp_rank[grid.dp.rank]
+        self.owners = None  # {matrix name: the rank that orthogonalizes it} (owner / comm-free)
+        if strategy != "gather":
+            self.owners = (check_owners(owners, self.muon_names, grid.world.size) if owners is not None
+                           else assign_owners(ns_flops, grid.world.size))
+        elif owners is not None:
+            raise ValueError("owners only applies to the owner and comm-free strategies")
+
+        def part_of(name, dp_rank):
+            """(start, stop) of the flattened TP-local tensor DP rank dp_rank keeps state for."""
+            if name in metas_by_dp_rank[dp_rank]:
+                m = metas_by_dp_rank[dp_rank][name]
+                return m.param_slice.start, m.param_slice.stop
+            owner_row = self.owners[name] // grid.tp.size  # comm-free Muon: whole matrix on the owner's row
+            return (0, math.prod(shapes[name])) if dp_rank == owner_row else (0, 0)
+
+        self.parts = {n: slice(*part_of(n, grid.dp.rank)) for n in self.param_by_name}
+        if strategy != "gather":
+            axis = grid.world if strategy == "owner" else grid.tp
+            self.routes = plan_routes(self.muon_names, self.owners, part_of, shapes, split_dims, grid, axis)
 
     # -- the layout a checkpoint belongs to ---------------------------------
     def _layout(self):
         return dict(dp=self.grid.dp.size, tp=self.grid.tp.size, dp_rank=self.grid.dp.rank,
-                    tp_rank=self.grid.tp.rank, bucket_size=self.bucket_size)
+                    tp_rank=self.grid.tp.rank, bucket_size=self.bucket_size, strategy=self.strategy,
+                    owners=self.owners)
 
     def state_dict(self):
         """This rank's shard of the state (ZeRO-1 checkpoints are per rank)."""
@@ -645,6 +739,11 @@ class DistributedMuon(torch.optim.Optimizer):
             raise ValueError(f"state_dict was saved for another shard layout: {diff}")
         super().load_state_dict(state_dict)
 
+    def state_bytes(self):
+        """Bytes of optimizer state this rank holds (momentum; AdamW moments and steps)."""
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                   if torch.is_tensor(t))
+
     # -- the step ------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -653,78 +752,111 @@ class DistributedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.ledger.step += 1
-        for bucket in self.buckets:
-            self._step_bucket(bucket, self.param_groups[bucket.buffer_idx])
+        grads = self._reduce_grads()
+        updates = {}  # Newton-Schulz inputs, this rank's part of each matrix, bf16
+        for name, grad in grads.items():
+            p, group = self.param_by_name[name], self.group_of[name]
+            if group["algorithm"] == "adamw":
+                self._adamw_part(name, grad, group)
+            else:
+                state = self.state[p]
+                if not state:  # momentum on this rank's part only: it never exists for the whole matrix
+                    state["momentum_buffer"] = grad.new_zeros(grad.numel())
+                update = muon_momentum_(state["momentum_buffer"], grad, group["momentum"], group["nesterov"])
+                updates[name] = update.bfloat16()  # the cast Newton-Schulz does first: halves the bytes moved
+        for name, ortho_part in self._orthogonalize(updates).items():
+            group = self.group_of[name]
+            part = self.param_by_name[name].view(-1)[self.parts[name]]
+            part.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay: unadjusted lr
+            part.add_(ortho_part, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], self.global_shapes[name]))
+        self._gather_params()
         return loss
 
-    def _step_bucket(self, bucket, group):
-        dp, ledger = self.grid.dp, self.ledger
-        metas = [self.dist_metas[n] for n in bucket.names]
-        params = [self.param_by_name[n] for n in bucket.names]
-
-        # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
-        grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=params[0].device)
-        for meta, p in zip(metas, params):
+    def _reduce_grads(self):
+        """{name: this rank's part of the gradient summed over DP} for every part this rank keeps."""
+        grads = {}
+        for name, p in self.param_by_name.items():
             if p.grad is None:
-                raise ValueError(f"{meta.name} has no gradient; every parameter needs one "
-                                 "(ZeRO-1 reduces whole buckets)")
-            grad_bucket[slice(*meta.bucket_range)] = p.grad.reshape(-1)
-        grad_shard = reduce_scatter(grad_bucket, dp, ledger, "grad reduce-scatter")
+                raise ValueError(f"{name} has no gradient; every parameter needs one (ZeRO-1 reduces whole buckets)")
+        for bucket in self.buckets:
+            # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
+            metas = [self.dist_metas[n] for n in bucket.names]
+            grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.param_by_name[metas[0].name].device)
+            for meta in metas:
+                grad_bucket[slice(*meta.bucket_range)] = self.param_by_name[meta.name].grad.reshape(-1)
+            grad_shard = reduce_scatter(grad_bucket, self.grid.dp, self.ledger, "grad reduce-scatter")
+            grads.update({m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel})
+        if self.strategy == "comm-free":
+            muon_grads = {n: self.param_by_name[n].grad for n in self.muon_names}
+            grads.update(reduce_at_owner(muon_grads, self.owners, self.grid, self.ledger))
+        return grads
 
-        if group["algorithm"] == "adamw":
-            for meta, p in zip(metas, params):
+    def _orthogonalize(self, updates):
+        """{name: this rank's part of newton_schulz(the full update matrix)}."""
+        if self.strategy == "gather":
+            return self._orthogonalize_gathered(updates)
+        return orthogonalize_at_owners(updates, self.routes, self._ns_at_owner, self._route_axis(),
+                                       self.ledger, self.overlap_chunks)
+
+    def _route_axis(self):
+        return self.grid.world if self.strategy == "owner" else self.grid.tp
+
+    def _ns_at_owner(self, full):
+        """Newton-Schulz of the matrices this rank owns, same shapes batched: {name: ortho}."""
+        return batched_newton_schulz(full, self.group_of, self.ledger)
+
+    def _orthogonalize_gathered(self, updates):
+        dp, tp, ledger = self.grid.dp, self.grid.tp, self.ledger
+        ortho_parts = {}
+        for bucket in self.buckets:
+            group = self.param_groups[bucket.buffer_idx]
+            if group["algorithm"] != "muon":
+                continue
+            metas = [self.dist_metas[n] for n in bucket.names]
+            update_shard = torch.zeros(bucket.numel // dp.size, dtype=torch.bfloat16,
+                                       device=self.param_by_name[metas[0].name].device)
+            for meta in metas:
                 if meta.local_numel:
-                    self._adamw_part(p, meta, grad_shard[meta.shard_slice], group)
-        else:
-            self._muon_bucket(metas, params, grad_shard, group)
+                    update_shard[meta.shard_slice] = updates[meta.name]
+            update_bucket = dp_gather(update_shard, dp, ledger)
+            for meta in metas:
+                if not meta.local_numel:
+                    continue  # our DP shard does not touch it: neither do our TP peers
+                tp_local = update_bucket[slice(*meta.bucket_range)].view(meta.shape)
+                full = tp_gather(tp_local, meta.tp_split_dim, tp, ledger)
+                ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+                ledger.compute.append(dict(step=ledger.step, name=meta.name, shape=meta.global_shape,
+                                           flops=newton_schulz_flops(meta.global_shape, group["ns_steps"])))
+                ortho_parts[meta.name] = dp_shard(tp_shard(ortho, meta.tp_split_dim, tp.rank, tp.size), meta)
+        return ortho_parts
 
-        # Parameter all-gather: every DP rank again holds its full TP-local weights.
-        param_shard = grad_shard.new_zeros(bucket.numel // dp.size)
-        for meta, p in zip(metas, params):
-            param_shard[meta.shard_slice] = p.view(-1)[meta.param_slice]
-        param_bucket = all_gather(param_shard, dp, ledger, "param all-gather")
-        for meta, p in zip(metas, params):
-            p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
+    def _gather_params(self):
+        dp, ledger = self.grid.dp, self.ledger
+        for bucket in self.buckets:
+            # Parameter all-gather: every DP rank again holds its full TP-local weights.
+            metas = [self.dist_metas[n] for n in bucket.names]
+            params = [self.param_by_name[n] for n in bucket.names]
+            param_shard = torch.zeros(bucket.numel // dp.size, dtype=torch.float32, device=params[0].device)
+            for meta, p in zip(metas, params):
+                param_shard[meta.shard_slice] = p.view(-1)[meta.param_slice]
+            param_bucket = all_gather(param_shard, dp, ledger, "param all-gather")
+            for meta, p in zip(metas, params):
+                p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
+        if self.strategy == "comm-free":
+            broadcast_from_owner({n: self.param_by_name[n] for n in self.muon_names}, self.owners, self.grid,
+                                 self.ledger)
 
-    def _adamw_part(self, p, meta, grad, group):
+    def _adamw_part(self, name, grad, group):
+        p = self.param_by_name[name]
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = grad.new_zeros(meta.local_numel)
-            state["exp_avg_sq"] = grad.new_zeros(meta.local_numel)
+            state["exp_avg"] = grad.new_zeros(grad.numel())
+            state["exp_avg_sq"] = grad.new_zeros(grad.numel())
         state["step"] += 1
-        adamw_(p.view(-1)[meta.param_slice], grad, state["exp_avg"], state["exp_avg_sq"],
+        adamw_(p.view(-1)[self.parts[name]], grad, state["exp_avg"], state["exp_avg_sq"],
                state["step"].item(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                weight_decay=group["weight_decay"])
-
-    def _muon_bucket(self, metas, params, grad_shard, group):
-        dp, tp, ledger = self.grid.dp, self.grid.tp, self.ledger
-
-        # Momentum on the local shard only: the state never exists for the full matrix.
-        update_shard = torch.zeros(grad_shard.numel(), dtype=torch.bfloat16, device=grad_shard.device)
-        for meta, p in zip(metas, params):
-            if meta.local_numel:
-                state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = grad_shard.new_zeros(meta.local_numel)
-                update = muon_momentum_(state["momentum_buffer"], grad_shard[meta.shard_slice],
-                                        group["momentum"], group["nesterov"])
-                update_shard[meta.shard_slice] = update  # the cast to bf16 Newton-Schulz does first
-
-        update_bucket = dp_gather(update_shard, dp, ledger)
-        for meta, p in zip(metas, params):
-            if not meta.local_numel:
-                continue  # our DP shard does not touch it: neither do our TP peers
-            tp_local = update_bucket[slice(*meta.bucket_range)].view(meta.shape)
-            full = tp_gather(tp_local, meta.tp_split_dim, tp, ledger)
-            ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-            ledger.compute.append(dict(step=ledger.step, name=meta.name, shape=meta.global_shape,
-                                       flops=newton_schulz_flops(meta.global_shape, group["ns_steps"])))
-            ortho_part = dp_shard(tp_shard(ortho, meta.tp_split_dim, tp.rank, tp.size), meta)
-
-            part = p.view(-1)[meta.param_slice]
-            part.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay: unadjusted lr
-            part.add_(ortho_part, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], meta.global_shape))
 
 
 # The gather path and its mirror, the shard path.
@@ -757,7 +889,261 @@ def dp_shard(tp_local, meta):
 
 
 # =============================================================================
-# 6. Verification
+# 6. Orthogonalize each matrix once: the owner and comm-free strategies
+# =============================================================================
+# In the gather flow a matrix is orthogonalized by every rank that touches it:
+# TP x (DP shards it touches) times, up to DP x TP, and every one of those ranks
+# receives the whole matrix. Zero-redundancy designs give every matrix ONE owner
+# among all DP x TP ranks, balanced by Newton-Schulz FLOPs:
+#
+# owner (--strategy owner): ZeRO-1 is unchanged (the same buckets, reduce-scatter,
+# momentum shards and parameter all-gather); only the middle changes. Every rank
+# sends its momentum piece of each matrix straight to the matrix's owner, all
+# matrices in ONE all-to-all over the world; the owner puts the pieces together,
+# orthogonalizes, and a second all-to-all returns each rank exactly its piece:
+#
+#     rank (d,t) piece of W --\                                /--> rank (d,t) piece of O
+#     rank (d',t') piece    ---+--gather at owner--> owner: O = NS(W) --scatter from owner--+--> ...
+#     ...                   --/    (all_to_all)                 (all_to_all)  \--> ...
+#
+# comm-free (--strategy comm-free): ZeRO-1 shards Muon matrices WHOLE across DP
+# (torchtitan's communication-free Muon). A matrix's owner row (a DP rank)
+# keeps its full TP-local momentum; the gradient is reduced at that row instead
+# of reduce-scattered, and the row broadcasts the updated weights instead of an
+# all-gather. With TP = 1 nothing else moves: the same bytes as AdamW ZeRO-1.
+# With TP > 1 the TP pieces of the matrix still have to meet, at one rank of
+# the owner row: the same gather at owner / scatter from owner as above, but
+# inside the row's TP group only:
+#
+#     all DP ranks --grad reduce at owner--> owner row (d_o, 0..TP-1): momentum, TP-local, whole
+#     (d_o, t)     --gather at owner (TP)--> owner (d_o, t_o): O = NS(W) --scatter from owner (TP)--> (d_o, t)
+#     owner row    --param broadcast from owner--> all DP ranks
+#
+# A TP-replicated matrix (an MoE router) is the same on every TP rank, so only
+# the owner's own TP column sends its pieces; every holder gets O back.
+
+def assign_owners(ns_flops, n_ranks):
+    """Greedy longest-processing-time: {matrix name: rank}, balanced by Newton-Schulz FLOPs.
+
+    Matrices in decreasing FLOPs (ties: the order given), each to the rank with the
+    least work so far (ties: the lowest rank). Deterministic, so every rank computes
+    the same assignment without talking. LPT is within 4/3 of the best possible
+    maximum (Graham, 1969); it cannot balance fewer or very uneven matrices
+    (e.g. 10 matrices, 4 of them the largest, on 8 ranks).
+    """
+    load = [0] * n_ranks
+    owners = {}
+    for name in sorted(ns_flops, key=lambda n: -ns_flops[n]):  # sorted() is stable: ties keep their order
+        rank = min(range(n_ranks), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += ns_flops[name]
+    return {n: owners[n] for n in ns_flops}
+
+
+def check_owners(owned_by_rank, matrices, n_ranks):
+    """{rank: [names]} -> {name: rank}; ValueError naming each missing, doubled or unknown matrix."""
+    owners, problems = {}, []
+    for rank, names in sorted(owned_by_rank.items()):
+        if not (isinstance(rank, int) and 0 <= rank < n_ranks):
+            problems.append(f"rank {rank!r} is not in [0, {n_ranks})")
+        for name in names:
+            if name in owners:
+                problems.append(f"{name} is owned twice (ranks {owners[name]} and {rank})")
+            elif name not in matrices:
+                problems.append(f"{name} is not a Muon matrix")
+            owners.setdefault(name, rank)
+    problems += [f"{name} has no owner" for name in matrices if name not in owners]
+    if problems:
+        raise ValueError("bad owner assignment: " + "; ".join(problems))
+    return {n: owners[n] for n in matrices}
+
+
+def load_balance(ns_flops, owners, n_ranks):
+    """FLOPs per rank under `owners`, and max/mean (1.00 is perfect balance)."""
+    per_rank = [0] * n_ranks
+    for name, rank in owners.items():
+        per_rank[rank] += ns_flops[name]
+    return per_rank, max(per_rank) / (sum(per_rank) / n_ranks)
+
+
+@dataclass(frozen=True)
+class Piece:
+    rank: int  # index along the exchange axis of the rank holding it
+    tp_rank: int  # which TP-local matrix it belongs to
+    start: int  # its range of the flattened TP-local matrix
+    stop: int
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one matrix travels to its owner and back, along one exchange axis."""
+
+    name: str
+    owner: int  # index along the exchange axis
+    shape: tuple  # TP-local shape
+    tp_split_dim: int  # -1: not split (replicated, or TP = 1)
+    tp_size: int
+    holders: tuple  # Piece of every rank that keeps state for part of it: the update comes back to each
+    senders: tuple  # the holders whose pieces make up the full matrix, in (tp_rank, position) order
+
+
+def plan_routes(matrices, owners, part_of, shapes, tp_split_dims, grid, axis):
+    """The routes of the matrices whose owner is on this rank's `axis` (all of them for the world)."""
+    dp, tp = grid.dp.size, grid.tp.size
+    routes = []
+    for name in matrices:
+        if owners[name] not in axis.ranks:
+            continue  # comm-free: another DP row's matrix, none of our business
+        owner_tp = owners[name] % tp
+        split = tp_split_dims[name] if tp > 1 else -1
+        holders = []
+        for t in range(tp):
+            for d in range(dp):
+                start, stop = part_of(name, d)
+                if stop > start:
+                    holders.append(Piece(axis.ranks.index(d * tp + t), t, start, stop))
+        senders = tuple(h for h in holders if split >= 0 or h.tp_rank == owner_tp)
+        routes.append(Route(name, axis.ranks.index(owners[name]), shapes[name], split, tp, tuple(holders), senders))
+    return routes
+
+
+def concat(tensors, dtype, device):
+    return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
+
+
+def gather_at_owner(updates, routes, axis, ledger, dtype, device, async_op=False):
+    """Every rank's bf16 piece of each routed matrix -> the full matrix, at its owner only.
+
+    One all-to-all for all the routes. Returns {name: full matrix} of the matrices
+    this rank owns (with async_op, a function that waits and returns it).
+    """
+    sends, receive = [[] for _ in range(axis.size)], [0] * axis.size
+    for r in routes:
+        for piece in r.senders:
+            if piece.rank == axis.rank:
+                sends[r.owner].append(updates[r.name])
+            if r.owner == axis.rank:
+                receive[piece.rank] += piece.stop - piece.start
+    wait = exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, "gather at owner", True)
+
+    def assemble():
+        received, offset, full = wait(), [0] * axis.size, {}
+        for r in routes:
+            if r.owner != axis.rank:
+                continue
+            tp_locals = {}  # tp_rank -> its flattened TP-local matrix, piece by piece in DP order
+            for piece in r.senders:
+                n = piece.stop - piece.start
+                tp_locals.setdefault(piece.tp_rank, []).append(received[piece.rank][offset[piece.rank]:][:n])
+                offset[piece.rank] += n
+            mats = [torch.cat(flats).view(r.shape) for _, flats in sorted(tp_locals.items())]
+            full[r.name] = torch.cat(mats, dim=r.tp_split_dim) if r.tp_split_dim >= 0 else mats[0]
+        return full
+
+    return assemble if async_op else assemble()
+
+
+def scatter_from_owner(orthos, routes, axis, ledger, dtype, device, async_op=False):
+    """The mirror of gather_at_owner: each owner's orthogonalized matrices -> every holder's piece."""
+    sends, receive = [[] for _ in range(axis.size)], [0] * axis.size
+    for r in routes:
+        for piece in r.holders:
+            if r.owner == axis.rank:
+                tp_local = tp_shard(orthos[r.name], r.tp_split_dim, piece.tp_rank, r.tp_size)
+                sends[piece.rank].append(tp_local.reshape(-1)[piece.start:piece.stop])
+            if piece.rank == axis.rank:
+                receive[r.owner] += piece.stop - piece.start
+    wait = exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, "scatter from owner", True)
+
+    def unpack():
+        received, offset, parts = wait(), [0] * axis.size, {}
+        for r in routes:
+            for piece in r.holders:
+                if piece.rank == axis.rank:
+                    n = piece.stop - piece.start
+                    parts[r.name] = received[r.owner][offset[r.owner]:][:n]
+                    offset[r.owner] += n
+        return parts
+
+    return unpack if async_op else unpack()
+
+
+def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, chunks=1):
+    """gather at owner -> Newton-Schulz (owners only) -> scatter from owner: {name: this rank's part}.
+
+    With chunks > 1 the routes are split round-robin into that many chunks, every
+    chunk's gather is started at once (asynchronously), and each chunk's
+    Newton-Schulz runs while the later chunks are still in flight; its scatter
+    starts as soon as its Newton-Schulz ends. The bytes are the same; only the
+    number of messages and the overlap change.
+    """
+    any_update = next(iter(updates.values()), None)
+    dtype, device = torch.bfloat16, any_update.device if any_update is not None else "cpu"
+    chunked = [routes[c::chunks] for c in range(chunks)]
+    gathers = [gather_at_owner(updates, rs, axis, ledger, dtype, device, async_op=True) for rs in chunked]
+    scatters = [scatter_from_owner(newton_schulz_fn(gather()), rs, axis, ledger, dtype, device, async_op=True)
+                for gather, rs in zip(gathers, chunked)]
+    parts = {}
+    for scatter in scatters:
+        parts.update(scatter())
+    return parts
+
+
+def batched_newton_schulz(full, group_of, ledger):
+    """Newton-Schulz of every matrix in `full` ({name: matrix}), one batched call per
+    (shape, hyperparameters): many small matrices cost one call instead of many."""
+    batches = {}
+    for name, matrix in full.items():
+        g = group_of[name]
+        batches.setdefault((tuple(matrix.shape), g["ns_steps"], g["ns_coefficients"], g["ns_eps"]), []).append(name)
+    orthos = {}
+    for (shape, steps, coefficients, eps), names in batches.items():
+        stack = torch.stack([full[n] for n in names])
+        for name, ortho in zip(names, newton_schulz(stack, steps, coefficients, eps).unbind(0)):
+            orthos[name] = ortho
+            ledger.compute.append(dict(step=ledger.step, name=name, shape=shape,
+                                       flops=newton_schulz_flops(shape, steps)))
+    return orthos
+
+
+def reduce_at_owner(grads, owners, grid, ledger):
+    """comm-free: every DP rank's TP-local gradient of each matrix -> its sum, on the owner row only.
+
+    One all-to-all over DP carries every matrix to its owner row, which adds the
+    DP contributions in DP-rank order (exact here: section 3). The same bytes as
+    a reduce-scatter, with matrices instead of equal shards as the unit.
+    """
+    dp, tp = grid.dp, grid.tp.size
+    any_grad = next(iter(grads.values()))
+    mine = [n for n in grads if owners[n] // tp == dp.rank]
+    sends = [concat([grads[n].reshape(-1) for n in grads if owners[n] // tp == d], torch.float32, any_grad.device)
+             for d in range(dp.size)]
+    numel = sum(grads[n].numel() for n in mine)
+    received = exchange(sends, [numel] * dp.size, dp, ledger, "grad reduce at owner")
+    summed = received[0].clone()
+    for contribution in received[1:]:
+        summed += contribution
+    return dict(zip(mine, summed.split([grads[n].numel() for n in mine])))
+
+
+def broadcast_from_owner(params, owners, grid, ledger):
+    """comm-free, the mirror of reduce_at_owner: the owner row's updated TP-local
+    matrices -> every other DP rank."""
+    dp, tp = grid.dp, grid.tp.size
+    any_param = next(iter(params.values()))
+    mine = concat([params[n].view(-1) for n in params if owners[n] // tp == dp.rank], torch.float32,
+                  any_param.device)
+    sends = [mine if d != dp.rank else mine[:0] for d in range(dp.size)]
+    theirs = [[n for n in params if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
+    received = exchange(sends, [sum(params[n].numel() for n in names) for names in theirs], dp, ledger,
+                        "param broadcast from owner")
+    for names, flat in zip(theirs, received):
+        for name, value in zip(names, flat.split([params[n].numel() for n in names])):
+            params[name].view(-1).copy_(value)
+
+
+# =============================================================================
+# 7. Verification
 # =============================================================================
 # The reference is PyTorch's own single-device torch.optim.Muon and
 # torch.optim.AdamW on the full parameters, fed the sum of every DP rank's
@@ -772,13 +1158,18 @@ MUON_GROUP = "muon"
 
 
 def group_hyperparameters(cfg):
-    """The three param groups of the demo model and their hyperparameters."""
+    """The three param groups of the demo model and their hyperparameters.
+
+    With the AdamW ZeRO-1 baseline (strategy "adamw") the matrices take AdamW too:
+    the same parameters and layout, and no Newton-Schulz at all.
+    """
     muon = dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
                 nesterov=True, ns_steps=cfg.ns_steps, adjust_lr_fn=cfg.adjust_lr_fn)
     # One lr and weight decay for Muon and AdamW (Moonlight's practice with
     # match_rms_adamw); torch's default betas and eps; no decay on norms and biases.
     adamw = dict(algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-    return {"muon": muon, "adamw": adamw, "adamw_no_wd": dict(adamw, weight_decay=0.0)}
+    return {"muon": adamw if cfg.strategy == BASELINE else muon, "adamw": adamw,
+            "adamw_no_wd": dict(adamw, weight_decay=0.0)}
 
 
 def reference_params(specs, cfg, device="cpu"):
@@ -809,7 +1200,7 @@ def reference_params(specs, cfg, device="cpu"):
     return {n: p.cpu() for n, p in params.items()}
 
 
-def compare_to_reference(specs, reference, rank_params, dp, tp):
+def compare_to_reference(specs, reference, rank_params, dp, tp, muon_groups=(MUON_GROUP,)):
     """One row per parameter: max |delta| over every rank's piece and torch.equal on all of them."""
     rows = []
     for s in specs:
@@ -824,13 +1215,13 @@ def compare_to_reference(specs, reference, rank_params, dp, tp):
             else:
                 max_diff = float("inf")
         rows.append(dict(name=s.name, global_shape=list(s.global_shape), tp_split_dim=s.tp_split_dim,
-                         optimizer="Muon" if s.group == MUON_GROUP else "AdamW",
+                         optimizer="Muon" if s.group in muon_groups else "AdamW",
                          max_abs_diff=max_diff, identical=bool(identical)))
     return rows
 
 
 # =============================================================================
-# 7. Accounting
+# 8. Accounting
 # =============================================================================
 # Bytes per phase come from each rank's Ledger (section 2); FLOPs from the
 # Newton-Schulz calls each rank made. The redundancy factor is
@@ -843,13 +1234,20 @@ def compare_to_reference(specs, reference, rank_params, dp, tp):
 # when every rank touches every matrix. Zero-redundancy designs give each matrix
 # one owner instead.
 
-PHASES = ("grad reduce-scatter", "DP gather", "TP gather", "param all-gather")
+STRATEGY_PHASES = {
+    "gather": ("grad reduce-scatter", "DP gather", "TP gather", "param all-gather"),
+    "owner": ("grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather"),
+    "comm-free": ("grad reduce-scatter", "grad reduce at owner", "gather at owner", "scatter from owner",
+                  "param all-gather", "param broadcast from owner"),
+    "adamw": ("grad reduce-scatter", "param all-gather"),
+}
+PHASES = STRATEGY_PHASES["gather"]
 
 
-def bytes_per_step(ledgers, step):
+def bytes_per_step(ledgers, step, phases=PHASES):
     """{phase: {"axis", "dtype", "sent": [per rank], "received": [per rank]}} for one step."""
     table = {}
-    for phase in PHASES:
+    for phase in phases:
         sent, received, axes, dtypes = [], [], set(), set()
         for ledger in ledgers:
             records = [r for r in ledger["comm"] if r["step"] == step and r["phase"] == phase]
@@ -862,10 +1260,13 @@ def bytes_per_step(ledgers, step):
     return table
 
 
-def flops_per_step(ledgers, specs, step, ns_steps):
+def flops_per_step(ledgers, specs, step, ns_steps, muon_groups=(MUON_GROUP,)):
+    """Newton-Schulz FLOPs per rank; redundancy and max/mean are None where there is no Muon."""
     per_rank = [sum(r["flops"] for r in ledger["compute"] if r["step"] == step) for ledger in ledgers]
-    single = sum(newton_schulz_flops(s.global_shape, ns_steps) for s in specs if s.group == MUON_GROUP)
-    return dict(per_rank=per_rank, single_device=single, redundancy=sum(per_rank) / single)
+    single = sum(newton_schulz_flops(s.global_shape, ns_steps) for s in specs if s.group in muon_groups)
+    mean = sum(per_rank) / len(per_rank)
+    return dict(per_rank=per_rank, single_device=single, redundancy=sum(per_rank) / single if single else None,
+                max_over_mean=max(per_rank) / mean if mean else None)
 
 
 def format_table(header, rows, aligns):
@@ -882,7 +1283,7 @@ def human_bytes(n):
 
 
 # =============================================================================
-# 8. Main
+# 9. Main
 # =============================================================================
 # The parent process checks the arguments (before spawning anything), spawns
 # one process per rank, waits, then runs the single-device reference and
@@ -890,6 +1291,7 @@ def human_bytes(n):
 # to a temporary folder that the parent reads.
 
 PG_TIMEOUT_S = 60  # a collective stuck longer than this is a bug, not slowness (a step takes < 1 s here)
+MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
 
 
 @dataclass(frozen=True)
@@ -904,7 +1306,14 @@ class RunConfig:
     weight_decay: float = 0.1
     ns_steps: int = NS_STEPS
     adjust_lr_fn: str = "original"
+    strategy: str = "gather"  # one of STRATEGIES, or BASELINE
+    layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
+    overlap_chunks: int = 1  # owner strategy: chunks whose exchange overlaps Newton-Schulz
     fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
+
+
+def demo_specs(cfg):
+    return transformer_specs(n_layers=cfg.layers)
 
 
 def validate(cfg, specs):
@@ -926,6 +1335,14 @@ def validate(cfg, specs):
         raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
     if cfg.adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(f"--adjust-lr-fn must be one of {', '.join(ADJUST_LR_FNS)} (got {cfg.adjust_lr_fn!r})")
+    if cfg.strategy not in STRATEGIES + (BASELINE,):
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES + (BASELINE,))} (got {cfg.strategy!r})")
+    if not 1 <= cfg.layers <= MAX_LAYERS:
+        raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
+    if cfg.overlap_chunks < 1:
+        raise ValueError(f"--overlap-chunks must be >= 1 (got {cfg.overlap_chunks})")
+    if cfg.overlap_chunks > 1 and cfg.strategy != "owner":
+        raise ValueError(f"--overlap-chunks applies to --strategy owner only (got {cfg.strategy})")
     if not -1 <= cfg.fail_rank < cfg.dp * cfg.tp:
         raise ValueError(f"--fail-rank must name a rank in [0, {cfg.dp * cfg.tp}) (got {cfg.fail_rank})")
     check_tp_divides(specs, cfg.tp)
@@ -937,12 +1354,13 @@ def build_optimizer(specs, cfg, grid, params, **overrides):
               for g, h in group_hyperparameters(cfg).items()]
     return DistributedMuon([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
                            tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
-                           **overrides)
+                           strategy="gather" if cfg.strategy == BASELINE else cfg.strategy,
+                           overlap_chunks=cfg.overlap_chunks, **overrides)
 
 
 def run_rank(rank, cfg, port, out_dir):
     """One spawned rank: join the Gloo world, run the steps, write the results to out_dir."""
-    torch.set_num_threads(1)  # see section 6: same thread count everywhere
+    torch.set_num_threads(1)  # see section 7: same thread count everywhere
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.dp * cfg.tp,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     try:
@@ -961,7 +1379,7 @@ def run_rank(rank, cfg, port, out_dir):
 
 def run_steps(rank, cfg, device):
     """The body of every rank, whatever launched it: returns its final params, ledger and step times."""
-    specs = transformer_specs()
+    specs = demo_specs(cfg)
     grid = make_grid(cfg.dp, cfg.tp, rank)
     params = {s.name: tp_shard(t, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
               for s, t in zip(specs, initial_params(specs, cfg.seed).values())}
@@ -990,7 +1408,7 @@ def run_steps(rank, cfg, device):
             fresh.ledger = opt.ledger
             opt = fresh
     return dict(rank=rank, params={n: p.detach().cpu() for n, p in params.items()},
-                ledger=asdict(opt.ledger), step_ms=step_ms)
+                ledger=asdict(opt.ledger), step_ms=step_ms, state_bytes=opt.state_bytes(), owners=opt.owners)
 
 
 def free_port():
@@ -1044,7 +1462,7 @@ def spawn_ranks(cfg):
 
 def run(cfg, explain=False, print_fn=print):
     """Spawn the ranks on this machine, verify against torch, account; returns the results dict."""
-    validate(cfg, transformer_specs())
+    validate(cfg, demo_specs(cfg))
     print_header(cfg, "CPU", "Gloo", explain, print_fn)
     t0 = time.perf_counter()
     results = spawn_ranks(cfg)
@@ -1052,47 +1470,98 @@ def run(cfg, explain=False, print_fn=print):
 
 
 def print_header(cfg, device_kind, backend, explain, print_fn):
-    """The grid and the virtual buffer, which every rank computes alike."""
+    """The grid, the virtual buffer and the owners, which every rank computes alike."""
     world = cfg.dp * cfg.tp
     print_fn(f"Distributed Muon: {world} {device_kind} rank{'s' * (world != 1)} over {backend}, "
-             f"DP={cfg.dp} x TP={cfg.tp}, {cfg.steps} steps, seed {cfg.seed}, torch {torch.__version__}\n")
+             f"DP={cfg.dp} x TP={cfg.tp}, strategy {cfg.strategy}, {cfg.steps} steps, seed {cfg.seed}, "
+             f"torch {torch.__version__}\n")
     print_fn("[2] The grid (rank = dp_rank * TP + tp_rank; a row is a TP group, a column a DP group)")
     print_fn(format_grid(cfg.dp, cfg.tp) + "\n")
     buckets, bucket_ranges, shapes = demo_layout(cfg)
     used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
     n_buffers = len({b.buffer_idx for b in buckets})
+    whole = " (Muon matrices are sharded whole, outside the buckets)" if cfg.strategy == "comm-free" else ""
     print_fn(f"[4] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
-             f"elements, {used:,} TP-local elements + {padded - used} padding per rank")
+             f"elements, {used:,} TP-local elements + {padded - used} padding per rank{whole}")
     if explain:
         print_fn(format_buffer_map(buckets, bucket_ranges, shapes, cfg.dp))
+    owners = demo_owners(cfg)
+    if owners:
+        flops = demo_ns_flops(cfg)
+        per_rank, balance = load_balance(flops, owners, world)
+        print_fn(f"[6] Owners: {len(owners)} matrices on {world} ranks by longest-processing-time over "
+                 f"Newton-Schulz FLOPs; max/mean = {balance:.2f}")
+        if explain:
+            rows = [[r, sum(o == r for o in owners.values()), f"{per_rank[r] / 1e9:.3f}",
+                     " ".join(n for n, o in owners.items() if o == r)] for r in range(world)]
+            print_fn(format_table(["rank", "matrices", "GFLOP", "owns"], rows, [">", ">", ">", "<"]))
     print_fn("")
 
 
 def demo_layout(cfg):
     """The demo model's buckets, as every rank's DistributedMuon plans them (build_optimizer's order)."""
-    specs = transformer_specs()
+    specs = demo_specs(cfg)
     shapes = {s.name: tp_local_shape(s, cfg.tp) for s in specs}
-    buffers = [[(s.name, math.prod(shapes[s.name])) for s in specs if s.group == g]
-               for g in group_hyperparameters(cfg)]
-    buckets, bucket_ranges = plan_buckets([b for b in buffers if b], cfg.dp, cfg.bucket_size)
+    hyper = group_hyperparameters(cfg)
+    groups = [g for g in hyper if any(s.group == g for s in specs)]  # build_optimizer drops empty groups
+    whole = lambda g: cfg.strategy == "comm-free" and hyper[g]["algorithm"] == "muon"  # not in buckets
+    buffers = [[] if whole(g) else [(s.name, math.prod(shapes[s.name])) for s in specs if s.group == g]
+               for g in groups]
+    buckets, bucket_ranges = plan_buckets(buffers, cfg.dp, cfg.bucket_size)
     return buckets, bucket_ranges, shapes
+
+
+def demo_ns_flops(cfg):
+    """{matrix: Newton-Schulz FLOPs} of the demo model's Muon matrices, in optimizer order."""
+    return {s.name: newton_schulz_flops(s.global_shape, cfg.ns_steps)
+            for s in demo_specs(cfg) if s.group == MUON_GROUP}
+
+
+def demo_owners(cfg):
+    """The owner of every matrix, as every rank's DistributedMuon assigns it; None for gather and the baseline."""
+    if cfg.strategy not in ("owner", "comm-free"):
+        return None
+    return assign_owners(demo_ns_flops(cfg), cfg.dp * cfg.tp)
+
+
+def verify(cfg, results, device="cpu"):
+    """Every rank's parameters against torch on `device`: (checks, reference seconds)."""
+    specs = demo_specs(cfg)
+    t1 = time.perf_counter()
+    reference = reference_params(specs, cfg, device)
+    muon_groups = () if cfg.strategy == BASELINE else (MUON_GROUP,)
+    checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp,
+                                  muon_groups)
+    start = initial_params(specs, cfg.seed)
+    for c in checks:  # how far the weights moved: the scale against which max |d| = 0 means something
+        c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
+    return checks, time.perf_counter() - t1
+
+
+def account(cfg, results):
+    """Bytes per phase (last step), whether every step moved the same, and Newton-Schulz FLOPs."""
+    ledgers = [r["ledger"] for r in results]
+    phases = STRATEGY_PHASES[cfg.strategy]
+    tables = [bytes_per_step(ledgers, s, phases) for s in range(1, cfg.steps + 1)]
+    muon_groups = () if cfg.strategy == BASELINE else (MUON_GROUP,)
+    flops = flops_per_step(ledgers, demo_specs(cfg), cfg.steps, cfg.ns_steps, muon_groups)
+    return tables[-1], all(t == tables[0] for t in tables), flops
+
+
+def total_bytes(table):
+    """(max over ranks of bytes sent per step, bytes sent by all ranks per step)."""
+    per_rank = [sum(col) for col in zip(*(t["sent"] for t in table.values()))]
+    return max(per_rank), sum(per_rank)
 
 
 def report(cfg, results, ranks_s, device="cpu", backend="gloo", print_fn=print):
     """Verify every rank's parameters against torch on `device`, print the accounting, return it all."""
-    specs = transformer_specs()
     world = cfg.dp * cfg.tp
     buckets, _, _ = demo_layout(cfg)
-    t1 = time.perf_counter()
-    reference = reference_params(specs, cfg, device)
-    checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp)
-    start = initial_params(specs, cfg.seed)
-    for c in checks:  # how far the weights moved: the scale against which max |d| = 0 means something
-        c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
-    ref_s = time.perf_counter() - t1
-
+    checks, ref_s = verify(cfg, results, device)
     n_same = sum(c["identical"] for c in checks)
-    print_fn(f"[6] Every rank's piece against torch.optim.Muon / torch.optim.AdamW on one device "
+    reference_name = "torch.optim.AdamW" if cfg.strategy == BASELINE else "torch.optim.Muon / torch.optim.AdamW"
+    print_fn(f"[7] Every rank's piece against {reference_name} on one device "
              f"(torch.equal): {n_same}/{len(checks)} parameters identical")
     rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
              "-" if c["tp_split_dim"] < 0 else c["tp_split_dim"], c["optimizer"],
@@ -1101,29 +1570,27 @@ def report(cfg, results, ranks_s, device="cpu", backend="gloo", print_fn=print):
     print_fn(format_table(["parameter", "global shape", "split", "optimizer", "max |d|", "identical"], rows,
                           ["<", ">", ">", "<", ">", ">"]) + "\n")
 
-    ledgers = [r["ledger"] for r in results]
-    tables = [bytes_per_step(ledgers, s) for s in range(1, cfg.steps + 1)]
-    same_every_step = all(t == tables[0] for t in tables)
-    table = tables[-1]
+    table, same_every_step, flops = account(cfg, results)
     gloo_note = "; Gloo's reduce-scatter is an all-reduce and moves more" if backend == "gloo" else ""
-    print_fn(f"[7] Bytes per step, counted as a ring algorithm moves them "
+    print_fn(f"[8] Bytes per step: ring counts for all-gather and reduce-scatter, exact counts for all-to-all "
              f"({'the same every step' if same_every_step else 'last step; steps differ'}{gloo_note})")
-    rows, total_sent = [], 0
-    for phase, t in table.items():
-        total_sent += sum(t["sent"])
-        rows.append([phase, t["axis"], t["dtype"], human_bytes(max(t["sent"])), human_bytes(max(t["received"])),
-                     human_bytes(sum(t["sent"]))])
-    rows.append(["total", "", "", human_bytes(max(map(sum, zip(*(t["sent"] for t in table.values()))))),
-                 human_bytes(max(map(sum, zip(*(t["received"] for t in table.values()))))), human_bytes(total_sent)])
+    rows = [[phase, t["axis"], t["dtype"], human_bytes(max(t["sent"])), human_bytes(max(t["received"])),
+             human_bytes(sum(t["sent"]))] for phase, t in table.items()]
+    max_sent, all_sent = total_bytes(table)
+    max_received = max(map(sum, zip(*(t["received"] for t in table.values()))))
+    rows.append(["total", "", "", human_bytes(max_sent), human_bytes(max_received), human_bytes(all_sent)])
     print_fn(format_table(["phase", "axis", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"],
                           rows, ["<", "<", "<", ">", ">", ">"]) + "\n")
 
-    flops = flops_per_step(ledgers, specs, cfg.steps, cfg.ns_steps)
-    print_fn(f"[7] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
-             f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
-    print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
-             f"(upper bound DP x TP = {world}: every TP peer, and every DP rank whose shard touches a "
-             f"matrix, orthogonalizes it)\n")
+    if flops["single_device"]:
+        print_fn(f"[8] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
+                 f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
+        why = ("every TP peer, and every DP rank whose shard touches a matrix, orthogonalizes it"
+               if cfg.strategy == "gather" else "each matrix is orthogonalized once, by its owner")
+        print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
+                 f"(upper bound DP x TP = {world}; {why}); max/mean per rank = {flops['max_over_mean']:.2f}\n")
+    state = [r["state_bytes"] for r in results]
+    print_fn(f"[8] Optimizer state per rank: max {human_bytes(max(state))}, min {human_bytes(min(state))}")
 
     step_ms = [max(r["step_ms"][i] for r in results) for i in range(cfg.steps)]
     timings = dict(ranks_s=ranks_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
@@ -1133,8 +1600,75 @@ def report(cfg, results, ranks_s, device="cpu", backend="gloo", print_fn=print):
              f"median step {timings['step_ms_median']:.0f} ms (slowest rank)")
     print_fn(f"Result: {'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch")
     return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks,
-                buckets=[asdict(b) for b in buckets], bytes_per_step=table, bytes_same_every_step=same_every_step,
-                ns_flops=flops, timings=timings, ledgers=ledgers)
+                buckets=[asdict(b) for b in buckets], owners=results[0]["owners"], bytes_per_step=table,
+                bytes_same_every_step=same_every_step, bytes_sent_max_rank=max_sent, bytes_sent_all_ranks=all_sent,
+                ns_flops=flops, state_bytes=state, timings=timings, ledgers=[r["ledger"] for r in results])
+
+
+# --compare: every strategy and the AdamW ZeRO-1 baseline on the same grid and parameters.
+COMPARED = STRATEGIES + (BASELINE,)
+LABELS = {"gather": "gather", "owner": "owner", "comm-free": "comm-free", BASELINE: "AdamW ZeRO-1"}
+
+
+def compare(cfg, explain=False, print_fn=print):
+    """Run each of COMPARED in turn (each checked against torch), then print one table; returns them all."""
+    runs = {}
+    for strategy in COMPARED:
+        run_cfg = replace(cfg, strategy=strategy)
+        lines = []
+        runs[strategy] = run(run_cfg, explain=explain and strategy == cfg.strategy, print_fn=lines.append)
+        result = runs[strategy]
+        failed = [c["name"] for c in result["checks"] if not c["identical"]]
+        print_fn(f"{LABELS[strategy]:<13} {'PASS' if result['passed'] else 'FAIL'}: "
+                 f"{len(result['checks']) - len(failed)}/{len(result['checks'])} parameters bit-identical to torch"
+                 + (f" (not: {', '.join(failed)})" if failed else ""))
+    print_fn("")
+    print_fn(format_comparison(cfg, runs))
+    return dict(config=asdict(cfg), torch=torch.__version__, passed=all(r["passed"] for r in runs.values()),
+                runs=runs, realistic_balance=realistic_balance(cfg.dp * cfg.tp, cfg.ns_steps))
+
+
+def realistic_balance(n_ranks, ns_steps=NS_STEPS):
+    """max/mean Newton-Schulz FLOPs of the owner assignment for GPT-2 small's matrices (12 layers, d = 768),
+    from shapes alone: the demo model is too small to balance 8 ranks (see section 6)."""
+    flops = {s.name: newton_schulz_flops(s.global_shape, ns_steps)
+             for s in transformer_specs(vocab=50304, d=768, n_layers=12) if s.group == MUON_GROUP}
+    _, balance = load_balance(flops, assign_owners(flops, n_ranks), n_ranks)
+    return dict(model="GPT-2 small shapes (12 layers, d = 768, with an 8-expert router)", matrices=len(flops),
+                ranks=n_ranks, max_over_mean=balance)
+
+
+def format_comparison(cfg, runs):
+    world = cfg.dp * cfg.tp
+    baseline_all = runs[BASELINE]["bytes_sent_all_ranks"]
+    phases = [p for s in COMPARED for p in STRATEGY_PHASES[s]]
+    phases = sorted(set(phases), key=phases.index)
+    lines = [f"[8] Bytes sent per step by all ranks, per phase (DP={cfg.dp} x TP={cfg.tp}, {cfg.layers} layers)"]
+    rows = [[p] + [human_bytes(sum(runs[s]["bytes_per_step"][p]["sent"])) if p in runs[s]["bytes_per_step"]
+                   else "-" for s in COMPARED] for p in phases]
+    rows.append(["total"] + [human_bytes(runs[s]["bytes_sent_all_ranks"]) for s in COMPARED])
+    lines.append(format_table(["phase"] + [LABELS[s] for s in COMPARED], rows, ["<"] + [">"] * len(COMPARED)))
+    lines.append("")
+    lines.append(f"[8] Per strategy ({world} ranks, median of {cfg.steps} steps; ratio and extra are against "
+                 f"AdamW ZeRO-1's total)")
+    rows = []
+    for s in COMPARED:
+        r, f = runs[s], runs[s]["ns_flops"]
+        mean = sum(f["per_rank"]) / world
+        rows.append([LABELS[s], human_bytes(r["bytes_sent_all_ranks"]), human_bytes(r["bytes_sent_max_rank"]),
+                     f"{r['bytes_sent_all_ranks'] / baseline_all:.2f}" if baseline_all else "-",
+                     human_bytes(r["bytes_sent_all_ranks"] - baseline_all),
+                     f"{max(f['per_rank']) / 1e9:.3f}", f"{mean / 1e9:.3f}",
+                     f"{f['max_over_mean']:.2f}" if f["max_over_mean"] else "-",
+                     f"{f['redundancy']:.2f}" if f["redundancy"] is not None else "-",
+                     human_bytes(max(r["state_bytes"])), f"{r['timings']['step_ms_median']:.0f}"])
+    lines.append(format_table(["strategy", "bytes, all", "bytes/rank max", "ratio", "extra", "NS GFLOP max",
+                               "mean", "max/mean", "redundancy", "state/rank max", "step ms"],
+                              rows, ["<"] + [">"] * 10))
+    b = realistic_balance(world, cfg.ns_steps)
+    lines.append(f"\nOwner balance for {b['model']}: {b['matrices']} matrices on {world} ranks, "
+                 f"max/mean = {b['max_over_mean']:.2f} (from shapes alone)")
+    return "\n".join(lines)
 
 
 def build_parser(description):
@@ -1151,7 +1685,17 @@ def build_parser(description):
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
     p.add_argument("--ns-steps", type=int, default=d.ns_steps, help="Newton-Schulz iterations")
     p.add_argument("--adjust-lr-fn", default=d.adjust_lr_fn, help=f"one of {', '.join(ADJUST_LR_FNS)}")
-    p.add_argument("--explain", action="store_true", help="print which rank owns which range of which parameter")
+    p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES + (BASELINE,),
+                   help="gather (default): every rank that touches a matrix orthogonalizes it; owner: one rank "
+                        "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP; "
+                        "adamw: the AdamW ZeRO-1 baseline, no Muon")
+    p.add_argument("--compare", action="store_true",
+                   help="run every strategy and the AdamW ZeRO-1 baseline, each checked, and print one table")
+    p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (default %(default)s)")
+    p.add_argument("--overlap-chunks", type=int, default=d.overlap_chunks,
+                   help="owner strategy: exchange in this many chunks, overlapping Newton-Schulz (default 1)")
+    p.add_argument("--explain", action="store_true",
+                   help="print which rank owns which range of which parameter, and which matrices")
     p.add_argument("--json", metavar="PATH", help="write the run's results (checks, bytes, FLOPs, timings)")
     p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: make this rank raise
     return p
@@ -1160,7 +1704,8 @@ def build_parser(description):
 def config_from_args(a):
     return RunConfig(dp=a.dp, tp=a.tp, steps=a.steps, seed=a.seed, bucket_size=a.bucket_size, lr=a.lr,
                      momentum=a.momentum, weight_decay=a.weight_decay, ns_steps=a.ns_steps,
-                     adjust_lr_fn=a.adjust_lr_fn, fail_rank=a.fail_rank)
+                     adjust_lr_fn=a.adjust_lr_fn, strategy=a.strategy, layers=a.layers,
+                     overlap_chunks=a.overlap_chunks, fail_rank=a.fail_rank)
 
 
 def write_json(path, results):
@@ -1173,7 +1718,8 @@ def main(argv=None):
     args = build_parser("ZeRO-1 x TP distributed Muon on CPU ranks over Gloo, checked bit for bit against "
                         "torch.optim.Muon / AdamW.").parse_args(argv)
     try:
-        results = run(config_from_args(args), explain=args.explain)  # validates before spawning anything
+        go = compare if args.compare else run
+        results = go(config_from_args(args), explain=args.explain)  # validates before spawning anything
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
