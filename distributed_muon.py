@@ -65,7 +65,10 @@ def check(args, world):
         args.dp = world // args.tp
     cfg = dm.config_from_args(args)
     dm.check_topology(cfg.dp, cfg.tp, world)
-    dm.validate(cfg, dm.transformer_specs())
+    dm.validate(cfg, dm.demo_specs(cfg))
+    if args.compare:
+        raise ValueError("--compare runs each strategy in turn: launch once per --strategy here "
+                         "(or use distributed_muon_cpu.py --compare)")
     if args.backend == "nccl" and args.device != "cuda":
         raise ValueError("NCCL needs --device cuda; on CPUs use --backend gloo --device cpu")
     if args.device == "cuda" and torch.cuda.device_count() < 1:

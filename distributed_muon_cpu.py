@@ -391,6 +391,17 @@ def transformer_specs(vocab=VOCAB, d=D_MODEL, n_layers=N_LAYERS, n_experts=N_EXP
     return specs
 
 
+def lopsided_specs():
+    """One huge matrix among many small ones (--model lopsided): a case no owner
+    assignment can balance, and one where batching the small ones pays (section 6)."""
+    specs = [ParamSpec("huge.weight", (1024, 128), 0, "muon"), ParamSpec("huge.bias", (1024,), 0, "adamw_no_wd")]
+    for i in range(12):  # alternately tall (split rows) and wide (split columns)
+        specs.append(ParamSpec(f"small.{i}.weight", (32, 64) if i % 2 else (64, 32), i % 2, "muon"))
+    specs += [ParamSpec("small.router.weight", (8, 32), -1, "muon"),
+              ParamSpec("out.weight", (64, 32), 0, "adamw")]
+    return specs
+
+
 def check_tp_divides(specs, tp):
     """Raise ValueError naming the first parameter TP cannot split evenly."""
     for s in specs:
@@ -659,6 +670,7 @@ class DistributedMuon(torch.optim.Optimizer):
         self.grid, self.bucket_size, self.strategy = grid, bucket_size, strategy
         self.overlap_chunks = overlap_chunks
         self.ledger = Ledger()
+        self.device = self.param_groups[0]["params"][0].device
         tp_split_dims = dict(tp_split_dims or {})
 
         buffers, shapes, global_shapes, split_dims, self.param_by_name = [], {}, {}, {}, {}
@@ -796,7 +808,7 @@ class DistributedMuon(torch.optim.Optimizer):
         if self.strategy == "gather":
             return self._orthogonalize_gathered(updates)
         return orthogonalize_at_owners(updates, self.routes, self._ns_at_owner, self._route_axis(),
-                                       self.ledger, self.overlap_chunks)
+                                       self.ledger, self.device, self.overlap_chunks)
 
     def _route_axis(self):
         return self.grid.world if self.strategy == "owner" else self.grid.tp
@@ -1068,7 +1080,7 @@ def scatter_from_owner(orthos, routes, axis, ledger, dtype, device, async_op=Fal
     return unpack if async_op else unpack()
 
 
-def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, chunks=1):
+def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, device, chunks=1):
     """gather at owner -> Newton-Schulz (owners only) -> scatter from owner: {name: this rank's part}.
 
     With chunks > 1 the routes are split round-robin into that many chunks, every
@@ -1077,8 +1089,7 @@ def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, chu
     starts as soon as its Newton-Schulz ends. The bytes are the same; only the
     number of messages and the overlap change.
     """
-    any_update = next(iter(updates.values()), None)
-    dtype, device = torch.bfloat16, any_update.device if any_update is not None else "cpu"
+    dtype = torch.bfloat16  # the updates were cast to Newton-Schulz's input type before they travel
     chunked = [routes[c::chunks] for c in range(chunks)]
     gathers = [gather_at_owner(updates, rs, axis, ledger, dtype, device, async_op=True) for rs in chunked]
     scatters = [scatter_from_owner(newton_schulz_fn(gather()), rs, axis, ledger, dtype, device, async_op=True)
@@ -1307,13 +1318,17 @@ class RunConfig:
     ns_steps: int = NS_STEPS
     adjust_lr_fn: str = "original"
     strategy: str = "gather"  # one of STRATEGIES, or BASELINE
+    model: str = "transformer"  # one of MODELS: the transformer of section 3, or lopsided_specs()
     layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
     overlap_chunks: int = 1  # owner strategy: chunks whose exchange overlaps Newton-Schulz
     fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
 
 
+MODELS = ("transformer", "lopsided")
+
+
 def demo_specs(cfg):
-    return transformer_specs(n_layers=cfg.layers)
+    return transformer_specs(n_layers=cfg.layers) if cfg.model == "transformer" else lopsided_specs()
 
 
 def validate(cfg, specs):
@@ -1337,6 +1352,8 @@ def validate(cfg, specs):
         raise ValueError(f"--adjust-lr-fn must be one of {', '.join(ADJUST_LR_FNS)} (got {cfg.adjust_lr_fn!r})")
     if cfg.strategy not in STRATEGIES + (BASELINE,):
         raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES + (BASELINE,))} (got {cfg.strategy!r})")
+    if cfg.model not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
     if not 1 <= cfg.layers <= MAX_LAYERS:
         raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
     if cfg.overlap_chunks < 1:
@@ -1612,6 +1629,10 @@ LABELS = {"gather": "gather", "owner": "owner", "comm-free": "comm-free", BASELI
 
 def compare(cfg, explain=False, print_fn=print):
     """Run each of COMPARED in turn (each checked against torch), then print one table; returns them all."""
+    world = cfg.dp * cfg.tp
+    validate(cfg, demo_specs(cfg))
+    print_fn(f"Comparing strategies: {world} CPU rank{'s' * (world != 1)} over Gloo, DP={cfg.dp} x TP={cfg.tp}, "
+             f"{cfg.model} model, {cfg.steps} steps, seed {cfg.seed}, torch {torch.__version__}\n")
     runs = {}
     for strategy in COMPARED:
         run_cfg = replace(cfg, strategy=strategy)
@@ -1643,7 +1664,8 @@ def format_comparison(cfg, runs):
     baseline_all = runs[BASELINE]["bytes_sent_all_ranks"]
     phases = [p for s in COMPARED for p in STRATEGY_PHASES[s]]
     phases = sorted(set(phases), key=phases.index)
-    lines = [f"[8] Bytes sent per step by all ranks, per phase (DP={cfg.dp} x TP={cfg.tp}, {cfg.layers} layers)"]
+    model = f"{cfg.layers}-layer transformer" if cfg.model == "transformer" else f"{cfg.model} model"
+    lines = [f"[8] Bytes sent per step by all ranks, per phase (DP={cfg.dp} x TP={cfg.tp}, {model})"]
     rows = [[p] + [human_bytes(sum(runs[s]["bytes_per_step"][p]["sent"])) if p in runs[s]["bytes_per_step"]
                    else "-" for s in COMPARED] for p in phases]
     rows.append(["total"] + [human_bytes(runs[s]["bytes_sent_all_ranks"]) for s in COMPARED])
@@ -1691,6 +1713,8 @@ def build_parser(description):
                         "adamw: the AdamW ZeRO-1 baseline, no Muon")
     p.add_argument("--compare", action="store_true",
                    help="run every strategy and the AdamW ZeRO-1 baseline, each checked, and print one table")
+    p.add_argument("--model", default=d.model, choices=MODELS,
+                   help="transformer (default): section 3's model; lopsided: one huge matrix among small ones")
     p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (default %(default)s)")
     p.add_argument("--overlap-chunks", type=int, default=d.overlap_chunks,
                    help="owner strategy: exchange in this many chunks, overlapping Newton-Schulz (default 1)")
@@ -1704,7 +1728,7 @@ def build_parser(description):
 def config_from_args(a):
     return RunConfig(dp=a.dp, tp=a.tp, steps=a.steps, seed=a.seed, bucket_size=a.bucket_size, lr=a.lr,
                      momentum=a.momentum, weight_decay=a.weight_decay, ns_steps=a.ns_steps,
-                     adjust_lr_fn=a.adjust_lr_fn, strategy=a.strategy, layers=a.layers,
+                     adjust_lr_fn=a.adjust_lr_fn, strategy=a.strategy, model=a.model, layers=a.layers,
                      overlap_chunks=a.overlap_chunks, fail_rank=a.fail_rank)
 
 

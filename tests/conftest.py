@@ -53,3 +53,13 @@ def single_process_group():
                             timeout=datetime.timedelta(seconds=60))
     yield dm.make_grid(1, 1, 0)
     dist.destroy_process_group()
+
+
+def layout_metas(dp, tp, bucket_size, **config):
+    """Every DP rank's dist_meta for the demo model, from the layout the run used."""
+    cfg = dm.RunConfig(dp=dp, tp=tp, bucket_size=bucket_size, **config)
+    specs = dm.demo_specs(cfg)
+    buckets, ranges, shapes = dm.demo_layout(cfg)
+    global_shapes = {s.name: s.global_shape for s in specs}
+    splits = {s.name: s.tp_split_dim for s in specs}
+    return [dm.build_dist_metas(buckets, ranges, shapes, global_shapes, splits, r, dp) for r in range(dp)]

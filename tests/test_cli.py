@@ -27,6 +27,11 @@ BAD_INPUT = [
     (["--momentum", "-0.5"], "--momentum must be in [0, 1)"),
     (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
     (["--adjust-lr-fn", "spectral"], "--adjust-lr-fn must be one of original, match_rms_adamw"),
+    (["--layers", "0"], "--layers must be in [1, 24]"),
+    (["--overlap-chunks", "0", "--strategy", "owner"], "--overlap-chunks must be >= 1"),
+    (["--overlap-chunks", "2"], "--overlap-chunks applies to --strategy owner only (got gather)"),
+    (["--compare", "--tp", "3"], "TP 3 does not divide embed.weight dim 0"),
+    (["--model", "lopsided", "--tp", "3"], "TP 3 does not divide huge.weight"),
 ]
 
 
@@ -91,5 +96,34 @@ def test_help():
     proc = run_script("--help")
     assert proc.returncode == 0
     for flag in ["--dp", "--tp", "--steps", "--seed", "--bucket-size", "--lr", "--momentum", "--weight-decay",
-                 "--ns-steps", "--adjust-lr-fn", "--explain", "--json"]:
+                 "--ns-steps", "--adjust-lr-fn", "--explain", "--json", "--strategy", "--compare", "--model",
+                 "--layers", "--overlap-chunks"]:
         assert flag in proc.stdout
+
+
+def test_compare_prints_one_table_and_writes_every_run(tmp_path):
+    path = tmp_path / "compare.json"
+    proc = run_script("--compare", "--dp", "2", "--tp", "2", "--json", str(path), timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(path.read_text())
+    assert list(results["runs"]) == list(dm.COMPARED) and results["passed"]
+    lines = proc.stdout.splitlines()
+    summary = lines[next(i for i, line in enumerate(lines) if line.startswith("strategy ")):]
+    for strategy, run in results["runs"].items():
+        assert run["config"]["strategy"] == strategy and run["passed"]
+        label = dm.LABELS[strategy]
+        assert f"{label:<13} PASS" in proc.stdout  # the verification line
+        row = next(line for line in summary if line.startswith(label + " "))
+        assert dm.human_bytes(run["bytes_sent_all_ranks"]) in row  # the summary shows the JSON's numbers
+        assert f"{run['timings']['step_ms_median']:.0f}" == row.split()[-1]
+    for strategy in dm.STRATEGIES[1:]:
+        assert results["runs"][strategy]["ns_flops"]["redundancy"] == 1.0
+    assert results["realistic_balance"]["max_over_mean"] <= 1.10
+
+
+def test_explain_lists_the_owners():
+    proc = run_script("--strategy", "owner", "--dp", "2", "--tp", "1", "--explain")
+    assert proc.returncode == 0, proc.stderr
+    assert "[6] Owners: 10 matrices on 2 ranks" in proc.stdout
+    owns = [line for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"]) and "weight" in line]
+    assert len(owns) == 2 and sum(line.count(".weight") for line in owns) == 10

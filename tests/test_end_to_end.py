@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import dm
+from conftest import dm, layout_metas
 
 GRIDS = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8), (3, 2)]
 STEPS = 3  # the run resumes from a state_dict after step 2, so the checkpoint path is covered too
@@ -32,8 +32,7 @@ def test_bit_identical_to_torch(run_grid, dp, tp):
 def test_uneven_grid_pads_and_straddles(run_grid):
     result = grid_run(run_grid, 3, 2)
     assert any(b["numel"] > b["used"] for b in result["buckets"])  # padding exists
-    specs = dm.transformer_specs()
-    metas = layout_metas(specs, 3, 2, BUCKET)
+    metas = layout_metas(3, 2, BUCKET)
     straddling = [n for n in metas[0] if sum(metas[r][n].local_numel > 0 for r in range(3)) > 1]
     assert straddling  # some parameter is split between DP ranks
 
@@ -62,17 +61,9 @@ def test_comparison_detects_a_single_flipped_bit():
 
 # --- accounting --------------------------------------------------------------
 
-def layout_metas(specs, dp, tp, bucket_size):
-    """Every DP rank's dist_meta for the demo model, from the layout the run used."""
-    buckets, ranges, shapes = dm.demo_layout(dm.RunConfig(dp=dp, tp=tp, bucket_size=bucket_size))
-    global_shapes = {s.name: s.global_shape for s in specs}
-    splits = {s.name: s.tp_split_dim for s in specs}
-    return [dm.build_dist_metas(buckets, ranges, shapes, global_shapes, splits, r, dp) for r in range(dp)]
-
-
 def expected_per_rank(specs, dp, tp, buckets):
     """Bytes each rank sends per phase and its Newton-Schulz FLOPs, from sizes alone."""
-    metas = layout_metas(specs, dp, tp, BUCKET)
+    metas = layout_metas(dp, tp, BUCKET)
     spec = {s.name: s for s in specs}
     out = []
     for rank in range(dp * tp):

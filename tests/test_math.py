@@ -123,3 +123,15 @@ def test_gradient_draw_sums_exactly_in_any_order():
         assert torch.equal(forward, backward) and torch.equal(forward.double(), exact)
         assert not torch.equal(per_rank[0][name], per_rank[1][name])  # DP ranks saw different data
     assert math.isclose(dm.GRAD_SCALE * dm.GRAD_MAX_INT * dm.MAX_WORLD, 16.0)
+
+
+@pytest.mark.parametrize("shape,batch", [((384, 128), 3), ((128, 512), 4), ((64, 64), 16), ((8, 128), 2),
+                                         ((32, 64), 12)])
+def test_batched_newton_schulz_is_torchs_per_matrix(shape, batch):
+    """One baddbmm call for a stack gives each matrix exactly torch's single-matrix result."""
+    torch.set_num_threads(1)
+    stack = torch.randn(batch, *shape, generator=torch.Generator().manual_seed(batch))
+    got = dm.newton_schulz(stack)
+    for i in range(batch):
+        expected = torch_newton_schulz(stack[i].clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+        assert torch.equal(got[i], expected), i

@@ -24,13 +24,14 @@ def split_groups(model, **muon_hyper):
     return [dict(params=matrices, algorithm="muon", **muon_hyper), dict(params=others, algorithm="adamw")]
 
 
-def test_trains_a_real_model_exactly_like_torch(single_process_group):
+@pytest.mark.parametrize("strategy", dm.STRATEGIES)
+def test_trains_a_real_model_exactly_like_torch(single_process_group, strategy):
     """Real backward passes (no DP reduction on one rank), so the match must be exact."""
     torch.manual_seed(0)
     ours, theirs = TinyNet(), TinyNet()
     theirs.load_state_dict(ours.state_dict())
     opt = dm.DistributedMuon(split_groups(ours), grid=single_process_group, bucket_size=300, lr=0.02,
-                             weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+                             weight_decay=0.1, adjust_lr_fn="match_rms_adamw", strategy=strategy)
     assert isinstance(opt, torch.optim.Optimizer)
     muon_params = [p for n, p in theirs.named_parameters() if p.ndim == 2 and not n.startswith("embed")]
     other_params = [p for n, p in theirs.named_parameters() if not (p.ndim == 2 and not n.startswith("embed"))]
@@ -56,7 +57,8 @@ def test_state_dict_round_trip_and_layout_check(single_process_group):
     model(torch.randint(0, 50, (2, 3))).backward()
     opt.step()
     sd = opt.state_dict()
-    assert sd["layout"] == dict(dp=1, tp=1, dp_rank=0, tp_rank=0, bucket_size=1 << 16)
+    assert sd["layout"] == dict(dp=1, tp=1, dp_rank=0, tp_rank=0, bucket_size=1 << 16, strategy="gather",
+                                owners=None)
     fresh = dm.DistributedMuon(split_groups(model), grid=single_process_group)
     fresh.load_state_dict(sd)
     hidden = model.hidden.weight
@@ -65,6 +67,25 @@ def test_state_dict_round_trip_and_layout_check(single_process_group):
     other = dm.DistributedMuon(split_groups(model), grid=single_process_group, bucket_size=100)
     with pytest.raises(ValueError, match="bucket_size 65536 != 100"):
         other.load_state_dict(sd)
+    owner = dm.DistributedMuon(split_groups(model), grid=single_process_group, strategy="owner")
+    with pytest.raises(ValueError, match="strategy gather != owner"):
+        owner.load_state_dict(sd)
+
+
+def test_custom_owners_are_checked_and_used(single_process_group):
+    model = TinyNet()
+    matrices = ["hidden.weight", "out.weight"]
+    opt = dm.DistributedMuon(split_groups(model), grid=single_process_group, strategy="owner",
+                             owners={0: matrices})
+    assert opt.owners == {"hidden.weight": 0, "out.weight": 0}
+    for owners, message in [({0: ["hidden.weight"]}, "out.weight has no owner"),
+                            ({0: matrices + ["hidden.weight"]}, r"hidden.weight is owned twice \(ranks 0 and 0\)"),
+                            ({0: matrices + ["norm.weight"]}, "norm.weight is not a Muon matrix"),
+                            ({0: matrices, 3: []}, r"rank 3 is not in \[0, 1\)")]:
+        with pytest.raises(ValueError, match=message):
+            dm.DistributedMuon(split_groups(model), grid=single_process_group, strategy="owner", owners=owners)
+    with pytest.raises(ValueError, match="owners only applies"):
+        dm.DistributedMuon(split_groups(model), grid=single_process_group, owners={0: matrices})
 
 
 def test_missing_gradient_is_named(single_process_group):
@@ -84,6 +105,8 @@ def test_missing_gradient_is_named(single_process_group):
     (lambda m: split_groups(m), dict(momentum=1.0), "momentum must be in"),
     (lambda m: split_groups(m), dict(lr=-1.0), "lr and weight_decay must be >= 0"),
     (lambda m: split_groups(m), dict(adjust_lr_fn="spectral"), "adjust_lr_fn must be one of"),
+    (lambda m: split_groups(m), dict(strategy="scatter"), "strategy must be one of gather, owner, comm-free"),
+    (lambda m: split_groups(m), dict(overlap_chunks=0), "overlap_chunks must be >= 1"),
 ])
 def test_bad_construction_is_a_clear_error(single_process_group, make_groups, kwargs, message):
     with pytest.raises(ValueError, match=message):

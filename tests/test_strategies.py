@@ -1,0 +1,192 @@
+"""The owner and comm-free strategies and the AdamW ZeRO-1 baseline: bit-identity with torch
+on every grid, the owner assignment, and their accounting, computed here from sizes alone."""
+
+import math
+
+import pytest
+
+from conftest import dm, layout_metas
+
+GRIDS = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8), (3, 2)]  # the blueprint's grids
+STEPS = 3  # resumes from a state_dict after step 2
+BUCKET = 16_384
+# (dp, tp, config): more ranks than matrices (1 layer: 5 matrices on 8 ranks), one huge
+# matrix among small ones (the lopsided model), and both on the uneven 3 x 2 grid.
+UNEVEN = [(8, 1, dict(layers=1)), (4, 2, dict(layers=1)), (8, 1, dict(model="lopsided")),
+          (3, 2, dict(model="lopsided")), (2, 4, dict(model="lopsided"))]
+ZERO_REDUNDANCY = ("owner", "comm-free")
+
+
+def strategy_run(run_grid, dp, tp, strategy, **config):
+    return run_grid(dp, tp, steps=STEPS, bucket_size=BUCKET, strategy=strategy, **config)
+
+
+def assert_identical(result):
+    assert [c["name"] for c in result["checks"] if not c["identical"]] == []
+    assert all(c["max_abs_diff"] == 0 for c in result["checks"]) and result["passed"]
+    assert all(c["max_abs_update"] > 0 for c in result["checks"])  # and the parameters did move
+
+
+@pytest.mark.parametrize("strategy", ZERO_REDUNDANCY)
+@pytest.mark.parametrize("dp,tp", GRIDS)
+def test_bit_identical_to_torch(run_grid, dp, tp, strategy):
+    assert_identical(strategy_run(run_grid, dp, tp, strategy))
+
+
+@pytest.mark.parametrize("strategy", ZERO_REDUNDANCY + ("gather",))
+@pytest.mark.parametrize("dp,tp,config", UNEVEN)
+def test_bit_identical_on_uneven_cases(run_grid, dp, tp, config, strategy):
+    result = strategy_run(run_grid, dp, tp, strategy, **config)
+    assert_identical(result)
+    if strategy != "gather" and config.get("layers") == 1:
+        assert sum(f == 0 for f in result["ns_flops"]["per_rank"]) == dp * tp - 5  # ranks that own nothing
+
+
+@pytest.mark.parametrize("dp,tp", [(8, 1), (4, 2), (3, 2)])
+def test_adamw_baseline_is_torch_adamw(run_grid, dp, tp):
+    result = strategy_run(run_grid, dp, tp, "adamw")
+    assert_identical(result)
+    assert {c["optimizer"] for c in result["checks"]} == {"AdamW"}
+    assert sum(result["ns_flops"]["per_rank"]) == 0 and result["ns_flops"]["redundancy"] is None
+
+
+def test_overlapped_chunks_change_nothing_but_the_message_count(run_grid):
+    plain = strategy_run(run_grid, 4, 2, "owner")
+    chunked = strategy_run(run_grid, 4, 2, "owner", overlap_chunks=3)
+    assert_identical(chunked)
+    assert chunked["bytes_per_step"] == plain["bytes_per_step"]
+    calls = lambda r: sum(c["op"] == "all_to_all" and c["step"] == STEPS for c in r["ledgers"][0]["comm"])
+    assert (calls(plain), calls(chunked)) == (2, 6)  # one gather and one scatter per chunk
+
+
+# --- the owner assignment ------------------------------------------------------
+
+def demo_flops(**config):
+    return dm.demo_ns_flops(dm.RunConfig(**config))
+
+
+def test_lpt_on_the_demo_model_by_hand():
+    # 2 layers: 4 matrices of 188.7 MFLOP (fc1, fc2), 2 of 147.1 (qkv), 2 of 62.9 (proj), 2 tiny routers.
+    owners = dm.assign_owners(demo_flops(), 8)
+    assert {owners[f"layers.{i}.mlp.fc{j}.weight"] for i in range(2) for j in (1, 2)} == {0, 1, 2, 3}
+    assert {owners[f"layers.{i}.attn.qkv.weight"] for i in range(2)} == {4, 5}
+    assert {owners[f"layers.{i}.attn.proj.weight"] for i in range(2)} == {6, 7}
+    assert {owners[f"layers.{i}.router.weight"] for i in range(2)} == {6, 7}  # the least loaded
+    assert dm.assign_owners(demo_flops(), 8) == owners  # deterministic
+
+
+def test_every_matrix_has_exactly_one_owner_and_balance_improves_with_more_matrices():
+    for layers, ranks in [(1, 8), (2, 8), (8, 8), (24, 6)]:
+        flops = demo_flops(layers=layers)
+        owners = dm.assign_owners(flops, ranks)
+        assert list(owners) == list(flops) and all(0 <= r < ranks for r in owners.values())
+        per_rank, balance = dm.load_balance(flops, owners, ranks)
+        assert sum(per_rank) == sum(flops.values())
+        # LPT's bound (Graham): max <= 4/3 of the optimum, itself >= max(mean, largest matrix).
+        assert max(per_rank) <= 4 / 3 * max(sum(per_rank) / ranks, max(flops.values()))
+    assert dm.load_balance(demo_flops(layers=8), dm.assign_owners(demo_flops(layers=8), 8), 8)[1] == 1.0
+
+
+def test_realistic_parameter_set_balances_within_ten_percent():
+    b = dm.realistic_balance(8)
+    assert b["matrices"] == 60 and b["max_over_mean"] <= 1.10
+
+
+def test_a_huge_matrix_cannot_be_balanced():
+    flops = dm.demo_ns_flops(dm.RunConfig(model="lopsided"))
+    per_rank, balance = dm.load_balance(flops, dm.assign_owners(flops, 8), 8)
+    assert max(per_rank) == flops["huge.weight"] and balance > 4
+
+
+# --- accounting, from sizes alone ------------------------------------------------
+
+def expected_exchange(dp, tp, owners, parts, splits, local_numel):
+    """Bytes each rank sends/receives in the gather at owner and scatter from owner, from the definition:
+    every holder of a part sends it to the owner (for a TP-replicated matrix only the owner's TP column
+    does), and every holder gets its part back. Self-transfers are free."""
+    gather = {r: [0, 0] for r in range(dp * tp)}
+    scatter = {r: [0, 0] for r in range(dp * tp)}
+    for name, owner in owners.items():
+        for d in range(dp):
+            n = parts(name, d) * 2  # bf16
+            for t in range(tp):
+                rank = d * tp + t
+                if not n or rank == owner:
+                    continue
+                if splits[name] >= 0 or t == owner % tp:
+                    gather[rank][0] += n
+                    gather[owner][1] += n
+                scatter[owner][0] += n
+                scatter[rank][1] += n
+    return gather, scatter
+
+
+@pytest.mark.parametrize("dp,tp", GRIDS)
+def test_owner_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
+    result, gather_result = strategy_run(run_grid, dp, tp, "owner"), strategy_run(run_grid, dp, tp, "gather")
+    specs = {s.name: s for s in dm.transformer_specs()}
+    owners = result["owners"]
+    assert owners == dm.assign_owners(demo_flops(), dp * tp)
+    metas = layout_metas(dp, tp, BUCKET)
+    splits = {n: specs[n].tp_split_dim if tp > 1 else -1 for n in owners}
+    gather, scatter = expected_exchange(dp, tp, owners, lambda n, d: metas[d][n].local_numel, splits, None)
+    table = result["bytes_per_step"]
+    for phase, expected in (("gather at owner", gather), ("scatter from owner", scatter)):
+        assert table[phase]["sent"] == [expected[r][0] for r in range(dp * tp)], phase
+        assert table[phase]["received"] == [expected[r][1] for r in range(dp * tp)], phase
+    for phase in ("grad reduce-scatter", "param all-gather"):  # ZeRO-1 itself is untouched
+        assert table[phase] == gather_result["bytes_per_step"][phase]
+    flops = [sum(dm.newton_schulz_flops(specs[n].global_shape) for n, o in owners.items() if o == r)
+             for r in range(dp * tp)]
+    assert result["ns_flops"]["per_rank"] == flops and result["ns_flops"]["redundancy"] == 1.0
+    assert result["state_bytes"] == gather_result["state_bytes"]  # the same momentum shards
+
+
+@pytest.mark.parametrize("dp,tp", GRIDS)
+def test_comm_free_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
+    result, gather_result = strategy_run(run_grid, dp, tp, "comm-free"), strategy_run(run_grid, dp, tp, "gather")
+    specs = {s.name: s for s in dm.transformer_specs()}
+    owners = result["owners"]
+    assert owners == dm.assign_owners(demo_flops(), dp * tp)
+    local = {n: math.prod(dm.tp_local_shape(specs[n], tp)) for n in owners}
+    row = {n: o // tp for n, o in owners.items()}
+    table = result["bytes_per_step"]
+    reduce_sent = [sum(4 * local[n] for n in owners if row[n] != r // tp) for r in range(dp * tp)]
+    reduce_received = [sum(4 * local[n] * (dp - 1) for n in owners if row[n] == r // tp) for r in range(dp * tp)]
+    assert table["grad reduce at owner"]["sent"] == reduce_sent
+    assert table["grad reduce at owner"]["received"] == reduce_received
+    assert table["param broadcast from owner"]["sent"] == reduce_received  # the mirror
+    assert table["param broadcast from owner"]["received"] == reduce_sent
+    splits = {n: specs[n].tp_split_dim if tp > 1 else -1 for n in owners}
+    gather, scatter = expected_exchange(dp, tp, owners, lambda n, d: local[n] if d == row[n] else 0, splits, None)
+    for phase, expected in (("gather at owner", gather), ("scatter from owner", scatter)):
+        assert table[phase]["sent"] == [expected[r][0] for r in range(dp * tp)], phase
+        assert table[phase]["received"] == [expected[r][1] for r in range(dp * tp)], phase
+    assert {n for b in result["buckets"] for n in b["names"]}.isdisjoint(owners)  # matrices left the buckets
+    rs = sum((dp - 1) * (b["numel"] // dp) * 4 for b in result["buckets"])
+    assert table["grad reduce-scatter"]["sent"] == [rs] * (dp * tp) == table["param all-gather"]["sent"]
+    assert result["ns_flops"]["redundancy"] == 1.0
+    # State: the whole TP-local momentum of the row's matrices instead of ZeRO-1 shards of all of them.
+    metas = layout_metas(dp, tp, BUCKET)
+    for r in range(dp * tp):
+        shards = sum(4 * metas[r // tp][n].local_numel for n in owners)
+        whole = sum(4 * local[n] for n in owners if row[n] == r // tp)
+        assert result["state_bytes"][r] - gather_result["state_bytes"][r] == whole - shards
+
+
+@pytest.mark.parametrize("dp,tp", [(8, 1), (3, 2), (2, 4)])
+def test_comm_free_extra_bytes_over_adamw_zero1(run_grid, dp, tp):
+    """At TP = 1 comm-free moves AdamW ZeRO-1's bytes, less the padding ZeRO-1 moves; with TP > 1 it adds
+    exactly its TP exchange."""
+    free, adamw = strategy_run(run_grid, dp, tp, "comm-free"), strategy_run(run_grid, dp, tp, "adamw")
+    matrix_buckets = [b for b in adamw["buckets"] if b["buffer_idx"] == 0]
+    # The reduce-scatter and all-gather of the padding, in each of the TP columns' DP groups.
+    padding = tp * sum(2 * (dp - 1) * (b["numel"] - b["used"]) * 4 for b in matrix_buckets)
+    tp_exchange = sum(sum(free["bytes_per_step"][p]["sent"]) for p in ("gather at owner", "scatter from owner"))
+    assert free["bytes_sent_all_ranks"] - adamw["bytes_sent_all_ranks"] == tp_exchange - padding
+    if tp == 1:
+        assert tp_exchange == 0
+        if dp == 8:
+            assert padding == 0 and free["bytes_sent_all_ranks"] == adamw["bytes_sent_all_ranks"]
+    else:
+        assert tp_exchange > 0
