@@ -1023,61 +1023,70 @@ def concat(tensors, dtype, device):
     return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
 
 
-def gather_at_owner(updates, routes, axis, ledger, dtype, device, async_op=False):
-    """Every rank's bf16 piece of each routed matrix -> the full matrix, at its owner only.
+def send_pieces(transfers, axis, ledger, phase, dtype, device):
+    """Move many pieces in one all-to-all. transfers: (source, destination, numel, piece) along `axis`,
+    in an order every rank agrees on; `piece` is the tensor on its source rank (None elsewhere).
 
-    One all-to-all for all the routes. Returns {name: full matrix} of the matrices
-    this rank owns (with async_op, a function that waits and returns it).
+    Returns a function that waits and returns, in that order, the pieces this rank receives.
     """
     sends, receive = [[] for _ in range(axis.size)], [0] * axis.size
-    for r in routes:
-        for piece in r.senders:
-            if piece.rank == axis.rank:
-                sends[r.owner].append(updates[r.name])
-            if r.owner == axis.rank:
-                receive[piece.rank] += piece.stop - piece.start
-    wait = exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, "gather at owner", True)
+    for source, destination, numel, piece in transfers:
+        if source == axis.rank:
+            sends[destination].append(piece)
+        if destination == axis.rank:
+            receive[source] += numel
+    wait = exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, phase, async_op=True)
+
+    def received_pieces():
+        received, offset, pieces = wait(), [0] * axis.size, []
+        for source, destination, numel, _ in transfers:
+            if destination == axis.rank:
+                pieces.append(received[source][offset[source]:][:numel])
+                offset[source] += numel
+        return pieces
+
+    return received_pieces
+
+
+def gather_at_owner(updates, routes, axis, ledger, dtype, device):
+    """Every rank's bf16 piece of each routed matrix -> the full matrix, at its owner only.
+
+    One all-to-all for all the routes. Returns a function that waits and returns
+    {name: full matrix} of the matrices this rank owns.
+    """
+    me = axis.rank
+    wait = send_pieces([(p.rank, r.owner, p.stop - p.start, updates[r.name] if p.rank == me else None)
+                        for r in routes for p in r.senders], axis, ledger, "gather at owner", dtype, device)
 
     def assemble():
-        received, offset, full = wait(), [0] * axis.size, {}
+        pieces, full = iter(wait()), {}
         for r in routes:
-            if r.owner != axis.rank:
+            if r.owner != me:
                 continue
             tp_locals = {}  # tp_rank -> its flattened TP-local matrix, piece by piece in DP order
-            for piece in r.senders:
-                n = piece.stop - piece.start
-                tp_locals.setdefault(piece.tp_rank, []).append(received[piece.rank][offset[piece.rank]:][:n])
-                offset[piece.rank] += n
+            for p in r.senders:
+                tp_locals.setdefault(p.tp_rank, []).append(next(pieces))
             mats = [torch.cat(flats).view(r.shape) for _, flats in sorted(tp_locals.items())]
             full[r.name] = torch.cat(mats, dim=r.tp_split_dim) if r.tp_split_dim >= 0 else mats[0]
         return full
 
-    return assemble if async_op else assemble()
+    return assemble
 
 
-def scatter_from_owner(orthos, routes, axis, ledger, dtype, device, async_op=False):
-    """The mirror of gather_at_owner: each owner's orthogonalized matrices -> every holder's piece."""
-    sends, receive = [[] for _ in range(axis.size)], [0] * axis.size
-    for r in routes:
-        for piece in r.holders:
-            if r.owner == axis.rank:
-                tp_local = tp_shard(orthos[r.name], r.tp_split_dim, piece.tp_rank, r.tp_size)
-                sends[piece.rank].append(tp_local.reshape(-1)[piece.start:piece.stop])
-            if piece.rank == axis.rank:
-                receive[r.owner] += piece.stop - piece.start
-    wait = exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, "scatter from owner", True)
+def scatter_from_owner(orthos, routes, axis, ledger, dtype, device):
+    """The mirror of gather_at_owner: each owner's orthogonalized matrices -> every holder's piece.
 
-    def unpack():
-        received, offset, parts = wait(), [0] * axis.size, {}
-        for r in routes:
-            for piece in r.holders:
-                if piece.rank == axis.rank:
-                    n = piece.stop - piece.start
-                    parts[r.name] = received[r.owner][offset[r.owner]:][:n]
-                    offset[r.owner] += n
-        return parts
+    Returns a function that waits and returns {name: this rank's part}.
+    """
+    me = axis.rank
 
-    return unpack if async_op else unpack()
+    def piece_of(r, p):  # the owner cuts the holder's piece out: TP shard, then its flat range
+        return tp_shard(orthos[r.name], r.tp_split_dim, p.tp_rank, r.tp_size).reshape(-1)[p.start:p.stop]
+
+    wait = send_pieces([(r.owner, p.rank, p.stop - p.start, piece_of(r, p) if r.owner == me else None)
+                        for r in routes for p in r.holders], axis, ledger, "scatter from owner", dtype, device)
+    mine = [r.name for r in routes for p in r.holders if p.rank == me]
+    return lambda: dict(zip(mine, wait()))
 
 
 def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, device, chunks=1):
@@ -1091,8 +1100,8 @@ def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, dev
     """
     dtype = torch.bfloat16  # the updates were cast to Newton-Schulz's input type before they travel
     chunked = [routes[c::chunks] for c in range(chunks)]
-    gathers = [gather_at_owner(updates, rs, axis, ledger, dtype, device, async_op=True) for rs in chunked]
-    scatters = [scatter_from_owner(newton_schulz_fn(gather()), rs, axis, ledger, dtype, device, async_op=True)
+    gathers = [gather_at_owner(updates, rs, axis, ledger, dtype, device) for rs in chunked]
+    scatters = [scatter_from_owner(newton_schulz_fn(gather()), rs, axis, ledger, dtype, device)
                 for gather, rs in zip(gathers, chunked)]
     parts = {}
     for scatter in scatters:

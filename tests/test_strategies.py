@@ -100,7 +100,7 @@ def test_a_huge_matrix_cannot_be_balanced():
 
 # --- accounting, from sizes alone ------------------------------------------------
 
-def expected_exchange(dp, tp, owners, parts, splits, local_numel):
+def expected_exchange(dp, tp, owners, parts, splits):
     """Bytes each rank sends/receives in the gather at owner and scatter from owner, from the definition:
     every holder of a part sends it to the owner (for a TP-replicated matrix only the owner's TP column
     does), and every holder gets its part back. Self-transfers are free."""
@@ -121,19 +121,28 @@ def expected_exchange(dp, tp, owners, parts, splits, local_numel):
     return gather, scatter
 
 
+def runs_to_check(run_grid, dp, tp, strategy):
+    """The strategy's run, the gather run on the same grid, the specs, and the owners (checked)."""
+    result = strategy_run(run_grid, dp, tp, strategy)
+    assert result["owners"] == dm.assign_owners(demo_flops(), dp * tp)
+    return (result, strategy_run(run_grid, dp, tp, "gather"), {s.name: s for s in dm.transformer_specs()},
+            result["owners"])
+
+
+def assert_exchange_bytes(table, gather, scatter):
+    for phase, expected in (("gather at owner", gather), ("scatter from owner", scatter)):
+        assert table[phase]["sent"] == [expected[r][0] for r in sorted(expected)], phase
+        assert table[phase]["received"] == [expected[r][1] for r in sorted(expected)], phase
+
+
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_owner_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
-    result, gather_result = strategy_run(run_grid, dp, tp, "owner"), strategy_run(run_grid, dp, tp, "gather")
-    specs = {s.name: s for s in dm.transformer_specs()}
-    owners = result["owners"]
-    assert owners == dm.assign_owners(demo_flops(), dp * tp)
+    result, gather_result, specs, owners = runs_to_check(run_grid, dp, tp, "owner")
     metas = layout_metas(dp, tp, BUCKET)
     splits = {n: specs[n].tp_split_dim if tp > 1 else -1 for n in owners}
-    gather, scatter = expected_exchange(dp, tp, owners, lambda n, d: metas[d][n].local_numel, splits, None)
+    gather, scatter = expected_exchange(dp, tp, owners, lambda n, d: metas[d][n].local_numel, splits)
     table = result["bytes_per_step"]
-    for phase, expected in (("gather at owner", gather), ("scatter from owner", scatter)):
-        assert table[phase]["sent"] == [expected[r][0] for r in range(dp * tp)], phase
-        assert table[phase]["received"] == [expected[r][1] for r in range(dp * tp)], phase
+    assert_exchange_bytes(table, gather, scatter)
     for phase in ("grad reduce-scatter", "param all-gather"):  # ZeRO-1 itself is untouched
         assert table[phase] == gather_result["bytes_per_step"][phase]
     flops = [sum(dm.newton_schulz_flops(specs[n].global_shape) for n, o in owners.items() if o == r)
@@ -144,10 +153,7 @@ def test_owner_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
 
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_comm_free_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
-    result, gather_result = strategy_run(run_grid, dp, tp, "comm-free"), strategy_run(run_grid, dp, tp, "gather")
-    specs = {s.name: s for s in dm.transformer_specs()}
-    owners = result["owners"]
-    assert owners == dm.assign_owners(demo_flops(), dp * tp)
+    result, gather_result, specs, owners = runs_to_check(run_grid, dp, tp, "comm-free")
     local = {n: math.prod(dm.tp_local_shape(specs[n], tp)) for n in owners}
     row = {n: o // tp for n, o in owners.items()}
     table = result["bytes_per_step"]
@@ -158,10 +164,8 @@ def test_comm_free_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
     assert table["param broadcast from owner"]["sent"] == reduce_received  # the mirror
     assert table["param broadcast from owner"]["received"] == reduce_sent
     splits = {n: specs[n].tp_split_dim if tp > 1 else -1 for n in owners}
-    gather, scatter = expected_exchange(dp, tp, owners, lambda n, d: local[n] if d == row[n] else 0, splits, None)
-    for phase, expected in (("gather at owner", gather), ("scatter from owner", scatter)):
-        assert table[phase]["sent"] == [expected[r][0] for r in range(dp * tp)], phase
-        assert table[phase]["received"] == [expected[r][1] for r in range(dp * tp)], phase
+    gather, scatter = expected_exchange(dp, tp, owners, lambda n, d: local[n] if d == row[n] else 0, splits)
+    assert_exchange_bytes(table, gather, scatter)
     assert {n for b in result["buckets"] for n in b["names"]}.isdisjoint(owners)  # matrices left the buckets
     rs = sum((dp - 1) * (b["numel"] // dp) * 4 for b in result["buckets"])
     assert table["grad reduce-scatter"]["sent"] == [rs] * (dp * tp) == table["param all-gather"]["sent"]
