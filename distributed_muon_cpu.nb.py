@@ -25,7 +25,7 @@
 #     DP gather  →  TP gather  →  Newton–Schulz  →  TP shard  →  DP shard
 #
 # This notebook runs that script on 8 CPU processes (DP=4 × TP=2) and plots what it measured.
-# The same ideas, chapter by chapter, are in `notes/`; the code, section by section (§1 … §8), is
+# The same ideas, chapter by chapter, are in `notes/`; the code, section by section (§1 … §9), is
 # in the script. Run the cells top to bottom.
 #
 # *In Colab:* clone the repository, `%cd` into it, then open or run this notebook from there.
@@ -131,7 +131,7 @@ for b in run["buckets"]:
 #
 # The parent process runs PyTorch's own `torch.optim.Muon` and `torch.optim.AdamW` on one device,
 # fed the summed gradients, and compares every rank's piece of every parameter with `torch.equal`
-# (script §6). The plot puts the difference next to how far each weight moved, so that 0 is seen
+# (script §7). The plot puts the difference next to how far each weight moved, so that 0 is seen
 # against the size of the change.
 
 # %%
@@ -219,10 +219,67 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ## 8. Main, and where to go next
+# ## 8. One owner per matrix: the strategies
 #
-# `python distributed_muon_cpu.py --help` lists the options (script §8): the grid (`--dp`, `--tp`),
-# steps, seed, bucket size, the Muon hyperparameters, `--explain` and `--json`. Bad input stops
+# The gather flow repeats Newton–Schulz on every rank that touches a matrix. Two strategies give
+# each matrix one owner instead (script §6, `notes/08-strategies.md`):
+#
+# - **owner**: ZeRO-1 unchanged; every rank's momentum piece goes straight to the matrix's owner
+#   (one all-to-all for all matrices), the owner orthogonalizes, and a second all-to-all returns
+#   each rank its piece (**gather at owner** / **scatter from owner**);
+# - **comm-free**: ZeRO-1 shards the matrices *whole* across DP; the gradient is reduced at the
+#   owner's DP row, which keeps the full momentum and broadcasts the updated matrix. Only the TP
+#   pieces still travel, inside the owner's row.
+#
+# `--compare` runs gather, owner, comm-free and the AdamW ZeRO-1 baseline on the same grid, checks
+# each against torch, and prints one table (about 15 s on 2 cores).
+
+# %%
+run_script("--compare", "--steps", "5", "--json", "runs/notebook_compare.json")
+with open("runs/notebook_compare.json") as f:
+    compared = json.load(f)["runs"]
+
+# %%
+strategies = list(compared)
+all_phases = list(dict.fromkeys(p for r in compared.values() for p in r["bytes_per_step"]))
+labels = ["AdamW ZeRO-1" if s == "adamw" else s for s in strategies]
+fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 5))
+bottom = [0.0] * len(strategies)
+for p in all_phases:
+    heights = [sum(compared[s]["bytes_per_step"].get(p, {"sent": [0]})["sent"]) / 2**20 for s in strategies]
+    left.bar(labels, heights, bottom=bottom, label=p)
+    bottom = [b + h for b, h in zip(bottom, heights)]
+left.set_ylabel("MiB sent per step, all ranks")
+left.set_title("Bytes by phase")
+left.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+muon = [s for s in strategies if compared[s]["ns_flops"]["single_device"]]
+for i, s in enumerate(muon):
+    per_rank = compared[s]["ns_flops"]["per_rank"]
+    middle.bar([r + i * 0.25 for r in range(len(per_rank))], [f / 1e9 for f in per_rank], width=0.25,
+               label=f"{s}: redundancy {compared[s]['ns_flops']['redundancy']:.2f}")
+middle.set_xlabel("rank")
+middle.set_ylabel("GFLOP per step")
+middle.set_title("Newton–Schulz FLOPs per rank")
+middle.set_ylim(0, 1.4 * max(max(compared[s]["ns_flops"]["per_rank"]) for s in muon) / 1e9)  # room for the legend
+middle.legend(fontsize=8)
+right.bar(labels, [compared[s]["timings"]["step_ms_median"] for s in strategies], color="tab:green")
+right.set_ylabel("ms (median step, slowest rank)")
+right.set_title("Step time on this machine (Gloo)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Owner and comm-free orthogonalize each matrix once (redundancy 1.00). With the default two
+# layers there are 10 matrices for 8 ranks, four of them the largest, so the work cannot be spread
+# evenly (`--layers 8` balances it). The step times are from Gloo on a shared CPU, where a
+# reduce-scatter costs as much as an all-reduce: comm-free, which replaces the matrices'
+# reduce-scatter with all-to-alls, looks better here than its bytes alone say.
+#
+# ## 9. Main, and where to go next
+#
+# `python distributed_muon_cpu.py --help` lists the options (script §9): the grid (`--dp`, `--tp`),
+# steps, seed, bucket size, the Muon hyperparameters, `--strategy`, `--compare`, `--model`,
+# `--layers`, `--explain` and `--json`. Bad input stops
 # before anything is spawned, with one line and exit code 2; a failing rank ends the run with its
 # error. On GPUs, the same algorithm runs under `torchrun` with NCCL:
 # `torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2`.

@@ -37,4 +37,6 @@ def test_notebook_runs_top_to_bottom(tmp_path):
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "Result: PASS: 26/26 parameters bit-identical to torch" in text
     assert text.count("Result: PASS") == 5  # the 4x2 run and the four grids of the sweep
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3  # checks, accounting, grids
+    for label in ("gather", "owner", "comm-free", "AdamW ZeRO-1"):  # the --compare run
+        assert f"{label:<13} PASS: 26/26 parameters bit-identical to torch" in text
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # checks, accounting, grids, strategies
