@@ -16,13 +16,18 @@ rank exactly its piece:
 
 and then checks every parameter, bit for bit (torch.equal), against PyTorch's
 own single-device torch.optim.Muon and torch.optim.AdamW fed the same total
-gradient.
+gradient. That flow repeats Newton-Schulz on every rank that touches a matrix;
+section 6 adds two strategies that orthogonalize each matrix once, on its owner
+("owner": all-to-all exchanges; "comm-free": matrices sharded whole across DP).
 
 Launch recipes
 --------------
     python distributed_muon_cpu.py                      # 8 ranks, DP=4 x TP=2, 3 steps
     python distributed_muon_cpu.py --dp 2 --tp 4 --explain   # print the virtual buffer map too
     python distributed_muon_cpu.py --dp 8 --tp 1 --steps 5 --json run.json
+    python distributed_muon_cpu.py --strategy owner --explain   # one owner per matrix, and who owns what
+    python distributed_muon_cpu.py --compare                # gather, owner, comm-free, AdamW ZeRO-1: one table
+    python distributed_muon_cpu.py --compare --dp 8 --tp 1 --layers 8   # balanced owners; comm-free = AdamW bytes
     python distributed_muon_cpu.py --help
 
 Import it and the optimizer is a real torch.optim.Optimizer:
@@ -34,9 +39,10 @@ Reading order (each section opens with what it does and why)
     3. The parameters (a small transformer) and their per-rank gradients
     4. The virtual buffer (param groups, buckets, dist_meta)
     5. The step (DistributedMuon, a torch.optim.Optimizer)
-    6. Verification against torch.optim.Muon / torch.optim.AdamW
-    7. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy)
-    8. Main (arguments, spawning the ranks, the report)
+    6. Orthogonalize each matrix once: the owner and comm-free strategies
+    7. Verification against torch.optim.Muon / torch.optim.AdamW
+    8. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance)
+    9. Main (arguments, spawning the ranks, the report, --compare)
 """
 
 from __future__ import annotations
@@ -1248,18 +1254,19 @@ def compare_to_reference(specs, reference, rank_params, dp, tp, muon_groups=(MUO
 #
 #     sum over ranks of Newton-Schulz FLOPs  /  FLOPs of one device doing each matrix once.
 #
-# In this flow every TP peer orthogonalizes the same full matrix, and so does
+# In the gather flow every TP peer orthogonalizes the same full matrix, and so does
 # every DP rank whose shard touches it: the redundancy is TP x (how many DP
 # shards a matrix touches, FLOP-weighted), at most DP x TP, which it reaches
-# when every rank touches every matrix. Zero-redundancy designs give each matrix
-# one owner instead.
+# when every rank touches every matrix. The owner and comm-free strategies
+# (section 6) give each matrix one owner instead: redundancy 1, and max/mean
+# FLOPs per rank then says how well the owners are balanced.
 
 STRATEGY_PHASES = {
     "gather": ("grad reduce-scatter", "DP gather", "TP gather", "param all-gather"),
     "owner": ("grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather"),
     "comm-free": ("grad reduce-scatter", "grad reduce at owner", "gather at owner", "scatter from owner",
                   "param all-gather", "param broadcast from owner"),
-    "adamw": ("grad reduce-scatter", "param all-gather"),
+    BASELINE: ("grad reduce-scatter", "param all-gather"),
 }
 PHASES = STRATEGY_PHASES["gather"]
 
