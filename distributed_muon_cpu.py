@@ -648,8 +648,9 @@ class DistributedMuon(torch.optim.Optimizer):
     strategy: "gather" (section 5), "owner" or "comm-free" (section 6).
     owners: for owner / comm-free, {rank: [matrix names]} to override the
         balanced assignment (every Muon matrix exactly once).
-    overlap_chunks: owner strategy only: split the exchanges into this many
-        chunks and overlap each chunk's Newton-Schulz with the next one's transfer.
+    overlap_chunks: owner / comm-free: split the exchanges with the owners into
+        this many chunks and overlap each chunk's Newton-Schulz with the later
+        chunks' transfers (section 6).
     Gradients are summed over DP (ReduceOp.SUM); every parameter needs a .grad.
     """
 
@@ -720,8 +721,8 @@ class DistributedMuon(torch.optim.Optimizer):
         if strategy != "gather":
             self.owners = (check_owners(owners, self.muon_names, grid.world.size) if owners is not None
                            else assign_owners(ns_flops, grid.world.size))
-        elif owners is not None:
-            raise ValueError("owners only applies to the owner and comm-free strategies")
+        elif owners is not None or overlap_chunks != 1:
+            raise ValueError("owners and overlap_chunks only apply to the owner and comm-free strategies")
 
         def part_of(name, dp_rank):
             """(start, stop) of the flattened TP-local tensor DP rank dp_rank keeps state for."""
@@ -1336,7 +1337,7 @@ class RunConfig:
     strategy: str = "gather"  # one of STRATEGIES, or BASELINE
     model: str = "transformer"  # one of MODELS: the transformer of section 3, or lopsided_specs()
     layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
-    overlap_chunks: int = 1  # owner strategy: chunks whose exchange overlaps Newton-Schulz
+    overlap_chunks: int = 1  # owner / comm-free: chunks whose exchange overlaps Newton-Schulz
     fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
 
 
@@ -1374,8 +1375,8 @@ def validate(cfg, specs):
         raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
     if cfg.overlap_chunks < 1:
         raise ValueError(f"--overlap-chunks must be >= 1 (got {cfg.overlap_chunks})")
-    if cfg.overlap_chunks > 1 and cfg.strategy != "owner":
-        raise ValueError(f"--overlap-chunks applies to --strategy owner only (got {cfg.strategy})")
+    if cfg.overlap_chunks > 1 and cfg.strategy not in ("owner", "comm-free"):
+        raise ValueError(f"--overlap-chunks applies to --strategy owner or comm-free (got {cfg.strategy})")
     if not -1 <= cfg.fail_rank < cfg.dp * cfg.tp:
         raise ValueError(f"--fail-rank must name a rank in [0, {cfg.dp * cfg.tp}) (got {cfg.fail_rank})")
     check_tp_divides(specs, cfg.tp)
@@ -1733,7 +1734,8 @@ def build_parser(description):
                    help="transformer (default): section 3's model; lopsided: one huge matrix among small ones")
     p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (default %(default)s)")
     p.add_argument("--overlap-chunks", type=int, default=d.overlap_chunks,
-                   help="owner strategy: exchange in this many chunks, overlapping Newton-Schulz (default 1)")
+                   help="owner, comm-free: exchange with the owners in this many chunks, overlapping "
+                        "Newton-Schulz (default 1)")
     p.add_argument("--explain", action="store_true",
                    help="print which rank owns which range of which parameter, and which matrices")
     p.add_argument("--json", metavar="PATH", help="write the run's results (checks, bytes, FLOPs, timings)")

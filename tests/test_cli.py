@@ -29,7 +29,7 @@ BAD_INPUT = [
     (["--adjust-lr-fn", "spectral"], "--adjust-lr-fn must be one of original, match_rms_adamw"),
     (["--layers", "0"], "--layers must be in [1, 24]"),
     (["--overlap-chunks", "0", "--strategy", "owner"], "--overlap-chunks must be >= 1"),
-    (["--overlap-chunks", "2"], "--overlap-chunks applies to --strategy owner only (got gather)"),
+    (["--overlap-chunks", "2"], "--overlap-chunks applies to --strategy owner or comm-free (got gather)"),
     (["--compare", "--tp", "3"], "TP 3 does not divide embed.weight dim 0"),
     (["--model", "lopsided", "--tp", "3"], "TP 3 does not divide huge.weight"),
 ]

@@ -84,7 +84,7 @@ def test_custom_owners_are_checked_and_used(single_process_group):
                             ({0: matrices, 3: []}, r"rank 3 is not in \[0, 1\)")]:
         with pytest.raises(ValueError, match=message):
             dm.DistributedMuon(split_groups(model), grid=single_process_group, strategy="owner", owners=owners)
-    with pytest.raises(ValueError, match="owners only applies"):
+    with pytest.raises(ValueError, match="owners and overlap_chunks only apply"):
         dm.DistributedMuon(split_groups(model), grid=single_process_group, owners={0: matrices})
 
 
