@@ -3,8 +3,10 @@
 Launch recipes (torchrun starts one process per GPU):
     torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2
     torchrun --standalone --nproc-per-node 1 distributed_muon.py            # one GPU: DP=1 x TP=1
+    torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2 --strategy owner
     torchrun --standalone --nproc-per-node 4 distributed_muon.py --backend gloo --device cpu --dp 2 --tp 2
-By default TP=1 and DP = the number of processes.
+By default TP=1 and DP = the number of processes. Every --strategy works here;
+--compare (one run per strategy) is the CPU script's: launch once per strategy.
 
 Nothing of the algorithm lives here. The math, the grid, the virtual buffer,
 the step, the verification against torch.optim.Muon / AdamW and the

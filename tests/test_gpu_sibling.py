@@ -6,26 +6,30 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, dm
 
 SIBLING = os.path.join(ROOT, "distributed_muon.py")
 
 
-def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_grid):
+@pytest.mark.parametrize("strategy", dm.STRATEGIES)
+def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_grid, strategy):
     path = tmp_path / "run.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                            SIBLING, "--backend", "gloo", "--device", "cpu", "--dp", "2", "--tp", "2",
-                           "--json", str(path)], capture_output=True, text=True, timeout=180)
+                           "--strategy", strategy, "--json", str(path)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(path.read_text())
     assert results["passed"] and all(c["identical"] for c in results["checks"])
     assert results["launcher"] == dict(backend="gloo", device="cpu", gpu=None)
     assert "4 CPU ranks over Gloo, DP=2 x TP=2" in proc.stdout
     # The same algorithm as the mp.spawn launcher: the same bytes, FLOPs and layout.
-    spawned = run_grid(2, 2, steps=results["config"]["steps"])
+    spawned = run_grid(2, 2, steps=results["config"]["steps"], strategy=strategy)
     assert results["bytes_per_step"] == spawned["bytes_per_step"]
     assert results["ns_flops"] == spawned["ns_flops"]
     assert results["buckets"] == json.loads(json.dumps(spawned["buckets"]))  # tuples became lists
+    assert results["owners"] == spawned["owners"] and results["state_bytes"] == spawned["state_bytes"]
 
 
 def test_outside_torchrun_says_how_to_launch():
