@@ -733,9 +733,10 @@ class DistributedMuon(torch.optim.Optimizer):
             return (0, math.prod(shapes[name])) if dp_rank == owner_row else (0, 0)
 
         self.parts = {n: slice(*part_of(n, grid.dp.rank)) for n in self.param_by_name}
-        if strategy != "gather":
-            axis = grid.world if strategy == "owner" else grid.tp
-            self.routes = plan_routes(self.muon_names, self.owners, part_of, shapes, split_dims, grid, axis)
+        if strategy != "gather":  # owner: exchanges across the whole grid; comm-free: inside the owner's row
+            self.route_axis = grid.world if strategy == "owner" else grid.tp
+            self.routes = plan_routes(self.muon_names, self.owners, part_of, shapes, split_dims, grid,
+                                      self.route_axis)
 
     # -- the layout a checkpoint belongs to ---------------------------------
     def _layout(self):
@@ -800,12 +801,12 @@ class DistributedMuon(torch.optim.Optimizer):
         for bucket in self.buckets:
             # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
             metas = [self.dist_metas[n] for n in bucket.names]
-            grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.param_by_name[metas[0].name].device)
+            grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
             for meta in metas:
                 grad_bucket[slice(*meta.bucket_range)] = self.param_by_name[meta.name].grad.reshape(-1)
             grad_shard = reduce_scatter(grad_bucket, self.grid.dp, self.ledger, "grad reduce-scatter")
             grads.update({m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel})
-        if self.strategy == "comm-free":
+        if self.strategy == "comm-free" and self.muon_names:
             muon_grads = {n: self.param_by_name[n].grad for n in self.muon_names}
             grads.update(reduce_at_owner(muon_grads, self.owners, self.grid, self.ledger))
         return grads
@@ -814,11 +815,8 @@ class DistributedMuon(torch.optim.Optimizer):
         """{name: this rank's part of newton_schulz(the full update matrix)}."""
         if self.strategy == "gather":
             return self._orthogonalize_gathered(updates)
-        return orthogonalize_at_owners(updates, self.routes, self._ns_at_owner, self._route_axis(),
+        return orthogonalize_at_owners(updates, self.routes, self._ns_at_owner, self.route_axis,
                                        self.ledger, self.device, self.overlap_chunks)
-
-    def _route_axis(self):
-        return self.grid.world if self.strategy == "owner" else self.grid.tp
 
     def _ns_at_owner(self, full):
         """Newton-Schulz of the matrices this rank owns, same shapes batched: {name: ortho}."""
@@ -832,8 +830,7 @@ class DistributedMuon(torch.optim.Optimizer):
             if group["algorithm"] != "muon":
                 continue
             metas = [self.dist_metas[n] for n in bucket.names]
-            update_shard = torch.zeros(bucket.numel // dp.size, dtype=torch.bfloat16,
-                                       device=self.param_by_name[metas[0].name].device)
+            update_shard = torch.zeros(bucket.numel // dp.size, dtype=torch.bfloat16, device=self.device)
             for meta in metas:
                 if meta.local_numel:
                     update_shard[meta.shard_slice] = updates[meta.name]
@@ -855,13 +852,13 @@ class DistributedMuon(torch.optim.Optimizer):
             # Parameter all-gather: every DP rank again holds its full TP-local weights.
             metas = [self.dist_metas[n] for n in bucket.names]
             params = [self.param_by_name[n] for n in bucket.names]
-            param_shard = torch.zeros(bucket.numel // dp.size, dtype=torch.float32, device=params[0].device)
+            param_shard = torch.zeros(bucket.numel // dp.size, dtype=torch.float32, device=self.device)
             for meta, p in zip(metas, params):
                 param_shard[meta.shard_slice] = p.view(-1)[meta.param_slice]
             param_bucket = all_gather(param_shard, dp, ledger, "param all-gather")
             for meta, p in zip(metas, params):
                 p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
-        if self.strategy == "comm-free":
+        if self.strategy == "comm-free" and self.muon_names:
             broadcast_from_owner({n: self.param_by_name[n] for n in self.muon_names}, self.owners, self.grid,
                                  self.ledger)
 
