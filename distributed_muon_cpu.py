@@ -1701,9 +1701,50 @@ def format_comparison(cfg, runs):
     lines.append(format_table(["strategy", "bytes, all", "bytes/rank max", "ratio", "extra", "NS GFLOP max",
                                "mean", "max/mean", "redundancy", "state/rank max", "step ms"],
                               rows, ["<"] + [">"] * 10))
+    lines.append("")
+    lines.append(format_targets(cfg, runs))
+    return "\n".join(lines)
+
+
+BALANCE_TARGET = 1.10  # max/mean Newton-Schulz FLOPs per rank that the owner assignment should reach
+
+
+def format_targets(cfg, runs):
+    """The targets of the zero-redundancy strategies, each with what this run got (and why, where missed)."""
+    world, yes = cfg.dp * cfg.tp, lambda ok: "met" if ok else "NOT met"
+    owner, free, gather, adamw = (runs[s] for s in ("owner", "comm-free", "gather", BASELINE))
+    redundancy = [runs[s]["ns_flops"]["redundancy"] for s in ("owner", "comm-free")]
+    lines = [f"[8] Targets, from this run: redundancy 1.00 for owner and comm-free: "
+             f"{yes(redundancy == [1.0, 1.0])} ({redundancy[0]:.2f}, {redundancy[1]:.2f})"]
     b = realistic_balance(world, cfg.ns_steps)
-    lines.append(f"\nOwner balance for {b['model']}: {b['matrices']} matrices on {world} ranks, "
-                 f"max/mean = {b['max_over_mean']:.2f} (from shapes alone)")
+    lines.append(f"    max/mean NS FLOPs <= {BALANCE_TARGET:.2f} for {b['model']}, {b['matrices']} matrices on "
+                 f"{world} ranks: {yes(b['max_over_mean'] <= BALANCE_TARGET)} ({b['max_over_mean']:.2f}, from shapes)")
+    flops = demo_ns_flops(cfg)
+    balance = owner["ns_flops"]["max_over_mean"]
+    bound = max(max(flops.values()) / (sum(flops.values()) / world), 1.0)
+    largest = f"; the largest matrix alone is {bound:.2f}x the mean" if bound > 1 else ""
+    why = "" if balance <= BALANCE_TARGET else (
+        f": too few matrices, of too few sizes, to split evenly (LPT is within 4/3 of the best assignment of "
+        f"whole matrices{largest})")
+    lines.append(f"    this model: {len(flops)} matrices on {world} ranks, max/mean = {balance:.2f}{why}")
+    extra = free["bytes_sent_all_ranks"] - adamw["bytes_sent_all_ranks"]
+    # The baseline's matrix buckets are padded to a multiple of DP, and every TP column's DP group
+    # reduce-scatters and all-gathers that padding; comm-free moves whole matrices, without it.
+    padding = cfg.tp * sum(2 * (cfg.dp - 1) * (b["numel"] - b["used"]) * 4 for b in adamw["buckets"]
+                           if set(b["names"]) <= set(flops))
+    exchange = sum(sum(free["bytes_per_step"][p]["sent"]) for p in ("gather at owner", "scatter from owner"))
+    less_padding = f" less the {human_bytes(padding)} of padding ZeRO-1's buckets move" if padding else ""
+    if cfg.tp == 1:
+        lines.append(f"    comm-free extra bytes over AdamW ZeRO-1 at TP = 1 = 0: {yes(extra + padding == 0)} "
+                     f"({human_bytes(extra)}{': 0' + less_padding if padding else ''})")
+    else:
+        lines.append(f"    comm-free extra bytes over AdamW ZeRO-1: {human_bytes(extra)}, its TP exchange "
+                     f"({human_bytes(exchange)}){less_padding}; the exchange is 0 at TP = 1, here TP = {cfg.tp}")
+    o_ms, g_ms = owner["timings"]["step_ms_median"], gather["timings"]["step_ms_median"]
+    o_max, g_max = (max(r["ns_flops"]["per_rank"]) / 1e9 for r in (owner, gather))
+    lines.append(f"    owner step below gather's: {yes(o_ms < g_ms)} ({o_ms:.0f} ms against {g_ms:.0f} ms; gather does "
+                 f"{gather['ns_flops']['redundancy']:.2f}x the Newton-Schulz work, but a step waits for the most "
+                 f"loaded rank: {o_max:.3f} against {g_max:.3f} GFLOP)")
     return "\n".join(lines)
 
 

@@ -119,6 +119,9 @@ def test_compare_prints_one_table_and_writes_every_run(tmp_path):
     for strategy in dm.STRATEGIES[1:]:
         assert results["runs"][strategy]["ns_flops"]["redundancy"] == 1.0
     assert results["realistic_balance"]["max_over_mean"] <= 1.10
+    targets = proc.stdout[proc.stdout.index("[8] Targets"):]
+    assert "redundancy 1.00 for owner and comm-free: met (1.00, 1.00)" in targets
+    assert "comm-free extra bytes over AdamW ZeRO-1: " in targets and "NOT met" not in targets.split("\n")[0]
 
 
 def test_explain_lists_the_owners():
