@@ -1743,7 +1743,7 @@ def format_targets(cfg, runs):
     o_ms, g_ms = owner["timings"]["step_ms_median"], gather["timings"]["step_ms_median"]
     o_max, g_max = (max(r["ns_flops"]["per_rank"]) / 1e9 for r in (owner, gather))
     lines.append(f"    owner step below gather's: {yes(o_ms < g_ms)} ({o_ms:.0f} ms against {g_ms:.0f} ms; gather does "
-                 f"{gather['ns_flops']['redundancy']:.2f}x the Newton-Schulz work, but a step waits for the most "
+                 f"{gather['ns_flops']['redundancy']:.2f}x the Newton-Schulz work; a step waits for the most "
                  f"loaded rank: {o_max:.3f} against {g_max:.3f} GFLOP)")
     return "\n".join(lines)
 
