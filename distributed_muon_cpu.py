@@ -918,15 +918,17 @@ def dp_shard(tp_local, meta):
 # matrices in ONE all-to-all over the world; the owner puts the pieces together,
 # orthogonalizes, and a second all-to-all returns each rank exactly its piece:
 #
-#     rank (d,t) piece of W --\                                /--> rank (d,t) piece of O
-#     rank (d',t') piece    ---+--gather at owner--> owner: O = NS(W) --scatter from owner--+--> ...
-#     ...                   --/    (all_to_all)                 (all_to_all)  \--> ...
+#   rank (0,0): piece of W --\                             /--> rank (0,0): piece of O
+#   rank (0,1): piece of W ---+--> owner: O = NS(W) -------+--> rank (0,1): piece of O
+#   ...                    --/                             \--> ...
+#          gather at owner (one all_to_all)    scatter from owner (one all_to_all)
 #
 # comm-free (--strategy comm-free): ZeRO-1 shards Muon matrices WHOLE across DP
 # (torchtitan's communication-free Muon). A matrix's owner row (a DP rank)
 # keeps its full TP-local momentum; the gradient is reduced at that row instead
 # of reduce-scattered, and the row broadcasts the updated weights instead of an
-# all-gather. With TP = 1 nothing else moves: the same bytes as AdamW ZeRO-1.
+# all-gather. With TP = 1 nothing else moves: AdamW ZeRO-1's bytes (less the
+# padding its flat buckets carry), hence "communication-free" Muon.
 # With TP > 1 the TP pieces of the matrix still have to meet, at one rank of
 # the owner row: the same gather at owner / scatter from owner as above, but
 # inside the row's TP group only:
