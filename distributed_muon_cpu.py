@@ -269,7 +269,7 @@ class Ledger:
     """What this rank communicated and computed, step by step."""
 
     step: int = 0
-    comm: list = field(default_factory=list)  # dicts: step, phase, op, axis, numel, dtype, sent, received
+    comm: list = field(default_factory=list)  # dicts: step, phase, op, axis, dtype, sent, received (bytes)
     compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
 
     def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
@@ -324,7 +324,7 @@ def exchange(sends, receive_numels, axis, ledger, phase, async_op=False):
                        sum(receive_numels[i] for i in others), send.dtype)
 
     def wait():
-        if work is not None and async_op:
+        if work is not None:  # only an async_op call returns work to wait for
             work.wait()
         return list(received.split(list(receive_numels)))
 
@@ -711,7 +711,7 @@ class DistributedMuon(torch.optim.Optimizer):
         if unknown:
             raise ValueError(f"tp_split_dims names unknown parameters: {sorted(unknown)}")
         self.muon_names = list(ns_flops)  # the canonical order every rank walks the matrices in
-        self.shapes, self.global_shapes, self.split_dims = shapes, global_shapes, split_dims
+        self.global_shapes = global_shapes  # adjusted_lr needs the full shape
 
         self.buckets, self.bucket_ranges = plan_buckets(buffers, grid.dp.size, bucket_size)
         metas_by_dp_rank = [build_dist_metas(self.buckets, self.bucket_ranges, shapes, global_shapes, split_dims,
@@ -806,9 +806,9 @@ class DistributedMuon(torch.optim.Optimizer):
                 grad_bucket[slice(*meta.bucket_range)] = self.param_by_name[meta.name].grad.reshape(-1)
             grad_shard = reduce_scatter(grad_bucket, self.grid.dp, self.ledger, "grad reduce-scatter")
             grads.update({m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel})
-        if self.strategy == "comm-free" and self.muon_names:
+        if self.strategy == "comm-free":
             muon_grads = {n: self.param_by_name[n].grad for n in self.muon_names}
-            grads.update(reduce_at_owner(muon_grads, self.owners, self.grid, self.ledger))
+            grads.update(reduce_at_owner(muon_grads, self.owners, self.grid, self.ledger, self.device))
         return grads
 
     def _orthogonalize(self, updates):
@@ -858,9 +858,9 @@ class DistributedMuon(torch.optim.Optimizer):
             param_bucket = all_gather(param_shard, dp, ledger, "param all-gather")
             for meta, p in zip(metas, params):
                 p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
-        if self.strategy == "comm-free" and self.muon_names:
+        if self.strategy == "comm-free":
             broadcast_from_owner({n: self.param_by_name[n] for n in self.muon_names}, self.owners, self.grid,
-                                 self.ledger)
+                                 self.ledger, self.device)
 
     def _adamw_part(self, name, grad, group):
         p = self.param_by_name[name]
@@ -1132,7 +1132,7 @@ def batched_newton_schulz(full, group_of, ledger):
     return orthos
 
 
-def reduce_at_owner(grads, owners, grid, ledger):
+def reduce_at_owner(grads, owners, grid, ledger, device):
     """comm-free: every DP rank's TP-local gradient of each matrix -> its sum, on the owner row only.
 
     One all-to-all over DP carries every matrix to its owner row, which adds the
@@ -1140,9 +1140,8 @@ def reduce_at_owner(grads, owners, grid, ledger):
     a reduce-scatter, with matrices instead of equal shards as the unit.
     """
     dp, tp = grid.dp, grid.tp.size
-    any_grad = next(iter(grads.values()))
     mine = [n for n in grads if owners[n] // tp == dp.rank]
-    sends = [concat([grads[n].reshape(-1) for n in grads if owners[n] // tp == d], torch.float32, any_grad.device)
+    sends = [concat([grads[n].reshape(-1) for n in grads if owners[n] // tp == d], torch.float32, device)
              for d in range(dp.size)]
     numel = sum(grads[n].numel() for n in mine)
     received = exchange(sends, [numel] * dp.size, dp, ledger, "grad reduce at owner")
@@ -1152,13 +1151,11 @@ def reduce_at_owner(grads, owners, grid, ledger):
     return dict(zip(mine, summed.split([grads[n].numel() for n in mine])))
 
 
-def broadcast_from_owner(params, owners, grid, ledger):
+def broadcast_from_owner(params, owners, grid, ledger, device):
     """comm-free, the mirror of reduce_at_owner: the owner row's updated TP-local
     matrices -> every other DP rank."""
     dp, tp = grid.dp, grid.tp.size
-    any_param = next(iter(params.values()))
-    mine = concat([params[n].view(-1) for n in params if owners[n] // tp == dp.rank], torch.float32,
-                  any_param.device)
+    mine = concat([params[n].view(-1) for n in params if owners[n] // tp == dp.rank], torch.float32, device)
     sends = [mine if d != dp.rank else mine[:0] for d in range(dp.size)]
     theirs = [[n for n in params if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
     received = exchange(sends, [sum(params[n].numel() for n in names) for names in theirs], dp, ledger,
@@ -1544,10 +1541,13 @@ def demo_layout(cfg):
     return buckets, bucket_ranges, shapes
 
 
+def matrix_ns_flops(specs, ns_steps):
+    """{matrix: Newton-Schulz FLOPs} of the Muon matrices among `specs`, in optimizer order."""
+    return {s.name: newton_schulz_flops(s.global_shape, ns_steps) for s in specs if s.group == MUON_GROUP}
+
+
 def demo_ns_flops(cfg):
-    """{matrix: Newton-Schulz FLOPs} of the demo model's Muon matrices, in optimizer order."""
-    return {s.name: newton_schulz_flops(s.global_shape, cfg.ns_steps)
-            for s in demo_specs(cfg) if s.group == MUON_GROUP}
+    return matrix_ns_flops(demo_specs(cfg), cfg.ns_steps)
 
 
 def demo_owners(cfg):
@@ -1557,14 +1557,18 @@ def demo_owners(cfg):
     return assign_owners(demo_ns_flops(cfg), cfg.dp * cfg.tp)
 
 
+def muon_groups_of(cfg):
+    """The param groups that run Muon: none in the AdamW ZeRO-1 baseline."""
+    return () if cfg.strategy == BASELINE else (MUON_GROUP,)
+
+
 def verify(cfg, results, device="cpu"):
     """Every rank's parameters against torch on `device`: (checks, reference seconds)."""
     specs = demo_specs(cfg)
     t1 = time.perf_counter()
     reference = reference_params(specs, cfg, device)
-    muon_groups = () if cfg.strategy == BASELINE else (MUON_GROUP,)
     checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp,
-                                  muon_groups)
+                                  muon_groups_of(cfg))
     start = initial_params(specs, cfg.seed)
     for c in checks:  # how far the weights moved: the scale against which max |d| = 0 means something
         c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
@@ -1576,14 +1580,13 @@ def account(cfg, results):
     ledgers = [r["ledger"] for r in results]
     phases = STRATEGY_PHASES[cfg.strategy]
     tables = [bytes_per_step(ledgers, s, phases) for s in range(1, cfg.steps + 1)]
-    muon_groups = () if cfg.strategy == BASELINE else (MUON_GROUP,)
-    flops = flops_per_step(ledgers, demo_specs(cfg), cfg.steps, cfg.ns_steps, muon_groups)
+    flops = flops_per_step(ledgers, demo_specs(cfg), cfg.steps, cfg.ns_steps, muon_groups_of(cfg))
     return tables[-1], all(t == tables[0] for t in tables), flops
 
 
-def total_bytes(table):
-    """(max over ranks of bytes sent per step, bytes sent by all ranks per step)."""
-    per_rank = [sum(col) for col in zip(*(t["sent"] for t in table.values()))]
+def total_bytes(table, direction="sent"):
+    """(max over ranks of bytes sent (or received) per step, the same by all ranks per step)."""
+    per_rank = [sum(col) for col in zip(*(t[direction] for t in table.values()))]
     return max(per_rank), sum(per_rank)
 
 
@@ -1610,7 +1613,7 @@ def report(cfg, results, ranks_s, device="cpu", backend="gloo", print_fn=print):
     rows = [[phase, t["axis"], t["dtype"], human_bytes(max(t["sent"])), human_bytes(max(t["received"])),
              human_bytes(sum(t["sent"]))] for phase, t in table.items()]
     max_sent, all_sent = total_bytes(table)
-    max_received = max(map(sum, zip(*(t["received"] for t in table.values()))))
+    max_received, _ = total_bytes(table, "received")
     rows.append(["total", "", "", human_bytes(max_sent), human_bytes(max_received), human_bytes(all_sent)])
     print_fn(format_table(["phase", "axis", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"],
                           rows, ["<", "<", "<", ">", ">", ">"]) + "\n")
@@ -1659,27 +1662,26 @@ def compare(cfg, explain=False, print_fn=print):
         print_fn(f"{LABELS[strategy]:<13} {'PASS' if result['passed'] else 'FAIL'}: "
                  f"{len(result['checks']) - len(failed)}/{len(result['checks'])} parameters bit-identical to torch"
                  + (f" (not: {', '.join(failed)})" if failed else ""))
+    balance = realistic_balance(world, cfg.ns_steps)
     print_fn("")
-    print_fn(format_comparison(cfg, runs))
+    print_fn(format_comparison(cfg, runs, balance))
     return dict(config=asdict(cfg), torch=torch.__version__, passed=all(r["passed"] for r in runs.values()),
-                runs=runs, realistic_balance=realistic_balance(cfg.dp * cfg.tp, cfg.ns_steps))
+                runs=runs, realistic_balance=balance)
 
 
 def realistic_balance(n_ranks, ns_steps=NS_STEPS):
     """max/mean Newton-Schulz FLOPs of the owner assignment for GPT-2 small's matrices (12 layers, d = 768),
     from shapes alone: the demo model is too small to balance 8 ranks (see section 6)."""
-    flops = {s.name: newton_schulz_flops(s.global_shape, ns_steps)
-             for s in transformer_specs(vocab=50304, d=768, n_layers=12) if s.group == MUON_GROUP}
+    flops = matrix_ns_flops(transformer_specs(vocab=50304, d=768, n_layers=12), ns_steps)
     _, balance = load_balance(flops, assign_owners(flops, n_ranks), n_ranks)
     return dict(model="GPT-2 small shapes (12 layers, d = 768, with an 8-expert router)", matrices=len(flops),
                 ranks=n_ranks, max_over_mean=balance)
 
 
-def format_comparison(cfg, runs):
+def format_comparison(cfg, runs, realistic):
     world = cfg.dp * cfg.tp
     baseline_all = runs[BASELINE]["bytes_sent_all_ranks"]
-    phases = [p for s in COMPARED for p in STRATEGY_PHASES[s]]
-    phases = sorted(set(phases), key=phases.index)
+    phases = list(dict.fromkeys(p for s in COMPARED for p in STRATEGY_PHASES[s]))  # in first-seen order
     model = f"{cfg.layers}-layer transformer" if cfg.model == "transformer" else f"{cfg.model} model"
     lines = [f"[8] Bytes sent per step by all ranks, per phase (DP={cfg.dp} x TP={cfg.tp}, {model})"]
     rows = [[p] + [human_bytes(sum(runs[s]["bytes_per_step"][p]["sent"])) if p in runs[s]["bytes_per_step"]
@@ -1704,23 +1706,23 @@ def format_comparison(cfg, runs):
                                "mean", "max/mean", "redundancy", "state/rank max", "step ms"],
                               rows, ["<"] + [">"] * 10))
     lines.append("")
-    lines.append(format_targets(cfg, runs))
+    lines.append(format_targets(cfg, runs, realistic))
     return "\n".join(lines)
 
 
 BALANCE_TARGET = 1.10  # max/mean Newton-Schulz FLOPs per rank that the owner assignment should reach
 
 
-def format_targets(cfg, runs):
+def format_targets(cfg, runs, realistic):
     """The targets of the zero-redundancy strategies, each with what this run got (and why, where missed)."""
     world, yes = cfg.dp * cfg.tp, lambda ok: "met" if ok else "NOT met"
     owner, free, gather, adamw = (runs[s] for s in ("owner", "comm-free", "gather", BASELINE))
     redundancy = [runs[s]["ns_flops"]["redundancy"] for s in ("owner", "comm-free")]
     lines = [f"[8] Targets, from this run: redundancy 1.00 for owner and comm-free: "
              f"{yes(redundancy == [1.0, 1.0])} ({redundancy[0]:.2f}, {redundancy[1]:.2f})"]
-    b = realistic_balance(world, cfg.ns_steps)
-    lines.append(f"    max/mean NS FLOPs <= {BALANCE_TARGET:.2f} for {b['model']}, {b['matrices']} matrices on "
-                 f"{world} ranks: {yes(b['max_over_mean'] <= BALANCE_TARGET)} ({b['max_over_mean']:.2f}, from shapes)")
+    ratio = realistic["max_over_mean"]
+    lines.append(f"    max/mean NS FLOPs <= {BALANCE_TARGET:.2f} for {realistic['model']}, {realistic['matrices']} "
+                 f"matrices on {world} ranks: {yes(ratio <= BALANCE_TARGET)} ({ratio:.2f}, from shapes)")
     flops = demo_ns_flops(cfg)
     balance = owner["ns_flops"]["max_over_mean"]
     bound = max(max(flops.values()) / (sum(flops.values()) / world), 1.0)

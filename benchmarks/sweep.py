@@ -33,7 +33,7 @@ def main():
         r = dm.run(dm.RunConfig(dp=dp, tp=tp, steps=STEPS), print_fn=quiet)
         assert r["passed"]
         phases = [dm.human_bytes(per_rank_max(r, p)) for p in dm.PHASES]
-        total = max(map(sum, zip(*(r["bytes_per_step"][p]["sent"] for p in dm.PHASES))))
+        total, _ = dm.total_bytes(r["bytes_per_step"])
         rows.append([f"{dp}x{tp}", *phases, dm.human_bytes(total), f"{max(r['ns_flops']['per_rank']) / 1e9:.3f}",
                      f"{r['ns_flops']['redundancy']:.2f}", f"{r['timings']['step_ms_median']:.0f}"])
     print(dm.format_table(["DPxTP", *dm.PHASES, "total/rank", "NS GFLOP/rank (max)", "redundancy", "step ms"],
@@ -49,7 +49,7 @@ def main():
         padding = sum(b["numel"] - b["used"] for b in r["buckets"])
         rows.append([f"{bucket_size:,}", len(r["buckets"]), padding, calls["grad reduce-scatter"], calls["DP gather"],
                      calls["TP gather"], calls["param all-gather"],
-                     dm.human_bytes(max(map(sum, zip(*(r["bytes_per_step"][p]["sent"] for p in dm.PHASES))))),
+                     dm.human_bytes(dm.total_bytes(r["bytes_per_step"])[0]),
                      f"{r['ns_flops']['redundancy']:.2f}", f"{r['timings']['step_ms_median']:.0f}"])
     print(dm.format_table(["bucket size", "buckets", "padding", "RS calls", "DP gather calls", "TP gather calls",
                            "param AG calls", "total/rank", "redundancy", "step ms"], rows, ["<"] + [">"] * 9))

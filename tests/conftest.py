@@ -31,6 +31,19 @@ import distributed_muon_cpu as dm  # noqa: E402
 SCRIPT = os.path.join(ROOT, "distributed_muon_cpu.py")
 
 
+# The grids every strategy is checked on, and the run each test asks for: 3 steps (so the run
+# resumes from a state_dict after step 2) and buckets small enough for several Muon buckets
+# on every grid, TP = 8 included.
+GRIDS = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8), (3, 2)]
+STEPS = 3
+BUCKET = 16_384  # elements
+
+
+def grid_run(run_grid, dp, tp, **config):
+    """The session's run of this grid and configuration, at STEPS steps and BUCKET-element buckets."""
+    return run_grid(dp, tp, steps=STEPS, bucket_size=BUCKET, **config)
+
+
 @pytest.fixture(scope="session")
 def run_grid():
     """run_grid(dp, tp, **config) -> results of dm.run, each configuration spawned once per session."""

@@ -4,15 +4,7 @@ import math
 
 import pytest
 
-from conftest import dm, layout_metas
-
-GRIDS = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8), (3, 2)]
-STEPS = 3  # the run resumes from a state_dict after step 2, so the checkpoint path is covered too
-BUCKET = 16_384  # elements: small enough for several Muon buckets on every grid, TP = 8 included
-
-
-def grid_run(run_grid, dp, tp):
-    return run_grid(dp, tp, steps=STEPS, bucket_size=BUCKET)
+from conftest import BUCKET, GRIDS, dm, grid_run, layout_metas
 
 
 @pytest.mark.parametrize("dp,tp", GRIDS)

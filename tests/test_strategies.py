@@ -5,11 +5,7 @@ import math
 
 import pytest
 
-from conftest import dm, layout_metas
-
-GRIDS = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8), (3, 2)]  # the blueprint's grids
-STEPS = 3  # resumes from a state_dict after step 2
-BUCKET = 16_384
+from conftest import BUCKET, GRIDS, STEPS, dm, grid_run, layout_metas
 # (dp, tp, config): more ranks than matrices (1 layer: 5 matrices on 8 ranks), one huge
 # matrix among small ones (the lopsided model), and both on the uneven 3 x 2 grid.
 UNEVEN = [(8, 1, dict(layers=1)), (4, 2, dict(layers=1)), (8, 1, dict(model="lopsided")),
@@ -18,7 +14,7 @@ ZERO_REDUNDANCY = ("owner", "comm-free")
 
 
 def strategy_run(run_grid, dp, tp, strategy, **config):
-    return run_grid(dp, tp, steps=STEPS, bucket_size=BUCKET, strategy=strategy, **config)
+    return grid_run(run_grid, dp, tp, strategy=strategy, **config)
 
 
 def assert_identical(result):
