@@ -6,7 +6,9 @@ Launch recipes (torchrun starts one process per GPU):
     torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2 --strategy owner
     torchrun --standalone --nproc-per-node 4 distributed_muon.py --backend gloo --device cpu --dp 2 --tp 2
 By default TP=1 and DP = the number of processes. Every --strategy works here;
---compare (one run per strategy) is the CPU script's: launch once per strategy.
+to compare strategies, launch once per --strategy (the CPU script's --compare
+runs them all in one go). An error on any rank is printed by that rank, in one
+line that names it; torchrun then stops the other ranks.
 
 Nothing of the algorithm lives here. The math, the grid, the virtual buffer,
 the step, the verification against torch.optim.Muon / AdamW and the
@@ -35,6 +37,7 @@ import datetime
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -44,10 +47,10 @@ import distributed_muon_cpu as dm
 
 def parse(argv):
     parser = dm.build_parser("Distributed Muon on GPUs (NCCL, one process per GPU, launched with torchrun), "
-                             "checked bit for bit against torch.optim.Muon / AdamW on the same device.")
-    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.set_defaults(dp=None, tp=1)
+                             "checked bit for bit against torch.optim.Muon / AdamW on the same device.",
+                             launcher="torchrun")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="(default %(default)s)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="(default %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -68,9 +71,8 @@ def check(args, world):
     cfg = dm.config_from_args(args)
     dm.check_topology(cfg.dp, cfg.tp, world)
     dm.validate(cfg, dm.demo_specs(cfg))
-    if args.compare:
-        raise ValueError("--compare runs each strategy in turn: launch once per --strategy here "
-                         "(or use distributed_muon_cpu.py --compare)")
+    if args.json:
+        dm.check_writable(args.json)
     if args.backend == "nccl" and args.device != "cuda":
         raise ValueError("NCCL needs --device cuda; on CPUs use --backend gloo --device cpu")
     if args.device == "cuda" and torch.cuda.device_count() < 1:
@@ -83,11 +85,13 @@ def main(argv=None):
     try:
         rank, world, local_rank = environment()
         cfg = check(args, world)
-        if args.device == "cuda" and local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) here")
-    except ValueError as e:
+    except ValueError as e:  # the same on every rank: one of them says it
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and local_rank >= torch.cuda.device_count():  # this rank's own problem
+        print(f"error: rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) here",
+              file=sys.stderr)
         return 2
 
     torch.set_num_threads(1)  # as in the CPU script: the CPU-side reference and any CPU ranks agree
@@ -95,7 +99,7 @@ def main(argv=None):
     if args.device == "cuda":
         torch.cuda.set_device(device)
     # device_id binds the NCCL communicator to this rank's GPU up front (else NCCL guesses it from the rank).
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=dm.PG_TIMEOUT_S),
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
                             device_id=torch.device(device) if args.device == "cuda" else None)
     try:
         if rank == 0:
@@ -106,17 +110,24 @@ def main(argv=None):
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
         ranks_s = time.perf_counter() - t0
-        code = 0
-        if rank == 0:
-            if args.device == "cuda":
-                print(f"device: {torch.cuda.get_device_name(device)}\n")
-            results = dm.report(cfg, gathered, ranks_s, device=device, backend=args.backend)
-            results["launcher"] = dict(backend=args.backend, device=args.device,
-                                       gpu=torch.cuda.get_device_name(device) if args.device == "cuda" else None)
-            dm.write_json(args.json, results)
-            code = 0 if results["passed"] else 1
-    finally:
-        dist.destroy_process_group()
+    except Exception as e:
+        # Every rank says its own error: rank 0 alone would lose the others'. No teardown
+        # here: the peers may be waiting in a collective; torchrun stops them.
+        print(f"error: rank {rank} failed: {' '.join(f'{type(e).__name__}: {e}'.split())}", file=sys.stderr,
+              flush=True)
+        if args.traceback:
+            traceback.print_exc()
+        return 1
+    code = 0
+    if rank == 0:
+        if args.device == "cuda":
+            print(f"device: {torch.cuda.get_device_name(device)}\n")
+        results = dm.report(cfg, gathered, ranks_s, device=device, backend=args.backend)
+        results["launcher"] = dict(backend=args.backend, device=args.device,
+                                   gpu=torch.cuda.get_device_name(device) if args.device == "cuda" else None)
+        dm.write_json(args.json, results)
+        code = 0 if results["passed"] else 1
+    dist.destroy_process_group()
     return code
 
 

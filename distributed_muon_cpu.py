@@ -51,18 +51,21 @@ import argparse
 import datetime
 import json
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 # =============================================================================
 # 1. Newton-Schulz, momentum and the learning-rate adjustment
@@ -84,11 +87,16 @@ NS_EPS = 1e-7
 
 
 def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
-    """Approximately orthogonalize a full (rows, cols) matrix, or a stack (batch, rows, cols)
-    of same-shape matrices at once; returns bfloat16.
+    """Approximately orthogonalize a full (rows, cols) matrix; returns bfloat16.
 
-    A stack goes through batched matmuls (baddbmm), one call for all its matrices:
-    the same arithmetic per matrix, so the same bits (tests/test_math.py checks it).
+    A 2-D matrix goes through exactly torch.optim.Muon's operations (addmm), so
+    its result is torch's, bit for bit: this is the path every strategy takes by
+    default. A stack (batch, rows, cols) of same-shape matrices goes through
+    batched matmuls (baddbmm), one call for all of them. That is the same math
+    but NOT the same bits: bf16 baddbmm and addmm round some near-ties
+    differently (here: 26 of 4,800 small-side matrices differed, by up to 2.8 %
+    of their largest entry), so a stack is used only when asked for
+    (batched_ns, section 6), within BATCHED_NS_BOUND of the 2-D result.
     """
     a, b, c = coefficients
     fused_mm = torch.addmm if matrix.ndim == 2 else torch.baddbmm  # beta * input + alpha * (m1 @ m2)
@@ -103,6 +111,15 @@ def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_E
         poly = fused_mm(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A
         x = fused_mm(x, poly, x, beta=a)  # a*X + poly@X
     return x.mT if tall else x
+
+
+# The largest |stack result - 2-D result| of newton_schulz, relative to the largest
+# entry of the 2-D result, that tests/test_math.py allows. Measured on this CPU
+# (torch 2.14.1, 1 thread, 100 seeds x 16 shapes x stacks of 3): at most 0.028,
+# so 2**-5 = 0.031 leaves a small margin; a bf16 entry carries 8 significant bits
+# (relative step 2**-8), and a few roundings that differ early grow through the
+# 5 iterations.
+BATCHED_NS_BOUND = 2.0**-5
 
 
 def newton_schulz_flops(shape, steps=NS_STEPS):
@@ -273,7 +290,7 @@ class Ledger:
     compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
 
     def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
-        size = torch.finfo(dtype).bits // 8
+        size = dtype.itemsize
         self.comm.append(dict(step=self.step, phase=phase, op=op, axis=axis.name,
                               dtype=str(dtype).replace("torch.", ""),
                               sent=sent_numel * size, received=received_numel * size))
@@ -329,6 +346,23 @@ def exchange(sends, receive_numels, axis, ledger, phase, async_op=False):
         return list(received.split(list(receive_numels)))
 
     return wait if async_op else wait()
+
+
+def any_rank(flags, axis, ledger, phase):
+    """Elementwise OR of a 1-D bool tensor over the ranks of `axis` (one MAX all-reduce).
+
+    Counted as a ring all-reduce (a reduce-scatter, then an all-gather) of the
+    flags as bytes, padded to a multiple of the group size.
+    """
+    if axis.size == 1:
+        return flags
+    padded = -(-flags.numel() // axis.size) * axis.size
+    votes = torch.zeros(padded, dtype=torch.uint8, device=flags.device)
+    votes[:flags.numel()] = flags
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=axis.group)
+    ring = 2 * (axis.size - 1) * (padded // axis.size)
+    ledger.record_comm(phase, "all_reduce", axis, ring, ring, votes.dtype)
+    return votes[:flags.numel()].bool()
 
 
 # =============================================================================
@@ -408,6 +442,22 @@ def lopsided_specs():
     return specs
 
 
+def thin_specs():
+    """Matrices with a small side (--model thin): k x 1, 1 x k, k x 2, 600 x 6, odd sizes.
+
+    On such shapes bf16 rounding near-ties are common enough that a Newton-Schulz
+    done in any other order than torch's shows up in a few steps. Eight copies of
+    each shape, so that an owner holds several of the same shape, and one 6 x 6000
+    matrix that outweighs the rest of a rank's share, so that its owner holds it alone.
+    """
+    shapes = [((600, 6), 0), ((6, 600), 1), ((60, 6), 0), ((6, 60), 1), ((97, 5), -1), ((5, 97), -1),
+              ((64, 1), 0), ((1, 64), 1), ((64, 2), 0), ((2, 64), 1)]
+    specs = [ParamSpec(f"thin.{copy}.{rows}x{cols}.weight", (rows, cols), split, "muon")
+             for copy in range(8) for (rows, cols), split in shapes]
+    return specs + [ParamSpec("thin.wide.weight", (6, 6000), 1, "muon"),
+                    ParamSpec("thin.bias", (60,), 0, "adamw_no_wd"), ParamSpec("thin.scale", (), -1, "adamw_no_wd")]
+
+
 def check_tp_divides(specs, tp):
     """Raise ValueError naming the first parameter TP cannot split evenly."""
     for s in specs:
@@ -437,17 +487,31 @@ def initial_params(specs, seed):
     return out
 
 
-def dp_rank_grads(specs, seed, step, dp_rank):
-    """Full gradients that DP rank `dp_rank` computed at `step` (see the block above)."""
+def dp_rank_grads(specs, seed, step, dp_rank, missing=()):
+    """Full gradients that DP rank `dp_rank` computed at `step` (see the block above).
+
+    missing: (name, dp_rank, step) triples, dp_rank -1 for every rank, whose
+    gradient is None, as for a frozen embedding, an expert no token reached, or
+    a branch not taken on that rank's data.
+    """
     g = torch.Generator().manual_seed((seed * 100_003 + step) * 1_009 + dp_rank)
-    return {s.name: torch.randint(-GRAD_MAX_INT, GRAD_MAX_INT + 1, s.global_shape, generator=g).float() * GRAD_SCALE
-            for s in specs}
+    grads = {s.name: torch.randint(-GRAD_MAX_INT, GRAD_MAX_INT + 1, s.global_shape, generator=g).float() * GRAD_SCALE
+             for s in specs}  # drawn for every parameter, so a missing one changes no other draw
+    for name, rank, at in missing:
+        if at == step and rank in (-1, dp_rank):
+            grads[name] = None
+    return grads
 
 
-def total_grads(specs, seed, step, dp):
-    """The gradient the single-device reference sees: the sum over DP ranks."""
-    per_rank = [dp_rank_grads(specs, seed, step, r) for r in range(dp)]
-    return {s.name: sum(grads[s.name] for grads in per_rank) for s in specs}
+def total_grads(specs, seed, step, dp, missing=()):
+    """The gradient the single-device reference sees: the sum over the DP ranks that have
+    one (a missing gradient counts as zeros, as in DDP), or None where no rank has one."""
+    per_rank = [dp_rank_grads(specs, seed, step, r, missing) for r in range(dp)]
+    total = {}
+    for s in specs:
+        present = [grads[s.name] for grads in per_rank if grads[s.name] is not None]
+        total[s.name] = sum(present) if present else None
+    return total
 
 
 # =============================================================================
@@ -651,11 +715,17 @@ class DistributedMuon(torch.optim.Optimizer):
     overlap_chunks: owner / comm-free: split the exchanges with the owners into
         this many chunks and overlap each chunk's Newton-Schulz with the later
         chunks' transfers (section 6).
-    Gradients are summed over DP (ReduceOp.SUM); every parameter needs a .grad.
+    batched_ns: owner / comm-free: orthogonalize an owner's same-shape matrices
+        in one batched call. Faster for many small matrices, but not bitwise
+        equal to torch: within BATCHED_NS_BOUND (section 1). Off by default.
+    Gradients are summed over DP (ReduceOp.SUM). A parameter whose .grad is None
+    on every rank is skipped, as torch.optim.Muon and AdamW skip it (its state
+    and value untouched); one that has a gradient on some ranks only gets zeros
+    from the others, as DDP's reduction does.
     """
 
     def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, strategy="gather", owners=None,
-                 overlap_chunks=1, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 overlap_chunks=1, batched_ns=False, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original",
                  betas=(0.9, 0.999), eps=1e-8):
         if bucket_size < 1:
@@ -675,7 +745,7 @@ class DistributedMuon(torch.optim.Optimizer):
                         ns_eps=ns_eps, adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
         self.grid, self.bucket_size, self.strategy = grid, bucket_size, strategy
-        self.overlap_chunks = overlap_chunks
+        self.overlap_chunks, self.batched_ns = overlap_chunks, batched_ns
         self.ledger = Ledger()
         self.device = self.param_groups[0]["params"][0].device
         tp_split_dims = dict(tp_split_dims or {})
@@ -721,8 +791,8 @@ class DistributedMuon(torch.optim.Optimizer):
         if strategy != "gather":
             self.owners = (check_owners(owners, self.muon_names, grid.world.size) if owners is not None
                            else assign_owners(ns_flops, grid.world.size))
-        elif owners is not None or overlap_chunks != 1:
-            raise ValueError("owners and overlap_chunks only apply to the owner and comm-free strategies")
+        elif owners is not None or overlap_chunks != 1 or batched_ns:
+            raise ValueError("owners, overlap_chunks and batched_ns only apply to the owner and comm-free strategies")
 
         def part_of(name, dp_rank):
             """(start, stop) of the flattened TP-local tensor DP rank dp_rank keeps state for."""
@@ -772,7 +842,12 @@ class DistributedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.ledger.step += 1
-        grads = self._reduce_grads()
+        # Which parameters have a gradient on at least one rank: every rank must
+        # agree, or they would enter different collectives and wait forever.
+        has_grad = torch.tensor([p.grad is not None for p in self.param_by_name.values()])
+        has_grad = any_rank(has_grad, self.grid.world, self.ledger, "grad presence")
+        active = {n for n, present in zip(self.param_by_name, has_grad.tolist()) if present}
+        grads = self._reduce_grads(active)
         updates = {}  # Newton-Schulz inputs, this rank's part of each matrix, bf16
         for name, grad in grads.items():
             p, group = self.param_by_name[name], self.group_of[name]
@@ -784,45 +859,45 @@ class DistributedMuon(torch.optim.Optimizer):
                     state["momentum_buffer"] = grad.new_zeros(grad.numel())
                 update = muon_momentum_(state["momentum_buffer"], grad, group["momentum"], group["nesterov"])
                 updates[name] = update.bfloat16()  # the cast Newton-Schulz does first: halves the bytes moved
-        for name, ortho_part in self._orthogonalize(updates).items():
+        for name, ortho_part in self._orthogonalize(updates, active).items():
             group = self.group_of[name]
             part = self.param_by_name[name].view(-1)[self.parts[name]]
             part.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay: unadjusted lr
             part.add_(ortho_part, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], self.global_shapes[name]))
-        self._gather_params()
+        self._gather_params(active)
         return loss
 
-    def _reduce_grads(self):
-        """{name: this rank's part of the gradient summed over DP} for every part this rank keeps."""
+    def _reduce_grads(self, active):
+        """{name: this rank's part of the gradient summed over DP} for every active part this rank keeps."""
         grads = {}
-        for name, p in self.param_by_name.items():
-            if p.grad is None:
-                raise ValueError(f"{name} has no gradient; every parameter needs one (ZeRO-1 reduces whole buckets)")
         for bucket in self.buckets:
             # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
             metas = [self.dist_metas[n] for n in bucket.names]
             grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
             for meta in metas:
-                grad_bucket[slice(*meta.bucket_range)] = self.param_by_name[meta.name].grad.reshape(-1)
+                p = self.param_by_name[meta.name]
+                grad_bucket[slice(*meta.bucket_range)] = zeros_if_none(p.grad, p).reshape(-1)
             grad_shard = reduce_scatter(grad_bucket, self.grid.dp, self.ledger, "grad reduce-scatter")
-            grads.update({m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel})
+            grads.update({m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel and m.name in active})
         if self.strategy == "comm-free":
-            muon_grads = {n: self.param_by_name[n].grad for n in self.muon_names}
+            muon_grads = {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n])
+                          for n in self.muon_names if n in active}
             grads.update(reduce_at_owner(muon_grads, self.owners, self.grid, self.ledger, self.device))
         return grads
 
-    def _orthogonalize(self, updates):
-        """{name: this rank's part of newton_schulz(the full update matrix)}."""
+    def _orthogonalize(self, updates, active):
+        """{name: this rank's part of newton_schulz(the full update matrix)} for the active matrices."""
         if self.strategy == "gather":
-            return self._orthogonalize_gathered(updates)
-        return orthogonalize_at_owners(updates, self.routes, self._ns_at_owner, self.route_axis,
+            return self._orthogonalize_gathered(updates, active)
+        routes = [r for r in self.routes if r.name in active]
+        return orthogonalize_at_owners(updates, routes, self._ns_at_owner, self.route_axis,
                                        self.ledger, self.device, self.overlap_chunks)
 
     def _ns_at_owner(self, full):
-        """Newton-Schulz of the matrices this rank owns, same shapes batched: {name: ortho}."""
-        return batched_newton_schulz(full, self.group_of, self.ledger)
+        """Newton-Schulz of the matrices this rank owns: {name: ortho}."""
+        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns)
 
-    def _orthogonalize_gathered(self, updates):
+    def _orthogonalize_gathered(self, updates, active):
         dp, tp, ledger = self.grid.dp, self.grid.tp, self.ledger
         ortho_parts = {}
         for bucket in self.buckets:
@@ -832,12 +907,12 @@ class DistributedMuon(torch.optim.Optimizer):
             metas = [self.dist_metas[n] for n in bucket.names]
             update_shard = torch.zeros(bucket.numel // dp.size, dtype=torch.bfloat16, device=self.device)
             for meta in metas:
-                if meta.local_numel:
+                if meta.name in updates:  # this rank's part, if it has one and some rank has a gradient
                     update_shard[meta.shard_slice] = updates[meta.name]
             update_bucket = dp_gather(update_shard, dp, ledger)
             for meta in metas:
-                if not meta.local_numel:
-                    continue  # our DP shard does not touch it: neither do our TP peers
+                if not meta.local_numel or meta.name not in active:
+                    continue  # our DP shard does not touch it (nor do our TP peers'), or no rank has its gradient
                 tp_local = update_bucket[slice(*meta.bucket_range)].view(meta.shape)
                 full = tp_gather(tp_local, meta.tp_split_dim, tp, ledger)
                 ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
@@ -846,7 +921,7 @@ class DistributedMuon(torch.optim.Optimizer):
                 ortho_parts[meta.name] = dp_shard(tp_shard(ortho, meta.tp_split_dim, tp.rank, tp.size), meta)
         return ortho_parts
 
-    def _gather_params(self):
+    def _gather_params(self, active):
         dp, ledger = self.grid.dp, self.ledger
         for bucket in self.buckets:
             # Parameter all-gather: every DP rank again holds its full TP-local weights.
@@ -859,8 +934,8 @@ class DistributedMuon(torch.optim.Optimizer):
             for meta, p in zip(metas, params):
                 p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
         if self.strategy == "comm-free":
-            broadcast_from_owner({n: self.param_by_name[n] for n in self.muon_names}, self.owners, self.grid,
-                                 self.ledger, self.device)
+            broadcast_from_owner({n: self.param_by_name[n] for n in self.muon_names if n in active}, self.owners,
+                                 self.grid, self.ledger, self.device)
 
     def _adamw_part(self, name, grad, group):
         p = self.param_by_name[name]
@@ -873,6 +948,11 @@ class DistributedMuon(torch.optim.Optimizer):
         adamw_(p.view(-1)[self.parts[name]], grad, state["exp_avg"], state["exp_avg_sq"],
                state["step"].item(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                weight_decay=group["weight_decay"])
+
+
+def zeros_if_none(grad, param):
+    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
+    return torch.zeros_like(param) if grad is None else grad
 
 
 # The gather path and its mirror, the shard path.
@@ -1115,20 +1195,31 @@ def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, dev
     return parts
 
 
-def batched_newton_schulz(full, group_of, ledger):
-    """Newton-Schulz of every matrix in `full` ({name: matrix}), one batched call per
-    (shape, hyperparameters): many small matrices cost one call instead of many."""
-    batches = {}
-    for name, matrix in full.items():
-        g = group_of[name]
-        batches.setdefault((tuple(matrix.shape), g["ns_steps"], g["ns_coefficients"], g["ns_eps"]), []).append(name)
+def newton_schulz_owned(full, group_of, ledger, batched=False):
+    """Newton-Schulz of every matrix an owner holds ({name: full matrix}): {name: ortho}.
+
+    One matrix at a time by default: the 2-D path torch.optim.Muon takes, hence
+    torch's bits. batched: one call per (shape, hyperparameters) stack, so many
+    small matrices cost one call instead of many; not bitwise equal to torch
+    (within BATCHED_NS_BOUND, section 1).
+    """
     orthos = {}
-    for (shape, steps, coefficients, eps), names in batches.items():
-        stack = torch.stack([full[n] for n in names])
-        for name, ortho in zip(names, newton_schulz(stack, steps, coefficients, eps).unbind(0)):
-            orthos[name] = ortho
-            ledger.compute.append(dict(step=ledger.step, name=name, shape=shape,
-                                       flops=newton_schulz_flops(shape, steps)))
+    if batched:
+        stacks = {}
+        for name, matrix in full.items():
+            g = group_of[name]
+            stacks.setdefault((matrix.shape, g["ns_steps"], g["ns_coefficients"], g["ns_eps"]), []).append(name)
+        for (_, steps, coefficients, eps), names in stacks.items():
+            stack = newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
+            orthos.update(zip(names, stack.unbind(0)))
+    else:
+        for name, matrix in full.items():
+            g = group_of[name]
+            orthos[name] = newton_schulz(matrix, g["ns_steps"], g["ns_coefficients"], g["ns_eps"])
+    for name in orthos:
+        shape = tuple(full[name].shape)
+        ledger.compute.append(dict(step=ledger.step, name=name, shape=shape,
+                                   flops=newton_schulz_flops(shape, group_of[name]["ns_steps"])))
     return orthos
 
 
@@ -1215,9 +1306,9 @@ def reference_params(specs, cfg, device="cpu"):
             optimizers.append(torch.optim.AdamW(ps, lr=h["lr"], betas=h["betas"], eps=h["eps"],
                                                 weight_decay=h["weight_decay"], foreach=False))
     for step in range(1, cfg.steps + 1):
-        grads = total_grads(specs, cfg.seed, step, cfg.dp)
-        for s in specs:
-            params[s.name].grad = grads[s.name].to(device)
+        grads = total_grads(specs, cfg.seed, step, cfg.dp, cfg.missing_grads)
+        for s in specs:  # None where no rank has a gradient: torch skips the parameter
+            params[s.name].grad = None if grads[s.name] is None else grads[s.name].to(device)
         for opt in optimizers:
             opt.step()
     return {n: p.cpu() for n, p in params.items()}
@@ -1259,11 +1350,11 @@ def compare_to_reference(specs, reference, rank_params, dp, tp, muon_groups=(MUO
 # FLOPs per rank then says how well the owners are balanced.
 
 STRATEGY_PHASES = {
-    "gather": ("grad reduce-scatter", "DP gather", "TP gather", "param all-gather"),
-    "owner": ("grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather"),
-    "comm-free": ("grad reduce-scatter", "grad reduce at owner", "gather at owner", "scatter from owner",
-                  "param all-gather", "param broadcast from owner"),
-    BASELINE: ("grad reduce-scatter", "param all-gather"),
+    "gather": ("grad presence", "grad reduce-scatter", "DP gather", "TP gather", "param all-gather"),
+    "owner": ("grad presence", "grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather"),
+    "comm-free": ("grad presence", "grad reduce-scatter", "grad reduce at owner", "gather at owner",
+                  "scatter from owner", "param all-gather", "param broadcast from owner"),
+    BASELINE: ("grad presence", "grad reduce-scatter", "param all-gather"),
 }
 PHASES = STRATEGY_PHASES["gather"]
 
@@ -1314,7 +1405,10 @@ def human_bytes(n):
 # prints the report. Each rank writes its final parameters, ledger and timings
 # to a temporary folder that the parent reads.
 
-PG_TIMEOUT_S = 60  # a collective stuck longer than this is a bug, not slowness (a step takes < 1 s here)
+# A rank that stops beating for this long (stopped, frozen, swapped out) ends the run, and so
+# does a collective that waits this long. The demo reaches its first step in a few seconds and a
+# step takes well under 1 s on 2 cores; 20 s leaves room for a loaded laptop (--timeout).
+TIMEOUT_S = 20.0
 MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
 
 
@@ -1334,14 +1428,19 @@ class RunConfig:
     model: str = "transformer"  # one of MODELS: the transformer of section 3, or lopsided_specs()
     layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
     overlap_chunks: int = 1  # owner / comm-free: chunks whose exchange overlaps Newton-Schulz
+    batched_ns: bool = False  # owner / comm-free: same-shape matrices in one call (not bitwise torch's)
+    timeout_s: float = TIMEOUT_S  # a silent rank or a stuck collective ends the run after this long
+    missing_grads: tuple = ()  # (name, dp_rank or -1 for all, step): gradients that are None (tests)
     fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
 
 
-MODELS = ("transformer", "lopsided")
+MODELS = ("transformer", "lopsided", "thin")
 
 
 def demo_specs(cfg):
-    return transformer_specs(n_layers=cfg.layers) if cfg.model == "transformer" else lopsided_specs()
+    if cfg.model == "transformer":
+        return transformer_specs(n_layers=cfg.layers)
+    return lopsided_specs() if cfg.model == "lopsided" else thin_specs()
 
 
 def validate(cfg, specs):
@@ -1373,6 +1472,15 @@ def validate(cfg, specs):
         raise ValueError(f"--overlap-chunks must be >= 1 (got {cfg.overlap_chunks})")
     if cfg.overlap_chunks > 1 and cfg.strategy not in ("owner", "comm-free"):
         raise ValueError(f"--overlap-chunks applies to --strategy owner or comm-free (got {cfg.strategy})")
+    if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
+        raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
+    if not (cfg.timeout_s > 0 and math.isfinite(cfg.timeout_s)):
+        raise ValueError(f"--timeout must be > 0 seconds and finite (got {cfg.timeout_s})")
+    names = {s.name for s in specs}
+    for name, rank, step in cfg.missing_grads:
+        if name not in names or not -1 <= rank < cfg.dp or not 1 <= step <= cfg.steps:
+            raise ValueError(f"missing gradient ({name}, DP rank {rank}, step {step}) names no parameter, "
+                             f"DP rank or step of this run")
     if not -1 <= cfg.fail_rank < cfg.dp * cfg.tp:
         raise ValueError(f"--fail-rank must name a rank in [0, {cfg.dp * cfg.tp}) (got {cfg.fail_rank})")
     check_tp_divides(specs, cfg.tp)
@@ -1385,26 +1493,72 @@ def build_optimizer(specs, cfg, grid, params, **overrides):
     return DistributedMuon([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
                            tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
                            strategy="gather" if cfg.strategy == BASELINE else cfg.strategy,
-                           overlap_chunks=cfg.overlap_chunks, **overrides)
+                           overlap_chunks=cfg.overlap_chunks, batched_ns=cfg.batched_ns, **overrides)
 
 
-def run_rank(rank, cfg, port, out_dir):
-    """One spawned rank: join the Gloo world, run the steps, write the results to out_dir."""
+def run_rank(rank, cfg, port, out_dir, heartbeats, launcher):
+    """One spawned rank: join the Gloo world, run the steps, write the results to out_dir.
+
+    Nothing is printed here: a failure is written to rank<R>.error (time, one
+    line, traceback) and the launcher reports it once, for the whole run.
+    """
+    # Ctrl-C in a terminal sends SIGINT to every process of the job; the launcher
+    # alone decides what happens next (it stops every rank and cleans up).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_process(f"muon rank {rank}")
+    start_heartbeat(heartbeats, rank, launcher)
     torch.set_num_threads(1)  # see section 7: same thread count everywhere
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.dp * cfg.tp,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=cfg.dp * cfg.tp, timeout=datetime.timedelta(seconds=cfg.timeout_s))
         result = run_steps(rank, cfg, "cpu")
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException as e:
-        # When one rank dies its peers fail too ("connection closed"), and any of
-        # them may be the one the launcher reports. The timestamp lets the parent
-        # name the rank that failed first: the cause.
-        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
-            f.write(f"{time.time()!r}\n{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        raise
-    finally:
         dist.destroy_process_group()
+        write_atomically(os.path.join(out_dir, f"rank{rank}.pt"), lambda f: torch.save(result, f))
+    except BaseException as e:
+        # When one rank dies its peers fail too ("connection closed"). The time
+        # lets the launcher name the rank that failed first: the cause.
+        error = " ".join(f"{type(e).__name__}: {e}".split())  # one line
+        write_atomically(os.path.join(out_dir, f"rank{rank}.error"),
+                         lambda f: f.write(f"{time.time()!r}\n{error}\n{traceback.format_exc()}".encode()))
+        os._exit(1)  # no teardown that could wait on a dead peer
+
+
+def write_atomically(path, write):
+    """Write through a temporary name, so the launcher never reads half a file."""
+    with open(path + ".partial", "wb") as f:
+        write(f)
+    os.replace(path + ".partial", path)
+
+
+HEARTBEAT_S = 0.5  # how often a rank says it is alive
+
+
+def start_heartbeat(heartbeats, rank, launcher):
+    """A thread that writes the time into heartbeats[rank] every HEARTBEAT_S.
+
+    It beats while the rank computes or waits in a collective, and stops only
+    when the whole process does (SIGSTOP, a debugger, swapped out): that is how
+    the launcher tells the rank that stopped from the peers waiting for it.
+    `launcher` is the read end of a pipe whose write end only the launcher holds:
+    it becomes readable (end of file) when the launcher is gone, even killed by
+    SIGKILL, and then the rank ends itself rather than run on as an orphan.
+    """
+    def beat():
+        while not launcher.poll(HEARTBEAT_S):  # nothing is ever sent: it times out, or the launcher died
+            heartbeats[rank] = time.monotonic()
+        os._exit(1)
+
+    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+
+
+def name_process(title):
+    """Show `title` in ps and top (Linux's prctl PR_SET_NAME); elsewhere do nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME, at most 15 bytes
+    except (OSError, AttributeError):
+        pass
 
 
 def run_steps(rank, cfg, device):
@@ -1419,10 +1573,12 @@ def run_steps(rank, cfg, device):
     for step in range(1, cfg.steps + 1):
         if rank == cfg.fail_rank:
             raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-rank)")
-        grads = dp_rank_grads(specs, cfg.seed, step, grid.dp.rank)
+        grads = dp_rank_grads(specs, cfg.seed, step, grid.dp.rank, cfg.missing_grads)
         for s in specs:
-            grad = tp_shard(grads[s.name], s.tp_split_dim, grid.tp.rank, cfg.tp)
-            params[s.name].grad = grad.contiguous().to(device)
+            grad = grads[s.name]
+            if grad is not None:
+                grad = tp_shard(grad, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
+            params[s.name].grad = grad
         dist.barrier()
         t0 = time.perf_counter()
         opt.step()
@@ -1455,39 +1611,124 @@ def start_method():
     about 20 s to reach their first step. A forkserver imports them once and forks
     each rank from it, in about 3 s. "spawn" remains where there is no forkserver.
     """
-    import multiprocessing
-
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo"])
     return "forkserver"
 
 
-def first_failure(out_dir):
-    """'rank R failed: <error>' for the rank whose error came first, with its traceback."""
-    failures = []
+class RankFailure(RuntimeError):
+    """A rank failed, died or stopped responding; str() is one line, .traceback the rank's own."""
+
+    def __init__(self, message, traceback_text=""):
+        super().__init__(message)
+        self.traceback = traceback_text
+
+
+class Interrupted(BaseException):
+    """SIGTERM, turned into an exception so that the launcher can clean up as for Ctrl-C."""
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted()
+
+
+def rank_errors(out_dir):
+    """[(time, rank, one-line error, traceback)] of every rank that wrote an error, earliest first."""
+    errors = []
     for name in os.listdir(out_dir):
-        if name.endswith(".error"):
+        if name.startswith("rank") and name.endswith(".error"):
             with open(os.path.join(out_dir, name)) as f:
                 when, error, trace = f.read().split("\n", 2)
-            failures.append((float(when), int(name[4:-6]), error, trace))
-    if not failures:
-        return None
-    _, rank, error, trace = min(failures)
-    others = sorted(r for _, r, _, _ in failures if r != rank)
-    also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
-    return f"rank {rank} failed: {error}{also}\n{trace}"
+            errors.append((float(when), int(name[len("rank"):-len(".error")]), error, trace))
+    return sorted(errors)
+
+
+def blame(exits, out_dir):
+    """The RankFailure that names the cause, once some rank has exited abnormally.
+
+    exits: [(rank, exit code)] in the order the launcher saw them end. A rank
+    killed by a signal is the cause (its peers then fail with "connection
+    closed"); otherwise the rank whose error was written first is.
+    """
+    for rank, code in exits:
+        if code < 0:
+            return RankFailure(f"rank {rank} was killed by {signal.Signals(-code).name}")
+    errors = rank_errors(out_dir)
+    if errors:
+        _, rank, error, trace = errors[0]
+        others = sorted(r for _, r, _, _ in errors[1:])
+        also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
+        return RankFailure(f"rank {rank} failed: {error}{also}", trace)
+    rank, code = exits[0]
+    return RankFailure(f"rank {rank} exited with code {code}")
+
+
+POLL_S = 0.2  # how often the launcher looks at the ranks
+ERRORS_LAND_S = 1.0  # after a first failure, how long its peers get to fail and say why
+
+
+def watch(procs, heartbeats, out_dir, timeout_s):
+    """Wait for every rank; return None when all succeeded, else the RankFailure.
+
+    Every POLL_S it looks at which processes ended and at every heartbeat. A rank
+    that exited with an error ends the run (its peers fail right after it; the
+    launcher waits ERRORS_LAND_S for their errors, to name the first); so does a
+    rank whose heartbeat is older than timeout_s.
+    """
+    exits = []
+    while True:
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=POLL_S)
+        now = time.monotonic()
+        for rank, p in enumerate(procs):
+            if p.exitcode is None and now - heartbeats[rank] > timeout_s:
+                return RankFailure(f"rank {rank} stopped responding: no heartbeat for {timeout_s:g} s "
+                                   f"(--timeout {timeout_s:g}); it was stopped or frozen")
+        exits += [(rank, p.exitcode) for rank, p in enumerate(procs)
+                  if p.exitcode not in (None, 0) and rank not in dict(exits)]
+        if exits:
+            deadline = now + ERRORS_LAND_S
+            while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+                multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
+                                                timeout=deadline - time.monotonic())
+            return blame(exits, out_dir)
+        if all(p.exitcode == 0 for p in procs):
+            return None
+
+
+def stop(procs):
+    """SIGKILL every rank still running (a stopped one too) and reap it."""
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join()
 
 
 def spawn_ranks(cfg):
-    """Run every rank; return their results or raise RuntimeError naming the failed rank."""
-    with tempfile.TemporaryDirectory() as out_dir:
+    """Run every rank; return their results, or raise RankFailure naming the rank at fault.
+
+    Whatever ends the run (success, a failure, Ctrl-C or SIGTERM in the launcher),
+    every rank is stopped and the temporary folder removed before this returns.
+    """
+    context = multiprocessing.get_context(start_method())
+    world = cfg.dp * cfg.tp
+    heartbeats = context.Array("d", world, lock=False)  # shared memory: one time per rank
+    with tempfile.TemporaryDirectory(prefix="distributed-muon-") as out_dir:
+        launcher, alive = context.Pipe(duplex=False)  # the ranks watch `launcher`; `alive` stays here
+        args = (cfg, free_port(), out_dir, heartbeats, launcher)
+        procs = [context.Process(target=run_rank, args=(rank,) + args, name=f"rank {rank}") for rank in range(world)]
         try:
-            mp.start_processes(run_rank, args=(cfg, free_port(), out_dir), nprocs=cfg.dp * cfg.tp,
-                               join=True, start_method=start_method())
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            raise RuntimeError(first_failure(out_dir) or f"rank {e.error_index} failed: {e}") from None
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(cfg.dp * cfg.tp)]
+            for p in procs:
+                p.start()
+            for rank in range(world):  # the clock starts once every rank is started
+                heartbeats[rank] = time.monotonic()
+            failure = watch(procs, heartbeats, out_dir, cfg.timeout_s)
+        finally:
+            stop(procs)
+        if failure:
+            raise failure
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
 def run(cfg, explain=False, print_fn=print):
@@ -1562,17 +1803,44 @@ def muon_groups_of(cfg):
     return () if cfg.strategy == BASELINE else (MUON_GROUP,)
 
 
+def batched_ns_tolerance(cfg, spec):
+    """How far --batched-ns may leave a Muon parameter from torch's after cfg.steps steps.
+
+    Each step adds -adjusted_lr * O, and a batched O differs from torch's by at most
+    BATCHED_NS_BOUND times its largest entry (section 1). That entry is at most the
+    largest singular value Newton-Schulz leaves: about 1.2, the quintic's maximum on
+    [0, 1]; 1.5 leaves room for bf16 rounding. Weight decay scales both runs alike
+    and only shrinks earlier differences; the momentum does not depend on the weights.
+    """
+    return cfg.steps * adjusted_lr(cfg.lr, cfg.adjust_lr_fn, spec.global_shape) * 1.5 * BATCHED_NS_BOUND
+
+
 def verify(cfg, results, device="cpu"):
-    """Every rank's parameters against torch on `device`: (checks, reference seconds)."""
+    """Every rank's parameters against torch on `device`: (checks, reference seconds).
+
+    A check is "ok" when bit-identical; with --batched-ns, a Muon matrix is also ok
+    within batched_ns_tolerance (it cannot be bit-identical, section 1).
+    """
     specs = demo_specs(cfg)
     t1 = time.perf_counter()
     reference = reference_params(specs, cfg, device)
     checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp,
                                   muon_groups_of(cfg))
     start = initial_params(specs, cfg.seed)
-    for c in checks:  # how far the weights moved: the scale against which max |d| = 0 means something
+    for c, spec in zip(checks, specs):
+        # how far the weights moved: the scale against which max |d| = 0 means something
         c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
+        c["tolerance"] = batched_ns_tolerance(cfg, spec) if cfg.batched_ns and c["optimizer"] == "Muon" else 0.0
+        c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
     return checks, time.perf_counter() - t1
+
+
+def verdict(checks):
+    """'PASS: 26/26 parameters bit-identical to torch' (or FAIL), with the --batched-ns ones said apart."""
+    n_same, n_within = sum(c["identical"] for c in checks), sum(c["ok"] and not c["identical"] for c in checks)
+    within = f", {n_within} within the --batched-ns bound" if n_within else ""
+    passed = all(c["ok"] for c in checks)
+    return passed, f"{'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch{within}"
 
 
 def account(cfg, results):
@@ -1596,12 +1864,14 @@ def report(cfg, results, ranks_s, device="cpu", backend="gloo", print_fn=print):
     buckets, _, _ = demo_layout(cfg)
     checks, ref_s = verify(cfg, results, device)
     n_same = sum(c["identical"] for c in checks)
+    passed, summary = verdict(checks)
     reference_name = "torch.optim.AdamW" if cfg.strategy == BASELINE else "torch.optim.Muon / torch.optim.AdamW"
     print_fn(f"[7] Every rank's piece against {reference_name} on one device "
              f"(torch.equal): {n_same}/{len(checks)} parameters identical")
     rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
              "-" if c["tp_split_dim"] < 0 else c["tp_split_dim"], c["optimizer"],
-             f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0", "yes" if c["identical"] else "NO"]
+             f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0",
+             "yes" if c["identical"] else f"no, <= {c['tolerance']:.1e}" if c["ok"] else "NO"]
             for c in checks]
     print_fn(format_table(["parameter", "global shape", "split", "optimizer", "max |d|", "identical"], rows,
                           ["<", ">", ">", "<", ">", ">"]) + "\n")
@@ -1631,10 +1901,9 @@ def report(cfg, results, ranks_s, device="cpu", backend="gloo", print_fn=print):
     step_ms = [max(r["step_ms"][i] for r in results) for i in range(cfg.steps)]
     timings = dict(ranks_s=ranks_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
                    step_ms_median=statistics.median(step_ms))
-    passed = n_same == len(checks)
     print_fn(f"Timing: ranks {ranks_s:.1f} s (start, init, {cfg.steps} steps), reference {ref_s:.1f} s, "
              f"median step {timings['step_ms_median']:.0f} ms (slowest rank)")
-    print_fn(f"Result: {'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch")
+    print_fn(f"Result: {summary}")
     return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks,
                 buckets=[asdict(b) for b in buckets], owners=results[0]["owners"], bytes_per_step=table,
                 bytes_same_every_step=same_every_step, bytes_sent_max_rank=max_sent, bytes_sent_all_ranks=all_sent,
@@ -1652,15 +1921,16 @@ def compare(cfg, explain=False, print_fn=print):
     validate(cfg, demo_specs(cfg))
     print_fn(f"Comparing strategies: {world} CPU rank{'s' * (world != 1)} over Gloo, DP={cfg.dp} x TP={cfg.tp}, "
              f"{cfg.model} model, {cfg.steps} steps, seed {cfg.seed}, torch {torch.__version__}\n")
+    if explain:  # the grid, the buffer map and the owners of --strategy, as a single run prints them
+        print_header(cfg, "CPU", "Gloo", explain, print_fn)
     runs = {}
     for strategy in COMPARED:
         run_cfg = replace(cfg, strategy=strategy)
         lines = []
-        runs[strategy] = run(run_cfg, explain=explain and strategy == cfg.strategy, print_fn=lines.append)
+        runs[strategy] = run(run_cfg, print_fn=lines.append)
         result = runs[strategy]
-        failed = [c["name"] for c in result["checks"] if not c["identical"]]
-        print_fn(f"{LABELS[strategy]:<13} {'PASS' if result['passed'] else 'FAIL'}: "
-                 f"{len(result['checks']) - len(failed)}/{len(result['checks'])} parameters bit-identical to torch"
+        failed = [c["name"] for c in result["checks"] if not c["ok"]]
+        print_fn(f"{LABELS[strategy]:<13} {verdict(result['checks'])[1]}"
                  + (f" (not: {', '.join(failed)})" if failed else ""))
     balance = realistic_balance(world, cfg.ns_steps)
     print_fn("")
@@ -1752,35 +2022,52 @@ def format_targets(cfg, runs, realistic):
     return "\n".join(lines)
 
 
-def build_parser(description):
+def build_parser(description, launcher="spawn"):
+    """The command line. launcher "torchrun" (distributed_muon.py) leaves out what only this
+    script's own launcher does (--compare) and takes DP from the world size by default."""
     d = RunConfig()
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel size (default %(default)s)")
-    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
+    if launcher == "torchrun":
+        p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: processes / TP)")
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default %(default)s)")
+    else:
+        p.add_argument("--dp", type=int, default=d.dp, help="data-parallel size (default %(default)s)")
+        p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of parameters and gradients")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of parameters and gradients (default %(default)s)")
     p.add_argument("--bucket-size", type=int, default=d.bucket_size,
                    help="largest bucket in elements, before padding to a multiple of DP (default %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate, Muon and AdamW (default %(default)s)")
-    p.add_argument("--momentum", type=float, default=d.momentum, help="Muon momentum in [0, 1)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
-    p.add_argument("--ns-steps", type=int, default=d.ns_steps, help="Newton-Schulz iterations")
-    p.add_argument("--adjust-lr-fn", default=d.adjust_lr_fn, help=f"one of {', '.join(ADJUST_LR_FNS)}")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="Muon momentum in [0, 1) (default %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="decoupled weight decay (default %(default)s)")
+    p.add_argument("--ns-steps", type=int, default=d.ns_steps, help="Newton-Schulz iterations (default %(default)s)")
+    p.add_argument("--adjust-lr-fn", default=d.adjust_lr_fn,
+                   help=f"one of {', '.join(ADJUST_LR_FNS)} (default %(default)s)")
     p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES + (BASELINE,),
                    help="gather (default): every rank that touches a matrix orthogonalizes it; owner: one rank "
                         "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP; "
                         "adamw: the AdamW ZeRO-1 baseline, no Muon")
-    p.add_argument("--compare", action="store_true",
-                   help="run every strategy and the AdamW ZeRO-1 baseline, each checked, and print one table")
+    if launcher == "spawn":
+        p.add_argument("--compare", action="store_true",
+                       help="run every strategy and the AdamW ZeRO-1 baseline, each checked, and print one table")
     p.add_argument("--model", default=d.model, choices=MODELS,
-                   help="transformer (default): section 3's model; lopsided: one huge matrix among small ones")
+                   help="transformer (default): section 3's model; lopsided: one huge matrix among small ones; "
+                        "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")
     p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (default %(default)s)")
     p.add_argument("--overlap-chunks", type=int, default=d.overlap_chunks,
                    help="owner, comm-free: exchange with the owners in this many chunks, overlapping "
-                        "Newton-Schulz (default 1)")
+                        "Newton-Schulz (default %(default)s)")
+    p.add_argument("--batched-ns", action="store_true",
+                   help="owner, comm-free: orthogonalize same-shape matrices in one batched call; faster for many "
+                        "small matrices, but not bit-identical to torch (within 2**-5 of the largest entry)")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", metavar="SECONDS",
+                   help="seconds after which a rank that stopped responding, or a collective that waits, "
+                        "ends the run (default %(default)s)")
     p.add_argument("--explain", action="store_true",
                    help="print which rank owns which range of which parameter, and which matrices")
     p.add_argument("--json", metavar="PATH", help="write the run's results (checks, bytes, FLOPs, timings)")
+    p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
     p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: make this rank raise
     return p
 
@@ -1789,7 +2076,20 @@ def config_from_args(a):
     return RunConfig(dp=a.dp, tp=a.tp, steps=a.steps, seed=a.seed, bucket_size=a.bucket_size, lr=a.lr,
                      momentum=a.momentum, weight_decay=a.weight_decay, ns_steps=a.ns_steps,
                      adjust_lr_fn=a.adjust_lr_fn, strategy=a.strategy, model=a.model, layers=a.layers,
-                     overlap_chunks=a.overlap_chunks, fail_rank=a.fail_rank)
+                     overlap_chunks=a.overlap_chunks, batched_ns=a.batched_ns, timeout_s=a.timeout_s,
+                     fail_rank=a.fail_rank)
+
+
+def check_writable(path, flag="--json"):
+    """Raise ValueError (one line) unless `path` could be written, before any rank starts.
+    It creates nothing, so every rank of a torchrun job may check the same path."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"{flag} {path} is not writable")
 
 
 def write_json(path, results):
@@ -1801,17 +2101,30 @@ def write_json(path, results):
 def main(argv=None):
     args = build_parser("ZeRO-1 x TP distributed Muon on CPU ranks over Gloo, checked bit for bit against "
                         "torch.optim.Muon / AdamW.").parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)  # SIGTERM cleans up as Ctrl-C does
     try:
+        if args.json:
+            check_writable(args.json)
         go = compare if args.compare else run
         results = go(config_from_args(args), explain=args.explain)  # validates before spawning anything
+        write_json(args.json, results)
+        return 0 if results["passed"] else 1
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
+    except RankFailure as e:
         print(f"error: {e}", file=sys.stderr)
+        if args.traceback:
+            print(e.traceback, file=sys.stderr, end="")
         return 1
-    write_json(args.json, results)
-    return 0 if results["passed"] else 1
+    except KeyboardInterrupt:
+        print("error: interrupted (SIGINT); every rank stopped, temporary files removed", file=sys.stderr)
+        return 130  # 128 + SIGINT, as shells and torchrun report it
+    except Interrupted:
+        print("error: terminated (SIGTERM); every rank stopped, temporary files removed", file=sys.stderr)
+        return 143  # 128 + SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""Batched Newton-Schulz: one baddbmm call for a stack of same-shape matrices, against one
-call per matrix, on this CPU (1 thread, as every rank runs). Each result is checked bit for
-bit against torch's own single-matrix Newton-Schulz.
+"""Batched Newton-Schulz (--batched-ns): one baddbmm call for a stack of same-shape matrices,
+against one addmm call per matrix (the default, torch.optim.Muon's own path), on this CPU
+(1 thread, as every rank runs). For each case: the time of both, and how far the batched
+results are from torch's single-matrix Newton-Schulz (they are not always bit-identical:
+bf16 baddbmm and addmm round some near-ties differently; section 1 of the script).
 
-    python benchmarks/batching.py         # about 20 s on 2 cores
-
-The owner strategy stacks the same-shape matrices a rank owns (section 6 of the script).
+    python benchmarks/batching.py         # about 30 s on 2 cores
 """
 
 import os
@@ -20,7 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import distributed_muon_cpu as dm  # noqa: E402
 
 REPEATS = 7  # median of 7 timings of each variant
-CASES = [((32, 64), 12), ((64, 64), 64), ((128, 128), 16), ((8, 128), 8), ((384, 128), 4), ((512, 128), 4)]
+# (shape, matrices): small ones, where batching pays; GPT-2-small-sized ones (d = 768); small-side ones
+CASES = [((32, 64), 12), ((64, 64), 64), ((128, 128), 16), ((8, 128), 8), ((384, 128), 4), ((512, 128), 4),
+         ((768, 768), 4), ((2304, 768), 2), ((3072, 768), 2), ((600, 6), 16), ((97, 5), 16)]
 
 
 def median_ms(fn):
@@ -40,14 +42,17 @@ def main():
         stack = torch.randn(count, *shape, generator=torch.Generator().manual_seed(count))
         one_by_one = lambda: [dm.newton_schulz(m) for m in stack]
         batched = lambda: dm.newton_schulz(stack)
-        identical = all(torch.equal(b, torch_newton_schulz(m.clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS))
-                        for b, m in zip(batched(), stack))
+        expected = [torch_newton_schulz(m.clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS) for m in stack]
+        got = batched()
+        differing = sum(not torch.equal(b, e) for b, e in zip(got, expected))
+        relative = max(((b.float() - e.float()).abs().max() / e.float().abs().max()).item()
+                       for b, e in zip(got, expected))
         loop_ms, batch_ms = median_ms(one_by_one), median_ms(batched)
         gflop = count * dm.newton_schulz_flops(shape) / 1e9
         rows.append([f"{shape[0]}x{shape[1]}", count, f"{gflop:.3f}", f"{loop_ms:.2f}", f"{batch_ms:.2f}",
-                     f"{loop_ms / batch_ms:.2f}x", f"{gflop / batch_ms * 1e3:.1f}", "yes" if identical else "NO"])
+                     f"{loop_ms / batch_ms:.2f}x", f"{differing}/{count}", f"{relative:.1e}" if relative else "0"])
     print(dm.format_table(["shape", "matrices", "GFLOP", "one call each, ms", "one batched call, ms", "speed-up",
-                           "batched GFLOP/s", "identical to torch"], rows, ["<"] + [">"] * 7))
+                           "differ from torch", "max |d| / max |O|"], rows, ["<"] + [">"] * 7))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,12 @@ BAD_INPUT = [
     (["--overlap-chunks", "2"], "--overlap-chunks applies to --strategy owner or comm-free (got gather)"),
     (["--compare", "--tp", "3"], "TP 3 does not divide embed.weight dim 0"),
     (["--model", "lopsided", "--tp", "3"], "TP 3 does not divide huge.weight"),
+    (["--model", "thin", "--tp", "8"], "TP 8 does not divide thin.0.60x6.weight dim 0"),
+    (["--batched-ns"], "--batched-ns applies to --strategy owner or comm-free (got gather)"),
+    (["--timeout", "0"], "--timeout must be > 0 seconds"),
+    (["--timeout", "nan"], "--timeout must be > 0 seconds and finite"),
+    (["--json", "/nonexistent-folder/run.json"], "--json /nonexistent-folder/run.json: the folder /nonexistent-folder"),
+    (["--json", "/"], "--json / is a directory"),
 ]
 
 
@@ -64,11 +70,17 @@ def test_cli_bad_input_in_a_real_process():
     assert "TP 3 does not divide embed.weight" in proc.stderr
 
 
-def test_a_failing_rank_ends_the_run_with_its_error():
+@pytest.mark.parametrize("flags", [[], ["--traceback"]])
+def test_a_failing_rank_ends_the_run_with_one_line_naming_it(flags):
     # subprocess.run's timeout turns a hang into a test failure
-    proc = run_script("--dp", "2", "--tp", "2", "--fail-rank", "3", timeout=90)
+    proc = run_script("--dp", "2", "--tp", "2", "--fail-rank", "3", *flags, timeout=90)
     assert proc.returncode == 1
-    assert "error: rank 3 failed: RuntimeError: injected failure on rank 3 at step 1" in proc.stderr
+    first, *rest = proc.stderr.splitlines()
+    assert first.startswith("error: rank 3 failed: RuntimeError: injected failure on rank 3 at step 1 (--fail-rank)")
+    if flags:  # the rank's own traceback, for whoever debugs it
+        assert rest[0] == "Traceback (most recent call last):" and "in run_steps" in proc.stderr
+    else:
+        assert rest == []
     assert "Result:" not in proc.stdout
 
 
@@ -97,14 +109,15 @@ def test_help():
     assert proc.returncode == 0
     for flag in ["--dp", "--tp", "--steps", "--seed", "--bucket-size", "--lr", "--momentum", "--weight-decay",
                  "--ns-steps", "--adjust-lr-fn", "--explain", "--json", "--strategy", "--compare", "--model",
-                 "--layers", "--overlap-chunks"]:
+                 "--layers", "--overlap-chunks", "--batched-ns", "--timeout", "--traceback"]:
         assert flag in proc.stdout
 
 
 def test_compare_prints_one_table_and_writes_every_run(tmp_path):
     path = tmp_path / "compare.json"
-    proc = run_script("--compare", "--dp", "2", "--tp", "2", "--json", str(path), timeout=240)
+    proc = run_script("--compare", "--explain", "--dp", "2", "--tp", "2", "--json", str(path), timeout=240)
     assert proc.returncode == 0, proc.stderr
+    assert "bucket (0, 0)" in proc.stdout and "(padding)" in proc.stdout  # --explain's map, as a single run prints it
     results = json.loads(path.read_text())
     assert list(results["runs"]) == list(dm.COMPARED) and results["passed"]
     lines = proc.stdout.splitlines()

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import BUCKET, GRIDS, dm, grid_run, layout_metas
+from conftest import BUCKET, GRIDS, dm, grid_run, layout_metas, presence_bytes
 
 
 @pytest.mark.parametrize("dp,tp", GRIDS)
@@ -66,8 +66,8 @@ def expected_per_rank(specs, dp, tp, buckets):
         tp_gather = sum((tp - 1) * math.prod(metas[dp_rank][n].shape) * 2
                         for n in touched if spec[n].tp_split_dim >= 0)
         flops = sum(dm.newton_schulz_flops(spec[n].global_shape) for n in touched)
-        out.append(({"grad reduce-scatter": rs, "DP gather": dp_gather, "TP gather": tp_gather,
-                     "param all-gather": rs}, flops))
+        out.append(({"grad presence": presence_bytes(len(specs), dp * tp), "grad reduce-scatter": rs,
+                     "DP gather": dp_gather, "TP gather": tp_gather, "param all-gather": rs}, flops))
     return out
 
 

@@ -16,9 +16,7 @@ SIBLING = os.path.join(ROOT, "distributed_muon.py")
 @pytest.mark.parametrize("strategy", dm.STRATEGIES)
 def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_grid, strategy):
     path = tmp_path / "run.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           SIBLING, "--backend", "gloo", "--device", "cpu", "--dp", "2", "--tp", "2",
-                           "--strategy", strategy, "--json", str(path)], capture_output=True, text=True, timeout=180)
+    proc = torchrun("--dp", "2", "--tp", "2", "--strategy", strategy, "--json", str(path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(path.read_text())
     assert results["passed"] and all(c["identical"] for c in results["checks"])
@@ -30,6 +28,29 @@ def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_gr
     assert results["ns_flops"] == spawned["ns_flops"]
     assert results["buckets"] == json.loads(json.dumps(spawned["buckets"]))  # tuples became lists
     assert results["owners"] == spawned["owners"] and results["state_bytes"] == spawned["state_bytes"]
+
+
+def torchrun(*argv, timeout=180):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           SIBLING, "--backend", "gloo", "--device", "cpu", *argv],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_an_error_on_any_rank_is_reported_by_that_rank():
+    proc = torchrun("--dp", "2", "--tp", "2", "--fail-rank", "3")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert "error: rank 3 failed: RuntimeError: injected failure on rank 3 at step 1 (--fail-rank)" in errors
+    assert "Result:" not in proc.stdout
+
+
+def test_help_shows_what_the_sibling_accepts_with_real_defaults():
+    proc = subprocess.run([sys.executable, SIBLING, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "--compare" not in proc.stdout and "None" not in proc.stdout
+    help_text = " ".join(proc.stdout.split())
+    assert "--dp DP data-parallel size (default: processes / TP)" in help_text
+    assert "--backend {nccl,gloo} (default nccl)" in help_text and "--timeout SECONDS" in help_text
 
 
 def test_outside_torchrun_says_how_to_launch():

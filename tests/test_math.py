@@ -125,13 +125,51 @@ def test_gradient_draw_sums_exactly_in_any_order():
     assert math.isclose(dm.GRAD_SCALE * dm.GRAD_MAX_INT * dm.MAX_WORLD, 16.0)
 
 
-@pytest.mark.parametrize("shape,batch", [((384, 128), 3), ((128, 512), 4), ((64, 64), 16), ((8, 128), 2),
-                                         ((32, 64), 12)])
-def test_batched_newton_schulz_is_torchs_per_matrix(shape, batch):
-    """One baddbmm call for a stack gives each matrix exactly torch's single-matrix result."""
-    torch.set_num_threads(1)
-    stack = torch.randn(batch, *shape, generator=torch.Generator().manual_seed(batch))
-    got = dm.newton_schulz(stack)
-    for i in range(batch):
-        expected = torch_newton_schulz(stack[i].clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
-        assert torch.equal(got[i], expected), i
+# Shapes with a small side, where bf16 baddbmm and addmm round some near-ties differently.
+SMALL_SIDE = [(600, 6), (6, 600), (60, 6), (6, 60), (97, 5), (5, 97), (64, 1), (1, 64), (64, 2), (2, 64),
+              (257, 31), (384, 128)]
+SEEDS = range(40)
+
+
+def owned_matrices(shape, seed):
+    """What an owner holds: three matrices of one shape (stacked when batching) and one of another."""
+    g = torch.Generator().manual_seed(seed)
+    full = {f"m{i}": torch.randn(shape, generator=g) for i in range(3)}
+    full["other"] = torch.randn(shape[::-1], generator=g)
+    return full
+
+
+def orthogonalize_owned(full, batched):
+    group = dict(ns_steps=dm.NS_STEPS, ns_coefficients=dm.NS_COEFFICIENTS, ns_eps=dm.NS_EPS)
+    ledger = dm.Ledger()
+    orthos = dm.newton_schulz_owned(full, {n: group for n in full}, ledger, batched=batched)
+    assert sorted(r["name"] for r in ledger.compute) == sorted(full)  # each matrix counted once
+    return orthos
+
+
+@pytest.mark.parametrize("shape", SMALL_SIDE)
+def test_owner_newton_schulz_is_torchs_on_every_seed(shape):
+    """The default path of the owner and comm-free strategies: bit-identical to torch, seed after seed."""
+    for seed in SEEDS:
+        full = owned_matrices(shape, seed)
+        for name, ortho in orthogonalize_owned(full, batched=False).items():
+            expected = torch_newton_schulz(full[name].clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+            assert torch.equal(ortho, expected), (shape, seed, name)
+
+
+def test_batched_newton_schulz_is_within_its_bound_but_not_bitwise():
+    """--batched-ns: within BATCHED_NS_BOUND of torch's largest entry, and (the reason it is not
+    the default) not always bit-identical. If torch's bf16 baddbmm ever rounds like its addmm,
+    the second assertion fails: re-measure and reconsider the default."""
+    differing, worst = 0, 0.0
+    for shape in SMALL_SIDE:
+        for seed in SEEDS:
+            full = owned_matrices(shape, seed)
+            for name, ortho in orthogonalize_owned(full, batched=True).items():
+                expected = torch_newton_schulz(full[name].clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+                if not torch.equal(ortho, expected):
+                    differing += 1
+                    relative = ((ortho.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+                    worst = max(worst, relative)
+    assert worst <= dm.BATCHED_NS_BOUND
+    assert differing > 0

@@ -84,15 +84,37 @@ def test_custom_owners_are_checked_and_used(single_process_group):
                             ({0: matrices, 3: []}, r"rank 3 is not in \[0, 1\)")]:
         with pytest.raises(ValueError, match=message):
             dm.DistributedMuon(split_groups(model), grid=single_process_group, strategy="owner", owners=owners)
-    with pytest.raises(ValueError, match="owners and overlap_chunks only apply"):
+    with pytest.raises(ValueError, match="owners, overlap_chunks and batched_ns only apply"):
         dm.DistributedMuon(split_groups(model), grid=single_process_group, owners={0: matrices})
 
 
-def test_missing_gradient_is_named(single_process_group):
-    model = TinyNet()
-    opt = dm.DistributedMuon(split_groups(model), grid=single_process_group)
-    with pytest.raises(ValueError, match="hidden.weight has no gradient"):
-        opt.step()
+@pytest.mark.parametrize("strategy", dm.STRATEGIES)
+def test_parameters_without_gradients_are_skipped_like_torch(single_process_group, strategy):
+    """A frozen embedding, a matrix and a bias whose gradient is None at some steps."""
+    torch.manual_seed(2)
+    ours, theirs = TinyNet(), TinyNet()
+    theirs.load_state_dict(ours.state_dict())
+    opt = dm.DistributedMuon(split_groups(ours), grid=single_process_group, strategy=strategy)
+    named = dict(theirs.named_parameters())
+    ref = [torch.optim.Muon([named["hidden.weight"], named["out.weight"]], lr=0.02, weight_decay=0.1),
+           torch.optim.AdamW([p for n, p in named.items() if n not in ("hidden.weight", "out.weight")], lr=0.02,
+                             weight_decay=0.1)]
+    gradless = {0: {"embed.weight", "hidden.weight"}, 1: {"embed.weight", "out.bias"}, 2: {"embed.weight"}}
+    frozen = ours.embed.weight.detach().clone()
+    for step in range(3):
+        tokens = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(step))
+        for model, optimizers in ((ours, [opt]), (theirs, ref)):
+            model.zero_grad()
+            model(tokens).backward()
+            for name, p in model.named_parameters():
+                if name in gradless[step]:
+                    p.grad = None
+            for o in optimizers:
+                o.step()
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+            assert torch.equal(a, b), (step, name)
+    assert torch.equal(ours.embed.weight, frozen) and not opt.state[ours.embed.weight]  # untouched, no state
+    assert opt.state[ours.out.bias]["step"] == ref[1].state[named["out.bias"]]["step"] == 2  # one step skipped
 
 
 @pytest.mark.parametrize("make_groups,kwargs,message", [

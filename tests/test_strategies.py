@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import BUCKET, GRIDS, STEPS, dm, grid_run, layout_metas
+from conftest import BUCKET, GRIDS, STEPS, dm, grid_run, layout_metas, presence_bytes
 # (dp, tp, config): more ranks than matrices (1 layer: 5 matrices on 8 ranks), one huge
 # matrix among small ones (the lopsided model), and both on the uneven 3 x 2 grid.
 UNEVEN = [(8, 1, dict(layers=1)), (4, 2, dict(layers=1)), (8, 1, dict(model="lopsided")),
@@ -123,6 +123,8 @@ def runs_to_check(run_grid, dp, tp, strategy):
     """The strategy's run, the gather run on the same grid, the specs, and the owners (checked)."""
     result = strategy_run(run_grid, dp, tp, strategy)
     assert result["owners"] == dm.assign_owners(demo_flops(), dp * tp)
+    presence = presence_bytes(len(dm.transformer_specs()), dp * tp)
+    assert result["bytes_per_step"]["grad presence"]["sent"] == [presence] * (dp * tp)
     return (result, strategy_run(run_grid, dp, tp, "gather"), {s.name: s for s in dm.transformer_specs()},
             result["owners"])
 
@@ -192,3 +194,39 @@ def test_comm_free_extra_bytes_over_adamw_zero1(run_grid, dp, tp):
             assert padding == 0 and free["bytes_sent_all_ranks"] == adamw["bytes_sent_all_ranks"]
     else:
         assert tp_exchange > 0
+
+
+# --- matrices with a small side (the thin model): bit-identity that a batched Newton-Schulz breaks -----
+
+THIN_STEPS = 6  # more steps, more Newton-Schulz inputs: each of the grids below catches a batched one
+
+
+def thin_run(run_grid, dp, tp, strategy, **config):
+    return run_grid(dp, tp, steps=THIN_STEPS, bucket_size=BUCKET, model="thin", strategy=strategy, **config)
+
+
+@pytest.mark.parametrize("strategy", ZERO_REDUNDANCY + ("gather",))
+@pytest.mark.parametrize("dp,tp", [(8, 1), (4, 2)])
+def test_bit_identical_on_small_side_matrices(run_grid, dp, tp, strategy):
+    result = thin_run(run_grid, dp, tp, strategy)
+    assert_identical(result)
+    if strategy != "gather":  # both cases the batched path got wrong: one matrix alone, several of a shape
+        shapes = {s.name: s.global_shape for s in dm.thin_specs()}
+        owned = [[n for n, o in result["owners"].items() if o == r] for r in range(dp * tp)]
+        assert any(len(names) == 1 for names in owned)
+        assert any(len(names) > len({shapes[n] for n in names}) for names in owned)
+
+
+@pytest.mark.parametrize("strategy", ZERO_REDUNDANCY)
+def test_batched_newton_schulz_stays_within_its_derived_bound(run_grid, strategy):
+    result = thin_run(run_grid, 4, 2, strategy, batched_ns=True)
+    specs = {s.name: s for s in dm.thin_specs()}
+    cfg = dm.RunConfig(dp=4, tp=2, steps=THIN_STEPS, model="thin", strategy=strategy, batched_ns=True)
+    for c in result["checks"]:
+        if c["optimizer"] == "AdamW":
+            assert c["identical"], c["name"]  # batching touches Newton-Schulz only
+        else:
+            assert c["tolerance"] == dm.batched_ns_tolerance(cfg, specs[c["name"]]) > 0
+            assert c["max_abs_diff"] <= c["tolerance"], c["name"]
+    # Not bitwise: on this grid and seed some matrices differ (measured: 3 of 81, by 5e-6 to 6e-5).
+    assert not all(c["identical"] for c in result["checks"]) and result["passed"]

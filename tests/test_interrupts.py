@@ -1,0 +1,120 @@
+"""What a user does to a real run, and what they get back, as torchrun would give it:
+Ctrl-C and SIGTERM stop every rank and clean up (exit 130 / 143); a rank that dies or stops
+ends the run with one line naming it (exit 1). Each test starts the script in a session of
+its own, with a private temporary folder, so that it can check that no process and no
+temporary file is left behind."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SCRIPT
+
+LONG_RUN = ["--dp", "2", "--tp", "2", "--steps", "2000"]  # minutes of steps: only a signal ends it early
+STOPS_WITHIN_S = 10  # what "within seconds" means on a loaded 2-core machine; it takes about 2 s here
+
+
+class Run:
+    """The script in its own session (a terminal's job), with TMPDIR under tmp_path."""
+
+    def __init__(self, tmp_path, *argv):
+        self.tmp = tmp_path / "tmp"
+        self.tmp.mkdir()
+        # torch creates an (empty) compile cache in TMPDIR at import; it is torch's, and persistent
+        env = dict(os.environ, TMPDIR=str(self.tmp), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+    def processes(self):
+        """{pid: name} of the live processes of the run's session (zombies are dead already)."""
+        found = {}
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                with open(stat) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(os.path.join(os.path.dirname(stat), "comm")) as f:
+                    name = f.read().strip()
+            except OSError:
+                continue  # ended while we looked
+            if int(fields[3]) == self.proc.pid and fields[0] != "Z":  # session id, state
+                found[int(os.path.basename(os.path.dirname(stat)))] = name
+        return found
+
+    def rank_pid(self, rank, world=4, within_s=60):
+        """Wait until every rank runs (they name themselves 'muon rank R'), then a moment more."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            ranks = {name: pid for pid, name in self.processes().items() if name.startswith("muon rank")}
+            if len(ranks) == world:
+                time.sleep(2)  # into the steps
+                return ranks[f"muon rank {rank}"]
+            time.sleep(0.2)
+        pytest.fail(f"the ranks did not start: {self.processes()}")
+
+    def finish(self, within_s):
+        """(exit code, stdout, stderr, seconds), then check that nothing is left behind."""
+        t0 = time.monotonic()
+        out, err = self.proc.communicate(timeout=within_s + 60)
+        seconds = time.monotonic() - t0
+        deadline = time.monotonic() + 10  # the forkserver exits once it sees the launcher gone
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert self.processes() == {}
+        return self.proc.returncode, out, err, seconds
+
+
+def assert_one_line(err, expected):
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith(expected), err
+
+
+@pytest.mark.parametrize("how,code,message", [
+    ("SIGINT to the job", 130, "error: interrupted (SIGINT); every rank stopped, temporary files removed"),
+    ("SIGTERM to the launcher", 143, "error: terminated (SIGTERM); every rank stopped, temporary files removed"),
+])
+def test_ctrl_c_and_sigterm_stop_every_rank_and_clean_up(tmp_path, how, code, message):
+    run = Run(tmp_path, *LONG_RUN)
+    run.rank_pid(0)
+    if how.startswith("SIGINT"):
+        os.killpg(run.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    else:
+        os.kill(run.proc.pid, signal.SIGTERM)
+    returncode, out, err, seconds = run.finish(STOPS_WITHIN_S)
+    assert returncode == code and seconds < STOPS_WITHIN_S
+    assert_one_line(err, message)
+    assert "Result:" not in out
+    assert os.listdir(run.tmp) == []
+
+
+@pytest.mark.parametrize("rank,sig", [(3, signal.SIGKILL), (2, signal.SIGTERM)])
+def test_a_rank_that_dies_ends_the_run_naming_it(tmp_path, rank, sig):
+    run = Run(tmp_path, *LONG_RUN)
+    os.kill(run.rank_pid(rank), sig)
+    returncode, out, err, seconds = run.finish(STOPS_WITHIN_S)
+    assert returncode == 1 and seconds < STOPS_WITHIN_S
+    assert_one_line(err, f"error: rank {rank} was killed by {sig.name}")
+    assert os.listdir(run.tmp) == []
+
+
+def test_a_rank_that_stops_responding_ends_the_run_within_the_timeout(tmp_path):
+    timeout = 3
+    run = Run(tmp_path, *LONG_RUN, "--timeout", str(timeout))
+    os.kill(run.rank_pid(1), signal.SIGSTOP)  # alive, but never runs again: its peers wait for it
+    returncode, out, err, seconds = run.finish(timeout + STOPS_WITHIN_S)
+    assert returncode == 1 and timeout <= seconds < timeout + STOPS_WITHIN_S
+    assert_one_line(err, f"error: rank 1 stopped responding: no heartbeat for {timeout} s (--timeout {timeout})")
+    assert os.listdir(run.tmp) == []
+
+
+def test_ranks_end_themselves_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL cannot be caught: the ranks notice the launcher is gone and exit on their own."""
+    run = Run(tmp_path, *LONG_RUN)
+    run.rank_pid(0)
+    os.kill(run.proc.pid, signal.SIGKILL)
+    returncode, _, _, _ = run.finish(STOPS_WITHIN_S)  # asserts no rank is left
+    assert returncode == -signal.SIGKILL

@@ -1,0 +1,45 @@
+"""Parameters without a gradient: skipped where no rank has one, zeros where some ranks lack it.
+
+torch.optim.Muon and AdamW skip a parameter whose .grad is None (no weight decay, no
+momentum or moment update, no step count). The reference here is fed exactly that: the
+sum over the DP ranks that have a gradient, or None where none has one.
+"""
+
+import pytest
+
+from conftest import BUCKET, dm, grid_run, layout_metas
+
+# (name, DP rank or -1 for every rank, step); the run has 3 steps and resumes from a
+# state_dict after step 2.
+MISSING = (
+    # a frozen embedding: no gradient anywhere, ever, so no state and no change
+    ("embed.weight", -1, 1), ("embed.weight", -1, 2), ("embed.weight", -1, 3),
+    ("layers.0.mlp.fc1.weight", -1, 2),  # a Muon matrix skipped mid-run: its momentum waits
+    ("layers.1.mlp.fc2.weight", -1, 3),  # ... and at the last step
+    ("layers.1.norm1.weight", -1, 1),  # an AdamW vector whose state starts at step 2
+    ("layers.0.attn.qkv.weight", 0, 1), ("layers.0.attn.qkv.weight", 0, 3),  # some ranks only: TP-split Muon
+    ("layers.1.router.weight", 1, 2),  # some ranks only: a TP-replicated Muon matrix
+    ("lm_head.weight", 1, 2),  # some ranks only: AdamW
+)
+STRATEGY_GRIDS = [(s, 3, 2) for s in dm.STRATEGIES + (dm.BASELINE,)] + [("owner", 8, 1), ("comm-free", 2, 4)]
+
+
+@pytest.mark.parametrize("strategy,dp,tp", STRATEGY_GRIDS)
+def test_missing_gradients_match_torch(run_grid, strategy, dp, tp):
+    result = grid_run(run_grid, dp, tp, strategy=strategy, missing_grads=MISSING)
+    checks = {c["name"]: c for c in result["checks"]}
+    assert [n for n, c in checks.items() if not c["identical"]] == [] and result["passed"]
+    assert checks["embed.weight"]["max_abs_update"] == 0  # frozen: torch left it alone, and so did we
+    assert all(c["max_abs_update"] > 0 for n, c in checks.items() if n != "embed.weight")
+    # The frozen embedding has no state anywhere: the same state as without missing gradients,
+    # less embed.weight's AdamW moments (2 x 4 bytes an element) and step count (4 bytes).
+    metas = layout_metas(dp, tp, BUCKET, strategy=strategy)
+    embed = [metas[rank // tp]["embed.weight"].local_numel for rank in range(dp * tp)]
+    full = grid_run(run_grid, dp, tp, strategy=strategy)
+    assert result["state_bytes"] == [s - (8 * n + 4 if n else 0) for s, n in zip(full["state_bytes"], embed)]
+
+
+def test_a_missing_gradient_outside_the_run_is_refused():
+    cfg = dm.RunConfig(missing_grads=(("embed.weight", 4, 1),))  # DP is 4: ranks 0..3
+    with pytest.raises(ValueError, match=r"missing gradient \(embed.weight, DP rank 4, step 1\)"):
+        dm.validate(cfg, dm.demo_specs(cfg))
