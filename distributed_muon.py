@@ -23,7 +23,7 @@ the way GPU jobs are launched. What differs on GPUs, and why:
      allocates live on that GPU (it allocates on the parameters' device).
   3. Launcher: torchrun starts the processes and sets RANK, WORLD_SIZE,
      LOCAL_RANK, MASTER_ADDR and MASTER_PORT, so init_process_group reads them
-     (env://): no mp.spawn, no free-port search. Results reach rank 0 through
+     (env://): no launcher of our own, no free-port search. Results reach rank 0 through
      gather_object instead of files.
   4. Synchronization: CUDA kernels and NCCL collectives return to Python before
      they finish, so a step is timed only after torch.cuda.synchronize().

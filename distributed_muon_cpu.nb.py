@@ -67,7 +67,7 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_coun
 # %% [markdown]
 # ## 1. Why the script runs in a subprocess
 #
-# The script starts one process per rank with `torch.multiprocessing`. Started from inside a
+# The script starts one process per rank with Python's `multiprocessing`. Started from inside a
 # notebook kernel, those processes must re-import the notebook's `__main__`, which a kernel does
 # not have, and the launch fails or hangs. So the notebook starts the script as a separate
 # Python process (`sys.executable`: the same interpreter as this kernel, not whatever `python`

@@ -95,8 +95,8 @@ def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_E
     batched matmuls (baddbmm), one call for all of them. That is the same math
     but NOT the same bits: bf16 baddbmm and addmm round some near-ties
     differently (here: 26 of 4,800 small-side matrices differed, by up to 2.8 %
-    of their largest entry), so a stack is used only when asked for
-    (batched_ns, section 6), within BATCHED_NS_BOUND of the 2-D result.
+    of their largest entry), so a stack is used only when asked for (the
+    batched_ns option), within BATCHED_NS_BOUND of the 2-D result.
     """
     a, b, c = coefficients
     fused_mm = torch.addmm if matrix.ndim == 2 else torch.baddbmm  # beta * input + alpha * (m1 @ m2)
@@ -685,7 +685,11 @@ def format_buffer_map(buckets, bucket_ranges, shapes, dp):
 # all-gather; their update is elementwise, so they need no gather at all.
 #
 # The step is written in four stages so that section 6's strategies can swap the
-# middle one (and, for comm-free, the first and last) without touching the rest:
+# middle one (and, for comm-free, the first and last) without touching the rest.
+# Before them the ranks agree, in one tiny all-reduce ("grad presence"), which
+# parameters have a gradient on any rank: one whose .grad is None everywhere is
+# skipped, as torch skips it; had each rank decided alone, ranks could enter
+# different collectives and wait for each other forever.
 #
 #   _reduce_grads      every rank's part of the summed gradient
 #   momentum / AdamW   on that part only (elementwise)
@@ -844,7 +848,7 @@ class DistributedMuon(torch.optim.Optimizer):
         self.ledger.step += 1
         # Which parameters have a gradient on at least one rank: every rank must
         # agree, or they would enter different collectives and wait forever.
-        has_grad = torch.tensor([p.grad is not None for p in self.param_by_name.values()])
+        has_grad = torch.tensor([p.grad is not None for p in self.param_by_name.values()], device=self.device)
         has_grad = any_rank(has_grad, self.grid.world, self.ledger, "grad presence")
         active = {n for n, present in zip(self.param_by_name, has_grad.tolist()) if present}
         grads = self._reduce_grads(active)
@@ -875,8 +879,9 @@ class DistributedMuon(torch.optim.Optimizer):
             metas = [self.dist_metas[n] for n in bucket.names]
             grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
             for meta in metas:
-                p = self.param_by_name[meta.name]
-                grad_bucket[slice(*meta.bucket_range)] = zeros_if_none(p.grad, p).reshape(-1)
+                grad = self.param_by_name[meta.name].grad
+                if grad is not None:  # a rank without this gradient adds zeros, as DDP's reduction does
+                    grad_bucket[slice(*meta.bucket_range)] = grad.reshape(-1)
             grad_shard = reduce_scatter(grad_bucket, self.grid.dp, self.ledger, "grad reduce-scatter")
             grads.update({m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel and m.name in active})
         if self.strategy == "comm-free":
@@ -1385,6 +1390,8 @@ def flops_per_step(ledgers, specs, step, ns_steps, muon_groups=(MUON_GROUP,)):
 
 
 def format_table(header, rows, aligns):
+    if not len(header) == len(aligns) == (len(rows[0]) if rows else len(header)):
+        raise ValueError(f"a table of {len(header)} columns needs as many aligns ({len(aligns)}) and cells")
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = lambda row: "  ".join(f"{str(x):{a}{w}}" for x, a, w in zip(row, aligns, widths))
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])

@@ -36,8 +36,8 @@ def main():
         total, _ = dm.total_bytes(r["bytes_per_step"])
         rows.append([f"{dp}x{tp}", *phases, dm.human_bytes(total), f"{max(r['ns_flops']['per_rank']) / 1e9:.3f}",
                      f"{r['ns_flops']['redundancy']:.2f}", f"{r['timings']['step_ms_median']:.0f}"])
-    print(dm.format_table(["DPxTP", *dm.PHASES, "total/rank", "NS GFLOP/rank (max)", "redundancy", "step ms"],
-                          rows, ["<"] + [">"] * 8))
+    header = ["DPxTP", *dm.PHASES, "total/rank", "NS GFLOP/rank (max)", "redundancy", "step ms"]
+    print(dm.format_table(header, rows, ["<"] + [">"] * (len(header) - 1)))
 
     print(f"\nBucket size on DP=4 x TP=2 ({STEPS} steps): fewer, larger DP messages\n")
     rows = []

@@ -22,7 +22,7 @@ def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_gr
     assert results["passed"] and all(c["identical"] for c in results["checks"])
     assert results["launcher"] == dict(backend="gloo", device="cpu", gpu=None)
     assert "4 CPU ranks over Gloo, DP=2 x TP=2" in proc.stdout
-    # The same algorithm as the mp.spawn launcher: the same bytes, FLOPs and layout.
+    # The same algorithm as the CPU script's own launcher: the same bytes, FLOPs and layout.
     spawned = run_grid(2, 2, steps=results["config"]["steps"], strategy=strategy)
     assert results["bytes_per_step"] == spawned["bytes_per_step"]
     assert results["ns_flops"] == spawned["ns_flops"]
