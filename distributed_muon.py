@@ -6,8 +6,8 @@ Launch recipes (torchrun starts one process per GPU):
     torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2 --strategy owner
     torchrun --standalone --nproc-per-node 4 distributed_muon.py --backend gloo --device cpu --dp 2 --tp 2
 By default TP=1 and DP = the number of processes. Every --strategy works here;
-to compare strategies, launch once per --strategy (the CPU script's --compare
-runs them all in one go). An error on any rank is printed by that rank, in one
+to compare strategies, launch once per --strategy (benchmarks/compare.py runs
+them all in one go on CPU ranks). An error on any rank is printed by that rank, in one
 line that names it; torchrun then stops the other ranks.
 
 Nothing of the algorithm lives here. The math, the grid, the virtual buffer,
@@ -102,9 +102,10 @@ def main(argv=None):
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
                             device_id=torch.device(device) if args.device == "cuda" else None)
     try:
+        plan = dm.plan_optimizer(cfg)  # every rank's layout, computed alike, printed once
         if rank == 0:
             backend = {"gloo": "Gloo", "nccl": "NCCL"}[args.backend]
-            dm.print_header(cfg, "GPU" if args.device == "cuda" else "CPU", backend, args.explain, print)
+            dm.print_header(cfg, plan, "GPU" if args.device == "cuda" else "CPU", backend, args.explain, print)
         t0 = time.perf_counter()
         result = dm.run_steps(rank, cfg, device)
         gathered = [None] * world if rank == 0 else None
@@ -122,7 +123,8 @@ def main(argv=None):
     if rank == 0:
         if args.device == "cuda":
             print(f"device: {torch.cuda.get_device_name(device)}\n")
-        results = dm.report(cfg, gathered, ranks_s, device=device, backend=args.backend)
+        checks, ref_s = dm.verify(cfg, gathered, device)
+        results = dm.report(cfg, plan, gathered, checks, ranks_s, ref_s, backend=args.backend)
         results["launcher"] = dict(backend=args.backend, device=args.device,
                                    gpu=torch.cuda.get_device_name(device) if args.device == "cuda" else None)
         dm.write_json(args.json, results)

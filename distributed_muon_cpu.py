@@ -26,23 +26,23 @@ Launch recipes
     python distributed_muon_cpu.py --dp 2 --tp 4 --explain   # print the virtual buffer map too
     python distributed_muon_cpu.py --dp 8 --tp 1 --steps 5 --json run.json
     python distributed_muon_cpu.py --strategy owner --explain   # one owner per matrix, and who owns what
-    python distributed_muon_cpu.py --compare                # gather, owner, comm-free, AdamW ZeRO-1: one table
-    python distributed_muon_cpu.py --compare --dp 8 --tp 1 --layers 8   # balanced owners; comm-free = AdamW bytes
+    python distributed_muon_cpu.py --model thin --strategy comm-free   # 81 matrices with a small side
     python distributed_muon_cpu.py --help
+    python benchmarks/compare.py                        # gather, owner, comm-free, AdamW ZeRO-1: one table
 
-Import it and the optimizer is a real torch.optim.Optimizer:
-    from distributed_muon_cpu import DistributedMuon, make_grid
+Import it and the optimizers are real torch.optim.Optimizers, one per strategy:
+    from distributed_muon_cpu import DistributedMuon, OwnerMuon, CommFreeMuon, make_grid
 
 Reading order (each section opens with what it does and why)
     1. Newton-Schulz, momentum and the learning-rate adjustment (the math)
     2. The grid and its collectives (the one place bytes cross between ranks)
     3. The parameters (a small transformer) and their per-rank gradients
     4. The virtual buffer (param groups, buckets, dist_meta)
-    5. The step (DistributedMuon, a torch.optim.Optimizer)
-    6. Orthogonalize each matrix once: the owner and comm-free strategies
-    7. Verification against torch.optim.Muon / torch.optim.AdamW
-    8. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance)
-    9. Main (arguments, spawning the ranks, the report, --compare)
+    5. The step: the gather strategy (DistributedMuon, a torch.optim.Optimizer)
+    6. Orthogonalize each matrix once: the owner and comm-free strategies (OwnerMuon, CommFreeMuon)
+    7. A run (run_steps, the example of use), and its verification against torch
+    8. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
+    9. Main: the launcher (start, watch and stop the ranks) and the command line
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -232,7 +232,7 @@ class Grid:
     rank: int
     dp: Axis
     tp: Axis
-    world: Axis  # every rank: the owner strategy's exchanges cross both axes at once
+    world: Axis  # every rank at once, across both axes
 
 
 def check_topology(dp, tp, world=None):
@@ -249,26 +249,28 @@ def rank_grid(dp, tp):
     return torch.arange(dp * tp).view(dp, tp)
 
 
+def plan_grid(dp, tp, rank):
+    """The grid as `rank` sees it, without process groups: what a launcher plans with."""
+    check_topology(dp, tp)
+    grid = rank_grid(dp, tp)
+    dp_rank, tp_rank = divmod(rank, tp)
+    return Grid(rank=rank,
+                dp=Axis("DP", dp, dp_rank, tuple(grid[:, tp_rank].tolist())),
+                tp=Axis("TP", tp, tp_rank, tuple(grid[dp_rank].tolist())),
+                world=Axis("world", dp * tp, rank, tuple(range(dp * tp))))
+
+
 def make_grid(dp, tp, rank):
     """Build the DP and TP process groups. Collective: call on every rank."""
     check_topology(dp, tp, dist.get_world_size())
-    grid = rank_grid(dp, tp)
-    tp_group = dp_group = None
-    for row in grid.tolist():  # TP groups: rows
-        group = dist.new_group(row)
-        if rank in row:
-            tp_group, tp_ranks = group, tuple(row)
-    for col in grid.T.tolist():  # DP groups: columns
-        group = dist.new_group(col)
-        if rank in col:
-            dp_group, dp_ranks = group, tuple(col)
-    dp_rank, tp_rank = divmod(rank, tp)
-    return Grid(
-        rank=rank,
-        dp=Axis("DP", dp, dp_rank, dp_ranks, dp_group),
-        tp=Axis("TP", tp, tp_rank, tp_ranks, tp_group),
-        world=Axis("world", dp * tp, rank, tuple(range(dp * tp)), dist.group.WORLD),
-    )
+    plan, grid = plan_grid(dp, tp, rank), rank_grid(dp, tp)
+    groups = {}
+    for ranks in grid.tolist() + grid.T.tolist():  # TP groups (rows), then DP groups (columns)
+        group = dist.new_group(ranks)
+        groups[tuple(ranks)] = group
+    return replace(plan, dp=replace(plan.dp, group=groups[plan.dp.ranks]),
+                   tp=replace(plan.tp, group=groups[plan.tp.ranks]),
+                   world=replace(plan.world, group=dist.group.WORLD))
 
 
 def format_grid(dp, tp):
@@ -432,8 +434,8 @@ def transformer_specs(vocab=VOCAB, d=D_MODEL, n_layers=N_LAYERS, n_experts=N_EXP
 
 
 def lopsided_specs():
-    """One huge matrix among many small ones (--model lopsided): a case no owner
-    assignment can balance, and one where batching the small ones pays (section 6)."""
+    """One huge matrix among many small ones (--model lopsided): work that cannot be
+    spread evenly over ranks that each take whole matrices."""
     specs = [ParamSpec("huge.weight", (1024, 128), 0, "muon"), ParamSpec("huge.bias", (1024,), 0, "adamw_no_wd")]
     for i in range(12):  # alternately tall (split rows) and wide (split columns)
         specs.append(ParamSpec(f"small.{i}.weight", (32, 64) if i % 2 else (64, 32), i % 2, "muon"))
@@ -447,8 +449,9 @@ def thin_specs():
 
     On such shapes bf16 rounding near-ties are common enough that a Newton-Schulz
     done in any other order than torch's shows up in a few steps. Eight copies of
-    each shape, so that an owner holds several of the same shape, and one 6 x 6000
-    matrix that outweighs the rest of a rank's share, so that its owner holds it alone.
+    each shape, so that one rank can be given several of the same shape, and one
+    6 x 6000 matrix that outweighs any rank's share of the rest, so that a rank can
+    be given it alone.
     """
     shapes = [((600, 6), 0), ((6, 600), 1), ((60, 6), 0), ((6, 60), 1), ((97, 5), -1), ((5, 97), -1),
               ((64, 1), 0), ((1, 64), 1), ((64, 2), 0), ((2, 64), 1)]
@@ -630,40 +633,70 @@ def global_shape_of(local_shape, tp_split_dim, tp):
     return tuple(shape)
 
 
-def format_buffer_map(buckets, bucket_ranges, shapes, dp):
-    """--explain: which DP rank owns which range of which parameter, and the padding."""
-    not_split = {name: -1 for name in shapes}
-    metas = [build_dist_metas(buckets, bucket_ranges, shapes, shapes, not_split, r, dp) for r in range(dp)]
-    lines = []
-    for b in buckets:
+@dataclass(frozen=True)
+class Layout:
+    """Where every parameter lives, the same on every rank: the buckets and every DP rank's dist_meta."""
+
+    buckets: tuple
+    bucket_ranges: dict  # name -> [start, end) inside its bucket
+    shapes: dict  # name -> TP-local shape
+    global_shapes: dict  # name -> shape after the TP gather
+    tp_split_dims: dict  # name -> dim TP splits, -1 if none
+    metas: tuple  # one {name: DistMeta} per DP rank
+
+    @property
+    def dp(self):
+        return len(self.metas)
+
+
+def plan_layout(buffers, shapes, tp_split_dims, dp, tp, bucket_size):
+    """buffers: one list of parameter names per param group, in order (the names ZeRO-1 buckets)."""
+    global_shapes = {n: global_shape_of(s, tp_split_dims[n], tp) for n, s in shapes.items()}
+    buckets, bucket_ranges = plan_buckets([[(n, math.prod(shapes[n])) for n in names] for names in buffers],
+                                          dp, bucket_size)
+    metas = tuple(build_dist_metas(buckets, bucket_ranges, shapes, global_shapes, tp_split_dims, r, dp)
+                  for r in range(dp))
+    return Layout(tuple(buckets), bucket_ranges, shapes, global_shapes, tp_split_dims, metas)
+
+
+def format_buffer_map(layout):
+    """--explain: which DP rank keeps which part of which parameter, and the padding."""
+    dp, lines = layout.dp, []
+    for b in layout.buckets:
         lines.append(f"bucket ({b.buffer_idx}, {b.bucket_idx}): {b.used:,} elements + {b.numel - b.used} padding "
                      f"= {b.numel:,}; DP shard = {b.numel // dp:,} elements")
         for name in b.names:
-            start, end = bucket_ranges[name]
-            owners = " ".join(f"DP{r}[{m.param_slice.start}:{m.param_slice.stop}]"
-                              for r, m in enumerate(ms[name] for ms in metas) if m.local_numel)
-            lines.append(f"    {name:<26} {str(shapes[name]):<11} [{start:>6}, {end:>6})  {owners}")
+            start, end = layout.bucket_ranges[name]
+            parts = " ".join(f"DP{r}[{m.param_slice.start}:{m.param_slice.stop}]"
+                             for r, m in enumerate(ms[name] for ms in layout.metas) if m.local_numel)
+            lines.append(f"    {name:<26} {str(layout.shapes[name]):<11} [{start:>6}, {end:>6})  {parts}")
         if b.numel > b.used:
-            owners = " ".join(f"DP{r}" for r in range(dp) if b.shard_range(r, dp)[1] > b.used)
-            lines.append(f"    {'(padding)':<26} {'':<11} [{b.used:>6}, {b.numel:>6})  {owners}")
+            holders = " ".join(f"DP{r}" for r in range(dp) if b.shard_range(r, dp)[1] > b.used)
+            lines.append(f"    {'(padding)':<26} {'':<11} [{b.used:>6}, {b.numel:>6})  {holders}")
     return "\n".join(lines)
 
 
 # =============================================================================
-# 5. The step
+# 5. The step: the gather strategy
 # =============================================================================
-# One optimizer step as seen from one rank (DP=4, TP=2), in the default
-# strategy, "gather":
+# One optimizer step as seen from one rank (DP=4, TP=2). This section is the
+# flow the whole project is about, the "gather" strategy, in four stages:
 #
-#   grads (TP-local, full)     --DP reduce-scatter (fp32)-->   gradient shard
-#   gradient shard             --momentum (lerp)-------------> update shard (bf16)
-#   update shard               --DP gather (all-gather)-----> every TP-local matrix of the bucket
-#   TP-local matrix            --TP gather (along split dim)-> full matrix  [only where local_range]
-#   full matrix                --Newton-Schulz--------------> orthogonal full matrix
-#   orthogonal full matrix     --TP shard (slice)-----------> TP-local piece
-#   TP-local piece             --DP shard (slice)-----------> this rank's local range
-#   param shard                -= lr*wd*param, adjusted_lr * update
-#   param shards               --param all-gather (fp32)----> every rank holds its full TP-local weights
+#   1. _reduce_grads    grads (TP-local)  --DP reduce-scatter (fp32)-->  this rank's part of the summed gradient
+#   2. _update_state    gradient part     --momentum (lerp) / AdamW--->  update part (bf16) / new AdamW weights
+#   3. _orthogonalize   update parts, bucket by bucket, in gather_newton_schulz_shard:
+#        update shard          --DP gather (all-gather)------> every TP-local matrix of the bucket
+#        TP-local matrix       --TP gather (along split dim)-> the full matrix  [only where this rank has a part]
+#        full matrix           --Newton-Schulz---------------> orthogonal full matrix
+#        orthogonal matrix     --TP shard (slice)------------> TP-local piece
+#        TP-local piece        --DP shard (slice)------------> this rank's part
+#      then  part -= lr*wd*part + adjusted_lr * update      (the weight update, on the part only)
+#   4. _gather_params   parts  --param all-gather (fp32)---->  every rank holds its full TP-local weights
+#
+# Before stage 1 the ranks agree, in one tiny all-reduce ("grad presence"),
+# which parameters have a gradient on any rank: one whose .grad is None
+# everywhere is skipped, as torch skips it; had each rank decided alone, ranks
+# could enter different collectives and wait for each other forever.
 #
 # The gather path is communication; its mirror, the shard path, is free: every
 # rank already holds the full result and just slices out its own piece.
@@ -684,136 +717,109 @@ def format_buffer_map(buckets, bucket_ranges, shapes, dp):
 # AdamW parameters ride the same gradient reduce-scatter and parameter
 # all-gather; their update is elementwise, so they need no gather at all.
 #
-# The step is written in four stages so that section 6's strategies can swap the
-# middle one (and, for comm-free, the first and last) without touching the rest.
-# Before them the ranks agree, in one tiny all-reduce ("grad presence"), which
-# parameters have a gradient on any rank: one whose .grad is None everywhere is
-# skipped, as torch skips it; had each rank decided alone, ranks could enter
-# different collectives and wait for each other forever.
-#
-#   _reduce_grads      every rank's part of the summed gradient
-#   momentum / AdamW   on that part only (elementwise)
-#   _orthogonalize     Newton-Schulz of every matrix, back as each rank's part
-#   _gather_params     every rank again holds its full TP-local weights
-#
-# A rank's "part" of a parameter is the range of its flattened TP-local tensor
-# whose optimizer state it keeps: its ZeRO-1 local range, or (comm-free) the
-# whole matrix on the owner's DP row and nothing elsewhere.
+# A rank's "part" of a parameter is the range of its flattened TP piece whose
+# optimizer state it keeps (its ZeRO-1 local range, found from dist_meta).
+# Each stage is a method, so that another strategy can replace one stage and
+# keep the others.
 
-STRATEGIES = ("gather", "owner", "comm-free")
-BASELINE = "adamw"  # a run-level choice (section 9): AdamW ZeRO-1 for every parameter, the yardstick
+
+def check_hyperparameters(name=str, *, bucket_size, lr, weight_decay, momentum, adjust_lr_fn):
+    """The optimizer's rules for its arguments, in one place. `name` spells an argument in the
+    ValueError: as the constructor's keyword by default, or as a command-line flag."""
+    if bucket_size < 1:
+        raise ValueError(f"{name('bucket_size')} must be >= 1 (got {bucket_size})")
+    if not (lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"{name('lr')} must be >= 0 and finite (got {lr})")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"{name('weight_decay')} must be >= 0 and finite (got {weight_decay})")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"{name('momentum')} must be in [0, 1) (got {momentum})")
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"{name('adjust_lr_fn')} must be one of {', '.join(ADJUST_LR_FNS)} (got {adjust_lr_fn!r})")
+
+
+def index_named_params(param_groups, tp_split_dims):
+    """({name: tensor}, {name: its group}, {name: TP split dim}) after checking what the step relies on."""
+    param_by_name, group_of = {}, {}
+    for group in param_groups:
+        if group["algorithm"] not in ("muon", "adamw"):
+            raise ValueError(f"unknown algorithm {group['algorithm']!r}; use 'muon' or 'adamw'")
+        if "param_names" not in group:
+            raise ValueError("pass named parameters: [(name, tensor), ...] (dist_meta is keyed by name)")
+        for name, p in zip(group["param_names"], group["params"]):
+            if name in param_by_name:
+                raise ValueError(f"parameter {name} appears twice")
+            if group["algorithm"] == "muon" and p.ndim != 2:
+                raise ValueError(f"Muon needs 2-D parameters; {name} has shape {tuple(p.shape)}")
+            if not p.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (it is viewed flat)")
+            if p.dtype != torch.float32:
+                raise ValueError(f"{name} is {p.dtype}; this reference keeps float32 parameters")
+            param_by_name[name], group_of[name] = p, group
+    unknown = set(tp_split_dims) - set(param_by_name)
+    if unknown:
+        raise ValueError(f"tp_split_dims names unknown parameters: {sorted(unknown)}")
+    split_dims = {name: tp_split_dims.get(name, -1) for name in param_by_name}
+    for name, split in split_dims.items():
+        if split >= param_by_name[name].ndim:
+            raise ValueError(f"tp_split_dim {split} of {name} is out of range for shape "
+                             f"{tuple(param_by_name[name].shape)}")
+    return param_by_name, group_of, split_dims
 
 
 class DistributedMuon(torch.optim.Optimizer):
-    """ZeRO-1 x TP Muon (and AdamW for non-matrix parameters), bit-identical to torch.
+    """ZeRO-1 x TP Muon (and AdamW for non-matrix parameters), the gather strategy; bit-identical to torch.
 
     params: named parameters, as torch optimizers accept them: a list of groups
         {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", ...hyperparameters}.
-        Each tensor is this rank's TP-local piece, the same on every DP rank.
+        Each tensor is this rank's TP piece, the same on every DP rank; every rank
+        passes the same names in the same order.
     grid: from make_grid; tp_split_dims: {name: dim} for TP-split parameters
         (missing names are replicated across TP).
     bucket_size: largest bucket, in elements, before padding to a multiple of DP.
-    strategy: "gather" (section 5), "owner" or "comm-free" (section 6).
-    owners: for owner / comm-free, {rank: [matrix names]} to override the
-        balanced assignment (every Muon matrix exactly once).
-    overlap_chunks: owner / comm-free: split the exchanges with the owners into
-        this many chunks and overlap each chunk's Newton-Schulz with the later
-        chunks' transfers (section 6).
-    batched_ns: owner / comm-free: orthogonalize an owner's same-shape matrices
-        in one batched call. Faster for many small matrices, but not bitwise
-        equal to torch: within BATCHED_NS_BOUND (section 1). Off by default.
     Gradients are summed over DP (ReduceOp.SUM). A parameter whose .grad is None
     on every rank is skipped, as torch.optim.Muon and AdamW skip it (its state
     and value untouched); one that has a gradient on some ranks only gets zeros
     from the others, as DDP's reduction does.
     """
 
-    def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, strategy="gather", owners=None,
-                 overlap_chunks=1, batched_ns=False, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original",
-                 betas=(0.9, 0.999), eps=1e-8):
-        if bucket_size < 1:
-            raise ValueError(f"bucket_size must be >= 1 (got {bucket_size})")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} (got {strategy!r})")
-        if overlap_chunks < 1:
-            raise ValueError(f"overlap_chunks must be >= 1 (got {overlap_chunks})")
-        if not (lr >= 0 and weight_decay >= 0):
-            raise ValueError(f"lr and weight_decay must be >= 0 (got {lr}, {weight_decay})")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1) (got {momentum})")
-        if adjust_lr_fn not in ADJUST_LR_FNS:
-            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS} (got {adjust_lr_fn!r})")
+    strategy = "gather"
+    owners = None  # the gather strategy has none: every rank that touches a matrix orthogonalizes it
+
+    def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, lr=0.02, weight_decay=0.1,
+                 momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS,
+                 adjust_lr_fn="original", betas=(0.9, 0.999), eps=1e-8):
+        check_hyperparameters(bucket_size=bucket_size, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                              adjust_lr_fn=adjust_lr_fn)
         defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps,
                         ns_eps=ns_eps, adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
-        self.grid, self.bucket_size, self.strategy = grid, bucket_size, strategy
-        self.overlap_chunks, self.batched_ns = overlap_chunks, batched_ns
-        self.ledger = Ledger()
+        self.grid, self.bucket_size, self.ledger = grid, bucket_size, Ledger()
         self.device = self.param_groups[0]["params"][0].device
-        tp_split_dims = dict(tp_split_dims or {})
+        self.param_by_name, self.group_of, split_dims = index_named_params(self.param_groups, tp_split_dims or {})
+        self.muon_names = [n for n in self.param_by_name if self.group_of[n]["algorithm"] == "muon"]
+        buffers = [[n for n in g["param_names"] if self._bucketed(n)] for g in self.param_groups]
+        shapes = {n: tuple(p.shape) for n, p in self.param_by_name.items()}
+        self.layout = plan_layout(buffers, shapes, split_dims, grid.dp.size, grid.tp.size, bucket_size)
+        self.dist_metas = self.layout.metas[grid.dp.rank]
+        self._plan()
+        self.parts = {n: self.part_of(n, grid.dp.rank) for n in self.param_by_name}
 
-        buffers, shapes, global_shapes, split_dims, self.param_by_name = [], {}, {}, {}, {}
-        self.group_of, ns_flops = {}, {}
-        for group in self.param_groups:
-            if group["algorithm"] not in ("muon", "adamw"):
-                raise ValueError(f"unknown algorithm {group['algorithm']!r}; use 'muon' or 'adamw'")
-            if "param_names" not in group:
-                raise ValueError("pass named parameters: [(name, tensor), ...] (dist_meta is keyed by name)")
-            for name, p in zip(group["param_names"], group["params"]):
-                if name in self.param_by_name:
-                    raise ValueError(f"parameter {name} appears twice")
-                if group["algorithm"] == "muon" and p.ndim != 2:
-                    raise ValueError(f"Muon needs 2-D parameters; {name} has shape {tuple(p.shape)}")
-                if not p.is_contiguous():
-                    raise ValueError(f"{name} must be contiguous (it is viewed flat)")
-                if p.dtype != torch.float32:
-                    raise ValueError(f"{name} is {p.dtype}; this reference keeps float32 parameters")
-                split = tp_split_dims.get(name, -1)
-                if split >= p.ndim:
-                    raise ValueError(f"tp_split_dim {split} of {name} is out of range for shape {tuple(p.shape)}")
-                self.param_by_name[name], self.group_of[name] = p, group
-                shapes[name], split_dims[name] = tuple(p.shape), split
-                global_shapes[name] = global_shape_of(p.shape, split, grid.tp.size)
-                if group["algorithm"] == "muon":
-                    ns_flops[name] = newton_schulz_flops(global_shapes[name], group["ns_steps"])
-            comm_free_muon = strategy == "comm-free" and group["algorithm"] == "muon"
-            buffers.append([] if comm_free_muon else  # comm-free: Muon matrices live whole, not in buckets
-                           [(n, p.numel()) for n, p in zip(group["param_names"], group["params"])])
-        unknown = set(tp_split_dims) - set(self.param_by_name)
-        if unknown:
-            raise ValueError(f"tp_split_dims names unknown parameters: {sorted(unknown)}")
-        self.muon_names = list(ns_flops)  # the canonical order every rank walks the matrices in
-        self.global_shapes = global_shapes  # adjusted_lr needs the full shape
+    # -- what the layout holds, and what another strategy may plan differently --
+    def _bucketed(self, name):
+        """Whether ZeRO-1's flat buckets hold this parameter: all of them here."""
+        return True
 
-        self.buckets, self.bucket_ranges = plan_buckets(buffers, grid.dp.size, bucket_size)
-        metas_by_dp_rank = [build_dist_metas(self.buckets, self.bucket_ranges, shapes, global_shapes, split_dims,
-                                             r, grid.dp.size) for r in range(grid.dp.size)]
-        self.dist_metas = metas_by_dp_rank[grid.dp.rank]
-        self.owners = None  # {matrix name: the rank that orthogonalizes it} (owner / comm-free)
-        if strategy != "gather":
-            self.owners = (check_owners(owners, self.muon_names, grid.world.size) if owners is not None
-                           else assign_owners(ns_flops, grid.world.size))
-        elif owners is not None or overlap_chunks != 1 or batched_ns:
-            raise ValueError("owners, overlap_chunks and batched_ns only apply to the owner and comm-free strategies")
+    def _plan(self):
+        """Anything to plan once the layout is known: nothing for the gather strategy."""
 
-        def part_of(name, dp_rank):
-            """(start, stop) of the flattened TP-local tensor DP rank dp_rank keeps state for."""
-            if name in metas_by_dp_rank[dp_rank]:
-                m = metas_by_dp_rank[dp_rank][name]
-                return m.param_slice.start, m.param_slice.stop
-            owner_row = self.owners[name] // grid.tp.size  # comm-free Muon: whole matrix on the owner's row
-            return (0, math.prod(shapes[name])) if dp_rank == owner_row else (0, 0)
-
-        self.parts = {n: slice(*part_of(n, grid.dp.rank)) for n in self.param_by_name}
-        if strategy != "gather":  # owner: exchanges across the whole grid; comm-free: inside the owner's row
-            self.route_axis = grid.world if strategy == "owner" else grid.tp
-            self.routes = plan_routes(self.muon_names, self.owners, part_of, shapes, split_dims, grid,
-                                      self.route_axis)
+    def part_of(self, name, dp_rank):
+        """The part of `name` that DP rank `dp_rank` keeps state for, as a slice of the flat TP piece."""
+        return self.layout.metas[dp_rank][name].param_slice
 
     # -- the layout a checkpoint belongs to ---------------------------------
-    def _layout(self):
+    def _checkpoint_layout(self):
         return dict(dp=self.grid.dp.size, tp=self.grid.tp.size, dp_rank=self.grid.dp.rank,
                     tp_rank=self.grid.tp.rank, bucket_size=self.bucket_size, strategy=self.strategy,
                     owners=self.owners)
@@ -821,12 +827,12 @@ class DistributedMuon(torch.optim.Optimizer):
     def state_dict(self):
         """This rank's shard of the state (ZeRO-1 checkpoints are per rank)."""
         sd = super().state_dict()
-        sd["layout"] = self._layout()
+        sd["layout"] = self._checkpoint_layout()
         return sd
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
-        saved, here = state_dict.pop("layout", None), self._layout()
+        saved, here = state_dict.pop("layout", None), self._checkpoint_layout()
         if saved != here:
             diff = ", ".join(f"{k} {saved.get(k) if saved else None} != {v}" for k, v in here.items()
                              if not saved or saved.get(k) != v)
@@ -846,35 +852,24 @@ class DistributedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.ledger.step += 1
-        # Which parameters have a gradient on at least one rank: every rank must
-        # agree, or they would enter different collectives and wait forever.
-        has_grad = torch.tensor([p.grad is not None for p in self.param_by_name.values()], device=self.device)
-        has_grad = any_rank(has_grad, self.grid.world, self.ledger, "grad presence")
-        active = {n for n, present in zip(self.param_by_name, has_grad.tolist()) if present}
-        grads = self._reduce_grads(active)
-        updates = {}  # Newton-Schulz inputs, this rank's part of each matrix, bf16
-        for name, grad in grads.items():
-            p, group = self.param_by_name[name], self.group_of[name]
-            if group["algorithm"] == "adamw":
-                self._adamw_part(name, grad, group)
-            else:
-                state = self.state[p]
-                if not state:  # momentum on this rank's part only: it never exists for the whole matrix
-                    state["momentum_buffer"] = grad.new_zeros(grad.numel())
-                update = muon_momentum_(state["momentum_buffer"], grad, group["momentum"], group["nesterov"])
-                updates[name] = update.bfloat16()  # the cast Newton-Schulz does first: halves the bytes moved
-        for name, ortho_part in self._orthogonalize(updates, active).items():
-            group = self.group_of[name]
-            part = self.param_by_name[name].view(-1)[self.parts[name]]
-            part.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay: unadjusted lr
-            part.add_(ortho_part, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], self.global_shapes[name]))
-        self._gather_params(active)
+        active = self._vote_on_gradients()
+        grads = self._reduce_grads(active)  # 1
+        updates = self._update_state(grads)  # 2
+        for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
+            self._apply_update(name, ortho_part)
+        self._gather_params(active)  # 4
         return loss
 
+    def _vote_on_gradients(self):
+        """The names of the parameters that have a gradient on at least one rank (the same set on every rank)."""
+        has_grad = torch.tensor([p.grad is not None for p in self.param_by_name.values()], device=self.device)
+        has_grad = any_rank(has_grad, self.grid.world, self.ledger, "grad presence")
+        return {n for n, present in zip(self.param_by_name, has_grad.tolist()) if present}
+
     def _reduce_grads(self, active):
-        """{name: this rank's part of the gradient summed over DP} for every active part this rank keeps."""
+        """Stage 1: {name: this rank's part of the gradient summed over DP} for every active part it keeps."""
         grads = {}
-        for bucket in self.buckets:
+        for bucket in self.layout.buckets:
             # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
             metas = [self.dist_metas[n] for n in bucket.names]
             grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
@@ -884,80 +879,86 @@ class DistributedMuon(torch.optim.Optimizer):
                     grad_bucket[slice(*meta.bucket_range)] = grad.reshape(-1)
             grad_shard = reduce_scatter(grad_bucket, self.grid.dp, self.ledger, "grad reduce-scatter")
             grads.update({m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel and m.name in active})
-        if self.strategy == "comm-free":
-            muon_grads = {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n])
-                          for n in self.muon_names if n in active}
-            grads.update(reduce_at_owner(muon_grads, self.owners, self.grid, self.ledger, self.device))
         return grads
 
+    def _update_state(self, grads):
+        """Stage 2, on this rank's parts only: AdamW updates its weights; Muon's momentum gives
+        {matrix: its part of the Newton-Schulz input, bf16}."""
+        updates = {}
+        for name, grad in grads.items():
+            p, group = self.param_by_name[name], self.group_of[name]
+            state = self.state[p]
+            if group["algorithm"] == "adamw":
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=grad.new_zeros(grad.numel()),
+                                 exp_avg_sq=grad.new_zeros(grad.numel()))
+                state["step"] += 1
+                adamw_(p.view(-1)[self.parts[name]], grad, state["exp_avg"], state["exp_avg_sq"],
+                       state["step"].item(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                       weight_decay=group["weight_decay"])
+            else:
+                if not state:  # momentum of this rank's part only: it never exists for the whole matrix
+                    state["momentum_buffer"] = grad.new_zeros(grad.numel())
+                update = muon_momentum_(state["momentum_buffer"], grad, group["momentum"], group["nesterov"])
+                updates[name] = update.bfloat16()  # the cast Newton-Schulz does first: halves the bytes moved
+        return updates
+
     def _orthogonalize(self, updates, active):
-        """{name: this rank's part of newton_schulz(the full update matrix)} for the active matrices."""
-        if self.strategy == "gather":
-            return self._orthogonalize_gathered(updates, active)
-        routes = [r for r in self.routes if r.name in active]
-        return orthogonalize_at_owners(updates, routes, self._ns_at_owner, self.route_axis,
-                                       self.ledger, self.device, self.overlap_chunks)
-
-    def _ns_at_owner(self, full):
-        """Newton-Schulz of the matrices this rank owns: {name: ortho}."""
-        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns)
-
-    def _orthogonalize_gathered(self, updates, active):
-        dp, tp, ledger = self.grid.dp, self.grid.tp, self.ledger
+        """Stage 3: {matrix: this rank's part of newton_schulz(the full matrix)}, bucket by bucket."""
         ortho_parts = {}
-        for bucket in self.buckets:
+        for bucket in self.layout.buckets:
             group = self.param_groups[bucket.buffer_idx]
             if group["algorithm"] != "muon":
                 continue
             metas = [self.dist_metas[n] for n in bucket.names]
-            update_shard = torch.zeros(bucket.numel // dp.size, dtype=torch.bfloat16, device=self.device)
+            update_shard = torch.zeros(bucket.numel // self.grid.dp.size, dtype=torch.bfloat16, device=self.device)
             for meta in metas:
                 if meta.name in updates:  # this rank's part, if it has one and some rank has a gradient
                     update_shard[meta.shard_slice] = updates[meta.name]
-            update_bucket = dp_gather(update_shard, dp, ledger)
-            for meta in metas:
-                if not meta.local_numel or meta.name not in active:
-                    continue  # our DP shard does not touch it (nor do our TP peers'), or no rank has its gradient
-                tp_local = update_bucket[slice(*meta.bucket_range)].view(meta.shape)
-                full = tp_gather(tp_local, meta.tp_split_dim, tp, ledger)
-                ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-                ledger.compute.append(dict(step=ledger.step, name=meta.name, shape=meta.global_shape,
-                                           flops=newton_schulz_flops(meta.global_shape, group["ns_steps"])))
-                ortho_parts[meta.name] = dp_shard(tp_shard(ortho, meta.tp_split_dim, tp.rank, tp.size), meta)
+            # Only the matrices this rank's DP shard touches (its TP peers share that shard,
+            # so they agree) and that some rank has a gradient for.
+            touched = [m for m in metas if m.local_numel and m.name in active]
+            ortho_parts.update(gather_newton_schulz_shard(update_shard, touched, group, self.grid, self.ledger))
         return ortho_parts
 
+    def _apply_update(self, name, ortho_part):
+        """The end of stage 3: Muon's weight update, on this rank's part of the matrix."""
+        group = self.group_of[name]
+        part = self.param_by_name[name].view(-1)[self.parts[name]]
+        part.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay: unadjusted lr
+        part.add_(ortho_part, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], self.layout.global_shapes[name]))
+
     def _gather_params(self, active):
-        dp, ledger = self.grid.dp, self.ledger
-        for bucket in self.buckets:
-            # Parameter all-gather: every DP rank again holds its full TP-local weights.
+        """Stage 4: the parameter all-gather; every DP rank again holds its full TP pieces."""
+        for bucket in self.layout.buckets:
             metas = [self.dist_metas[n] for n in bucket.names]
             params = [self.param_by_name[n] for n in bucket.names]
-            param_shard = torch.zeros(bucket.numel // dp.size, dtype=torch.float32, device=self.device)
+            param_shard = torch.zeros(bucket.numel // self.grid.dp.size, dtype=torch.float32, device=self.device)
             for meta, p in zip(metas, params):
                 param_shard[meta.shard_slice] = p.view(-1)[meta.param_slice]
-            param_bucket = all_gather(param_shard, dp, ledger, "param all-gather")
+            param_bucket = all_gather(param_shard, self.grid.dp, self.ledger, "param all-gather")
             for meta, p in zip(metas, params):
                 p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
-        if self.strategy == "comm-free":
-            broadcast_from_owner({n: self.param_by_name[n] for n in self.muon_names if n in active}, self.owners,
-                                 self.grid, self.ledger, self.device)
-
-    def _adamw_part(self, name, grad, group):
-        p = self.param_by_name[name]
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = grad.new_zeros(grad.numel())
-            state["exp_avg_sq"] = grad.new_zeros(grad.numel())
-        state["step"] += 1
-        adamw_(p.view(-1)[self.parts[name]], grad, state["exp_avg"], state["exp_avg_sq"],
-               state["step"].item(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
-               weight_decay=group["weight_decay"])
 
 
-def zeros_if_none(grad, param):
-    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
-    return torch.zeros_like(param) if grad is None else grad
+def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger):
+    """The gather flow for one bucket of matrices: {name: this rank's part of the orthogonalized matrix}.
+
+        DP gather  ->  TP gather  ->  Newton-Schulz  ->  TP shard  ->  DP shard
+
+    update_shard: this rank's DP shard of the bucket (bf16); metas: the matrices to orthogonalize.
+    """
+    update_bucket = dp_gather(update_shard, grid.dp, ledger)  # DP gather: the whole bucket
+    ortho_parts = {}
+    for meta in metas:
+        tp_local = update_bucket[slice(*meta.bucket_range)].view(meta.shape)
+        full = tp_gather(tp_local, meta.tp_split_dim, grid.tp, ledger)  # TP gather: the full matrix
+        ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+        ledger.compute.append(dict(step=ledger.step, name=meta.name, shape=meta.global_shape,
+                                   flops=newton_schulz_flops(meta.global_shape, group["ns_steps"])))
+        tp_piece = tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
+        ortho_parts[meta.name] = dp_shard(tp_piece, meta)  # DP shard: a slice
+    return ortho_parts
 
 
 # The gather path and its mirror, the shard path.
@@ -967,7 +968,7 @@ def dp_gather(update_shard, dp, ledger):
 
 
 def tp_gather(tp_local, tp_split_dim, tp, ledger):
-    """TP-local pieces of one matrix -> the full matrix, concatenated along tp_split_dim."""
+    """TP pieces of one matrix -> the full matrix, concatenated along tp_split_dim."""
     if tp_split_dim < 0 or tp.size == 1:
         return tp_local
     pieces = all_gather(tp_local.reshape(-1), tp, ledger, "TP gather").view(tp.size, *tp_local.shape)
@@ -977,7 +978,7 @@ def tp_gather(tp_local, tp_split_dim, tp, ledger):
 def tp_shard(full, tp_split_dim, tp_rank, tp_size):
     """Full tensor -> TP rank tp_rank's piece (a slice: no communication).
 
-    Also how section 3 hands each rank its TP-local parameters and gradients.
+    Also how section 3 hands each rank its TP pieces of parameters and gradients.
     """
     if tp_split_dim < 0 or tp_size == 1:
         return full
@@ -985,7 +986,7 @@ def tp_shard(full, tp_split_dim, tp_rank, tp_size):
 
 
 def dp_shard(tp_local, meta):
-    """TP-local matrix -> the part in this rank's DP shard (a slice: no communication)."""
+    """TP piece of a matrix -> the part in this rank's DP shard (a slice: no communication)."""
     return tp_local.reshape(-1)[meta.param_slice]
 
 
@@ -999,12 +1000,12 @@ def dp_shard(tp_local, meta):
 #
 # owner (--strategy owner): ZeRO-1 is unchanged (the same buckets, reduce-scatter,
 # momentum shards and parameter all-gather); only the middle changes. Every rank
-# sends its momentum piece of each matrix straight to the matrix's owner, all
-# matrices in ONE all-to-all over the world; the owner puts the pieces together,
-# orthogonalizes, and a second all-to-all returns each rank exactly its piece:
+# sends its momentum part of each matrix straight to the matrix's owner, all
+# matrices in ONE all-to-all over the world; the owner puts the parts together,
+# orthogonalizes, and a second all-to-all returns each rank exactly its part:
 #
-#   rank (0,0): piece of W --\                             /--> rank (0,0): piece of O
-#   rank (0,1): piece of W ---+--> owner: O = NS(W) -------+--> rank (0,1): piece of O
+#   rank (0,0): part of W --\                             /--> rank (0,0): part of O
+#   rank (0,1): part of W ---+--> owner: O = NS(W) -------+--> rank (0,1): part of O
 #   ...                    --/                             \--> ...
 #          gather at owner (one all_to_all)    scatter from owner (one all_to_all)
 #
@@ -1023,7 +1024,11 @@ def dp_shard(tp_local, meta):
 #     owner row    --param broadcast from owner--> all DP ranks
 #
 # A TP-replicated matrix (an MoE router) is the same on every TP rank, so only
-# the owner's own TP column sends its pieces; every holder gets O back.
+# the owner's own TP column sends its parts; every holder gets O back.
+#
+# The functions below plan and move the parts; at the end of the section,
+# OwnerMuon and CommFreeMuon are section 5's optimizer with stage 3 replaced
+# (and, for comm-free, stages 1 and 4 extended), every other stage reused.
 
 def assign_owners(ns_flops, n_ranks):
     """Greedy longest-processing-time: {matrix name: rank}, balanced by Newton-Schulz FLOPs.
@@ -1070,10 +1075,12 @@ def load_balance(ns_flops, owners, n_ranks):
 
 
 @dataclass(frozen=True)
-class Piece:
-    rank: int  # index along the exchange axis of the rank holding it
-    tp_rank: int  # which TP-local matrix it belongs to
-    start: int  # its range of the flattened TP-local matrix
+class Part:
+    """A rank's part of a matrix, as the exchanges with its owner see it."""
+
+    rank: int  # index along the exchange axis of the rank that keeps it
+    tp_rank: int  # which TP piece of the matrix it is a range of
+    start: int  # its range of the flattened TP piece
     stop: int
 
 
@@ -1086,27 +1093,29 @@ class Route:
     shape: tuple  # TP-local shape
     tp_split_dim: int  # -1: not split (replicated, or TP = 1)
     tp_size: int
-    holders: tuple  # Piece of every rank that keeps state for part of it: the update comes back to each
-    senders: tuple  # the holders whose pieces make up the full matrix, in (tp_rank, position) order
+    holders: tuple  # the Part of every rank that keeps state for some of it: the update comes back to each
+    senders: tuple  # the holders whose parts make up the full matrix, in (tp_rank, position) order
 
 
-def plan_routes(matrices, owners, part_of, shapes, tp_split_dims, grid, axis):
-    """The routes of the matrices whose owner is on this rank's `axis` (all of them for the world)."""
+def plan_routes(matrices, owners, part_of, layout, grid, axis):
+    """The routes of the matrices whose owner is on this rank's `axis` (all of them for the world).
+    part_of(name, dp_rank): the slice of the flat TP piece that DP rank keeps state for."""
     dp, tp = grid.dp.size, grid.tp.size
     routes = []
     for name in matrices:
         if owners[name] not in axis.ranks:
             continue  # comm-free: another DP row's matrix, none of our business
         owner_tp = owners[name] % tp
-        split = tp_split_dims[name] if tp > 1 else -1
+        split = layout.tp_split_dims[name] if tp > 1 else -1
         holders = []
         for t in range(tp):
             for d in range(dp):
-                start, stop = part_of(name, d)
-                if stop > start:
-                    holders.append(Piece(axis.ranks.index(d * tp + t), t, start, stop))
+                part = part_of(name, d)
+                if part.stop > part.start:
+                    holders.append(Part(axis.ranks.index(d * tp + t), t, part.start, part.stop))
         senders = tuple(h for h in holders if split >= 0 or h.tp_rank == owner_tp)
-        routes.append(Route(name, axis.ranks.index(owners[name]), shapes[name], split, tp, tuple(holders), senders))
+        routes.append(Route(name, axis.ranks.index(owners[name]), layout.shapes[name], split, tp, tuple(holders),
+                            senders))
     return routes
 
 
@@ -1114,49 +1123,49 @@ def concat(tensors, dtype, device):
     return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
 
 
-def send_pieces(transfers, axis, ledger, phase, dtype, device):
-    """Move many pieces in one all-to-all. transfers: (source, destination, numel, piece) along `axis`,
-    in an order every rank agrees on; `piece` is the tensor on its source rank (None elsewhere).
+def send_parts(transfers, axis, ledger, phase, dtype, device):
+    """Move many parts in one all-to-all. transfers: (source, destination, numel, part) along `axis`,
+    in an order every rank agrees on; `part` is the tensor on its source rank (None elsewhere).
 
-    Returns a function that waits and returns, in that order, the pieces this rank receives.
+    Returns a function that waits and returns, in that order, the parts this rank receives.
     """
     sends, receive = [[] for _ in range(axis.size)], [0] * axis.size
-    for source, destination, numel, piece in transfers:
+    for source, destination, numel, part in transfers:
         if source == axis.rank:
-            sends[destination].append(piece)
+            sends[destination].append(part)
         if destination == axis.rank:
             receive[source] += numel
     wait = exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, phase, async_op=True)
 
-    def received_pieces():
-        received, offset, pieces = wait(), [0] * axis.size, []
+    def received_parts():
+        received, offset, parts = wait(), [0] * axis.size, []
         for source, destination, numel, _ in transfers:
             if destination == axis.rank:
-                pieces.append(received[source][offset[source]:][:numel])
+                parts.append(received[source][offset[source]:][:numel])
                 offset[source] += numel
-        return pieces
+        return parts
 
-    return received_pieces
+    return received_parts
 
 
 def gather_at_owner(updates, routes, axis, ledger, dtype, device):
-    """Every rank's bf16 piece of each routed matrix -> the full matrix, at its owner only.
+    """Every rank's bf16 part of each routed matrix -> the full matrix, at its owner only.
 
     One all-to-all for all the routes. Returns a function that waits and returns
     {name: full matrix} of the matrices this rank owns.
     """
     me = axis.rank
-    wait = send_pieces([(p.rank, r.owner, p.stop - p.start, updates[r.name] if p.rank == me else None)
-                        for r in routes for p in r.senders], axis, ledger, "gather at owner", dtype, device)
+    wait = send_parts([(p.rank, r.owner, p.stop - p.start, updates[r.name] if p.rank == me else None)
+                       for r in routes for p in r.senders], axis, ledger, "gather at owner", dtype, device)
 
     def assemble():
-        pieces, full = iter(wait()), {}
+        parts, full = iter(wait()), {}
         for r in routes:
             if r.owner != me:
                 continue
-            tp_locals = {}  # tp_rank -> its flattened TP-local matrix, piece by piece in DP order
+            tp_locals = {}  # tp_rank -> its flattened TP-local matrix, part by part in DP order
             for p in r.senders:
-                tp_locals.setdefault(p.tp_rank, []).append(next(pieces))
+                tp_locals.setdefault(p.tp_rank, []).append(next(parts))
             mats = [torch.cat(flats).view(r.shape) for _, flats in sorted(tp_locals.items())]
             full[r.name] = torch.cat(mats, dim=r.tp_split_dim) if r.tp_split_dim >= 0 else mats[0]
         return full
@@ -1165,17 +1174,17 @@ def gather_at_owner(updates, routes, axis, ledger, dtype, device):
 
 
 def scatter_from_owner(orthos, routes, axis, ledger, dtype, device):
-    """The mirror of gather_at_owner: each owner's orthogonalized matrices -> every holder's piece.
+    """The mirror of gather_at_owner: each owner's orthogonalized matrices -> every holder's part.
 
     Returns a function that waits and returns {name: this rank's part}.
     """
     me = axis.rank
 
-    def piece_of(r, p):  # the owner cuts the holder's piece out: TP shard, then its flat range
+    def part_of_ortho(r, p):  # the owner cuts the holder's part out: TP shard, then its flat range
         return tp_shard(orthos[r.name], r.tp_split_dim, p.tp_rank, r.tp_size).reshape(-1)[p.start:p.stop]
 
-    wait = send_pieces([(r.owner, p.rank, p.stop - p.start, piece_of(r, p) if r.owner == me else None)
-                        for r in routes for p in r.holders], axis, ledger, "scatter from owner", dtype, device)
+    wait = send_parts([(r.owner, p.rank, p.stop - p.start, part_of_ortho(r, p) if r.owner == me else None)
+                       for r in routes for p in r.holders], axis, ledger, "scatter from owner", dtype, device)
     mine = [r.name for r in routes for p in r.holders if p.rank == me]
     return lambda: dict(zip(mine, wait()))
 
@@ -1261,19 +1270,208 @@ def broadcast_from_owner(params, owners, grid, ledger, device):
             params[name].view(-1).copy_(value)
 
 
+# The two strategies, as section 5's optimizer with some of its stages replaced.
+def check_owner_options(name=str, *, overlap_chunks):
+    """The owner strategies' rule for their own argument (see check_hyperparameters)."""
+    if overlap_chunks < 1:
+        raise ValueError(f"{name('overlap_chunks')} must be >= 1 (got {overlap_chunks})")
+
+
+class OwnerMuon(DistributedMuon):
+    """The owner strategy: ZeRO-1 exactly as in section 5 (the same buckets, reduce-scatter,
+    momentum parts and all-gather); only stage 3 changes, to gather at owner -> Newton-Schulz
+    on the owner -> scatter from owner.
+
+    owners: {rank: [matrix names]} to override the balanced assignment (every Muon matrix
+        exactly once).
+    overlap_chunks: split the exchanges with the owners into this many chunks and overlap
+        each chunk's Newton-Schulz with the later chunks' transfers.
+    batched_ns: orthogonalize an owner's same-shape matrices in one batched call. Faster for
+        many small matrices, but not bitwise equal to torch: within BATCHED_NS_BOUND
+        (section 1). Off by default.
+    """
+
+    strategy = "owner"
+
+    def __init__(self, params, *, owners=None, overlap_chunks=1, batched_ns=False, **kwargs):
+        check_owner_options(overlap_chunks=overlap_chunks)
+        self.owner_override, self.overlap_chunks, self.batched_ns = owners, overlap_chunks, batched_ns
+        super().__init__(params, **kwargs)
+
+    def _route_axis(self):
+        return self.grid.world  # parts travel across the whole grid
+
+    def _plan(self):
+        world = self.grid.world.size
+        self.ns_flops = {n: newton_schulz_flops(self.layout.global_shapes[n], self.group_of[n]["ns_steps"])
+                         for n in self.muon_names}
+        self.owners = (check_owners(self.owner_override, self.muon_names, world) if self.owner_override is not None
+                       else assign_owners(self.ns_flops, world))
+        self.routes = plan_routes(self.muon_names, self.owners, self.part_of, self.layout, self.grid,
+                                  self._route_axis())
+
+    def _orthogonalize(self, updates, active):
+        routes = [r for r in self.routes if r.name in active]
+        return orthogonalize_at_owners(updates, routes, self._newton_schulz_owned, self._route_axis(),
+                                       self.ledger, self.device, self.overlap_chunks)
+
+    def _newton_schulz_owned(self, full):
+        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns)
+
+
+class CommFreeMuon(OwnerMuon):
+    """The comm-free strategy: Muon matrices sharded whole across DP, outside the buckets.
+
+    Stage 1 adds the gradient reduce at the owner row, stage 3 exchanges TP pieces inside
+    the owner's row only, stage 4 adds the broadcast from the owner row.
+    """
+
+    strategy = "comm-free"
+
+    def _bucketed(self, name):
+        return self.group_of[name]["algorithm"] != "muon"  # matrices live whole, on their owner's row
+
+    def _route_axis(self):
+        return self.grid.tp  # the TP pieces of a matrix meet inside the owner's row
+
+    def part_of(self, name, dp_rank):
+        if self._bucketed(name):
+            return super().part_of(name, dp_rank)
+        on_owner_row = self.owners[name] // self.grid.tp.size == dp_rank
+        return slice(0, math.prod(self.layout.shapes[name]) if on_owner_row else 0)
+
+    def _reduce_grads(self, active):
+        grads = super()._reduce_grads(active)
+        muon_grads = {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n])
+                      for n in self.muon_names if n in active}
+        grads.update(reduce_at_owner(muon_grads, self.owners, self.grid, self.ledger, self.device))
+        return grads
+
+    def _gather_params(self, active):
+        super()._gather_params(active)
+        broadcast_from_owner({n: self.param_by_name[n] for n in self.muon_names if n in active}, self.owners,
+                             self.grid, self.ledger, self.device)
+
+
+def zeros_if_none(grad, param):
+    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
+    return torch.zeros_like(param) if grad is None else grad
+
+
+# Every strategy, by the name --strategy takes.
+OPTIMIZERS = {"gather": DistributedMuon, "owner": OwnerMuon, "comm-free": CommFreeMuon}
+STRATEGIES = tuple(OPTIMIZERS)
+
+
 # =============================================================================
-# 7. Verification
+# 7. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
 # =============================================================================
-# The reference is PyTorch's own single-device torch.optim.Muon and
+# A run of the demo: every rank builds the optimizer over its TP pieces of the
+# section 3 model and steps it with its own gradients (run_steps: the example of
+# use). Then the reference: PyTorch's own single-device torch.optim.Muon and
 # torch.optim.AdamW on the full parameters, fed the sum of every DP rank's
 # gradient: an independent implementation, not this script's code path. Every
-# rank's TP-local piece of every parameter must equal the matching piece of the
+# rank's TP piece of every parameter must equal the matching piece of the
 # reference bit for bit (torch.equal). No tolerance is needed anywhere: the only
 # cross-rank reduction is the gradient sum, exact by construction (section 3);
 # everything else is elementwise on shards or one Newton-Schulz on the same full
-# bf16 matrix with the same thread count.
+# bf16 matrix with the same thread count. The one exception is a choice:
+# batched_ns (section 6) is held to a derived bound instead.
+
+# A rank that stops beating for this long (stopped, frozen, swapped out) ends the run, and so
+# does a collective that waits this long. The demo reaches its first step in a few seconds and a
+# step takes well under 1 s on 2 cores; 20 s leaves room for a loaded laptop (--timeout).
+TIMEOUT_S = 20.0
+MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dp: int = 4
+    tp: int = 2
+    steps: int = 3
+    seed: int = 0
+    bucket_size: int = 1 << 16
+    lr: float = 0.02
+    momentum: float = 0.95
+    weight_decay: float = 0.1
+    ns_steps: int = NS_STEPS
+    adjust_lr_fn: str = "original"
+    strategy: str = "gather"  # one of STRATEGIES, or BASELINE
+    model: str = "transformer"  # one of MODELS: the transformer of section 3, or lopsided_specs()
+    layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
+    overlap_chunks: int = 1  # owner / comm-free: chunks whose exchange overlaps Newton-Schulz
+    batched_ns: bool = False  # owner / comm-free: same-shape matrices in one call (not bitwise torch's)
+    timeout_s: float = TIMEOUT_S  # a silent rank or a stuck collective ends the run after this long
+    missing_grads: tuple = ()  # (name, dp_rank or -1 for all, step): gradients that are None (tests)
+    fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
+
+
+MODELS = ("transformer", "lopsided", "thin")
+
+
+def demo_specs(cfg):
+    if cfg.model == "transformer":
+        return transformer_specs(n_layers=cfg.layers)
+    return lopsided_specs() if cfg.model == "lopsided" else thin_specs()
+
+
+def flag(argument):
+    """The command-line flag of a keyword argument: bucket_size -> --bucket-size."""
+    return "--" + argument.replace("_", "-")
+
+
+def validate(cfg, specs):
+    """Every check that can be made before spawning; raises ValueError with one line.
+    The optimizer's own rules are its own functions, spelled with the flags' names."""
+    check_topology(cfg.dp, cfg.tp)
+    if cfg.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
+    if not 0 <= cfg.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
+    check_hyperparameters(flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                          momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
+    if cfg.lr == 0:
+        raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
+    if cfg.ns_steps < 1:
+        raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
+    if cfg.strategy not in STRATEGIES + (BASELINE,):
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES + (BASELINE,))} (got {cfg.strategy!r})")
+    if cfg.model not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
+    if not 1 <= cfg.layers <= MAX_LAYERS:
+        raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
+    check_owner_options(flag, overlap_chunks=cfg.overlap_chunks)
+    if cfg.overlap_chunks > 1 and cfg.strategy not in ("owner", "comm-free"):
+        raise ValueError(f"--overlap-chunks applies to --strategy owner or comm-free (got {cfg.strategy})")
+    if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
+        raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
+    if not (cfg.timeout_s > 0 and math.isfinite(cfg.timeout_s)):
+        raise ValueError(f"--timeout must be > 0 seconds and finite (got {cfg.timeout_s})")
+    names = {s.name for s in specs}
+    for name, rank, step in cfg.missing_grads:
+        if name not in names or not -1 <= rank < cfg.dp or not 1 <= step <= cfg.steps:
+            raise ValueError(f"missing gradient ({name}, DP rank {rank}, step {step}) names no parameter, "
+                             f"DP rank or step of this run")
+    if not -1 <= cfg.fail_rank < cfg.dp * cfg.tp:
+        raise ValueError(f"--fail-rank must name a rank in [0, {cfg.dp * cfg.tp}) (got {cfg.fail_rank})")
+    check_tp_divides(specs, cfg.tp)
+
+
+def check_writable(path, option="--json"):
+    """Raise ValueError (one line) unless `path` could be written, before any rank starts.
+    It creates nothing, so every rank of a torchrun job may check the same path."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a directory")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"{option} {path} is not writable")
+
 
 MUON_GROUP = "muon"
+BASELINE = "adamw"  # a run-level choice: AdamW ZeRO-1 for every parameter, the yardstick Muon is priced against
 
 
 def group_hyperparameters(cfg):
@@ -1289,6 +1487,66 @@ def group_hyperparameters(cfg):
     adamw = dict(algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
     return {"muon": adamw if cfg.strategy == BASELINE else muon, "adamw": adamw,
             "adamw_no_wd": dict(adamw, weight_decay=0.0)}
+
+
+def build_optimizer(specs, cfg, grid, params):
+    """The demo's optimizer for cfg.strategy over this rank's TP pieces `params` ({name: tensor})."""
+    groups = [dict(h, params=[(s.name, params[s.name]) for s in specs if s.group == g])
+              for g, h in group_hyperparameters(cfg).items()]
+    strategy = "gather" if cfg.strategy == BASELINE else cfg.strategy  # the baseline: no Muon group at all
+    options = {} if strategy == "gather" else dict(overlap_chunks=cfg.overlap_chunks, batched_ns=cfg.batched_ns)
+    return OPTIMIZERS[strategy]([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
+                                tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
+                                **options)
+
+
+def plan_optimizer(cfg, rank=0):
+    """The optimizer rank `rank` will build, built here on a grid without process groups.
+
+    Its layout (buckets, dist_meta) and owners depend on shapes alone, so the
+    launcher prints them from the very code every rank runs, before any rank starts.
+    """
+    specs = demo_specs(cfg)
+    grid = plan_grid(cfg.dp, cfg.tp, rank)
+    params = {s.name: tp_shard(t, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous()
+              for s, t in zip(specs, initial_params(specs, cfg.seed).values())}
+    return build_optimizer(specs, cfg, grid, params)
+
+
+def run_steps(rank, cfg, device):
+    """The body of every rank, whatever launched it: returns its final params, ledger and step times."""
+    specs = demo_specs(cfg)
+    grid = make_grid(cfg.dp, cfg.tp, rank)
+    params = {s.name: tp_shard(t, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
+              for s, t in zip(specs, initial_params(specs, cfg.seed).values())}
+    opt = build_optimizer(specs, cfg, grid, params)
+    resume_at = (cfg.steps + 1) // 2  # checkpoint round trip halfway through (see below)
+    step_ms = []
+    for step in range(1, cfg.steps + 1):
+        if rank == cfg.fail_rank:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-rank)")
+        grads = dp_rank_grads(specs, cfg.seed, step, grid.dp.rank, cfg.missing_grads)
+        for s in specs:
+            grad = grads[s.name]
+            if grad is not None:
+                grad = tp_shard(grad, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
+            params[s.name].grad = grad
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.step()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        if step == resume_at:
+            # Resume from a checkpoint mid-run: a fresh optimizer loads this rank's
+            # state_dict. If the state were lost, the momentum would restart and
+            # the final comparison with torch would fail.
+            fresh = build_optimizer(specs, cfg, grid, params)
+            fresh.load_state_dict(opt.state_dict())
+            fresh.ledger = opt.ledger
+            opt = fresh
+    return dict(rank=rank, params={n: p.detach().cpu() for n, p in params.items()},
+                ledger=asdict(opt.ledger), step_ms=step_ms, state_bytes=opt.state_bytes(), owners=opt.owners)
 
 
 def reference_params(specs, cfg, device="cpu"):
@@ -1337,6 +1595,51 @@ def compare_to_reference(specs, reference, rank_params, dp, tp, muon_groups=(MUO
                          optimizer="Muon" if s.group in muon_groups else "AdamW",
                          max_abs_diff=max_diff, identical=bool(identical)))
     return rows
+
+
+def muon_groups_of(cfg):
+    """The param groups that run Muon: none in the AdamW ZeRO-1 baseline."""
+    return () if cfg.strategy == BASELINE else (MUON_GROUP,)
+
+
+def batched_ns_tolerance(cfg, spec):
+    """How far --batched-ns may leave a Muon parameter from torch's after cfg.steps steps.
+
+    Each step adds -adjusted_lr * O, and a batched O differs from torch's by at most
+    BATCHED_NS_BOUND times its largest entry (section 1). That entry is at most the
+    largest singular value Newton-Schulz leaves: about 1.2, the quintic's maximum on
+    [0, 1]; 1.5 leaves room for bf16 rounding. Weight decay scales both runs alike
+    and only shrinks earlier differences; the momentum does not depend on the weights.
+    """
+    return cfg.steps * adjusted_lr(cfg.lr, cfg.adjust_lr_fn, spec.global_shape) * 1.5 * BATCHED_NS_BOUND
+
+
+def verify(cfg, results, device="cpu"):
+    """Every rank's parameters against torch on `device`: (checks, reference seconds).
+
+    A check is "ok" when bit-identical; with --batched-ns, a Muon matrix is also ok
+    within batched_ns_tolerance (it cannot be bit-identical, section 1).
+    """
+    specs = demo_specs(cfg)
+    t1 = time.perf_counter()
+    reference = reference_params(specs, cfg, device)
+    checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp,
+                                  muon_groups_of(cfg))
+    start = initial_params(specs, cfg.seed)
+    for c, spec in zip(checks, specs):
+        # how far the weights moved: the scale against which max |d| = 0 means something
+        c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
+        c["tolerance"] = batched_ns_tolerance(cfg, spec) if cfg.batched_ns and c["optimizer"] == "Muon" else 0.0
+        c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
+    return checks, time.perf_counter() - t1
+
+
+def verdict(checks):
+    """'PASS: 26/26 parameters bit-identical to torch' (or FAIL), with the --batched-ns ones said apart."""
+    n_same, n_within = sum(c["identical"] for c in checks), sum(c["ok"] and not c["identical"] for c in checks)
+    within = f", {n_within} within the --batched-ns bound" if n_within else ""
+    passed = all(c["ok"] for c in checks)
+    return passed, f"{'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch{within}"
 
 
 # =============================================================================
@@ -1389,6 +1692,21 @@ def flops_per_step(ledgers, specs, step, ns_steps, muon_groups=(MUON_GROUP,)):
                 max_over_mean=max(per_rank) / mean if mean else None)
 
 
+def account(cfg, results):
+    """Bytes per phase (last step), whether every step moved the same, and Newton-Schulz FLOPs."""
+    ledgers = [r["ledger"] for r in results]
+    phases = STRATEGY_PHASES[cfg.strategy]
+    tables = [bytes_per_step(ledgers, s, phases) for s in range(1, cfg.steps + 1)]
+    flops = flops_per_step(ledgers, demo_specs(cfg), cfg.steps, cfg.ns_steps, muon_groups_of(cfg))
+    return tables[-1], all(t == tables[0] for t in tables), flops
+
+
+def total_bytes(table, direction="sent"):
+    """(max over ranks of bytes sent (or received) per step, the same by all ranks per step)."""
+    per_rank = [sum(col) for col in zip(*(t[direction] for t in table.values()))]
+    return max(per_rank), sum(per_rank)
+
+
 def format_table(header, rows, aligns):
     if not len(header) == len(aligns) == (len(rows[0]) if rows else len(header)):
         raise ValueError(f"a table of {len(header)} columns needs as many aligns ({len(aligns)}) and cells")
@@ -1404,104 +1722,92 @@ def human_bytes(n):
         n /= 1024
 
 
+def print_header(cfg, plan, device_kind, backend, explain, print_fn):
+    """The grid, the virtual buffer and the owners, from `plan` (plan_optimizer): what every rank will hold."""
+    world = cfg.dp * cfg.tp
+    print_fn(f"Distributed Muon: {world} {device_kind} rank{'s' * (world != 1)} over {backend}, "
+             f"DP={cfg.dp} x TP={cfg.tp}, strategy {cfg.strategy}, {cfg.steps} steps, seed {cfg.seed}, "
+             f"torch {torch.__version__}\n")
+    print_fn("[2] The grid (rank = dp_rank * TP + tp_rank; a row is a TP group, a column a DP group)")
+    print_fn(format_grid(cfg.dp, cfg.tp) + "\n")
+    buckets = plan.layout.buckets
+    used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
+    n_buffers = len({b.buffer_idx for b in buckets})
+    whole = " (Muon matrices are sharded whole, outside the buckets)" if plan.strategy == "comm-free" else ""
+    print_fn(f"[4] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
+             f"elements, {used:,} TP-local elements + {padded - used} padding per rank{whole}")
+    if explain:
+        print_fn(format_buffer_map(plan.layout))
+    if plan.owners:
+        per_rank, balance = load_balance(plan.ns_flops, plan.owners, world)
+        print_fn(f"[6] Owners: {len(plan.owners)} matrices on {world} ranks by longest-processing-time over "
+                 f"Newton-Schulz FLOPs; max/mean = {balance:.2f}")
+        if explain:
+            rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}",
+                     " ".join(n for n, o in plan.owners.items() if o == r)] for r in range(world)]
+            print_fn(format_table(["rank", "matrices", "GFLOP", "owns"], rows, [">", ">", ">", "<"]))
+    print_fn("")
+
+
+def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=print):
+    """Print the verification (checks from verify) and the accounting; return them all as one dict."""
+    world = cfg.dp * cfg.tp
+    n_same = sum(c["identical"] for c in checks)
+    passed, summary = verdict(checks)
+    reference_name = "torch.optim.AdamW" if cfg.strategy == BASELINE else "torch.optim.Muon / torch.optim.AdamW"
+    print_fn(f"[7] Every rank's piece against {reference_name} on one device "
+             f"(torch.equal): {n_same}/{len(checks)} parameters identical")
+    rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
+             "-" if c["tp_split_dim"] < 0 else c["tp_split_dim"], c["optimizer"],
+             f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0",
+             "yes" if c["identical"] else f"no, <= {c['tolerance']:.1e}" if c["ok"] else "NO"]
+            for c in checks]
+    print_fn(format_table(["parameter", "global shape", "split", "optimizer", "max |d|", "identical"], rows,
+                          ["<", ">", ">", "<", ">", ">"]) + "\n")
+
+    table, same_every_step, flops = account(cfg, results)
+    gloo_note = "; Gloo's reduce-scatter is an all-reduce and moves more" if backend == "gloo" else ""
+    print_fn(f"[8] Bytes per step: ring counts for all-gather and reduce-scatter, exact counts for all-to-all "
+             f"({'the same every step' if same_every_step else 'last step; steps differ'}{gloo_note})")
+    rows = [[phase, t["axis"], t["dtype"], human_bytes(max(t["sent"])), human_bytes(max(t["received"])),
+             human_bytes(sum(t["sent"]))] for phase, t in table.items()]
+    max_sent, all_sent = total_bytes(table)
+    max_received, _ = total_bytes(table, "received")
+    rows.append(["total", "", "", human_bytes(max_sent), human_bytes(max_received), human_bytes(all_sent)])
+    print_fn(format_table(["phase", "axis", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"],
+                          rows, ["<", "<", "<", ">", ">", ">"]) + "\n")
+
+    if flops["single_device"]:
+        print_fn(f"[8] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
+                 f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
+        why = ("every TP peer, and every DP rank whose shard touches a matrix, orthogonalizes it"
+               if cfg.strategy == "gather" else "each matrix is orthogonalized once, by its owner")
+        print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
+                 f"(upper bound DP x TP = {world}; {why}); max/mean per rank = {flops['max_over_mean']:.2f}\n")
+    state = [r["state_bytes"] for r in results]
+    print_fn(f"[8] Optimizer state per rank: max {human_bytes(max(state))}, min {human_bytes(min(state))}")
+
+    step_ms = [max(r["step_ms"][i] for r in results) for i in range(cfg.steps)]
+    timings = dict(ranks_s=ranks_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
+                   step_ms_median=statistics.median(step_ms))
+    print_fn(f"Timing: ranks {ranks_s:.1f} s (start, init, {cfg.steps} steps), reference {ref_s:.1f} s, "
+             f"median step {timings['step_ms_median']:.0f} ms (slowest rank)")
+    print_fn(f"Result: {summary}")
+    return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks,
+                buckets=[asdict(b) for b in plan.layout.buckets], owners=results[0]["owners"], bytes_per_step=table,
+                bytes_same_every_step=same_every_step, bytes_sent_max_rank=max_sent, bytes_sent_all_ranks=all_sent,
+                ns_flops=flops, state_bytes=state, timings=timings, ledgers=[r["ledger"] for r in results])
+
+
 # =============================================================================
-# 9. Main
+# 9. Main: the launcher and the command line
 # =============================================================================
-# The parent process checks the arguments (before spawning anything), spawns
-# one process per rank, waits, then runs the single-device reference and
-# prints the report. Each rank writes its final parameters, ledger and timings
-# to a temporary folder that the parent reads.
-
-# A rank that stops beating for this long (stopped, frozen, swapped out) ends the run, and so
-# does a collective that waits this long. The demo reaches its first step in a few seconds and a
-# step takes well under 1 s on 2 cores; 20 s leaves room for a loaded laptop (--timeout).
-TIMEOUT_S = 20.0
-MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    dp: int = 4
-    tp: int = 2
-    steps: int = 3
-    seed: int = 0
-    bucket_size: int = 1 << 16
-    lr: float = 0.02
-    momentum: float = 0.95
-    weight_decay: float = 0.1
-    ns_steps: int = NS_STEPS
-    adjust_lr_fn: str = "original"
-    strategy: str = "gather"  # one of STRATEGIES, or BASELINE
-    model: str = "transformer"  # one of MODELS: the transformer of section 3, or lopsided_specs()
-    layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
-    overlap_chunks: int = 1  # owner / comm-free: chunks whose exchange overlaps Newton-Schulz
-    batched_ns: bool = False  # owner / comm-free: same-shape matrices in one call (not bitwise torch's)
-    timeout_s: float = TIMEOUT_S  # a silent rank or a stuck collective ends the run after this long
-    missing_grads: tuple = ()  # (name, dp_rank or -1 for all, step): gradients that are None (tests)
-    fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
-
-
-MODELS = ("transformer", "lopsided", "thin")
-
-
-def demo_specs(cfg):
-    if cfg.model == "transformer":
-        return transformer_specs(n_layers=cfg.layers)
-    return lopsided_specs() if cfg.model == "lopsided" else thin_specs()
-
-
-def validate(cfg, specs):
-    """Every check that can be made before spawning; raises ValueError with one line."""
-    check_topology(cfg.dp, cfg.tp)
-    if cfg.steps < 1:
-        raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
-    if cfg.bucket_size < 1:
-        raise ValueError(f"--bucket-size must be >= 1 element (got {cfg.bucket_size})")
-    if not 0 <= cfg.seed < 2**32:
-        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise ValueError(f"--lr must be > 0 and finite (got {cfg.lr})")
-    if not 0 <= cfg.momentum < 1:
-        raise ValueError(f"--momentum must be in [0, 1) (got {cfg.momentum})")
-    if not (cfg.weight_decay >= 0 and math.isfinite(cfg.weight_decay)):
-        raise ValueError(f"--weight-decay must be >= 0 and finite (got {cfg.weight_decay})")
-    if cfg.ns_steps < 1:
-        raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
-    if cfg.adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"--adjust-lr-fn must be one of {', '.join(ADJUST_LR_FNS)} (got {cfg.adjust_lr_fn!r})")
-    if cfg.strategy not in STRATEGIES + (BASELINE,):
-        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES + (BASELINE,))} (got {cfg.strategy!r})")
-    if cfg.model not in MODELS:
-        raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
-    if not 1 <= cfg.layers <= MAX_LAYERS:
-        raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
-    if cfg.overlap_chunks < 1:
-        raise ValueError(f"--overlap-chunks must be >= 1 (got {cfg.overlap_chunks})")
-    if cfg.overlap_chunks > 1 and cfg.strategy not in ("owner", "comm-free"):
-        raise ValueError(f"--overlap-chunks applies to --strategy owner or comm-free (got {cfg.strategy})")
-    if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
-        raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
-    if not (cfg.timeout_s > 0 and math.isfinite(cfg.timeout_s)):
-        raise ValueError(f"--timeout must be > 0 seconds and finite (got {cfg.timeout_s})")
-    names = {s.name for s in specs}
-    for name, rank, step in cfg.missing_grads:
-        if name not in names or not -1 <= rank < cfg.dp or not 1 <= step <= cfg.steps:
-            raise ValueError(f"missing gradient ({name}, DP rank {rank}, step {step}) names no parameter, "
-                             f"DP rank or step of this run")
-    if not -1 <= cfg.fail_rank < cfg.dp * cfg.tp:
-        raise ValueError(f"--fail-rank must name a rank in [0, {cfg.dp * cfg.tp}) (got {cfg.fail_rank})")
-    check_tp_divides(specs, cfg.tp)
-
-
-def build_optimizer(specs, cfg, grid, params, **overrides):
-    """The demo's DistributedMuon over this rank's TP-local `params` ({name: tensor})."""
-    groups = [dict(h, params=[(s.name, params[s.name]) for s in specs if s.group == g])
-              for g, h in group_hyperparameters(cfg).items()]
-    return DistributedMuon([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
-                           tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
-                           strategy="gather" if cfg.strategy == BASELINE else cfg.strategy,
-                           overlap_chunks=cfg.overlap_chunks, batched_ns=cfg.batched_ns, **overrides)
-
+# The launcher checks the arguments and plans the layout (before starting any
+# rank), starts one process per rank, watches them, then runs the single-device
+# reference and prints the report. Each rank writes its final parameters, ledger
+# and timings to a temporary folder that the launcher reads. Like torchrun, it
+# stops every rank on Ctrl-C or SIGTERM, and names the rank that failed, died or
+# stopped responding.
 
 def run_rank(rank, cfg, port, out_dir, heartbeats, launcher):
     """One spawned rank: join the Gloo world, run the steps, write the results to out_dir.
@@ -1566,42 +1872,6 @@ def name_process(title):
         ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME, at most 15 bytes
     except (OSError, AttributeError):
         pass
-
-
-def run_steps(rank, cfg, device):
-    """The body of every rank, whatever launched it: returns its final params, ledger and step times."""
-    specs = demo_specs(cfg)
-    grid = make_grid(cfg.dp, cfg.tp, rank)
-    params = {s.name: tp_shard(t, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
-              for s, t in zip(specs, initial_params(specs, cfg.seed).values())}
-    opt = build_optimizer(specs, cfg, grid, params)
-    resume_at = (cfg.steps + 1) // 2  # checkpoint round trip halfway through (see below)
-    step_ms = []
-    for step in range(1, cfg.steps + 1):
-        if rank == cfg.fail_rank:
-            raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-rank)")
-        grads = dp_rank_grads(specs, cfg.seed, step, grid.dp.rank, cfg.missing_grads)
-        for s in specs:
-            grad = grads[s.name]
-            if grad is not None:
-                grad = tp_shard(grad, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
-            params[s.name].grad = grad
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.step()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-        if step == resume_at:
-            # Resume from a checkpoint mid-run: a fresh optimizer loads this rank's
-            # state_dict. If the state were lost, the momentum would restart and
-            # the final comparison with torch would fail.
-            fresh = build_optimizer(specs, cfg, grid, params)
-            fresh.load_state_dict(opt.state_dict())
-            fresh.ledger = opt.ledger
-            opt = fresh
-    return dict(rank=rank, params={n: p.detach().cpu() for n, p in params.items()},
-                ledger=asdict(opt.ledger), step_ms=step_ms, state_bytes=opt.state_bytes(), owners=opt.owners)
 
 
 def free_port():
@@ -1739,299 +2009,19 @@ def spawn_ranks(cfg):
 
 
 def run(cfg, explain=False, print_fn=print):
-    """Spawn the ranks on this machine, verify against torch, account; returns the results dict."""
+    """Plan, start the ranks on this machine, verify against torch, account; returns the results dict."""
     validate(cfg, demo_specs(cfg))
-    print_header(cfg, "CPU", "Gloo", explain, print_fn)
+    plan = plan_optimizer(cfg)
+    print_header(cfg, plan, "CPU", "Gloo", explain, print_fn)
     t0 = time.perf_counter()
     results = spawn_ranks(cfg)
-    return report(cfg, results, time.perf_counter() - t0, print_fn=print_fn)
-
-
-def print_header(cfg, device_kind, backend, explain, print_fn):
-    """The grid, the virtual buffer and the owners, which every rank computes alike."""
-    world = cfg.dp * cfg.tp
-    print_fn(f"Distributed Muon: {world} {device_kind} rank{'s' * (world != 1)} over {backend}, "
-             f"DP={cfg.dp} x TP={cfg.tp}, strategy {cfg.strategy}, {cfg.steps} steps, seed {cfg.seed}, "
-             f"torch {torch.__version__}\n")
-    print_fn("[2] The grid (rank = dp_rank * TP + tp_rank; a row is a TP group, a column a DP group)")
-    print_fn(format_grid(cfg.dp, cfg.tp) + "\n")
-    buckets, bucket_ranges, shapes = demo_layout(cfg)
-    used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
-    n_buffers = len({b.buffer_idx for b in buckets})
-    whole = " (Muon matrices are sharded whole, outside the buckets)" if cfg.strategy == "comm-free" else ""
-    print_fn(f"[4] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
-             f"elements, {used:,} TP-local elements + {padded - used} padding per rank{whole}")
-    if explain:
-        print_fn(format_buffer_map(buckets, bucket_ranges, shapes, cfg.dp))
-    owners = demo_owners(cfg)
-    if owners:
-        flops = demo_ns_flops(cfg)
-        per_rank, balance = load_balance(flops, owners, world)
-        print_fn(f"[6] Owners: {len(owners)} matrices on {world} ranks by longest-processing-time over "
-                 f"Newton-Schulz FLOPs; max/mean = {balance:.2f}")
-        if explain:
-            rows = [[r, sum(o == r for o in owners.values()), f"{per_rank[r] / 1e9:.3f}",
-                     " ".join(n for n, o in owners.items() if o == r)] for r in range(world)]
-            print_fn(format_table(["rank", "matrices", "GFLOP", "owns"], rows, [">", ">", ">", "<"]))
-    print_fn("")
-
-
-def demo_layout(cfg):
-    """The demo model's buckets, as every rank's DistributedMuon plans them (build_optimizer's order)."""
-    specs = demo_specs(cfg)
-    shapes = {s.name: tp_local_shape(s, cfg.tp) for s in specs}
-    hyper = group_hyperparameters(cfg)
-    groups = [g for g in hyper if any(s.group == g for s in specs)]  # build_optimizer drops empty groups
-    whole = lambda g: cfg.strategy == "comm-free" and hyper[g]["algorithm"] == "muon"  # not in buckets
-    buffers = [[] if whole(g) else [(s.name, math.prod(shapes[s.name])) for s in specs if s.group == g]
-               for g in groups]
-    buckets, bucket_ranges = plan_buckets(buffers, cfg.dp, cfg.bucket_size)
-    return buckets, bucket_ranges, shapes
-
-
-def matrix_ns_flops(specs, ns_steps):
-    """{matrix: Newton-Schulz FLOPs} of the Muon matrices among `specs`, in optimizer order."""
-    return {s.name: newton_schulz_flops(s.global_shape, ns_steps) for s in specs if s.group == MUON_GROUP}
-
-
-def demo_ns_flops(cfg):
-    return matrix_ns_flops(demo_specs(cfg), cfg.ns_steps)
-
-
-def demo_owners(cfg):
-    """The owner of every matrix, as every rank's DistributedMuon assigns it; None for gather and the baseline."""
-    if cfg.strategy not in ("owner", "comm-free"):
-        return None
-    return assign_owners(demo_ns_flops(cfg), cfg.dp * cfg.tp)
-
-
-def muon_groups_of(cfg):
-    """The param groups that run Muon: none in the AdamW ZeRO-1 baseline."""
-    return () if cfg.strategy == BASELINE else (MUON_GROUP,)
-
-
-def batched_ns_tolerance(cfg, spec):
-    """How far --batched-ns may leave a Muon parameter from torch's after cfg.steps steps.
-
-    Each step adds -adjusted_lr * O, and a batched O differs from torch's by at most
-    BATCHED_NS_BOUND times its largest entry (section 1). That entry is at most the
-    largest singular value Newton-Schulz leaves: about 1.2, the quintic's maximum on
-    [0, 1]; 1.5 leaves room for bf16 rounding. Weight decay scales both runs alike
-    and only shrinks earlier differences; the momentum does not depend on the weights.
-    """
-    return cfg.steps * adjusted_lr(cfg.lr, cfg.adjust_lr_fn, spec.global_shape) * 1.5 * BATCHED_NS_BOUND
-
-
-def verify(cfg, results, device="cpu"):
-    """Every rank's parameters against torch on `device`: (checks, reference seconds).
-
-    A check is "ok" when bit-identical; with --batched-ns, a Muon matrix is also ok
-    within batched_ns_tolerance (it cannot be bit-identical, section 1).
-    """
-    specs = demo_specs(cfg)
-    t1 = time.perf_counter()
-    reference = reference_params(specs, cfg, device)
-    checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp,
-                                  muon_groups_of(cfg))
-    start = initial_params(specs, cfg.seed)
-    for c, spec in zip(checks, specs):
-        # how far the weights moved: the scale against which max |d| = 0 means something
-        c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
-        c["tolerance"] = batched_ns_tolerance(cfg, spec) if cfg.batched_ns and c["optimizer"] == "Muon" else 0.0
-        c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
-    return checks, time.perf_counter() - t1
-
-
-def verdict(checks):
-    """'PASS: 26/26 parameters bit-identical to torch' (or FAIL), with the --batched-ns ones said apart."""
-    n_same, n_within = sum(c["identical"] for c in checks), sum(c["ok"] and not c["identical"] for c in checks)
-    within = f", {n_within} within the --batched-ns bound" if n_within else ""
-    passed = all(c["ok"] for c in checks)
-    return passed, f"{'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch{within}"
-
-
-def account(cfg, results):
-    """Bytes per phase (last step), whether every step moved the same, and Newton-Schulz FLOPs."""
-    ledgers = [r["ledger"] for r in results]
-    phases = STRATEGY_PHASES[cfg.strategy]
-    tables = [bytes_per_step(ledgers, s, phases) for s in range(1, cfg.steps + 1)]
-    flops = flops_per_step(ledgers, demo_specs(cfg), cfg.steps, cfg.ns_steps, muon_groups_of(cfg))
-    return tables[-1], all(t == tables[0] for t in tables), flops
-
-
-def total_bytes(table, direction="sent"):
-    """(max over ranks of bytes sent (or received) per step, the same by all ranks per step)."""
-    per_rank = [sum(col) for col in zip(*(t[direction] for t in table.values()))]
-    return max(per_rank), sum(per_rank)
-
-
-def report(cfg, results, ranks_s, device="cpu", backend="gloo", print_fn=print):
-    """Verify every rank's parameters against torch on `device`, print the accounting, return it all."""
-    world = cfg.dp * cfg.tp
-    buckets, _, _ = demo_layout(cfg)
-    checks, ref_s = verify(cfg, results, device)
-    n_same = sum(c["identical"] for c in checks)
-    passed, summary = verdict(checks)
-    reference_name = "torch.optim.AdamW" if cfg.strategy == BASELINE else "torch.optim.Muon / torch.optim.AdamW"
-    print_fn(f"[7] Every rank's piece against {reference_name} on one device "
-             f"(torch.equal): {n_same}/{len(checks)} parameters identical")
-    rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
-             "-" if c["tp_split_dim"] < 0 else c["tp_split_dim"], c["optimizer"],
-             f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0",
-             "yes" if c["identical"] else f"no, <= {c['tolerance']:.1e}" if c["ok"] else "NO"]
-            for c in checks]
-    print_fn(format_table(["parameter", "global shape", "split", "optimizer", "max |d|", "identical"], rows,
-                          ["<", ">", ">", "<", ">", ">"]) + "\n")
-
-    table, same_every_step, flops = account(cfg, results)
-    gloo_note = "; Gloo's reduce-scatter is an all-reduce and moves more" if backend == "gloo" else ""
-    print_fn(f"[8] Bytes per step: ring counts for all-gather and reduce-scatter, exact counts for all-to-all "
-             f"({'the same every step' if same_every_step else 'last step; steps differ'}{gloo_note})")
-    rows = [[phase, t["axis"], t["dtype"], human_bytes(max(t["sent"])), human_bytes(max(t["received"])),
-             human_bytes(sum(t["sent"]))] for phase, t in table.items()]
-    max_sent, all_sent = total_bytes(table)
-    max_received, _ = total_bytes(table, "received")
-    rows.append(["total", "", "", human_bytes(max_sent), human_bytes(max_received), human_bytes(all_sent)])
-    print_fn(format_table(["phase", "axis", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"],
-                          rows, ["<", "<", "<", ">", ">", ">"]) + "\n")
-
-    if flops["single_device"]:
-        print_fn(f"[8] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
-                 f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
-        why = ("every TP peer, and every DP rank whose shard touches a matrix, orthogonalizes it"
-               if cfg.strategy == "gather" else "each matrix is orthogonalized once, by its owner")
-        print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
-                 f"(upper bound DP x TP = {world}; {why}); max/mean per rank = {flops['max_over_mean']:.2f}\n")
-    state = [r["state_bytes"] for r in results]
-    print_fn(f"[8] Optimizer state per rank: max {human_bytes(max(state))}, min {human_bytes(min(state))}")
-
-    step_ms = [max(r["step_ms"][i] for r in results) for i in range(cfg.steps)]
-    timings = dict(ranks_s=ranks_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
-                   step_ms_median=statistics.median(step_ms))
-    print_fn(f"Timing: ranks {ranks_s:.1f} s (start, init, {cfg.steps} steps), reference {ref_s:.1f} s, "
-             f"median step {timings['step_ms_median']:.0f} ms (slowest rank)")
-    print_fn(f"Result: {summary}")
-    return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks,
-                buckets=[asdict(b) for b in buckets], owners=results[0]["owners"], bytes_per_step=table,
-                bytes_same_every_step=same_every_step, bytes_sent_max_rank=max_sent, bytes_sent_all_ranks=all_sent,
-                ns_flops=flops, state_bytes=state, timings=timings, ledgers=[r["ledger"] for r in results])
-
-
-# --compare: every strategy and the AdamW ZeRO-1 baseline on the same grid and parameters.
-COMPARED = STRATEGIES + (BASELINE,)
-LABELS = {"gather": "gather", "owner": "owner", "comm-free": "comm-free", BASELINE: "AdamW ZeRO-1"}
-
-
-def compare(cfg, explain=False, print_fn=print):
-    """Run each of COMPARED in turn (each checked against torch), then print one table; returns them all."""
-    world = cfg.dp * cfg.tp
-    validate(cfg, demo_specs(cfg))
-    print_fn(f"Comparing strategies: {world} CPU rank{'s' * (world != 1)} over Gloo, DP={cfg.dp} x TP={cfg.tp}, "
-             f"{cfg.model} model, {cfg.steps} steps, seed {cfg.seed}, torch {torch.__version__}\n")
-    if explain:  # the grid, the buffer map and the owners of --strategy, as a single run prints them
-        print_header(cfg, "CPU", "Gloo", explain, print_fn)
-    runs = {}
-    for strategy in COMPARED:
-        run_cfg = replace(cfg, strategy=strategy)
-        lines = []
-        runs[strategy] = run(run_cfg, print_fn=lines.append)
-        result = runs[strategy]
-        failed = [c["name"] for c in result["checks"] if not c["ok"]]
-        print_fn(f"{LABELS[strategy]:<13} {verdict(result['checks'])[1]}"
-                 + (f" (not: {', '.join(failed)})" if failed else ""))
-    balance = realistic_balance(world, cfg.ns_steps)
-    print_fn("")
-    print_fn(format_comparison(cfg, runs, balance))
-    return dict(config=asdict(cfg), torch=torch.__version__, passed=all(r["passed"] for r in runs.values()),
-                runs=runs, realistic_balance=balance)
-
-
-def realistic_balance(n_ranks, ns_steps=NS_STEPS):
-    """max/mean Newton-Schulz FLOPs of the owner assignment for GPT-2 small's matrices (12 layers, d = 768),
-    from shapes alone: the demo model is too small to balance 8 ranks (see section 6)."""
-    flops = matrix_ns_flops(transformer_specs(vocab=50304, d=768, n_layers=12), ns_steps)
-    _, balance = load_balance(flops, assign_owners(flops, n_ranks), n_ranks)
-    return dict(model="GPT-2 small shapes (12 layers, d = 768, with an 8-expert router)", matrices=len(flops),
-                ranks=n_ranks, max_over_mean=balance)
-
-
-def format_comparison(cfg, runs, realistic):
-    world = cfg.dp * cfg.tp
-    baseline_all = runs[BASELINE]["bytes_sent_all_ranks"]
-    phases = list(dict.fromkeys(p for s in COMPARED for p in STRATEGY_PHASES[s]))  # in first-seen order
-    model = f"{cfg.layers}-layer transformer" if cfg.model == "transformer" else f"{cfg.model} model"
-    lines = [f"[8] Bytes sent per step by all ranks, per phase (DP={cfg.dp} x TP={cfg.tp}, {model})"]
-    rows = [[p] + [human_bytes(sum(runs[s]["bytes_per_step"][p]["sent"])) if p in runs[s]["bytes_per_step"]
-                   else "-" for s in COMPARED] for p in phases]
-    rows.append(["total"] + [human_bytes(runs[s]["bytes_sent_all_ranks"]) for s in COMPARED])
-    lines.append(format_table(["phase"] + [LABELS[s] for s in COMPARED], rows, ["<"] + [">"] * len(COMPARED)))
-    lines.append("")
-    lines.append(f"[8] Per strategy ({world} ranks, median of {cfg.steps} steps; ratio and extra are against "
-                 f"AdamW ZeRO-1's total)")
-    rows = []
-    for s in COMPARED:
-        r, f = runs[s], runs[s]["ns_flops"]
-        mean = sum(f["per_rank"]) / world
-        rows.append([LABELS[s], human_bytes(r["bytes_sent_all_ranks"]), human_bytes(r["bytes_sent_max_rank"]),
-                     f"{r['bytes_sent_all_ranks'] / baseline_all:.2f}" if baseline_all else "-",
-                     human_bytes(r["bytes_sent_all_ranks"] - baseline_all),
-                     f"{max(f['per_rank']) / 1e9:.3f}", f"{mean / 1e9:.3f}",
-                     f"{f['max_over_mean']:.2f}" if f["max_over_mean"] else "-",
-                     f"{f['redundancy']:.2f}" if f["redundancy"] is not None else "-",
-                     human_bytes(max(r["state_bytes"])), f"{r['timings']['step_ms_median']:.0f}"])
-    lines.append(format_table(["strategy", "bytes, all", "bytes/rank max", "ratio", "extra", "NS GFLOP max",
-                               "mean", "max/mean", "redundancy", "state/rank max", "step ms"],
-                              rows, ["<"] + [">"] * 10))
-    lines.append("")
-    lines.append(format_targets(cfg, runs, realistic))
-    return "\n".join(lines)
-
-
-BALANCE_TARGET = 1.10  # max/mean Newton-Schulz FLOPs per rank that the owner assignment should reach
-
-
-def format_targets(cfg, runs, realistic):
-    """The targets of the zero-redundancy strategies, each with what this run got (and why, where missed)."""
-    world, yes = cfg.dp * cfg.tp, lambda ok: "met" if ok else "NOT met"
-    owner, free, gather, adamw = (runs[s] for s in ("owner", "comm-free", "gather", BASELINE))
-    redundancy = [runs[s]["ns_flops"]["redundancy"] for s in ("owner", "comm-free")]
-    lines = [f"[8] Targets, from this run: redundancy 1.00 for owner and comm-free: "
-             f"{yes(redundancy == [1.0, 1.0])} ({redundancy[0]:.2f}, {redundancy[1]:.2f})"]
-    ratio = realistic["max_over_mean"]
-    lines.append(f"    max/mean NS FLOPs <= {BALANCE_TARGET:.2f} for {realistic['model']}, {realistic['matrices']} "
-                 f"matrices on {world} ranks: {yes(ratio <= BALANCE_TARGET)} ({ratio:.2f}, from shapes)")
-    flops = demo_ns_flops(cfg)
-    balance = owner["ns_flops"]["max_over_mean"]
-    bound = max(max(flops.values()) / (sum(flops.values()) / world), 1.0)
-    largest = f"; the largest matrix alone is {bound:.2f}x the mean" if bound > 1 else ""
-    why = "" if balance <= BALANCE_TARGET else (
-        f": too few matrices, of too few sizes, to split evenly (LPT is within 4/3 of the best assignment of "
-        f"whole matrices{largest})")
-    lines.append(f"    this model: {len(flops)} matrices on {world} ranks, max/mean = {balance:.2f}{why}")
-    extra = free["bytes_sent_all_ranks"] - adamw["bytes_sent_all_ranks"]
-    # The baseline's matrix buckets are padded to a multiple of DP, and every TP column's DP group
-    # reduce-scatters and all-gathers that padding; comm-free moves whole matrices, without it.
-    padding = cfg.tp * sum(2 * (cfg.dp - 1) * (b["numel"] - b["used"]) * 4 for b in adamw["buckets"]
-                           if set(b["names"]) <= set(flops))
-    exchange = sum(sum(free["bytes_per_step"][p]["sent"]) for p in ("gather at owner", "scatter from owner"))
-    less_padding = f" less the {human_bytes(padding)} of padding ZeRO-1's buckets move" if padding else ""
-    if cfg.tp == 1:
-        lines.append(f"    comm-free extra bytes over AdamW ZeRO-1 at TP = 1 = 0: {yes(extra + padding == 0)} "
-                     f"({human_bytes(extra)}{': 0' + less_padding if padding else ''})")
-    else:
-        lines.append(f"    comm-free extra bytes over AdamW ZeRO-1: {human_bytes(extra)}, its TP exchange "
-                     f"({human_bytes(exchange)}){less_padding}; the exchange is 0 at TP = 1, here TP = {cfg.tp}")
-    o_ms, g_ms = owner["timings"]["step_ms_median"], gather["timings"]["step_ms_median"]
-    o_max, g_max = (max(r["ns_flops"]["per_rank"]) / 1e9 for r in (owner, gather))
-    lines.append(f"    owner step below gather's: {yes(o_ms < g_ms)} ({o_ms:.0f} ms against {g_ms:.0f} ms; gather does "
-                 f"{gather['ns_flops']['redundancy']:.2f}x the Newton-Schulz work; a step waits for the most "
-                 f"loaded rank: {o_max:.3f} against {g_max:.3f} GFLOP)")
-    return "\n".join(lines)
+    ranks_s = time.perf_counter() - t0
+    checks, ref_s = verify(cfg, results)
+    return report(cfg, plan, results, checks, ranks_s, ref_s, print_fn=print_fn)
 
 
 def build_parser(description, launcher="spawn"):
-    """The command line. launcher "torchrun" (distributed_muon.py) leaves out what only this
-    script's own launcher does (--compare) and takes DP from the world size by default."""
+    """The command line. launcher "torchrun" (distributed_muon.py) takes DP from the world size by default."""
     d = RunConfig()
     p = argparse.ArgumentParser(description=description)
     if launcher == "torchrun":
@@ -2055,9 +2045,6 @@ def build_parser(description, launcher="spawn"):
                    help="gather (default): every rank that touches a matrix orthogonalizes it; owner: one rank "
                         "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP; "
                         "adamw: the AdamW ZeRO-1 baseline, no Muon")
-    if launcher == "spawn":
-        p.add_argument("--compare", action="store_true",
-                       help="run every strategy and the AdamW ZeRO-1 baseline, each checked, and print one table")
     p.add_argument("--model", default=d.model, choices=MODELS,
                    help="transformer (default): section 3's model; lopsided: one huge matrix among small ones; "
                         "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")
@@ -2080,23 +2067,8 @@ def build_parser(description, launcher="spawn"):
 
 
 def config_from_args(a):
-    return RunConfig(dp=a.dp, tp=a.tp, steps=a.steps, seed=a.seed, bucket_size=a.bucket_size, lr=a.lr,
-                     momentum=a.momentum, weight_decay=a.weight_decay, ns_steps=a.ns_steps,
-                     adjust_lr_fn=a.adjust_lr_fn, strategy=a.strategy, model=a.model, layers=a.layers,
-                     overlap_chunks=a.overlap_chunks, batched_ns=a.batched_ns, timeout_s=a.timeout_s,
-                     fail_rank=a.fail_rank)
-
-
-def check_writable(path, flag="--json"):
-    """Raise ValueError (one line) unless `path` could be written, before any rank starts.
-    It creates nothing, so every rank of a torchrun job may check the same path."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path} is a directory")
-    if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        raise ValueError(f"{flag} {path} is not writable")
+    """The RunConfig the parsed arguments describe (every field is a flag of the same name)."""
+    return RunConfig(**{f.name: getattr(a, f.name) for f in fields(RunConfig) if hasattr(a, f.name)})
 
 
 def write_json(path, results):
@@ -2112,8 +2084,7 @@ def main(argv=None):
     try:
         if args.json:
             check_writable(args.json)
-        go = compare if args.compare else run
-        results = go(config_from_args(args), explain=args.explain)  # validates before spawning anything
+        results = run(config_from_args(args), explain=args.explain)  # validates before spawning anything
         write_json(args.json, results)
         return 0 if results["passed"] else 1
     except ValueError as e:

@@ -73,13 +73,9 @@ def single_process_group():
 
 
 def layout_metas(dp, tp, bucket_size, **config):
-    """Every DP rank's dist_meta for the demo model, from the layout the run used."""
+    """Every DP rank's dist_meta for the demo model, from the layout the run's optimizer plans."""
     cfg = dm.RunConfig(dp=dp, tp=tp, bucket_size=bucket_size, **config)
-    specs = dm.demo_specs(cfg)
-    buckets, ranges, shapes = dm.demo_layout(cfg)
-    global_shapes = {s.name: s.global_shape for s in specs}
-    splits = {s.name: s.tp_split_dim for s in specs}
-    return [dm.build_dist_metas(buckets, ranges, shapes, global_shapes, splits, r, dp) for r in range(dp)]
+    return dm.plan_optimizer(cfg).layout.metas
 
 
 def presence_bytes(n_params, world):

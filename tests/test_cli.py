@@ -15,11 +15,11 @@ BAD_INPUT = [
     (["--dp", "1", "--tp", "256"], "DP 1 x TP 256 = 256 ranks is more than 64"),
     (["--dp", "16", "--tp", "8"], "DP 16 x TP 8 = 128 ranks is more than 64"),
     (["--steps", "0"], "--steps must be >= 1"),
-    (["--bucket-size", "0"], "--bucket-size must be >= 1"),
-    (["--lr", "0"], "--lr must be > 0"),
-    (["--lr", "-0.1"], "--lr must be > 0"),
-    (["--lr", "nan"], "--lr must be > 0"),
-    (["--lr", "inf"], "--lr must be > 0 and finite"),
+    (["--bucket-size", "0"], "--bucket-size must be >= 1 (got 0)"),
+    (["--lr", "0"], "--lr must be > 0: with lr 0 no weight moves"),
+    (["--lr", "-0.1"], "--lr must be >= 0 and finite (got -0.1)"),
+    (["--lr", "nan"], "--lr must be >= 0 and finite"),
+    (["--lr", "inf"], "--lr must be >= 0 and finite"),
     (["--seed", "-1"], "--seed must be in [0, 2**32)"),
     (["--weight-decay", "nan"], "--weight-decay must be >= 0"),
     (["--ns-steps", "0"], "--ns-steps must be >= 1"),
@@ -30,7 +30,6 @@ BAD_INPUT = [
     (["--layers", "0"], "--layers must be in [1, 24]"),
     (["--overlap-chunks", "0", "--strategy", "owner"], "--overlap-chunks must be >= 1"),
     (["--overlap-chunks", "2"], "--overlap-chunks applies to --strategy owner or comm-free (got gather)"),
-    (["--compare", "--tp", "3"], "TP 3 does not divide embed.weight dim 0"),
     (["--model", "lopsided", "--tp", "3"], "TP 3 does not divide huge.weight"),
     (["--model", "thin", "--tp", "8"], "TP 8 does not divide thin.0.60x6.weight dim 0"),
     (["--batched-ns"], "--batched-ns applies to --strategy owner or comm-free (got gather)"),
@@ -108,33 +107,9 @@ def test_help():
     proc = run_script("--help")
     assert proc.returncode == 0
     for flag in ["--dp", "--tp", "--steps", "--seed", "--bucket-size", "--lr", "--momentum", "--weight-decay",
-                 "--ns-steps", "--adjust-lr-fn", "--explain", "--json", "--strategy", "--compare", "--model",
+                 "--ns-steps", "--adjust-lr-fn", "--explain", "--json", "--strategy", "--model",
                  "--layers", "--overlap-chunks", "--batched-ns", "--timeout", "--traceback"]:
         assert flag in proc.stdout
-
-
-def test_compare_prints_one_table_and_writes_every_run(tmp_path):
-    path = tmp_path / "compare.json"
-    proc = run_script("--compare", "--explain", "--dp", "2", "--tp", "2", "--json", str(path), timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    assert "bucket (0, 0)" in proc.stdout and "(padding)" in proc.stdout  # --explain's map, as a single run prints it
-    results = json.loads(path.read_text())
-    assert list(results["runs"]) == list(dm.COMPARED) and results["passed"]
-    lines = proc.stdout.splitlines()
-    summary = lines[next(i for i, line in enumerate(lines) if line.startswith("strategy ")):]
-    for strategy, run in results["runs"].items():
-        assert run["config"]["strategy"] == strategy and run["passed"]
-        label = dm.LABELS[strategy]
-        assert f"{label:<13} PASS" in proc.stdout  # the verification line
-        row = next(line for line in summary if line.startswith(label + " "))
-        assert dm.human_bytes(run["bytes_sent_all_ranks"]) in row  # the summary shows the JSON's numbers
-        assert f"{run['timings']['step_ms_median']:.0f}" == row.split()[-1]
-    for strategy in dm.STRATEGIES[1:]:
-        assert results["runs"][strategy]["ns_flops"]["redundancy"] == 1.0
-    assert results["realistic_balance"]["max_over_mean"] <= 1.10
-    targets = proc.stdout[proc.stdout.index("[8] Targets"):]
-    assert "redundancy 1.00 for owner and comm-free: met (1.00, 1.00)" in targets
-    assert "comm-free extra bytes over AdamW ZeRO-1: " in targets and "NOT met" not in targets.split("\n")[0]
 
 
 def test_explain_lists_the_owners():

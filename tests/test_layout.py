@@ -8,15 +8,18 @@ import pytest
 from conftest import dm
 
 
-def layout(numels, dp, bucket_size, groups=1):
-    """Split numbered parameters into `groups` buffers, plan buckets, build every DP rank's metas."""
+def plan(numels, dp, bucket_size, groups=1):
+    """Split numbered 1-D parameters into `groups` buffers and plan them as the optimizer does."""
     names = [f"p{i}" for i in range(len(numels))]
-    buffers = [[(n, k) for j, (n, k) in enumerate(zip(names, numels)) if j % groups == g] for g in range(groups)]
-    buffers = [b for b in buffers if b]
-    buckets, ranges = dm.plan_buckets(buffers, dp, bucket_size)
+    buffers = [[n for j, n in enumerate(names) if j % groups == g] for g in range(groups)]
     shapes = {n: (k,) for n, k in zip(names, numels)}
-    metas = [dm.build_dist_metas(buckets, ranges, shapes, shapes, {n: -1 for n in names}, r, dp) for r in range(dp)]
-    return buckets, ranges, metas, dict(zip(names, numels))
+    return dm.plan_layout([b for b in buffers if b], shapes, {n: -1 for n in names}, dp, 1, bucket_size)
+
+
+def layout(numels, dp, bucket_size, groups=1):
+    """(buckets, bucket ranges, every DP rank's metas, {name: numel}) of plan()."""
+    planned = plan(numels, dp, bucket_size, groups)
+    return planned.buckets, planned.bucket_ranges, planned.metas, {n: s[0] for n, s in planned.shapes.items()}
 
 
 def check_invariants(numels, dp, bucket_size, groups):
@@ -100,8 +103,7 @@ def test_transformer_tp_shapes():
 
 
 def test_explain_map_names_owners_and_padding():
-    buckets, ranges, _, _ = layout([3, 2], dp=4, bucket_size=100)  # used 5, padded to 8, shards of 2
-    text = dm.format_buffer_map(buckets, ranges, {"p0": (3,), "p1": (2,)}, dp=4)
+    text = dm.format_buffer_map(plan([3, 2], dp=4, bucket_size=100))  # used 5, padded to 8, shards of 2
     lines = text.splitlines()
     assert lines[0] == "bucket (0, 0): 5 elements + 3 padding = 8; DP shard = 2 elements"
     assert lines[1].split()[-2:] == ["DP0[0:2]", "DP1[2:3]"]

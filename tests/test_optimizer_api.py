@@ -30,8 +30,8 @@ def test_trains_a_real_model_exactly_like_torch(single_process_group, strategy):
     torch.manual_seed(0)
     ours, theirs = TinyNet(), TinyNet()
     theirs.load_state_dict(ours.state_dict())
-    opt = dm.DistributedMuon(split_groups(ours), grid=single_process_group, bucket_size=300, lr=0.02,
-                             weight_decay=0.1, adjust_lr_fn="match_rms_adamw", strategy=strategy)
+    opt = dm.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group, bucket_size=300, lr=0.02,
+                                  weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     assert isinstance(opt, torch.optim.Optimizer)
     muon_params = [p for n, p in theirs.named_parameters() if p.ndim == 2 and not n.startswith("embed")]
     other_params = [p for n, p in theirs.named_parameters() if not (p.ndim == 2 and not n.startswith("embed"))]
@@ -67,7 +67,7 @@ def test_state_dict_round_trip_and_layout_check(single_process_group):
     other = dm.DistributedMuon(split_groups(model), grid=single_process_group, bucket_size=100)
     with pytest.raises(ValueError, match="bucket_size 65536 != 100"):
         other.load_state_dict(sd)
-    owner = dm.DistributedMuon(split_groups(model), grid=single_process_group, strategy="owner")
+    owner = dm.OwnerMuon(split_groups(model), grid=single_process_group)
     with pytest.raises(ValueError, match="strategy gather != owner"):
         owner.load_state_dict(sd)
 
@@ -75,16 +75,15 @@ def test_state_dict_round_trip_and_layout_check(single_process_group):
 def test_custom_owners_are_checked_and_used(single_process_group):
     model = TinyNet()
     matrices = ["hidden.weight", "out.weight"]
-    opt = dm.DistributedMuon(split_groups(model), grid=single_process_group, strategy="owner",
-                             owners={0: matrices})
+    opt = dm.OwnerMuon(split_groups(model), grid=single_process_group, owners={0: matrices})
     assert opt.owners == {"hidden.weight": 0, "out.weight": 0}
     for owners, message in [({0: ["hidden.weight"]}, "out.weight has no owner"),
                             ({0: matrices + ["hidden.weight"]}, r"hidden.weight is owned twice \(ranks 0 and 0\)"),
                             ({0: matrices + ["norm.weight"]}, "norm.weight is not a Muon matrix"),
                             ({0: matrices, 3: []}, r"rank 3 is not in \[0, 1\)")]:
         with pytest.raises(ValueError, match=message):
-            dm.DistributedMuon(split_groups(model), grid=single_process_group, strategy="owner", owners=owners)
-    with pytest.raises(ValueError, match="owners, overlap_chunks and batched_ns only apply"):
+            dm.OwnerMuon(split_groups(model), grid=single_process_group, owners=owners)
+    with pytest.raises(TypeError, match="owners"):  # the gather strategy has no owners to take
         dm.DistributedMuon(split_groups(model), grid=single_process_group, owners={0: matrices})
 
 
@@ -94,7 +93,7 @@ def test_parameters_without_gradients_are_skipped_like_torch(single_process_grou
     torch.manual_seed(2)
     ours, theirs = TinyNet(), TinyNet()
     theirs.load_state_dict(ours.state_dict())
-    opt = dm.DistributedMuon(split_groups(ours), grid=single_process_group, strategy=strategy)
+    opt = dm.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group)
     named = dict(theirs.named_parameters())
     ref = [torch.optim.Muon([named["hidden.weight"], named["out.weight"]], lr=0.02, weight_decay=0.1),
            torch.optim.AdamW([p for n, p in named.items() if n not in ("hidden.weight", "out.weight")], lr=0.02,
@@ -125,14 +124,19 @@ def test_parameters_without_gradients_are_skipped_like_torch(single_process_grou
     (lambda m: split_groups(m), dict(tp_split_dims={"hidden.weight": 2}), "out of range"),
     (lambda m: split_groups(m), dict(bucket_size=0), "bucket_size must be >= 1"),
     (lambda m: split_groups(m), dict(momentum=1.0), "momentum must be in"),
-    (lambda m: split_groups(m), dict(lr=-1.0), "lr and weight_decay must be >= 0"),
+    (lambda m: split_groups(m), dict(lr=-1.0), "lr must be >= 0 and finite"),
     (lambda m: split_groups(m), dict(adjust_lr_fn="spectral"), "adjust_lr_fn must be one of"),
-    (lambda m: split_groups(m), dict(strategy="scatter"), "strategy must be one of gather, owner, comm-free"),
-    (lambda m: split_groups(m), dict(overlap_chunks=0), "overlap_chunks must be >= 1"),
+    (lambda m: split_groups(m), dict(weight_decay=float("nan")), "weight_decay must be >= 0 and finite"),
 ])
 def test_bad_construction_is_a_clear_error(single_process_group, make_groups, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        dm.DistributedMuon(make_groups(TinyNet()), grid=single_process_group, **kwargs)
+    for optimizer in dm.OPTIMIZERS.values():  # one set of rules, whatever the strategy
+        with pytest.raises(ValueError, match=message):
+            optimizer(make_groups(TinyNet()), grid=single_process_group, **kwargs)
+
+
+def test_owner_options_are_checked(single_process_group):
+    with pytest.raises(ValueError, match=r"overlap_chunks must be >= 1 \(got 0\)"):
+        dm.OwnerMuon(split_groups(TinyNet()), grid=single_process_group, overlap_chunks=0)
 
 
 def test_topology_errors_name_every_factor():

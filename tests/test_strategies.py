@@ -60,7 +60,8 @@ def test_overlapped_chunks_change_nothing_but_the_message_count(run_grid, strate
 # --- the owner assignment ------------------------------------------------------
 
 def demo_flops(**config):
-    return dm.demo_ns_flops(dm.RunConfig(**config))
+    """Every Muon matrix's Newton-Schulz FLOPs, as the owner strategy's optimizer computes them."""
+    return dm.plan_optimizer(dm.RunConfig(strategy="owner", **config)).ns_flops
 
 
 def test_lpt_on_the_demo_model_by_hand():
@@ -85,13 +86,8 @@ def test_every_matrix_has_exactly_one_owner_and_balance_improves_with_more_matri
     assert dm.load_balance(demo_flops(layers=8), dm.assign_owners(demo_flops(layers=8), 8), 8)[1] == 1.0
 
 
-def test_realistic_parameter_set_balances_within_ten_percent():
-    b = dm.realistic_balance(8)
-    assert b["matrices"] == 60 and b["max_over_mean"] <= 1.10
-
-
 def test_a_huge_matrix_cannot_be_balanced():
-    flops = dm.demo_ns_flops(dm.RunConfig(model="lopsided"))
+    flops = demo_flops(model="lopsided")
     per_rank, balance = dm.load_balance(flops, dm.assign_owners(flops, 8), 8)
     assert max(per_rank) == flops["huge.weight"] and balance > 4
 
