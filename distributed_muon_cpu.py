@@ -1397,7 +1397,8 @@ class RunConfig:
     weight_decay: float = 0.1
     ns_steps: int = NS_STEPS
     adjust_lr_fn: str = "original"
-    strategy: str = "gather"  # one of STRATEGIES, or BASELINE
+    strategy: str = "gather"  # one of STRATEGIES
+    baseline: bool = False  # the AdamW ZeRO-1 baseline instead of Muon: every parameter takes AdamW
     model: str = "transformer"  # one of MODELS: the transformer of section 3, or lopsided_specs()
     layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
     overlap_chunks: int = 1  # owner / comm-free: chunks whose exchange overlaps Newton-Schulz
@@ -1435,8 +1436,10 @@ def validate(cfg, specs):
         raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
     if cfg.ns_steps < 1:
         raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
-    if cfg.strategy not in STRATEGIES + (BASELINE,):
-        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES + (BASELINE,))} (got {cfg.strategy!r})")
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {cfg.strategy!r})")
+    if cfg.baseline and cfg.strategy != "gather":
+        raise ValueError(f"--baseline runs AdamW for every parameter: it takes no --strategy (got {cfg.strategy})")
     if cfg.model not in MODELS:
         raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
     if not 1 <= cfg.layers <= MAX_LAYERS:
@@ -1471,13 +1474,18 @@ def check_writable(path, option="--json"):
 
 
 MUON_GROUP = "muon"
-BASELINE = "adamw"  # a run-level choice: AdamW ZeRO-1 for every parameter, the yardstick Muon is priced against
+BASELINE = "baseline"  # --baseline: AdamW ZeRO-1 for every parameter, the yardstick Muon is priced against
+
+
+def run_kind(cfg):
+    """What a run is: one of STRATEGIES, or BASELINE."""
+    return BASELINE if cfg.baseline else cfg.strategy
 
 
 def group_hyperparameters(cfg):
     """The three param groups of the demo model and their hyperparameters.
 
-    With the AdamW ZeRO-1 baseline (strategy "adamw") the matrices take AdamW too:
+    With the AdamW ZeRO-1 baseline (--baseline) the matrices take AdamW too:
     the same parameters and layout, and no Newton-Schulz at all.
     """
     muon = dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
@@ -1485,7 +1493,7 @@ def group_hyperparameters(cfg):
     # One lr and weight decay for Muon and AdamW (Moonlight's practice with
     # match_rms_adamw); torch's default betas and eps; no decay on norms and biases.
     adamw = dict(algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-    return {"muon": adamw if cfg.strategy == BASELINE else muon, "adamw": adamw,
+    return {"muon": adamw if cfg.baseline else muon, "adamw": adamw,
             "adamw_no_wd": dict(adamw, weight_decay=0.0)}
 
 
@@ -1493,9 +1501,8 @@ def build_optimizer(specs, cfg, grid, params):
     """The demo's optimizer for cfg.strategy over this rank's TP pieces `params` ({name: tensor})."""
     groups = [dict(h, params=[(s.name, params[s.name]) for s in specs if s.group == g])
               for g, h in group_hyperparameters(cfg).items()]
-    strategy = "gather" if cfg.strategy == BASELINE else cfg.strategy  # the baseline: no Muon group at all
-    options = {} if strategy == "gather" else dict(overlap_chunks=cfg.overlap_chunks, batched_ns=cfg.batched_ns)
-    return OPTIMIZERS[strategy]([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
+    options = {} if cfg.strategy == "gather" else dict(overlap_chunks=cfg.overlap_chunks, batched_ns=cfg.batched_ns)
+    return OPTIMIZERS[cfg.strategy]([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
                                 tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
                                 **options)
 
@@ -1599,7 +1606,7 @@ def compare_to_reference(specs, reference, rank_params, dp, tp, muon_groups=(MUO
 
 def muon_groups_of(cfg):
     """The param groups that run Muon: none in the AdamW ZeRO-1 baseline."""
-    return () if cfg.strategy == BASELINE else (MUON_GROUP,)
+    return () if cfg.baseline else (MUON_GROUP,)
 
 
 def batched_ns_tolerance(cfg, spec):
@@ -1657,14 +1664,15 @@ def verdict(checks):
 # (section 6) give each matrix one owner instead: redundancy 1, and max/mean
 # FLOPs per rank then says how well the owners are balanced.
 
-STRATEGY_PHASES = {
+# The phases of each strategy's data path, and of the baseline's, in the order they happen.
+PHASES_OF = {
     "gather": ("grad presence", "grad reduce-scatter", "DP gather", "TP gather", "param all-gather"),
     "owner": ("grad presence", "grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather"),
     "comm-free": ("grad presence", "grad reduce-scatter", "grad reduce at owner", "gather at owner",
                   "scatter from owner", "param all-gather", "param broadcast from owner"),
     BASELINE: ("grad presence", "grad reduce-scatter", "param all-gather"),
 }
-PHASES = STRATEGY_PHASES["gather"]
+PHASES = PHASES_OF["gather"]
 
 
 def bytes_per_step(ledgers, step, phases=PHASES):
@@ -1695,7 +1703,7 @@ def flops_per_step(ledgers, specs, step, ns_steps, muon_groups=(MUON_GROUP,)):
 def account(cfg, results):
     """Bytes per phase (last step), whether every step moved the same, and Newton-Schulz FLOPs."""
     ledgers = [r["ledger"] for r in results]
-    phases = STRATEGY_PHASES[cfg.strategy]
+    phases = PHASES_OF[run_kind(cfg)]
     tables = [bytes_per_step(ledgers, s, phases) for s in range(1, cfg.steps + 1)]
     flops = flops_per_step(ledgers, demo_specs(cfg), cfg.steps, cfg.ns_steps, muon_groups_of(cfg))
     return tables[-1], all(t == tables[0] for t in tables), flops
@@ -1726,7 +1734,8 @@ def print_header(cfg, plan, device_kind, backend, explain, print_fn):
     """The grid, the virtual buffer and the owners, from `plan` (plan_optimizer): what every rank will hold."""
     world = cfg.dp * cfg.tp
     print_fn(f"Distributed Muon: {world} {device_kind} rank{'s' * (world != 1)} over {backend}, "
-             f"DP={cfg.dp} x TP={cfg.tp}, strategy {cfg.strategy}, {cfg.steps} steps, seed {cfg.seed}, "
+             f"DP={cfg.dp} x TP={cfg.tp}, {'the AdamW ZeRO-1 baseline' if cfg.baseline else 'strategy ' + cfg.strategy}, "
+             f"{cfg.steps} steps, seed {cfg.seed}, "
              f"torch {torch.__version__}\n")
     print_fn("[2] The grid (rank = dp_rank * TP + tp_rank; a row is a TP group, a column a DP group)")
     print_fn(format_grid(cfg.dp, cfg.tp) + "\n")
@@ -1754,7 +1763,7 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
     world = cfg.dp * cfg.tp
     n_same = sum(c["identical"] for c in checks)
     passed, summary = verdict(checks)
-    reference_name = "torch.optim.AdamW" if cfg.strategy == BASELINE else "torch.optim.Muon / torch.optim.AdamW"
+    reference_name = "torch.optim.AdamW" if cfg.baseline else "torch.optim.Muon / torch.optim.AdamW"
     print_fn(f"[7] Every rank's piece against {reference_name} on one device "
              f"(torch.equal): {n_same}/{len(checks)} parameters identical")
     rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
@@ -2041,10 +2050,11 @@ def build_parser(description, launcher="spawn"):
     p.add_argument("--ns-steps", type=int, default=d.ns_steps, help="Newton-Schulz iterations (default %(default)s)")
     p.add_argument("--adjust-lr-fn", default=d.adjust_lr_fn,
                    help=f"one of {', '.join(ADJUST_LR_FNS)} (default %(default)s)")
-    p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES + (BASELINE,),
+    p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES,
                    help="gather (default): every rank that touches a matrix orthogonalizes it; owner: one rank "
-                        "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP; "
-                        "adamw: the AdamW ZeRO-1 baseline, no Muon")
+                        "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP")
+    p.add_argument("--baseline", action="store_true",
+                   help="run the AdamW ZeRO-1 baseline instead: every parameter takes AdamW, no Muon")
     p.add_argument("--model", default=d.model, choices=MODELS,
                    help="transformer (default): section 3's model; lopsided: one huge matrix among small ones; "
                         "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")

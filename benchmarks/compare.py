@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
 
-COMPARED = dm.STRATEGIES + (dm.BASELINE,)
+COMPARED = dm.STRATEGIES + (dm.BASELINE,)  # every strategy, then the baseline
 LABELS = {"gather": "gather", "owner": "owner", "comm-free": "comm-free", dm.BASELINE: "AdamW ZeRO-1"}
 BALANCE_TARGET = 1.10  # max/mean Newton-Schulz FLOPs per rank that the owner assignment should reach
 
@@ -36,15 +36,15 @@ def compare(cfg, explain=False, print_fn=print):
     if explain:  # the grid, the buffer map and the owners of --strategy, as a single run prints them
         dm.print_header(cfg, dm.plan_optimizer(cfg), "CPU", "Gloo", explain, print_fn)
     runs = {}
-    for strategy in COMPARED:
-        run_cfg = replace(cfg, strategy=strategy)
-        lines = []
-        runs[strategy] = dm.run(run_cfg, print_fn=lines.append)
-        result = runs[strategy]
-        if strategy == "owner":  # for the balance target: every matrix's Newton-Schulz FLOPs
+    for kind in COMPARED:
+        owned = kind in ("owner", "comm-free")  # the owner options apply to these two only
+        run_cfg = replace(cfg, strategy="gather" if kind == dm.BASELINE else kind, baseline=kind == dm.BASELINE,
+                          overlap_chunks=cfg.overlap_chunks if owned else 1, batched_ns=cfg.batched_ns and owned)
+        runs[kind] = result = dm.run(run_cfg, print_fn=lambda *args: None)
+        if kind == "owner":  # for the balance target: every matrix's Newton-Schulz FLOPs
             result["ns_flops_by_matrix"] = dm.plan_optimizer(run_cfg).ns_flops
         failed = [c["name"] for c in result["checks"] if not c["ok"]]
-        print_fn(f"{LABELS[strategy]:<13} {dm.verdict(result['checks'])[1]}"
+        print_fn(f"{LABELS[kind]:<13} {dm.verdict(result['checks'])[1]}"
                  + (f" (not: {', '.join(failed)})" if failed else ""))
     balance = realistic_balance(world, cfg.ns_steps)
     print_fn("")
@@ -66,7 +66,7 @@ def realistic_balance(n_ranks, ns_steps=dm.NS_STEPS):
 def format_comparison(cfg, runs, realistic):
     world = cfg.dp * cfg.tp
     baseline_all = runs[dm.BASELINE]["bytes_sent_all_ranks"]
-    phases = list(dict.fromkeys(p for s in COMPARED for p in dm.STRATEGY_PHASES[s]))  # in first-seen order
+    phases = list(dict.fromkeys(p for s in COMPARED for p in dm.PHASES_OF[s]))  # in first-seen order
     model = f"{cfg.layers}-layer transformer" if cfg.model == "transformer" else f"{cfg.model} model"
     lines = [f"[8] Bytes sent per step by all ranks, per phase (DP={cfg.dp} x TP={cfg.tp}, {model})"]
     rows = [[p] + [dm.human_bytes(sum(runs[s]["bytes_per_step"][p]["sent"])) if p in runs[s]["bytes_per_step"]

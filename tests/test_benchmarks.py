@@ -25,9 +25,9 @@ def test_compare_prints_one_table_and_writes_every_run(tmp_path):
     assert list(results["runs"]) == list(compare.COMPARED) and results["passed"]
     lines = proc.stdout.splitlines()
     summary = lines[next(i for i, line in enumerate(lines) if line.startswith("strategy ")):]
-    for strategy, run in results["runs"].items():
-        assert run["config"]["strategy"] == strategy and run["passed"]
-        label = compare.LABELS[strategy]
+    for kind, run in results["runs"].items():
+        assert dm.run_kind(dm.RunConfig(**run["config"])) == kind and run["passed"]
+        label = compare.LABELS[kind]
         assert f"{label:<13} PASS" in proc.stdout  # the verification line
         row = next(line for line in summary if line.startswith(label + " "))
         assert dm.human_bytes(run["bytes_sent_all_ranks"]) in row  # the summary shows the JSON's numbers

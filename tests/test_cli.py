@@ -33,6 +33,7 @@ BAD_INPUT = [
     (["--model", "lopsided", "--tp", "3"], "TP 3 does not divide huge.weight"),
     (["--model", "thin", "--tp", "8"], "TP 8 does not divide thin.0.60x6.weight dim 0"),
     (["--batched-ns"], "--batched-ns applies to --strategy owner or comm-free (got gather)"),
+    (["--baseline", "--strategy", "owner"], "--baseline runs AdamW for every parameter: it takes no --strategy"),
     (["--timeout", "0"], "--timeout must be > 0 seconds"),
     (["--timeout", "nan"], "--timeout must be > 0 seconds and finite"),
     (["--json", "/nonexistent-folder/run.json"], "--json /nonexistent-folder/run.json: the folder /nonexistent-folder"),
@@ -107,7 +108,7 @@ def test_help():
     proc = run_script("--help")
     assert proc.returncode == 0
     for flag in ["--dp", "--tp", "--steps", "--seed", "--bucket-size", "--lr", "--momentum", "--weight-decay",
-                 "--ns-steps", "--adjust-lr-fn", "--explain", "--json", "--strategy", "--model",
+                 "--ns-steps", "--adjust-lr-fn", "--explain", "--json", "--strategy", "--baseline", "--model",
                  "--layers", "--overlap-chunks", "--batched-ns", "--timeout", "--traceback"]:
         assert flag in proc.stdout
 

@@ -40,7 +40,7 @@ def test_bit_identical_on_uneven_cases(run_grid, dp, tp, config, strategy):
 
 @pytest.mark.parametrize("dp,tp", [(8, 1), (4, 2), (3, 2)])
 def test_adamw_baseline_is_torch_adamw(run_grid, dp, tp):
-    result = strategy_run(run_grid, dp, tp, "adamw")
+    result = grid_run(run_grid, dp, tp, baseline=True)
     assert_identical(result)
     assert {c["optimizer"] for c in result["checks"]} == {"AdamW"}
     assert sum(result["ns_flops"]["per_rank"]) == 0 and result["ns_flops"]["redundancy"] is None
@@ -178,7 +178,7 @@ def test_comm_free_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
 def test_comm_free_extra_bytes_over_adamw_zero1(run_grid, dp, tp):
     """At TP = 1 comm-free moves AdamW ZeRO-1's bytes, less the padding ZeRO-1 moves; with TP > 1 it adds
     exactly its TP exchange."""
-    free, adamw = strategy_run(run_grid, dp, tp, "comm-free"), strategy_run(run_grid, dp, tp, "adamw")
+    free, adamw = strategy_run(run_grid, dp, tp, "comm-free"), grid_run(run_grid, dp, tp, baseline=True)
     matrix_buckets = [b for b in adamw["buckets"] if b["buffer_idx"] == 0]
     # The reduce-scatter and all-gather of the padding, in each of the TP columns' DP groups.
     padding = tp * sum(2 * (dp - 1) * (b["numel"] - b["used"]) * 4 for b in matrix_buckets)
