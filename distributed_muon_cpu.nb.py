@@ -20,35 +20,42 @@
 # **whole matrix**. Distributed training never has it in one place: ZeRO-1 splits a flat buffer
 # of weights across the data-parallel (DP) ranks, and tensor parallelism (TP) splits each weight
 # across the TP ranks. `distributed_muon_cpu.py` puts each matrix back together, orthogonalizes
-# it, and gives every rank exactly its piece:
+# it, and gives every rank exactly its part:
 #
 #     DP gather  →  TP gather  →  Newton–Schulz  →  TP shard  →  DP shard
 #
-# This notebook runs that script on 8 CPU processes (DP=4 × TP=2) and plots what it measured.
-# The same ideas, chapter by chapter, are in `notes/`; the code, section by section (§1 … §9), is
-# in the script. Run the cells top to bottom.
-#
-# *In Colab:* clone the repository, `%cd` into it, then open or run this notebook from there.
+# This notebook follows the script section by section, with the script's own code: the pieces
+# that run in one process run here, in cells; the 8-rank run is launched as a subprocess. The same
+# ideas, chapter by chapter, with measured figures, are in `notes/`. Run the cells top to bottom.
 
 # %% [markdown]
-# ## 0. The environment
+# ## 0. Setup
 #
-# The script needs `torch` ≥ 2.9 (the first release with `torch.optim.Muon`, the reference it is
-# checked against) and this notebook needs `matplotlib`. Colab has both; anything missing is
-# installed from `requirements.txt`.
+# The notebook needs the script beside it. In Colab it is not there: the cell below clones the
+# repository whose git URL is in the environment variable `DISTRIBUTED_MUON_REPOSITORY` (set it in
+# a cell above with `%env DISTRIBUTED_MUON_REPOSITORY=<url>`) and moves into it. The script needs
+# `torch` ≥ 2.9, the first release with `torch.optim.Muon`, the reference everything is checked
+# against; anything missing is installed from `requirements.txt`.
 
 # %%
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
 import sys
 
+REPOSITORY_URL = os.environ.get("DISTRIBUTED_MUON_REPOSITORY", "")
 if not os.path.exists("distributed_muon_cpu.py"):
-    raise FileNotFoundError("run this notebook from the repository folder (the one with distributed_muon_cpu.py)")
+    if not REPOSITORY_URL:
+        raise FileNotFoundError("distributed_muon_cpu.py is not beside this notebook: set DISTRIBUTED_MUON_REPOSITORY "
+                                "to the repository's git URL, or upload the script next to the notebook")
+    subprocess.run(["git", "clone", "--depth", "1", REPOSITORY_URL, "distributed-muon"], check=True)
+    os.chdir("distributed-muon")
+    print(f"cloned {REPOSITORY_URL} into {os.getcwd()}")
 
 
-def torch_is_recent():
+def torch_has_muon():
     if importlib.util.find_spec("torch") is None:
         return False
     import torch
@@ -56,29 +63,112 @@ def torch_is_recent():
     return hasattr(torch.optim, "Muon")
 
 
-if not torch_is_recent() or importlib.util.find_spec("matplotlib") is None:
+if not torch_has_muon() or importlib.util.find_spec("matplotlib") is None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt"], check=True)
+    if not torch_has_muon():
+        raise RuntimeError("this torch has no torch.optim.Muon: restart the kernel to load torch >= 2.9")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz  # noqa: E402
 
+import distributed_muon_cpu as dm  # noqa: E402
+
+torch.set_num_threads(1)  # as every rank does: bf16 matmul bits can depend on the thread count
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
 
 # %% [markdown]
-# ## 1. Why the script runs in a subprocess
+# ## 1. Newton-Schulz, momentum and the learning-rate adjustment
 #
-# The script starts one process per rank with Python's `multiprocessing`. Started from inside a
-# notebook kernel, those processes must re-import the notebook's `__main__`, which a kernel does
-# not have, and the launch fails or hangs. So the notebook starts the script as a separate
-# Python process (`sys.executable`: the same interpreter as this kernel, not whatever `python`
-# is on the PATH) and streams its output here. A non-zero exit raises, so a failed run fails
-# this cell instead of passing silently.
+# Five quintic iterations on the bf16 matrix, scaled by its Frobenius norm, with a tall matrix
+# transposed first: the same operations as `torch.optim.Muon`, in the same order, so the same
+# bits. The result is close to the nearest semi-orthogonal matrix: its singular values land near 1.
+
+# %%
+matrix = torch.randn(384, 128, generator=torch.Generator().manual_seed(0))
+ours = dm.newton_schulz(matrix)
+theirs = torch_newton_schulz(matrix.clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+singular = torch.linalg.svdvals(ours.float())
+print(f"torch.equal with torch's Newton-Schulz: {torch.equal(ours, theirs)}")
+print(f"singular values of the result: {singular.min():.3f} to {singular.max():.3f} (of the input: "
+      f"{torch.linalg.svdvals(matrix).min():.1f} to {torch.linalg.svdvals(matrix).max():.1f})")
+
+# %% [markdown]
+# ## 2. The grid and its collectives
+#
+# World = DP × TP ranks, `rank = dp_rank · TP + tp_rank`. A row is a TP group: contiguous ranks,
+# as the GPUs of one node, because TP traffic is the most frequent. A column is a DP group: the
+# ranks holding the same TP piece of every weight, each fed different data.
+
+# %%
+print(dm.format_grid(4, 2))
+
+# %% [markdown]
+# ## 3. The parameters and their gradients
+#
+# A small transformer: column-parallel matrices split on dim 0 (`qkv`, `fc1`), row-parallel ones
+# on dim 1 (`proj`, `fc2`), a router that TP does not split, and non-matrix parameters (embedding,
+# head, norms, biases, a 0-dim scalar) that go to AdamW, as in practice. Each DP rank draws its own
+# gradients as multiples of 2⁻¹⁰, so their float32 sum is exact in any order.
+
+# %%
+rows = [[s.name, "x".join(map(str, s.global_shape)) or "scalar", "-" if s.tp_split_dim < 0 else s.tp_split_dim,
+         s.group] for s in dm.transformer_specs()]
+print(dm.format_table(["parameter", "global shape", "TP split dim", "param group"], rows, ["<", ">", ">", "<"]))
+
+# %% [markdown]
+# ## 4. The virtual buffer
+#
+# Each param group is one flat virtual buffer of TP pieces, cut into buckets, each padded to a
+# multiple of DP and split into DP equal shards. A parameter may straddle shards: each DP rank
+# keeps optimizer state for its part only. `plan_optimizer` builds the optimizer rank 0 will
+# build, without process groups, so this is the layout the ranks use, on an uneven 3 × 2 grid:
+
+# %%
+plan = dm.plan_optimizer(dm.RunConfig(dp=3, tp=2))
+print(dm.format_buffer_map(plan.layout))
+
+# %% [markdown]
+# ## 5. The step: the gather strategy
+#
+# `DistributedMuon.step` runs four stages: the gradient reduce-scatter, momentum and AdamW on this
+# rank's parts, the orthogonalization, and the parameter all-gather. The orthogonalization is the
+# gather flow, one bucket at a time, in `gather_newton_schulz_shard`:
+
+# %%
+print(inspect.getsource(dm.DistributedMuon.step))
+print(inspect.getsource(dm.gather_newton_schulz_shard))
+
+# %% [markdown]
+# ## 6. Orthogonalize each matrix once: the owner and comm-free strategies
+#
+# The gather flow repeats Newton–Schulz on every rank that touches a matrix. `OwnerMuon` gives each
+# matrix one owner, chosen by longest-processing-time over Newton–Schulz FLOPs; `CommFreeMuon` also
+# keeps each matrix whole on its owner's DP row. With 8 layers, 40 matrices spread over 8 ranks:
+
+# %%
+plan = dm.plan_optimizer(dm.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
+per_rank, balance = dm.load_balance(plan.ns_flops, plan.owners, 8)
+rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}"] for r in range(8)]
+print(dm.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
+print(f"max / mean = {balance:.2f}")
+
+# %% [markdown]
+# ## 7. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
+#
+# Now the 8 ranks, DP=4 × TP=2. The script starts one process per rank; started from inside a
+# notebook kernel those processes would have to re-import the notebook's `__main__`, which a kernel
+# does not have. So the notebook runs the script as a separate Python process (`sys.executable`:
+# the same interpreter as this kernel) and streams its output here; a non-zero exit raises, so a
+# failed run fails the cell. The launcher then runs PyTorch's own `torch.optim.Muon` and
+# `torch.optim.AdamW` on one device, fed the summed gradients, and compares every rank's piece of
+# every parameter with `torch.equal`.
 
 
 # %%
-def run_script(*args):
-    """Run distributed_muon_cpu.py with `args`, print its output as it comes, raise if it fails."""
-    cmd = [sys.executable, "-u", "distributed_muon_cpu.py", *args]
+def run_program(program, *args):
+    """Run `program` (a script of this repository) with `args`, print its output as it comes, raise if it fails."""
+    cmd = [sys.executable, "-u", program, *args]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:
             print(line, end="")
@@ -87,52 +177,13 @@ def run_script(*args):
 
 
 os.makedirs("runs", exist_ok=True)
-run_script("--dp", "4", "--tp", "2", "--explain", "--json", "runs/notebook_4x2.json")
+run_program("distributed_muon_cpu.py", "--dp", "4", "--tp", "2", "--json", "runs/notebook_4x2.json")
 with open("runs/notebook_4x2.json") as f:
     run = json.load(f)
 
 # %% [markdown]
-# ## 2. The grid
-#
-# World = DP × TP ranks, `rank = dp_rank · TP + tp_rank` (script §2). A row of the table above is
-# a TP group: contiguous ranks, as the GPUs of one node, because TP traffic is the most frequent.
-# A column is a DP group: the ranks holding the same TP piece of every weight, each fed different
-# data. The groups are slices of `torch.arange(world).view(DP, TP)`.
-#
-# ## 3. The parameters
-#
-# A small transformer (script §3): column-parallel matrices split on dim 0 (`qkv`, `fc1`),
-# row-parallel ones split on dim 1 (`proj`, `fc2`), a router not split by TP, tall and wide shapes,
-# and non-matrix parameters (embedding, head, norms, biases, a 0-dim scalar) that go to AdamW, as
-# in practice. Each DP rank draws its own gradients as multiples of 2⁻¹⁰, so their float32 sum is
-# exact in any order.
-#
-# ## 4. The virtual buffer
-#
-# `--explain` printed the map above (script §4): each param group is one flat virtual buffer, cut
-# into buckets, each padded to a multiple of DP and split into DP equal shards. A parameter's
-# range may straddle shards: each DP rank owns its `local_range` of it, possibly empty, and keeps
-# optimizer state for that range only. These are the buckets of this run:
-
-# %%
-for b in run["buckets"]:
-    print(f"buffer {b['buffer_idx']} bucket {b['bucket_idx']}: {len(b['names']):2d} parameters, "
-          f"{b['used']:>7,} elements + {b['numel'] - b['used']} padding")
-
-# %% [markdown]
-# ## 5. The step
-#
-# Per bucket (script §5): gradient reduce-scatter over DP (fp32) → momentum on the local shard →
-# **DP gather** (bf16, one all-gather per bucket) → **TP gather** (per matrix, along its
-# `tp_split_dim`) → Newton–Schulz on the full matrix → **TP shard** → **DP shard** (slices, no
-# communication) → weight decay and update on the local range → parameter all-gather over DP.
-#
-# ## 6. Verification
-#
-# The parent process runs PyTorch's own `torch.optim.Muon` and `torch.optim.AdamW` on one device,
-# fed the summed gradients, and compares every rank's piece of every parameter with `torch.equal`
-# (script §7). The plot puts the difference next to how far each weight moved, so that 0 is seen
-# against the size of the change.
+# The difference against torch, next to how far each weight moved, so that 0 is seen against the
+# size of the change:
 
 # %%
 checks = run["checks"]
@@ -153,12 +204,12 @@ plt.show()
 assert n_same == len(checks), "some parameter differs from torch"
 
 # %% [markdown]
-# ## 7. Accounting
+# ## 8. Accounting
 #
-# Every collective goes through one place in the script (§2) that records the bytes each rank
-# sends and receives, counted as a ring algorithm moves them (Gloo records no sizes, and Gloo's
+# Every collective goes through one place in the script (section 2) that records the bytes each
+# rank sends and receives, counted as a ring algorithm moves them (Gloo records no sizes, and its
 # reduce-scatter is a full all-reduce that moves more). Newton–Schulz FLOPs are counted per call.
-# The redundancy factor is the sum over ranks divided by one device doing each matrix once.
+# The redundancy is their sum over ranks divided by one device doing each matrix once.
 
 # %%
 phases = list(run["bytes_per_step"])
@@ -219,30 +270,18 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ## 8. One owner per matrix: the strategies
-#
-# The gather flow repeats Newton–Schulz on every rank that touches a matrix. Two strategies give
-# each matrix one owner instead (script §6, `notes/08-strategies.md`):
-#
-# - **owner**: ZeRO-1 unchanged; every rank's momentum piece goes straight to the matrix's owner
-#   (one all-to-all for all matrices), the owner orthogonalizes, and a second all-to-all returns
-#   each rank its piece (**gather at owner** / **scatter from owner**);
-# - **comm-free**: ZeRO-1 shards the matrices *whole* across DP; the gradient is reduced at the
-#   owner's DP row, which keeps the full momentum and broadcasts the updated matrix. Only the TP
-#   pieces still travel, inside the owner's row.
-#
-# `--compare` runs gather, owner, comm-free and the AdamW ZeRO-1 baseline on the same grid, checks
-# each against torch, and prints one table (about 15 s on 2 cores).
+# The strategies side by side: `benchmarks/compare.py` runs gather, owner, comm-free and the AdamW
+# ZeRO-1 baseline on the same grid, checks each against torch, and prints one table (about 20 s).
 
 # %%
-run_script("--compare", "--steps", "5", "--json", "runs/notebook_compare.json")
+run_program("benchmarks/compare.py", "--steps", "5", "--json", "runs/notebook_compare.json")
 with open("runs/notebook_compare.json") as f:
     compared = json.load(f)["runs"]
 
 # %%
 strategies = list(compared)
 all_phases = list(dict.fromkeys(p for r in compared.values() for p in r["bytes_per_step"]))
-labels = ["AdamW ZeRO-1" if s == "adamw" else s for s in strategies]
+labels = ["AdamW ZeRO-1" if s == "baseline" else s for s in strategies]
 fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 5))
 bottom = [0.0] * len(strategies)
 for p in all_phases:
@@ -275,12 +314,12 @@ plt.show()
 # reduce-scatter costs as much as an all-reduce: comm-free, which replaces the matrices'
 # reduce-scatter with all-to-alls, looks better here than its bytes alone say.
 #
-# ## 9. Main, and where to go next
+# ## 9. Main: the launcher and the command line
 #
-# `python distributed_muon_cpu.py --help` lists the options (script §9): the grid (`--dp`, `--tp`),
-# steps, seed, bucket size, the Muon hyperparameters, `--strategy`, `--compare`, `--model`,
-# `--layers`, `--explain` and `--json`. Bad input stops
-# before anything is spawned, with one line and exit code 2; a failing rank ends the run with its
-# error. On GPUs, the same algorithm runs under `torchrun` with NCCL:
-# `torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2`.
-# The chapters in `notes/` explain each idea with its measured figures.
+# `python distributed_muon_cpu.py --help` lists the options: the grid (`--dp`, `--tp`), steps, seed,
+# bucket size, the Muon hyperparameters, `--strategy`, `--baseline`, `--model`, `--layers`,
+# `--batched-ns`, `--timeout`, `--explain` and `--json`. Bad input stops before any rank starts,
+# with one line and exit code 2; a rank that fails, dies or stops responding ends the run with one
+# line naming it; Ctrl-C stops every rank. On GPUs the same algorithm runs under `torchrun` with
+# NCCL: `torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2`. The benchmarks
+# are in `benchmarks/`, and the chapters in `notes/` explain each idea with its measured figures.

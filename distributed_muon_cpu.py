@@ -688,8 +688,8 @@ def format_buffer_map(layout):
 #        update shard          --DP gather (all-gather)------> every TP-local matrix of the bucket
 #        TP-local matrix       --TP gather (along split dim)-> the full matrix  [only where this rank has a part]
 #        full matrix           --Newton-Schulz---------------> orthogonal full matrix
-#        orthogonal matrix     --TP shard (slice)------------> TP-local piece
-#        TP-local piece        --DP shard (slice)------------> this rank's part
+#        orthogonal matrix     --TP shard (slice)------------> its TP piece
+#        TP piece              --DP shard (slice)------------> this rank's part
 #      then  part -= lr*wd*part + adjusted_lr * update      (the weight update, on the part only)
 #   4. _gather_params   parts  --param all-gather (fp32)---->  every rank holds its full TP-local weights
 #

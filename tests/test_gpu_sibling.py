@@ -16,7 +16,7 @@ SIBLING = os.path.join(ROOT, "distributed_muon.py")
 @pytest.mark.parametrize("strategy", dm.STRATEGIES)
 def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_grid, strategy):
     path = tmp_path / "run.json"
-    proc = torchrun("--dp", "2", "--tp", "2", "--strategy", strategy, "--json", str(path))
+    proc = torchrun(tmp_path, "--dp", "2", "--tp", "2", "--strategy", strategy, "--json", str(path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(path.read_text())
     assert results["passed"] and all(c["identical"] for c in results["checks"])
@@ -30,14 +30,15 @@ def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_gr
     assert results["owners"] == spawned["owners"] and results["state_bytes"] == spawned["state_bytes"]
 
 
-def torchrun(*argv, timeout=180):
+def torchrun(tmp_path, *argv, timeout=180):
+    """The sibling on 4 Gloo CPU ranks under torchrun, whose own log folders go to tmp_path."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                            SIBLING, "--backend", "gloo", "--device", "cpu", *argv],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ, TMPDIR=str(tmp_path)))
 
 
-def test_an_error_on_any_rank_is_reported_by_that_rank():
-    proc = torchrun("--dp", "2", "--tp", "2", "--fail-rank", "3")
+def test_an_error_on_any_rank_is_reported_by_that_rank(tmp_path):
+    proc = torchrun(tmp_path, "--dp", "2", "--tp", "2", "--fail-rank", "3")
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert "error: rank 3 failed: RuntimeError: injected failure on rank 3 at step 1 (--fail-rank)" in errors

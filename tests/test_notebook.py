@@ -1,6 +1,8 @@
-"""The notebook: runs top to bottom headless, and matches its jupytext pair."""
+"""The notebook: its sections are the script's, it matches its jupytext pair, and it runs top to
+bottom headless, the way the README tells a user to run it."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -8,7 +10,7 @@ import sys
 import jupytext
 import nbformat
 
-from conftest import ROOT
+from conftest import ROOT, SCRIPT
 
 NOTEBOOK = os.path.join(ROOT, "distributed_muon_cpu.ipynb")
 PAIR = os.path.join(ROOT, "distributed_muon_cpu.nb.py")
@@ -28,11 +30,23 @@ def test_notebook_is_committed_without_outputs():
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
 
 
+def test_notebook_sections_are_the_scripts_in_order():
+    with open(SCRIPT) as f:
+        script = re.findall(r"^# (\d)\. (.+)$", f.read(), flags=re.M)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    headings = [m for c in nb.cells if c.cell_type == "markdown"
+                for m in re.findall(r"^## (\d)\. (.+)$", c.source, flags=re.M)]
+    assert [int(n) for n, _ in script] == list(range(1, 10))
+    assert headings == [("0", "Setup")] + script
+
+
 def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     """`jupyter nbconvert --to notebook --execute`, the README's command, in a folder holding only
-    what a user's clone would: the notebook runs the script beside it."""
-    for name in ("distributed_muon_cpu.py", "distributed_muon_cpu.ipynb", "requirements.txt"):
-        shutil.copy(os.path.join(ROOT, name), tmp_path)
+    what a user's clone has that the notebook needs."""
+    for name in ("distributed_muon_cpu.py", "distributed_muon_cpu.ipynb", "requirements.txt",
+                 os.path.join("benchmarks", "compare.py")):
+        os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     # `python -m jupyter` is the `jupyter` command of this very environment (a bare `jupyter` on
     # PATH could belong to another Python).
     proc = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
@@ -43,8 +57,11 @@ def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     outputs = [o for c in nb.cells for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "torch.equal with torch's Newton-Schulz: True" in text  # section 1, in the kernel
+    assert "bucket (0, 0)" in text and "(padding)" in text  # section 4: the planned layout
+    assert "def gather_newton_schulz_shard(" in text  # section 5: the flow's own source
     assert "Result: PASS: 26/26 parameters bit-identical to torch" in text
     assert text.count("Result: PASS") == 5  # the 4x2 run and the four grids of the sweep
-    for label in ("gather", "owner", "comm-free", "AdamW ZeRO-1"):  # the --compare run
+    for label in ("gather", "owner", "comm-free", "AdamW ZeRO-1"):  # benchmarks/compare.py
         assert f"{label:<13} PASS: 26/26 parameters bit-identical to torch" in text
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # checks, accounting, grids, strategies
