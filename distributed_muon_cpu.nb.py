@@ -31,11 +31,11 @@
 # %% [markdown]
 # ## 0. Setup
 #
-# The notebook needs the script beside it. In Colab it is not there: the cell below clones the
-# repository whose git URL is in the environment variable `DISTRIBUTED_MUON_REPOSITORY` (set it in
-# a cell above with `%env DISTRIBUTED_MUON_REPOSITORY=<url>`) and moves into it. The script needs
-# `torch` ≥ 2.9, the first release with `torch.optim.Muon`, the reference everything is checked
-# against; anything missing is installed from `requirements.txt`.
+# The notebook imports the script, so it needs `distributed_muon_cpu.py` beside it. In Colab it is
+# not there: set `DISTRIBUTED_MUON_REPOSITORY` to the repository's git URL (e.g. a first cell with
+# `%env DISTRIBUTED_MUON_REPOSITORY=<url>`) and this cell clones it into the current folder and
+# moves into the clone. The script needs `torch` ≥ 2.9, the first release with `torch.optim.Muon`,
+# the reference everything is checked against; what is missing is installed from `requirements.txt`.
 
 # %%
 import importlib.util
@@ -44,54 +44,79 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 REPOSITORY_URL = os.environ.get("DISTRIBUTED_MUON_REPOSITORY", "")
+CLONE = "distributed-muon"
 if not os.path.exists("distributed_muon_cpu.py"):
-    if not REPOSITORY_URL:
-        raise FileNotFoundError("distributed_muon_cpu.py is not beside this notebook: set DISTRIBUTED_MUON_REPOSITORY "
-                                "to the repository's git URL, or upload the script next to the notebook")
-    subprocess.run(["git", "clone", "--depth", "1", REPOSITORY_URL, "distributed-muon"], check=True)
-    os.chdir("distributed-muon")
-    print(f"cloned {REPOSITORY_URL} into {os.getcwd()}")
+    # A kernel restarted after a clone starts again in the folder that holds the clone.
+    if not os.path.exists(os.path.join(CLONE, "distributed_muon_cpu.py")):
+        if not REPOSITORY_URL:
+            raise FileNotFoundError("distributed_muon_cpu.py is not beside this notebook: set "
+                                    "DISTRIBUTED_MUON_REPOSITORY to the repository's git URL, or upload "
+                                    "distributed_muon_cpu.py beside the notebook.")
+        subprocess.run(["git", "clone", "--depth", "1", REPOSITORY_URL, CLONE], check=True)
+        print(f"cloned {REPOSITORY_URL} into {os.path.abspath(CLONE)}")
+    os.chdir(CLONE)
+    print(f"working in {os.getcwd()}")
 
 
-def torch_has_muon():
+def torch_version():
+    """The version of the torch this kernel imports, or None; and whether it has torch.optim.Muon."""
     if importlib.util.find_spec("torch") is None:
-        return False
+        return None, False
     import torch
 
-    return hasattr(torch.optim, "Muon")
+    return torch.__version__, hasattr(torch.optim, "Muon")
 
 
-if not torch_has_muon() or importlib.util.find_spec("matplotlib") is None:
+version, has_muon = torch_version()
+if not has_muon or importlib.util.find_spec("matplotlib") is None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt"], check=True)
-    if not torch_has_muon():
-        raise RuntimeError("this torch has no torch.optim.Muon: restart the kernel to load torch >= 2.9")
+    if not has_muon:  # a torch already imported stays loaded until the kernel restarts
+        raise RuntimeError(f"torch {version} has no torch.optim.Muon, which needs torch >= 2.9: a newer torch "
+                           "was installed from requirements.txt; restart the kernel and run the notebook again.")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz  # noqa: E402
 
 import distributed_muon_cpu as dm  # noqa: E402
 
-torch.set_num_threads(1)  # as every rank does: bf16 matmul bits can depend on the thread count
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (torch.optim.Muon: yes), "
+      f"{os.cpu_count()} CPU cores")
 
 # %% [markdown]
 # ## 1. Newton-Schulz, momentum and the learning-rate adjustment
 #
-# Five quintic iterations on the bf16 matrix, scaled by its Frobenius norm, with a tall matrix
-# transposed first: the same operations as `torch.optim.Muon`, in the same order, so the same
-# bits. The result is close to the nearest semi-orthogonal matrix: its singular values land near 1.
+# `dm.newton_schulz` casts the matrix to bf16, transposes it if it is tall, scales it by its
+# Frobenius norm and runs five quintic iterations: the same operations as `torch.optim.Muon`, in
+# the same order, so the same bits, which `torch.equal` checks against torch's own function. The
+# result is close to the nearest semi-orthogonal matrix: its singular values land near 1.
 
 # %%
+torch.set_num_threads(1)  # as every rank does: bf16 matmul bits can depend on the thread count
 matrix = torch.randn(384, 128, generator=torch.Generator().manual_seed(0))
 ours = dm.newton_schulz(matrix)
-theirs = torch_newton_schulz(matrix.clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
-singular = torch.linalg.svdvals(ours.float())
+theirs = torch.optim._muon._zeropower_via_newtonschulz(matrix, dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+singular, singular_in = torch.linalg.svdvals(ours.float()), torch.linalg.svdvals(matrix)
 print(f"torch.equal with torch's Newton-Schulz: {torch.equal(ours, theirs)}")
-print(f"singular values of the result: {singular.min():.3f} to {singular.max():.3f} (of the input: "
-      f"{torch.linalg.svdvals(matrix).min():.1f} to {torch.linalg.svdvals(matrix).max():.1f})")
+print(f"singular values of the result: {singular.min():.3f} to {singular.max():.3f} "
+      f"(of the input: {singular_in.min():.1f} to {singular_in.max():.1f})")
+
+# %% [markdown]
+# The momentum (torch's `lerp`, with Nesterov) and AdamW are elementwise: a rank that holds a part
+# of a matrix gets the same bits for that part as one device holding all of it, which is what lets
+# ZeRO-1 keep a part of the state per rank. The learning rate of each matrix is scaled by its full
+# (TP-gathered) shape, `sqrt(max(1, rows / cols))` by default.
+
+# %%
+gen = torch.Generator().manual_seed(1)
+grad, buf = torch.randn(384 * 128, generator=gen), torch.randn(384 * 128, generator=gen)
+whole = dm.muon_momentum_(buf.clone(), grad, 0.95, True)
+halves = torch.cat([dm.muon_momentum_(b, g, 0.95, True) for b, g in zip(buf.clone().chunk(2), grad.chunk(2))])
+print(f"momentum on two halves equals momentum on the whole: {torch.equal(whole, halves)}")
+for shape in [(384, 128), (128, 128), (128, 512)]:
+    print(f"learning rate 0.02 of a {shape[0]}x{shape[1]} matrix: {dm.adjusted_lr(0.02, 'original', shape):.4f}")
 
 # %% [markdown]
 # ## 2. The grid and its collectives
@@ -102,6 +127,9 @@ print(f"singular values of the result: {singular.min():.3f} to {singular.max():.
 
 # %%
 print(dm.format_grid(4, 2))
+grid = dm.plan_grid(4, 2, rank=5)
+print(f"\nrank 5: DP rank {grid.dp.rank} of DP group {grid.dp.ranks}, "
+      f"TP rank {grid.tp.rank} of TP group {grid.tp.ranks}")
 
 # %% [markdown]
 # ## 3. The parameters and their gradients
@@ -121,8 +149,8 @@ print(dm.format_table(["parameter", "global shape", "TP split dim", "param group
 #
 # Each param group is one flat virtual buffer of TP pieces, cut into buckets, each padded to a
 # multiple of DP and split into DP equal shards. A parameter may straddle shards: each DP rank
-# keeps optimizer state for its part only. `plan_optimizer` builds the optimizer rank 0 will
-# build, without process groups, so this is the layout the ranks use, on an uneven 3 × 2 grid:
+# keeps optimizer state for its part only. `plan_optimizer` builds the optimizer rank 0 builds in a
+# run, without process groups, so this is the layout the ranks use, here on an uneven 3 × 2 grid:
 
 # %%
 plan = dm.plan_optimizer(dm.RunConfig(dp=3, tp=2))
@@ -133,7 +161,8 @@ print(dm.format_buffer_map(plan.layout))
 #
 # `DistributedMuon.step` runs four stages: the gradient reduce-scatter, momentum and AdamW on this
 # rank's parts, the orthogonalization, and the parameter all-gather. The orthogonalization is the
-# gather flow, one bucket at a time, in `gather_newton_schulz_shard`:
+# gather flow, one bucket at a time, in `gather_newton_schulz_shard`: DP gather → TP gather →
+# Newton–Schulz → TP shard → DP shard.
 
 # %%
 print(inspect.getsource(dm.DistributedMuon.step))
@@ -144,25 +173,25 @@ print(inspect.getsource(dm.gather_newton_schulz_shard))
 #
 # The gather flow repeats Newton–Schulz on every rank that touches a matrix. `OwnerMuon` gives each
 # matrix one owner, chosen by longest-processing-time over Newton–Schulz FLOPs; `CommFreeMuon` also
-# keeps each matrix whole on its owner's DP row. With 8 layers, 40 matrices spread over 8 ranks:
+# keeps each matrix whole on its owner's DP row. Both are section 5's optimizer with stages
+# replaced, every other stage reused. With 8 layers, 40 matrices spread evenly over 8 ranks:
 
 # %%
 plan = dm.plan_optimizer(dm.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
 per_rank, balance = dm.load_balance(plan.ns_flops, plan.owners, 8)
 rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}"] for r in range(8)]
 print(dm.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
-print(f"max / mean = {balance:.2f}")
+print(f"max / mean = {balance:.2f}\n")
+print("class OwnerMuon(DistributedMuon):\n" + textwrap.indent(inspect.getdoc(dm.OwnerMuon), "    "))
 
 # %% [markdown]
 # ## 7. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
 #
-# Now the 8 ranks, DP=4 × TP=2. The script starts one process per rank; started from inside a
-# notebook kernel those processes would have to re-import the notebook's `__main__`, which a kernel
-# does not have. So the notebook runs the script as a separate Python process (`sys.executable`:
-# the same interpreter as this kernel) and streams its output here; a non-zero exit raises, so a
-# failed run fails the cell. The launcher then runs PyTorch's own `torch.optim.Muon` and
-# `torch.optim.AdamW` on one device, fed the summed gradients, and compares every rank's piece of
-# every parameter with `torch.equal`.
+# Now 8 ranks, DP=4 × TP=2, started by the script as one process per rank. Spawned from this kernel,
+# each would re-import the kernel's `__main__`, which a notebook does not have, so the notebook runs
+# the script as a separate process with this kernel's interpreter, streams its output, and fails
+# the cell if it fails. After the steps, the launcher runs `torch.optim.Muon` and `torch.optim.AdamW`
+# on one device, fed the summed gradients, and compares every rank's piece with `torch.equal`.
 
 
 # %%
@@ -177,7 +206,8 @@ def run_program(program, *args):
 
 
 os.makedirs("runs", exist_ok=True)
-run_program("distributed_muon_cpu.py", "--dp", "4", "--tp", "2", "--json", "runs/notebook_4x2.json")
+run_program("distributed_muon_cpu.py", "--dp", "4", "--tp", "2", "--explain", "--json",
+            "runs/notebook_4x2.json")
 with open("runs/notebook_4x2.json") as f:
     run = json.load(f)
 
@@ -233,9 +263,9 @@ plt.show()
 
 # %% [markdown]
 # Every TP peer orthogonalizes the same full matrix, and so does every DP rank whose shard touches
-# it: the redundancy is TP × (the number of DP shards a matrix touches). The grid changes how the
-# cost is split between DP and TP traffic and how much work is repeated. The next cell runs every
-# grid of 8 ranks (about half a minute on 2 cores).
+# it: the redundancy is TP × (the number of DP shards a matrix touches, FLOP-weighted). The grid
+# changes how the cost is split between DP and TP traffic and how much work is repeated. The next
+# cell runs every grid of 8 ranks (about half a minute on 2 cores).
 
 # %%
 grids = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -311,15 +341,22 @@ plt.show()
 # Owner and comm-free orthogonalize each matrix once (redundancy 1.00). With the default two
 # layers there are 10 matrices for 8 ranks, four of them the largest, so the work cannot be spread
 # evenly (`--layers 8` balances it). The step times are from Gloo on a shared CPU, where a
-# reduce-scatter costs as much as an all-reduce: comm-free, which replaces the matrices'
-# reduce-scatter with all-to-alls, looks better here than its bytes alone say.
-#
+# reduce-scatter costs as much as an all-reduce; `benchmarks/gloo_collectives.py` measures each
+# collective for the same bytes.
+
+# %% [markdown]
 # ## 9. Main: the launcher and the command line
 #
-# `python distributed_muon_cpu.py --help` lists the options: the grid (`--dp`, `--tp`), steps, seed,
-# bucket size, the Muon hyperparameters, `--strategy`, `--baseline`, `--model`, `--layers`,
-# `--batched-ns`, `--timeout`, `--explain` and `--json`. Bad input stops before any rank starts,
-# with one line and exit code 2; a rank that fails, dies or stops responding ends the run with one
-# line naming it; Ctrl-C stops every rank. On GPUs the same algorithm runs under `torchrun` with
-# NCCL: `torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2`. The benchmarks
-# are in `benchmarks/`, and the chapters in `notes/` explain each idea with its measured figures.
+# The launcher behind every run above checks the arguments and plans the layout before any rank
+# starts, starts one process per rank and watches them: bad input stops with one line and exit code
+# 2, a rank that fails, dies or stops responding ends the run with one line naming it, and Ctrl-C
+# stops every rank. Its options:
+
+# %%
+run_program("distributed_muon_cpu.py", "--help")
+
+# %% [markdown]
+# Where to go next: `benchmarks/` measures the strategies (`compare.py`), the grids and bucket sizes
+# (`sweep.py`), Gloo's collectives, overlap and batched Newton–Schulz; `notes/README.md` orders the
+# chapters that explain each idea with its measured figures. On GPUs the same algorithm runs under
+# `torchrun` with NCCL: `torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2`.

@@ -58,10 +58,14 @@ def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "torch.equal with torch's Newton-Schulz: True" in text  # section 1, in the kernel
+    assert "momentum on two halves equals momentum on the whole: True" in text
+    assert "rank 5: DP rank 2 of DP group (1, 3, 5, 7), TP rank 1 of TP group (4, 5)" in text  # section 2
     assert "bucket (0, 0)" in text and "(padding)" in text  # section 4: the planned layout
     assert "def gather_newton_schulz_shard(" in text  # section 5: the flow's own source
+    assert "max / mean = 1.00" in text and "class OwnerMuon(DistributedMuon):" in text  # section 6
     assert "Result: PASS: 26/26 parameters bit-identical to torch" in text
     assert text.count("Result: PASS") == 5  # the 4x2 run and the four grids of the sweep
     for label in ("gather", "owner", "comm-free", "AdamW ZeRO-1"):  # benchmarks/compare.py
         assert f"{label:<13} PASS: 26/26 parameters bit-identical to torch" in text
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # checks, accounting, grids, strategies
+    assert "usage: distributed_muon_cpu.py" in text and "--strategy" in text  # section 9: the command line
