@@ -868,6 +868,9 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def _reduce_grads(self, active):
         """Stage 1: {name: this rank's part of the gradient summed over DP} for every active part it keeps."""
+        if self.grid.dp.size == 1:  # one DP rank: its gradient is the sum, and its part is the whole TP piece
+            return {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n]).reshape(-1)
+                    for n in self.layout.bucket_ranges if n in active}
         grads = {}
         for bucket in self.layout.buckets:
             # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
@@ -930,6 +933,8 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def _gather_params(self, active):
         """Stage 4: the parameter all-gather; every DP rank again holds its full TP pieces."""
+        if self.grid.dp.size == 1:  # the parts were the whole TP pieces, updated in place: nothing to gather
+            return
         for bucket in self.layout.buckets:
             metas = [self.dist_metas[n] for n in bucket.names]
             params = [self.param_by_name[n] for n in bucket.names]
@@ -939,6 +944,11 @@ class DistributedMuon(torch.optim.Optimizer):
             param_bucket = all_gather(param_shard, self.grid.dp, self.ledger, "param all-gather")
             for meta, p in zip(metas, params):
                 p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
+
+
+def zeros_if_none(grad, param):
+    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
+    return torch.zeros_like(param) if grad is None else grad
 
 
 def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger):
@@ -1127,20 +1137,30 @@ def send_parts(transfers, axis, ledger, phase, dtype, device):
     """Move many parts in one all-to-all. transfers: (source, destination, numel, part) along `axis`,
     in an order every rank agrees on; `part` is the tensor on its source rank (None elsewhere).
 
+    A part a rank sends to itself is handed over as it is: no copy and no message.
+    On a group of one nothing else exists, and no collective is called.
     Returns a function that waits and returns, in that order, the parts this rank receives.
     """
+    me = axis.rank
     sends, receive = [[] for _ in range(axis.size)], [0] * axis.size
     for source, destination, numel, part in transfers:
-        if source == axis.rank:
+        if source == destination:
+            continue
+        if source == me:
             sends[destination].append(part)
-        if destination == axis.rank:
+        if destination == me:
             receive[source] += numel
-    wait = exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, phase, async_op=True)
+    wait = (exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, phase, async_op=True)
+            if axis.size > 1 else None)
 
     def received_parts():
-        received, offset, parts = wait(), [0] * axis.size, []
-        for source, destination, numel, _ in transfers:
-            if destination == axis.rank:
+        received, offset, parts = wait() if wait else None, [0] * axis.size, []
+        for source, destination, numel, part in transfers:
+            if destination != me:
+                continue
+            if source == me:
+                parts.append(part.reshape(-1))
+            else:
                 parts.append(received[source][offset[source]:][:numel])
                 offset[source] += numel
         return parts
@@ -1246,6 +1266,8 @@ def reduce_at_owner(grads, owners, grid, ledger, device):
     """
     dp, tp = grid.dp, grid.tp.size
     mine = [n for n in grads if owners[n] // tp == dp.rank]
+    if dp.size == 1:  # the only contribution is this rank's own: nothing to move or add
+        return {n: grads[n].reshape(-1) for n in mine}
     sends = [concat([grads[n].reshape(-1) for n in grads if owners[n] // tp == d], torch.float32, device)
              for d in range(dp.size)]
     numel = sum(grads[n].numel() for n in mine)
@@ -1260,6 +1282,8 @@ def broadcast_from_owner(params, owners, grid, ledger, device):
     """comm-free, the mirror of reduce_at_owner: the owner row's updated TP-local
     matrices -> every other DP rank."""
     dp, tp = grid.dp, grid.tp.size
+    if dp.size == 1:  # no other DP rank to send to
+        return
     mine = concat([params[n].view(-1) for n in params if owners[n] // tp == dp.rank], torch.float32, device)
     sends = [mine if d != dp.rank else mine[:0] for d in range(dp.size)]
     theirs = [[n for n in params if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
@@ -1351,11 +1375,6 @@ class CommFreeMuon(OwnerMuon):
         super()._gather_params(active)
         broadcast_from_owner({n: self.param_by_name[n] for n in self.muon_names if n in active}, self.owners,
                              self.grid, self.ledger, self.device)
-
-
-def zeros_if_none(grad, param):
-    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
-    return torch.zeros_like(param) if grad is None else grad
 
 
 # Every strategy, by the name --strategy takes.
