@@ -523,16 +523,16 @@ def total_grads(specs, seed, step, dp, missing=()):
 # ZeRO-1 sees a param group's TP-local parameters as one flat "virtual buffer",
 # cut into buckets of at most --bucket-size elements (a parameter larger than
 # that gets a bucket of its own). Each bucket is padded to a multiple of DP and
-# DP rank r owns the r-th of its DP equal shards:
+# DP rank r keeps the r-th of its DP equal shards:
 #
 #   bucket (buffer 0, bucket 0), DP = 4, shard = L elements
 #   |<---- qkv.weight ---->|<- proj.weight ->|<router>|pad|
 #   |<--- DP 0 --->|<--- DP 1 --->|<--- DP 2 --->|<--- DP 3 --->|
 #   0              L              2L             3L             4L
 #
-# A parameter's range may straddle shard boundaries: above, qkv.weight is owned
+# A parameter's range may straddle shard boundaries: above, qkv.weight is kept
 # partly by DP 0 and partly by DP 1. Each rank's optimizer state covers only
-# its shard, and its `local_range` of a parameter may be empty.
+# its shard: its part of a parameter (`local_range`), which may be empty.
 #
 # dist_meta (one per parameter, per rank; the names of the Moonshot PoC's MuonDistMeta):
 #   buffer_idx    which param group / virtual buffer
@@ -541,7 +541,7 @@ def total_grads(specs, seed, step, dp, missing=()):
 #   global_shape  shape after the TP gather (what Newton-Schulz sees)
 #   tp_split_dim  dim TP splits (-1: not split)
 #   bucket_range  [start, end) of the parameter inside its bucket
-#   local_range   [start, end) of the part this DP rank owns, in bucket coordinates;
+#   local_range   [start, end) of the part this DP rank keeps, in bucket coordinates;
 #                 empty (start == end) when its shard does not touch the parameter
 #   shard_start   where this DP rank's shard begins in the bucket (to find the
 #                 local range inside the shard)
@@ -2088,7 +2088,7 @@ def build_parser(description, launcher="spawn"):
                    help="seconds after which a rank that stopped responding, or a collective that waits, "
                         "ends the run (default %(default)s)")
     p.add_argument("--explain", action="store_true",
-                   help="print which rank owns which range of which parameter, and which matrices")
+                   help="print which DP rank keeps which part of which parameter, and who owns which matrix")
     p.add_argument("--json", metavar="PATH", help="write the run's results (checks, bytes, FLOPs, timings)")
     p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
     p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: make this rank raise
