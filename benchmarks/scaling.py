@@ -14,7 +14,6 @@ and comm-free at least 1.7x faster than torch on 2 ranks; owner at least 0.85 N 
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
