@@ -102,7 +102,7 @@ def main(argv=None):
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
                             device_id=torch.device(device) if args.device == "cuda" else None)
     try:
-        plan = dm.plan_optimizer(cfg)  # every rank's layout, computed alike, printed once
+        plan = dm.plan_optimizer(cfg) if rank == 0 else None  # the layout every rank builds, printed once
         if rank == 0:
             backend = {"gloo": "Gloo", "nccl": "NCCL"}[args.backend]
             dm.print_header(cfg, plan, "GPU" if args.device == "cuda" else "CPU", backend, args.explain, print)
@@ -114,8 +114,7 @@ def main(argv=None):
     except Exception as e:
         # Every rank says its own error: rank 0 alone would lose the others'. No teardown
         # here: the peers may be waiting in a collective; torchrun stops them.
-        print(f"error: rank {rank} failed: {' '.join(f'{type(e).__name__}: {e}'.split())}", file=sys.stderr,
-              flush=True)
+        print(f"error: rank {rank} failed: {dm.one_line(e)}", file=sys.stderr, flush=True)
         if args.traceback:
             traceback.print_exc()
         return 1

@@ -1522,8 +1522,14 @@ def build_optimizer(specs, cfg, grid, params):
               for g, h in group_hyperparameters(cfg).items()]
     options = {} if cfg.strategy == "gather" else dict(overlap_chunks=cfg.overlap_chunks, batched_ns=cfg.batched_ns)
     return OPTIMIZERS[cfg.strategy]([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
-                                tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
-                                **options)
+                                    tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
+                                    **options)
+
+
+def tp_pieces(specs, cfg, tp_rank):
+    """{name: TP rank tp_rank's piece of the starting parameter}: what that rank holds before step 1."""
+    return {s.name: tp_shard(t, s.tp_split_dim, tp_rank, cfg.tp).contiguous()
+            for s, t in zip(specs, initial_params(specs, cfg.seed).values())}
 
 
 def plan_optimizer(cfg, rank=0):
@@ -1534,17 +1540,14 @@ def plan_optimizer(cfg, rank=0):
     """
     specs = demo_specs(cfg)
     grid = plan_grid(cfg.dp, cfg.tp, rank)
-    params = {s.name: tp_shard(t, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous()
-              for s, t in zip(specs, initial_params(specs, cfg.seed).values())}
-    return build_optimizer(specs, cfg, grid, params)
+    return build_optimizer(specs, cfg, grid, tp_pieces(specs, cfg, grid.tp.rank))
 
 
 def run_steps(rank, cfg, device):
     """The body of every rank, whatever launched it: returns its final params, ledger and step times."""
     specs = demo_specs(cfg)
     grid = make_grid(cfg.dp, cfg.tp, rank)
-    params = {s.name: tp_shard(t, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
-              for s, t in zip(specs, initial_params(specs, cfg.seed).values())}
+    params = {name: piece.to(device) for name, piece in tp_pieces(specs, cfg, grid.tp.rank).items()}
     opt = build_optimizer(specs, cfg, grid, params)
     resume_at = (cfg.steps + 1) // 2  # checkpoint round trip halfway through (see below)
     step_ms = []
@@ -1858,10 +1861,14 @@ def run_rank(rank, cfg, port, out_dir, heartbeats, launcher):
     except BaseException as e:
         # When one rank dies its peers fail too ("connection closed"). The time
         # lets the launcher name the rank that failed first: the cause.
-        error = " ".join(f"{type(e).__name__}: {e}".split())  # one line
-        write_atomically(os.path.join(out_dir, f"rank{rank}.error"),
-                         lambda f: f.write(f"{time.time()!r}\n{error}\n{traceback.format_exc()}".encode()))
+        text = f"{time.time()!r}\n{one_line(e)}\n{traceback.format_exc()}"
+        write_atomically(os.path.join(out_dir, f"rank{rank}.error"), lambda f: f.write(text.encode()))
         os._exit(1)  # no teardown that could wait on a dead peer
+
+
+def one_line(error):
+    """An exception as one line, 'Type: message', whatever newlines its message holds."""
+    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def write_atomically(path, write):
