@@ -1840,8 +1840,8 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
 # stops every rank on Ctrl-C or SIGTERM, and names the rank that failed, died or
 # stopped responding.
 
-def run_rank(rank, cfg, port, out_dir, heartbeats, launcher):
-    """One spawned rank: join the Gloo world, run the steps, write the results to out_dir.
+def run_rank(rank, body, cfg, port, out_dir, heartbeats, launcher):
+    """One spawned rank: join the Gloo world, run body(rank, cfg, "cpu"), write what it returns to out_dir.
 
     Nothing is printed here: a failure is written to rank<R>.error (time, one
     line, traceback) and the launcher reports it once, for the whole run.
@@ -1855,7 +1855,7 @@ def run_rank(rank, cfg, port, out_dir, heartbeats, launcher):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=cfg.dp * cfg.tp, timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        result = run_steps(rank, cfg, "cpu")
+        result = body(rank, cfg, "cpu")
         dist.destroy_process_group()
         write_atomically(os.path.join(out_dir, f"rank{rank}.pt"), lambda f: torch.save(result, f))
     except BaseException as e:
@@ -2017,18 +2017,22 @@ def stop(procs):
         p.join()
 
 
-def spawn_ranks(cfg):
-    """Run every rank; return their results, or raise RankFailure naming the rank at fault.
+def spawn_ranks(cfg, body=run_steps):
+    """Run body(rank, cfg, "cpu") on cfg.dp x cfg.tp ranks; return what each returned, in rank order,
+    or raise RankFailure naming the rank at fault.
 
-    Whatever ends the run (success, a failure, Ctrl-C or SIGTERM in the launcher),
-    every rank is stopped and the temporary folder removed before this returns.
+    body is what a rank does once the Gloo world is joined: section 7's run_steps by
+    default (examples/ pass their own; it must be importable by name, as any
+    multiprocessing target). cfg needs dp, tp and timeout_s. Whatever ends the run
+    (success, a failure, Ctrl-C or SIGTERM in the launcher), every rank is stopped
+    and the temporary folder removed before this returns.
     """
     context = multiprocessing.get_context(start_method())
     world = cfg.dp * cfg.tp
     heartbeats = context.Array("d", world, lock=False)  # shared memory: one time per rank
     with tempfile.TemporaryDirectory(prefix="distributed-muon-") as out_dir:
         launcher, alive = context.Pipe(duplex=False)  # the ranks watch `launcher`; `alive` stays here
-        args = (cfg, free_port(), out_dir, heartbeats, launcher)
+        args = (body, cfg, free_port(), out_dir, heartbeats, launcher)
         procs = [context.Process(target=run_rank, args=(rank,) + args, name=f"rank {rank}") for rank in range(world)]
         try:
             for p in procs:
@@ -2113,22 +2117,18 @@ def write_json(path, results):
             json.dump(results, f, indent=1)
 
 
-def main(argv=None):
-    args = build_parser("ZeRO-1 x TP distributed Muon on CPU ranks over Gloo, checked bit for bit against "
-                        "torch.optim.Muon / AdamW.").parse_args(argv)
+def exit_code(work, show_traceback=False):
+    """Run work() the way a command should end: its return code, or one line on stderr and
+    2 (a bad flag, path or config), 1 (a rank failed), 130 (Ctrl-C) or 143 (SIGTERM)."""
     previous = signal.signal(signal.SIGTERM, raise_interrupted)  # SIGTERM cleans up as Ctrl-C does
     try:
-        if args.json:
-            check_writable(args.json)
-        results = run(config_from_args(args), explain=args.explain)  # validates before spawning anything
-        write_json(args.json, results)
-        return 0 if results["passed"] else 1
+        return work()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RankFailure as e:
         print(f"error: {e}", file=sys.stderr)
-        if args.traceback:
+        if show_traceback:
             print(e.traceback, file=sys.stderr, end="")
         return 1
     except KeyboardInterrupt:
@@ -2139,6 +2139,20 @@ def main(argv=None):
         return 143  # 128 + SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv=None):
+    args = build_parser("ZeRO-1 x TP distributed Muon on CPU ranks over Gloo, checked bit for bit against "
+                        "torch.optim.Muon / AdamW.").parse_args(argv)
+
+    def work():
+        if args.json:
+            check_writable(args.json)
+        results = run(config_from_args(args), explain=args.explain)  # validates before spawning anything
+        write_json(args.json, results)
+        return 0 if results["passed"] else 1
+
+    return exit_code(work, args.traceback)
 
 
 if __name__ == "__main__":
