@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 # =============================================================================
 # 1. Newton-Schulz, momentum and the learning-rate adjustment
@@ -203,7 +204,10 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_dec
 # receives (n - 1) * k. Gloo moves more than that: its reduce_scatter is
 # implemented as a full all-reduce. exchange (an all-to-all with uneven sizes)
 # sends each piece straight to its destination, so the count is exact: what a
-# rank sends to the others, and what it receives from them.
+# rank sends to the others, and what it receives from them. Each call is also
+# labelled with its phase for torch.profiler (record_function), so a trace of a
+# step shows the phases by the names the ledger uses (examples/train_gpt.py
+# --profile reads them back).
 
 # torch 2.14 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour
 # of all_gather_single / reduce_scatter_single; older torch has only the old
@@ -303,7 +307,8 @@ def all_gather(shard, axis, ledger, phase):
     if axis.size == 1:
         return shard
     out = shard.new_empty(axis.size * shard.numel())
-    _all_gather_single(out, shard, group=axis.group)
+    with record_function(phase):
+        _all_gather_single(out, shard, group=axis.group)
     ring = (axis.size - 1) * shard.numel()
     ledger.record_comm(phase, "all_gather", axis, ring, ring, shard.dtype)
     return out
@@ -316,7 +321,8 @@ def reduce_scatter(bucket, axis, ledger, phase):
     out = bucket.new_empty(bucket.numel() // axis.size)
     # ReduceOp.SUM: the total gradient, as the reference is fed. (AVG is avoided
     # for older torch; divide afterwards if you want a mean.)
-    _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group)
+    with record_function(phase):
+        _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group)
     ring = (axis.size - 1) * out.numel()
     ledger.record_comm(phase, "reduce_scatter", axis, ring, ring, bucket.dtype)
     return out
@@ -336,8 +342,9 @@ def exchange(sends, receive_numels, axis, ledger, phase, async_op=False):
     if axis.size == 1:
         received.copy_(send)
     else:
-        work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
-                                      group=axis.group, async_op=async_op)
+        with record_function(phase):
+            work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
+                                          group=axis.group, async_op=async_op)
     others = [i for i in range(axis.size) if i != axis.rank]
     ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
                        sum(receive_numels[i] for i in others), send.dtype)
@@ -361,7 +368,8 @@ def any_rank(flags, axis, ledger, phase):
     padded = -(-flags.numel() // axis.size) * axis.size
     votes = torch.zeros(padded, dtype=torch.uint8, device=flags.device)
     votes[:flags.numel()] = flags
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=axis.group)
+    with record_function(phase):
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=axis.group)
     ring = 2 * (axis.size - 1) * (padded // axis.size)
     ledger.record_comm(phase, "all_reduce", axis, ring, ring, votes.dtype)
     return votes[:flags.numel()].bool()
@@ -854,7 +862,8 @@ class DistributedMuon(torch.optim.Optimizer):
         self.ledger.step += 1
         active = self._vote_on_gradients()
         grads = self._reduce_grads(active)  # 1
-        updates = self._update_state(grads)  # 2
+        with record_function("state update"):  # momentum and AdamW: a label for profiler traces
+            updates = self._update_state(grads)  # 2
         for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
             self._apply_update(name, ortho_part)
         self._gather_params(active)  # 4
@@ -963,7 +972,8 @@ def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger):
     for meta in metas:
         tp_local = update_bucket[slice(*meta.bucket_range)].view(meta.shape)
         full = tp_gather(tp_local, meta.tp_split_dim, grid.tp, ledger)  # TP gather: the full matrix
-        ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+        with record_function("newton-schulz"):
+            ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
         ledger.compute.append(dict(step=ledger.step, name=meta.name, shape=meta.global_shape,
                                    flops=newton_schulz_flops(meta.global_shape, group["ns_steps"])))
         tp_piece = tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
@@ -1244,12 +1254,14 @@ def newton_schulz_owned(full, group_of, ledger, batched=False):
             g = group_of[name]
             stacks.setdefault((matrix.shape, g["ns_steps"], g["ns_coefficients"], g["ns_eps"]), []).append(name)
         for (_, steps, coefficients, eps), names in stacks.items():
-            stack = newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
+            with record_function("newton-schulz"):
+                stack = newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
             orthos.update(zip(names, stack.unbind(0)))
     else:
         for name, matrix in full.items():
             g = group_of[name]
-            orthos[name] = newton_schulz(matrix, g["ns_steps"], g["ns_coefficients"], g["ns_eps"])
+            with record_function("newton-schulz"):
+                orthos[name] = newton_schulz(matrix, g["ns_steps"], g["ns_coefficients"], g["ns_eps"])
     for name in orthos:
         shape = tuple(full[name].shape)
         ledger.compute.append(dict(step=ledger.step, name=name, shape=shape,
@@ -1578,25 +1590,31 @@ def run_steps(rank, cfg, device):
                 ledger=asdict(opt.ledger), step_ms=step_ms, state_bytes=opt.state_bytes(), owners=opt.owners)
 
 
-def reference_params(specs, cfg, device="cpu"):
-    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU)."""
-    torch.set_num_threads(1)  # same thread count as every rank: bf16 matmul bits can depend on it
-    params = {n: t.to(device) for n, t in initial_params(specs, cfg.seed).items()}
-    hyper = group_hyperparameters(cfg)
+def torch_optimizers(groups):
+    """The single-device reference for param groups as DistributedMuon takes them, with plain
+    tensors for params: torch.optim.Muon for each Muon group, torch.optim.AdamW for each AdamW one."""
     optimizers = []
-    for group_name, h in hyper.items():
-        ps = [params[s.name] for s in specs if s.group == group_name]
-        if not ps:
+    for h in groups:
+        if not h["params"]:
             continue
         if h["algorithm"] == "muon":
-            optimizers.append(torch.optim.Muon(ps, lr=h["lr"], weight_decay=h["weight_decay"],
+            optimizers.append(torch.optim.Muon(h["params"], lr=h["lr"], weight_decay=h["weight_decay"],
                                                momentum=h["momentum"], nesterov=h["nesterov"],
                                                ns_steps=h["ns_steps"], adjust_lr_fn=h["adjust_lr_fn"]))
         else:
             # foreach=False: torch's single-tensor AdamW, its default on the CPU; on a GPU
             # torch would pick the multi-tensor kernels, whose rounding may differ.
-            optimizers.append(torch.optim.AdamW(ps, lr=h["lr"], betas=h["betas"], eps=h["eps"],
+            optimizers.append(torch.optim.AdamW(h["params"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
                                                 weight_decay=h["weight_decay"], foreach=False))
+    return optimizers
+
+
+def reference_params(specs, cfg, device="cpu"):
+    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU)."""
+    torch.set_num_threads(1)  # same thread count as every rank: bf16 matmul bits can depend on it
+    params = {n: t.to(device) for n, t in initial_params(specs, cfg.seed).items()}
+    optimizers = torch_optimizers([dict(h, params=[params[s.name] for s in specs if s.group == g])
+                                   for g, h in group_hyperparameters(cfg).items()])
     for step in range(1, cfg.steps + 1):
         grads = total_grads(specs, cfg.seed, step, cfg.dp, cfg.missing_grads)
         for s in specs:  # None where no rank has a gradient: torch skips the parameter
