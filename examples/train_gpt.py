@@ -1,0 +1,655 @@
+"""Train a small GPT on real text with distributed Muon under DP x TP, and check it against one process.
+
+Launch recipes
+--------------
+    python examples/train_gpt.py                          # 8 Gloo ranks, DP=4 x TP=2, about a minute on 2 cores
+    python examples/train_gpt.py --dp 2 --tp 2 --strategy owner --steps 100
+    python examples/train_gpt.py --optimizer adamw         # AdamW ZeRO-1 on every parameter: the yardstick
+    python examples/train_gpt.py --dp 2 --tp 2 --steps 4 --verify   # against torch.optim.Muon + AdamW in one process
+    python examples/train_gpt.py --steps 8 --profile traces/   # Chrome traces per rank (open in ui.perfetto.dev)
+    torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --dp 4 --tp 2   # GPUs, NCCL
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2 --backend gloo --device cpu
+
+The model is examples/gpt.py (Megatron-style TP), the text examples/stdlib_text.py (the
+standard library's sources, bytes as tokens), the optimizer distributed_muon_cpu.py's
+(DistributedMuon and its strategies, imported, not copied). The lesson's launcher runs the
+ranks (dm.spawn_ranks): Ctrl-C, SIGTERM, a failing or silent rank end the run as there.
+
+What a step does on each rank (DP rank d, TP rank t):
+    batch     rows [d * B / DP, (d + 1) * B / DP) of the step's global batch of B windows
+    forward   the TP model; f and g all-reduce activations over the TP group
+    backward  of loss / DP, so that the optimizer's ReduceOp.SUM over DP gives the
+              gradient of the mean loss over the whole batch
+    step      the optimizer: ZeRO-1 gradient reduce-scatter over DP, Muon (or AdamW),
+              parameter all-gather
+Muon takes the hidden matrices (with adjust_lr_fn "match_rms_adamw", so one learning rate
+serves Muon and AdamW, as in Moonlight, arXiv:2502.16982); AdamW takes the embeddings, norms
+and biases. The learning rate is constant: no warm-up, no decay, the same for every optimizer.
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import distributed_muon_cpu as dm  # noqa: E402
+from gpt import GPT, GPTConfig, check_gpt, param_groups  # noqa: E402
+from stdlib_text import load_corpus  # noqa: E402
+
+# =============================================================================
+# 1. The run's configuration and its checks
+# =============================================================================
+OPTIMIZER_NAMES = ("muon", "adamw")
+PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 2, 1, 3  # steps skipped, warmed up, then traced
+TIMED_FROM_STEP = 3  # medians leave out the first steps (allocations, first-touch, Gloo's set-up)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    dp: int = 4
+    tp: int = 2
+    optimizer: str = "muon"  # or "adamw": AdamW ZeRO-1 on every parameter (the lesson's baseline)
+    strategy: str = "gather"  # one of dm.STRATEGIES (Muon only)
+    steps: int = 150
+    lr: float = 0.01
+    weight_decay: float = 0.1  # matrices and embeddings; none on norms and biases
+    momentum: float = 0.95
+    batch: int = 16  # windows per step, over all DP ranks
+    context: int = 128
+    d_model: int = 128
+    layers: int = 4
+    heads: int = 4
+    seed: int = 0  # of the initial weights and of the batches
+    bucket_size: int = 1 << 16
+    log_every: int = 25
+    val_windows: int = 32
+    timeout_s: float = dm.TIMEOUT_S
+    profile: str = ""  # a folder for Chrome traces, one per rank ("" = no profiling)
+    keep: bool = False  # return every rank's gradients and weights of every step (for verification)
+    fail_rank: int = -1  # for tests: this rank raises at step 1
+
+    def gpt(self):
+        return GPTConfig(context=self.context, d_model=self.d_model, n_layers=self.layers,
+                         n_heads=self.heads, seed=self.seed)
+
+
+def validate(cfg):
+    """Every check that can be made before any rank starts; ValueError with one line."""
+    dm.check_topology(cfg.dp, cfg.tp)
+    for name in ("steps", "batch", "context", "d_model", "layers", "heads", "log_every", "val_windows"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.optimizer not in OPTIMIZER_NAMES:
+        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZER_NAMES)} (got {cfg.optimizer!r})")
+    if cfg.strategy not in dm.STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(dm.STRATEGIES)} (got {cfg.strategy!r})")
+    if cfg.optimizer == "adamw" and cfg.strategy != "gather":
+        raise ValueError(f"--optimizer adamw takes no --strategy (got {cfg.strategy}): strategies are Muon's")
+    dm.check_hyperparameters(dm.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")
+    if cfg.lr == 0:
+        raise ValueError("--lr must be > 0")
+    for name, n in (("batch", cfg.batch), ("val-windows", cfg.val_windows)):
+        if n % cfg.dp:
+            raise ValueError(f"DP {cfg.dp} does not divide --{name} {n}: every DP rank takes the same share")
+    if not (cfg.timeout_s > 0 and math.isfinite(cfg.timeout_s)):
+        raise ValueError(f"--timeout must be > 0 seconds and finite (got {cfg.timeout_s})")
+    if cfg.profile and cfg.steps < PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE:
+        raise ValueError(f"--profile traces steps {PROFILE_WAIT + PROFILE_WARMUP + 1} to "
+                         f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE}: --steps must be >= "
+                         f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE} (got {cfg.steps})")
+    if cfg.profile:
+        os.makedirs(cfg.profile, exist_ok=True)
+        dm.check_writable(os.path.join(cfg.profile, "rank0.json"), "--profile")
+    if not -1 <= cfg.fail_rank < cfg.dp * cfg.tp:
+        raise ValueError(f"--fail-rank must name a rank in [0, {cfg.dp * cfg.tp}) (got {cfg.fail_rank})")
+    check_gpt(cfg.gpt(), cfg.tp)
+    corpus = load_corpus()  # read here once, so that a missing standard library fails before any rank
+    if corpus.val.numel() <= cfg.context + 2:
+        raise ValueError(f"the validation text ({corpus.val.numel()} bytes) is shorter than --context {cfg.context}")
+
+
+def hyperparameters(cfg):
+    """The three groups' hyperparameters: Muon (or AdamW) for matrices, AdamW for embeddings,
+    AdamW without weight decay for norms and biases."""
+    adamw = dict(algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), eps=1e-8)
+    muon = dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=True,
+                ns_steps=dm.NS_STEPS, adjust_lr_fn="match_rms_adamw")
+    return (muon if cfg.optimizer == "muon" else adamw), adamw, dict(adamw, weight_decay=0.0)
+
+
+def build_optimizer(model, cfg, grid):
+    return dm.OPTIMIZERS[cfg.strategy](param_groups(model, *hyperparameters(cfg)), grid=grid,
+                                       tp_split_dims=model.tp_split_dims(), bucket_size=cfg.bucket_size)
+
+
+def run_kind(cfg):
+    return dm.BASELINE if cfg.optimizer == "adamw" else cfg.strategy
+
+
+# =============================================================================
+# 2. One rank's training
+# =============================================================================
+
+def train_rank(rank, cfg, device):
+    """What every rank runs once the world is joined; returns its losses, timings, bytes (and with
+    cfg.keep its gradients of every step and its final weights)."""
+    torch.set_num_threads(1)  # as in the lesson: the reference pins the same count
+    grid = dm.make_grid(cfg.dp, cfg.tp, rank)
+    corpus = load_corpus()
+    model = GPT(cfg.gpt(), grid.tp, dm.Ledger()).to(device)
+    opt = build_optimizer(model, cfg, grid)
+    profiler = start_profiler(cfg, rank)
+    losses, val, ms = [], [], {"forward": [], "backward": [], "optimizer": [], "step": []}
+    grads, weights = [], []  # with cfg.keep: each step's gradients and the weights they were taken at
+    last_log = time.perf_counter()
+    for step in range(1, cfg.steps + 1):
+        if rank == cfg.fail_rank:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-rank)")
+        x, y = (t.to(device) for t in corpus.batch(step, cfg.batch, cfg.context, cfg.seed, grid.dp.rank, cfg.dp))
+        model.ledger.step = step
+        t0 = clock(device)
+        with record_function("forward"):
+            loss = model(x, y)
+        t1 = clock(device)
+        with record_function("backward"):
+            (loss / cfg.dp).backward()
+        t2 = clock(device)
+        if cfg.keep:
+            grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()})
+            weights.append({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
+        with record_function("optimizer step"):
+            opt.step()
+        t3 = clock(device)
+        opt.zero_grad(set_to_none=True)
+        for key, (a, b) in zip(ms, ((t0, t1), (t1, t2), (t2, t3), (t0, t3))):
+            ms[key].append((b - a) * 1e3)
+        losses.append(loss.item())
+        if profiler is not None:
+            profiler.step()
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            train_loss = dp_mean(losses[-1], grid, device)
+            val.append((step, validation_loss(model, corpus, cfg, grid, device)))
+            now = time.perf_counter()
+            steps_done = step - (val[-2][0] if len(val) > 1 else 0)
+            if rank == 0:
+                print(progress_line(cfg, step, train_loss, val[-1][1], now - last_log, steps_done), flush=True)
+            last_log = now
+    if profiler is not None:
+        profiler.stop()
+    result = dict(rank=rank, losses=losses, val=val, ms=ms, ledger=asdict(opt.ledger),
+                  model_ledger=asdict(model.ledger), state_bytes=opt.state_bytes(), owners=opt.owners)
+    if cfg.keep:
+        result.update(grads=grads, weights=weights, params={n: p.detach().cpu().clone() for n, p in model.named_parameters()})
+    return result
+
+
+def train_each(rank, trainings, device):
+    """Several trainings on one set of ranks (tests and benchmarks share a spawn): trainings.configs,
+    one after the other, each on a fresh model and optimizer."""
+    return [train_rank(rank, cfg, device) for cfg in trainings.configs]
+
+
+@dataclass(frozen=True)
+class Trainings:
+    """What dm.spawn_ranks needs (dp, tp, timeout_s), for several TrainConfigs on the same grid."""
+    configs: tuple
+    dp: int
+    tp: int
+    timeout_s: float = dm.TIMEOUT_S
+
+
+def clock(device):
+    if device != "cpu":
+        torch.cuda.synchronize()  # kernels run asynchronously: wait before reading the clock
+    return time.perf_counter()
+
+
+def dp_mean(value, grid, device):
+    """Mean of a number over the DP ranks (for printing; not counted: it is no part of a step)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if grid.dp.size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=grid.dp.group)
+    return t.item() / grid.dp.size
+
+
+@torch.no_grad()
+def validation_loss(model, corpus, cfg, grid, device):
+    """Mean loss over cfg.val_windows fixed windows, shared out over the DP ranks."""
+    x, y = (t.to(device) for t in corpus.validation(cfg.val_windows, cfg.context, grid.dp.rank, cfg.dp))
+    with model.uncounted():
+        local = model(x, y).item()
+    return dp_mean(local, grid, device)
+
+
+def progress_line(cfg, step, train_loss, val_loss, seconds, steps_done):
+    tokens = cfg.batch * cfg.context * steps_done
+    return (f"step {step:>{len(str(cfg.steps))}}/{cfg.steps}  train {train_loss:6.3f}  val {val_loss:6.3f}  "
+            f"{tokens / seconds:>9,.0f} tokens/s  {seconds / steps_done * 1e3:6.0f} ms/step")
+
+
+def start_profiler(cfg, rank):
+    """torch.profiler over steps PROFILE_WAIT + PROFILE_WARMUP + 1 ..., written as <profile>/rank<R>.json."""
+    if not cfg.profile:
+        return None
+    path = os.path.join(cfg.profile, f"rank{rank}.json")
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        schedule=torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE),
+        on_trace_ready=lambda p: p.export_chrome_trace(path))
+    profiler.start()
+    return profiler
+
+
+# =============================================================================
+# 3. The same training in one process, and the comparison
+# =============================================================================
+# The reference is this GPT with TP = 1 (no grid: f and g are identities), trained
+# by torch.optim.Muon + torch.optim.AdamW in one process. Each step it runs the DP
+# ranks' micro-batches one after the other and accumulates loss / DP's gradients,
+# so it sees exactly the batch the ranks see. Three comparisons:
+#
+#   replay     torch's optimizers fed the ranks' own gradients (TP pieces
+#              concatenated, summed over DP in DP-rank order) give the ranks'
+#              weights: the optimizer is exact.
+#   gradients  at every step, the one process's loss and gradient at the ranks'
+#              own weights (before that step) against the ranks': the TP model
+#              computes what the plain model computes.
+#   trained    both runs free-running from the same start: the weights and losses
+#              at the end.
+#
+# Tolerance policy: which bits can differ, and why
+#   * Bit for bit whenever the order of every fp32 sum is the same: with TP = 1 the
+#     ranks run the plain model's matmuls on the same micro-batches, and with DP <= 2
+#     the sum over DP has two terms, a + b = b + a. Then all three are torch.equal.
+#   * TP > 1 changes the order of fp32 sums: g adds the row-parallel layers' partial
+#     products (attention-out, MLP-out) over the TP ranks instead of inside one dot
+#     product, and f's backward does the same for the input gradients of the
+#     column-parallel layers. A reordered sum of n terms moves by at most about
+#     n * 2**-24 of the sum of their magnitudes (Higham, "Accuracy and Stability of
+#     Numerical Algorithms", 2002, section 4.2); with n up to the 2,048 tokens of a
+#     step that is 2**-13. GRAD_RTOL and STEP_LOSS_RTOL hold each step's gradients and
+#     losses (at the same weights) to 2**-12 of the tensor's largest entry and 2**-16
+#     relative: a wrong split or a missing all-reduce moves them by far more (tests).
+#   * DP > 2 sums the gradients in Gloo's order, not in DP-rank order: the replay's
+#     momentum and AdamW moments then differ in the last bits, which Muon turns into
+#     at most a different bf16 rounding inside Newton-Schulz each step. The lesson
+#     bounds that effect for batched Newton-Schulz: BATCHED_NS_BOUND (2**-5) of the
+#     update's largest entry per step (dm.batched_ns_tolerance); AdamW's update is
+#     held to the same fraction of lr per step.
+#   * Free-running with TP > 1 or DP > 2, each step's few different roundings change
+#     the next step's weights and therefore its gradient: the two runs drift apart,
+#     as any two orders of summation do. That drift is the comparison's own, not a
+#     bound on the optimizer; the losses are held to TRAINED_LOSS_RTOL (2**-10,
+#     relative) for the few steps tests run, and the weights' distance is reported.
+GRAD_RTOL = 2.0**-12
+STEP_LOSS_RTOL = 2.0**-16
+TRAINED_LOSS_RTOL = 2.0**-10
+
+
+def reference_model(cfg, device):
+    torch.set_num_threads(1)  # as every rank: bf16 matmul bits can depend on the thread count
+    model = GPT(cfg.gpt()).to(device)
+    optimizers = dm.torch_optimizers([dict(g, params=[p for _, p in g["params"]])
+                                      for g in param_groups(model, *hyperparameters(cfg))])
+    return model, optimizers
+
+
+def accumulate_gradients(model, cfg, step, device):
+    """loss / DP's gradients of DP rank 0's micro-batch, then rank 1's, ...: [loss of each micro-batch]."""
+    corpus, losses = load_corpus(), []
+    for d in range(cfg.dp):
+        x, y = (t.to(device) for t in corpus.batch(step, cfg.batch, cfg.context, cfg.seed, d, cfg.dp))
+        loss = model(x, y)
+        (loss / cfg.dp).backward()  # accumulates in .grad: g_0 + g_1 + ..., in DP-rank order
+        losses.append(loss.item())
+    return losses
+
+
+def reference(cfg, device="cpu", replay=None):
+    """Train in one process: {"losses": [[loss of DP rank d's micro-batch] per step], "params"}.
+
+    replay: the total gradient of every step ([{name: tensor}]) to use instead of computing one."""
+    model, optimizers = reference_model(cfg, device)
+    losses = []
+    for step in range(1, cfg.steps + 1):
+        if replay is None:
+            losses.append(accumulate_gradients(model, cfg, step, device))
+        else:
+            for n, p in model.named_parameters():
+                p.grad = replay[step - 1][n].to(device)
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+    return dict(losses=losses, params={n: p.detach().cpu() for n, p in model.named_parameters()})
+
+
+def param_specs(cfg):
+    """The GPT's parameters as the lesson's ParamSpecs (name, global shape, TP split dim, group)."""
+    full = GPT(cfg.gpt())
+    split = full.tp_split_dims()
+    groups = param_groups(full, {}, {}, {})
+    group_of = {n: g for g, group in zip(("muon", "adamw", "adamw_no_wd"), groups) for n, _ in group["params"]}
+    return [dm.ParamSpec(n, tuple(p.shape), split.get(n, -1), group_of[n]) for n, p in full.named_parameters()]
+
+
+def full_tensors(cfg, pieces_of_rank, specs):
+    """{name: full tensor} from the TP pieces of DP rank 0's row (every DP rank holds the same weights)."""
+    return {s.name: torch.cat([pieces_of_rank(t)[s.name] for t in range(cfg.tp)], dim=s.tp_split_dim)
+            if s.tp_split_dim >= 0 else pieces_of_rank(0)[s.name] for s in specs}
+
+
+def total_gradients(cfg, results, specs):
+    """[{name: full gradient summed over DP in DP-rank order}] per step, from every rank's TP pieces.
+
+    Also the largest difference between TP ranks' copies of a replicated gradient (f and g make
+    them equal, bit for bit: every TP rank runs the same ops on the same all-reduced values)."""
+    by_rank = {r["rank"]: r["grads"] for r in results}
+    totals, replica_diff = [], 0.0
+    for step in range(cfg.steps):
+        total = {}
+        for d in range(cfg.dp):
+            row = full_tensors(cfg, lambda t: by_rank[d * cfg.tp + t][step], specs)
+            for s in specs:
+                total[s.name] = row[s.name].clone() if d == 0 else total[s.name] + row[s.name]
+                if s.tp_split_dim < 0:
+                    copies = [by_rank[d * cfg.tp + t][step][s.name] for t in range(cfg.tp)]
+                    replica_diff = max([replica_diff] + [(c - copies[0]).abs().max().item() for c in copies[1:]])
+        totals.append(total)
+    return totals, replica_diff
+
+
+def step_gradients(cfg, results, specs, totals, device):
+    """At each step, the one process's loss and gradients at the ranks' own weights against theirs:
+    (largest relative loss difference, largest gradient difference / the tensor's largest entry)."""
+    model, _ = reference_model(cfg, device)
+    by_rank = {r["rank"]: r for r in results}
+    loss_diff = grad_diff = 0.0
+    for step in range(cfg.steps):
+        with torch.no_grad():
+            for n, w in full_tensors(cfg, lambda t: by_rank[t]["weights"][step], specs).items():
+                model.get_parameter(n).copy_(w)
+        losses = accumulate_gradients(model, cfg, step + 1, device)
+        loss_diff = max([loss_diff] + [abs(by_rank[d * cfg.tp]["losses"][step] - loss) / loss
+                                       for d, loss in enumerate(losses)])
+        for n, p in model.named_parameters():
+            ref = p.grad.cpu()
+            grad_diff = max(grad_diff, ((totals[step][n] - ref).abs().max() / ref.abs().max()).item())
+        model.zero_grad(set_to_none=True)
+    return loss_diff, grad_diff
+
+
+def exact(cfg):
+    """Whether every fp32 sum happens in the same order as in one process (see the policy above)."""
+    return cfg.tp == 1 and cfg.dp <= 2
+
+
+def replay_tolerance(cfg, spec):
+    """DP > 2: what a different order of the DP sum may do to the weights (see the policy above)."""
+    if cfg.dp <= 2:
+        return 0.0
+    if spec.group == "muon" and cfg.optimizer == "muon":
+        return cfg.steps * dm.adjusted_lr(cfg.lr, "match_rms_adamw", spec.global_shape) * 1.5 * dm.BATCHED_NS_BOUND
+    return cfg.steps * cfg.lr * dm.BATCHED_NS_BOUND
+
+
+def verify(cfg, results, device="cpu"):
+    """The distributed run (run with cfg.keep) against one process; returns a dict of checks."""
+    specs = param_specs(cfg)
+    rank_params = {r["rank"]: r["params"] for r in results}
+    totals, replica_diff = total_gradients(cfg, results, specs)
+    replayed = dm.compare_to_reference(specs, reference(cfg, device, replay=totals)["params"], rank_params,
+                                       cfg.dp, cfg.tp)
+    for c, spec in zip(replayed, specs):
+        c["tolerance"] = replay_tolerance(cfg, spec)
+        c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
+    step_loss_diff, grad_diff = step_gradients(cfg, results, specs, totals, device)
+    plain = reference(cfg, device)
+    trained = dm.compare_to_reference(specs, plain["params"], rank_params, cfg.dp, cfg.tp)
+    trained_loss_diff = max(abs(results[d * cfg.tp]["losses"][s] - plain["losses"][s][d]) / plain["losses"][s][d]
+                            for s in range(cfg.steps) for d in range(cfg.dp))
+    bounds = (dict(grad=0.0, step_loss=0.0, trained_loss=0.0) if exact(cfg) else
+              dict(grad=GRAD_RTOL, step_loss=STEP_LOSS_RTOL, trained_loss=TRAINED_LOSS_RTOL))
+    checks = dict(exact=exact(cfg), replay=replayed, trained=trained, bounds=bounds, replica_max_diff=replica_diff,
+                  step_loss_max_rel_diff=step_loss_diff, grad_max_rel_diff=grad_diff,
+                  trained_loss_max_rel_diff=trained_loss_diff)
+    checks["passed"] = (all(c["ok"] for c in replayed) and replica_diff == 0 and grad_diff <= bounds["grad"]
+                        and step_loss_diff <= bounds["step_loss"] and trained_loss_diff <= bounds["trained_loss"]
+                        and (not exact(cfg) or all(c["identical"] for c in trained)))
+    return checks
+
+
+def print_verification(cfg, checks, print_fn=print):
+    same = sum(c["identical"] for c in checks["replay"])
+    b = checks["bounds"]
+    print_fn(f"Against one process (TP=1, DP=1, torch.optim.Muon + AdamW, the same micro-batches); "
+             f"{'every comparison bit for bit' if checks['exact'] else 'TP > 1 or DP > 2 reorders fp32 sums'}")
+    print_fn(f"  replay:    torch's optimizers fed the ranks' summed gradients: {same}/{len(checks['replay'])} "
+             f"parameters identical" + ("" if cfg.dp <= 2 else ", the rest within the DP-order bound"))
+    print_fn(f"  gradients: each step at the ranks' weights: loss within {checks['step_loss_max_rel_diff']:.1e} "
+             f"relative (bound {b['step_loss']:.1e}), gradients within {checks['grad_max_rel_diff']:.1e} of their "
+             f"largest entry (bound {b['grad']:.1e}); TP copies of replicated gradients differ by "
+             f"{checks['replica_max_diff']:.1e}")
+    n_same = sum(c["identical"] for c in checks["trained"])
+    worst = max(checks["trained"], key=lambda c: c["max_abs_diff"])
+    print_fn(f"  trained:   losses within {checks['trained_loss_max_rel_diff']:.1e} relative (bound "
+             f"{b['trained_loss']:.1e}); {n_same}/{len(checks['trained'])} parameters identical"
+             + ("" if checks["exact"] else f", largest |d| {worst['max_abs_diff']:.1e} ({worst['name']})"))
+    print_fn(f"Result: {'PASS' if checks['passed'] else 'FAIL'}")
+
+
+# =============================================================================
+# 4. What a run measured
+# =============================================================================
+TP_PHASES = ("TP all-reduce (forward)", "TP all-reduce (backward)")
+
+
+def summarize(cfg, results):
+    """Losses (averaged over DP ranks), medians of the step's parts (slowest rank) and bytes per step."""
+    dp_heads = [results[d * cfg.tp] for d in range(cfg.dp)]  # TP ranks of a DP rank share its loss
+    losses = [statistics.fmean(r["losses"][s] for r in dp_heads) for s in range(cfg.steps)]
+    timed = slice(TIMED_FROM_STEP - 1 if cfg.steps >= TIMED_FROM_STEP + 2 else 0, None)
+    ms = {k: statistics.median(max(r["ms"][k][s] for r in results) for s in range(cfg.steps)[timed])
+          for k in results[0]["ms"]}
+    ledgers = [dict(comm=r["model_ledger"]["comm"] + r["ledger"]["comm"]) for r in results]
+    table = dm.bytes_per_step(ledgers, cfg.steps, TP_PHASES + dm.PHASES_OF[run_kind(cfg)])
+    sent_max, sent_all = dm.total_bytes(table)
+    optimizer_sent = [sum(t["sent"][r] for p, t in table.items() if p not in TP_PHASES) for r in range(len(results))]
+    return dict(losses=losses, val=results[0]["val"], ms=ms, bytes_per_step=table, bytes_sent_max_rank=sent_max,
+                bytes_sent_all_ranks=sent_all, optimizer_bytes_sent_max_rank=max(optimizer_sent),
+                tokens_per_s=cfg.batch * cfg.context / (ms["step"] / 1e3))
+
+
+def print_summary(cfg, summary, print_fn=print):
+    ms = summary["ms"]
+    print_fn(f"\nStep (median from step {TIMED_FROM_STEP}, slowest rank): {ms['step']:.0f} ms = forward "
+             f"{ms['forward']:.0f} + backward {ms['backward']:.0f} + optimizer {ms['optimizer']:.0f} ms "
+             f"(optimizer {ms['optimizer'] / ms['step']:.0%} of the step); {summary['tokens_per_s']:,.0f} tokens/s")
+    rows = [[phase, t["axis"], t["dtype"], dm.human_bytes(max(t["sent"])), dm.human_bytes(sum(t["sent"]))]
+            for phase, t in summary["bytes_per_step"].items()]
+    rows.append(["total", "", "", dm.human_bytes(summary["bytes_sent_max_rank"]),
+                 dm.human_bytes(summary["bytes_sent_all_ranks"])])
+    print_fn("Bytes per step (ring counts; last step):")
+    print_fn(dm.format_table(["phase", "axis", "dtype", "sent/rank (max)", "sent, all ranks"], rows,
+                             ["<", "<", "<", ">", ">"]))
+
+
+def time_split(trace_path, steps=PROFILE_ACTIVE):
+    """{label: ms per step} of the record_function labels in one rank's Chrome trace: forward, backward,
+    optimizer step, and inside it the lesson's phases (collectives by ledger phase, newton-schulz,
+    state update). Labels nest: a phase's time is also inside "optimizer step"."""
+    import json
+
+    with open(trace_path) as fh:
+        events = json.load(fh)["traceEvents"]
+    totals = {}
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("ph") == "X":
+            totals[e["name"]] = totals.get(e["name"], 0.0) + e["dur"] / 1e3 / steps
+    return totals
+
+
+def header(cfg):
+    n_params = sum(p.numel() for p in GPT(cfg.gpt()).parameters())
+    corpus = load_corpus()
+    what = "AdamW ZeRO-1 (every parameter)" if cfg.optimizer == "adamw" else f"Muon, {cfg.strategy} strategy"
+    return (f"GPT {cfg.layers} layers x d={cfg.d_model}, {cfg.heads} heads, context {cfg.context}: "
+            f"{n_params / 1e6:.2f} M parameters; {what}, lr {cfg.lr:g}\n"
+            f"Text: the standard library's sources, {corpus.train.numel() / 1e6:.1f} MB train "
+            f"({corpus.n_train_files} files), {corpus.val.numel() / 1e6:.1f} MB validation ({corpus.n_val_files} files); "
+            f"{cfg.batch} x {cfg.context} = {cfg.batch * cfg.context:,} tokens per step\n"
+            f"Grid: {cfg.dp * cfg.tp} ranks, DP={cfg.dp} x TP={cfg.tp}, torch {torch.__version__}\n")
+
+
+# =============================================================================
+# 5. The command line
+# =============================================================================
+
+def run(cfg, verify_run=False, print_fn=print):
+    """Check, train on cfg.dp x cfg.tp spawned Gloo ranks, summarize (and verify); returns a dict."""
+    validate(cfg)
+    print_fn(header(cfg))
+    t0 = time.perf_counter()
+    results = dm.spawn_ranks(replace(cfg, keep=cfg.keep or verify_run), train_rank)
+    wall_s = time.perf_counter() - t0
+    summary = summarize(cfg, results)
+    print_summary(cfg, summary, print_fn)
+    print_fn(f"Wall time: {wall_s:.1f} s (start, read the text, {cfg.steps} steps)")
+    out = dict(config=asdict(cfg), torch=torch.__version__, wall_s=wall_s, **summary)
+    if cfg.profile:
+        out["time_split_ms"] = [time_split(os.path.join(cfg.profile, f"rank{r}.json")) for r in range(len(results))]
+        print_fn(f"Traces: {cfg.profile}/rank0.json ... rank{len(results) - 1}.json (open in ui.perfetto.dev)")
+    if verify_run:
+        print_fn("")
+        out["checks"] = verify(cfg, results)
+        print_verification(cfg, out["checks"], print_fn)
+        out["passed"] = out["checks"]["passed"]
+    return out
+
+
+def build_parser():
+    d = TrainConfig()
+    p = argparse.ArgumentParser(description="Train a small GPT on the standard library's sources with distributed "
+                                            "Muon (or AdamW) on DP x TP Gloo ranks.")
+    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel size (default %(default)s)")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
+    p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZER_NAMES,
+                   help="muon (default): Muon for hidden matrices, AdamW for the rest; adamw: AdamW for all")
+    p.add_argument("--strategy", default=d.strategy, choices=dm.STRATEGIES, help="Muon's (default %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="(default %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate, constant (default %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default %(default)s)")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="Muon's (default %(default)s)")
+    p.add_argument("--batch", type=int, default=d.batch, help="windows per step, all DP ranks (default %(default)s)")
+    p.add_argument("--context", type=int, default=d.context, help="(default %(default)s)")
+    p.add_argument("--d-model", type=int, default=d.d_model, help="(default %(default)s)")
+    p.add_argument("--layers", type=int, default=d.layers, help="(default %(default)s)")
+    p.add_argument("--heads", type=int, default=d.heads, help="(default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="(default %(default)s)")
+    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines (default %(default)s)")
+    p.add_argument("--val-windows", type=int, default=d.val_windows, help="(default %(default)s)")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", metavar="SECONDS",
+                   help="a rank silent this long, or a collective waiting this long, ends the run (default %(default)s)")
+    p.add_argument("--profile", default="", metavar="DIR",
+                   help=f"write torch.profiler Chrome traces of steps {PROFILE_WAIT + PROFILE_WARMUP + 1}-"
+                        f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE} to DIR/rank<R>.json")
+    p.add_argument("--verify", action="store_true",
+                   help="train the same model in one process with torch.optim.Muon + AdamW and compare")
+    p.add_argument("--json", metavar="PATH", help="write the run's figures")
+    p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
+    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="under torchrun (default %(default)s)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="under torchrun (default %(default)s)")
+    p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(a):
+    return TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)})
+
+
+def under_torchrun():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def main_torchrun(args):
+    """Under torchrun: this process is one rank; rank 0 gathers the results and prints (no second copy
+    of the training: train_rank is the same)."""
+    import datetime
+
+    import distributed_muon as gpu
+
+    rank, world, local_rank = gpu.environment()
+    cfg = config_from_args(args)
+    try:
+        dm.check_topology(cfg.dp, cfg.tp, world)
+        validate(cfg)
+        if args.json:
+            dm.check_writable(args.json)
+        if args.backend == "nccl" and args.device != "cuda":
+            raise ValueError("NCCL needs --device cuda; on CPUs use --backend gloo --device cpu")
+        if args.device == "cuda" and torch.cuda.device_count() <= local_rank:
+            raise ValueError(f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} GPU(s) here: "
+                             f"use --backend gloo --device cpu")
+    except ValueError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                            device_id=torch.device(device) if args.device == "cuda" else None)
+    try:
+        if rank == 0:
+            print(header(cfg))
+        t0 = time.perf_counter()
+        result = train_rank(rank, replace(cfg, keep=args.verify), device)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+    except Exception as e:
+        print(f"error: rank {rank} failed: {dm.one_line(e)}", file=sys.stderr, flush=True)
+        return 1
+    code = 0
+    if rank == 0:
+        summary = summarize(cfg, gathered)
+        print_summary(cfg, summary)
+        print(f"Wall time: {time.perf_counter() - t0:.1f} s ({cfg.steps} steps, {args.backend})")
+        out = dict(config=asdict(cfg), torch=torch.__version__, backend=args.backend, device=args.device, **summary)
+        if args.verify:
+            out["checks"] = verify(cfg, gathered, device)
+            print()
+            print_verification(cfg, out["checks"])
+            code = 0 if out["checks"]["passed"] else 1
+        dm.write_json(args.json, out)
+    dist.destroy_process_group()
+    return code
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if under_torchrun():
+        return main_torchrun(args)
+
+    def work():
+        if args.json:
+            dm.check_writable(args.json)
+        out = run(config_from_args(args), verify_run=args.verify)
+        dm.write_json(args.json, out)
+        return 0 if out.get("passed", True) else 1
+
+    return dm.exit_code(work, args.traceback)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
