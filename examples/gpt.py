@@ -53,7 +53,7 @@ import distributed_muon_cpu as dm  # noqa: E402
 class GPTConfig:
     vocab: int = 256  # byte-level tokens
     context: int = 128
-    d_model: int = 128
+    d_model: int = 64
     n_layers: int = 4
     n_heads: int = 4
     seed: int = 0  # of the initial weights
@@ -63,7 +63,7 @@ def check_gpt(config, tp):
     """Raise ValueError (one line) when the model cannot be built or split over `tp` ranks."""
     for name in ("vocab", "context", "d_model", "n_layers", "n_heads"):
         if getattr(config, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(config, name)})")
+            raise ValueError(f"GPTConfig.{name} must be >= 1 (got {getattr(config, name)})")
     if config.d_model % config.n_heads:
         raise ValueError(f"--heads {config.n_heads} does not divide --d-model {config.d_model}")
     if config.n_heads % tp:

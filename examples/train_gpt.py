@@ -60,19 +60,19 @@ class TrainConfig:
     dp: int = 4
     tp: int = 2
     optimizer: str = "muon"  # or "adamw": AdamW ZeRO-1 on every parameter (the lesson's baseline)
-    strategy: str = "gather"  # one of dm.STRATEGIES (Muon only)
-    steps: int = 150
+    strategy: str = "owner"  # one of dm.STRATEGIES (Muon only); owner: each matrix orthogonalized once
+    steps: int = 120
     lr: float = 0.01
     weight_decay: float = 0.1  # matrices and embeddings; none on norms and biases
     momentum: float = 0.95
     batch: int = 16  # windows per step, over all DP ranks
     context: int = 128
-    d_model: int = 128
+    d_model: int = 64
     layers: int = 4
     heads: int = 4
     seed: int = 0  # of the initial weights and of the batches
     bucket_size: int = 1 << 16
-    log_every: int = 25
+    log_every: int = 20
     val_windows: int = 32
     timeout_s: float = dm.TIMEOUT_S
     profile: str = ""  # a folder for Chrome traces, one per rank ("" = no profiling)
@@ -94,8 +94,6 @@ def validate(cfg):
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZER_NAMES)} (got {cfg.optimizer!r})")
     if cfg.strategy not in dm.STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(dm.STRATEGIES)} (got {cfg.strategy!r})")
-    if cfg.optimizer == "adamw" and cfg.strategy != "gather":
-        raise ValueError(f"--optimizer adamw takes no --strategy (got {cfg.strategy}): strategies are Muon's")
     dm.check_hyperparameters(dm.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")
     if cfg.lr == 0:
@@ -130,7 +128,8 @@ def hyperparameters(cfg):
 
 
 def build_optimizer(model, cfg, grid):
-    return dm.OPTIMIZERS[cfg.strategy](param_groups(model, *hyperparameters(cfg)), grid=grid,
+    # AdamW ZeRO-1 is the gather class with no Muon group: the lesson's baseline
+    return dm.OPTIMIZERS["gather" if cfg.optimizer == "adamw" else cfg.strategy](param_groups(model, *hyperparameters(cfg)), grid=grid,
                                        tp_split_dims=model.tp_split_dims(), bucket_size=cfg.bucket_size)
 
 
@@ -208,6 +207,17 @@ class Trainings:
     dp: int
     tp: int
     timeout_s: float = dm.TIMEOUT_S
+
+
+def train_many(configs):
+    """Run TrainConfigs of one grid on one spawn of ranks: [(config, every rank's result)] in order."""
+    dp, tp = configs[0].dp, configs[0].tp
+    if any((c.dp, c.tp) != (dp, tp) for c in configs):
+        raise ValueError("train_many runs configurations of one grid")
+    for cfg in configs:
+        validate(cfg)
+    per_rank = dm.spawn_ranks(Trainings(tuple(configs), dp, tp, max(c.timeout_s for c in configs)), train_each)
+    return [(cfg, [r[i] for r in per_rank]) for i, cfg in enumerate(configs)]
 
 
 def clock(device):
@@ -546,7 +556,7 @@ def build_parser():
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
     p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZER_NAMES,
                    help="muon (default): Muon for hidden matrices, AdamW for the rest; adamw: AdamW for all")
-    p.add_argument("--strategy", default=d.strategy, choices=dm.STRATEGIES, help="Muon's (default %(default)s)")
+    p.add_argument("--strategy", choices=dm.STRATEGIES, help=f"Muon's (default {d.strategy})")
     p.add_argument("--steps", type=int, default=d.steps, help="(default %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate, constant (default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default %(default)s)")
@@ -575,7 +585,10 @@ def build_parser():
 
 
 def config_from_args(a):
-    return TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)})
+    if a.optimizer == "adamw" and a.strategy is not None:
+        raise ValueError(f"--optimizer adamw takes no --strategy (got {a.strategy}): strategies are Muon's")
+    given = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if getattr(a, f.name, None) is not None}
+    return TrainConfig(**given)
 
 
 def under_torchrun():
@@ -590,8 +603,8 @@ def main_torchrun(args):
     import distributed_muon as gpu
 
     rank, world, local_rank = gpu.environment()
-    cfg = config_from_args(args)
     try:
+        cfg = config_from_args(args)
         dm.check_topology(cfg.dp, cfg.tp, world)
         validate(cfg)
         if args.json:

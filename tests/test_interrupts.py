@@ -20,14 +20,15 @@ STOPS_WITHIN_S = 10  # what "within seconds" means on a loaded 2-core machine; i
 
 
 class Run:
-    """The script in its own session (a terminal's job), with TMPDIR under tmp_path."""
+    """The script (or another that uses its launcher) in its own session (a terminal's job), with TMPDIR
+    under tmp_path."""
 
-    def __init__(self, tmp_path, *argv):
+    def __init__(self, tmp_path, *argv, script=SCRIPT):
         self.tmp = tmp_path / "tmp"
         self.tmp.mkdir()
         # torch creates an (empty) compile cache in TMPDIR at import; it is torch's, and persistent
         env = dict(os.environ, TMPDIR=str(self.tmp), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-        self.proc = subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, script, *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
     def processes(self):
