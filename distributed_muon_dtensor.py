@@ -1,0 +1,1349 @@
+"""Distributed Muon for DTensor parameters: FSDP2 x tensor parallel on a 2-D DeviceMesh, MoE expert stacks.
+
+The lesson script, distributed_muon_cpu.py, describes where every piece of every
+matrix lives with its own bookkeeping: a grid of process groups, a virtual
+buffer cut into buckets, and one `dist_meta` per parameter and rank. PyTorch's
+own parallelism already carries that information on every parameter: with
+FSDP2 (`fully_shard`) and DTensor tensor parallelism (`parallelize_module`) a
+parameter IS a DTensor, and its device mesh and placements say exactly which
+rank holds which elements. This file is the lesson's owner strategy rebuilt on
+that description:
+
+    local shards --momentum / AdamW (elementwise, on the shard)--> update shards (bf16)
+    update shards --gather at owner (ONE all_to_all_single)------> full matrix, on its owner only
+    full matrix   --Newton-Schulz (torch's 2-D ops)--------------> orthogonal matrix
+    orthogonal    --scatter from owner (ONE all_to_all_single)---> every holder's shard of it
+
+Each Muon matrix is orthogonalized exactly once, by an owner chosen among the
+ranks that hold it, balanced by Newton-Schulz FLOPs (the lesson's
+longest-processing-time assignment). Everything is checked, bit for bit
+(torch.equal), against PyTorch's single-device torch.optim.Muon and
+torch.optim.AdamW fed the same total gradient.
+
+Launch recipes
+--------------
+    python distributed_muon_dtensor.py                     # 8 Gloo ranks, mesh dp=4 x tp=2, 3 steps, PASS/FAIL
+    python distributed_muon_dtensor.py --dp 3 --tp 2       # uneven FSDP2 shards (dims that 3 does not divide)
+    python distributed_muon_dtensor.py --dp 2 --tp 4 --json run.json
+    python distributed_muon_dtensor.py --compare           # bytes and FLOPs beside the lesson's owner / comm-free
+    python distributed_muon_dtensor.py --help
+
+The optimizer alone, in your own training script (every rank, after init_process_group):
+
+    from distributed_muon_dtensor import DTensorMuon
+    opt = DTensorMuon([dict(params=matrices, algorithm="muon"),      # [(name, param)], DTensor or not
+                       dict(params=others, algorithm="adamw")],
+                      expert_stacks={"layers.0.moe.w1"}, lr=0.02)
+    loss.backward(); opt.step()
+
+Not tested here, because this machine has no GPU: the same code on NCCL. Nothing
+in it is CPU-specific (the all-to-alls and the index copies run on the
+parameters' device), so under torchrun, after
+dist.init_process_group("nccl") and torch.cuda.set_device(local_rank), building
+the mesh with init_device_mesh("cuda", (dp, tp)) should be all that changes;
+this file's own demo launches Gloo CPU ranks only. Bitwise agreement with
+torch on a GPU would also need torch's reference on the same GPU (see the
+lesson's notes/06-gpus.md).
+
+Reading order (each section opens with what it does and why)
+    1. What is reused from the lesson (the math, the owners, the launcher)
+    2. Placements: where each element lives (what replaces dist_meta)
+    3. The plan: matrices, their holders and owners, the transfers
+    4. The configuration: automatic from placements, or your own callables
+    5. The optimizer (DTensorMuon, a torch.optim.Optimizer)
+    6. Checkpoints through torch.distributed.checkpoint, across meshes
+    7. The demo model (FSDP2 x TP x a MoE expert stack), a run, and its verification
+    8. Accounting, beside the lesson's strategies
+    9. Main: the command line
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import distributed_muon_cpu as dm
+
+# =============================================================================
+# 1. What is reused from the lesson
+# =============================================================================
+# Nothing of the math is written twice: Newton-Schulz, the momentum, the
+# learning-rate adjustment and AdamW come from the lesson's section 1, where
+# they are kept operation for operation identical to torch.optim.Muon and
+# torch.optim.AdamW. The owner assignment (longest-processing-time over
+# Newton-Schulz FLOPs) and its check come from its section 6, with the
+# function that moves many parts in one all-to-all (send_parts) and the
+# Newton-Schulz of an owner's matrices (newton_schulz_owned, which also records
+# FLOPs in a Ledger). The launcher (spawn_ranks, exit_code) is its section 9.
+from distributed_muon_cpu import (BATCHED_NS_BOUND, NS_COEFFICIENTS, NS_EPS, NS_STEPS, adamw_,  # noqa: E402,F401
+                                  adjusted_lr, assign_owners, check_owners, muon_momentum_, newton_schulz,
+                                  newton_schulz_flops)
+
+# =============================================================================
+# 2. Placements: where each element lives
+# =============================================================================
+# A DTensor carries a device mesh (an n-D array of ranks) and one placement per
+# mesh dim. With FSDP2 on a "dp" dim and TP on a "tp" dim, mesh (dp=3, tp=2):
+#
+#   nn.Linear(8, 10) under ColwiseParallel, then fully_shard:  weight (10, 8)
+#   placements (_StridedShard(dim=0, sf=2), Shard(dim=0)):
+#     TP splits the rows first (5 | 5), then FSDP splits each TP half over dp (2, 2, 1):
+#
+#        rows 0-1  -> (dp 0, tp 0) = rank 0      rows 5-6  -> (dp 0, tp 1) = rank 1
+#        rows 2-3  -> (dp 1, tp 0) = rank 2      rows 7-8  -> (dp 1, tp 1) = rank 3
+#        row  4    -> (dp 2, tp 0) = rank 4      row  9    -> (dp 2, tp 1) = rank 5
+#
+#   nn.Linear(10, 8) under RowwiseParallel, then fully_shard:  weight (8, 10)
+#   placements (Shard(dim=0), Shard(dim=1)): 3 | 3 | 2 rows x 5 | 5 columns.
+#
+# FSDP2 pads nothing that the optimizer sees: a dim that the dp size does not
+# divide is cut as torch.chunk cuts it (ceil-sized pieces first, the last ones
+# smaller, possibly empty); the padding lives in FSDP2's own all-gather buffer.
+# So shards are uneven, and some ranks may hold nothing of a small matrix.
+#
+# That is all dist_meta used to say (which rank keeps which range of which
+# matrix), and it is now a pure function of (global shape, mesh shape,
+# placements, mesh coordinate): local_indices below computes, for any rank, the
+# global flat index of each element of its local tensor, in its local order,
+# by applying each placement's own split (torch's _split_tensor, the code
+# DTensor uses itself) to a tensor of indices. Replicate dims copy and need no
+# gather. A Partial placement (a pending sum) cannot be orthogonalized: the
+# gradient must be reduced first, as FSDP2 and DDP do in backward.
+SHARD_PLACEMENTS = (Shard, _StridedShard)
+
+
+def placements_problem(name, placements):
+    """None when the optimizer can handle these placements, else why not (one line)."""
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, (Replicate,) + SHARD_PLACEMENTS):
+            continue
+        if placement.is_partial():
+            return (f"{name}: placement {placement} on mesh dim {dim} is a pending reduction (Partial); "
+                    f"reduce the gradient first, as FSDP2 and DDP do in backward")
+        return f"{name}: placement {placement} on mesh dim {dim} is not Shard, _StridedShard or Replicate"
+    return None
+
+
+def local_indices(shape, mesh_shape, placements, coordinate):
+    """Global flat indices of the elements the rank at `coordinate` holds, in its local tensor's order."""
+    index = torch.arange(math.prod(shape)).view(shape)
+    for size, placement, c in zip(mesh_shape, placements, coordinate):
+        if isinstance(placement, SHARD_PLACEMENTS):
+            index = placement._split_tensor(index, size, with_padding=False)[0][c]
+    return index.reshape(-1)
+
+
+def sharded_dims(placements):
+    """The mesh dims that cut the tensor; the others (Replicate) copy it."""
+    return tuple(i for i, p in enumerate(placements) if isinstance(p, SHARD_PLACEMENTS))
+
+
+# =============================================================================
+# 3. The plan: matrices, their holders and owners, the transfers
+# =============================================================================
+# A "matrix" is what Newton-Schulz sees: a 2-D Muon parameter, or one expert of
+# a 3-D expert stack (E, out, in) declared in expert_stacks (each expert is its
+# own matrix, as if the experts were E separate nn.Linear weights; whether the
+# expert dim is sharded, expert parallel, or not).
+#
+# The plan is made once, at construction, from shapes and placements only, and
+# every rank must make the SAME plan: the all-to-all needs every pair of ranks to
+# agree on what goes where. A rank does not see every DTensor, though: FSDP2
+# puts a parameter that TP does not split on the rank's own 1-D "dp" sub-mesh,
+# so on a 4 x 2 mesh a router weight is one DTensor on ranks {0, 2, 4, 6} and
+# another, equal but independent, on {1, 3, 5, 7}. So the ranks first swap
+# their descriptions (one all_gather_object at construction) and each plans
+# the union: a copy is keyed by (name, mesh ranks), and each copy's matrices
+# are orthogonalized once, by an owner among their own holders.
+#
+#   matrix W, held by 4 ranks, owner 2:                         one all_to_all_single
+#     rank 0: piece a --\                           /--> rank 0: a of NS(W)   each a batch of
+#     rank 1: piece b ---+--> rank 2: W = [a b c d] -+--> rank 1: b of NS(W)   every matrix of
+#     rank 3: piece d --/     (c is its own)  NS(W)   \--> rank 3: d of NS(W)   the step
+#
+# With Replicate dims, each piece is sent by the replica that sits where the
+# owner sits along those dims (the owner's own pieces never move), and the
+# result goes back to every replica (each keeps its own copy of the weights).
+#
+# Owners: the lesson's assign_owners balances over ranks 0..n-1, but a matrix
+# may only go to a rank that holds some of it (else it would travel whole to a
+# stranger). So matrices are grouped by their holder set, each group is handed
+# to assign_owners over its own holders (largest group first), and the holders
+# are listed least-loaded first, so the load of earlier groups carries over.
+# Holding a piece of everything, as with FSDP2 on dims the mesh divides, makes
+# it exactly the lesson's assignment.
+
+@dataclass(frozen=True)
+class Copy:
+    """One DTensor (or plain tensor) parameter as the ranks that hold it see it."""
+
+    name: str
+    group: int  # index of its param group
+    shape: tuple  # global shape
+    mesh_ranks: tuple  # global ranks of its mesh, row-major; () for a plain tensor (local)
+    mesh_shape: tuple
+    placements: tuple
+    expert_stack: bool
+
+    @property
+    def local(self):
+        """Plain tensors and all-Replicate DTensors: every holder has the whole thing, no exchange."""
+        return not self.mesh_ranks or not sharded_dims(self.placements)
+
+    @property
+    def matrix_shape(self):
+        return self.shape[1:] if self.expert_stack else self.shape
+
+    @property
+    def n_matrices(self):
+        return self.shape[0] if self.expert_stack else 1
+
+
+@dataclass
+class Matrix:
+    """One Newton-Schulz input and how it travels; transfers hold only what this rank takes part in."""
+
+    name: str  # e.g. "layers.0.moe.w1[3]", or "router.weight@1,3,5,7" when copies live on several meshes
+    copy: Copy
+    expert: int  # -1 for a 2-D parameter
+    holders: tuple  # global ranks that hold some of it
+    owner: int = -1
+    gather: list = field(default_factory=list)  # (source, destination, numel, positions at source, offsets at dest.)
+    scatter: list = field(default_factory=list)  # (source, destination, numel, offsets at source, positions at dest.)
+
+
+def matrix_name(copy, expert, copies_of_name):
+    where = "@" + ",".join(map(str, copy.mesh_ranks)) if copies_of_name > 1 else ""
+    return copy.name + (f"[{expert}]" if expert >= 0 else "") + where
+
+
+def copy_pieces(copy):
+    """[(shard key, [holder ranks], global flat indices)] of a distributed copy, one per distinct piece."""
+    mesh = torch.tensor(copy.mesh_ranks).view(copy.mesh_shape)
+    cut = sharded_dims(copy.placements)
+    pieces = {}
+    for coordinate in torch.cartesian_prod(*[torch.arange(s) for s in copy.mesh_shape]).view(-1, len(copy.mesh_shape)):
+        coordinate = tuple(coordinate.tolist())
+        key = tuple(coordinate[i] for i in cut)
+        if key not in pieces:
+            pieces[key] = ([], local_indices(copy.shape, copy.mesh_shape, copy.placements, coordinate))
+        pieces[key][0].append(int(mesh[coordinate]))
+    return [(key, ranks, index) for key, (ranks, index) in pieces.items()]
+
+
+def rank_at(copy, like, key):
+    """The rank holding piece `key` whose coordinate on the Replicate dims is that of rank `like`."""
+    mesh = torch.tensor(copy.mesh_ranks).view(copy.mesh_shape)
+    coordinate = torch.nonzero(mesh == like)[0].tolist()
+    for i, k in zip(sharded_dims(copy.placements), key):
+        coordinate[i] = k
+    return int(mesh[tuple(coordinate)])
+
+
+def assign_among_holders(ns_flops, holders, world, load=None):
+    """{matrix: owner}: the lesson's LPT per holder set, each set's holders least-loaded first."""
+    load = [0] * world if load is None else load
+    by_holders = {}
+    for name in ns_flops:
+        by_holders.setdefault(holders[name], []).append(name)
+    owners = {}
+    for ranks, names in sorted(by_holders.items(), key=lambda kv: (-sum(ns_flops[n] for n in kv[1]), kv[0])):
+        order = sorted(ranks, key=lambda r: (load[r], r))
+        for name, i in assign_owners({n: ns_flops[n] for n in names}, len(order)).items():
+            owners[name] = order[i]
+            load[order[i]] += ns_flops[name]
+    return {n: owners[n] for n in ns_flops}
+
+
+def plan_matrices(copies, group_ns_steps, me, world, assign=None):
+    """Every distributed matrix of `copies`, with owners and this rank's transfers; and the owners.
+
+    assign: None for assign_among_holders, or a callable (ns_flops, holders, world) -> {rank: [names]}.
+    """
+    copies_of_name = {}
+    for c in copies:
+        copies_of_name[c.name] = copies_of_name.get(c.name, 0) + 1
+    matrices, pieces_of = [], {}
+    for c in copies:
+        if c.local:
+            continue
+        pieces = copy_pieces(c)
+        per_matrix = math.prod(c.matrix_shape)
+        for e in range(c.n_matrices):
+            holders = set()
+            expert_pieces = []
+            for key, ranks, index in pieces:
+                inside = (index // per_matrix) == e if c.expert_stack else torch.ones_like(index, dtype=torch.bool)
+                positions = torch.nonzero(inside).view(-1)
+                if positions.numel():
+                    holders.update(ranks)
+                    expert_pieces.append((key, ranks, positions, index[positions] - e * per_matrix))
+            m = Matrix(matrix_name(c, e if c.expert_stack else -1, copies_of_name[c.name]), c,
+                       e if c.expert_stack else -1, tuple(sorted(holders)))
+            matrices.append(m)
+            pieces_of[m.name] = expert_pieces
+    ns_flops = {m.name: newton_schulz_flops(m.copy.matrix_shape, group_ns_steps[m.copy.group]) for m in matrices}
+    holders = {m.name: m.holders for m in matrices}
+    if assign is None:
+        owners = assign_among_holders(ns_flops, holders, world)
+    else:
+        owners = check_owners(assign(ns_flops, holders, world), list(ns_flops), world)
+        strangers = [f"{n} (rank {owners[n]}; holders {list(holders[n])})" for n in owners
+                     if owners[n] not in holders[n]]
+        if strangers:
+            raise ValueError("bad owner assignment: owned by a rank that holds none of it: " + "; ".join(strangers))
+    for m in matrices:
+        m.owner = owners[m.name]
+        for key, ranks, positions, offsets in pieces_of.pop(m.name):
+            source = m.owner if m.owner in ranks else rank_at(m.copy, m.owner, key)
+            if me in (source, m.owner):
+                m.gather.append((source, m.owner, positions.numel(), positions if me == source else None,
+                                 offsets if me == m.owner else None))
+            for r in ranks:
+                if me in (m.owner, r):
+                    m.scatter.append((m.owner, r, positions.numel(), offsets if me == m.owner else None,
+                                      positions if me == r else None))
+    return matrices, ns_flops, owners
+
+
+# =============================================================================
+# 4. The configuration: automatic from placements, or your own callables
+# =============================================================================
+# PyTorch's design discussion for a distributed torch.optim.Muon proposes a
+# `distributed_config` with three callables: who orthogonalizes what (assign),
+# how a matrix is put together on its owner (gather), and how the result goes
+# back (redistribute). Here the same three, with our names:
+#
+#   DistributedConfig()                          automatic: everything from the DTensor placements
+#   DistributedConfig(assign=f)                  automatic data path, your owners:
+#                                                f(ns_flops, holders, world) -> {rank: [matrix names]}
+#   DistributedConfig(gather=g, redistribute=r,  your own parallelism (plain tensors you sharded yourself):
+#                     global_shapes={...},         g(updates, owners) -> {name: full matrix} (the ones you own),
+#                     assign=f or None)            r(orthos, owners) -> {name: your local piece},
+#                                                f(ns_flops, world) -> {rank: [names]} (None: the lesson's LPT)
+#
+# Every assignment is checked at construction: each matrix owned exactly once
+# (the lesson's check_owners names each missing, doubled or unknown one), and,
+# in the automatic form, by a rank that holds some of it.
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    assign: Callable | None = None
+    gather: Callable | None = None
+    redistribute: Callable | None = None
+    global_shapes: dict | None = None  # explicit form only: {name: (rows, cols)} of each Muon matrix
+
+    @property
+    def explicit(self):
+        return self.gather is not None or self.redistribute is not None
+
+    def check(self):
+        if self.explicit and (self.gather is None or self.redistribute is None or self.global_shapes is None):
+            raise ValueError("an explicit distributed_config needs gather, redistribute and global_shapes together")
+        if not self.explicit and self.global_shapes is not None:
+            raise ValueError("global_shapes belongs to an explicit distributed_config (with gather and redistribute)")
+
+
+# =============================================================================
+# 5. The optimizer
+# =============================================================================
+# One step, as seen from one rank:
+#
+#   0. grad presence  one MAX all-reduce of a flag per parameter name (and one
+#                     for "a rank found a problem"): a parameter whose grad is
+#                     None on every rank is skipped, as torch skips it; one
+#                     with a gradient somewhere takes zeros where it is None
+#                     (never a hang: no rank enters an exchange the others skip)
+#   1. on the local shard: AdamW (elementwise: a shard gets the full tensor's bits),
+#                     or Muon's momentum, then the update cast to bf16 (the cast
+#                     Newton-Schulz does first anyway: half the bytes, no bit changed)
+#   2. gather at owner     one all_to_all_single for every matrix of the step
+#   3. Newton-Schulz       on the owner, one 2-D matrix at a time (torch's addmm
+#                          path, so torch's bits); batched_ns stacks same-shape
+#                          matrices instead (opt-in; within BATCHED_NS_BOUND)
+#   4. scatter from owner  one all_to_all_single back
+#   5. on the local shard: p <- p * (1 - lr * wd) - adjusted_lr * update, the
+#                          adjustment from the matrix's shape (per expert: (out, in))
+#
+# Gradients are taken as already reduced: p.grad is a DTensor with p's
+# placements holding the total gradient (what FSDP2's reduce-scatter leaves).
+# Optimizer state lives with the shard it belongs to, as DTensors with the
+# parameter's placements: the owner keeps nothing between steps, so a
+# checkpoint reshards like the parameters (section 6).
+
+def local_of(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like_param(p, tensor):
+    """`tensor` (local shape) as p is: a DTensor with p's mesh and placements, or itself."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(tensor, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return tensor
+
+
+def describe(name, group_index, p, expert_stack):
+    """The Copy of parameter p as this rank sees it (what the ranks swap at construction)."""
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        return Copy(name, group_index, tuple(p.shape), tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.mesh.shape),
+                    tuple(p.placements), expert_stack)
+    return Copy(name, group_index, tuple(p.shape), (), (), (), expert_stack)
+
+
+class DTensorMuon(torch.optim.Optimizer):
+    """Muon for DTensor (and plain) parameters on any mesh, AdamW for the rest; bit-identical to torch.
+
+    params: named parameters, as torch optimizers accept them: groups
+        {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", ...hyperparameters}.
+        Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks.
+    distributed_config: DistributedConfig (section 4); None: automatic.
+    batched_ns: owners orthogonalize their same-shape matrices in one batched call: faster for
+        many small ones, not bitwise torch's (within BATCHED_NS_BOUND of it). Off by default.
+    group: the process group of the exchanges (default: the whole world); every rank of it
+        builds the optimizer and calls step() together.
+    A parameter whose .grad is None on every rank is skipped (value and state untouched), as
+    torch.optim.Muon and AdamW skip it.
+    """
+
+    def __init__(self, params, *, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original",
+                 betas=(0.9, 0.999), eps=1e-8, expert_stacks=(), distributed_config=None, batched_ns=False,
+                 group=None):
+        dm.check_hyperparameters(bucket_size=1, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                 adjust_lr_fn=adjust_lr_fn)
+        defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps,
+                        adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
+        super().__init__(params, defaults)
+        self.config = distributed_config or DistributedConfig()
+        self.config.check()
+        self.batched_ns, self.ledger = batched_ns, dm.Ledger()
+        self.expert_stacks = set(expert_stacks)
+        self.axis = self._axis(group)
+        self.me = self.axis.ranks[self.axis.rank]  # global ranks everywhere; self.index maps them to the group's
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.param_by_name, self.group_of = {}, {}
+        problem = self._index_params()  # local checks; raised below on every rank at once, never a hang
+        copies = self._swap_descriptions(problem)
+        if self.config.explicit:
+            self._plan_explicit(copies)
+        else:
+            self._plan_automatic(copies)
+
+    # -- construction -------------------------------------------------------
+    @staticmethod
+    def _axis(group):
+        """The exchange group as the lesson's Axis: global ranks, this rank's index, the ProcessGroup."""
+        if not dist.is_initialized():
+            return dm.Axis("world", 1, 0, (0,), None)
+        group = group or dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return dm.Axis("world", len(ranks), ranks.index(dist.get_rank()), ranks, group)
+
+    def _index_params(self):
+        """Check what the step relies on; return the first problem as one line (or None)."""
+        for group in self.param_groups:
+            if group["algorithm"] not in ("muon", "adamw"):
+                return f"unknown algorithm {group['algorithm']!r}; use 'muon' or 'adamw'"
+            if "param_names" not in group:
+                return "pass named parameters: [(name, tensor), ...] (owners and checkpoints are keyed by name)"
+            for name, p in zip(group["param_names"], group["params"]):
+                if name in self.param_by_name:
+                    return f"parameter {name} appears twice"
+                self.param_by_name[name], self.group_of[name] = p, group
+                if p.dtype != torch.float32:
+                    return f"{name} is {p.dtype}; this reference keeps float32 parameters"
+                if isinstance(p, DTensor):
+                    why = placements_problem(name, p.placements)
+                    if why:
+                        return why
+                if group["algorithm"] == "muon":
+                    if name in self.expert_stacks:
+                        if p.ndim != 3:
+                            return f"expert stack {name} must be 3-D (experts, out, in); it has shape {tuple(p.shape)}"
+                    elif p.ndim != 2:
+                        return (f"Muon needs 2-D matrices; {name} has shape {tuple(p.shape)} (a 3-D expert stack "
+                                f"must be named in expert_stacks)")
+        unknown = sorted(self.expert_stacks - {n for n in self.param_by_name
+                                                if self.group_of[n]["algorithm"] == "muon"})
+        if unknown:
+            return f"expert_stacks names no Muon parameter: {', '.join(unknown)}"
+        if self.config.explicit:
+            if self.expert_stacks:
+                return "an explicit distributed_config takes 2-D matrices only (no expert_stacks)"
+            muon = [n for n in self.param_by_name if self.group_of[n]["algorithm"] == "muon"]
+            missing = [n for n in muon if n not in self.config.global_shapes]
+            if missing:
+                return f"global_shapes lacks Muon matrices: {', '.join(missing)}"
+        return None
+
+    def _swap_descriptions(self, problem):
+        """Every rank's Copies (one all_gather_object), so that every rank makes the same plan."""
+        mine = [describe(n, self.param_groups.index(self.group_of[n]), p, n in self.expert_stacks)
+                for n, p in self.param_by_name.items()]
+        if self.axis.size == 1:
+            everyone = [(problem, mine)]
+        else:
+            everyone = [None] * self.axis.size
+            dist.all_gather_object(everyone, (problem, mine), group=self.axis.group)
+        problems = [(self.axis.ranks[i], p) for i, (p, _) in enumerate(everyone) if p]
+        if problems:
+            rank, why = problems[0]
+            raise ValueError(why if rank == self.me else f"rank {rank}: {why}")
+        copies, seen = [], set()
+        for _, theirs in everyone:
+            for c in theirs:
+                if (c.name, c.mesh_ranks) not in seen and (c.mesh_ranks or c in mine):
+                    seen.add((c.name, c.mesh_ranks))
+                    copies.append(c)
+        self.names = sorted({c.name for _, theirs in everyone for c in theirs})  # what grad presence votes on
+        return copies
+
+    def _plan_automatic(self, copies):
+        muon_copies = [c for c in copies if self.param_groups[c.group]["algorithm"] == "muon"]
+        steps = {i: g["ns_steps"] for i, g in enumerate(self.param_groups)}
+        self.matrices, self.ns_flops, self.owners = plan_matrices(
+            muon_copies, steps, self.me, self.world, self.config.assign)
+        outside = sorted({m.name for m in self.matrices if not set(m.holders) <= set(self.axis.ranks)})
+        if outside:
+            raise ValueError(f"matrices held by ranks outside the optimizer's group: {', '.join(outside)}")
+        # Plain tensors and all-Replicate DTensors: orthogonalized where they are, on every rank that holds them.
+        me = self.me
+        self.local_matrices = {c.name: [matrix_name(c, e if c.expert_stack else -1, 1) for e in range(c.n_matrices)]
+                               for c in muon_copies if c.local and (not c.mesh_ranks or me in c.mesh_ranks)}
+        self.index = {r: i for i, r in enumerate(self.axis.ranks)}
+
+    def _plan_explicit(self, copies):
+        muon = [n for n in self.param_by_name if self.group_of[n]["algorithm"] == "muon"]
+        self.ns_flops = {n: newton_schulz_flops(self.config.global_shapes[n], self.group_of[n]["ns_steps"])
+                         for n in muon}
+        ranks = self.axis.ranks
+        owned = (self.config.assign(self.ns_flops, self.world) if self.config.assign is not None
+                 else {r: [n for n, o in assign_owners(self.ns_flops, len(ranks)).items() if ranks[o] == r]
+                       for r in ranks})
+        self.owners = check_owners(owned, muon, self.world)
+        strangers = sorted(n for n, r in self.owners.items() if r not in ranks)
+        if strangers:
+            raise ValueError(f"bad owner assignment: owned outside the optimizer's group: {', '.join(strangers)}")
+        self.matrices, self.local_matrices, self.index = [], {}, {}
+
+    # -- what the plan says, for people ------------------------------------
+    @property
+    def assignments(self):
+        """{matrix: owner rank} of every distributed matrix; local ones are orthogonalized where they are."""
+        return dict(self.owners)
+
+    def format_assignments(self):
+        """The assignment as a table: per rank, how many matrices, their GFLOP and their names."""
+        world = self.world
+        load, _ = dm.load_balance(self.ns_flops, self.owners, world)
+        rows = [[r, sum(o == r for o in self.owners.values()), f"{load[r] / 1e9:.4f}",
+                 " ".join(n for n, o in self.owners.items() if o == r) or "-"] for r in range(world)]
+        table = dm.format_table(["rank", "matrices", "NS GFLOP", "owns"], rows, [">", ">", ">", "<"])
+        local = sorted(n for names in self.local_matrices.values() for n in names)
+        return table + (f"\nlocal on every holder (plain or all-Replicate): {' '.join(local)}" if local else "")
+
+    # -- state ---------------------------------------------------------------
+    def _state_of(self, name):
+        """This parameter's state, created on first use as torch does (zeros, step 0), as DTensors like p."""
+        p = self.param_by_name[name]
+        state = self.state[p]
+        if not state:
+            zeros = lambda: like_param(p, torch.zeros_like(local_of(p), memory_format=torch.contiguous_format))
+            if self.group_of[name]["algorithm"] == "muon":
+                state["momentum_buffer"] = zeros()
+            else:
+                state.update(step=torch.tensor(0.0), exp_avg=zeros(), exp_avg_sq=zeros())
+        return state
+
+    def init_state(self):
+        """Create every parameter's state now (zeros, step 0), e.g. as the target of a checkpoint load."""
+        for name in self.param_by_name:
+            self._state_of(name)
+
+    def state_bytes(self):
+        return sum(local_of(t).numel() * local_of(t).element_size()
+                   for s in self.state.values() for t in s.values() if torch.is_tensor(t))
+
+    # -- the step -----------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.ledger.step += 1
+        grads, problem = self._local_grads()
+        active = self._vote_on_gradients(grads, problem)
+        updates = {}
+        # Flat views of every local tensor: elementwise math does not care about shape, and an empty
+        # shard's local shape may differ between FSDP2's parameter and a gradient made by distribute_tensor.
+        flat = lambda t: local_of(t).view(-1)
+        for name in active:
+            group, state = self.group_of[name], self._state_of(name)
+            p, grad = flat(self.param_by_name[name]), grads[name].reshape(-1)
+            if group["algorithm"] == "adamw":
+                state["step"] += 1
+                adamw_(p, grad, flat(state["exp_avg"]), flat(state["exp_avg_sq"]), state["step"].item(),
+                       lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+            else:
+                update = muon_momentum_(flat(state["momentum_buffer"]), grad, group["momentum"], group["nesterov"])
+                updates[name] = update.bfloat16().view(local_of(self.param_by_name[name]).shape)
+        orthos = self._orthogonalize(updates)
+        for name, ortho in orthos.items():
+            group, p = self.group_of[name], flat(self.param_by_name[name])
+            shape = (self.config.global_shapes[name] if self.config.explicit
+                     else tuple(self.param_by_name[name].shape)[-2:])
+            p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay: unadjusted lr, as torch
+            p.add_(ortho.reshape(-1), alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], shape))
+        return loss
+
+    def _local_grads(self):
+        """{name: local gradient or None} and the first problem with them (one line, or None)."""
+        grads, problem = {}, None
+        for name, p in self.param_by_name.items():
+            g = p.grad
+            if g is not None and problem is None:
+                if isinstance(p, DTensor) and not (isinstance(g, DTensor) and g.placements == p.placements
+                                                   and g.device_mesh == p.device_mesh):
+                    placements = g.placements if isinstance(g, DTensor) else "a plain tensor"
+                    problem = placements_problem(f"the gradient of {name}", g.placements) if isinstance(g, DTensor) \
+                        else None
+                    problem = problem or (f"the gradient of {name} is {placements}, the parameter "
+                                          f"{p.placements}: give it the parameter's placements")
+                elif g.shape != p.shape or local_of(g).numel() != local_of(p).numel():
+                    problem = f"the gradient of {name} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}"
+            grads[name] = None if g is None else local_of(g)
+        return grads, problem
+
+    def _vote_on_gradients(self, grads, problem):
+        """The names to update this step, the same on every rank; raise on every rank if any found a problem."""
+        flags = torch.tensor([n in grads and grads[n] is not None for n in self.names] + [problem is not None])
+        votes = dm.any_rank(flags, self.axis, self.ledger, "grad presence")
+        if problem:
+            raise ValueError(problem)
+        if votes[-1]:
+            raise ValueError("another rank found a problem with its gradients (it raised the details)")
+        present = {n for n, v in zip(self.names, votes[:-1].tolist()) if v}
+        for name in present & set(grads):
+            if grads[name] is None:  # a gradient elsewhere but not here: zeros, as DDP's reduction would give
+                grads[name] = torch.zeros_like(local_of(self.param_by_name[name]))
+        return [n for n in self.param_by_name if n in present]
+
+    def _orthogonalize(self, updates):
+        """{name: bf16 update of this rank's local shard} -> {name: its orthogonalized local shard}."""
+        if self.config.explicit:
+            return self._orthogonalize_explicit(updates)
+        group_of = {}
+        orthos = {}
+        local_full = {}
+        for name, matrices in self.local_matrices.items():  # no exchange: the whole matrix is here
+            if name in updates:
+                stack = updates[name].view(-1, *updates[name].shape[-2:])
+                for i, m in enumerate(matrices):
+                    local_full[m], group_of[m] = stack[i], self.group_of[name]
+        if local_full:
+            done = dm.newton_schulz_owned(local_full, group_of, self.ledger, self.batched_ns)
+            for name, matrices in self.local_matrices.items():
+                if name in updates:
+                    orthos[name] = torch.stack([done[m] for m in matrices]).view(updates[name].shape)
+        active = [m for m in self.matrices if m.copy.name in updates and (m.gather or m.scatter)]
+        full = self._gather_at_owners(updates, active)
+        for m in active:
+            if m.owner == self.me:
+                group_of[m.name] = self.param_groups[m.copy.group]
+        orthogonal = dm.newton_schulz_owned(full, group_of, self.ledger, self.batched_ns)
+        orthos.update(self._scatter_from_owners(orthogonal, updates, active))
+        return orthos
+
+    def _gather_at_owners(self, updates, active):
+        me, dtype = self.me, torch.bfloat16
+        transfers, receiving = [], []
+        for m in active:
+            for source, destination, numel, positions, offsets in m.gather:
+                part = updates[m.copy.name].view(-1)[positions] if source == me else None
+                transfers.append((self.index[source], self.index[destination], numel, part))
+                if destination == me:
+                    receiving.append((m, offsets))
+        parts = dm.send_parts(transfers, self.axis, self.ledger, "gather at owner", dtype, self._device())()
+        full = {}
+        for (m, offsets), part in zip(receiving, parts):
+            if m.name not in full:
+                full[m.name] = torch.empty(m.copy.matrix_shape, dtype=dtype, device=part.device)
+            full[m.name].view(-1)[offsets] = part
+        return full
+
+    def _scatter_from_owners(self, orthogonal, updates, active):
+        me, dtype = self.me, torch.bfloat16
+        transfers, receiving = [], []
+        for m in active:
+            for source, destination, numel, offsets, positions in m.scatter:
+                part = orthogonal[m.name].reshape(-1)[offsets] if source == me else None
+                transfers.append((self.index[source], self.index[destination], numel, part))
+                if destination == me:
+                    receiving.append((m, positions))
+        parts = dm.send_parts(transfers, self.axis, self.ledger, "scatter from owner", dtype, self._device())()
+        local = {}
+        for (m, positions), part in zip(receiving, parts):
+            name = m.copy.name
+            if name not in local:
+                local[name] = torch.empty(updates[name].numel(), dtype=dtype, device=part.device)
+            local[name][positions] = part
+        return local
+
+    def _orthogonalize_explicit(self, updates):
+        """Your gather, Newton-Schulz on the owners, your redistribute; shapes checked on the way."""
+        full = self.config.gather(dict(updates), dict(self.owners))
+        me = self.me
+        for name in [n for n in updates if self.owners[n] == me]:
+            got = tuple(full[name].shape) if name in full else None
+            if got != tuple(self.config.global_shapes[name]):
+                raise ValueError(f"gather gave {name} as {got}, expected {tuple(self.config.global_shapes[name])}")
+        orthogonal = dm.newton_schulz_owned({n: full[n] for n in updates if self.owners[n] == me},
+                                            self.group_of, self.ledger, self.batched_ns)
+        local = self.config.redistribute(orthogonal, dict(self.owners))
+        for name in updates:
+            if name not in local or local[name].numel() != updates[name].numel():
+                raise ValueError(f"redistribute gave no piece of {name} the size of this rank's parameter")
+        return {n: local[n] for n in updates}
+
+    def _device(self):
+        return self.param_groups[0]["params"][0].device
+
+
+# =============================================================================
+# 6. Checkpoints through torch.distributed.checkpoint, across meshes
+# =============================================================================
+# The optimizer's state is sharded exactly as its parameter is (section 5): a
+# momentum buffer or AdamW moment is a DTensor with the parameter's mesh and
+# placements, on the ranks that hold the parameter, whoever owns the matrix.
+# So torch.distributed.checkpoint (DCP) reshards it as it reshards the weights:
+# each rank writes its local shards with their global offsets, and a load on
+# another mesh (4 x 2 -> 2 x 2, -> 8 x 1, or into one process with plain
+# tensors) reads, for each of its own shards, the overlapping pieces of the
+# saved ones. The state dict is keyed by parameter name, never by position or
+# owner, so a different assignment of owners on the new mesh changes nothing.
+#
+#   {"params": {name: parameter},
+#    "optim":  {name: {"momentum_buffer"} or {"step", "exp_avg", "exp_avg_sq"}}}
+#
+# DCP loads in place: build the model and optimizer on the new mesh, create the
+# state (init_state: zeros and step 0, the targets), then dcp.load. Both run on
+# the optimizer's group: on a mesh smaller than the world, the other ranks
+# would never join a collective of the whole world.
+
+def checkpoint_state(named_params, optimizer):
+    """The DCP state dict of the parameters and their optimizer state (every tensor a live one: load writes into it)."""
+    optimizer.init_state()
+    return {"params": {n: p.detach() for n, p in named_params},
+            "optim": {n: dict(optimizer.state[p]) for n, p in optimizer.param_by_name.items()}}
+
+
+def save_checkpoint(path, named_params, optimizer):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(checkpoint_state(named_params, optimizer), checkpoint_id=path, process_group=optimizer.axis.group)
+
+
+def load_checkpoint(path, named_params, optimizer):
+    """Load into this rank's shards on whatever mesh the parameters now live (or plain tensors, no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = checkpoint_state(named_params, optimizer)
+    dcp.load(state, checkpoint_id=path, process_group=optimizer.axis.group, no_dist=not dist.is_initialized())
+    for name, p in optimizer.param_by_name.items():  # a scalar step may come back as a new tensor object
+        optimizer.state[p].update(state["optim"][name])
+
+
+# =============================================================================
+# 7. The demo model, a run, and its verification
+# =============================================================================
+# A small transformer-like model with an MoE layer, parallelized the way
+# torchtitan does it: TP inside a row of the mesh, FSDP2 across the rows.
+#
+#   name                         shape            TP (mesh dim "tp")        FSDP2 (mesh dim "dp")   optimizer
+#   embed.weight                 (V, d)           -                         Shard(0)                AdamW
+#   layers.i.norm.weight/.bias   (d,)             -                         Shard(0)                AdamW, no decay
+#   layers.i.fc1.weight          (4d, d)          ColwiseParallel: Shard(0) _StridedShard(0)     Muon
+#   layers.i.fc1.bias            (4d,)            Shard(0)                  _StridedShard(0)        AdamW, no decay
+#   layers.i.fc2.weight          (d, 4d)          RowwiseParallel: Shard(1) Shard(0)                Muon
+#   layers.i.fc2.bias            (d,)             Replicate                 Shard(0)                AdamW, no decay
+#   layers.i.moe.router.weight   (E, d)           -                         Shard(0)                Muon (one copy per TP column)
+#   layers.i.moe.w1              (E, h, d)        expert parallel: Shard(0) Shard(1) [*]            Muon, per expert
+#   layers.i.moe.w2              (E, d, h)        expert parallel: Shard(0) Shard(1) [*]            Muon, per expert
+#   head.weight                  (V, d)           -                         Shard(0)                AdamW
+#
+# [*] FSDP2 shards a dim other than 0 only when dp divides it; else it shards the
+#     expert dim further (_StridedShard(0)), and each expert then lives whole on some rank.
+# "-": FSDP2 puts that parameter on the rank's own dp column, a 1-D mesh; the
+# router is then one DTensor per TP column, each orthogonalized by its own owner.
+# The default sizes are chosen so that dp = 3 (and dp = 8 on small dims) leaves
+# uneven and empty shards.
+#
+# The verification is the lesson's: exact gradients (integers times 2**-10, so
+# that no summation order can matter) are given to every rank as DTensors with
+# the parameter's placements (distribute_tensor, torch's own split: not this
+# file's local_indices), and the same full gradients to torch.optim.Muon (one
+# 2-D tensor per matrix, per expert) and torch.optim.AdamW(foreach=False) in
+# one process. Every element each rank holds must equal torch's at the same
+# place (found by DTensor's own distribute_tensor), bit for bit, and every
+# element must be held by some rank.
+
+@dataclass(frozen=True)
+class DemoConfig:
+    dp: int = 4
+    tp: int = 2
+    steps: int = 3
+    seed: int = 0
+    lr: float = 0.02
+    momentum: float = 0.95
+    weight_decay: float = 0.1
+    vocab: int = 100
+    d: int = 40
+    layers: int = 2
+    experts: int = 4
+    expert_hidden: int = 36
+    batched_ns: bool = False
+    timeout_s: float = dm.TIMEOUT_S
+    missing_grads: tuple = ()  # (name, step): a gradient None on every rank at that step (tests)
+    checkpoint: str = ""  # a folder: save after checkpoint_step (tests)
+    checkpoint_step: int = 0
+    resume: str = ""  # a folder to load before step resume_step + 1 (tests)
+    resume_step: int = 0
+    bad: str = ""  # tests: "partial" gives a gradient a Partial placement
+    train: bool = False  # real forward / backward through FSDP2 and TP instead of exact gradients
+    explicit: bool = False  # tests, in Runs: the explicit distributed_config on plain row-chunked tensors instead
+
+
+class MoE(nn.Module):
+    """A dense soft mixture of experts: every token through every expert, mixed by the router's softmax.
+    (A real MoE routes each token to its top-k experts; the optimizer sees the same parameters.)"""
+
+    def __init__(self, d, hidden, experts):
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, d) / math.sqrt(d))
+        self.w2 = nn.Parameter(torch.randn(experts, d, hidden) / math.sqrt(hidden))
+
+    def forward(self, x):
+        gates = self.router(x).softmax(-1)
+        w1, w2 = (w.full_tensor() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
+        hidden = torch.einsum("btd,ehd->bteh", x, w1).relu()
+        return torch.einsum("bteh,edh,bte->btd", hidden, w2, gates)
+
+
+class Layer(nn.Module):
+    def __init__(self, d, hidden, experts):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.moe = MoE(d, hidden, experts)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.fc2(F.gelu(self.fc1(h))) + self.moe(h)
+
+
+class DemoModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        torch.manual_seed(cfg.seed)  # every rank and the reference start from the same weights
+        self.embed = nn.Embedding(cfg.vocab, cfg.d)
+        self.layers = nn.ModuleList(Layer(cfg.d, cfg.expert_hidden, cfg.experts) for _ in range(cfg.layers))
+        self.head = nn.Linear(cfg.d, cfg.vocab, bias=False)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def expert_stack_names(model):
+    return {n for n, p in model.named_parameters() if p.ndim == 3}
+
+
+def param_groups(model, cfg):
+    """Muon for 2-D weights and expert stacks; AdamW for the rest (no decay on norms and biases)."""
+    named = list(model.named_parameters())
+    muon = [(n, p) for n, p in named if p.ndim >= 2 and not n.startswith(("embed.", "head."))]
+    adamw = [(n, p) for n, p in named if n.startswith(("embed.", "head."))]
+    no_wd = [(n, p) for n, p in named if p.ndim < 2]
+    return [dict(params=muon, algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum),
+            dict(params=adamw, algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay),
+            dict(params=no_wd, algorithm="adamw", lr=cfg.lr, weight_decay=0.0)]
+
+
+def parallelize(model, mesh):
+    """TP (Colwise fc1, Rowwise fc2, experts split over tp) inside each row, then FSDP2 over dp."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp, dp = mesh["tp"], mesh["dp"]
+    for layer in model.layers:
+        parallelize_module(layer, tp, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        for name in ("w1", "w2"):  # expert parallel over the tp dim: each tp rank keeps E / tp experts
+            w = getattr(layer.moe, name)
+            setattr(layer.moe, name, nn.Parameter(distribute_tensor(w.detach(), tp, [Shard(0)], src_data_rank=None)))
+    # FSDP2 cuts each expert (dim 1) where it can: it shards dims other than 0 only evenly; else the expert dim.
+    experts_on_dim_1 = lambda p: Shard(1) if p.ndim == 3 and p.shape[1] % dp.size() == 0 else None
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp, shard_placement_fn=experts_on_dim_1)
+    fully_shard(model, mesh=dp, shard_placement_fn=experts_on_dim_1)
+    return model
+
+
+def exact_grads(shapes, seed, step):
+    """{name: total gradient}: integers times 2**-10 in [-1/4, 1/4], exact in any summation order."""
+    grads = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + i)
+        grads[name] = torch.randint(-dm.GRAD_MAX_INT, dm.GRAD_MAX_INT + 1, shape, generator=g).float() * dm.GRAD_SCALE
+    return grads
+
+
+def build_optimizer(model, cfg):
+    return DTensorMuon(param_groups(model, cfg), expert_stacks=expert_stack_names(model), batched_ns=cfg.batched_ns)
+
+
+def give_grads(model, cfg, step):
+    """Every parameter's exact total gradient, as a DTensor with its placements (None where cfg says so)."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    missing = {n for n, s in cfg.missing_grads if s == step}
+    for name, g in exact_grads(shapes, cfg.seed, step).items():
+        p = dict(model.named_parameters())[name]
+        if name in missing:
+            p.grad = None
+        elif isinstance(p, DTensor):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+        else:
+            p.grad = g
+
+
+BATCH, SEQ = 2, 8  # --train: tokens per DP rank and step
+
+
+def batch(cfg, step, dp_rank):
+    """--train: the (tokens, targets) DP rank dp_rank sees at `step`; the TP ranks of a row see the same."""
+    g = torch.Generator().manual_seed(cfg.seed * 7919 + step * 104729 + dp_rank)
+    tokens = torch.randint(0, cfg.vocab, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def run_on_mesh(cfg, rank):
+    """Build, parallelize and step the demo on a mesh of the first dp x tp ranks; return what the parent checks.
+
+    Ranks outside that mesh only take part in creating it (DeviceMesh and new_group are
+    collective over the whole world) and return None.
+    """
+    import logging
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # full_tensor() of a _StridedShard parameter (for the check) warns that it takes two all-gathers: known, fine
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    world = cfg.dp * cfg.tp
+    mesh = DeviceMesh("cpu", torch.arange(world).view(cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    group = dist.new_group(list(range(world))) if world < dist.get_world_size() else None
+    if rank >= world:
+        return None
+    model = parallelize(DemoModel(cfg), mesh)
+    config = DistributedConfig(assign=lambda ns_flops, holders, world: {0: []}) if cfg.bad == "assign" else None
+    opt = DTensorMuon(param_groups(model, cfg), expert_stacks=expert_stack_names(model), batched_ns=cfg.batched_ns,
+                      group=group, distributed_config=config)
+    if cfg.bad == "partial":
+        from torch.distributed.tensor import Partial
+
+        p = opt.param_by_name["layers.0.fc2.weight"]
+        p.grad = DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, [Partial(), Partial()],
+                                    run_check=False, shape=p.shape, stride=p.stride())
+        opt.step()
+    first = 1
+    if cfg.resume:
+        load_checkpoint(cfg.resume, list(model.named_parameters()), opt)
+        first = cfg.resume_step + 1
+    step_ms, first_grads = [], {}
+    for step in range(first, cfg.steps + 1):
+        if cfg.train:
+            opt.zero_grad()
+            model(*batch(cfg, step, mesh.get_coordinate()[0])).backward()  # FSDP2: grads reduce-scattered (mean)
+            if step == first:
+                first_grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        else:
+            give_grads(model, cfg, step)
+        t0 = time.perf_counter()
+        opt.step()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        if cfg.checkpoint and step == cfg.checkpoint_step:
+            save_checkpoint(cfg.checkpoint, list(model.named_parameters()), opt)
+    named = list(model.named_parameters())
+    # What this rank holds, and where each element sits in the full tensor, by torch's own distribute_tensor of
+    # an index tensor (not this file's local_indices, and no collective: full_tensor() of an empty FSDP2 shard
+    # is not safe on every mesh here).
+    params = {n: local_of(p).detach().clone() for n, p in named}
+    where = {n: distribute_tensor(torch.arange(p.numel()).view(p.shape), p.device_mesh, p.placements,
+                                  src_data_rank=None).to_local().reshape(-1) if isinstance(p, DTensor)
+             else torch.arange(p.numel()) for n, p in named}
+    return dict(rank=rank, params=params, where=where, first_grads=first_grads, ledger=asdict(opt.ledger), owners=opt.assignments,
+                table=opt.format_assignments() if rank == 0 else "", state_bytes=opt.state_bytes(), step_ms=step_ms,
+                placements={n: str(tuple(p.placements)) if isinstance(p, DTensor) else "plain" for n, p in named})
+
+
+def run_demo_rank(rank, cfg, device):
+    """The body of every rank of the demo (dm.spawn_ranks): one run on the whole world."""
+    torch.set_num_threads(1)
+    return run_on_mesh(cfg, rank)
+
+
+def reference_params(cfg, first_step=1, start=None):
+    """torch.optim.Muon (one 2-D tensor per matrix, per expert) + AdamW(foreach=False), one process, same gradients."""
+    torch.set_num_threads(1)  # bf16 matmul bits may depend on it: the ranks run with one thread too
+    model = DemoModel(cfg)
+    stacks = expert_stack_names(model)
+    full = {n: p.detach().clone() for n, p in model.named_parameters()} if start is None else \
+        {n: t.clone() for n, t in start.items()}
+    tensors = {}  # optimizer-facing tensors: experts split into their own 2-D matrices
+    for name, t in full.items():
+        if name in stacks:
+            for e in range(t.shape[0]):
+                tensors[f"{name}[{e}]"] = nn.Parameter(t[e].clone())
+        else:
+            tensors[name] = nn.Parameter(t.clone())
+    groups = param_groups(model, cfg)
+    of = lambda g: [tensors[k] for n, _ in g["params"] for k in (
+        [f"{n}[{e}]" for e in range(full[n].shape[0])] if n in stacks else [n])]
+    muon = torch.optim.Muon(of(groups[0]), lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                            nesterov=True, adjust_lr_fn="original")
+    adamw = torch.optim.AdamW([dict(params=of(g), weight_decay=g["weight_decay"]) for g in groups[1:]], lr=cfg.lr,
+                              foreach=False)
+    return tensors, stacks, muon, adamw, full
+
+
+def run_reference(cfg, first_step=1, start=None, reference=None):
+    """{name: full parameter} after cfg.steps steps of torch's optimizers, fed exact_grads (or, with
+    cfg.train, the gradient of the whole batch: every DP rank's tokens, one mean loss)."""
+    tensors, stacks, muon, adamw, full = reference_params(cfg)
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    model = DemoModel(cfg) if cfg.train else None
+    for step in range(1, cfg.steps + 1):
+        missing = {n for n, s in cfg.missing_grads if s == step}
+        if cfg.train:
+            with torch.no_grad():  # the model computes with the optimizer's current weights
+                for name, p in model.named_parameters():
+                    p.copy_(torch.stack([tensors[f"{name}[{e}]"] for e in range(p.shape[0])]) if name in stacks
+                            else tensors[name])
+            model.zero_grad()
+            tokens, targets = zip(*(batch(cfg, step, d) for d in range(cfg.dp)))
+            model(torch.cat(tokens), torch.cat(targets)).backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            if step == 1 and reference is not None:
+                reference["first_grads"] = {n: g.clone() for n, g in grads.items()}
+        else:
+            grads = exact_grads(shapes, cfg.seed, step)
+        for name, g in grads.items():
+            keys = [f"{name}[{e}]" for e in range(g.shape[0])] if name in stacks else [name]
+            for k, piece in zip(keys, g if name in stacks else [g]):
+                tensors[k].grad = None if name in missing else piece.clone()
+        muon.step()
+        adamw.step()
+    return {n: torch.stack([tensors[f"{n}[{e}]"].detach() for e in range(full[n].shape[0])]) if n in stacks
+            else tensors[n].detach() for n in full}
+
+
+def verify(cfg, results, reference):
+    """One check per parameter: every rank's local elements against torch's at the same places (torch.equal),
+    every element held by some rank, and the largest difference."""
+    checks = []
+    for name, ref in reference.items():
+        flat = ref.reshape(-1)
+        same = all(torch.equal(r["params"][name].reshape(-1), flat[r["where"][name]]) for r in results)
+        covered = torch.zeros(flat.numel(), dtype=torch.bool)
+        for r in results:
+            covered[r["where"][name]] = True
+        diff = max(((r["params"][name].reshape(-1) - flat[r["where"][name]]).abs().max().item()
+                    if r["where"][name].numel() else 0.0) for r in results)
+        checks.append(dict(name=name, shape=tuple(ref.shape), placements=results[0]["placements"][name],
+                           identical=same and bool(covered.all()), max_abs_diff=diff))
+    return checks
+
+
+# The explicit form of section 4, on parallelism DTensor does not describe: plain
+# tensors, each rank keeping its torch.chunk of every matrix's rows (uneven,
+# possibly empty). The gather and redistribute below are deliberately plain
+# (a padded all-gather and a broadcast per matrix): what a user might write
+# first; the optimizer only checks what they return.
+EXPLICIT_SHAPES = {"a.weight": (30, 20), "b.weight": (20, 30), "c.weight": (7, 5)}
+
+
+def rows_of(full, rank, world):
+    chunks = full.chunk(world, dim=0)
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def explicit_config(world, assign=None):
+    def gather(updates, owners):
+        full = {}
+        for name, local in updates.items():
+            rows = -(-EXPLICIT_SHAPES[name][0] // world)  # pad: Gloo's all_gather needs equal sizes
+            padded = local.new_zeros(rows, local.shape[1])
+            padded[:local.shape[0]] = local
+            pieces = [torch.empty_like(padded) for _ in range(world)]
+            dist.all_gather(pieces, padded)
+            if owners[name] == dist.get_rank():
+                counts = [rows_of(torch.empty(EXPLICIT_SHAPES[name]), r, world).shape[0] for r in range(world)]
+                full[name] = torch.cat([p[:c] for p, c in zip(pieces, counts)])
+        return full
+
+    def redistribute(orthos, owners):
+        local = {}
+        for name, owner in owners.items():
+            # contiguous(): Newton-Schulz returns a tall matrix as a transposed view, and a collective sends storage
+            full = (orthos[name].contiguous() if owner == dist.get_rank()
+                    else torch.empty(EXPLICIT_SHAPES[name], dtype=torch.bfloat16))
+            dist.broadcast(full, src=owner)
+            local[name] = rows_of(full, dist.get_rank(), world)
+        return local
+
+    return DistributedConfig(assign=assign, gather=gather, redistribute=redistribute, global_shapes=EXPLICIT_SHAPES)
+
+
+def run_explicit_rank(rank, cfg, device):
+    """Every rank: its rows of each EXPLICIT_SHAPES matrix, cfg.steps steps with exact gradients."""
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    torch.manual_seed(cfg.seed)
+    full = {n: torch.randn(s) for n, s in EXPLICIT_SHAPES.items()}
+    params = {n: nn.Parameter(rows_of(t, rank, world).clone()) for n, t in full.items()}
+    opt = DTensorMuon([dict(params=list(params.items()), algorithm="muon", lr=cfg.lr,
+                            weight_decay=cfg.weight_decay, momentum=cfg.momentum)],
+                      distributed_config=explicit_config(world))
+    for step in range(1, cfg.steps + 1):
+        for name, g in exact_grads(EXPLICIT_SHAPES, cfg.seed, step).items():
+            params[name].grad = rows_of(g, rank, world).clone()
+        opt.step()
+    return dict(rank=rank, params={n: p.detach() for n, p in params.items()}, owners=opt.assignments)
+
+
+def run_explicit_reference(cfg):
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    params = {n: nn.Parameter(torch.randn(s)) for n, s in EXPLICIT_SHAPES.items()}
+    opt = torch.optim.Muon(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                           nesterov=True, adjust_lr_fn="original")
+    for step in range(1, cfg.steps + 1):
+        for name, g in exact_grads(EXPLICIT_SHAPES, cfg.seed, step).items():
+            params[name].grad = g.clone()
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Several DemoConfigs in ONE spawn of dp x tp ranks, one after another, each on its own (sub-)mesh:
+    starting 8 ranks costs seconds here, a run on a small model much less."""
+
+    runs: tuple
+    dp: int = 8
+    tp: int = 1
+    timeout_s: float = dm.TIMEOUT_S
+
+
+def run_many_rank(rank, runs, device):
+    torch.set_num_threads(1)
+    results = []
+    for cfg in runs.runs:
+        if cfg.explicit:
+            results.append(run_explicit_rank(rank, cfg, device))
+        elif cfg.bad:  # tests: the error every rank of the mesh raises, the same on each (never a hang)
+            try:
+                results.append(run_on_mesh(cfg, rank))
+            except ValueError as e:
+                results.append(dict(rank=rank, error=str(e)))
+        else:
+            results.append(run_on_mesh(cfg, rank))
+        dist.barrier()  # the next run's checkpoint may be this one's: every rank done writing first
+    return results
+
+
+# =============================================================================
+# 8. Accounting, beside the lesson's strategies
+# =============================================================================
+# Bytes come from each rank's Ledger: the lesson's send_parts records what every
+# all-to-all really sends and receives (exact counts, not a ring model), and
+# newton_schulz_owned the FLOPs of every Newton-Schulz call. Gloo's profiler
+# records no message sizes, hence the ledger. The lesson's own runs (dm.run)
+# give the same figures for its owner and comm-free strategies; the models
+# differ (the lesson's is its section 3 transformer, with its ZeRO-1 gradient
+# reduce-scatter and parameter all-gather inside the optimizer), so the table
+# is per strategy as each runs, on the same dp x tp grid, not one model under
+# two optimizers.
+DTENSOR_PHASES = ("grad presence", "gather at owner", "scatter from owner")
+
+
+def account(cfg, results):
+    """Bytes per phase (last step; every rank), NS FLOPs per rank (last step), and whether steps moved the same."""
+    ledgers = [r["ledger"] for r in results]
+    tables = [dm.bytes_per_step(ledgers, s, DTENSOR_PHASES) for s in range(1, cfg.steps + 1)]
+    flops = [sum(c["flops"] for c in ledger["compute"] if c["step"] == cfg.steps) for ledger in ledgers]
+    return tables[-1], all(t == tables[0] for t in tables), flops
+
+
+def single_device_flops(cfg):
+    model = DemoModel(cfg)
+    stacks = expert_stack_names(model)
+    return sum(newton_schulz_flops(tuple(p.shape[-2:])) * (p.shape[0] if n in stacks else 1)
+               for g in param_groups(model, cfg)[:1] for n, p in g["params"])
+
+
+def comparison_rows(cfg, results, print_fn=print):
+    """[strategy, bytes/rank max, bytes all ranks, NS GFLOP max, mean, redundancy] for this optimizer and the
+    lesson's owner and comm-free on the same grid (the lesson runs its own model, 2 steps)."""
+    table, _, flops = account(cfg, results)
+    max_sent, all_sent = dm.total_bytes(table)
+    single = single_device_flops(cfg)
+    rows = [["DTensorMuon (this file)", "demo MoE", dm.human_bytes(max_sent), dm.human_bytes(all_sent),
+             f"{max(flops) / 1e9:.4f}", f"{sum(flops) / len(flops) / 1e9:.4f}", f"{sum(flops) / single:.2f}"]]
+    for strategy in ("owner", "comm-free"):
+        lesson = dm.run(dm.RunConfig(dp=cfg.dp, tp=cfg.tp, strategy=strategy, steps=2), print_fn=lambda *a, **k: None)
+        f = lesson["ns_flops"]
+        muon_phases = {k: v for k, v in lesson["bytes_per_step"].items()}
+        max_l, all_l = dm.total_bytes(muon_phases)
+        rows.append([f"lesson {strategy}", "lesson transformer", dm.human_bytes(max_l), dm.human_bytes(all_l),
+                     f"{max(f['per_rank']) / 1e9:.4f}", f"{sum(f['per_rank']) / len(f['per_rank']) / 1e9:.4f}",
+                     f"{f['redundancy']:.2f}"])
+    return rows
+
+
+# =============================================================================
+# 9. Main: the command line
+# =============================================================================
+# Checks every argument before any rank starts (exit 2, one line), then starts
+# dp x tp Gloo ranks with the lesson's launcher (a failing, killed or silent
+# rank: exit 1 naming it; Ctrl-C 130; SIGTERM 143), runs torch's reference in
+# this process, and prints the mesh, the owners, the bytes and the verdict.
+
+def validate(cfg):
+    dm.check_topology(cfg.dp, cfg.tp)
+    if cfg.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
+    if not 0 <= cfg.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
+    dm.check_hyperparameters(dm.flag, bucket_size=1, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             momentum=cfg.momentum, adjust_lr_fn="original")
+    if cfg.lr == 0:
+        raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
+    if cfg.layers < 1 or cfg.experts < 1:
+        raise ValueError(f"--layers and --experts must be >= 1 (got {cfg.layers}, {cfg.experts})")
+    if not (cfg.timeout_s > 0 and math.isfinite(cfg.timeout_s)):
+        raise ValueError(f"--timeout must be > 0 seconds and finite (got {cfg.timeout_s})")
+
+
+def build_parser():
+    d = DemoConfig()
+    p = argparse.ArgumentParser(description="Distributed Muon for DTensor parameters (FSDP2 x TP on a 2-D mesh, "
+                                            "a MoE expert stack) on CPU Gloo ranks, checked bit for bit against "
+                                            "torch.optim.Muon / AdamW.")
+    p.add_argument("--dp", type=int, default=d.dp, help="FSDP2 (mesh dim 'dp') size (default %(default)s)")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel (mesh dim 'tp') size (default %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of weights and gradients (default %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (default %(default)s)")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="Muon momentum (default %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="weight decay (default %(default)s)")
+    p.add_argument("--layers", type=int, default=d.layers, help="layers of the demo model (default %(default)s)")
+    p.add_argument("--experts", type=int, default=d.experts, help="experts per MoE layer (default %(default)s)")
+    p.add_argument("--batched-ns", action="store_true",
+                   help="owners orthogonalize same-shape matrices in one batched call: not bit-identical to torch "
+                        "(within 2**-5 of the largest entry); the check then fails on purpose if any bit differs")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", metavar="SECONDS",
+                   help="a rank silent this long ends the run (default %(default)s)")
+    p.add_argument("--compare", action="store_true",
+                   help="also run the lesson's owner and comm-free strategies on the same grid and print bytes and "
+                        "Newton-Schulz FLOPs side by side")
+    p.add_argument("--json", metavar="PATH", help="write the run's checks, owners, bytes and FLOPs")
+    p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
+    return p
+
+
+def report(cfg, results, checks, print_fn=print):
+    world = cfg.dp * cfg.tp
+    table, same, flops = account(cfg, results)
+    print_fn("[7] Every rank's local elements against torch.optim.Muon / AdamW in one process:")
+    rows = [[c["name"], "x".join(map(str, c["shape"])), c["placements"],
+             f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0", "yes" if c["identical"] else "NO"]
+            for c in checks]
+    print_fn(dm.format_table(["parameter", "shape", "placements", "max |d|", "identical"], rows,
+                             ["<", ">", "<", ">", ">"]) + "\n")
+    print_fn(f"[8] Bytes per step, counted by the ledger (exact all-to-all counts; "
+             f"{'the same every step' if same else 'last step; steps differ'}):")
+    rows = [[phase, t["dtype"], dm.human_bytes(max(t["sent"])), dm.human_bytes(max(t["received"])),
+             dm.human_bytes(sum(t["sent"]))] for phase, t in table.items()]
+    max_sent, all_sent = dm.total_bytes(table)
+    rows.append(["total", "", dm.human_bytes(max_sent), dm.human_bytes(dm.total_bytes(table, "received")[0]),
+                 dm.human_bytes(all_sent)])
+    print_fn(dm.format_table(["phase", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"], rows,
+                             ["<", "<", ">", ">", ">"]))
+    print_fn("per rank sent: " + ", ".join(dm.human_bytes(sum(t["sent"][r] for t in table.values()))
+                                           for r in range(world)))
+    single = single_device_flops(cfg)
+    print_fn(f"[8] Newton-Schulz GFLOP per rank (last step): {', '.join(f'{f / 1e9:.4f}' for f in flops)}; "
+             f"single device {single / 1e9:.4f}; redundancy {sum(flops) / single:.2f}\n")
+    n_same = sum(c["identical"] for c in checks)
+    passed = n_same == len(checks)
+    print_fn(f"Result: {'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch")
+    return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks, owners=results[0]["owners"],
+                bytes_per_step=table, bytes_same_every_step=same, ns_flops_per_rank=flops, ns_flops_single=single,
+                state_bytes=[r["state_bytes"] for r in results])
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+
+    def work():
+        cfg = DemoConfig(dp=args.dp, tp=args.tp, steps=args.steps, seed=args.seed, lr=args.lr, momentum=args.momentum,
+                         weight_decay=args.weight_decay, layers=args.layers, experts=args.experts,
+                         batched_ns=args.batched_ns, timeout_s=args.timeout_s)
+        validate(cfg)
+        if args.json:
+            dm.check_writable(args.json)
+        print(f"DTensorMuon: {cfg.dp * cfg.tp} CPU ranks over Gloo, mesh dp={cfg.dp} x tp={cfg.tp} "
+              f"(rank = dp_rank * tp + tp_rank), {cfg.steps} steps, torch {torch.__version__}")
+        print(dm.format_grid(cfg.dp, cfg.tp) + "\n")
+        t0 = time.perf_counter()
+        results = dm.spawn_ranks(cfg, run_demo_rank)
+        ranks_s = time.perf_counter() - t0
+        print("[3] Owners: longest-processing-time over Newton-Schulz FLOPs, among each matrix's holders")
+        print(results[0]["table"] + "\n")
+        print("[2] Placements: " + "; ".join(sorted({f"{n.split('.')[-2]}.{n.split('.')[-1]} {p}"
+                                                    for n, p in results[0]["placements"].items()
+                                                    if n.startswith("layers.0.")})) + "\n")
+        checks = verify(cfg, results, run_reference(cfg))
+        out = report(cfg, results, checks)
+        print(f"Timing: ranks {ranks_s:.1f} s (start, build, {cfg.steps} steps, checks)")
+        if args.compare:
+            rows = comparison_rows(cfg, results)
+            print("\n[8] Beside the lesson's strategies, same grid (bytes per step, last step):")
+            print(dm.format_table(["optimizer", "model", "bytes/rank max", "bytes, all", "NS GFLOP max", "mean",
+                                   "redundancy"], rows, ["<", "<", ">", ">", ">", ">", ">"]))
+            out["comparison"] = rows
+        dm.write_json(args.json, out)
+        return 0 if out["passed"] else 1
+
+    return dm.exit_code(work, args.traceback)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
