@@ -1,10 +1,12 @@
 """DTensorMuon (distributed_muon_dtensor.py): bit for bit against torch.optim.Muon / AdamW on every mesh,
-expert stacks, uneven FSDP2 shards, missing gradients, clear errors, DCP checkpoints across meshes, the CLI.
+expert stacks, uneven FSDP2 shards, missing gradients, clear errors, DCP checkpoints across meshes, the CLI,
+batched Newton-Schulz within the lesson's bound, and the lesson's strategies run on the same matrices.
 
 One spawn of 8 Gloo ranks runs every distributed scenario one after another (each on its own
 (sub-)mesh of the first dp x tp ranks): starting 8 ranks costs ~12 s on 2 cores, a scenario ~1 s.
 Every comparison is torch.equal except the real FSDP2 x TP training run (test_real_training...),
-whose tolerance is explained beside it.
+whose tolerance is explained beside it, and the Muon matrices of the --batched-ns run, held to the lesson's
+derived bound (dm.batched_ns_tolerance).
 """
 
 import os
@@ -40,6 +42,8 @@ def scenarios(checkpoint_dir):
     runs["partial"] = dd.DemoConfig(dp=2, tp=2, bad="partial")
     runs["assign"] = dd.DemoConfig(dp=4, tp=2, bad="assign")
     runs["explicit"] = dd.DemoConfig(dp=8, tp=1, explicit=True)
+    runs["batched"] = dd.DemoConfig(dp=4, tp=2, batched_ns=True)  # the default run, with batched Newton-Schulz
+    runs["lesson 4x2"] = dd.LessonRuns(dd.DemoConfig(dp=4, tp=2))  # the lesson's owner / comm-free, these matrices
     results = dm.spawn_ranks(dd.Runs(tuple(runs.values()), timeout_s=60), dd.run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}, runs
 
@@ -118,6 +122,82 @@ def test_missing_gradients_are_skipped_as_torch_skips_them(scenarios):
     full = dd.run_reference(dd.DemoConfig())
     for name, _ in MISSING:
         assert not torch.equal(reference[name], full[name])
+
+
+def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_identical(scenarios, reference):
+    results, runs = scenarios
+    cfg, ranks = runs["batched"], results["batched"]
+    assert len(ranks) == 8 and all(r["batched_ns"] for r in ranks)
+    # there was something to batch: some owner orthogonalized several matrices of one shape in a step
+    shapes = [[c["shape"] for c in r["ledger"]["compute"] if c["step"] == cfg.steps] for r in ranks]
+    assert any(len(s) > len(set(s)) for s in shapes), shapes
+    checks = dd.verify(cfg, ranks, reference)
+    assert {c["optimizer"] for c in checks} == {"Muon", "AdamW"}
+    for c in checks:
+        if c["optimizer"] == "Muon":  # the lesson's bound: steps x adjusted lr x 1.5 x BATCHED_NS_BOUND
+            rows, cols = c["shape"][-2:]
+            bound = cfg.steps * cfg.lr * max(1, rows / cols) ** 0.5 * 1.5 * dm.BATCHED_NS_BOUND
+            assert c["tolerance"] == pytest.approx(bound) and c["tolerance"] > 0, c
+            assert c["max_abs_diff"] <= c["tolerance"] and c["ok"], c
+        else:  # AdamW is untouched by batching: bit for bit
+            assert c["identical"] and c["max_abs_diff"] == 0 and c["tolerance"] == 0, c
+    passed, line = dd.verdict(checks)
+    assert passed and line.startswith("PASS: "), line
+
+    # and the check bites: a Muon element past its bound, or an AdamW element one ulp off, fails
+    def nudged(name, by):
+        bad = [dict(r, params=dict(r["params"])) for r in ranks]
+        holder = next(r for r in bad if r["params"][name].numel())
+        flat = holder["params"][name].clone().reshape(-1)
+        flat[0] += by(flat[0])
+        holder["params"][name] = flat.view(holder["params"][name].shape)
+        return {c["name"]: c for c in dd.verify(cfg, bad, reference)}[name]
+
+    muon = nudged("layers.0.fc1.weight", lambda x: 2 * dd.batched_ns_tolerance(cfg, (160, 40)))
+    assert not muon["ok"] and muon["max_abs_diff"] > muon["tolerance"] > 0
+    adamw = nudged("embed.weight", lambda x: torch.nextafter(x, torch.tensor(float("inf"))) - x)
+    assert not adamw["ok"] and 0 < adamw["max_abs_diff"] < 1e-6 and adamw["tolerance"] == 0
+    assert not dd.verdict(dd.verify(cfg, [dict(r, params=dict(r["params"], **{"layers.0.fc1.weight":
+                                                                              r["params"]["layers.0.fc1.weight"] + 1}))
+                                          for r in ranks], reference))[0]
+
+
+def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_plan(scenarios):
+    """--compare's like-for-like table: the lesson's OwnerMuon / CommFreeMuon on this demo's matrices (each
+    expert its own 2-D matrix), same 4 x 2 grid, checked against torch; their ledgers against their plans."""
+    results, runs = scenarios
+    lesson, ranks = runs["lesson 4x2"], results["lesson 4x2"]
+    specs = dd.lesson_specs(lesson.demo)
+    muon = [s.name for s in specs if s.group == "muon"]
+    assert len(muon) == 2 * (1 + 1 + 1 + 4 + 4) and "layers.1.moe.w2[3]" in muon
+    assert len(specs) == 20 - 4 + 4 * 4  # the demo's 20 parameters, each of the 4 expert stacks as 4 matrices
+    accounts = dd.lesson_accounts(lesson, ranks)
+    dp, tp = lesson.dp, lesson.tp
+    for strategy, acc in accounts.items():
+        assert all(c["identical"] for c in acc["checks"]) and len(acc["checks"]) == len(specs), strategy
+        assert acc["flops"]["redundancy"] == 1.0  # each matrix orthogonalized once
+        # the ledger's bytes are what the lesson's plan says, computed here without process groups
+        plans = [dm.build_optimizer(specs, dd.lesson_config(lesson.demo, strategy), dm.plan_grid(dp, tp, r),
+                                    dm.tp_pieces(specs, dd.lesson_config(lesson.demo, strategy), r % tp))
+                 for r in range(dp * tp)]
+        table = acc["table"]
+        ring = [sum((dp - 1) * (b.numel // dp) * 4 for b in plans[0].layout.buckets)] * (dp * tp)
+        assert table["grad reduce-scatter"]["sent"] == ring == table["param all-gather"]["sent"], strategy
+        for phase, parts in (("gather at owner", "senders"), ("scatter from owner", "holders")):
+            planned = [0] * (dp * tp)
+            for r, plan in enumerate(plans):
+                axis = plan._route_axis()
+                for route in plan.routes:
+                    for part in getattr(route, parts):
+                        if part.rank != route.owner:
+                            who = part.rank if phase == "gather at owner" else route.owner
+                            if axis.ranks[who] == r:
+                                planned[r] += 2 * (part.stop - part.start)  # bf16
+            assert table[phase]["sent"] == planned, (strategy, phase)
+    rows, per_rank = dd.comparison_rows(runs["4x2"], results["4x2"], accounts)
+    assert [r[0] for r in rows] == ["DTensorMuon (this file)", "lesson owner", "lesson comm-free"]
+    assert rows[0][2] == "0 (outside)" and all(r[2] != "0 (outside)" for r in rows[1:])
+    assert [len(sent) for sent, _ in per_rank.values()] == [8, 8, 8]
 
 
 def test_real_fully_shard_and_parallelize_module_training_within_tolerance(scenarios):
@@ -235,6 +315,19 @@ def test_explicit_config_needs_all_three_parts():
     params = [("a.weight", torch.nn.Parameter(torch.zeros(3, 2)))]
     with pytest.raises(ValueError, match="needs gather, redistribute and global_shapes together"):
         dd.DTensorMuon([dict(params=params)], distributed_config=dd.DistributedConfig(gather=lambda u, o: u))
+
+
+def test_owners_are_the_lessons_lpt_restricted_to_each_matrixs_holders():
+    g = torch.Generator().manual_seed(0)
+    flops = {f"m{i}": int(f) for i, f in enumerate(torch.randint(1, 50, (23,), generator=g).tolist())}
+    everyone = {n: tuple(range(6)) for n in flops}
+    assert dd.assign_among_holders(flops, everyone, 6) == dm.assign_owners(flops, 6)  # holding all: the lesson's
+    # two holder sets, as the expert stacks of one TP column each, beside matrices everyone holds
+    holders = {n: (tuple(range(6)) if i < 3 else (0, 2, 4) if i % 2 else (1, 3, 5)) for i, n in enumerate(flops)}
+    owners = dd.assign_among_holders(flops, holders, 6)
+    assert all(owners[n] in holders[n] for n in flops)
+    per_rank = dm.load_balance(flops, owners, 6)[0]
+    assert max(per_rank) - min(per_rank) <= max(flops.values())  # here: no rank a whole matrix ahead of another
 
 
 def test_local_indices_match_torch_chunk_for_uneven_and_empty_shards():
