@@ -351,7 +351,8 @@ def exchange(sends, receive_numels, axis, ledger, phase, async_op=False):
 
     def wait():
         if work is not None:  # only an async_op call returns work to wait for
-            work.wait()
+            with record_function(phase):  # the wait is the phase's time too
+                work.wait()
         return list(received.split(list(receive_numels)))
 
     return wait if async_op else wait()

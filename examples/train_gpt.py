@@ -39,6 +39,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+# The profiler's C++ logger (kineto) prints lines at every start and stop of every rank, and an
+# error when it finds no GPU; 6 is above its highest level (USDT = 5). It reads this when torch
+# loads: set here, before the ranks' processes (and the forkserver they come from) start.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
@@ -77,6 +81,7 @@ class TrainConfig:
     timeout_s: float = dm.TIMEOUT_S
     profile: str = ""  # a folder for Chrome traces, one per rank ("" = no profiling)
     keep: bool = False  # return every rank's gradients and weights of every step (for verification)
+    progress: bool = True  # rank 0 prints a progress line every log_every steps
     fail_rank: int = -1  # for tests: this rank raises at step 1
 
     def gpt(self):
@@ -182,7 +187,7 @@ def train_rank(rank, cfg, device):
             val.append((step, validation_loss(model, corpus, cfg, grid, device)))
             now = time.perf_counter()
             steps_done = step - (val[-2][0] if len(val) > 1 else 0)
-            if rank == 0:
+            if rank == 0 and cfg.progress:
                 print(progress_line(cfg, step, train_loss, val[-1][1], now - last_log, steps_done), flush=True)
             last_log = now
     if profiler is not None:
@@ -256,7 +261,7 @@ def start_profiler(cfg, rank):
     path = os.path.join(cfg.profile, f"rank{rank}.json")
     profiler = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU],
-        schedule=torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE),
+        schedule=torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE, repeat=1),
         on_trace_ready=lambda p: p.export_chrome_trace(path))
     profiler.start()
     return profiler

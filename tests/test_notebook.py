@@ -35,16 +35,18 @@ def test_notebook_sections_are_the_scripts_in_order():
         script = re.findall(r"^# (\d)\. (.+)$", f.read(), flags=re.M)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     headings = [m for c in nb.cells if c.cell_type == "markdown"
-                for m in re.findall(r"^## (\d)\. (.+)$", c.source, flags=re.M)]
+                for m in re.findall(r"^## (\d+)\. (.+)$", c.source, flags=re.M)]
     assert [int(n) for n, _ in script] == list(range(1, 10))
-    assert headings == [("0", "Setup")] + script
+    # 0 sets up, 1-9 follow the script, 10 trains examples/'s GPT with it
+    assert headings == [("0", "Setup")] + script + [("10", "Train for real: a tensor-parallel GPT on real text")]
 
 
 def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     """`jupyter nbconvert --to notebook --execute`, the README's command, in a folder holding only
     what a user's clone has that the notebook needs."""
     for name in ("distributed_muon_cpu.py", "distributed_muon_cpu.ipynb", "requirements.txt",
-                 os.path.join("benchmarks", "compare.py")):
+                 os.path.join("benchmarks", "compare.py"), os.path.join("examples", "gpt.py"),
+                 os.path.join("examples", "stdlib_text.py"), os.path.join("examples", "train_gpt.py")):
         os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     # `python -m jupyter` is the `jupyter` command of this very environment (a bare `jupyter` on
@@ -64,8 +66,11 @@ def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     assert "def gather_newton_schulz_shard(" in text  # section 5: the flow's own source
     assert "max / mean = 1.00" in text and "class OwnerMuon(DistributedMuon):" in text  # section 6
     assert "Result: PASS: 26/26 parameters bit-identical to torch" in text
-    assert text.count("Result: PASS") == 5  # the 4x2 run and the four grids of the sweep
+    assert text.count("Result: PASS") == 6  # the 4x2 run, the four grids of the sweep, the GPT's --verify
     for label in ("gather", "owner", "comm-free", "AdamW ZeRO-1"):  # benchmarks/compare.py
         assert f"{label:<13} PASS: 26/26 parameters bit-identical to torch" in text
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # checks, accounting, grids, strategies
+    # checks, accounting, grids, strategies, the GPT's loss curves
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 5
+    assert text.count("step 40/40  train") == 2  # section 10: Muon and AdamW trained
+    assert "replay:    torch's optimizers fed the ranks' summed gradients: 52/52 parameters identical" in text
     assert "usage: distributed_muon_cpu.py" in text and "--strategy" in text  # section 9: the command line
