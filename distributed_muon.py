@@ -73,11 +73,28 @@ def check(args, world):
     dm.validate(cfg, dm.demo_specs(cfg))
     if args.json:
         dm.check_writable(args.json)
-    if args.backend == "nccl" and args.device != "cuda":
-        raise ValueError("NCCL needs --device cuda; on CPUs use --backend gloo --device cpu")
-    if args.device == "cuda" and torch.cuda.device_count() < 1:
-        raise ValueError("no CUDA device here: use --backend gloo --device cpu")
+    check_devices(args.backend, args.device)
     return cfg
+
+
+def check_devices(backend, device_kind, local_rank=0):
+    """The backend and device flags, and a GPU for LOCAL_RANK local_rank (ValueError)."""
+    if backend == "nccl" and device_kind != "cuda":
+        raise ValueError("NCCL needs --device cuda; on CPUs use --backend gloo --device cpu")
+    if device_kind == "cuda" and torch.cuda.device_count() <= local_rank:
+        raise ValueError(f"no CUDA device for LOCAL_RANK {local_rank} here ({torch.cuda.device_count()} GPUs): "
+                         f"use --backend gloo --device cpu")
+
+
+def join_world(backend, device_kind, local_rank, timeout_s):
+    """Bind this process to its GPU (cuda:LOCAL_RANK) or the CPU and join torchrun's world; returns the device."""
+    device = f"cuda:{local_rank}" if device_kind == "cuda" else "cpu"
+    if device_kind == "cuda":
+        torch.cuda.set_device(device)
+    # device_id binds the NCCL communicator to this rank's GPU up front (else NCCL guesses it from the rank).
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=torch.device(device) if device_kind == "cuda" else None)
+    return device
 
 
 def main(argv=None):
@@ -95,12 +112,7 @@ def main(argv=None):
         return 2
 
     torch.set_num_threads(1)  # as in the CPU script: the CPU-side reference and any CPU ranks agree
-    device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
-    if args.device == "cuda":
-        torch.cuda.set_device(device)
-    # device_id binds the NCCL communicator to this rank's GPU up front (else NCCL guesses it from the rank).
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
-                            device_id=torch.device(device) if args.device == "cuda" else None)
+    device = join_world(args.backend, args.device, local_rank, cfg.timeout_s)
     try:
         plan = dm.plan_optimizer(cfg) if rank == 0 else None  # the layout every rank builds, printed once
         if rank == 0:

@@ -91,8 +91,7 @@ import distributed_muon_cpu as dm
 # Newton-Schulz of an owner's matrices (newton_schulz_owned, which also records
 # FLOPs in a Ledger). The launcher (spawn_ranks, exit_code) is its section 9.
 from distributed_muon_cpu import (BATCHED_NS_BOUND, NS_COEFFICIENTS, NS_EPS, NS_STEPS, adamw_,  # noqa: E402,F401
-                                  adjusted_lr, assign_owners, check_owners, muon_momentum_, newton_schulz,
-                                  newton_schulz_flops)
+                                  adjusted_lr, assign_owners, check_owners, muon_momentum_, newton_schulz_flops)
 
 # =============================================================================
 # 2. Placements: where each element lives

@@ -12,15 +12,10 @@ DP=2 x TP=1, which trains exactly as one process does (tests/test_gpt.py), on bo
 """
 
 import argparse
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-
-import train_gpt as tg  # noqa: E402
-
-dm = tg.dm
+from gpt_bench import dm, pyplot, tg
+from gpt_bench import main as benchmark_main
 
 
 def steps_to(val, target):
@@ -59,11 +54,7 @@ def sweep(lrs, steps, dp, tp, every, val_windows, print_fn=print):
 
 
 def plot(result, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     colors = {"muon": "tab:blue", "adamw": "tab:orange"}
     for r in result["runs"]:
@@ -89,22 +80,8 @@ def main(argv=None):
     p.add_argument("--every", type=int, default=10, help="steps between validation losses")
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--figure", metavar="PATH")
-    args = p.parse_args(argv)
-
-    def work():
-        for path, option in ((args.json, "--json"), (args.figure, "--figure")):
-            if path:
-                dm.check_writable(path, option)
-        result = sweep(dict(muon=args.muon_lrs, adamw=args.adamw_lrs), args.steps, args.dp, args.tp, args.every,
-                       args.val_windows)
-        dm.write_json(args.json, result)
-        if args.figure:
-            plot(result, args.figure)
-        return 0
-
-    return dm.exit_code(work)
+    return benchmark_main(p, lambda a: sweep(dict(muon=a.muon_lrs, adamw=a.adamw_lrs), a.steps, a.dp, a.tp, a.every,
+                                             a.val_windows), plot, argv)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,10 @@ all-reduces (f and g) and the optimizer's collectives.
 """
 
 import argparse
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-
-import train_gpt as tg  # noqa: E402
-
-dm = tg.dm
+from gpt_bench import dm, pyplot, tg
+from gpt_bench import main as benchmark_main
 SPLITS = ((8, 1), (4, 2), (2, 4), (1, 8))
 
 
@@ -52,11 +47,7 @@ def report(rows, print_fn=print):
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
     names = [f"{dp}x{tp}" for dp, tp in SPLITS]
     x = range(len(names))
@@ -84,22 +75,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--figure", metavar="PATH")
-    args = p.parse_args(argv)
 
-    def work():
-        for path, option in ((args.json, "--json"), (args.figure, "--figure")):
-            if path:
-                dm.check_writable(path, option)
-        rows = measure(args.steps, args.heads)
+    def measure_and_report(a):
+        rows = measure(a.steps, a.heads)
         report(rows)
-        dm.write_json(args.json, rows)
-        if args.figure:
-            plot(rows, args.figure)
-        return 0
+        return rows
 
-    return dm.exit_code(work)
+    return benchmark_main(p, measure_and_report, plot, argv)
 
 
 if __name__ == "__main__":

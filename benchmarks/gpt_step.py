@@ -18,12 +18,8 @@ import statistics
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-
-import train_gpt as tg  # noqa: E402
-
-dm = tg.dm
+from gpt_bench import dm, pyplot, tg
+from gpt_bench import main as benchmark_main
 KINDS = dm.STRATEGIES + (dm.BASELINE,)
 LABELS = {"gather": "Muon, gather", "owner": "Muon, owner", "comm-free": "Muon, comm-free",
           dm.BASELINE: "AdamW ZeRO-1"}
@@ -80,12 +76,8 @@ def report(runs, print_fn=print):
 
 
 def plot(runs, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.2))
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     colors = plt.get_cmap("tab10").colors
     names = [LABELS[k] for k in runs]
     left = [0.0] * len(runs)
@@ -95,7 +87,7 @@ def plot(runs, path):
         left = [a + b for a, b in zip(left, widths)]
     ax.invert_yaxis()
     ax.set_xlabel("ms per step (mean over ranks)")
-    ax.legend(fontsize=7, ncol=4, loc="lower right")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -106,23 +98,14 @@ def main(argv=None):
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--traces", metavar="DIR", help="keep the traces here (default: a temporary folder)")
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--figure", metavar="PATH")
-    args = p.parse_args(argv)
 
-    def work():
-        for path, option in ((args.json, "--json"), (args.figure, "--figure")):
-            if path:
-                dm.check_writable(path, option)
+    def measure_and_report(a):
         with tempfile.TemporaryDirectory(prefix="gpt-traces-") as scratch:
-            runs = measure(args.dp, args.tp, args.steps, args.traces or scratch)
+            runs = measure(a.dp, a.tp, a.steps, a.traces or scratch)
         report(runs)
-        dm.write_json(args.json, runs)
-        if args.figure:
-            plot(runs, args.figure)
-        return 0
+        return runs
 
-    return dm.exit_code(work)
+    return benchmark_main(p, measure_and_report, plot, argv)
 
 
 if __name__ == "__main__":

@@ -305,12 +305,15 @@ def start_profiler(cfg, rank):
 #     held to the same fraction of lr per step.
 #   * Free-running with TP > 1 or DP > 2, each step's few different roundings change
 #     the next step's weights and therefore its gradient: the two runs drift apart,
-#     as any two orders of summation do. That drift is the comparison's own, not a
-#     bound on the optimizer; the losses are held to TRAINED_LOSS_RTOL (2**-10,
-#     relative) for the few steps tests run, and the weights' distance is reported.
+#     as any two orders of summation do, and the gap grows with the steps (at 2x2 the
+#     losses differed by 6.7e-6 relative after 4 steps, 9.2e-4 after 20). That drift
+#     is the comparison's own, not the optimizer's (the replay shows it exact), so
+#     the losses are held to TRAINED_LOSS_RTOL (2**-10, relative) for the first
+#     TRAINED_CHECKED_STEPS steps only, and the weights' distance is reported.
 GRAD_RTOL = 2.0**-12
 STEP_LOSS_RTOL = 2.0**-16
 TRAINED_LOSS_RTOL = 2.0**-10
+TRAINED_CHECKED_STEPS = 8
 
 
 def reference_model(cfg, device):
@@ -432,13 +435,17 @@ def verify(cfg, results, device="cpu"):
     step_loss_diff, grad_diff = step_gradients(cfg, results, specs, totals, device)
     plain = reference(cfg, device)
     trained = dm.compare_to_reference(specs, plain["params"], rank_params, cfg.dp, cfg.tp)
+    checked = cfg.steps if exact(cfg) else min(cfg.steps, TRAINED_CHECKED_STEPS)
     trained_loss_diff = max(abs(results[d * cfg.tp]["losses"][s] - plain["losses"][s][d]) / plain["losses"][s][d]
-                            for s in range(cfg.steps) for d in range(cfg.dp))
+                            for s in range(checked) for d in range(cfg.dp))
+    drift = max(abs(results[d * cfg.tp]["losses"][s] - plain["losses"][s][d]) / plain["losses"][s][d]
+                for s in range(cfg.steps) for d in range(cfg.dp))
     bounds = (dict(grad=0.0, step_loss=0.0, trained_loss=0.0) if exact(cfg) else
               dict(grad=GRAD_RTOL, step_loss=STEP_LOSS_RTOL, trained_loss=TRAINED_LOSS_RTOL))
     checks = dict(exact=exact(cfg), replay=replayed, trained=trained, bounds=bounds, replica_max_diff=replica_diff,
                   step_loss_max_rel_diff=step_loss_diff, grad_max_rel_diff=grad_diff,
-                  trained_loss_max_rel_diff=trained_loss_diff)
+                  trained_checked_steps=checked, trained_loss_max_rel_diff=trained_loss_diff,
+                  trained_loss_drift=drift)
     checks["passed"] = (all(c["ok"] for c in replayed) and replica_diff == 0 and grad_diff <= bounds["grad"]
                         and step_loss_diff <= bounds["step_loss"] and trained_loss_diff <= bounds["trained_loss"]
                         and (not exact(cfg) or all(c["identical"] for c in trained)))
@@ -458,8 +465,11 @@ def print_verification(cfg, checks, print_fn=print):
              f"{checks['replica_max_diff']:.1e}")
     n_same = sum(c["identical"] for c in checks["trained"])
     worst = max(checks["trained"], key=lambda c: c["max_abs_diff"])
-    print_fn(f"  trained:   losses within {checks['trained_loss_max_rel_diff']:.1e} relative (bound "
-             f"{b['trained_loss']:.1e}); {n_same}/{len(checks['trained'])} parameters identical"
+    later = (f"; afterwards they drift apart, {checks['trained_loss_drift']:.1e} at most (not checked: see the "
+             f"policy)" if checks["trained_checked_steps"] < cfg.steps else "")
+    print_fn(f"  trained:   losses of the first {checks['trained_checked_steps']} steps within "
+             f"{checks['trained_loss_max_rel_diff']:.1e} relative (bound {b['trained_loss']:.1e}){later}; "
+             f"{n_same}/{len(checks['trained'])} parameters identical"
              + ("" if checks["exact"] else f", largest |d| {worst['max_abs_diff']:.1e} ({worst['name']})"))
     print_fn(f"Result: {'PASS' if checks['passed'] else 'FAIL'}")
 
@@ -603,9 +613,7 @@ def under_torchrun():
 def main_torchrun(args):
     """Under torchrun: this process is one rank; rank 0 gathers the results and prints (no second copy
     of the training: train_rank is the same)."""
-    import datetime
-
-    import distributed_muon as gpu
+    import distributed_muon as gpu  # the GPU sibling: how a torchrun process checks its devices and joins
 
     rank, world, local_rank = gpu.environment()
     try:
@@ -614,20 +622,12 @@ def main_torchrun(args):
         validate(cfg)
         if args.json:
             dm.check_writable(args.json)
-        if args.backend == "nccl" and args.device != "cuda":
-            raise ValueError("NCCL needs --device cuda; on CPUs use --backend gloo --device cpu")
-        if args.device == "cuda" and torch.cuda.device_count() <= local_rank:
-            raise ValueError(f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} GPU(s) here: "
-                             f"use --backend gloo --device cpu")
+        gpu.check_devices(args.backend, args.device, local_rank)
     except ValueError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
-    if args.device == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
-                            device_id=torch.device(device) if args.device == "cuda" else None)
+    device = gpu.join_world(args.backend, args.device, local_rank, cfg.timeout_s)
     try:
         if rank == 0:
             print(header(cfg))

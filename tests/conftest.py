@@ -13,6 +13,10 @@ Every comparison in this suite but one is bit-exact (torch.equal), with no toler
 One comparison is not exact, by construction: --batched-ns stacks same-shape matrices into
 bf16 baddbmm, which rounds some near-ties unlike torch's addmm; it is held to a bound derived
 in the script (batched_ns_tolerance) and tested in test_math.py and test_strategies.py.
+Two files train real models, where the forward and backward pass reduce in another order than
+one process does, and say so beside their bounds: tests/test_gpt.py (examples/train_gpt.py's
+policy, its section 3: bit for bit with TP = 1, fp32 reordering bounds with TP = 2, and the
+optimizer's replay bit for bit everywhere) and tests/test_dtensor.py (its real FSDP2 x TP run).
 If another test ever needs a tolerance, the reason must be written beside it.
 
 Every reference is PyTorch's own torch.optim.Muon / torch.optim.AdamW (or its

@@ -1,6 +1,5 @@
 """The command line: bad input, a failing rank, and the default run as a user starts it."""
 
-import json
 import subprocess
 import sys
 
@@ -84,14 +83,12 @@ def test_a_failing_rank_ends_the_run_with_one_line_naming_it(flags):
     assert "Result:" not in proc.stdout
 
 
-def test_default_run_prints_the_report_and_writes_json(tmp_path):
-    path = tmp_path / "run.json"
-    proc = run_script("--explain", "--json", str(path))
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+def check_default_run(out, results):
+    """What the default run with --explain --json printed (out) and wrote (results). The notebook
+    launches exactly that run (`--dp 4 --tp 2 --explain --json`) and test_notebook.py calls this on
+    its output: one run serves both."""
     assert "DP=4 x TP=2" in out
     assert "(padding)" in out and "bucket (0, 0)" in out  # --explain's map
-    results = json.loads(path.read_text())
     n = len(dm.transformer_specs())
     assert f"Result: PASS: {n}/{n} parameters bit-identical to torch" in out
     assert results["passed"] and all(c["identical"] for c in results["checks"]) and len(results["checks"]) == n
@@ -114,8 +111,11 @@ def test_help():
 
 
 def test_explain_lists_the_owners():
-    proc = run_script("--strategy", "owner", "--dp", "2", "--tp", "1", "--explain")
-    assert proc.returncode == 0, proc.stderr
-    assert "[6] Owners: 10 matrices on 2 ranks" in proc.stdout
-    owns = [line for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"]) and "weight" in line]
+    """--explain prints from the plan, before any rank starts: the launcher's own call, without the ranks."""
+    printed = []
+    cfg = dm.RunConfig(strategy="owner", dp=2, tp=1)
+    dm.print_header(cfg, dm.plan_optimizer(cfg), "CPU", "Gloo", True, printed.append)
+    out = "\n".join(printed)
+    assert "[6] Owners: 10 matrices on 2 ranks" in out
+    owns = [line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"]) and "weight" in line]
     assert len(owns) == 2 and sum(line.count(".weight") for line in owns) == 10

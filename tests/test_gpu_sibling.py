@@ -13,7 +13,9 @@ from conftest import ROOT, dm
 SIBLING = os.path.join(ROOT, "distributed_muon.py")
 
 
-@pytest.mark.parametrize("strategy", dm.STRATEGIES)
+# One strategy (the one with the most collectives): the algorithm is the CPU script's, tested there for
+# every strategy; what this checks is the torchrun launcher around it.
+@pytest.mark.parametrize("strategy", ["comm-free"])
 def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_grid, strategy):
     path = tmp_path / "run.json"
     proc = torchrun(tmp_path, "--dp", "2", "--tp", "2", "--strategy", strategy, "--json", str(path))
@@ -68,4 +70,4 @@ def test_the_sibling_holds_no_copy_of_the_algorithm():
     algorithm = {n.name for n in ast.parse(open(dm.__file__).read()).body
                  if isinstance(n, (ast.FunctionDef, ast.ClassDef))} - {"main"}
     assert defined & algorithm == set()
-    assert defined <= {"parse", "environment", "check", "main"}
+    assert defined <= {"parse", "environment", "check", "check_devices", "join_world", "main"}

@@ -1,6 +1,7 @@
 """The notebook: its sections are the script's, it matches its jupytext pair, and it runs top to
 bottom headless, the way the README tells a user to run it."""
 
+import json
 import os
 import re
 import shutil
@@ -11,6 +12,8 @@ import jupytext
 import nbformat
 
 from conftest import ROOT, SCRIPT
+from test_benchmarks import check_compare_output
+from test_cli import check_default_run
 
 NOTEBOOK = os.path.join(ROOT, "distributed_muon_cpu.ipynb")
 PAIR = os.path.join(ROOT, "distributed_muon_cpu.nb.py")
@@ -66,11 +69,16 @@ def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     assert "def gather_newton_schulz_shard(" in text  # section 5: the flow's own source
     assert "max / mean = 1.00" in text and "class OwnerMuon(DistributedMuon):" in text  # section 6
     assert "Result: PASS: 26/26 parameters bit-identical to torch" in text
+    default_run = text[text.index("Distributed Muon: 8 CPU ranks"):]  # section 7: the default run, --explain
+    with open(tmp_path / "runs" / "notebook_4x2.json") as f:
+        check_default_run(default_run[:default_run.index("Result: PASS") + 60], json.load(f))
     assert text.count("Result: PASS") == 6  # the 4x2 run, the four grids of the sweep, the GPT's --verify
     for label in ("gather", "owner", "comm-free", "AdamW ZeRO-1"):  # benchmarks/compare.py
         assert f"{label:<13} PASS: 26/26 parameters bit-identical to torch" in text
+    with open(tmp_path / "runs" / "notebook_compare.json") as f:
+        check_compare_output(text[text.index("Comparing strategies:"):], json.load(f))
     # checks, accounting, grids, strategies, the GPT's loss curves
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 5
-    assert text.count("step 40/40  train") == 2  # section 10: Muon and AdamW trained
+    assert text.count("step 20/20  train") == 1  # section 10: the GPT trained
     assert "replay:    torch's optimizers fed the ranks' summed gradients: 52/52 parameters identical" in text
     assert "usage: distributed_muon_cpu.py" in text and "--strategy" in text  # section 9: the command line

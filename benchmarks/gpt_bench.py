@@ -1,0 +1,42 @@
+"""What the GPT benchmarks share: examples/train_gpt.py on the path, a headless pyplot, and the
+command line's ending (--json, --figure, checked before anything runs; errors as the lesson's)."""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+
+import train_gpt as tg  # noqa: E402
+
+dm = tg.dm
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (no screen needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def main(parser, measure, plot, argv=None):
+    """Add --json and --figure to parser, parse argv, run measure(args) (it prints its tables and
+    returns what --json writes), then plot(result, path) for --figure; returns the exit code."""
+    parser.add_argument("--json", metavar="PATH", help="write the figures")
+    parser.add_argument("--figure", metavar="PATH", help="draw them (PNG)")
+    args = parser.parse_args(argv)
+
+    def work():
+        for path, option in ((args.json, "--json"), (args.figure, "--figure")):
+            if path:
+                dm.check_writable(path, option)
+        result = measure(args)
+        dm.write_json(args.json, result)
+        if args.figure:
+            plot(result, args.figure)
+        return 0
+
+    return dm.exit_code(work)

@@ -1,0 +1,19 @@
+#!/bin/bash
+# Peak memory of a run with all its processes: the command runs in its own session, sampled every 0.5 s;
+# prints the peak of the summed RSS (counts pages shared between ranks once per rank) and of the
+# summed PSS (shares them out: the memory the run really holds).
+#   benchmarks/peak_memory.sh python examples/train_gpt.py
+setsid "$@" > "${PEAK_MEMORY_LOG:-/dev/null}" 2>&1 &
+sleep 0.5
+SID=$!
+prss=0; ppss=0
+while kill -0 $SID 2>/dev/null; do
+  rss=0; pss=0
+  for p in $(ps -o pid= -s $SID); do
+    read r s < <(awk '/^Rss:/{r=$2} /^Pss:/{s=$2} END{print r+0, s+0}' /proc/$p/smaps_rollup 2>/dev/null)
+    rss=$((rss + ${r:-0})); pss=$((pss + ${s:-0}))
+  done
+  [ $rss -gt $prss ] && prss=$rss; [ $pss -gt $ppss ] && ppss=$pss
+  sleep 0.5
+done
+echo "peak summed RSS $((prss/1024)) MiB, peak summed PSS $((ppss/1024)) MiB"
