@@ -1481,16 +1481,21 @@ def validate(cfg, specs):
         raise ValueError(f"--overlap-chunks applies to --strategy owner or comm-free (got {cfg.strategy})")
     if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
         raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
-    if not (cfg.timeout_s > 0 and math.isfinite(cfg.timeout_s)):
-        raise ValueError(f"--timeout must be > 0 seconds and finite (got {cfg.timeout_s})")
+    check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
     names = {s.name for s in specs}
     for name, rank, step in cfg.missing_grads:
         if name not in names or not -1 <= rank < cfg.dp or not 1 <= step <= cfg.steps:
             raise ValueError(f"missing gradient ({name}, DP rank {rank}, step {step}) names no parameter, "
                              f"DP rank or step of this run")
-    if not -1 <= cfg.fail_rank < cfg.dp * cfg.tp:
-        raise ValueError(f"--fail-rank must name a rank in [0, {cfg.dp * cfg.tp}) (got {cfg.fail_rank})")
     check_tp_divides(specs, cfg.tp)
+
+
+def check_launch(timeout_s, fail_rank=-1, world=1):
+    """The launcher's own options, shared by every command that launches ranks (ValueError, one line)."""
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"--timeout must be > 0 seconds and finite (got {timeout_s})")
+    if not -1 <= fail_rank < world:
+        raise ValueError(f"--fail-rank must name a rank in [0, {world}) (got {fail_rank})")
 
 
 def check_writable(path, option="--json"):

@@ -1421,8 +1421,7 @@ def validate(cfg):
         raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
     if cfg.layers < 1 or cfg.experts < 1:
         raise ValueError(f"--layers and --experts must be >= 1 (got {cfg.layers}, {cfg.experts})")
-    if not (cfg.timeout_s > 0 and math.isfinite(cfg.timeout_s)):
-        raise ValueError(f"--timeout must be > 0 seconds and finite (got {cfg.timeout_s})")
+    dm.check_launch(cfg.timeout_s)
 
 
 def build_parser():
