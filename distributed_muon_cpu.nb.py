@@ -159,13 +159,13 @@ print(dm.format_buffer_map(plan.layout))
 # %% [markdown]
 # ## 5. The step: the gather strategy
 #
-# `DistributedMuon.step` runs four stages: the gradient reduce-scatter, momentum and AdamW on this
-# rank's parts, the orthogonalization, and the parameter all-gather. The orthogonalization is the
-# gather flow, one bucket at a time, in `gather_newton_schulz_shard`: DP gather → TP gather →
-# Newton–Schulz → TP shard → DP shard.
+# `DistributedMuon.step` runs four stages (`_stages`): the gradient reduce-scatter, momentum and
+# AdamW on this rank's parts, the orthogonalization, and the parameter all-gather. The
+# orthogonalization is the gather flow, one bucket at a time, in `gather_newton_schulz_shard`:
+# DP gather → TP gather → Newton–Schulz → TP shard → DP shard.
 
 # %%
-print(inspect.getsource(dm.DistributedMuon.step))
+print(inspect.getsource(dm.DistributedMuon._stages))
 print(inspect.getsource(dm.gather_newton_schulz_shard))
 
 # %% [markdown]
@@ -174,7 +174,10 @@ print(inspect.getsource(dm.gather_newton_schulz_shard))
 # The gather flow repeats Newton–Schulz on every rank that touches a matrix. `OwnerMuon` gives each
 # matrix one owner, chosen by longest-processing-time over Newton–Schulz FLOPs; `CommFreeMuon` also
 # keeps each matrix whole on its owner's DP row. Both are section 5's optimizer with stages
-# replaced, every other stage reused. With 8 layers, 40 matrices spread evenly over 8 ranks:
+# replaced, every other stage reused; with `overlap=True` (`--overlap`) they also pipeline the
+# step bucket by bucket, so that Newton–Schulz runs while later buckets' collectives are in
+# flight (the script's section 6 draws the schedule). With 8 layers, 40 matrices spread evenly
+# over 8 ranks:
 
 # %%
 plan = dm.plan_optimizer(dm.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))

@@ -294,38 +294,66 @@ class Ledger:
     step: int = 0
     comm: list = field(default_factory=list)  # dicts: step, phase, op, axis, dtype, sent, received (bytes)
     compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
+    # What this rank did, in order: (step, "launch" | "wait", phase) for every collective,
+    # (step, "newton-schulz", matrix) for every orthogonalization. Shows what was in flight
+    # while what ran (section 6's overlap).
+    events: list = field(default_factory=list)
 
     def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
         size = dtype.itemsize
         self.comm.append(dict(step=self.step, phase=phase, op=op, axis=axis.name,
                               dtype=str(dtype).replace("torch.", ""),
                               sent=sent_numel * size, received=received_numel * size))
+        self.events.append((self.step, "launch", phase))
+
+    def record_compute(self, name, shape, flops):
+        self.compute.append(dict(step=self.step, name=name, shape=tuple(shape), flops=flops))
+        self.events.append((self.step, "newton-schulz", name))
 
 
-def all_gather(shard, axis, ledger, phase):
+def later(work, phase, ledger, result):
+    """What an asynchronous collective returns: a function that waits for `work` (None: nothing
+    to wait for) and returns result(). The wait is labelled with the phase, as the launch is."""
+    def wait():
+        if work is not None:
+            with record_function(phase):
+                work.wait()
+            ledger.events.append((ledger.step, "wait", phase))
+        return result()
+    return wait
+
+
+# Every collective below takes async_op: with it, the call only starts the
+# collective and returns a function that waits for it (later()), so that a rank
+# can compute while its messages are in flight (section 6); the tensors passed
+# in must then stay untouched until that wait.
+
+def all_gather(shard, axis, ledger, phase, async_op=False):
     """Concatenate every rank's equal-sized 1-D shard along `axis`: (size * k,)."""
     if axis.size == 1:
-        return shard
+        return (lambda: shard) if async_op else shard
     out = shard.new_empty(axis.size * shard.numel())
     with record_function(phase):
-        _all_gather_single(out, shard, group=axis.group)
+        work = _all_gather_single(out, shard, group=axis.group, async_op=True)
     ring = (axis.size - 1) * shard.numel()
     ledger.record_comm(phase, "all_gather", axis, ring, ring, shard.dtype)
-    return out
+    wait = later(work, phase, ledger, lambda: out)
+    return wait if async_op else wait()
 
 
-def reduce_scatter(bucket, axis, ledger, phase):
+def reduce_scatter(bucket, axis, ledger, phase, async_op=False):
     """Sum `bucket` over the ranks of `axis` and keep this rank's 1/size of it."""
     if axis.size == 1:
-        return bucket
+        return (lambda: bucket) if async_op else bucket
     out = bucket.new_empty(bucket.numel() // axis.size)
     # ReduceOp.SUM: the total gradient, as the reference is fed. (AVG is avoided
     # for older torch; divide afterwards if you want a mean.)
     with record_function(phase):
-        _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group)
+        work = _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
     ring = (axis.size - 1) * out.numel()
     ledger.record_comm(phase, "reduce_scatter", axis, ring, ring, bucket.dtype)
-    return out
+    wait = later(work, phase, ledger, lambda: out)
+    return wait if async_op else wait()
 
 
 def exchange(sends, receive_numels, axis, ledger, phase, async_op=False):
@@ -344,17 +372,11 @@ def exchange(sends, receive_numels, axis, ledger, phase, async_op=False):
     else:
         with record_function(phase):
             work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
-                                          group=axis.group, async_op=async_op)
+                                          group=axis.group, async_op=True)
     others = [i for i in range(axis.size) if i != axis.rank]
     ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
                        sum(receive_numels[i] for i in others), send.dtype)
-
-    def wait():
-        if work is not None:  # only an async_op call returns work to wait for
-            with record_function(phase):  # the wait is the phase's time too
-                work.wait()
-        return list(received.split(list(receive_numels)))
-
+    wait = later(work, phase, ledger, lambda: list(received.split(list(receive_numels))))
     return wait if async_op else wait()
 
 
@@ -861,14 +883,16 @@ class DistributedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.ledger.step += 1
-        active = self._vote_on_gradients()
+        self._stages(self._vote_on_gradients())
+        return loss
+
+    def _stages(self, active):
+        """The four stages, one after the other (section 6 overlaps them)."""
         grads = self._reduce_grads(active)  # 1
-        with record_function("state update"):  # momentum and AdamW: a label for profiler traces
-            updates = self._update_state(grads)  # 2
+        updates = self._update_state(grads)  # 2
         for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
             self._apply_update(name, ortho_part)
         self._gather_params(active)  # 4
-        return loss
 
     def _vote_on_gradients(self):
         """The names of the parameters that have a gradient on at least one rank (the same set on every rank)."""
@@ -878,42 +902,53 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def _reduce_grads(self, active):
         """Stage 1: {name: this rank's part of the gradient summed over DP} for every active part it keeps."""
-        if self.grid.dp.size == 1:  # one DP rank: its gradient is the sum, and its part is the whole TP piece
-            return {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n]).reshape(-1)
-                    for n in self.layout.bucket_ranges if n in active}
         grads = {}
         for bucket in self.layout.buckets:
-            # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
-            metas = [self.dist_metas[n] for n in bucket.names]
-            grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
-            for meta in metas:
-                grad = self.param_by_name[meta.name].grad
-                if grad is not None:  # a rank without this gradient adds zeros, as DDP's reduction does
-                    grad_bucket[slice(*meta.bucket_range)] = grad.reshape(-1)
-            grad_shard = reduce_scatter(grad_bucket, self.grid.dp, self.ledger, "grad reduce-scatter")
-            grads.update({m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel and m.name in active})
+            grads.update(self._reduce_bucket(bucket, active))
         return grads
+
+    def _reduce_bucket(self, bucket, active, async_op=False):
+        """Stage 1 for one bucket (with async_op: a function that waits and returns it)."""
+        metas = [self.dist_metas[n] for n in bucket.names]
+        if self.grid.dp.size == 1:  # one DP rank: its gradient is the sum, and its part is the whole TP piece
+            grads = {m.name: zeros_if_none(self.param_by_name[m.name].grad, self.param_by_name[m.name]).reshape(-1)
+                     for m in metas if m.name in active}
+            return (lambda: grads) if async_op else grads
+        # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
+        grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+        for meta in metas:
+            grad = self.param_by_name[meta.name].grad
+            if grad is not None:  # a rank without this gradient adds zeros, as DDP's reduction does
+                grad_bucket[slice(*meta.bucket_range)] = grad.reshape(-1)
+        wait = reduce_scatter(grad_bucket, self.grid.dp, self.ledger, "grad reduce-scatter", async_op=True)
+
+        def grad_parts():
+            grad_shard = wait()
+            return {m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel and m.name in active}
+
+        return grad_parts if async_op else grad_parts()
 
     def _update_state(self, grads):
         """Stage 2, on this rank's parts only: AdamW updates its weights; Muon's momentum gives
         {matrix: its part of the Newton-Schulz input, bf16}."""
         updates = {}
-        for name, grad in grads.items():
-            p, group = self.param_by_name[name], self.group_of[name]
-            state = self.state[p]
-            if group["algorithm"] == "adamw":
-                if not state:
-                    state.update(step=torch.tensor(0.0), exp_avg=grad.new_zeros(grad.numel()),
-                                 exp_avg_sq=grad.new_zeros(grad.numel()))
-                state["step"] += 1
-                adamw_(p.view(-1)[self.parts[name]], grad, state["exp_avg"], state["exp_avg_sq"],
-                       state["step"].item(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                       weight_decay=group["weight_decay"])
-            else:
-                if not state:  # momentum of this rank's part only: it never exists for the whole matrix
-                    state["momentum_buffer"] = grad.new_zeros(grad.numel())
-                update = muon_momentum_(state["momentum_buffer"], grad, group["momentum"], group["nesterov"])
-                updates[name] = update.bfloat16()  # the cast Newton-Schulz does first: halves the bytes moved
+        with record_function("state update"):  # momentum and AdamW: a label for profiler traces
+            for name, grad in grads.items():
+                p, group = self.param_by_name[name], self.group_of[name]
+                state = self.state[p]
+                if group["algorithm"] == "adamw":
+                    if not state:
+                        state.update(step=torch.tensor(0.0), exp_avg=grad.new_zeros(grad.numel()),
+                                     exp_avg_sq=grad.new_zeros(grad.numel()))
+                    state["step"] += 1
+                    adamw_(p.view(-1)[self.parts[name]], grad, state["exp_avg"], state["exp_avg_sq"],
+                           state["step"].item(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                           weight_decay=group["weight_decay"])
+                else:
+                    if not state:  # momentum of this rank's part only: it never exists for the whole matrix
+                        state["momentum_buffer"] = grad.new_zeros(grad.numel())
+                    update = muon_momentum_(state["momentum_buffer"], grad, group["momentum"], group["nesterov"])
+                    updates[name] = update.bfloat16()  # the cast Newton-Schulz does first: halves the bytes moved
         return updates
 
     def _orthogonalize(self, updates, active):
@@ -943,17 +978,26 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def _gather_params(self, active):
         """Stage 4: the parameter all-gather; every DP rank again holds its full TP pieces."""
-        if self.grid.dp.size == 1:  # the parts were the whole TP pieces, updated in place: nothing to gather
-            return
         for bucket in self.layout.buckets:
-            metas = [self.dist_metas[n] for n in bucket.names]
-            params = [self.param_by_name[n] for n in bucket.names]
-            param_shard = torch.zeros(bucket.numel // self.grid.dp.size, dtype=torch.float32, device=self.device)
-            for meta, p in zip(metas, params):
-                param_shard[meta.shard_slice] = p.view(-1)[meta.param_slice]
-            param_bucket = all_gather(param_shard, self.grid.dp, self.ledger, "param all-gather")
+            self._gather_bucket(bucket)
+
+    def _gather_bucket(self, bucket, async_op=False):
+        """Stage 4 for one bucket (with async_op: a function that waits and copies the result in)."""
+        if self.grid.dp.size == 1:  # the parts were the whole TP pieces, updated in place: nothing to gather
+            return (lambda: None) if async_op else None
+        metas = [self.dist_metas[n] for n in bucket.names]
+        params = [self.param_by_name[n] for n in bucket.names]
+        param_shard = torch.zeros(bucket.numel // self.grid.dp.size, dtype=torch.float32, device=self.device)
+        for meta, p in zip(metas, params):
+            param_shard[meta.shard_slice] = p.view(-1)[meta.param_slice]
+        wait = all_gather(param_shard, self.grid.dp, self.ledger, "param all-gather", async_op=True)
+
+        def copy_in():
+            param_bucket = wait()
             for meta, p in zip(metas, params):
                 p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
+
+        return copy_in if async_op else copy_in()
 
 
 def zeros_if_none(grad, param):
@@ -975,8 +1019,7 @@ def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger):
         full = tp_gather(tp_local, meta.tp_split_dim, grid.tp, ledger)  # TP gather: the full matrix
         with record_function("newton-schulz"):
             ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-        ledger.compute.append(dict(step=ledger.step, name=meta.name, shape=meta.global_shape,
-                                   flops=newton_schulz_flops(meta.global_shape, group["ns_steps"])))
+        ledger.record_compute(meta.name, meta.global_shape, newton_schulz_flops(meta.global_shape, group["ns_steps"]))
         tp_piece = tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
         ortho_parts[meta.name] = dp_shard(tp_piece, meta)  # DP shard: a slice
     return ortho_parts
@@ -1220,24 +1263,11 @@ def scatter_from_owner(orthos, routes, axis, ledger, dtype, device):
     return lambda: dict(zip(mine, wait()))
 
 
-def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, device, chunks=1):
-    """gather at owner -> Newton-Schulz (owners only) -> scatter from owner: {name: this rank's part}.
-
-    With chunks > 1 the routes are split round-robin into that many chunks, every
-    chunk's gather is started at once (asynchronously), and each chunk's
-    Newton-Schulz runs while the later chunks are still in flight; its scatter
-    starts as soon as its Newton-Schulz ends. The bytes are the same; only the
-    number of messages and the overlap change.
-    """
+def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, device):
+    """gather at owner -> Newton-Schulz (owners only) -> scatter from owner: {name: this rank's part}."""
     dtype = torch.bfloat16  # the updates were cast to Newton-Schulz's input type before they travel
-    chunked = [routes[c::chunks] for c in range(chunks)]
-    gathers = [gather_at_owner(updates, rs, axis, ledger, dtype, device) for rs in chunked]
-    scatters = [scatter_from_owner(newton_schulz_fn(gather()), rs, axis, ledger, dtype, device)
-                for gather, rs in zip(gathers, chunked)]
-    parts = {}
-    for scatter in scatters:
-        parts.update(scatter())
-    return parts
+    full = gather_at_owner(updates, routes, axis, ledger, dtype, device)()
+    return scatter_from_owner(newton_schulz_fn(full), routes, axis, ledger, dtype, device)()
 
 
 def newton_schulz_owned(full, group_of, ledger, batched=False):
@@ -1265,53 +1295,103 @@ def newton_schulz_owned(full, group_of, ledger, batched=False):
                 orthos[name] = newton_schulz(matrix, g["ns_steps"], g["ns_coefficients"], g["ns_eps"])
     for name in orthos:
         shape = tuple(full[name].shape)
-        ledger.compute.append(dict(step=ledger.step, name=name, shape=shape,
-                                   flops=newton_schulz_flops(shape, group_of[name]["ns_steps"])))
+        ledger.record_compute(name, shape, newton_schulz_flops(shape, group_of[name]["ns_steps"]))
     return orthos
 
 
-def reduce_at_owner(grads, owners, grid, ledger, device):
+def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
     """comm-free: every DP rank's TP-local gradient of each matrix -> its sum, on the owner row only.
 
     One all-to-all over DP carries every matrix to its owner row, which adds the
     DP contributions in DP-rank order (exact here: section 3). The same bytes as
     a reduce-scatter, with matrices instead of equal shards as the unit.
+    With async_op: a function that waits and returns the sums.
     """
     dp, tp = grid.dp, grid.tp.size
     mine = [n for n in grads if owners[n] // tp == dp.rank]
     if dp.size == 1:  # the only contribution is this rank's own: nothing to move or add
-        return {n: grads[n].reshape(-1) for n in mine}
+        sums = {n: grads[n].reshape(-1) for n in mine}
+        return (lambda: sums) if async_op else sums
     sends = [concat([grads[n].reshape(-1) for n in grads if owners[n] // tp == d], torch.float32, device)
              for d in range(dp.size)]
     numel = sum(grads[n].numel() for n in mine)
-    received = exchange(sends, [numel] * dp.size, dp, ledger, "grad reduce at owner")
-    summed = received[0].clone()
-    for contribution in received[1:]:
-        summed += contribution
-    return dict(zip(mine, summed.split([grads[n].numel() for n in mine])))
+    wait = exchange(sends, [numel] * dp.size, dp, ledger, "grad reduce at owner", async_op=True)
+
+    def add_up():
+        received = wait()
+        summed = received[0].clone()
+        for contribution in received[1:]:
+            summed += contribution
+        return dict(zip(mine, summed.split([grads[n].numel() for n in mine])))
+
+    return add_up if async_op else add_up()
 
 
-def broadcast_from_owner(params, owners, grid, ledger, device):
+def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
     """comm-free, the mirror of reduce_at_owner: the owner row's updated TP-local
-    matrices -> every other DP rank."""
+    matrices -> every other DP rank. With async_op: a function that waits and copies them in."""
     dp, tp = grid.dp, grid.tp.size
     if dp.size == 1:  # no other DP rank to send to
-        return
+        return (lambda: None) if async_op else None
     mine = concat([params[n].view(-1) for n in params if owners[n] // tp == dp.rank], torch.float32, device)
     sends = [mine if d != dp.rank else mine[:0] for d in range(dp.size)]
     theirs = [[n for n in params if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
-    received = exchange(sends, [sum(params[n].numel() for n in names) for names in theirs], dp, ledger,
-                        "param broadcast from owner")
-    for names, flat in zip(theirs, received):
-        for name, value in zip(names, flat.split([params[n].numel() for n in names])):
-            params[name].view(-1).copy_(value)
+    wait = exchange(sends, [sum(params[n].numel() for n in names) for names in theirs], dp, ledger,
+                    "param broadcast from owner", async_op=True)
+
+    def copy_in():
+        for names, flat in zip(theirs, wait()):
+            for name, value in zip(names, flat.split([params[n].numel() for n in names])):
+                params[name].view(-1).copy_(value)
+
+    return copy_in if async_op else copy_in()
 
 
-# The two strategies, as section 5's optimizer with some of its stages replaced.
-def check_owner_options(name=str, *, overlap_chunks):
-    """The owner strategies' rule for their own argument (see check_hyperparameters)."""
-    if overlap_chunks < 1:
-        raise ValueError(f"{name('overlap_chunks')} must be >= 1 (got {overlap_chunks})")
+# Overlap (overlap=True, --overlap). Stages 1-4 above run one after the other,
+# so a rank's core sits idle while its messages travel, and its transfers wait
+# while it computes. With overlap, the step is pipelined unit by unit (a unit is
+# a ZeRO-1 bucket; for comm-free's matrices, a chunk of them of at most
+# bucket_size elements) and every collective is started asynchronously:
+#
+#   every gradient reduction starts at once; then, iteration i of the loop:
+#     unit i     1->2  wait for its summed gradient, update momentum / AdamW,
+#                      start its gather at owner                           -> G(i)
+#     unit i-1   3     wait G(i-1), Newton-Schulz of what this rank owns,
+#                      start its scatter from owner                        -> S(i-1)
+#     unit i-2   3, 4  wait S(i-2), apply the update, start the param all-gather
+#   and at the end, wait for every param all-gather.
+#
+#   main thread: | state 0 | state 1 | NS 0        | state 2 | NS 1        | apply 0 | ...
+#   in flight:   | R1 R2 ... Rn, G0  | G1, R2..Rn  | S0      | G2, S0 ...  | A0      | ...
+#
+# So the Newton-Schulz of unit i-1 runs while the gradients of later units are
+# still being reduced (R), unit i's parts travel to their owners (G) and unit
+# i-2's results travel back (S) and its parameters are all-gathered (A). Every
+# rank starts the same collectives in the same order on each group, which is all
+# that asynchronous collectives need to match up. Nothing is computed differently:
+# the same elements go through the same operations, so the bits are the same.
+# Whether it is faster depends on having something to overlap with: a core that
+# is idle while messages travel (see notes/08-strategies.md for measurements).
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of an overlapped step: parameters whose gradients are reduced together."""
+
+    names: tuple
+    bucket: object = None  # the ZeRO-1 bucket that holds them; None: comm-free matrices, reduced at their owners
+
+
+def chunk_names(names, numel, size):
+    """Consecutive names in chunks of at most `size` elements (a larger one alone)."""
+    chunks, current, total = [], [], 0
+    for name in names:
+        if current and total + numel[name] > size:
+            chunks.append(tuple(current))
+            current, total = [], 0
+        current.append(name)
+        total += numel[name]
+    return chunks + ([tuple(current)] if current else [])
 
 
 class OwnerMuon(DistributedMuon):
@@ -1321,8 +1401,8 @@ class OwnerMuon(DistributedMuon):
 
     owners: {rank: [matrix names]} to override the balanced assignment (every Muon matrix
         exactly once).
-    overlap_chunks: split the exchanges with the owners into this many chunks and overlap
-        each chunk's Newton-Schulz with the later chunks' transfers.
+    overlap: pipeline the step bucket by bucket with asynchronous collectives (above); the
+        same bytes in more, smaller all-to-alls, and the same bits.
     batched_ns: orthogonalize an owner's same-shape matrices in one batched call. Faster for
         many small matrices, but not bitwise equal to torch: within BATCHED_NS_BOUND
         (section 1). Off by default.
@@ -1330,9 +1410,8 @@ class OwnerMuon(DistributedMuon):
 
     strategy = "owner"
 
-    def __init__(self, params, *, owners=None, overlap_chunks=1, batched_ns=False, **kwargs):
-        check_owner_options(overlap_chunks=overlap_chunks)
-        self.owner_override, self.overlap_chunks, self.batched_ns = owners, overlap_chunks, batched_ns
+    def __init__(self, params, *, owners=None, overlap=False, batched_ns=False, **kwargs):
+        self.owner_override, self.overlap, self.batched_ns = owners, overlap, batched_ns
         super().__init__(params, **kwargs)
 
     def _route_axis(self):
@@ -1350,17 +1429,56 @@ class OwnerMuon(DistributedMuon):
     def _orthogonalize(self, updates, active):
         routes = [r for r in self.routes if r.name in active]
         return orthogonalize_at_owners(updates, routes, self._newton_schulz_owned, self._route_axis(),
-                                       self.ledger, self.device, self.overlap_chunks)
+                                       self.ledger, self.device)
 
     def _newton_schulz_owned(self, full):
         return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns)
+
+    # -- the overlapped step -------------------------------------------------
+    def _units(self):
+        return [Unit(b.names, b) for b in self.layout.buckets]
+
+    def _reduce_unit(self, unit, active):
+        """Start stage 1 for a unit; returns a function that waits and returns its gradient parts."""
+        return self._reduce_bucket(unit.bucket, active, async_op=True)
+
+    def _gather_unit(self, unit, active):
+        """Start stage 4 for a unit; returns a function that waits and puts the weights in place."""
+        return self._gather_bucket(unit.bucket, async_op=True)
+
+    def _stages(self, active):
+        if not self.overlap:
+            return super()._stages(active)
+        axis, dtype, device = self._route_axis(), torch.bfloat16, self.device
+        units = self._units()
+        # Which matrices of each unit travel to an owner: the same on every rank of the axis,
+        # so a unit without any starts no exchange anywhere.
+        routes = [[r for r in self.routes if r.name in u.names and r.name in active] for u in units]
+        reduced = [self._reduce_unit(u, active) for u in units]  # 1: every reduction starts now
+        gathered, scattered, gathered_params = {}, {}, []
+        for i in range(len(units) + 2):
+            if i < len(units):  # unit i: 1 -> 2, then start its gather at owner
+                updates = self._update_state(reduced[i]())
+                if routes[i]:
+                    gathered[i] = gather_at_owner(updates, routes[i], axis, self.ledger, dtype, device)
+            if i - 1 in gathered:  # unit i-1: 3, while unit i's transfers and later reductions fly
+                orthos = self._newton_schulz_owned(gathered.pop(i - 1)())
+                scattered[i - 1] = scatter_from_owner(orthos, routes[i - 1], axis, self.ledger, dtype, device)
+            if 0 <= i - 2 < len(units):  # unit i-2: the end of 3, then start 4
+                if i - 2 in scattered:
+                    for name, ortho_part in scattered.pop(i - 2)().items():
+                        self._apply_update(name, ortho_part)
+                gathered_params.append(self._gather_unit(units[i - 2], active))
+        for wait in gathered_params:
+            wait()
 
 
 class CommFreeMuon(OwnerMuon):
     """The comm-free strategy: Muon matrices sharded whole across DP, outside the buckets.
 
     Stage 1 adds the gradient reduce at the owner row, stage 3 exchanges TP pieces inside
-    the owner's row only, stage 4 adds the broadcast from the owner row.
+    the owner's row only, stage 4 adds the broadcast from the owner row. With overlap,
+    the matrices are pipelined in chunks of at most bucket_size elements.
     """
 
     strategy = "comm-free"
@@ -1377,17 +1495,35 @@ class CommFreeMuon(OwnerMuon):
         on_owner_row = self.owners[name] // self.grid.tp.size == dp_rank
         return slice(0, math.prod(self.layout.shapes[name]) if on_owner_row else 0)
 
+    def _muon_grads(self, names, active):
+        return {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n]) for n in names if n in active}
+
     def _reduce_grads(self, active):
         grads = super()._reduce_grads(active)
-        muon_grads = {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n])
-                      for n in self.muon_names if n in active}
-        grads.update(reduce_at_owner(muon_grads, self.owners, self.grid, self.ledger, self.device))
+        grads.update(reduce_at_owner(self._muon_grads(self.muon_names, active), self.owners, self.grid,
+                                     self.ledger, self.device))
         return grads
 
     def _gather_params(self, active):
         super()._gather_params(active)
         broadcast_from_owner({n: self.param_by_name[n] for n in self.muon_names if n in active}, self.owners,
                              self.grid, self.ledger, self.device)
+
+    def _units(self):
+        numel = {n: self.param_by_name[n].numel() for n in self.muon_names}
+        return super()._units() + [Unit(c) for c in chunk_names(self.muon_names, numel, self.bucket_size)]
+
+    def _reduce_unit(self, unit, active):
+        if unit.bucket is not None:
+            return super()._reduce_unit(unit, active)
+        return reduce_at_owner(self._muon_grads(unit.names, active), self.owners, self.grid, self.ledger,
+                               self.device, async_op=True)
+
+    def _gather_unit(self, unit, active):
+        if unit.bucket is not None:
+            return super()._gather_unit(unit, active)
+        return broadcast_from_owner({n: self.param_by_name[n] for n in unit.names if n in active}, self.owners,
+                                    self.grid, self.ledger, self.device, async_op=True)
 
 
 # Every strategy, by the name --strategy takes.
@@ -1433,7 +1569,7 @@ class RunConfig:
     baseline: bool = False  # the AdamW ZeRO-1 baseline instead of Muon: every parameter takes AdamW
     model: str = "transformer"  # one of MODELS: the transformer of section 3, or lopsided_specs()
     layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
-    overlap_chunks: int = 1  # owner / comm-free: chunks whose exchange overlaps Newton-Schulz
+    overlap: bool = False  # owner / comm-free: pipeline the step with asynchronous collectives (section 6)
     batched_ns: bool = False  # owner / comm-free: same-shape matrices in one call (not bitwise torch's)
     timeout_s: float = TIMEOUT_S  # a silent rank or a stuck collective ends the run after this long
     missing_grads: tuple = ()  # (name, dp_rank or -1 for all, step): gradients that are None (tests)
@@ -1476,9 +1612,8 @@ def validate(cfg, specs):
         raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
     if not 1 <= cfg.layers <= MAX_LAYERS:
         raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
-    check_owner_options(flag, overlap_chunks=cfg.overlap_chunks)
-    if cfg.overlap_chunks > 1 and cfg.strategy not in ("owner", "comm-free"):
-        raise ValueError(f"--overlap-chunks applies to --strategy owner or comm-free (got {cfg.strategy})")
+    if cfg.overlap and cfg.strategy not in ("owner", "comm-free"):
+        raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
     if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
         raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
     check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
@@ -1538,7 +1673,7 @@ def build_optimizer(specs, cfg, grid, params):
     """The demo's optimizer for cfg.strategy over this rank's TP pieces `params` ({name: tensor})."""
     groups = [dict(h, params=[(s.name, params[s.name]) for s in specs if s.group == g])
               for g, h in group_hyperparameters(cfg).items()]
-    options = {} if cfg.strategy == "gather" else dict(overlap_chunks=cfg.overlap_chunks, batched_ns=cfg.batched_ns)
+    options = {} if cfg.strategy == "gather" else dict(overlap=cfg.overlap, batched_ns=cfg.batched_ns)
     return OPTIMIZERS[cfg.strategy]([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
                                     tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
                                     **options)
@@ -2113,9 +2248,9 @@ def build_parser(description, launcher="spawn"):
                    help="transformer (default): section 3's model; lopsided: one huge matrix among small ones; "
                         "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")
     p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (default %(default)s)")
-    p.add_argument("--overlap-chunks", type=int, default=d.overlap_chunks,
-                   help="owner, comm-free: exchange with the owners in this many chunks, overlapping "
-                        "Newton-Schulz (default %(default)s)")
+    p.add_argument("--overlap", action="store_true",
+                   help="owner, comm-free: pipeline the step bucket by bucket, Newton-Schulz overlapping "
+                        "the collectives (section 6)")
     p.add_argument("--batched-ns", action="store_true",
                    help="owner, comm-free: orthogonalize same-shape matrices in one batched call; faster for many "
                         "small matrices, but not bit-identical to torch (within 2**-5 of the largest entry)")

@@ -27,8 +27,7 @@ BAD_INPUT = [
     (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
     (["--adjust-lr-fn", "spectral"], "--adjust-lr-fn must be one of original, match_rms_adamw"),
     (["--layers", "0"], "--layers must be in [1, 24]"),
-    (["--overlap-chunks", "0", "--strategy", "owner"], "--overlap-chunks must be >= 1"),
-    (["--overlap-chunks", "2"], "--overlap-chunks applies to --strategy owner or comm-free (got gather)"),
+    (["--overlap"], "--overlap applies to --strategy owner or comm-free (got gather)"),
     (["--model", "lopsided", "--tp", "3"], "TP 3 does not divide huge.weight"),
     (["--model", "thin", "--tp", "8"], "TP 8 does not divide thin.0.60x6.weight dim 0"),
     (["--batched-ns"], "--batched-ns applies to --strategy owner or comm-free (got gather)"),
@@ -106,7 +105,7 @@ def test_help():
     assert proc.returncode == 0
     for flag in ["--dp", "--tp", "--steps", "--seed", "--bucket-size", "--lr", "--momentum", "--weight-decay",
                  "--ns-steps", "--adjust-lr-fn", "--explain", "--json", "--strategy", "--baseline", "--model",
-                 "--layers", "--overlap-chunks", "--batched-ns", "--timeout", "--traceback"]:
+                 "--layers", "--overlap", "--batched-ns", "--timeout", "--traceback"]:
         assert flag in proc.stdout
 
 

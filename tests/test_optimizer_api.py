@@ -24,14 +24,18 @@ def split_groups(model, **muon_hyper):
     return [dict(params=matrices, algorithm="muon", **muon_hyper), dict(params=others, algorithm="adamw")]
 
 
-@pytest.mark.parametrize("strategy", dm.STRATEGIES)
-def test_trains_a_real_model_exactly_like_torch(single_process_group, strategy):
+# Every strategy, and the owner strategies with their step overlapped (section 6).
+VARIANTS = [(s, {}) for s in dm.STRATEGIES] + [(s, dict(overlap=True)) for s in ("owner", "comm-free")]
+
+
+@pytest.mark.parametrize("strategy,options", VARIANTS)
+def test_trains_a_real_model_exactly_like_torch(single_process_group, strategy, options):
     """Real backward passes (no DP reduction on one rank), so the match must be exact."""
     torch.manual_seed(0)
     ours, theirs = TinyNet(), TinyNet()
     theirs.load_state_dict(ours.state_dict())
     opt = dm.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group, bucket_size=300, lr=0.02,
-                                  weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+                                  weight_decay=0.1, adjust_lr_fn="match_rms_adamw", **options)
     assert isinstance(opt, torch.optim.Optimizer)
     muon_params = [p for n, p in theirs.named_parameters() if p.ndim == 2 and not n.startswith("embed")]
     other_params = [p for n, p in theirs.named_parameters() if not (p.ndim == 2 and not n.startswith("embed"))]
@@ -87,13 +91,13 @@ def test_custom_owners_are_checked_and_used(single_process_group):
         dm.DistributedMuon(split_groups(model), grid=single_process_group, owners={0: matrices})
 
 
-@pytest.mark.parametrize("strategy", dm.STRATEGIES)
-def test_parameters_without_gradients_are_skipped_like_torch(single_process_group, strategy):
+@pytest.mark.parametrize("strategy,options", VARIANTS)
+def test_parameters_without_gradients_are_skipped_like_torch(single_process_group, strategy, options):
     """A frozen embedding, a matrix and a bias whose gradient is None at some steps."""
     torch.manual_seed(2)
     ours, theirs = TinyNet(), TinyNet()
     theirs.load_state_dict(ours.state_dict())
-    opt = dm.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group)
+    opt = dm.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group, bucket_size=300, **options)
     named = dict(theirs.named_parameters())
     ref = [torch.optim.Muon([named["hidden.weight"], named["out.weight"]], lr=0.02, weight_decay=0.1),
            torch.optim.AdamW([p for n, p in named.items() if n not in ("hidden.weight", "out.weight")], lr=0.02,
@@ -134,9 +138,10 @@ def test_bad_construction_is_a_clear_error(single_process_group, make_groups, kw
             optimizer(make_groups(TinyNet()), grid=single_process_group, **kwargs)
 
 
-def test_owner_options_are_checked(single_process_group):
-    with pytest.raises(ValueError, match=r"overlap_chunks must be >= 1 \(got 0\)"):
-        dm.OwnerMuon(split_groups(TinyNet()), grid=single_process_group, overlap_chunks=0)
+def test_the_gather_strategy_refuses_the_owner_strategies_options(single_process_group):
+    for option in (dict(overlap=True), dict(batched_ns=True)):  # an error, not an option silently ignored
+        with pytest.raises(TypeError, match=next(iter(option))):
+            dm.DistributedMuon(split_groups(TinyNet()), grid=single_process_group, **option)
 
 
 def test_topology_errors_name_every_factor():

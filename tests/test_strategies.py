@@ -46,15 +46,45 @@ def test_adamw_baseline_is_torch_adamw(run_grid, dp, tp):
     assert sum(result["ns_flops"]["per_rank"]) == 0 and result["ns_flops"]["redundancy"] is None
 
 
-@pytest.mark.parametrize("strategy", ZERO_REDUNDANCY)
-def test_overlapped_chunks_change_nothing_but_the_message_count(run_grid, strategy):
-    plain = strategy_run(run_grid, 4, 2, strategy)
-    chunked = strategy_run(run_grid, 4, 2, strategy, overlap_chunks=3)
-    assert_identical(chunked)
-    assert chunked["bytes_per_step"] == plain["bytes_per_step"]
+def events(result, rank):
+    """Rank `rank`'s record of the last step, in order: (kind, phase or matrix)."""
+    return [e[1:] for e in result["ledgers"][rank]["events"] if e[0] == STEPS]
+
+
+def reductions_all_start_before_any_is_waited_for(ev, phase):
+    launches = [i for i, e in enumerate(ev) if e == ("launch", phase)]
+    waits = [i for i, e in enumerate(ev) if e == ("wait", phase)]
+    return len(launches) > 1 and max(launches) < min(waits)
+
+
+def newton_schulz_before_a_reduction_arrives(ev, phase):
+    ns = [i for i, e in enumerate(ev) if e[0] == "newton-schulz"]
+    waits = [i for i, e in enumerate(ev) if e == ("wait", phase)]
+    return bool(ns) and min(ns) < max(waits)
+
+
+@pytest.mark.parametrize("strategy,dp,tp", [("owner", 4, 2), ("comm-free", 3, 2)])
+def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strategy, dp, tp):
+    plain = strategy_run(run_grid, dp, tp, strategy)
+    overlapped = strategy_run(run_grid, dp, tp, strategy, overlap=True)
+    assert_identical(overlapped)
+    assert overlapped["bytes_per_step"] == plain["bytes_per_step"]
+    # One gather at owner and one scatter from owner per unit that has a matrix to move (rank 0's view;
+    # comm-free moves TP pieces inside rank 0's DP row only), against one of each for the whole step.
+    opt = dm.plan_optimizer(dm.RunConfig(dp=dp, tp=tp, bucket_size=BUCKET, strategy=strategy, overlap=True))
+    moving = sum(any(r.name in u.names for r in opt.routes) for u in opt._units())
     owner_phases = ("gather at owner", "scatter from owner")
-    calls = lambda r: sum(c["phase"] in owner_phases and c["step"] == STEPS for c in r["ledgers"][0]["comm"])
-    assert (calls(plain), calls(chunked)) == (2, 6)  # one gather and one scatter per chunk
+    launches = lambda r: sum(e[0] == "launch" and e[1] in owner_phases for e in events(r, 0))
+    assert moving > 1 and (launches(plain), launches(overlapped)) == (2, 2 * moving)
+    # The schedule: with overlap every gradient reduction starts before the first is waited for,
+    # and some rank runs Newton-Schulz while a later unit's reduction is still in flight; without
+    # it, each reduction is waited for as it starts, and Newton-Schulz comes after them all.
+    phase = "grad reduce-scatter" if strategy == "owner" else "grad reduce at owner"
+    ranks = range(dp * tp)
+    assert all(reductions_all_start_before_any_is_waited_for(events(overlapped, r), phase) for r in ranks)
+    assert not any(reductions_all_start_before_any_is_waited_for(events(plain, r), phase) for r in ranks)
+    assert any(newton_schulz_before_a_reduction_arrives(events(overlapped, r), phase) for r in ranks)
+    assert not any(newton_schulz_before_a_reduction_arrives(events(plain, r), phase) for r in ranks)
 
 
 # --- the owner assignment ------------------------------------------------------
