@@ -174,7 +174,7 @@ print(inspect.getsource(dm.gather_newton_schulz_shard))
 # The gather flow repeats Newton–Schulz on every rank that touches a matrix. `OwnerMuon` gives each
 # matrix one owner, chosen by longest-processing-time over Newton–Schulz FLOPs; `CommFreeMuon` also
 # keeps each matrix whole on its owner's DP row. Both are section 5's optimizer with stages
-# replaced, every other stage reused; with `overlap=True` (`--overlap`) they also pipeline the
+# replaced, every other stage reused; with `overlap=K` (`--overlap K`) they also pipeline the
 # step bucket by bucket, so that Newton–Schulz runs while later buckets' collectives are in
 # flight (the script's section 6 draws the schedule). With 8 layers, 40 matrices spread evenly
 # over 8 ranks:

@@ -1240,7 +1240,9 @@ def gather_at_owner(updates, routes, axis, ledger, dtype, device):
             tp_locals = {}  # tp_rank -> its flattened TP-local matrix, part by part in DP order
             for p in r.senders:
                 tp_locals.setdefault(p.tp_rank, []).append(next(parts))
-            mats = [torch.cat(flats).view(r.shape) for _, flats in sorted(tp_locals.items())]
+            # One part is the whole TP piece (DP = 1, or comm-free): used as it is, not copied.
+            mats = [(flats[0] if len(flats) == 1 else torch.cat(flats)).view(r.shape)
+                    for _, flats in sorted(tp_locals.items())]
             full[r.name] = torch.cat(mats, dim=r.tp_split_dim) if r.tp_split_dim >= 0 else mats[0]
         return full
 
@@ -1347,31 +1349,40 @@ def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
     return copy_in if async_op else copy_in()
 
 
-# Overlap (overlap=True, --overlap). Stages 1-4 above run one after the other,
+# Overlap (overlap=K, --overlap K). Stages 1-4 above run one after the other,
 # so a rank's core sits idle while its messages travel, and its transfers wait
 # while it computes. With overlap, the step is pipelined unit by unit (a unit is
 # a ZeRO-1 bucket; for comm-free's matrices, a chunk of them of at most
 # bucket_size elements) and every collective is started asynchronously:
 #
 #   every gradient reduction starts at once; then, iteration i of the loop:
-#     unit i     1->2  wait for its summed gradient, update momentum / AdamW,
-#                      start its gather at owner                           -> G(i)
-#     unit i-1   3     wait G(i-1), Newton-Schulz of what this rank owns,
-#                      start its scatter from owner                        -> S(i-1)
-#     unit i-2   3, 4  wait S(i-2), apply the update, start the param all-gather
-#   and at the end, wait for every param all-gather.
+#     unit i      1->2  wait for its summed gradient, update momentum / AdamW,
+#                       start its gather at owner                          -> G(i)
+#     unit i-K    3     wait G(i-K), Newton-Schulz of what this rank owns,
+#                       start its scatter from owner                       -> S(i-K)
+#     unit i-2K   3, 4  wait S(i-2K), apply the update, start the param all-gather
+#   and at the end, wait for every param all-gather. With K = 1:
 #
 #   main thread: | state 0 | state 1 | NS 0        | state 2 | NS 1        | apply 0 | ...
 #   in flight:   | R1 R2 ... Rn, G0  | G1, R2..Rn  | S0      | G2, S0 ...  | A0      | ...
 #
-# So the Newton-Schulz of unit i-1 runs while the gradients of later units are
-# still being reduced (R), unit i's parts travel to their owners (G) and unit
-# i-2's results travel back (S) and its parameters are all-gathered (A). Every
-# rank starts the same collectives in the same order on each group, which is all
-# that asynchronous collectives need to match up. Nothing is computed differently:
-# the same elements go through the same operations, so the bits are the same.
-# Whether it is faster depends on having something to overlap with: a core that
-# is idle while messages travel (see notes/08-strategies.md for measurements).
+# So the Newton-Schulz of a unit runs while the gradients of later units are
+# still being reduced (R), later units' parts travel to their owners (G) and
+# earlier units' results travel back (S) and their parameters are all-gathered
+# (A). Every rank starts the same collectives in the same order on each group,
+# which is all that asynchronous collectives need to match up. Nothing is
+# computed differently: the same elements go through the same operations, so
+# the bits are the same.
+#
+# Why K (the lookahead) and not just 1: a gather at owner cannot complete before
+# every rank has started it. With K = 1 the ranks move in lock-step, one unit at
+# a time, and a rank that owns nothing in a unit waits for the one that owns its
+# matrix; K units of slack let them drift apart by up to K units. On 2 ranks here
+# (4 layers at d = 128, 2 cores) K = 1 was slower than no overlap and K = 2 the
+# best (benchmarks/overlap.py). Whether overlap is faster at all depends on
+# having something to overlap with: a core or a copy engine that is idle while
+# messages travel (notes/08-strategies.md).
+OVERLAP_DEFAULT = 2  # --overlap without a number
 
 
 @dataclass(frozen=True)
@@ -1394,6 +1405,12 @@ def chunk_names(names, numel, size):
     return chunks + ([tuple(current)] if current else [])
 
 
+def check_owner_options(name=str, *, overlap):
+    """The owner strategies' rule for their own argument (see check_hyperparameters)."""
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
+        raise ValueError(f"{name('overlap')} must be an integer >= 0 (got {overlap!r})")
+
+
 class OwnerMuon(DistributedMuon):
     """The owner strategy: ZeRO-1 exactly as in section 5 (the same buckets, reduce-scatter,
     momentum parts and all-gather); only stage 3 changes, to gather at owner -> Newton-Schulz
@@ -1401,8 +1418,9 @@ class OwnerMuon(DistributedMuon):
 
     owners: {rank: [matrix names]} to override the balanced assignment (every Muon matrix
         exactly once).
-    overlap: pipeline the step bucket by bucket with asynchronous collectives (above); the
-        same bytes in more, smaller all-to-alls, and the same bits.
+    overlap: 0 (off), or K >= 1: pipeline the step bucket by bucket with asynchronous
+        collectives, Newton-Schulz K units behind the reductions (above); the same bytes in
+        more, smaller all-to-alls, and the same bits.
     batched_ns: orthogonalize an owner's same-shape matrices in one batched call. Faster for
         many small matrices, but not bitwise equal to torch: within BATCHED_NS_BOUND
         (section 1). Off by default.
@@ -1410,7 +1428,8 @@ class OwnerMuon(DistributedMuon):
 
     strategy = "owner"
 
-    def __init__(self, params, *, owners=None, overlap=False, batched_ns=False, **kwargs):
+    def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
+        check_owner_options(overlap=overlap)
         self.owner_override, self.overlap, self.batched_ns = owners, overlap, batched_ns
         super().__init__(params, **kwargs)
 
@@ -1455,20 +1474,20 @@ class OwnerMuon(DistributedMuon):
         # so a unit without any starts no exchange anywhere.
         routes = [[r for r in self.routes if r.name in u.names and r.name in active] for u in units]
         reduced = [self._reduce_unit(u, active) for u in units]  # 1: every reduction starts now
-        gathered, scattered, gathered_params = {}, {}, []
-        for i in range(len(units) + 2):
+        gathered, scattered, gathered_params, k = {}, {}, [], self.overlap
+        for i in range(len(units) + 2 * k):
             if i < len(units):  # unit i: 1 -> 2, then start its gather at owner
                 updates = self._update_state(reduced[i]())
                 if routes[i]:
                     gathered[i] = gather_at_owner(updates, routes[i], axis, self.ledger, dtype, device)
-            if i - 1 in gathered:  # unit i-1: 3, while unit i's transfers and later reductions fly
-                orthos = self._newton_schulz_owned(gathered.pop(i - 1)())
-                scattered[i - 1] = scatter_from_owner(orthos, routes[i - 1], axis, self.ledger, dtype, device)
-            if 0 <= i - 2 < len(units):  # unit i-2: the end of 3, then start 4
-                if i - 2 in scattered:
-                    for name, ortho_part in scattered.pop(i - 2)().items():
+            if i - k in gathered:  # unit i-k: 3, while later units' transfers and reductions fly
+                orthos = self._newton_schulz_owned(gathered.pop(i - k)())
+                scattered[i - k] = scatter_from_owner(orthos, routes[i - k], axis, self.ledger, dtype, device)
+            if 0 <= i - 2 * k < len(units):  # unit i-2k: the end of 3, then start 4
+                if i - 2 * k in scattered:
+                    for name, ortho_part in scattered.pop(i - 2 * k)().items():
                         self._apply_update(name, ortho_part)
-                gathered_params.append(self._gather_unit(units[i - 2], active))
+                gathered_params.append(self._gather_unit(units[i - 2 * k], active))
         for wait in gathered_params:
             wait()
 
@@ -1569,7 +1588,7 @@ class RunConfig:
     baseline: bool = False  # the AdamW ZeRO-1 baseline instead of Muon: every parameter takes AdamW
     model: str = "transformer"  # one of MODELS: the transformer of section 3, or lopsided_specs()
     layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
-    overlap: bool = False  # owner / comm-free: pipeline the step with asynchronous collectives (section 6)
+    overlap: int = 0  # owner / comm-free: K >= 1 pipelines the step, Newton-Schulz K units behind (section 6)
     batched_ns: bool = False  # owner / comm-free: same-shape matrices in one call (not bitwise torch's)
     timeout_s: float = TIMEOUT_S  # a silent rank or a stuck collective ends the run after this long
     missing_grads: tuple = ()  # (name, dp_rank or -1 for all, step): gradients that are None (tests)
@@ -1612,6 +1631,7 @@ def validate(cfg, specs):
         raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
     if not 1 <= cfg.layers <= MAX_LAYERS:
         raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
+    check_owner_options(flag, overlap=cfg.overlap)
     if cfg.overlap and cfg.strategy not in ("owner", "comm-free"):
         raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
     if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
@@ -2248,9 +2268,9 @@ def build_parser(description, launcher="spawn"):
                    help="transformer (default): section 3's model; lopsided: one huge matrix among small ones; "
                         "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")
     p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (default %(default)s)")
-    p.add_argument("--overlap", action="store_true",
-                   help="owner, comm-free: pipeline the step bucket by bucket, Newton-Schulz overlapping "
-                        "the collectives (section 6)")
+    p.add_argument("--overlap", type=int, nargs="?", const=OVERLAP_DEFAULT, default=d.overlap, metavar="K",
+                   help="owner, comm-free: pipeline the step bucket by bucket, Newton-Schulz K units behind "
+                        f"the gradient reductions (section 6; K = {OVERLAP_DEFAULT} if omitted; default off)")
     p.add_argument("--batched-ns", action="store_true",
                    help="owner, comm-free: orthogonalize same-shape matrices in one batched call; faster for many "
                         "small matrices, but not bit-identical to torch (within 2**-5 of the largest entry)")

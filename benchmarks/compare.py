@@ -39,7 +39,7 @@ def compare(cfg, explain=False, print_fn=print):
     for kind in COMPARED:
         owned = kind in ("owner", "comm-free")  # the owner options apply to these two only
         run_cfg = replace(cfg, strategy="gather" if kind == dm.BASELINE else kind, baseline=kind == dm.BASELINE,
-                          overlap=cfg.overlap and owned, batched_ns=cfg.batched_ns and owned)
+                          overlap=cfg.overlap if owned else 0, batched_ns=cfg.batched_ns and owned)
         runs[kind] = result = dm.run(run_cfg, print_fn=lambda *args: None)
         if kind == "owner":  # for the balance target: every matrix's Newton-Schulz FLOPs
             result["ns_flops_by_matrix"] = dm.plan_optimizer(run_cfg).ns_flops

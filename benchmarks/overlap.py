@@ -1,45 +1,54 @@
-"""Does overlapping the step help here? The owner and comm-free strategies with and without
---overlap (section 6: the step pipelined bucket by bucket, every collective asynchronous), on the
-demo model over 8 ranks, each run checked against torch.
+"""Does overlapping the step help here, and with which lookahead? The owner and comm-free strategies
+with --overlap K for K = 0 (off), 1, 2 and 4 (section 6: the step pipelined bucket by bucket, every
+collective asynchronous, Newton-Schulz K units behind the gradient reductions), timed as
+benchmarks/scaling.py times them: step() only, gradients preset, one process and one thread per
+rank, a step's time that of its slowest rank. Every variant is bit-identical to torch
+(tests/test_strategies.py, tests/test_optimizer_api.py); only the time is measured here.
 
-    python benchmarks/overlap.py          # about 3 minutes on 2 cores
-
-The runs alternate (plain, overlapped, plain, ...) so that drift in the machine's load hits every
-variant alike; the figure is the median over runs of each run's median step (slowest rank).
+    python benchmarks/overlap.py                    # 2 ranks, 4 layers at d = 128, about 1 minute
+    python benchmarks/overlap.py --ranks 4 --d 256 --rounds 3
 """
 
+import argparse
 import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import distributed_muon_cpu as dm  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-ROUNDS = 3
-CONFIG = dict(dp=8, tp=1, layers=8, steps=6)  # 40 matrices: 5 per rank, balanced
-OWNER_PHASES = ("gather at owner", "scatter from owner")
+import scaling  # noqa: E402  (its model, its timing and its launcher)
+from scaling import dm  # noqa: E402
+
+LOOKAHEADS = (0, 1, 2, 4)
+VARIANTS = {f"{s} --overlap {k}": (s, dict(overlap=k)) for s in ("owner", "comm-free") for k in LOOKAHEADS}
 
 
-def main():
-    print(f"{CONFIG}, {ROUNDS} rounds, {os.cpu_count()} cores here\n")
-    variants = [(s, o) for s in ("owner", "comm-free") for o in (False, True)]
-    step_ms = {v: [] for v in variants}
-    bytes_sent, calls = {}, {}
-    for _ in range(ROUNDS):
-        for strategy, overlap in variants:
-            r = dm.run(dm.RunConfig(strategy=strategy, overlap=overlap, **CONFIG), print_fn=lambda *a, **k: None)
-            assert r["passed"]
-            step_ms[strategy, overlap].append(r["timings"]["step_ms_median"])
-            bytes_sent[strategy, overlap] = r["bytes_sent_all_ranks"]
-            last_step = [c for c in r["ledgers"][0]["comm"] if c["step"] == CONFIG["steps"]]
-            calls[strategy, overlap] = sum(c["phase"] in OWNER_PHASES for c in last_step)
-    rows = [[s + (" --overlap" if o else ""), calls[s, o], dm.human_bytes(bytes_sent[s, o]),
-             " ".join(f"{t:.0f}" for t in step_ms[s, o]), f"{statistics.median(step_ms[s, o]):.0f}"]
-            for s, o in variants]
-    print(dm.format_table(["strategy", "owner exchanges/step", "bytes/step, all ranks", "step ms per run",
-                           "median ms"], rows, ["<", ">", ">", ">", ">"]))
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Step time with and without --overlap, over lookaheads.")
+    p.add_argument("--ranks", type=int, default=2, help="ranks (DP = N, TP = 1; default %(default)s)")
+    p.add_argument("--d", type=int, default=128, help="model width (default %(default)s)")
+    p.add_argument("--layers", type=int, default=scaling.LAYERS, help="layers (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="spawns, each timing every variant (default %(default)s)")
+    args = p.parse_args(argv)
+    if args.ranks < 2 or args.d < 1 or args.layers < 1 or args.rounds < 1:
+        p.error("--ranks must be >= 2; --d, --layers and --rounds >= 1")
+    runs = {v: [] for v in VARIANTS}
+    for _ in range(args.rounds):  # every round times every variant: drift in the load hits them alike
+        for v, times in scaling.on_ranks(args.ranks, args.d, args.layers, VARIANTS).items():
+            runs[v] += times
+    print(f"{args.ranks} ranks, {args.layers} layers at d = {args.d}, step() only, 1 thread per rank, "
+          f"{args.rounds} x {scaling.ROUNDS} steps per variant, {os.cpu_count()} cores here; torch {torch.__version__}\n")
+    rows = []
+    for v, (strategy, options) in VARIANTS.items():
+        off = statistics.median(runs[f"{strategy} --overlap 0"])
+        median = statistics.median(runs[v])
+        rows.append([strategy, options["overlap"], f"{min(runs[v]):.0f}", f"{median:.0f}", f"{median / off:.3f}"])
+    print(dm.format_table(["strategy", "K", "min ms", "median ms", "median / K = 0"], rows,
+                          ["<", ">", ">", ">", ">"]))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

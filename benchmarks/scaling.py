@@ -38,7 +38,8 @@ D, LAYERS, VECTORS, ROUNDS = 768, 4, 32, 5  # GPT-2 small's width; the median of
 TORCH = "torch.optim.Muon + AdamW"
 # What is timed: every strategy, and the owner strategies with their step overlapped.
 VARIANTS = {s: (s, {}) for s in dm.STRATEGIES}
-VARIANTS.update({f"{s} --overlap": (s, dict(overlap=True)) for s in ("owner", "comm-free")})
+VARIANTS.update({f"{s} --overlap {dm.OVERLAP_DEFAULT}": (s, dict(overlap=dm.OVERLAP_DEFAULT))
+                 for s in ("owner", "comm-free")})
 
 
 def shapes(d, layers):
@@ -58,8 +59,8 @@ def parameters(d, layers):
     return params, {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
 
 
-def build(variant, params, grid):
-    strategy, options = VARIANTS[variant]
+def build(variant, params, grid, variants=VARIANTS):
+    strategy, options = variants[variant]
     groups = [dict(params=[(n, p) for n, p in params.items() if p.ndim == 2], algorithm="muon"),
               dict(params=[(n, p) for n, p in params.items() if p.ndim != 2], algorithm="adamw")]
     return dm.OPTIMIZERS[strategy](groups, grid=grid, lr=0.02, weight_decay=0.1, **options)
@@ -89,16 +90,16 @@ def step_ms(step, params, grads, barrier=lambda: None):
     return times
 
 
-def rank_main(rank, world, port, out_dir, d, layers):
+def rank_main(rank, world, port, out_dir, d, layers, variants):
     """One of N ranks: every variant in turn, its step times written to out_dir."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     grid = dm.make_grid(world, 1, rank)
     times = {}
-    for variant in VARIANTS:
+    for variant in variants:
         params, grads = parameters(d, layers)
-        times[variant] = step_ms(build(variant, params, grid).step, params, grads, dist.barrier)
+        times[variant] = step_ms(build(variant, params, grid, variants).step, params, grads, dist.barrier)
     torch.save(times, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -120,13 +121,13 @@ def on_one_process(d, layers):
     return times
 
 
-def on_ranks(world, d, layers):
+def on_ranks(world, d, layers, variants=VARIANTS):
     """{variant: per-step times of the slowest rank} on `world` ranks."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, dm.free_port(), out_dir, d, layers), nprocs=world,
+        mp.start_processes(rank_main, args=(world, dm.free_port(), out_dir, d, layers, variants), nprocs=world,
                            start_method=dm.start_method())
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
-    return {v: [max(r[v][i] for r in per_rank) for i in range(ROUNDS)] for v in VARIANTS}
+    return {v: [max(r[v][i] for r in per_rank) for i in range(ROUNDS)] for v in variants}
 
 
 def goal(n, variant):

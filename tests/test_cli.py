@@ -28,6 +28,7 @@ BAD_INPUT = [
     (["--adjust-lr-fn", "spectral"], "--adjust-lr-fn must be one of original, match_rms_adamw"),
     (["--layers", "0"], "--layers must be in [1, 24]"),
     (["--overlap"], "--overlap applies to --strategy owner or comm-free (got gather)"),
+    (["--overlap", "-1", "--strategy", "owner"], "--overlap must be an integer >= 0 (got -1)"),
     (["--model", "lopsided", "--tp", "3"], "TP 3 does not divide huge.weight"),
     (["--model", "thin", "--tp", "8"], "TP 8 does not divide thin.0.60x6.weight dim 0"),
     (["--batched-ns"], "--batched-ns applies to --strategy owner or comm-free (got gather)"),

@@ -24,8 +24,8 @@ def split_groups(model, **muon_hyper):
     return [dict(params=matrices, algorithm="muon", **muon_hyper), dict(params=others, algorithm="adamw")]
 
 
-# Every strategy, and the owner strategies with their step overlapped (section 6).
-VARIANTS = [(s, {}) for s in dm.STRATEGIES] + [(s, dict(overlap=True)) for s in ("owner", "comm-free")]
+# Every strategy, and the owner strategies with their step overlapped (section 6), in lock-step and not.
+VARIANTS = [(s, {}) for s in dm.STRATEGIES] + [(s, dict(overlap=k)) for s in ("owner", "comm-free") for k in (1, 3)]
 
 
 @pytest.mark.parametrize("strategy,options", VARIANTS)
@@ -138,8 +138,11 @@ def test_bad_construction_is_a_clear_error(single_process_group, make_groups, kw
             optimizer(make_groups(TinyNet()), grid=single_process_group, **kwargs)
 
 
-def test_the_gather_strategy_refuses_the_owner_strategies_options(single_process_group):
-    for option in (dict(overlap=True), dict(batched_ns=True)):  # an error, not an option silently ignored
+def test_owner_options_are_checked_and_refused_by_the_gather_strategy(single_process_group):
+    for overlap in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"overlap must be an integer >= 0 \(got "):
+            dm.OwnerMuon(split_groups(TinyNet()), grid=single_process_group, overlap=overlap)
+    for option in (dict(overlap=2), dict(batched_ns=True)):  # an error, not an option silently ignored
         with pytest.raises(TypeError, match=next(iter(option))):
             dm.DistributedMuon(split_groups(TinyNet()), grid=single_process_group, **option)
 

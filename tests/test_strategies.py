@@ -66,12 +66,13 @@ def newton_schulz_before_a_reduction_arrives(ev, phase):
 @pytest.mark.parametrize("strategy,dp,tp", [("owner", 4, 2), ("comm-free", 3, 2)])
 def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strategy, dp, tp):
     plain = strategy_run(run_grid, dp, tp, strategy)
-    overlapped = strategy_run(run_grid, dp, tp, strategy, overlap=True)
+    overlapped = strategy_run(run_grid, dp, tp, strategy, overlap=dm.OVERLAP_DEFAULT)
     assert_identical(overlapped)
     assert overlapped["bytes_per_step"] == plain["bytes_per_step"]
     # One gather at owner and one scatter from owner per unit that has a matrix to move (rank 0's view;
     # comm-free moves TP pieces inside rank 0's DP row only), against one of each for the whole step.
-    opt = dm.plan_optimizer(dm.RunConfig(dp=dp, tp=tp, bucket_size=BUCKET, strategy=strategy, overlap=True))
+    opt = dm.plan_optimizer(dm.RunConfig(dp=dp, tp=tp, bucket_size=BUCKET, strategy=strategy,
+                                         overlap=dm.OVERLAP_DEFAULT))
     moving = sum(any(r.name in u.names for r in opt.routes) for u in opt._units())
     owner_phases = ("gather at owner", "scatter from owner")
     launches = lambda r: sum(e[0] == "launch" and e[1] in owner_phases for e in events(r, 0))
