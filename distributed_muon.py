@@ -73,7 +73,6 @@ def check(args, world):
     dm.validate(cfg, dm.demo_specs(cfg))
     if args.json:
         dm.check_writable(args.json)
-    check_devices(args.backend, args.device)
     return cfg
 
 
@@ -97,51 +96,72 @@ def join_world(backend, device_kind, local_rank, timeout_s):
     return device
 
 
-def main(argv=None):
-    args = parse(argv)
+def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceback=False):
+    """What every torchrun entry point of the project does (this file's, examples/train_gpt.py's and
+    distributed_muon_dtensor.py's), around its own three parts:
+
+      prepare(world) -> cfg: every check that can be made before joining; a ValueError is the same
+          on every rank, so rank 0 alone prints it (exit 2). cfg.timeout_s bounds every collective.
+      body(cfg, rank, device) -> this rank's result, gathered at rank 0 (gather_object).
+      finish(cfg, results, device, seconds) -> the exit code; rank 0 only, after every rank's body.
+
+    A rank without its GPU says so itself (exit 2). An error in a rank's body is printed by that
+    rank, in one line naming it (exit 1); no teardown then: the peers may be waiting in a
+    collective, and torchrun stops them.
+    """
     try:
         rank, world, local_rank = environment()
-        cfg = check(args, world)
-    except ValueError as e:  # the same on every rank: one of them says it
+        cfg = prepare(world)
+        check_devices(backend, device_kind)  # the flags, and a GPU at all: the same on every rank
+    except ValueError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.device == "cuda" and local_rank >= torch.cuda.device_count():  # this rank's own problem
-        print(f"error: rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) here",
-              file=sys.stderr)
-        return 2
-
-    torch.set_num_threads(1)  # as in the CPU script: the CPU-side reference and any CPU ranks agree
-    device = join_world(args.backend, args.device, local_rank, cfg.timeout_s)
     try:
-        plan = dm.plan_optimizer(cfg) if rank == 0 else None  # the layout every rank builds, printed once
-        if rank == 0:
-            backend = {"gloo": "Gloo", "nccl": "NCCL"}[args.backend]
-            dm.print_header(cfg, plan, "GPU" if args.device == "cuda" else "CPU", backend, args.explain, print)
+        check_devices(backend, device_kind, local_rank)  # this rank's own GPU
+    except ValueError as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr)
+        return 2
+    device = join_world(backend, device_kind, local_rank, cfg.timeout_s)
+    try:
         t0 = time.perf_counter()
-        result = dm.run_steps(rank, cfg, device)
+        result = body(cfg, rank, device)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
-        ranks_s = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
     except Exception as e:
-        # Every rank says its own error: rank 0 alone would lose the others'. No teardown
-        # here: the peers may be waiting in a collective; torchrun stops them.
         print(f"error: rank {rank} failed: {dm.one_line(e)}", file=sys.stderr, flush=True)
-        if args.traceback:
+        if show_traceback:
             traceback.print_exc()
         return 1
-    code = 0
-    if rank == 0:
+    code = finish(cfg, gathered, device, seconds) if rank == 0 else 0
+    dist.destroy_process_group()
+    return code
+
+
+def main(argv=None):
+    args = parse(argv)
+    torch.set_num_threads(1)  # as in the CPU script: the CPU-side reference and any CPU ranks agree
+
+    def body(cfg, rank, device):
+        if rank == 0:  # the layout every rank builds, printed once
+            backend = {"gloo": "Gloo", "nccl": "NCCL"}[args.backend]
+            dm.print_header(cfg, dm.plan_optimizer(cfg), "GPU" if args.device == "cuda" else "CPU", backend,
+                            args.explain, print)
+        return dm.run_steps(rank, cfg, device)
+
+    def finish(cfg, gathered, device, ranks_s):
         if args.device == "cuda":
             print(f"device: {torch.cuda.get_device_name(device)}\n")
         checks, ref_s = dm.verify(cfg, gathered, device)
-        results = dm.report(cfg, plan, gathered, checks, ranks_s, ref_s, backend=args.backend)
+        results = dm.report(cfg, dm.plan_optimizer(cfg), gathered, checks, ranks_s, ref_s, backend=args.backend)
         results["launcher"] = dict(backend=args.backend, device=args.device,
                                    gpu=torch.cuda.get_device_name(device) if args.device == "cuda" else None)
         dm.write_json(args.json, results)
-        code = 0 if results["passed"] else 1
-    dist.destroy_process_group()
-    return code
+        return 0 if results["passed"] else 1
+
+    return run_under_torchrun(args.backend, args.device, lambda world: check(args, world), body, finish,
+                              args.traceback)
 
 
 if __name__ == "__main__":

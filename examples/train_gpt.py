@@ -612,45 +612,36 @@ def under_torchrun():
 def main_torchrun(args):
     """Under torchrun: this process is one rank; rank 0 gathers the results and prints (no second copy
     of the training: train_rank is the same)."""
-    import distributed_muon as gpu  # the GPU sibling: how a torchrun process checks its devices and joins
+    import distributed_muon as gpu  # the GPU sibling: how a torchrun process checks, joins and reports
 
-    rank, world, local_rank = gpu.environment()
-    try:
+    def prepare(world):
         cfg = config_from_args(args)
         dm.check_topology(cfg.dp, cfg.tp, world)
         validate(cfg)
         if args.json:
             dm.check_writable(args.json)
-        gpu.check_devices(args.backend, args.device, local_rank)
-    except ValueError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    device = gpu.join_world(args.backend, args.device, local_rank, cfg.timeout_s)
-    try:
+        return cfg
+
+    def body(cfg, rank, device):
         if rank == 0:
             print(header(cfg))
-        t0 = time.perf_counter()
-        result = train_rank(rank, replace(cfg, keep=args.verify), device)
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-    except Exception as e:
-        print(f"error: rank {rank} failed: {dm.one_line(e)}", file=sys.stderr, flush=True)
-        return 1
-    code = 0
-    if rank == 0:
+        return train_rank(rank, replace(cfg, keep=args.verify), device)
+
+    def finish(cfg, gathered, device, seconds):
         summary = summarize(cfg, gathered)
         print_summary(cfg, summary)
-        print(f"Wall time: {time.perf_counter() - t0:.1f} s ({cfg.steps} steps, {args.backend})")
+        print(f"Wall time: {seconds:.1f} s ({cfg.steps} steps, {args.backend})")
         out = dict(config=asdict(cfg), torch=torch.__version__, backend=args.backend, device=args.device, **summary)
+        code = 0
         if args.verify:
             out["checks"] = verify(cfg, gathered, device)
             print()
             print_verification(cfg, out["checks"])
             code = 0 if out["checks"]["passed"] else 1
         dm.write_json(args.json, out)
-    dist.destroy_process_group()
-    return code
+        return code
+
+    return gpu.run_under_torchrun(args.backend, args.device, prepare, body, finish)
 
 
 def main(argv=None):

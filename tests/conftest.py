@@ -16,7 +16,9 @@ in the script (batched_ns_tolerance) and tested in test_math.py and test_strateg
 Two files train real models, where the forward and backward pass reduce in another order than
 one process does, and say so beside their bounds: tests/test_gpt.py (examples/train_gpt.py's
 policy, its section 3: bit for bit with TP = 1, fp32 reordering bounds with TP = 2, and the
-optimizer's replay bit for bit everywhere) and tests/test_dtensor.py (its real FSDP2 x TP run).
+optimizer's replay bit for bit everywhere) and tests/test_dtensor.py (its real FSDP2 x TP run, under the
+same policy and constants: the replay bit for bit at every step, gradients and losses at the same weights
+within GRAD_RTOL and STEP_LOSS_RTOL).
 If another test ever needs a tolerance, the reason must be written beside it.
 
 Every reference is PyTorch's own torch.optim.Muon / torch.optim.AdamW (or its

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, dm
 
@@ -70,4 +71,20 @@ def test_the_sibling_holds_no_copy_of_the_algorithm():
     algorithm = {n.name for n in ast.parse(open(dm.__file__).read()).body
                  if isinstance(n, (ast.FunctionDef, ast.ClassDef))} - {"main"}
     assert defined & algorithm == set()
-    assert defined <= {"parse", "environment", "check", "check_devices", "join_world", "main"}
+    launcher = {"parse", "environment", "check", "check_devices", "join_world", "run_under_torchrun", "main"}
+    assert defined <= launcher | {"body", "finish"}  # main's parts for run_under_torchrun
+
+
+def test_under_torchrun_a_rank_without_its_gpu_says_so_itself(monkeypatch, capsys):
+    """The launch checks every torchrun entry point shares (run_under_torchrun): an error that is the same on
+    every rank is printed by rank 0 alone (the refusal tests of each entry point); a rank whose own GPU is
+    missing prints its own line, and does not join."""
+    import distributed_muon as gpu
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a machine with 2 GPUs, 4 ranks started on it
+    monkeypatch.setattr(gpu, "join_world", lambda *a: pytest.fail("joined the world"))
+    for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3").items():
+        monkeypatch.setenv(name, value)
+    assert gpu.run_under_torchrun("nccl", "cuda", lambda world: dm.RunConfig(dp=4, tp=1), None, None) == 2
+    assert capsys.readouterr().err == ("error: rank 3: no CUDA device for LOCAL_RANK 3 here (2 GPUs): use "
+                                       "--backend gloo --device cpu\n")
