@@ -27,6 +27,7 @@ Launch recipes
     python distributed_muon_cpu.py --dp 8 --tp 1 --steps 5 --json run.json
     python distributed_muon_cpu.py --strategy owner --explain   # one owner per matrix, and who owns what
     python distributed_muon_cpu.py --model thin --strategy comm-free   # 81 matrices with a small side
+    python distributed_muon_cpu.py --strategy owner --overlap   # the step pipelined, collectives in flight
     python distributed_muon_cpu.py --help
     python benchmarks/compare.py                        # gather, owner, comm-free, AdamW ZeRO-1: one table
 
@@ -39,7 +40,8 @@ Reading order (each section opens with what it does and why)
     3. The parameters (a small transformer) and their per-rank gradients
     4. The virtual buffer (param groups, buckets, dist_meta)
     5. The step: the gather strategy (DistributedMuon, a torch.optim.Optimizer)
-    6. Orthogonalize each matrix once: the owner and comm-free strategies (OwnerMuon, CommFreeMuon)
+    6. Orthogonalize each matrix once: the owner and comm-free strategies (OwnerMuon, CommFreeMuon),
+       and the step overlapped with its collectives (--overlap)
     7. A run (run_steps, the example of use), and its verification against torch
     8. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
     9. Main: the launcher (start, watch and stop the ranks) and the command line
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import multiprocessing
@@ -1771,7 +1774,20 @@ def torch_optimizers(groups):
 
 
 def reference_params(specs, cfg, device="cpu"):
-    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU)."""
+    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU).
+
+    The result depends on what the ranks were fed (the model, the seed, the steps, DP's number of
+    gradient contributions, the hyperparameters), not on how they split the work (TP, strategy,
+    buckets, overlap). So it is kept for the runs of one process that share those inputs, e.g.
+    benchmarks/compare.py's four strategies and the tests: torch computes it once for them.
+    """
+    how = dict(tp=1, strategy="gather", bucket_size=RunConfig.bucket_size, overlap=0, batched_ns=False,
+               timeout_s=RunConfig.timeout_s, fail_rank=-1)
+    return {n: t.clone() for n, t in _reference_params(tuple(specs), replace(cfg, **how), device).items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _reference_params(specs, cfg, device):
     torch.set_num_threads(1)  # same thread count as every rank: bf16 matmul bits can depend on it
     params = {n: t.to(device) for n, t in initial_params(specs, cfg.seed).items()}
     optimizers = torch_optimizers([dict(h, params=[params[s.name] for s in specs if s.group == g])

@@ -125,10 +125,12 @@ def test_gradient_draw_sums_exactly_in_any_order():
     assert math.isclose(dm.GRAD_SCALE * dm.GRAD_MAX_INT * dm.MAX_WORLD, 16.0)
 
 
-# Shapes with a small side, where bf16 baddbmm and addmm round some near-ties differently.
+# Shapes with a small side, where bf16 baddbmm and addmm round some near-ties differently, 40 seeds
+# each; and one ordinary shape, 384 x 128, with fewer: without bf16 matrix units (the CI machine) its
+# 4 matrices take about 0.4 s a seed.
 SMALL_SIDE = [(600, 6), (6, 600), (60, 6), (6, 60), (97, 5), (5, 97), (64, 1), (1, 64), (64, 2), (2, 64),
-              (257, 31), (384, 128)]
-SEEDS = range(40)
+              (257, 31)]
+SEEDS = {**{shape: range(40) for shape in SMALL_SIDE}, (384, 128): range(8)}
 
 
 def owned_matrices(shape, seed):
@@ -147,10 +149,10 @@ def orthogonalize_owned(full, batched):
     return orthos
 
 
-@pytest.mark.parametrize("shape", SMALL_SIDE)
+@pytest.mark.parametrize("shape", SEEDS)
 def test_owner_newton_schulz_is_torchs_on_every_seed(shape):
     """The default path of the owner and comm-free strategies: bit-identical to torch, seed after seed."""
-    for seed in SEEDS:
+    for seed in SEEDS[shape]:
         full = owned_matrices(shape, seed)
         for name, ortho in orthogonalize_owned(full, batched=False).items():
             expected = torch_newton_schulz(full[name].clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
@@ -162,8 +164,8 @@ def test_batched_newton_schulz_is_within_its_bound_but_not_bitwise():
     the default) not always bit-identical. If torch's bf16 baddbmm ever rounds like its addmm,
     the second assertion fails: re-measure and reconsider the default."""
     differing, worst = 0, 0.0
-    for shape in SMALL_SIDE:
-        for seed in SEEDS:
+    for shape, seeds in SEEDS.items():
+        for seed in seeds:
             full = owned_matrices(shape, seed)
             for name, ortho in orthogonalize_owned(full, batched=True).items():
                 expected = torch_newton_schulz(full[name].clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
