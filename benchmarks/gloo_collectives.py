@@ -1,11 +1,14 @@
-"""Why comm-free beats even AdamW ZeRO-1 in wall time on this machine: what each Gloo
-collective costs for the same logical bytes. 8 ranks (1 thread each) move a buffer of N
-float32 per rank, where a ring reduce-scatter, a ring all-gather and a direct all-to-all
-all send (8 - 1) / 8 * N elements per rank.
+"""What each Gloo collective costs for the same logical bytes, and why the script's reduce_scatter
+does not use Gloo's: N ranks (1 thread each) move a buffer of M float32 per rank, where a ring
+reduce-scatter, a ring all-gather and a direct all-to-all all send (N - 1) / N * M elements per
+rank. "RS, all-to-all + sum" is the script's reduce_scatter on Gloo (section 2): an all-to-all,
+then each rank adds the shards it received, in rank order.
 
-    python benchmarks/gloo_collectives.py     # about 30 s on 2 cores
+    python benchmarks/gloo_collectives.py              # 8 ranks, about 40 s on 2 cores
+    python benchmarks/gloo_collectives.py --ranks 2
 """
 
+import argparse
 import datetime
 import os
 import statistics
@@ -21,28 +24,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
 
-WORLD, REPEATS = 8, 9
+REPEATS = 9
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # float32 elements per rank: 256 KiB, 4 MiB, 16 MiB
 
 
-def collectives(n):
-    shard = n // WORLD
+def collectives(n, world, dp_axis):
+    shard = n // world
     full, part = torch.ones(n), torch.ones(shard)
     return {
-        "reduce-scatter (RS)": lambda: dm._reduce_scatter_single(torch.empty(shard), full, op=dist.ReduceOp.SUM),
+        "Gloo's reduce-scatter (RS)": lambda: dm._reduce_scatter_single(torch.empty(shard), full,
+                                                                        op=dist.ReduceOp.SUM),
+        "RS, all-to-all + sum": lambda: dm.reduce_scatter(full, dp_axis, dm.Ledger(), "grad reduce-scatter"),
         "all-gather (AG)": lambda: dm._all_gather_single(torch.empty(n), part),
         "all-to-all": lambda: dist.all_to_all_single(torch.empty(n), full),
         "all-reduce": lambda: dist.all_reduce(full),
     }
 
 
-def rank_main(rank, port, out_dir):
+def rank_main(rank, world, port, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    dp_axis = dm.make_grid(world, 1, rank).dp
     times = {}
     for n in SIZES:
-        for name, fn in collectives(n).items():
+        for name, fn in collectives(n, world, dp_axis).items():
             samples = []
             for _ in range(REPEATS):
                 dist.barrier()
@@ -54,15 +60,21 @@ def rank_main(rank, port, out_dir):
     dist.destroy_process_group()
 
 
-def main():
+def main(argv=None):
+    p = argparse.ArgumentParser(description="What each Gloo collective costs for the same logical bytes.")
+    p.add_argument("--ranks", type=int, default=8, help="ranks (default %(default)s)")
+    world = p.parse_args(argv).ranks
+    if world < 2:
+        p.error("--ranks must be >= 2")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(dm.free_port(), out_dir), nprocs=WORLD, start_method=dm.start_method())
-        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(WORLD)]
-    print(f"Gloo, {WORLD} ranks on this machine, median of {REPEATS}, slowest rank; torch {torch.__version__}\n")
-    names = list(collectives(WORLD))
+        mp.start_processes(rank_main, args=(world, dm.free_port(), out_dir), nprocs=world,
+                           start_method=dm.start_method())
+        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+    print(f"Gloo, {world} ranks on this machine, median of {REPEATS}, slowest rank; torch {torch.__version__}\n")
+    names = [name for n, name in per_rank[0] if n == SIZES[0]]  # in the order they ran
     rows = []
     for n in SIZES:
-        sent = dm.human_bytes((WORLD - 1) * n // WORLD * 4)
+        sent = dm.human_bytes((world - 1) * n // world * 4)
         rows.append([dm.human_bytes(n * 4), sent] +
                     [f"{max(t[(n, name)] for t in per_rank):.1f}" for name in names])
     print(dm.format_table(["buffer/rank", "ring/direct bytes sent/rank", *(f"{x} ms" for x in names)], rows,
