@@ -1398,8 +1398,9 @@ def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
 # every rank has started it. With K = 1 the ranks move in lock-step, one unit at
 # a time, and a rank that owns nothing in a unit waits for the one that owns its
 # matrix; K units of slack let them drift apart by up to K units. On 2 ranks here
-# (4 layers at d = 128, 2 cores) K = 1 was slower than no overlap and K = 2 the
-# best (benchmarks/overlap.py). Whether overlap is faster at all depends on
+# (4 layers at d = 128, 2 cores, two runs of benchmarks/overlap.py) owner's step
+# was 10-12 % slower than no overlap with K = 1 and 4-5 % faster with K = 2;
+# comm-free's within 5 % for every K. Whether overlap is faster at all depends on
 # having something to overlap with: a core or a copy engine that is idle while
 # messages travel (notes/08-strategies.md).
 OVERLAP_DEFAULT = 2  # --overlap without a number
