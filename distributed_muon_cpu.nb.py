@@ -240,8 +240,9 @@ assert n_same == len(checks), "some parameter differs from torch"
 # ## 8. Accounting
 #
 # Every collective goes through one place in the script (section 2) that records the bytes each
-# rank sends and receives, counted as a ring algorithm moves them (Gloo records no sizes, and its
-# reduce-scatter is a full all-reduce that moves more). Newton–Schulz FLOPs are counted per call.
+# rank sends and receives, counted as a ring algorithm moves them (Gloo records no sizes; its own
+# reduce-scatter is a full all-reduce, so on Gloo the script's is an all-to-all and a local sum,
+# which moves exactly the ring's bytes). Newton–Schulz FLOPs are counted per call.
 # The redundancy is their sum over ranks divided by one device doing each matrix once.
 
 # %%
@@ -344,9 +345,8 @@ plt.show()
 # %% [markdown]
 # Owner and comm-free orthogonalize each matrix once (redundancy 1.00). With the default two
 # layers there are 10 matrices for 8 ranks, four of them the largest, so the work cannot be spread
-# evenly (`--layers 8` balances it). The step times are from Gloo on a shared CPU, where a
-# reduce-scatter costs as much as an all-reduce; `benchmarks/gloo_collectives.py` measures each
-# collective for the same bytes.
+# evenly (`--layers 8` balances it). The step times are from Gloo on a shared CPU;
+# `benchmarks/gloo_collectives.py` measures each collective for the same bytes.
 
 # %% [markdown]
 # ## 9. Main: the launcher and the command line
