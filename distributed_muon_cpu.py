@@ -302,8 +302,8 @@ class Ledger:
     comm: list = field(default_factory=list)  # dicts: step, phase, op, axis, dtype, sent, received (bytes)
     compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
     # What this rank did, in order: (step, "launch" | "wait", phase) for every collective,
-    # (step, "newton-schulz", matrix) for every orthogonalization. Shows what was in flight
-    # while what ran (section 6's overlap).
+    # (step, "newton-schulz", matrix) for every orthogonalization: what was in flight while
+    # what ran.
     events: list = field(default_factory=list)
 
     def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
@@ -332,8 +332,8 @@ def later(work, phase, ledger, result):
 
 # Every collective below takes async_op: with it, the call only starts the
 # collective and returns a function that waits for it (later()), so that a rank
-# can compute while its messages are in flight (section 6); the tensors passed
-# in must then stay untouched until that wait.
+# can compute while its messages are in flight; the tensors passed in must then
+# stay untouched until that wait.
 
 def all_gather(shard, axis, ledger, phase, async_op=False):
     """Concatenate every rank's equal-sized 1-D shard along `axis`: (size * k,)."""
@@ -910,7 +910,7 @@ class DistributedMuon(torch.optim.Optimizer):
         return loss
 
     def _stages(self, active):
-        """The four stages, one after the other (section 6 overlaps them)."""
+        """The four stages, one after the other (a strategy may run them otherwise)."""
         grads = self._reduce_grads(active)  # 1
         updates = self._update_state(grads)  # 2
         for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
@@ -1538,6 +1538,9 @@ class CommFreeMuon(OwnerMuon):
     def _muon_grads(self, names, active):
         return {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n]) for n in names if n in active}
 
+    def _muon_params(self, names, active):
+        return {n: self.param_by_name[n] for n in names if n in active}
+
     def _reduce_grads(self, active):
         grads = super()._reduce_grads(active)
         grads.update(reduce_at_owner(self._muon_grads(self.muon_names, active), self.owners, self.grid,
@@ -1546,8 +1549,8 @@ class CommFreeMuon(OwnerMuon):
 
     def _gather_params(self, active):
         super()._gather_params(active)
-        broadcast_from_owner({n: self.param_by_name[n] for n in self.muon_names if n in active}, self.owners,
-                             self.grid, self.ledger, self.device)
+        broadcast_from_owner(self._muon_params(self.muon_names, active), self.owners, self.grid, self.ledger,
+                             self.device)
 
     def _units(self):
         numel = {n: self.param_by_name[n].numel() for n in self.muon_names}
@@ -1562,8 +1565,8 @@ class CommFreeMuon(OwnerMuon):
     def _gather_unit(self, unit, active):
         if unit.bucket is not None:
             return super()._gather_unit(unit, active)
-        return broadcast_from_owner({n: self.param_by_name[n] for n in unit.names if n in active}, self.owners,
-                                    self.grid, self.ledger, self.device, async_op=True)
+        return broadcast_from_owner(self._muon_params(unit.names, active), self.owners, self.grid, self.ledger,
+                                    self.device, async_op=True)
 
 
 # Every strategy, by the name --strategy takes.
