@@ -911,6 +911,16 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def _stages(self, active):
         """The four stages, one after the other (a strategy may run them otherwise)."""
+        if self.grid.world.size == 1:
+            # Nothing travels on one rank: bucket by bucket, so one bucket's temporaries are
+            # alive at a time, as torch.optim.Muon steps matrix by matrix. (All of them at
+            # once made glibc return and re-fault memory every step: notes/08-strategies.md.)
+            for bucket in self.layout.buckets:
+                updates = self._update_state(self._reduce_bucket(bucket, active))  # 1, 2
+                for name, ortho_part in self._orthogonalize_bucket(bucket, updates, active).items():  # 3
+                    self._apply_update(name, ortho_part)
+                self._gather_bucket(bucket)  # 4
+            return
         grads = self._reduce_grads(active)  # 1
         updates = self._update_state(grads)  # 2
         for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
@@ -978,19 +988,26 @@ class DistributedMuon(torch.optim.Optimizer):
         """Stage 3: {matrix: this rank's part of newton_schulz(the full matrix)}, bucket by bucket."""
         ortho_parts = {}
         for bucket in self.layout.buckets:
-            group = self.param_groups[bucket.buffer_idx]
-            if group["algorithm"] != "muon":
-                continue
-            metas = [self.dist_metas[n] for n in bucket.names]
+            ortho_parts.update(self._orthogonalize_bucket(bucket, updates, active))
+        return ortho_parts
+
+    def _orthogonalize_bucket(self, bucket, updates, active):
+        """Stage 3 for one bucket."""
+        group = self.param_groups[bucket.buffer_idx]
+        if group["algorithm"] != "muon":
+            return {}
+        metas = [self.dist_metas[n] for n in bucket.names]
+        if self.grid.dp.size == 1 and len(metas) == 1 and metas[0].name in updates:
+            update_shard = updates[metas[0].name]  # the whole bucket already: used as it is, not copied
+        else:
             update_shard = torch.zeros(bucket.numel // self.grid.dp.size, dtype=torch.bfloat16, device=self.device)
             for meta in metas:
                 if meta.name in updates:  # this rank's part, if it has one and some rank has a gradient
                     update_shard[meta.shard_slice] = updates[meta.name]
-            # Only the matrices this rank's DP shard touches (its TP peers share that shard,
-            # so they agree) and that some rank has a gradient for.
-            touched = [m for m in metas if m.local_numel and m.name in active]
-            ortho_parts.update(gather_newton_schulz_shard(update_shard, touched, group, self.grid, self.ledger))
-        return ortho_parts
+        # Only the matrices this rank's DP shard touches (its TP peers share that shard,
+        # so they agree) and that some rank has a gradient for.
+        touched = [m for m in metas if m.local_numel and m.name in active]
+        return gather_newton_schulz_shard(update_shard, touched, group, self.grid, self.ledger)
 
     def _apply_update(self, name, ortho_part):
         """The end of stage 3: Muon's weight update, on this rank's part of the matrix."""
@@ -1117,18 +1134,43 @@ def dp_shard(tp_local, meta):
 # OwnerMuon and CommFreeMuon are section 5's optimizer with stage 3 replaced
 # (and, for comm-free, stages 1 and 4 extended), every other stage reused.
 
-def assign_owners(ns_flops, n_ranks):
+def lpt_order(ns_flops, shapes=None):
+    """The order in which assign_owners hands out matrices: decreasing FLOPs; among equal
+    FLOPs, one shape after another (shapes: {name: shape}; in order of first appearance);
+    within a shape, the order given, reversed for every other group.
+
+    Why group by shape: equal FLOPs need not mean equal time. Here a 512x128 Newton-Schulz
+    takes 74.9 ms and a 128x512 one 82.9 ms, for the same FLOPs (the tall one works on a
+    transposed view: notes/measured/ns_shapes_2core.txt). Taken in model order (fc, fc2,
+    fc, fc2, ...) on 2 ranks, LPT gave every fc to rank 0 and every fc2 to rank 1; taken
+    shape by shape, the ranks get the same number of each, whatever each costs on the
+    machine at hand. Why reverse every other group (a snake, as in a draft): taken all
+    forward, rank 0 got every matrix of layers 0 and 2; a step overlapped unit by unit
+    (below) then has the ranks take turns instead of working at the same time.
+    """
+    shape = {n: tuple(shapes[n]) if shapes else () for n in ns_flops}
+    first, groups = {}, {}
+    for name in ns_flops:
+        first.setdefault(shape[name], len(first))
+        groups.setdefault((ns_flops[name], shape[name]), []).append(name)
+    order = []
+    for i, key in enumerate(sorted(groups, key=lambda k: (-k[0], first[k[1]]))):
+        order += groups[key] if i % 2 == 0 else groups[key][::-1]
+    return order
+
+
+def assign_owners(ns_flops, n_ranks, shapes=None):
     """Greedy longest-processing-time: {matrix name: rank}, balanced by Newton-Schulz FLOPs.
 
-    Matrices in decreasing FLOPs (ties: the order given), each to the rank with the
-    least work so far (ties: the lowest rank). Deterministic, so every rank computes
-    the same assignment without talking. LPT is within 4/3 of the best possible
-    maximum (Graham, 1969); it cannot balance fewer or very uneven matrices
-    (e.g. 10 matrices, 4 of them the largest, on 8 ranks).
+    Matrices in lpt_order, each to the rank with the least work so far (ties: the
+    lowest rank). Deterministic, so every rank computes the same assignment without
+    talking. LPT is within 4/3 of the best possible maximum (Graham, 1969); it cannot
+    balance fewer or very uneven matrices (e.g. 10 matrices, 4 of them the largest,
+    on 8 ranks).
     """
     load = [0] * n_ranks
     owners = {}
-    for name in sorted(ns_flops, key=lambda n: -ns_flops[n]):  # sorted() is stable: ties keep their order
+    for name in lpt_order(ns_flops, shapes):
         rank = min(range(n_ranks), key=lambda r: (load[r], r))
         owners[name] = rank
         load[rank] += ns_flops[name]
@@ -1462,7 +1504,7 @@ class OwnerMuon(DistributedMuon):
         self.ns_flops = {n: newton_schulz_flops(self.layout.global_shapes[n], self.group_of[n]["ns_steps"])
                          for n in self.muon_names}
         self.owners = (check_owners(self.owner_override, self.muon_names, world) if self.owner_override is not None
-                       else assign_owners(self.ns_flops, world))
+                       else assign_owners(self.ns_flops, world, self.layout.global_shapes))
         self.routes = plan_routes(self.muon_names, self.owners, self.part_of, self.layout, self.grid,
                                   self._route_axis())
 
@@ -1487,15 +1529,18 @@ class OwnerMuon(DistributedMuon):
         return self._gather_bucket(unit.bucket, async_op=True)
 
     def _stages(self, active):
-        if not self.overlap:
+        if not self.overlap and self.grid.world.size > 1:
             return super()._stages(active)
+        # On one rank nothing travels and there is nothing to overlap: K = 0 runs the units
+        # one after the other, as section 5 runs its buckets there.
         axis, dtype, device = self._route_axis(), torch.bfloat16, self.device
         units = self._units()
         # Which matrices of each unit travel to an owner: the same on every rank of the axis,
         # so a unit without any starts no exchange anywhere.
         routes = [[r for r in self.routes if r.name in u.names and r.name in active] for u in units]
         reduced = [self._reduce_unit(u, active) for u in units]  # 1: every reduction starts now
-        gathered, scattered, gathered_params, k = {}, {}, [], self.overlap
+        gathered, scattered, gathered_params = {}, {}, []
+        k = self.overlap if self.grid.world.size > 1 else 0
         for i in range(len(units) + 2 * k):
             if i < len(units):  # unit i: 1 -> 2, then start its gather at owner
                 updates = self._update_state(reduced[i]())
@@ -1541,20 +1586,28 @@ class CommFreeMuon(OwnerMuon):
     def _muon_params(self, names, active):
         return {n: self.param_by_name[n] for n in names if n in active}
 
+    def _muon_chunks(self):
+        """The matrices in chunks of at most bucket_size elements: what one reduce at owner or
+        broadcast from owner carries, as a bucket bounds one reduce-scatter. One message for
+        all of them was slower and unsteady at d = 768 (a 56 MB all-to-all per rank:
+        notes/08-strategies.md)."""
+        numel = {n: self.param_by_name[n].numel() for n in self.muon_names}
+        return chunk_names(self.muon_names, numel, self.bucket_size)
+
     def _reduce_grads(self, active):
         grads = super()._reduce_grads(active)
-        grads.update(reduce_at_owner(self._muon_grads(self.muon_names, active), self.owners, self.grid,
-                                     self.ledger, self.device))
+        for names in self._muon_chunks():
+            grads.update(reduce_at_owner(self._muon_grads(names, active), self.owners, self.grid, self.ledger,
+                                         self.device))
         return grads
 
     def _gather_params(self, active):
         super()._gather_params(active)
-        broadcast_from_owner(self._muon_params(self.muon_names, active), self.owners, self.grid, self.ledger,
-                             self.device)
+        for names in self._muon_chunks():
+            broadcast_from_owner(self._muon_params(names, active), self.owners, self.grid, self.ledger, self.device)
 
     def _units(self):
-        numel = {n: self.param_by_name[n].numel() for n in self.muon_names}
-        return super()._units() + [Unit(c) for c in chunk_names(self.muon_names, numel, self.bucket_size)]
+        return super()._units() + [Unit(c) for c in self._muon_chunks()]
 
     def _reduce_unit(self, unit, active):
         if unit.bucket is not None:

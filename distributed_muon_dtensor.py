@@ -99,7 +99,8 @@ import distributed_muon_cpu as dm
 # Newton-Schulz of an owner's matrices (newton_schulz_owned, which also records
 # FLOPs in a Ledger). The launcher (spawn_ranks, exit_code) is its section 9.
 from distributed_muon_cpu import (BATCHED_NS_BOUND, NS_COEFFICIENTS, NS_EPS, NS_STEPS, adamw_,  # noqa: E402,F401
-                                  adjusted_lr, assign_owners, check_owners, muon_momentum_, newton_schulz_flops)
+                                  adjusted_lr, assign_owners, check_owners, lpt_order, muon_momentum_,
+                                  newton_schulz_flops)
 
 # From the GPT example (examples/train_gpt.py): the tolerance policy of a real
 # training checked against one process (its section 3: GRAD_RTOL, STEP_LOSS_RTOL,
@@ -199,8 +200,9 @@ def sharded_dims(placements):
 # Owners: the lesson's assign_owners balances over ranks 0..n-1, but a matrix
 # may only go to a rank that holds some of it (else it would travel whole to a
 # stranger). So it is the lesson's longest-processing-time rule with the
-# candidates restricted: matrices in decreasing FLOPs (ties: the order given),
-# each to the least-loaded of ITS holders (ties: the lowest rank). When every
+# candidates restricted: matrices in the lesson's lpt_order (decreasing FLOPs,
+# equal FLOPs shape by shape), each to the least-loaded of ITS holders (ties:
+# the lowest rank). When every
 # rank holds a piece of everything (FSDP2 on dims the mesh divides) that is
 # exactly the lesson's assign_owners, assignment for assignment (tested).
 # (An earlier version ran assign_owners once per holder set, which forgot the
@@ -273,11 +275,11 @@ def rank_at(copy, like, key):
     return int(mesh[tuple(coordinate)])
 
 
-def assign_among_holders(ns_flops, holders, world, load=None):
+def assign_among_holders(ns_flops, holders, world, load=None, shapes=None):
     """{matrix: owner}: the lesson's LPT (dm.assign_owners), each matrix among its own holders only."""
     load = [0] * world if load is None else list(load)
     owners = {}
-    for name in sorted(ns_flops, key=lambda n: -ns_flops[n]):  # sorted() is stable: ties keep their order
+    for name in lpt_order(ns_flops, shapes):
         rank = min(holders[name], key=lambda r: (load[r], r))
         owners[name] = rank
         load[rank] += ns_flops[name]
@@ -314,7 +316,8 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None):
     ns_flops = {m.name: newton_schulz_flops(m.copy.matrix_shape, group_ns_steps[m.copy.group]) for m in matrices}
     holders = {m.name: m.holders for m in matrices}
     if assign is None:
-        owners = assign_among_holders(ns_flops, holders, world)
+        owners = assign_among_holders(ns_flops, holders, world,
+                                      shapes={m.name: tuple(m.copy.matrix_shape) for m in matrices})
     else:
         owners = check_owners(assign(ns_flops, holders, world), list(ns_flops), world)
         strangers = [f"{n} (rank {owners[n]}; holders {list(holders[n])})" for n in owners
@@ -550,7 +553,8 @@ class DTensorMuon(torch.optim.Optimizer):
                          for n in muon}
         ranks = self.axis.ranks
         owned = (self.config.assign(self.ns_flops, self.world) if self.config.assign is not None
-                 else {r: [n for n, o in assign_owners(self.ns_flops, len(ranks)).items() if ranks[o] == r]
+                 else {r: [n for n, o in assign_owners(self.ns_flops, len(ranks), self.config.global_shapes).items()
+                            if ranks[o] == r]
                        for r in ranks})
         self.owners = check_owners(owned, muon, self.world)
         strangers = sorted(n for n, r in self.owners.items() if r not in ranks)

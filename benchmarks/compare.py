@@ -56,9 +56,10 @@ def compare(cfg, explain=False, print_fn=print):
 def realistic_balance(n_ranks, ns_steps=dm.NS_STEPS):
     """max/mean Newton-Schulz FLOPs of the owner assignment for GPT-2 small's matrices (12 layers, d = 768),
     from shapes alone: the demo model is too small to balance 8 ranks (see section 6)."""
-    flops = {s.name: dm.newton_schulz_flops(s.global_shape, ns_steps)
-             for s in dm.transformer_specs(vocab=50304, d=768, n_layers=12) if s.group == dm.MUON_GROUP}
-    _, balance = dm.load_balance(flops, dm.assign_owners(flops, n_ranks), n_ranks)
+    matrices = [s for s in dm.transformer_specs(vocab=50304, d=768, n_layers=12) if s.group == dm.MUON_GROUP]
+    flops = {s.name: dm.newton_schulz_flops(s.global_shape, ns_steps) for s in matrices}
+    owners = dm.assign_owners(flops, n_ranks, {s.name: s.global_shape for s in matrices})
+    _, balance = dm.load_balance(flops, owners, n_ranks)
     return dict(model="GPT-2 small shapes (12 layers, d = 768, with an 8-expert router)", matrices=len(flops),
                 ranks=n_ranks, max_over_mean=balance)
 

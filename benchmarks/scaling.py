@@ -8,11 +8,19 @@ slowest rank. Figures and ratios, never verdicts: this machine is shared and noi
     python benchmarks/scaling.py                          # 1 and 2 ranks here (2 cores), about 5 minutes
     python benchmarks/scaling.py --ranks 1 2 4 8 --json scaling.json --figure scaling.png
     python benchmarks/scaling.py --d 128                  # a CPU without bf16 units (see below)
+    python benchmarks/scaling.py --without-ns --ranks 1   # everything but Newton-Schulz, at d = 768
 
 The first line printed is this CPU's one-thread matmul speed in bf16 and fp32. Newton-Schulz runs
 in bf16; on a CPU without bf16 matrix units (AVX512-BF16 / AMX) bf16 is tens of times slower than
 fp32, Newton-Schulz is then nearly the whole step, and the ratios say little about communication:
 use --d to keep the run short there, and read the ratios with that in mind.
+
+Every round steps every variant once, in turn (interleaved), so that drift in the machine's load
+hits them alike. --without-ns replaces Newton-Schulz, in torch.optim.Muon and here alike, by the
+bf16 cast it starts with: what is left is what each strategy does around Newton-Schulz (momentum,
+copies, collectives, the weight update, AdamW), the part the 1-rank goal is about, and it runs in
+seconds at d = 768 even where bf16 matmuls crawl. Its results are not Muon steps (the weights it
+writes are wrong by design); it times them and nothing else.
 
 Goals it reports against (issue 13): every strategy within 1.02x torch's step on 1 rank; owner
 and comm-free at least 1.7x faster than torch on 2 ranks; owner at least 0.85 N x on N free cores.
@@ -77,64 +85,86 @@ def matmul_gflops(d, dtype):
     return 2 * d**3 / statistics.median(times[1:]) / 1e9
 
 
-def step_ms(step, params, grads, barrier=lambda: None):
-    """The median time of ROUNDS calls of step(), each with the gradients set afresh."""
-    times = []
-    for _ in range(ROUNDS):
-        for n, p in params.items():
-            p.grad = grads[n]
-        barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
+def without_newton_schulz():
+    """Newton-Schulz, in torch.optim.Muon and in this project, replaced by the bf16 cast it begins
+    with (--without-ns). torch's is a private function: a torch without it is told so."""
+    import torch.optim._muon as torch_muon
+
+    if not hasattr(torch_muon, "_zeropower_via_newtonschulz"):
+        raise SystemExit(f"--without-ns: torch {torch.__version__} has no torch.optim._muon."
+                         "_zeropower_via_newtonschulz to replace")
+    cast = lambda matrix, *args, **kwargs: matrix.bfloat16()  # noqa: E731
+    torch_muon._zeropower_via_newtonschulz = dm.newton_schulz = cast
+
+
+def step_ms(steppers, rounds, barrier=lambda: None):
+    """{name: the times of `rounds` calls of its step()}; steppers: {name: (step, params, grads)}.
+    Each round calls every step() once, in turn, each with its gradients set afresh."""
+    times = {name: [] for name in steppers}
+    for _ in range(rounds):
+        for name, (step, params, grads) in steppers.items():
+            for n, p in params.items():
+                p.grad = grads[n]
+            barrier()
+            t0 = time.perf_counter()
+            step()
+            times[name].append((time.perf_counter() - t0) * 1e3)
     return times
 
 
-def rank_main(rank, world, port, out_dir, d, layers, variants):
-    """One of N ranks: every variant in turn, its step times written to out_dir."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
-    grid = dm.make_grid(world, 1, rank)
-    times = {}
+def steppers(variants, grid, d, layers):
+    """{variant: (its optimizer's step, its own fresh parameters, their gradients)}."""
+    built = {}
     for variant in variants:
         params, grads = parameters(d, layers)
-        times[variant] = step_ms(build(variant, params, grid, variants).step, params, grads, dist.barrier)
+        built[variant] = (build(variant, params, grid, variants).step, params, grads)
+    return built
+
+
+def rank_main(rank, world, port, out_dir, d, layers, variants, rounds, without_ns):
+    """One of N ranks: every variant, interleaved, its step times written to out_dir."""
+    torch.set_num_threads(1)
+    if without_ns:
+        without_newton_schulz()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    times = step_ms(steppers(variants, dm.make_grid(world, 1, rank), d, layers), rounds, dist.barrier)
     torch.save(times, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
-def on_one_process(d, layers):
-    """{name: step times} for torch and every variant on one rank, all in this process."""
+def on_one_process(d, layers, rounds=ROUNDS):
+    """{name: step times} for torch and every variant on one rank, all in this process, interleaved."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dm.free_port()}", rank=0, world_size=1)
-    grid = dm.make_grid(1, 1, 0)
     params, grads = parameters(d, layers)
     reference = [torch.optim.Muon([p for p in params.values() if p.ndim == 2], lr=0.02, weight_decay=0.1),
                  torch.optim.AdamW([p for p in params.values() if p.ndim != 2], lr=0.02, weight_decay=0.1,
                                    foreach=False)]
-    times = {TORCH: step_ms(lambda: [o.step() for o in reference], params, grads)}
-    for variant in VARIANTS:
-        params, grads = parameters(d, layers)
-        times[variant] = step_ms(build(variant, params, grid).step, params, grads)
+    built = {TORCH: (lambda: [o.step() for o in reference], params, grads)}
+    built.update(steppers(VARIANTS, dm.make_grid(1, 1, 0), d, layers))
+    times = step_ms(built, rounds)
     dist.destroy_process_group()
     return times
 
 
-def on_ranks(world, d, layers, variants=VARIANTS):
+def on_ranks(world, d, layers, variants=VARIANTS, rounds=ROUNDS, without_ns=False):
     """{variant: per-step times of the slowest rank} on `world` ranks."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, dm.free_port(), out_dir, d, layers, variants), nprocs=world,
-                           start_method=dm.start_method())
+        mp.start_processes(rank_main, args=(world, dm.free_port(), out_dir, d, layers, variants, rounds, without_ns),
+                           nprocs=world, start_method=dm.start_method())
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
-    return {v: [max(r[v][i] for r in per_rank) for i in range(ROUNDS)] for v in variants}
+    return {v: [max(r[v][i] for r in per_rank) for i in range(rounds)] for v in variants}
 
 
-def goal(n, variant):
-    """What issue 13 asks of this variant on n ranks (step time; the spread is asked of every run)."""
+def goal(n, variant, without_ns=False):
+    """What issue 13 asks of this variant on n ranks (step time; the spread is asked of every run).
+    Without Newton-Schulz, the speed-ups on N ranks are no Muon step's: no goal is shown for them."""
     strategy = VARIANTS[variant][0]
     if n == 1:
         return "<= 1.02x torch's time"
+    if without_ns:
+        return "-"
     if n == 2 and strategy != "gather":
         return ">= 1.7x faster"
     return f">= {0.85 * n:.2f}x faster" if strategy == "owner" and n <= (os.cpu_count() or 1) else "-"
@@ -145,39 +175,48 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts (default: 1 2)")
     p.add_argument("--d", type=int, default=D, help="model width (default %(default)s)")
     p.add_argument("--layers", type=int, default=LAYERS, help="layers of 4 matrices (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="steps of each variant (default %(default)s)")
+    p.add_argument("--without-ns", action="store_true",
+                   help="time everything but Newton-Schulz (replaced by its bf16 cast, in torch's Muon too)")
     p.add_argument("--json", metavar="PATH", help="write every step time")
     p.add_argument("--figure", metavar="PATH", help="write the speed-up against ranks as a PNG")
     args = p.parse_args(argv)
     if any(n < 1 for n in args.ranks):
         p.error("--ranks must be >= 1")
-    if args.d < 1 or args.layers < 1:
-        p.error("--d and --layers must be >= 1")
+    if args.d < 1 or args.layers < 1 or args.rounds < 1:
+        p.error("--d, --layers and --rounds must be >= 1")
     for path in (args.json, args.figure):
         if path:
             dm.check_writable(path, "--json" if path == args.json else "--figure")
     torch.set_num_threads(1)
     speed = {str(dt).replace("torch.", ""): matmul_gflops(args.d, dt) for dt in (torch.bfloat16, torch.float32)}
-    one = on_one_process(args.d, args.layers)
+    if args.without_ns:
+        without_newton_schulz()
+    one = on_one_process(args.d, args.layers, args.rounds)
     torch_ms = statistics.median(one[TORCH])
     runs = {1: {v: one[v] for v in VARIANTS}}
-    runs.update({n: on_ranks(n, args.d, args.layers) for n in args.ranks if n > 1})
+    runs.update({n: on_ranks(n, args.d, args.layers, rounds=args.rounds, without_ns=args.without_ns)
+                 for n in args.ranks if n > 1})
     print(f"This CPU, one thread, {args.d} x {args.d} matmul: "
           + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in speed.items()))
-    print(f"{args.layers} layers at d = {args.d}, step() only, 1 thread per rank, median of {ROUNDS} steps, "
-          f"{os.cpu_count()} cores here; torch {torch.__version__}")
+    print(f"{args.layers} layers at d = {args.d}, step() only, 1 thread per rank, median of {args.rounds} "
+          f"interleaved steps, {os.cpu_count()} cores here; torch {torch.__version__}")
+    if args.without_ns:
+        print("WITHOUT Newton-Schulz (--without-ns): it is replaced by its bf16 cast, in torch's Muon and here")
     print(f"{TORCH} in one process: median {torch_ms:.0f} ms (min {min(one[TORCH]):.0f})\n")
     rows = []
     for n in sorted(runs):
         for v in VARIANTS:
             median = statistics.median(runs[n][v])
             rows.append([n, v, f"{min(runs[n][v]):.0f}", f"{median:.0f}", f"{median / min(runs[n][v]) - 1:.0%}",
-                         f"{median / torch_ms:.3f}", f"{torch_ms / median:.2f}x", goal(n, v)])
+                         f"{median / torch_ms:.3f}", f"{torch_ms / median:.2f}x", goal(n, v, args.without_ns)])
     print(dm.format_table(["ranks", "strategy", "min ms", "median ms", "median/min - 1", "time / torch's",
                            "speed-up", "goal"], rows, [">", "<", ">", ">", ">", ">", ">", "<"]))
     print("\nGoal for every run: median/min - 1 <= 10 % (steady step times).")
     if args.json:
         dm.write_json(args.json, dict(torch=torch.__version__, d=args.d, layers=args.layers, matmul_gflops=speed,
-                                      torch_ms=one[TORCH], runs={str(n): r for n, r in runs.items()}))
+                                      without_ns=args.without_ns, torch_ms=one[TORCH],
+                                      runs={str(n): r for n, r in runs.items()}))
     if args.figure:
         import matplotlib
 
@@ -190,7 +229,8 @@ def main(argv=None):
         plt.plot(ranks, ranks, color="gray", linestyle="--", label="N x (ideal)")
         plt.xlabel("ranks (DP = N, TP = 1)")
         plt.ylabel(f"speed-up over {TORCH}, one process")
-        plt.title(f"{args.layers} layers at d = {args.d}; bf16 matmul {speed['bfloat16']:.0f} GFLOP/s here")
+        plt.title(f"{args.layers} layers at d = {args.d}; bf16 matmul {speed['bfloat16']:.0f} GFLOP/s here"
+                  + (", without Newton-Schulz" if args.without_ns else ""))
         plt.legend()
         plt.savefig(args.figure, dpi=100)
     return 0

@@ -428,6 +428,8 @@ def test_owners_are_the_lessons_lpt_restricted_to_each_matrixs_holders():
     flops = {f"m{i}": int(f) for i, f in enumerate(torch.randint(1, 50, (23,), generator=g).tolist())}
     everyone = {n: tuple(range(6)) for n in flops}
     assert dd.assign_among_holders(flops, everyone, 6) == dm.assign_owners(flops, 6)  # holding all: the lesson's
+    shapes = {n: (f % 3, 1) for n, f in flops.items()}  # equal FLOPs in different shapes, too
+    assert dd.assign_among_holders(flops, everyone, 6, shapes=shapes) == dm.assign_owners(flops, 6, shapes)
     # two holder sets, as the expert stacks of one TP column each, beside matrices everyone holds
     holders = {n: (tuple(range(6)) if i < 3 else (0, 2, 4) if i % 2 else (1, 3, 5)) for i, n in enumerate(flops)}
     owners = dd.assign_among_holders(flops, holders, 6)

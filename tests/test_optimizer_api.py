@@ -54,6 +54,26 @@ def test_trains_a_real_model_exactly_like_torch(single_process_group, strategy, 
         assert not torch.equal(ours.hidden.weight, TinyNet().hidden.weight)
 
 
+@pytest.mark.parametrize("strategy,options", VARIANTS)
+def test_one_rank_steps_matrix_by_matrix_as_torch_does(single_process_group, strategy, options):
+    """On one rank nothing travels, so whatever the strategy or lookahead, each matrix is orthogonalized
+    and applied before the next one is orthogonalized: one bucket's temporaries alive at a time, as
+    torch.optim.Muon keeps one matrix's (section 5; notes/08-strategies.md measures why)."""
+    model = TinyNet()
+    opt = dm.OPTIMIZERS[strategy](split_groups(model), grid=single_process_group, bucket_size=300, **options)
+    apply_update = opt._apply_update
+
+    def record(name, ortho_part):
+        opt.ledger.events.append((opt.ledger.step, "apply", name))
+        apply_update(name, ortho_part)
+
+    opt._apply_update = record
+    model(torch.randint(0, 50, (2, 3))).backward()
+    opt.step()
+    assert [(kind, name) for _, kind, name in opt.ledger.events] == [
+        (kind, name) for name in ("hidden.weight", "out.weight") for kind in ("newton-schulz", "apply")]
+
+
 def test_state_dict_round_trip_and_layout_check(single_process_group):
     torch.manual_seed(1)
     model = TinyNet()

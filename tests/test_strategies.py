@@ -95,14 +95,32 @@ def demo_flops(**config):
     return dm.plan_optimizer(dm.RunConfig(strategy="owner", **config)).ns_flops
 
 
+def demo_owners(n_ranks, **config):
+    """The balanced owners of the demo model's matrices, from their FLOPs and shapes."""
+    plan = dm.plan_optimizer(dm.RunConfig(strategy="owner", **config))
+    return dm.assign_owners(plan.ns_flops, n_ranks, plan.layout.global_shapes)
+
+
 def test_lpt_on_the_demo_model_by_hand():
     # 2 layers: 4 matrices of 188.7 MFLOP (fc1, fc2), 2 of 147.1 (qkv), 2 of 62.9 (proj), 2 tiny routers.
-    owners = dm.assign_owners(demo_flops(), 8)
+    owners = demo_owners(8)
     assert {owners[f"layers.{i}.mlp.fc{j}.weight"] for i in range(2) for j in (1, 2)} == {0, 1, 2, 3}
     assert {owners[f"layers.{i}.attn.qkv.weight"] for i in range(2)} == {4, 5}
     assert {owners[f"layers.{i}.attn.proj.weight"] for i in range(2)} == {6, 7}
     assert {owners[f"layers.{i}.router.weight"] for i in range(2)} == {6, 7}  # the least loaded
-    assert dm.assign_owners(demo_flops(), 8) == owners  # deterministic
+    assert demo_owners(8) == owners  # deterministic
+
+
+def test_equal_flops_in_different_shapes_are_shared_out_shape_by_shape():
+    # fc1 (4d x d) and fc2 (d x 4d) have equal FLOPs but not equal times on every machine
+    # (notes/measured/ns_shapes_2core.txt): each rank must get its share of each shape.
+    owners = demo_owners(2, layers=4)
+    for kind in ("mlp.fc1", "mlp.fc2", "attn.qkv", "attn.proj", "router"):
+        assert sorted(owners[f"layers.{i}.{kind}.weight"] for i in range(4)) == [0, 0, 1, 1], kind
+    # In model order (fc1, fc2, fc1, ...) LPT alone gives rank 0 every fc1 and rank 1 every fc2.
+    in_model_order = dm.assign_owners(demo_flops(layers=4), 2)
+    assert {in_model_order[f"layers.{i}.mlp.fc{j}.weight"] for i in range(4) for j in (1, 2)} == {0, 1}
+    assert len({in_model_order[f"layers.{i}.mlp.fc1.weight"] for i in range(4)}) == 1
 
 
 def test_every_matrix_has_exactly_one_owner_and_balance_improves_with_more_matrices():
@@ -149,7 +167,7 @@ def expected_exchange(dp, tp, owners, parts, splits):
 def runs_to_check(run_grid, dp, tp, strategy):
     """The strategy's run, the gather run on the same grid, the specs, and the owners (checked)."""
     result = strategy_run(run_grid, dp, tp, strategy)
-    assert result["owners"] == dm.assign_owners(demo_flops(), dp * tp)
+    assert result["owners"] == demo_owners(dp * tp)
     presence = presence_bytes(len(dm.transformer_specs()), dp * tp)
     assert result["bytes_per_step"]["grad presence"]["sent"] == [presence] * (dp * tp)
     return (result, strategy_run(run_grid, dp, tp, "gather"), {s.name: s for s in dm.transformer_specs()},
