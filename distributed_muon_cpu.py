@@ -773,6 +773,12 @@ def format_buffer_map(layout):
 #
 # A rank's "part" of a parameter is the range of its flattened TP piece whose
 # optimizer state it keeps (its ZeRO-1 local range, found from dist_meta).
+# On one rank nothing travels, and the four stages run bucket by bucket
+# instead: one bucket's temporaries alive at a time, as torch.optim.Muon's loop
+# holds one matrix's. Holding every bucket's at once cost this CPU 1.5-2.3x
+# torch's time outside Newton-Schulz: glibc gave the freed memory back to the
+# system and faulted it in again every step (notes/08-strategies.md).
+#
 # Each stage is a method, so that another strategy can replace one stage and
 # keep the others.
 
@@ -911,10 +917,7 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def _stages(self, active):
         """The four stages, one after the other (a strategy may run them otherwise)."""
-        if self.grid.world.size == 1:
-            # Nothing travels on one rank: bucket by bucket, so one bucket's temporaries are
-            # alive at a time, as torch.optim.Muon steps matrix by matrix. (All of them at
-            # once made glibc return and re-fault memory every step: notes/08-strategies.md.)
+        if self.grid.world.size == 1:  # nothing travels: bucket by bucket (above)
             for bucket in self.layout.buckets:
                 updates = self._update_state(self._reduce_bucket(bucket, active))  # 1, 2
                 for name, ortho_part in self._orthogonalize_bucket(bucket, updates, active).items():  # 3
@@ -1369,9 +1372,10 @@ def newton_schulz_owned(full, group_of, ledger, batched=False):
 def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
     """comm-free: every DP rank's TP-local gradient of each matrix -> its sum, on the owner row only.
 
-    One all-to-all over DP carries every matrix to its owner row, which adds the
-    DP contributions in DP-rank order (exact here: section 3). The same bytes as
-    a reduce-scatter, with matrices instead of equal shards as the unit.
+    One all-to-all over DP carries the matrices given (a chunk of at most
+    bucket_size elements) to their owner rows, which add the DP contributions in
+    DP-rank order (exact here: section 3). The same bytes as a reduce-scatter,
+    with matrices instead of equal shards as the unit.
     With async_op: a function that waits and returns the sums.
     """
     dp, tp = grid.dp, grid.tp.size
@@ -1440,11 +1444,12 @@ def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
 # every rank has started it. With K = 1 the ranks move in lock-step, one unit at
 # a time, and a rank that owns nothing in a unit waits for the one that owns its
 # matrix; K units of slack let them drift apart by up to K units. On 2 ranks here
-# (4 layers at d = 128, 2 cores, two runs of benchmarks/overlap.py) owner's step
-# was 10-12 % slower than no overlap with K = 1 and 4-5 % faster with K = 2;
-# comm-free's within 5 % for every K. Whether overlap is faster at all depends on
-# having something to overlap with: a core or a copy engine that is idle while
-# messages travel (notes/08-strategies.md).
+# (4 layers at d = 128, 2 cores, four runs of benchmarks/overlap.py) owner's step
+# was 3-12 % slower than no overlap with K = 1, and between 7 % faster and 3 %
+# slower with K = 2; comm-free's within 6 % for every K. Whether overlap is faster
+# at all depends on having something to overlap with: a core or a copy engine that
+# is idle while messages travel (notes/08-strategies.md). On one rank nothing
+# travels, and the loop below runs with K = 0 whatever K is.
 OVERLAP_DEFAULT = 2  # --overlap without a number
 
 
@@ -1562,8 +1567,8 @@ class CommFreeMuon(OwnerMuon):
     """The comm-free strategy: Muon matrices sharded whole across DP, outside the buckets.
 
     Stage 1 adds the gradient reduce at the owner row, stage 3 exchanges TP pieces inside
-    the owner's row only, stage 4 adds the broadcast from the owner row. With overlap,
-    the matrices are pipelined in chunks of at most bucket_size elements.
+    the owner's row only, stage 4 adds the broadcast from the owner row; the matrices
+    travel in chunks of at most bucket_size elements, which overlap pipelines.
     """
 
     strategy = "comm-free"
