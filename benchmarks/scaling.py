@@ -85,16 +85,17 @@ def matmul_gflops(d, dtype):
     return 2 * d**3 / statistics.median(times[1:]) / 1e9
 
 
+TORCH_NEWTON_SCHULZ = "_zeropower_via_newtonschulz"  # torch.optim._muon's, a private name: checked before use
+
+
 def without_newton_schulz():
     """Newton-Schulz, in torch.optim.Muon and in this project, replaced by the bf16 cast it begins
-    with (--without-ns). torch's is a private function: a torch without it is told so."""
+    with (--without-ns)."""
     import torch.optim._muon as torch_muon
 
-    if not hasattr(torch_muon, "_zeropower_via_newtonschulz"):
-        raise SystemExit(f"--without-ns: torch {torch.__version__} has no torch.optim._muon."
-                         "_zeropower_via_newtonschulz to replace")
     cast = lambda matrix, *args, **kwargs: matrix.bfloat16()  # noqa: E731
-    torch_muon._zeropower_via_newtonschulz = dm.newton_schulz = cast
+    setattr(torch_muon, TORCH_NEWTON_SCHULZ, cast)
+    dm.newton_schulz = cast
 
 
 def step_ms(steppers, rounds, barrier=lambda: None):
@@ -188,6 +189,8 @@ def main(argv=None):
     for path in (args.json, args.figure):
         if path:
             dm.check_writable(path, "--json" if path == args.json else "--figure")
+    if args.without_ns and not hasattr(torch.optim._muon, TORCH_NEWTON_SCHULZ):
+        p.error(f"--without-ns: torch {torch.__version__} has no torch.optim._muon.{TORCH_NEWTON_SCHULZ} to replace")
     torch.set_num_threads(1)
     speed = {str(dt).replace("torch.", ""): matmul_gflops(args.d, dt) for dt in (torch.bfloat16, torch.float32)}
     if args.without_ns:

@@ -5,11 +5,14 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from conftest import ROOT, dm
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import compare  # noqa: E402
+import scaling  # noqa: E402
 
 COMPARE = os.path.join(ROOT, "benchmarks", "compare.py")
 
@@ -48,3 +51,33 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, COMPARE, "--tp", "3"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "error: TP 3 does not divide embed.weight dim 0" in proc.stderr
+
+
+def test_scaling_without_ns_replaces_newton_schulz_in_torch_and_here_alike(single_process_group, monkeypatch):
+    """--without-ns times the rest of the step: both sides must lose Newton-Schulz, and only it."""
+    import torch.optim._muon as torch_muon
+
+    def step_both(params, grads):
+        """One step of torch's optimizers and of the owner strategy, each on its own copy: (theirs, ours)."""
+        theirs = {n: p.clone() for n, p in params.items()}
+        reference = [torch.optim.Muon([p for p in theirs.values() if p.ndim == 2], lr=0.02, weight_decay=0.1),
+                     torch.optim.AdamW([p for p in theirs.values() if p.ndim != 2], lr=0.02, weight_decay=0.1,
+                                       foreach=False)]
+        ours = {n: p.clone() for n, p in params.items()}
+        optimizer = scaling.build("owner", ours, single_process_group)
+        for copy in (theirs, ours):
+            for n, p in copy.items():
+                p.grad = grads[n]
+        for o in reference + [optimizer]:
+            o.step()
+        return theirs, ours
+
+    params, grads = scaling.parameters(16, 1)
+    with_ns, _ = step_both(params, grads)
+    monkeypatch.setattr(torch_muon, scaling.TORCH_NEWTON_SCHULZ, getattr(torch_muon, scaling.TORCH_NEWTON_SCHULZ))
+    monkeypatch.setattr(dm, "newton_schulz", dm.newton_schulz)  # both restored after the test
+    scaling.without_newton_schulz()
+    theirs, ours = step_both(params, grads)
+    assert all(torch.equal(theirs[n], ours[n]) for n in params)  # the same work on both sides
+    changed = [n for n in params if not torch.equal(theirs[n], with_ns[n])]
+    assert changed == [n for n in params if params[n].ndim == 2]  # Newton-Schulz gone, AdamW untouched
