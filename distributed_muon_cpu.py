@@ -1591,28 +1591,29 @@ class CommFreeMuon(OwnerMuon):
     def _muon_params(self, names, active):
         return {n: self.param_by_name[n] for n in names if n in active}
 
-    def _muon_chunks(self):
-        """The matrices in chunks of at most bucket_size elements: what one reduce at owner or
-        broadcast from owner carries, as a bucket bounds one reduce-scatter. One message for
-        all of them was slower and unsteady at d = 768 (a 56 MB all-to-all per rank:
-        notes/08-strategies.md)."""
+    def _plan(self):
+        super()._plan()
+        # The matrices in chunks of at most bucket_size elements: what one reduce at owner or
+        # broadcast from owner carries, as a bucket bounds one reduce-scatter. One message for
+        # all of them was slower and unsteady at d = 768 (a 56 MB all-to-all per rank:
+        # notes/08-strategies.md).
         numel = {n: self.param_by_name[n].numel() for n in self.muon_names}
-        return chunk_names(self.muon_names, numel, self.bucket_size)
+        self.muon_chunks = chunk_names(self.muon_names, numel, self.bucket_size)
 
     def _reduce_grads(self, active):
         grads = super()._reduce_grads(active)
-        for names in self._muon_chunks():
+        for names in self.muon_chunks:
             grads.update(reduce_at_owner(self._muon_grads(names, active), self.owners, self.grid, self.ledger,
                                          self.device))
         return grads
 
     def _gather_params(self, active):
         super()._gather_params(active)
-        for names in self._muon_chunks():
+        for names in self.muon_chunks:
             broadcast_from_owner(self._muon_params(names, active), self.owners, self.grid, self.ledger, self.device)
 
     def _units(self):
-        return super()._units() + [Unit(c) for c in self._muon_chunks()]
+        return super()._units() + [Unit(c) for c in self.muon_chunks]
 
     def _reduce_unit(self, unit, active):
         if unit.bucket is not None:

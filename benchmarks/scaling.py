@@ -44,6 +44,7 @@ import distributed_muon_cpu as dm  # noqa: E402
 
 D, LAYERS, VECTORS, ROUNDS = 768, 4, 32, 5  # GPT-2 small's width; the median of 5 steps
 TORCH = "torch.optim.Muon + AdamW"
+HYPERPARAMETERS = dict(lr=0.02, weight_decay=0.1)  # for torch's optimizers and ours alike
 # What is timed: every strategy, and the owner strategies with their step overlapped.
 VARIANTS = {s: (s, {}) for s in dm.STRATEGIES}
 VARIANTS.update({f"{s} --overlap {dm.OVERLAP_DEFAULT}": (s, dict(overlap=dm.OVERLAP_DEFAULT))
@@ -67,11 +68,17 @@ def parameters(d, layers):
     return params, {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
 
 
+def torch_reference(params):
+    """torch.optim.Muon for the matrices and AdamW for the rest, with build()'s hyperparameters."""
+    return [torch.optim.Muon([p for p in params.values() if p.ndim == 2], **HYPERPARAMETERS),
+            torch.optim.AdamW([p for p in params.values() if p.ndim != 2], **HYPERPARAMETERS, foreach=False)]
+
+
 def build(variant, params, grid, variants=VARIANTS):
     strategy, options = variants[variant]
     groups = [dict(params=[(n, p) for n, p in params.items() if p.ndim == 2], algorithm="muon"),
               dict(params=[(n, p) for n, p in params.items() if p.ndim != 2], algorithm="adamw")]
-    return dm.OPTIMIZERS[strategy](groups, grid=grid, lr=0.02, weight_decay=0.1, **options)
+    return dm.OPTIMIZERS[strategy](groups, grid=grid, **HYPERPARAMETERS, **options)
 
 
 def matmul_gflops(d, dtype):
@@ -139,9 +146,7 @@ def on_one_process(d, layers, rounds=ROUNDS):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dm.free_port()}", rank=0, world_size=1)
     params, grads = parameters(d, layers)
-    reference = [torch.optim.Muon([p for p in params.values() if p.ndim == 2], lr=0.02, weight_decay=0.1),
-                 torch.optim.AdamW([p for p in params.values() if p.ndim != 2], lr=0.02, weight_decay=0.1,
-                                   foreach=False)]
+    reference = torch_reference(params)
     built = {TORCH: (lambda: [o.step() for o in reference], params, grads)}
     built.update(steppers(VARIANTS, dm.make_grid(1, 1, 0), d, layers))
     times = step_ms(built, rounds)

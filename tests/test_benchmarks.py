@@ -60,9 +60,7 @@ def test_scaling_without_ns_replaces_newton_schulz_in_torch_and_here_alike(singl
     def step_both(params, grads):
         """One step of torch's optimizers and of the owner strategy, each on its own copy: (theirs, ours)."""
         theirs = {n: p.clone() for n, p in params.items()}
-        reference = [torch.optim.Muon([p for p in theirs.values() if p.ndim == 2], lr=0.02, weight_decay=0.1),
-                     torch.optim.AdamW([p for p in theirs.values() if p.ndim != 2], lr=0.02, weight_decay=0.1,
-                                       foreach=False)]
+        reference = scaling.torch_reference(theirs)
         ours = {n: p.clone() for n, p in params.items()}
         optimizer = scaling.build("owner", ours, single_process_group)
         for copy in (theirs, ours):
