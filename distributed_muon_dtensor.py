@@ -202,9 +202,9 @@ def sharded_dims(placements):
 # stranger). So it is the lesson's longest-processing-time rule with the
 # candidates restricted: matrices in the lesson's lpt_order (decreasing FLOPs,
 # equal FLOPs shape by shape), each to the least-loaded of ITS holders (ties:
-# the lowest rank). When every
-# rank holds a piece of everything (FSDP2 on dims the mesh divides) that is
-# exactly the lesson's assign_owners, assignment for assignment (tested).
+# the lowest rank). When every rank holds a piece of everything (FSDP2 on dims
+# the mesh divides) that is exactly the lesson's assign_owners, assignment for
+# assignment (tested).
 # (An earlier version ran assign_owners once per holder set, which forgot the
 # load of the other sets: on 4 x 2, max/mean NS FLOPs 1.49 against 1.02 now.)
 
