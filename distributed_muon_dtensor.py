@@ -352,7 +352,12 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None):
 #   DistributedConfig(gather=g, redistribute=r,  your own parallelism (plain tensors you sharded yourself):
 #                     global_shapes={...},         g(updates, owners) -> {name: full matrix} (the ones you own),
 #                     assign=f or None)            r(orthos, owners) -> {name: your local piece},
-#                                                f(ns_flops, world) -> {rank: [names]} (None: the lesson's LPT)
+#                                                f as above; holders: every rank of the optimizer's group
+#                                                (None: the lesson's LPT)
+#
+# One `assign` signature in both forms: f(ns_flops, holders, world), where
+# ns_flops is {matrix name: Newton-Schulz FLOPs}, holders {matrix name: (global
+# ranks that may own it)}, world the world size; it returns {rank: [names]}.
 #
 # Every assignment is checked at construction: each matrix owned exactly once
 # (the lesson's check_owners names each missing, doubled or unknown one), and,
@@ -360,6 +365,13 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None):
 
 @dataclass(frozen=True)
 class DistributedConfig:
+    """Who orthogonalizes what, and (explicit form) how matrices travel; see section 4 of the file.
+
+    assign: f(ns_flops, holders, world) -> {global rank: [matrix names]}, in both forms; None:
+        longest-processing-time over Newton-Schulz FLOPs, each matrix among its holders.
+    gather, redistribute, global_shapes: the explicit form, all three or none (see above).
+    """
+
     assign: Callable | None = None
     gather: Callable | None = None
     redistribute: Callable | None = None
@@ -427,24 +439,60 @@ def describe(name, group_index, p, expert_stack):
 class DTensorMuon(torch.optim.Optimizer):
     """Muon for DTensor (and plain) parameters on any mesh, AdamW for the rest; bit-identical to torch.
 
-    params: named parameters, as torch optimizers accept them: groups
-        {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", ...hyperparameters}.
-        Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks.
-    distributed_config: DistributedConfig (section 4); None: automatic.
-    batched_ns: owners orthogonalize their same-shape matrices in one batched call: faster for
-        many small ones, not bitwise torch's (within BATCHED_NS_BOUND of it). Off by default.
-    group: the process group of the exchanges (default: the whole world); every rank of it
-        builds the optimizer and calls step() together.
-    A parameter whose .grad is None on every rank is skipped (value and state untouched), as
-    torch.optim.Muon and AdamW skip it.
+    Drop-in for an FSDP2 x TP training loop (every rank, after init_process_group):
+
+        opt = DTensorMuon([dict(params=[(n, p) for n, p in model.named_parameters() if is_matrix(n)]),
+                           dict(params=others, algorithm="adamw", weight_decay=0.0)], lr=0.02)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    The gradient contract: after backward, p.grad is the TOTAL gradient (already reduced over
+    data parallel, as FSDP2's reduce-scatter leaves it), a DTensor with p's mesh and placements
+    (a plain tensor for a plain p). A Partial gradient is refused.
+
+    Checkpoints: torch's own helpers work unchanged (state is keyed by the names in the param
+    groups, i.e. model.named_parameters(); the state tensors are DTensors with the parameter's
+    placements, so they reshard):
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, ...)
+        ... on another mesh: dcp.load(state, ...); set_model_state_dict(model, state["model"]);
+        set_optimizer_state_dict(model, opt, state["optim"])
+
+    A step that must be refused (a bad gradient or hyperparameter on any rank) raises on EVERY rank
+    of the group before any parameter or state changes. A parameter whose .grad is None on every
+    rank is skipped (value and state untouched), as torch.optim.Muon and AdamW skip it.
+    See help(DTensorMuon.__init__) for every argument.
     """
 
     def __init__(self, params, *, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original",
                  betas=(0.9, 0.999), eps=1e-8, expert_stacks=(), distributed_config=None, batched_ns=False,
                  group=None):
+        """Build the plan (collective: every rank of `group` calls it with the same parameter names).
+
+        params: named parameters, as torch optimizers take them: a list of groups
+            {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", any option below}.
+            Names are the model's (model.named_parameters()): owners and checkpoints are keyed by
+            them. Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks.
+            Tensors are float32 DTensors (any mesh; Shard, _StridedShard or Replicate placements)
+            or plain tensors. A group's own options override the defaults below; every group is
+            checked here by torch.optim.Muon's / AdamW's rules (dm.check_param_groups).
+        lr: learning rate of both algorithms (>= 0, finite).
+        weight_decay: decoupled weight decay, p *= 1 - lr * weight_decay (>= 0, finite).
+        momentum: Muon's momentum (in [0, 1); torch allows any >= 0); nesterov: Nesterov's input, as torch.
+        ns_coefficients, ns_steps, ns_eps: Newton-Schulz's (a, b, c), iterations (1..99) and norm floor.
+        adjust_lr_fn: Muon's per-matrix lr from its (rows A, cols B): "original" or None
+            (sqrt(max(1, A/B))), "match_rms_adamw" (0.2 sqrt(max(A, B))), "spectral_unclamped" (sqrt(A/B)).
+        betas, eps: AdamW's (each beta in [0, 1); eps >= 0).
+        expert_stacks: names of 3-D Muon parameters whose dim 0 indexes experts: each expert is its
+            own matrix (orthogonalized once, lr adjusted by its (out, in)).
+        distributed_config: DistributedConfig (section 4); None: automatic from the placements.
+        batched_ns: owners orthogonalize their same-shape matrices in one batched call: faster for
+            many small ones, not bitwise torch's (within BATCHED_NS_BOUND of it). Off by default.
+        group: the process group of the exchanges (default: the whole world); every rank of it
+            builds the optimizer and calls step() together.
+        """
         dm.check_hyperparameters(bucket_size=1, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                  adjust_lr_fn=adjust_lr_fn)
+        dm.check_adamw_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps,
                         adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
@@ -463,6 +511,9 @@ class DTensorMuon(torch.optim.Optimizer):
             self._plan_explicit(copies)
         else:
             self._plan_automatic(copies)
+        # Every state tensor exists from the start (zeros, step 0: what torch creates at a first step), so that
+        # torch's get/set_optimizer_state_dict find it and never run their own zero-gradient step.
+        self.init_state()
 
     # -- construction -------------------------------------------------------
     @staticmethod
@@ -474,17 +525,34 @@ class DTensorMuon(torch.optim.Optimizer):
         ranks = tuple(dist.get_process_group_ranks(group))
         return dm.Axis("world", len(ranks), ranks.index(dist.get_rank()), ranks, group)
 
-    def _index_params(self):
-        """Check what the step relies on; return the first problem as one line (or None)."""
+    def _index_groups(self):
+        """{name: its param group} (groups found by identity, never ==); the first problem of any group, or None."""
+        self.group_of = {}
         for group in self.param_groups:
             if group["algorithm"] not in ("muon", "adamw"):
                 return f"unknown algorithm {group['algorithm']!r}; use 'muon' or 'adamw'"
             if "param_names" not in group:
                 return "pass named parameters: [(name, tensor), ...] (owners and checkpoints are keyed by name)"
+            self.group_of.update((name, group) for name in group["param_names"])
+        try:
+            dm.check_param_groups(self.param_groups)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def _group_index(self, name):
+        return next(i for i, g in enumerate(self.param_groups) if g is self.group_of[name])
+
+    def _index_params(self):
+        """Check what the step relies on; return the first problem as one line (or None)."""
+        problem = self._index_groups()
+        if problem:
+            return problem
+        for group in self.param_groups:
             for name, p in zip(group["param_names"], group["params"]):
                 if name in self.param_by_name:
                     return f"parameter {name} appears twice"
-                self.param_by_name[name], self.group_of[name] = p, group
+                self.param_by_name[name] = p
                 if p.dtype != torch.float32:
                     return f"{name} is {p.dtype}; this reference keeps float32 parameters"
                 if isinstance(p, DTensor):
@@ -513,7 +581,7 @@ class DTensorMuon(torch.optim.Optimizer):
 
     def _swap_descriptions(self, problem):
         """Every rank's Copies (one all_gather_object), so that every rank makes the same plan."""
-        mine = [describe(n, self.param_groups.index(self.group_of[n]), p, n in self.expert_stacks)
+        mine = [describe(n, self._group_index(n), p, n in self.expert_stacks)
                 for n, p in self.param_by_name.items()]
         if self.axis.size == 1:
             everyone = [(problem, mine)]
@@ -552,7 +620,8 @@ class DTensorMuon(torch.optim.Optimizer):
         self.ns_flops = {n: newton_schulz_flops(self.config.global_shapes[n], self.group_of[n]["ns_steps"])
                          for n in muon}
         ranks = self.axis.ranks
-        owned = (self.config.assign(self.ns_flops, self.world) if self.config.assign is not None
+        owned = (self.config.assign(self.ns_flops, {n: ranks for n in muon}, self.world)
+                 if self.config.assign is not None
                  else {r: [n for n, o in assign_owners(self.ns_flops, len(ranks), self.config.global_shapes).items()
                             if ranks[o] == r]
                        for r in ranks})
@@ -591,6 +660,15 @@ class DTensorMuon(torch.optim.Optimizer):
                 state.update(step=torch.tensor(0.0), exp_avg=zeros(), exp_avg_sq=zeros())
         return state
 
+    def load_state_dict(self, state_dict):
+        """torch's load (state by position or by name, as set_optimizer_state_dict gives it), then the groups
+        re-indexed (torch replaces the group dicts) and checked."""
+        super().load_state_dict(state_dict)
+        problem = self._index_groups()
+        if problem:
+            raise ValueError(f"loaded optimizer state: {problem}")
+        self.init_state()  # a parameter the checkpoint had no state for starts from zeros
+
     def init_state(self):
         """Create every parameter's state now (zeros, step 0), e.g. as the target of a checkpoint load."""
         for name in self.param_by_name:
@@ -608,8 +686,11 @@ class DTensorMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.ledger.step += 1
+        # Every check before anything changes, and voted on: a group's options (they may have been changed, or
+        # loaded, since construction) and every gradient; one rank's problem stops every rank, here.
+        group_problem = self._index_groups()
         grads, problem = self._local_grads()
-        active = self._vote_on_gradients(grads, problem)
+        active = self._vote_on_gradients(grads, group_problem or problem)
         updates = {}
         # Flat views of every local tensor: elementwise math does not care about shape, and an empty
         # shard's local shape may differ between FSDP2's parameter and a gradient made by distribute_tensor.
@@ -659,7 +740,7 @@ class DTensorMuon(torch.optim.Optimizer):
         if problem:
             raise ValueError(problem)
         if votes[-1]:
-            raise ValueError("another rank found a problem with its gradients (it raised the details)")
+            raise ValueError("another rank found a problem with its gradients or options (it raised the details)")
         present = {n for n, v in zip(self.names, votes[:-1].tolist()) if v}
         for name in present & set(grads):
             if grads[name] is None:  # a gradient elsewhere but not here: zeros, as DDP's reduction would give
@@ -763,32 +844,50 @@ class DTensorMuon(torch.optim.Optimizer):
 #   {"params": {name: parameter},
 #    "optim":  {name: {"momentum_buffer"} or {"step", "exp_avg", "exp_avg_sq"}}}
 #
-# DCP loads in place: build the model and optimizer on the new mesh, create the
-# state (init_state: zeros and step 0, the targets), then dcp.load. Both run on
-# the optimizer's group: on a mesh smaller than the world, the other ranks
-# would never join a collective of the whole world.
+# The checkpoint is torch's own recipe, as for AdamW under FSDP2: torch's
+# get_optimizer_state_dict keys the state by fully qualified name (it maps the
+# optimizer's params, group by group, to model.named_parameters()), and
+# set_optimizer_state_dict gives the loaded state back through our
+# load_state_dict. The optimizer's part is only to be an honest
+# torch.optim.Optimizer: its params are the model's own parameters, its state
+# exists from construction (so torch never runs its zero-gradient "init" step on
+# it), and its load re-indexes and re-checks the groups torch replaced.
+#
+#   {"model": get_model_state_dict(model),                 each a DTensor (or plain) parameter
+#    "optim": get_optimizer_state_dict(model, optimizer)}  {"state": {fqn: {"momentum_buffer"} or
+#                                                           {"step", "exp_avg", "exp_avg_sq"}},
+#                                                           "param_groups": [{"params": [fqn...], options}]}
+#
+# DCP loads in place: build the model and optimizer on the new mesh, take the
+# same dict there as the target, dcp.load into it, then hand it to
+# set_model_state_dict and set_optimizer_state_dict. process_group: the
+# optimizer's (on a mesh smaller than the world, the other ranks would never
+# join a collective of the whole world); None without a process group at all.
 
-def checkpoint_state(named_params, optimizer):
-    """The DCP state dict of the parameters and their optimizer state (every tensor a live one: load writes into it)."""
-    optimizer.init_state()
-    return {"params": {n: p.detach() for n, p in named_params},
-            "optim": {n: dict(optimizer.state[p]) for n, p in optimizer.param_by_name.items()}}
+def checkpoint_state(model, optimizer):
+    """torch's state dict of the model and its optimizer (live tensors: a DCP load writes into them)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
 
 
-def save_checkpoint(path, named_params, optimizer):
+def save_checkpoint(path, model, optimizer):
+    """dcp.save of checkpoint_state: nothing but torch's recipe (a thin wrapper for the demo and the tests)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(checkpoint_state(named_params, optimizer), checkpoint_id=path, process_group=optimizer.axis.group)
+    dcp.save(checkpoint_state(model, optimizer), checkpoint_id=path, process_group=optimizer.axis.group)
 
 
-def load_checkpoint(path, named_params, optimizer):
-    """Load into this rank's shards on whatever mesh the parameters now live (or plain tensors, no process group)."""
+def load_checkpoint(path, model, optimizer):
+    """dcp.load into this rank's shards on whatever mesh the model now lives (or plain tensors, no process
+    group), then torch's set_model_state_dict and set_optimizer_state_dict."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    state = checkpoint_state(named_params, optimizer)
+    state = checkpoint_state(model, optimizer)
     dcp.load(state, checkpoint_id=path, process_group=optimizer.axis.group, no_dist=not dist.is_initialized())
-    for name, p in optimizer.param_by_name.items():  # a scalar step may come back as a new tensor object
-        optimizer.state[p].update(state["optim"][name])
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
 # =============================================================================
@@ -835,6 +934,7 @@ def load_checkpoint(path, named_params, optimizer):
 class DemoConfig:
     dp: int = 4
     tp: int = 2
+    replicate: int = 1  # HSDP: mesh (replicate, dp, tp), fully_shard over (replicate, dp): replicas of each shard
     steps: int = 3
     seed: int = 0
     lr: float = 0.02
@@ -928,6 +1028,7 @@ def parallelize(model, mesh):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp, dp = mesh["tp"], mesh["dp"]
+    fsdp = mesh["replicate", "dp"] if "replicate" in mesh.mesh_dim_names else dp  # HSDP: replicate x shard
     for layer in model.layers:
         parallelize_module(layer, tp, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         for name in ("w1", "w2"):  # expert parallel over the tp dim: each tp rank keeps E / tp experts
@@ -936,8 +1037,8 @@ def parallelize(model, mesh):
     # FSDP2 cuts each expert (dim 1) where it can: it shards dims other than 0 only evenly; else the expert dim.
     experts_on_dim_1 = lambda p: Shard(1) if p.ndim == 3 and p.shape[1] % dp.size() == 0 else None
     for layer in model.layers:
-        fully_shard(layer, mesh=dp, shard_placement_fn=experts_on_dim_1)
-    fully_shard(model, mesh=dp, shard_placement_fn=experts_on_dim_1)
+        fully_shard(layer, mesh=fsdp, shard_placement_fn=experts_on_dim_1)
+    fully_shard(model, mesh=fsdp, shard_placement_fn=experts_on_dim_1)
     return model
 
 
@@ -993,10 +1094,12 @@ def run_on_mesh(cfg, rank, device):
 
     # full_tensor() of a _StridedShard parameter (for the check) warns that it takes two all-gathers: known, fine
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    world = cfg.dp * cfg.tp
+    world = cfg.replicate * cfg.dp * cfg.tp
     # What init_device_mesh(kind, (dp, tp)) builds when the mesh is the whole world; DeviceMesh itself also takes
     # the first dp x tp ranks of a larger world (the tests run many meshes in one spawn of 8 ranks).
-    mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    shape, names = ((cfg.dp, cfg.tp), ("dp", "tp")) if cfg.replicate == 1 else \
+        ((cfg.replicate, cfg.dp, cfg.tp), ("replicate", "dp", "tp"))
+    mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(shape), mesh_dim_names=names)
     group = dist.new_group(list(range(world))) if world < dist.get_world_size() else None
     if rank >= world:
         return None
@@ -1011,7 +1114,7 @@ def run_on_mesh(cfg, rank, device):
         p.grad = DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, [Partial(), Partial()],
                                     run_check=False, shape=p.shape, stride=p.stride())
         opt.step()
-    dp_rank = mesh.get_coordinate()[0]
+    dp_rank = mesh.get_coordinate()[-2]
     counter = CollectiveCounter(mesh, opt.axis) if cfg.count_comm else None
     if counter is not None:  # one training step's forward and backward, measured; its gradients are dropped
         tokens, targets = (t.to(device) for t in batch(cfg, 0, dp_rank))
@@ -1022,7 +1125,7 @@ def run_on_mesh(cfg, rank, device):
         opt.zero_grad(set_to_none=True)
     first = 1
     if cfg.resume:
-        load_checkpoint(cfg.resume, list(model.named_parameters()), opt)
+        load_checkpoint(cfg.resume, model, opt)
         first = cfg.resume_step + 1
     step_ms, losses, grads, weights = [], [], [], []  # the last three: cfg.train, one entry per step
     for step in range(first, cfg.steps + 1):
@@ -1042,7 +1145,7 @@ def run_on_mesh(cfg, rank, device):
             opt.step()
         step_ms.append((time.perf_counter() - t0) * 1e3)
         if cfg.checkpoint and step == cfg.checkpoint_step:
-            save_checkpoint(cfg.checkpoint, list(model.named_parameters()), opt)
+            save_checkpoint(cfg.checkpoint, model, opt)
     named = list(model.named_parameters())
     # Where each element this rank holds sits in the full tensor, by torch's own distribute_tensor of an index
     # tensor (not this file's local_indices, and no collective: full_tensor() of an empty FSDP2 shard is not safe
@@ -1356,6 +1459,121 @@ def run_explicit_reference(cfg):
     return {n: p.detach() for n, p in params.items()}
 
 
+# Any param groups, on any mesh: parameters placed by hand (distribute_tensor)
+# on meshes real training uses, with param groups of different options. Each is
+# checked against torch.optim.Muon / AdamW with the same groups (each expert of
+# a stack its own 2-D matrix in its stack's group):
+#   * equal-size groups (one matrix, one vector: the case that == on tensors broke);
+#   * four groups with different options (every adjust_lr_fn, Nesterov on and
+#     off, ns_steps, betas and eps);
+#   * HSDP: mesh (replicate, shard, tp), each matrix (Replicate, Shard(0), Shard(1))
+#     as fully_shard(mesh=mesh["replicate", "shard"]) over TP leaves it;
+#   * expert parallel: stacks (E, out, in) with experts over "ep" (Shard(0)) and
+#     TP inside each expert (Shard(1) for w1, Shard(2) for w2), E uneven over ep.
+# bad="option": after step 1, group 1 gets a bad adjust_lr_fn on every rank
+# ("option@r": on rank r alone); the next step must be refused on every rank,
+# ranks whose shard of that group is empty included, with nothing changed.
+PLACEMENT = {"S0": Shard(0), "S1": Shard(1), "S2": Shard(2), "R": Replicate()}
+
+
+@dataclass(frozen=True)
+class PlacedRun:
+    mesh: tuple  # mesh shape, over the first prod(mesh) ranks
+    dims: tuple  # mesh dim names
+    params: tuple  # (name, shape, placements as PLACEMENT keys, group index)
+    groups: tuple  # per group: tuple of (option, value) pairs, "algorithm" among them
+    expert_stacks: tuple = ()
+    steps: int = 3
+    seed: int = 0
+    bad: str = ""
+
+
+def placed_groups(run, tensors):
+    """The run's param groups over `tensors` ({name: tensor}), named as DTensorMuon takes them."""
+    return [dict(dict(options), params=[(n, tensors[n]) for n, _, _, g in run.params if g == i])
+            for i, options in enumerate(run.groups)]
+
+
+def placed_start(run):
+    """{name: full initial tensor} and the exact gradients of step s (exact_grads), the same everywhere."""
+    g = torch.Generator().manual_seed(run.seed)
+    return {n: torch.randn(shape, generator=g) for n, shape, _, _ in run.params}
+
+
+def local_state(opt):
+    """{name: {state key: a CPU copy of this rank's local tensor}}."""
+    return {n: {k: local_of(t).detach().to("cpu", copy=True) for k, t in opt.state[p].items()}
+            for n, p in opt.param_by_name.items()}
+
+
+def run_placed_rank(rank, run, device):
+    """Every rank of the run's mesh: its parameters placed, run.steps steps of exact gradients."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = math.prod(run.mesh)
+    mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(run.mesh), mesh_dim_names=run.dims)
+    group = dist.new_group(list(range(world))) if world < dist.get_world_size() else None
+    if rank >= world:
+        return None
+    placements = {n: [PLACEMENT[k] for k in where] for n, _, where, _ in run.params}
+    shapes = {n: shape for n, shape, _, _ in run.params}
+    params = {n: nn.Parameter(distribute_tensor(t.to(device), mesh, placements[n], src_data_rank=None))
+              for n, t in placed_start(run).items()}
+    opt = DTensorMuon(placed_groups(run, params), expert_stacks=run.expert_stacks, group=group)
+    out = dict(rank=rank, error="", unchanged=None)
+    for step in range(1, run.steps + 1):
+        for n, g in exact_grads(shapes, run.seed, step).items():
+            params[n].grad = distribute_tensor(g.to(device), mesh, placements[n], src_data_rank=None)
+        if run.bad and step == 2:
+            if run.bad == "option" or rank == int(run.bad.split("@")[1]):  # "option@r": on rank r alone
+                opt.param_groups[1]["adjust_lr_fn"] = "bogus"
+            before = (local_params_of(params), local_state(opt))
+            try:
+                opt.step()
+            except ValueError as e:
+                out["error"] = str(e)
+            out["unchanged"] = all(torch.equal(a, b) for a, b in zip(*(
+                [t for t in tensors[0].values()] + [t for s in tensors[1].values() for t in s.values()]
+                for tensors in (before, (local_params_of(params), local_state(opt))))))
+            break
+        opt.step()
+    where = {n: distribute_tensor(torch.arange(math.prod(shapes[n]), device=device).view(shapes[n]), mesh,
+                                  placements[n], src_data_rank=None).to_local().reshape(-1).cpu() for n in params}
+    return dict(out, params=local_params_of(params), where=where, ledger=asdict(opt.ledger), owners=opt.assignments,
+                placements={n: str(tuple(p.placements)) for n, p in params.items()})
+
+
+def local_params_of(params):
+    return {n: local_of(p).detach().to("cpu", copy=True) for n, p in params.items()}
+
+
+def run_placed_reference(run):
+    """{name: full tensor} after run.steps steps of torch.optim.Muon (the Muon groups, each expert its own matrix)
+    and torch.optim.AdamW(foreach=False) (the AdamW groups), every option per group."""
+    torch.set_num_threads(1)
+    shapes = {n: shape for n, shape, _, _ in run.params}
+    stacks = set(run.expert_stacks)
+    pieces = lambda n, t: [t[e] for e in range(t.shape[0])] if n in stacks else [t]
+    tensors = {n: [nn.Parameter(p.clone()) for p in pieces(n, t)] for n, t in placed_start(run).items()}
+    groups = {"muon": [], "adamw": []}
+    torch_options = {"muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps",
+                              "adjust_lr_fn"), "adamw": ("lr", "betas", "eps", "weight_decay")}
+    for i, options in enumerate(run.groups):
+        options = dict(options)
+        kind = options.pop("algorithm", "muon")
+        mine = [p for n, _, _, g in run.params if g == i for p in tensors[n]]
+        groups[kind].append(dict({k: v for k, v in options.items() if k in torch_options[kind]}, params=mine))
+    optimizers = ([torch.optim.Muon(groups["muon"], adjust_lr_fn="original")] if groups["muon"] else []) + \
+                 ([torch.optim.AdamW(groups["adamw"], foreach=False)] if groups["adamw"] else [])
+    for step in range(1, run.steps + 1):
+        for n, g in exact_grads(shapes, run.seed, step).items():
+            for p, piece in zip(tensors[n], pieces(n, g)):
+                p.grad = piece.clone()
+        for opt in optimizers:
+            opt.step()
+    return {n: torch.stack([p.detach() for p in ps]) if n in stacks else ps[0].detach() for n, ps in tensors.items()}
+
+
 @dataclass(frozen=True)
 class Runs:
     """Several DemoConfigs in ONE spawn of dp x tp ranks, one after another, each on its own (sub-)mesh:
@@ -1373,6 +1591,8 @@ def run_many_rank(rank, runs, device):
     for cfg in runs.runs:
         if isinstance(cfg, LessonRuns):
             results.append(run_lesson_rank(rank, cfg, device))
+        elif isinstance(cfg, PlacedRun):
+            results.append(run_placed_rank(rank, cfg, device))
         elif cfg.explicit:
             results.append(run_explicit_rank(rank, cfg, device))
         elif cfg.bad:  # tests: the error every rank of the mesh raises, the same on each (never a hang)
