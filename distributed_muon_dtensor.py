@@ -1225,11 +1225,11 @@ class Reference:
         return loss.item(), {n: p.grad.to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
 
-def run_reference(cfg, device="cpu", losses=None):
+def run_reference(cfg, device="cpu", losses=None, reference=None):
     """{name: full parameter, on the CPU} after cfg.steps steps of torch's optimizers, fed exact_grads; with
     cfg.train, free-running instead: each step the gradient of the whole batch at its own weights (each step's
-    loss appended to `losses`)."""
-    ref = Reference(cfg, device)
+    loss appended to `losses`). reference: another model's Reference-like class (examples/train_gpt_dtensor.py)."""
+    ref = (reference or Reference)(cfg, device)
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
     for step in range(1, cfg.steps + 1):
         if cfg.train:
@@ -1349,9 +1349,10 @@ def largest(values):
     return torch.tensor([float(v) for v in values] or [0.0], dtype=torch.float64).max().item()
 
 
-def verify_training(cfg, results, device="cpu"):
+def verify_training(cfg, results, device="cpu", reference=None):
     """The real FSDP2 x TP training (cfg.train; every rank's result) against one process, the three comparisons
-    above: a dict of the figures, the bounds and "passed"."""
+    above: a dict of the figures, the bounds and "passed". reference: a class with Reference's methods (weights,
+    gradients_at, step) for another model (the GPT of examples/train_gpt_dtensor.py); None: the demo's."""
     by_rank = {r["rank"]: r for r in results}
     ranks = [by_rank[r] for r in sorted(by_rank)]
     row_heads = [by_rank[d * cfg.tp] for d in range(cfg.dp)]  # the TP ranks of a DP row share its batch and loss
@@ -1360,7 +1361,7 @@ def verify_training(cfg, results, device="cpu"):
     def ranks_at(s):  # every rank's local weights before step s + 1; s = cfg.steps: after the last step
         return [dict(r, params=r["weights"][s] if s < cfg.steps else r["params"]) for r in ranks]
 
-    ref = Reference(cfg, device)
+    ref = (reference or Reference)(cfg, device)
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
     differs = [(0, c["name"]) for c in verify(None, ranks_at(0), ref.weights()) if not c["identical"]]
     grad_diffs, loss_diffs, replica_diffs = [], [], []
@@ -1373,7 +1374,7 @@ def verify_training(cfg, results, device="cpu"):
         ref.step(grads)
         differs += [(s + 1, c["name"]) for c in verify(None, ranks_at(s + 1), ref.weights()) if not c["identical"]]
     free_losses = []
-    trained = verify(None, ranks_at(cfg.steps), run_reference(cfg, device, free_losses))
+    trained = verify(None, ranks_at(cfg.steps), run_reference(cfg, device, free_losses, reference))
     checked = min(cfg.steps, tg.TRAINED_CHECKED_STEPS)
     trained_loss_diff = largest(abs(ranks_loss[s] - free_losses[s]) / free_losses[s] for s in range(checked))
     grad_diff, loss_diff, replica_diff = largest(grad_diffs), largest(loss_diffs), largest(replica_diffs)
