@@ -74,7 +74,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -691,21 +691,27 @@ class DTensorMuon(torch.optim.Optimizer):
         group_problem = self._index_groups()
         grads, problem = self._local_grads()
         active = self._vote_on_gradients(grads, group_problem or problem)
-        updates = {}
+        updates, momenta = {}, {}
         # Flat views of every local tensor: elementwise math does not care about shape, and an empty
         # shard's local shape may differ between FSDP2's parameter and a gradient made by distribute_tensor.
         flat = lambda t: local_of(t).view(-1)
-        for name in active:
-            group, state = self.group_of[name], self._state_of(name)
-            p, grad = flat(self.param_by_name[name]), grads[name].reshape(-1)
-            if group["algorithm"] == "adamw":
-                state["step"] += 1
-                adamw_(p, grad, flat(state["exp_avg"]), flat(state["exp_avg_sq"]), state["step"].item(),
-                       lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
-            else:
-                update = muon_momentum_(flat(state["momentum_buffer"]), grad, group["momentum"], group["nesterov"])
-                updates[name] = update.bfloat16().view(local_of(self.param_by_name[name]).shape)
+        for name in [n for n in active if self.group_of[n]["algorithm"] == "muon"]:
+            group, buffer = self.group_of[name], flat(self._state_of(name)["momentum_buffer"])
+            # Your gather / redistribute (explicit form) may fail the checks after them: the new momentum is
+            # kept aside until they pass, so that a refused step changes nothing.
+            momenta[name] = buffer.clone() if self.config.explicit else buffer
+            update = muon_momentum_(momenta[name], grads[name].reshape(-1), group["momentum"], group["nesterov"])
+            updates[name] = update.bfloat16().view(local_of(self.param_by_name[name]).shape)
         orthos = self._orthogonalize(updates)
+        for name in [n for n in active if self.group_of[n]["algorithm"] == "adamw"]:
+            group, state = self.group_of[name], self._state_of(name)
+            state["step"] += 1
+            adamw_(flat(self.param_by_name[name]), grads[name].reshape(-1), flat(state["exp_avg"]),
+                   flat(state["exp_avg_sq"]), state["step"].item(), lr=group["lr"], betas=group["betas"],
+                   eps=group["eps"], weight_decay=group["weight_decay"])
+        if self.config.explicit:  # the checks passed: the new momentum now
+            for name, momentum in momenta.items():
+                flat(self.state[self.param_by_name[name]]["momentum_buffer"]).copy_(momentum)
         for name, ortho in orthos.items():
             group, p = self.group_of[name], flat(self.param_by_name[name])
             shape = (self.config.global_shapes[name] if self.config.explicit
@@ -737,15 +743,23 @@ class DTensorMuon(torch.optim.Optimizer):
         flags = torch.tensor([n in grads and grads[n] is not None for n in self.names] + [problem is not None],
                              device=self._device())  # NCCL reduces device tensors only
         votes = dm.any_rank(flags, self.axis, self.ledger, "grad presence")
-        if problem:
-            raise ValueError(problem)
-        if votes[-1]:
-            raise ValueError("another rank found a problem with its gradients or options (it raised the details)")
+        self._refuse_on_every_rank(problem, votes[-1])
         present = {n for n, v in zip(self.names, votes[:-1].tolist()) if v}
         for name in present & set(grads):
             if grads[name] is None:  # a gradient elsewhere but not here: zeros, as DDP's reduction would give
                 grads[name] = torch.zeros_like(local_of(self.param_by_name[name]))
         return [n for n in self.param_by_name if n in present]
+
+    def _refuse_on_every_rank(self, problem, someone=None, phase=""):
+        """Raise on every rank if any rank found a problem: `someone` is the vote already taken, or None to take
+        it now (one MAX all-reduce, `phase` in the ledger). This rank raises its own problem, the others say so."""
+        if someone is None:
+            flag = torch.tensor([problem is not None], device=self._device())
+            someone = dm.any_rank(flag, self.axis, self.ledger, phase)[0]
+        if problem:
+            raise ValueError(problem)
+        if someone:
+            raise ValueError("another rank found a problem with its gradients or options (it raised the details)")
 
     def _orthogonalize(self, updates):
         """{name: bf16 update of this rank's local shard} -> {name: its orthogonalized local shard}."""
@@ -812,16 +826,16 @@ class DTensorMuon(torch.optim.Optimizer):
         """Your gather, Newton-Schulz on the owners, your redistribute; shapes checked on the way."""
         full = self.config.gather(dict(updates), dict(self.owners))
         me = self.me
-        for name in [n for n in updates if self.owners[n] == me]:
-            got = tuple(full[name].shape) if name in full else None
-            if got != tuple(self.config.global_shapes[name]):
-                raise ValueError(f"gather gave {name} as {got}, expected {tuple(self.config.global_shapes[name])}")
+        wrong = [f"gather gave {n} as {tuple(full[n].shape) if n in full else None}, expected "
+                 f"{tuple(self.config.global_shapes[n])}" for n in updates if self.owners[n] == me
+                 and (n not in full or tuple(full[n].shape) != tuple(self.config.global_shapes[n]))]
+        self._refuse_on_every_rank(wrong[0] if wrong else None, phase="explicit checks")
         orthogonal = dm.newton_schulz_owned({n: full[n] for n in updates if self.owners[n] == me},
                                             self.group_of, self.ledger, self.batched_ns)
         local = self.config.redistribute(orthogonal, dict(self.owners))
-        for name in updates:
-            if name not in local or local[name].numel() != updates[name].numel():
-                raise ValueError(f"redistribute gave no piece of {name} the size of this rank's parameter")
+        wrong = [f"redistribute gave no piece of {n} the size of this rank's parameter" for n in updates
+                 if n not in local or local[n].numel() != updates[n].numel()]
+        self._refuse_on_every_rank(wrong[0] if wrong else None, phase="explicit checks")
         return {n: local[n] for n in updates}
 
     def _device(self):
@@ -952,7 +966,7 @@ class DemoConfig:
     checkpoint_step: int = 0
     resume: str = ""  # a folder to load before step resume_step + 1 (tests)
     resume_step: int = 0
-    bad: str = ""  # tests: "partial" gives a gradient a Partial placement
+    bad: str = ""  # tests: "partial" (a Partial gradient), "assign" (no owners), "gather" (explicit: a short matrix)
     train: bool = False  # real forward / backward through FSDP2 and TP instead of exact gradients (verify_training)
     count_comm: bool = False  # --compare: one training step's collectives, measured (CollectiveCounter, section 8)
     explicit: bool = False  # tests, in Runs: the explicit distributed_config on plain row-chunked tensors instead
@@ -1437,14 +1451,36 @@ def run_explicit_rank(rank, cfg, device):
     torch.manual_seed(cfg.seed)
     full = {n: torch.randn(s) for n, s in EXPLICIT_SHAPES.items()}
     params = {n: nn.Parameter(rows_of(t, rank, world).clone()) for n, t in full.items()}
+    config = explicit_config(world)
+    if cfg.bad == "gather":  # tests: at step 2, rank 0's gather gives every matrix it owns a row short
+        gather = config.gather
+        config = replace(config, gather=lambda u, o: {n: t[:-1] if rank == 0 and step == 2 else t
+                                                      for n, t in gather(u, o).items()})
     opt = DTensorMuon([dict(params=list(params.items()), algorithm="muon", lr=cfg.lr,
-                            weight_decay=cfg.weight_decay, momentum=cfg.momentum)],
-                      distributed_config=explicit_config(world))
+                            weight_decay=cfg.weight_decay, momentum=cfg.momentum)], distributed_config=config)
+    out = dict(rank=rank, owners=opt.assignments)
     for step in range(1, cfg.steps + 1):
         for name, g in exact_grads(EXPLICIT_SHAPES, cfg.seed, step).items():
             params[name].grad = rows_of(g, rank, world).clone()
+        if cfg.bad and step == 2:
+            out.update(refused_step(opt, params))
+            break
         opt.step()
-    return dict(rank=rank, params={n: p.detach() for n, p in params.items()}, owners=opt.assignments)
+    return dict(out, params={n: p.detach() for n, p in params.items()})
+
+
+def refused_step(opt, params):
+    """{"error": what opt.step() raised here ("" if nothing), "unchanged": whether every local parameter and
+    state tensor kept its bits}: a step that must be refused, tried."""
+    before = local_params_of(params), local_state(opt)
+    error = ""
+    try:
+        opt.step()
+    except ValueError as e:
+        error = str(e)
+    after = local_params_of(params), local_state(opt)
+    tensors = lambda snapshot: list(snapshot[0].values()) + [t for s in snapshot[1].values() for t in s.values()]
+    return dict(error=error, unchanged=all(torch.equal(a, b) for a, b in zip(tensors(before), tensors(after))))
 
 
 def run_explicit_reference(cfg):
@@ -1528,14 +1564,7 @@ def run_placed_rank(rank, run, device):
         if run.bad and step == 2:
             if run.bad == "option" or rank == int(run.bad.split("@")[1]):  # "option@r": on rank r alone
                 opt.param_groups[1]["adjust_lr_fn"] = "bogus"
-            before = (local_params_of(params), local_state(opt))
-            try:
-                opt.step()
-            except ValueError as e:
-                out["error"] = str(e)
-            out["unchanged"] = all(torch.equal(a, b) for a, b in zip(*(
-                [t for t in tensors[0].values()] + [t for s in tensors[1].values() for t in s.values()]
-                for tensors in (before, (local_params_of(params), local_state(opt))))))
+            out.update(refused_step(opt, params))
             break
         opt.step()
     where = {n: distribute_tensor(torch.arange(math.prod(shapes[n]), device=device).view(shapes[n]), mesh,

@@ -89,6 +89,7 @@ def scenarios(checkpoint_dir, checkpoint_2x2):
     runs["partial"] = dd.DemoConfig(dp=2, tp=2, bad="partial")
     runs["assign"] = dd.DemoConfig(dp=4, tp=2, bad="assign")
     runs["explicit"] = dd.DemoConfig(dp=8, tp=1, explicit=True)
+    runs["explicit refused"] = dd.DemoConfig(dp=8, tp=1, explicit=True, bad="gather")
     runs["batched"] = dd.DemoConfig(dp=4, tp=2, batched_ns=True)  # the default run, with batched Newton-Schulz
     runs["lesson 4x2"] = dd.LessonRuns(dd.DemoConfig(dp=4, tp=2))  # the lesson's owner / comm-free, these matrices
     results = dm.spawn_ranks(dd.Runs(tuple(runs.values()), timeout_s=60), dd.run_many_rank)
@@ -672,3 +673,16 @@ def test_equal_size_groups_in_one_process_and_every_group_checked_at_constructio
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
             dd.DTensorMuon([dict(params=[("a", a)]), dict(group, params=[("c", c)])])
     dd.DTensorMuon([dict(params=[("a", a)], adjust_lr_fn="spectral_unclamped")])  # torch's third choice
+
+
+def test_explicit_gather_that_gives_a_wrong_shape_is_refused_on_every_rank_with_nothing_changed(scenarios):
+    """Rank 0's gather gives the matrices it owns a row short at step 2: the check after the gather is voted
+    on, so every rank raises before redistributing, and the momentum (kept aside until the checks pass) and
+    every parameter keep their bits on every rank."""
+    results, _ = scenarios
+    ranks = results["explicit refused"]
+    assert len(ranks) == 8 and all(r["unchanged"] is True for r in ranks)
+    owned = sorted(n for n, o in ranks[0]["owners"].items() if o == 0)
+    assert owned and ranks[0]["error"].startswith(f"gather gave {owned[0]} as (")
+    told = "another rank found a problem with its gradients or options (it raised the details)"
+    assert [r["error"] for r in ranks[1:]] == [told] * 7
