@@ -393,21 +393,26 @@ class DistributedConfig:
 # =============================================================================
 # One step, as seen from one rank:
 #
-#   0. grad presence  one MAX all-reduce of a flag per parameter name (and one
-#                     for "a rank found a problem"): a parameter whose grad is
-#                     None on every rank is skipped, as torch skips it; one
-#                     with a gradient somewhere takes zeros where it is None
-#                     (never a hang: no rank enters an exchange the others skip)
-#   1. on the local shard: AdamW (elementwise: a shard gets the full tensor's bits),
-#                     or Muon's momentum, then the update cast to bf16 (the cast
+#   0. checks         every group's options (torch's rules, dm.check_param_groups)
+#                     and every gradient, then the grad-presence vote: one MAX
+#                     all-reduce of a flag per parameter name and one for "a rank
+#                     found a problem" (then EVERY rank raises, before any tensor
+#                     changes). A parameter whose grad is None on every rank is
+#                     skipped, as torch skips it; one with a gradient somewhere
+#                     takes zeros where it is None (never a hang: no rank enters
+#                     an exchange the others skip)
+#   1. on the local shard: Muon's momentum, then the update cast to bf16 (the cast
 #                     Newton-Schulz does first anyway: half the bytes, no bit changed)
 #   2. gather at owner     one all_to_all_single for every matrix of the step
 #   3. Newton-Schulz       on the owner, one 2-D matrix at a time (torch's addmm
 #                          path, so torch's bits); batched_ns stacks same-shape
 #                          matrices instead (opt-in; within BATCHED_NS_BOUND)
 #   4. scatter from owner  one all_to_all_single back
-#   5. on the local shard: p <- p * (1 - lr * wd) - adjusted_lr * update, the
+#   5. on the local shard: AdamW (elementwise: a shard gets the full tensor's bits);
+#                          p <- p * (1 - lr * wd) - adjusted_lr * update, the
 #                          adjustment from the matrix's shape (per expert: (out, in))
+# (The explicit form's gather and redistribute are yours: their results are
+# checked and voted on, and the new momentum is kept aside until they pass.)
 #
 # Gradients are taken as already reduced: p.grad is a DTensor with p's
 # placements holding the total gradient (what FSDP2's reduce-scatter leaves).

@@ -686,3 +686,30 @@ def test_explicit_gather_that_gives_a_wrong_shape_is_refused_on_every_rank_with_
     assert owned and ranks[0]["error"].startswith(f"gather gave {owned[0]} as (")
     told = "another rank found a problem with its gradients or options (it raised the details)"
     assert [r["error"] for r in ranks[1:]] == [told] * 7
+
+
+def test_torchs_flattened_optimizer_state_dict_round_trips_in_one_process(tmp_path, reference):
+    """StateDictOptions(flatten_optimizer_state_dict=True), torchtitan's setting: saved after step 2, loaded into a
+    fresh model and optimizer, step 3 gives torch's parameters (plain tensors, no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options, cfg = StateDictOptions(flatten_optimizer_state_dict=True), dd.DemoConfig()
+    torch.set_num_threads(1)
+    built = [(model, dd.build_optimizer(model, cfg)) for model in (dd.DemoModel(cfg), dd.DemoModel(cfg))]
+    saved, fresh = built
+    for step in (1, 2):
+        dd.give_grads(saved[0], cfg, step)
+        saved[1].step()
+    state = lambda m, o: {"model": m.state_dict(), "optim": get_optimizer_state_dict(m, o, options=options)}
+    assert "state.embed.weight.exp_avg" in state(*saved)["optim"]
+    dcp.save(state(*saved), checkpoint_id=str(tmp_path), no_dist=True)
+    loaded = state(*fresh)
+    dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
+    fresh[0].load_state_dict(loaded["model"])
+    set_optimizer_state_dict(fresh[0], fresh[1], loaded["optim"], options=options)
+    dd.give_grads(fresh[0], cfg, 3)
+    fresh[1].step()
+    for name, p in fresh[0].named_parameters():
+        assert torch.equal(p.detach(), reference[name]), name
