@@ -35,13 +35,17 @@ Launch recipes
     torchrun --standalone --nproc-per-node 8 distributed_muon_dtensor.py --dp 4 --tp 2     # GPUs: NCCL, one per rank
     torchrun --standalone --nproc-per-node 4 distributed_muon_dtensor.py --dp 2 --tp 2 --backend gloo --device cpu
 
-The optimizer alone, in your own training script (every rank, after init_process_group):
+The optimizer alone, in your own training script (every rank, after init_process_group; the README's
+"DTensorMuon in your FSDP2 x TP training loop" is a whole one, checkpoints included, run by a test):
 
     from distributed_muon_dtensor import DTensorMuon
     opt = DTensorMuon([dict(params=matrices, algorithm="muon"),      # [(name, param)], DTensor or not
                        dict(params=others, algorithm="adamw")],
                       expert_stacks={"layers.0.moe.w1"}, lr=0.02)
     loss.backward(); opt.step()
+
+A real training with it: examples/train_gpt_dtensor.py (the GPT of examples/, fully_shard x
+parallelize_module, --verify against one process, --save / --resume across meshes).
 
 Under torchrun each process is one rank of the same demo (section 9): NCCL and
 cuda:LOCAL_RANK where a GPU exists (the defaults), Gloo and the CPU with
