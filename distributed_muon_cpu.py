@@ -151,20 +151,23 @@ def muon_momentum_(momentum_buffer, grad, momentum, nesterov):
 
 
 def adjusted_lr(lr, adjust_lr_fn, global_shape):
-    """Muon's per-matrix learning rate, from the FULL (TP-gathered) shape.
+    """Muon's per-matrix learning rate, from the FULL (TP-gathered) shape (A, B) = (rows, cols).
 
-    'original'        : sqrt(max(1, A/B))     (Keller Jordan; torch's default)
-    'match_rms_adamw' : 0.2 * sqrt(max(A, B)) (Moonlight, "Muon is Scalable for LLM Training")
+    'original'           : sqrt(max(1, A/B))     (Keller Jordan; torch's default)
+    'match_rms_adamw'    : 0.2 * sqrt(max(A, B)) (Moonlight, "Muon is Scalable for LLM Training")
+    'spectral_unclamped' : sqrt(A/B)             (torch.optim.Muon's third choice: below 1 for wide matrices)
     """
     rows, cols = global_shape
     if adjust_lr_fn in (None, "original"):
         return lr * math.sqrt(max(1, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn == "spectral_unclamped":
+        return lr * math.sqrt(rows / cols)
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
 
 
-ADJUST_LR_FNS = ("original", "match_rms_adamw")
+ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_unclamped")  # torch.optim.Muon's, and None = "original"
 
 
 def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_decay):
@@ -785,7 +788,10 @@ def format_buffer_map(layout):
 
 def check_hyperparameters(name=str, *, bucket_size, lr, weight_decay, momentum, adjust_lr_fn):
     """The optimizer's rules for its arguments, in one place. `name` spells an argument in the
-    ValueError: as the constructor's keyword by default, or as a command-line flag."""
+    ValueError: as the constructor's keyword by default, or as a command-line flag.
+    torch.optim.Muon's rules (lr, momentum, weight_decay >= 0; adjust_lr_fn None or one of
+    ADJUST_LR_FNS), stricter where a value would break the step: finite lr and weight decay,
+    momentum below 1 (torch accepts any momentum >= 0; at 1 the buffer never takes a gradient)."""
     if bucket_size < 1:
         raise ValueError(f"{name('bucket_size')} must be >= 1 (got {bucket_size})")
     if not (lr >= 0 and math.isfinite(lr)):
@@ -794,8 +800,34 @@ def check_hyperparameters(name=str, *, bucket_size, lr, weight_decay, momentum, 
         raise ValueError(f"{name('weight_decay')} must be >= 0 and finite (got {weight_decay})")
     if not 0 <= momentum < 1:
         raise ValueError(f"{name('momentum')} must be in [0, 1) (got {momentum})")
-    if adjust_lr_fn not in ADJUST_LR_FNS:
+    if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(f"{name('adjust_lr_fn')} must be one of {', '.join(ADJUST_LR_FNS)} (got {adjust_lr_fn!r})")
+
+
+def check_adamw_hyperparameters(name=str, *, lr, betas, eps, weight_decay):
+    """torch.optim.AdamW's rules (lr, eps, weight_decay >= 0; each beta in [0, 1)), finite as above."""
+    for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{name(key)} must be >= 0 and finite (got {value})")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"{name('betas')} must be two numbers in [0, 1) (got {tuple(betas)})")
+
+
+def check_param_groups(param_groups):
+    """Every group's hyperparameters by its algorithm's rules, naming the group when one is wrong
+    (torch checks only the constructor's defaults; a group's own value would fail mid-step)."""
+    for i, group in enumerate(param_groups):
+        spell = lambda key, i=i: f"param group {i}: {key}"
+        if group.get("algorithm") == "adamw":
+            check_adamw_hyperparameters(spell, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                        weight_decay=group["weight_decay"])
+        else:
+            check_hyperparameters(spell, bucket_size=1, lr=group["lr"], weight_decay=group["weight_decay"],
+                                  momentum=group["momentum"], adjust_lr_fn=group["adjust_lr_fn"])
+            if not 1 <= group["ns_steps"] < 100:  # torch.optim.Muon's limit
+                raise ValueError(f"{spell('ns_steps')} must be in [1, 100) (got {group['ns_steps']})")
+            if len(group["ns_coefficients"]) != 3:
+                raise ValueError(f"{spell('ns_coefficients')} must be one (a, b, c) triple")
 
 
 def index_named_params(param_groups, tp_split_dims):
@@ -855,6 +887,7 @@ class DistributedMuon(torch.optim.Optimizer):
                         nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps,
                         ns_eps=ns_eps, adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
+        check_param_groups(self.param_groups)
         self.grid, self.bucket_size, self.ledger = grid, bucket_size, Ledger()
         self.device = self.param_groups[0]["params"][0].device
         self.param_by_name, self.group_of, split_dims = index_named_params(self.param_groups, tp_split_dims or {})

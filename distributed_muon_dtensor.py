@@ -35,13 +35,17 @@ Launch recipes
     torchrun --standalone --nproc-per-node 8 distributed_muon_dtensor.py --dp 4 --tp 2     # GPUs: NCCL, one per rank
     torchrun --standalone --nproc-per-node 4 distributed_muon_dtensor.py --dp 2 --tp 2 --backend gloo --device cpu
 
-The optimizer alone, in your own training script (every rank, after init_process_group):
+The optimizer alone, in your own training script (every rank, after init_process_group; the README's
+"DTensorMuon in your FSDP2 x TP training loop" is a whole one, checkpoints included, run by a test):
 
     from distributed_muon_dtensor import DTensorMuon
     opt = DTensorMuon([dict(params=matrices, algorithm="muon"),      # [(name, param)], DTensor or not
                        dict(params=others, algorithm="adamw")],
                       expert_stacks={"layers.0.moe.w1"}, lr=0.02)
     loss.backward(); opt.step()
+
+A real training with it: examples/train_gpt_dtensor.py (the GPT of examples/, fully_shard x
+parallelize_module, --verify against one process, --save / --resume across meshes).
 
 Under torchrun each process is one rank of the same demo (section 9): NCCL and
 cuda:LOCAL_RANK where a GPU exists (the defaults), Gloo and the CPU with
@@ -74,7 +78,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -352,7 +356,12 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None):
 #   DistributedConfig(gather=g, redistribute=r,  your own parallelism (plain tensors you sharded yourself):
 #                     global_shapes={...},         g(updates, owners) -> {name: full matrix} (the ones you own),
 #                     assign=f or None)            r(orthos, owners) -> {name: your local piece},
-#                                                f(ns_flops, world) -> {rank: [names]} (None: the lesson's LPT)
+#                                                f as above; holders: every rank of the optimizer's group
+#                                                (None: the lesson's LPT)
+#
+# One `assign` signature in both forms: f(ns_flops, holders, world), where
+# ns_flops is {matrix name: Newton-Schulz FLOPs}, holders {matrix name: (global
+# ranks that may own it)}, world the world size; it returns {rank: [names]}.
 #
 # Every assignment is checked at construction: each matrix owned exactly once
 # (the lesson's check_owners names each missing, doubled or unknown one), and,
@@ -360,6 +369,13 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None):
 
 @dataclass(frozen=True)
 class DistributedConfig:
+    """Who orthogonalizes what, and (explicit form) how matrices travel; see section 4 of the file.
+
+    assign: f(ns_flops, holders, world) -> {global rank: [matrix names]}, in both forms; None:
+        longest-processing-time over Newton-Schulz FLOPs, each matrix among its holders.
+    gather, redistribute, global_shapes: the explicit form, all three or none (see above).
+    """
+
     assign: Callable | None = None
     gather: Callable | None = None
     redistribute: Callable | None = None
@@ -381,21 +397,26 @@ class DistributedConfig:
 # =============================================================================
 # One step, as seen from one rank:
 #
-#   0. grad presence  one MAX all-reduce of a flag per parameter name (and one
-#                     for "a rank found a problem"): a parameter whose grad is
-#                     None on every rank is skipped, as torch skips it; one
-#                     with a gradient somewhere takes zeros where it is None
-#                     (never a hang: no rank enters an exchange the others skip)
-#   1. on the local shard: AdamW (elementwise: a shard gets the full tensor's bits),
-#                     or Muon's momentum, then the update cast to bf16 (the cast
+#   0. checks         every group's options (torch's rules, dm.check_param_groups)
+#                     and every gradient, then the grad-presence vote: one MAX
+#                     all-reduce of a flag per parameter name and one for "a rank
+#                     found a problem" (then EVERY rank raises, before any tensor
+#                     changes). A parameter whose grad is None on every rank is
+#                     skipped, as torch skips it; one with a gradient somewhere
+#                     takes zeros where it is None (never a hang: no rank enters
+#                     an exchange the others skip)
+#   1. on the local shard: Muon's momentum, then the update cast to bf16 (the cast
 #                     Newton-Schulz does first anyway: half the bytes, no bit changed)
 #   2. gather at owner     one all_to_all_single for every matrix of the step
 #   3. Newton-Schulz       on the owner, one 2-D matrix at a time (torch's addmm
 #                          path, so torch's bits); batched_ns stacks same-shape
 #                          matrices instead (opt-in; within BATCHED_NS_BOUND)
 #   4. scatter from owner  one all_to_all_single back
-#   5. on the local shard: p <- p * (1 - lr * wd) - adjusted_lr * update, the
+#   5. on the local shard: AdamW (elementwise: a shard gets the full tensor's bits);
+#                          p <- p * (1 - lr * wd) - adjusted_lr * update, the
 #                          adjustment from the matrix's shape (per expert: (out, in))
+# (The explicit form's gather and redistribute are yours: their results are
+# checked and voted on, and the new momentum is kept aside until they pass.)
 #
 # Gradients are taken as already reduced: p.grad is a DTensor with p's
 # placements holding the total gradient (what FSDP2's reduce-scatter leaves).
@@ -427,24 +448,60 @@ def describe(name, group_index, p, expert_stack):
 class DTensorMuon(torch.optim.Optimizer):
     """Muon for DTensor (and plain) parameters on any mesh, AdamW for the rest; bit-identical to torch.
 
-    params: named parameters, as torch optimizers accept them: groups
-        {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", ...hyperparameters}.
-        Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks.
-    distributed_config: DistributedConfig (section 4); None: automatic.
-    batched_ns: owners orthogonalize their same-shape matrices in one batched call: faster for
-        many small ones, not bitwise torch's (within BATCHED_NS_BOUND of it). Off by default.
-    group: the process group of the exchanges (default: the whole world); every rank of it
-        builds the optimizer and calls step() together.
-    A parameter whose .grad is None on every rank is skipped (value and state untouched), as
-    torch.optim.Muon and AdamW skip it.
+    Drop-in for an FSDP2 x TP training loop (every rank, after init_process_group):
+
+        opt = DTensorMuon([dict(params=[(n, p) for n, p in model.named_parameters() if is_matrix(n)]),
+                           dict(params=others, algorithm="adamw", weight_decay=0.0)], lr=0.02)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    The gradient contract: after backward, p.grad is the TOTAL gradient (already reduced over
+    data parallel, as FSDP2's reduce-scatter leaves it), a DTensor with p's mesh and placements
+    (a plain tensor for a plain p). A Partial gradient is refused.
+
+    Checkpoints: torch's own helpers work unchanged (state is keyed by the names in the param
+    groups, i.e. model.named_parameters(); the state tensors are DTensors with the parameter's
+    placements, so they reshard):
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, ...)
+        ... on another mesh: dcp.load(state, ...); set_model_state_dict(model, state["model"]);
+        set_optimizer_state_dict(model, opt, state["optim"])
+
+    A step that must be refused (a bad gradient or hyperparameter on any rank) raises on EVERY rank
+    of the group before any parameter or state changes. A parameter whose .grad is None on every
+    rank is skipped (value and state untouched), as torch.optim.Muon and AdamW skip it.
+    See help(DTensorMuon.__init__) for every argument.
     """
 
     def __init__(self, params, *, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original",
                  betas=(0.9, 0.999), eps=1e-8, expert_stacks=(), distributed_config=None, batched_ns=False,
                  group=None):
+        """Build the plan (collective: every rank of `group` calls it with the same parameter names).
+
+        params: named parameters, as torch optimizers take them: a list of groups
+            {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", any option below}.
+            Names are the model's (model.named_parameters()): owners and checkpoints are keyed by
+            them. Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks.
+            Tensors are float32 DTensors (any mesh; Shard, _StridedShard or Replicate placements)
+            or plain tensors. A group's own options override the defaults below; every group is
+            checked here by torch.optim.Muon's / AdamW's rules (dm.check_param_groups).
+        lr: learning rate of both algorithms (>= 0, finite).
+        weight_decay: decoupled weight decay, p *= 1 - lr * weight_decay (>= 0, finite).
+        momentum: Muon's momentum (in [0, 1); torch allows any >= 0); nesterov: Nesterov's input, as torch.
+        ns_coefficients, ns_steps, ns_eps: Newton-Schulz's (a, b, c), iterations (1..99) and norm floor.
+        adjust_lr_fn: Muon's per-matrix lr from its (rows A, cols B): "original" or None
+            (sqrt(max(1, A/B))), "match_rms_adamw" (0.2 sqrt(max(A, B))), "spectral_unclamped" (sqrt(A/B)).
+        betas, eps: AdamW's (each beta in [0, 1); eps >= 0).
+        expert_stacks: names of 3-D Muon parameters whose dim 0 indexes experts: each expert is its
+            own matrix (orthogonalized once, lr adjusted by its (out, in)).
+        distributed_config: DistributedConfig (section 4); None: automatic from the placements.
+        batched_ns: owners orthogonalize their same-shape matrices in one batched call: faster for
+            many small ones, not bitwise torch's (within BATCHED_NS_BOUND of it). Off by default.
+        group: the process group of the exchanges (default: the whole world); every rank of it
+            builds the optimizer and calls step() together.
+        """
         dm.check_hyperparameters(bucket_size=1, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                  adjust_lr_fn=adjust_lr_fn)
+        dm.check_adamw_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps,
                         adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
@@ -463,6 +520,9 @@ class DTensorMuon(torch.optim.Optimizer):
             self._plan_explicit(copies)
         else:
             self._plan_automatic(copies)
+        # Every state tensor exists from the start (zeros, step 0: what torch creates at a first step), so that
+        # torch's get/set_optimizer_state_dict find it and never run their own zero-gradient step.
+        self.init_state()
 
     # -- construction -------------------------------------------------------
     @staticmethod
@@ -474,17 +534,34 @@ class DTensorMuon(torch.optim.Optimizer):
         ranks = tuple(dist.get_process_group_ranks(group))
         return dm.Axis("world", len(ranks), ranks.index(dist.get_rank()), ranks, group)
 
-    def _index_params(self):
-        """Check what the step relies on; return the first problem as one line (or None)."""
+    def _index_groups(self):
+        """{name: its param group} (groups found by identity, never ==); the first problem of any group, or None."""
+        self.group_of = {}
         for group in self.param_groups:
             if group["algorithm"] not in ("muon", "adamw"):
                 return f"unknown algorithm {group['algorithm']!r}; use 'muon' or 'adamw'"
             if "param_names" not in group:
                 return "pass named parameters: [(name, tensor), ...] (owners and checkpoints are keyed by name)"
+            self.group_of.update((name, group) for name in group["param_names"])
+        try:
+            dm.check_param_groups(self.param_groups)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def _group_index(self, name):
+        return next(i for i, g in enumerate(self.param_groups) if g is self.group_of[name])
+
+    def _index_params(self):
+        """Check what the step relies on; return the first problem as one line (or None)."""
+        problem = self._index_groups()
+        if problem:
+            return problem
+        for group in self.param_groups:
             for name, p in zip(group["param_names"], group["params"]):
                 if name in self.param_by_name:
                     return f"parameter {name} appears twice"
-                self.param_by_name[name], self.group_of[name] = p, group
+                self.param_by_name[name] = p
                 if p.dtype != torch.float32:
                     return f"{name} is {p.dtype}; this reference keeps float32 parameters"
                 if isinstance(p, DTensor):
@@ -513,7 +590,7 @@ class DTensorMuon(torch.optim.Optimizer):
 
     def _swap_descriptions(self, problem):
         """Every rank's Copies (one all_gather_object), so that every rank makes the same plan."""
-        mine = [describe(n, self.param_groups.index(self.group_of[n]), p, n in self.expert_stacks)
+        mine = [describe(n, self._group_index(n), p, n in self.expert_stacks)
                 for n, p in self.param_by_name.items()]
         if self.axis.size == 1:
             everyone = [(problem, mine)]
@@ -552,7 +629,8 @@ class DTensorMuon(torch.optim.Optimizer):
         self.ns_flops = {n: newton_schulz_flops(self.config.global_shapes[n], self.group_of[n]["ns_steps"])
                          for n in muon}
         ranks = self.axis.ranks
-        owned = (self.config.assign(self.ns_flops, self.world) if self.config.assign is not None
+        owned = (self.config.assign(self.ns_flops, {n: ranks for n in muon}, self.world)
+                 if self.config.assign is not None
                  else {r: [n for n, o in assign_owners(self.ns_flops, len(ranks), self.config.global_shapes).items()
                             if ranks[o] == r]
                        for r in ranks})
@@ -591,6 +669,15 @@ class DTensorMuon(torch.optim.Optimizer):
                 state.update(step=torch.tensor(0.0), exp_avg=zeros(), exp_avg_sq=zeros())
         return state
 
+    def load_state_dict(self, state_dict):
+        """torch's load (state by position or by name, as set_optimizer_state_dict gives it), then the groups
+        re-indexed (torch replaces the group dicts) and checked."""
+        super().load_state_dict(state_dict)
+        problem = self._index_groups()
+        if problem:
+            raise ValueError(f"loaded optimizer state: {problem}")
+        self.init_state()  # a parameter the checkpoint had no state for starts from zeros
+
     def init_state(self):
         """Create every parameter's state now (zeros, step 0), e.g. as the target of a checkpoint load."""
         for name in self.param_by_name:
@@ -608,23 +695,32 @@ class DTensorMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.ledger.step += 1
+        # Every check before anything changes, and voted on: a group's options (they may have been changed, or
+        # loaded, since construction) and every gradient; one rank's problem stops every rank, here.
+        group_problem = self._index_groups()
         grads, problem = self._local_grads()
-        active = self._vote_on_gradients(grads, problem)
-        updates = {}
+        active = self._vote_on_gradients(grads, group_problem or problem)
+        updates, momenta = {}, {}
         # Flat views of every local tensor: elementwise math does not care about shape, and an empty
         # shard's local shape may differ between FSDP2's parameter and a gradient made by distribute_tensor.
         flat = lambda t: local_of(t).view(-1)
-        for name in active:
-            group, state = self.group_of[name], self._state_of(name)
-            p, grad = flat(self.param_by_name[name]), grads[name].reshape(-1)
-            if group["algorithm"] == "adamw":
-                state["step"] += 1
-                adamw_(p, grad, flat(state["exp_avg"]), flat(state["exp_avg_sq"]), state["step"].item(),
-                       lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
-            else:
-                update = muon_momentum_(flat(state["momentum_buffer"]), grad, group["momentum"], group["nesterov"])
-                updates[name] = update.bfloat16().view(local_of(self.param_by_name[name]).shape)
+        for name in [n for n in active if self.group_of[n]["algorithm"] == "muon"]:
+            group, buffer = self.group_of[name], flat(self._state_of(name)["momentum_buffer"])
+            # Your gather / redistribute (explicit form) may fail the checks after them: the new momentum is
+            # kept aside until they pass, so that a refused step changes nothing.
+            momenta[name] = buffer.clone() if self.config.explicit else buffer
+            update = muon_momentum_(momenta[name], grads[name].reshape(-1), group["momentum"], group["nesterov"])
+            updates[name] = update.bfloat16().view(local_of(self.param_by_name[name]).shape)
         orthos = self._orthogonalize(updates)
+        for name in [n for n in active if self.group_of[n]["algorithm"] == "adamw"]:
+            group, state = self.group_of[name], self._state_of(name)
+            state["step"] += 1
+            adamw_(flat(self.param_by_name[name]), grads[name].reshape(-1), flat(state["exp_avg"]),
+                   flat(state["exp_avg_sq"]), state["step"].item(), lr=group["lr"], betas=group["betas"],
+                   eps=group["eps"], weight_decay=group["weight_decay"])
+        if self.config.explicit:  # the checks passed: the new momentum now
+            for name, momentum in momenta.items():
+                flat(self.state[self.param_by_name[name]]["momentum_buffer"]).copy_(momentum)
         for name, ortho in orthos.items():
             group, p = self.group_of[name], flat(self.param_by_name[name])
             shape = (self.config.global_shapes[name] if self.config.explicit
@@ -656,15 +752,23 @@ class DTensorMuon(torch.optim.Optimizer):
         flags = torch.tensor([n in grads and grads[n] is not None for n in self.names] + [problem is not None],
                              device=self._device())  # NCCL reduces device tensors only
         votes = dm.any_rank(flags, self.axis, self.ledger, "grad presence")
-        if problem:
-            raise ValueError(problem)
-        if votes[-1]:
-            raise ValueError("another rank found a problem with its gradients (it raised the details)")
+        self._refuse_on_every_rank(problem, votes[-1])
         present = {n for n, v in zip(self.names, votes[:-1].tolist()) if v}
         for name in present & set(grads):
             if grads[name] is None:  # a gradient elsewhere but not here: zeros, as DDP's reduction would give
                 grads[name] = torch.zeros_like(local_of(self.param_by_name[name]))
         return [n for n in self.param_by_name if n in present]
+
+    def _refuse_on_every_rank(self, problem, someone=None, phase=""):
+        """Raise on every rank if any rank found a problem: `someone` is the vote already taken, or None to take
+        it now (one MAX all-reduce, `phase` in the ledger). This rank raises its own problem, the others say so."""
+        if someone is None:
+            flag = torch.tensor([problem is not None], device=self._device())
+            someone = dm.any_rank(flag, self.axis, self.ledger, phase)[0]
+        if problem:
+            raise ValueError(problem)
+        if someone:
+            raise ValueError("another rank found a problem with its gradients or options (it raised the details)")
 
     def _orthogonalize(self, updates):
         """{name: bf16 update of this rank's local shard} -> {name: its orthogonalized local shard}."""
@@ -731,16 +835,16 @@ class DTensorMuon(torch.optim.Optimizer):
         """Your gather, Newton-Schulz on the owners, your redistribute; shapes checked on the way."""
         full = self.config.gather(dict(updates), dict(self.owners))
         me = self.me
-        for name in [n for n in updates if self.owners[n] == me]:
-            got = tuple(full[name].shape) if name in full else None
-            if got != tuple(self.config.global_shapes[name]):
-                raise ValueError(f"gather gave {name} as {got}, expected {tuple(self.config.global_shapes[name])}")
+        wrong = [f"gather gave {n} as {tuple(full[n].shape) if n in full else None}, expected "
+                 f"{tuple(self.config.global_shapes[n])}" for n in updates if self.owners[n] == me
+                 and (n not in full or tuple(full[n].shape) != tuple(self.config.global_shapes[n]))]
+        self._refuse_on_every_rank(wrong[0] if wrong else None, phase="explicit checks")
         orthogonal = dm.newton_schulz_owned({n: full[n] for n in updates if self.owners[n] == me},
                                             self.group_of, self.ledger, self.batched_ns)
         local = self.config.redistribute(orthogonal, dict(self.owners))
-        for name in updates:
-            if name not in local or local[name].numel() != updates[name].numel():
-                raise ValueError(f"redistribute gave no piece of {name} the size of this rank's parameter")
+        wrong = [f"redistribute gave no piece of {n} the size of this rank's parameter" for n in updates
+                 if n not in local or local[n].numel() != updates[n].numel()]
+        self._refuse_on_every_rank(wrong[0] if wrong else None, phase="explicit checks")
         return {n: local[n] for n in updates}
 
     def _device(self):
@@ -763,32 +867,50 @@ class DTensorMuon(torch.optim.Optimizer):
 #   {"params": {name: parameter},
 #    "optim":  {name: {"momentum_buffer"} or {"step", "exp_avg", "exp_avg_sq"}}}
 #
-# DCP loads in place: build the model and optimizer on the new mesh, create the
-# state (init_state: zeros and step 0, the targets), then dcp.load. Both run on
-# the optimizer's group: on a mesh smaller than the world, the other ranks
-# would never join a collective of the whole world.
+# The checkpoint is torch's own recipe, as for AdamW under FSDP2: torch's
+# get_optimizer_state_dict keys the state by fully qualified name (it maps the
+# optimizer's params, group by group, to model.named_parameters()), and
+# set_optimizer_state_dict gives the loaded state back through our
+# load_state_dict. The optimizer's part is only to be an honest
+# torch.optim.Optimizer: its params are the model's own parameters, its state
+# exists from construction (so torch never runs its zero-gradient "init" step on
+# it), and its load re-indexes and re-checks the groups torch replaced.
+#
+#   {"model": get_model_state_dict(model),                 each a DTensor (or plain) parameter
+#    "optim": get_optimizer_state_dict(model, optimizer)}  {"state": {fqn: {"momentum_buffer"} or
+#                                                           {"step", "exp_avg", "exp_avg_sq"}},
+#                                                           "param_groups": [{"params": [fqn...], options}]}
+#
+# DCP loads in place: build the model and optimizer on the new mesh, take the
+# same dict there as the target, dcp.load into it, then hand it to
+# set_model_state_dict and set_optimizer_state_dict. process_group: the
+# optimizer's (on a mesh smaller than the world, the other ranks would never
+# join a collective of the whole world); None without a process group at all.
 
-def checkpoint_state(named_params, optimizer):
-    """The DCP state dict of the parameters and their optimizer state (every tensor a live one: load writes into it)."""
-    optimizer.init_state()
-    return {"params": {n: p.detach() for n, p in named_params},
-            "optim": {n: dict(optimizer.state[p]) for n, p in optimizer.param_by_name.items()}}
+def checkpoint_state(model, optimizer):
+    """torch's state dict of the model and its optimizer (live tensors: a DCP load writes into them)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
 
 
-def save_checkpoint(path, named_params, optimizer):
+def save_checkpoint(path, model, optimizer):
+    """dcp.save of checkpoint_state: nothing but torch's recipe (a thin wrapper for the demo and the tests)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(checkpoint_state(named_params, optimizer), checkpoint_id=path, process_group=optimizer.axis.group)
+    dcp.save(checkpoint_state(model, optimizer), checkpoint_id=path, process_group=optimizer.axis.group)
 
 
-def load_checkpoint(path, named_params, optimizer):
-    """Load into this rank's shards on whatever mesh the parameters now live (or plain tensors, no process group)."""
+def load_checkpoint(path, model, optimizer):
+    """dcp.load into this rank's shards on whatever mesh the model now lives (or plain tensors, no process
+    group), then torch's set_model_state_dict and set_optimizer_state_dict."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    state = checkpoint_state(named_params, optimizer)
+    state = checkpoint_state(model, optimizer)
     dcp.load(state, checkpoint_id=path, process_group=optimizer.axis.group, no_dist=not dist.is_initialized())
-    for name, p in optimizer.param_by_name.items():  # a scalar step may come back as a new tensor object
-        optimizer.state[p].update(state["optim"][name])
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
 # =============================================================================
@@ -835,6 +957,7 @@ def load_checkpoint(path, named_params, optimizer):
 class DemoConfig:
     dp: int = 4
     tp: int = 2
+    replicate: int = 1  # HSDP: mesh (replicate, dp, tp), fully_shard over (replicate, dp): replicas of each shard
     steps: int = 3
     seed: int = 0
     lr: float = 0.02
@@ -852,7 +975,7 @@ class DemoConfig:
     checkpoint_step: int = 0
     resume: str = ""  # a folder to load before step resume_step + 1 (tests)
     resume_step: int = 0
-    bad: str = ""  # tests: "partial" gives a gradient a Partial placement
+    bad: str = ""  # tests: "partial" (a Partial gradient), "assign" (no owners), "gather" (explicit: a short matrix)
     train: bool = False  # real forward / backward through FSDP2 and TP instead of exact gradients (verify_training)
     count_comm: bool = False  # --compare: one training step's collectives, measured (CollectiveCounter, section 8)
     explicit: bool = False  # tests, in Runs: the explicit distributed_config on plain row-chunked tensors instead
@@ -928,6 +1051,7 @@ def parallelize(model, mesh):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp, dp = mesh["tp"], mesh["dp"]
+    fsdp = mesh["replicate", "dp"] if "replicate" in mesh.mesh_dim_names else dp  # HSDP: replicate x shard
     for layer in model.layers:
         parallelize_module(layer, tp, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         for name in ("w1", "w2"):  # expert parallel over the tp dim: each tp rank keeps E / tp experts
@@ -936,8 +1060,8 @@ def parallelize(model, mesh):
     # FSDP2 cuts each expert (dim 1) where it can: it shards dims other than 0 only evenly; else the expert dim.
     experts_on_dim_1 = lambda p: Shard(1) if p.ndim == 3 and p.shape[1] % dp.size() == 0 else None
     for layer in model.layers:
-        fully_shard(layer, mesh=dp, shard_placement_fn=experts_on_dim_1)
-    fully_shard(model, mesh=dp, shard_placement_fn=experts_on_dim_1)
+        fully_shard(layer, mesh=fsdp, shard_placement_fn=experts_on_dim_1)
+    fully_shard(model, mesh=fsdp, shard_placement_fn=experts_on_dim_1)
     return model
 
 
@@ -993,10 +1117,12 @@ def run_on_mesh(cfg, rank, device):
 
     # full_tensor() of a _StridedShard parameter (for the check) warns that it takes two all-gathers: known, fine
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    world = cfg.dp * cfg.tp
+    world = cfg.replicate * cfg.dp * cfg.tp
     # What init_device_mesh(kind, (dp, tp)) builds when the mesh is the whole world; DeviceMesh itself also takes
     # the first dp x tp ranks of a larger world (the tests run many meshes in one spawn of 8 ranks).
-    mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    shape, names = ((cfg.dp, cfg.tp), ("dp", "tp")) if cfg.replicate == 1 else \
+        ((cfg.replicate, cfg.dp, cfg.tp), ("replicate", "dp", "tp"))
+    mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(shape), mesh_dim_names=names)
     group = dist.new_group(list(range(world))) if world < dist.get_world_size() else None
     if rank >= world:
         return None
@@ -1011,7 +1137,7 @@ def run_on_mesh(cfg, rank, device):
         p.grad = DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, [Partial(), Partial()],
                                     run_check=False, shape=p.shape, stride=p.stride())
         opt.step()
-    dp_rank = mesh.get_coordinate()[0]
+    dp_rank = mesh.get_coordinate()[-2]
     counter = CollectiveCounter(mesh, opt.axis) if cfg.count_comm else None
     if counter is not None:  # one training step's forward and backward, measured; its gradients are dropped
         tokens, targets = (t.to(device) for t in batch(cfg, 0, dp_rank))
@@ -1022,7 +1148,7 @@ def run_on_mesh(cfg, rank, device):
         opt.zero_grad(set_to_none=True)
     first = 1
     if cfg.resume:
-        load_checkpoint(cfg.resume, list(model.named_parameters()), opt)
+        load_checkpoint(cfg.resume, model, opt)
         first = cfg.resume_step + 1
     step_ms, losses, grads, weights = [], [], [], []  # the last three: cfg.train, one entry per step
     for step in range(first, cfg.steps + 1):
@@ -1042,7 +1168,7 @@ def run_on_mesh(cfg, rank, device):
             opt.step()
         step_ms.append((time.perf_counter() - t0) * 1e3)
         if cfg.checkpoint and step == cfg.checkpoint_step:
-            save_checkpoint(cfg.checkpoint, list(model.named_parameters()), opt)
+            save_checkpoint(cfg.checkpoint, model, opt)
     named = list(model.named_parameters())
     # Where each element this rank holds sits in the full tensor, by torch's own distribute_tensor of an index
     # tensor (not this file's local_indices, and no collective: full_tensor() of an empty FSDP2 shard is not safe
@@ -1122,11 +1248,11 @@ class Reference:
         return loss.item(), {n: p.grad.to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
 
-def run_reference(cfg, device="cpu", losses=None):
+def run_reference(cfg, device="cpu", losses=None, reference=None):
     """{name: full parameter, on the CPU} after cfg.steps steps of torch's optimizers, fed exact_grads; with
     cfg.train, free-running instead: each step the gradient of the whole batch at its own weights (each step's
-    loss appended to `losses`)."""
-    ref = Reference(cfg, device)
+    loss appended to `losses`). reference: another model's Reference-like class (examples/train_gpt_dtensor.py)."""
+    ref = (reference or Reference)(cfg, device)
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
     for step in range(1, cfg.steps + 1):
         if cfg.train:
@@ -1246,9 +1372,10 @@ def largest(values):
     return torch.tensor([float(v) for v in values] or [0.0], dtype=torch.float64).max().item()
 
 
-def verify_training(cfg, results, device="cpu"):
+def verify_training(cfg, results, device="cpu", reference=None):
     """The real FSDP2 x TP training (cfg.train; every rank's result) against one process, the three comparisons
-    above: a dict of the figures, the bounds and "passed"."""
+    above: a dict of the figures, the bounds and "passed". reference: a class with Reference's methods (weights,
+    gradients_at, step) for another model (the GPT of examples/train_gpt_dtensor.py); None: the demo's."""
     by_rank = {r["rank"]: r for r in results}
     ranks = [by_rank[r] for r in sorted(by_rank)]
     row_heads = [by_rank[d * cfg.tp] for d in range(cfg.dp)]  # the TP ranks of a DP row share its batch and loss
@@ -1257,7 +1384,7 @@ def verify_training(cfg, results, device="cpu"):
     def ranks_at(s):  # every rank's local weights before step s + 1; s = cfg.steps: after the last step
         return [dict(r, params=r["weights"][s] if s < cfg.steps else r["params"]) for r in ranks]
 
-    ref = Reference(cfg, device)
+    ref = (reference or Reference)(cfg, device)
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
     differs = [(0, c["name"]) for c in verify(None, ranks_at(0), ref.weights()) if not c["identical"]]
     grad_diffs, loss_diffs, replica_diffs = [], [], []
@@ -1270,7 +1397,7 @@ def verify_training(cfg, results, device="cpu"):
         ref.step(grads)
         differs += [(s + 1, c["name"]) for c in verify(None, ranks_at(s + 1), ref.weights()) if not c["identical"]]
     free_losses = []
-    trained = verify(None, ranks_at(cfg.steps), run_reference(cfg, device, free_losses))
+    trained = verify(None, ranks_at(cfg.steps), run_reference(cfg, device, free_losses, reference))
     checked = min(cfg.steps, tg.TRAINED_CHECKED_STEPS)
     trained_loss_diff = largest(abs(ranks_loss[s] - free_losses[s]) / free_losses[s] for s in range(checked))
     grad_diff, loss_diff, replica_diff = largest(grad_diffs), largest(loss_diffs), largest(replica_diffs)
@@ -1333,14 +1460,36 @@ def run_explicit_rank(rank, cfg, device):
     torch.manual_seed(cfg.seed)
     full = {n: torch.randn(s) for n, s in EXPLICIT_SHAPES.items()}
     params = {n: nn.Parameter(rows_of(t, rank, world).clone()) for n, t in full.items()}
+    config = explicit_config(world)
+    if cfg.bad == "gather":  # tests: at step 2, rank 0's gather gives every matrix it owns a row short
+        gather = config.gather
+        config = replace(config, gather=lambda u, o: {n: t[:-1] if rank == 0 and step == 2 else t
+                                                      for n, t in gather(u, o).items()})
     opt = DTensorMuon([dict(params=list(params.items()), algorithm="muon", lr=cfg.lr,
-                            weight_decay=cfg.weight_decay, momentum=cfg.momentum)],
-                      distributed_config=explicit_config(world))
+                            weight_decay=cfg.weight_decay, momentum=cfg.momentum)], distributed_config=config)
+    out = dict(rank=rank, owners=opt.assignments)
     for step in range(1, cfg.steps + 1):
         for name, g in exact_grads(EXPLICIT_SHAPES, cfg.seed, step).items():
             params[name].grad = rows_of(g, rank, world).clone()
+        if cfg.bad and step == 2:
+            out.update(refused_step(opt, params))
+            break
         opt.step()
-    return dict(rank=rank, params={n: p.detach() for n, p in params.items()}, owners=opt.assignments)
+    return dict(out, params={n: p.detach() for n, p in params.items()})
+
+
+def refused_step(opt, params):
+    """{"error": what opt.step() raised here ("" if nothing), "unchanged": whether every local parameter and
+    state tensor kept its bits}: a step that must be refused, tried."""
+    before = local_params_of(params), local_state(opt)
+    error = ""
+    try:
+        opt.step()
+    except ValueError as e:
+        error = str(e)
+    after = local_params_of(params), local_state(opt)
+    tensors = lambda snapshot: list(snapshot[0].values()) + [t for s in snapshot[1].values() for t in s.values()]
+    return dict(error=error, unchanged=all(torch.equal(a, b) for a, b in zip(tensors(before), tensors(after))))
 
 
 def run_explicit_reference(cfg):
@@ -1354,6 +1503,114 @@ def run_explicit_reference(cfg):
             params[name].grad = g.clone()
         opt.step()
     return {n: p.detach() for n, p in params.items()}
+
+
+# Any param groups, on any mesh: parameters placed by hand (distribute_tensor)
+# on meshes real training uses, with param groups of different options. Each is
+# checked against torch.optim.Muon / AdamW with the same groups (each expert of
+# a stack its own 2-D matrix in its stack's group):
+#   * equal-size groups (one matrix, one vector: the case that == on tensors broke);
+#   * four groups with different options (every adjust_lr_fn, Nesterov on and
+#     off, ns_steps, betas and eps);
+#   * HSDP: mesh (replicate, shard, tp), each matrix (Replicate, Shard(0), Shard(1))
+#     as fully_shard(mesh=mesh["replicate", "shard"]) over TP leaves it;
+#   * expert parallel: stacks (E, out, in) with experts over "ep" (Shard(0)) and
+#     TP inside each expert (Shard(1) for w1, Shard(2) for w2), E uneven over ep.
+# bad="option": after step 1, group 1 gets a bad adjust_lr_fn on every rank
+# ("option@r": on rank r alone); the next step must be refused on every rank,
+# ranks whose shard of that group is empty included, with nothing changed.
+PLACEMENT = {"S0": Shard(0), "S1": Shard(1), "S2": Shard(2), "R": Replicate()}
+
+
+@dataclass(frozen=True)
+class PlacedRun:
+    mesh: tuple  # mesh shape, over the first prod(mesh) ranks
+    dims: tuple  # mesh dim names
+    params: tuple  # (name, shape, placements as PLACEMENT keys, group index)
+    groups: tuple  # per group: tuple of (option, value) pairs, "algorithm" among them
+    expert_stacks: tuple = ()
+    steps: int = 3
+    seed: int = 0
+    bad: str = ""
+
+
+def placed_groups(run, tensors):
+    """The run's param groups over `tensors` ({name: tensor}), named as DTensorMuon takes them."""
+    return [dict(dict(options), params=[(n, tensors[n]) for n, _, _, g in run.params if g == i])
+            for i, options in enumerate(run.groups)]
+
+
+def placed_start(run):
+    """{name: full initial tensor} and the exact gradients of step s (exact_grads), the same everywhere."""
+    g = torch.Generator().manual_seed(run.seed)
+    return {n: torch.randn(shape, generator=g) for n, shape, _, _ in run.params}
+
+
+def local_state(opt):
+    """{name: {state key: a CPU copy of this rank's local tensor}}."""
+    return {n: {k: local_of(t).detach().to("cpu", copy=True) for k, t in opt.state[p].items()}
+            for n, p in opt.param_by_name.items()}
+
+
+def run_placed_rank(rank, run, device):
+    """Every rank of the run's mesh: its parameters placed, run.steps steps of exact gradients."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = math.prod(run.mesh)
+    mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(run.mesh), mesh_dim_names=run.dims)
+    group = dist.new_group(list(range(world))) if world < dist.get_world_size() else None
+    if rank >= world:
+        return None
+    placements = {n: [PLACEMENT[k] for k in where] for n, _, where, _ in run.params}
+    shapes = {n: shape for n, shape, _, _ in run.params}
+    params = {n: nn.Parameter(distribute_tensor(t.to(device), mesh, placements[n], src_data_rank=None))
+              for n, t in placed_start(run).items()}
+    opt = DTensorMuon(placed_groups(run, params), expert_stacks=run.expert_stacks, group=group)
+    out = dict(rank=rank, error="", unchanged=None)
+    for step in range(1, run.steps + 1):
+        for n, g in exact_grads(shapes, run.seed, step).items():
+            params[n].grad = distribute_tensor(g.to(device), mesh, placements[n], src_data_rank=None)
+        if run.bad and step == 2:
+            if run.bad == "option" or rank == int(run.bad.split("@")[1]):  # "option@r": on rank r alone
+                opt.param_groups[1]["adjust_lr_fn"] = "bogus"
+            out.update(refused_step(opt, params))
+            break
+        opt.step()
+    where = {n: distribute_tensor(torch.arange(math.prod(shapes[n]), device=device).view(shapes[n]), mesh,
+                                  placements[n], src_data_rank=None).to_local().reshape(-1).cpu() for n in params}
+    return dict(out, params=local_params_of(params), where=where, ledger=asdict(opt.ledger), owners=opt.assignments,
+                placements={n: str(tuple(p.placements)) for n, p in params.items()})
+
+
+def local_params_of(params):
+    return {n: local_of(p).detach().to("cpu", copy=True) for n, p in params.items()}
+
+
+def run_placed_reference(run):
+    """{name: full tensor} after run.steps steps of torch.optim.Muon (the Muon groups, each expert its own matrix)
+    and torch.optim.AdamW(foreach=False) (the AdamW groups), every option per group."""
+    torch.set_num_threads(1)
+    shapes = {n: shape for n, shape, _, _ in run.params}
+    stacks = set(run.expert_stacks)
+    pieces = lambda n, t: [t[e] for e in range(t.shape[0])] if n in stacks else [t]
+    tensors = {n: [nn.Parameter(p.clone()) for p in pieces(n, t)] for n, t in placed_start(run).items()}
+    groups = {"muon": [], "adamw": []}
+    torch_options = {"muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps",
+                              "adjust_lr_fn"), "adamw": ("lr", "betas", "eps", "weight_decay")}
+    for i, options in enumerate(run.groups):
+        options = dict(options)
+        kind = options.pop("algorithm", "muon")
+        mine = [p for n, _, _, g in run.params if g == i for p in tensors[n]]
+        groups[kind].append(dict({k: v for k, v in options.items() if k in torch_options[kind]}, params=mine))
+    optimizers = ([torch.optim.Muon(groups["muon"], adjust_lr_fn="original")] if groups["muon"] else []) + \
+                 ([torch.optim.AdamW(groups["adamw"], foreach=False)] if groups["adamw"] else [])
+    for step in range(1, run.steps + 1):
+        for n, g in exact_grads(shapes, run.seed, step).items():
+            for p, piece in zip(tensors[n], pieces(n, g)):
+                p.grad = piece.clone()
+        for opt in optimizers:
+            opt.step()
+    return {n: torch.stack([p.detach() for p in ps]) if n in stacks else ps[0].detach() for n, ps in tensors.items()}
 
 
 @dataclass(frozen=True)
@@ -1373,6 +1630,8 @@ def run_many_rank(rank, runs, device):
     for cfg in runs.runs:
         if isinstance(cfg, LessonRuns):
             results.append(run_lesson_rank(rank, cfg, device))
+        elif isinstance(cfg, PlacedRun):
+            results.append(run_placed_rank(rank, cfg, device))
         elif cfg.explicit:
             results.append(run_explicit_rank(rank, cfg, device))
         elif cfg.bad:  # tests: the error every rank of the mesh raises, the same on each (never a hang)

@@ -37,19 +37,59 @@ def checkpoint_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def scenarios(checkpoint_dir):
+def checkpoint_2x2(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("dcp") / "2x2_after_step_1")
+
+
+RESUMED_ON = [(4, 1), (1, 4), (3, 2), (1, 1)]
+# Param groups of different options (dd.PlacedRun): every adjust_lr_fn torch accepts, Nesterov on and off,
+# another ns_steps, AdamW's betas and eps; groups 1, 2 and 3 hold one parameter each (equal sizes: the case
+# that param_groups.index broke), group 3 a vector beside group 1's matrix.
+GROUPS = ((("algorithm", "muon"), ("lr", 0.02), ("weight_decay", 0.1)),
+          (("algorithm", "muon"), ("lr", 0.03), ("weight_decay", 0.0), ("adjust_lr_fn", "spectral_unclamped"),
+           ("nesterov", False), ("momentum", 0.9)),
+          (("algorithm", "muon"), ("lr", 0.01), ("weight_decay", 0.05), ("adjust_lr_fn", "match_rms_adamw"),
+           ("ns_steps", 3)),
+          (("algorithm", "adamw"), ("lr", 0.01), ("weight_decay", 0.02), ("betas", (0.8, 0.99)), ("eps", 1e-6)))
+# b's 3 rows over 4 ranks leave rank 3 nothing of group 1's only matrix
+GROUPED = (("a", (6, 5), ("S0", "S1"), 0), ("b", (3, 7), ("S0", "R"), 1), ("c", (5, 9), ("R", "S1"), 2),
+           ("d", (7,), ("S0", "R"), 3), ("e", (4, 4), ("S1", "S0"), 0))
+PLACED = {
+    **{f"groups {m}x{n}": dd.PlacedRun((m, n), ("dp", "tp"), GROUPED, GROUPS) for m, n in [(1, 1), (2, 2), (4, 1)]},
+    "refused 4x1": dd.PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option"),
+    "refused 4x1, rank 3 alone": dd.PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option@3"),
+    # HSDP by hand: (replicate, shard, tp), as fully_shard(mesh=mesh["replicate", "shard"]) over TP leaves them
+    "hsdp by hand 2x2x2": dd.PlacedRun((2, 2, 2), ("replicate", "shard", "tp"),
+                                       (("w", (10, 6), ("R", "S0", "S1"), 0), ("v", (9, 12), ("R", "S0", "S0"), 0),
+                                        ("n", (6,), ("R", "S0", "R"), 1)), GROUPS[:1] + GROUPS[3:]),
+    # expert parallel: whole experts over ep, TP inside each expert (w1's rows, w2's columns)
+    "ep 2 x tp 2": dd.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
+                                                       ("w2", (4, 4, 6), ("S0", "S2"), 0)),
+                                GROUPS[:1], expert_stacks=("w1", "w2")),
+    "ep 4, 6 experts": dd.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0), ("w2", (6, 4, 5), ("S0",), 0)),
+                                    GROUPS[:1], expert_stacks=("w1", "w2")),
+}
+
+
+@pytest.fixture(scope="session")
+def scenarios(checkpoint_dir, checkpoint_2x2):
     """{label: [each rank's result]} for every scenario, from ONE spawn of 8 ranks."""
     runs = {f"{dp}x{tp}": dd.DemoConfig(dp=dp, tp=tp) for dp, tp in MESHES}
+    runs["2x2"] = dd.DemoConfig(dp=2, tp=2, checkpoint=checkpoint_2x2, checkpoint_step=1)  # torch's recipe
     # the same runs; 4x2 saves a checkpoint, and both measure a training step's collectives (--compare's figures)
     runs["4x2"] = dd.DemoConfig(dp=4, tp=2, checkpoint=checkpoint_dir, checkpoint_step=2, count_comm=True)
     runs["3x2"] = dd.DemoConfig(dp=3, tp=2, count_comm=True)
-    runs["resume 4x2 -> 2x2"] = dd.DemoConfig(dp=2, tp=2, resume=checkpoint_dir, resume_step=2)
     runs["resume 4x2 -> 8x1"] = dd.DemoConfig(dp=8, tp=1, resume=checkpoint_dir, resume_step=2)
+    runs.update({f"resume 2x2 -> {dp}x{tp}": dd.DemoConfig(dp=dp, tp=tp, resume=checkpoint_2x2, resume_step=1)
+                 for dp, tp in RESUMED_ON})
+    runs["hsdp 2x2x2"] = dd.DemoConfig(replicate=2, dp=2, tp=2)  # real fully_shard on mesh["replicate", "dp"]
+    runs.update(PLACED)
     runs["missing"] = dd.DemoConfig(dp=4, tp=2, missing_grads=MISSING)
     runs["train"] = dd.DemoConfig(dp=4, tp=2, train=True)
     runs["partial"] = dd.DemoConfig(dp=2, tp=2, bad="partial")
     runs["assign"] = dd.DemoConfig(dp=4, tp=2, bad="assign")
     runs["explicit"] = dd.DemoConfig(dp=8, tp=1, explicit=True)
+    runs["explicit refused"] = dd.DemoConfig(dp=8, tp=1, explicit=True, bad="gather")
     runs["batched"] = dd.DemoConfig(dp=4, tp=2, batched_ns=True)  # the default run, with batched Newton-Schulz
     runs["lesson 4x2"] = dd.LessonRuns(dd.DemoConfig(dp=4, tp=2))  # the lesson's owner / comm-free, these matrices
     results = dm.spawn_ranks(dd.Runs(tuple(runs.values()), timeout_s=60), dd.run_many_rank)
@@ -334,12 +374,36 @@ def test_measured_fsdp2_and_tp_bytes_of_a_training_step_match_the_shapes(scenari
     assert ops == {("all-reduce", "world", "uint8"): 1, ("all-to-all", "world", "bfloat16"): 2}
 
 
+@pytest.mark.parametrize("dp,tp", RESUMED_ON)
+def test_torch_checkpoint_recipe_saved_on_2x2_resumes_on_another_mesh_bit_identical(scenarios, reference, dp, tp):
+    """Saved on 2x2 after step 1 with torch's own recipe (dcp.save of get_model_state_dict and
+    get_optimizer_state_dict), loaded on another mesh with dcp.load, set_model_state_dict and
+    set_optimizer_state_dict (no init_state, no copy-back), 2 more steps: torch.equal to one uninterrupted
+    process of torch.optim.Muon / AdamW."""
+    results, _ = scenarios
+    label = f"resume 2x2 -> {dp}x{tp}"
+    assert len(results[label]) == dp * tp
+    for r in results[label]:
+        assert len(r["step_ms"]) == 2  # steps 2 and 3 ran after the load
+    assert_identical(results[label], reference, label)
+
+
+def test_torch_checkpoint_recipe_is_what_the_helpers_run(checkpoint_2x2, scenarios):
+    """The checkpoint holds torch's layout: the state keyed by fully qualified name, the groups' options."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(checkpoint_2x2).read_metadata().state_dict_metadata
+    assert "optim.state.layers.0.moe.w1.momentum_buffer" in metadata
+    assert "optim.state.embed.weight.exp_avg_sq" in metadata and "model.layers.1.fc2.weight" in metadata
+    assert {f"optim.param_groups.{i}.{k}" for i in range(3) for k in ("params", "lr", "adjust_lr_fn")} <= set(metadata)
+
+
 def test_checkpoint_resharded_to_other_meshes_continues_bit_identical(scenarios, reference):
     results, _ = scenarios
-    for label in ("resume 4x2 -> 2x2", "resume 4x2 -> 8x1"):
-        for r in results[label]:
-            assert len(r["step_ms"]) == 1  # only step 3 ran after the load
-        assert_identical(results[label], reference, label)
+    label = "resume 4x2 -> 8x1"
+    for r in results[label]:
+        assert len(r["step_ms"]) == 1  # only step 3 ran after the load
+    assert_identical(results[label], reference, label)
 
 
 def test_checkpoint_of_8_ranks_loads_into_one_process_and_continues_bit_identical(scenarios, checkpoint_dir,
@@ -349,7 +413,7 @@ def test_checkpoint_of_8_ranks_loads_into_one_process_and_continues_bit_identica
     model = dd.DemoModel(cfg)  # plain tensors, no process group: every matrix is local
     opt = dd.DTensorMuon(dd.param_groups(model, cfg), expert_stacks=dd.expert_stack_names(model))
     named = list(model.named_parameters())
-    dd.load_checkpoint(checkpoint_dir, named, opt)
+    dd.load_checkpoint(checkpoint_dir, model, opt)
     state = opt.state[opt.param_by_name["embed.weight"]]
     assert state["step"].item() == 2 and state["exp_avg"].abs().max() > 0
     assert opt.state[opt.param_by_name["layers.0.moe.w1"]]["momentum_buffer"].abs().max() > 0
@@ -411,7 +475,7 @@ def test_construction_errors_name_the_parameter(stacks, message):
 ])
 def test_explicit_assignment_is_validated_at_construction(owned, message):
     params = [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in dd.EXPLICIT_SHAPES.items()]
-    config = dd.DistributedConfig(assign=lambda flops, world: owned, gather=lambda u, o: u,
+    config = dd.DistributedConfig(assign=lambda flops, holders, world: owned, gather=lambda u, o: u,
                                   redistribute=lambda o, w: o, global_shapes=dd.EXPLICIT_SHAPES)
     with pytest.raises(ValueError, match="bad owner assignment: .*" + message.replace("(", r"\(").replace(")", r"\)")):
         dd.DTensorMuon([dict(params=params, algorithm="muon")], distributed_config=config)
@@ -541,3 +605,111 @@ def test_under_torchrun_bad_flags_or_world_size_are_refused_before_joining(monke
         assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and message in captured.err
     else:
         assert captured.err == ""
+
+
+@pytest.mark.parametrize("label", [label for label, run in PLACED.items() if not run.bad])
+def test_any_param_groups_hsdp_and_expert_parallel_meshes_equal_torch(scenarios, label):
+    """Param groups of different options (equal-size groups too) on 1x1, 2x2, 4x1; HSDP's (replicate, shard,
+    tp) placements; expert stacks over ep with TP inside the expert, 6 experts over 4 ranks: every element
+    torch.equal to torch.optim.Muon / AdamW with the same groups, each Newton-Schulz once across the world."""
+    results, runs = scenarios
+    run, ranks = runs[label], results[label]
+    reference = dd.run_placed_reference(run)
+    start = dd.placed_start(run)
+    assert all(not torch.equal(reference[n], start[n]) for n in reference)  # everything moved
+    assert_identical(ranks, reference, label)
+    owners = ranks[0]["owners"]
+    assert all(r["owners"] == owners for r in ranks)
+    for step in range(1, run.steps + 1):  # each matrix orthogonalized once, on one rank of the whole world
+        calls = sorted(c["name"] for r in ranks for c in r["ledger"]["compute"] if c["step"] == step)
+        assert calls == sorted(owners), (label, step)
+    if label.startswith("ep 4"):  # 6 experts over 4 ranks as torch.chunk cuts: 2, 2, 2 and none
+        assert [r["params"]["w1"].shape[0] for r in ranks] == [2, 2, 2, 0]
+        assert len(owners) == 12 and all(owners[f"w1[{e}]"] == e // 2 for e in range(6))
+
+
+@pytest.mark.parametrize("label", [label for label, run in PLACED.items() if run.bad])
+def test_a_refused_step_changes_nothing_on_any_rank(scenarios, label):
+    """A bad adjust_lr_fn set in group 1 after step 1 (on every rank; or on rank 3 alone, whose shard of that
+    group's only matrix is empty): the next step raises on every rank, and every parameter and state tensor is
+    bit-identical to what it was before the step, on every rank."""
+    results, _ = scenarios
+    ranks = results[label]
+    assert len(ranks) == 4 and all(r["unchanged"] is True for r in ranks)
+    assert all(r["error"] for r in ranks)
+    said = "param group 1: adjust_lr_fn must be one of original, match_rms_adamw, spectral_unclamped (got 'bogus')"
+    told = "another rank found a problem with its gradients or options (it raised the details)"
+    culprits = range(4) if label == "refused 4x1" else [3]
+    assert [r["error"] for r in ranks] == [said if r["rank"] in culprits else told for r in ranks]
+    assert ranks[3]["params"]["b"].numel() == 0  # rank 3 holds nothing of group 1's matrix
+
+
+def test_hsdp_replicas_get_identical_updates_and_newton_schulz_runs_once_per_matrix(scenarios, reference):
+    """Real fully_shard(mesh=mesh["replicate", "dp"]) x TP on a 2x2x2 mesh: bit-identical to torch on every rank
+    (so both replicas of every shard hold the same bits), and every matrix orthogonalized by one rank of 8."""
+    results, runs = scenarios
+    ranks = results["hsdp 2x2x2"]
+    assert len(ranks) == 8
+    assert ranks[0]["placements"]["layers.0.fc2.weight"] == "(Replicate(), Shard(dim=0), Shard(dim=1))"
+    assert_identical(ranks, reference, "hsdp")
+    for a, b in zip(ranks[:4], ranks[4:]):  # rank r and r + 4: the same shard on the two replicas
+        assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+    owners = ranks[0]["owners"]
+    calls = sorted(c["name"] for r in ranks for c in r["ledger"]["compute"] if c["step"] == 3)
+    assert calls == sorted(owners) and len(owners) == len(results["4x2"][0]["owners"])
+
+
+def test_equal_size_groups_in_one_process_and_every_group_checked_at_construction():
+    a, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))
+    dd.DTensorMuon([dict(params=[("a", a)]), dict(params=[("b", b)], algorithm="adamw")])  # == on tensors: gone
+    for group, message in [(dict(adjust_lr_fn="bogus"), "param group 1: adjust_lr_fn must be one of"),
+                           (dict(lr=-1.0), "param group 1: lr must be >= 0"),
+                           (dict(momentum=1.0), "param group 1: momentum must be in [0, 1)"),
+                           (dict(ns_steps=100), "param group 1: ns_steps must be in [1, 100)"),
+                           (dict(algorithm="adamw", betas=(0.9, 1.0)), "param group 1: betas must be two numbers"),
+                           (dict(algorithm="adamw", eps=-1e-8), "param group 1: eps must be >= 0"),
+                           (dict(algorithm="adamw", weight_decay=float("inf")), "param group 1: weight_decay")]:
+        c = torch.nn.Parameter(torch.randn(3, 3) if group.get("algorithm") != "adamw" else torch.randn(3))
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            dd.DTensorMuon([dict(params=[("a", a)]), dict(group, params=[("c", c)])])
+    dd.DTensorMuon([dict(params=[("a", a)], adjust_lr_fn="spectral_unclamped")])  # torch's third choice
+
+
+def test_explicit_gather_that_gives_a_wrong_shape_is_refused_on_every_rank_with_nothing_changed(scenarios):
+    """Rank 0's gather gives the matrices it owns a row short at step 2: the check after the gather is voted
+    on, so every rank raises before redistributing, and the momentum (kept aside until the checks pass) and
+    every parameter keep their bits on every rank."""
+    results, _ = scenarios
+    ranks = results["explicit refused"]
+    assert len(ranks) == 8 and all(r["unchanged"] is True for r in ranks)
+    owned = sorted(n for n, o in ranks[0]["owners"].items() if o == 0)
+    assert owned and ranks[0]["error"].startswith(f"gather gave {owned[0]} as (")
+    told = "another rank found a problem with its gradients or options (it raised the details)"
+    assert [r["error"] for r in ranks[1:]] == [told] * 7
+
+
+def test_torchs_flattened_optimizer_state_dict_round_trips_in_one_process(tmp_path, reference):
+    """StateDictOptions(flatten_optimizer_state_dict=True), torchtitan's setting: saved after step 2, loaded into a
+    fresh model and optimizer, step 3 gives torch's parameters (plain tensors, no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options, cfg = StateDictOptions(flatten_optimizer_state_dict=True), dd.DemoConfig()
+    torch.set_num_threads(1)
+    built = [(model, dd.build_optimizer(model, cfg)) for model in (dd.DemoModel(cfg), dd.DemoModel(cfg))]
+    saved, fresh = built
+    for step in (1, 2):
+        dd.give_grads(saved[0], cfg, step)
+        saved[1].step()
+    state = lambda m, o: {"model": m.state_dict(), "optim": get_optimizer_state_dict(m, o, options=options)}
+    assert "state.embed.weight.exp_avg" in state(*saved)["optim"]
+    dcp.save(state(*saved), checkpoint_id=str(tmp_path), no_dist=True)
+    loaded = state(*fresh)
+    dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
+    fresh[0].load_state_dict(loaded["model"])
+    set_optimizer_state_dict(fresh[0], fresh[1], loaded["optim"], options=options)
+    dd.give_grads(fresh[0], cfg, 3)
+    fresh[1].step()
+    for name, p in fresh[0].named_parameters():
+        assert torch.equal(p.detach(), reference[name]), name

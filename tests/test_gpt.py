@@ -10,7 +10,6 @@ step's loss and gradients are held to the bounds of a reordered fp32 sum."""
 import copy
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ROOT, dm
-from test_interrupts import STOPS_WITHIN_S, Run, assert_one_line
+from test_interrupts import assert_ctrl_c_stops_every_rank
 
 EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
@@ -136,13 +135,7 @@ def test_bad_flags_are_refused_before_any_rank_starts(capsys, monkeypatch, argv,
 
 def test_ctrl_c_ends_the_run_as_the_lesson_does(tmp_path):
     """The lesson's launcher runs the ranks (its failures are tested in test_cli and test_interrupts)."""
-    run = Run(tmp_path, "--dp", "2", "--tp", "2", "--steps", "100000", *SMALL_FLAGS, script=TRAIN)
-    run.rank_pid(0)
-    os.killpg(run.proc.pid, signal.SIGINT)
-    returncode, _, err, seconds = run.finish(STOPS_WITHIN_S)
-    assert returncode == 130 and seconds < STOPS_WITHIN_S
-    assert_one_line(err, "error: interrupted (SIGINT); every rank stopped, temporary files removed")
-    assert os.listdir(run.tmp) == []
+    assert_ctrl_c_stops_every_rank(tmp_path, "--dp", "2", "--tp", "2", "--steps", "100000", *SMALL_FLAGS, script=TRAIN)
 
 
 def test_under_torchrun_the_same_training_runs_and_verifies(tmp_path):

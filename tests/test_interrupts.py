@@ -74,6 +74,19 @@ def assert_one_line(err, expected):
     assert err.startswith(expected), err
 
 
+def assert_ctrl_c_stops_every_rank(tmp_path, *argv, script=SCRIPT):
+    """Ctrl-C (SIGINT to the job) once every rank runs: exit 130 within STOPS_WITHIN_S, one line, no process
+    and no temporary file left (for the scripts that reuse the lesson's launcher)."""
+    run = Run(tmp_path, *argv, script=script)
+    run.rank_pid(0)
+    os.killpg(run.proc.pid, signal.SIGINT)
+    returncode, out, err, seconds = run.finish(STOPS_WITHIN_S)
+    assert returncode == 130 and seconds < STOPS_WITHIN_S
+    assert_one_line(err, "error: interrupted (SIGINT); every rank stopped, temporary files removed")
+    assert os.listdir(run.tmp) == []
+    return out
+
+
 @pytest.mark.parametrize("how,code,message", [
     ("SIGINT to the job", 130, "error: interrupted (SIGINT); every rank stopped, temporary files removed"),
     ("SIGTERM to the launcher", 143, "error: terminated (SIGTERM); every rank stopped, temporary files removed"),

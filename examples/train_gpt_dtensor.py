@@ -1,0 +1,328 @@
+"""Train the GPT of examples/ with FSDP2 x tensor parallel (fully_shard x parallelize_module) and DTensorMuon.
+
+The sibling of train_gpt.py (which trains the same model with the lesson's ZeRO-1 optimizers and
+its own Megatron f / g): the same text (stdlib_text), the same model and initial weights (gpt.py),
+the same param groups and hyperparameters (train_gpt.hyperparameters: Muon with match_rms_adamw
+on the hidden matrices, AdamW on the embeddings, AdamW without decay on norms and biases), the same
+batches and progress lines. Only the parallelism is PyTorch's own, and the optimizer is
+distributed_muon_dtensor.DTensorMuon.
+
+Launch recipes
+--------------
+    python examples/train_gpt_dtensor.py                           # 8 Gloo ranks, mesh dp=4 x tp=2
+    python examples/train_gpt_dtensor.py --dp 2 --tp 2 --steps 4 --verify   # against one process of torch
+    python examples/train_gpt_dtensor.py --dp 2 --tp 2 --steps 40 --save ckpt --save-step 20
+    python examples/train_gpt_dtensor.py --dp 4 --tp 1 --steps 40 --resume ckpt --resume-step 20   # another mesh
+
+What a rank does (mesh (dp, tp), rank = dp_rank * tp + tp_rank):
+    model     gpt.GPT in one process's form; its Megatron layers become nn.Linear, then
+              parallelize_module: qkv and fc ColwiseParallel, the two projections RowwiseParallel
+              (whole heads per TP rank: qkv's rows are laid out head by head), then fully_shard
+              over "dp", block by block and the root (embeddings, final norm; the head is wte, tied)
+    batch     DP rank d's rows of the step's global batch (train_gpt's), the same on its TP ranks
+    backward  of the mean loss: FSDP2 reduce-scatters the gradients (a mean over dp), so each
+              p.grad is the total gradient with p's placements: DTensorMuon's contract
+    step      DTensorMuon: Muon's matrices orthogonalized once each, by an owner among their holders
+    --save / --resume: torch's recipe (dcp.save of get_model_state_dict and get_optimizer_state_dict;
+              dcp.load, set_model_state_dict, set_optimizer_state_dict), on any other mesh
+
+--verify checks the run as distributed_muon_dtensor.verify_training checks the demo's real training
+(its section 7; train_gpt.py's policy and constants): torch.optim.Muon + AdamW fed the ranks' own total
+gradients replay every rank's weights bit for bit at every step; at the ranks' own weights the one
+process's gradients and loss are within GRAD_RTOL and STEP_LOSS_RTOL (FSDP2's and TP's sums run in another
+order), and the free-running losses within TRAINED_LOSS_RTOL over the first TRAINED_CHECKED_STEPS steps.
+The one-process model is the same nn.Linear form, unparallelized. The launcher is the lesson's
+(dm.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing or silent rank ends the run naming it.
+"""
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import distributed_muon_cpu as dm  # noqa: E402
+import distributed_muon_dtensor as dd  # noqa: E402
+import train_gpt as tg  # noqa: E402
+from gpt import GPT, ColumnParallelLinear, RowParallelLinear, param_groups  # noqa: E402
+from stdlib_text import load_corpus  # noqa: E402
+
+
+# =============================================================================
+# 1. The configuration: train_gpt's, with the checkpoint's folders and steps
+# =============================================================================
+@dataclass(frozen=True)
+class Config(tg.TrainConfig):
+    steps: int = 40
+    log_every: int = 10
+    save: str = ""  # a folder: torch's checkpoint after save_step
+    save_step: int = 0
+    resume: str = ""  # a folder: loaded before step resume_step + 1
+    resume_step: int = 0
+    train: bool = True  # what dd.run_reference and dd.verify_training read: gradients come from the model
+    missing_grads: tuple = ()
+
+
+def validate(cfg, on_disk=True):
+    """train_gpt's checks (sizes, hyperparameters, the text), and the checkpoint's; ValueError, one line.
+    on_disk=False: the --resume folder may not exist yet (train_many: an earlier training writes it)."""
+    tg.validate(cfg)
+    if cfg.save and not 1 <= cfg.save_step <= cfg.steps:
+        raise ValueError(f"--save-step must be in [1, --steps {cfg.steps}] (got {cfg.save_step})")
+    if cfg.resume and not 0 <= cfg.resume_step < cfg.steps:
+        raise ValueError(f"--resume-step must be in [0, --steps {cfg.steps}) (got {cfg.resume_step})")
+    if on_disk and cfg.resume and not os.path.isfile(os.path.join(cfg.resume, ".metadata")):
+        raise ValueError(f"--resume {cfg.resume}: no torch.distributed.checkpoint there (no .metadata)")
+    if cfg.save:
+        dm.check_writable(cfg.save, "--save")  # its folder must exist; DCP creates cfg.save itself
+
+
+# =============================================================================
+# 2. The model in PyTorch's parallelism
+# =============================================================================
+def plain_gpt(cfg):
+    """gpt.GPT with its Megatron layers (ColumnParallelLinear, RowParallelLinear: one process's form) turned
+    into nn.Linear holding the same weights, the form parallelize_module's styles take."""
+    model = GPT(cfg.gpt())
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
+                linear = nn.Linear(child.weight.shape[1], child.weight.shape[0])
+                linear.weight, linear.bias = child.weight, child.bias
+                setattr(module, name, linear)
+    return model
+
+
+def parallelize(model, mesh):
+    """TP inside each row of the mesh (Megatron's split, in DTensor's styles), then FSDP2 over dp."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = mesh["tp"]
+    for block in model.blocks:
+        parallelize_module(block, tp, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                       "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+        block.attn.heads = model.config.n_heads // tp.size()  # this rank's whole heads
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def build_optimizer(model, cfg, group=None):
+    return dd.DTensorMuon(param_groups(model, *tg.hyperparameters(cfg)), group=group)
+
+
+# =============================================================================
+# 3. One rank's training
+# =============================================================================
+def train_rank(rank, cfg, device):
+    """Every rank: build, (resume,) train, (save); its losses and, for --verify, its gradients and weights."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch.set_num_threads(1)  # as the reference: bf16 matmul bits may depend on it
+    # full_tensor() of a _StridedShard gradient (for --verify) warns that it takes two all-gathers: known, fine
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    world = cfg.dp * cfg.tp
+    mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    group = dist.new_group(list(range(world))) if world < dist.get_world_size() else None
+    if rank >= world:
+        return None
+    dp_rank = mesh.get_coordinate()[0]
+    corpus = load_corpus()
+    model = parallelize(plain_gpt(cfg).to(device), mesh)
+    opt = build_optimizer(model, cfg, group)
+    first = 1
+    if cfg.resume:
+        dd.load_checkpoint(cfg.resume, model, opt)
+        first = cfg.resume_step + 1
+    losses, val, grads, weights, last = [], [], [], [], time.perf_counter()
+    for step in range(first, cfg.steps + 1):
+        x, y = (t.to(device) for t in corpus.batch(step, cfg.batch, cfg.context, cfg.seed, dp_rank, cfg.dp))
+        if cfg.keep:
+            weights.append(dd.local_params(model))
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        if cfg.keep:  # the total gradient the optimizer is given (a collective on each mesh, every rank alike)
+            grads.append({n: p.grad.full_tensor().to("cpu", copy=True) for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cfg.save and step == cfg.save_step:
+            dd.save_checkpoint(cfg.save, model, opt)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            train_loss, val_loss = dp_mean(losses[-1], mesh, device), validation_loss(model, corpus, cfg, mesh,
+                                                                                      dp_rank, device)
+            val.append((step, val_loss))
+            now = time.perf_counter()
+            done = step - (val[-2][0] if len(val) > 1 else first - 1)
+            if rank == 0 and cfg.progress:
+                print(tg.progress_line(cfg, step, train_loss, val_loss, now - last, done), flush=True)
+            last = now
+    named = list(model.named_parameters())
+    where = {n: dd.distribute_tensor(torch.arange(p.numel(), device=device).view(p.shape), p.device_mesh,
+                                     p.placements, src_data_rank=None).to_local().reshape(-1).cpu() for n, p in named}
+    return dict(rank=rank, first=first, losses=losses, val=val, grads=grads, weights=weights,
+                params=dd.local_params(model), where=where, owners=opt.assignments,
+                placements={n: str(tuple(p.placements)) for n, p in named})
+
+
+def dp_mean(value, mesh, device):
+    """Mean of a number over the dp ranks (for printing; no part of a step)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=mesh.get_group("dp"))
+    return t.item() / mesh.size(0)
+
+
+@torch.no_grad()
+def validation_loss(model, corpus, cfg, mesh, dp_rank, device):
+    x, y = (t.to(device) for t in corpus.validation(cfg.val_windows, cfg.context, dp_rank, cfg.dp))
+    loss = model(x, y).item()
+    model.reshard()  # FSDP2 keeps the root's parameters whole after a forward with no backward: shard them again
+    return dp_mean(loss, mesh, device)
+
+
+@dataclass(frozen=True)
+class Trainings:
+    """Several Configs on one spawn of `dp` x `tp` ranks, one after another, each on its first ranks."""
+
+    configs: tuple
+    dp: int
+    tp: int = 1
+    timeout_s: float = dm.TIMEOUT_S
+
+
+def train_each(rank, trainings, device):
+    results = []
+    for cfg in trainings.configs:
+        results.append(train_rank(rank, cfg, device))
+        dist.barrier()  # the next training may load what this one saved
+    return results
+
+
+def train_many(configs, world):
+    """[every rank's result] of each Config, from one spawn of `world` ranks."""
+    for cfg in configs:
+        validate(cfg, on_disk=False)
+    per_rank = dm.spawn_ranks(Trainings(tuple(configs), world, timeout_s=max(c.timeout_s for c in configs)),
+                              train_each)
+    return [[r[i] for r in per_rank if r[i] is not None] for i in range(len(configs))]
+
+
+# =============================================================================
+# 4. The one-process reference (dd.verify_training's interface)
+# =============================================================================
+class Reference:
+    """torch.optim.Muon + AdamW (dm.torch_optimizers, the same groups) on the plain nn.Linear GPT in one process,
+    and a second copy of the model for the loss and gradients of a whole global batch at any weights."""
+
+    def __init__(self, cfg, device="cpu"):
+        torch.set_num_threads(1)
+        self.cfg, self.device = cfg, device
+        self.model, self.stepped = plain_gpt(cfg).to(device), plain_gpt(cfg).to(device)
+        self.optimizers = dm.torch_optimizers([dict(g, params=[p for _, p in g["params"]])
+                                               for g in param_groups(self.stepped, *tg.hyperparameters(cfg))])
+
+    def weights(self):
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.stepped.named_parameters()}
+
+    def step(self, grads, missing=()):
+        for n, p in self.stepped.named_parameters():
+            p.grad = None if n in missing else grads[n].to(self.device).clone()
+        for opt in self.optimizers:
+            opt.step()
+
+    def gradients_at(self, weights, step):
+        """(loss, {name: gradient}) of step's whole global batch (every DP rank's rows in one call)."""
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(weights[n])
+        self.model.zero_grad(set_to_none=True)
+        corpus = load_corpus()
+        x, y = (torch.cat(t).to(self.device) for t in zip(*(corpus.batch(step, self.cfg.batch, self.cfg.context,
+                                                                          self.cfg.seed, d, self.cfg.dp)
+                                                            for d in range(self.cfg.dp))))
+        loss = self.model(x, y)
+        loss.backward()
+        return loss.item(), {n: p.grad.to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+
+def verify(cfg, results):
+    """dd.verify_training on this model: replay bit for bit, gradients and losses within train_gpt's bounds."""
+    return dd.verify_training(cfg, results, reference=Reference)
+
+
+# =============================================================================
+# 5. The command line
+# =============================================================================
+def build_parser():
+    d = Config()
+    p = argparse.ArgumentParser(description="Train the GPT of examples/ on the standard library's text with "
+                                            "fully_shard x parallelize_module and DTensorMuon on Gloo ranks.")
+    for name, help_text in [("dp", "FSDP2 (mesh dim 'dp') size"), ("tp", "tensor-parallel (mesh dim 'tp') size"),
+                            ("steps", "optimizer steps"), ("batch", "windows per step, all DP ranks"),
+                            ("context", "tokens per window"), ("d_model", "model width"), ("layers", "blocks"),
+                            ("heads", "attention heads"), ("seed", "of the weights and batches"),
+                            ("log_every", "steps between progress lines"),
+                            ("val_windows", "validation windows"), ("save_step", "the step after which --save"),
+                            ("resume_step", "the step the --resume checkpoint was saved after")]:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
+                       help=f"{help_text} (default %(default)s)")
+    for name in ("lr", "weight_decay", "momentum"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
+                       help="train_gpt's (default %(default)s)")
+    p.add_argument("--save", default="", metavar="DIR", help="torch.distributed.checkpoint folder to write")
+    p.add_argument("--resume", default="", metavar="DIR", help="torch.distributed.checkpoint folder to load")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", metavar="SECONDS",
+                   help="a rank silent this long ends the run (default %(default)s)")
+    p.add_argument("--verify", action="store_true",
+                   help="check against torch.optim.Muon + AdamW in one process (replay bit for bit; bounds)")
+    p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
+    return p
+
+
+def print_verification(out, print_fn=print):
+    b = out["bounds"]
+    print_fn(f"Replay of the ranks' own gradients through torch.optim.Muon + AdamW: "
+             f"{'every rank bit-identical at every step' if not out['replay_differs'] else out['replay_differs']}")
+    print_fn(f"Gradients at the ranks' weights vs one process: max {out['grad_max_rel_diff']:.1e} of each "
+             f"tensor's largest entry (bound {b['grad']:.1e}); step loss {out['step_loss_max_rel_diff']:.1e} "
+             f"relative (bound {b['step_loss']:.1e})")
+    print_fn(f"Free-running losses, first {out['trained_checked_steps']} steps: {out['trained_loss_max_rel_diff']:.1e} "
+             f"relative (bound {b['trained_loss']:.1e}); weights {out['trained_max_abs_diff']:.1e} apart at most "
+             f"(reported, not bounded)")
+    print_fn(f"Result: {'PASS' if out['passed'] else 'FAIL'}")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+
+    def work():
+        given = {f.name: getattr(args, f.name) for f in fields(Config) if hasattr(args, f.name)}
+        cfg = Config(**given, keep=args.verify)
+        validate(cfg)
+        print(f"GPT {cfg.layers} layers x d={cfg.d_model}, {cfg.heads} heads; fully_shard x parallelize_module on "
+              f"mesh dp={cfg.dp} x tp={cfg.tp}, DTensorMuon, lr {cfg.lr:g}, torch {torch.__version__}"
+              + (f"; resumed from {cfg.resume} after step {cfg.resume_step}" if cfg.resume else ""), flush=True)
+        t0 = time.perf_counter()
+        results = dm.spawn_ranks(cfg, train_rank)
+        print(f"Wall time: {time.perf_counter() - t0:.1f} s")
+        if not args.verify:
+            return 0
+        out = verify(cfg, results)
+        print_verification(out)
+        return 0 if out["passed"] else 1
+
+    return dm.exit_code(work, args.traceback)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

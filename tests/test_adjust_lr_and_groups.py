@@ -1,0 +1,62 @@
+"""The lesson's optimizer options, as torch.optim.Muon / AdamW take them: every adjust_lr_fn torch accepts
+(spectral_unclamped included) bit for bit against torch, and every param group's options checked at
+construction (check_param_groups), for the lesson's DistributedMuon as for DTensorMuon (tests/test_dtensor.py)."""
+
+import pytest
+import torch
+from torch.optim._muon import _adjust_lr as torch_adjust_lr
+
+from conftest import dm
+from test_optimizer_api import TinyNet, split_groups
+
+
+@pytest.mark.parametrize("fn", dm.ADJUST_LR_FNS + (None,))
+@pytest.mark.parametrize("shape", [(384, 128), (128, 512), (128, 128), (8, 128)])
+def test_every_adjust_lr_fn_torch_accepts_is_torchs(fn, shape):
+    assert dm.adjusted_lr(0.02, fn, shape) == torch_adjust_lr(0.02, fn, torch.Size(shape))
+    assert set(dm.ADJUST_LR_FNS) == {"original", "match_rms_adamw", "spectral_unclamped"}
+
+
+def test_spectral_unclamped_steps_like_torch_on_one_rank(single_process_group):
+    """The lesson's optimizer with a Muon group in spectral_unclamped (below 1 for the wide out.weight, 48 > 16
+    columns) beside one in original and the AdamW group, fed the same random gradients as torch.optim.Muon with
+    the same groups: torch.equal after every step."""
+    torch.manual_seed(0)
+    ours, theirs = TinyNet(), TinyNet()
+    theirs.load_state_dict(ours.state_dict())
+    groups = split_groups(ours)
+    (hidden, _), (out, _) = groups[0]["params"]
+    opt = dm.OPTIMIZERS["owner"]([dict(params=[groups[0]["params"][0]], adjust_lr_fn="spectral_unclamped"),
+                                  dict(params=[groups[0]["params"][1]]), groups[1]],
+                                 grid=single_process_group, bucket_size=300, lr=0.02)
+    named = dict(theirs.named_parameters())
+    ref = [torch.optim.Muon([dict(params=[named[hidden]], adjust_lr_fn="spectral_unclamped"),
+                             dict(params=[named[out]])], lr=0.02, weight_decay=0.1, adjust_lr_fn="original"),
+           torch.optim.AdamW([named[n] for n in groups[1]["param_names"]], lr=0.02, weight_decay=0.1)]
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        for name, p in ours.named_parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+            named[name].grad = p.grad.clone()
+        opt.step()
+        for o in ref:
+            o.step()
+        assert all(torch.equal(p, named[n]) for n, p in ours.named_parameters()), step
+    assert dm.adjusted_lr(0.02, "spectral_unclamped", (16, 48)) < 0.02
+
+
+@pytest.mark.parametrize("group,message", [
+    (dict(adjust_lr_fn="spectral"), "param group 0: adjust_lr_fn must be one of original, match_rms_adamw, "
+                                    "spectral_unclamped (got 'spectral')"),
+    (dict(lr=float("nan")), "param group 0: lr must be >= 0 and finite (got nan)"),
+    (dict(momentum=-0.1), "param group 0: momentum must be in [0, 1) (got -0.1)"),
+])
+def test_the_lessons_optimizer_checks_every_group(single_process_group, group, message):
+    groups = split_groups(TinyNet())
+    groups[0].update(group)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        dm.OPTIMIZERS["gather"](groups, grid=single_process_group)
+    groups = split_groups(TinyNet())
+    groups[1].update(betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"param group 1: betas must be two numbers in \[0, 1\)"):
+        dm.OPTIMIZERS["gather"](groups, grid=single_process_group)
