@@ -81,6 +81,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402  (the report, the launcher and the command line)
 
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (torch.optim.Muon: yes), "
       f"{os.cpu_count()} CPU cores")
@@ -142,7 +143,7 @@ print(f"\nrank 5: DP rank {grid.dp.rank} of DP group {grid.dp.ranks}, "
 # %%
 rows = [[s.name, "x".join(map(str, s.global_shape)) or "scalar", "-" if s.tp_split_dim < 0 else s.tp_split_dim,
          s.group] for s in dm.transformer_specs()]
-print(dm.format_table(["parameter", "global shape", "TP split dim", "param group"], rows, ["<", ">", ">", "<"]))
+print(mt.format_table(["parameter", "global shape", "TP split dim", "param group"], rows, ["<", ">", ">", "<"]))
 
 # %% [markdown]
 # ## 4. The virtual buffer
@@ -154,7 +155,7 @@ print(dm.format_table(["parameter", "global shape", "TP split dim", "param group
 
 # %%
 plan = dm.plan_optimizer(dm.RunConfig(dp=3, tp=2))
-print(dm.format_buffer_map(plan.layout))
+print(mt.format_buffer_map(plan.layout))
 
 # %% [markdown]
 # ## 5. The step: the gather strategy
@@ -183,7 +184,7 @@ print(inspect.getsource(dm.gather_newton_schulz_shard))
 plan = dm.plan_optimizer(dm.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
 per_rank, balance = dm.load_balance(plan.ns_flops, plan.owners, 8)
 rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}"] for r in range(8)]
-print(dm.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
+print(mt.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
 print(f"max / mean = {balance:.2f}\n")
 print("class OwnerMuon(DistributedMuon):\n" + textwrap.indent(inspect.getdoc(dm.OwnerMuon), "    "))
 

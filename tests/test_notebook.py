@@ -17,6 +17,7 @@ from test_cli import check_default_run
 
 NOTEBOOK = os.path.join(ROOT, "distributed_muon_cpu.ipynb")
 PAIR = os.path.join(ROOT, "distributed_muon_cpu.nb.py")
+TOOLS = os.path.join(ROOT, "muon_tools.py")
 
 
 def cells(nb):
@@ -34,8 +35,10 @@ def test_notebook_is_committed_without_outputs():
 
 
 def test_notebook_sections_are_the_scripts_in_order():
-    with open(SCRIPT) as f:
-        script = re.findall(r"^# (\d)\. (.+)$", f.read(), flags=re.M)
+    script = []
+    for path in (SCRIPT, TOOLS):  # the lesson's sections 1-7, then its tooling's 8 and 9
+        with open(path) as f:
+            script += re.findall(r"^# (\d)\. (.+)$", f.read(), flags=re.M)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     headings = [m for c in nb.cells if c.cell_type == "markdown"
                 for m in re.findall(r"^## (\d+)\. (.+)$", c.source, flags=re.M)]
@@ -47,7 +50,7 @@ def test_notebook_sections_are_the_scripts_in_order():
 def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     """`jupyter nbconvert --to notebook --execute`, the README's command, in a folder holding only
     what a user's clone has that the notebook needs."""
-    for name in ("distributed_muon_cpu.py", "distributed_muon_cpu.ipynb", "requirements.txt",
+    for name in ("distributed_muon_cpu.py", "muon_tools.py", "distributed_muon_cpu.ipynb", "requirements.txt",
                  os.path.join("benchmarks", "compare.py"), os.path.join("examples", "gpt.py"),
                  os.path.join("examples", "stdlib_text.py"), os.path.join("examples", "train_gpt.py")):
         os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
