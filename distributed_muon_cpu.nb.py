@@ -127,7 +127,7 @@ for shape in [(384, 128), (128, 128), (128, 512)]:
 # ranks holding the same TP piece of every weight, each fed different data.
 
 # %%
-print(dm.format_grid(4, 2))
+print(mt.format_grid(4, 2))
 grid = dm.plan_grid(4, 2, rank=5)
 print(f"\nrank 5: DP rank {grid.dp.rank} of DP group {grid.dp.ranks}, "
       f"TP rank {grid.tp.rank} of TP group {grid.tp.ranks}")

@@ -79,40 +79,24 @@ NS_STEPS = 5
 NS_EPS = 1e-7
 
 
-def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS, fused_mm=torch.addmm):
     """Approximately orthogonalize a full (rows, cols) matrix; returns bfloat16.
 
-    A 2-D matrix goes through exactly torch.optim.Muon's operations (addmm), so
-    its result is torch's, bit for bit: this is the path every strategy takes by
-    default. A stack (batch, rows, cols) of same-shape matrices goes through
-    batched matmuls (baddbmm), one call for all of them. That is the same math
-    but NOT the same bits: bf16 baddbmm and addmm round some near-ties
-    differently (here: 26 of 4,800 small-side matrices differed, by up to 2.8 %
-    of their largest entry), so a stack is used only when asked for (the
-    batched_ns option), within BATCHED_NS_BOUND of the 2-D result.
+    With fused_mm = torch.addmm (beta * input + alpha * m1 @ m2, in one call) these are
+    exactly torch.optim.Muon's operations, so its result is torch's, bit for bit.
+    (Section 6 passes torch.baddbmm to run a stack of same-shape matrices at once.)
     """
     a, b, c = coefficients
-    fused_mm = torch.addmm if matrix.ndim == 2 else torch.baddbmm  # beta * input + alpha * (m1 @ m2)
     x = matrix.bfloat16()
     tall = matrix.size(-2) > matrix.size(-1)
     if tall:
         x = x.mT
-    norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)  # one norm per matrix
-    x = x / norm.clamp(min=eps)  # out of place: a bf16 input is not modified
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # out of place: a bf16 input is not modified
     for _ in range(steps):
         gram = x @ x.mT
         poly = fused_mm(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A
         x = fused_mm(x, poly, x, beta=a)  # a*X + poly@X
     return x.mT if tall else x
-
-
-# The largest |stack result - 2-D result| of newton_schulz, relative to the largest
-# entry of the 2-D result, that tests/test_math.py allows. Measured on this CPU
-# (torch 2.14.1, 1 thread, 100 seeds x 16 shapes x stacks of 3): at most 0.028,
-# so 2**-5 = 0.031 leaves a small margin; a bf16 entry carries 8 significant bits
-# (relative step 2**-8), and a few roundings that differ early grow through the
-# 5 iterations.
-BATCHED_NS_BOUND = 2.0**-5
 
 
 def newton_schulz_flops(shape, steps=NS_STEPS):
@@ -188,22 +172,13 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_dec
 # The groups are sliced from torch.arange(world).view(DP, TP). Every rank must
 # create every group, in the same order, even the groups it is not part of.
 #
-# Every collective of the optimizer goes through all_gather / reduce_scatter /
-# exchange below, which record what each rank logically sends and receives. We
-# count bytes ourselves because Gloo's profiler records no message sizes. For
-# all_gather and reduce_scatter the count is that of a ring (bandwidth-optimal)
-# algorithm: for a group of n ranks and a shard of k bytes, each rank sends and
-# receives (n - 1) * k. Gloo's own reduce_scatter moves more than that: it is
-# implemented as a full all-reduce, so on Gloo reduce_scatter below sends each
-# rank its shard with one all-to-all instead and adds the contributions there,
-# in rank order: exactly the ring's bytes, and 2.4 (2 ranks) to 3.0 (8 ranks)
-# times faster here at 16 MiB per rank (benchmarks/gloo_collectives.py).
-# exchange (an all-to-all with uneven sizes)
-# sends each piece straight to its destination, so the count is exact: what a
-# rank sends to the others, and what it receives from them. Each call is also
+# Every collective of the optimizer goes through the functions below, which
+# record in a Ledger what each rank logically sends and receives: Gloo's
+# profiler records no message sizes, so we count bytes ourselves. The count is
+# that of a ring (bandwidth-optimal) algorithm: for a group of n ranks and a
+# shard of k bytes, each rank sends and receives (n - 1) * k. Each call is also
 # labelled with its phase for torch.profiler (record_function), so a trace of a
-# step shows the phases by the names the ledger uses (examples/train_gpt.py
-# --profile reads them back).
+# step shows the phases by the names the ledger uses.
 
 # torch 2.14 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour
 # of all_gather_single / reduce_scatter_single; older torch has only the old
@@ -211,8 +186,8 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_dec
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# A world this large on one machine is a typo, not a plan: every rank is a
-# Python process with torch loaded (`import torch` alone held 0.8 GB resident here).
+# A world this large on one machine is a typo, not a plan: every rank is a Python
+# process with torch loaded (its memory: notes/07-pitfalls.md).
 MAX_WORLD = 64
 
 
@@ -273,16 +248,6 @@ def make_grid(dp, tp, rank):
                    world=replace(plan.world, group=dist.group.WORLD))
 
 
-def format_grid(dp, tp):
-    """The rank layout as a small table."""
-    grid = rank_grid(dp, tp)
-    width = max(4, len(str(dp * tp - 1)) + 1)
-    lines = ["      " + "".join(f"{'TP ' + str(t):>{width + 2}}" for t in range(tp))]
-    for d in range(dp):
-        lines.append(f"DP {d:<3}" + "".join(f"{r:>{width + 2}}" for r in grid[d].tolist()))
-    return "\n".join(lines)
-
-
 @dataclass
 class Ledger:
     """What this rank communicated and computed, step by step."""
@@ -292,7 +257,7 @@ class Ledger:
     compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
     # What this rank did, in order: (step, "launch" | "wait", phase) for every collective,
     # (step, "newton-schulz", matrix) for every orthogonalization: what was in flight while
-    # what ran.
+    # what ran, once section 6 lets collectives fly while a rank computes.
     events: list = field(default_factory=list)
 
     def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
@@ -302,62 +267,29 @@ class Ledger:
                               sent=sent_numel * size, received=received_numel * size))
         self.events.append((self.step, "launch", phase))
 
+    def record_ring(self, phase, op, axis, shard):
+        """A ring collective of `shard`-sized pieces: (n - 1) pieces out and in."""
+        ring = (axis.size - 1) * shard.numel()
+        self.record_comm(phase, op, axis, ring, ring, shard.dtype)
+
+    def record_wait(self, phase):
+        self.events.append((self.step, "wait", phase))
+
     def record_compute(self, name, shape, flops):
         self.compute.append(dict(step=self.step, name=name, shape=tuple(shape), flops=flops))
         self.events.append((self.step, "newton-schulz", name))
 
 
-def later(work, phase, ledger, result):
-    """What an asynchronous collective returns: a function that waits for `work` (None: nothing
-    to wait for) and returns result(). The wait is labelled with the phase, as the launch is."""
-    def wait():
-        if work is not None:
-            with record_function(phase):
-                work.wait()
-            ledger.events.append((ledger.step, "wait", phase))
-        return result()
-    return wait
-
-
-# Every collective below takes async_op: with it, the call only starts the
-# collective and returns a function that waits for it (later()), so that a rank
-# can compute while its messages are in flight; the tensors passed in must then
-# stay untouched until that wait.
-
-def all_gather(shard, axis, ledger, phase, async_op=False):
+def all_gather(shard, axis, ledger, phase):
     """Concatenate every rank's equal-sized 1-D shard along `axis`: (size * k,)."""
     if axis.size == 1:
-        return (lambda: shard) if async_op else shard
+        return shard
     out = shard.new_empty(axis.size * shard.numel())
     with record_function(phase):
-        work = _all_gather_single(out, shard, group=axis.group, async_op=True)
-    ring = (axis.size - 1) * shard.numel()
-    ledger.record_comm(phase, "all_gather", axis, ring, ring, shard.dtype)
-    wait = later(work, phase, ledger, lambda: out)
-    return wait if async_op else wait()
-
-
-def reduce_scatter(bucket, axis, ledger, phase, async_op=False):
-    """Sum `bucket` over the ranks of `axis` and keep this rank's 1/size of it."""
-    if axis.size == 1:
-        return (lambda: bucket) if async_op else bucket
-    shard = bucket.numel() // axis.size
-    with record_function(phase):
-        if dist.get_backend(axis.group) == "gloo":
-            # Every rank's i-th shard goes straight to rank i, which adds them up in rank order.
-            received = bucket.new_empty(bucket.numel())
-            work = dist.all_to_all_single(received, bucket, group=axis.group, async_op=True)
-            result = lambda: sum_in_order(received.view(axis.size, shard))  # noqa: E731
-        else:
-            # ReduceOp.SUM: the total gradient, as the reference is fed. (AVG is avoided
-            # for older torch; divide afterwards if you want a mean.)
-            out = bucket.new_empty(shard)
-            work = _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
-            result = lambda: out  # noqa: E731
-    ring = (axis.size - 1) * shard
-    ledger.record_comm(phase, "reduce_scatter", axis, ring, ring, bucket.dtype)
-    wait = later(work, phase, ledger, result)
-    return wait if async_op else wait()
+        _all_gather_single(out, shard, group=axis.group)
+    ledger.record_ring(phase, "all_gather", axis, shard)
+    ledger.record_wait(phase)
+    return out
 
 
 def sum_in_order(contributions):
@@ -368,28 +300,36 @@ def sum_in_order(contributions):
     return total
 
 
-def exchange(sends, receive_numels, axis, ledger, phase, async_op=False):
-    """All-to-all with uneven sizes: sends[i] (1-D) goes to rank i of `axis`.
+def reduce_scatter_sum(bucket, axis):
+    """torch's reduce-scatter with ReduceOp.SUM, started: (work, a function that returns the shard).
 
-    receive_numels[i] is how much rank i sends here (every rank knows the whole
-    plan, so nobody has to ask). Returns one 1-D tensor per source rank; with
-    async_op, a function that waits for them and returns them instead.
+    The sum is the total gradient, as the reference is fed (AVG is avoided for older torch).
+    Gloo implements reduce_scatter as a full all-reduce, which moves more than a
+    ring's bytes and is slower (benchmarks/gloo_collectives.py,
+    notes/measured/gloo_collectives_2core.txt). On Gloo every rank's i-th shard goes
+    instead straight to rank i, in one all-to-all, and rank i adds them up in rank
+    order: exactly the ring's bytes.
     """
-    send = torch.cat(sends)
-    received = send.new_empty(sum(receive_numels))
-    split_sizes = [t.numel() for t in sends]
-    work = None
+    shard_numel = bucket.numel() // axis.size
+    if dist.get_backend(axis.group) == "gloo":
+        received = bucket.new_empty(bucket.numel())
+        work = dist.all_to_all_single(received, bucket, group=axis.group, async_op=True)
+        return work, lambda: sum_in_order(received.view(axis.size, shard_numel))
+    out = bucket.new_empty(shard_numel)
+    work = _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+    return work, lambda: out
+
+
+def reduce_scatter(bucket, axis, ledger, phase):
+    """Sum `bucket` over the ranks of `axis` and keep this rank's 1/size of it."""
     if axis.size == 1:
-        received.copy_(send)
-    else:
-        with record_function(phase):
-            work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
-                                          group=axis.group, async_op=True)
-    others = [i for i in range(axis.size) if i != axis.rank]
-    ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
-                       sum(receive_numels[i] for i in others), send.dtype)
-    wait = later(work, phase, ledger, lambda: list(received.split(list(receive_numels))))
-    return wait if async_op else wait()
+        return bucket
+    with record_function(phase):
+        work, shard = reduce_scatter_sum(bucket, axis)
+        work.wait()
+    ledger.record_ring(phase, "reduce_scatter", axis, bucket[:bucket.numel() // axis.size])
+    ledger.record_wait(phase)
+    return shard()
 
 
 def any_rank(flags, axis, ledger, phase):
@@ -413,24 +353,11 @@ def any_rank(flags, axis, ledger, phase):
 # =============================================================================
 # 3. The parameters and their gradients
 # =============================================================================
-# A small transformer that exercises every case the optimizer must handle:
-#
-#   name                      global shape   TP split        optimizer
-#   embed.weight              (V, d)         dim 0 (vocab)   AdamW  (embeddings: AdamW, as in practice)
-#   layers.i.norm1.weight     (d,)           replicated      AdamW, no weight decay
-#   layers.i.attn.qkv.weight  (3d, d)        dim 0 (column)  Muon   tall
-#   layers.i.attn.qkv.bias    (3d,)          dim 0           AdamW, no weight decay
-#   layers.i.attn.proj.weight (d, d)         dim 1 (row)     Muon   square
-#   layers.i.attn.proj.bias   (d,)           replicated      AdamW, no weight decay
-#   layers.i.norm2.weight     (d,)           replicated      AdamW, no weight decay
-#   layers.i.router.weight    (E, d)         replicated      Muon   wide, never split (an MoE router)
-#   layers.i.mlp.fc1.weight   (4d, d)        dim 0 (column)  Muon   tall
-#   layers.i.mlp.fc1.bias     (4d,)          dim 0           AdamW, no weight decay
-#   layers.i.mlp.fc2.weight   (d, 4d)        dim 1 (row)     Muon   wide
-#   layers.i.mlp.fc2.bias     (d,)           replicated      AdamW, no weight decay
-#   final_norm.weight         (d,)           replicated      AdamW, no weight decay
-#   logit_scale               ()             replicated      AdamW, no weight decay  (a 0-dim tensor)
-#   lm_head.weight            (V, d)         dim 0 (vocab)   AdamW
+# A small transformer that exercises every case the optimizer must handle: Muon
+# matrices tall, square and wide, split by TP along dim 0 (column-parallel), dim 1
+# (row-parallel) or not at all (an MoE router); AdamW, as in practice, for the
+# embedding and head (split by vocabulary), and without weight decay for norms,
+# biases and a 0-dim scalar.
 #
 # Gradients differ per DP rank (each saw different data) and agree across the
 # TP ranks of a row (they hold pieces of the same gradient). They are drawn as
@@ -459,64 +386,21 @@ def transformer_specs(vocab=VOCAB, d=D_MODEL, n_layers=N_LAYERS, n_experts=N_EXP
         p = f"layers.{i}."
         specs += [
             ParamSpec(p + "norm1.weight", (d,), -1, "adamw_no_wd"),
-            ParamSpec(p + "attn.qkv.weight", (3 * d, d), 0, "muon"),
+            ParamSpec(p + "attn.qkv.weight", (3 * d, d), 0, "muon"),  # tall, column-parallel
             ParamSpec(p + "attn.qkv.bias", (3 * d,), 0, "adamw_no_wd"),
-            ParamSpec(p + "attn.proj.weight", (d, d), 1, "muon"),
+            ParamSpec(p + "attn.proj.weight", (d, d), 1, "muon"),  # square, row-parallel
             ParamSpec(p + "attn.proj.bias", (d,), -1, "adamw_no_wd"),
             ParamSpec(p + "norm2.weight", (d,), -1, "adamw_no_wd"),
-            ParamSpec(p + "router.weight", (n_experts, d), -1, "muon"),
+            ParamSpec(p + "router.weight", (n_experts, d), -1, "muon"),  # wide, never split
             ParamSpec(p + "mlp.fc1.weight", (4 * d, d), 0, "muon"),
             ParamSpec(p + "mlp.fc1.bias", (4 * d,), 0, "adamw_no_wd"),
-            ParamSpec(p + "mlp.fc2.weight", (d, 4 * d), 1, "muon"),
+            ParamSpec(p + "mlp.fc2.weight", (d, 4 * d), 1, "muon"),  # wide, row-parallel
             ParamSpec(p + "mlp.fc2.bias", (d,), -1, "adamw_no_wd"),
         ]
     specs += [ParamSpec("final_norm.weight", (d,), -1, "adamw_no_wd"),
-              ParamSpec("logit_scale", (), -1, "adamw_no_wd"),
+              ParamSpec("logit_scale", (), -1, "adamw_no_wd"),  # a 0-dim tensor
               ParamSpec("lm_head.weight", (vocab, d), 0, "adamw")]
     return specs
-
-
-def lopsided_specs():
-    """One huge matrix among many small ones (--model lopsided): work that cannot be
-    spread evenly over ranks that each take whole matrices."""
-    specs = [ParamSpec("huge.weight", (1024, 128), 0, "muon"), ParamSpec("huge.bias", (1024,), 0, "adamw_no_wd")]
-    for i in range(12):  # alternately tall (split rows) and wide (split columns)
-        specs.append(ParamSpec(f"small.{i}.weight", (32, 64) if i % 2 else (64, 32), i % 2, "muon"))
-    specs += [ParamSpec("small.router.weight", (8, 32), -1, "muon"),
-              ParamSpec("out.weight", (64, 32), 0, "adamw")]
-    return specs
-
-
-def thin_specs():
-    """Matrices with a small side (--model thin): k x 1, 1 x k, k x 2, 600 x 6, odd sizes.
-
-    On such shapes bf16 rounding near-ties are common enough that a Newton-Schulz
-    done in any other order than torch's shows up in a few steps. Eight copies of
-    each shape, so that one rank can be given several of the same shape, and one
-    6 x 6000 matrix that outweighs any rank's share of the rest, so that a rank can
-    be given it alone.
-    """
-    shapes = [((600, 6), 0), ((6, 600), 1), ((60, 6), 0), ((6, 60), 1), ((97, 5), -1), ((5, 97), -1),
-              ((64, 1), 0), ((1, 64), 1), ((64, 2), 0), ((2, 64), 1)]
-    specs = [ParamSpec(f"thin.{copy}.{rows}x{cols}.weight", (rows, cols), split, "muon")
-             for copy in range(8) for (rows, cols), split in shapes]
-    return specs + [ParamSpec("thin.wide.weight", (6, 6000), 1, "muon"),
-                    ParamSpec("thin.bias", (60,), 0, "adamw_no_wd"), ParamSpec("thin.scale", (), -1, "adamw_no_wd")]
-
-
-def check_tp_divides(specs, tp):
-    """Raise ValueError naming the first parameter TP cannot split evenly."""
-    for s in specs:
-        if s.tp_split_dim >= 0 and s.global_shape[s.tp_split_dim] % tp:
-            raise ValueError(f"TP {tp} does not divide {s.name} dim {s.tp_split_dim} "
-                             f"(size {s.global_shape[s.tp_split_dim]}, global shape {tuple(s.global_shape)})")
-
-
-def tp_local_shape(spec, tp):
-    shape = list(spec.global_shape)
-    if spec.tp_split_dim >= 0:
-        shape[spec.tp_split_dim] //= tp
-    return tuple(shape)
 
 
 def initial_params(specs, seed):
@@ -549,17 +433,6 @@ def dp_rank_grads(specs, seed, step, dp_rank, missing=()):
     return grads
 
 
-def total_grads(specs, seed, step, dp, missing=()):
-    """The gradient the single-device reference sees: the sum over the DP ranks that have
-    one (a missing gradient counts as zeros, as in DDP), or None where no rank has one."""
-    per_rank = [dp_rank_grads(specs, seed, step, r, missing) for r in range(dp)]
-    total = {}
-    for s in specs:
-        present = [grads[s.name] for grads in per_rank if grads[s.name] is not None]
-        total[s.name] = sum(present) if present else None
-    return total
-
-
 # =============================================================================
 # 4. The virtual buffer
 # =============================================================================
@@ -576,19 +449,8 @@ def total_grads(specs, seed, step, dp, missing=()):
 # A parameter's range may straddle shard boundaries: above, qkv.weight is kept
 # partly by DP 0 and partly by DP 1. Each rank's optimizer state covers only
 # its shard: its part of a parameter (`local_range`), which may be empty.
-#
-# dist_meta (one per parameter, per rank; the names of the Moonshot PoC's MuonDistMeta):
-#   buffer_idx    which param group / virtual buffer
-#   bucket_idx    which bucket inside that buffer
-#   shape         TP-local shape (what this rank holds)
-#   global_shape  shape after the TP gather (what Newton-Schulz sees)
-#   tp_split_dim  dim TP splits (-1: not split)
-#   bucket_range  [start, end) of the parameter inside its bucket
-#   local_range   [start, end) of the part this DP rank keeps, in bucket coordinates;
-#                 empty (start == end) when its shard does not touch the parameter
-#   shard_start   where this DP rank's shard begins in the bucket (to find the
-#                 local range inside the shard)
-# The layout depends only on shapes, DP and the bucket size: every rank (and
+# A DistMeta (one per parameter, per rank; the names of the Moonshot PoC's
+# MuonDistMeta) says where the parameter lies. The layout depends only on shapes, DP and the bucket size: every rank (and
 # the parent process, for --explain) computes the same one without talking.
 
 
@@ -608,13 +470,13 @@ class Bucket:
 @dataclass(frozen=True)
 class DistMeta:
     name: str
-    buffer_idx: int
-    bucket_idx: int
-    shape: tuple
-    global_shape: tuple
-    tp_split_dim: int
-    bucket_range: tuple
-    local_range: tuple
+    buffer_idx: int  # which param group / virtual buffer
+    bucket_idx: int  # which bucket inside that buffer
+    shape: tuple  # TP-local shape (what this rank holds)
+    global_shape: tuple  # shape after the TP gather (what Newton-Schulz sees)
+    tp_split_dim: int  # dim TP splits (-1: not split)
+    bucket_range: tuple  # [start, end) of the parameter inside its bucket
+    local_range: tuple  # [start, end) of the part this DP rank keeps, in bucket coordinates; may be empty
     shard_start: int  # where this DP rank's shard begins in the bucket
 
     @property
@@ -705,56 +567,112 @@ def plan_layout(buffers, shapes, tp_split_dims, dp, tp, bucket_size):
 # =============================================================================
 # 5. The step: the gather strategy
 # =============================================================================
-# One optimizer step as seen from one rank (DP=4, TP=2). This section is the
-# flow the whole project is about, the "gather" strategy, in four stages:
+# One optimizer step as seen from one rank (DP=4, TP=2), bucket by bucket. This
+# section is the flow the whole project is about, the "gather" strategy:
 #
-#   1. _reduce_grads    grads (TP-local)  --DP reduce-scatter (fp32)-->  this rank's part of the summed gradient
-#   2. _update_state    gradient part     --momentum (lerp) / AdamW--->  update part (bf16) / new AdamW weights
-#   3. _orthogonalize   update parts, bucket by bucket, in gather_newton_schulz_shard:
+#   1. grads (TP-local)  --DP reduce-scatter (fp32)---> this rank's part of the summed gradient
+#   2. gradient part     --momentum (lerp) / AdamW----> update part (bf16) / new AdamW weights
+#   3. gather_newton_schulz_shard, on the bucket's matrices:
 #        update shard          --DP gather (all-gather)------> every TP-local matrix of the bucket
 #        TP-local matrix       --TP gather (along split dim)-> the full matrix  [only where this rank has a part]
 #        full matrix           --Newton-Schulz---------------> orthogonal full matrix
 #        orthogonal matrix     --TP shard (slice)------------> its TP piece
 #        TP piece              --DP shard (slice)------------> this rank's part
-#      then  part -= lr*wd*part + adjusted_lr * update      (the weight update, on the part only)
-#   4. _gather_params   parts  --param all-gather (fp32)---->  every rank holds its full TP-local weights
+#      then  part -= lr*wd*part + adjusted_lr * update     (the weight update, on the part only)
+#   4. parts             --param all-gather (fp32)-----> every rank holds its full TP-local weights
 #
-# Before stage 1 the ranks agree, in one tiny all-reduce ("grad presence"),
-# which parameters have a gradient on any rank: one whose .grad is None
-# everywhere is skipped, as torch skips it; had each rank decided alone, ranks
-# could enter different collectives and wait for each other forever.
+# A rank's "part" of a parameter is the range of its flattened TP piece whose
+# optimizer state it keeps (its ZeRO-1 local range, from dist_meta). The gather
+# path is communication; its mirror, the shard path, is free: every rank already
+# holds the full result and just slices out its own piece.
 #
-# The gather path is communication; its mirror, the shard path, is free: every
-# rank already holds the full result and just slices out its own piece.
-#
-# Why the DP gather is bucketed but the TP gather is not:
-#   * the DP gather moves the update shards as they lie in memory: one flat
-#     all-gather per bucket rebuilds every TP-local matrix of the bucket as a
-#     contiguous view, so one large message replaces many small ones;
-#   * the TP gather must put pieces together along each matrix's own split dim
-#     (dim 0 or 1, or nothing for a replicated matrix), so each matrix needs its
-#     own concatenation anyway, and it is needed only for the matrices this
-#     rank's DP shard touches (the TP peers of a row share the same DP shard,
-#     so they agree on which). Coalescing the TP gathers is a possible
-#     optimization; it would not change the bytes.
-# The bf16 cast before the DP gather is the one Newton-Schulz does first anyway:
-# it halves those bytes and changes no bit of the result.
+# Why the DP gather is bucketed but the TP gather is not: the DP gather moves the
+# update shards as they lie in memory, so one flat all-gather per bucket rebuilds
+# every TP-local matrix of the bucket as a contiguous view (one large message
+# instead of many small ones); the TP gather must join pieces along each matrix's
+# own split dim, so each matrix needs its own concatenation anyway, and only
+# the matrices this rank's DP shard touches need it (the TP peers of a row share
+# that shard, so they agree on which). The bf16 cast before the DP gather is the
+# one Newton-Schulz does first anyway: it halves those bytes and changes no bit.
 #
 # AdamW parameters ride the same gradient reduce-scatter and parameter
 # all-gather; their update is elementwise, so they need no gather at all.
 #
-# A rank's "part" of a parameter is the range of its flattened TP piece whose
-# optimizer state it keeps (its ZeRO-1 local range, found from dist_meta).
-# On one rank nothing travels, and the four stages run bucket by bucket
-# instead: one bucket's temporaries alive at a time, as torch.optim.Muon's loop
-# holds one matrix's. Holding every bucket's at once cost this CPU 1.5-2.3x
-# torch's time outside Newton-Schulz: glibc gave the freed memory back to the
-# system and faulted it in again every step (notes/08-strategies.md).
-#
-# Each stage is a method, so that another strategy can replace one stage and
-# keep the others.
+# The buckets go one at a time, through all four stages: one bucket's
+# temporaries are alive at a time, as torch.optim.Muon's loop holds one
+# matrix's (what holding them all costs: notes/08-strategies.md).
+
+# The gather path and its mirror, the shard path. Each collective is a join the
+# process group does; the pure part of each arrow (which view, which join, which
+# slice) is a function of its own, so the same code runs in one process too.
+def dp_gather(update_shard, dp, ledger):
+    """Every DP rank's update shard -> the whole bucket: the shards joined in DP rank order."""
+    return all_gather(update_shard, dp, ledger, "DP gather")
 
 
+def matrix_in_bucket(bucket, meta):
+    """One TP-local matrix of a whole bucket: a view of its range, no copy."""
+    return bucket[slice(*meta.bucket_range)].view(meta.shape)
+
+
+def join_tp_pieces(pieces, tp_split_dim):
+    """The pure part of tp_gather: the TP pieces, in TP rank order -> the full matrix."""
+    return torch.cat(pieces, dim=tp_split_dim) if tp_split_dim >= 0 else pieces[0]
+
+
+def tp_gather(tp_local, tp_split_dim, tp, ledger):
+    """TP pieces of one matrix -> the full matrix, joined along tp_split_dim."""
+    if tp_split_dim < 0 or tp.size == 1:
+        return tp_local
+    pieces = all_gather(tp_local.reshape(-1), tp, ledger, "TP gather").view(tp.size, *tp_local.shape)
+    return join_tp_pieces(pieces.unbind(0), tp_split_dim)
+
+
+def tp_shard(full, tp_split_dim, tp_rank, tp_size):
+    """Full tensor -> TP rank tp_rank's piece (a slice: no communication).
+
+    Also how a run hands each rank its TP pieces of parameters and gradients (section 7).
+    """
+    if tp_split_dim < 0 or tp_size == 1:
+        return full
+    return full.chunk(tp_size, dim=tp_split_dim)[tp_rank]
+
+
+def dp_shard(tp_local, meta):
+    """TP piece of a matrix -> the part in this rank's DP shard (a slice: no communication)."""
+    return tp_local.reshape(-1)[meta.param_slice]
+
+
+def shard_of_bucket(parts, metas, shard_numel, dtype, device):
+    """This DP rank's shard of a bucket from its parts ({name: flat part}), the mirror of dp_shard:
+    zeros where it has none (padding, or a parameter that has no gradient)."""
+    shard = torch.zeros(shard_numel, dtype=dtype, device=device)
+    for meta in metas:
+        if meta.name in parts:
+            shard[meta.shard_slice] = parts[meta.name]
+    return shard
+
+
+def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger):
+    """The gather flow for one bucket of matrices: {name: this rank's part of the orthogonalized matrix}.
+
+        DP gather  ->  TP gather  ->  Newton-Schulz  ->  TP shard  ->  DP shard
+
+    update_shard: this rank's DP shard of the bucket (bf16); metas: the matrices to orthogonalize.
+    """
+    update_bucket = dp_gather(update_shard, grid.dp, ledger)  # DP gather: the whole bucket
+    ortho_parts = {}
+    for meta in metas:
+        full = tp_gather(matrix_in_bucket(update_bucket, meta), meta.tp_split_dim, grid.tp, ledger)  # TP gather
+        with record_function("newton-schulz"):
+            ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+        ledger.record_compute(meta.name, meta.global_shape, newton_schulz_flops(meta.global_shape, group["ns_steps"]))
+        tp_piece = tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
+        ortho_parts[meta.name] = dp_shard(tp_piece, meta)  # DP shard: a slice
+    return ortho_parts
+
+
+# The constructor's checks: what it refuses, and the index of named parameters it builds.
 def check_hyperparameters(name=str, *, bucket_size, lr, weight_decay, momentum, adjust_lr_fn):
     """The optimizer's rules for its arguments, in one place. `name` spells an argument in the
     ValueError: as the constructor's keyword by default, or as a command-line flag."""
@@ -838,44 +756,6 @@ class DistributedMuon(torch.optim.Optimizer):
         self._plan()
         self.parts = {n: self.part_of(n, grid.dp.rank) for n in self.param_by_name}
 
-    # -- what the layout holds, and what another strategy may plan differently --
-    def _bucketed(self, name):
-        """Whether ZeRO-1's flat buckets hold this parameter: all of them here."""
-        return True
-
-    def _plan(self):
-        """Anything to plan once the layout is known: nothing for the gather strategy."""
-
-    def part_of(self, name, dp_rank):
-        """The part of `name` that DP rank `dp_rank` keeps state for, as a slice of the flat TP piece."""
-        return self.layout.metas[dp_rank][name].param_slice
-
-    # -- the layout a checkpoint belongs to ---------------------------------
-    def _checkpoint_layout(self):
-        return dict(dp=self.grid.dp.size, tp=self.grid.tp.size, dp_rank=self.grid.dp.rank,
-                    tp_rank=self.grid.tp.rank, bucket_size=self.bucket_size, strategy=self.strategy,
-                    owners=self.owners)
-
-    def state_dict(self):
-        """This rank's shard of the state (ZeRO-1 checkpoints are per rank)."""
-        sd = super().state_dict()
-        sd["layout"] = self._checkpoint_layout()
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        saved, here = state_dict.pop("layout", None), self._checkpoint_layout()
-        if saved != here:
-            diff = ", ".join(f"{k} {saved.get(k) if saved else None} != {v}" for k, v in here.items()
-                             if not saved or saved.get(k) != v)
-            raise ValueError(f"state_dict was saved for another shard layout: {diff}")
-        super().load_state_dict(state_dict)
-
-    def state_bytes(self):
-        """Bytes of optimizer state this rank holds (momentum; AdamW moments and steps)."""
-        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
-                   if torch.is_tensor(t))
-
     # -- the step ------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -888,53 +768,41 @@ class DistributedMuon(torch.optim.Optimizer):
         return loss
 
     def _stages(self, active):
-        """The four stages, one after the other (a strategy may run them otherwise)."""
-        if self.grid.world.size == 1:  # nothing travels: bucket by bucket (above)
-            for bucket in self.layout.buckets:
-                updates = self._update_state(self._reduce_bucket(bucket, active))  # 1, 2
-                for name, ortho_part in self._orthogonalize_bucket(bucket, updates, active).items():  # 3
-                    self._apply_update(name, ortho_part)
-                self._gather_bucket(bucket)  # 4
-            return
-        grads = self._reduce_grads(active)  # 1
-        updates = self._update_state(grads)  # 2
-        for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
-            self._apply_update(name, ortho_part)
-        self._gather_params(active)  # 4
+        """The four stages, bucket by bucket (section 6's strategies schedule them otherwise)."""
+        for bucket in self.layout.buckets:
+            updates = self._update_state(self._reduce_bucket(bucket, active))  # 1, 2
+            for name, ortho_part in self._orthogonalize_bucket(bucket, updates, active).items():  # 3
+                self._apply_update(name, ortho_part)
+            self._gather_bucket(bucket)  # 4
 
     def _vote_on_gradients(self):
-        """The names of the parameters that have a gradient on at least one rank (the same set on every rank)."""
+        """The names of the parameters that have a gradient on at least one rank (the same set on every rank).
+
+        One tiny all-reduce ("grad presence") before stage 1: a parameter whose .grad is None
+        everywhere is skipped, as torch skips it; had each rank decided alone, ranks could
+        enter different collectives and wait for each other forever.
+        """
         has_grad = torch.tensor([p.grad is not None for p in self.param_by_name.values()], device=self.device)
         has_grad = any_rank(has_grad, self.grid.world, self.ledger, "grad presence")
         return {n for n, present in zip(self.param_by_name, has_grad.tolist()) if present}
 
-    def _reduce_grads(self, active):
-        """Stage 1: {name: this rank's part of the gradient summed over DP} for every active part it keeps."""
-        grads = {}
-        for bucket in self.layout.buckets:
-            grads.update(self._reduce_bucket(bucket, active))
-        return grads
+    def _reduce_bucket(self, bucket, active):
+        """Stage 1: {name: this rank's part of the gradient summed over DP} for the bucket's active parts."""
+        grad_shard = reduce_scatter(self._grad_bucket(bucket), self.grid.dp, self.ledger, "grad reduce-scatter")
+        return self._grad_parts(bucket, grad_shard, active)
 
-    def _reduce_bucket(self, bucket, active, async_op=False):
-        """Stage 1 for one bucket (with async_op: a function that waits and returns it)."""
-        metas = [self.dist_metas[n] for n in bucket.names]
-        if self.grid.dp.size == 1:  # one DP rank: its gradient is the sum, and its part is the whole TP piece
-            grads = {m.name: zeros_if_none(self.param_by_name[m.name].grad, self.param_by_name[m.name]).reshape(-1)
-                     for m in metas if m.name in active}
-            return (lambda: grads) if async_op else grads
-        # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
+    def _grad_bucket(self, bucket):
+        """This rank's TP-local gradients laid out as the bucket (zeros where it has none, as DDP adds)."""
         grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
-        for meta in metas:
-            grad = self.param_by_name[meta.name].grad
-            if grad is not None:  # a rank without this gradient adds zeros, as DDP's reduction does
-                grad_bucket[slice(*meta.bucket_range)] = grad.reshape(-1)
-        wait = reduce_scatter(grad_bucket, self.grid.dp, self.ledger, "grad reduce-scatter", async_op=True)
+        for name in bucket.names:
+            grad = self.param_by_name[name].grad
+            if grad is not None:
+                grad_bucket[slice(*self.dist_metas[name].bucket_range)] = grad.reshape(-1)
+        return grad_bucket
 
-        def grad_parts():
-            grad_shard = wait()
-            return {m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel and m.name in active}
-
-        return grad_parts if async_op else grad_parts()
+    def _grad_parts(self, bucket, grad_shard, active):
+        metas = [self.dist_metas[n] for n in bucket.names]
+        return {m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel and m.name in active}
 
     def _update_state(self, grads):
         """Stage 2, on this rank's parts only: AdamW updates its weights; Muon's momentum gives
@@ -959,26 +827,14 @@ class DistributedMuon(torch.optim.Optimizer):
                     updates[name] = update.bfloat16()  # the cast Newton-Schulz does first: halves the bytes moved
         return updates
 
-    def _orthogonalize(self, updates, active):
-        """Stage 3: {matrix: this rank's part of newton_schulz(the full matrix)}, bucket by bucket."""
-        ortho_parts = {}
-        for bucket in self.layout.buckets:
-            ortho_parts.update(self._orthogonalize_bucket(bucket, updates, active))
-        return ortho_parts
-
     def _orthogonalize_bucket(self, bucket, updates, active):
-        """Stage 3 for one bucket."""
+        """Stage 3 for one bucket: {matrix: this rank's part of newton_schulz(the full matrix)}."""
         group = self.param_groups[bucket.buffer_idx]
         if group["algorithm"] != "muon":
             return {}
         metas = [self.dist_metas[n] for n in bucket.names]
-        if self.grid.dp.size == 1 and len(metas) == 1 and metas[0].name in updates:
-            update_shard = updates[metas[0].name]  # the whole bucket already: used as it is, not copied
-        else:
-            update_shard = torch.zeros(bucket.numel // self.grid.dp.size, dtype=torch.bfloat16, device=self.device)
-            for meta in metas:
-                if meta.name in updates:  # this rank's part, if it has one and some rank has a gradient
-                    update_shard[meta.shard_slice] = updates[meta.name]
+        update_shard = shard_of_bucket(updates, metas, bucket.numel // self.grid.dp.size, torch.bfloat16,
+                                       self.device)
         # Only the matrices this rank's DP shard touches (its TP peers share that shard,
         # so they agree) and that some rank has a gradient for.
         touched = [m for m in metas if m.local_numel and m.name in active]
@@ -991,82 +847,56 @@ class DistributedMuon(torch.optim.Optimizer):
         part.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay: unadjusted lr
         part.add_(ortho_part, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], self.layout.global_shapes[name]))
 
-    def _gather_params(self, active):
-        """Stage 4: the parameter all-gather; every DP rank again holds its full TP pieces."""
-        for bucket in self.layout.buckets:
-            self._gather_bucket(bucket)
+    def _gather_bucket(self, bucket):
+        """Stage 4 for one bucket: the parameter all-gather; every DP rank again holds its full TP pieces."""
+        self._copy_in(bucket, all_gather(self._param_shard(bucket), self.grid.dp, self.ledger, "param all-gather"))
 
-    def _gather_bucket(self, bucket, async_op=False):
-        """Stage 4 for one bucket (with async_op: a function that waits and copies the result in)."""
-        if self.grid.dp.size == 1:  # the parts were the whole TP pieces, updated in place: nothing to gather
-            return (lambda: None) if async_op else None
+    def _param_shard(self, bucket):
         metas = [self.dist_metas[n] for n in bucket.names]
-        params = [self.param_by_name[n] for n in bucket.names]
-        param_shard = torch.zeros(bucket.numel // self.grid.dp.size, dtype=torch.float32, device=self.device)
-        for meta, p in zip(metas, params):
-            param_shard[meta.shard_slice] = p.view(-1)[meta.param_slice]
-        wait = all_gather(param_shard, self.grid.dp, self.ledger, "param all-gather", async_op=True)
+        parts = {m.name: self.param_by_name[m.name].view(-1)[m.param_slice] for m in metas}
+        return shard_of_bucket(parts, metas, bucket.numel // self.grid.dp.size, torch.float32, self.device)
 
-        def copy_in():
-            param_bucket = wait()
-            for meta, p in zip(metas, params):
-                p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
+    def _copy_in(self, bucket, param_bucket):
+        for name in bucket.names:
+            self.param_by_name[name].view(-1).copy_(param_bucket[slice(*self.dist_metas[name].bucket_range)])
 
-        return copy_in if async_op else copy_in()
+    # -- what the layout holds, and what section 6's strategies plan differently --
+    def _bucketed(self, name):
+        """Whether ZeRO-1's flat buckets hold this parameter: all of them here."""
+        return True
 
+    def _plan(self):
+        """Anything to plan once the layout is known: nothing for the gather strategy."""
 
-def zeros_if_none(grad, param):
-    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
-    return torch.zeros_like(param) if grad is None else grad
+    def part_of(self, name, dp_rank):
+        """The part of `name` that DP rank `dp_rank` keeps state for, as a slice of the flat TP piece."""
+        return self.layout.metas[dp_rank][name].param_slice
 
+    # -- checkpoints: ZeRO-1's are per rank, and belong to one layout --------
+    def _checkpoint_layout(self):
+        return dict(dp=self.grid.dp.size, tp=self.grid.tp.size, dp_rank=self.grid.dp.rank,
+                    tp_rank=self.grid.tp.rank, bucket_size=self.bucket_size, strategy=self.strategy,
+                    owners=self.owners)
 
-def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger):
-    """The gather flow for one bucket of matrices: {name: this rank's part of the orthogonalized matrix}.
+    def state_dict(self):
+        """This rank's shard of the state."""
+        sd = super().state_dict()
+        sd["layout"] = self._checkpoint_layout()
+        return sd
 
-        DP gather  ->  TP gather  ->  Newton-Schulz  ->  TP shard  ->  DP shard
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        saved, here = state_dict.pop("layout", None), self._checkpoint_layout()
+        if saved != here:
+            diff = ", ".join(f"{k} {saved.get(k) if saved else None} != {v}" for k, v in here.items()
+                             if not saved or saved.get(k) != v)
+            raise ValueError(f"state_dict was saved for another shard layout: {diff}")
+        super().load_state_dict(state_dict)
 
-    update_shard: this rank's DP shard of the bucket (bf16); metas: the matrices to orthogonalize.
-    """
-    update_bucket = dp_gather(update_shard, grid.dp, ledger)  # DP gather: the whole bucket
-    ortho_parts = {}
-    for meta in metas:
-        tp_local = update_bucket[slice(*meta.bucket_range)].view(meta.shape)
-        full = tp_gather(tp_local, meta.tp_split_dim, grid.tp, ledger)  # TP gather: the full matrix
-        with record_function("newton-schulz"):
-            ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-        ledger.record_compute(meta.name, meta.global_shape, newton_schulz_flops(meta.global_shape, group["ns_steps"]))
-        tp_piece = tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
-        ortho_parts[meta.name] = dp_shard(tp_piece, meta)  # DP shard: a slice
-    return ortho_parts
-
-
-# The gather path and its mirror, the shard path.
-def dp_gather(update_shard, dp, ledger):
-    """Every DP rank's update shard -> the whole bucket (every TP-local matrix in it)."""
-    return all_gather(update_shard, dp, ledger, "DP gather")
-
-
-def tp_gather(tp_local, tp_split_dim, tp, ledger):
-    """TP pieces of one matrix -> the full matrix, concatenated along tp_split_dim."""
-    if tp_split_dim < 0 or tp.size == 1:
-        return tp_local
-    pieces = all_gather(tp_local.reshape(-1), tp, ledger, "TP gather").view(tp.size, *tp_local.shape)
-    return torch.cat(pieces.unbind(0), dim=tp_split_dim)
-
-
-def tp_shard(full, tp_split_dim, tp_rank, tp_size):
-    """Full tensor -> TP rank tp_rank's piece (a slice: no communication).
-
-    Also how section 3 hands each rank its TP pieces of parameters and gradients.
-    """
-    if tp_split_dim < 0 or tp_size == 1:
-        return full
-    return full.chunk(tp_size, dim=tp_split_dim)[tp_rank]
-
-
-def dp_shard(tp_local, meta):
-    """TP piece of a matrix -> the part in this rank's DP shard (a slice: no communication)."""
-    return tp_local.reshape(-1)[meta.param_slice]
+    def state_bytes(self):
+        """Bytes of optimizer state this rank holds (momentum; AdamW moments and steps)."""
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                   if torch.is_tensor(t))
 
 
 # =============================================================================
@@ -1109,13 +939,58 @@ def dp_shard(tp_local, meta):
 # OwnerMuon and CommFreeMuon are section 5's optimizer with stage 3 replaced
 # (and, for comm-free, stages 1 and 4 extended), every other stage reused.
 
+# Collectives in flight. Section 2's collectives wait for their result before
+# they return. Here a rank may start one and compute while it travels: torch's
+# async_op=True returns a Work to wait on later, and every function below that
+# starts one returns a function that waits for it and returns the result
+# (later()). The tensors passed in must stay untouched until that wait.
+
+def later(work, phase, ledger, result):
+    """A started collective: a function that waits for `work` (None: nothing to wait for) and
+    returns result(). The wait is labelled with the phase, as the launch is."""
+    def wait():
+        if work is not None:
+            with record_function(phase):
+                work.wait()
+            ledger.record_wait(phase)
+        return result()
+    return wait
+
+
+def exchange(sends, receive_numels, axis, ledger, phase):
+    """All-to-all with uneven sizes, started: sends[i] (1-D) goes to rank i of `axis`.
+
+    receive_numels[i] is how much rank i sends here (every rank knows the whole
+    plan, so nobody has to ask). Returns a function that waits and returns one
+    1-D tensor per source rank. Each piece goes straight to its destination, so
+    the byte count is exact: what a rank sends to the others, and receives from them.
+    """
+    send = torch.cat(sends)
+    received = send.new_empty(sum(receive_numels))
+    split_sizes = [t.numel() for t in sends]
+    work = None
+    if axis.size == 1:
+        received.copy_(send)
+    else:
+        with record_function(phase):
+            work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
+                                          group=axis.group, async_op=True)
+    others = [i for i in range(axis.size) if i != axis.rank]
+    ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
+                       sum(receive_numels[i] for i in others), send.dtype)
+    return later(work, phase, ledger, lambda: list(received.split(list(receive_numels))))
+
+
+def zeros_if_none(grad, param):
+    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
+    return torch.zeros_like(param) if grad is None else grad
+
 def lpt_order(ns_flops, shapes=None):
     """The order in which assign_owners hands out matrices: decreasing FLOPs; among equal
     FLOPs, one shape after another (shapes: {name: shape}; in order of first appearance);
     within a shape, the order given, reversed for every other group.
 
-    Why group by shape: equal FLOPs need not mean equal time. Here a 512x128 Newton-Schulz
-    takes 74.9 ms and a 128x512 one 82.9 ms, for the same FLOPs (the tall one works on a
+    Why group by shape: equal FLOPs need not mean equal time (a tall matrix works on a
     transposed view: notes/measured/ns_shapes_2core.txt). Taken in model order (fc, fc2,
     fc, fc2, ...) on 2 ranks, LPT gave every fc to rank 0 and every fc2 to rank 1; taken
     shape by shape, the ranks get the same number of each, whatever each costs on the
@@ -1244,8 +1119,7 @@ def send_parts(transfers, axis, ledger, phase, dtype, device):
             sends[destination].append(part)
         if destination == me:
             receive[source] += numel
-    wait = (exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, phase, async_op=True)
-            if axis.size > 1 else None)
+    wait = exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, phase) if axis.size > 1 else None
 
     def received_parts():
         received, offset, parts = wait() if wait else None, [0] * axis.size, []
@@ -1312,13 +1186,25 @@ def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, dev
     return scatter_from_owner(newton_schulz_fn(full), routes, axis, ledger, dtype, device)()
 
 
+# Batched Newton-Schulz (batched_ns, --batched-ns): an owner's same-shape matrices
+# as one stack, newton_schulz with torch.baddbmm, one call for all of them. The
+# same math but NOT the same bits: bf16 baddbmm and addmm round some near-ties
+# differently, so a stack is used only when asked for. BATCHED_NS_BOUND is the
+# largest |stack result - 2-D result|, relative to the largest entry of the 2-D
+# result, that tests/test_math.py allows: a bf16 entry carries 8 significant bits
+# (relative step 2**-8), and a few roundings that differ early grow through the 5
+# iterations; 2**-5 leaves a margin over what was measured on many seeds and odd
+# shapes (tests/test_math.py, notes/07-pitfalls.md).
+BATCHED_NS_BOUND = 2.0**-5
+
+
 def newton_schulz_owned(full, group_of, ledger, batched=False):
     """Newton-Schulz of every matrix an owner holds ({name: full matrix}): {name: ortho}.
 
     One matrix at a time by default: the 2-D path torch.optim.Muon takes, hence
     torch's bits. batched: one call per (shape, hyperparameters) stack, so many
-    small matrices cost one call instead of many; not bitwise equal to torch
-    (within BATCHED_NS_BOUND, section 1).
+    small matrices cost one call instead of many (torch.baddbmm on the stack); not
+    bitwise equal to torch, within BATCHED_NS_BOUND (above).
     """
     orthos = {}
     if batched:
@@ -1328,7 +1214,8 @@ def newton_schulz_owned(full, group_of, ledger, batched=False):
             stacks.setdefault((matrix.shape, g["ns_steps"], g["ns_coefficients"], g["ns_eps"]), []).append(name)
         for (_, steps, coefficients, eps), names in stacks.items():
             with record_function("newton-schulz"):
-                stack = newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
+                stack = newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps,
+                                      fused_mm=torch.baddbmm)
             orthos.update(zip(names, stack.unbind(0)))
     else:
         for name, matrix in full.items():
@@ -1358,7 +1245,7 @@ def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
     sends = [concat([grads[n].reshape(-1) for n in grads if owners[n] // tp == d], torch.float32, device)
              for d in range(dp.size)]
     numel = sum(grads[n].numel() for n in mine)
-    wait = exchange(sends, [numel] * dp.size, dp, ledger, "grad reduce at owner", async_op=True)
+    wait = exchange(sends, [numel] * dp.size, dp, ledger, "grad reduce at owner")
 
     def add_up():
         summed = sum_in_order(wait())
@@ -1377,7 +1264,7 @@ def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
     sends = [mine if d != dp.rank else mine[:0] for d in range(dp.size)]
     theirs = [[n for n in params if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
     wait = exchange(sends, [sum(params[n].numel() for n in names) for names in theirs], dp, ledger,
-                    "param broadcast from owner", async_op=True)
+                    "param broadcast from owner")
 
     def copy_in():
         for names, flat in zip(theirs, wait()):
@@ -1385,6 +1272,27 @@ def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
                 params[name].view(-1).copy_(value)
 
     return copy_in if async_op else copy_in()
+
+
+def all_gather_async(shard, axis, ledger, phase):
+    """Section 2's all_gather, started: a function that waits and returns its result."""
+    if axis.size == 1:
+        return lambda: shard
+    out = shard.new_empty(axis.size * shard.numel())
+    with record_function(phase):
+        work = _all_gather_single(out, shard, group=axis.group, async_op=True)
+    ledger.record_ring(phase, "all_gather", axis, shard)
+    return later(work, phase, ledger, lambda: out)
+
+
+def reduce_scatter_async(bucket, axis, ledger, phase):
+    """Section 2's reduce_scatter, started: a function that waits and returns this rank's shard."""
+    if axis.size == 1:
+        return lambda: bucket
+    with record_function(phase):
+        work, shard = reduce_scatter_sum(bucket, axis)
+    ledger.record_ring(phase, "reduce_scatter", axis, bucket[:bucket.numel() // axis.size])
+    return later(work, phase, ledger, shard)
 
 
 # Overlap (overlap=K, --overlap K). Stages 1-4 above run one after the other,
@@ -1415,13 +1323,11 @@ def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
 # Why K (the lookahead) and not just 1: a gather at owner cannot complete before
 # every rank has started it. With K = 1 the ranks move in lock-step, one unit at
 # a time, and a rank that owns nothing in a unit waits for the one that owns its
-# matrix; K units of slack let them drift apart by up to K units. On 2 ranks here
-# (4 layers at d = 128, 2 cores, four runs of benchmarks/overlap.py) owner's step
-# was 3-12 % slower than no overlap with K = 1, and between 7 % faster and 3 %
-# slower with K = 2; comm-free's within 6 % for every K. Whether overlap is faster
-# at all depends on having something to overlap with: a core or a copy engine that
-# is idle while messages travel (notes/08-strategies.md). On one rank nothing
-# travels, and the loop below runs with K = 0 whatever K is.
+# matrix; K units of slack let them drift apart by up to K units (what each K
+# cost on 2 cores: benchmarks/overlap.py, notes/measured/overlap_2rank_2core.txt).
+# Whether overlap is faster at all depends on having something to overlap with: a
+# core or a copy engine that is idle while messages travel (notes/08-strategies.md).
+# On one rank nothing travels, and the loop below runs with K = 0 whatever K is.
 OVERLAP_DEFAULT = 2  # --overlap without a number
 
 
@@ -1485,13 +1391,36 @@ class OwnerMuon(DistributedMuon):
         self.routes = plan_routes(self.muon_names, self.owners, self.part_of, self.layout, self.grid,
                                   self._route_axis())
 
+    def _newton_schulz_owned(self, full):
+        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns)
+
+    def _stages(self, active):
+        """Without overlap, on more than one rank: each stage for every bucket, then the next
+        stage, so that stage 3 moves every matrix in one exchange each way."""
+        if self.overlap or self.grid.world.size == 1:
+            return self._overlapped_stages(active)
+        updates = self._update_state(self._reduce_grads(active))  # 1, 2
+        for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
+            self._apply_update(name, ortho_part)
+        self._gather_params(active)  # 4
+
+    def _reduce_grads(self, active):
+        """Stage 1 for every bucket: {name: this rank's part of the gradient summed over DP}."""
+        grads = {}
+        for bucket in self.layout.buckets:
+            grads.update(self._reduce_bucket(bucket, active))
+        return grads
+
     def _orthogonalize(self, updates, active):
+        """Stage 3 for every matrix: gather at owner -> Newton-Schulz -> scatter from owner."""
         routes = [r for r in self.routes if r.name in active]
         return orthogonalize_at_owners(updates, routes, self._newton_schulz_owned, self._route_axis(),
                                        self.ledger, self.device)
 
-    def _newton_schulz_owned(self, full):
-        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns)
+    def _gather_params(self, active):
+        """Stage 4 for every bucket."""
+        for bucket in self.layout.buckets:
+            self._gather_bucket(bucket)
 
     # -- the overlapped step -------------------------------------------------
     def _units(self):
@@ -1499,28 +1428,29 @@ class OwnerMuon(DistributedMuon):
 
     def _reduce_unit(self, unit, active):
         """Start stage 1 for a unit; returns a function that waits and returns its gradient parts."""
-        return self._reduce_bucket(unit.bucket, active, async_op=True)
+        wait = reduce_scatter_async(self._grad_bucket(unit.bucket), self.grid.dp, self.ledger, "grad reduce-scatter")
+        return lambda: self._grad_parts(unit.bucket, wait(), active)
 
     def _gather_unit(self, unit, active):
         """Start stage 4 for a unit; returns a function that waits and puts the weights in place."""
-        return self._gather_bucket(unit.bucket, async_op=True)
+        wait = all_gather_async(self._param_shard(unit.bucket), self.grid.dp, self.ledger, "param all-gather")
+        return lambda: self._copy_in(unit.bucket, wait())
 
-    def _stages(self, active):
-        if not self.overlap and self.grid.world.size > 1:
-            return super()._stages(active)
+    def _overlapped_stages(self, active):
         # On one rank nothing travels and there is nothing to overlap: K = 0 runs the units
-        # one after the other, as section 5 runs its buckets there.
+        # one after the other, as section 5 runs its buckets.
         axis, dtype, device = self._route_axis(), torch.bfloat16, self.device
         units = self._units()
         # Which matrices of each unit travel to an owner: the same on every rank of the axis,
         # so a unit without any starts no exchange anywhere.
         routes = [[r for r in self.routes if r.name in u.names and r.name in active] for u in units]
-        reduced = [self._reduce_unit(u, active) for u in units]  # 1: every reduction starts now
-        gathered, scattered, gathered_params = {}, {}, []
         k = self.overlap if self.grid.world.size > 1 else 0
+        # 1: with K >= 1 every reduction starts now; with K = 0 each one when its unit's turn comes
+        reduced = [self._reduce_unit(u, active) for u in units] if k else None
+        gathered, scattered, gathered_params = {}, {}, []
         for i in range(len(units) + 2 * k):
             if i < len(units):  # unit i: 1 -> 2, then start its gather at owner
-                updates = self._update_state(reduced[i]())
+                updates = self._update_state((reduced[i] if k else self._reduce_unit(units[i], active))())
                 if routes[i]:
                     gathered[i] = gather_at_owner(updates, routes[i], axis, self.ledger, dtype, device)
             if i - k in gathered:  # unit i-k: 3, while later units' transfers and reductions fly
@@ -1566,9 +1496,8 @@ class CommFreeMuon(OwnerMuon):
     def _plan(self):
         super()._plan()
         # The matrices in chunks of at most bucket_size elements: what one reduce at owner or
-        # broadcast from owner carries, as a bucket bounds one reduce-scatter. One message for
-        # all of them was slower and unsteady at d = 768 (a 56 MB all-to-all per rank:
-        # notes/08-strategies.md).
+        # broadcast from owner carries, as a bucket bounds one reduce-scatter (why not one
+        # message for all of them: notes/08-strategies.md).
         numel = {n: self.param_by_name[n].numel() for n in self.muon_names}
         self.muon_chunks = chunk_names(self.muon_names, numel, self.bucket_size)
 
@@ -1621,8 +1550,8 @@ STRATEGIES = tuple(OPTIMIZERS)
 # batched_ns (section 6) is held to a derived bound instead.
 
 # A rank that stops beating for this long (stopped, frozen, swapped out) ends the run, and so
-# does a collective that waits this long. The demo reaches its first step in a few seconds and a
-# step takes well under 1 s on 2 cores; 20 s leaves room for a loaded laptop (--timeout).
+# does a collective that waits this long (--timeout): many times the demo's start and step,
+# room for a loaded laptop (their times: notes/measured/default_4x2.txt).
 TIMEOUT_S = 20.0
 
 
@@ -1649,6 +1578,34 @@ class RunConfig:
     fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
 
 
+def lopsided_specs():
+    """One huge matrix among many small ones (--model lopsided): work that cannot be
+    spread evenly over ranks that each take whole matrices."""
+    specs = [ParamSpec("huge.weight", (1024, 128), 0, "muon"), ParamSpec("huge.bias", (1024,), 0, "adamw_no_wd")]
+    for i in range(12):  # alternately tall (split rows) and wide (split columns)
+        specs.append(ParamSpec(f"small.{i}.weight", (32, 64) if i % 2 else (64, 32), i % 2, "muon"))
+    specs += [ParamSpec("small.router.weight", (8, 32), -1, "muon"),
+              ParamSpec("out.weight", (64, 32), 0, "adamw")]
+    return specs
+
+
+def thin_specs():
+    """Matrices with a small side (--model thin): k x 1, 1 x k, k x 2, 600 x 6, odd sizes.
+
+    On such shapes bf16 rounding near-ties are common enough that a Newton-Schulz
+    done in any other order than torch's shows up in a few steps. Eight copies of
+    each shape, so that one rank can be given several of the same shape, and one
+    6 x 6000 matrix that outweighs any rank's share of the rest, so that a rank can
+    be given it alone.
+    """
+    shapes = [((600, 6), 0), ((6, 600), 1), ((60, 6), 0), ((6, 60), 1), ((97, 5), -1), ((5, 97), -1),
+              ((64, 1), 0), ((1, 64), 1), ((64, 2), 0), ((2, 64), 1)]
+    specs = [ParamSpec(f"thin.{copy}.{rows}x{cols}.weight", (rows, cols), split, "muon")
+             for copy in range(8) for (rows, cols), split in shapes]
+    return specs + [ParamSpec("thin.wide.weight", (6, 6000), 1, "muon"),
+                    ParamSpec("thin.bias", (60,), 0, "adamw_no_wd"), ParamSpec("thin.scale", (), -1, "adamw_no_wd")]
+
+
 MODELS = ("transformer", "lopsided", "thin")
 
 
@@ -1656,6 +1613,21 @@ def demo_specs(cfg):
     if cfg.model == "transformer":
         return transformer_specs(n_layers=cfg.layers)
     return lopsided_specs() if cfg.model == "lopsided" else thin_specs()
+
+
+def check_tp_divides(specs, tp):
+    """Raise ValueError naming the first parameter TP cannot split evenly."""
+    for s in specs:
+        if s.tp_split_dim >= 0 and s.global_shape[s.tp_split_dim] % tp:
+            raise ValueError(f"TP {tp} does not divide {s.name} dim {s.tp_split_dim} "
+                             f"(size {s.global_shape[s.tp_split_dim]}, global shape {tuple(s.global_shape)})")
+
+
+def tp_local_shape(spec, tp):
+    shape = list(spec.global_shape)
+    if spec.tp_split_dim >= 0:
+        shape[spec.tp_split_dim] //= tp
+    return tuple(shape)
 
 
 MUON_GROUP = "muon"
@@ -1761,6 +1733,17 @@ def torch_optimizers(groups):
             optimizers.append(torch.optim.AdamW(h["params"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
                                                 weight_decay=h["weight_decay"], foreach=False))
     return optimizers
+
+
+def total_grads(specs, seed, step, dp, missing=()):
+    """The gradient the single-device reference sees: the sum over the DP ranks that have
+    one (a missing gradient counts as zeros, as in DDP), or None where no rank has one."""
+    per_rank = [dp_rank_grads(specs, seed, step, r, missing) for r in range(dp)]
+    total = {}
+    for s in specs:
+        present = [grads[s.name] for grads in per_rank if grads[s.name] is not None]
+        total[s.name] = sum(present) if present else None
+    return total
 
 
 def reference_params(specs, cfg, device="cpu"):

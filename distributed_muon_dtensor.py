@@ -1818,7 +1818,7 @@ def demo_config(args):
 def print_header(cfg, ranks, print_fn=print):
     print_fn(f"DTensorMuon: {cfg.dp * cfg.tp} {ranks}, mesh dp={cfg.dp} x tp={cfg.tp} (rank = dp_rank * tp + tp_rank), "
              f"{cfg.steps} steps, torch {torch.__version__}")
-    print_fn(dm.format_grid(cfg.dp, cfg.tp) + "\n")
+    print_fn(mt.format_grid(cfg.dp, cfg.tp) + "\n")
 
 
 def finish(cfg, results, ranks_s, device="cpu", print_fn=print):

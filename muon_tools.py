@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from distributed_muon_cpu import (ADJUST_LR_FNS, BASELINE, MODELS, MUON_GROUP, OVERLAP_DEFAULT, STRATEGIES, RunConfig,
+                                  rank_grid,
                                   check_hyperparameters, check_owner_options, check_topology, check_tp_divides,
-                                  demo_specs, format_grid, load_balance, muon_groups_of, newton_schulz_flops,
+                                  demo_specs, load_balance, muon_groups_of, newton_schulz_flops,
                                   plan_optimizer, run_kind, run_steps, verdict, verify)
 
 
@@ -208,6 +209,16 @@ def human_bytes(n):
         n /= 1024
 
 
+def format_grid(dp, tp):
+    """The rank layout as a small table."""
+    grid = rank_grid(dp, tp)
+    width = max(4, len(str(dp * tp - 1)) + 1)
+    lines = ["      " + "".join(f"{'TP ' + str(t):>{width + 2}}" for t in range(tp))]
+    for d in range(dp):
+        lines.append(f"DP {d:<3}" + "".join(f"{r:>{width + 2}}" for r in grid[d].tolist()))
+    return "\n".join(lines)
+
+
 def print_header(cfg, plan, device_kind, backend, explain, print_fn):
     """The grid, the virtual buffer and the owners, from `plan` (plan_optimizer): what every rank will hold."""
     world = cfg.dp * cfg.tp
@@ -375,9 +386,9 @@ def start_method():
     """How ranks are started: forked from a server that has already imported torch.
 
     Each freshly spawned process spends seconds importing torch (and torch._dynamo,
-    which torch.optim.Optimizer imports on first use): 8 ranks on 2 cores took
-    about 20 s to reach their first step. A forkserver imports them once and forks
-    each rank from it, in about 3 s. "spawn" remains where there is no forkserver.
+    which torch.optim.Optimizer imports on first use), and 8 ranks on 2 cores do it
+    at once. A forkserver imports them once and forks each rank from it, which
+    reaches the first step several times sooner. "spawn" remains where there is no forkserver.
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
