@@ -36,7 +36,7 @@ Import it and the optimizers are real torch.optim.Optimizers, one per strategy:
 
 Reading order (each section opens with what it does and why)
     1. Newton-Schulz, momentum and the learning-rate adjustment (the math)
-    2. The grid and its collectives (the one place bytes cross between ranks)
+    2. The grid and its collectives (through which every byte between ranks goes, counted)
     3. The parameters (a small transformer) and their per-rank gradients
     4. The virtual buffer (param groups, buckets, dist_meta)
     5. The step: the gather strategy (DistributedMuon, a torch.optim.Optimizer)
@@ -450,8 +450,9 @@ def dp_rank_grads(specs, seed, step, dp_rank, missing=()):
 # partly by DP 0 and partly by DP 1. Each rank's optimizer state covers only
 # its shard: its part of a parameter (`local_range`), which may be empty.
 # A DistMeta (one per parameter, per rank; the names of the Moonshot PoC's
-# MuonDistMeta) says where the parameter lies. The layout depends only on shapes, DP and the bucket size: every rank (and
-# the parent process, for --explain) computes the same one without talking.
+# MuonDistMeta) says where the parameter lies. The layout depends only on
+# shapes, DP and the bucket size: every rank (and the launcher, for --explain)
+# computes the same one without talking.
 
 
 @dataclass(frozen=True)
@@ -582,29 +583,23 @@ def plan_layout(buffers, shapes, tp_split_dims, dp, tp, bucket_size):
 #   4. parts             --param all-gather (fp32)-----> every rank holds its full TP-local weights
 #
 # A rank's "part" of a parameter is the range of its flattened TP piece whose
-# optimizer state it keeps (its ZeRO-1 local range, from dist_meta). The gather
-# path is communication; its mirror, the shard path, is free: every rank already
-# holds the full result and just slices out its own piece.
+# optimizer state it keeps (its ZeRO-1 local range, from dist_meta). AdamW
+# parameters ride the same reduce-scatter and all-gather; their update is
+# elementwise, so they need no gather at all. The buckets go one at a time
+# through all four stages, so one bucket's temporaries are alive at a time, as
+# torch.optim.Muon holds one matrix's (why it matters: notes/08-strategies.md).
 #
-# Why the DP gather is bucketed but the TP gather is not: the DP gather moves the
-# update shards as they lie in memory, so one flat all-gather per bucket rebuilds
-# every TP-local matrix of the bucket as a contiguous view (one large message
-# instead of many small ones); the TP gather must join pieces along each matrix's
-# own split dim, so each matrix needs its own concatenation anyway, and only
-# the matrices this rank's DP shard touches need it (the TP peers of a row share
-# that shard, so they agree on which). The bf16 cast before the DP gather is the
-# one Newton-Schulz does first anyway: it halves those bytes and changes no bit.
-#
-# AdamW parameters ride the same gradient reduce-scatter and parameter
-# all-gather; their update is elementwise, so they need no gather at all.
-#
-# The buckets go one at a time, through all four stages: one bucket's
-# temporaries are alive at a time, as torch.optim.Muon's loop holds one
-# matrix's (what holding them all costs: notes/08-strategies.md).
+# The DP gather is bucketed, one flat all-gather rebuilding every TP-local
+# matrix of the bucket as a view; the TP gather is per matrix, since each joins
+# along its own split dim, and only for the matrices this rank's DP shard
+# touches (its TP peers share that shard, so they agree on which). The bf16 cast
+# before the DP gather is Newton-Schulz's own first step: half the bytes, no bit
+# changed. The gather path is communication; its mirror, the shard path, is
+# free: every rank holds the full result and slices out its own piece. The pure
+# part of each arrow (which view, which join, which slice) is a function of its
+# own, so the same code runs in one process too (the notebook does).
 
-# The gather path and its mirror, the shard path. Each collective is a join the
-# process group does; the pure part of each arrow (which view, which join, which
-# slice) is a function of its own, so the same code runs in one process too.
+
 def dp_gather(update_shard, dp, ledger):
     """Every DP rank's update shard -> the whole bucket: the shards joined in DP rank order."""
     return all_gather(update_shard, dp, ledger, "DP gather")
@@ -1369,7 +1364,7 @@ class OwnerMuon(DistributedMuon):
         more, smaller all-to-alls, and the same bits.
     batched_ns: orthogonalize an owner's same-shape matrices in one batched call. Faster for
         many small matrices, but not bitwise equal to torch: within BATCHED_NS_BOUND
-        (section 1). Off by default.
+        (above). Off by default.
     """
 
     strategy = "owner"
@@ -1803,7 +1798,7 @@ def batched_ns_tolerance(cfg, spec):
     """How far --batched-ns may leave a Muon parameter from torch's after cfg.steps steps.
 
     Each step adds -adjusted_lr * O, and a batched O differs from torch's by at most
-    BATCHED_NS_BOUND times its largest entry (section 1). That entry is at most the
+    BATCHED_NS_BOUND times its largest entry (section 6). That entry is at most the
     largest singular value Newton-Schulz leaves: about 1.2, the quintic's maximum on
     [0, 1]; 1.5 leaves room for bf16 rounding. Weight decay scales both runs alike
     and only shrinks earlier differences; the momentum does not depend on the weights.
@@ -1815,7 +1810,7 @@ def verify(cfg, results, device="cpu"):
     """Every rank's parameters against torch on `device`: (checks, reference seconds).
 
     A check is "ok" when bit-identical; with --batched-ns, a Muon matrix is also ok
-    within batched_ns_tolerance (it cannot be bit-identical, section 1).
+    within batched_ns_tolerance (it cannot be bit-identical, section 6).
     """
     specs = demo_specs(cfg)
     t1 = time.perf_counter()

@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -318,7 +319,7 @@ def run_rank(rank, body, cfg, port, out_dir, heartbeats, launcher):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_process(f"muon rank {rank}")
     start_heartbeat(heartbeats, rank, launcher)
-    torch.set_num_threads(1)  # see section 7: same thread count everywhere
+    torch.set_num_threads(1)  # same thread count everywhere (distributed_muon_cpu.py, section 7)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=cfg.dp * cfg.tp, timeout=datetime.timedelta(seconds=cfg.timeout_s))
@@ -620,6 +621,32 @@ def main(argv=None):
         return 0 if results["passed"] else 1
 
     return exit_code(work, args.traceback)
+
+
+def notebook_requirements():
+    """The notebooks' setup: install requirements.txt when this torch has no torch.optim.Muon (the
+    reference, torch >= 2.9) or matplotlib is missing. A torch already imported stays loaded until
+    the kernel restarts, so a new one asks for a restart."""
+    import importlib.util
+
+    if hasattr(torch.optim, "Muon") and importlib.util.find_spec("matplotlib") is not None:
+        return
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt"], check=True)
+    if not hasattr(torch.optim, "Muon"):
+        raise RuntimeError(f"torch {torch.__version__} has no torch.optim.Muon (torch >= 2.9): a newer torch was "
+                           "installed from requirements.txt; restart the kernel and run the notebook again.")
+
+
+def run_program(program, *args):
+    """The notebooks' way to run a script of this repository: with this interpreter, its output printed
+    as it comes; CalledProcessError if it fails. (Ranks spawned from a notebook's kernel would re-import
+    its __main__, which a notebook does not have, so a run is a process of its own.)"""
+    cmd = [sys.executable, "-u", program, *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            print(line, end="")
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
 
 
 if __name__ == "__main__":
