@@ -934,52 +934,6 @@ class DistributedMuon(torch.optim.Optimizer):
 # OwnerMuon and CommFreeMuon are section 5's optimizer with stage 3 replaced
 # (and, for comm-free, stages 1 and 4 extended), every other stage reused.
 
-# Collectives in flight. Section 2's collectives wait for their result before
-# they return. Here a rank may start one and compute while it travels: torch's
-# async_op=True returns a Work to wait on later, and every function below that
-# starts one returns a function that waits for it and returns the result
-# (later()). The tensors passed in must stay untouched until that wait.
-
-def later(work, phase, ledger, result):
-    """A started collective: a function that waits for `work` (None: nothing to wait for) and
-    returns result(). The wait is labelled with the phase, as the launch is."""
-    def wait():
-        if work is not None:
-            with record_function(phase):
-                work.wait()
-            ledger.record_wait(phase)
-        return result()
-    return wait
-
-
-def exchange(sends, receive_numels, axis, ledger, phase):
-    """All-to-all with uneven sizes, started: sends[i] (1-D) goes to rank i of `axis`.
-
-    receive_numels[i] is how much rank i sends here (every rank knows the whole
-    plan, so nobody has to ask). Returns a function that waits and returns one
-    1-D tensor per source rank. Each piece goes straight to its destination, so
-    the byte count is exact: what a rank sends to the others, and receives from them.
-    """
-    send = torch.cat(sends)
-    received = send.new_empty(sum(receive_numels))
-    split_sizes = [t.numel() for t in sends]
-    work = None
-    if axis.size == 1:
-        received.copy_(send)
-    else:
-        with record_function(phase):
-            work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
-                                          group=axis.group, async_op=True)
-    others = [i for i in range(axis.size) if i != axis.rank]
-    ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
-                       sum(receive_numels[i] for i in others), send.dtype)
-    return later(work, phase, ledger, lambda: list(received.split(list(receive_numels))))
-
-
-def zeros_if_none(grad, param):
-    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
-    return torch.zeros_like(param) if grad is None else grad
-
 def lpt_order(ns_flops, shapes=None):
     """The order in which assign_owners hands out matrices: decreasing FLOPs; among equal
     FLOPs, one shape after another (shapes: {name: shape}; in order of first appearance);
@@ -1093,6 +1047,48 @@ def plan_routes(matrices, owners, part_of, layout, grid, axis):
     return routes
 
 
+# Collectives in flight. Section 2's collectives wait for their result before
+# they return. Here a rank may start one and compute while it travels: torch's
+# async_op=True returns a Work to wait on later, and every function below that
+# starts one returns a function that waits for it and returns the result
+# (later()). The tensors passed in must stay untouched until that wait.
+
+def later(work, phase, ledger, result):
+    """A started collective: a function that waits for `work` (None: nothing to wait for) and
+    returns result(). The wait is labelled with the phase, as the launch is."""
+    def wait():
+        if work is not None:
+            with record_function(phase):
+                work.wait()
+            ledger.record_wait(phase)
+        return result()
+    return wait
+
+
+def exchange(sends, receive_numels, axis, ledger, phase):
+    """All-to-all with uneven sizes, started: sends[i] (1-D) goes to rank i of `axis`.
+
+    receive_numels[i] is how much rank i sends here (every rank knows the whole
+    plan, so nobody has to ask). Returns a function that waits and returns one
+    1-D tensor per source rank. Each piece goes straight to its destination, so
+    the byte count is exact: what a rank sends to the others, and receives from them.
+    """
+    send = torch.cat(sends)
+    received = send.new_empty(sum(receive_numels))
+    split_sizes = [t.numel() for t in sends]
+    work = None
+    if axis.size == 1:
+        received.copy_(send)
+    else:
+        with record_function(phase):
+            work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
+                                          group=axis.group, async_op=True)
+    others = [i for i in range(axis.size) if i != axis.rank]
+    ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
+                       sum(receive_numels[i] for i in others), send.dtype)
+    return later(work, phase, ledger, lambda: list(received.split(list(receive_numels))))
+
+
 def concat(tensors, dtype, device):
     return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
 
@@ -1193,13 +1189,19 @@ def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, dev
 BATCHED_NS_BOUND = 2.0**-5
 
 
+def batched_newton_schulz(stack, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """newton_schulz of a (batch, rows, cols) stack of same-shape matrices, one torch.baddbmm call
+    for all of them per product: within BATCHED_NS_BOUND of torch's result, not bitwise equal."""
+    return newton_schulz(stack, steps, coefficients, eps, fused_mm=torch.baddbmm)
+
+
 def newton_schulz_owned(full, group_of, ledger, batched=False):
     """Newton-Schulz of every matrix an owner holds ({name: full matrix}): {name: ortho}.
 
     One matrix at a time by default: the 2-D path torch.optim.Muon takes, hence
     torch's bits. batched: one call per (shape, hyperparameters) stack, so many
-    small matrices cost one call instead of many (torch.baddbmm on the stack); not
-    bitwise equal to torch, within BATCHED_NS_BOUND (above).
+    small matrices cost one call instead of many; not bitwise equal to torch, within
+    BATCHED_NS_BOUND (above).
     """
     orthos = {}
     if batched:
@@ -1209,8 +1211,7 @@ def newton_schulz_owned(full, group_of, ledger, batched=False):
             stacks.setdefault((matrix.shape, g["ns_steps"], g["ns_coefficients"], g["ns_eps"]), []).append(name)
         for (_, steps, coefficients, eps), names in stacks.items():
             with record_function("newton-schulz"):
-                stack = newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps,
-                                      fused_mm=torch.baddbmm)
+                stack = batched_newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
             orthos.update(zip(names, stack.unbind(0)))
     else:
         for name, matrix in full.items():
@@ -1221,6 +1222,11 @@ def newton_schulz_owned(full, group_of, ledger, batched=False):
         shape = tuple(full[name].shape)
         ledger.record_compute(name, shape, newton_schulz_flops(shape, group_of[name]["ns_steps"]))
     return orthos
+
+
+def zeros_if_none(grad, param):
+    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
+    return torch.zeros_like(param) if grad is None else grad
 
 
 def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
@@ -1269,27 +1275,6 @@ def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
     return copy_in if async_op else copy_in()
 
 
-def all_gather_async(shard, axis, ledger, phase):
-    """Section 2's all_gather, started: a function that waits and returns its result."""
-    if axis.size == 1:
-        return lambda: shard
-    out = shard.new_empty(axis.size * shard.numel())
-    with record_function(phase):
-        work = _all_gather_single(out, shard, group=axis.group, async_op=True)
-    ledger.record_ring(phase, "all_gather", axis, shard)
-    return later(work, phase, ledger, lambda: out)
-
-
-def reduce_scatter_async(bucket, axis, ledger, phase):
-    """Section 2's reduce_scatter, started: a function that waits and returns this rank's shard."""
-    if axis.size == 1:
-        return lambda: bucket
-    with record_function(phase):
-        work, shard = reduce_scatter_sum(bucket, axis)
-    ledger.record_ring(phase, "reduce_scatter", axis, bucket[:bucket.numel() // axis.size])
-    return later(work, phase, ledger, shard)
-
-
 # Overlap (overlap=K, --overlap K). Stages 1-4 above run one after the other,
 # so a rank's core sits idle while its messages travel, and its transfers wait
 # while it computes. With overlap, the step is pipelined unit by unit (a unit is
@@ -1324,6 +1309,27 @@ def reduce_scatter_async(bucket, axis, ledger, phase):
 # core or a copy engine that is idle while messages travel (notes/08-strategies.md).
 # On one rank nothing travels, and the loop below runs with K = 0 whatever K is.
 OVERLAP_DEFAULT = 2  # --overlap without a number
+
+
+def all_gather_async(shard, axis, ledger, phase):
+    """Section 2's all_gather, started: a function that waits and returns its result."""
+    if axis.size == 1:
+        return lambda: shard
+    out = shard.new_empty(axis.size * shard.numel())
+    with record_function(phase):
+        work = _all_gather_single(out, shard, group=axis.group, async_op=True)
+    ledger.record_ring(phase, "all_gather", axis, shard)
+    return later(work, phase, ledger, lambda: out)
+
+
+def reduce_scatter_async(bucket, axis, ledger, phase):
+    """Section 2's reduce_scatter, started: a function that waits and returns this rank's shard."""
+    if axis.size == 1:
+        return lambda: bucket
+    with record_function(phase):
+        work, shard = reduce_scatter_sum(bucket, axis)
+    ledger.record_ring(phase, "reduce_scatter", axis, bucket[:bucket.numel() // axis.size])
+    return later(work, phase, ledger, shard)
 
 
 @dataclass(frozen=True)
@@ -1741,19 +1747,6 @@ def total_grads(specs, seed, step, dp, missing=()):
     return total
 
 
-def reference_params(specs, cfg, device="cpu"):
-    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU).
-
-    The result depends on what the ranks were fed (the model, the seed, the steps, DP's number of
-    gradient contributions, the hyperparameters), not on how they split the work (TP, strategy,
-    buckets, overlap). So it is kept for the runs of one process that share those inputs, e.g.
-    benchmarks/compare.py's four strategies and the tests: torch computes it once for them.
-    """
-    how = dict(tp=1, strategy="gather", bucket_size=RunConfig.bucket_size, overlap=0, batched_ns=False,
-               timeout_s=RunConfig.timeout_s, fail_rank=-1)
-    return {n: t.clone() for n, t in _reference_params(tuple(specs), replace(cfg, **how), device).items()}
-
-
 @functools.lru_cache(maxsize=16)
 def _reference_params(specs, cfg, device):
     torch.set_num_threads(1)  # same thread count as every rank: bf16 matmul bits can depend on it
@@ -1767,6 +1760,19 @@ def _reference_params(specs, cfg, device):
         for opt in optimizers:
             opt.step()
     return {n: p.cpu() for n, p in params.items()}
+
+
+def reference_params(specs, cfg, device="cpu"):
+    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU).
+
+    The result depends on what the ranks were fed (the model, the seed, the steps, DP's number of
+    gradient contributions, the hyperparameters), not on how they split the work (TP, strategy,
+    buckets, overlap). So it is kept for the runs of one process that share those inputs, e.g.
+    benchmarks/compare.py's four strategies and the tests: torch computes it once for them.
+    """
+    how = dict(tp=1, strategy="gather", bucket_size=RunConfig.bucket_size, overlap=0, batched_ns=False,
+               timeout_s=RunConfig.timeout_s, fail_rank=-1)
+    return {n: t.clone() for n, t in _reference_params(tuple(specs), replace(cfg, **how), device).items()}
 
 
 def compare_to_reference(specs, reference, rank_params, dp, tp, muon_groups=(MUON_GROUP,)):

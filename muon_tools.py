@@ -37,96 +37,9 @@ import torch
 import torch.distributed as dist
 
 from distributed_muon_cpu import (ADJUST_LR_FNS, BASELINE, MODELS, MUON_GROUP, OVERLAP_DEFAULT, STRATEGIES, RunConfig,
-                                  rank_grid,
                                   check_hyperparameters, check_owner_options, check_topology, check_tp_divides,
-                                  demo_specs, load_balance, muon_groups_of, newton_schulz_flops,
-                                  plan_optimizer, run_kind, run_steps, verdict, verify)
-
-
-
-# The command line's checks, made before any rank starts.
-MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
-
-
-def flag(argument):
-    """The command-line flag of a keyword argument: bucket_size -> --bucket-size."""
-    return "--" + argument.replace("_", "-")
-
-
-def validate(cfg, specs):
-    """Every check that can be made before spawning; raises ValueError with one line.
-    The optimizer's own rules are its own functions, spelled with the flags' names."""
-    check_topology(cfg.dp, cfg.tp)
-    if cfg.steps < 1:
-        raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
-    if not 0 <= cfg.seed < 2**32:
-        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
-    check_hyperparameters(flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                          momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
-    if cfg.lr == 0:
-        raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
-    if cfg.ns_steps < 1:
-        raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {cfg.strategy!r})")
-    if cfg.baseline and cfg.strategy != "gather":
-        raise ValueError(f"--baseline runs AdamW for every parameter: it takes no --strategy (got {cfg.strategy})")
-    if cfg.model not in MODELS:
-        raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
-    if not 1 <= cfg.layers <= MAX_LAYERS:
-        raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
-    check_owner_options(flag, overlap=cfg.overlap)
-    if cfg.overlap and cfg.strategy not in ("owner", "comm-free"):
-        raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
-    if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
-        raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
-    check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
-    names = {s.name for s in specs}
-    for name, rank, step in cfg.missing_grads:
-        if name not in names or not -1 <= rank < cfg.dp or not 1 <= step <= cfg.steps:
-            raise ValueError(f"missing gradient ({name}, DP rank {rank}, step {step}) names no parameter, "
-                             f"DP rank or step of this run")
-    check_tp_divides(specs, cfg.tp)
-
-
-def check_launch(timeout_s, fail_rank=-1, world=1):
-    """The launcher's own options, shared by every command that launches ranks (ValueError, one line)."""
-    if not (timeout_s > 0 and math.isfinite(timeout_s)):
-        raise ValueError(f"--timeout must be > 0 seconds and finite (got {timeout_s})")
-    if not -1 <= fail_rank < world:
-        raise ValueError(f"--fail-rank must name a rank in [0, {world}) (got {fail_rank})")
-
-
-def check_writable(path, option="--json"):
-    """Raise ValueError (one line) unless `path` could be written, before any rank starts.
-    It creates nothing, so every rank of a torchrun job may check the same path."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"{option} {path} is a directory")
-    if not os.path.isdir(folder):
-        raise ValueError(f"{option} {path}: the folder {folder} does not exist")
-    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        raise ValueError(f"{option} {path} is not writable")
-
-
-
-# --explain: the virtual buffer map (section 4).
-def format_buffer_map(layout):
-    """--explain: which DP rank keeps which part of which parameter, and the padding."""
-    dp, lines = layout.dp, []
-    for b in layout.buckets:
-        lines.append(f"bucket ({b.buffer_idx}, {b.bucket_idx}): {b.used:,} elements + {b.numel - b.used} padding "
-                     f"= {b.numel:,}; DP shard = {b.numel // dp:,} elements")
-        for name in b.names:
-            start, end = layout.bucket_ranges[name]
-            parts = " ".join(f"DP{r}[{m.param_slice.start}:{m.param_slice.stop}]"
-                             for r, m in enumerate(ms[name] for ms in layout.metas) if m.local_numel)
-            lines.append(f"    {name:<26} {str(layout.shapes[name]):<11} [{start:>6}, {end:>6})  {parts}")
-        if b.numel > b.used:
-            holders = " ".join(f"DP{r}" for r in range(dp) if b.shard_range(r, dp)[1] > b.used)
-            lines.append(f"    {'(padding)':<26} {'':<11} [{b.used:>6}, {b.numel:>6})  {holders}")
-    return "\n".join(lines)
-
+                                  demo_specs, load_balance, muon_groups_of, newton_schulz_flops, plan_optimizer,
+                                  rank_grid, run_kind, run_steps, verdict, verify)
 
 
 # =============================================================================
@@ -220,6 +133,23 @@ def format_grid(dp, tp):
     return "\n".join(lines)
 
 
+def format_buffer_map(layout):
+    """--explain: which DP rank keeps which part of which parameter, and the padding."""
+    dp, lines = layout.dp, []
+    for b in layout.buckets:
+        lines.append(f"bucket ({b.buffer_idx}, {b.bucket_idx}): {b.used:,} elements + {b.numel - b.used} padding "
+                     f"= {b.numel:,}; DP shard = {b.numel // dp:,} elements")
+        for name in b.names:
+            start, end = layout.bucket_ranges[name]
+            parts = " ".join(f"DP{r}[{m.param_slice.start}:{m.param_slice.stop}]"
+                             for r, m in enumerate(ms[name] for ms in layout.metas) if m.local_numel)
+            lines.append(f"    {name:<26} {str(layout.shapes[name]):<11} [{start:>6}, {end:>6})  {parts}")
+        if b.numel > b.used:
+            holders = " ".join(f"DP{r}" for r in range(dp) if b.shard_range(r, dp)[1] > b.used)
+            lines.append(f"    {'(padding)':<26} {'':<11} [{b.used:>6}, {b.numel:>6})  {holders}")
+    return "\n".join(lines)
+
+
 def print_header(cfg, plan, device_kind, backend, explain, print_fn):
     """The grid, the virtual buffer and the owners, from `plan` (plan_optimizer): what every rank will hold."""
     world = cfg.dp * cfg.tp
@@ -308,32 +238,6 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
 # stops every rank on Ctrl-C or SIGTERM, and names the rank that failed, died or
 # stopped responding.
 
-def run_rank(rank, body, cfg, port, out_dir, heartbeats, launcher):
-    """One spawned rank: join the Gloo world, run body(rank, cfg, "cpu"), write what it returns to out_dir.
-
-    Nothing is printed here: a failure is written to rank<R>.error (time, one
-    line, traceback) and the launcher reports it once, for the whole run.
-    """
-    # Ctrl-C in a terminal sends SIGINT to every process of the job; the launcher
-    # alone decides what happens next (it stops every rank and cleans up).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    name_process(f"muon rank {rank}")
-    start_heartbeat(heartbeats, rank, launcher)
-    torch.set_num_threads(1)  # same thread count everywhere (distributed_muon_cpu.py, section 7)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=cfg.dp * cfg.tp, timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        result = body(rank, cfg, "cpu")
-        dist.destroy_process_group()
-        write_atomically(os.path.join(out_dir, f"rank{rank}.pt"), lambda f: torch.save(result, f))
-    except BaseException as e:
-        # When one rank dies its peers fail too ("connection closed"). The time
-        # lets the launcher name the rank that failed first: the cause.
-        text = f"{time.time()!r}\n{one_line(e)}\n{traceback.format_exc()}"
-        write_atomically(os.path.join(out_dir, f"rank{rank}.error"), lambda f: f.write(text.encode()))
-        os._exit(1)  # no teardown that could wait on a dead peer
-
-
 def one_line(error):
     """An exception as one line, 'Type: message', whatever newlines its message holds."""
     return " ".join(f"{type(error).__name__}: {error}".split())
@@ -375,6 +279,32 @@ def name_process(title):
         ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME, at most 15 bytes
     except (OSError, AttributeError):
         pass
+
+
+def run_rank(rank, body, cfg, port, out_dir, heartbeats, launcher):
+    """One spawned rank: join the Gloo world, run body(rank, cfg, "cpu"), write what it returns to out_dir.
+
+    Nothing is printed here: a failure is written to rank<R>.error (time, one
+    line, traceback) and the launcher reports it once, for the whole run.
+    """
+    # Ctrl-C in a terminal sends SIGINT to every process of the job; the launcher
+    # alone decides what happens next (it stops every rank and cleans up).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_process(f"muon rank {rank}")
+    start_heartbeat(heartbeats, rank, launcher)
+    torch.set_num_threads(1)  # same thread count everywhere (distributed_muon_cpu.py, section 7)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=cfg.dp * cfg.tp, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        result = body(rank, cfg, "cpu")
+        dist.destroy_process_group()
+        write_atomically(os.path.join(out_dir, f"rank{rank}.pt"), lambda f: torch.save(result, f))
+    except BaseException as e:
+        # When one rank dies its peers fail too ("connection closed"). The time
+        # lets the launcher name the rank that failed first: the cause.
+        text = f"{time.time()!r}\n{one_line(e)}\n{traceback.format_exc()}"
+        write_atomically(os.path.join(out_dir, f"rank{rank}.error"), lambda f: f.write(text.encode()))
+        os._exit(1)  # no teardown that could wait on a dead peer
 
 
 def free_port():
@@ -515,6 +445,71 @@ def spawn_ranks(cfg, body=run_steps):
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
+# The command line: its checks, made before any rank starts, then its parser and main().
+def check_launch(timeout_s, fail_rank=-1, world=1):
+    """The launcher's own options, shared by every command that launches ranks (ValueError, one line)."""
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"--timeout must be > 0 seconds and finite (got {timeout_s})")
+    if not -1 <= fail_rank < world:
+        raise ValueError(f"--fail-rank must name a rank in [0, {world}) (got {fail_rank})")
+
+
+def check_writable(path, option="--json"):
+    """Raise ValueError (one line) unless `path` could be written, before any rank starts.
+    It creates nothing, so every rank of a torchrun job may check the same path."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a directory")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"{option} {path} is not writable")
+
+
+def flag(argument):
+    """The command-line flag of a keyword argument: bucket_size -> --bucket-size."""
+    return "--" + argument.replace("_", "-")
+
+
+MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
+
+
+def validate(cfg, specs):
+    """Every check that can be made before spawning; raises ValueError with one line.
+    The optimizer's own rules are its own functions, spelled with the flags' names."""
+    check_topology(cfg.dp, cfg.tp)
+    if cfg.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
+    if not 0 <= cfg.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
+    check_hyperparameters(flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                          momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
+    if cfg.lr == 0:
+        raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
+    if cfg.ns_steps < 1:
+        raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {cfg.strategy!r})")
+    if cfg.baseline and cfg.strategy != "gather":
+        raise ValueError(f"--baseline runs AdamW for every parameter: it takes no --strategy (got {cfg.strategy})")
+    if cfg.model not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
+    if not 1 <= cfg.layers <= MAX_LAYERS:
+        raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
+    check_owner_options(flag, overlap=cfg.overlap)
+    if cfg.overlap and cfg.strategy not in ("owner", "comm-free"):
+        raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
+    if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
+        raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
+    check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
+    names = {s.name for s in specs}
+    for name, rank, step in cfg.missing_grads:
+        if name not in names or not -1 <= rank < cfg.dp or not 1 <= step <= cfg.steps:
+            raise ValueError(f"missing gradient ({name}, DP rank {rank}, step {step}) names no parameter, "
+                             f"DP rank or step of this run")
+    check_tp_divides(specs, cfg.tp)
+
+
 def run(cfg, explain=False, print_fn=print):
     """Plan, start the ranks on this machine, verify against torch, account; returns the results dict."""
     validate(cfg, demo_specs(cfg))
@@ -623,6 +618,7 @@ def main(argv=None):
     return exit_code(work, args.traceback)
 
 
+# The notebooks' helpers.
 def notebook_requirements():
     """The notebooks' setup: install requirements.txt when this torch has no torch.optim.Muon (the
     reference, torch >= 2.9) or matplotlib is missing. A torch already imported stays loaded until
@@ -648,6 +644,3 @@ def run_program(program, *args):
     if proc.returncode != 0:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

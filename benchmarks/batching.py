@@ -42,7 +42,7 @@ def main():
     for shape, count in CASES:
         stack = torch.randn(count, *shape, generator=torch.Generator().manual_seed(count))
         one_by_one = lambda: [dm.newton_schulz(m) for m in stack]
-        batched = lambda: dm.newton_schulz(stack)
+        batched = lambda: dm.batched_newton_schulz(stack)
         expected = [torch_newton_schulz(m.clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS) for m in stack]
         got = batched()
         differing = sum(not torch.equal(b, e) for b, e in zip(got, expected))

@@ -3,9 +3,12 @@ flow's helpers come before the flow, the flow before the class that calls it."""
 
 import ast
 import builtins
+import os
 import re
 
-from conftest import SCRIPT
+from conftest import ROOT, SCRIPT
+
+TOOLS = os.path.join(ROOT, "muon_tools.py")
 
 
 def banner_lines(source):
@@ -18,9 +21,9 @@ def defined_names(node):
     """The module-level names a top-level statement defines."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return {node.name}
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        return {(a.asname or a.name).split(".")[0] for a in node.names}
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names}
+    return imported | {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
 def global_loads(node, local=frozenset()):
@@ -33,7 +36,9 @@ def global_loads(node, local=frozenset()):
         body = node.body if isinstance(node.body, list) else [node.body]
         own |= {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
         own |= {n.name for b in body for n in ast.walk(b)
-                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ExceptHandler)) and n.name}
+        own |= set().union(set(), *(defined_names(n) for b in body for n in ast.walk(b)
+                                    if isinstance(n, (ast.Import, ast.ImportFrom))))
         decorators = node.decorator_list if not isinstance(node, ast.Lambda) else []
         defaults = args.defaults + [d for d in args.kw_defaults if d is not None]
         outer = set().union(*(global_loads(d, local) for d in decorators + defaults))
@@ -52,7 +57,7 @@ def forward_references(source, first_line, last_line):
         if node.lineno > last_line:
             break
         if node.lineno >= first_line:
-            mine = defined_names(node) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else set()
+            mine = defined_names(node)  # a function's own name (recursion), what an `if` imports for itself
             problems += [(node.lineno, name) for name in sorted(global_loads(node) - known - mine)]
         known |= defined_names(node)
     return problems
@@ -69,6 +74,19 @@ def test_sections_1_to_5_use_nothing_defined_later():
         source = f.read()
     banners = banner_lines(source)
     assert forward_references(source, banners[1], banners[6] - 1) == []
+
+
+def test_no_section_uses_what_a_later_one_defines():
+    """The guide's rule for the whole lesson: sections 6 and 7 only use what comes before them too."""
+    with open(SCRIPT) as f:
+        source = f.read()
+    assert forward_references(source, banner_lines(source)[1], len(source.splitlines())) == []
+
+
+def test_the_tooling_reads_top_to_bottom_too():
+    with open(TOOLS) as f:
+        source = f.read()
+    assert forward_references(source, 1, len(source.splitlines())) == []
 
 
 def test_the_flow_comes_before_the_class_that_calls_it():
