@@ -43,10 +43,11 @@ import torch
 import torch.distributed as dist
 
 import distributed_muon_cpu as dm
+import muon_tools as mt
 
 
 def parse(argv):
-    parser = dm.build_parser("Distributed Muon on GPUs (NCCL, one process per GPU, launched with torchrun), "
+    parser = mt.build_parser("Distributed Muon on GPUs (NCCL, one process per GPU, launched with torchrun), "
                              "checked bit for bit against torch.optim.Muon / AdamW on the same device.",
                              launcher="torchrun")
     parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="(default %(default)s)")
@@ -68,11 +69,11 @@ def check(args, world):
         if world % args.tp:
             raise ValueError(f"TP {args.tp} does not divide the world size {world}")
         args.dp = world // args.tp
-    cfg = dm.config_from_args(args)
+    cfg = mt.config_from_args(args)
     dm.check_topology(cfg.dp, cfg.tp, world)
-    dm.validate(cfg, dm.demo_specs(cfg))
+    mt.validate(cfg, dm.demo_specs(cfg))
     if args.json:
-        dm.check_writable(args.json)
+        mt.check_writable(args.json)
     return cfg
 
 
@@ -130,7 +131,7 @@ def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceba
         dist.gather_object(result, gathered, dst=0)
         seconds = time.perf_counter() - t0
     except Exception as e:
-        print(f"error: rank {rank} failed: {dm.one_line(e)}", file=sys.stderr, flush=True)
+        print(f"error: rank {rank} failed: {mt.one_line(e)}", file=sys.stderr, flush=True)
         if show_traceback:
             traceback.print_exc()
         return 1
@@ -146,7 +147,7 @@ def main(argv=None):
     def body(cfg, rank, device):
         if rank == 0:  # the layout every rank builds, printed once
             backend = {"gloo": "Gloo", "nccl": "NCCL"}[args.backend]
-            dm.print_header(cfg, dm.plan_optimizer(cfg), "GPU" if args.device == "cuda" else "CPU", backend,
+            mt.print_header(cfg, dm.plan_optimizer(cfg), "GPU" if args.device == "cuda" else "CPU", backend,
                             args.explain, print)
         return dm.run_steps(rank, cfg, device)
 
@@ -154,10 +155,10 @@ def main(argv=None):
         if args.device == "cuda":
             print(f"device: {torch.cuda.get_device_name(device)}\n")
         checks, ref_s = dm.verify(cfg, gathered, device)
-        results = dm.report(cfg, dm.plan_optimizer(cfg), gathered, checks, ranks_s, ref_s, backend=args.backend)
+        results = mt.report(cfg, dm.plan_optimizer(cfg), gathered, checks, ranks_s, ref_s, backend=args.backend)
         results["launcher"] = dict(backend=args.backend, device=args.device,
                                    gpu=torch.cuda.get_device_name(device) if args.device == "cuda" else None)
-        dm.write_json(args.json, results)
+        mt.write_json(args.json, results)
         return 0 if results["passed"] else 1
 
     return run_under_torchrun(args.backend, args.device, lambda world: check(args, world), body, finish,

@@ -31,59 +31,30 @@
 # %% [markdown]
 # ## 0. Setup
 #
-# The notebook imports the script, so it needs `distributed_muon_cpu.py` beside it. In Colab it is
-# not there: set `DISTRIBUTED_MUON_REPOSITORY` to the repository's git URL (e.g. a first cell with
-# `%env DISTRIBUTED_MUON_REPOSITORY=<url>`) and this cell clones it into the current folder and
-# moves into the clone. The script needs `torch` ≥ 2.9, the first release with `torch.optim.Muon`,
-# the reference everything is checked against; what is missing is installed from `requirements.txt`.
+# The notebook imports the lesson, `distributed_muon_cpu.py`, and its tooling, `muon_tools.py`, from
+# the folder it runs in. In Colab, first set the repository's git URL (`%env
+# DISTRIBUTED_MUON_REPOSITORY=<url>`): this cell clones it and works in the clone. What is missing
+# (torch ≥ 2.9, which has `torch.optim.Muon`, the reference; matplotlib) comes from `requirements.txt`.
 
 # %%
-import importlib.util
-import inspect
 import json
 import os
 import subprocess
 import sys
-import textwrap
 
-REPOSITORY_URL = os.environ.get("DISTRIBUTED_MUON_REPOSITORY", "")
-CLONE = "distributed-muon"
-if not os.path.exists("distributed_muon_cpu.py"):
-    # A kernel restarted after a clone starts again in the folder that holds the clone.
-    if not os.path.exists(os.path.join(CLONE, "distributed_muon_cpu.py")):
-        if not REPOSITORY_URL:
-            raise FileNotFoundError("distributed_muon_cpu.py is not beside this notebook: set "
-                                    "DISTRIBUTED_MUON_REPOSITORY to the repository's git URL, or upload "
-                                    "distributed_muon_cpu.py beside the notebook.")
-        subprocess.run(["git", "clone", "--depth", "1", REPOSITORY_URL, CLONE], check=True)
-        print(f"cloned {REPOSITORY_URL} into {os.path.abspath(CLONE)}")
-    os.chdir(CLONE)
-    print(f"working in {os.getcwd()}")
+if not os.path.exists("distributed_muon_cpu.py"):  # Colab: clone the repository (once), work in the clone
+    if not os.path.exists("distributed-muon"):
+        subprocess.run(["git", "clone", "--depth", "1", os.environ["DISTRIBUTED_MUON_REPOSITORY"], "distributed-muon"],
+                       check=True)
+    os.chdir("distributed-muon")
+import muon_tools as mt  # noqa: E402  (the report, the launcher, the command line, this setup)
 
-
-def torch_version():
-    """The version of the torch this kernel imports, or None; and whether it has torch.optim.Muon."""
-    if importlib.util.find_spec("torch") is None:
-        return None, False
-    import torch
-
-    return torch.__version__, hasattr(torch.optim, "Muon")
-
-
-version, has_muon = torch_version()
-if not has_muon or importlib.util.find_spec("matplotlib") is None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt"], check=True)
-    if not has_muon:  # a torch already imported stays loaded until the kernel restarts
-        raise RuntimeError(f"torch {version} has no torch.optim.Muon, which needs torch >= 2.9: a newer torch "
-                           "was installed from requirements.txt; restart the kernel and run the notebook again.")
-
+mt.notebook_requirements()
+import distributed_muon_cpu as dm  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-import distributed_muon_cpu as dm  # noqa: E402
-
-print(f"python {sys.version.split()[0]}, torch {torch.__version__} (torch.optim.Muon: yes), "
-      f"{os.cpu_count()} CPU cores")
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
 
 # %% [markdown]
 # ## 1. Newton-Schulz, momentum and the learning-rate adjustment
@@ -126,7 +97,7 @@ for shape in [(384, 128), (128, 128), (128, 512)]:
 # ranks holding the same TP piece of every weight, each fed different data.
 
 # %%
-print(dm.format_grid(4, 2))
+print(mt.format_grid(4, 2))
 grid = dm.plan_grid(4, 2, rank=5)
 print(f"\nrank 5: DP rank {grid.dp.rank} of DP group {grid.dp.ranks}, "
       f"TP rank {grid.tp.rank} of TP group {grid.tp.ranks}")
@@ -142,7 +113,7 @@ print(f"\nrank 5: DP rank {grid.dp.rank} of DP group {grid.dp.ranks}, "
 # %%
 rows = [[s.name, "x".join(map(str, s.global_shape)) or "scalar", "-" if s.tp_split_dim < 0 else s.tp_split_dim,
          s.group] for s in dm.transformer_specs()]
-print(dm.format_table(["parameter", "global shape", "TP split dim", "param group"], rows, ["<", ">", ">", "<"]))
+print(mt.format_table(["parameter", "global shape", "TP split dim", "param group"], rows, ["<", ">", ">", "<"]))
 
 # %% [markdown]
 # ## 4. The virtual buffer
@@ -154,19 +125,64 @@ print(dm.format_table(["parameter", "global shape", "TP split dim", "param group
 
 # %%
 plan = dm.plan_optimizer(dm.RunConfig(dp=3, tp=2))
-print(dm.format_buffer_map(plan.layout))
+print(mt.format_buffer_map(plan.layout))
 
 # %% [markdown]
 # ## 5. The step: the gather strategy
 #
-# `DistributedMuon.step` runs four stages (`_stages`): the gradient reduce-scatter, momentum and
-# AdamW on this rank's parts, the orthogonalization, and the parameter all-gather. The
-# orthogonalization is the gather flow, one bucket at a time, in `gather_newton_schulz_shard`:
+# `DistributedMuon.step` takes the buckets one at a time: the gradient reduce-scatter, momentum and
+# AdamW on this rank's parts, the orthogonalization, the parameter all-gather. The orthogonalization
+# is the gather flow, `gather_newton_schulz_shard`:
 # DP gather → TP gather → Newton–Schulz → TP shard → DP shard.
+#
+# Here it runs in this process, on the first bucket of the 4 × 2 grid: `plan_optimizer` builds what
+# each of the eight ranks builds (its `dist_meta`), each rank's update shard is cut with the script's
+# own slices, and each arrow is the script's own function. The two collectives are joins that a
+# process group does: the DP gather concatenates the DP shards in DP rank order (what `all_gather`
+# returns), and the TP gather joins the TP pieces with `join_tp_pieces`, as `tp_gather` does.
 
 # %%
-print(inspect.getsource(dm.DistributedMuon._stages))
-print(inspect.getsource(dm.gather_newton_schulz_shard))
+dp, tp = 4, 2
+plans = [dm.plan_optimizer(dm.RunConfig(dp=dp, tp=tp), rank) for rank in range(dp * tp)]  # rank = d * TP + t
+bucket = plans[0].layout.buckets[0]
+meta = {(d, t): plans[d * tp + t].dist_metas for d in range(dp) for t in range(tp)}  # {name: DistMeta}
+gen = torch.Generator().manual_seed(0)
+update = {n: torch.randn(plans[0].layout.global_shapes[n], generator=gen).bfloat16() for n in bucket.names}
+# Each rank's update shard of the bucket: its TP piece of each matrix, then its DP part of that piece.
+shard = {(d, t): dm.shard_of_bucket({n: dm.dp_shard(dm.tp_shard(update[n], meta[d, t][n].tp_split_dim, t, tp),
+                                                    meta[d, t][n]) for n in bucket.names},
+                                    [meta[d, t][n] for n in bucket.names], bucket.numel // dp, torch.bfloat16, "cpu")
+         for d in range(dp) for t in range(tp)}
+print(f"bucket {bucket.names}: {bucket.numel:,} elements; each rank's update shard: {tuple(shard[0, 0].shape)}\n")
+
+# The DP gather: each TP column's ranks join their shards, and every one of them holds the whole bucket.
+whole_bucket = {t: torch.cat([shard[d, t] for d in range(dp)]) for t in range(tp)}
+print(f"DP gather: {dp} shards of {tuple(shard[0, 0].shape)} -> the bucket, {tuple(whole_bucket[0].shape)}")
+parts = {}  # (d, t, name) -> that rank's part of the orthogonalized matrix
+for name in bucket.names:
+    for t in range(tp):
+        m = meta[0, t][name]
+        tp_local = dm.matrix_in_bucket(whole_bucket[t], m)
+        peers = [dm.matrix_in_bucket(whole_bucket[u], meta[0, u][name]) for u in range(tp)]
+        full = dm.join_tp_pieces(peers if m.tp_split_dim >= 0 else [tp_local], m.tp_split_dim)  # TP gather
+        ortho = dm.newton_schulz(full)  # Newton-Schulz
+        tp_piece = dm.tp_shard(ortho, m.tp_split_dim, t, tp)  # TP shard
+        for d in range(dp):
+            parts[d, t, name] = dm.dp_shard(tp_piece, meta[d, t][name])  # DP shard
+        if t == 0:
+            split = "not split" if m.tp_split_dim < 0 else f"split on dim {m.tp_split_dim}"
+            print(f"{name} ({split}), TP rank 0: TP-local {tuple(tp_local.shape)} -> TP gather {tuple(full.shape)}"
+                  f" -> Newton-Schulz {tuple(ortho.shape)} -> TP shard {tuple(tp_piece.shape)} -> DP shard, "
+                  "elements on DP 0-3: " + " ".join(str(parts[d, t, name].numel()) for d in range(dp)))
+
+# Put every rank's part back together and compare with torch's Newton-Schulz on the whole matrix.
+for name in bucket.names:
+    split = meta[0, 0][name].tp_split_dim
+    tp_locals = [torch.cat([parts[d, t, name] for d in range(dp)]).view(meta[0, t][name].shape) for t in range(tp)]
+    whole = dm.join_tp_pieces(tp_locals, split)
+    theirs = torch.optim._muon._zeropower_via_newtonschulz(update[name], dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+    print(f"{name}: every rank's part put together, torch.equal with Newton-Schulz on the whole matrix: "
+          f"{torch.equal(whole, theirs)}")
 
 # %% [markdown]
 # ## 6. Orthogonalize each matrix once: the owner and comm-free strategies
@@ -183,34 +199,21 @@ print(inspect.getsource(dm.gather_newton_schulz_shard))
 plan = dm.plan_optimizer(dm.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
 per_rank, balance = dm.load_balance(plan.ns_flops, plan.owners, 8)
 rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}"] for r in range(8)]
-print(dm.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
+print(mt.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
 print(f"max / mean = {balance:.2f}\n")
-print("class OwnerMuon(DistributedMuon):\n" + textwrap.indent(inspect.getdoc(dm.OwnerMuon), "    "))
+print("class OwnerMuon(DistributedMuon):\n    " + dm.OwnerMuon.__doc__.strip())
 
 # %% [markdown]
 # ## 7. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
 #
-# Now 8 ranks, DP=4 × TP=2, started by the script as one process per rank. Spawned from this kernel,
-# each would re-import the kernel's `__main__`, which a notebook does not have, so the notebook runs
-# the script as a separate process with this kernel's interpreter, streams its output, and fails
-# the cell if it fails. After the steps, the launcher runs `torch.optim.Muon` and `torch.optim.AdamW`
-# on one device, fed the summed gradients, and compares every rank's piece with `torch.equal`.
-
+# Now 8 ranks, DP=4 × TP=2, started by the script as one process per rank; the notebook runs the
+# script as a process of its own (`mt.run_program`) and fails the cell if it fails. After the steps,
+# the launcher runs `torch.optim.Muon` and `torch.optim.AdamW` on one device, fed the summed
+# gradients, and compares every rank's piece with `torch.equal`.
 
 # %%
-def run_program(program, *args):
-    """Run `program` (a script of this repository) with `args`, print its output as it comes, raise if it fails."""
-    cmd = [sys.executable, "-u", program, *args]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:
-            print(line, end="")
-    if proc.returncode != 0:
-        raise subprocess.CalledProcessError(proc.returncode, cmd)
-
-
 os.makedirs("runs", exist_ok=True)
-run_program("distributed_muon_cpu.py", "--dp", "4", "--tp", "2", "--explain", "--json",
-            "runs/notebook_4x2.json")
+mt.run_program("distributed_muon_cpu.py", "--dp", "4", "--tp", "2", "--explain", "--json", "runs/notebook_4x2.json")
 with open("runs/notebook_4x2.json") as f:
     run = json.load(f)
 
@@ -266,89 +269,6 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Every TP peer orthogonalizes the same full matrix, and so does every DP rank whose shard touches
-# it: the redundancy is TP × (the number of DP shards a matrix touches, FLOP-weighted). The grid
-# changes how the cost is split between DP and TP traffic and how much work is repeated. The next
-# cell runs the other grids of 8 ranks (about half a minute on 2 cores); 4 × 2 is the run above.
-
-# %%
-grids = [(8, 1), (4, 2), (2, 4), (1, 8)]
-sweep = {(4, 2): run}  # bytes and FLOPs are the same every step: the 4 x 2 run above serves
-for dp, tp in grids[:1] + grids[2:]:
-    # one step each
-    out = subprocess.run([sys.executable, "distributed_muon_cpu.py", "--dp", str(dp), "--tp", str(tp), "--steps", "1",
-                          "--json", f"runs/notebook_{dp}x{tp}.json"], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(out.stdout + out.stderr)
-    print(out.stdout.strip().splitlines()[-1], f"(DP={dp} x TP={tp})")
-    with open(f"runs/notebook_{dp}x{tp}.json") as f:
-        sweep[(dp, tp)] = json.load(f)
-
-fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-labels = [f"{dp}×{tp}" for dp, tp in grids]
-bottom = [0.0] * len(grids)
-for p in phases:
-    heights = [max(sweep[g]["bytes_per_step"][p]["sent"]) / 1024 for g in grids]
-    left.bar(labels, heights, bottom=bottom, label=p)
-    bottom = [b + h for b, h in zip(bottom, heights)]
-left.set_xlabel("DP × TP")
-left.set_ylabel("KiB sent per step (most loaded rank)")
-left.set_title("Bytes by phase across grids")
-left.legend(fontsize=8)
-right.bar(labels, [sweep[g]["ns_flops"]["redundancy"] for g in grids], color="tab:orange")
-right.axhline(8, color="black", linestyle="--", label="DP × TP")
-right.set_xlabel("DP × TP")
-right.set_ylabel("redundancy")
-right.set_title("Newton–Schulz redundancy across grids")
-right.legend()
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# The strategies side by side: `benchmarks/compare.py` runs gather, owner, comm-free and the AdamW
-# ZeRO-1 baseline on the same grid, checks each against torch, and prints one table (about 20 s).
-
-# %%
-run_program("benchmarks/compare.py", "--steps", "2", "--json", "runs/notebook_compare.json")
-with open("runs/notebook_compare.json") as f:
-    compared = json.load(f)["runs"]
-
-# %%
-strategies = list(compared)
-all_phases = list(dict.fromkeys(p for r in compared.values() for p in r["bytes_per_step"]))
-labels = ["AdamW ZeRO-1" if s == "baseline" else s for s in strategies]
-fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 5))
-bottom = [0.0] * len(strategies)
-for p in all_phases:
-    heights = [sum(compared[s]["bytes_per_step"].get(p, {"sent": [0]})["sent"]) / 2**20 for s in strategies]
-    left.bar(labels, heights, bottom=bottom, label=p)
-    bottom = [b + h for b, h in zip(bottom, heights)]
-left.set_ylabel("MiB sent per step, all ranks")
-left.set_title("Bytes by phase")
-left.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.08))
-muon = [s for s in strategies if compared[s]["ns_flops"]["single_device"]]
-for i, s in enumerate(muon):
-    per_rank = compared[s]["ns_flops"]["per_rank"]
-    middle.bar([r + i * 0.25 for r in range(len(per_rank))], [f / 1e9 for f in per_rank], width=0.25,
-               label=f"{s}: redundancy {compared[s]['ns_flops']['redundancy']:.2f}")
-middle.set_xlabel("rank")
-middle.set_ylabel("GFLOP per step")
-middle.set_title("Newton–Schulz FLOPs per rank")
-middle.set_ylim(0, 1.4 * max(max(compared[s]["ns_flops"]["per_rank"]) for s in muon) / 1e9)  # room for the legend
-middle.legend(fontsize=8)
-right.bar(labels, [compared[s]["timings"]["step_ms_median"] for s in strategies], color="tab:green")
-right.set_ylabel("ms (median step, slowest rank)")
-right.set_title("Step time on this machine (Gloo)")
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# Owner and comm-free orthogonalize each matrix once (redundancy 1.00). With the default two
-# layers there are 10 matrices for 8 ranks, four of them the largest, so the work cannot be spread
-# evenly (`--layers 8` balances it). The step times are from Gloo on a shared CPU;
-# `benchmarks/gloo_collectives.py` measures each collective for the same bytes.
-
-# %% [markdown]
 # ## 9. Main: the launcher and the command line
 #
 # The launcher behind every run above checks the arguments and plans the layout before any rank
@@ -357,50 +277,9 @@ plt.show()
 # stops every rank. Its options:
 
 # %%
-run_program("distributed_muon_cpu.py", "--help")
+mt.run_program("distributed_muon_cpu.py", "--help")
 
 # %% [markdown]
-# ## 10. Train for real: a tensor-parallel GPT on real text
-#
-# Everything above fed the optimizer synthetic gradients. `examples/train_gpt.py` trains a small
-# GPT (`examples/gpt.py`) on the Python standard library's own source files (bytes as tokens, no
-# download: every Python has them), made tensor-parallel the Megatron way: column-parallel QKV
-# and MLP-in, row-parallel attention-out and MLP-out, and the two conjugate functions *f* and *g*
-# that all-reduce over the TP group. Its hidden matrices go to the same `OwnerMuon` as above, its
-# embeddings, norms and biases to AdamW. Below: 20 steps on DP=2 x TP=2.
-
-# %%
-run_program("examples/train_gpt.py", "--dp", "2", "--tp", "2", "--steps", "20", "--log-every", "5",
-            "--json", "runs/gpt_muon.json")
-with open("runs/gpt_muon.json") as f:
-    run = json.load(f)
-fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot(range(1, len(run["losses"]) + 1), run["losses"], alpha=0.5, label="train (mean over DP ranks)")
-ax.plot(*zip(*run["val"]), "o-", label="validation")
-ax.set_xlabel("step")
-ax.set_ylabel("loss (nats per byte)")
-ax.set_title("Muon (hidden matrices) + AdamW, DP=2 x TP=2")
-ax.legend(fontsize=8)
-plt.show()
-
-# %% [markdown]
-# Muon against AdamW on this task, each at the best of four learning rates with the same tokens,
-# is a longer measurement (`python benchmarks/gpt_lr_sweep.py`, about 4 minutes on 2 cores): there
-# Muon reached AdamW's best validation loss in 3.3x fewer steps (`notes/09-training.md`).
-
-# %% [markdown]
-# Is the distributed training the training one process would do? `--verify` trains the same GPT in
-# this process with `torch.optim.Muon` and `torch.optim.AdamW` on the same micro-batches, and
-# compares three ways: the ranks' own gradients replayed through torch's optimizers (bit for bit:
-# the optimizer is exact), each step's loss and gradients at the ranks' weights (TP adds partial
-# sums in another order, so they agree to the last bits of float32, within a stated bound), and the
-# two free-running trainings. `notes/09-training.md` explains the bounds.
-
-# %%
-run_program("examples/train_gpt.py", "--dp", "2", "--tp", "2", "--steps", "3", "--verify")
-
-# %% [markdown]
-# Where to go next: `benchmarks/` measures the strategies (`compare.py`), the grids and bucket sizes
-# (`sweep.py`), Gloo's collectives, overlap and batched Newton–Schulz; `notes/README.md` orders the
-# chapters that explain each idea with its measured figures. On GPUs the same algorithm runs under
-# `torchrun` with NCCL: `torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2`.
+# Next, `distributed_muon_runs.ipynb` runs the script more: every grid of 8 ranks, the strategies
+# side by side, and a real tensor-parallel GPT trained with the optimizer. `notes/README.md` orders
+# the chapters that explain each idea with its measured figures.

@@ -36,36 +36,25 @@ Import it and the optimizers are real torch.optim.Optimizers, one per strategy:
 
 Reading order (each section opens with what it does and why)
     1. Newton-Schulz, momentum and the learning-rate adjustment (the math)
-    2. The grid and its collectives (the one place bytes cross between ranks)
+    2. The grid and its collectives (through which every byte between ranks goes, counted)
     3. The parameters (a small transformer) and their per-rank gradients
     4. The virtual buffer (param groups, buckets, dist_meta)
     5. The step: the gather strategy (DistributedMuon, a torch.optim.Optimizer)
     6. Orthogonalize each matrix once: the owner and comm-free strategies (OwnerMuon, CommFreeMuon),
        and the step overlapped with its collectives (--overlap)
     7. A run (run_steps, the example of use), and its verification against torch
+The tooling around it lives beside it, in muon_tools.py, and is no part of the lesson:
     8. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
     9. Main: the launcher (start, watch and stop the ranks) and the command line
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
-import json
 import math
-import multiprocessing
-import multiprocessing.connection
-import os
-import signal
-import socket
-import statistics
 import sys
-import tempfile
-import threading
 import time
-import traceback
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -90,40 +79,24 @@ NS_STEPS = 5
 NS_EPS = 1e-7
 
 
-def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS, fused_mm=torch.addmm):
     """Approximately orthogonalize a full (rows, cols) matrix; returns bfloat16.
 
-    A 2-D matrix goes through exactly torch.optim.Muon's operations (addmm), so
-    its result is torch's, bit for bit: this is the path every strategy takes by
-    default. A stack (batch, rows, cols) of same-shape matrices goes through
-    batched matmuls (baddbmm), one call for all of them. That is the same math
-    but NOT the same bits: bf16 baddbmm and addmm round some near-ties
-    differently (here: 26 of 4,800 small-side matrices differed, by up to 2.8 %
-    of their largest entry), so a stack is used only when asked for (the
-    batched_ns option), within BATCHED_NS_BOUND of the 2-D result.
+    With fused_mm = torch.addmm (beta * input + alpha * m1 @ m2, in one call) these are
+    exactly torch.optim.Muon's operations, so its result is torch's, bit for bit.
+    (Section 6 passes torch.baddbmm to run a stack of same-shape matrices at once.)
     """
     a, b, c = coefficients
-    fused_mm = torch.addmm if matrix.ndim == 2 else torch.baddbmm  # beta * input + alpha * (m1 @ m2)
     x = matrix.bfloat16()
     tall = matrix.size(-2) > matrix.size(-1)
     if tall:
         x = x.mT
-    norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)  # one norm per matrix
-    x = x / norm.clamp(min=eps)  # out of place: a bf16 input is not modified
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # out of place: a bf16 input is not modified
     for _ in range(steps):
         gram = x @ x.mT
         poly = fused_mm(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A
         x = fused_mm(x, poly, x, beta=a)  # a*X + poly@X
     return x.mT if tall else x
-
-
-# The largest |stack result - 2-D result| of newton_schulz, relative to the largest
-# entry of the 2-D result, that tests/test_math.py allows. Measured on this CPU
-# (torch 2.14.1, 1 thread, 100 seeds x 16 shapes x stacks of 3): at most 0.028,
-# so 2**-5 = 0.031 leaves a small margin; a bf16 entry carries 8 significant bits
-# (relative step 2**-8), and a few roundings that differ early grow through the
-# 5 iterations.
-BATCHED_NS_BOUND = 2.0**-5
 
 
 def newton_schulz_flops(shape, steps=NS_STEPS):
@@ -202,22 +175,13 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_dec
 # The groups are sliced from torch.arange(world).view(DP, TP). Every rank must
 # create every group, in the same order, even the groups it is not part of.
 #
-# Every collective of the optimizer goes through all_gather / reduce_scatter /
-# exchange below, which record what each rank logically sends and receives. We
-# count bytes ourselves because Gloo's profiler records no message sizes. For
-# all_gather and reduce_scatter the count is that of a ring (bandwidth-optimal)
-# algorithm: for a group of n ranks and a shard of k bytes, each rank sends and
-# receives (n - 1) * k. Gloo's own reduce_scatter moves more than that: it is
-# implemented as a full all-reduce, so on Gloo reduce_scatter below sends each
-# rank its shard with one all-to-all instead and adds the contributions there,
-# in rank order: exactly the ring's bytes, and 2.4 (2 ranks) to 3.0 (8 ranks)
-# times faster here at 16 MiB per rank (benchmarks/gloo_collectives.py).
-# exchange (an all-to-all with uneven sizes)
-# sends each piece straight to its destination, so the count is exact: what a
-# rank sends to the others, and what it receives from them. Each call is also
+# Every collective of the optimizer goes through the functions below, which
+# record in a Ledger what each rank logically sends and receives: Gloo's
+# profiler records no message sizes, so we count bytes ourselves. The count is
+# that of a ring (bandwidth-optimal) algorithm: for a group of n ranks and a
+# shard of k bytes, each rank sends and receives (n - 1) * k. Each call is also
 # labelled with its phase for torch.profiler (record_function), so a trace of a
-# step shows the phases by the names the ledger uses (examples/train_gpt.py
-# --profile reads them back).
+# step shows the phases by the names the ledger uses.
 
 # torch 2.14 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour
 # of all_gather_single / reduce_scatter_single; older torch has only the old
@@ -225,8 +189,8 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_dec
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# A world this large on one machine is a typo, not a plan: every rank is a
-# Python process with torch loaded (`import torch` alone held 0.8 GB resident here).
+# A world this large on one machine is a typo, not a plan: every rank is a Python
+# process with torch loaded (its memory: notes/07-pitfalls.md).
 MAX_WORLD = 64
 
 
@@ -287,16 +251,6 @@ def make_grid(dp, tp, rank):
                    world=replace(plan.world, group=dist.group.WORLD))
 
 
-def format_grid(dp, tp):
-    """The rank layout as a small table."""
-    grid = rank_grid(dp, tp)
-    width = max(4, len(str(dp * tp - 1)) + 1)
-    lines = ["      " + "".join(f"{'TP ' + str(t):>{width + 2}}" for t in range(tp))]
-    for d in range(dp):
-        lines.append(f"DP {d:<3}" + "".join(f"{r:>{width + 2}}" for r in grid[d].tolist()))
-    return "\n".join(lines)
-
-
 @dataclass
 class Ledger:
     """What this rank communicated and computed, step by step."""
@@ -306,7 +260,7 @@ class Ledger:
     compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
     # What this rank did, in order: (step, "launch" | "wait", phase) for every collective,
     # (step, "newton-schulz", matrix) for every orthogonalization: what was in flight while
-    # what ran.
+    # what ran, once section 6 lets collectives fly while a rank computes.
     events: list = field(default_factory=list)
 
     def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
@@ -316,62 +270,29 @@ class Ledger:
                               sent=sent_numel * size, received=received_numel * size))
         self.events.append((self.step, "launch", phase))
 
+    def record_ring(self, phase, op, axis, shard):
+        """A ring collective of `shard`-sized pieces: (n - 1) pieces out and in."""
+        ring = (axis.size - 1) * shard.numel()
+        self.record_comm(phase, op, axis, ring, ring, shard.dtype)
+
+    def record_wait(self, phase):
+        self.events.append((self.step, "wait", phase))
+
     def record_compute(self, name, shape, flops):
         self.compute.append(dict(step=self.step, name=name, shape=tuple(shape), flops=flops))
         self.events.append((self.step, "newton-schulz", name))
 
 
-def later(work, phase, ledger, result):
-    """What an asynchronous collective returns: a function that waits for `work` (None: nothing
-    to wait for) and returns result(). The wait is labelled with the phase, as the launch is."""
-    def wait():
-        if work is not None:
-            with record_function(phase):
-                work.wait()
-            ledger.events.append((ledger.step, "wait", phase))
-        return result()
-    return wait
-
-
-# Every collective below takes async_op: with it, the call only starts the
-# collective and returns a function that waits for it (later()), so that a rank
-# can compute while its messages are in flight; the tensors passed in must then
-# stay untouched until that wait.
-
-def all_gather(shard, axis, ledger, phase, async_op=False):
+def all_gather(shard, axis, ledger, phase):
     """Concatenate every rank's equal-sized 1-D shard along `axis`: (size * k,)."""
     if axis.size == 1:
-        return (lambda: shard) if async_op else shard
+        return shard
     out = shard.new_empty(axis.size * shard.numel())
     with record_function(phase):
-        work = _all_gather_single(out, shard, group=axis.group, async_op=True)
-    ring = (axis.size - 1) * shard.numel()
-    ledger.record_comm(phase, "all_gather", axis, ring, ring, shard.dtype)
-    wait = later(work, phase, ledger, lambda: out)
-    return wait if async_op else wait()
-
-
-def reduce_scatter(bucket, axis, ledger, phase, async_op=False):
-    """Sum `bucket` over the ranks of `axis` and keep this rank's 1/size of it."""
-    if axis.size == 1:
-        return (lambda: bucket) if async_op else bucket
-    shard = bucket.numel() // axis.size
-    with record_function(phase):
-        if dist.get_backend(axis.group) == "gloo":
-            # Every rank's i-th shard goes straight to rank i, which adds them up in rank order.
-            received = bucket.new_empty(bucket.numel())
-            work = dist.all_to_all_single(received, bucket, group=axis.group, async_op=True)
-            result = lambda: sum_in_order(received.view(axis.size, shard))  # noqa: E731
-        else:
-            # ReduceOp.SUM: the total gradient, as the reference is fed. (AVG is avoided
-            # for older torch; divide afterwards if you want a mean.)
-            out = bucket.new_empty(shard)
-            work = _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
-            result = lambda: out  # noqa: E731
-    ring = (axis.size - 1) * shard
-    ledger.record_comm(phase, "reduce_scatter", axis, ring, ring, bucket.dtype)
-    wait = later(work, phase, ledger, result)
-    return wait if async_op else wait()
+        _all_gather_single(out, shard, group=axis.group)
+    ledger.record_ring(phase, "all_gather", axis, shard)
+    ledger.record_wait(phase)
+    return out
 
 
 def sum_in_order(contributions):
@@ -382,28 +303,36 @@ def sum_in_order(contributions):
     return total
 
 
-def exchange(sends, receive_numels, axis, ledger, phase, async_op=False):
-    """All-to-all with uneven sizes: sends[i] (1-D) goes to rank i of `axis`.
+def reduce_scatter_sum(bucket, axis):
+    """torch's reduce-scatter with ReduceOp.SUM, started: (work, a function that returns the shard).
 
-    receive_numels[i] is how much rank i sends here (every rank knows the whole
-    plan, so nobody has to ask). Returns one 1-D tensor per source rank; with
-    async_op, a function that waits for them and returns them instead.
+    The sum is the total gradient, as the reference is fed (AVG is avoided for older torch).
+    Gloo implements reduce_scatter as a full all-reduce, which moves more than a
+    ring's bytes and is slower (benchmarks/gloo_collectives.py,
+    notes/measured/gloo_collectives_2core.txt). On Gloo every rank's i-th shard goes
+    instead straight to rank i, in one all-to-all, and rank i adds them up in rank
+    order: exactly the ring's bytes.
     """
-    send = torch.cat(sends)
-    received = send.new_empty(sum(receive_numels))
-    split_sizes = [t.numel() for t in sends]
-    work = None
+    shard_numel = bucket.numel() // axis.size
+    if dist.get_backend(axis.group) == "gloo":
+        received = bucket.new_empty(bucket.numel())
+        work = dist.all_to_all_single(received, bucket, group=axis.group, async_op=True)
+        return work, lambda: sum_in_order(received.view(axis.size, shard_numel))
+    out = bucket.new_empty(shard_numel)
+    work = _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+    return work, lambda: out
+
+
+def reduce_scatter(bucket, axis, ledger, phase):
+    """Sum `bucket` over the ranks of `axis` and keep this rank's 1/size of it."""
     if axis.size == 1:
-        received.copy_(send)
-    else:
-        with record_function(phase):
-            work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
-                                          group=axis.group, async_op=True)
-    others = [i for i in range(axis.size) if i != axis.rank]
-    ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
-                       sum(receive_numels[i] for i in others), send.dtype)
-    wait = later(work, phase, ledger, lambda: list(received.split(list(receive_numels))))
-    return wait if async_op else wait()
+        return bucket
+    with record_function(phase):
+        work, shard = reduce_scatter_sum(bucket, axis)
+        work.wait()
+    ledger.record_ring(phase, "reduce_scatter", axis, bucket[:bucket.numel() // axis.size])
+    ledger.record_wait(phase)
+    return shard()
 
 
 def any_rank(flags, axis, ledger, phase):
@@ -427,24 +356,11 @@ def any_rank(flags, axis, ledger, phase):
 # =============================================================================
 # 3. The parameters and their gradients
 # =============================================================================
-# A small transformer that exercises every case the optimizer must handle:
-#
-#   name                      global shape   TP split        optimizer
-#   embed.weight              (V, d)         dim 0 (vocab)   AdamW  (embeddings: AdamW, as in practice)
-#   layers.i.norm1.weight     (d,)           replicated      AdamW, no weight decay
-#   layers.i.attn.qkv.weight  (3d, d)        dim 0 (column)  Muon   tall
-#   layers.i.attn.qkv.bias    (3d,)          dim 0           AdamW, no weight decay
-#   layers.i.attn.proj.weight (d, d)         dim 1 (row)     Muon   square
-#   layers.i.attn.proj.bias   (d,)           replicated      AdamW, no weight decay
-#   layers.i.norm2.weight     (d,)           replicated      AdamW, no weight decay
-#   layers.i.router.weight    (E, d)         replicated      Muon   wide, never split (an MoE router)
-#   layers.i.mlp.fc1.weight   (4d, d)        dim 0 (column)  Muon   tall
-#   layers.i.mlp.fc1.bias     (4d,)          dim 0           AdamW, no weight decay
-#   layers.i.mlp.fc2.weight   (d, 4d)        dim 1 (row)     Muon   wide
-#   layers.i.mlp.fc2.bias     (d,)           replicated      AdamW, no weight decay
-#   final_norm.weight         (d,)           replicated      AdamW, no weight decay
-#   logit_scale               ()             replicated      AdamW, no weight decay  (a 0-dim tensor)
-#   lm_head.weight            (V, d)         dim 0 (vocab)   AdamW
+# A small transformer that exercises every case the optimizer must handle: Muon
+# matrices tall, square and wide, split by TP along dim 0 (column-parallel), dim 1
+# (row-parallel) or not at all (an MoE router); AdamW, as in practice, for the
+# embedding and head (split by vocabulary), and without weight decay for norms,
+# biases and a 0-dim scalar.
 #
 # Gradients differ per DP rank (each saw different data) and agree across the
 # TP ranks of a row (they hold pieces of the same gradient). They are drawn as
@@ -473,64 +389,21 @@ def transformer_specs(vocab=VOCAB, d=D_MODEL, n_layers=N_LAYERS, n_experts=N_EXP
         p = f"layers.{i}."
         specs += [
             ParamSpec(p + "norm1.weight", (d,), -1, "adamw_no_wd"),
-            ParamSpec(p + "attn.qkv.weight", (3 * d, d), 0, "muon"),
+            ParamSpec(p + "attn.qkv.weight", (3 * d, d), 0, "muon"),  # tall, column-parallel
             ParamSpec(p + "attn.qkv.bias", (3 * d,), 0, "adamw_no_wd"),
-            ParamSpec(p + "attn.proj.weight", (d, d), 1, "muon"),
+            ParamSpec(p + "attn.proj.weight", (d, d), 1, "muon"),  # square, row-parallel
             ParamSpec(p + "attn.proj.bias", (d,), -1, "adamw_no_wd"),
             ParamSpec(p + "norm2.weight", (d,), -1, "adamw_no_wd"),
-            ParamSpec(p + "router.weight", (n_experts, d), -1, "muon"),
+            ParamSpec(p + "router.weight", (n_experts, d), -1, "muon"),  # wide, never split
             ParamSpec(p + "mlp.fc1.weight", (4 * d, d), 0, "muon"),
             ParamSpec(p + "mlp.fc1.bias", (4 * d,), 0, "adamw_no_wd"),
-            ParamSpec(p + "mlp.fc2.weight", (d, 4 * d), 1, "muon"),
+            ParamSpec(p + "mlp.fc2.weight", (d, 4 * d), 1, "muon"),  # wide, row-parallel
             ParamSpec(p + "mlp.fc2.bias", (d,), -1, "adamw_no_wd"),
         ]
     specs += [ParamSpec("final_norm.weight", (d,), -1, "adamw_no_wd"),
-              ParamSpec("logit_scale", (), -1, "adamw_no_wd"),
+              ParamSpec("logit_scale", (), -1, "adamw_no_wd"),  # a 0-dim tensor
               ParamSpec("lm_head.weight", (vocab, d), 0, "adamw")]
     return specs
-
-
-def lopsided_specs():
-    """One huge matrix among many small ones (--model lopsided): work that cannot be
-    spread evenly over ranks that each take whole matrices."""
-    specs = [ParamSpec("huge.weight", (1024, 128), 0, "muon"), ParamSpec("huge.bias", (1024,), 0, "adamw_no_wd")]
-    for i in range(12):  # alternately tall (split rows) and wide (split columns)
-        specs.append(ParamSpec(f"small.{i}.weight", (32, 64) if i % 2 else (64, 32), i % 2, "muon"))
-    specs += [ParamSpec("small.router.weight", (8, 32), -1, "muon"),
-              ParamSpec("out.weight", (64, 32), 0, "adamw")]
-    return specs
-
-
-def thin_specs():
-    """Matrices with a small side (--model thin): k x 1, 1 x k, k x 2, 600 x 6, odd sizes.
-
-    On such shapes bf16 rounding near-ties are common enough that a Newton-Schulz
-    done in any other order than torch's shows up in a few steps. Eight copies of
-    each shape, so that one rank can be given several of the same shape, and one
-    6 x 6000 matrix that outweighs any rank's share of the rest, so that a rank can
-    be given it alone.
-    """
-    shapes = [((600, 6), 0), ((6, 600), 1), ((60, 6), 0), ((6, 60), 1), ((97, 5), -1), ((5, 97), -1),
-              ((64, 1), 0), ((1, 64), 1), ((64, 2), 0), ((2, 64), 1)]
-    specs = [ParamSpec(f"thin.{copy}.{rows}x{cols}.weight", (rows, cols), split, "muon")
-             for copy in range(8) for (rows, cols), split in shapes]
-    return specs + [ParamSpec("thin.wide.weight", (6, 6000), 1, "muon"),
-                    ParamSpec("thin.bias", (60,), 0, "adamw_no_wd"), ParamSpec("thin.scale", (), -1, "adamw_no_wd")]
-
-
-def check_tp_divides(specs, tp):
-    """Raise ValueError naming the first parameter TP cannot split evenly."""
-    for s in specs:
-        if s.tp_split_dim >= 0 and s.global_shape[s.tp_split_dim] % tp:
-            raise ValueError(f"TP {tp} does not divide {s.name} dim {s.tp_split_dim} "
-                             f"(size {s.global_shape[s.tp_split_dim]}, global shape {tuple(s.global_shape)})")
-
-
-def tp_local_shape(spec, tp):
-    shape = list(spec.global_shape)
-    if spec.tp_split_dim >= 0:
-        shape[spec.tp_split_dim] //= tp
-    return tuple(shape)
 
 
 def initial_params(specs, seed):
@@ -563,17 +436,6 @@ def dp_rank_grads(specs, seed, step, dp_rank, missing=()):
     return grads
 
 
-def total_grads(specs, seed, step, dp, missing=()):
-    """The gradient the single-device reference sees: the sum over the DP ranks that have
-    one (a missing gradient counts as zeros, as in DDP), or None where no rank has one."""
-    per_rank = [dp_rank_grads(specs, seed, step, r, missing) for r in range(dp)]
-    total = {}
-    for s in specs:
-        present = [grads[s.name] for grads in per_rank if grads[s.name] is not None]
-        total[s.name] = sum(present) if present else None
-    return total
-
-
 # =============================================================================
 # 4. The virtual buffer
 # =============================================================================
@@ -590,20 +452,10 @@ def total_grads(specs, seed, step, dp, missing=()):
 # A parameter's range may straddle shard boundaries: above, qkv.weight is kept
 # partly by DP 0 and partly by DP 1. Each rank's optimizer state covers only
 # its shard: its part of a parameter (`local_range`), which may be empty.
-#
-# dist_meta (one per parameter, per rank; the names of the Moonshot PoC's MuonDistMeta):
-#   buffer_idx    which param group / virtual buffer
-#   bucket_idx    which bucket inside that buffer
-#   shape         TP-local shape (what this rank holds)
-#   global_shape  shape after the TP gather (what Newton-Schulz sees)
-#   tp_split_dim  dim TP splits (-1: not split)
-#   bucket_range  [start, end) of the parameter inside its bucket
-#   local_range   [start, end) of the part this DP rank keeps, in bucket coordinates;
-#                 empty (start == end) when its shard does not touch the parameter
-#   shard_start   where this DP rank's shard begins in the bucket (to find the
-#                 local range inside the shard)
-# The layout depends only on shapes, DP and the bucket size: every rank (and
-# the parent process, for --explain) computes the same one without talking.
+# A DistMeta (one per parameter, per rank; the names of the Moonshot PoC's
+# MuonDistMeta) says where the parameter lies. The layout depends only on
+# shapes, DP and the bucket size: every rank (and the launcher, for --explain)
+# computes the same one without talking.
 
 
 @dataclass(frozen=True)
@@ -622,13 +474,13 @@ class Bucket:
 @dataclass(frozen=True)
 class DistMeta:
     name: str
-    buffer_idx: int
-    bucket_idx: int
-    shape: tuple
-    global_shape: tuple
-    tp_split_dim: int
-    bucket_range: tuple
-    local_range: tuple
+    buffer_idx: int  # which param group / virtual buffer
+    bucket_idx: int  # which bucket inside that buffer
+    shape: tuple  # TP-local shape (what this rank holds)
+    global_shape: tuple  # shape after the TP gather (what Newton-Schulz sees)
+    tp_split_dim: int  # dim TP splits (-1: not split)
+    bucket_range: tuple  # [start, end) of the parameter inside its bucket
+    local_range: tuple  # [start, end) of the part this DP rank keeps, in bucket coordinates; may be empty
     shard_start: int  # where this DP rank's shard begins in the bucket
 
     @property
@@ -716,76 +568,109 @@ def plan_layout(buffers, shapes, tp_split_dims, dp, tp, bucket_size):
     return Layout(tuple(buckets), bucket_ranges, shapes, global_shapes, tp_split_dims, metas)
 
 
-def format_buffer_map(layout):
-    """--explain: which DP rank keeps which part of which parameter, and the padding."""
-    dp, lines = layout.dp, []
-    for b in layout.buckets:
-        lines.append(f"bucket ({b.buffer_idx}, {b.bucket_idx}): {b.used:,} elements + {b.numel - b.used} padding "
-                     f"= {b.numel:,}; DP shard = {b.numel // dp:,} elements")
-        for name in b.names:
-            start, end = layout.bucket_ranges[name]
-            parts = " ".join(f"DP{r}[{m.param_slice.start}:{m.param_slice.stop}]"
-                             for r, m in enumerate(ms[name] for ms in layout.metas) if m.local_numel)
-            lines.append(f"    {name:<26} {str(layout.shapes[name]):<11} [{start:>6}, {end:>6})  {parts}")
-        if b.numel > b.used:
-            holders = " ".join(f"DP{r}" for r in range(dp) if b.shard_range(r, dp)[1] > b.used)
-            lines.append(f"    {'(padding)':<26} {'':<11} [{b.used:>6}, {b.numel:>6})  {holders}")
-    return "\n".join(lines)
-
-
 # =============================================================================
 # 5. The step: the gather strategy
 # =============================================================================
-# One optimizer step as seen from one rank (DP=4, TP=2). This section is the
-# flow the whole project is about, the "gather" strategy, in four stages:
+# One optimizer step as seen from one rank (DP=4, TP=2), bucket by bucket. This
+# section is the flow the whole project is about, the "gather" strategy:
 #
-#   1. _reduce_grads    grads (TP-local)  --DP reduce-scatter (fp32)-->  this rank's part of the summed gradient
-#   2. _update_state    gradient part     --momentum (lerp) / AdamW--->  update part (bf16) / new AdamW weights
-#   3. _orthogonalize   update parts, bucket by bucket, in gather_newton_schulz_shard:
+#   1. grads (TP-local)  --DP reduce-scatter (fp32)---> this rank's part of the summed gradient
+#   2. gradient part     --momentum (lerp) / AdamW----> update part (bf16) / new AdamW weights
+#   3. gather_newton_schulz_shard, on the bucket's matrices:
 #        update shard          --DP gather (all-gather)------> every TP-local matrix of the bucket
 #        TP-local matrix       --TP gather (along split dim)-> the full matrix  [only where this rank has a part]
 #        full matrix           --Newton-Schulz---------------> orthogonal full matrix
 #        orthogonal matrix     --TP shard (slice)------------> its TP piece
 #        TP piece              --DP shard (slice)------------> this rank's part
-#      then  part -= lr*wd*part + adjusted_lr * update      (the weight update, on the part only)
-#   4. _gather_params   parts  --param all-gather (fp32)---->  every rank holds its full TP-local weights
-#
-# Before stage 1 the ranks agree, in one tiny all-reduce ("grad presence"),
-# which parameters have a gradient on any rank: one whose .grad is None
-# everywhere is skipped, as torch skips it; had each rank decided alone, ranks
-# could enter different collectives and wait for each other forever.
-#
-# The gather path is communication; its mirror, the shard path, is free: every
-# rank already holds the full result and just slices out its own piece.
-#
-# Why the DP gather is bucketed but the TP gather is not:
-#   * the DP gather moves the update shards as they lie in memory: one flat
-#     all-gather per bucket rebuilds every TP-local matrix of the bucket as a
-#     contiguous view, so one large message replaces many small ones;
-#   * the TP gather must put pieces together along each matrix's own split dim
-#     (dim 0 or 1, or nothing for a replicated matrix), so each matrix needs its
-#     own concatenation anyway, and it is needed only for the matrices this
-#     rank's DP shard touches (the TP peers of a row share the same DP shard,
-#     so they agree on which). Coalescing the TP gathers is a possible
-#     optimization; it would not change the bytes.
-# The bf16 cast before the DP gather is the one Newton-Schulz does first anyway:
-# it halves those bytes and changes no bit of the result.
-#
-# AdamW parameters ride the same gradient reduce-scatter and parameter
-# all-gather; their update is elementwise, so they need no gather at all.
+#      then  part -= lr*wd*part + adjusted_lr * update     (the weight update, on the part only)
+#   4. parts             --param all-gather (fp32)-----> every rank holds its full TP-local weights
 #
 # A rank's "part" of a parameter is the range of its flattened TP piece whose
-# optimizer state it keeps (its ZeRO-1 local range, found from dist_meta).
-# On one rank nothing travels, and the four stages run bucket by bucket
-# instead: one bucket's temporaries alive at a time, as torch.optim.Muon's loop
-# holds one matrix's. Holding every bucket's at once cost this CPU 1.5-2.3x
-# torch's time outside Newton-Schulz: glibc gave the freed memory back to the
-# system and faulted it in again every step (notes/08-strategies.md).
+# optimizer state it keeps (its ZeRO-1 local range, from dist_meta). AdamW
+# parameters ride the same reduce-scatter and all-gather; their update is
+# elementwise, so they need no gather at all. The buckets go one at a time
+# through all four stages, so one bucket's temporaries are alive at a time, as
+# torch.optim.Muon holds one matrix's (why it matters: notes/08-strategies.md).
 #
-# Each stage is a method, so that another strategy can replace one stage and
-# keep the others.
+# The DP gather is bucketed, one flat all-gather rebuilding every TP-local
+# matrix of the bucket as a view; the TP gather is per matrix, since each joins
+# along its own split dim, and only for the matrices this rank's DP shard
+# touches (its TP peers share that shard, so they agree on which). The bf16 cast
+# before the DP gather is Newton-Schulz's own first step: half the bytes, no bit
+# changed. The gather path is communication; its mirror, the shard path, is
+# free: every rank holds the full result and slices out its own piece. The pure
+# part of each arrow (which view, which join, which slice) is a function of its
+# own, so the same code runs in one process too (the notebook does).
 
 
+def dp_gather(update_shard, dp, ledger):
+    """Every DP rank's update shard -> the whole bucket: the shards joined in DP rank order."""
+    return all_gather(update_shard, dp, ledger, "DP gather")
+
+
+def matrix_in_bucket(bucket, meta):
+    """One TP-local matrix of a whole bucket: a view of its range, no copy."""
+    return bucket[slice(*meta.bucket_range)].view(meta.shape)
+
+
+def join_tp_pieces(pieces, tp_split_dim):
+    """The pure part of tp_gather: the TP pieces, in TP rank order -> the full matrix."""
+    return torch.cat(pieces, dim=tp_split_dim) if tp_split_dim >= 0 else pieces[0]
+
+
+def tp_gather(tp_local, tp_split_dim, tp, ledger):
+    """TP pieces of one matrix -> the full matrix, joined along tp_split_dim."""
+    if tp_split_dim < 0 or tp.size == 1:
+        return tp_local
+    pieces = all_gather(tp_local.reshape(-1), tp, ledger, "TP gather").view(tp.size, *tp_local.shape)
+    return join_tp_pieces(pieces.unbind(0), tp_split_dim)
+
+
+def tp_shard(full, tp_split_dim, tp_rank, tp_size):
+    """Full tensor -> TP rank tp_rank's piece (a slice: no communication).
+
+    Also how a run hands each rank its TP pieces of parameters and gradients (section 7).
+    """
+    if tp_split_dim < 0 or tp_size == 1:
+        return full
+    return full.chunk(tp_size, dim=tp_split_dim)[tp_rank]
+
+
+def dp_shard(tp_local, meta):
+    """TP piece of a matrix -> the part in this rank's DP shard (a slice: no communication)."""
+    return tp_local.reshape(-1)[meta.param_slice]
+
+
+def shard_of_bucket(parts, metas, shard_numel, dtype, device):
+    """This DP rank's shard of a bucket from its parts ({name: flat part}), the mirror of dp_shard:
+    zeros where it has none (padding, or a parameter that has no gradient)."""
+    shard = torch.zeros(shard_numel, dtype=dtype, device=device)
+    for meta in metas:
+        if meta.name in parts:
+            shard[meta.shard_slice] = parts[meta.name]
+    return shard
+
+
+def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger):
+    """The gather flow for one bucket of matrices: {name: this rank's part of the orthogonalized matrix}.
+
+        DP gather  ->  TP gather  ->  Newton-Schulz  ->  TP shard  ->  DP shard
+
+    update_shard: this rank's DP shard of the bucket (bf16); metas: the matrices to orthogonalize.
+    """
+    update_bucket = dp_gather(update_shard, grid.dp, ledger)  # DP gather: the whole bucket
+    ortho_parts = {}
+    for meta in metas:
+        full = tp_gather(matrix_in_bucket(update_bucket, meta), meta.tp_split_dim, grid.tp, ledger)  # TP gather
+        with record_function("newton-schulz"):
+            ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+        ledger.record_compute(meta.name, meta.global_shape, newton_schulz_flops(meta.global_shape, group["ns_steps"]))
+        tp_piece = tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
+        ortho_parts[meta.name] = dp_shard(tp_piece, meta)  # DP shard: a slice
+    return ortho_parts
+
+
+# The constructor's checks: what it refuses, and the index of named parameters it builds.
 def check_hyperparameters(name=str, *, bucket_size, lr, weight_decay, momentum, adjust_lr_fn):
     """The optimizer's rules for its arguments, in one place. `name` spells an argument in the
     ValueError: as the constructor's keyword by default, or as a command-line flag.
@@ -899,44 +784,6 @@ class DistributedMuon(torch.optim.Optimizer):
         self._plan()
         self.parts = {n: self.part_of(n, grid.dp.rank) for n in self.param_by_name}
 
-    # -- what the layout holds, and what another strategy may plan differently --
-    def _bucketed(self, name):
-        """Whether ZeRO-1's flat buckets hold this parameter: all of them here."""
-        return True
-
-    def _plan(self):
-        """Anything to plan once the layout is known: nothing for the gather strategy."""
-
-    def part_of(self, name, dp_rank):
-        """The part of `name` that DP rank `dp_rank` keeps state for, as a slice of the flat TP piece."""
-        return self.layout.metas[dp_rank][name].param_slice
-
-    # -- the layout a checkpoint belongs to ---------------------------------
-    def _checkpoint_layout(self):
-        return dict(dp=self.grid.dp.size, tp=self.grid.tp.size, dp_rank=self.grid.dp.rank,
-                    tp_rank=self.grid.tp.rank, bucket_size=self.bucket_size, strategy=self.strategy,
-                    owners=self.owners)
-
-    def state_dict(self):
-        """This rank's shard of the state (ZeRO-1 checkpoints are per rank)."""
-        sd = super().state_dict()
-        sd["layout"] = self._checkpoint_layout()
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        saved, here = state_dict.pop("layout", None), self._checkpoint_layout()
-        if saved != here:
-            diff = ", ".join(f"{k} {saved.get(k) if saved else None} != {v}" for k, v in here.items()
-                             if not saved or saved.get(k) != v)
-            raise ValueError(f"state_dict was saved for another shard layout: {diff}")
-        super().load_state_dict(state_dict)
-
-    def state_bytes(self):
-        """Bytes of optimizer state this rank holds (momentum; AdamW moments and steps)."""
-        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
-                   if torch.is_tensor(t))
-
     # -- the step ------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -949,53 +796,41 @@ class DistributedMuon(torch.optim.Optimizer):
         return loss
 
     def _stages(self, active):
-        """The four stages, one after the other (a strategy may run them otherwise)."""
-        if self.grid.world.size == 1:  # nothing travels: bucket by bucket (above)
-            for bucket in self.layout.buckets:
-                updates = self._update_state(self._reduce_bucket(bucket, active))  # 1, 2
-                for name, ortho_part in self._orthogonalize_bucket(bucket, updates, active).items():  # 3
-                    self._apply_update(name, ortho_part)
-                self._gather_bucket(bucket)  # 4
-            return
-        grads = self._reduce_grads(active)  # 1
-        updates = self._update_state(grads)  # 2
-        for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
-            self._apply_update(name, ortho_part)
-        self._gather_params(active)  # 4
+        """The four stages, bucket by bucket (section 6's strategies schedule them otherwise)."""
+        for bucket in self.layout.buckets:
+            updates = self._update_state(self._reduce_bucket(bucket, active))  # 1, 2
+            for name, ortho_part in self._orthogonalize_bucket(bucket, updates, active).items():  # 3
+                self._apply_update(name, ortho_part)
+            self._gather_bucket(bucket)  # 4
 
     def _vote_on_gradients(self):
-        """The names of the parameters that have a gradient on at least one rank (the same set on every rank)."""
+        """The names of the parameters that have a gradient on at least one rank (the same set on every rank).
+
+        One tiny all-reduce ("grad presence") before stage 1: a parameter whose .grad is None
+        everywhere is skipped, as torch skips it; had each rank decided alone, ranks could
+        enter different collectives and wait for each other forever.
+        """
         has_grad = torch.tensor([p.grad is not None for p in self.param_by_name.values()], device=self.device)
         has_grad = any_rank(has_grad, self.grid.world, self.ledger, "grad presence")
         return {n for n, present in zip(self.param_by_name, has_grad.tolist()) if present}
 
-    def _reduce_grads(self, active):
-        """Stage 1: {name: this rank's part of the gradient summed over DP} for every active part it keeps."""
-        grads = {}
-        for bucket in self.layout.buckets:
-            grads.update(self._reduce_bucket(bucket, active))
-        return grads
+    def _reduce_bucket(self, bucket, active):
+        """Stage 1: {name: this rank's part of the gradient summed over DP} for the bucket's active parts."""
+        grad_shard = reduce_scatter(self._grad_bucket(bucket), self.grid.dp, self.ledger, "grad reduce-scatter")
+        return self._grad_parts(bucket, grad_shard, active)
 
-    def _reduce_bucket(self, bucket, active, async_op=False):
-        """Stage 1 for one bucket (with async_op: a function that waits and returns it)."""
-        metas = [self.dist_metas[n] for n in bucket.names]
-        if self.grid.dp.size == 1:  # one DP rank: its gradient is the sum, and its part is the whole TP piece
-            grads = {m.name: zeros_if_none(self.param_by_name[m.name].grad, self.param_by_name[m.name]).reshape(-1)
-                     for m in metas if m.name in active}
-            return (lambda: grads) if async_op else grads
-        # ZeRO-1 gradient reduce-scatter: this rank keeps the summed gradient of its shard only.
+    def _grad_bucket(self, bucket):
+        """This rank's TP-local gradients laid out as the bucket (zeros where it has none, as DDP adds)."""
         grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
-        for meta in metas:
-            grad = self.param_by_name[meta.name].grad
-            if grad is not None:  # a rank without this gradient adds zeros, as DDP's reduction does
-                grad_bucket[slice(*meta.bucket_range)] = grad.reshape(-1)
-        wait = reduce_scatter(grad_bucket, self.grid.dp, self.ledger, "grad reduce-scatter", async_op=True)
+        for name in bucket.names:
+            grad = self.param_by_name[name].grad
+            if grad is not None:
+                grad_bucket[slice(*self.dist_metas[name].bucket_range)] = grad.reshape(-1)
+        return grad_bucket
 
-        def grad_parts():
-            grad_shard = wait()
-            return {m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel and m.name in active}
-
-        return grad_parts if async_op else grad_parts()
+    def _grad_parts(self, bucket, grad_shard, active):
+        metas = [self.dist_metas[n] for n in bucket.names]
+        return {m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel and m.name in active}
 
     def _update_state(self, grads):
         """Stage 2, on this rank's parts only: AdamW updates its weights; Muon's momentum gives
@@ -1020,26 +855,14 @@ class DistributedMuon(torch.optim.Optimizer):
                     updates[name] = update.bfloat16()  # the cast Newton-Schulz does first: halves the bytes moved
         return updates
 
-    def _orthogonalize(self, updates, active):
-        """Stage 3: {matrix: this rank's part of newton_schulz(the full matrix)}, bucket by bucket."""
-        ortho_parts = {}
-        for bucket in self.layout.buckets:
-            ortho_parts.update(self._orthogonalize_bucket(bucket, updates, active))
-        return ortho_parts
-
     def _orthogonalize_bucket(self, bucket, updates, active):
-        """Stage 3 for one bucket."""
+        """Stage 3 for one bucket: {matrix: this rank's part of newton_schulz(the full matrix)}."""
         group = self.param_groups[bucket.buffer_idx]
         if group["algorithm"] != "muon":
             return {}
         metas = [self.dist_metas[n] for n in bucket.names]
-        if self.grid.dp.size == 1 and len(metas) == 1 and metas[0].name in updates:
-            update_shard = updates[metas[0].name]  # the whole bucket already: used as it is, not copied
-        else:
-            update_shard = torch.zeros(bucket.numel // self.grid.dp.size, dtype=torch.bfloat16, device=self.device)
-            for meta in metas:
-                if meta.name in updates:  # this rank's part, if it has one and some rank has a gradient
-                    update_shard[meta.shard_slice] = updates[meta.name]
+        update_shard = shard_of_bucket(updates, metas, bucket.numel // self.grid.dp.size, torch.bfloat16,
+                                       self.device)
         # Only the matrices this rank's DP shard touches (its TP peers share that shard,
         # so they agree) and that some rank has a gradient for.
         touched = [m for m in metas if m.local_numel and m.name in active]
@@ -1052,82 +875,56 @@ class DistributedMuon(torch.optim.Optimizer):
         part.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay: unadjusted lr
         part.add_(ortho_part, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], self.layout.global_shapes[name]))
 
-    def _gather_params(self, active):
-        """Stage 4: the parameter all-gather; every DP rank again holds its full TP pieces."""
-        for bucket in self.layout.buckets:
-            self._gather_bucket(bucket)
+    def _gather_bucket(self, bucket):
+        """Stage 4 for one bucket: the parameter all-gather; every DP rank again holds its full TP pieces."""
+        self._copy_in(bucket, all_gather(self._param_shard(bucket), self.grid.dp, self.ledger, "param all-gather"))
 
-    def _gather_bucket(self, bucket, async_op=False):
-        """Stage 4 for one bucket (with async_op: a function that waits and copies the result in)."""
-        if self.grid.dp.size == 1:  # the parts were the whole TP pieces, updated in place: nothing to gather
-            return (lambda: None) if async_op else None
+    def _param_shard(self, bucket):
         metas = [self.dist_metas[n] for n in bucket.names]
-        params = [self.param_by_name[n] for n in bucket.names]
-        param_shard = torch.zeros(bucket.numel // self.grid.dp.size, dtype=torch.float32, device=self.device)
-        for meta, p in zip(metas, params):
-            param_shard[meta.shard_slice] = p.view(-1)[meta.param_slice]
-        wait = all_gather(param_shard, self.grid.dp, self.ledger, "param all-gather", async_op=True)
+        parts = {m.name: self.param_by_name[m.name].view(-1)[m.param_slice] for m in metas}
+        return shard_of_bucket(parts, metas, bucket.numel // self.grid.dp.size, torch.float32, self.device)
 
-        def copy_in():
-            param_bucket = wait()
-            for meta, p in zip(metas, params):
-                p.view(-1).copy_(param_bucket[slice(*meta.bucket_range)])
+    def _copy_in(self, bucket, param_bucket):
+        for name in bucket.names:
+            self.param_by_name[name].view(-1).copy_(param_bucket[slice(*self.dist_metas[name].bucket_range)])
 
-        return copy_in if async_op else copy_in()
+    # -- what the layout holds, and what section 6's strategies plan differently --
+    def _bucketed(self, name):
+        """Whether ZeRO-1's flat buckets hold this parameter: all of them here."""
+        return True
 
+    def _plan(self):
+        """Anything to plan once the layout is known: nothing for the gather strategy."""
 
-def zeros_if_none(grad, param):
-    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
-    return torch.zeros_like(param) if grad is None else grad
+    def part_of(self, name, dp_rank):
+        """The part of `name` that DP rank `dp_rank` keeps state for, as a slice of the flat TP piece."""
+        return self.layout.metas[dp_rank][name].param_slice
 
+    # -- checkpoints: ZeRO-1's are per rank, and belong to one layout --------
+    def _checkpoint_layout(self):
+        return dict(dp=self.grid.dp.size, tp=self.grid.tp.size, dp_rank=self.grid.dp.rank,
+                    tp_rank=self.grid.tp.rank, bucket_size=self.bucket_size, strategy=self.strategy,
+                    owners=self.owners)
 
-def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger):
-    """The gather flow for one bucket of matrices: {name: this rank's part of the orthogonalized matrix}.
+    def state_dict(self):
+        """This rank's shard of the state."""
+        sd = super().state_dict()
+        sd["layout"] = self._checkpoint_layout()
+        return sd
 
-        DP gather  ->  TP gather  ->  Newton-Schulz  ->  TP shard  ->  DP shard
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        saved, here = state_dict.pop("layout", None), self._checkpoint_layout()
+        if saved != here:
+            diff = ", ".join(f"{k} {saved.get(k) if saved else None} != {v}" for k, v in here.items()
+                             if not saved or saved.get(k) != v)
+            raise ValueError(f"state_dict was saved for another shard layout: {diff}")
+        super().load_state_dict(state_dict)
 
-    update_shard: this rank's DP shard of the bucket (bf16); metas: the matrices to orthogonalize.
-    """
-    update_bucket = dp_gather(update_shard, grid.dp, ledger)  # DP gather: the whole bucket
-    ortho_parts = {}
-    for meta in metas:
-        tp_local = update_bucket[slice(*meta.bucket_range)].view(meta.shape)
-        full = tp_gather(tp_local, meta.tp_split_dim, grid.tp, ledger)  # TP gather: the full matrix
-        with record_function("newton-schulz"):
-            ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-        ledger.record_compute(meta.name, meta.global_shape, newton_schulz_flops(meta.global_shape, group["ns_steps"]))
-        tp_piece = tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
-        ortho_parts[meta.name] = dp_shard(tp_piece, meta)  # DP shard: a slice
-    return ortho_parts
-
-
-# The gather path and its mirror, the shard path.
-def dp_gather(update_shard, dp, ledger):
-    """Every DP rank's update shard -> the whole bucket (every TP-local matrix in it)."""
-    return all_gather(update_shard, dp, ledger, "DP gather")
-
-
-def tp_gather(tp_local, tp_split_dim, tp, ledger):
-    """TP pieces of one matrix -> the full matrix, concatenated along tp_split_dim."""
-    if tp_split_dim < 0 or tp.size == 1:
-        return tp_local
-    pieces = all_gather(tp_local.reshape(-1), tp, ledger, "TP gather").view(tp.size, *tp_local.shape)
-    return torch.cat(pieces.unbind(0), dim=tp_split_dim)
-
-
-def tp_shard(full, tp_split_dim, tp_rank, tp_size):
-    """Full tensor -> TP rank tp_rank's piece (a slice: no communication).
-
-    Also how section 3 hands each rank its TP pieces of parameters and gradients.
-    """
-    if tp_split_dim < 0 or tp_size == 1:
-        return full
-    return full.chunk(tp_size, dim=tp_split_dim)[tp_rank]
-
-
-def dp_shard(tp_local, meta):
-    """TP piece of a matrix -> the part in this rank's DP shard (a slice: no communication)."""
-    return tp_local.reshape(-1)[meta.param_slice]
+    def state_bytes(self):
+        """Bytes of optimizer state this rank holds (momentum; AdamW moments and steps)."""
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                   if torch.is_tensor(t))
 
 
 # =============================================================================
@@ -1175,8 +972,7 @@ def lpt_order(ns_flops, shapes=None):
     FLOPs, one shape after another (shapes: {name: shape}; in order of first appearance);
     within a shape, the order given, reversed for every other group.
 
-    Why group by shape: equal FLOPs need not mean equal time. Here a 512x128 Newton-Schulz
-    takes 74.9 ms and a 128x512 one 82.9 ms, for the same FLOPs (the tall one works on a
+    Why group by shape: equal FLOPs need not mean equal time (a tall matrix works on a
     transposed view: notes/measured/ns_shapes_2core.txt). Taken in model order (fc, fc2,
     fc, fc2, ...) on 2 ranks, LPT gave every fc to rank 0 and every fc2 to rank 1; taken
     shape by shape, the ranks get the same number of each, whatever each costs on the
@@ -1284,6 +1080,48 @@ def plan_routes(matrices, owners, part_of, layout, grid, axis):
     return routes
 
 
+# Collectives in flight. Section 2's collectives wait for their result before
+# they return. Here a rank may start one and compute while it travels: torch's
+# async_op=True returns a Work to wait on later, and every function below that
+# starts one returns a function that waits for it and returns the result
+# (later()). The tensors passed in must stay untouched until that wait.
+
+def later(work, phase, ledger, result):
+    """A started collective: a function that waits for `work` (None: nothing to wait for) and
+    returns result(). The wait is labelled with the phase, as the launch is."""
+    def wait():
+        if work is not None:
+            with record_function(phase):
+                work.wait()
+            ledger.record_wait(phase)
+        return result()
+    return wait
+
+
+def exchange(sends, receive_numels, axis, ledger, phase):
+    """All-to-all with uneven sizes, started: sends[i] (1-D) goes to rank i of `axis`.
+
+    receive_numels[i] is how much rank i sends here (every rank knows the whole
+    plan, so nobody has to ask). Returns a function that waits and returns one
+    1-D tensor per source rank. Each piece goes straight to its destination, so
+    the byte count is exact: what a rank sends to the others, and receives from them.
+    """
+    send = torch.cat(sends)
+    received = send.new_empty(sum(receive_numels))
+    split_sizes = [t.numel() for t in sends]
+    work = None
+    if axis.size == 1:
+        received.copy_(send)
+    else:
+        with record_function(phase):
+            work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
+                                          group=axis.group, async_op=True)
+    others = [i for i in range(axis.size) if i != axis.rank]
+    ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
+                       sum(receive_numels[i] for i in others), send.dtype)
+    return later(work, phase, ledger, lambda: list(received.split(list(receive_numels))))
+
+
 def concat(tensors, dtype, device):
     return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
 
@@ -1305,8 +1143,7 @@ def send_parts(transfers, axis, ledger, phase, dtype, device):
             sends[destination].append(part)
         if destination == me:
             receive[source] += numel
-    wait = (exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, phase, async_op=True)
-            if axis.size > 1 else None)
+    wait = exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, phase) if axis.size > 1 else None
 
     def received_parts():
         received, offset, parts = wait() if wait else None, [0] * axis.size, []
@@ -1373,13 +1210,31 @@ def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, dev
     return scatter_from_owner(newton_schulz_fn(full), routes, axis, ledger, dtype, device)()
 
 
+# Batched Newton-Schulz (batched_ns, --batched-ns): an owner's same-shape matrices
+# as one stack, newton_schulz with torch.baddbmm, one call for all of them. The
+# same math but NOT the same bits: bf16 baddbmm and addmm round some near-ties
+# differently, so a stack is used only when asked for. BATCHED_NS_BOUND is the
+# largest |stack result - 2-D result|, relative to the largest entry of the 2-D
+# result, that tests/test_math.py allows: a bf16 entry carries 8 significant bits
+# (relative step 2**-8), and a few roundings that differ early grow through the 5
+# iterations; 2**-5 leaves a margin over what was measured on many seeds and odd
+# shapes (tests/test_math.py, notes/07-pitfalls.md).
+BATCHED_NS_BOUND = 2.0**-5
+
+
+def batched_newton_schulz(stack, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """newton_schulz of a (batch, rows, cols) stack of same-shape matrices, one torch.baddbmm call
+    for all of them per product: within BATCHED_NS_BOUND of torch's result, not bitwise equal."""
+    return newton_schulz(stack, steps, coefficients, eps, fused_mm=torch.baddbmm)
+
+
 def newton_schulz_owned(full, group_of, ledger, batched=False):
     """Newton-Schulz of every matrix an owner holds ({name: full matrix}): {name: ortho}.
 
     One matrix at a time by default: the 2-D path torch.optim.Muon takes, hence
     torch's bits. batched: one call per (shape, hyperparameters) stack, so many
-    small matrices cost one call instead of many; not bitwise equal to torch
-    (within BATCHED_NS_BOUND, section 1).
+    small matrices cost one call instead of many; not bitwise equal to torch, within
+    BATCHED_NS_BOUND (above).
     """
     orthos = {}
     if batched:
@@ -1389,7 +1244,7 @@ def newton_schulz_owned(full, group_of, ledger, batched=False):
             stacks.setdefault((matrix.shape, g["ns_steps"], g["ns_coefficients"], g["ns_eps"]), []).append(name)
         for (_, steps, coefficients, eps), names in stacks.items():
             with record_function("newton-schulz"):
-                stack = newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
+                stack = batched_newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
             orthos.update(zip(names, stack.unbind(0)))
     else:
         for name, matrix in full.items():
@@ -1400,6 +1255,11 @@ def newton_schulz_owned(full, group_of, ledger, batched=False):
         shape = tuple(full[name].shape)
         ledger.record_compute(name, shape, newton_schulz_flops(shape, group_of[name]["ns_steps"]))
     return orthos
+
+
+def zeros_if_none(grad, param):
+    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
+    return torch.zeros_like(param) if grad is None else grad
 
 
 def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
@@ -1419,7 +1279,7 @@ def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
     sends = [concat([grads[n].reshape(-1) for n in grads if owners[n] // tp == d], torch.float32, device)
              for d in range(dp.size)]
     numel = sum(grads[n].numel() for n in mine)
-    wait = exchange(sends, [numel] * dp.size, dp, ledger, "grad reduce at owner", async_op=True)
+    wait = exchange(sends, [numel] * dp.size, dp, ledger, "grad reduce at owner")
 
     def add_up():
         summed = sum_in_order(wait())
@@ -1438,7 +1298,7 @@ def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
     sends = [mine if d != dp.rank else mine[:0] for d in range(dp.size)]
     theirs = [[n for n in params if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
     wait = exchange(sends, [sum(params[n].numel() for n in names) for names in theirs], dp, ledger,
-                    "param broadcast from owner", async_op=True)
+                    "param broadcast from owner")
 
     def copy_in():
         for names, flat in zip(theirs, wait()):
@@ -1476,14 +1336,33 @@ def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
 # Why K (the lookahead) and not just 1: a gather at owner cannot complete before
 # every rank has started it. With K = 1 the ranks move in lock-step, one unit at
 # a time, and a rank that owns nothing in a unit waits for the one that owns its
-# matrix; K units of slack let them drift apart by up to K units. On 2 ranks here
-# (4 layers at d = 128, 2 cores, four runs of benchmarks/overlap.py) owner's step
-# was 3-12 % slower than no overlap with K = 1, and between 7 % faster and 3 %
-# slower with K = 2; comm-free's within 6 % for every K. Whether overlap is faster
-# at all depends on having something to overlap with: a core or a copy engine that
-# is idle while messages travel (notes/08-strategies.md). On one rank nothing
-# travels, and the loop below runs with K = 0 whatever K is.
+# matrix; K units of slack let them drift apart by up to K units (what each K
+# cost on 2 cores: benchmarks/overlap.py, notes/measured/overlap_2rank_2core.txt).
+# Whether overlap is faster at all depends on having something to overlap with: a
+# core or a copy engine that is idle while messages travel (notes/08-strategies.md).
+# On one rank nothing travels, and the loop below runs with K = 0 whatever K is.
 OVERLAP_DEFAULT = 2  # --overlap without a number
+
+
+def all_gather_async(shard, axis, ledger, phase):
+    """Section 2's all_gather, started: a function that waits and returns its result."""
+    if axis.size == 1:
+        return lambda: shard
+    out = shard.new_empty(axis.size * shard.numel())
+    with record_function(phase):
+        work = _all_gather_single(out, shard, group=axis.group, async_op=True)
+    ledger.record_ring(phase, "all_gather", axis, shard)
+    return later(work, phase, ledger, lambda: out)
+
+
+def reduce_scatter_async(bucket, axis, ledger, phase):
+    """Section 2's reduce_scatter, started: a function that waits and returns this rank's shard."""
+    if axis.size == 1:
+        return lambda: bucket
+    with record_function(phase):
+        work, shard = reduce_scatter_sum(bucket, axis)
+    ledger.record_ring(phase, "reduce_scatter", axis, bucket[:bucket.numel() // axis.size])
+    return later(work, phase, ledger, shard)
 
 
 @dataclass(frozen=True)
@@ -1524,7 +1403,7 @@ class OwnerMuon(DistributedMuon):
         more, smaller all-to-alls, and the same bits.
     batched_ns: orthogonalize an owner's same-shape matrices in one batched call. Faster for
         many small matrices, but not bitwise equal to torch: within BATCHED_NS_BOUND
-        (section 1). Off by default.
+        (above). Off by default.
     """
 
     strategy = "owner"
@@ -1546,13 +1425,36 @@ class OwnerMuon(DistributedMuon):
         self.routes = plan_routes(self.muon_names, self.owners, self.part_of, self.layout, self.grid,
                                   self._route_axis())
 
+    def _newton_schulz_owned(self, full):
+        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns)
+
+    def _stages(self, active):
+        """Without overlap, on more than one rank: each stage for every bucket, then the next
+        stage, so that stage 3 moves every matrix in one exchange each way."""
+        if self.overlap or self.grid.world.size == 1:
+            return self._overlapped_stages(active)
+        updates = self._update_state(self._reduce_grads(active))  # 1, 2
+        for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
+            self._apply_update(name, ortho_part)
+        self._gather_params(active)  # 4
+
+    def _reduce_grads(self, active):
+        """Stage 1 for every bucket: {name: this rank's part of the gradient summed over DP}."""
+        grads = {}
+        for bucket in self.layout.buckets:
+            grads.update(self._reduce_bucket(bucket, active))
+        return grads
+
     def _orthogonalize(self, updates, active):
+        """Stage 3 for every matrix: gather at owner -> Newton-Schulz -> scatter from owner."""
         routes = [r for r in self.routes if r.name in active]
         return orthogonalize_at_owners(updates, routes, self._newton_schulz_owned, self._route_axis(),
                                        self.ledger, self.device)
 
-    def _newton_schulz_owned(self, full):
-        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns)
+    def _gather_params(self, active):
+        """Stage 4 for every bucket."""
+        for bucket in self.layout.buckets:
+            self._gather_bucket(bucket)
 
     # -- the overlapped step -------------------------------------------------
     def _units(self):
@@ -1560,28 +1462,29 @@ class OwnerMuon(DistributedMuon):
 
     def _reduce_unit(self, unit, active):
         """Start stage 1 for a unit; returns a function that waits and returns its gradient parts."""
-        return self._reduce_bucket(unit.bucket, active, async_op=True)
+        wait = reduce_scatter_async(self._grad_bucket(unit.bucket), self.grid.dp, self.ledger, "grad reduce-scatter")
+        return lambda: self._grad_parts(unit.bucket, wait(), active)
 
     def _gather_unit(self, unit, active):
         """Start stage 4 for a unit; returns a function that waits and puts the weights in place."""
-        return self._gather_bucket(unit.bucket, async_op=True)
+        wait = all_gather_async(self._param_shard(unit.bucket), self.grid.dp, self.ledger, "param all-gather")
+        return lambda: self._copy_in(unit.bucket, wait())
 
-    def _stages(self, active):
-        if not self.overlap and self.grid.world.size > 1:
-            return super()._stages(active)
+    def _overlapped_stages(self, active):
         # On one rank nothing travels and there is nothing to overlap: K = 0 runs the units
-        # one after the other, as section 5 runs its buckets there.
+        # one after the other, as section 5 runs its buckets.
         axis, dtype, device = self._route_axis(), torch.bfloat16, self.device
         units = self._units()
         # Which matrices of each unit travel to an owner: the same on every rank of the axis,
         # so a unit without any starts no exchange anywhere.
         routes = [[r for r in self.routes if r.name in u.names and r.name in active] for u in units]
-        reduced = [self._reduce_unit(u, active) for u in units]  # 1: every reduction starts now
-        gathered, scattered, gathered_params = {}, {}, []
         k = self.overlap if self.grid.world.size > 1 else 0
+        # 1: with K >= 1 every reduction starts now; with K = 0 each one when its unit's turn comes
+        reduced = [self._reduce_unit(u, active) for u in units] if k else None
+        gathered, scattered, gathered_params = {}, {}, []
         for i in range(len(units) + 2 * k):
             if i < len(units):  # unit i: 1 -> 2, then start its gather at owner
-                updates = self._update_state(reduced[i]())
+                updates = self._update_state((reduced[i] if k else self._reduce_unit(units[i], active))())
                 if routes[i]:
                     gathered[i] = gather_at_owner(updates, routes[i], axis, self.ledger, dtype, device)
             if i - k in gathered:  # unit i-k: 3, while later units' transfers and reductions fly
@@ -1627,9 +1530,8 @@ class CommFreeMuon(OwnerMuon):
     def _plan(self):
         super()._plan()
         # The matrices in chunks of at most bucket_size elements: what one reduce at owner or
-        # broadcast from owner carries, as a bucket bounds one reduce-scatter. One message for
-        # all of them was slower and unsteady at d = 768 (a 56 MB all-to-all per rank:
-        # notes/08-strategies.md).
+        # broadcast from owner carries, as a bucket bounds one reduce-scatter (why not one
+        # message for all of them: notes/08-strategies.md).
         numel = {n: self.param_by_name[n].numel() for n in self.muon_names}
         self.muon_chunks = chunk_names(self.muon_names, numel, self.bucket_size)
 
@@ -1682,10 +1584,9 @@ STRATEGIES = tuple(OPTIMIZERS)
 # batched_ns (section 6) is held to a derived bound instead.
 
 # A rank that stops beating for this long (stopped, frozen, swapped out) ends the run, and so
-# does a collective that waits this long. The demo reaches its first step in a few seconds and a
-# step takes well under 1 s on 2 cores; 20 s leaves room for a loaded laptop (--timeout).
+# does a collective that waits this long (--timeout): many times the demo's start and step,
+# room for a loaded laptop (their times: notes/measured/default_4x2.txt).
 TIMEOUT_S = 20.0
-MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
 
 
 @dataclass(frozen=True)
@@ -1711,6 +1612,34 @@ class RunConfig:
     fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
 
 
+def lopsided_specs():
+    """One huge matrix among many small ones (--model lopsided): work that cannot be
+    spread evenly over ranks that each take whole matrices."""
+    specs = [ParamSpec("huge.weight", (1024, 128), 0, "muon"), ParamSpec("huge.bias", (1024,), 0, "adamw_no_wd")]
+    for i in range(12):  # alternately tall (split rows) and wide (split columns)
+        specs.append(ParamSpec(f"small.{i}.weight", (32, 64) if i % 2 else (64, 32), i % 2, "muon"))
+    specs += [ParamSpec("small.router.weight", (8, 32), -1, "muon"),
+              ParamSpec("out.weight", (64, 32), 0, "adamw")]
+    return specs
+
+
+def thin_specs():
+    """Matrices with a small side (--model thin): k x 1, 1 x k, k x 2, 600 x 6, odd sizes.
+
+    On such shapes bf16 rounding near-ties are common enough that a Newton-Schulz
+    done in any other order than torch's shows up in a few steps. Eight copies of
+    each shape, so that one rank can be given several of the same shape, and one
+    6 x 6000 matrix that outweighs any rank's share of the rest, so that a rank can
+    be given it alone.
+    """
+    shapes = [((600, 6), 0), ((6, 600), 1), ((60, 6), 0), ((6, 60), 1), ((97, 5), -1), ((5, 97), -1),
+              ((64, 1), 0), ((1, 64), 1), ((64, 2), 0), ((2, 64), 1)]
+    specs = [ParamSpec(f"thin.{copy}.{rows}x{cols}.weight", (rows, cols), split, "muon")
+             for copy in range(8) for (rows, cols), split in shapes]
+    return specs + [ParamSpec("thin.wide.weight", (6, 6000), 1, "muon"),
+                    ParamSpec("thin.bias", (60,), 0, "adamw_no_wd"), ParamSpec("thin.scale", (), -1, "adamw_no_wd")]
+
+
 MODELS = ("transformer", "lopsided", "thin")
 
 
@@ -1720,65 +1649,19 @@ def demo_specs(cfg):
     return lopsided_specs() if cfg.model == "lopsided" else thin_specs()
 
 
-def flag(argument):
-    """The command-line flag of a keyword argument: bucket_size -> --bucket-size."""
-    return "--" + argument.replace("_", "-")
+def check_tp_divides(specs, tp):
+    """Raise ValueError naming the first parameter TP cannot split evenly."""
+    for s in specs:
+        if s.tp_split_dim >= 0 and s.global_shape[s.tp_split_dim] % tp:
+            raise ValueError(f"TP {tp} does not divide {s.name} dim {s.tp_split_dim} "
+                             f"(size {s.global_shape[s.tp_split_dim]}, global shape {tuple(s.global_shape)})")
 
 
-def validate(cfg, specs):
-    """Every check that can be made before spawning; raises ValueError with one line.
-    The optimizer's own rules are its own functions, spelled with the flags' names."""
-    check_topology(cfg.dp, cfg.tp)
-    if cfg.steps < 1:
-        raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
-    if not 0 <= cfg.seed < 2**32:
-        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
-    check_hyperparameters(flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                          momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
-    if cfg.lr == 0:
-        raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
-    if cfg.ns_steps < 1:
-        raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {cfg.strategy!r})")
-    if cfg.baseline and cfg.strategy != "gather":
-        raise ValueError(f"--baseline runs AdamW for every parameter: it takes no --strategy (got {cfg.strategy})")
-    if cfg.model not in MODELS:
-        raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
-    if not 1 <= cfg.layers <= MAX_LAYERS:
-        raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
-    check_owner_options(flag, overlap=cfg.overlap)
-    if cfg.overlap and cfg.strategy not in ("owner", "comm-free"):
-        raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
-    if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
-        raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
-    check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
-    names = {s.name for s in specs}
-    for name, rank, step in cfg.missing_grads:
-        if name not in names or not -1 <= rank < cfg.dp or not 1 <= step <= cfg.steps:
-            raise ValueError(f"missing gradient ({name}, DP rank {rank}, step {step}) names no parameter, "
-                             f"DP rank or step of this run")
-    check_tp_divides(specs, cfg.tp)
-
-
-def check_launch(timeout_s, fail_rank=-1, world=1):
-    """The launcher's own options, shared by every command that launches ranks (ValueError, one line)."""
-    if not (timeout_s > 0 and math.isfinite(timeout_s)):
-        raise ValueError(f"--timeout must be > 0 seconds and finite (got {timeout_s})")
-    if not -1 <= fail_rank < world:
-        raise ValueError(f"--fail-rank must name a rank in [0, {world}) (got {fail_rank})")
-
-
-def check_writable(path, option="--json"):
-    """Raise ValueError (one line) unless `path` could be written, before any rank starts.
-    It creates nothing, so every rank of a torchrun job may check the same path."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"{option} {path} is a directory")
-    if not os.path.isdir(folder):
-        raise ValueError(f"{option} {path}: the folder {folder} does not exist")
-    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        raise ValueError(f"{option} {path} is not writable")
+def tp_local_shape(spec, tp):
+    shape = list(spec.global_shape)
+    if spec.tp_split_dim >= 0:
+        shape[spec.tp_split_dim] //= tp
+    return tuple(shape)
 
 
 MUON_GROUP = "muon"
@@ -1886,17 +1769,15 @@ def torch_optimizers(groups):
     return optimizers
 
 
-def reference_params(specs, cfg, device="cpu"):
-    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU).
-
-    The result depends on what the ranks were fed (the model, the seed, the steps, DP's number of
-    gradient contributions, the hyperparameters), not on how they split the work (TP, strategy,
-    buckets, overlap). So it is kept for the runs of one process that share those inputs, e.g.
-    benchmarks/compare.py's four strategies and the tests: torch computes it once for them.
-    """
-    how = dict(tp=1, strategy="gather", bucket_size=RunConfig.bucket_size, overlap=0, batched_ns=False,
-               timeout_s=RunConfig.timeout_s, fail_rank=-1)
-    return {n: t.clone() for n, t in _reference_params(tuple(specs), replace(cfg, **how), device).items()}
+def total_grads(specs, seed, step, dp, missing=()):
+    """The gradient the single-device reference sees: the sum over the DP ranks that have
+    one (a missing gradient counts as zeros, as in DDP), or None where no rank has one."""
+    per_rank = [dp_rank_grads(specs, seed, step, r, missing) for r in range(dp)]
+    total = {}
+    for s in specs:
+        present = [grads[s.name] for grads in per_rank if grads[s.name] is not None]
+        total[s.name] = sum(present) if present else None
+    return total
 
 
 @functools.lru_cache(maxsize=16)
@@ -1912,6 +1793,19 @@ def _reference_params(specs, cfg, device):
         for opt in optimizers:
             opt.step()
     return {n: p.cpu() for n, p in params.items()}
+
+
+def reference_params(specs, cfg, device="cpu"):
+    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU).
+
+    The result depends on what the ranks were fed (the model, the seed, the steps, DP's number of
+    gradient contributions, the hyperparameters), not on how they split the work (TP, strategy,
+    buckets, overlap). So it is kept for the runs of one process that share those inputs, e.g.
+    benchmarks/compare.py's four strategies and the tests: torch computes it once for them.
+    """
+    how = dict(tp=1, strategy="gather", bucket_size=RunConfig.bucket_size, overlap=0, batched_ns=False,
+               timeout_s=RunConfig.timeout_s, fail_rank=-1)
+    return {n: t.clone() for n, t in _reference_params(tuple(specs), replace(cfg, **how), device).items()}
 
 
 def compare_to_reference(specs, reference, rank_params, dp, tp, muon_groups=(MUON_GROUP,)):
@@ -1943,7 +1837,7 @@ def batched_ns_tolerance(cfg, spec):
     """How far --batched-ns may leave a Muon parameter from torch's after cfg.steps steps.
 
     Each step adds -adjusted_lr * O, and a batched O differs from torch's by at most
-    BATCHED_NS_BOUND times its largest entry (section 1). That entry is at most the
+    BATCHED_NS_BOUND times its largest entry (section 6). That entry is at most the
     largest singular value Newton-Schulz leaves: about 1.2, the quintic's maximum on
     [0, 1]; 1.5 leaves room for bf16 rounding. Weight decay scales both runs alike
     and only shrinks earlier differences; the momentum does not depend on the weights.
@@ -1955,7 +1849,7 @@ def verify(cfg, results, device="cpu"):
     """Every rank's parameters against torch on `device`: (checks, reference seconds).
 
     A check is "ok" when bit-identical; with --batched-ns, a Muon matrix is also ok
-    within batched_ns_tolerance (it cannot be bit-identical, section 1).
+    within batched_ns_tolerance (it cannot be bit-identical, section 6).
     """
     specs = demo_specs(cfg)
     t1 = time.perf_counter()
@@ -1979,489 +1873,8 @@ def verdict(checks):
     return passed, f"{'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch{within}"
 
 
-# =============================================================================
-# 8. Accounting
-# =============================================================================
-# Bytes per phase come from each rank's Ledger (section 2); FLOPs from the
-# Newton-Schulz calls each rank made. The redundancy factor is
-#
-#     sum over ranks of Newton-Schulz FLOPs  /  FLOPs of one device doing each matrix once.
-#
-# In the gather flow every TP peer orthogonalizes the same full matrix, and so does
-# every DP rank whose shard touches it: the redundancy is TP x (how many DP
-# shards a matrix touches, FLOP-weighted), at most DP x TP, which it reaches
-# when every rank touches every matrix. The owner and comm-free strategies
-# (section 6) give each matrix one owner instead: redundancy 1, and max/mean
-# FLOPs per rank then says how well the owners are balanced.
-
-# The phases of each strategy's data path, and of the baseline's, in the order they happen.
-PHASES_OF = {
-    "gather": ("grad presence", "grad reduce-scatter", "DP gather", "TP gather", "param all-gather"),
-    "owner": ("grad presence", "grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather"),
-    "comm-free": ("grad presence", "grad reduce-scatter", "grad reduce at owner", "gather at owner",
-                  "scatter from owner", "param all-gather", "param broadcast from owner"),
-    BASELINE: ("grad presence", "grad reduce-scatter", "param all-gather"),
-}
-PHASES = PHASES_OF["gather"]
-
-
-def bytes_per_step(ledgers, step, phases=PHASES):
-    """{phase: {"axis", "dtype", "sent": [per rank], "received": [per rank]}} for one step."""
-    table = {}
-    for phase in phases:
-        sent, received, axes, dtypes = [], [], set(), set()
-        for ledger in ledgers:
-            records = [r for r in ledger["comm"] if r["step"] == step and r["phase"] == phase]
-            sent.append(sum(r["sent"] for r in records))
-            received.append(sum(r["received"] for r in records))
-            axes |= {r["axis"] for r in records}
-            dtypes |= {r["dtype"] for r in records}
-        table[phase] = dict(axis="/".join(sorted(axes)) or "-", dtype="/".join(sorted(dtypes)) or "-",
-                            sent=sent, received=received)
-    return table
-
-
-def flops_per_step(ledgers, specs, step, ns_steps, muon_groups=(MUON_GROUP,)):
-    """Newton-Schulz FLOPs per rank; redundancy and max/mean are None where there is no Muon."""
-    per_rank = [sum(r["flops"] for r in ledger["compute"] if r["step"] == step) for ledger in ledgers]
-    single = sum(newton_schulz_flops(s.global_shape, ns_steps) for s in specs if s.group in muon_groups)
-    mean = sum(per_rank) / len(per_rank)
-    return dict(per_rank=per_rank, single_device=single, redundancy=sum(per_rank) / single if single else None,
-                max_over_mean=max(per_rank) / mean if mean else None)
-
-
-def account(cfg, results):
-    """Bytes per phase (last step), whether every step moved the same, and Newton-Schulz FLOPs."""
-    ledgers = [r["ledger"] for r in results]
-    phases = PHASES_OF[run_kind(cfg)]
-    tables = [bytes_per_step(ledgers, s, phases) for s in range(1, cfg.steps + 1)]
-    flops = flops_per_step(ledgers, demo_specs(cfg), cfg.steps, cfg.ns_steps, muon_groups_of(cfg))
-    return tables[-1], all(t == tables[0] for t in tables), flops
-
-
-def total_bytes(table, direction="sent"):
-    """(max over ranks of bytes sent (or received) per step, the same by all ranks per step)."""
-    per_rank = [sum(col) for col in zip(*(t[direction] for t in table.values()))]
-    return max(per_rank), sum(per_rank)
-
-
-def format_table(header, rows, aligns):
-    if not len(header) == len(aligns) == (len(rows[0]) if rows else len(header)):
-        raise ValueError(f"a table of {len(header)} columns needs as many aligns ({len(aligns)}) and cells")
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    fmt = lambda row: "  ".join(f"{str(x):{a}{w}}" for x, a, w in zip(row, aligns, widths))
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
-
-
-def human_bytes(n):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-
-
-def print_header(cfg, plan, device_kind, backend, explain, print_fn):
-    """The grid, the virtual buffer and the owners, from `plan` (plan_optimizer): what every rank will hold."""
-    world = cfg.dp * cfg.tp
-    print_fn(f"Distributed Muon: {world} {device_kind} rank{'s' * (world != 1)} over {backend}, "
-             f"DP={cfg.dp} x TP={cfg.tp}, {'the AdamW ZeRO-1 baseline' if cfg.baseline else 'strategy ' + cfg.strategy}, "
-             f"{cfg.steps} steps, seed {cfg.seed}, "
-             f"torch {torch.__version__}\n")
-    print_fn("[2] The grid (rank = dp_rank * TP + tp_rank; a row is a TP group, a column a DP group)")
-    print_fn(format_grid(cfg.dp, cfg.tp) + "\n")
-    buckets = plan.layout.buckets
-    used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
-    n_buffers = len({b.buffer_idx for b in buckets})
-    whole = " (Muon matrices are sharded whole, outside the buckets)" if plan.strategy == "comm-free" else ""
-    print_fn(f"[4] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
-             f"elements, {used:,} TP-local elements + {padded - used} padding per rank{whole}")
-    if explain:
-        print_fn(format_buffer_map(plan.layout))
-    if plan.owners:
-        per_rank, balance = load_balance(plan.ns_flops, plan.owners, world)
-        print_fn(f"[6] Owners: {len(plan.owners)} matrices on {world} ranks by longest-processing-time over "
-                 f"Newton-Schulz FLOPs; max/mean = {balance:.2f}")
-        if explain:
-            rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}",
-                     " ".join(n for n, o in plan.owners.items() if o == r)] for r in range(world)]
-            print_fn(format_table(["rank", "matrices", "GFLOP", "owns"], rows, [">", ">", ">", "<"]))
-    print_fn("")
-
-
-def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=print):
-    """Print the verification (checks from verify) and the accounting; return them all as one dict."""
-    world = cfg.dp * cfg.tp
-    n_same = sum(c["identical"] for c in checks)
-    passed, summary = verdict(checks)
-    reference_name = "torch.optim.AdamW" if cfg.baseline else "torch.optim.Muon / torch.optim.AdamW"
-    print_fn(f"[7] Every rank's piece against {reference_name} on one device "
-             f"(torch.equal): {n_same}/{len(checks)} parameters identical")
-    rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
-             "-" if c["tp_split_dim"] < 0 else c["tp_split_dim"], c["optimizer"],
-             f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0",
-             "yes" if c["identical"] else f"no, <= {c['tolerance']:.1e}" if c["ok"] else "NO"]
-            for c in checks]
-    print_fn(format_table(["parameter", "global shape", "split", "optimizer", "max |d|", "identical"], rows,
-                          ["<", ">", ">", "<", ">", ">"]) + "\n")
-
-    table, same_every_step, flops = account(cfg, results)
-    gloo_note = "; on Gloo the reduce-scatter is an all-to-all and a local sum" if backend == "gloo" else ""
-    print_fn(f"[8] Bytes per step: ring counts for all-gather and reduce-scatter, exact counts for all-to-all "
-             f"({'the same every step' if same_every_step else 'last step; steps differ'}{gloo_note})")
-    rows = [[phase, t["axis"], t["dtype"], human_bytes(max(t["sent"])), human_bytes(max(t["received"])),
-             human_bytes(sum(t["sent"]))] for phase, t in table.items()]
-    max_sent, all_sent = total_bytes(table)
-    max_received, _ = total_bytes(table, "received")
-    rows.append(["total", "", "", human_bytes(max_sent), human_bytes(max_received), human_bytes(all_sent)])
-    print_fn(format_table(["phase", "axis", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"],
-                          rows, ["<", "<", "<", ">", ">", ">"]) + "\n")
-
-    if flops["single_device"]:
-        print_fn(f"[8] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
-                 f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
-        why = ("every TP peer, and every DP rank whose shard touches a matrix, orthogonalizes it"
-               if cfg.strategy == "gather" else "each matrix is orthogonalized once, by its owner")
-        print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
-                 f"(upper bound DP x TP = {world}; {why}); max/mean per rank = {flops['max_over_mean']:.2f}\n")
-    state = [r["state_bytes"] for r in results]
-    print_fn(f"[8] Optimizer state per rank: max {human_bytes(max(state))}, min {human_bytes(min(state))}")
-
-    step_ms = [max(r["step_ms"][i] for r in results) for i in range(cfg.steps)]
-    timings = dict(ranks_s=ranks_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
-                   step_ms_median=statistics.median(step_ms))
-    print_fn(f"Timing: ranks {ranks_s:.1f} s (start, init, {cfg.steps} steps), reference {ref_s:.1f} s, "
-             f"median step {timings['step_ms_median']:.0f} ms (slowest rank)")
-    print_fn(f"Result: {summary}")
-    return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks,
-                buckets=[asdict(b) for b in plan.layout.buckets], owners=results[0]["owners"], bytes_per_step=table,
-                bytes_same_every_step=same_every_step, bytes_sent_max_rank=max_sent, bytes_sent_all_ranks=all_sent,
-                ns_flops=flops, state_bytes=state, timings=timings, ledgers=[r["ledger"] for r in results])
-
-
-# =============================================================================
-# 9. Main: the launcher and the command line
-# =============================================================================
-# The launcher checks the arguments and plans the layout (before starting any
-# rank), starts one process per rank, watches them, then runs the single-device
-# reference and prints the report. Each rank writes its final parameters, ledger
-# and timings to a temporary folder that the launcher reads. Like torchrun, it
-# stops every rank on Ctrl-C or SIGTERM, and names the rank that failed, died or
-# stopped responding.
-
-def run_rank(rank, body, cfg, port, out_dir, heartbeats, launcher):
-    """One spawned rank: join the Gloo world, run body(rank, cfg, "cpu"), write what it returns to out_dir.
-
-    Nothing is printed here: a failure is written to rank<R>.error (time, one
-    line, traceback) and the launcher reports it once, for the whole run.
-    """
-    # Ctrl-C in a terminal sends SIGINT to every process of the job; the launcher
-    # alone decides what happens next (it stops every rank and cleans up).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    name_process(f"muon rank {rank}")
-    start_heartbeat(heartbeats, rank, launcher)
-    torch.set_num_threads(1)  # see section 7: same thread count everywhere
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=cfg.dp * cfg.tp, timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        result = body(rank, cfg, "cpu")
-        dist.destroy_process_group()
-        write_atomically(os.path.join(out_dir, f"rank{rank}.pt"), lambda f: torch.save(result, f))
-    except BaseException as e:
-        # When one rank dies its peers fail too ("connection closed"). The time
-        # lets the launcher name the rank that failed first: the cause.
-        text = f"{time.time()!r}\n{one_line(e)}\n{traceback.format_exc()}"
-        write_atomically(os.path.join(out_dir, f"rank{rank}.error"), lambda f: f.write(text.encode()))
-        os._exit(1)  # no teardown that could wait on a dead peer
-
-
-def one_line(error):
-    """An exception as one line, 'Type: message', whatever newlines its message holds."""
-    return " ".join(f"{type(error).__name__}: {error}".split())
-
-
-def write_atomically(path, write):
-    """Write through a temporary name, so the launcher never reads half a file."""
-    with open(path + ".partial", "wb") as f:
-        write(f)
-    os.replace(path + ".partial", path)
-
-
-HEARTBEAT_S = 0.5  # how often a rank says it is alive
-
-
-def start_heartbeat(heartbeats, rank, launcher):
-    """A thread that writes the time into heartbeats[rank] every HEARTBEAT_S.
-
-    It beats while the rank computes or waits in a collective, and stops only
-    when the whole process does (SIGSTOP, a debugger, swapped out): that is how
-    the launcher tells the rank that stopped from the peers waiting for it.
-    `launcher` is the read end of a pipe whose write end only the launcher holds:
-    it becomes readable (end of file) when the launcher is gone, even killed by
-    SIGKILL, and then the rank ends itself rather than run on as an orphan.
-    """
-    def beat():
-        while not launcher.poll(HEARTBEAT_S):  # nothing is ever sent: it times out, or the launcher died
-            heartbeats[rank] = time.monotonic()
-        os._exit(1)
-
-    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
-
-
-def name_process(title):
-    """Show `title` in ps and top (Linux's prctl PR_SET_NAME); elsewhere do nothing."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME, at most 15 bytes
-    except (OSError, AttributeError):
-        pass
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_method():
-    """How ranks are started: forked from a server that has already imported torch.
-
-    Each freshly spawned process spends seconds importing torch (and torch._dynamo,
-    which torch.optim.Optimizer imports on first use): 8 ranks on 2 cores took
-    about 20 s to reach their first step. A forkserver imports them once and forks
-    each rank from it, in about 3 s. "spawn" remains where there is no forkserver.
-    """
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo"])
-    return "forkserver"
-
-
-class RankFailure(RuntimeError):
-    """A rank failed, died or stopped responding; str() is one line, .traceback the rank's own."""
-
-    def __init__(self, message, traceback_text=""):
-        super().__init__(message)
-        self.traceback = traceback_text
-
-
-class Interrupted(BaseException):
-    """SIGTERM, turned into an exception so that the launcher can clean up as for Ctrl-C."""
-
-
-def raise_interrupted(signum, frame):
-    raise Interrupted()
-
-
-def rank_errors(out_dir):
-    """[(time, rank, one-line error, traceback)] of every rank that wrote an error, earliest first."""
-    errors = []
-    for name in os.listdir(out_dir):
-        if name.startswith("rank") and name.endswith(".error"):
-            with open(os.path.join(out_dir, name)) as f:
-                when, error, trace = f.read().split("\n", 2)
-            errors.append((float(when), int(name[len("rank"):-len(".error")]), error, trace))
-    return sorted(errors)
-
-
-def blame(exits, out_dir):
-    """The RankFailure that names the cause, once some rank has exited abnormally.
-
-    exits: [(rank, exit code)] in the order the launcher saw them end. A rank
-    killed by a signal is the cause (its peers then fail with "connection
-    closed"); otherwise the rank whose error was written first is.
-    """
-    for rank, code in exits:
-        if code < 0:
-            return RankFailure(f"rank {rank} was killed by {signal.Signals(-code).name}")
-    errors = rank_errors(out_dir)
-    if errors:
-        _, rank, error, trace = errors[0]
-        others = sorted(r for _, r, _, _ in errors[1:])
-        also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
-        return RankFailure(f"rank {rank} failed: {error}{also}", trace)
-    rank, code = exits[0]
-    return RankFailure(f"rank {rank} exited with code {code}")
-
-
-POLL_S = 0.2  # how often the launcher looks at the ranks
-ERRORS_LAND_S = 1.0  # after a first failure, how long its peers get to fail and say why
-
-
-def watch(procs, heartbeats, out_dir, timeout_s):
-    """Wait for every rank; return None when all succeeded, else the RankFailure.
-
-    Every POLL_S it looks at which processes ended and at every heartbeat. A rank
-    that exited with an error ends the run (its peers fail right after it; the
-    launcher waits ERRORS_LAND_S for their errors, to name the first); so does a
-    rank whose heartbeat is older than timeout_s.
-    """
-    exits = []
-    while True:
-        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=POLL_S)
-        now = time.monotonic()
-        for rank, p in enumerate(procs):
-            if p.exitcode is None and now - heartbeats[rank] > timeout_s:
-                return RankFailure(f"rank {rank} stopped responding: no heartbeat for {timeout_s:g} s "
-                                   f"(--timeout {timeout_s:g}); it was stopped or frozen")
-        exits += [(rank, p.exitcode) for rank, p in enumerate(procs)
-                  if p.exitcode not in (None, 0) and rank not in dict(exits)]
-        if exits:
-            deadline = now + ERRORS_LAND_S
-            while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
-                multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
-                                                timeout=deadline - time.monotonic())
-            return blame(exits, out_dir)
-        if all(p.exitcode == 0 for p in procs):
-            return None
-
-
-def stop(procs):
-    """SIGKILL every rank still running (a stopped one too) and reap it."""
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
-    for p in procs:
-        p.join()
-
-
-def spawn_ranks(cfg, body=run_steps):
-    """Run body(rank, cfg, "cpu") on cfg.dp x cfg.tp ranks; return what each returned, in rank order,
-    or raise RankFailure naming the rank at fault.
-
-    body is what a rank does once the Gloo world is joined: section 7's run_steps by
-    default (examples/ pass their own; it must be importable by name, as any
-    multiprocessing target). cfg needs dp, tp and timeout_s. Whatever ends the run
-    (success, a failure, Ctrl-C or SIGTERM in the launcher), every rank is stopped
-    and the temporary folder removed before this returns.
-    """
-    context = multiprocessing.get_context(start_method())
-    world = cfg.dp * cfg.tp
-    heartbeats = context.Array("d", world, lock=False)  # shared memory: one time per rank
-    with tempfile.TemporaryDirectory(prefix="distributed-muon-") as out_dir:
-        launcher, alive = context.Pipe(duplex=False)  # the ranks watch `launcher`; `alive` stays here
-        args = (body, cfg, free_port(), out_dir, heartbeats, launcher)
-        procs = [context.Process(target=run_rank, args=(rank,) + args, name=f"rank {rank}") for rank in range(world)]
-        try:
-            for p in procs:
-                p.start()
-            for rank in range(world):  # the clock starts once every rank is started
-                heartbeats[rank] = time.monotonic()
-            failure = watch(procs, heartbeats, out_dir, cfg.timeout_s)
-        finally:
-            stop(procs)
-        if failure:
-            raise failure
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
-
-
-def run(cfg, explain=False, print_fn=print):
-    """Plan, start the ranks on this machine, verify against torch, account; returns the results dict."""
-    validate(cfg, demo_specs(cfg))
-    plan = plan_optimizer(cfg)
-    print_header(cfg, plan, "CPU", "Gloo", explain, print_fn)
-    t0 = time.perf_counter()
-    results = spawn_ranks(cfg)
-    ranks_s = time.perf_counter() - t0
-    checks, ref_s = verify(cfg, results)
-    return report(cfg, plan, results, checks, ranks_s, ref_s, print_fn=print_fn)
-
-
-def build_parser(description, launcher="spawn"):
-    """The command line. launcher "torchrun" (distributed_muon.py) takes DP from the world size by default."""
-    d = RunConfig()
-    p = argparse.ArgumentParser(description=description)
-    if launcher == "torchrun":
-        p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: processes / TP)")
-        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default %(default)s)")
-    else:
-        p.add_argument("--dp", type=int, default=d.dp, help="data-parallel size (default %(default)s)")
-        p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of parameters and gradients (default %(default)s)")
-    p.add_argument("--bucket-size", type=int, default=d.bucket_size,
-                   help="largest bucket in elements, before padding to a multiple of DP (default %(default)s)")
-    p.add_argument("--lr", type=float, default=d.lr, help="learning rate, Muon and AdamW (default %(default)s)")
-    p.add_argument("--momentum", type=float, default=d.momentum, help="Muon momentum in [0, 1) (default %(default)s)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
-                   help="decoupled weight decay (default %(default)s)")
-    p.add_argument("--ns-steps", type=int, default=d.ns_steps, help="Newton-Schulz iterations (default %(default)s)")
-    p.add_argument("--adjust-lr-fn", default=d.adjust_lr_fn,
-                   help=f"one of {', '.join(ADJUST_LR_FNS)} (default %(default)s)")
-    p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES,
-                   help="gather (default): every rank that touches a matrix orthogonalizes it; owner: one rank "
-                        "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP")
-    p.add_argument("--baseline", action="store_true",
-                   help="run the AdamW ZeRO-1 baseline instead: every parameter takes AdamW, no Muon")
-    p.add_argument("--model", default=d.model, choices=MODELS,
-                   help="transformer (default): section 3's model; lopsided: one huge matrix among small ones; "
-                        "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")
-    p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (default %(default)s)")
-    p.add_argument("--overlap", type=int, nargs="?", const=OVERLAP_DEFAULT, default=d.overlap, metavar="K",
-                   help="owner, comm-free: pipeline the step bucket by bucket, Newton-Schulz K units behind "
-                        f"the gradient reductions (section 6; K = {OVERLAP_DEFAULT} if omitted; default off)")
-    p.add_argument("--batched-ns", action="store_true",
-                   help="owner, comm-free: orthogonalize same-shape matrices in one batched call; faster for many "
-                        "small matrices, but not bit-identical to torch (within 2**-5 of the largest entry)")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", metavar="SECONDS",
-                   help="seconds after which a rank that stopped responding, or a collective that waits, "
-                        "ends the run (default %(default)s)")
-    p.add_argument("--explain", action="store_true",
-                   help="print which DP rank keeps which part of which parameter, and who owns which matrix")
-    p.add_argument("--json", metavar="PATH", help="write the run's results (checks, bytes, FLOPs, timings)")
-    p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
-    p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: make this rank raise
-    return p
-
-
-def config_from_args(a):
-    """The RunConfig the parsed arguments describe (every field is a flag of the same name)."""
-    return RunConfig(**{f.name: getattr(a, f.name) for f in fields(RunConfig) if hasattr(a, f.name)})
-
-
-def write_json(path, results):
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-
-
-def exit_code(work, show_traceback=False):
-    """Run work() the way a command should end: its return code, or one line on stderr and
-    2 (a bad flag, path or config), 1 (a rank failed), 130 (Ctrl-C) or 143 (SIGTERM)."""
-    previous = signal.signal(signal.SIGTERM, raise_interrupted)  # SIGTERM cleans up as Ctrl-C does
-    try:
-        return work()
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RankFailure as e:
-        print(f"error: {e}", file=sys.stderr)
-        if show_traceback:
-            print(e.traceback, file=sys.stderr, end="")
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted (SIGINT); every rank stopped, temporary files removed", file=sys.stderr)
-        return 130  # 128 + SIGINT, as shells and torchrun report it
-    except Interrupted:
-        print("error: terminated (SIGTERM); every rank stopped, temporary files removed", file=sys.stderr)
-        return 143  # 128 + SIGTERM
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def main(argv=None):
-    args = build_parser("ZeRO-1 x TP distributed Muon on CPU ranks over Gloo, checked bit for bit against "
-                        "torch.optim.Muon / AdamW.").parse_args(argv)
-
-    def work():
-        if args.json:
-            check_writable(args.json)
-        results = run(config_from_args(args), explain=args.explain)  # validates before spawning anything
-        write_json(args.json, results)
-        return 0 if results["passed"] else 1
-
-    return exit_code(work, args.traceback)
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import muon_tools  # the launcher, the report and the command line: not part of the lesson
+
+    sys.exit(muon_tools.main())

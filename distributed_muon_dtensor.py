@@ -90,6 +90,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import distributed_muon_cpu as dm
+import muon_tools as mt
 
 # =============================================================================
 # 1. What is reused from the lesson
@@ -652,7 +653,7 @@ class DTensorMuon(torch.optim.Optimizer):
         load, _ = dm.load_balance(self.ns_flops, self.owners, world)
         rows = [[r, sum(o == r for o in self.owners.values()), f"{load[r] / 1e9:.4f}",
                  " ".join(n for n, o in self.owners.items() if o == r) or "-"] for r in range(world)]
-        table = dm.format_table(["rank", "matrices", "NS GFLOP", "owns"], rows, [">", ">", ">", "<"])
+        table = mt.format_table(["rank", "matrices", "NS GFLOP", "owns"], rows, [">", ">", ">", "<"])
         local = sorted(n for names in self.local_matrices.values() for n in names)
         return table + (f"\nlocal on every holder (plain or all-Replicate): {' '.join(local)}" if local else "")
 
@@ -1189,7 +1190,7 @@ def local_params(model):
 
 
 def run_demo_rank(rank, cfg, device):
-    """The body of every rank of the demo (dm.spawn_ranks, or a torchrun process): one run on the whole world."""
+    """The body of every rank of the demo (mt.spawn_ranks, or a torchrun process): one run on the whole world."""
     torch.set_num_threads(1)
     return run_on_mesh(cfg, rank, device)
 
@@ -1680,7 +1681,7 @@ DTENSOR_PHASES = ("grad presence", "gather at owner", "scatter from owner")
 def account(cfg, results):
     """Bytes per phase (last step; every rank), NS FLOPs per rank (last step), and whether steps moved the same."""
     ledgers = [r["ledger"] for r in results]
-    tables = [dm.bytes_per_step(ledgers, s, DTENSOR_PHASES) for s in range(1, cfg.steps + 1)]
+    tables = [mt.bytes_per_step(ledgers, s, DTENSOR_PHASES) for s in range(1, cfg.steps + 1)]
     flops = [sum(c["flops"] for c in ledger["compute"] if c["step"] == cfg.steps) for ledger in ledgers]
     return tables[-1], all(t == tables[0] for t in tables), flops
 
@@ -1837,7 +1838,7 @@ def lesson_config(cfg, strategy):
 
 @dataclass(frozen=True)
 class LessonRuns:
-    """The lesson's strategies on this demo's matrices, on the grid dp x tp (a dm.spawn_ranks cfg, or a run
+    """The lesson's strategies on this demo's matrices, on the grid dp x tp (a mt.spawn_ranks cfg, or a run
     inside Runs)."""
 
     demo: DemoConfig
@@ -1891,8 +1892,8 @@ def lesson_accounts(runs, results):
         reference = dm.reference_params(specs, lcfg)
         checks = dm.compare_to_reference(specs, reference, {r["rank"]: r["lesson"][strategy]["params"]
                                                             for r in results}, cfg.dp, cfg.tp)
-        accounts[strategy] = dict(checks=checks, table=dm.bytes_per_step(ledgers, cfg.steps, dm.PHASES_OF[strategy]),
-                                  flops=dm.flops_per_step(ledgers, specs, cfg.steps, NS_STEPS))
+        accounts[strategy] = dict(checks=checks, table=mt.bytes_per_step(ledgers, cfg.steps, mt.PHASES_OF[strategy]),
+                                  flops=mt.flops_per_step(ledgers, specs, cfg.steps, NS_STEPS))
     return accounts
 
 
@@ -1917,10 +1918,10 @@ def comparison_rows(cfg, results, accounts):
     for label, t, f, redundancy, dp_outside, tp_outside in runs:
         total = [a + b for a, b in zip(phase_bytes(t, tuple(t)), dp_outside)]
         dp_bytes = phase_bytes(t, DP_IN_STEP)
-        rows.append([label, dm.human_bytes(max(phase_bytes(t, OWNER_EXCHANGE))),
-                     dm.human_bytes(max(dp_bytes) if dp_bytes else 0), dm.human_bytes(max(dp_outside)),
-                     dm.human_bytes(max(total)), dm.human_bytes(sum(total)),
-                     dm.human_bytes(max(tp_outside)) if tp_outside else "not run", f"{max(f) / 1e9:.4f}",
+        rows.append([label, mt.human_bytes(max(phase_bytes(t, OWNER_EXCHANGE))),
+                     mt.human_bytes(max(dp_bytes) if dp_bytes else 0), mt.human_bytes(max(dp_outside)),
+                     mt.human_bytes(max(total)), mt.human_bytes(sum(total)),
+                     mt.human_bytes(max(tp_outside)) if tp_outside else "not run", f"{max(f) / 1e9:.4f}",
                      f"{sum(f) / len(f) / 1e9:.4f}", f"{redundancy:.2f}"])
         per_rank[label] = (total, f)
     return rows, per_rank
@@ -1933,7 +1934,7 @@ MEASURED_HEADER = ["phase", "collective", "mesh dim", "dtype", "calls", "sent/ra
 
 def measured_rows(results):
     """The measured training step (CollectiveCounter) as rows of MEASURED_HEADER."""
-    return [[phase, op, axis, dtype, max(t["calls"]), dm.human_bytes(max(t["sent"])), dm.human_bytes(sum(t["sent"]))]
+    return [[phase, op, axis, dtype, max(t["calls"]), mt.human_bytes(max(t["sent"])), mt.human_bytes(sum(t["sent"]))]
             for (phase, op, axis, dtype), t in measured_table(results).items()]
 
 
@@ -1945,7 +1946,7 @@ def print_comparison(cfg, rows, per_rank, accounts, results, print_fn=print):
              f"as the Ledger counts (ring counts for all-gather, reduce-scatter, all-reduce; the optimizer step's "
              f"own collectives beside them, {'equal to' if counted_sent == ledger_sent else 'NOT equal to'} its "
              f"Ledger's on every rank):")
-    print_fn(dm.format_table(MEASURED_HEADER, measured_rows(results), ["<", "<", "<", "<", ">", ">", ">"]))
+    print_fn(mt.format_table(MEASURED_HEADER, measured_rows(results), ["<", "<", "<", "<", ">", ">", ">"]))
     print_fn(f"\n[8] Beside the lesson's owner and comm-free strategies, run for real on THIS model's matrices "
              f"(each expert its own 2-D matrix), same mesh dp={cfg.dp} x tp={cfg.tp}, last step; bytes sent per "
              f"rank (max over ranks) unless 'all ranks':")
@@ -1953,9 +1954,9 @@ def print_comparison(cfg, rows, per_rank, accounts, results, print_fn=print):
         n_same = sum(c["identical"] for c in acc["checks"])
         print_fn(f"lesson {strategy} on these {len(acc['checks'])} parameters: {n_same}/{len(acc['checks'])} "
                  f"bit-identical to torch")
-    print_fn(dm.format_table(COMPARISON_HEADER, rows, ["<"] + [">"] * 9))
+    print_fn(mt.format_table(COMPARISON_HEADER, rows, ["<"] + [">"] * 9))
     for label, (sent, flops) in per_rank.items():
-        print_fn(f"{label:<24} step + DP, sent per rank: {', '.join(dm.human_bytes(b) for b in sent)}")
+        print_fn(f"{label:<24} step + DP, sent per rank: {', '.join(mt.human_bytes(b) for b in sent)}")
         print_fn(f"{'':<24} NS GFLOP per rank: {', '.join(f'{f / 1e9:.4f}' for f in flops)}")
     print_fn("owner exchange = gather at owner + scatter from owner (bf16, exact all-to-all counts). DP in step = "
              "ZeRO-1's grad reduce-scatter + param all-gather (fp32, ring counts), and for comm-free the matrices' "
@@ -1991,13 +1992,13 @@ def validate(cfg):
         raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
     if not 0 <= cfg.seed < 2**32:
         raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
-    dm.check_hyperparameters(dm.flag, bucket_size=1, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    dm.check_hyperparameters(mt.flag, bucket_size=1, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn="original")
     if cfg.lr == 0:
         raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
     if cfg.layers < 1 or cfg.experts < 1:
         raise ValueError(f"--layers and --experts must be >= 1 (got {cfg.layers}, {cfg.experts})")
-    dm.check_launch(cfg.timeout_s)
+    mt.check_launch(cfg.timeout_s)
 
 
 def build_parser():
@@ -2039,7 +2040,7 @@ def report(cfg, results, checks, print_fn=print):
              f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0",
              "yes" if c["identical"] else f"no, <= {c['tolerance']:.1e}" if c["ok"] else "NO"]
             for c in checks]
-    print_fn(dm.format_table(["parameter", "shape", "placements", "optimizer", "max |d|", "identical"], rows,
+    print_fn(mt.format_table(["parameter", "shape", "placements", "optimizer", "max |d|", "identical"], rows,
                              ["<", ">", "<", "<", ">", ">"]) + "\n")
     if cfg.batched_ns:
         bounds = {"x".join(map(str, c["shape"][-2:])): c["tolerance"] for c in checks if c["optimizer"] == "Muon"}
@@ -2048,14 +2049,14 @@ def report(cfg, results, checks, print_fn=print):
                  + ", ".join(f"{shape} {bound:.1e}" for shape, bound in bounds.items()) + "\n")
     print_fn(f"[8] Bytes per step, counted by the ledger (exact all-to-all counts; "
              f"{'the same every step' if same else 'last step; steps differ'}):")
-    rows = [[phase, t["dtype"], dm.human_bytes(max(t["sent"])), dm.human_bytes(max(t["received"])),
-             dm.human_bytes(sum(t["sent"]))] for phase, t in table.items()]
-    max_sent, all_sent = dm.total_bytes(table)
-    rows.append(["total", "", dm.human_bytes(max_sent), dm.human_bytes(dm.total_bytes(table, "received")[0]),
-                 dm.human_bytes(all_sent)])
-    print_fn(dm.format_table(["phase", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"], rows,
+    rows = [[phase, t["dtype"], mt.human_bytes(max(t["sent"])), mt.human_bytes(max(t["received"])),
+             mt.human_bytes(sum(t["sent"]))] for phase, t in table.items()]
+    max_sent, all_sent = mt.total_bytes(table)
+    rows.append(["total", "", mt.human_bytes(max_sent), mt.human_bytes(mt.total_bytes(table, "received")[0]),
+                 mt.human_bytes(all_sent)])
+    print_fn(mt.format_table(["phase", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"], rows,
                              ["<", "<", ">", ">", ">"]))
-    print_fn("per rank sent: " + ", ".join(dm.human_bytes(sum(t["sent"][r] for t in table.values()))
+    print_fn("per rank sent: " + ", ".join(mt.human_bytes(sum(t["sent"][r] for t in table.values()))
                                            for r in range(world)))
     single = single_device_flops(cfg)
     print_fn(f"[8] Newton-Schulz GFLOP per rank (last step): {', '.join(f'{f / 1e9:.4f}' for f in flops)}; "
@@ -2076,7 +2077,7 @@ def demo_config(args):
 def print_header(cfg, ranks, print_fn=print):
     print_fn(f"DTensorMuon: {cfg.dp * cfg.tp} {ranks}, mesh dp={cfg.dp} x tp={cfg.tp} (rank = dp_rank * tp + tp_rank), "
              f"{cfg.steps} steps, torch {torch.__version__}")
-    print_fn(dm.format_grid(cfg.dp, cfg.tp) + "\n")
+    print_fn(mt.format_grid(cfg.dp, cfg.tp) + "\n")
 
 
 def finish(cfg, results, ranks_s, device="cpu", print_fn=print):
@@ -2102,14 +2103,14 @@ def main(argv=None):
         cfg = demo_config(args)
         validate(cfg)
         if args.json:
-            dm.check_writable(args.json)
+            mt.check_writable(args.json)
         print_header(cfg, "CPU ranks over Gloo")
         t0 = time.perf_counter()
-        results = dm.spawn_ranks(cfg, run_demo_rank)
+        results = mt.spawn_ranks(cfg, run_demo_rank)
         out = finish(cfg, results, time.perf_counter() - t0)
         if args.compare:
             lesson = LessonRuns(cfg)
-            accounts = lesson_accounts(lesson, dm.spawn_ranks(lesson, run_lesson_rank))
+            accounts = lesson_accounts(lesson, mt.spawn_ranks(lesson, run_lesson_rank))
             rows, per_rank = comparison_rows(cfg, results, accounts)
             print_comparison(cfg, rows, per_rank, accounts, results)
             out["comparison"] = dict(header=COMPARISON_HEADER, rows=rows, per_rank=per_rank,
@@ -2119,10 +2120,10 @@ def main(argv=None):
                                      lesson_bytes_per_step={s: a["table"] for s, a in accounts.items()})
             lesson_ok = all(c["identical"] for a in accounts.values() for c in a["checks"])
             out["passed"] = out["passed"] and lesson_ok
-        dm.write_json(args.json, out)
+        mt.write_json(args.json, out)
         return 0 if out["passed"] else 1
 
-    return dm.exit_code(work, args.traceback)
+    return mt.exit_code(work, args.traceback)
 
 
 def main_torchrun(args):
@@ -2137,7 +2138,7 @@ def main_torchrun(args):
             raise ValueError("--compare spawns the lesson's strategies on Gloo ranks of its own: run it without "
                              "torchrun")
         if args.json:
-            dm.check_writable(args.json)
+            mt.check_writable(args.json)
         return cfg
 
     def body(cfg, rank, device):
@@ -2149,7 +2150,7 @@ def main_torchrun(args):
     def report_at_rank_0(cfg, gathered, device, seconds):
         out = finish(cfg, gathered, seconds, device)
         out["launcher"] = dict(launcher="torchrun", backend=args.backend, device=args.device)
-        dm.write_json(args.json, out)
+        mt.write_json(args.json, out)
         return 0 if out["passed"] else 1
 
     return gpu.run_under_torchrun(args.backend, args.device, prepare, body, report_at_rank_0, args.traceback)

@@ -18,6 +18,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
 
 REPEATS = 7  # median of 7 timings of each variant
 # (shape, matrices): small ones, where batching pays; GPT-2-small-sized ones (d = 768); small-side ones
@@ -41,7 +42,7 @@ def main():
     for shape, count in CASES:
         stack = torch.randn(count, *shape, generator=torch.Generator().manual_seed(count))
         one_by_one = lambda: [dm.newton_schulz(m) for m in stack]
-        batched = lambda: dm.newton_schulz(stack)
+        batched = lambda: dm.batched_newton_schulz(stack)
         expected = [torch_newton_schulz(m.clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS) for m in stack]
         got = batched()
         differing = sum(not torch.equal(b, e) for b, e in zip(got, expected))
@@ -51,7 +52,7 @@ def main():
         gflop = count * dm.newton_schulz_flops(shape) / 1e9
         rows.append([f"{shape[0]}x{shape[1]}", count, f"{gflop:.3f}", f"{loop_ms:.2f}", f"{batch_ms:.2f}",
                      f"{loop_ms / batch_ms:.2f}x", f"{differing}/{count}", f"{relative:.1e}" if relative else "0"])
-    print(dm.format_table(["shape", "matrices", "GFLOP", "one call each, ms", "one batched call, ms", "speed-up",
+    print(mt.format_table(["shape", "matrices", "GFLOP", "one call each, ms", "one batched call, ms", "speed-up",
                            "differ from torch", "max |d| / max |O|"], rows, ["<"] + [">"] * 7))
 
 

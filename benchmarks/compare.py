@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
 
 COMPARED = dm.STRATEGIES + (dm.BASELINE,)  # every strategy, then the baseline
 LABELS = {"gather": "gather", "owner": "owner", "comm-free": "comm-free", dm.BASELINE: "AdamW ZeRO-1"}
@@ -30,17 +31,17 @@ BALANCE_TARGET = 1.10  # max/mean Newton-Schulz FLOPs per rank that the owner as
 def compare(cfg, explain=False, print_fn=print):
     """Run each of COMPARED in turn (each checked against torch), then print one table; returns them all."""
     world = cfg.dp * cfg.tp
-    dm.validate(cfg, dm.demo_specs(cfg))
+    mt.validate(cfg, dm.demo_specs(cfg))
     print_fn(f"Comparing strategies: {world} CPU rank{'s' * (world != 1)} over Gloo, DP={cfg.dp} x TP={cfg.tp}, "
              f"{cfg.model} model, {cfg.steps} steps, seed {cfg.seed}, torch {torch.__version__}\n")
     if explain:  # the grid, the buffer map and the owners of --strategy, as a single run prints them
-        dm.print_header(cfg, dm.plan_optimizer(cfg), "CPU", "Gloo", explain, print_fn)
+        mt.print_header(cfg, dm.plan_optimizer(cfg), "CPU", "Gloo", explain, print_fn)
     runs = {}
     for kind in COMPARED:
         owned = kind in ("owner", "comm-free")  # the owner options apply to these two only
         run_cfg = replace(cfg, strategy="gather" if kind == dm.BASELINE else kind, baseline=kind == dm.BASELINE,
                           overlap=cfg.overlap if owned else 0, batched_ns=cfg.batched_ns and owned)
-        runs[kind] = result = dm.run(run_cfg, print_fn=lambda *args: None)
+        runs[kind] = result = mt.run(run_cfg, print_fn=lambda *args: None)
         if kind == "owner":  # for the balance target: every matrix's Newton-Schulz FLOPs
             result["ns_flops_by_matrix"] = dm.plan_optimizer(run_cfg).ns_flops
         failed = [c["name"] for c in result["checks"] if not c["ok"]]
@@ -67,13 +68,13 @@ def realistic_balance(n_ranks, ns_steps=dm.NS_STEPS):
 def format_comparison(cfg, runs, realistic):
     world = cfg.dp * cfg.tp
     baseline_all = runs[dm.BASELINE]["bytes_sent_all_ranks"]
-    phases = list(dict.fromkeys(p for s in COMPARED for p in dm.PHASES_OF[s]))  # in first-seen order
+    phases = list(dict.fromkeys(p for s in COMPARED for p in mt.PHASES_OF[s]))  # in first-seen order
     model = f"{cfg.layers}-layer transformer" if cfg.model == "transformer" else f"{cfg.model} model"
     lines = [f"[8] Bytes sent per step by all ranks, per phase (DP={cfg.dp} x TP={cfg.tp}, {model})"]
-    rows = [[p] + [dm.human_bytes(sum(runs[s]["bytes_per_step"][p]["sent"])) if p in runs[s]["bytes_per_step"]
+    rows = [[p] + [mt.human_bytes(sum(runs[s]["bytes_per_step"][p]["sent"])) if p in runs[s]["bytes_per_step"]
                    else "-" for s in COMPARED] for p in phases]
-    rows.append(["total"] + [dm.human_bytes(runs[s]["bytes_sent_all_ranks"]) for s in COMPARED])
-    lines.append(dm.format_table(["phase"] + [LABELS[s] for s in COMPARED], rows, ["<"] + [">"] * len(COMPARED)))
+    rows.append(["total"] + [mt.human_bytes(runs[s]["bytes_sent_all_ranks"]) for s in COMPARED])
+    lines.append(mt.format_table(["phase"] + [LABELS[s] for s in COMPARED], rows, ["<"] + [">"] * len(COMPARED)))
     lines.append("")
     lines.append(f"[8] Per strategy ({world} ranks, median of {cfg.steps} steps; ratio and extra are against "
                  f"AdamW ZeRO-1's total)")
@@ -81,14 +82,14 @@ def format_comparison(cfg, runs, realistic):
     for s in COMPARED:
         r, f = runs[s], runs[s]["ns_flops"]
         mean = sum(f["per_rank"]) / world
-        rows.append([LABELS[s], dm.human_bytes(r["bytes_sent_all_ranks"]), dm.human_bytes(r["bytes_sent_max_rank"]),
+        rows.append([LABELS[s], mt.human_bytes(r["bytes_sent_all_ranks"]), mt.human_bytes(r["bytes_sent_max_rank"]),
                      f"{r['bytes_sent_all_ranks'] / baseline_all:.2f}" if baseline_all else "-",
-                     dm.human_bytes(r["bytes_sent_all_ranks"] - baseline_all),
+                     mt.human_bytes(r["bytes_sent_all_ranks"] - baseline_all),
                      f"{max(f['per_rank']) / 1e9:.3f}", f"{mean / 1e9:.3f}",
                      f"{f['max_over_mean']:.2f}" if f["max_over_mean"] else "-",
                      f"{f['redundancy']:.2f}" if f["redundancy"] is not None else "-",
-                     dm.human_bytes(max(r["state_bytes"])), f"{r['timings']['step_ms_median']:.0f}"])
-    lines.append(dm.format_table(["strategy", "bytes, all", "bytes/rank max", "ratio", "extra", "NS GFLOP max",
+                     mt.human_bytes(max(r["state_bytes"])), f"{r['timings']['step_ms_median']:.0f}"])
+    lines.append(mt.format_table(["strategy", "bytes, all", "bytes/rank max", "ratio", "extra", "NS GFLOP max",
                                "mean", "max/mean", "redundancy", "state/rank max", "step ms"],
                               rows, ["<"] + [">"] * 10))
     lines.append("")
@@ -121,13 +122,13 @@ def format_targets(cfg, runs, realistic):
     padding = cfg.tp * sum(2 * (cfg.dp - 1) * (b["numel"] - b["used"]) * 4 for b in adamw["buckets"]
                            if set(b["names"]) <= set(flops))
     exchange = sum(sum(free["bytes_per_step"][p]["sent"]) for p in ("gather at owner", "scatter from owner"))
-    less_padding = f" less the {dm.human_bytes(padding)} of padding ZeRO-1's buckets move" if padding else ""
+    less_padding = f" less the {mt.human_bytes(padding)} of padding ZeRO-1's buckets move" if padding else ""
     if cfg.tp == 1:
         lines.append(f"    comm-free extra bytes over AdamW ZeRO-1 at TP = 1 = 0: {yes(extra + padding == 0)} "
-                     f"({dm.human_bytes(extra)}{': 0' + less_padding if padding else ''})")
+                     f"({mt.human_bytes(extra)}{': 0' + less_padding if padding else ''})")
     else:
-        lines.append(f"    comm-free extra bytes over AdamW ZeRO-1: {dm.human_bytes(extra)}, its TP exchange "
-                     f"({dm.human_bytes(exchange)}){less_padding}; the exchange is 0 at TP = 1, here TP = {cfg.tp}")
+        lines.append(f"    comm-free extra bytes over AdamW ZeRO-1: {mt.human_bytes(extra)}, its TP exchange "
+                     f"({mt.human_bytes(exchange)}){less_padding}; the exchange is 0 at TP = 1, here TP = {cfg.tp}")
     o_ms, g_ms = owner["timings"]["step_ms_median"], gather["timings"]["step_ms_median"]
     o_max, g_max = (max(r["ns_flops"]["per_rank"]) / 1e9 for r in (owner, gather))
     lines.append(f"[8] Step time, median on this machine (a figure, not a target: it moves from run to run): "
@@ -138,19 +139,19 @@ def format_targets(cfg, runs, realistic):
 
 
 def main(argv=None):
-    args = dm.build_parser("Every strategy and the AdamW ZeRO-1 baseline on one grid, each checked against torch, "
+    args = mt.build_parser("Every strategy and the AdamW ZeRO-1 baseline on one grid, each checked against torch, "
                            "in one table.").parse_args(argv)
     try:
         if args.json:
-            dm.check_writable(args.json)
-        results = compare(dm.config_from_args(args), explain=args.explain)
+            mt.check_writable(args.json)
+        results = compare(mt.config_from_args(args), explain=args.explain)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except dm.RankFailure as e:
+    except mt.RankFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    dm.write_json(args.json, results)
+    mt.write_json(args.json, results)
     return 0 if results["passed"] else 1
 
 

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
 
 REPEATS = 9
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # float32 elements per rank: 256 KiB, 4 MiB, 16 MiB
@@ -67,17 +68,17 @@ def main(argv=None):
     if world < 2:
         p.error("--ranks must be >= 2")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, dm.free_port(), out_dir), nprocs=world,
-                           start_method=dm.start_method())
+        mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir), nprocs=world,
+                           start_method=mt.start_method())
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     print(f"Gloo, {world} ranks on this machine, median of {REPEATS}, slowest rank; torch {torch.__version__}\n")
     names = [name for n, name in per_rank[0] if n == SIZES[0]]  # in the order they ran
     rows = []
     for n in SIZES:
-        sent = dm.human_bytes((world - 1) * n // world * 4)
-        rows.append([dm.human_bytes(n * 4), sent] +
+        sent = mt.human_bytes((world - 1) * n // world * 4)
+        rows.append([mt.human_bytes(n * 4), sent] +
                     [f"{max(t[(n, name)] for t in per_rank):.1f}" for name in names])
-    print(dm.format_table(["buffer/rank", "ring/direct bytes sent/rank", *(f"{x} ms" for x in names)], rows,
+    print(mt.format_table(["buffer/rank", "ring/direct bytes sent/rank", *(f"{x} ms" for x in names)], rows,
                           [">"] * (2 + len(names))))
 
 

@@ -14,7 +14,7 @@ DP=2 x TP=1, which trains exactly as one process does (tests/test_gpt.py), on bo
 import argparse
 import sys
 
-from gpt_bench import dm, pyplot, tg
+from gpt_bench import mt, pyplot, tg
 from gpt_bench import main as benchmark_main
 
 
@@ -41,7 +41,7 @@ def sweep(lrs, steps, dp, tp, every, val_windows, print_fn=print):
         r["steps_to_target"] = steps_to(r["val"], target)
     rows = [[r["optimizer"], f"{r['lr']:g}", f"{r['final_val']:.3f}", str(r["steps_to_target"] or "-"),
              "best" if r is best[r["optimizer"]] else ""] for r in runs]
-    print_fn("\n" + dm.format_table(["optimizer", "lr", f"val loss @ {steps}", "steps to AdamW's best", ""],
+    print_fn("\n" + mt.format_table(["optimizer", "lr", f"val loss @ {steps}", "steps to AdamW's best", ""],
                                     rows, ["<", ">", ">", ">", "<"]))
     muon_steps = best["muon"]["steps_to_target"]
     ratio = best["adamw"]["steps_to_target"] / muon_steps if muon_steps else None

@@ -12,7 +12,7 @@ all-reduces (f and g) and the optimizer's collectives.
 import argparse
 import sys
 
-from gpt_bench import dm, pyplot, tg
+from gpt_bench import mt, pyplot, tg
 from gpt_bench import main as benchmark_main
 SPLITS = ((8, 1), (4, 2), (2, 4), (1, 8))
 
@@ -34,10 +34,10 @@ def measure(steps, heads, print_fn=print):
 
 def report(rows, print_fn=print):
     table = [[f"{r['dp']}x{r['tp']}", "Muon" if r["optimizer"] == "muon" else "AdamW", f"{r['step_ms']:.0f}",
-              f"{r['compute_ms']:.0f}", f"{r['optimizer_ms']:.0f}", dm.human_bytes(r["tp_bytes"]),
-              dm.human_bytes(r["optimizer_bytes"]), dm.human_bytes(r["tp_bytes"] + r["optimizer_bytes"])]
+              f"{r['compute_ms']:.0f}", f"{r['optimizer_ms']:.0f}", mt.human_bytes(r["tp_bytes"]),
+              mt.human_bytes(r["optimizer_bytes"]), mt.human_bytes(r["tp_bytes"] + r["optimizer_bytes"])]
              for r in rows]
-    print_fn("\n" + dm.format_table(["DP x TP", "optimizer", "step ms", "fwd+bwd ms", "optimizer ms",
+    print_fn("\n" + mt.format_table(["DP x TP", "optimizer", "step ms", "fwd+bwd ms", "optimizer ms",
                                      "TP bytes/rank", "optimizer bytes/rank", "total bytes/rank"],
                                     table, ["<", "<"] + [">"] * 6))
     for o in tg.OPTIMIZER_NAMES:

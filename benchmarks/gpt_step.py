@@ -18,7 +18,7 @@ import statistics
 import sys
 import tempfile
 
-from gpt_bench import dm, pyplot, tg
+from gpt_bench import dm, mt, pyplot, tg
 from gpt_bench import main as benchmark_main
 KINDS = dm.STRATEGIES + (dm.BASELINE,)
 LABELS = {"gather": "Muon, gather", "owner": "Muon, owner", "comm-free": "Muon, comm-free",
@@ -64,14 +64,14 @@ def report(runs, print_fn=print):
         optimizer = sum(s[p] for p in PARTS[2:])
         rows.append([LABELS[kind]] + [f"{s[p]:.0f}" for p in PARTS] + [f"{optimizer / sum(s.values()):.0%}"])
     print_fn("\nTime per step, ms (traced steps 4-6, mean over ranks):")
-    print_fn(dm.format_table(["run"] + list(PARTS) + ["optimizer share"], rows, ["<"] + [">"] * (len(PARTS) + 1)))
+    print_fn(mt.format_table(["run"] + list(PARTS) + ["optimizer share"], rows, ["<"] + [">"] * (len(PARTS) + 1)))
     base = runs[dm.BASELINE]
-    rows = [[LABELS[k], dm.human_bytes(r["optimizer_bytes"]), f"{r['optimizer_bytes'] / base['optimizer_bytes']:.2f}",
-             dm.human_bytes(r["tp_bytes"]), f"{r['optimizer_ms']:.0f}", f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}",
+    rows = [[LABELS[k], mt.human_bytes(r["optimizer_bytes"]), f"{r['optimizer_bytes'] / base['optimizer_bytes']:.2f}",
+             mt.human_bytes(r["tp_bytes"]), f"{r['optimizer_ms']:.0f}", f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}",
              f"{r['step_ms']:.0f}", f"{r['step_ms'] / base['step_ms']:.2f}"] for k, r in runs.items()]
     print_fn("\nLike for like: the same grid, model, batches and ZeRO-1 sharding (max over ranks; times are medians "
              "from step 3, slowest rank):")
-    print_fn(dm.format_table(["run", "optimizer bytes sent/rank", "x AdamW", "TP bytes/rank", "optimizer ms",
+    print_fn(mt.format_table(["run", "optimizer bytes sent/rank", "x AdamW", "TP bytes/rank", "optimizer ms",
                               "x AdamW", "step ms", "x AdamW"], rows, ["<"] + [">"] * 7))
 
 

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import scaling  # noqa: E402  (its model, its timing and its launcher)
-from scaling import dm  # noqa: E402
+from scaling import mt  # noqa: E402
 
 LOOKAHEADS = (0, 1, 2, 4)
 VARIANTS = {f"{s} --overlap {k}": (s, dict(overlap=k)) for s in ("owner", "comm-free") for k in LOOKAHEADS}
@@ -45,7 +45,7 @@ def main(argv=None):
         off = statistics.median(runs[f"{strategy} --overlap 0"])
         median = statistics.median(runs[v])
         rows.append([strategy, options["overlap"], f"{min(runs[v]):.0f}", f"{median:.0f}", f"{median / off:.3f}"])
-    print(dm.format_table(["strategy", "K", "min ms", "median ms", "median / K = 0"], rows,
+    print(mt.format_table(["strategy", "K", "min ms", "median ms", "median / K = 0"], rows,
                           ["<", ">", ">", ">", ">"]))
     return 0
 

@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
 
 D, LAYERS, VECTORS, ROUNDS = 768, 4, 32, 5  # GPT-2 small's width; the median of 5 steps
 TORCH = "torch.optim.Muon + AdamW"
@@ -144,7 +145,7 @@ def rank_main(rank, world, port, out_dir, d, layers, variants, rounds, without_n
 def on_one_process(d, layers, rounds=ROUNDS):
     """{name: step times} for torch and every variant on one rank, all in this process, interleaved."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dm.free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{mt.free_port()}", rank=0, world_size=1)
     params, grads = parameters(d, layers)
     reference = torch_reference(params)
     built = {TORCH: (lambda: [o.step() for o in reference], params, grads)}
@@ -157,8 +158,8 @@ def on_one_process(d, layers, rounds=ROUNDS):
 def on_ranks(world, d, layers, variants=VARIANTS, rounds=ROUNDS, without_ns=False):
     """{variant: per-step times of the slowest rank} on `world` ranks."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, dm.free_port(), out_dir, d, layers, variants, rounds, without_ns),
-                           nprocs=world, start_method=dm.start_method())
+        mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir, d, layers, variants, rounds, without_ns),
+                           nprocs=world, start_method=mt.start_method())
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     return {v: [max(r[v][i] for r in per_rank) for i in range(rounds)] for v in variants}
 
@@ -193,7 +194,7 @@ def main(argv=None):
         p.error("--d, --layers and --rounds must be >= 1")
     for path in (args.json, args.figure):
         if path:
-            dm.check_writable(path, "--json" if path == args.json else "--figure")
+            mt.check_writable(path, "--json" if path == args.json else "--figure")
     if args.without_ns and not hasattr(torch.optim._muon, TORCH_NEWTON_SCHULZ):
         p.error(f"--without-ns: torch {torch.__version__} has no torch.optim._muon.{TORCH_NEWTON_SCHULZ} to replace")
     torch.set_num_threads(1)
@@ -218,11 +219,11 @@ def main(argv=None):
             median = statistics.median(runs[n][v])
             rows.append([n, v, f"{min(runs[n][v]):.0f}", f"{median:.0f}", f"{median / min(runs[n][v]) - 1:.0%}",
                          f"{median / torch_ms:.3f}", f"{torch_ms / median:.2f}x", goal(n, v, args.without_ns)])
-    print(dm.format_table(["ranks", "strategy", "min ms", "median ms", "median/min - 1", "time / torch's",
+    print(mt.format_table(["ranks", "strategy", "min ms", "median ms", "median/min - 1", "time / torch's",
                            "speed-up", "goal"], rows, [">", "<", ">", ">", ">", ">", ">", "<"]))
     print("\nGoal for every run: median/min - 1 <= 10 % (steady step times).")
     if args.json:
-        dm.write_json(args.json, dict(torch=torch.__version__, d=args.d, layers=args.layers, matmul_gflops=speed,
+        mt.write_json(args.json, dict(torch=torch.__version__, d=args.d, layers=args.layers, matmul_gflops=speed,
                                       without_ns=args.without_ns, torch_ms=one[TORCH],
                                       runs={str(n): r for n, r in runs.items()}))
     if args.figure:

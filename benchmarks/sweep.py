@@ -14,6 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
 
 STEPS = 5
 
@@ -30,28 +31,28 @@ def main():
     print(f"Grids of 8 ranks, default model, {STEPS} steps, bucket size {dm.RunConfig().bucket_size:,} elements\n")
     rows = []
     for dp, tp in [(8, 1), (4, 2), (2, 4), (1, 8)]:
-        r = dm.run(dm.RunConfig(dp=dp, tp=tp, steps=STEPS), print_fn=quiet)
+        r = mt.run(dm.RunConfig(dp=dp, tp=tp, steps=STEPS), print_fn=quiet)
         assert r["passed"]
-        phases = [dm.human_bytes(per_rank_max(r, p)) for p in dm.PHASES]
-        total, _ = dm.total_bytes(r["bytes_per_step"])
-        rows.append([f"{dp}x{tp}", *phases, dm.human_bytes(total), f"{max(r['ns_flops']['per_rank']) / 1e9:.3f}",
+        phases = [mt.human_bytes(per_rank_max(r, p)) for p in mt.PHASES]
+        total, _ = mt.total_bytes(r["bytes_per_step"])
+        rows.append([f"{dp}x{tp}", *phases, mt.human_bytes(total), f"{max(r['ns_flops']['per_rank']) / 1e9:.3f}",
                      f"{r['ns_flops']['redundancy']:.2f}", f"{r['timings']['step_ms_median']:.0f}"])
-    header = ["DPxTP", *dm.PHASES, "total/rank", "NS GFLOP/rank (max)", "redundancy", "step ms"]
-    print(dm.format_table(header, rows, ["<"] + [">"] * (len(header) - 1)))
+    header = ["DPxTP", *mt.PHASES, "total/rank", "NS GFLOP/rank (max)", "redundancy", "step ms"]
+    print(mt.format_table(header, rows, ["<"] + [">"] * (len(header) - 1)))
 
     print(f"\nBucket size on DP=4 x TP=2 ({STEPS} steps): fewer, larger DP messages\n")
     rows = []
     for bucket_size in (1, 8_192, 65_536, 1 << 20):
-        r = dm.run(dm.RunConfig(dp=4, tp=2, steps=STEPS, bucket_size=bucket_size), print_fn=quiet)
+        r = mt.run(dm.RunConfig(dp=4, tp=2, steps=STEPS, bucket_size=bucket_size), print_fn=quiet)
         assert r["passed"]
         ledger = r["ledgers"][0]["comm"]
-        calls = {p: sum(1 for c in ledger if c["step"] == STEPS and c["phase"] == p) for p in dm.PHASES}
+        calls = {p: sum(1 for c in ledger if c["step"] == STEPS and c["phase"] == p) for p in mt.PHASES}
         padding = sum(b["numel"] - b["used"] for b in r["buckets"])
         rows.append([f"{bucket_size:,}", len(r["buckets"]), padding, calls["grad reduce-scatter"], calls["DP gather"],
                      calls["TP gather"], calls["param all-gather"],
-                     dm.human_bytes(dm.total_bytes(r["bytes_per_step"])[0]),
+                     mt.human_bytes(mt.total_bytes(r["bytes_per_step"])[0]),
                      f"{r['ns_flops']['redundancy']:.2f}", f"{r['timings']['step_ms_median']:.0f}"])
-    print(dm.format_table(["bucket size", "buckets", "padding", "RS calls", "DP gather calls", "TP gather calls",
+    print(mt.format_table(["bucket size", "buckets", "padding", "RS calls", "DP gather calls", "TP gather calls",
                            "param AG calls", "total/rank", "redundancy", "step ms"], rows, ["<"] + [">"] * 9))
 
 

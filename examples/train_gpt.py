@@ -13,7 +13,7 @@ Launch recipes
 The model is examples/gpt.py (Megatron-style TP), the text examples/stdlib_text.py (the
 standard library's sources, bytes as tokens), the optimizer distributed_muon_cpu.py's
 (DistributedMuon and its strategies, imported, not copied). The lesson's launcher runs the
-ranks (dm.spawn_ranks): Ctrl-C, SIGTERM, a failing or silent rank end the run as there.
+ranks (mt.spawn_ranks): Ctrl-C, SIGTERM, a failing or silent rank end the run as there.
 
 What a step does on each rank (DP rank d, TP rank t):
     batch     rows [d * B / DP, (d + 1) * B / DP) of the step's global batch of B windows
@@ -48,6 +48,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
 from gpt import GPT, GPTConfig, check_gpt, param_groups  # noqa: E402
 from stdlib_text import load_corpus  # noqa: E402
 
@@ -99,7 +100,7 @@ def validate(cfg):
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZER_NAMES)} (got {cfg.optimizer!r})")
     if cfg.strategy not in dm.STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(dm.STRATEGIES)} (got {cfg.strategy!r})")
-    dm.check_hyperparameters(dm.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    dm.check_hyperparameters(mt.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")
     if cfg.lr == 0:
         raise ValueError("--lr must be > 0")
@@ -112,8 +113,8 @@ def validate(cfg):
                          f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE} (got {cfg.steps})")
     if cfg.profile:
         os.makedirs(cfg.profile, exist_ok=True)
-        dm.check_writable(os.path.join(cfg.profile, "rank0.json"), "--profile")
-    dm.check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
+        mt.check_writable(os.path.join(cfg.profile, "rank0.json"), "--profile")
+    mt.check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
     check_gpt(cfg.gpt(), cfg.tp)
     corpus = load_corpus()  # read here once, so that a missing standard library fails before any rank
     if corpus.val.numel() <= cfg.context + 2:
@@ -209,7 +210,7 @@ def train_each(rank, trainings, device):
 
 @dataclass(frozen=True)
 class Trainings:
-    """What dm.spawn_ranks needs (dp, tp, timeout_s), for several TrainConfigs on the same grid."""
+    """What mt.spawn_ranks needs (dp, tp, timeout_s), for several TrainConfigs on the same grid."""
     configs: tuple
     dp: int
     tp: int
@@ -223,7 +224,7 @@ def train_many(configs):
         raise ValueError("train_many runs configurations of one grid")
     for cfg in configs:
         validate(cfg)
-    per_rank = dm.spawn_ranks(Trainings(tuple(configs), dp, tp, max(c.timeout_s for c in configs)), train_each)
+    per_rank = mt.spawn_ranks(Trainings(tuple(configs), dp, tp, max(c.timeout_s for c in configs)), train_each)
     return [(cfg, [r[i] for r in per_rank]) for i, cfg in enumerate(configs)]
 
 
@@ -489,8 +490,8 @@ def summarize(cfg, results):
     ms = {k: statistics.median(max(r["ms"][k][s] for r in results) for s in range(cfg.steps)[timed])
           for k in results[0]["ms"]}
     ledgers = [dict(comm=r["model_ledger"]["comm"] + r["ledger"]["comm"]) for r in results]
-    table = dm.bytes_per_step(ledgers, cfg.steps, TP_PHASES + dm.PHASES_OF[run_kind(cfg)])
-    sent_max, sent_all = dm.total_bytes(table)
+    table = mt.bytes_per_step(ledgers, cfg.steps, TP_PHASES + mt.PHASES_OF[run_kind(cfg)])
+    sent_max, sent_all = mt.total_bytes(table)
     optimizer_sent = [sum(t["sent"][r] for p, t in table.items() if p not in TP_PHASES) for r in range(len(results))]
     return dict(losses=losses, val=results[0]["val"], ms=ms, bytes_per_step=table, bytes_sent_max_rank=sent_max,
                 bytes_sent_all_ranks=sent_all, optimizer_bytes_sent_max_rank=max(optimizer_sent),
@@ -502,12 +503,12 @@ def print_summary(cfg, summary, print_fn=print):
     print_fn(f"\nStep (median from step {TIMED_FROM_STEP}, slowest rank): {ms['step']:.0f} ms = forward "
              f"{ms['forward']:.0f} + backward {ms['backward']:.0f} + optimizer {ms['optimizer']:.0f} ms "
              f"(optimizer {ms['optimizer'] / ms['step']:.0%} of the step); {summary['tokens_per_s']:,.0f} tokens/s")
-    rows = [[phase, t["axis"], t["dtype"], dm.human_bytes(max(t["sent"])), dm.human_bytes(sum(t["sent"]))]
+    rows = [[phase, t["axis"], t["dtype"], mt.human_bytes(max(t["sent"])), mt.human_bytes(sum(t["sent"]))]
             for phase, t in summary["bytes_per_step"].items()]
-    rows.append(["total", "", "", dm.human_bytes(summary["bytes_sent_max_rank"]),
-                 dm.human_bytes(summary["bytes_sent_all_ranks"])])
+    rows.append(["total", "", "", mt.human_bytes(summary["bytes_sent_max_rank"]),
+                 mt.human_bytes(summary["bytes_sent_all_ranks"])])
     print_fn("Bytes per step (ring counts; last step):")
-    print_fn(dm.format_table(["phase", "axis", "dtype", "sent/rank (max)", "sent, all ranks"], rows,
+    print_fn(mt.format_table(["phase", "axis", "dtype", "sent/rank (max)", "sent, all ranks"], rows,
                              ["<", "<", "<", ">", ">"]))
 
 
@@ -545,7 +546,7 @@ def run(cfg, verify_run=False, print_fn=print):
     validate(cfg)
     print_fn(header(cfg))
     t0 = time.perf_counter()
-    results = dm.spawn_ranks(replace(cfg, keep=cfg.keep or verify_run), train_rank)
+    results = mt.spawn_ranks(replace(cfg, keep=cfg.keep or verify_run), train_rank)
     wall_s = time.perf_counter() - t0
     summary = summarize(cfg, results)
     print_summary(cfg, summary, print_fn)
@@ -619,7 +620,7 @@ def main_torchrun(args):
         dm.check_topology(cfg.dp, cfg.tp, world)
         validate(cfg)
         if args.json:
-            dm.check_writable(args.json)
+            mt.check_writable(args.json)
         return cfg
 
     def body(cfg, rank, device):
@@ -638,7 +639,7 @@ def main_torchrun(args):
             print()
             print_verification(cfg, out["checks"])
             code = 0 if out["checks"]["passed"] else 1
-        dm.write_json(args.json, out)
+        mt.write_json(args.json, out)
         return code
 
     return gpu.run_under_torchrun(args.backend, args.device, prepare, body, finish)
@@ -651,12 +652,12 @@ def main(argv=None):
 
     def work():
         if args.json:
-            dm.check_writable(args.json)
+            mt.check_writable(args.json)
         out = run(config_from_args(args), verify_run=args.verify)
-        dm.write_json(args.json, out)
+        mt.write_json(args.json, out)
         return 0 if out.get("passed", True) else 1
 
-    return dm.exit_code(work, args.traceback)
+    return mt.exit_code(work, args.traceback)
 
 
 if __name__ == "__main__":

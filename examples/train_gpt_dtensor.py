@@ -32,7 +32,7 @@ gradients replay every rank's weights bit for bit at every step; at the ranks' o
 process's gradients and loss are within GRAD_RTOL and STEP_LOSS_RTOL (FSDP2's and TP's sums run in another
 order), and the free-running losses within TRAINED_LOSS_RTOL over the first TRAINED_CHECKED_STEPS steps.
 The one-process model is the same nn.Linear form, unparallelized. The launcher is the lesson's
-(dm.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing or silent rank ends the run naming it.
+(mt.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing or silent rank ends the run naming it.
 """
 
 import argparse
@@ -51,6 +51,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
 import distributed_muon_dtensor as dd  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from gpt import GPT, ColumnParallelLinear, RowParallelLinear, param_groups  # noqa: E402
@@ -83,7 +84,7 @@ def validate(cfg, on_disk=True):
     if on_disk and cfg.resume and not os.path.isfile(os.path.join(cfg.resume, ".metadata")):
         raise ValueError(f"--resume {cfg.resume}: no torch.distributed.checkpoint there (no .metadata)")
     if cfg.save:
-        dm.check_writable(cfg.save, "--save")  # its folder must exist; DCP creates cfg.save itself
+        mt.check_writable(cfg.save, "--save")  # its folder must exist; DCP creates cfg.save itself
 
 
 # =============================================================================
@@ -212,7 +213,7 @@ def train_many(configs, world):
     """[every rank's result] of each Config, from one spawn of `world` ranks."""
     for cfg in configs:
         validate(cfg, on_disk=False)
-    per_rank = dm.spawn_ranks(Trainings(tuple(configs), world, timeout_s=max(c.timeout_s for c in configs)),
+    per_rank = mt.spawn_ranks(Trainings(tuple(configs), world, timeout_s=max(c.timeout_s for c in configs)),
                               train_each)
     return [[r[i] for r in per_rank if r[i] is not None] for i in range(len(configs))]
 
@@ -313,7 +314,7 @@ def main(argv=None):
               f"mesh dp={cfg.dp} x tp={cfg.tp}, DTensorMuon, lr {cfg.lr:g}, torch {torch.__version__}"
               + (f"; resumed from {cfg.resume} after step {cfg.resume_step}" if cfg.resume else ""), flush=True)
         t0 = time.perf_counter()
-        results = dm.spawn_ranks(cfg, train_rank)
+        results = mt.spawn_ranks(cfg, train_rank)
         print(f"Wall time: {time.perf_counter() - t0:.1f} s")
         if not args.verify:
             return 0
@@ -321,7 +322,7 @@ def main(argv=None):
         print_verification(out)
         return 0 if out["passed"] else 1
 
-    return dm.exit_code(work, args.traceback)
+    return mt.exit_code(work, args.traceback)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "distributed_muon_cpu.py")
 
@@ -56,13 +57,13 @@ def grid_run(run_grid, dp, tp, **config):
 
 @pytest.fixture(scope="session")
 def run_grid():
-    """run_grid(dp, tp, **config) -> results of dm.run, each configuration spawned once per session."""
+    """run_grid(dp, tp, **config) -> results of mt.run, each configuration spawned once per session."""
     cache = {}
 
     def run(dp, tp, **overrides):
         cfg = dm.RunConfig(dp=dp, tp=tp, **overrides)
         if cfg not in cache:
-            cache[cfg] = dm.run(cfg, print_fn=lambda *a, **k: None)
+            cache[cfg] = mt.run(cfg, print_fn=lambda *a, **k: None)
         return cache[cfg]
 
     return run
@@ -72,7 +73,7 @@ def run_grid():
 def single_process_group():
     """A world of one Gloo rank inside the test process, for the optimizer's API."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dm.free_port()}", rank=0, world_size=1,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{mt.free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     yield dm.make_grid(1, 1, 0)
     dist.destroy_process_group()

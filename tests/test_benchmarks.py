@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from conftest import ROOT, dm
+from conftest import ROOT, dm, mt
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -29,7 +29,7 @@ def check_compare_output(stdout, results):
         label = compare.LABELS[kind]
         assert f"{label:<13} PASS" in stdout  # the verification line
         row = next(line for line in summary if line.startswith(label + " "))
-        assert dm.human_bytes(run["bytes_sent_all_ranks"]) in row  # the summary shows the JSON's numbers
+        assert mt.human_bytes(run["bytes_sent_all_ranks"]) in row  # the summary shows the JSON's numbers
         assert f"{run['timings']['step_ms_median']:.0f}" == row.split()[-1]
     for strategy in dm.STRATEGIES[1:]:
         assert results["runs"][strategy]["ns_flops"]["redundancy"] == 1.0

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPT, dm
+from conftest import SCRIPT, dm, mt
 
 BAD_INPUT = [
     (["--dp", "0"], "DP and TP must be >= 1 (got DP=0, TP=2)"),
@@ -42,7 +42,7 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("argv,message", BAD_INPUT)
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
-    assert dm.main(argv) == 2
+    assert mt.main(argv) == 2
     err = capsys.readouterr().err
     assert err == f"error: {err[len('error: '):]}" and err.count("\n") == 1
     assert message in err
@@ -93,12 +93,12 @@ def check_default_run(out, results):
     assert f"Result: PASS: {n}/{n} parameters bit-identical to torch" in out
     assert results["passed"] and all(c["identical"] for c in results["checks"]) and len(results["checks"]) == n
     assert results["config"]["dp"] == 4 and results["config"]["tp"] == 2
-    assert set(results["bytes_per_step"]) == set(dm.PHASES)
+    assert set(results["bytes_per_step"]) == set(mt.PHASES)
     assert len(results["ns_flops"]["per_rank"]) == 8 and len(results["ledgers"]) == 8
     assert len(results["timings"]["step_ms_slowest_rank"]) == results["config"]["steps"]
     for phase, row in results["bytes_per_step"].items():  # the printed table shows the JSON's numbers
         line = next(line for line in out.splitlines() if line.startswith(phase))
-        assert dm.human_bytes(max(row["sent"])) in line
+        assert mt.human_bytes(max(row["sent"])) in line
 
 
 def test_help():
@@ -114,7 +114,7 @@ def test_explain_lists_the_owners():
     """--explain prints from the plan, before any rank starts: the launcher's own call, without the ranks."""
     printed = []
     cfg = dm.RunConfig(strategy="owner", dp=2, tp=1)
-    dm.print_header(cfg, dm.plan_optimizer(cfg), "CPU", "Gloo", True, printed.append)
+    mt.print_header(cfg, dm.plan_optimizer(cfg), "CPU", "Gloo", True, printed.append)
     out = "\n".join(printed)
     assert "[6] Owners: 10 matrices on 2 ranks" in out
     owns = [line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"]) and "weight" in line]

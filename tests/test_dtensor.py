@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, dm
+from conftest import ROOT, dm, mt
 
 import distributed_muon_dtensor as dd  # noqa: E402
 
@@ -92,7 +92,7 @@ def scenarios(checkpoint_dir, checkpoint_2x2):
     runs["explicit refused"] = dd.DemoConfig(dp=8, tp=1, explicit=True, bad="gather")
     runs["batched"] = dd.DemoConfig(dp=4, tp=2, batched_ns=True)  # the default run, with batched Newton-Schulz
     runs["lesson 4x2"] = dd.LessonRuns(dd.DemoConfig(dp=4, tp=2))  # the lesson's owner / comm-free, these matrices
-    results = dm.spawn_ranks(dd.Runs(tuple(runs.values()), timeout_s=60), dd.run_many_rank)
+    results = mt.spawn_ranks(dd.Runs(tuple(runs.values()), timeout_s=60), dd.run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}, runs
 
 
@@ -246,9 +246,9 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
     assert [r[0] for r in rows] == ["DTensorMuon (this file)", "lesson owner", "lesson comm-free"]
     column = dict(zip(dd.COMPARISON_HEADER, zip(*rows)))
     fsdp2 = dd.measured_sent(results["4x2"], dd.FORWARD_BACKWARD, "dp")
-    assert column["DP in step"] == ("0 B", dm.human_bytes(max(table_of(accounts, "owner"))),
-                                    dm.human_bytes(max(table_of(accounts, "comm-free"))))
-    assert column["DP in fwd/bwd"] == (dm.human_bytes(max(fsdp2)), "0 B", "0 B")  # ZeRO-1 gathers nothing there
+    assert column["DP in step"] == ("0 B", mt.human_bytes(max(table_of(accounts, "owner"))),
+                                    mt.human_bytes(max(table_of(accounts, "comm-free"))))
+    assert column["DP in fwd/bwd"] == (mt.human_bytes(max(fsdp2)), "0 B", "0 B")  # ZeRO-1 gathers nothing there
     assert column["TP in fwd/bwd"][1:] == ("not run", "not run")
     own_step = dd.phase_bytes(dd.account(runs["4x2"], results["4x2"])[0], dd.DTENSOR_PHASES)
     assert per_rank["DTensorMuon (this file)"][0] == [a + b for a, b in zip(own_step, fsdp2)]

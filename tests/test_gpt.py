@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, dm
+from conftest import ROOT, dm, mt
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -127,7 +127,7 @@ def test_the_command_line_trains_prints_progress_and_writes_traces(tmp_path):
     (["--json", "/nonexistent/run.json"], "error: --json /nonexistent/run.json: the folder /nonexistent does not exist"),
 ])
 def test_bad_flags_are_refused_before_any_rank_starts(capsys, monkeypatch, argv, message):
-    monkeypatch.setattr(dm, "spawn_ranks", lambda *a: pytest.fail("a rank was started"))
+    monkeypatch.setattr(mt, "spawn_ranks", lambda *a: pytest.fail("a rank was started"))
     assert tg.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(message), err

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conftest import dm
+from conftest import dm, mt
 
 
 def plan(numels, dp, bucket_size, groups=1):
@@ -103,7 +103,7 @@ def test_transformer_tp_shapes():
 
 
 def test_explain_map_names_owners_and_padding():
-    text = dm.format_buffer_map(plan([3, 2], dp=4, bucket_size=100))  # used 5, padded to 8, shards of 2
+    text = mt.format_buffer_map(plan([3, 2], dp=4, bucket_size=100))  # used 5, padded to 8, shards of 2
     lines = text.splitlines()
     assert lines[0] == "bucket (0, 0): 5 elements + 3 padding = 8; DP shard = 2 elements"
     assert lines[1].split()[-2:] == ["DP0[0:2]", "DP1[2:3]"]

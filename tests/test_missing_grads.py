@@ -7,7 +7,7 @@ sum over the DP ranks that have a gradient, or None where none has one.
 
 import pytest
 
-from conftest import BUCKET, dm, grid_run, layout_metas
+from conftest import BUCKET, dm, grid_run, layout_metas, mt
 
 # (name, DP rank or -1 for every rank, step); the run has 3 steps and resumes from a
 # state_dict after step 2.
@@ -45,4 +45,4 @@ def test_missing_gradients_match_torch(run_grid, run, dp, tp):
 def test_a_missing_gradient_outside_the_run_is_refused():
     cfg = dm.RunConfig(missing_grads=(("embed.weight", 4, 1),))  # DP is 4: ranks 0..3
     with pytest.raises(ValueError, match=r"missing gradient \(embed.weight, DP rank 4, step 1\)"):
-        dm.validate(cfg, dm.demo_specs(cfg))
+        mt.validate(cfg, dm.demo_specs(cfg))

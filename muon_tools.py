@@ -1,0 +1,646 @@
+"""The tooling around the lesson: the report, the launcher and the command line.
+
+distributed_muon_cpu.py is the lesson (sections 1-7: the optimizer, a run, and its check
+against torch). What is here is what a command needs around it, and nothing a reader of the
+algorithm must read: it continues the lesson's numbering.
+
+    8. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
+    9. Main: the launcher (start, watch and stop the ranks) and the command line
+
+The launcher (spawn_ranks, exit_code, RankFailure), the table formatting (format_table,
+human_bytes) and the checks of a command's options (check_launch, check_writable, flag) serve
+every command of the repository: distributed_muon.py, distributed_muon_dtensor.py, examples/
+and benchmarks/ import them from here. `python distributed_muon_cpu.py` runs main() below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import asdict, fields
+
+import torch
+import torch.distributed as dist
+
+from distributed_muon_cpu import (ADJUST_LR_FNS, BASELINE, MODELS, MUON_GROUP, OVERLAP_DEFAULT, STRATEGIES, RunConfig,
+                                  check_hyperparameters, check_owner_options, check_topology, check_tp_divides,
+                                  demo_specs, load_balance, muon_groups_of, newton_schulz_flops, plan_optimizer,
+                                  rank_grid, run_kind, run_steps, verdict, verify)
+
+
+# =============================================================================
+# 8. Accounting
+# =============================================================================
+# Bytes per phase come from each rank's Ledger (section 2); FLOPs from the
+# Newton-Schulz calls each rank made. The redundancy factor is
+#
+#     sum over ranks of Newton-Schulz FLOPs  /  FLOPs of one device doing each matrix once.
+#
+# In the gather flow every TP peer orthogonalizes the same full matrix, and so does
+# every DP rank whose shard touches it: the redundancy is TP x (how many DP
+# shards a matrix touches, FLOP-weighted), at most DP x TP, which it reaches
+# when every rank touches every matrix. The owner and comm-free strategies
+# (section 6) give each matrix one owner instead: redundancy 1, and max/mean
+# FLOPs per rank then says how well the owners are balanced.
+
+# The phases of each strategy's data path, and of the baseline's, in the order they happen.
+PHASES_OF = {
+    "gather": ("grad presence", "grad reduce-scatter", "DP gather", "TP gather", "param all-gather"),
+    "owner": ("grad presence", "grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather"),
+    "comm-free": ("grad presence", "grad reduce-scatter", "grad reduce at owner", "gather at owner",
+                  "scatter from owner", "param all-gather", "param broadcast from owner"),
+    BASELINE: ("grad presence", "grad reduce-scatter", "param all-gather"),
+}
+PHASES = PHASES_OF["gather"]
+
+
+def bytes_per_step(ledgers, step, phases=PHASES):
+    """{phase: {"axis", "dtype", "sent": [per rank], "received": [per rank]}} for one step."""
+    table = {}
+    for phase in phases:
+        sent, received, axes, dtypes = [], [], set(), set()
+        for ledger in ledgers:
+            records = [r for r in ledger["comm"] if r["step"] == step and r["phase"] == phase]
+            sent.append(sum(r["sent"] for r in records))
+            received.append(sum(r["received"] for r in records))
+            axes |= {r["axis"] for r in records}
+            dtypes |= {r["dtype"] for r in records}
+        table[phase] = dict(axis="/".join(sorted(axes)) or "-", dtype="/".join(sorted(dtypes)) or "-",
+                            sent=sent, received=received)
+    return table
+
+
+def flops_per_step(ledgers, specs, step, ns_steps, muon_groups=(MUON_GROUP,)):
+    """Newton-Schulz FLOPs per rank; redundancy and max/mean are None where there is no Muon."""
+    per_rank = [sum(r["flops"] for r in ledger["compute"] if r["step"] == step) for ledger in ledgers]
+    single = sum(newton_schulz_flops(s.global_shape, ns_steps) for s in specs if s.group in muon_groups)
+    mean = sum(per_rank) / len(per_rank)
+    return dict(per_rank=per_rank, single_device=single, redundancy=sum(per_rank) / single if single else None,
+                max_over_mean=max(per_rank) / mean if mean else None)
+
+
+def account(cfg, results):
+    """Bytes per phase (last step), whether every step moved the same, and Newton-Schulz FLOPs."""
+    ledgers = [r["ledger"] for r in results]
+    phases = PHASES_OF[run_kind(cfg)]
+    tables = [bytes_per_step(ledgers, s, phases) for s in range(1, cfg.steps + 1)]
+    flops = flops_per_step(ledgers, demo_specs(cfg), cfg.steps, cfg.ns_steps, muon_groups_of(cfg))
+    return tables[-1], all(t == tables[0] for t in tables), flops
+
+
+def total_bytes(table, direction="sent"):
+    """(max over ranks of bytes sent (or received) per step, the same by all ranks per step)."""
+    per_rank = [sum(col) for col in zip(*(t[direction] for t in table.values()))]
+    return max(per_rank), sum(per_rank)
+
+
+def format_table(header, rows, aligns):
+    if not len(header) == len(aligns) == (len(rows[0]) if rows else len(header)):
+        raise ValueError(f"a table of {len(header)} columns needs as many aligns ({len(aligns)}) and cells")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = lambda row: "  ".join(f"{str(x):{a}{w}}" for x, a, w in zip(row, aligns, widths))
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def human_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+
+
+def format_grid(dp, tp):
+    """The rank layout as a small table."""
+    grid = rank_grid(dp, tp)
+    width = max(4, len(str(dp * tp - 1)) + 1)
+    lines = ["      " + "".join(f"{'TP ' + str(t):>{width + 2}}" for t in range(tp))]
+    for d in range(dp):
+        lines.append(f"DP {d:<3}" + "".join(f"{r:>{width + 2}}" for r in grid[d].tolist()))
+    return "\n".join(lines)
+
+
+def format_buffer_map(layout):
+    """--explain: which DP rank keeps which part of which parameter, and the padding."""
+    dp, lines = layout.dp, []
+    for b in layout.buckets:
+        lines.append(f"bucket ({b.buffer_idx}, {b.bucket_idx}): {b.used:,} elements + {b.numel - b.used} padding "
+                     f"= {b.numel:,}; DP shard = {b.numel // dp:,} elements")
+        for name in b.names:
+            start, end = layout.bucket_ranges[name]
+            parts = " ".join(f"DP{r}[{m.param_slice.start}:{m.param_slice.stop}]"
+                             for r, m in enumerate(ms[name] for ms in layout.metas) if m.local_numel)
+            lines.append(f"    {name:<26} {str(layout.shapes[name]):<11} [{start:>6}, {end:>6})  {parts}")
+        if b.numel > b.used:
+            holders = " ".join(f"DP{r}" for r in range(dp) if b.shard_range(r, dp)[1] > b.used)
+            lines.append(f"    {'(padding)':<26} {'':<11} [{b.used:>6}, {b.numel:>6})  {holders}")
+    return "\n".join(lines)
+
+
+def print_header(cfg, plan, device_kind, backend, explain, print_fn):
+    """The grid, the virtual buffer and the owners, from `plan` (plan_optimizer): what every rank will hold."""
+    world = cfg.dp * cfg.tp
+    print_fn(f"Distributed Muon: {world} {device_kind} rank{'s' * (world != 1)} over {backend}, "
+             f"DP={cfg.dp} x TP={cfg.tp}, {'the AdamW ZeRO-1 baseline' if cfg.baseline else 'strategy ' + cfg.strategy}, "
+             f"{cfg.steps} steps, seed {cfg.seed}, "
+             f"torch {torch.__version__}\n")
+    print_fn("[2] The grid (rank = dp_rank * TP + tp_rank; a row is a TP group, a column a DP group)")
+    print_fn(format_grid(cfg.dp, cfg.tp) + "\n")
+    buckets = plan.layout.buckets
+    used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
+    n_buffers = len({b.buffer_idx for b in buckets})
+    whole = " (Muon matrices are sharded whole, outside the buckets)" if plan.strategy == "comm-free" else ""
+    print_fn(f"[4] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
+             f"elements, {used:,} TP-local elements + {padded - used} padding per rank{whole}")
+    if explain:
+        print_fn(format_buffer_map(plan.layout))
+    if plan.owners:
+        per_rank, balance = load_balance(plan.ns_flops, plan.owners, world)
+        print_fn(f"[6] Owners: {len(plan.owners)} matrices on {world} ranks by longest-processing-time over "
+                 f"Newton-Schulz FLOPs; max/mean = {balance:.2f}")
+        if explain:
+            rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}",
+                     " ".join(n for n, o in plan.owners.items() if o == r)] for r in range(world)]
+            print_fn(format_table(["rank", "matrices", "GFLOP", "owns"], rows, [">", ">", ">", "<"]))
+    print_fn("")
+
+
+def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=print):
+    """Print the verification (checks from verify) and the accounting; return them all as one dict."""
+    world = cfg.dp * cfg.tp
+    n_same = sum(c["identical"] for c in checks)
+    passed, summary = verdict(checks)
+    reference_name = "torch.optim.AdamW" if cfg.baseline else "torch.optim.Muon / torch.optim.AdamW"
+    print_fn(f"[7] Every rank's piece against {reference_name} on one device "
+             f"(torch.equal): {n_same}/{len(checks)} parameters identical")
+    rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
+             "-" if c["tp_split_dim"] < 0 else c["tp_split_dim"], c["optimizer"],
+             f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0",
+             "yes" if c["identical"] else f"no, <= {c['tolerance']:.1e}" if c["ok"] else "NO"]
+            for c in checks]
+    print_fn(format_table(["parameter", "global shape", "split", "optimizer", "max |d|", "identical"], rows,
+                          ["<", ">", ">", "<", ">", ">"]) + "\n")
+
+    table, same_every_step, flops = account(cfg, results)
+    gloo_note = "; on Gloo the reduce-scatter is an all-to-all and a local sum" if backend == "gloo" else ""
+    print_fn(f"[8] Bytes per step: ring counts for all-gather and reduce-scatter, exact counts for all-to-all "
+             f"({'the same every step' if same_every_step else 'last step; steps differ'}{gloo_note})")
+    rows = [[phase, t["axis"], t["dtype"], human_bytes(max(t["sent"])), human_bytes(max(t["received"])),
+             human_bytes(sum(t["sent"]))] for phase, t in table.items()]
+    max_sent, all_sent = total_bytes(table)
+    max_received, _ = total_bytes(table, "received")
+    rows.append(["total", "", "", human_bytes(max_sent), human_bytes(max_received), human_bytes(all_sent)])
+    print_fn(format_table(["phase", "axis", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"],
+                          rows, ["<", "<", "<", ">", ">", ">"]) + "\n")
+
+    if flops["single_device"]:
+        print_fn(f"[8] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
+                 f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
+        why = ("every TP peer, and every DP rank whose shard touches a matrix, orthogonalizes it"
+               if cfg.strategy == "gather" else "each matrix is orthogonalized once, by its owner")
+        print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
+                 f"(upper bound DP x TP = {world}; {why}); max/mean per rank = {flops['max_over_mean']:.2f}\n")
+    state = [r["state_bytes"] for r in results]
+    print_fn(f"[8] Optimizer state per rank: max {human_bytes(max(state))}, min {human_bytes(min(state))}")
+
+    step_ms = [max(r["step_ms"][i] for r in results) for i in range(cfg.steps)]
+    timings = dict(ranks_s=ranks_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
+                   step_ms_median=statistics.median(step_ms))
+    print_fn(f"Timing: ranks {ranks_s:.1f} s (start, init, {cfg.steps} steps), reference {ref_s:.1f} s, "
+             f"median step {timings['step_ms_median']:.0f} ms (slowest rank)")
+    print_fn(f"Result: {summary}")
+    return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks,
+                buckets=[asdict(b) for b in plan.layout.buckets], owners=results[0]["owners"], bytes_per_step=table,
+                bytes_same_every_step=same_every_step, bytes_sent_max_rank=max_sent, bytes_sent_all_ranks=all_sent,
+                ns_flops=flops, state_bytes=state, timings=timings, ledgers=[r["ledger"] for r in results])
+
+
+# =============================================================================
+# 9. Main: the launcher and the command line
+# =============================================================================
+# The launcher checks the arguments and plans the layout (before starting any
+# rank), starts one process per rank, watches them, then runs the single-device
+# reference and prints the report. Each rank writes its final parameters, ledger
+# and timings to a temporary folder that the launcher reads. Like torchrun, it
+# stops every rank on Ctrl-C or SIGTERM, and names the rank that failed, died or
+# stopped responding.
+
+def one_line(error):
+    """An exception as one line, 'Type: message', whatever newlines its message holds."""
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+def write_atomically(path, write):
+    """Write through a temporary name, so the launcher never reads half a file."""
+    with open(path + ".partial", "wb") as f:
+        write(f)
+    os.replace(path + ".partial", path)
+
+
+HEARTBEAT_S = 0.5  # how often a rank says it is alive
+
+
+def start_heartbeat(heartbeats, rank, launcher):
+    """A thread that writes the time into heartbeats[rank] every HEARTBEAT_S.
+
+    It beats while the rank computes or waits in a collective, and stops only
+    when the whole process does (SIGSTOP, a debugger, swapped out): that is how
+    the launcher tells the rank that stopped from the peers waiting for it.
+    `launcher` is the read end of a pipe whose write end only the launcher holds:
+    it becomes readable (end of file) when the launcher is gone, even killed by
+    SIGKILL, and then the rank ends itself rather than run on as an orphan.
+    """
+    def beat():
+        while not launcher.poll(HEARTBEAT_S):  # nothing is ever sent: it times out, or the launcher died
+            heartbeats[rank] = time.monotonic()
+        os._exit(1)
+
+    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+
+
+def name_process(title):
+    """Show `title` in ps and top (Linux's prctl PR_SET_NAME); elsewhere do nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME, at most 15 bytes
+    except (OSError, AttributeError):
+        pass
+
+
+def run_rank(rank, body, cfg, port, out_dir, heartbeats, launcher):
+    """One spawned rank: join the Gloo world, run body(rank, cfg, "cpu"), write what it returns to out_dir.
+
+    Nothing is printed here: a failure is written to rank<R>.error (time, one
+    line, traceback) and the launcher reports it once, for the whole run.
+    """
+    # Ctrl-C in a terminal sends SIGINT to every process of the job; the launcher
+    # alone decides what happens next (it stops every rank and cleans up).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_process(f"muon rank {rank}")
+    start_heartbeat(heartbeats, rank, launcher)
+    torch.set_num_threads(1)  # same thread count everywhere (distributed_muon_cpu.py, section 7)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=cfg.dp * cfg.tp, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        result = body(rank, cfg, "cpu")
+        dist.destroy_process_group()
+        write_atomically(os.path.join(out_dir, f"rank{rank}.pt"), lambda f: torch.save(result, f))
+    except BaseException as e:
+        # When one rank dies its peers fail too ("connection closed"). The time
+        # lets the launcher name the rank that failed first: the cause.
+        text = f"{time.time()!r}\n{one_line(e)}\n{traceback.format_exc()}"
+        write_atomically(os.path.join(out_dir, f"rank{rank}.error"), lambda f: f.write(text.encode()))
+        os._exit(1)  # no teardown that could wait on a dead peer
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_method():
+    """How ranks are started: forked from a server that has already imported torch.
+
+    Each freshly spawned process spends seconds importing torch (and torch._dynamo,
+    which torch.optim.Optimizer imports on first use), and 8 ranks on 2 cores do it
+    at once. A forkserver imports them once and forks each rank from it, which
+    reaches the first step several times sooner. "spawn" remains where there is no forkserver.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo"])
+    return "forkserver"
+
+
+class RankFailure(RuntimeError):
+    """A rank failed, died or stopped responding; str() is one line, .traceback the rank's own."""
+
+    def __init__(self, message, traceback_text=""):
+        super().__init__(message)
+        self.traceback = traceback_text
+
+
+class Interrupted(BaseException):
+    """SIGTERM, turned into an exception so that the launcher can clean up as for Ctrl-C."""
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted()
+
+
+def rank_errors(out_dir):
+    """[(time, rank, one-line error, traceback)] of every rank that wrote an error, earliest first."""
+    errors = []
+    for name in os.listdir(out_dir):
+        if name.startswith("rank") and name.endswith(".error"):
+            with open(os.path.join(out_dir, name)) as f:
+                when, error, trace = f.read().split("\n", 2)
+            errors.append((float(when), int(name[len("rank"):-len(".error")]), error, trace))
+    return sorted(errors)
+
+
+def blame(exits, out_dir):
+    """The RankFailure that names the cause, once some rank has exited abnormally.
+
+    exits: [(rank, exit code)] in the order the launcher saw them end. A rank
+    killed by a signal is the cause (its peers then fail with "connection
+    closed"); otherwise the rank whose error was written first is.
+    """
+    for rank, code in exits:
+        if code < 0:
+            return RankFailure(f"rank {rank} was killed by {signal.Signals(-code).name}")
+    errors = rank_errors(out_dir)
+    if errors:
+        _, rank, error, trace = errors[0]
+        others = sorted(r for _, r, _, _ in errors[1:])
+        also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
+        return RankFailure(f"rank {rank} failed: {error}{also}", trace)
+    rank, code = exits[0]
+    return RankFailure(f"rank {rank} exited with code {code}")
+
+
+POLL_S = 0.2  # how often the launcher looks at the ranks
+ERRORS_LAND_S = 1.0  # after a first failure, how long its peers get to fail and say why
+
+
+def watch(procs, heartbeats, out_dir, timeout_s):
+    """Wait for every rank; return None when all succeeded, else the RankFailure.
+
+    Every POLL_S it looks at which processes ended and at every heartbeat. A rank
+    that exited with an error ends the run (its peers fail right after it; the
+    launcher waits ERRORS_LAND_S for their errors, to name the first); so does a
+    rank whose heartbeat is older than timeout_s.
+    """
+    exits = []
+    while True:
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=POLL_S)
+        now = time.monotonic()
+        for rank, p in enumerate(procs):
+            if p.exitcode is None and now - heartbeats[rank] > timeout_s:
+                return RankFailure(f"rank {rank} stopped responding: no heartbeat for {timeout_s:g} s "
+                                   f"(--timeout {timeout_s:g}); it was stopped or frozen")
+        exits += [(rank, p.exitcode) for rank, p in enumerate(procs)
+                  if p.exitcode not in (None, 0) and rank not in dict(exits)]
+        if exits:
+            deadline = now + ERRORS_LAND_S
+            while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+                multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
+                                                timeout=deadline - time.monotonic())
+            return blame(exits, out_dir)
+        if all(p.exitcode == 0 for p in procs):
+            return None
+
+
+def stop(procs):
+    """SIGKILL every rank still running (a stopped one too) and reap it."""
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join()
+
+
+def spawn_ranks(cfg, body=run_steps):
+    """Run body(rank, cfg, "cpu") on cfg.dp x cfg.tp ranks; return what each returned, in rank order,
+    or raise RankFailure naming the rank at fault.
+
+    body is what a rank does once the Gloo world is joined: section 7's run_steps by
+    default (examples/ pass their own; it must be importable by name, as any
+    multiprocessing target). cfg needs dp, tp and timeout_s. Whatever ends the run
+    (success, a failure, Ctrl-C or SIGTERM in the launcher), every rank is stopped
+    and the temporary folder removed before this returns.
+    """
+    context = multiprocessing.get_context(start_method())
+    world = cfg.dp * cfg.tp
+    heartbeats = context.Array("d", world, lock=False)  # shared memory: one time per rank
+    with tempfile.TemporaryDirectory(prefix="distributed-muon-") as out_dir:
+        launcher, alive = context.Pipe(duplex=False)  # the ranks watch `launcher`; `alive` stays here
+        args = (body, cfg, free_port(), out_dir, heartbeats, launcher)
+        procs = [context.Process(target=run_rank, args=(rank,) + args, name=f"rank {rank}") for rank in range(world)]
+        try:
+            for p in procs:
+                p.start()
+            for rank in range(world):  # the clock starts once every rank is started
+                heartbeats[rank] = time.monotonic()
+            failure = watch(procs, heartbeats, out_dir, cfg.timeout_s)
+        finally:
+            stop(procs)
+        if failure:
+            raise failure
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+# The command line: its checks, made before any rank starts, then its parser and main().
+def check_launch(timeout_s, fail_rank=-1, world=1):
+    """The launcher's own options, shared by every command that launches ranks (ValueError, one line)."""
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"--timeout must be > 0 seconds and finite (got {timeout_s})")
+    if not -1 <= fail_rank < world:
+        raise ValueError(f"--fail-rank must name a rank in [0, {world}) (got {fail_rank})")
+
+
+def check_writable(path, option="--json"):
+    """Raise ValueError (one line) unless `path` could be written, before any rank starts.
+    It creates nothing, so every rank of a torchrun job may check the same path."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a directory")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"{option} {path} is not writable")
+
+
+def flag(argument):
+    """The command-line flag of a keyword argument: bucket_size -> --bucket-size."""
+    return "--" + argument.replace("_", "-")
+
+
+MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
+
+
+def validate(cfg, specs):
+    """Every check that can be made before spawning; raises ValueError with one line.
+    The optimizer's own rules are its own functions, spelled with the flags' names."""
+    check_topology(cfg.dp, cfg.tp)
+    if cfg.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
+    if not 0 <= cfg.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
+    check_hyperparameters(flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                          momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
+    if cfg.lr == 0:
+        raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
+    if cfg.ns_steps < 1:
+        raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {cfg.strategy!r})")
+    if cfg.baseline and cfg.strategy != "gather":
+        raise ValueError(f"--baseline runs AdamW for every parameter: it takes no --strategy (got {cfg.strategy})")
+    if cfg.model not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
+    if not 1 <= cfg.layers <= MAX_LAYERS:
+        raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
+    check_owner_options(flag, overlap=cfg.overlap)
+    if cfg.overlap and cfg.strategy not in ("owner", "comm-free"):
+        raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
+    if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
+        raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
+    check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
+    names = {s.name for s in specs}
+    for name, rank, step in cfg.missing_grads:
+        if name not in names or not -1 <= rank < cfg.dp or not 1 <= step <= cfg.steps:
+            raise ValueError(f"missing gradient ({name}, DP rank {rank}, step {step}) names no parameter, "
+                             f"DP rank or step of this run")
+    check_tp_divides(specs, cfg.tp)
+
+
+def run(cfg, explain=False, print_fn=print):
+    """Plan, start the ranks on this machine, verify against torch, account; returns the results dict."""
+    validate(cfg, demo_specs(cfg))
+    plan = plan_optimizer(cfg)
+    print_header(cfg, plan, "CPU", "Gloo", explain, print_fn)
+    t0 = time.perf_counter()
+    results = spawn_ranks(cfg)
+    ranks_s = time.perf_counter() - t0
+    checks, ref_s = verify(cfg, results)
+    return report(cfg, plan, results, checks, ranks_s, ref_s, print_fn=print_fn)
+
+
+def build_parser(description, launcher="spawn"):
+    """The command line. launcher "torchrun" (distributed_muon.py) takes DP from the world size by default."""
+    d = RunConfig()
+    p = argparse.ArgumentParser(description=description)
+    if launcher == "torchrun":
+        p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: processes / TP)")
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default %(default)s)")
+    else:
+        p.add_argument("--dp", type=int, default=d.dp, help="data-parallel size (default %(default)s)")
+        p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of parameters and gradients (default %(default)s)")
+    p.add_argument("--bucket-size", type=int, default=d.bucket_size,
+                   help="largest bucket in elements, before padding to a multiple of DP (default %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate, Muon and AdamW (default %(default)s)")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="Muon momentum in [0, 1) (default %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="decoupled weight decay (default %(default)s)")
+    p.add_argument("--ns-steps", type=int, default=d.ns_steps, help="Newton-Schulz iterations (default %(default)s)")
+    p.add_argument("--adjust-lr-fn", default=d.adjust_lr_fn,
+                   help=f"one of {', '.join(ADJUST_LR_FNS)} (default %(default)s)")
+    p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES,
+                   help="gather (default): every rank that touches a matrix orthogonalizes it; owner: one rank "
+                        "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP")
+    p.add_argument("--baseline", action="store_true",
+                   help="run the AdamW ZeRO-1 baseline instead: every parameter takes AdamW, no Muon")
+    p.add_argument("--model", default=d.model, choices=MODELS,
+                   help="transformer (default): section 3's model; lopsided: one huge matrix among small ones; "
+                        "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")
+    p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (default %(default)s)")
+    p.add_argument("--overlap", type=int, nargs="?", const=OVERLAP_DEFAULT, default=d.overlap, metavar="K",
+                   help="owner, comm-free: pipeline the step bucket by bucket, Newton-Schulz K units behind "
+                        f"the gradient reductions (section 6; K = {OVERLAP_DEFAULT} if omitted; default off)")
+    p.add_argument("--batched-ns", action="store_true",
+                   help="owner, comm-free: orthogonalize same-shape matrices in one batched call; faster for many "
+                        "small matrices, but not bit-identical to torch (within 2**-5 of the largest entry)")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", metavar="SECONDS",
+                   help="seconds after which a rank that stopped responding, or a collective that waits, "
+                        "ends the run (default %(default)s)")
+    p.add_argument("--explain", action="store_true",
+                   help="print which DP rank keeps which part of which parameter, and who owns which matrix")
+    p.add_argument("--json", metavar="PATH", help="write the run's results (checks, bytes, FLOPs, timings)")
+    p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
+    p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: make this rank raise
+    return p
+
+
+def config_from_args(a):
+    """The RunConfig the parsed arguments describe (every field is a flag of the same name)."""
+    return RunConfig(**{f.name: getattr(a, f.name) for f in fields(RunConfig) if hasattr(a, f.name)})
+
+
+def write_json(path, results):
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def exit_code(work, show_traceback=False):
+    """Run work() the way a command should end: its return code, or one line on stderr and
+    2 (a bad flag, path or config), 1 (a rank failed), 130 (Ctrl-C) or 143 (SIGTERM)."""
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)  # SIGTERM cleans up as Ctrl-C does
+    try:
+        return work()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RankFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        if show_traceback:
+            print(e.traceback, file=sys.stderr, end="")
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted (SIGINT); every rank stopped, temporary files removed", file=sys.stderr)
+        return 130  # 128 + SIGINT, as shells and torchrun report it
+    except Interrupted:
+        print("error: terminated (SIGTERM); every rank stopped, temporary files removed", file=sys.stderr)
+        return 143  # 128 + SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv=None):
+    args = build_parser("ZeRO-1 x TP distributed Muon on CPU ranks over Gloo, checked bit for bit against "
+                        "torch.optim.Muon / AdamW.").parse_args(argv)
+
+    def work():
+        if args.json:
+            check_writable(args.json)
+        results = run(config_from_args(args), explain=args.explain)  # validates before spawning anything
+        write_json(args.json, results)
+        return 0 if results["passed"] else 1
+
+    return exit_code(work, args.traceback)
+
+
+# The notebooks' helpers.
+def notebook_requirements():
+    """The notebooks' setup: install requirements.txt when this torch has no torch.optim.Muon (the
+    reference, torch >= 2.9) or matplotlib is missing. A torch already imported stays loaded until
+    the kernel restarts, so a new one asks for a restart."""
+    import importlib.util
+
+    if hasattr(torch.optim, "Muon") and importlib.util.find_spec("matplotlib") is not None:
+        return
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt"], check=True)
+    if not hasattr(torch.optim, "Muon"):
+        raise RuntimeError(f"torch {torch.__version__} has no torch.optim.Muon (torch >= 2.9): a newer torch was "
+                           "installed from requirements.txt; restart the kernel and run the notebook again.")
+
+
+def run_program(program, *args):
+    """The notebooks' way to run a script of this repository: with this interpreter, its output printed
+    as it comes; CalledProcessError if it fails. (Ranks spawned from a notebook's kernel would re-import
+    its __main__, which a notebook does not have, so a run is a process of its own.)"""
+    cmd = [sys.executable, "-u", program, *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            print(line, end="")
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+
