@@ -24,11 +24,14 @@ What a step does on each rank (DP rank d, TP rank t):
               parameter all-gather
 Muon takes the hidden matrices (with adjust_lr_fn "match_rms_adamw", so one learning rate
 serves Muon and AdamW, as in Moonlight, arXiv:2502.16982); AdamW takes the embeddings, norms
-and biases. The learning rate is constant: no warm-up, no decay, the same for every optimizer.
+and biases. The learning rate is the same for every optimizer and constant by default;
+--schedule warmup-cosine warms it up linearly over --warmup-steps, then decays it along a
+cosine to MIN_LR_FRACTION of --lr at the last step (nanoGPT's schedule, karpathy/nanoGPT train.py).
 """
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -55,6 +58,8 @@ from stdlib_text import load_corpus  # noqa: E402
 # 1. The run's configuration and its checks
 # =============================================================================
 OPTIMIZER_NAMES = ("muon", "adamw")
+SCHEDULES = ("constant", "warmup-cosine")
+MIN_LR_FRACTION = 0.1  # where warmup-cosine ends, as a fraction of --lr (nanoGPT's min_lr = learning_rate / 10)
 PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 2, 1, 3  # steps skipped, warmed up, then traced
 TIMED_FROM_STEP = 3  # medians leave out the first steps (allocations, first-touch, Gloo's set-up)
 
@@ -67,6 +72,8 @@ class TrainConfig:
     strategy: str = "owner"  # one of dm.STRATEGIES (Muon only); owner: each matrix orthogonalized once
     steps: int = 120
     lr: float = 0.01
+    schedule: str = "constant"  # or "warmup-cosine" (see lr_at)
+    warmup_steps: int = 10  # warmup-cosine only: steps of the linear warm-up
     weight_decay: float = 0.1  # matrices and embeddings; none on norms and biases
     momentum: float = 0.95
     batch: int = 16  # windows per step, over all DP ranks
@@ -97,6 +104,10 @@ def validate(cfg):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.optimizer not in OPTIMIZER_NAMES:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZER_NAMES)} (got {cfg.optimizer!r})")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)} (got {cfg.schedule!r})")
+    if cfg.schedule == "warmup-cosine" and not 0 <= cfg.warmup_steps < cfg.steps:
+        raise ValueError(f"--warmup-steps must be >= 0 and below --steps {cfg.steps} (got {cfg.warmup_steps})")
     if cfg.strategy not in dm.STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(dm.STRATEGIES)} (got {cfg.strategy!r})")
     dm.check_hyperparameters(dm.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -127,6 +138,23 @@ def hyperparameters(cfg):
     muon = dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=True,
                 ns_steps=dm.NS_STEPS, adjust_lr_fn="match_rms_adamw")
     return (muon if cfg.optimizer == "muon" else adamw), adamw, dict(adamw, weight_decay=0.0)
+
+
+def lr_at(cfg, step):
+    """The learning rate of step 1, 2, ..., cfg.steps: cfg.lr, or warmup-cosine's share of it."""
+    if cfg.schedule == "constant":
+        return cfg.lr
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    decayed = 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup_steps) / (cfg.steps - cfg.warmup_steps)))
+    return cfg.lr * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * decayed)
+
+
+def set_lr(optimizers, cfg, step):
+    """Every group of every optimizer takes step's learning rate (one rate for all, as in hyperparameters)."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step)
 
 
 def build_optimizer(model, cfg, grid):
@@ -171,6 +199,7 @@ def train_rank(rank, cfg, device):
             grads.append(snapshot(model, grads=True))
             weights.append(snapshot(model))
         with record_function("optimizer step"):
+            set_lr([opt], cfg, step)
             opt.step()
         t3 = clock(device)
         opt.zero_grad(set_to_none=True)
@@ -349,6 +378,7 @@ def reference(cfg, device="cpu", replay=None):
         else:
             for n, p in model.named_parameters():
                 p.grad = replay[step - 1][n].to(device)
+        set_lr(optimizers, cfg, step)
         for opt in optimizers:
             opt.step()
         model.zero_grad(set_to_none=True)
@@ -524,12 +554,19 @@ def time_split(trace_path, steps=PROFILE_ACTIVE):
     return totals
 
 
+def schedule_words(cfg):
+    """"" for a constant lr, else how warmup-cosine shapes it (for headers and tables)."""
+    if cfg.schedule == "constant":
+        return ""
+    return f" (warm-up {cfg.warmup_steps} steps, cosine decay to {MIN_LR_FRACTION:g}x)"
+
+
 def header(cfg):
     n_params = sum(p.numel() for p in GPT(cfg.gpt()).parameters())
     corpus = load_corpus()
     what = "AdamW ZeRO-1 (every parameter)" if cfg.optimizer == "adamw" else f"Muon, {cfg.strategy} strategy"
     return (f"GPT {cfg.layers} layers x d={cfg.d_model}, {cfg.heads} heads, context {cfg.context}: "
-            f"{n_params / 1e6:.2f} M parameters; {what}, lr {cfg.lr:g}\n"
+            f"{n_params / 1e6:.2f} M parameters; {what}, lr {cfg.lr:g}{schedule_words(cfg)}\n"
             f"Text: the standard library's sources, {corpus.train.numel() / 1e6:.1f} MB train "
             f"({corpus.n_train_files} files), {corpus.val.numel() / 1e6:.1f} MB validation ({corpus.n_val_files} files); "
             f"{cfg.batch} x {cfg.context} = {cfg.batch * cfg.context:,} tokens per step\n"
@@ -572,7 +609,11 @@ def build_parser():
                    help="muon (default): Muon for hidden matrices, AdamW for the rest; adamw: AdamW for all")
     p.add_argument("--strategy", choices=dm.STRATEGIES, help=f"Muon's (default {d.strategy})")
     p.add_argument("--steps", type=int, default=d.steps, help="(default %(default)s)")
-    p.add_argument("--lr", type=float, default=d.lr, help="learning rate, constant (default %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate, the schedule's peak (default %(default)s)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,
+                   help=f"constant (default) or warmup-cosine: linear warm-up, cosine decay to "
+                        f"{MIN_LR_FRACTION:g} x --lr")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="warmup-cosine's (default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="(default %(default)s)")
     p.add_argument("--momentum", type=float, default=d.momentum, help="Muon's (default %(default)s)")
     p.add_argument("--batch", type=int, default=d.batch, help="windows per step, all DP ranks (default %(default)s)")

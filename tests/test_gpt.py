@@ -26,13 +26,17 @@ sys.path.insert(0, EXAMPLES)
 import gpt  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import gpt_lr_sweep as sweep  # noqa: E402
+
 TRAIN = os.path.join(EXAMPLES, "train_gpt.py")
 # A GPT small enough for a test, with every kind of parameter: 2 layers, 2 heads (TP = 2 keeps one each).
 SMALL = dict(d_model=32, layers=2, heads=2, context=32, batch=8, val_windows=4, log_every=1000, timeout_s=60)
 SMALL_FLAGS = ["--d-model", "32", "--layers", "2", "--heads", "2", "--context", "32", "--batch", "8",
                "--val-windows", "4"]
 STEPS = 3
-KINDS = [dict(strategy=s) for s in dm.STRATEGIES] + [dict(optimizer="adamw", strategy="gather")]
+KINDS = [dict(strategy=s) for s in dm.STRATEGIES] + [dict(optimizer="adamw", strategy="gather"),
+                                                    dict(strategy="owner", schedule="warmup-cosine", warmup_steps=1)]
 GRIDS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
@@ -65,12 +69,34 @@ def test_every_strategy_trains_as_one_process_does(trained, dp, tp):
 
 def test_the_losses_fall_and_muon_moves_every_matrix(trained):
     for cfg, results in trained[2, 2]:
+        if cfg.schedule != "constant":
+            continue  # warm-up and decay within 3 steps: a smaller fall
         losses = tg.summarize(cfg, results)["losses"]
         assert losses[-1] < losses[0] - 0.2, (tg.run_kind(cfg), losses)  # from about ln 256 = 5.5
     cfg, results = trained[2, 2][0]
     start = gpt.initial_weights(cfg.gpt())
     final = tg.full_tensors(cfg, lambda t: results[t]["params"], tg.param_specs(cfg))
     assert all(not torch.equal(final[n], start[n]) for n in gpt.muon_params(gpt.GPT(cfg.gpt())))
+
+
+def test_warmup_cosine_reaches_both_optimizers():
+    cfg = tg.TrainConfig(lr=0.02, steps=200, schedule="warmup-cosine", warmup_steps=10)
+    lrs = [tg.lr_at(cfg, s) for s in range(1, 201)]
+    assert lrs[0] == 0.002 and lrs[9] == 0.02  # linear warm-up over 10 steps
+    assert all(a > b for a, b in zip(lrs[9:], lrs[10:]))  # then falls at every step
+    assert lrs[-1] == pytest.approx(0.02 * tg.MIN_LR_FRACTION, rel=1e-12)
+    assert all(tg.lr_at(tg.TrainConfig(lr=0.02), s) == 0.02 for s in (1, 100, 120))
+
+
+def test_the_schedule_changes_the_training_and_the_replay_follows_it(trained):
+    """The ranks and torch's optimizers take the schedule's lr at every step (the replay is bit for bit,
+    in test_every_strategy_trains_as_one_process_does), and it is not the constant lr's training."""
+    for grid in GRIDS:
+        runs = {(cfg.strategy, cfg.schedule): results for cfg, results in trained[grid] if cfg.optimizer == "muon"}
+        scheduled, constant = runs["owner", "warmup-cosine"], runs["owner", "constant"]
+        # a 1-step warm-up: step 1 takes the whole lr, so the loss of step 2 is the same; step 2 takes less
+        assert scheduled[0]["losses"][:2] == constant[0]["losses"][:2], grid
+        assert scheduled[0]["losses"][2] != constant[0]["losses"][2], grid
 
 
 def test_the_checks_catch_a_wrong_weight_and_a_wrong_gradient(trained):
@@ -156,3 +182,43 @@ def test_under_torchrun_the_same_training_runs_and_verifies(tmp_path):
     assert results["checks"]["passed"] and results["backend"] == "gloo"
     assert all(c["identical"] for c in results["checks"]["replay"])
     assert "Result: PASS" in proc.stdout
+
+
+def sweep_run(optimizer, lr, seed, losses, schedule="constant"):
+    val = [(10 * (i + 1), loss) for i, loss in enumerate(losses)]
+    return dict(schedule=schedule, seed=seed, optimizer=optimizer, lr=lr, val=val, final_val=losses[-1])
+
+
+def test_the_sweep_tunes_over_seeds_and_counts_steps_to_adamws_loss():
+    runs = [sweep_run("muon", 0.01, 0, [3.0, 2.8, 2.6]), sweep_run("muon", 0.01, 1, [3.0, 2.9, 2.7]),
+            sweep_run("muon", 0.03, 0, [2.9, 2.5, 2.3]), sweep_run("muon", 0.03, 1, [2.8, 2.6, 2.4]),
+            sweep_run("muon", 0.1, 0, [3.5, 3.4, 3.3]), sweep_run("muon", 0.1, 1, [3.5, 3.4, 3.3]),
+            sweep_run("adamw", 0.001, 0, [3.1, 2.9, 2.7]), sweep_run("adamw", 0.001, 1, [3.1, 3.0, 2.55]),
+            sweep_run("adamw", 0.003, 0, [3.2, 2.95, 2.65]), sweep_run("adamw", 0.003, 1, [3.2, 3.1, 2.75])]
+    c = sweep.compare(runs, "constant")
+    # tuned once: the lowest mean final loss; Muon's 0.03 has a worse lr on both sides, AdamW's 0.001 does not
+    assert c["tuned"] == dict(muon=dict(lr=0.03, bracketed=True), adamw=dict(lr=0.001, bracketed=False))
+    once = [p for p in c["per_seed"] if p["tuned"] == "once"]
+    assert [(p["target"], p["steps"]["muon"], p["steps"]["adamw"], p["ratio"]) for p in once] == [
+        (2.7, 20, 30, 1.5), (2.55, 30, 30, 1.0)]
+    own = [p for p in c["per_seed"] if p["tuned"] == "per seed"]  # seed 0's best AdamW is 0.003
+    assert [(p["lrs"]["adamw"], p["target"], p["steps"]["muon"]) for p in own] == [(0.003, 2.65, 20), (0.001, 2.55, 30)]
+    assert sweep.spread([20, None, 30, 25]) == "20-25-30 (1 never)"
+
+
+def test_the_sweep_runs_end_to_end_and_reports_saved_runs(tmp_path, capsys):
+    """Plumbing only, in a few seconds: a tiny model, 3 steps, 2 seeds, both schedules; then the report
+    and the figure from the saved JSON, as --from-json does after an interrupted sweep."""
+    args = sweep.build_parser().parse_args(["--muon-lrs", "0.01", "0.03", "0.1", "--adamw-lrs", "0.001", "0.01",
+                                            "--seeds", "0", "1", "--steps", "3", "--every", "1", "--warmup-steps",
+                                            "1", "--val-windows", "2", "--dp", "1"])
+    saved = tmp_path / "sweep.json"
+    tiny = tg.TrainConfig(d_model=16, layers=1, heads=1, context=16, batch=2)
+    runs = sweep.train(args, tiny, save=lambda partial: dm.write_json(str(saved), partial))
+    assert len(runs) == 2 * 2 * 5 and {(r["seed"], r["schedule"]) for r in runs} == {
+        (s, k) for s in (0, 1) for k in tg.SCHEDULES}
+    assert all([step for step, _ in r["val"]] == [1, 2, 3] for r in runs)
+    figure = tmp_path / "sweep.png"
+    assert sweep.main(["--from-json", str(saved), "--figure", str(figure)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Steps to AdamW's best loss, over seeds 0, 1") == 2 and figure.stat().st_size > 10_000
