@@ -1,11 +1,14 @@
 """examples/: the GPT trained under DP x TP against the same GPT trained in one process by
 torch.optim.Muon + torch.optim.AdamW, for every strategy and the AdamW baseline, on grids
-1x1, 2x1, 1x2 and 2x2; the command line's errors, progress lines, bytes and traces.
+1x1, 2x1, 4x1, 1x2 and 2x2; the command line's errors, progress lines, bytes and traces; the
+learning-rate sweep's arithmetic and plumbing.
 
-The tolerance policy is train_gpt.py's (section 3): bit for bit wherever the order of every
-fp32 sum is the one process's (TP = 1, DP <= 2), and the replay of the ranks' own gradients
-through torch's optimizers is bit for bit on every grid here (DP <= 2); with TP = 2 each
-step's loss and gradients are held to the bounds of a reordered fp32 sum."""
+The tolerance policy is train_gpt.py's (section 3): bit for bit wherever every fp32 sum has the
+one process's order (TP = 1: the Gloo DP sum adds in rank order, as the one process accumulates),
+and the replay of the ranks' own gradients through torch's optimizers bit for bit on every grid;
+with TP = 2 each step's loss and gradients are held to the bound derived there (twice the one
+process's own fp32 error against float64, plus one reordered reduction), and the free-running
+drift is reported beside the chaos floor, never checked."""
 
 import copy
 import json
@@ -37,7 +40,7 @@ SMALL_FLAGS = ["--d-model", "32", "--layers", "2", "--heads", "2", "--context", 
 STEPS = 3
 KINDS = [dict(strategy=s) for s in dm.STRATEGIES] + [dict(optimizer="adamw", strategy="gather"),
                                                     dict(strategy="owner", schedule="warmup-cosine", warmup_steps=1)]
-GRIDS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +59,17 @@ def test_every_strategy_trains_as_one_process_does(trained, dp, tp):
         # DP <= 2 everywhere here: the optimizer is exact, given the ranks' gradients
         assert all(c["identical"] for c in checks["replay"]), what
         assert checks["replica_max_diff"] == 0, what
-        if tp == 1:  # the same sums in the same order as one process: every bit the same
+        if tp == 1:  # the same sums in the same order as one process (DP = 4 too): every bit the same
             assert checks["exact"] and all(c["identical"] for c in checks["trained"]), what
             assert checks["grad_max_rel_diff"] == checks["step_loss_max_rel_diff"] == 0, what
             assert checks["trained_loss_max_rel_diff"] == 0, what
-        else:  # TP reorders fp32 sums: not bit for bit, but within the bounds, and not by chance
-            assert not checks["exact"], what
-            assert 0 < checks["grad_max_rel_diff"] <= tg.GRAD_RTOL, what
-            assert checks["step_loss_max_rel_diff"] <= tg.STEP_LOSS_RTOL, what
-            assert checks["trained_loss_max_rel_diff"] <= tg.TRAINED_LOSS_RTOL, what
+        else:  # TP reorders fp32 sums: not bit for bit (and not by chance), within the derived bound
+            assert not checks["exact"] and checks["grad_max_rel_diff"] > 0, what
+            assert checks["bound_ratio"] <= 1, what
+            # the ranks' error against float64 is of the one process's own size, and far below a bug's
+            assert checks["ranks_grad_err"] <= tg.REALIZED_FACTOR * checks["one_process_grad_err"] + 2.0**-13, what
+            floor = checks["chaos_floor_loss_max_rel_diff"]  # 0 where one ulp has not reached a loss in 3 steps
+            assert checks["chaos_ratio"] == (checks["trained_loss_max_rel_diff"] / floor if floor else None), what
 
 
 def test_the_losses_fall_and_muon_moves_every_matrix(trained):
@@ -108,7 +113,44 @@ def test_the_checks_catch_a_wrong_weight_and_a_wrong_gradient(trained):
     broken = copy.deepcopy(results)
     broken[1]["grads"][0][name].mul_(0.5)  # as if f's backward had lost half the sum
     checks = tg.verify(cfg, broken)
-    assert not checks["passed"] and checks["grad_max_rel_diff"] > tg.GRAD_RTOL
+    assert not checks["passed"] and checks["bound_ratio"] > 100 and checks["grad_max_rel_diff"] > 0.1
+
+
+def test_a_grid_of_exact_sums_says_so(trained):
+    """4x1: the DP sum adds the ranks in rank order, as the one process accumulates: every number
+    is bit for bit, and the printout says that, not that sums were reordered."""
+    cfg, results = trained[4, 1][0]
+    lines = []
+    tg.print_verification(cfg, tg.verify(cfg, results), lines.append)
+    assert lines[0].endswith("every fp32 sum in its order, every comparison bit for bit"), lines[0]
+    assert "reorders" not in "\n".join(lines) and lines[-1] == "Result: PASS"
+
+
+def test_a_chaotic_training_passes_and_its_drift_is_reported_beside_the_chaos_floor(tmp_path, capsys):
+    """Issue 21's failing command, shortened: lr 0.1 on 2x2. The free-running losses drift apart as
+    chaotically as a one-ulp change of one weight makes them (reported); what is checked passes."""
+    out = tmp_path / "run.json"
+    assert tg.main(["--dp", "2", "--tp", "2", "--lr", "0.1", "--steps", "8", *SMALL_FLAGS, "--verify",
+                    "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    checks = json.loads(out.read_text())["checks"]
+    assert checks["passed"] and "Result: PASS" in printed
+    assert checks["trained_loss_max_rel_diff"] > 0 and checks["chaos_floor_loss_max_rel_diff"] > 0
+    assert checks["chaos_ratio"] == checks["trained_loss_max_rel_diff"] / checks["chaos_floor_loss_max_rel_diff"]
+    assert f"{checks['chaos_ratio']:.2g}x that chaos floor" in printed
+
+
+def test_a_script_without_a_main_guard_gets_multiprocessings_own_advice(tmp_path):
+    """The ranks start from a forkserver, which imports the calling script again: without an
+    `if __name__ == "__main__":` guard each rank tries to start ranks. multiprocessing refuses with
+    its advice; the launcher must let that through (it ended in an AttributeError in stop())."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {EXAMPLES!r})\nimport train_gpt as tg\n"
+                      f"tg.train_many([tg.TrainConfig(dp=1, tp=2, steps=1, progress=False, **{SMALL!r})])\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "if __name__ == '__main__':" in proc.stderr and "AttributeError" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.rstrip().endswith("exited with code 1"), proc.stderr[-500:]
 
 
 def test_bytes_per_step_are_what_f_g_and_zero1_move(trained):
@@ -152,6 +194,10 @@ def test_the_command_line_trains_prints_progress_and_writes_traces(tmp_path):
     (["--lr", "-1"], "error: --lr must be >= 0 and finite (got -1.0)"),
     (["--steps", "4", "--profile", "x"], "error: --profile traces steps 4 to 6: --steps must be >= 6 (got 4)"),
     (["--json", "/nonexistent/run.json"], "error: --json /nonexistent/run.json: the folder /nonexistent does not exist"),
+    (["--context", "100000", "--steps", "1"], "error: --val-windows 32 x (--context 100000 + 1) = 3,200,032 bytes, "
+                                              "more than the "),  # the text's size depends on the Python
+    (["--schedule", "warmup-cosine", "--steps", "10", "--warmup-steps", "10"],
+     "error: --warmup-steps must be >= 0 and below --steps 10 (got 10)"),
 ])
 def test_bad_flags_are_refused_before_any_rank_starts(capsys, monkeypatch, argv, message):
     monkeypatch.setattr(dm, "spawn_ranks", lambda *a: pytest.fail("a rank was started"))
