@@ -356,9 +356,10 @@ def start_profiler(cfg, rank):
 #   * Free-running with TP > 1, each step's few different roundings change the next
 #     step's weights and so its gradient, and a training amplifies any difference
 #     chaotically: one ulp on one weight of the one-process run, with no distributed
-#     code at all, moves the losses by 1e-2 within 8 steps at lr 0.1. So the drift of
-#     the losses is reported beside that chaos floor (the same one-process run with
-#     entry 0 of CHAOS_PARAM moved by one ulp), as a ratio, and never fails a run.
+#     code at all, moves its losses by as much within a few steps at lr 0.1 (figures in
+#     notes/09). So the drift of the losses is reported beside that chaos floor (the
+#     same one-process run with entry 0 of CHAOS_PARAM moved by one ulp), as a ratio,
+#     and never fails a run: the replay and the gradients are what catch a bug.
 GRAD_RTOL = 2.0**-12  # fixed bounds of the former policy, kept for distributed_muon_dtensor.py's FSDP2 x TP check
 STEP_LOSS_RTOL = 2.0**-16
 TRAINED_LOSS_RTOL = 2.0**-10
