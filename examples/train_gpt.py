@@ -346,11 +346,14 @@ def start_profiler(cfg, rank):
 #          process's fp32 gradient against the same computation in float64 (u = 2**-53,
 #          its own error 2**-29 of fp32's), e_one = max |G_fp32 - G_fp64| per tensor.
 #       3. The ranks' error e_ranks = max |G_ranks - G_fp64| is another realization of
-#          the same worst case, in another order: held to REALIZED_FACTOR (2) x e_one,
-#          plus one reordered reduction over the step's n = batch x context tokens
-#          whose terms add up to the largest entry, n u max |G_fp64| (what keeps the
-#          bound above zero when the one process happens to round well). A loss is the
-#          mean over a micro-batch's tokens, the same with its n.
+#          the same worst case, in another order: held to REALIZED_FACTOR x e_one, plus
+#          one reordered reduction over the step's n = batch x context tokens whose
+#          terms add up to the largest entry, n u max |G_fp64| (what keeps the bound
+#          above zero when the one process happens to round well). A loss is the mean
+#          over a micro-batch's tokens, the same with its n. The factor is the one part
+#          not derived: two orders' errors are two draws of the same rounding, and their
+#          largest entries differ by up to a factor of 2 in the runs measured (notes/09);
+#          4 leaves room for that and stays far below what a bug does.
 #     A missing all-reduce or a wrong split moves a gradient by a fraction of itself
 #     (1e-1, not 1e-4): the tests break one and see it fail.
 #   * Free-running with TP > 1, each step's few different roundings change the next
@@ -365,7 +368,7 @@ STEP_LOSS_RTOL = 2.0**-16
 TRAINED_LOSS_RTOL = 2.0**-10
 TRAINED_CHECKED_STEPS = 8
 UNIT_ROUNDOFF = 2.0**-24  # fp32: a rounding moves a result by at most this fraction of itself
-REALIZED_FACTOR = 2  # the ranks' rounding error against the one process's, on the same step (policy, 3.)
+REALIZED_FACTOR = 4  # the ranks' rounding error against the one process's, on the same step (policy, 3.)
 CHAOS_PARAM = "blocks.0.attn.qkv.weight"  # the chaos floor moves its entry 0 by one ulp
 
 def reference_model(cfg, device):

@@ -6,7 +6,7 @@ learning-rate sweep's arithmetic and plumbing.
 The tolerance policy is train_gpt.py's (section 3): bit for bit wherever every fp32 sum has the
 one process's order (TP = 1: the Gloo DP sum adds in rank order, as the one process accumulates),
 and the replay of the ranks' own gradients through torch's optimizers bit for bit on every grid;
-with TP = 2 each step's loss and gradients are held to the bound derived there (twice the one
+with TP = 2 each step's loss and gradients are held to the bound derived there (4 x the one
 process's own fp32 error against float64, plus one reordered reduction), and the free-running
 drift is reported beside the chaos floor, never checked."""
 
