@@ -143,6 +143,11 @@ def report(result, print_fn=print):
         print_fn(dm.format_table(["lr tuned", "lrs Muon/AdamW per seed", "target loss", "Muon steps", "AdamW steps",
                                   "AdamW/Muon steps", f"AdamW - Muon loss @ {steps}"], rows,
                                  ["<", "<", ">", ">", ">", ">", ">"]))
+        ms = {o: statistics.median(r["ms_step"] for r in runs
+                                   if (r["schedule"], r["optimizer"], r["lr"]) == (schedule, o, c["tuned"][o]["lr"]))
+              for o in tg.OPTIMIZER_NAMES}
+        print_fn(f"Median step at the tuned lrs, median over seeds: Muon {ms['muon']:.0f} ms, AdamW {ms['adamw']:.0f} ms "
+                 f"({ms['muon'] / ms['adamw']:.2f}x; DP={result['grid']['dp']} x TP={result['grid']['tp']}, this CPU)")
 
 
 def plot(result, path):
