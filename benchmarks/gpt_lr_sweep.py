@@ -57,20 +57,24 @@ def train(a, model=tg.TrainConfig(), save=None, print_fn=print):
     lrs = dict(muon=a.muon_lrs, adamw=a.adamw_lrs)
     base = replace(model, dp=a.dp, tp=a.tp, steps=a.steps, log_every=a.every, val_windows=a.val_windows,
                    warmup_steps=a.warmup_steps, progress=False)
+    # seed by seed: an interrupted sweep has both schedules at the seeds it finished
+    groups = {(seed, schedule): [replace(base, optimizer=o, strategy="owner" if o == "muon" else "gather", lr=lr,
+                                         schedule=schedule, seed=seed) for o in tg.OPTIMIZER_NAMES for lr in lrs[o]]
+              for seed in a.seeds for schedule in a.schedules}
+    for configs in groups.values():  # every configuration is checked before the first rank starts
+        for cfg in configs:
+            tg.validate(cfg)
     print_fn(tg.header(base).splitlines()[0].split(";")[0] + f"; {a.steps} steps; validation: {a.val_windows} "
              f"windows every {a.every} steps; seeds {', '.join(map(str, a.seeds))}", flush=True)
     runs = []
-    for seed in a.seeds:  # seed by seed: an interrupted sweep has both schedules at the seeds it finished
-        for schedule in a.schedules:
-            configs = [replace(base, optimizer=o, strategy="owner" if o == "muon" else "gather", lr=lr,
-                                  schedule=schedule, seed=seed) for o in tg.OPTIMIZER_NAMES for lr in lrs[o]]
-            for cfg, results in tg.train_many(configs):
-                summary = tg.summarize(cfg, results)
-                runs.append(dict(schedule=schedule, seed=seed, optimizer=cfg.optimizer, lr=cfg.lr,
-                                 val=summary["val"], final_val=summary["val"][-1][1], ms_step=summary["ms"]["step"]))
-            print_fn(f"  done: {schedule}, seed {seed} ({len(configs)} runs)", flush=True)
-            if save:
-                save(dict(grid=grid_of(a), runs=runs))
+    for (seed, schedule), configs in groups.items():
+        for cfg, results in tg.train_many(configs):
+            summary = tg.summarize(cfg, results)
+            runs.append(dict(schedule=schedule, seed=seed, optimizer=cfg.optimizer, lr=cfg.lr,
+                             val=summary["val"], final_val=summary["val"][-1][1], ms_step=summary["ms"]["step"]))
+        print_fn(f"  done: {schedule}, seed {seed} ({len(configs)} runs)", flush=True)
+        if save:
+            save(dict(grid=grid_of(a), runs=runs))
     return runs
 
 
