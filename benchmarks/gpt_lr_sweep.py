@@ -117,6 +117,7 @@ def compare(runs, schedule):
 def report(result, print_fn=print):
     """The tables: every run's final loss, then the steps to AdamW's best, spread over seeds."""
     runs = result["runs"]
+    schedules = list(dict.fromkeys(r["schedule"] for r in runs))
     for schedule in dict.fromkeys(r["schedule"] for r in runs):
         c = compare(runs, schedule)
         seeds = c["seeds"]
@@ -152,6 +153,25 @@ def report(result, print_fn=print):
               for o in tg.OPTIMIZER_NAMES}
         print_fn(f"Median step at the tuned lrs, median over seeds: Muon {ms['muon']:.0f} ms, AdamW {ms['adamw']:.0f} ms "
                  f"({ms['muon'] / ms['adamw']:.2f}x; DP={result['grid']['dp']} x TP={result['grid']['tp']}, this CPU)")
+    if len(schedules) > 1:
+        a = across_schedules(runs)
+        print_fn(f"\nAgainst AdamW's best final loss over {' and '.join(schedules)} (per seed, each at its tuned lr; "
+                 f"seeds {', '.join(map(str, a['seeds']))}): target {spread(a['target'])}; Muon reaches it in "
+                 + "; ".join(f"{spread(a[k])} steps ({k})" for k in schedules))
+
+
+def across_schedules(runs):
+    """Per seed, AdamW's best final loss over every schedule (each at its tuned lr) and the steps
+    Muon needs to reach it under each schedule (at its tuned lr): {"target": [...], schedule: [...]}."""
+    schedules = list(dict.fromkeys(r["schedule"] for r in runs))
+    compared = {k: {p["seed"]: p for p in compare(runs, k)["per_seed"] if p["tuned"] == "once"} for k in schedules}
+    seeds = sorted(set.intersection(*(set(c) for c in compared.values())))
+    run = {(r["schedule"], r["optimizer"], r["lr"], r["seed"]): r for r in runs}
+    out = {"target": [min(compared[k][s]["final"]["adamw"] for k in schedules) for s in seeds], "seeds": seeds}
+    for k in schedules:
+        out[k] = [steps_to(run[k, "muon", compared[k][s]["lrs"]["muon"], s]["val"], target)
+                  for s, target in zip(seeds, out["target"])]
+    return out
 
 
 def plot(result, path):

@@ -250,6 +250,12 @@ def test_the_sweep_tunes_over_seeds_and_counts_steps_to_adamws_loss():
     own = [p for p in c["per_seed"] if p["tuned"] == "per seed"]  # seed 0's best AdamW is 0.003
     assert [(p["lrs"]["adamw"], p["target"], p["steps"]["muon"]) for p in own] == [(0.003, 2.65, 20), (0.001, 2.55, 30)]
     assert sweep.spread([20, None, 30, 25]) == "20-25-30 (1 never)"
+    # another schedule whose AdamW ends lower at seed 1 only: the target per seed is the lower of the two
+    runs += [sweep_run(o, lr, seed, losses, "warmup-cosine") for o, lr, seed, losses in (
+        ("muon", 0.03, 0, [2.6, 2.4, 2.2]), ("muon", 0.03, 1, [2.7, 2.5, 2.45]),
+        ("adamw", 0.001, 0, [3.0, 2.8, 2.75]), ("adamw", 0.001, 1, [3.0, 2.6, 2.5]))]
+    across = sweep.across_schedules(runs)
+    assert across == dict(seeds=[0, 1], target=[2.7, 2.5], constant=[20, 30], **{"warmup-cosine": [10, 20]})
 
 
 def test_the_sweep_runs_end_to_end_and_reports_saved_runs(tmp_path, capsys):
