@@ -2,7 +2,7 @@
 constant and warm-up + cosine schedules, the same token budget, and how many steps Muon needs
 to reach AdamW's best validation loss, as a spread over seeds.
 
-    python benchmarks/gpt_lr_sweep.py     # (5 + 6 lrs) x 2 schedules x 5 seeds = 110 runs of 200 steps, DP=2: ~30 min
+    python benchmarks/gpt_lr_sweep.py     # (5 + 6 lrs) x 2 schedules x 5 seeds = 110 runs of 200 steps, DP=2: 42 min on 2 shared cores
     python benchmarks/gpt_lr_sweep.py --muon-lrs 0.02 0.03 0.05 --adamw-lrs 0.001 0.002 0.003 --seeds 0 1 2 \\
         --schedules constant --json s.json --figure s.png
     python benchmarks/gpt_lr_sweep.py --from-json s.json --figure s.png   # report saved (even partial) runs again
@@ -17,7 +17,8 @@ How the comparison is read, for each schedule:
   * at each seed, the target is that AdamW run's final validation loss, and "steps to AdamW's
     best loss" is the first evaluation at or below it, for Muon and for AdamW itself;
   * the spread over seeds is printed as min-median-max, and again with each seed's own best lr
-    ("tuned per seed"), which is what a single-seed sweep reports.
+    ("tuned per seed"), which is what a single-seed sweep reports;
+  * with several schedules, also Muon's steps to AdamW's best final loss over all of them.
 The runs use DP=2 x TP=1, which trains exactly as one process does (tests/test_gpt.py). --json is
 rewritten after every (seed, schedule) group, so an interrupted sweep keeps what it finished.
 """

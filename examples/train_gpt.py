@@ -5,6 +5,7 @@ Launch recipes
     python examples/train_gpt.py                          # 8 Gloo ranks, DP=4 x TP=2, about a minute on 2 cores
     python examples/train_gpt.py --dp 2 --tp 2 --strategy owner --steps 100
     python examples/train_gpt.py --optimizer adamw         # AdamW ZeRO-1 on every parameter: the yardstick
+    python examples/train_gpt.py --schedule warmup-cosine --lr 0.02   # warm-up, then cosine decay to 0.1 x lr
     python examples/train_gpt.py --dp 2 --tp 2 --steps 4 --verify   # against torch.optim.Muon + AdamW in one process
     python examples/train_gpt.py --steps 8 --profile traces/   # Chrome traces per rank (open in ui.perfetto.dev)
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --dp 4 --tp 2   # GPUs, NCCL
