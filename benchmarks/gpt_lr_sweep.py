@@ -2,7 +2,7 @@
 constant and warm-up + cosine schedules, the same token budget, and how many steps Muon needs
 to reach AdamW's best validation loss, as a spread over seeds.
 
-    python benchmarks/gpt_lr_sweep.py     # (5 + 6 lrs) x 2 schedules x 5 seeds = 110 runs of 200 steps, DP=2: 42 min on 2 shared cores
+    python benchmarks/gpt_lr_sweep.py   # (5 + 6 lrs) x 2 schedules x 5 seeds = 110 runs of 200 steps: 42 min, 2 cores
     python benchmarks/gpt_lr_sweep.py --muon-lrs 0.02 0.03 0.05 --adamw-lrs 0.001 0.002 0.003 --seeds 0 1 2 \\
         --schedules constant --json s.json --figure s.png
     python benchmarks/gpt_lr_sweep.py --from-json s.json --figure s.png   # report saved (even partial) runs again
@@ -135,8 +135,8 @@ def report(result, print_fn=print):
         print_fn(dm.format_table(["optimizer", "lr"] + [f"seed {s}" for s in seeds] + ["mean", ""], rows,
                                  ["<", ">"] + [">"] * (len(seeds) + 1) + ["<"]))
         for o, t in c["tuned"].items():
-            print_fn(f"{LABELS[o]}'s best lr {t['lr']:g}: "
-                     + ("bracketed (a worse lr on both sides)" if t["bracketed"] else "AT THE GRID'S EDGE (not bracketed)"))
+            where = "bracketed (a worse lr on both sides)" if t["bracketed"] else "AT THE GRID'S EDGE (not bracketed)"
+            print_fn(f"{LABELS[o]}'s best lr {t['lr']:g}: {where}")
         rows = []
         for how in ("once", "per seed"):
             picks = [p for p in c["per_seed"] if p["tuned"] == how]
@@ -152,8 +152,8 @@ def report(result, print_fn=print):
         ms = {o: statistics.median(r["ms_step"] for r in runs
                                    if (r["schedule"], r["optimizer"], r["lr"]) == (schedule, o, c["tuned"][o]["lr"]))
               for o in tg.OPTIMIZER_NAMES}
-        print_fn(f"Median step at the tuned lrs, median over seeds: Muon {ms['muon']:.0f} ms, AdamW {ms['adamw']:.0f} ms "
-                 f"({ms['muon'] / ms['adamw']:.2f}x; DP={result['grid']['dp']} x TP={result['grid']['tp']}, this CPU)")
+        print_fn(f"Median step at the tuned lrs, median over seeds: Muon {ms['muon']:.0f} ms, AdamW "
+                 f"{ms['adamw']:.0f} ms ({ms['muon'] / ms['adamw']:.2f}x; DP={result['grid']['dp']} x TP={result['grid']['tp']}, this CPU)")
     if len(schedules) > 1:
         a = across_schedules(runs)
         print_fn(f"\nAgainst AdamW's best final loss over {' and '.join(schedules)} (per seed, each at its tuned lr; "

@@ -560,7 +560,8 @@ def verify(cfg, results, device="cpu", rank_order=True):
         same_function = checks["bound_ratio"] <= 1
     else:
         same_function = (checks["grad_max_rel_diff"] == checks["step_loss_max_rel_diff"] == 0
-                         and checks["trained_loss_max_rel_diff"] == 0 and all(c["identical"] for c in checks["trained"]))
+                         and checks["trained_loss_max_rel_diff"] == 0
+                         and all(c["identical"] for c in checks["trained"]))
     checks["passed"] = all(c["ok"] for c in replayed) and replica_diff == 0 and same_function
     return checks
 
@@ -584,8 +585,8 @@ def print_verification(cfg, checks, print_fn=print):
                  f"{checks['trained_loss_max_rel_diff']:.1e} relative; {n_same}/{n} parameters identical")
     else:
         print_fn(f"  gradients: each step at the ranks' weights, against float64: the ranks' within "
-                 f"{checks['ranks_grad_err']:.1e} of the largest entry (losses {checks['ranks_loss_err']:.1e}), the one "
-                 f"process's fp32 within {checks['one_process_grad_err']:.1e} ({checks['one_process_loss_err']:.1e}); "
+                 f"{checks['ranks_grad_err']:.1e} of the largest entry (losses {checks['ranks_loss_err']:.1e}), "
+                 f"the one process's fp32 within {checks['one_process_grad_err']:.1e} ({checks['one_process_loss_err']:.1e}); "
                  f"{checks['bound_ratio']:.2f} of the bound at most (section 3){replicas}")
         ratio = checks["chaos_ratio"]
         worst = max(checks["trained"], key=lambda c: c["max_abs_diff"])
