@@ -407,11 +407,13 @@ def watch(procs, heartbeats, out_dir, timeout_s):
 
 
 def stop(procs):
-    """SIGKILL every rank still running (a stopped one too) and reap it."""
-    for p in procs:
+    """SIGKILL every rank still running (a stopped one too) and reap it; a rank whose start
+    failed (no pid) has nothing to stop, and the start's own error goes on."""
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
         if p.exitcode is None:
             p.kill()
-    for p in procs:
+    for p in started:
         p.join()
 
 

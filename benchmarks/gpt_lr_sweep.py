@@ -1,21 +1,40 @@
-"""Muon against AdamW on examples/train_gpt.py's task: a learning-rate sweep for each, the same
-token budget, validation-loss curves, and how many steps each needs to reach the same loss.
+"""Muon against AdamW on examples/train_gpt.py's task, over seeds: a learning-rate grid for each,
+constant and warm-up + cosine schedules, the same token budget, and how many steps Muon needs
+to reach AdamW's best validation loss, as a spread over seeds.
 
-    python benchmarks/gpt_lr_sweep.py                         # 4 lrs x 2 optimizers, 200 steps, DP=2: ~5 min on 2 cores
-    python benchmarks/gpt_lr_sweep.py --muon-lrs 0.01 0.03 --adamw-lrs 0.001 0.003 --steps 400 --json s.json --figure s.png
+    python benchmarks/gpt_lr_sweep.py   # (5 + 6 lrs) x 2 schedules x 5 seeds = 110 runs of 200 steps: 42 min, 2 cores
+    python benchmarks/gpt_lr_sweep.py --muon-lrs 0.02 0.03 0.05 --adamw-lrs 0.001 0.002 0.003 --seeds 0 1 2 \\
+        --schedules constant --json s.json --figure s.png
+    python benchmarks/gpt_lr_sweep.py --from-json s.json --figure s.png   # report saved (even partial) runs again
 
-Both optimizers get the same model, batches, steps and constant learning rate (Muon uses
-adjust_lr_fn "match_rms_adamw", so one lr means the same update size for both; its
-embeddings, norms and biases take AdamW at that lr). The target is the best AdamW run's final
-validation loss; "steps to target" is the first evaluation at or below it. The runs use
-DP=2 x TP=1, which trains exactly as one process does (tests/test_gpt.py), on both cores.
+Both optimizers get the same model, batches, steps and learning-rate schedule (Muon uses
+adjust_lr_fn "match_rms_adamw", so one lr means the same update size for both; its embeddings,
+norms and biases take AdamW at that lr). A seed sets the initial weights and the batches.
+
+How the comparison is read, for each schedule:
+  * each optimizer's lr is the one whose final validation loss, averaged over the seeds, is
+    lowest ("tuned once"); it is bracketed when the grid has a worse lr on both sides;
+  * at each seed, the target is that AdamW run's final validation loss, and "steps to AdamW's
+    best loss" is the first evaluation at or below it, for Muon and for AdamW itself;
+  * the spread over seeds is printed as min-median-max, and again with each seed's own best lr
+    ("tuned per seed"), which is what a single-seed sweep reports;
+  * with several schedules, also Muon's steps to AdamW's best final loss over all of them.
+The runs use DP=2 x TP=1, which trains exactly as one process does (tests/test_gpt.py). --json is
+rewritten after every (seed, schedule) group, so an interrupted sweep keeps what it finished.
 """
 
 import argparse
+import json
+import statistics
 import sys
+from dataclasses import replace
 
 from gpt_bench import mt, pyplot, tg
 from gpt_bench import main as benchmark_main
+
+COLORS = {"muon": "tab:blue", "adamw": "tab:orange"}
+LABELS = {"muon": "Muon", "adamw": "AdamW"}
+ZOOM_TOP = 3.2  # nats per byte: the plot's top, about where the default runs are by step 20
 
 
 def steps_to(val, target):
@@ -23,65 +42,200 @@ def steps_to(val, target):
     return next((step for step, loss in val if loss <= target), None)
 
 
-def sweep(lrs, steps, dp, tp, every, val_windows, print_fn=print):
-    """lrs: {optimizer: [learning rates]}."""
-    configs = [tg.TrainConfig(dp=dp, tp=tp, optimizer=o, strategy="owner" if o == "muon" else "gather", lr=lr,
-                              steps=steps, log_every=every, val_windows=val_windows, progress=False)
-               for o in tg.OPTIMIZER_NAMES for lr in lrs[o]]
-    print_fn(tg.header(configs[0]).splitlines()[0].split(";")[0] + f"; {steps} steps; validation: "
-             f"{val_windows} windows every {every} steps")
+def spread(values):
+    """'min-median-max' of numbers (None, never reached, counts as missing)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    missing = len(values) - len(known)
+    text = "-".join(f"{v:.3g}" for v in (min(known), statistics.median(known), max(known)))
+    return text + (f" ({missing} never)" if missing else "")
+
+
+def train(a, model=tg.TrainConfig(), save=None, print_fn=print):
+    """Every (schedule, seed, optimizer, lr) of the grid, the model's sizes taken from `model`;
+    one spawn per (seed, schedule), save(what --json holds) after each; [run dicts]."""
+    lrs = dict(muon=a.muon_lrs, adamw=a.adamw_lrs)
+    base = replace(model, dp=a.dp, tp=a.tp, steps=a.steps, log_every=a.every, val_windows=a.val_windows,
+                   warmup_steps=a.warmup_steps, progress=False)
+    # seed by seed: an interrupted sweep has both schedules at the seeds it finished
+    groups = {(seed, schedule): [replace(base, optimizer=o, strategy="owner" if o == "muon" else "gather", lr=lr,
+                                         schedule=schedule, seed=seed) for o in tg.OPTIMIZER_NAMES for lr in lrs[o]]
+              for seed in a.seeds for schedule in a.schedules}
+    for configs in groups.values():  # every configuration is checked before the first rank starts
+        for cfg in configs:
+            tg.validate(cfg)
+    print_fn(tg.header(base).splitlines()[0].split(";")[0] + f"; {a.steps} steps; validation: {a.val_windows} "
+             f"windows every {a.every} steps; seeds {', '.join(map(str, a.seeds))}", flush=True)
     runs = []
-    for cfg, results in tg.train_many(configs):
-        summary = tg.summarize(cfg, results)
-        runs.append(dict(optimizer=cfg.optimizer, lr=cfg.lr, val=summary["val"], losses=summary["losses"],
-                         final_val=summary["val"][-1][1], ms_step=summary["ms"]["step"]))
-    best = {o: min((r for r in runs if r["optimizer"] == o), key=lambda r: r["final_val"]) for o in tg.OPTIMIZER_NAMES}
-    target = best["adamw"]["final_val"]
+    for (seed, schedule), configs in groups.items():
+        for cfg, results in tg.train_many(configs):
+            summary = tg.summarize(cfg, results)
+            runs.append(dict(schedule=schedule, seed=seed, optimizer=cfg.optimizer, lr=cfg.lr,
+                             val=summary["val"], final_val=summary["val"][-1][1], ms_step=summary["ms"]["step"]))
+        print_fn(f"  done: {schedule}, seed {seed} ({len(configs)} runs)", flush=True)
+        if save:
+            save(dict(grid=grid_of(a), runs=runs))
+    return runs
+
+
+def grid_of(a):
+    return dict(muon_lrs=a.muon_lrs, adamw_lrs=a.adamw_lrs, seeds=a.seeds, schedules=a.schedules, steps=a.steps,
+                every=a.every, val_windows=a.val_windows, warmup_steps=a.warmup_steps, dp=a.dp, tp=a.tp)
+
+
+def best_lr(runs, optimizer, seeds):
+    """(lr with the lowest mean final loss over seeds, bracketed?) among the lrs run at every seed."""
+    by_lr = {}
     for r in runs:
-        r["steps_to_target"] = steps_to(r["val"], target)
-    rows = [[r["optimizer"], f"{r['lr']:g}", f"{r['final_val']:.3f}", str(r["steps_to_target"] or "-"),
-             "best" if r is best[r["optimizer"]] else ""] for r in runs]
-    print_fn("\n" + mt.format_table(["optimizer", "lr", f"val loss @ {steps}", "steps to AdamW's best", ""],
-                                    rows, ["<", ">", ">", ">", "<"]))
-    muon_steps = best["muon"]["steps_to_target"]
-    ratio = best["adamw"]["steps_to_target"] / muon_steps if muon_steps else None
-    print_fn(f"\nTarget: AdamW's best final validation loss {target:.3f} (lr {best['adamw']['lr']:g}). Best Muon "
-             f"(lr {best['muon']['lr']:g}) reaches it at step {muon_steps}, AdamW at step "
-             f"{best['adamw']['steps_to_target']}: " + (f"{ratio:.2f}x fewer steps" if ratio else "never"))
-    print_fn(f"Best Muon's final validation loss: {best['muon']['final_val']:.3f}; median step: Muon "
-             f"{best['muon']['ms_step']:.0f} ms, AdamW {best['adamw']['ms_step']:.0f} ms (DP={dp} x TP={tp}, CPU)")
-    return dict(runs=runs, target=target, steps_ratio=ratio, best={o: (b["lr"]) for o, b in best.items()})
+        if r["optimizer"] == optimizer:
+            by_lr.setdefault(r["lr"], {})[r["seed"]] = r["final_val"]
+    complete = sorted(lr for lr, at in by_lr.items() if set(at) >= set(seeds))
+    best = min(complete, key=lambda lr: statistics.fmean(by_lr[lr][s] for s in seeds))
+    return best, complete[0] < best < complete[-1]
+
+
+def compare(runs, schedule):
+    """What one schedule's runs say: the tuned lrs, and per seed the target and the steps to it."""
+    mine = [r for r in runs if r["schedule"] == schedule]
+    seeds = sorted({r["seed"] for r in mine})
+    run = {(r["optimizer"], r["lr"], r["seed"]): r for r in mine}
+    tuned = {o: best_lr(mine, o, seeds) for o in tg.OPTIMIZER_NAMES}
+    per_seed = []
+    for seed in seeds:
+        own = {o: min((r for r in mine if r["optimizer"] == o and r["seed"] == seed), key=lambda r: r["final_val"])
+               for o in tg.OPTIMIZER_NAMES}
+        for how, pick in (("once", {o: run[o, tuned[o][0], seed] for o in tg.OPTIMIZER_NAMES}), ("per seed", own)):
+            target = pick["adamw"]["final_val"]
+            steps = {o: steps_to(pick[o]["val"], target) for o in tg.OPTIMIZER_NAMES}
+            per_seed.append(dict(seed=seed, tuned=how, target=target, lrs={o: pick[o]["lr"] for o in pick},
+                                 steps=steps, final=({o: pick[o]["final_val"] for o in pick}),
+                                 ratio=steps["adamw"] / steps["muon"] if steps["muon"] else None))
+    return dict(schedule=schedule, seeds=seeds, tuned={o: dict(lr=lr, bracketed=b) for o, (lr, b) in tuned.items()},
+                per_seed=per_seed)
+
+
+def report(result, print_fn=print):
+    """The tables: every run's final loss, then the steps to AdamW's best, spread over seeds."""
+    runs = result["runs"]
+    schedules = list(dict.fromkeys(r["schedule"] for r in runs))
+    for schedule in dict.fromkeys(r["schedule"] for r in runs):
+        c = compare(runs, schedule)
+        seeds = c["seeds"]
+        rows = []
+        for o in tg.OPTIMIZER_NAMES:
+            for lr in sorted({r["lr"] for r in runs if r["schedule"] == schedule and r["optimizer"] == o}):
+                finals = {r["seed"]: r["final_val"] for r in runs
+                          if (r["schedule"], r["optimizer"], r["lr"]) == (schedule, o, lr)}
+                mean = statistics.fmean(finals.values())
+                rows.append([o, f"{lr:g}"] + [f"{finals[s]:.3f}" if s in finals else "" for s in seeds]
+                            + [f"{mean:.3f}", "best" if c["tuned"][o]["lr"] == lr else ""])
+        steps = result["grid"]["steps"]
+        print_fn(f"\nSchedule: {schedule}; validation loss at step {steps} (nats per byte)")
+        print_fn(mt.format_table(["optimizer", "lr"] + [f"seed {s}" for s in seeds] + ["mean", ""], rows,
+                                 ["<", ">"] + [">"] * (len(seeds) + 1) + ["<"]))
+        for o, t in c["tuned"].items():
+            where = "bracketed (a worse lr on both sides)" if t["bracketed"] else "AT THE GRID'S EDGE (not bracketed)"
+            print_fn(f"{LABELS[o]}'s best lr {t['lr']:g}: {where}")
+        rows = []
+        for how in ("once", "per seed"):
+            picks = [p for p in c["per_seed"] if p["tuned"] == how]
+            rows.append([how, " ".join(f"{p['lrs']['muon']:g}/{p['lrs']['adamw']:g}" for p in picks),
+                         spread([p["target"] for p in picks]), spread([p["steps"]["muon"] for p in picks]),
+                         spread([p["steps"]["adamw"] for p in picks]), spread([p["ratio"] for p in picks]),
+                         spread([p["final"]["adamw"] - p["final"]["muon"] for p in picks])])
+        print_fn(f"Steps to AdamW's best loss, over seeds {', '.join(map(str, seeds))} (min-median-max; "
+                 f"evaluations every {result['grid']['every']} steps):")
+        print_fn(mt.format_table(["lr tuned", "lrs Muon/AdamW per seed", "target loss", "Muon steps", "AdamW steps",
+                                  "AdamW/Muon steps", f"AdamW - Muon loss @ {steps}"], rows,
+                                 ["<", "<", ">", ">", ">", ">", ">"]))
+        ms = {o: statistics.median(r["ms_step"] for r in runs
+                                   if (r["schedule"], r["optimizer"], r["lr"]) == (schedule, o, c["tuned"][o]["lr"]))
+              for o in tg.OPTIMIZER_NAMES}
+        print_fn(f"Median step at the tuned lrs, median over seeds: Muon {ms['muon']:.0f} ms, AdamW "
+                 f"{ms['adamw']:.0f} ms ({ms['muon'] / ms['adamw']:.2f}x; DP={result['grid']['dp']} x TP={result['grid']['tp']}, this CPU)")
+    if len(schedules) > 1:
+        a = across_schedules(runs)
+        print_fn(f"\nAgainst AdamW's best final loss over {' and '.join(schedules)} (per seed, each at its tuned lr; "
+                 f"seeds {', '.join(map(str, a['seeds']))}): target {spread(a['target'])}; Muon reaches it in "
+                 + "; ".join(f"{spread(a[k])} steps ({k})" for k in schedules))
+
+
+def across_schedules(runs):
+    """Per seed, AdamW's best final loss over every schedule (each at its tuned lr) and the steps
+    Muon needs to reach it under each schedule (at its tuned lr): {"target": [...], schedule: [...]}."""
+    schedules = list(dict.fromkeys(r["schedule"] for r in runs))
+    compared = {k: {p["seed"]: p for p in compare(runs, k)["per_seed"] if p["tuned"] == "once"} for k in schedules}
+    seeds = sorted(set.intersection(*(set(c) for c in compared.values())))
+    run = {(r["schedule"], r["optimizer"], r["lr"], r["seed"]): r for r in runs}
+    out = {"target": [min(compared[k][s]["final"]["adamw"] for k in schedules) for s in seeds], "seeds": seeds}
+    for k in schedules:
+        out[k] = [steps_to(run[k, "muon", compared[k][s]["lrs"]["muon"], s]["val"], target)
+                  for s, target in zip(seeds, out["target"])]
+    return out
 
 
 def plot(result, path):
+    """Per schedule: each optimizer at its tuned lr, the mean validation loss over seeds and its
+    min-max band."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    colors = {"muon": "tab:blue", "adamw": "tab:orange"}
-    for r in result["runs"]:
-        best = result["best"][r["optimizer"]] == r["lr"]
-        steps, losses = zip(*r["val"])
-        ax.plot(steps, losses, color=colors[r["optimizer"]], alpha=1.0 if best else 0.35, lw=2 if best else 1,
-                label=f"{'Muon' if r['optimizer'] == 'muon' else 'AdamW'} lr {r['lr']:g}")
-    ax.axhline(result["target"], color="gray", ls=":", lw=1, label="AdamW's best final loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats per byte)")
-    ax.set_title("GPT on the standard library's sources: Muon vs AdamW, same tokens")
-    ax.legend(fontsize=8, ncol=2)
+    schedules = list(dict.fromkeys(r["schedule"] for r in result["runs"]))
+    fig, axes = plt.subplots(1, len(schedules), figsize=(6 * len(schedules), 4.2), squeeze=False, sharey=True)
+    for ax, schedule in zip(axes[0], schedules):
+        c = compare(result["runs"], schedule)
+        for o, t in c["tuned"].items():
+            curves = [r["val"] for r in result["runs"]
+                      if (r["schedule"], r["optimizer"], r["lr"]) == (schedule, o, t["lr"])]
+            steps = [s for s, _ in curves[0]]
+            losses = list(zip(*[[v for _, v in curve] for curve in curves]))  # per step, one per seed
+            ax.plot(steps, [statistics.fmean(v) for v in losses], color=COLORS[o], lw=2,
+                    label=f"{LABELS[o]} lr {t['lr']:g}, mean of {len(curves)} seeds")
+            ax.fill_between(steps, [min(v) for v in losses], [max(v) for v in losses], color=COLORS[o], alpha=0.25,
+                            label=f"{LABELS[o]}: min-max over seeds")
+        once = [p["target"] for p in c["per_seed"] if p["tuned"] == "once"]
+        ax.axhline(statistics.fmean(once), color="gray", ls=":", lw=1, label="AdamW's final loss (mean over seeds)")
+        ax.set_title(f"{schedule} lr")
+        ax.set_xlabel("step")
+        low, high = ax.get_ylim()
+        if low < ZOOM_TOP < high:  # the first steps' losses (from ln 256 = 5.5) would flatten the rest
+            ax.set_ylim(top=ZOOM_TOP)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("validation loss (nats per byte)")
+    fig.suptitle("GPT on the standard library's sources: Muon vs AdamW, same tokens, tuned lr per optimizer")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None):
+def measure(a):
+    if a.from_json:
+        with open(a.from_json) as f:
+            result = json.load(f)
+    else:
+        result = dict(grid=grid_of(a), runs=train(a, save=lambda partial: mt.write_json(a.json, partial)))
+    report(result)
+    return result
+
+
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.003, 0.01, 0.03, 0.1])
-    p.add_argument("--adamw-lrs", type=float, nargs="+", default=[0.0003, 0.001, 0.003, 0.01])
+    # Finer grids (steps of about 1.5x) around the bests of the earlier 4-point sweep at seed 0 (Muon 0.03
+    # among 0.003-0.1, AdamW 0.001 among 0.0003-0.01) and issue 21's rerun at seed 1 (AdamW 0.002).
+    p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.03, 0.05, 0.07])
+    p.add_argument("--adamw-lrs", type=float, nargs="+", default=[0.0007, 0.001, 0.0014, 0.002, 0.003, 0.004])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--schedules", nargs="+", choices=tg.SCHEDULES, default=list(tg.SCHEDULES))
+    p.add_argument("--warmup-steps", type=int, default=10, help="warmup-cosine's (default %(default)s)")
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=10, help="steps between validation losses")
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=1)
-    return benchmark_main(p, lambda a: sweep(dict(muon=a.muon_lrs, adamw=a.adamw_lrs), a.steps, a.dp, a.tp, a.every,
-                                             a.val_windows), plot, argv)
+    p.add_argument("--from-json", metavar="PATH", help="report the runs saved by an earlier --json (no training)")
+    return p
+
+
+def main(argv=None):
+    return benchmark_main(build_parser(), measure, plot, argv)
 
 
 if __name__ == "__main__":

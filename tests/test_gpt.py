@@ -1,11 +1,14 @@
 """examples/: the GPT trained under DP x TP against the same GPT trained in one process by
 torch.optim.Muon + torch.optim.AdamW, for every strategy and the AdamW baseline, on grids
-1x1, 2x1, 1x2 and 2x2; the command line's errors, progress lines, bytes and traces.
+1x1, 2x1, 4x1, 1x2 and 2x2; the command line's errors, progress lines, bytes and traces; the
+learning-rate sweep's arithmetic and plumbing.
 
-The tolerance policy is train_gpt.py's (section 3): bit for bit wherever the order of every
-fp32 sum is the one process's (TP = 1, DP <= 2), and the replay of the ranks' own gradients
-through torch's optimizers is bit for bit on every grid here (DP <= 2); with TP = 2 each
-step's loss and gradients are held to the bounds of a reordered fp32 sum."""
+The tolerance policy is train_gpt.py's (section 3): bit for bit wherever every fp32 sum has the
+one process's order (TP = 1: the Gloo DP sum adds in rank order, as the one process accumulates),
+and the replay of the ranks' own gradients through torch's optimizers bit for bit on every grid;
+with TP = 2 each step's loss and gradients are held to the bound derived there (4 x the one
+process's own fp32 error against float64, plus one reordered reduction), and the free-running
+drift is reported beside the chaos floor, never checked."""
 
 import copy
 import json
@@ -25,14 +28,18 @@ sys.path.insert(0, EXAMPLES)
 import gpt  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import gpt_lr_sweep as sweep  # noqa: E402
+
 TRAIN = os.path.join(EXAMPLES, "train_gpt.py")
 # A GPT small enough for a test, with every kind of parameter: 2 layers, 2 heads (TP = 2 keeps one each).
 SMALL = dict(d_model=32, layers=2, heads=2, context=32, batch=8, val_windows=4, log_every=1000, timeout_s=60)
 SMALL_FLAGS = ["--d-model", "32", "--layers", "2", "--heads", "2", "--context", "32", "--batch", "8",
                "--val-windows", "4"]
 STEPS = 3
-KINDS = [dict(strategy=s) for s in dm.STRATEGIES] + [dict(optimizer="adamw", strategy="gather")]
-GRIDS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+KINDS = [dict(strategy=s) for s in dm.STRATEGIES] + [dict(optimizer="adamw", strategy="gather"),
+                                                    dict(strategy="owner", schedule="warmup-cosine", warmup_steps=1)]
+GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -51,25 +58,49 @@ def test_every_strategy_trains_as_one_process_does(trained, dp, tp):
         # DP <= 2 everywhere here: the optimizer is exact, given the ranks' gradients
         assert all(c["identical"] for c in checks["replay"]), what
         assert checks["replica_max_diff"] == 0, what
-        if tp == 1:  # the same sums in the same order as one process: every bit the same
+        if tp == 1:  # the same sums in the same order as one process (DP = 4 too): every bit the same
             assert checks["exact"] and all(c["identical"] for c in checks["trained"]), what
             assert checks["grad_max_rel_diff"] == checks["step_loss_max_rel_diff"] == 0, what
             assert checks["trained_loss_max_rel_diff"] == 0, what
-        else:  # TP reorders fp32 sums: not bit for bit, but within the bounds, and not by chance
-            assert not checks["exact"], what
-            assert 0 < checks["grad_max_rel_diff"] <= tg.GRAD_RTOL, what
-            assert checks["step_loss_max_rel_diff"] <= tg.STEP_LOSS_RTOL, what
-            assert checks["trained_loss_max_rel_diff"] <= tg.TRAINED_LOSS_RTOL, what
+        else:  # TP reorders fp32 sums: not bit for bit (and not by chance), within the derived bound
+            assert not checks["exact"] and checks["grad_max_rel_diff"] > 0, what
+            assert checks["bound_ratio"] <= 1, what
+            # the ranks' error against float64 is of the one process's own size, and far below a bug's
+            assert checks["ranks_grad_err"] <= tg.REALIZED_FACTOR * checks["one_process_grad_err"] + 2.0**-13, what
+            floor = checks["chaos_floor_loss_max_rel_diff"]  # 0 where one ulp has not reached a loss in 3 steps
+            assert checks["chaos_ratio"] == (checks["trained_loss_max_rel_diff"] / floor if floor else None), what
 
 
 def test_the_losses_fall_and_muon_moves_every_matrix(trained):
     for cfg, results in trained[2, 2]:
+        if cfg.schedule != "constant":
+            continue  # warm-up and decay within 3 steps: a smaller fall
         losses = tg.summarize(cfg, results)["losses"]
         assert losses[-1] < losses[0] - 0.2, (tg.run_kind(cfg), losses)  # from about ln 256 = 5.5
     cfg, results = trained[2, 2][0]
     start = gpt.initial_weights(cfg.gpt())
     final = tg.full_tensors(cfg, lambda t: results[t]["params"], tg.param_specs(cfg))
     assert all(not torch.equal(final[n], start[n]) for n in gpt.muon_params(gpt.GPT(cfg.gpt())))
+
+
+def test_warmup_cosine_reaches_both_optimizers():
+    cfg = tg.TrainConfig(lr=0.02, steps=200, schedule="warmup-cosine", warmup_steps=10)
+    lrs = [tg.lr_at(cfg, s) for s in range(1, 201)]
+    assert lrs[0] == 0.002 and lrs[9] == 0.02  # linear warm-up over 10 steps
+    assert all(a > b for a, b in zip(lrs[9:], lrs[10:]))  # then falls at every step
+    assert lrs[-1] == pytest.approx(0.02 * tg.MIN_LR_FRACTION, rel=1e-12)
+    assert all(tg.lr_at(tg.TrainConfig(lr=0.02), s) == 0.02 for s in (1, 100, 120))
+
+
+def test_the_schedule_changes_the_training_and_the_replay_follows_it(trained):
+    """The ranks and torch's optimizers take the schedule's lr at every step (the replay is bit for bit,
+    in test_every_strategy_trains_as_one_process_does), and it is not the constant lr's training."""
+    for grid in GRIDS:
+        runs = {(cfg.strategy, cfg.schedule): results for cfg, results in trained[grid] if cfg.optimizer == "muon"}
+        scheduled, constant = runs["owner", "warmup-cosine"], runs["owner", "constant"]
+        # a 1-step warm-up: step 1 takes the whole lr, so the loss of step 2 is the same; step 2 takes less
+        assert scheduled[0]["losses"][:2] == constant[0]["losses"][:2], grid
+        assert scheduled[0]["losses"][2] != constant[0]["losses"][2], grid
 
 
 def test_the_checks_catch_a_wrong_weight_and_a_wrong_gradient(trained):
@@ -81,7 +112,44 @@ def test_the_checks_catch_a_wrong_weight_and_a_wrong_gradient(trained):
     broken = copy.deepcopy(results)
     broken[1]["grads"][0][name].mul_(0.5)  # as if f's backward had lost half the sum
     checks = tg.verify(cfg, broken)
-    assert not checks["passed"] and checks["grad_max_rel_diff"] > tg.GRAD_RTOL
+    assert not checks["passed"] and checks["bound_ratio"] > 100 and checks["grad_max_rel_diff"] > 0.1
+
+
+def test_a_grid_of_exact_sums_says_so(trained):
+    """4x1: the DP sum adds the ranks in rank order, as the one process accumulates: every number
+    is bit for bit, and the printout says that, not that sums were reordered."""
+    cfg, results = trained[4, 1][0]
+    lines = []
+    tg.print_verification(cfg, tg.verify(cfg, results), lines.append)
+    assert lines[0].endswith("every fp32 sum in its order, every comparison bit for bit"), lines[0]
+    assert "reorders" not in "\n".join(lines) and lines[-1] == "Result: PASS"
+
+
+def test_a_chaotic_training_passes_and_its_drift_is_reported_beside_the_chaos_floor(tmp_path, capsys):
+    """Issue 21's failing command, shortened: lr 0.1 on 2x2. The free-running losses drift apart as
+    chaotically as a one-ulp change of one weight makes them (reported); what is checked passes."""
+    out = tmp_path / "run.json"
+    assert tg.main(["--dp", "2", "--tp", "2", "--lr", "0.1", "--steps", "8", *SMALL_FLAGS, "--verify",
+                    "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    checks = json.loads(out.read_text())["checks"]
+    assert checks["passed"] and "Result: PASS" in printed
+    assert checks["trained_loss_max_rel_diff"] > 0 and checks["chaos_floor_loss_max_rel_diff"] > 0
+    assert checks["chaos_ratio"] == checks["trained_loss_max_rel_diff"] / checks["chaos_floor_loss_max_rel_diff"]
+    assert f"{checks['chaos_ratio']:.2g}x that chaos floor" in printed
+
+
+def test_a_script_without_a_main_guard_gets_multiprocessings_own_advice(tmp_path):
+    """The ranks start from a forkserver, which imports the calling script again: without an
+    `if __name__ == "__main__":` guard each rank tries to start ranks. multiprocessing refuses with
+    its advice; the launcher must let that through (it ended in an AttributeError in stop())."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {EXAMPLES!r})\nimport train_gpt as tg\n"
+                      f"tg.train_many([tg.TrainConfig(dp=1, tp=2, steps=1, progress=False, **{SMALL!r})])\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "if __name__ == '__main__':" in proc.stderr and "AttributeError" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.rstrip().endswith("exited with code 1"), proc.stderr[-500:]
 
 
 def test_bytes_per_step_are_what_f_g_and_zero1_move(trained):
@@ -125,6 +193,10 @@ def test_the_command_line_trains_prints_progress_and_writes_traces(tmp_path):
     (["--lr", "-1"], "error: --lr must be >= 0 and finite (got -1.0)"),
     (["--steps", "4", "--profile", "x"], "error: --profile traces steps 4 to 6: --steps must be >= 6 (got 4)"),
     (["--json", "/nonexistent/run.json"], "error: --json /nonexistent/run.json: the folder /nonexistent does not exist"),
+    (["--context", "100000", "--steps", "1"], "error: --val-windows 32 x (--context 100000 + 1) = 3,200,032 bytes, "
+                                              "more than the "),  # the text's size depends on the Python
+    (["--schedule", "warmup-cosine", "--steps", "10", "--warmup-steps", "10"],
+     "error: --warmup-steps must be >= 0 and below --steps 10 (got 10)"),
 ])
 def test_bad_flags_are_refused_before_any_rank_starts(capsys, monkeypatch, argv, message):
     monkeypatch.setattr(mt, "spawn_ranks", lambda *a: pytest.fail("a rank was started"))
@@ -149,3 +221,49 @@ def test_under_torchrun_the_same_training_runs_and_verifies(tmp_path):
     assert results["checks"]["passed"] and results["backend"] == "gloo"
     assert all(c["identical"] for c in results["checks"]["replay"])
     assert "Result: PASS" in proc.stdout
+
+
+def sweep_run(optimizer, lr, seed, losses, schedule="constant"):
+    val = [(10 * (i + 1), loss) for i, loss in enumerate(losses)]
+    return dict(schedule=schedule, seed=seed, optimizer=optimizer, lr=lr, val=val, final_val=losses[-1])
+
+
+def test_the_sweep_tunes_over_seeds_and_counts_steps_to_adamws_loss():
+    runs = [sweep_run("muon", 0.01, 0, [3.0, 2.8, 2.6]), sweep_run("muon", 0.01, 1, [3.0, 2.9, 2.7]),
+            sweep_run("muon", 0.03, 0, [2.9, 2.5, 2.3]), sweep_run("muon", 0.03, 1, [2.8, 2.6, 2.4]),
+            sweep_run("muon", 0.1, 0, [3.5, 3.4, 3.3]), sweep_run("muon", 0.1, 1, [3.5, 3.4, 3.3]),
+            sweep_run("adamw", 0.001, 0, [3.1, 2.9, 2.7]), sweep_run("adamw", 0.001, 1, [3.1, 3.0, 2.55]),
+            sweep_run("adamw", 0.003, 0, [3.2, 2.95, 2.65]), sweep_run("adamw", 0.003, 1, [3.2, 3.1, 2.75])]
+    c = sweep.compare(runs, "constant")
+    # tuned once: the lowest mean final loss; Muon's 0.03 has a worse lr on both sides, AdamW's 0.001 does not
+    assert c["tuned"] == dict(muon=dict(lr=0.03, bracketed=True), adamw=dict(lr=0.001, bracketed=False))
+    once = [p for p in c["per_seed"] if p["tuned"] == "once"]
+    assert [(p["target"], p["steps"]["muon"], p["steps"]["adamw"], p["ratio"]) for p in once] == [
+        (2.7, 20, 30, 1.5), (2.55, 30, 30, 1.0)]
+    own = [p for p in c["per_seed"] if p["tuned"] == "per seed"]  # seed 0's best AdamW is 0.003
+    assert [(p["lrs"]["adamw"], p["target"], p["steps"]["muon"]) for p in own] == [(0.003, 2.65, 20), (0.001, 2.55, 30)]
+    assert sweep.spread([20, None, 30, 25]) == "20-25-30 (1 never)"
+    # another schedule whose AdamW ends lower at seed 1 only: the target per seed is the lower of the two
+    runs += [sweep_run(o, lr, seed, losses, "warmup-cosine") for o, lr, seed, losses in (
+        ("muon", 0.03, 0, [2.6, 2.4, 2.2]), ("muon", 0.03, 1, [2.7, 2.5, 2.45]),
+        ("adamw", 0.001, 0, [3.0, 2.8, 2.75]), ("adamw", 0.001, 1, [3.0, 2.6, 2.5]))]
+    across = sweep.across_schedules(runs)
+    assert across == dict(seeds=[0, 1], target=[2.7, 2.5], constant=[20, 30], **{"warmup-cosine": [10, 20]})
+
+
+def test_the_sweep_runs_end_to_end_and_reports_saved_runs(tmp_path, capsys):
+    """Plumbing only, in a few seconds: a tiny model, 3 steps, 2 seeds, both schedules; then the report
+    and the figure from the saved JSON, as --from-json does after an interrupted sweep."""
+    args = sweep.build_parser().parse_args(["--muon-lrs", "0.01", "0.03", "0.1", "--adamw-lrs", "0.001", "0.01",
+                                            "--seeds", "0", "1", "--steps", "3", "--every", "1", "--warmup-steps",
+                                            "1", "--val-windows", "2", "--dp", "1"])
+    saved = tmp_path / "sweep.json"
+    tiny = tg.TrainConfig(d_model=16, layers=1, heads=1, context=16, batch=2)
+    runs = sweep.train(args, tiny, save=lambda partial: mt.write_json(str(saved), partial))
+    assert len(runs) == 2 * 2 * 5 and {(r["seed"], r["schedule"]) for r in runs} == {
+        (s, k) for s in (0, 1) for k in tg.SCHEDULES}
+    assert all([step for step, _ in r["val"]] == [1, 2, 3] for r in runs)
+    figure = tmp_path / "sweep.png"
+    assert sweep.main(["--from-json", str(saved), "--figure", str(figure)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Steps to AdamW's best loss, over seeds 0, 1") == 2 and figure.stat().st_size > 10_000
