@@ -21,7 +21,7 @@ so that the torch this project runs on is never replaced (requirements.txt never
 
     python -m venv --system-site-packages /work/peers-venv
     /work/peers-venv/bin/pip install --no-deps -r benchmarks/requirements-peers.txt
-    /work/peers-venv/bin/python benchmarks/peers.py                     # d = 128, 1 and 2 processes
+    /work/peers-venv/bin/python benchmarks/peers.py                     # d = 768, 1 and 2 processes
     python benchmarks/peers.py --d 32 --rounds 2 --ranks 1              # ours only, no peer installed
 
 A peer that is not installed is reported as "not installed"; one that fails, with its error's first
@@ -36,9 +36,10 @@ Peers are configured as close to torch.optim.Muon as their options allow (lr 0.0
 0.1, momentum 0.95, Nesterov, 5 quintic Newton-Schulz steps, lr scaled by max(1, rows/cols)^0.5);
 where they still differ, the check below says by how much.
 
-Default size: d = 128, not scaling.py's 768, because this project's CPU has no bf16 matrix units
-(bf16 matmuls run tens of times slower than fp32; see scaling.py): at d = 768 one torch step takes
-minutes here. Figures and ratios, never verdicts: the machine is shared and noisy, so every round
+Default size: scaling.py's 4 layers at d = 768 (GPT-2 small's width), as issue 22 asks, on a CPU with
+bf16 matrix units (AVX512-BF16 / AMX: this one's first line says its bf16 GFLOP/s); on one without,
+bf16 matmuls run tens of times slower than fp32 and a step takes minutes: use --d 128 there, as
+scaling.py does. Figures and ratios, never verdicts: the machine is shared and noisy, so every round
 steps every contender once, in turn (interleaved), and the ratios come from one run.
 """
 
@@ -63,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distributed_muon_cpu as dm  # noqa: E402
 import scaling  # noqa: E402
 
-D, LAYERS, ROUNDS = 128, 4, 7
+D, LAYERS, ROUNDS = scaling.D, scaling.LAYERS, scaling.ROUNDS
 LR, WEIGHT_DECAY, MOMENTUM = scaling.HYPERPARAMETERS["lr"], scaling.HYPERPARAMETERS["weight_decay"], 0.95
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 TORCH = "torch.optim.Muon"
