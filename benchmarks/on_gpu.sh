@@ -127,16 +127,16 @@ if [ "$CPU_ONLY" = 1 ]; then
   skip "2. Newton-Schulz GFLOP/s vs bf16 matmul"
   skip "3. DTensor optimizer on 1 CUDA device"
 else
-  part "1. sibling on 1 GPU vs torch.optim.Muon" 75 "$OUT/sibling_1gpu_$NAME.txt" "^Result" \
+  part "1. sibling on 1 GPU vs torch.optim.Muon" 60 "$OUT/sibling_1gpu_$NAME.txt" "^Result" \
     torchrun --standalone --nproc-per-node 1 distributed_muon.py --steps "$STEPS" --json "$OUT/sibling_1gpu_$NAME.json"
   if [ -s "$OUT/sibling_1gpu_$NAME.json" ]; then
-    part "1b. torch.optim.Muon's step on the GPU" 60 "$OUT/sibling_vs_torch_1gpu_$NAME.txt" "^sibling / torch" \
+    part "1b. torch.optim.Muon's step on the GPU" 45 "$OUT/sibling_vs_torch_1gpu_$NAME.txt" "^sibling / torch" \
       $PY -c "$TORCH_STEP" "$OUT/sibling_1gpu_$NAME.json"
   fi
-  part "2. Newton-Schulz GFLOP/s vs bf16 matmul" 60 "$OUT/ns_gflops_$NAME.txt" "x" $PY -c "$NS_GFLOPS" $NS_SHAPES
-  part "2b. Newton-Schulz bits, CPU vs GPU" 45 "$OUT/cpu_vs_gpu_newton_schulz_$NAME.txt" "4096, 1024" \
+  part "2. Newton-Schulz GFLOP/s vs bf16 matmul" 45 "$OUT/ns_gflops_$NAME.txt" "x" $PY -c "$NS_GFLOPS" $NS_SHAPES
+  part "2b. Newton-Schulz bits, CPU vs GPU" 30 "$OUT/cpu_vs_gpu_newton_schulz_$NAME.txt" "4096, 1024" \
     $PY benchmarks/cpu_vs_gpu_newton_schulz.py
-  part "3. DTensor optimizer on 1 CUDA device" 75 "$OUT/dtensor_1gpu_$NAME.txt" "^Result|PASS|FAIL" \
+  part "3. DTensor optimizer on 1 CUDA device" 60 "$OUT/dtensor_1gpu_$NAME.txt" "^Result|PASS|FAIL" \
     torchrun --standalone --nproc-per-node 1 distributed_muon_dtensor.py --dp 1 --tp 1 --steps "$STEPS" \
     --json "$OUT/dtensor_1gpu_$NAME.json"
 fi
