@@ -1,0 +1,460 @@
+"""The peers side by side, like for like: every Muon on the package registry that runs on CPU Gloo,
+timed as *its gradient synchronization + its step* against ours, whose step includes its reduction,
+and each checked against torch.optim.Muon after one step.
+
+    What a data-parallel step costs, per optimizer          what is timed here
+    ---------------------------------------------------     -------------------------------------
+    DDP peer (muon-optimizer)    all-reduce + its step      the all-reduce DDP does (25 MiB
+                                                            buckets, averaged), then step()
+    FSDP2 peer (dtensor-muon,    reduce-scatter + its step  the reduce-scatter FSDP2 does (one per
+      muon-fsdp2, muonium)                                  layer, averaged), then step()
+    ours (owner, comm-free)      its step                   step(): it reduces the gradients itself
+
+Both collectives are run and timed on Gloo here, never assumed. The model is scaling.py's 4
+transformer layers (qkv, proj, fc, fc2), Muon's matrices only (no AdamW: the peers' AdamWs differ
+more than their Muons). On N processes every rank holds the same local gradient: g for the peers,
+whose DDP / FSDP2 average it, g / N for ours, which sums; both give the total gradient g exactly for
+N a power of two, and torch.optim.Muon in one process is fed g. Each process runs one thread.
+
+Install the peers into their own virtual environment that sees the system torch, with --no-deps,
+so that the torch this project runs on is never replaced (requirements.txt never lists them):
+
+    python -m venv --system-site-packages /work/peers-venv
+    /work/peers-venv/bin/pip install --no-deps -r benchmarks/requirements-peers.txt
+    /work/peers-venv/bin/python benchmarks/peers.py                     # d = 768, 1 and 2 processes
+    python benchmarks/peers.py --d 32 --rounds 2 --ranks 1              # ours only, no peer installed
+
+A peer that is not installed is reported as "not installed"; one that fails, with its error's first
+line. Patches a peer needs to run here are applied at run time, to the imported modules (never to
+their files), and printed:
+  * torch.compile unwrapped (muon-fsdp2's, dtensor-muon's and muonium's Newton-Schulz loops, and
+    muonium's compiled update): every contender then runs the same eager bf16 matmuls as
+    torch.optim.Muon and ours, and no time goes into compiling;
+  * dtensor-muon's MuonForeach moves every batch to torch.device("cuda") unconditionally: the move
+    is made the identity on CPU.
+Peers are configured as close to torch.optim.Muon as their options allow (lr 0.02, weight decay
+0.1, momentum 0.95, Nesterov, 5 quintic Newton-Schulz steps, lr scaled by max(1, rows/cols)^0.5);
+where they still differ, the check below says by how much.
+
+Default size: scaling.py's 4 layers at d = 768 (GPT-2 small's width), as issue 22 asks, on a CPU with
+bf16 matrix units (AVX512-BF16 / AMX: this one's first line says its bf16 GFLOP/s); on one without,
+bf16 matmuls run tens of times slower than fp32 and a step takes minutes: use --d 128 there, as
+scaling.py does. Figures and ratios, never verdicts: the machine is shared and noisy, so every round
+steps every contender once, in turn (interleaved), and the ratios come from one run.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import importlib.metadata
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distributed_muon_cpu as dm  # noqa: E402
+import scaling  # noqa: E402
+
+D, LAYERS, ROUNDS = scaling.D, scaling.LAYERS, scaling.ROUNDS
+LR, WEIGHT_DECAY, MOMENTUM = scaling.HYPERPARAMETERS["lr"], scaling.HYPERPARAMETERS["weight_decay"], 0.95
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
+TORCH = "torch.optim.Muon"
+OURS = ("owner", "comm-free")
+NOT_INSTALLED = "not installed"
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. The model and the reference
+# ----------------------------------------------------------------------------------------------
+
+def matrices(d, layers):
+    """(starting weights, total gradient): {name: tensor} each, scaling.py's Muon matrices."""
+    params, grads = scaling.parameters(d, layers)
+    return ({n: p for n, p in params.items() if p.ndim == 2},
+            {n: g for n, g in grads.items() if params[n].ndim == 2})
+
+
+def torch_muon(params):
+    return torch.optim.Muon(list(params.values()), lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
+                            nesterov=True, adjust_lr_fn="original")
+
+
+def reference_step(weights, total):
+    """torch.optim.Muon's weights after one step fed the total gradient, in this process."""
+    params = {n: w.clone() for n, w in weights.items()}
+    for n, p in params.items():
+        p.grad = total[n].clone()
+    torch_muon(params).step()
+    return params
+
+
+def check(after, reference, weights):
+    """'bit-identical', else max |delta| and its size relative to the largest element of torch's step."""
+    if all(torch.equal(after[n], reference[n]) for n in reference):
+        return "bit-identical"
+    delta = max((after[n] - reference[n]).abs().max().item() for n in reference)
+    step = max((reference[n] - weights[n]).abs().max().item() for n in reference)
+    return f"max |d| {delta:.1e} ({delta / step:.1%} of the step)"
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. The gradient synchronization each peer's wrapper does, run on Gloo
+# ----------------------------------------------------------------------------------------------
+
+def ddp_all_reduce(params, local, world):
+    """DDP after backward: gradients copied into 25 MiB buckets, each all-reduced and averaged."""
+    names, buckets, size = list(params), [[]], 0
+    for n in names:
+        if size and size + local[n].numel() * 4 > DDP_BUCKET_BYTES:
+            buckets, size = buckets + [[]], 0
+        buckets[-1].append(n)
+        size += local[n].numel() * 4
+    for bucket in buckets:
+        flat = torch.cat([local[n].reshape(-1) for n in bucket])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        for n, piece in zip(bucket, flat.split([local[n].numel() for n in bucket])):
+            params[n].grad = piece.view_as(local[n])
+
+
+def fsdp2_reduce_scatter(params, local, world, mesh):
+    """FSDP2 after a layer's backward: its gradients copied in rank by rank (each rank's dim-0 chunk
+    of every matrix), one reduce-scatter per layer, averaged; each rank keeps its shards."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for layer in sorted({n.rsplit(".", 1)[0] for n in params}):
+        names = [n for n in params if n.rsplit(".", 1)[0] == layer]
+        flat = torch.cat([local[n].chunk(world)[r].reshape(-1) for r in range(world) for n in names])
+        shard = torch.empty(flat.numel() // world)
+        dist.reduce_scatter_tensor(shard, flat)
+        shard.div_(world)
+        for n, piece in zip(names, shard.split([local[n].numel() // world for n in names])):
+            full = local[n]
+            params[n].grad = DTensor.from_local(piece.view(full.shape[0] // world, *full.shape[1:]), mesh,
+                                                [Shard(0)], shape=full.shape, stride=full.stride())
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. The contenders
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Contender:
+    """One optimizer ready to step: `sync(local gradients)` sets its params' .grad the way its
+    wrapper would, `step()` steps it, `full()` returns its weights as whole tensors."""
+    params: dict
+    sync: object
+    step: object
+    full: object
+
+
+def full_weights(params):
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in params.items()}
+
+
+def ddp_contender(weights, world, make):
+    params = {n: torch.nn.Parameter(w.clone()) for n, w in weights.items()}
+    return Contender(params, lambda local: ddp_all_reduce(params, local, world), make(params).step,
+                     lambda: full_weights(params))
+
+
+def fsdp2_contender(weights, world, make):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    params = {n: torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for n, w in weights.items()}
+    return Contender(params, lambda local: fsdp2_reduce_scatter(params, local, world, mesh),
+                     make(params).step, lambda: full_weights(params))
+
+
+def ours(strategy):
+    def build(weights, world, rank):
+        params = {n: w.clone() for n, w in weights.items()}
+
+        def sync(local):
+            for n, p in params.items():
+                p.grad = local[n]
+
+        groups = [dict(params=list(params.items()), algorithm="muon")]
+        optimizer = dm.OPTIMIZERS[strategy](groups, grid=dm.make_grid(world, 1, rank), lr=LR,
+                                            weight_decay=WEIGHT_DECAY, momentum=MOMENTUM)
+        return Contender(params, sync, optimizer.step, lambda: full_weights(params))
+    return build
+
+
+def uncompiled(package):
+    """Every torch.compile'd function held by the package's loaded modules replaced by the function it
+    wraps: the patch, in one line."""
+    patched = set()
+    for name, module in sorted(sys.modules.items()):
+        if module is not None and (name == package or name.startswith(package + ".")):
+            for attr, value in list(vars(module).items()):
+                original = getattr(value, "_torchdynamo_orig_callable", None)
+                if callable(value) and original is not None:
+                    setattr(module, attr, original)
+                    patched.add(attr)
+    return f"torch.compile unwrapped (run eagerly): {', '.join(sorted(patched))}"
+
+
+def without_triton(package):
+    """Its Newton-Schulz defaults to a Triton kernel that asserts CUDA tensors: the plain loop instead."""
+    module = importlib.import_module(f"{package}.orthogonalize.orthogonalize")
+    choose = module._get_orthogonalization_fn
+    module._get_orthogonalization_fn = lambda strategy, use_triton: choose(strategy, False)
+    return f"{package}.orthogonalize.orthogonalize._get_orthogonalization_fn: never the Triton kernel (CUDA only)"
+
+
+def keller_jordan(module, weights, world, rank):
+    return ddp_contender(weights, world, lambda params: module.Muon(
+        list(params.values()), lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM))
+
+
+def muon_fsdp2(module, weights, world, rank):
+    return fsdp2_contender(weights, world, lambda params: module.Muon([dict(
+        params=list(params.values()), use_muon=True, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
+        rms_scale=False, nesterov=True, ns_steps=5)]))
+
+
+def dtensor_muon(module, weights, world, rank):
+    return fsdp2_contender(weights, world, lambda params: module.MuonForeach(
+        list(params.values()), lr=LR, wd=WEIGHT_DECAY, use_cautious_wd=False, momentum=MOMENTUM,
+        nesterov=True, ns_steps=5, orthogonalization_strategy="newton_schulz"))
+
+
+def muonium(module, weights, world, rank):
+    return fsdp2_contender(weights, world, lambda params: module.Muon(
+        list(params.values()), lr=LR, wd=WEIGHT_DECAY, use_cautious_wd=False, momentum=MOMENTUM,
+        nesterov=True, ns_steps=5, orthogonalization_strategy="newton_schulz"))
+
+
+class BroadcastAllGather:
+    """torch.distributed, but with all_gather done as one broadcast from each rank, which Gloo allows
+    for tensors of unequal shapes (its all_gather refuses them; NCCL's takes them)."""
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_gather(outputs, tensor, group=None, async_op=False):
+        for src, output in enumerate(outputs):  # outputs[rank] is `tensor` itself
+            dist.broadcast(output, src, group=group)
+
+
+def patch_keller_jordan():
+    importlib.import_module("muon").dist = BroadcastAllGather()
+    return ["muon.dist.all_gather: one broadcast per rank (Gloo's all_gather refuses the unequal shapes it gathers)"]
+
+
+def patch_dtensor_muon():
+    foreach = importlib.import_module("dtensor_muon.optim.optim_foreach")
+    foreach.move_tensors_to_device = lambda tensors, device_in, device_out: tensors
+    return [uncompiled("dtensor_muon"), without_triton("dtensor_muon"),
+            "dtensor_muon.optim.optim_foreach.move_tensors_to_device: the identity (it moves every batch to cuda)"]
+
+
+def patch_muonium():
+    optim = importlib.import_module("muonium.optim.optim")
+    optim.Muon._get_muon_impl = optim.Muon._raw_muon_impl
+    return [uncompiled("muonium"), without_triton("muonium"),
+            "muonium.optim.optim.Muon._get_muon_impl: its uncompiled update (it compiles the whole update)"]
+
+
+@dataclasses.dataclass
+class Peer:
+    distribution: str  # its name on the package registry
+    module: str
+    label: str
+    sync: str
+    build: object
+    patch: object = lambda: []
+    note: str = ""  # why it may be absent
+
+
+PEERS = [
+    Peer("muon-optimizer", "muon", "muon-optimizer {v} Muon", "DDP all-reduce", keller_jordan,
+         patch_keller_jordan),
+    Peer("dtensor-muon", "dtensor_muon", "dtensor-muon {v} MuonForeach", "FSDP2 reduce-scatter", dtensor_muon,
+         patch_dtensor_muon),
+    Peer("muon-fsdp2", "muon_fsdp2", "muon-fsdp2 {v} Muon", "FSDP2 reduce-scatter", muon_fsdp2,
+         lambda: [uncompiled("muon_fsdp2")]),
+    Peer("muonium", "muonium", "muonium {v} Muon", "FSDP2 reduce-scatter", muonium, patch_muonium),
+    Peer("emerging-optimizers", "emerging_optimizers", "emerging-optimizers {v}", "-", None,
+         note="NVIDIA-NeMo/Emerging-Optimizers is installed from its GitHub source, not the registry "
+              "(its registry names are placeholders); no adapter here: not run"),
+]
+
+
+def installed(peer):
+    """Its version, or None."""
+    try:
+        return importlib.metadata.version(peer.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def contenders(peers, world, rank):
+    """[(label, sync label, builder(weights, world, rank) -> Contender)], patches applied, [(label, status)]."""
+    built = [(f"ours: {s}", "none: in its step", ours(s)) for s in OURS]
+    patches, status = [], []
+    for peer in peers:
+        version = installed(peer)
+        if version is None:
+            status.append((peer.distribution, NOT_INSTALLED + (f" ({peer.note})" if peer.note else "")))
+            continue
+        if peer.build is None:
+            status.append((peer.distribution, f"{version} installed; {peer.note}"))
+            continue
+        label = peer.label.format(v=version)
+        try:
+            module = importlib.import_module(peer.module)
+            patches += [f"{peer.distribution}: {p}" for p in peer.patch()]
+        except Exception as error:  # a peer that cannot even be imported here is reported, not fatal
+            status.append((label, f"failed: {dm.one_line(error)}"))
+            continue
+        built.append((label, peer.sync, lambda w, n, r, b=peer.build, m=module: b(m, w, n, r)))
+    return built, patches, status
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. One run on N processes: every contender checked once, then timed in interleaved rounds
+# ----------------------------------------------------------------------------------------------
+
+def local_gradients(total, label, world):
+    """What this rank's backward would hand the contender: g for the peers, g / N for ours."""
+    share = 1 / world if label.startswith("ours") else 1.0
+    return {n: g * share for n, g in total.items()}
+
+
+def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    weights, total = matrices(d, layers)
+    reference = reference_step(weights, total)
+    built, patches, status = contenders([p for p in PEERS if p.distribution in peer_names], world, rank)
+    runners, checks = {}, {}
+    if world == 1:
+        params = {n: w.clone() for n, w in weights.items()}
+        optimizer = torch_muon(params)
+
+        def torch_sync(local):
+            for n, p in params.items():
+                p.grad = local[n]
+        runners[TORCH] = ("-", Contender(params, torch_sync, optimizer.step, None), total)
+    for label, sync_label, build in built:
+        try:
+            contender = build(weights, world, rank)
+            local = local_gradients(total, label, world)
+            contender.sync({n: g.clone() for n, g in local.items()})
+            contender.step()
+            checks[label] = check(contender.full(), reference, weights)
+            runners[label] = (sync_label, contender, local)
+        except Exception as error:  # reported in the table; every rank fails alike (same code, same data)
+            status.append((label, f"failed: {dm.one_line(error)}"))
+    times = {label: dict(sync=[], step=[]) for label in runners}
+    for _ in range(rounds):
+        for label, (_, contender, local) in runners.items():
+            fresh = {n: g.clone() for n, g in local.items()}  # sync and step may write into the gradients
+            dist.barrier()
+            t0 = time.perf_counter()
+            contender.sync(fresh)
+            t1 = time.perf_counter()
+            contender.step()
+            t2 = time.perf_counter()
+            times[label]["sync"].append((t1 - t0) * 1e3)
+            times[label]["step"].append((t2 - t1) * 1e3)
+    torch.save(dict(times=times, checks=checks, patches=patches, status=status,
+                    syncs={label: s for label, (s, _, _) in runners.items()}),
+               os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def on_processes(world, d, layers, rounds, peer_names):
+    """The slowest rank's times per round, and rank 0's checks, patches and statuses."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(rank_main, args=(world, dm.free_port(), out_dir, d, layers, rounds, peer_names),
+                           nprocs=world, start_method=dm.start_method())
+        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+    result = per_rank[0]
+    for label, kinds in result["times"].items():
+        for kind in kinds:
+            kinds[kind] = [max(r["times"][label][kind][i] for r in per_rank) for i in range(rounds)]
+        kinds["total"] = [max(r["times"][label]["sync"][i] + r["times"][label]["step"][i] for r in per_rank)
+                          for i in range(rounds)]
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The table
+# ----------------------------------------------------------------------------------------------
+
+def table(runs):
+    """Rows for every run; times in ms, ratios to torch.optim.Muon's step in one process: of the medians,
+    and of the minima (on a shared machine the least disturbed step of each)."""
+    torch_t = runs[1]["times"][TORCH]["total"]
+    torch_ms = statistics.median(torch_t)
+    rows = []
+    for world, run in sorted(runs.items()):
+        for label, t in run["times"].items():
+            median = statistics.median(t["total"])
+            rows.append([world, label, run["syncs"][label], f"{statistics.median(t['sync']):.1f}",
+                         f"{statistics.median(t['step']):.0f}", f"{min(t['total']):.0f}", f"{median:.0f}",
+                         f"{median / torch_ms:.2f}", f"{torch_ms / median:.2f}x", f"{min(torch_t) / min(t['total']):.2f}x",
+                         "(the reference)" if label == TORCH else run["checks"][label]])
+    return torch_ms, dm.format_table(
+        ["processes", "optimizer", "gradient sync (timed)", "sync ms", "step ms", "min ms", "median ms",
+         "time / torch's", "speed-up", "speed-up of minima", "after one step vs torch.optim.Muon"],
+        rows, [">", "<", "<", ">", ">", ">", ">", ">", ">", ">", "<"])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="The peers' Muon (gradient sync + step) against ours and torch's.")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="process counts, powers of two (default: 1 2)")
+    p.add_argument("--d", type=int, default=D, help="model width (default %(default)s)")
+    p.add_argument("--layers", type=int, default=LAYERS, help="layers of 4 matrices (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="timed steps of each optimizer (default %(default)s)")
+    p.add_argument("--peers", nargs="*", default=[peer.distribution for peer in PEERS],
+                   choices=[peer.distribution for peer in PEERS], help="peers to include (default: all)")
+    args = p.parse_args(argv)
+    if any(n < 1 or n & (n - 1) for n in args.ranks):
+        p.error("--ranks must be powers of two (the averaged and the summed gradient are then exact)")
+    if args.d < 1 or args.layers < 1 or args.rounds < 1:
+        p.error("--d, --layers and --rounds must be >= 1")
+    if any(args.d % n for n in args.ranks):
+        p.error(f"--d {args.d} must be divisible by every --ranks (FSDP2's even dim-0 shards)")
+    torch.set_num_threads(1)
+    speed = {str(dt).replace("torch.", ""): scaling.matmul_gflops(args.d, dt) for dt in (torch.bfloat16, torch.float32)}
+    load = os.getloadavg()[0]
+    runs = {n: on_processes(n, args.d, args.layers, args.rounds, args.peers) for n in sorted({1, *args.ranks})}
+    torch_ms, rows = table(runs)
+    print(f"This CPU, one thread, {args.d} x {args.d} matmul: "
+          + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in speed.items()))
+    print(f"Load average at the start: {load:.1f} on {os.cpu_count()} cores (above the processes run here, "
+          "other jobs share the cores: read ratios, not absolute times)")
+    print(f"{args.layers} layers at d = {args.d} (Muon's matrices only), 1 thread per process, median of "
+          f"{args.rounds} interleaved rounds, {os.cpu_count()} cores here; torch {torch.__version__}")
+    print(f"{TORCH} in one process: median {torch_ms:.0f} ms; a peer's time is its gradient sync + its step, "
+          "ours is its step (which reduces); on N processes, the slowest rank's\n")
+    print(rows)
+    statuses = dict(s for run in runs.values() for s in run["status"])
+    patches = sorted({p for run in runs.values() for p in run["patches"]})
+    print("\nPeers not run:" + ("".join(f"\n  {name}: {s}" for name, s in statuses.items()) or " none"))
+    print("sync ms and step ms: medians of their own; speed-up: torch's median over this one's; of minima: "
+          "torch's least disturbed step over this one's")
+    print("Patches applied at run time (to the imported modules, not their files):"
+          + ("".join(f"\n  {patch}" for patch in patches) or " none"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
