@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
 import scaling  # noqa: E402
 
 D, LAYERS, ROUNDS = scaling.D, scaling.LAYERS, scaling.ROUNDS
@@ -319,7 +320,7 @@ def contenders(peers, world, rank):
             module = importlib.import_module(peer.module)
             patches += [f"{peer.distribution}: {p}" for p in peer.patch()]
         except Exception as error:  # a peer that cannot even be imported here is reported, not fatal
-            status.append((label, f"failed: {dm.one_line(error)}"))
+            status.append((label, f"failed: {mt.one_line(error)}"))
             continue
         built.append((label, peer.sync, lambda w, n, r, b=peer.build, m=module: b(m, w, n, r)))
     return built, patches, status
@@ -360,7 +361,7 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names):
             checks[label] = check(contender.full(), reference, weights)
             runners[label] = (sync_label, contender, local)
         except Exception as error:  # reported in the table; every rank fails alike (same code, same data)
-            status.append((label, f"failed: {dm.one_line(error)}"))
+            status.append((label, f"failed: {mt.one_line(error)}"))
     times = {label: dict(sync=[], step=[]) for label in runners}
     for _ in range(rounds):
         for label, (_, contender, local) in runners.items():
@@ -382,8 +383,8 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names):
 def on_processes(world, d, layers, rounds, peer_names):
     """The slowest rank's times per round, and rank 0's checks, patches and statuses."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, dm.free_port(), out_dir, d, layers, rounds, peer_names),
-                           nprocs=world, start_method=dm.start_method())
+        mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir, d, layers, rounds, peer_names),
+                           nprocs=world, start_method=mt.start_method())
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     result = per_rank[0]
     for label, kinds in result["times"].items():
@@ -411,7 +412,7 @@ def table(runs):
                          f"{statistics.median(t['step']):.0f}", f"{min(t['total']):.0f}", f"{median:.0f}",
                          f"{median / torch_ms:.2f}", f"{torch_ms / median:.2f}x", f"{min(torch_t) / min(t['total']):.2f}x",
                          "(the reference)" if label == TORCH else run["checks"][label]])
-    return torch_ms, dm.format_table(
+    return torch_ms, mt.format_table(
         ["processes", "optimizer", "gradient sync (timed)", "sync ms", "step ms", "min ms", "median ms",
          "time / torch's", "speed-up", "speed-up of minima", "after one step vs torch.optim.Muon"],
         rows, [">", "<", "<", ">", ">", ">", ">", ">", ">", ">", "<"])
