@@ -161,6 +161,26 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_dec
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
+# The same math with a param group's options, as every optimizer here (and DTensorMuon) steps a part of
+# a parameter: each is elementwise, so a part gets the whole tensor's bits.
+def muon_update(momentum_buffer, grad, group):
+    """Muon's momentum, then the bf16 cast Newton-Schulz does first anyway (half the bytes to move, no bit changed)."""
+    return muon_momentum_(momentum_buffer, grad, group["momentum"], group["nesterov"]).bfloat16()
+
+
+def apply_muon_update_(param, ortho, group, global_shape):
+    """p <- p (1 - lr wd) - adjusted_lr(global shape) O, as torch.optim.Muon: the decay takes the unadjusted lr."""
+    param.mul_(1 - group["lr"] * group["weight_decay"])
+    param.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], global_shape))
+
+
+def adamw_step_(param, grad, state, group):
+    """One AdamW step of a part: the step count, then adamw_ on the state's exp_avg and exp_avg_sq."""
+    state["step"] += 1
+    adamw_(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"].item(), lr=group["lr"],
+           betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+
+
 # =============================================================================
 # 2. The grid and its collectives
 # =============================================================================
@@ -715,24 +735,37 @@ def check_param_groups(param_groups):
                 raise ValueError(f"{spell('ns_coefficients')} must be one (a, b, c) triple")
 
 
-def index_named_params(param_groups, tp_split_dims):
-    """({name: tensor}, {name: its group}, {name: TP split dim}) after checking what the step relies on."""
-    param_by_name, group_of = {}, {}
+def named_params(param_groups):
+    """[(name, tensor, its group)] after the checks every optimizer here needs (DTensorMuon's too):
+    'muon' or 'adamw' groups, each group's options (check_param_groups), named float32 parameters, no
+    name twice. State is keyed by name (dist_meta, owners, checkpoints). Groups are found by identity."""
     for group in param_groups:
         if group["algorithm"] not in ("muon", "adamw"):
             raise ValueError(f"unknown algorithm {group['algorithm']!r}; use 'muon' or 'adamw'")
         if "param_names" not in group:
-            raise ValueError("pass named parameters: [(name, tensor), ...] (dist_meta is keyed by name)")
+            raise ValueError("pass named parameters: [(name, tensor), ...] (state is keyed by name)")
+    check_param_groups(param_groups)
+    named, seen = [], set()
+    for group in param_groups:
         for name, p in zip(group["param_names"], group["params"]):
-            if name in param_by_name:
+            if name in seen:
                 raise ValueError(f"parameter {name} appears twice")
-            if group["algorithm"] == "muon" and p.ndim != 2:
-                raise ValueError(f"Muon needs 2-D parameters; {name} has shape {tuple(p.shape)}")
-            if not p.is_contiguous():
-                raise ValueError(f"{name} must be contiguous (it is viewed flat)")
             if p.dtype != torch.float32:
                 raise ValueError(f"{name} is {p.dtype}; this reference keeps float32 parameters")
-            param_by_name[name], group_of[name] = p, group
+            seen.add(name)
+            named.append((name, p, group))
+    return named
+
+
+def index_named_params(param_groups, tp_split_dims):
+    """({name: tensor}, {name: its group}, {name: TP split dim}) after checking what the step relies on."""
+    param_by_name, group_of = {}, {}
+    for name, p, group in named_params(param_groups):
+        if group["algorithm"] == "muon" and p.ndim != 2:
+            raise ValueError(f"Muon needs 2-D parameters; {name} has shape {tuple(p.shape)}")
+        if not p.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (it is viewed flat)")
+        param_by_name[name], group_of[name] = p, group
     unknown = set(tp_split_dims) - set(param_by_name)
     if unknown:
         raise ValueError(f"tp_split_dims names unknown parameters: {sorted(unknown)}")
@@ -772,7 +805,6 @@ class DistributedMuon(torch.optim.Optimizer):
                         nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps,
                         ns_eps=ns_eps, adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
-        check_param_groups(self.param_groups)
         self.grid, self.bucket_size, self.ledger = grid, bucket_size, Ledger()
         self.device = self.param_groups[0]["params"][0].device
         self.param_by_name, self.group_of, split_dims = index_named_params(self.param_groups, tp_split_dims or {})
@@ -844,15 +876,11 @@ class DistributedMuon(torch.optim.Optimizer):
                     if not state:
                         state.update(step=torch.tensor(0.0), exp_avg=grad.new_zeros(grad.numel()),
                                      exp_avg_sq=grad.new_zeros(grad.numel()))
-                    state["step"] += 1
-                    adamw_(p.view(-1)[self.parts[name]], grad, state["exp_avg"], state["exp_avg_sq"],
-                           state["step"].item(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                           weight_decay=group["weight_decay"])
+                    adamw_step_(p.view(-1)[self.parts[name]], grad, state, group)
                 else:
                     if not state:  # momentum of this rank's part only: it never exists for the whole matrix
                         state["momentum_buffer"] = grad.new_zeros(grad.numel())
-                    update = muon_momentum_(state["momentum_buffer"], grad, group["momentum"], group["nesterov"])
-                    updates[name] = update.bfloat16()  # the cast Newton-Schulz does first: halves the bytes moved
+                    updates[name] = muon_update(state["momentum_buffer"], grad, group)
         return updates
 
     def _orthogonalize_bucket(self, bucket, updates, active):
@@ -870,10 +898,8 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def _apply_update(self, name, ortho_part):
         """The end of stage 3: Muon's weight update, on this rank's part of the matrix."""
-        group = self.group_of[name]
-        part = self.param_by_name[name].view(-1)[self.parts[name]]
-        part.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay: unadjusted lr
-        part.add_(ortho_part, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], self.layout.global_shapes[name]))
+        apply_muon_update_(self.param_by_name[name].view(-1)[self.parts[name]], ortho_part, self.group_of[name],
+                           self.layout.global_shapes[name])
 
     def _gather_bucket(self, bucket):
         """Stage 4 for one bucket: the parameter all-gather; every DP rank again holds its full TP pieces."""
@@ -1833,8 +1859,8 @@ def muon_groups_of(cfg):
     return () if cfg.baseline else (MUON_GROUP,)
 
 
-def batched_ns_tolerance(cfg, spec):
-    """How far --batched-ns may leave a Muon parameter from torch's after cfg.steps steps.
+def batched_ns_tolerance(steps, lr, adjust_lr_fn, shape):
+    """How far --batched-ns may leave a Muon matrix of `shape` (rows, cols) from torch's after `steps` steps.
 
     Each step adds -adjusted_lr * O, and a batched O differs from torch's by at most
     BATCHED_NS_BOUND times its largest entry (section 6). That entry is at most the
@@ -1842,7 +1868,7 @@ def batched_ns_tolerance(cfg, spec):
     [0, 1]; 1.5 leaves room for bf16 rounding. Weight decay scales both runs alike
     and only shrinks earlier differences; the momentum does not depend on the weights.
     """
-    return cfg.steps * adjusted_lr(cfg.lr, cfg.adjust_lr_fn, spec.global_shape) * 1.5 * BATCHED_NS_BOUND
+    return steps * adjusted_lr(lr, adjust_lr_fn, shape) * 1.5 * BATCHED_NS_BOUND
 
 
 def verify(cfg, results, device="cpu"):
@@ -1860,7 +1886,8 @@ def verify(cfg, results, device="cpu"):
     for c, spec in zip(checks, specs):
         # how far the weights moved: the scale against which max |d| = 0 means something
         c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
-        c["tolerance"] = batched_ns_tolerance(cfg, spec) if cfg.batched_ns and c["optimizer"] == "Muon" else 0.0
+        c["tolerance"] = (batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, spec.global_shape)
+                          if cfg.batched_ns and c["optimizer"] == "Muon" else 0.0)
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
     return checks, time.perf_counter() - t1
 

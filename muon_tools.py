@@ -646,3 +646,9 @@ def run_program(program, *args):
     if proc.returncode != 0:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
 
+
+
+# How a command knows it runs under torchrun (distributed_muon_dtensor.py's demo, examples/).
+def under_torchrun():
+    """Whether this process is one rank started by torchrun: it sets RANK, WORLD_SIZE and LOCAL_RANK."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ

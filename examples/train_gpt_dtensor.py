@@ -26,8 +26,8 @@ What a rank does (mesh (dp, tp), rank = dp_rank * tp + tp_rank):
     --save / --resume: torch's recipe (dcp.save of get_model_state_dict and get_optimizer_state_dict;
               dcp.load, set_model_state_dict, set_optimizer_state_dict), on any other mesh
 
---verify checks the run as distributed_muon_dtensor.verify_training checks the demo's real training
-(its section 7; train_gpt.py's policy and constants): torch.optim.Muon + AdamW fed the ranks' own total
+--verify checks the run as dtensor_demo.verify_training checks the demo's real training
+(its section 7, where its bounds are derived): torch.optim.Muon + AdamW fed the ranks' own total
 gradients replay every rank's weights bit for bit at every step; at the ranks' own weights the one
 process's gradients and loss are within GRAD_RTOL and STEP_LOSS_RTOL (FSDP2's and TP's sums run in another
 order), and the free-running losses within TRAINED_LOSS_RTOL over the first TRAINED_CHECKED_STEPS steps.
@@ -45,6 +45,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import distribute_tensor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -53,6 +54,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
 import distributed_muon_dtensor as dd  # noqa: E402
+import dtensor_demo as demo  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from gpt import GPT, ColumnParallelLinear, RowParallelLinear, param_groups  # noqa: E402
 from stdlib_text import load_corpus  # noqa: E402
@@ -69,7 +71,7 @@ class Config(tg.TrainConfig):
     save_step: int = 0
     resume: str = ""  # a folder: loaded before step resume_step + 1
     resume_step: int = 0
-    train: bool = True  # what dd.run_reference and dd.verify_training read: gradients come from the model
+    train: bool = True  # what demo.run_reference and demo.verify_training read: gradients come from the model
     missing_grads: tuple = ()
 
 
@@ -149,7 +151,7 @@ def train_rank(rank, cfg, device):
     for step in range(first, cfg.steps + 1):
         x, y = (t.to(device) for t in corpus.batch(step, cfg.batch, cfg.context, cfg.seed, dp_rank, cfg.dp))
         if cfg.keep:
-            weights.append(dd.local_params(model))
+            weights.append(demo.local_params(model))
         loss = model(x, y)
         loss.backward()
         losses.append(loss.item())
@@ -169,10 +171,10 @@ def train_rank(rank, cfg, device):
                 print(tg.progress_line(cfg, step, train_loss, val_loss, now - last, done), flush=True)
             last = now
     named = list(model.named_parameters())
-    where = {n: dd.distribute_tensor(torch.arange(p.numel(), device=device).view(p.shape), p.device_mesh,
+    where = {n: distribute_tensor(torch.arange(p.numel(), device=device).view(p.shape), p.device_mesh,
                                      p.placements, src_data_rank=None).to_local().reshape(-1).cpu() for n, p in named}
     return dict(rank=rank, first=first, losses=losses, val=val, grads=grads, weights=weights,
-                params=dd.local_params(model), where=where, owners=opt.assignments,
+                params=demo.local_params(model), where=where, owners=opt.assignments,
                 placements={n: str(tuple(p.placements)) for n, p in named})
 
 
@@ -219,7 +221,7 @@ def train_many(configs, world):
 
 
 # =============================================================================
-# 4. The one-process reference (dd.verify_training's interface)
+# 4. The one-process reference (demo.verify_training's interface)
 # =============================================================================
 class Reference:
     """torch.optim.Muon + AdamW (dm.torch_optimizers, the same groups) on the plain nn.Linear GPT in one process,
@@ -257,8 +259,8 @@ class Reference:
 
 
 def verify(cfg, results):
-    """dd.verify_training on this model: replay bit for bit, gradients and losses within train_gpt's bounds."""
-    return dd.verify_training(cfg, results, reference=Reference)
+    """demo.verify_training on this model: replay bit for bit, gradients and losses within the demo's bounds."""
+    return demo.verify_training(cfg, results, reference=Reference)
 
 
 # =============================================================================

@@ -1,12 +1,14 @@
 """The lesson's optimizer options, as torch.optim.Muon / AdamW take them: every adjust_lr_fn torch accepts
 (spectral_unclamped included) bit for bit against torch, and every param group's options checked at
-construction (check_param_groups), for the lesson's DistributedMuon as for DTensorMuon (tests/test_dtensor.py)."""
+construction (check_param_groups), for the lesson's DistributedMuon as for DTensorMuon (tests/test_dtensor.py);
+and the named parameters checked by one function (named_params) for both, with the same words."""
 
 import pytest
 import torch
 from torch.optim._muon import _adjust_lr as torch_adjust_lr
 
 from conftest import dm
+from distributed_muon_dtensor import DTensorMuon
 from test_optimizer_api import TinyNet, split_groups
 
 
@@ -60,3 +62,21 @@ def test_the_lessons_optimizer_checks_every_group(single_process_group, group, m
     groups[1].update(betas=(0.9, 1.0))
     with pytest.raises(ValueError, match=r"param group 1: betas must be two numbers in \[0, 1\)"):
         dm.OPTIMIZERS["gather"](groups, grid=single_process_group)
+
+
+@pytest.mark.parametrize("make_groups,message", [
+    (lambda m: [dict(params=list(m.parameters()))],
+     "pass named parameters: [(name, tensor), ...] (state is keyed by name)"),
+    (lambda m: [dict(params=list(m.named_parameters()), algorithm="sgd")],
+     "unknown algorithm 'sgd'; use 'muon' or 'adamw'"),
+    (lambda m: split_groups(m) + [dict(params=[("out.weight", torch.nn.Parameter(torch.zeros(16, 48)))])],
+     "parameter out.weight appears twice"),
+    (lambda m: split_groups(m.double()), "hidden.weight is torch.float64; this reference keeps float32 parameters"),
+    (lambda m: [dict(split_groups(m)[0], lr=-1.0)], "param group 0: lr must be >= 0 and finite (got -1.0)"),
+])
+def test_both_optimizers_check_named_params_with_one_function(single_process_group, make_groups, message):
+    """The lesson's DistributedMuon and DTensorMuon refuse the same groups with the same line: dm.named_params."""
+    for build in (lambda groups: dm.DistributedMuon(groups, grid=single_process_group), DTensorMuon):
+        with pytest.raises(ValueError) as refused:
+            build(make_groups(TinyNet()))
+        assert str(refused.value) == message

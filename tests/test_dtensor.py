@@ -5,9 +5,9 @@ the same matrices, and FSDP2's and the TP layers' bytes of a training step, meas
 
 One spawn of 8 Gloo ranks runs every distributed scenario one after another (each on its own
 (sub-)mesh of the first dp x tp ranks): starting 8 ranks costs ~12 s on 2 cores, a scenario ~1 s.
-Every comparison is torch.equal except two. The real FSDP2 x TP training run is checked with the GPT
-example's policy (examples/train_gpt.py, section 3; the derivation for this model is in the script's
-section 7): the replay of the ranks' own gradients through torch's optimizers is torch.equal at every
+Every comparison is torch.equal except two. The real FSDP2 x TP training run is checked with the bounds
+derived for this model in dtensor_demo.py's section 7 (the demo, its verification and its command line;
+the optimizer is distributed_muon_dtensor.py): the replay of the ranks' own gradients through torch's optimizers is torch.equal at every
 step, while the gradients and loss at the same weights are held to GRAD_RTOL and STEP_LOSS_RTOL, and the
 free-running losses to TRAINED_LOSS_RTOL (fp32 sums in another order). And the Muon matrices of the
 --batched-ns run are held to the lesson's derived bound (dm.batched_ns_tolerance).
@@ -25,6 +25,7 @@ import torch
 from conftest import ROOT, dm, mt
 
 import distributed_muon_dtensor as dd  # noqa: E402
+import dtensor_demo as demo  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "distributed_muon_dtensor.py")
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2), (3, 2)]
@@ -42,7 +43,7 @@ def checkpoint_2x2(tmp_path_factory):
 
 
 RESUMED_ON = [(4, 1), (1, 4), (3, 2), (1, 1)]
-# Param groups of different options (dd.PlacedRun): every adjust_lr_fn torch accepts, Nesterov on and off,
+# Param groups of different options (demo.PlacedRun): every adjust_lr_fn torch accepts, Nesterov on and off,
 # another ns_steps, AdamW's betas and eps; groups 1, 2 and 3 hold one parameter each (equal sizes: the case
 # that param_groups.index broke), group 3 a vector beside group 1's matrix.
 GROUPS = ((("algorithm", "muon"), ("lr", 0.02), ("weight_decay", 0.1)),
@@ -55,18 +56,18 @@ GROUPS = ((("algorithm", "muon"), ("lr", 0.02), ("weight_decay", 0.1)),
 GROUPED = (("a", (6, 5), ("S0", "S1"), 0), ("b", (3, 7), ("S0", "R"), 1), ("c", (5, 9), ("R", "S1"), 2),
            ("d", (7,), ("S0", "R"), 3), ("e", (4, 4), ("S1", "S0"), 0))
 PLACED = {
-    **{f"groups {m}x{n}": dd.PlacedRun((m, n), ("dp", "tp"), GROUPED, GROUPS) for m, n in [(1, 1), (2, 2), (4, 1)]},
-    "refused 4x1": dd.PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option"),
-    "refused 4x1, rank 3 alone": dd.PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option@3"),
+    **{f"groups {m}x{n}": demo.PlacedRun((m, n), ("dp", "tp"), GROUPED, GROUPS) for m, n in [(1, 1), (2, 2), (4, 1)]},
+    "refused 4x1": demo.PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option"),
+    "refused 4x1, rank 3 alone": demo.PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option@3"),
     # HSDP by hand: (replicate, shard, tp), as fully_shard(mesh=mesh["replicate", "shard"]) over TP leaves them
-    "hsdp by hand 2x2x2": dd.PlacedRun((2, 2, 2), ("replicate", "shard", "tp"),
+    "hsdp by hand 2x2x2": demo.PlacedRun((2, 2, 2), ("replicate", "shard", "tp"),
                                        (("w", (10, 6), ("R", "S0", "S1"), 0), ("v", (9, 12), ("R", "S0", "S0"), 0),
                                         ("n", (6,), ("R", "S0", "R"), 1)), GROUPS[:1] + GROUPS[3:]),
     # expert parallel: whole experts over ep, TP inside each expert (w1's rows, w2's columns)
-    "ep 2 x tp 2": dd.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
+    "ep 2 x tp 2": demo.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
                                                        ("w2", (4, 4, 6), ("S0", "S2"), 0)),
                                 GROUPS[:1], expert_stacks=("w1", "w2")),
-    "ep 4, 6 experts": dd.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0), ("w2", (6, 4, 5), ("S0",), 0)),
+    "ep 4, 6 experts": demo.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0), ("w2", (6, 4, 5), ("S0",), 0)),
                                     GROUPS[:1], expert_stacks=("w1", "w2")),
 }
 
@@ -74,31 +75,31 @@ PLACED = {
 @pytest.fixture(scope="session")
 def scenarios(checkpoint_dir, checkpoint_2x2):
     """{label: [each rank's result]} for every scenario, from ONE spawn of 8 ranks."""
-    runs = {f"{dp}x{tp}": dd.DemoConfig(dp=dp, tp=tp) for dp, tp in MESHES}
-    runs["2x2"] = dd.DemoConfig(dp=2, tp=2, checkpoint=checkpoint_2x2, checkpoint_step=1)  # torch's recipe
+    runs = {f"{dp}x{tp}": demo.DemoConfig(dp=dp, tp=tp) for dp, tp in MESHES}
+    runs["2x2"] = demo.DemoConfig(dp=2, tp=2, checkpoint=checkpoint_2x2, checkpoint_step=1)  # torch's recipe
     # the same runs; 4x2 saves a checkpoint, and both measure a training step's collectives (--compare's figures)
-    runs["4x2"] = dd.DemoConfig(dp=4, tp=2, checkpoint=checkpoint_dir, checkpoint_step=2, count_comm=True)
-    runs["3x2"] = dd.DemoConfig(dp=3, tp=2, count_comm=True)
-    runs["resume 4x2 -> 8x1"] = dd.DemoConfig(dp=8, tp=1, resume=checkpoint_dir, resume_step=2)
-    runs.update({f"resume 2x2 -> {dp}x{tp}": dd.DemoConfig(dp=dp, tp=tp, resume=checkpoint_2x2, resume_step=1)
+    runs["4x2"] = demo.DemoConfig(dp=4, tp=2, checkpoint=checkpoint_dir, checkpoint_step=2, count_comm=True)
+    runs["3x2"] = demo.DemoConfig(dp=3, tp=2, count_comm=True)
+    runs["resume 4x2 -> 8x1"] = demo.DemoConfig(dp=8, tp=1, resume=checkpoint_dir, resume_step=2)
+    runs.update({f"resume 2x2 -> {dp}x{tp}": demo.DemoConfig(dp=dp, tp=tp, resume=checkpoint_2x2, resume_step=1)
                  for dp, tp in RESUMED_ON})
-    runs["hsdp 2x2x2"] = dd.DemoConfig(replicate=2, dp=2, tp=2)  # real fully_shard on mesh["replicate", "dp"]
+    runs["hsdp 2x2x2"] = demo.DemoConfig(replicate=2, dp=2, tp=2)  # real fully_shard on mesh["replicate", "dp"]
     runs.update(PLACED)
-    runs["missing"] = dd.DemoConfig(dp=4, tp=2, missing_grads=MISSING)
-    runs["train"] = dd.DemoConfig(dp=4, tp=2, train=True)
-    runs["partial"] = dd.DemoConfig(dp=2, tp=2, bad="partial")
-    runs["assign"] = dd.DemoConfig(dp=4, tp=2, bad="assign")
-    runs["explicit"] = dd.DemoConfig(dp=8, tp=1, explicit=True)
-    runs["explicit refused"] = dd.DemoConfig(dp=8, tp=1, explicit=True, bad="gather")
-    runs["batched"] = dd.DemoConfig(dp=4, tp=2, batched_ns=True)  # the default run, with batched Newton-Schulz
-    runs["lesson 4x2"] = dd.LessonRuns(dd.DemoConfig(dp=4, tp=2))  # the lesson's owner / comm-free, these matrices
-    results = mt.spawn_ranks(dd.Runs(tuple(runs.values()), timeout_s=60), dd.run_many_rank)
+    runs["missing"] = demo.DemoConfig(dp=4, tp=2, missing_grads=MISSING)
+    runs["train"] = demo.DemoConfig(dp=4, tp=2, train=True)
+    runs["partial"] = demo.DemoConfig(dp=2, tp=2, bad="partial")
+    runs["assign"] = demo.DemoConfig(dp=4, tp=2, bad="assign")
+    runs["explicit"] = demo.DemoConfig(dp=8, tp=1, explicit=True)
+    runs["explicit refused"] = demo.DemoConfig(dp=8, tp=1, explicit=True, bad="gather")
+    runs["batched"] = demo.DemoConfig(dp=4, tp=2, batched_ns=True)  # the default run, with batched Newton-Schulz
+    runs["lesson 4x2"] = demo.LessonRuns(demo.DemoConfig(dp=4, tp=2))  # the lesson's owner / comm-free, these matrices
+    results = mt.spawn_ranks(demo.Runs(tuple(runs.values()), timeout_s=60), demo.run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}, runs
 
 
 @pytest.fixture(scope="session")
 def reference():
-    return dd.run_reference(dd.DemoConfig())
+    return demo.run_reference(demo.DemoConfig())
 
 
 @pytest.mark.parametrize("dp,tp", MESHES)
@@ -106,7 +107,7 @@ def test_every_parameter_on_every_rank_equals_torch(scenarios, reference, dp, tp
     results, runs = scenarios
     ranks = results[f"{dp}x{tp}"]
     assert len(ranks) == dp * tp
-    start = dict(dd.DemoModel(dd.DemoConfig()).named_parameters())
+    start = dict(demo.DemoModel(demo.DemoConfig()).named_parameters())
     for name, ref in reference.items():
         assert not torch.equal(ref, start[name].detach()), f"{name} did not move: the check would prove nothing"
     assert_identical(ranks, reference, f"{dp}x{tp}")
@@ -114,7 +115,7 @@ def test_every_parameter_on_every_rank_equals_torch(scenarios, reference, dp, tp
 
 def assert_identical(ranks, reference, label):
     """Every element of every rank equals torch's at its place, and every element is held somewhere."""
-    checks = dd.verify(None, ranks, reference)
+    checks = demo.verify(None, ranks, reference)
     assert [c["name"] for c in checks if not c["identical"]] == [], label
     assert all(c["max_abs_diff"] == 0 for c in checks)
 
@@ -135,8 +136,8 @@ def test_each_matrix_orthogonalized_once_and_one_exchange_each_way_per_step(scen
     owners = ranks[0]["owners"]
     for r in ranks:
         assert r["owners"] == owners  # every rank made the same plan
-    model = dd.DemoModel(runs["4x2"])
-    stacks = dd.expert_stack_names(model)
+    model = demo.DemoModel(runs["4x2"])
+    stacks = demo.expert_stack_names(model)
     # every expert is its own matrix; the router has one copy per TP column (two 1-D dp meshes)
     expected = sum(p.shape[0] if n in stacks else 2 if "router" in n else 1
                    for n, p in model.named_parameters() if p.ndim >= 2 and not n.startswith(("embed", "head")))
@@ -164,10 +165,10 @@ def test_an_owner_always_holds_part_of_its_matrix(scenarios):
 
 def test_missing_gradients_are_skipped_as_torch_skips_them(scenarios):
     results, runs = scenarios
-    reference = dd.run_reference(runs["missing"])
+    reference = demo.run_reference(runs["missing"])
     assert_identical(results["missing"], reference, "missing")
     # and they really were skipped: without the missing gradients the result differs
-    full = dd.run_reference(dd.DemoConfig())
+    full = demo.run_reference(demo.DemoConfig())
     for name, _ in MISSING:
         assert not torch.equal(reference[name], full[name])
 
@@ -179,7 +180,7 @@ def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_
     # there was something to batch: some owner orthogonalized several matrices of one shape in a step
     shapes = [[c["shape"] for c in r["ledger"]["compute"] if c["step"] == cfg.steps] for r in ranks]
     assert any(len(s) > len(set(s)) for s in shapes), shapes
-    checks = dd.verify(cfg, ranks, reference)
+    checks = demo.verify(cfg, ranks, reference)
     assert {c["optimizer"] for c in checks} == {"Muon", "AdamW"}
     for c in checks:
         if c["optimizer"] == "Muon":  # the lesson's bound: steps x adjusted lr x 1.5 x BATCHED_NS_BOUND
@@ -189,7 +190,7 @@ def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_
             assert c["max_abs_diff"] <= c["tolerance"] and c["ok"], c
         else:  # AdamW is untouched by batching: bit for bit
             assert c["identical"] and c["max_abs_diff"] == 0 and c["tolerance"] == 0, c
-    passed, line = dd.verdict(checks)
+    passed, line = dm.verdict(checks)
     assert passed and line.startswith("PASS: "), line
 
     # and the check bites: a Muon element past its bound, or an AdamW element one ulp off, fails
@@ -199,15 +200,16 @@ def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_
         flat = holder["params"][name].clone().reshape(-1)
         flat[0] += by(flat[0])
         holder["params"][name] = flat.view(holder["params"][name].shape)
-        return {c["name"]: c for c in dd.verify(cfg, bad, reference)}[name]
+        return {c["name"]: c for c in demo.verify(cfg, bad, reference)}[name]
 
-    muon = nudged("layers.0.fc1.weight", lambda x: 2 * dd.batched_ns_tolerance(cfg, (160, 40)))
+    bound = dm.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, (160, 40))
+    muon = nudged("layers.0.fc1.weight", lambda x: 2 * bound)
     assert not muon["ok"] and muon["max_abs_diff"] > muon["tolerance"] > 0
     adamw = nudged("embed.weight", lambda x: torch.nextafter(x, torch.tensor(float("inf"))) - x)
     assert not adamw["ok"] and 0 < adamw["max_abs_diff"] < 1e-6 and adamw["tolerance"] == 0
-    assert not dd.verdict(dd.verify(cfg, [dict(r, params=dict(r["params"], **{"layers.0.fc1.weight":
-                                                                              r["params"]["layers.0.fc1.weight"] + 1}))
-                                          for r in ranks], reference))[0]
+    assert not dm.verdict(demo.verify(cfg, [dict(r, params=dict(r["params"], **{"layers.0.fc1.weight":
+                                                                            r["params"]["layers.0.fc1.weight"] + 1}))
+                                        for r in ranks], reference))[0]
 
 
 def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_plan(scenarios):
@@ -215,18 +217,18 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
     expert its own 2-D matrix), same 4 x 2 grid, checked against torch; their ledgers against their plans."""
     results, runs = scenarios
     lesson, ranks = runs["lesson 4x2"], results["lesson 4x2"]
-    specs = dd.lesson_specs(lesson.demo)
+    specs = demo.lesson_specs(lesson.demo)
     muon = [s.name for s in specs if s.group == "muon"]
     assert len(muon) == 2 * (1 + 1 + 1 + 4 + 4) and "layers.1.moe.w2[3]" in muon
     assert len(specs) == 20 - 4 + 4 * 4  # the demo's 20 parameters, each of the 4 expert stacks as 4 matrices
-    accounts = dd.lesson_accounts(lesson, ranks)
+    accounts = demo.lesson_accounts(lesson, ranks)
     dp, tp = lesson.dp, lesson.tp
     for strategy, acc in accounts.items():
         assert all(c["identical"] for c in acc["checks"]) and len(acc["checks"]) == len(specs), strategy
         assert acc["flops"]["redundancy"] == 1.0  # each matrix orthogonalized once
         # the ledger's bytes are what the lesson's plan says, computed here without process groups
-        plans = [dm.build_optimizer(specs, dd.lesson_config(lesson.demo, strategy), dm.plan_grid(dp, tp, r),
-                                    dm.tp_pieces(specs, dd.lesson_config(lesson.demo, strategy), r % tp))
+        plans = [dm.build_optimizer(specs, demo.lesson_config(lesson.demo, strategy), dm.plan_grid(dp, tp, r),
+                                    dm.tp_pieces(specs, demo.lesson_config(lesson.demo, strategy), r % tp))
                  for r in range(dp * tp)]
         table = acc["table"]
         ring = [sum((dp - 1) * (b.numel // dp) * 4 for b in plans[0].layout.buckets)] * (dp * tp)
@@ -242,29 +244,29 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
                             if axis.ranks[who] == r:
                                 planned[r] += 2 * (part.stop - part.start)  # bf16
             assert table[phase]["sent"] == planned, (strategy, phase)
-    rows, per_rank = dd.comparison_rows(runs["4x2"], results["4x2"], accounts)
+    rows, per_rank = demo.comparison_rows(runs["4x2"], results["4x2"], accounts)
     assert [r[0] for r in rows] == ["DTensorMuon (this file)", "lesson owner", "lesson comm-free"]
-    column = dict(zip(dd.COMPARISON_HEADER, zip(*rows)))
-    fsdp2 = dd.measured_sent(results["4x2"], dd.FORWARD_BACKWARD, "dp")
+    column = dict(zip(demo.COMPARISON_HEADER, zip(*rows)))
+    fsdp2 = demo.measured_sent(results["4x2"], demo.FORWARD_BACKWARD, "dp")
     assert column["DP in step"] == ("0 B", mt.human_bytes(max(table_of(accounts, "owner"))),
                                     mt.human_bytes(max(table_of(accounts, "comm-free"))))
     assert column["DP in fwd/bwd"] == (mt.human_bytes(max(fsdp2)), "0 B", "0 B")  # ZeRO-1 gathers nothing there
     assert column["TP in fwd/bwd"][1:] == ("not run", "not run")
-    own_step = dd.phase_bytes(dd.account(runs["4x2"], results["4x2"])[0], dd.DTENSOR_PHASES)
+    own_step = demo.phase_bytes(demo.account(runs["4x2"], results["4x2"])[0], demo.DTENSOR_PHASES)
     assert per_rank["DTensorMuon (this file)"][0] == [a + b for a, b in zip(own_step, fsdp2)]
     assert [len(sent) for sent, _ in per_rank.values()] == [8, 8, 8]
 
 
 def table_of(accounts, strategy):
     """The lesson's DP bytes in its step, per rank."""
-    return dd.phase_bytes(accounts[strategy]["table"], dd.DP_IN_STEP)
+    return demo.phase_bytes(accounts[strategy]["table"], demo.DP_IN_STEP)
 
 
 @pytest.fixture(scope="session")
 def training(scenarios):
-    """The real FSDP2 x TP run (4x2, 3 steps) and its three comparisons with one process (dd.verify_training)."""
+    """The real FSDP2 x TP run (4x2, 3 steps) and its three comparisons with one process (demo.verify_training)."""
     results, runs = scenarios
-    return runs["train"], results["train"], dd.verify_training(runs["train"], results["train"])
+    return runs["train"], results["train"], demo.verify_training(runs["train"], results["train"])
 
 
 def test_real_fsdp2_tp_training_replays_bit_for_bit_and_matches_one_process_within_fp32_reordering(training):
@@ -301,14 +303,14 @@ def test_training_checks_fail_on_a_wrong_gradient_weight_or_loss(training):
     bad = [dict(r, grads=list(r["grads"]), weights=list(r["weights"]), losses=list(r["losses"])) for r in ranks]
     grads = dict(bad[0]["grads"][1])
     g = grads["layers.0.fc1.weight"].clone()
-    g.view(-1)[0] += 4 * dd.tg.GRAD_RTOL * g.abs().max()
+    g.view(-1)[0] += 4 * demo.GRAD_RTOL * g.abs().max()
     bad[0]["grads"][1] = dict(grads, **{"layers.0.fc1.weight": g})
     holder = next(r for r in bad if r["weights"][1]["embed.weight"].numel())
     w = holder["weights"][1]["embed.weight"].clone()
     w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
     holder["weights"][1] = dict(holder["weights"][1], **{"embed.weight": w})
-    bad[0]["losses"][0] *= 1 + 8 * dd.tg.STEP_LOSS_RTOL
-    out = dd.verify_training(cfg, bad)
+    bad[0]["losses"][0] *= 1 + 8 * demo.STEP_LOSS_RTOL
+    out = demo.verify_training(cfg, bad)
     assert not out["passed"]
     assert (1, "embed.weight") in out["replay_differs"]  # the weight: not what torch gave after step 1
     assert (2, "layers.0.fc1.weight") in out["replay_differs"]  # torch fed the wrong gradient: not the ranks' weights
@@ -322,7 +324,7 @@ def fsdp2_tp_bytes(cfg, padded=True):
     head), again in backward, and reduce-scatters its gradients; TP all-reduces fc2's output in forward and fc1's
     input gradient in backward, and all-gathers the experts (full_tensor()) in forward. Ring counts, fp32."""
     dp, tp, f32 = cfg.dp, cfg.tp, 4
-    shapes = {n: tuple(p.shape) for n, p in dd.DemoModel(cfg).named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in demo.DemoModel(cfg).named_parameters()}
 
     def tp_local(name, shape):  # ColwiseParallel: rows; RowwiseParallel: columns; expert parallel: experts
         cut = 1 if name.endswith("fc2.weight") else 0 if name.endswith(("fc1.weight", "fc1.bias", "moe.w1",
@@ -337,7 +339,7 @@ def fsdp2_tp_bytes(cfg, padded=True):
     units = {u: sum(shard(tp_local(n, s)) for n, s in shapes.items() if n.startswith(u))
              for u in [f"layers.{i}." for i in range(cfg.layers)] + ["embed.", "head."]}
     layers = sum(v for u, v in units.items() if u.startswith("layers."))
-    activations = 2 * (tp - 1) * math.ceil(dd.BATCH * dd.SEQ * cfg.d / tp) * f32 * cfg.layers
+    activations = 2 * (tp - 1) * math.ceil(demo.BATCH * demo.SEQ * cfg.d / tp) * f32 * cfg.layers
     experts = 2 * (tp - 1) * (cfg.experts // tp) * cfg.expert_hidden * cfg.d * f32 * cfg.layers  # w1 and w2
     return {("forward", "all-gather", "dp"): (dp - 1) * sum(units.values()) * f32,
             ("forward", "all-reduce", "tp"): activations,
@@ -354,11 +356,11 @@ def test_measured_fsdp2_and_tp_bytes_of_a_training_step_match_the_shapes(scenari
     the optimizer step, measured the same way, sends what its Ledger says."""
     results, runs = scenarios
     cfg, ranks = runs[label], results[label]
-    table = dd.measured_table(ranks)
+    table = demo.measured_table(ranks)
     assert [key for key in table if key[1].startswith("not counted")] == []
     measured = {(phase, op, axis): t["sent"] for (phase, op, axis, dtype), t in table.items()
-                if phase in dd.FORWARD_BACKWARD}
-    assert {dtype for (phase, *_, dtype) in table if phase in dd.FORWARD_BACKWARD} == {"float32"}
+                if phase in demo.FORWARD_BACKWARD}
+    assert {dtype for (phase, *_, dtype) in table if phase in demo.FORWARD_BACKWARD} == {"float32"}
     expected = fsdp2_tp_bytes(cfg)
     assert measured == {key: [b] * len(ranks) for key, b in expected.items()}, label
     calls = {key[:3]: max(t["calls"]) for key, t in table.items()}
@@ -367,8 +369,8 @@ def test_measured_fsdp2_and_tp_bytes_of_a_training_step_match_the_shapes(scenari
     gathered = ("forward", "all-gather", "dp")
     if cfg.dp == 3:  # e.g. 40 rows over 3 ranks: shards of 14, the last holding 12; FSDP2 sends the padding
         assert fsdp2_tp_bytes(cfg, padded=False)[gathered] < expected[gathered]
-    ledger = dd.phase_bytes(dd.account(cfg, ranks)[0], dd.DTENSOR_PHASES)
-    assert dd.measured_sent(ranks, ("optimizer step",)) == ledger and min(ledger) > 0
+    ledger = demo.phase_bytes(demo.account(cfg, ranks)[0], demo.DTENSOR_PHASES)
+    assert demo.measured_sent(ranks, ("optimizer step",)) == ledger and min(ledger) > 0
     ops = {(op, axis, dtype): max(t["calls"]) for (phase, op, axis, dtype), t in table.items()
            if phase == "optimizer step"}
     assert ops == {("all-reduce", "world", "uint8"): 1, ("all-to-all", "world", "bfloat16"): 2}
@@ -408,16 +410,16 @@ def test_checkpoint_resharded_to_other_meshes_continues_bit_identical(scenarios,
 
 def test_checkpoint_of_8_ranks_loads_into_one_process_and_continues_bit_identical(scenarios, checkpoint_dir,
                                                                                   reference):
-    cfg = dd.DemoConfig()
+    cfg = demo.DemoConfig()
     torch.set_num_threads(1)
-    model = dd.DemoModel(cfg)  # plain tensors, no process group: every matrix is local
-    opt = dd.DTensorMuon(dd.param_groups(model, cfg), expert_stacks=dd.expert_stack_names(model))
+    model = demo.DemoModel(cfg)  # plain tensors, no process group: every matrix is local
+    opt = dd.DTensorMuon(demo.param_groups(model, cfg), expert_stacks=demo.expert_stack_names(model))
     named = list(model.named_parameters())
     dd.load_checkpoint(checkpoint_dir, model, opt)
     state = opt.state[opt.param_by_name["embed.weight"]]
     assert state["step"].item() == 2 and state["exp_avg"].abs().max() > 0
     assert opt.state[opt.param_by_name["layers.0.moe.w1"]]["momentum_buffer"].abs().max() > 0
-    dd.give_grads(model, cfg, 3)
+    demo.give_grads(model, cfg, 3)
     opt.step()
     for name, p in named:
         assert torch.equal(p.detach(), reference[name]), name
@@ -442,18 +444,18 @@ def test_a_bad_owner_assignment_is_refused_naming_the_matrices(scenarios):
 
 def test_explicit_config_on_plain_row_chunks_equals_torch(scenarios):
     results, runs = scenarios
-    reference = dd.run_explicit_reference(runs["explicit"])
+    reference = demo.run_explicit_reference(runs["explicit"])
     world = 8
     for r in results["explicit"]:
-        assert sorted(r["owners"]) == sorted(dd.EXPLICIT_SHAPES)
+        assert sorted(r["owners"]) == sorted(demo.EXPLICIT_SHAPES)
         for name, ref in reference.items():
-            assert torch.equal(r["params"][name], dd.rows_of(ref, r["rank"], world)), (name, r["rank"])
+            assert torch.equal(r["params"][name], demo.rows_of(ref, r["rank"], world)), (name, r["rank"])
 
 
 def plain_model_optimizer(**options):
     torch.set_num_threads(1)
-    model = dd.DemoModel(dd.DemoConfig())
-    groups = dd.param_groups(model, dd.DemoConfig())
+    model = demo.DemoModel(demo.DemoConfig())
+    groups = demo.param_groups(model, demo.DemoConfig())
     return model, groups, options
 
 
@@ -463,9 +465,9 @@ def plain_model_optimizer(**options):
      "expert_stacks names no Muon parameter: nope"),
 ])
 def test_construction_errors_name_the_parameter(stacks, message):
-    model = dd.DemoModel(dd.DemoConfig())
+    model = demo.DemoModel(demo.DemoConfig())
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        dd.DTensorMuon(dd.param_groups(model, dd.DemoConfig()), expert_stacks=stacks)
+        dd.DTensorMuon(demo.param_groups(model, demo.DemoConfig()), expert_stacks=stacks)
 
 
 @pytest.mark.parametrize("owned,message", [
@@ -474,9 +476,9 @@ def test_construction_errors_name_the_parameter(stacks, message):
     ({0: ["a.weight", "b.weight", "c.weight", "d.weight"]}, "d.weight is not a Muon matrix"),
 ])
 def test_explicit_assignment_is_validated_at_construction(owned, message):
-    params = [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in dd.EXPLICIT_SHAPES.items()]
+    params = [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in demo.EXPLICIT_SHAPES.items()]
     config = dd.DistributedConfig(assign=lambda flops, holders, world: owned, gather=lambda u, o: u,
-                                  redistribute=lambda o, w: o, global_shapes=dd.EXPLICIT_SHAPES)
+                                  redistribute=lambda o, w: o, global_shapes=demo.EXPLICIT_SHAPES)
     with pytest.raises(ValueError, match="bad owner assignment: .*" + message.replace("(", r"\(").replace(")", r"\)")):
         dd.DTensorMuon([dict(params=params, algorithm="muon")], distributed_config=config)
 
@@ -528,7 +530,7 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("argv,message", BAD_INPUT)
 def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
-    assert dd.main(argv) == 2
+    assert demo.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: ")
     assert message in captured.err
@@ -538,7 +540,7 @@ def test_cli_run_passes_and_writes_json(tmp_path, scenarios, capsys):
     """main() as the command line runs it (in this process: the ranks come from the forkserver the shared spawn
     started, which saves a fresh interpreter's seconds), against the same mesh run in the shared spawn."""
     path = tmp_path / "run.json"
-    assert dd.main(["--dp", "2", "--tp", "2", "--json", str(path)]) == 0
+    assert demo.main(["--dp", "2", "--tp", "2", "--json", str(path)]) == 0
     assert "Result: PASS: 20/20 parameters bit-identical to torch" in capsys.readouterr().out
     assert_same_run_as_spawned(json.loads(path.read_text()), scenarios, "2x2")
 
@@ -549,7 +551,7 @@ def assert_same_run_as_spawned(out, scenarios, label):
     results, runs = scenarios
     assert out["passed"] and len(out["checks"]) == 20
     assert all(c["identical"] and c["max_abs_diff"] == 0 for c in out["checks"])
-    table, same, flops = dd.account(runs[label], results[label])
+    table, same, flops = demo.account(runs[label], results[label])
     assert out["owners"] == results[label][0]["owners"] and out["ns_flops_per_rank"] == flops
     assert out["bytes_per_step"] == json.loads(json.dumps(table)) and out["bytes_same_every_step"] == same
     sent = out["bytes_per_step"]["gather at owner"]["sent"]
@@ -598,7 +600,7 @@ def test_under_torchrun_bad_flags_or_world_size_are_refused_before_joining(monke
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(gpu, "join_world", lambda *a: pytest.fail("joined the world"))
-    assert dd.main(argv) == 2
+    assert demo.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     if rank == 0:
@@ -614,8 +616,8 @@ def test_any_param_groups_hsdp_and_expert_parallel_meshes_equal_torch(scenarios,
     torch.equal to torch.optim.Muon / AdamW with the same groups, each Newton-Schulz once across the world."""
     results, runs = scenarios
     run, ranks = runs[label], results[label]
-    reference = dd.run_placed_reference(run)
-    start = dd.placed_start(run)
+    reference = demo.run_placed_reference(run)
+    start = demo.placed_start(run)
     assert all(not torch.equal(reference[n], start[n]) for n in reference)  # everything moved
     assert_identical(ranks, reference, label)
     owners = ranks[0]["owners"]
@@ -695,12 +697,12 @@ def test_torchs_flattened_optimizer_state_dict_round_trips_in_one_process(tmp_pa
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
-    options, cfg = StateDictOptions(flatten_optimizer_state_dict=True), dd.DemoConfig()
+    options, cfg = StateDictOptions(flatten_optimizer_state_dict=True), demo.DemoConfig()
     torch.set_num_threads(1)
-    built = [(model, dd.build_optimizer(model, cfg)) for model in (dd.DemoModel(cfg), dd.DemoModel(cfg))]
+    built = [(model, demo.build_optimizer(model, cfg)) for model in (demo.DemoModel(cfg), demo.DemoModel(cfg))]
     saved, fresh = built
     for step in (1, 2):
-        dd.give_grads(saved[0], cfg, step)
+        demo.give_grads(saved[0], cfg, step)
         saved[1].step()
     state = lambda m, o: {"model": m.state_dict(), "optim": get_optimizer_state_dict(m, o, options=options)}
     assert "state.embed.weight.exp_avg" in state(*saved)["optim"]
@@ -709,7 +711,7 @@ def test_torchs_flattened_optimizer_state_dict_round_trips_in_one_process(tmp_pa
     dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
     fresh[0].load_state_dict(loaded["model"])
     set_optimizer_state_dict(fresh[0], fresh[1], loaded["optim"], options=options)
-    dd.give_grads(fresh[0], cfg, 3)
+    demo.give_grads(fresh[0], cfg, 3)
     fresh[1].step()
     for name, p in fresh[0].named_parameters():
         assert torch.equal(p.detach(), reference[name]), name

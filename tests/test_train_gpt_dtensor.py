@@ -1,6 +1,6 @@
 """examples/train_gpt_dtensor.py: the GPT of examples/ trained with fully_shard x parallelize_module and
 DTensorMuon on the standard library's text, checked against one process of torch.optim.Muon + AdamW as
-distributed_muon_dtensor.verify_training checks (train_gpt.py's policy: the replay of the ranks' own gradients
+dtensor_demo.verify_training checks (its bounds: the replay of the ranks' own gradients
 bit for bit at every step; gradients and losses within GRAD_RTOL / STEP_LOSS_RTOL, fp32 sums in another order;
 free-running losses within TRAINED_LOSS_RTOL); saved on one mesh with torch's checkpoint recipe and resumed on
 another, the loss curve continuing; Ctrl-C clean; bad flags refused."""
@@ -56,7 +56,7 @@ def test_saved_on_2x2_resumed_on_another_mesh_continues_the_loss_curve(trainings
     configs, results = trainings
     whole, resumed = results[0], results[index]
     shapes = {n: tuple(p.shape) for n, p in tgd.plain_gpt(configs[0]).named_parameters()}
-    before_3 = lambda ranks, s: tgd.dd.assemble([dict(r, params=r["weights"][s]) for r in ranks], shapes)
+    before_3 = lambda ranks, s: tgd.demo.assemble([dict(r, params=r["weights"][s]) for r in ranks], shapes)
     saved, loaded = before_3(whole, 2), before_3(resumed, 0)
     assert all(torch.equal(saved[n], loaded[n]) for n in shapes)
     assert all(r["first"] == 3 and len(r["losses"]) == 2 for r in resumed)
