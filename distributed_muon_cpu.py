@@ -63,17 +63,13 @@ from torch.profiler import record_function
 # =============================================================================
 # 1. Newton-Schulz, momentum and the learning-rate adjustment
 # =============================================================================
-# This is the math of torch.optim.Muon (torch/optim/_muon.py), written out so
-# the reader sees every operation, and kept operation-for-operation identical so
-# that the distributed result can be bit-identical to it:
-#
-#   * the input is cast to bfloat16 first, and a tall matrix is transposed so the
-#     Gram matrix X @ X.T is the small one;
-#   * X is scaled by its Frobenius norm (clamped by eps) so its spectral norm is <= 1;
-#   * 5 quintic iterations  X <- a X + (b A + c A A) X,  A = X X^T.
-#
-# The coefficients (3.4445, -4.7750, 2.0315), 5 steps and eps = 1e-7 are Keller
-# Jordan's, the defaults of torch.optim.Muon.
+# The math of torch.optim.Muon (torch/optim/_muon.py), written out and kept
+# operation for operation identical, so that the distributed result can be
+# bit-identical to it: cast to bf16 (a tall matrix transposed, so that the Gram
+# matrix X X^T is the small one), scale by the Frobenius norm (clamped by eps) so
+# the spectral norm is <= 1, then quintic iterations X <- a X + (b A + c A A) X,
+# A = X X^T. The coefficients, 5 steps and eps = 1e-7 are Keller Jordan's,
+# torch.optim.Muon's defaults.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
@@ -100,25 +96,16 @@ def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_E
 
 
 def newton_schulz_flops(shape, steps=NS_STEPS):
-    """Matmul FLOPs of newton_schulz on a (rows, cols) matrix (2 per multiply-add).
-
-    With m = min(rows, cols), n = max(rows, cols), each iteration does
-    X@X.T (2 m m n), A@A (2 m m m) and poly@X (2 m m n). Elementwise work is left out.
-    """
+    """Matmul FLOPs of newton_schulz on a (rows, cols) matrix, m = min and n = max of them: each
+    iteration does X@X.T (2 m m n), A@A (2 m m m) and poly@X (2 m m n); elementwise work left out."""
     m, n = sorted(shape)
     return steps * (4 * m * m * n + 2 * m * m * m)
 
 
 def muon_momentum_(momentum_buffer, grad, momentum, nesterov):
-    """Update the momentum buffer in place and return the Newton-Schulz input.
-
-    torch.optim.Muon keeps an exponential moving average (lerp): buf <- buf + (1-mu)(g - buf),
-    and its Nesterov input is g.lerp(buf, mu). The Moonshot proof of concept
-    (Megatron-LM PR 1428) wrote buf <- mu*buf + g with mul_().add_() instead: a
-    different scale, so not bit-identical to torch; we follow torch.
-    Everything here is elementwise, so it gives the same bits on a shard as on
-    the whole matrix.
-    """
+    """Update the momentum buffer in place and return the Newton-Schulz input (elementwise: a shard
+    gets the whole matrix's bits). torch's moving average, buf <- buf + (1-mu)(g - buf), Nesterov
+    g.lerp(buf, mu); Megatron-LM PR 1428's buf <- mu*buf + g is another scale, so not torch's bits."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
@@ -144,11 +131,8 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_unclamped")  # torch.o
 
 
 def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_decay):
-    """torch.optim.AdamW's single-tensor math, line for line, on any slice.
-
-    `step` is the already-incremented step count. Every operation is elementwise,
-    so a ZeRO-1 shard gets the same bits as the full tensor would.
-    """
+    """torch.optim.AdamW's single-tensor math, line for line, on any slice (elementwise: a ZeRO-1
+    shard gets the full tensor's bits). `step` is the already-incremented step count."""
     beta1, beta2 = betas
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
@@ -161,8 +145,7 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_dec
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-# The same math with a param group's options, as every optimizer here (and DTensorMuon) steps a part of
-# a parameter: each is elementwise, so a part gets the whole tensor's bits.
+# The same math with a param group's options, on a part of a parameter (DTensorMuon calls them too).
 def muon_update(momentum_buffer, grad, group):
     """Muon's momentum, then the bf16 cast Newton-Schulz does first anyway (half the bytes to move, no bit changed)."""
     return muon_momentum_(momentum_buffer, grad, group["momentum"], group["nesterov"]).bfloat16()
@@ -195,17 +178,13 @@ def adamw_step_(param, grad, state, group):
 # The groups are sliced from torch.arange(world).view(DP, TP). Every rank must
 # create every group, in the same order, even the groups it is not part of.
 #
-# Every collective of the optimizer goes through the functions below, which
-# record in a Ledger what each rank logically sends and receives: Gloo's
-# profiler records no message sizes, so we count bytes ourselves. The count is
-# that of a ring (bandwidth-optimal) algorithm: for a group of n ranks and a
-# shard of k bytes, each rank sends and receives (n - 1) * k. Each call is also
-# labelled with its phase for torch.profiler (record_function), so a trace of a
-# step shows the phases by the names the ledger uses.
+# Every collective goes through the functions below, which record in a Ledger
+# what each rank sends and receives (Gloo's profiler records no message sizes):
+# a ring's count, (n - 1) * k bytes each way for n ranks and k-byte shards. Each
+# call is labelled with its phase for torch.profiler (record_function).
 
-# torch 2.14 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour
-# of all_gather_single / reduce_scatter_single; older torch has only the old
-# names. Resolve once, here, rather than at every call.
+# torch 2.14 renames all_gather_into_tensor / reduce_scatter_tensor to *_single;
+# older torch has only the old names: resolved once, here.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -278,9 +257,8 @@ class Ledger:
     step: int = 0
     comm: list = field(default_factory=list)  # dicts: step, phase, op, axis, dtype, sent, received (bytes)
     compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
-    # What this rank did, in order: (step, "launch" | "wait", phase) for every collective,
-    # (step, "newton-schulz", matrix) for every orthogonalization: what was in flight while
-    # what ran, once section 6 lets collectives fly while a rank computes.
+    # In order: (step, "launch" | "wait", phase) per collective, (step, "newton-schulz", matrix) per
+    # orthogonalization; what was in flight while what ran, once collectives overlap compute.
     events: list = field(default_factory=list)
 
     def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
@@ -324,15 +302,10 @@ def sum_in_order(contributions):
 
 
 def reduce_scatter_sum(bucket, axis):
-    """torch's reduce-scatter with ReduceOp.SUM, started: (work, a function that returns the shard).
-
-    The sum is the total gradient, as the reference is fed (AVG is avoided for older torch).
-    Gloo implements reduce_scatter as a full all-reduce, which moves more than a
-    ring's bytes and is slower (benchmarks/gloo_collectives.py,
-    notes/measured/gloo_collectives_2core.txt). On Gloo every rank's i-th shard goes
-    instead straight to rank i, in one all-to-all, and rank i adds them up in rank
-    order: exactly the ring's bytes.
-    """
+    """torch's reduce-scatter with ReduceOp.SUM (the total gradient, as the reference is fed; no AVG
+    on older torch), started: (work, a function that returns the shard). Gloo's reduce_scatter is a
+    full all-reduce, more bytes and slower (notes/measured/gloo_collectives_2core.txt); there each
+    rank's i-th shard goes straight to rank i in one all-to-all, added in rank order: a ring's bytes."""
     shard_numel = bucket.numel() // axis.size
     if dist.get_backend(axis.group) == "gloo":
         received = bucket.new_empty(bucket.numel())
@@ -356,11 +329,8 @@ def reduce_scatter(bucket, axis, ledger, phase):
 
 
 def any_rank(flags, axis, ledger, phase):
-    """Elementwise OR of a 1-D bool tensor over the ranks of `axis` (one MAX all-reduce).
-
-    Counted as a ring all-reduce (a reduce-scatter, then an all-gather) of the
-    flags as bytes, padded to a multiple of the group size.
-    """
+    """Elementwise OR of a 1-D bool tensor over the ranks of `axis` (one MAX all-reduce), counted as a
+    ring all-reduce (reduce-scatter, then all-gather) of the flags as bytes, padded to the group size."""
     if axis.size == 1:
         return flags
     padded = -(-flags.numel() // axis.size) * axis.size
@@ -382,13 +352,11 @@ def any_rank(flags, axis, ledger, phase):
 # embedding and head (split by vocabulary), and without weight decay for norms,
 # biases and a 0-dim scalar.
 #
-# Gradients differ per DP rank (each saw different data) and agree across the
-# TP ranks of a row (they hold pieces of the same gradient). They are drawn as
-# integers times 2**-10 in [-1/4, 1/4]: any sum of up to MAX_WORLD of them is a
-# multiple of 2**-10 below 2**4, which float32 (24-bit significand) holds
-# exactly, so the DP reduction gives the same bits in any order. Real gradients
-# would make the sum order-dependent, and bit-identity would then be impossible
-# for a reason that has nothing to do with Muon.
+# Gradients differ per DP rank (each saw different data) and agree across a TP
+# row (pieces of one gradient). They are integers times 2**-10 in [-1/4, 1/4]:
+# any sum of up to MAX_WORLD of them is a multiple of 2**-10 below 2**4, exact in
+# float32, so the DP reduction gives the same bits in any order (real gradients
+# would make bit-identity impossible for a reason unrelated to Muon).
 
 VOCAB, D_MODEL, N_LAYERS, N_EXPERTS = 512, 128, 2, 8
 GRAD_SCALE = 2.0**-10
@@ -441,12 +409,8 @@ def initial_params(specs, seed):
 
 
 def dp_rank_grads(specs, seed, step, dp_rank, missing=()):
-    """Full gradients that DP rank `dp_rank` computed at `step` (see the block above).
-
-    missing: (name, dp_rank, step) triples, dp_rank -1 for every rank, whose
-    gradient is None, as for a frozen embedding, an expert no token reached, or
-    a branch not taken on that rank's data.
-    """
+    """Full gradients that DP rank `dp_rank` computed at `step`. missing: (name, dp_rank or -1 for
+    every rank, step) whose gradient is None (a frozen embedding, an expert no token reached)."""
     g = torch.Generator().manual_seed((seed * 100_003 + step) * 1_009 + dp_rank)
     grads = {s.name: torch.randint(-GRAD_MAX_INT, GRAD_MAX_INT + 1, s.global_shape, generator=g).float() * GRAD_SCALE
              for s in specs}  # drawn for every parameter, so a missing one changes no other draw
@@ -469,13 +433,11 @@ def dp_rank_grads(specs, seed, step, dp_rank, missing=()):
 #   |<--- DP 0 --->|<--- DP 1 --->|<--- DP 2 --->|<--- DP 3 --->|
 #   0              L              2L             3L             4L
 #
-# A parameter's range may straddle shard boundaries: above, qkv.weight is kept
-# partly by DP 0 and partly by DP 1. Each rank's optimizer state covers only
-# its shard: its part of a parameter (`local_range`), which may be empty.
-# A DistMeta (one per parameter, per rank; the names of the Moonshot PoC's
-# MuonDistMeta) says where the parameter lies. The layout depends only on
-# shapes, DP and the bucket size: every rank (and the launcher, for --explain)
-# computes the same one without talking.
+# A parameter may straddle shards (qkv.weight: DP 0 and DP 1); a rank's state
+# covers only its part (`local_range`, maybe empty). A DistMeta per parameter and
+# rank (the Moonshot PoC's MuonDistMeta names) says where it lies: a pure function
+# of shapes, DP and bucket size, so every rank computes the same one without
+# talking (notes/02-virtual-buffer.md).
 
 
 @dataclass(frozen=True)
@@ -605,22 +567,16 @@ def plan_layout(buffers, shapes, tp_split_dims, dp, tp, bucket_size):
 #      then  part -= lr*wd*part + adjusted_lr * update     (the weight update, on the part only)
 #   4. parts             --param all-gather (fp32)-----> every rank holds its full TP-local weights
 #
-# A rank's "part" of a parameter is the range of its flattened TP piece whose
-# optimizer state it keeps (its ZeRO-1 local range, from dist_meta). AdamW
-# parameters ride the same reduce-scatter and all-gather; their update is
-# elementwise, so they need no gather at all. The buckets go one at a time
-# through all four stages, so one bucket's temporaries are alive at a time, as
-# torch.optim.Muon holds one matrix's (why it matters: notes/08-strategies.md).
+# A rank's "part" of a parameter is the range of its flat TP piece whose state it
+# keeps (dist_meta's local range). AdamW rides the same reduce-scatter and
+# all-gather and needs no gather (elementwise). Buckets go one at a time through
+# all four stages, so one bucket's temporaries are alive at a time (notes/08).
 #
-# The DP gather is bucketed, one flat all-gather rebuilding every TP-local
-# matrix of the bucket as a view; the TP gather is per matrix, since each joins
-# along its own split dim, and only for the matrices this rank's DP shard
-# touches (its TP peers share that shard, so they agree on which). The bf16 cast
-# before the DP gather is Newton-Schulz's own first step: half the bytes, no bit
-# changed. The gather path is communication; its mirror, the shard path, is
-# free: every rank holds the full result and slices out its own piece. The pure
-# part of each arrow (which view, which join, which slice) is a function of its
-# own, so the same code runs in one process too (the notebook does).
+# The DP gather is one flat all-gather per bucket (every matrix a view of it);
+# the TP gather is per matrix, along its own split dim, for the matrices this
+# rank's DP shard touches (notes/04-bucketing.md). The gathers communicate; their
+# mirrors, the shards, are free slices of the full result. The pure part of each
+# arrow is a function of its own, so the notebook runs them in one process.
 
 
 def dp_gather(update_shard, dp, ledger):
@@ -647,10 +603,7 @@ def tp_gather(tp_local, tp_split_dim, tp, ledger):
 
 
 def tp_shard(full, tp_split_dim, tp_rank, tp_size):
-    """Full tensor -> TP rank tp_rank's piece (a slice: no communication).
-
-    Also how a run hands each rank its TP pieces of parameters and gradients (section 7).
-    """
+    """Full tensor -> TP rank tp_rank's piece (a slice: no communication)."""
     if tp_split_dim < 0 or tp_size == 1:
         return full
     return full.chunk(tp_size, dim=tp_split_dim)[tp_rank]
@@ -692,11 +645,9 @@ def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger):
 
 # The constructor's checks: what it refuses, and the index of named parameters it builds.
 def check_hyperparameters(name=str, *, bucket_size, lr, weight_decay, momentum, adjust_lr_fn):
-    """The optimizer's rules for its arguments, in one place. `name` spells an argument in the
-    ValueError: as the constructor's keyword by default, or as a command-line flag.
-    torch.optim.Muon's rules (lr, momentum, weight_decay >= 0; adjust_lr_fn None or one of
-    ADJUST_LR_FNS), stricter where a value would break the step: finite lr and weight decay,
-    momentum below 1 (torch accepts any momentum >= 0; at 1 the buffer never takes a gradient)."""
+    """torch.optim.Muon's rules (`name` spells an argument: a keyword, or a command-line flag),
+    stricter where a value would break the step: finite lr and weight decay, momentum below 1
+    (torch accepts any >= 0; at 1 the buffer never takes a gradient)."""
     if bucket_size < 1:
         raise ValueError(f"{name('bucket_size')} must be >= 1 (got {bucket_size})")
     if not (lr >= 0 and math.isfinite(lr)):
@@ -737,8 +688,8 @@ def check_param_groups(param_groups):
 
 def named_params(param_groups):
     """[(name, tensor, its group)] after the checks every optimizer here needs (DTensorMuon's too):
-    'muon' or 'adamw' groups, each group's options (check_param_groups), named float32 parameters, no
-    name twice. State is keyed by name (dist_meta, owners, checkpoints). Groups are found by identity."""
+    'muon' or 'adamw' groups, their options, named float32 parameters (state is keyed by name), no
+    name twice."""
     for group in param_groups:
         if group["algorithm"] not in ("muon", "adamw"):
             raise ValueError(f"unknown algorithm {group['algorithm']!r}; use 'muon' or 'adamw'")
@@ -780,17 +731,12 @@ def index_named_params(param_groups, tp_split_dims):
 class DistributedMuon(torch.optim.Optimizer):
     """ZeRO-1 x TP Muon (and AdamW for non-matrix parameters), the gather strategy; bit-identical to torch.
 
-    params: named parameters, as torch optimizers accept them: a list of groups
-        {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", ...hyperparameters}.
-        Each tensor is this rank's TP piece, the same on every DP rank; every rank
-        passes the same names in the same order.
-    grid: from make_grid; tp_split_dims: {name: dim} for TP-split parameters
-        (missing names are replicated across TP).
+    params: groups {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", ...options}; each
+        tensor this rank's TP piece, the same on every DP rank; the same names in the same order everywhere.
+    grid: from make_grid; tp_split_dims: {name: dim} of TP-split parameters (others are replicated).
     bucket_size: largest bucket, in elements, before padding to a multiple of DP.
-    Gradients are summed over DP (ReduceOp.SUM). A parameter whose .grad is None
-    on every rank is skipped, as torch.optim.Muon and AdamW skip it (its state
-    and value untouched); one that has a gradient on some ranks only gets zeros
-    from the others, as DDP's reduction does.
+    Gradients are summed over DP. A parameter whose .grad is None on every rank is skipped, as torch
+    skips it; one with a gradient on some ranks only gets zeros from the others, as DDP adds.
     """
 
     strategy = "gather"
@@ -836,12 +782,8 @@ class DistributedMuon(torch.optim.Optimizer):
             self._gather_bucket(bucket)  # 4
 
     def _vote_on_gradients(self):
-        """The names of the parameters that have a gradient on at least one rank (the same set on every rank).
-
-        One tiny all-reduce ("grad presence") before stage 1: a parameter whose .grad is None
-        everywhere is skipped, as torch skips it; had each rank decided alone, ranks could
-        enter different collectives and wait for each other forever.
-        """
+        """The parameters with a gradient on some rank, the same set everywhere (one tiny all-reduce):
+        had each rank decided alone, ranks could enter different collectives and wait forever."""
         has_grad = torch.tensor([p.grad is not None for p in self.param_by_name.values()], device=self.device)
         has_grad = any_rank(has_grad, self.grid.world, self.ledger, "grad presence")
         return {n for n, present in zip(self.param_by_name, has_grad.tolist()) if present}
