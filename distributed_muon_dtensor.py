@@ -94,7 +94,7 @@ import muon_tools as mt
 # small functions that step a part of a parameter with a group's options:
 # muon_update, apply_muon_update_, adamw_step_), kept operation for operation
 # identical to torch.optim.Muon and torch.optim.AdamW. The named parameters and
-# every group's options are checked by the lesson's named_params (section 4).
+# every group's options are checked by the lesson's named_params (section 5).
 # The owner assignment (longest-processing-time over Newton-Schulz FLOPs) and
 # its check come from its section 6, with the function that moves many parts in
 # one all-to-all (send_parts) and the Newton-Schulz of an owner's matrices
@@ -385,7 +385,7 @@ class DistributedConfig:
 # =============================================================================
 # One step, as seen from one rank:
 #
-#   0. checks         every group's options (torch's rules, dm.check_param_groups)
+#   0. checks         every group's options (torch's rules, dm.named_params)
 #                     and every gradient, then the grad-presence vote: one MAX
 #                     all-reduce of a flag per parameter name and one for "a rank
 #                     found a problem" (then EVERY rank raises, before any tensor
@@ -471,7 +471,7 @@ class DTensorMuon(torch.optim.Optimizer):
             them. Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks.
             Tensors are float32 DTensors (any mesh; Shard, _StridedShard or Replicate placements)
             or plain tensors. A group's own options override the defaults below; every group is
-            checked here by torch.optim.Muon's / AdamW's rules (dm.check_param_groups).
+            checked here by torch.optim.Muon's / AdamW's rules (dm.named_params, as the lesson's).
         lr: learning rate of both algorithms (>= 0, finite).
         weight_decay: decoupled weight decay, p *= 1 - lr * weight_decay (>= 0, finite).
         momentum: Muon's momentum (in [0, 1); torch allows any >= 0); nesterov: Nesterov's input, as torch.

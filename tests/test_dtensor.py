@@ -715,3 +715,14 @@ def test_torchs_flattened_optimizer_state_dict_round_trips_in_one_process(tmp_pa
     fresh[1].step()
     for name, p in fresh[0].named_parameters():
         assert torch.equal(p.detach(), reference[name]), name
+
+
+def test_the_optimizer_stands_on_the_lesson_alone():
+    """distributed_muon_dtensor.py is the optimizer: importing it loads the lesson, not examples/ (no sys.path
+    edit) and not its demo; the demo, verification and CLI are dtensor_demo.py, which the script runs."""
+    probe = ("import sys, distributed_muon_dtensor as dd; "
+             "print(sorted(m for m in ('train_gpt', 'dtensor_demo', 'distributed_muon_cpu') if m in sys.modules), "
+             "any(p.rstrip('/').endswith('examples') for p in sys.path))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["['distributed_muon_cpu']", "False"], out.stdout
+    assert not hasattr(dd, "DemoConfig") and not hasattr(dd, "verdict") and hasattr(demo, "main")
