@@ -22,16 +22,16 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-only) CPU_ONLY=1 ;;
     --quick) QUICK=1 ;;
-    --out) OUT="${2:?--out needs a folder}"; shift ;;
-    --name) NAME="${2:?--name needs a value}"; shift ;;
-    *) echo "on_gpu.sh: error: unknown option $1 (--cpu-only, --quick, --out DIR, --name NAME)" >&2; exit 2 ;;
+    --out|--name) [ $# -gt 1 ] || { echo "error: on_gpu.sh: $1 needs a value" >&2; exit 2; }
+      if [ "$1" = --out ]; then OUT=$2; else NAME=$2; fi; shift ;;
+    *) echo "error: on_gpu.sh: unknown option $1 (--cpu-only, --quick, --out DIR, --name NAME)" >&2; exit 2 ;;
   esac
   shift
 done
-[ -d "$OUT" ] || { echo "on_gpu.sh: error: --out $OUT is not a folder" >&2; exit 2; }
+[ -d "$OUT" ] || { echo "error: on_gpu.sh: --out $OUT is not a folder" >&2; exit 2; }
 PY=${PYTHON:-python}
 if [ "$CPU_ONLY" = 0 ] && ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-  echo "on_gpu.sh: error: no CUDA GPU here (torch.cuda.is_available() is False); run with --cpu-only" >&2; exit 2
+  echo "error: on_gpu.sh: no CUDA GPU here (torch.cuda.is_available() is False); run with --cpu-only" >&2; exit 2
 fi
 if [ -z "$NAME" ]; then
   if [ "$CPU_ONLY" = 1 ]; then NAME=cpu

@@ -26,7 +26,6 @@ Goals it reports against (issue 13): every strategy within 1.02x torch's step on
 and comm-free at least 1.7x faster than torch on 2 ranks; owner at least 0.85 N x on N free cores.
 """
 
-import argparse
 import datetime
 import os
 import statistics
@@ -178,7 +177,7 @@ def goal(n, variant, without_ns=False):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Step time of every strategy against torch's, over ranks.")
+    p = mt.OneLineParser(description="Step time of every strategy against torch's, over ranks.")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts (default: 1 2)")
     p.add_argument("--d", type=int, default=D, help="model width (default %(default)s)")
     p.add_argument("--layers", type=int, default=LAYERS, help="layers of 4 matrices (default %(default)s)")
@@ -188,8 +187,8 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH", help="write every step time")
     p.add_argument("--figure", metavar="PATH", help="write the speed-up against ranks as a PNG")
     args = p.parse_args(argv)
-    if any(n < 1 for n in args.ranks):
-        p.error("--ranks must be >= 1")
+    if any(not 1 <= n <= dm.MAX_WORLD for n in args.ranks):
+        p.error(f"--ranks must be in [1, {dm.MAX_WORLD}] (got {' '.join(map(str, args.ranks))})")
     if args.d < 1 or args.layers < 1 or args.rounds < 1:
         p.error("--d, --layers and --rounds must be >= 1")
     for path in (args.json, args.figure):
