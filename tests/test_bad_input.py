@@ -90,6 +90,9 @@ ROWS = [
      False),
     ("benchmarks/peak_memory.sh", [], "no command to measure", False),
     ("benchmarks/peak_memory.sh", ["no-such-command-xyz"], "no-such-command-xyz: no such command", False),
+    ("benchmarks/refresh.sh", ["--bogus"], "unrecognized arguments: --bogus", False),
+    ("benchmarks/refresh.sh", ["--only", "nope"], "--only: no part nope (see --list)", False),
+    ("benchmarks/refresh.sh", ["--quick", "--out", "/nonexistent"], "--out /nonexistent is not a folder", False),
 ]
 # Good input, run by the same harness: each gets as far as starting a rank, which the harness stops (exit 3).
 CONTROLS = [("distributed_muon_cpu.py", ["--dp", "1", "--tp", "1", "--steps", "1"], {}),
