@@ -15,7 +15,7 @@ rows of the files it makes. The commit is taken once, before the first part, so 
 writes do not make the next part's "+dirty".
 
 Parts that cannot run here are skipped, and said so: the GPU's (bash benchmarks/on_gpu.sh, on a
-machine with one), and the peers' (benchmarks/peers.py needs its own virtual environment: set
+machine with one; then `refresh.sh --record FILE ...` adds its files' rows to the index from their headers), and the peers' (benchmarks/peers.py needs its own virtual environment: set
 PEERS_PYTHON to its python). --quick runs the parts that have tiny sizes (a plumbing check, not
 figures) into a temporary folder (or --out DIR), and skips the others, saying so.
 """
@@ -218,6 +218,8 @@ brackets: where); their figures are as measured then. `+dirty`: the tree had unc
 |---|---|---|---|
 """
 BEFORE = "before refresh.sh existed (git log: the last commit that changed the file)"
+RECORDED = "recorded from its header (refresh.sh --record)"
+HEADER_COMMIT = re.compile(r"# commit ([0-9a-f]{7,40}(?:\+dirty)?)[, ]")
 ROW = re.compile(r"^\| `([^`]+)` \| (.*) \| `([0-9a-f]{7,40}(?:\+dirty)?)` \| (.*) \|$")
 
 
@@ -240,6 +242,37 @@ def write_index(path, rows):
     mt.write_atomically(path, lambda f: f.write(text.encode()))
 
 
+def header_of(path):
+    """(commands, commit) of a text file that begins with `$ command` lines and then `# commit <commit>, ...`
+    (refresh.sh's and on_gpu.sh's files); None for another."""
+    commands = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            if line.startswith("$ "):
+                commands.append(line[2:].rstrip("\n"))
+                continue
+            m = HEADER_COMMIT.match(line)
+            return (commands, m[1]) if m and commands else None
+    return None
+
+
+def record(paths):
+    """--record: the INDEX.md rows of files another command wrote with a header (benchmarks/on_gpu.sh's),
+    a .json or .png taking its .txt's; ValueError for a file without one."""
+    for path in paths:
+        folder, name = os.path.split(os.path.abspath(path))
+        text = os.path.join(folder, name.rsplit(".", 1)[0] + ".txt")
+        header = header_of(text) if os.path.exists(text) else None
+        if header is None:
+            raise ValueError(f"--record {path}: {os.path.basename(text)} does not begin with `$ command` lines "
+                             f"and `# commit ...`")
+        index = os.path.join(folder, INDEX)
+        rows = read_index(index)
+        rows[name] = (" ; ".join(f"`{c}`" for c in header[0]), header[1], RECORDED)
+        write_index(index, rows)
+        print(f"{index}: {name} made by {header[0][0]}{' ...' if len(header[0]) > 1 else ''} at {header[1]}")
+
+
 def command_cell(commands, out_dir=MEASURED):
     return " ; ".join(f"`{shown(c, out_dir)}`" for c in commands)
 
@@ -252,6 +285,8 @@ def build_parser():
                                                 "folder with --quick)")
     p.add_argument("--only", nargs="+", metavar="PART", help="run these parts only (names as --list prints them)")
     p.add_argument("--list", action="store_true", help="print the parts, their files and commands, and exit")
+    p.add_argument("--record", nargs="+", metavar="FILE",
+                   help="add the INDEX.md rows of files made elsewhere with a header (on_gpu.sh's), and exit")
     return p
 
 
@@ -265,6 +300,9 @@ def main(argv=None):
     if args.out and not os.path.isdir(args.out):
         print(f"error: --out {args.out} is not a folder", file=sys.stderr)
         return 2
+    if args.record:
+        record(args.record)
+        return 0
     if args.list:
         for p in PARTS:
             print(f"{p.name}: {', '.join((p.text,) + p.data)}{'' if p.quick else '  (not in --quick)'}"

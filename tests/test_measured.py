@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -44,11 +46,26 @@ def test_every_file_names_its_command_and_commit():
         commit = full_commit(made)  # a commit of this repository
         if how == refresh.BEFORE:  # honest history: the commit that last changed the file
             assert commit == git("log", "-1", "--format=%H", "--", os.path.join(MEASURED, name)), name
-        else:
-            assert how.startswith("refresh.sh, "), (name, how)  # never --quick's rows here
+        else:  # refresh.sh's (never --quick's) or on_gpu.sh's: the text file's header says the same
+            assert how.startswith("refresh.sh, ") or how == refresh.RECORDED, (name, how)
             text = name.rsplit(".", 1)[0] + ".txt"
             assert rows[text][:2] == (command, made), name  # a .json or .png: its text file's command and commit
-            assert_header(os.path.join(MEASURED, text), commands_of(command), made)
+            assert refresh.header_of(os.path.join(MEASURED, text)) == (commands_of(command), made), name
+            if how != refresh.RECORDED:
+                assert_header(os.path.join(MEASURED, text), commands_of(command), made)
+
+
+def test_files_made_elsewhere_are_recorded_from_their_headers(tmp_path):
+    """on_gpu.sh's files (it calls refresh.py --record): a text file's header, and a .json beside it, become
+    rows; a file without a header is refused."""
+    (tmp_path / "x_h100.txt").write_text("$ python a.py --json x_h100.json\n# commit 1234567+dirty, 2026-11-25\nout\n")
+    (tmp_path / "x_h100.json").write_text("{}")
+    (tmp_path / "bare.txt").write_text("no header\n")
+    refresh.record([str(tmp_path / "x_h100.txt"), str(tmp_path / "x_h100.json")])
+    row = ("`python a.py --json x_h100.json`", "1234567+dirty", refresh.RECORDED)
+    assert refresh.read_index(str(tmp_path / refresh.INDEX)) == {"x_h100.txt": row, "x_h100.json": row}
+    with pytest.raises(ValueError, match="bare.txt does not begin with"):
+        refresh.record([str(tmp_path / "bare.txt")])
 
 
 def test_every_part_writes_files_the_index_knows():
