@@ -469,6 +469,12 @@ def check_writable(path, option="--json"):
         raise ValueError(f"{option} {path} is not writable")
 
 
+def host_memory():
+    """This machine's physical memory in bytes (what `free` calls total): the budget the commands check
+    the sizes of a run against before starting it."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def flag(argument):
     """The command-line flag of a keyword argument: bucket_size -> --bucket-size."""
     return "--" + argument.replace("_", "-")

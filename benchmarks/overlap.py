@@ -33,6 +33,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not 2 <= args.ranks <= scaling.dm.MAX_WORLD or args.d < 1 or args.layers < 1 or args.rounds < 1:
         p.error(f"--ranks must be in [2, {scaling.dm.MAX_WORLD}]; --d, --layers and --rounds >= 1")
+    if scaling.memory_error(args.d, args.layers, args.ranks):
+        p.error(scaling.memory_error(args.d, args.layers, args.ranks))
     runs = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):  # every round times every variant: drift in the load hits them alike
         for v, times in scaling.on_ranks(args.ranks, args.d, args.layers, VARIANTS).items():

@@ -432,6 +432,8 @@ def main(argv=None):
         p.error("--d, --layers and --rounds must be >= 1")
     if any(args.d % n for n in args.ranks):
         p.error(f"--d {args.d} must be divisible by every --ranks (FSDP2's even dim-0 shards)")
+    if scaling.memory_error(args.d, args.layers, max(args.ranks)):
+        p.error(scaling.memory_error(args.d, args.layers, max(args.ranks)))
     torch.set_num_threads(1)
     speed = {str(dt).replace("torch.", ""): scaling.matmul_gflops(args.d, dt) for dt in (torch.bfloat16, torch.float32)}
     load = os.getloadavg()[0]

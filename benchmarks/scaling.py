@@ -58,6 +58,16 @@ def shapes(d, layers):
     return matrices, {f"vector.{i}": (d,) for i in range(VECTORS)}
 
 
+def memory_error(d, layers, processes):
+    """"" when `processes` processes at once can hold the model here, else why not (one line): each keeps at
+    least the matrices' weights, gradients and momentum in fp32, 3 x 4 bytes x 12 d^2 per layer (shapes())."""
+    need = processes * 3 * 4 * 12 * d * d * layers
+    if need <= mt.host_memory():
+        return ""
+    return (f"--d {d} x --layers {layers} on {processes} processes needs at least {mt.human_bytes(need)}, more than "
+            f"this machine's {mt.human_bytes(mt.host_memory())} of memory")
+
+
 def parameters(d, layers):
     """Fresh copies of the same starting parameters and gradients: (params, grads), {name: tensor} each."""
     matrices, others = shapes(d, layers)
@@ -191,6 +201,8 @@ def main(argv=None):
         p.error(f"--ranks must be in [1, {dm.MAX_WORLD}] (got {' '.join(map(str, args.ranks))})")
     if args.d < 1 or args.layers < 1 or args.rounds < 1:
         p.error("--d, --layers and --rounds must be >= 1")
+    if memory_error(args.d, args.layers, max(args.ranks)):
+        p.error(memory_error(args.d, args.layers, max(args.ranks)))
     for path in (args.json, args.figure):
         if path:
             mt.check_writable(path, "--json" if path == args.json else "--figure")

@@ -160,15 +160,10 @@ def memory_lower_bound(cfg):
     return 4 * (2 * params // (cfg.dp * tp) + tokens * per_token)
 
 
-def host_memory():
-    """This machine's physical memory in bytes (what `free` calls total)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def check_memory(cfg, ranks_here, budget=None):
     """Refuse, before any rank starts, sizes whose ranks_here ranks could not fit in `budget` bytes
     (default this machine's memory), by memory_lower_bound: a refused run could never have run here."""
-    budget = host_memory() if budget is None else budget
+    budget = mt.host_memory() if budget is None else budget
     need = ranks_here * memory_lower_bound(cfg)
     if need > budget:
         raise ValueError(f"--batch {cfg.batch} x --context {cfg.context} with --d-model {cfg.d_model} and --layers "
