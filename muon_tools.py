@@ -8,7 +8,8 @@ algorithm must read: it continues the lesson's numbering.
     9. Main: the launcher (start, watch and stop the ranks) and the command line
 
 The launcher (spawn_ranks, exit_code, RankFailure), the table formatting (format_table,
-human_bytes) and the checks of a command's options (check_launch, check_writable, flag) serve
+human_bytes), the parser (OneLineParser) and the checks of a command's options (check_launch,
+check_writable, flag) serve
 every command of the repository: distributed_muon.py, distributed_muon_dtensor.py, examples/
 and benchmarks/ import them from here. `python distributed_muon_cpu.py` runs main() below.
 """
@@ -468,6 +469,12 @@ def check_writable(path, option="--json"):
         raise ValueError(f"{option} {path} is not writable")
 
 
+def host_memory():
+    """This machine's physical memory in bytes (what `free` calls total): the budget the commands check
+    the sizes of a run against before starting it."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def flag(argument):
     """The command-line flag of a keyword argument: bucket_size -> --bucket-size."""
     return "--" + argument.replace("_", "-")
@@ -524,10 +531,23 @@ def run(cfg, explain=False, print_fn=print):
     return report(cfg, plan, results, checks, ranks_s, ref_s, print_fn=print_fn)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """The parser of every command of the project. What argparse itself refuses (an unknown flag, a
+    value that is not a number, a choice not offered, a missing value) ends the command as every
+    other refusal does: one line `error: <message>` on stderr, exit 2, before any rank starts
+    (argparse's own ends with the usage, a dozen lines). --help is argparse's. Under torchrun every
+    process parses the same argv: rank 0 alone says it, as run_under_torchrun does."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {' '.join(message.split())}", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser(description, launcher="spawn"):
     """The command line. launcher "torchrun" (distributed_muon.py) takes DP from the world size by default."""
     d = RunConfig()
-    p = argparse.ArgumentParser(description=description)
+    p = OneLineParser(description=description)
     if launcher == "torchrun":
         p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: processes / TP)")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default %(default)s)")

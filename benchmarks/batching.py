@@ -35,7 +35,8 @@ def median_ms(fn):
     return statistics.median(times)
 
 
-def main():
+def main(argv=None):
+    mt.OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
     torch.set_num_threads(1)
     print(f"Newton-Schulz, {dm.NS_STEPS} steps, bf16, 1 thread, median of {REPEATS}; torch {torch.__version__}\n")
     rows = []
@@ -57,4 +58,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,10 +8,15 @@ the GPU repeats itself exactly. Needs a CUDA GPU; without one it exits with stat
 The H100 output is notes/measured/h100_cpu_vs_gpu_newton_schulz.txt (chapter 6 of the notes).
 """
 
+import os
 import sys
 
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as ns
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import muon_tools as mt  # noqa: E402
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 STEPS = 5
@@ -19,7 +24,8 @@ EPS = 1e-7
 SHAPES = [(384, 128), (128, 128), (512, 128), (128, 512), (8, 128), (4096, 1024)]
 
 
-def main():
+def main(argv=None):
+    mt.OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
     if not torch.cuda.is_available():
         print("error: no CUDA GPU (torch.cuda.is_available() is False); run this on a machine with one",
               file=sys.stderr)

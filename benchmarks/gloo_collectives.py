@@ -8,7 +8,6 @@ then each rank adds the shards it received, in rank order.
     python benchmarks/gloo_collectives.py --ranks 2
 """
 
-import argparse
 import datetime
 import os
 import statistics
@@ -62,11 +61,11 @@ def rank_main(rank, world, port, out_dir):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="What each Gloo collective costs for the same logical bytes.")
+    p = mt.OneLineParser(description="What each Gloo collective costs for the same logical bytes.")
     p.add_argument("--ranks", type=int, default=8, help="ranks (default %(default)s)")
     world = p.parse_args(argv).ranks
-    if world < 2:
-        p.error("--ranks must be >= 2")
+    if not 2 <= world <= dm.MAX_WORLD:
+        p.error(f"--ranks must be in [2, {dm.MAX_WORLD}] (got {world})")
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir), nprocs=world,
                            start_method=mt.start_method())

@@ -23,7 +23,6 @@ The runs use DP=2 x TP=1, which trains exactly as one process does (tests/test_g
 rewritten after every (seed, schedule) group, so an interrupted sweep keeps what it finished.
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -217,7 +216,7 @@ def measure(a):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = mt.OneLineParser(description=__doc__.splitlines()[0])
     # Finer grids (steps of about 1.5x) around the bests of the earlier 4-point sweep at seed 0 (Muon 0.03
     # among 0.003-0.1, AdamW 0.001 among 0.0003-0.01) and issue 21's rerun at seed 1 (AdamW 0.002).
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.03, 0.05, 0.07])

@@ -9,7 +9,6 @@ The model has 8 heads so that TP = 8 keeps one head per rank. Times are medians 
 all-reduces (f and g) and the optimizer's collectives.
 """
 
-import argparse
 import sys
 
 from gpt_bench import mt, pyplot, tg
@@ -18,11 +17,14 @@ SPLITS = ((8, 1), (4, 2), (2, 4), (1, 8))
 
 
 def measure(steps, heads, print_fn=print):
+    splits = [[tg.TrainConfig(dp=dp, tp=tp, steps=steps, heads=heads, progress=False, optimizer=o,
+                              strategy="owner" if o == "muon" else "gather") for o in tg.OPTIMIZER_NAMES]
+              for dp, tp in SPLITS]
+    for cfg in (cfg for configs in splits for cfg in configs):  # all of them before the first rank starts
+        tg.validate(cfg)
     print_fn(tg.header(tg.TrainConfig(heads=heads)).splitlines()[0].split(";")[0] + f"; {steps} steps per run")
     rows = []
-    for dp, tp in SPLITS:
-        configs = [tg.TrainConfig(dp=dp, tp=tp, steps=steps, heads=heads, progress=False, optimizer=o,
-                                  strategy="owner" if o == "muon" else "gather") for o in tg.OPTIMIZER_NAMES]
+    for (dp, tp), configs in zip(SPLITS, splits):
         for cfg, results in tg.train_many(configs):
             s = tg.summarize(cfg, results)
             rows.append(dict(dp=dp, tp=tp, optimizer=cfg.optimizer, step_ms=s["ms"]["step"],
@@ -72,7 +74,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = mt.OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--heads", type=int, default=8)
 

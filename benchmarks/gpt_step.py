@@ -12,7 +12,6 @@ of buckets, the grad-presence vote). Gloo's collectives are synchronous here, so
 collective's time includes waiting for the slowest peer. Bytes are the ledgers' ring counts.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -44,6 +43,8 @@ def measure(dp, tp, steps, traces, print_fn=print):
     configs = [tg.TrainConfig(dp=dp, tp=tp, steps=steps, optimizer="adamw" if k == dm.BASELINE else "muon",
                               strategy="gather" if k == dm.BASELINE else k, progress=False,
                               profile=os.path.join(traces, k)) for k in KINDS]
+    for cfg in configs:  # before the header: a refusal is one line
+        tg.validate(cfg)
     print_fn(tg.header(configs[0]).splitlines()[0].split(";")[0] + f"; DP={dp} x TP={tp}, {steps} steps each")
     runs = {}
     for kind, (cfg, results) in zip(KINDS, tg.train_many(configs)):
@@ -93,7 +94,7 @@ def plot(runs, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = mt.OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, default=4)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)

@@ -7,7 +7,8 @@
 #   3. the DTensor optimizer (distributed_muon_dtensor.py) on one CUDA device under torchrun;
 #   4. the CPU scaling of benchmarks/scaling.py --ranks 1 2 4 8 at d = 768 on that machine's cores
 #      (issue 22's goal: owner and comm-free >= 0.85 N x on N ranks up to 8).
-# Figures go to notes/measured/*_<gpu name>.* (e.g. sibling_1gpu_h100.txt), each with its command on top;
+# Figures go to notes/measured/*_<gpu name>.* (e.g. sibling_1gpu_h100.txt), each with its command and commit on
+# top, and their rows to notes/measured/INDEX.md (benchmarks/refresh.py --record);
 # a summary of every part (status, seconds, its key line) is printed at the end.
 #
 #   bash benchmarks/on_gpu.sh                      # on the GPU machine, from the repository root
@@ -22,16 +23,16 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-only) CPU_ONLY=1 ;;
     --quick) QUICK=1 ;;
-    --out) OUT="${2:?--out needs a folder}"; shift ;;
-    --name) NAME="${2:?--name needs a value}"; shift ;;
-    *) echo "on_gpu.sh: error: unknown option $1 (--cpu-only, --quick, --out DIR, --name NAME)" >&2; exit 2 ;;
+    --out|--name) [ $# -gt 1 ] || { echo "error: on_gpu.sh: $1 needs a value" >&2; exit 2; }
+      if [ "$1" = --out ]; then OUT=$2; else NAME=$2; fi; shift ;;
+    *) echo "error: on_gpu.sh: unknown option $1 (--cpu-only, --quick, --out DIR, --name NAME)" >&2; exit 2 ;;
   esac
   shift
 done
-[ -d "$OUT" ] || { echo "on_gpu.sh: error: --out $OUT is not a folder" >&2; exit 2; }
+[ -d "$OUT" ] || { echo "error: on_gpu.sh: --out $OUT is not a folder" >&2; exit 2; }
 PY=${PYTHON:-python}
 if [ "$CPU_ONLY" = 0 ] && ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-  echo "on_gpu.sh: error: no CUDA GPU here (torch.cuda.is_available() is False); run with --cpu-only" >&2; exit 2
+  echo "error: on_gpu.sh: no CUDA GPU here (torch.cuda.is_available() is False); run with --cpu-only" >&2; exit 2
 fi
 if [ -z "$NAME" ]; then
   if [ "$CPU_ONLY" = 1 ]; then NAME=cpu
@@ -44,6 +45,7 @@ else
   STEPS=10; NS_SHAPES="2304x768 768x768 3072x768 768x3072 8192x8192"; SCALING="--ranks 1 2 4 8 --d 768 --rounds 3"
 fi
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+[ -n "$(git status --porcelain 2>/dev/null)" ] && COMMIT="$COMMIT+dirty"  # as benchmarks/refresh.sh writes it
 START=$SECONDS
 SUMMARY=()
 
@@ -148,4 +150,7 @@ part "4. CPU scaling, $(nproc) cores" 270 "$OUT/scaling_$(nproc)core_$HOST.txt" 
 echo; echo "=== Summary: $((SECONDS - START)) s in all (goal: under 540 s), files in $OUT, suffix $NAME ==="
 printf '%s\n' "${SUMMARY[@]}"
 [ "$CPU_ONLY" = 1 ] && echo "CUDA parts (1-3) were SKIPPED (--cpu-only): no GPU figure was measured by this run."
+# their rows in $OUT/INDEX.md (the command and commit of each file, from its header: tests/test_measured.py)
+FILES=$(ls "$OUT"/*_"$NAME".* "$OUT"/*_"$HOST".* 2>/dev/null | sort -u)
+[ -n "$FILES" ] && $PY benchmarks/refresh.py --record $FILES | tail -1
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q "FAILED\|TIMED OUT"

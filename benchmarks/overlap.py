@@ -9,7 +9,6 @@ rank, a step's time that of its slowest rank. Every variant is bit-identical to 
     python benchmarks/overlap.py --ranks 4 --d 256 --rounds 3
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -26,14 +25,16 @@ VARIANTS = {f"{s} --overlap {k}": (s, dict(overlap=k)) for s in ("owner", "comm-
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Step time with and without --overlap, over lookaheads.")
+    p = mt.OneLineParser(description="Step time with and without --overlap, over lookaheads.")
     p.add_argument("--ranks", type=int, default=2, help="ranks (DP = N, TP = 1; default %(default)s)")
     p.add_argument("--d", type=int, default=128, help="model width (default %(default)s)")
     p.add_argument("--layers", type=int, default=scaling.LAYERS, help="layers (default %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="spawns, each timing every variant (default %(default)s)")
     args = p.parse_args(argv)
-    if args.ranks < 2 or args.d < 1 or args.layers < 1 or args.rounds < 1:
-        p.error("--ranks must be >= 2; --d, --layers and --rounds >= 1")
+    if not 2 <= args.ranks <= scaling.dm.MAX_WORLD or args.d < 1 or args.layers < 1 or args.rounds < 1:
+        p.error(f"--ranks must be in [2, {scaling.dm.MAX_WORLD}]; --d, --layers and --rounds >= 1")
+    if scaling.memory_error(args.d, args.layers, args.ranks):
+        p.error(scaling.memory_error(args.d, args.layers, args.ranks))
     runs = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):  # every round times every variant: drift in the load hits them alike
         for v, times in scaling.on_ranks(args.ranks, args.d, args.layers, VARIANTS).items():

@@ -3,6 +3,8 @@
 # prints the peak of the summed RSS (counts pages shared between ranks once per rank) and of the
 # summed PSS (shares them out: the memory the run really holds).
 #   benchmarks/peak_memory.sh python examples/train_gpt.py
+[ $# -gt 0 ] || { echo "error: no command to measure (benchmarks/peak_memory.sh COMMAND [ARGUMENT ...])" >&2; exit 2; }
+command -v "$1" > /dev/null || { echo "error: $1: no such command" >&2; exit 2; }
 setsid "$@" > "${PEAK_MEMORY_LOG:-/dev/null}" 2>&1 &
 sleep 0.5
 SID=$!

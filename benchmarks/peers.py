@@ -43,7 +43,6 @@ scaling.py does. Figures and ratios, never verdicts: the machine is shared and n
 steps every contender once, in turn (interleaved), and the ratios come from one run.
 """
 
-import argparse
 import dataclasses
 import datetime
 import importlib
@@ -419,7 +418,7 @@ def table(runs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="The peers' Muon (gradient sync + step) against ours and torch's.")
+    p = mt.OneLineParser(description="The peers' Muon (gradient sync + step) against ours and torch's.")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="process counts, powers of two (default: 1 2)")
     p.add_argument("--d", type=int, default=D, help="model width (default %(default)s)")
     p.add_argument("--layers", type=int, default=LAYERS, help="layers of 4 matrices (default %(default)s)")
@@ -427,12 +426,14 @@ def main(argv=None):
     p.add_argument("--peers", nargs="*", default=[peer.distribution for peer in PEERS],
                    choices=[peer.distribution for peer in PEERS], help="peers to include (default: all)")
     args = p.parse_args(argv)
-    if any(n < 1 or n & (n - 1) for n in args.ranks):
-        p.error("--ranks must be powers of two (the averaged and the summed gradient are then exact)")
+    if any(not 1 <= n <= dm.MAX_WORLD or n & (n - 1) for n in args.ranks):
+        p.error(f"--ranks must be powers of two up to {dm.MAX_WORLD} (the averaged and the summed gradient are then exact)")
     if args.d < 1 or args.layers < 1 or args.rounds < 1:
         p.error("--d, --layers and --rounds must be >= 1")
     if any(args.d % n for n in args.ranks):
         p.error(f"--d {args.d} must be divisible by every --ranks (FSDP2's even dim-0 shards)")
+    if scaling.memory_error(args.d, args.layers, max(args.ranks)):
+        p.error(scaling.memory_error(args.d, args.layers, max(args.ranks)))
     torch.set_num_threads(1)
     speed = {str(dt).replace("torch.", ""): scaling.matmul_gflops(args.d, dt) for dt in (torch.bfloat16, torch.float32)}
     load = os.getloadavg()[0]

@@ -26,7 +26,6 @@ Goals it reports against (issue 13): every strategy within 1.02x torch's step on
 and comm-free at least 1.7x faster than torch on 2 ranks; owner at least 0.85 N x on N free cores.
 """
 
-import argparse
 import datetime
 import os
 import statistics
@@ -57,6 +56,16 @@ def shapes(d, layers):
     matrices = {f"layers.{i}.{n}": s for i in range(layers)
                 for n, s in (("qkv", (3 * d, d)), ("proj", (d, d)), ("fc", (4 * d, d)), ("fc2", (d, 4 * d)))}
     return matrices, {f"vector.{i}": (d,) for i in range(VECTORS)}
+
+
+def memory_error(d, layers, processes):
+    """"" when `processes` processes at once can hold the model here, else why not (one line): each keeps at
+    least the matrices' weights, gradients and momentum in fp32, 3 x 4 bytes x 12 d^2 per layer (shapes())."""
+    need = processes * 3 * 4 * 12 * d * d * layers
+    if need <= mt.host_memory():
+        return ""
+    return (f"--d {d} x --layers {layers} on {processes} processes needs at least {mt.human_bytes(need)}, more than "
+            f"this machine's {mt.human_bytes(mt.host_memory())} of memory")
 
 
 def parameters(d, layers):
@@ -178,7 +187,7 @@ def goal(n, variant, without_ns=False):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Step time of every strategy against torch's, over ranks.")
+    p = mt.OneLineParser(description="Step time of every strategy against torch's, over ranks.")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts (default: 1 2)")
     p.add_argument("--d", type=int, default=D, help="model width (default %(default)s)")
     p.add_argument("--layers", type=int, default=LAYERS, help="layers of 4 matrices (default %(default)s)")
@@ -188,10 +197,12 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH", help="write every step time")
     p.add_argument("--figure", metavar="PATH", help="write the speed-up against ranks as a PNG")
     args = p.parse_args(argv)
-    if any(n < 1 for n in args.ranks):
-        p.error("--ranks must be >= 1")
+    if any(not 1 <= n <= dm.MAX_WORLD for n in args.ranks):
+        p.error(f"--ranks must be in [1, {dm.MAX_WORLD}] (got {' '.join(map(str, args.ranks))})")
     if args.d < 1 or args.layers < 1 or args.rounds < 1:
         p.error("--d, --layers and --rounds must be >= 1")
+    if memory_error(args.d, args.layers, max(args.ranks)):
+        p.error(memory_error(args.d, args.layers, max(args.ranks)))
     for path in (args.json, args.figure):
         if path:
             mt.check_writable(path, "--json" if path == args.json else "--figure")

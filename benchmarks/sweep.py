@@ -27,7 +27,8 @@ def per_rank_max(result, phase):
     return max(result["bytes_per_step"][phase]["sent"])
 
 
-def main():
+def main(argv=None):
+    mt.OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
     print(f"Grids of 8 ranks, default model, {STEPS} steps, bucket size {dm.RunConfig().bucket_size:,} elements\n")
     rows = []
     for dp, tp in [(8, 1), (4, 2), (2, 4), (1, 8)]:
@@ -57,4 +58,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

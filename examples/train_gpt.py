@@ -98,8 +98,9 @@ class TrainConfig:
                          n_heads=self.heads, seed=self.seed)
 
 
-def validate(cfg):
-    """Every check that can be made before any rank starts; ValueError with one line."""
+def validate(cfg, ranks_here=None):
+    """Every check that can be made before any rank starts; ValueError with one line. ranks_here: how many
+    of the ranks share this machine's memory (default all of them, as when spawned; 0: do not check)."""
     dm.check_topology(cfg.dp, cfg.tp)
     for name in ("steps", "batch", "context", "d_model", "layers", "heads", "log_every", "val_windows"):
         if getattr(cfg, name) < 1:
@@ -124,7 +125,10 @@ def validate(cfg):
                          f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE}: --steps must be >= "
                          f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE} (got {cfg.steps})")
     if cfg.profile:
-        os.makedirs(cfg.profile, exist_ok=True)
+        try:
+            os.makedirs(cfg.profile, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--profile {cfg.profile}: {e.strerror}") from None
         mt.check_writable(os.path.join(cfg.profile, "rank0.json"), "--profile")
     mt.check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
     check_gpt(cfg.gpt(), cfg.tp)
@@ -133,6 +137,38 @@ def validate(cfg):
     if needed > corpus.val.numel():
         raise ValueError(f"--val-windows {cfg.val_windows} x (--context {cfg.context} + 1) = {needed:,} bytes, more "
                          f"than the {corpus.val.numel():,}-byte validation text: its windows would overlap")
+    check_memory(cfg, cfg.dp * cfg.tp if ranks_here is None else ranks_here)
+
+
+def memory_lower_bound(cfg):
+    """Bytes one rank certainly holds at once (fp32, 4 bytes a number); what it leaves out only adds:
+      weights and gradients: gpt.py's P = vocab d + context d + layers (12 d^2 + 13 d) + 2 d parameters
+          (qkv 3d^2, attention proj d^2, fc and proj 4d^2 each, their biases and two norms per layer);
+          each rank keeps at least P / (DP x TP) of them, and as many gradients (here every rank keeps
+          its TP part of all of them, FSDP2 in train_gpt_dtensor.py a DP shard of that; optimizer
+          states and buckets come on top);
+      activations the backward keeps, for the rank's batch / DP windows of context tokens: per layer and
+          token the inputs of its four linear layers, d (qkv) + d / TP (attention proj) + d (fc) +
+          4 d / TP (mlp proj), and per token the logits and their softmax, 2 x vocab.
+    At the defaults (16 x 128 tokens, d 64, 4 layers, 4 x 2 ranks) that is 3.5 MiB a rank; the
+    measured peak is far above it (each rank's torch, Gloo and the text)."""
+    g, tp = cfg.gpt(), cfg.tp
+    d = g.d_model
+    params = g.vocab * d + g.context * d + g.n_layers * (12 * d * d + 13 * d) + 2 * d
+    tokens = cfg.batch // cfg.dp * cfg.context
+    per_token = g.n_layers * (2 * d + 5 * d // tp) + 2 * g.vocab
+    return 4 * (2 * params // (cfg.dp * tp) + tokens * per_token)
+
+
+def check_memory(cfg, ranks_here, budget=None):
+    """Refuse, before any rank starts, sizes whose ranks_here ranks could not fit in `budget` bytes
+    (default this machine's memory), by memory_lower_bound: a refused run could never have run here."""
+    budget = mt.host_memory() if budget is None else budget
+    need = ranks_here * memory_lower_bound(cfg)
+    if need > budget:
+        raise ValueError(f"--batch {cfg.batch} x --context {cfg.context} with --d-model {cfg.d_model} and --layers "
+                         f"{cfg.layers} needs at least {mt.human_bytes(need)} on {ranks_here} ranks here, more than "
+                         f"this machine's {mt.human_bytes(budget)} of memory")
 
 
 def hyperparameters(cfg):
@@ -695,7 +731,7 @@ def run(cfg, verify_run=False, print_fn=print):
 
 def build_parser():
     d = TrainConfig()
-    p = argparse.ArgumentParser(description="Train a small GPT on the standard library's sources with distributed "
+    p = mt.OneLineParser(description="Train a small GPT on the standard library's sources with distributed "
                                             "Muon (or AdamW) on DP x TP Gloo ranks.")
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel size (default %(default)s)")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
@@ -752,7 +788,8 @@ def main_torchrun(args):
     def prepare(world):
         cfg = config_from_args(args)
         dm.check_topology(cfg.dp, cfg.tp, world)
-        validate(cfg)
+        # on CPUs the ranks of this node share its memory; a GPU's own memory is not checked here
+        validate(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if args.device == "cpu" else 0)
         if args.json:
             mt.check_writable(args.json)
         return cfg

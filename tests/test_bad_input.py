@@ -1,0 +1,242 @@
+"""Every command of the project refuses bad input as a user meets it: exit 2, one line `error: ...` on stderr,
+nothing on stdout, and no rank started. The table walks every entry point with argparse's own refusals (an
+unknown flag, a value that is not a number, a choice not offered) and the checks each makes before starting a
+rank (sizes a run cannot use among them).
+
+Each row runs its script as `python SCRIPT ARGS` would, as __main__, in a process of its own with a timeout
+(ROW_TIMEOUT_S): forked from one harness process that imported torch once (a fresh interpreter per row costs
+~2 s, the whole table then a minute on 2 cores). In the row's process, anything that would start a rank
+(a multiprocessing or subprocess start, joining a torch.distributed world) ends it with exit 3 and says so.
+Torchrun entry points run as torchrun starts each process (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE set; the parser runs before any rank joins): rank 0 prints the line, rank 3 nothing.
+The shell scripts run as they are, with bash.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROW_TIMEOUT_S = 20
+TORCHRUN_ENV = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4")
+GLOO_CPU = ["--backend", "gloo", "--device", "cpu"]
+TOO_BIG = ["--batch", "4096", "--context", "2048", "--d-model", "1024", "--layers", "24"]  # >= 0.8 TiB a rank
+
+# (script, args, what the line says, launched by torchrun)
+ROWS = [
+    ("distributed_muon_cpu.py", ["--strategy", "foo"], "argument --strategy: invalid choice: 'foo'", False),
+    ("distributed_muon_cpu.py", ["--dp", "abc"], "argument --dp: invalid int value: 'abc'", False),
+    ("distributed_muon_cpu.py", ["--bogus"], "unrecognized arguments: --bogus", False),
+    ("distributed_muon_cpu.py", ["--dp"], "argument --dp: expected one argument", False),
+    ("distributed_muon_cpu.py", ["--tp", "3"], "TP 3 does not divide embed.weight dim 0", False),
+    ("distributed_muon_cpu.py", ["--layers", "1000"], "--layers must be in [1, 24]", False),
+    ("distributed_muon.py", ["--strategy", "foo"], "argument --strategy: invalid choice: 'foo'", True),
+    ("distributed_muon.py", ["--backend", "mpi"], "argument --backend: invalid choice: 'mpi'", True),
+    ("distributed_muon.py", ["--bogus"], "unrecognized arguments: --bogus", True),
+    ("distributed_muon.py", ["--dp", "4", "--tp", "2", *GLOO_CPU], "world size 4 != DP 4 x TP 2 = 8", True),
+    ("distributed_muon.py", ["--dp", "abc"], "argument --dp: invalid int value: 'abc'", False),  # outside torchrun
+    ("distributed_muon.py", [], "RANK, WORLD_SIZE, LOCAL_RANK not set: launch with torchrun", False),
+    ("distributed_muon_dtensor.py", ["--dp", "abc"], "argument --dp: invalid int value: 'abc'", False),
+    ("distributed_muon_dtensor.py", ["--bogus"], "unrecognized arguments: --bogus", False),
+    ("distributed_muon_dtensor.py", ["--steps", "0"], "--steps must be >= 1", False),
+    ("distributed_muon_dtensor.py", ["--bogus", *GLOO_CPU], "unrecognized arguments: --bogus", True),
+    ("distributed_muon_dtensor.py", ["--dp", "4", "--tp", "2", *GLOO_CPU], "world size 4 != DP 4 x TP 2 = 8", True),
+    ("examples/train_gpt.py", ["--strategy", "foo"], "argument --strategy: invalid choice: 'foo'", False),
+    ("examples/train_gpt.py", ["--dp", "abc"], "argument --dp: invalid int value: 'abc'", False),
+    ("examples/train_gpt.py", ["--bogus"], "unrecognized arguments: --bogus", False),
+    ("examples/train_gpt.py", ["--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'", False),
+    ("examples/train_gpt.py", ["--context", "100000", "--steps", "1"], "--val-windows 32 x (--context 100000 + 1)",
+     False),
+    ("examples/train_gpt.py", TOO_BIG, "--batch 4096 x --context 2048 with --d-model 1024 and --layers 24 needs "
+                                       "at least", False),
+    ("examples/train_gpt.py", ["--profile", "/proc/no-such-folder"], "--profile /proc/no-such-folder:", False),
+    ("examples/train_gpt.py", ["--bogus", *GLOO_CPU], "unrecognized arguments: --bogus", True),
+    ("examples/train_gpt.py", ["--dp", "4", "--tp", "2", *GLOO_CPU], "world size 4 != DP 4 x TP 2 = 8", True),
+    ("examples/train_gpt.py", ["--dp", "2", "--tp", "2", *GLOO_CPU, *TOO_BIG], "needs at least", True),
+    ("examples/train_gpt_dtensor.py", ["--dp", "abc"], "argument --dp: invalid int value: 'abc'", False),
+    ("examples/train_gpt_dtensor.py", ["--bogus"], "unrecognized arguments: --bogus", False),
+    ("examples/train_gpt_dtensor.py", ["--resume", "/nonexistent"], "--resume /nonexistent: no torch.distributed",
+     False),
+    ("examples/train_gpt_dtensor.py", ["--dp", "2", "--tp", "2", *TOO_BIG], "needs at least", False),
+    ("benchmarks/compare.py", ["--strategy", "foo"], "argument --strategy: invalid choice: 'foo'", False),
+    ("benchmarks/compare.py", ["--tp", "3"], "TP 3 does not divide embed.weight dim 0", False),
+    ("benchmarks/gloo_collectives.py", ["--ranks", "abc"], "argument --ranks: invalid int value: 'abc'", False),
+    ("benchmarks/gloo_collectives.py", ["--ranks", "1"], "--ranks must be in [2, 64] (got 1)", False),
+    ("benchmarks/gloo_collectives.py", ["--ranks", "1000"], "--ranks must be in [2, 64] (got 1000)", False),
+    ("benchmarks/gpt_lr_sweep.py", ["--schedules", "linear"], "argument --schedules: invalid choice: 'linear'",
+     False),
+    ("benchmarks/gpt_lr_sweep.py", ["--dp", "3"], "DP 3 does not divide --batch 16", False),
+    ("benchmarks/gpt_splits.py", ["--heads", "4"], "TP 8 does not divide --heads 4", False),
+    ("benchmarks/gpt_splits.py", ["--steps", "x"], "argument --steps: invalid int value: 'x'", False),
+    ("benchmarks/gpt_step.py", ["--dp", "3"], "DP 3 does not divide --batch 16", False),
+    ("benchmarks/gpt_step.py", ["--json", "/nonexistent/step.json"], "--json /nonexistent/step.json: the folder",
+     False),
+    ("benchmarks/overlap.py", ["--ranks", "1"], "--ranks must be in [2, 64]", False),
+    ("benchmarks/overlap.py", ["--d", "x"], "argument --d: invalid int value: 'x'", False),
+    ("benchmarks/scaling.py", ["--ranks", "0"], "--ranks must be in [1, 64] (got 0)", False),
+    ("benchmarks/scaling.py", ["--ranks", "1", "100"], "--ranks must be in [1, 64] (got 1 100)", False),
+    ("benchmarks/peers.py", ["--ranks", "3"], "--ranks must be powers of two", False),
+    ("benchmarks/peers.py", ["--d", "6", "--ranks", "4"], "--d 6 must be divisible by every --ranks", False),
+    ("benchmarks/peers.py", ["--peers", "nope"], "argument --peers: invalid choice: 'nope'", False),
+    ("benchmarks/peers.py", ["--d", "65536"], "--d 65536 x --layers 4 on 2 processes needs at least", False),
+    ("benchmarks/scaling.py", ["--d", "65536"], "--d 65536 x --layers 4 on 2 processes needs at least", False),
+    ("benchmarks/overlap.py", ["--d", "65536"], "--d 65536 x --layers 4 on 2 processes needs at least", False),
+    ("benchmarks/batching.py", ["--bogus"], "unrecognized arguments: --bogus", False),
+    ("benchmarks/sweep.py", ["--bogus"], "unrecognized arguments: --bogus", False),
+    ("benchmarks/cpu_vs_gpu_newton_schulz.py", ["--bogus"], "unrecognized arguments: --bogus", False),
+    ("benchmarks/on_gpu.sh", ["--frobnicate"], "on_gpu.sh: unknown option --frobnicate", False),
+    ("benchmarks/on_gpu.sh", ["--out"], "on_gpu.sh: --out needs a value", False),
+    ("benchmarks/on_gpu.sh", ["--cpu-only", "--out", "/nonexistent"], "on_gpu.sh: --out /nonexistent is not a folder",
+     False),
+    ("benchmarks/peak_memory.sh", [], "no command to measure", False),
+    ("benchmarks/peak_memory.sh", ["no-such-command-xyz"], "no-such-command-xyz: no such command", False),
+    ("benchmarks/refresh.sh", ["--bogus"], "unrecognized arguments: --bogus", False),
+    ("benchmarks/refresh.sh", ["--only", "nope"], "--only: no part nope (see --list)", False),
+    ("benchmarks/refresh.sh", ["--quick", "--out", "/nonexistent"], "--out /nonexistent is not a folder", False),
+]
+# Good input, run by the same harness: each gets as far as starting a rank, which the harness stops (exit 3).
+CONTROLS = [("distributed_muon_cpu.py", ["--dp", "1", "--tp", "1", "--steps", "1"], {}),
+            ("distributed_muon.py", ["--dp", "2", "--tp", "2", *GLOO_CPU], TORCHRUN_ENV)]
+# Until the DTensor entry points build their parsers with mt.OneLineParser (the other helper's change, at the
+# merge): argparse's own refusals there still print the usage. Strict: these fail the suite once they pass.
+PENDING_PARSER = {("distributed_muon_dtensor.py", "--dp abc"), ("distributed_muon_dtensor.py", "--bogus"),
+                  ("distributed_muon_dtensor.py", "--bogus --backend gloo --device cpu"),
+                  ("examples/train_gpt_dtensor.py", "--dp abc"), ("examples/train_gpt_dtensor.py", "--bogus")}
+
+
+def row_id(script, args, torchrun):
+    return f"{script} {' '.join(args)}{' (torchrun)' if torchrun else ''}".strip()
+
+
+def cases():
+    for script, args, message, torchrun in ROWS:
+        marks = [pytest.mark.xfail(strict=True, reason="its parser is not mt.OneLineParser yet")] \
+            if (script, " ".join(args)) in PENDING_PARSER else []
+        yield pytest.param(script, args, message, torchrun, marks=marks, id=row_id(script, args, torchrun))
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """{(script, args, rank): (exit code, stdout, stderr)} of every Python row (rank 3 too under torchrun), run by
+    one harness process: this file as a script."""
+    jobs = [(script, args, env) for script, args, _, torchrun in ROWS if not script.endswith(".sh")
+            for env in ([TORCHRUN_ENV, dict(TORCHRUN_ENV, RANK="3", LOCAL_RANK="3")] if torchrun else [{}])]
+    jobs += [(script, args, env) for script, args, env in CONTROLS]
+    proc = subprocess.run([sys.executable, __file__], input=json.dumps(jobs), capture_output=True, text=True,
+                          timeout=60 + ROW_TIMEOUT_S * len(jobs) // 4, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {(script, tuple(args), env.get("RANK")): tuple(out) for (script, args, env), out
+            in zip(jobs, json.loads(proc.stdout))}
+
+
+@pytest.mark.parametrize("script,args,message,torchrun", cases())
+def test_bad_input_is_one_line_exit_2_and_starts_no_rank(outcomes, script, args, message, torchrun):
+    if script.endswith(".sh"):
+        proc = subprocess.run(["bash", os.path.join(ROOT, script), *args], capture_output=True, text=True,
+                              timeout=ROW_TIMEOUT_S, cwd=ROOT)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    else:
+        code, out, err = outcomes[script, tuple(args), "0" if torchrun else None]
+    assert (code, out) == (2, ""), (code, out, err)
+    assert err.startswith("error: ") and err.count("\n") == 1 and err.endswith("\n"), err
+    assert message in err, err
+    if torchrun:  # every process parses the same flags: the others exit as rank 0 does, silently
+        assert outcomes[script, tuple(args), "3"] == (2, "", "")
+
+
+@pytest.mark.parametrize("script,args,env", CONTROLS, ids=[c[0] for c in CONTROLS])
+def test_the_harness_stops_a_run_that_starts_a_rank(outcomes, script, args, env):
+    """The rows' "no rank started" can fail: good input reaches a rank's start (a process, or joining the world)."""
+    code, out, err = outcomes[script, tuple(args), env.get("RANK")]
+    assert code == 3 and err.endswith("a rank was started\n"), (code, out, err)
+
+
+def test_help_is_argparses_own():
+    """OneLineParser changes how a refusal ends, not --help: the usage and every option, exit 0."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert proc.stdout.startswith("usage: train_gpt.py [-h]") and "--context CONTEXT" in proc.stdout
+
+
+# The harness: reads [(script, args, env)] as JSON on stdin, runs each in a forked process, prints
+# [(exit code, stdout, stderr)] as JSON.
+def run_row(script, args, env, out_path, err_path):
+    """In the forked child: stdout and stderr to files, every way of starting a rank refused, then the script as
+    __main__; never returns."""
+    import multiprocessing.process
+    import runpy
+
+    import torch.distributed
+
+    out, err = os.open(out_path, os.O_WRONLY), os.open(err_path, os.O_WRONLY)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.environ.update(env)
+
+    def started(*_, **__):
+        os.write(2, b"a rank was started\n")
+        os._exit(3)
+
+    multiprocessing.process.BaseProcess.start = started
+    subprocess.Popen.__init__ = started
+    torch.distributed.init_process_group = started
+    path = os.path.join(ROOT, script)
+    sys.argv = [path, *args]
+    sys.path[0] = os.path.dirname(path)
+    code = 0
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def harness():
+    import signal
+    import tempfile
+    import time
+
+    import torch  # noqa: F401  (imported once, before the forks)
+
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
+    import distributed_muon  # noqa: F401
+    import distributed_muon_dtensor  # noqa: F401
+    import train_gpt  # noqa: F401
+
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for i, (script, args, env) in enumerate(json.load(sys.stdin)):
+            paths = [os.path.join(folder, f"{i}.{name}") for name in ("out", "err")]
+            for p in paths:
+                open(p, "w").close()
+            pid = os.fork()
+            if pid == 0:
+                run_row(script, args, env, *paths)
+            deadline = time.monotonic() + ROW_TIMEOUT_S
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if done[0] == 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                code = f"timed out after {ROW_TIMEOUT_S} s"
+            else:
+                code = os.waitstatus_to_exitcode(done[1])
+            results.append([code, *(open(p).read() for p in paths)])
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    harness()
