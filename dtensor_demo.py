@@ -15,7 +15,6 @@ The launch recipes are in distributed_muon_dtensor.py's docstring.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import statistics
@@ -1113,7 +1112,7 @@ def validate(cfg):
 
 def build_parser():
     d = DemoConfig()
-    p = argparse.ArgumentParser(description="Distributed Muon for DTensor parameters (FSDP2 x TP on a 2-D mesh, "
+    p = mt.OneLineParser(description="Distributed Muon for DTensor parameters (FSDP2 x TP on a 2-D mesh, "
                                             "a MoE expert stack) on CPU Gloo ranks, or one rank per process under "
                                             "torchrun, checked bit for bit against torch.optim.Muon / AdamW.")
     p.add_argument("--dp", type=int, default=d.dp, help="FSDP2 (mesh dim 'dp') size (default %(default)s)")

@@ -401,10 +401,6 @@ def start_profiler(cfg, rank):
 #     notes/09). So the drift of the losses is reported beside that chaos floor (the
 #     same one-process run with entry 0 of CHAOS_PARAM moved by one ulp), as a ratio,
 #     and never fails a run: the replay and the gradients are what catch a bug.
-GRAD_RTOL = 2.0**-12  # fixed bounds of the former policy, kept for distributed_muon_dtensor.py's FSDP2 x TP check
-STEP_LOSS_RTOL = 2.0**-16
-TRAINED_LOSS_RTOL = 2.0**-10
-TRAINED_CHECKED_STEPS = 8
 UNIT_ROUNDOFF = 2.0**-24  # fp32: a rounding moves a result by at most this fraction of itself
 REALIZED_FACTOR = 4  # the ranks' rounding error against the one process's, on the same step (policy, 3.)
 CHAOS_PARAM = "blocks.0.attn.qkv.weight"  # the chaos floor moves its entry 0 by one ulp
@@ -562,7 +558,7 @@ def replay_tolerance(cfg, spec, rank_order=True):
     if cfg.dp <= 2 or rank_order:
         return 0.0
     if spec.group == "muon" and cfg.optimizer == "muon":
-        return cfg.steps * dm.adjusted_lr(cfg.lr, "match_rms_adamw", spec.global_shape) * 1.5 * dm.BATCHED_NS_BOUND
+        return dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
     return cfg.steps * cfg.lr * dm.BATCHED_NS_BOUND
 
 
@@ -776,10 +772,6 @@ def config_from_args(a):
     return TrainConfig(**given)
 
 
-def under_torchrun():
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-
-
 def main_torchrun(args):
     """Under torchrun: this process is one rank; rank 0 gathers the results and prints (no second copy
     of the training: train_rank is the same)."""
@@ -818,7 +810,7 @@ def main_torchrun(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if under_torchrun():
+    if mt.under_torchrun():
         return main_torchrun(args)
 
     def work():

@@ -35,7 +35,6 @@ The one-process model is the same nn.Linear form, unparallelized. The launcher i
 (mt.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing or silent rank ends the run naming it.
 """
 
-import argparse
 import logging
 import os
 import sys
@@ -268,7 +267,7 @@ def verify(cfg, results):
 # =============================================================================
 def build_parser():
     d = Config()
-    p = argparse.ArgumentParser(description="Train the GPT of examples/ on the standard library's text with "
+    p = mt.OneLineParser(description="Train the GPT of examples/ on the standard library's text with "
                                             "fully_shard x parallelize_module and DTensorMuon on Gloo ranks.")
     for name, help_text in [("dp", "FSDP2 (mesh dim 'dp') size"), ("tp", "tensor-parallel (mesh dim 'tp') size"),
                             ("steps", "optimizer steps"), ("batch", "windows per step, all DP ranks"),

@@ -100,11 +100,6 @@ ROWS = [
 # Good input, run by the same harness: each gets as far as starting a rank, which the harness stops (exit 3).
 CONTROLS = [("distributed_muon_cpu.py", ["--dp", "1", "--tp", "1", "--steps", "1"], {}),
             ("distributed_muon.py", ["--dp", "2", "--tp", "2", *GLOO_CPU], TORCHRUN_ENV)]
-# Until the DTensor entry points build their parsers with mt.OneLineParser (the other helper's change, at the
-# merge): argparse's own refusals there still print the usage. Strict: these fail the suite once they pass.
-PENDING_PARSER = {("distributed_muon_dtensor.py", "--dp abc"), ("distributed_muon_dtensor.py", "--bogus"),
-                  ("distributed_muon_dtensor.py", "--bogus --backend gloo --device cpu"),
-                  ("examples/train_gpt_dtensor.py", "--dp abc"), ("examples/train_gpt_dtensor.py", "--bogus")}
 
 
 def row_id(script, args, torchrun):
@@ -113,9 +108,7 @@ def row_id(script, args, torchrun):
 
 def cases():
     for script, args, message, torchrun in ROWS:
-        marks = [pytest.mark.xfail(strict=True, reason="its parser is not mt.OneLineParser yet")] \
-            if (script, " ".join(args)) in PENDING_PARSER else []
-        yield pytest.param(script, args, message, torchrun, marks=marks, id=row_id(script, args, torchrun))
+        yield pytest.param(script, args, message, torchrun, id=row_id(script, args, torchrun))
 
 
 @pytest.fixture(scope="module")

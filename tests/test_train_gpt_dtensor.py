@@ -64,7 +64,7 @@ def test_saved_on_2x2_resumed_on_another_mesh_continues_the_loss_curve(trainings
     mean = lambda ranks, dp, tp: [sum(r["losses"][s] for r in ranks if r["rank"] % tp == 0) / dp for s in (-2, -1)]
     continued, uninterrupted = mean(resumed, cfg.dp, cfg.tp), mean(whole, 2, 2)
     for a, b in zip(continued, uninterrupted):
-        assert abs(a - b) / b <= tgd.tg.TRAINED_LOSS_RTOL, (continued, uninterrupted)
+        assert abs(a - b) / b <= tgd.demo.TRAINED_LOSS_RTOL, (continued, uninterrupted)
 
 
 def test_command_line_trains_prints_losses_and_verifies(tmp_path):
