@@ -44,8 +44,11 @@ import sys
 
 if not os.path.exists("distributed_muon_cpu.py"):  # Colab: clone the repository (once), work in the clone
     if not os.path.exists("distributed-muon"):
-        subprocess.run(["git", "clone", "--depth", "1", os.environ["DISTRIBUTED_MUON_REPOSITORY"], "distributed-muon"],
-                       check=True)
+        url = os.environ.get("DISTRIBUTED_MUON_REPOSITORY")
+        if not url:
+            raise SystemExit("Set %env DISTRIBUTED_MUON_REPOSITORY=<this repository's git URL> first, "
+                             "or upload the repository's files beside this notebook.")
+        subprocess.run(["git", "clone", "--depth", "1", url, "distributed-muon"], check=True)
     os.chdir("distributed-muon")
 import muon_tools as mt  # noqa: E402  (the report, the launcher, the command line, this setup)
 
