@@ -170,9 +170,12 @@ def run_row(script, args, env, out_path, err_path):
     os.dup2(err, 2)
     os.environ.update(env)
 
-    def started(*_, **__):
+    class Started(BaseException):  # not an Exception: no command's own handler swallows it
+        pass
+
+    def started(*_, **__):  # raised, not os._exit: the command's finally blocks still remove its temporary folder
         os.write(2, b"a rank was started\n")
-        os._exit(3)
+        raise Started()
 
     multiprocessing.process.BaseProcess.start = started
     subprocess.Popen.__init__ = started
@@ -183,6 +186,8 @@ def run_row(script, args, env, out_path, err_path):
     code = 0
     try:
         runpy.run_path(path, run_name="__main__")
+    except Started:
+        code = 3
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if isinstance(e.code, str):
