@@ -39,7 +39,7 @@ ELEMENTWISE = ("aten::add_", "aten::mul_", "aten::lerp_", "aten::lerp", "aten::a
 STEP = "traced step"
 
 
-def split_of(events, labels, detail=None):
+def split_of(events, labels):
     """{part: ms} of one traced step on its thread: the labelled phases, then the unlabelled ops by kind."""
     step = next(e for e in events if e.name == STEP)
 
@@ -61,8 +61,6 @@ def split_of(events, labels, detail=None):
             kind = "copies" if e.name in COPIES else "elementwise" if e.name in ELEMENTWISE else None
             if kind:
                 split[kind] += e.cpu_time_total / 1e3
-            if detail is not None:
-                detail[e.name] = detail.get(e.name, 0.0) + e.cpu_time_total / 1e3
     total = step.cpu_time_total / 1e3
     split["python and the rest"] = total - sum(split.values())
     split["step"] = total
@@ -89,10 +87,7 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, without_ns):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             with torch.profiler.record_function(STEP):
                 opt.step()
-        detail = {}
-        splits[variant] = split_of(prof.events(), labels, detail)
-        if os.environ.get("TWO_RANKS_DETAIL"):
-            print(rank, variant, {k: round(v, 1) for k, v in sorted(detail.items(), key=lambda kv: -kv[1])[:12]})
+        splits[variant] = split_of(prof.events(), labels)
         flops[variant] = sum(c["flops"] for c in opt.ledger.compute if c["step"] == opt.ledger.step)
     torch.save(dict(times=times, splits=splits, flops=flops), os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
