@@ -3,7 +3,7 @@ TP = 1), the owner strategies with and without --overlap, one step of each trace
 on the thread of each rank, against half of torch's Newton-Schulz (the ideal: the NS FLOPs split
 evenly and nothing else).
 
-    python benchmarks/two_ranks.py                 # about 2 minutes on 2 cores
+    python benchmarks/two_ranks.py                 # about 30 s on 2 cores
     python benchmarks/two_ranks.py --rounds 4 --without-ns
     git worktree add /tmp/before <commit> && python benchmarks/two_ranks.py --before /tmp/before
 
@@ -134,8 +134,8 @@ def torch_newton_schulz_ms(d, layers, repeats=3):
 
 def main(argv=None):
     p = mt.OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d", type=int, default=scaling.D)
-    p.add_argument("--layers", type=int, default=scaling.LAYERS)
+    p.add_argument("--d", type=int, default=scaling.D, help="model width (default %(default)s)")
+    p.add_argument("--layers", type=int, default=scaling.LAYERS, help="layers of 4 matrices (default %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="untraced interleaved steps before the traced one")
     p.add_argument("--without-ns", action="store_true", help="Newton-Schulz replaced by its bf16 cast")
     p.add_argument("--before", metavar="DIR", help="also time DIR/distributed_muon_cpu.py's variants, interleaved")
@@ -150,7 +150,7 @@ def main(argv=None):
         ranks = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(2)]
     print(f"{a.layers} layers at d = {a.d}, DP = 2 x TP = 1, 1 thread per rank; torch {torch.__version__}"
           + (" (WITHOUT Newton-Schulz)" if a.without_ns else ""))
-    print(f"torch's Newton-Schulz of every matrix, one thread: {ns_ms:.0f} ms, {ns_flops / 1e9:.1f} GFLOP; "
+    print(f"torch's Newton-Schulz of every matrix, one thread: {ns_ms:.0f} ms, {ns_flops / 1e9:.4g} GFLOP; "
           f"half: {ns_ms / 2:.0f} ms")
     for v in ranks[0]["times"]:
         slowest = [max(r["times"][v][i] for r in ranks) for i in range(a.rounds)]
@@ -168,7 +168,7 @@ def main(argv=None):
             parts += [k for k in s if k not in parts and k != "step"]
         head = [f"ms of one traced step{suffix}"] + [f"{v.replace(' --overlap ', ' ov')} r{i}" for v in VARIANTS
                                                     for i in range(2)]
-        rows = [["NS GFLOP"] + [f"{r['flops'][v] / 1e9:.1f}" for v in variants for r in ranks]]
+        rows = [["NS GFLOP"] + [f"{r['flops'][v] / 1e9:.4g}" for v in variants for r in ranks]]
         rows += [[k] + [f"{r['splits'][v].get(k, 0.0):.0f}" for v in variants for r in ranks] for k in parts]
         rows += [["step (traced)"] + [f"{r['splits'][v]['step']:.0f}" for v in variants for r in ranks]]
         print()
