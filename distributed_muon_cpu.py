@@ -294,9 +294,12 @@ def all_gather(shard, axis, ledger, phase):
 
 
 def sum_in_order(contributions):
-    """contributions[0] + contributions[1] + ..., left to right: one order, the same on every run."""
-    total = contributions[0].clone()
-    for contribution in contributions[1:]:
+    """contributions[0] + contributions[1] + ..., left to right: one order, the same on every run
+    (a new tensor: the first addition writes it, no copy first)."""
+    if len(contributions) == 1:
+        return contributions[0].clone()
+    total = contributions[0] + contributions[1]
+    for contribution in contributions[2:]:
         total += contribution
     return total
 
@@ -616,7 +619,11 @@ def dp_shard(tp_local, meta):
 
 def shard_of_bucket(parts, metas, shard_numel, dtype, device):
     """This DP rank's shard of a bucket from its parts ({name: flat part}), the mirror of dp_shard:
-    zeros where it has none (padding, or a parameter that has no gradient)."""
+    zeros where it has none (padding, or a parameter that has no gradient). A part that fills the
+    whole shard (a matrix alone in its bucket) is the shard: used as it is, not copied."""
+    present = [parts[m.name] for m in metas if m.name in parts]
+    if len(present) == 1 and present[0].numel() == shard_numel and present[0].dtype == dtype:
+        return present[0].reshape(-1)
     shard = torch.zeros(shard_numel, dtype=dtype, device=device)
     for meta in metas:
         if meta.name in parts:
@@ -794,7 +801,12 @@ class DistributedMuon(torch.optim.Optimizer):
         return self._grad_parts(bucket, grad_shard, active)
 
     def _grad_bucket(self, bucket):
-        """This rank's TP-local gradients laid out as the bucket (zeros where it has none, as DDP adds)."""
+        """This rank's TP-local gradients laid out as the bucket (zeros where it has none, as DDP adds);
+        a gradient that fills the bucket alone is used as it is, not copied."""
+        grads = [self.param_by_name[n].grad for n in bucket.names]
+        if (len(grads) == 1 and grads[0] is not None and grads[0].numel() == bucket.numel
+                and grads[0].dtype == torch.float32):
+            return grads[0].reshape(-1)
         grad_bucket = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
         for name in bucket.names:
             grad = self.param_by_name[name].grad
@@ -1066,17 +1078,22 @@ def later(work, phase, ledger, result):
     return wait
 
 
-def exchange(sends, receive_numels, axis, ledger, phase):
-    """All-to-all with uneven sizes, started: sends[i] (1-D) goes to rank i of `axis`.
+def concat(tensors, dtype, device):
+    return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
+
+
+def exchange(sends, receive_numels, axis, ledger, phase, dtype, device):
+    """All-to-all with uneven sizes, started: sends[i], a list of 1-D tensors, goes to rank i of
+    `axis`, all of them copied once into one send buffer.
 
     receive_numels[i] is how much rank i sends here (every rank knows the whole
     plan, so nobody has to ask). Returns a function that waits and returns one
     1-D tensor per source rank. Each piece goes straight to its destination, so
     the byte count is exact: what a rank sends to the others, and receives from them.
     """
-    send = torch.cat(sends)
+    send = concat([t for ts in sends for t in ts], dtype, device)
     received = send.new_empty(sum(receive_numels))
-    split_sizes = [t.numel() for t in sends]
+    split_sizes = [sum(t.numel() for t in ts) for ts in sends]
     work = None
     if axis.size == 1:
         received.copy_(send)
@@ -1088,10 +1105,6 @@ def exchange(sends, receive_numels, axis, ledger, phase):
     ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
                        sum(receive_numels[i] for i in others), send.dtype)
     return later(work, phase, ledger, lambda: list(received.split(list(receive_numels))))
-
-
-def concat(tensors, dtype, device):
-    return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
 
 
 def send_parts(transfers, axis, ledger, phase, dtype, device):
@@ -1111,7 +1124,7 @@ def send_parts(transfers, axis, ledger, phase, dtype, device):
             sends[destination].append(part)
         if destination == me:
             receive[source] += numel
-    wait = exchange([concat(s, dtype, device) for s in sends], receive, axis, ledger, phase) if axis.size > 1 else None
+    wait = exchange(sends, receive, axis, ledger, phase, dtype, device) if axis.size > 1 else None
 
     def received_parts():
         received, offset, parts = wait() if wait else None, [0] * axis.size, []
@@ -1244,14 +1257,18 @@ def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
     if dp.size == 1:  # the only contribution is this rank's own: nothing to move or add
         sums = {n: grads[n].reshape(-1) for n in mine}
         return (lambda: sums) if async_op else sums
-    sends = [concat([grads[n].reshape(-1) for n in grads if owners[n] // tp == d], torch.float32, device)
+    # This rank's own contribution stays where it is: nothing sent to itself, nothing copied.
+    sends = [[grads[n].reshape(-1) for n in grads if owners[n] // tp == d] if d != dp.rank else []
              for d in range(dp.size)]
     numel = sum(grads[n].numel() for n in mine)
-    wait = exchange(sends, [numel] * dp.size, dp, ledger, "grad reduce at owner")
+    wait = exchange(sends, [numel if d != dp.rank else 0 for d in range(dp.size)], dp, ledger,
+                    "grad reduce at owner", torch.float32, device)
 
     def add_up():
-        summed = sum_in_order(wait())
-        return dict(zip(mine, summed.split([grads[n].numel() for n in mine])))
+        received = [flat.split([grads[n].numel() for n in mine]) if d != dp.rank else None
+                    for d, flat in enumerate(wait())]
+        return {n: sum_in_order([grads[n].reshape(-1) if d == dp.rank else received[d][i] for d in range(dp.size)])
+                for i, n in enumerate(mine)}
 
     return add_up if async_op else add_up()
 
@@ -1262,11 +1279,11 @@ def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
     dp, tp = grid.dp, grid.tp.size
     if dp.size == 1:  # no other DP rank to send to
         return (lambda: None) if async_op else None
-    mine = concat([params[n].view(-1) for n in params if owners[n] // tp == dp.rank], torch.float32, device)
-    sends = [mine if d != dp.rank else mine[:0] for d in range(dp.size)]
+    mine = [params[n].view(-1) for n in params if owners[n] // tp == dp.rank]
+    sends = [mine if d != dp.rank else [] for d in range(dp.size)]
     theirs = [[n for n in params if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
     wait = exchange(sends, [sum(params[n].numel() for n in names) for names in theirs], dp, ledger,
-                    "param broadcast from owner")
+                    "param broadcast from owner", torch.float32, device)
 
     def copy_in():
         for names, flat in zip(theirs, wait()):

@@ -84,11 +84,12 @@ def torch_reference(params):
             torch.optim.AdamW([p for p in params.values() if p.ndim != 2], **HYPERPARAMETERS, foreach=False)]
 
 
-def build(variant, params, grid, variants=VARIANTS):
+def build(variant, params, grid, variants=VARIANTS, module=dm):
+    """`variant`'s optimizer from `module` (this distributed_muon_cpu, or another commit's)."""
     strategy, options = variants[variant]
     groups = [dict(params=[(n, p) for n, p in params.items() if p.ndim == 2], algorithm="muon"),
               dict(params=[(n, p) for n, p in params.items() if p.ndim != 2], algorithm="adamw")]
-    return dm.OPTIMIZERS[strategy](groups, grid=grid, **HYPERPARAMETERS, **options)
+    return module.OPTIMIZERS[strategy](groups, grid=grid, **HYPERPARAMETERS, **options)
 
 
 def matmul_gflops(d, dtype):

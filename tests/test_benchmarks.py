@@ -79,3 +79,25 @@ def test_scaling_without_ns_replaces_newton_schulz_in_torch_and_here_alike(singl
     assert all(torch.equal(theirs[n], ours[n]) for n in params)  # the same work on both sides
     changed = [n for n in params if not torch.equal(theirs[n], with_ns[n])]
     assert changed == [n for n in params if params[n].ndim == 2]  # Newton-Schulz gone, AdamW untouched
+
+
+def test_two_ranks_splits_every_phase_and_each_rank_orthogonalizes_half(capsys):
+    """benchmarks/two_ranks.py on 2 ranks, this commit against itself (--before): every variant timed twice,
+    each traced step split into the phases of its strategy, and the two ranks' Newton-Schulz FLOPs adding up
+    to torch's (each matrix orthogonalized once, on one rank)."""
+    import two_ranks
+
+    assert two_ranks.main(["--d", "64", "--layers", "2", "--rounds", "1", "--before", ROOT]) == 0
+    out = capsys.readouterr().out
+    total = float(out.split(" GFLOP;")[0].rsplit(", ", 1)[1])
+    assert out.count("this commit's / before: ") == len(two_ranks.VARIANTS)
+    tables = out.split("\n\n")[1:]
+    assert len(tables) == 2 and "(before)" in tables[1].splitlines()[0]  # this commit's, then the one before
+    for table in tables:
+        rows = {" ".join(line.split()[:-8]): line.split()[-8:] for line in table.splitlines()[2:]}
+        flops = [float(x) for x in rows["NS GFLOP"]]
+        for i in range(0, 8, 2):  # each variant: rank 0 and rank 1, each about half
+            assert abs(flops[i] + flops[i + 1] - total) <= 0.01 * total and min(flops[i:i + 2]) > 0.3 * total
+        for phase in mt.PHASES_OF["owner"] + mt.PHASES_OF["comm-free"] + ("newton-schulz", "state update"):
+            assert phase in rows, phase
+        assert all(float(x) > 0 for x in rows["step (traced)"])
