@@ -27,14 +27,11 @@ VARIANTS = {f"{s} --overlap {k}": (s, dict(overlap=k)) for s in ("owner", "comm-
 def main(argv=None):
     p = mt.OneLineParser(description="Step time with and without --overlap, over lookaheads.")
     p.add_argument("--ranks", type=int, default=2, help="ranks (DP = N, TP = 1; default %(default)s)")
-    p.add_argument("--d", type=int, default=128, help="model width (default %(default)s)")
-    p.add_argument("--layers", type=int, default=scaling.LAYERS, help="layers (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="spawns, each timing every variant (default %(default)s)")
+    scaling.model_arguments(p, d=128, rounds=3, rounds_help="spawns, each timing every variant")
     args = p.parse_args(argv)
-    if not 2 <= args.ranks <= scaling.dm.MAX_WORLD or args.d < 1 or args.layers < 1 or args.rounds < 1:
-        p.error(f"--ranks must be in [2, {scaling.dm.MAX_WORLD}]; --d, --layers and --rounds >= 1")
-    if scaling.memory_error(args.d, args.layers, args.ranks):
-        p.error(scaling.memory_error(args.d, args.layers, args.ranks))
+    if not 2 <= args.ranks <= scaling.dm.MAX_WORLD:
+        p.error(f"--ranks must be in [2, {scaling.dm.MAX_WORLD}]")
+    scaling.check_model(p, args, args.ranks)
     runs = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):  # every round times every variant: drift in the load hits them alike
         for v, times in scaling.on_ranks(args.ranks, args.d, args.layers, VARIANTS).items():

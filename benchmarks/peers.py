@@ -64,7 +64,6 @@ import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
 import scaling  # noqa: E402
 
-D, LAYERS, ROUNDS = scaling.D, scaling.LAYERS, scaling.ROUNDS
 LR, WEIGHT_DECAY, MOMENTUM = scaling.HYPERPARAMETERS["lr"], scaling.HYPERPARAMETERS["weight_decay"], 0.95
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 TORCH = "torch.optim.Muon"
@@ -420,20 +419,15 @@ def table(runs):
 def main(argv=None):
     p = mt.OneLineParser(description="The peers' Muon (gradient sync + step) against ours and torch's.")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="process counts, powers of two (default: 1 2)")
-    p.add_argument("--d", type=int, default=D, help="model width (default %(default)s)")
-    p.add_argument("--layers", type=int, default=LAYERS, help="layers of 4 matrices (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=ROUNDS, help="timed steps of each optimizer (default %(default)s)")
+    scaling.model_arguments(p, rounds_help="timed steps of each optimizer")
     p.add_argument("--peers", nargs="*", default=[peer.distribution for peer in PEERS],
                    choices=[peer.distribution for peer in PEERS], help="peers to include (default: all)")
     args = p.parse_args(argv)
     if any(not 1 <= n <= dm.MAX_WORLD or n & (n - 1) for n in args.ranks):
         p.error(f"--ranks must be powers of two up to {dm.MAX_WORLD} (the averaged and the summed gradient are then exact)")
-    if args.d < 1 or args.layers < 1 or args.rounds < 1:
-        p.error("--d, --layers and --rounds must be >= 1")
+    scaling.check_model(p, args, max(args.ranks))
     if any(args.d % n for n in args.ranks):
         p.error(f"--d {args.d} must be divisible by every --ranks (FSDP2's even dim-0 shards)")
-    if scaling.memory_error(args.d, args.layers, max(args.ranks)):
-        p.error(scaling.memory_error(args.d, args.layers, max(args.ranks)))
     torch.set_num_threads(1)
     speed = {str(dt).replace("torch.", ""): scaling.matmul_gflops(args.d, dt) for dt in (torch.bfloat16, torch.float32)}
     load = os.getloadavg()[0]

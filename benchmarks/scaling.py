@@ -58,6 +58,22 @@ def shapes(d, layers):
     return matrices, {f"vector.{i}": (d,) for i in range(VECTORS)}
 
 
+def model_arguments(p, *, d=D, rounds=ROUNDS, rounds_help="steps of each variant"):
+    """--d, --layers and --rounds: the model every benchmark of this one times, and how often."""
+    p.add_argument("--d", type=int, default=d, help="model width (default %(default)s)")
+    p.add_argument("--layers", type=int, default=LAYERS, help="layers of 4 matrices (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=rounds, help=f"{rounds_help} (default %(default)s)")
+
+
+def check_model(p, args, processes):
+    """Refuse, in one line, a model that cannot run: a size below 1, or more than this machine's memory."""
+    if args.d < 1 or args.layers < 1 or args.rounds < 1:
+        p.error("--d, --layers and --rounds must be >= 1")
+    why = memory_error(args.d, args.layers, processes)
+    if why:
+        p.error(why)
+
+
 def memory_error(d, layers, processes):
     """"" when `processes` processes at once can hold the model here, else why not (one line): each keeps at
     least the matrices' weights, gradients and momentum in fp32, 3 x 4 bytes x 12 d^2 per layer (shapes())."""
@@ -190,9 +206,7 @@ def goal(n, variant, without_ns=False):
 def main(argv=None):
     p = mt.OneLineParser(description="Step time of every strategy against torch's, over ranks.")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts (default: 1 2)")
-    p.add_argument("--d", type=int, default=D, help="model width (default %(default)s)")
-    p.add_argument("--layers", type=int, default=LAYERS, help="layers of 4 matrices (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=ROUNDS, help="steps of each variant (default %(default)s)")
+    model_arguments(p)
     p.add_argument("--without-ns", action="store_true",
                    help="time everything but Newton-Schulz (replaced by its bf16 cast, in torch's Muon too)")
     p.add_argument("--json", metavar="PATH", help="write every step time")
@@ -200,10 +214,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if any(not 1 <= n <= dm.MAX_WORLD for n in args.ranks):
         p.error(f"--ranks must be in [1, {dm.MAX_WORLD}] (got {' '.join(map(str, args.ranks))})")
-    if args.d < 1 or args.layers < 1 or args.rounds < 1:
-        p.error("--d, --layers and --rounds must be >= 1")
-    if memory_error(args.d, args.layers, max(args.ranks)):
-        p.error(memory_error(args.d, args.layers, max(args.ranks)))
+    check_model(p, args, max(args.ranks))
     for path in (args.json, args.figure):
         if path:
             mt.check_writable(path, "--json" if path == args.json else "--figure")

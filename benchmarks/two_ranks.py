@@ -134,12 +134,11 @@ def torch_newton_schulz_ms(d, layers, repeats=3):
 
 def main(argv=None):
     p = mt.OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d", type=int, default=scaling.D, help="model width (default %(default)s)")
-    p.add_argument("--layers", type=int, default=scaling.LAYERS, help="layers of 4 matrices (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="untraced interleaved steps before the traced one")
+    scaling.model_arguments(p, rounds=3, rounds_help="untraced interleaved steps before the traced one")
     p.add_argument("--without-ns", action="store_true", help="Newton-Schulz replaced by its bf16 cast")
     p.add_argument("--before", metavar="DIR", help="also time DIR/distributed_muon_cpu.py's variants, interleaved")
     a = p.parse_args(argv)
+    scaling.check_model(p, a, 2)
     if a.before and not os.path.isfile(os.path.join(a.before, "distributed_muon_cpu.py")):
         p.error(f"--before {a.before}: no distributed_muon_cpu.py there")
     ns_ms, ns_flops = torch_newton_schulz_ms(a.d, a.layers)
