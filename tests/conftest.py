@@ -15,10 +15,12 @@ bf16 baddbmm, which rounds some near-ties unlike torch's addmm; it is held to a 
 in the script (batched_ns_tolerance) and tested in test_math.py and test_strategies.py.
 Two files train real models, where the forward and backward pass reduce in another order than
 one process does, and say so beside their bounds: tests/test_gpt.py (examples/train_gpt.py's
-policy, its section 3: bit for bit with TP = 1, fp32 reordering bounds with TP = 2, and the
-optimizer's replay bit for bit everywhere) and tests/test_dtensor.py (its real FSDP2 x TP run, under the
-same policy and constants: the replay bit for bit at every step, gradients and losses at the same weights
-within GRAD_RTOL and STEP_LOSS_RTOL).
+policy, its section 3: bit for bit with TP = 1 (any DP on Gloo); with TP = 2 each step's gradients
+within 4 x the one process's own fp32 error against float64 plus n u of the largest entry, the
+free-running drift reported beside a one-ulp chaos floor; the optimizer's replay bit for bit everywhere)
+and tests/test_dtensor.py / tests/test_train_gpt_dtensor.py (real FSDP2 x TP runs, checked by
+dtensor_demo.py's section 7: the replay bit for bit at every step, gradients and losses at the same
+weights within GRAD_RTOL and STEP_LOSS_RTOL).
 If another test ever needs a tolerance, the reason must be written beside it.
 
 Every reference is PyTorch's own torch.optim.Muon / torch.optim.AdamW (or its
