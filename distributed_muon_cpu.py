@@ -69,10 +69,49 @@ from torch.profiler import record_function
 # matrix X X^T is the small one), scale by the Frobenius norm (clamped by eps) so
 # the spectral norm is <= 1, then quintic iterations X <- a X + (b A + c A A) X,
 # A = X X^T. The coefficients, 5 steps and eps = 1e-7 are Keller Jordan's,
-# torch.optim.Muon's defaults.
+# torch.optim.Muon's defaults. One (a, b, c) serves every iteration, or a list
+# gives one per iteration: Polar Express (Amsel et al., arXiv 2505.16932,
+# Algorithm 1) picks each iteration's polynomial to be optimal for the worst
+# singular value left by the previous ones.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
+# Algorithm 1's eight triples, the first seven divided by (1.01, 1.01^3, 1.01^5), its safety factor
+# for bf16; iterations past the eighth repeat the last. (Its extra 1.01 on the norm is not applied:
+# the normalization stays torch.optim.Muon's.)
+_POLAR_EXPRESS = ((8.28721201814563, -23.595886519098837, 17.300387312530933),
+                  (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+                  (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+                  (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+                  (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+                  (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+                  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+                  (1.875, -1.25, 0.375))
+POLAR_EXPRESS = tuple((a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS[:-1]) + _POLAR_EXPRESS[-1:]
+NS_COEFFICIENT_CHOICES = {"jordan": NS_COEFFICIENTS, "polar_express": POLAR_EXPRESS}
+
+
+def ns_coefficients_of(coefficients, steps):
+    """One (a, b, c) triple per iteration, as a tuple of `steps` triples: from one triple (every
+    iteration), a list of exactly `steps` triples, or a name of NS_COEFFICIENT_CHOICES (a longer
+    list gives its first `steps`, a shorter one repeats its last, as Algorithm 1 does)."""
+    if isinstance(coefficients, str):
+        if coefficients not in NS_COEFFICIENT_CHOICES:
+            raise ValueError(f"ns_coefficients {coefficients!r} is not one of {', '.join(NS_COEFFICIENT_CHOICES)}")
+        named = NS_COEFFICIENT_CHOICES[coefficients]
+        named = (named,) if isinstance(named[0], (int, float)) else named
+        return tuple(named[min(i, len(named) - 1)] for i in range(steps))
+    coefficients = tuple(coefficients)
+    if len(coefficients) == 3 and all(isinstance(v, (int, float)) for v in coefficients):
+        triples = (tuple(float(v) for v in coefficients),) * steps
+    else:
+        triples = tuple(tuple(float(v) for v in t) if len(t) == 3 else None for t in coefficients)
+        if None in triples or len(triples) != steps:
+            raise ValueError(f"ns_coefficients must be one (a, b, c) triple, a name ({', '.join(NS_COEFFICIENT_CHOICES)}) "
+                             f"or {steps} triples, one per iteration (got {len(coefficients)} items)")
+    if not all(math.isfinite(v) for t in triples for v in t):
+        raise ValueError(f"ns_coefficients must be finite (got {coefficients})")
+    return triples
 
 
 def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS, fused_mm=torch.addmm):
@@ -81,14 +120,15 @@ def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_E
     With fused_mm = torch.addmm (beta * input + alpha * m1 @ m2, in one call) these are
     exactly torch.optim.Muon's operations, so its result is torch's, bit for bit.
     (Section 6 passes torch.baddbmm to run a stack of same-shape matrices at once.)
+    coefficients: one (a, b, c), or one per iteration (ns_coefficients_of).
     """
-    a, b, c = coefficients
+    per_iteration = ns_coefficients_of(coefficients, steps)
     x = matrix.bfloat16()
     tall = matrix.size(-2) > matrix.size(-1)
     if tall:
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # out of place: a bf16 input is not modified
-    for _ in range(steps):
+    for a, b, c in per_iteration:
         gram = x @ x.mT
         poly = fused_mm(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A
         x = fused_mm(x, poly, x, beta=a)  # a*X + poly@X
@@ -689,8 +729,10 @@ def check_param_groups(param_groups):
                                   momentum=group["momentum"], adjust_lr_fn=group["adjust_lr_fn"])
             if not 1 <= group["ns_steps"] < 100:  # torch.optim.Muon's limit
                 raise ValueError(f"{spell('ns_steps')} must be in [1, 100) (got {group['ns_steps']})")
-            if len(group["ns_coefficients"]) != 3:
-                raise ValueError(f"{spell('ns_coefficients')} must be one (a, b, c) triple")
+            try:  # validated, and kept as given: a group's value is what torch.optim.Muon would take
+                ns_coefficients_of(group["ns_coefficients"], group["ns_steps"])
+            except ValueError as e:
+                raise ValueError(f"param group {i}: {e}") from None
 
 
 def named_params(param_groups):
@@ -755,7 +797,7 @@ class DistributedMuon(torch.optim.Optimizer):
         check_hyperparameters(bucket_size=bucket_size, lr=lr, weight_decay=weight_decay, momentum=momentum,
                               adjust_lr_fn=adjust_lr_fn)
         defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
-                        nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps,
+                        nesterov=nesterov, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
                         ns_eps=ns_eps, adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
         self.grid, self.bucket_size, self.ledger = grid, bucket_size, Ledger()
@@ -1222,7 +1264,8 @@ def newton_schulz_owned(full, group_of, ledger, batched=False):
         stacks = {}
         for name, matrix in full.items():
             g = group_of[name]
-            stacks.setdefault((matrix.shape, g["ns_steps"], g["ns_coefficients"], g["ns_eps"]), []).append(name)
+            stacks.setdefault((matrix.shape, g["ns_steps"], ns_coefficients_of(g["ns_coefficients"], g["ns_steps"]),
+                                   g["ns_eps"]), []).append(name)
         for (_, steps, coefficients, eps), names in stacks.items():
             with record_function("newton-schulz"):
                 stack = batched_newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)

@@ -475,7 +475,8 @@ class DTensorMuon(torch.optim.Optimizer):
         lr: learning rate of both algorithms (>= 0, finite).
         weight_decay: decoupled weight decay, p *= 1 - lr * weight_decay (>= 0, finite).
         momentum: Muon's momentum (in [0, 1); torch allows any >= 0); nesterov: Nesterov's input, as torch.
-        ns_coefficients, ns_steps, ns_eps: Newton-Schulz's (a, b, c), iterations (1..99) and norm floor.
+        ns_coefficients, ns_steps, ns_eps: Newton-Schulz's (a, b, c) for every iteration, or one triple
+            per iteration, or "polar_express" (dm.ns_coefficients_of); iterations (1..99); norm floor.
         adjust_lr_fn: Muon's per-matrix lr from its (rows A, cols B): "original" or None
             (sqrt(max(1, A/B))), "match_rms_adamw" (0.2 sqrt(max(A, B))), "spectral_unclamped" (sqrt(A/B)).
         betas, eps: AdamW's (each beta in [0, 1); eps >= 0).
@@ -491,7 +492,7 @@ class DTensorMuon(torch.optim.Optimizer):
                                  adjust_lr_fn=adjust_lr_fn)
         dm.check_adamw_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps,
+                        ns_coefficients=ns_coefficients, ns_steps=ns_steps, ns_eps=ns_eps,
                         adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
         self.config = distributed_config or DistributedConfig()
