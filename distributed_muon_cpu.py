@@ -1597,6 +1597,113 @@ STRATEGIES = tuple(OPTIMIZERS)
 
 
 # =============================================================================
+# 7. What large runs add: blocks, QK-clip, Newton-Schulz on TP pieces
+# =============================================================================
+# torch.optim.Muon orthogonalizes each parameter whole and does nothing after
+# the update. Large runs do more (per-iteration coefficients are in section 1),
+# and each addition changes what must travel between ranks:
+#
+#   fused blocks  a fused QKV matrix is orthogonalized as its Q, K and V blocks
+#                 (or each head's), wherever TP and ZeRO-1 cut it; no new bytes.
+#   QK-clip       after the step, the rows of W_q and W_k of every head whose
+#                 largest logit exceeded tau shrink: per-head maxima must reach
+#                 every rank that holds those rows.
+#   TP Gram NS    a matrix split along its long side is orthogonalized where it
+#                 lies: X X^T = sum_i X_i X_i^T, one small all-reduce per iteration
+#                 instead of gathering the matrix.
+#
+# RowLayout says which rows are which; the functions below are the math, the
+# optimizers call them where the rows are.
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Which rows of a full matrix are which: `periods` repeats (one per attention head) of segments
+    of `sizes` rows named `names`. The GPT's fused QKV, head by head: sizes (hd, hd, hd), names
+    ("q", "k", "v"), periods = heads; a separate W_q: sizes (hd,), names ("q",)."""
+    sizes: tuple
+    periods: int = 1
+    names: tuple = ()
+
+    @property
+    def rows(self):
+        return self.periods * sum(self.sizes)
+
+    def segment_rows(self, period, segment):
+        start = period * sum(self.sizes) + sum(self.sizes[:segment])
+        return range(start, start + self.sizes[segment])
+
+    def blocks(self, per_head=False):
+        """Row indices of each matrix Newton-Schulz sees alone: segment i of every period joined
+        (Q, K, V), or per_head, each period's segments alone."""
+        segments = range(len(self.sizes))
+        if per_head:
+            return [list(self.segment_rows(p, s)) for p in range(self.periods) for s in segments]
+        return [[r for p in range(self.periods) for r in self.segment_rows(p, s)] for s in segments]
+
+    def tp_piece(self, tp):
+        """The layout of one TP rank's rows when the matrix is split along dim 0 in equal parts."""
+        if self.periods % tp:
+            raise ValueError(f"TP {tp} does not divide the {self.periods} heads of a row layout")
+        return replace(self, periods=self.periods // tp)
+
+
+def newton_schulz_blocks(full, blocks, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """Newton-Schulz of each block of rows alone, put back where its rows were (bf16, full's shape).
+    A block is copied out contiguous, as the separate parameter it stands for would be."""
+    out = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
+    for rows in blocks:
+        index = torch.tensor(rows, device=full.device)
+        out[index] = newton_schulz(full[index], steps, coefficients, eps)
+    return out
+
+
+def qk_clip_scales(max_logits, tau):
+    """Kimi K2's per-head QK-clip (arXiv 2507.20534): gamma_h = min(1, tau / S_max_h), and head h's
+    rows of W_q and of W_k are each multiplied by sqrt(gamma_h), so its logits q.k shrink by gamma_h.
+    Python floats (computed in double), one per head: the same multiplier wherever the rows lie."""
+    return [math.sqrt(min(1.0, tau / s)) if s > tau else 1.0 for s in max_logits.tolist()]
+
+
+def all_reduce_sum(tensor, axis, ledger, phase):
+    """Sum `tensor` over the ranks of `axis`, in place (a ring's bytes: 2 (n - 1) / n of it out and in)."""
+    if axis.size == 1:
+        return tensor
+    with record_function(phase):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=axis.group)
+    ring = 2 * (axis.size - 1) * tensor.numel() // axis.size
+    ledger.record_comm(phase, "all_reduce", axis, ring, ring, tensor.dtype)
+    ledger.record_wait(phase)
+    return tensor
+
+
+def gram_eligible(global_shape, tp_split_dim):
+    """Whether a TP split cuts the long side (columns of a wide matrix, rows of a tall one): then
+    X X^T of the (transposed-if-tall) matrix is a sum over the TP pieces."""
+    rows, cols = global_shape
+    return (tp_split_dim == 1 and rows <= cols) or (tp_split_dim == 0 and rows > cols)
+
+
+def newton_schulz_tp(piece, global_shape, tp, ledger, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """Newton-Schulz of a matrix split along its long side over the TP ranks, without gathering it:
+    this rank's piece of the result (bf16). Per iteration one all-reduce of the small Gram matrix
+    A = sum_i X_i X_i^T (float32), then each rank updates its own columns: X_i <- a X_i + (b A + c A A) X_i.
+    The Frobenius norm is one all-reduced float. Not torch's bits: A is summed across ranks (float32,
+    then rounded to bf16) where torch sums in one bf16 matmul."""
+    tall = global_shape[0] > global_shape[1]
+    x = piece.bfloat16()
+    if tall:
+        x = x.mT
+    norm_sq = all_reduce_sum(x.float().square().sum().reshape(1), tp, ledger, "TP Gram norm")
+    x = x / norm_sq.sqrt().to(torch.bfloat16).clamp(min=eps)
+    for a, b, c in ns_coefficients_of(coefficients, steps):
+        gram = all_reduce_sum((x @ x.mT).float(), tp, ledger, "TP Gram").bfloat16()
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+# =============================================================================
 # 7. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
 # =============================================================================
 # A run of the demo: every rank builds the optimizer over its TP pieces of the
