@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.profiler import record_function
 
 import distributed_muon_cpu as dm
 import muon_tools as mt
@@ -278,11 +279,13 @@ def assign_among_holders(ns_flops, holders, world, load=None, shapes=None):
     return {n: owners[n] for n in ns_flops}
 
 
-def plan_matrices(copies, group_ns_steps, me, world, assign=None):
+def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None):
     """Every distributed matrix of `copies`, with owners and this rank's transfers; and the owners.
 
     assign: None for assign_among_holders, or a callable (ns_flops, holders, world) -> {rank: [names]}.
+    flops_of: None, or a callable (copy, steps) -> Newton-Schulz FLOPs of one of its matrices (blocks: section 3b).
     """
+    flops_of = flops_of or (lambda c, steps: newton_schulz_flops(c.matrix_shape, steps))
     copies_of_name = {}
     for c in copies:
         copies_of_name[c.name] = copies_of_name.get(c.name, 0) + 1
@@ -305,7 +308,7 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None):
                        e if c.expert_stack else -1, tuple(sorted(holders)))
             matrices.append(m)
             pieces_of[m.name] = expert_pieces
-    ns_flops = {m.name: newton_schulz_flops(m.copy.matrix_shape, group_ns_steps[m.copy.group]) for m in matrices}
+    ns_flops = {m.name: flops_of(m.copy, group_ns_steps[m.copy.group]) for m in matrices}
     holders = {m.name: m.holders for m in matrices}
     if assign is None:
         owners = assign_among_holders(ns_flops, holders, world,
@@ -328,6 +331,124 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None):
                     m.scatter.append((m.owner, r, positions.numel(), offsets if me == m.owner else None,
                                       positions if me == r else None))
     return matrices, ns_flops, owners
+
+
+# -----------------------------------------------------------------------------
+# 3b. Rows of a laid-out matrix: fused blocks and QK-clip, on any local piece
+# -----------------------------------------------------------------------------
+# The lesson's RowLayout (its section 7) names the rows of a FULL matrix: a
+# fused QKV laid out head by head is periods = heads of segments (q, k, v). Two
+# additions need to know which rows a rank's LOCAL piece holds, whatever cut it
+# (FSDP2's Shard(0) or _StridedShard on dp, TP's Shard(0) or Shard(1)):
+#
+#   blocks   the owner orthogonalizes each block alone (dm.newton_schulz_blocks:
+#            "blocks" joins a segment across heads, Q K V; "heads" takes each
+#            segment of each head), so each block's update takes the adjusted lr
+#            of its OWN (rows, cols), as torch.optim.Muon on the blocks as
+#            separate parameters would;
+#   QK-clip  after the step, head h's rows of segments "q" and "k" are
+#            multiplied by sqrt(gamma_h) (section 5, clip_qk_).
+#
+# local_indices (section 2) gives each local element's global index, hence its
+# row. Consecutive local elements with the same key (its block's height, or its
+# head) make one run, and each run is ONE elementwise call on a slice of the flat
+# local tensor (the lesson's apply_muon_update_ with the block's shape, or
+# mul_): the op torch runs on each separate block, hence torch's bits; never a
+# per-row multiply by a tensor of factors.
+#
+#   fused QKV, 2 heads of (q 3, k 2, v 2) = 14 rows; TP Shard(1) keeps every row:
+#     local flat order:  q0 q0 q0 k0 k0 v0 v0 q1 q1 q1 k1 k1 v1 v1   (one row each)
+#     block heights:     6  6  6  4  4  4  4  6  6  6  4  4  4  4    4 runs, 4 add_
+#     QK-clip heads:     0  0  0  0  0  -  -  1  1  1  1  1  -  -    2 runs, 2 mul_
+# An expert stack (E, out, in) takes the layout of ONE expert's (out, in): every
+# expert is its own matrix (section 3), so its blocks are too (e.g. a fused
+# SwiGLU gate | up, orthogonalized as gate and up); QK-clip, which scales
+# attention heads, does not apply to an expert stack (refused).
+NS_BLOCKS = ("whole", "blocks", "heads")  # "whole": torch's, the matrix as one
+TP_NEWTON_SCHULZ = ("gather", "gram")
+GRAM_REFUSED = "tp_newton_schulz='gram': not implemented in DTensorMuon yet (see its docstring)"
+QK_SEGMENTS = ("q", "k")  # the segments of a RowLayout that QK-clip scales
+
+
+def local_rows(copy, coordinate):
+    """The row (of its expert's matrix, for a stack) of every element of the local tensor at `coordinate`,
+    in local order; a plain tensor's coordinate is ()."""
+    index = local_indices(copy.shape, copy.mesh_shape, copy.placements, coordinate)
+    return (index // copy.shape[-1]) % copy.matrix_shape[0]
+
+
+def runs(keys):
+    """[(start, stop, key)] of each run of equal consecutive values of a 1-D integer tensor; keys < 0 left out."""
+    if keys.numel() == 0:
+        return []
+    change = (torch.nonzero(keys[1:] != keys[:-1]).view(-1) + 1).tolist()
+    starts, stops = [0] + change, change + [keys.numel()]
+    return [(a, b, k) for a, b, k in zip(starts, stops, keys[starts].tolist()) if k >= 0]
+
+
+def block_height_of_row(layout, per_head):
+    """For each row of the full matrix, the height of the block Newton-Schulz sees it in."""
+    height = torch.empty(layout.rows, dtype=torch.long)
+    for rows in layout.blocks(per_head):
+        height[rows] = len(rows)
+    return height
+
+
+def head_of_qk_row(layout):
+    """For each row of the full matrix, its head if it belongs to a "q" or "k" segment, else -1."""
+    head = torch.full((layout.rows,), -1, dtype=torch.long)
+    for period in range(layout.periods):
+        for segment, name in enumerate(layout.names):
+            if name in QK_SEGMENTS:
+                head[list(layout.segment_rows(period, segment))] = period
+    return head
+
+
+
+def blocks_flops(layout, per_head, cols, steps):
+    """Newton-Schulz FLOPs of a matrix orthogonalized block by block (what the owner assignment balances)."""
+    return sum(newton_schulz_flops((len(rows), cols), steps) for rows in layout.blocks(per_head))
+
+
+def tau_problem(tau):
+    """None if tau is a valid QK-clip threshold (a finite number > 0), else why not (one line)."""
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
+        return f"qk_clip_tau must be a number > 0 and finite (got {tau!r})"
+    return None
+
+
+def max_logits_problem(max_logits, heads_of):
+    """None if max_logits ({name: (heads,) float32}) may be clipped with, else why not (one line).
+    heads_of: {name QK-clip scales: its number of heads}. -inf marks a head this rank did not compute."""
+    if not isinstance(max_logits, dict):
+        return f"max_logits must be a dict {{param name: (heads,) float32 tensor}} (got {type(max_logits).__name__})"
+    for name, maxima in max_logits.items():
+        if name not in heads_of:
+            return (f"max_logits names {name!r}, which QK-clip does not scale (it scales "
+                    f"{', '.join(heads_of) or 'nothing'}: parameters laid out with q or k segments)")
+        if not torch.is_tensor(maxima) or maxima.dtype != torch.float32 or tuple(maxima.shape) != (heads_of[name],):
+            what = f"{maxima.dtype} of shape {tuple(maxima.shape)}" if torch.is_tensor(maxima) else type(maxima).__name__
+            return f"max_logits[{name!r}] must be a float32 tensor of shape ({heads_of[name]},) (got {what})"
+        if torch.isnan(maxima).any() or (maxima == math.inf).any():
+            return f"max_logits[{name!r}] holds NaN or +inf (a head no rank computed is -inf)"
+    return None
+
+
+def row_layout_problem(name, layout, matrix_shape, expert_stack, qk_clip):
+    """None if `layout` describes the rows of `name`'s (out, in) matrix, else why not (one line)."""
+    if not isinstance(layout, dm.RowLayout):
+        return f"row_layouts[{name!r}] must be a RowLayout (distributed_muon_cpu), got {type(layout).__name__}"
+    if not (isinstance(layout.periods, int) and layout.periods >= 1 and layout.sizes
+            and all(isinstance(s, int) and s >= 1 for s in layout.sizes)):
+        return f"row_layouts[{name!r}]: sizes must be positive integers and periods >= 1 (got {layout})"
+    if layout.names and len(layout.names) != len(layout.sizes):
+        return f"row_layouts[{name!r}]: {len(layout.names)} names for {len(layout.sizes)} sizes"
+    if layout.rows != matrix_shape[0]:
+        return (f"row_layouts[{name!r}] has {layout.periods} x {sum(layout.sizes)} = {layout.rows} rows; "
+                f"the matrix{' of each expert' if expert_stack else ''} has {matrix_shape[0]}")
+    if qk_clip and expert_stack and set(layout.names) & set(QK_SEGMENTS):
+        return f"row_layouts[{name!r}]: QK-clip scales attention heads, not the experts of an expert stack"
+    return None
 
 
 # =============================================================================
@@ -416,6 +537,22 @@ def local_of(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def all_reduce_max(tensor, axis, ledger, phase):
+    """Elementwise max of a float32 tensor over the ranks of `axis`, in place, padded (-inf) to a multiple of the
+    group size so that the ring's count is exact: each rank sends and receives 2 (n - 1) / n of it."""
+    if axis.size == 1:
+        return tensor
+    padded = torch.full((-(-tensor.numel() // axis.size) * axis.size,), -math.inf, dtype=tensor.dtype,
+                        device=tensor.device)
+    padded[:tensor.numel()] = tensor
+    with record_function(phase):
+        dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=axis.group)
+    ring = 2 * (axis.size - 1) * (padded.numel() // axis.size)
+    ledger.record_comm(phase, "all_reduce", axis, ring, ring, padded.dtype)
+    tensor.copy_(padded[:tensor.numel()])
+    return tensor
+
+
 def like_param(p, tensor):
     """`tensor` (local shape) as p is: a DTensor with p's mesh and placements, or itself."""
     if isinstance(p, DTensor):
@@ -462,7 +599,7 @@ class DTensorMuon(torch.optim.Optimizer):
     def __init__(self, params, *, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original",
                  betas=(0.9, 0.999), eps=1e-8, expert_stacks=(), distributed_config=None, batched_ns=False,
-                 group=None):
+                 group=None, row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None):
         """Build the plan (collective: every rank of `group` calls it with the same parameter names).
 
         params: named parameters, as torch optimizers take them: a list of groups
@@ -487,6 +624,15 @@ class DTensorMuon(torch.optim.Optimizer):
             many small ones, not bitwise torch's (within BATCHED_NS_BOUND of it). Off by default.
         group: the process group of the exchanges (default: the whole world); every rank of it
             builds the optimizer and calls step() together.
+        row_layouts: {name: dm.RowLayout of the FULL matrix (one expert's, for a stack)}: which rows are which
+            (section 3b), for the two options below; the same on every rank.
+        ns_blocks: "whole" (torch's: each matrix as one), "blocks" (each segment of a layout across its
+            periods, e.g. Q, K, V) or "heads" (each segment of each period alone): Newton-Schulz of each block
+            alone and each block's lr adjusted by its own shape; only parameters in row_layouts.
+        tp_newton_schulz: "gather" only (what this optimizer does: every matrix is put together on its
+            owner); "gram" is refused, see the class docstring.
+        qk_clip_tau: None (off), or tau > 0: clip_qk_ scales the "q" and "k" rows of every head whose
+            max logit exceeded tau (Kimi K2's per-head QK-clip).
         """
         dm.check_hyperparameters(bucket_size=1, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                  adjust_lr_fn=adjust_lr_fn)
@@ -499,6 +645,8 @@ class DTensorMuon(torch.optim.Optimizer):
         self.config.check()
         self.batched_ns, self.ledger = batched_ns, dm.Ledger()
         self.expert_stacks = set(expert_stacks)
+        self.row_layouts, self.ns_blocks = dict(row_layouts or {}), ns_blocks
+        self.tp_newton_schulz, self.qk_clip_tau = tp_newton_schulz, qk_clip_tau
         self.axis = self._axis(group)
         self.me = self.axis.ranks[self.axis.rank]  # global ranks everywhere; self.index maps them to the group's
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -509,6 +657,7 @@ class DTensorMuon(torch.optim.Optimizer):
             self._plan_explicit(copies)
         else:
             self._plan_automatic(copies)
+            self._plan_rows()
         # Every state tensor exists from the start (zeros, step 0: what torch creates at a first step), so that
         # torch's get/set_optimizer_state_dict find it and never run their own zero-gradient step.
         self.init_state()
@@ -565,35 +714,77 @@ class DTensorMuon(torch.optim.Optimizer):
             missing = [n for n in muon if n not in self.config.global_shapes]
             if missing:
                 return f"global_shapes lacks Muon matrices: {', '.join(missing)}"
+        return self._large_run_problem()
+
+    def _large_run_problem(self):
+        """The options of section 3b and clip_qk_, checked; the first problem as one line, or None."""
+        if self.ns_blocks not in NS_BLOCKS:
+            return f"ns_blocks must be one of {', '.join(NS_BLOCKS)} (got {self.ns_blocks!r})"
+        if self.tp_newton_schulz not in TP_NEWTON_SCHULZ:
+            return f"tp_newton_schulz must be one of {', '.join(TP_NEWTON_SCHULZ)} (got {self.tp_newton_schulz!r})"
+        if self.tp_newton_schulz == "gram":
+            return GRAM_REFUSED
+        if self.qk_clip_tau is not None:
+            why = tau_problem(self.qk_clip_tau)
+            if why:
+                return why
+        if self.config.explicit and (self.row_layouts or self.qk_clip_tau is not None):
+            return ("row_layouts and qk_clip_tau need the automatic distributed_config: the rows of your own "
+                    "local pieces are not known here")
+        for name, layout in self.row_layouts.items():
+            p = self.param_by_name.get(name)
+            if p is None or self.group_of[name]["algorithm"] != "muon":
+                return f"row_layouts names no Muon parameter: {name}"
+            why = row_layout_problem(name, layout, tuple(p.shape)[-2:], name in self.expert_stacks,
+                                     self.qk_clip_tau is not None)
+            if why:
+                return why
+        if self.ns_blocks != "whole" and not self.row_layouts:
+            return f"ns_blocks={self.ns_blocks!r} needs row_layouts (which rows make which block)"
+        if self.qk_clip_tau is not None and not self._clip_names():
+            return f"qk_clip_tau needs row_layouts with segments named {' or '.join(QK_SEGMENTS)} (the rows it scales)"
         return None
+
+    def _clip_names(self):
+        """The parameters QK-clip scales: those laid out with a "q" or "k" segment, sorted (the same on every rank)."""
+        return sorted(n for n, layout in self.row_layouts.items() if set(layout.names) & set(QK_SEGMENTS))
+
+    def _large_run_options(self):
+        """What every rank must agree on (compared across ranks at construction)."""
+        return (sorted(self.row_layouts.items(), key=lambda item: item[0]), self.ns_blocks, self.tp_newton_schulz,
+                self.qk_clip_tau)
 
     def _swap_descriptions(self, problem):
         """Every rank's Copies (one all_gather_object), so that every rank makes the same plan."""
         mine = [describe(n, self._group_index(n), p, n in self.expert_stacks)
                 for n, p in self.param_by_name.items()]
+        options = None if problem else self._large_run_options()
         if self.axis.size == 1:
-            everyone = [(problem, mine)]
+            everyone = [(problem, mine, options)]
         else:
             everyone = [None] * self.axis.size
-            dist.all_gather_object(everyone, (problem, mine), group=self.axis.group)
-        problems = [(self.axis.ranks[i], p) for i, (p, _) in enumerate(everyone) if p]
+            dist.all_gather_object(everyone, (problem, mine, options), group=self.axis.group)
+        problems = [(self.axis.ranks[i], p) for i, (p, _, _) in enumerate(everyone) if p]
+        problems += [(self.axis.ranks[i], f"row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau differ from "
+                                          f"rank {self.axis.ranks[0]}'s: every rank must pass the same")
+                     for i, (_, _, o) in enumerate(everyone) if not problems and o != everyone[0][2]]
         if problems:
             rank, why = problems[0]
             raise ValueError(why if rank == self.me else f"rank {rank}: {why}")
         copies, seen = [], set()
-        for _, theirs in everyone:
+        for _, theirs, _ in everyone:
             for c in theirs:
                 if (c.name, c.mesh_ranks) not in seen and (c.mesh_ranks or c in mine):
                     seen.add((c.name, c.mesh_ranks))
                     copies.append(c)
-        self.names = sorted({c.name for _, theirs in everyone for c in theirs})  # what grad presence votes on
+        self.names = sorted({c.name for _, theirs, _ in everyone for c in theirs})  # what grad presence votes on
         return copies
 
     def _plan_automatic(self, copies):
         muon_copies = [c for c in copies if self.param_groups[c.group]["algorithm"] == "muon"]
         steps = {i: g["ns_steps"] for i, g in enumerate(self.param_groups)}
         self.matrices, self.ns_flops, self.owners = plan_matrices(
-            muon_copies, steps, self.me, self.world, self.config.assign)
+            muon_copies, steps, self.me, self.world, self.config.assign, self._flops_of)
         outside = sorted({m.name for m in self.matrices if not set(m.holders) <= set(self.axis.ranks)})
         if outside:
             raise ValueError(f"matrices held by ranks outside the optimizer's group: {', '.join(outside)}")
@@ -602,6 +793,29 @@ class DTensorMuon(torch.optim.Optimizer):
         self.local_matrices = {c.name: [matrix_name(c, e if c.expert_stack else -1, 1) for e in range(c.n_matrices)]
                                for c in muon_copies if c.local and (not c.mesh_ranks or me in c.mesh_ranks)}
         self.index = {r: i for i, r in enumerate(self.axis.ranks)}
+        self.param_of_matrix = {m.name: m.copy.name for m in self.matrices}
+        self.param_of_matrix.update({m: name for name, names in self.local_matrices.items() for m in names})
+
+    def _flops_of(self, copy, steps):
+        """Newton-Schulz FLOPs of one matrix of `copy`: whole, or block by block (section 3b)."""
+        layout = self.row_layouts.get(copy.name)
+        if layout is None or self.ns_blocks == "whole":
+            return newton_schulz_flops(copy.matrix_shape, steps)
+        return blocks_flops(layout, self.ns_blocks == "heads", copy.matrix_shape[1], steps)
+
+    def _plan_rows(self):
+        """Section 3b on this rank's local pieces: the runs of equal block height (blocks) and of equal head
+        (QK-clip) of every laid-out parameter, in its local flat order."""
+        self.block_runs, self.clip_runs = {}, {}
+        self.clip_names = self._clip_names() if self.qk_clip_tau is not None else []
+        for name, layout in self.row_layouts.items():
+            p = self.param_by_name[name]
+            coordinate = tuple(p.device_mesh.get_coordinate()) if isinstance(p, DTensor) else ()
+            rows = local_rows(describe(name, 0, p, name in self.expert_stacks), coordinate)
+            if self.ns_blocks != "whole":
+                self.block_runs[name] = runs(block_height_of_row(layout, self.ns_blocks == "heads")[rows])
+            if name in self.clip_names:
+                self.clip_runs[name] = runs(head_of_qk_row(layout)[rows])
 
     def _plan_explicit(self, copies):
         muon = [n for n in self.param_by_name if self.group_of[n]["algorithm"] == "muon"]
@@ -618,6 +832,7 @@ class DTensorMuon(torch.optim.Optimizer):
         if strangers:
             raise ValueError(f"bad owner assignment: owned outside the optimizer's group: {', '.join(strangers)}")
         self.matrices, self.local_matrices, self.index = [], {}, {}
+        self.block_runs, self.clip_runs, self.clip_names = {}, {}, []
 
     # -- what the plan says, for people ------------------------------------
     @property
@@ -700,7 +915,12 @@ class DTensorMuon(torch.optim.Optimizer):
         for name, ortho in orthos.items():
             shape = (self.config.global_shapes[name] if self.config.explicit
                      else tuple(self.param_by_name[name].shape)[-2:])  # an expert's (out, in)
-            apply_muon_update_(flat(self.param_by_name[name]), ortho.reshape(-1), self.group_of[name], shape)
+            param, ortho, group = flat(self.param_by_name[name]), ortho.reshape(-1), self.group_of[name]
+            if name in self.block_runs:  # each run of rows with its block's shape (section 3b)
+                for start, stop, height in self.block_runs[name]:
+                    apply_muon_update_(param[start:stop], ortho[start:stop], group, (height, shape[1]))
+            else:
+                apply_muon_update_(param, ortho, group, shape)
         return loss
 
     def _local_grads(self):
@@ -757,7 +977,7 @@ class DTensorMuon(torch.optim.Optimizer):
                 for i, m in enumerate(matrices):
                     local_full[m], group_of[m] = stack[i], self.group_of[name]
         if local_full:
-            done = dm.newton_schulz_owned(local_full, group_of, self.ledger, self.batched_ns)
+            done = self._newton_schulz(local_full, group_of)
             for name, matrices in self.local_matrices.items():
                 if name in updates:
                     orthos[name] = torch.stack([done[m] for m in matrices]).view(updates[name].shape)
@@ -766,9 +986,26 @@ class DTensorMuon(torch.optim.Optimizer):
         for m in active:
             if m.owner == self.me:
                 group_of[m.name] = self.param_groups[m.copy.group]
-        orthogonal = dm.newton_schulz_owned(full, group_of, self.ledger, self.batched_ns)
+        orthogonal = self._newton_schulz(full, group_of)
         orthos.update(self._scatter_from_owners(orthogonal, updates, active))
         return orthos
+
+    def _newton_schulz(self, full, group_of):
+        """{matrix: full bf16 update} -> {matrix: orthogonalized}: laid-out matrices block by block (torch's 2-D
+        path, batched_ns or not: a block is its own matrix), the others by the lesson's newton_schulz_owned."""
+        per_head = self.ns_blocks == "heads"
+        blocked = {m: self.param_of_matrix[m] for m in full
+                   if self.ns_blocks != "whole" and self.param_of_matrix[m] in self.row_layouts}
+        done = dm.newton_schulz_owned({m: t for m, t in full.items() if m not in blocked}, group_of, self.ledger,
+                                      self.batched_ns)
+        for m, name in blocked.items():
+            g, layout = group_of[m], self.row_layouts[name]
+            with record_function("newton-schulz"):
+                done[m] = dm.newton_schulz_blocks(full[m], layout.blocks(per_head), g["ns_steps"],
+                                                  g["ns_coefficients"], g["ns_eps"])
+            self.ledger.record_compute(m, tuple(full[m].shape),
+                                       blocks_flops(layout, per_head, full[m].shape[1], g["ns_steps"]))
+        return done
 
     def _gather_at_owners(self, updates, active):
         me, dtype = self.me, torch.bfloat16
@@ -823,6 +1060,54 @@ class DTensorMuon(torch.optim.Optimizer):
 
     def _device(self):
         return self.param_groups[0]["params"][0].device
+
+    # -- QK-clip --------------------------------------------------------------
+    @torch.no_grad()
+    def clip_qk_(self, max_logits):
+        """Kimi K2's per-head QK-clip, after step(): collective, every rank of the group calls it.
+
+        max_logits: {param name: float32 tensor (heads,) over the FULL matrix's heads}: the largest
+        pre-softmax logit this rank computed for each head in the last forward, -inf for heads it did
+        not compute; a name left out counts as all -inf. Names: the parameters of row_layouts with a
+        "q" or "k" segment (self.clip_names); for separate W_q and W_k, pass the same maxima under both.
+
+        Data path: ONE all-reduce MAX over the optimizer's group of a float32 buffer, the heads of every
+        parameter of clip_names in that order, then one flag "this rank's input is bad", padded to a
+        multiple of the group size n: H = total heads, each rank sends and receives
+        2 (n - 1) / n x 4 x ceil((H + 1) / n) x n bytes (a ring's count; the Ledger's phase "QK-clip maxima").
+        No owner is involved: every rank ends with S_h, the max over every rank that computed head h,
+        and scales the rows of head h it holds itself, wherever its shard cuts (section 3b):
+        gamma_h = min(1, tau / S_h), and head h's rows in segments "q" and "k" times sqrt(gamma_h)
+        (dm.qk_clip_scales: one Python float per head; the rows of W_q and W_k each take the square root,
+        so the logits q.k shrink by gamma_h: the report's per-head form for multi-head attention).
+
+        Refused on EVERY rank before any weight changes (one rank's bad input is seen by all through the
+        flag): QK-clip off or tau not > 0, an unknown name, a tensor of the wrong dtype or length, NaN or +inf.
+        Returns {name: [multiplier per head]}, the same on every rank.
+        """
+        heads_of = {n: self.row_layouts[n].periods for n in self.clip_names}
+        problem = ("QK-clip is off: construct the optimizer with qk_clip_tau" if self.qk_clip_tau is None
+                   else tau_problem(self.qk_clip_tau) or max_logits_problem(max_logits, heads_of))
+        maxima = torch.full((sum(heads_of.values()) + 1,), -math.inf, dtype=torch.float32, device=self._device())
+        offsets, start = {}, 0
+        for name, heads in heads_of.items():
+            offsets[name] = slice(start, start + heads)
+            if problem is None and name in max_logits:
+                maxima[offsets[name]] = max_logits[name].to(maxima.device)
+            start += heads
+        maxima[-1] = 1.0 if problem else 0.0
+        all_reduce_max(maxima, self.axis, self.ledger, "QK-clip maxima")
+        if problem:
+            raise ValueError(problem)
+        if maxima[-1] > 0:
+            raise ValueError("another rank found a problem with its max_logits (it raised the details)")
+        scales = {name: dm.qk_clip_scales(maxima[where].cpu(), self.qk_clip_tau) for name, where in offsets.items()}
+        for name, head_runs in self.clip_runs.items():
+            flat = local_of(self.param_by_name[name]).view(-1)
+            for start, stop, head in head_runs:
+                if scales[name][head] != 1.0:
+                    flat[start:stop].mul_(scales[name][head])
+        return scales
 
 
 # =============================================================================
