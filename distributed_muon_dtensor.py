@@ -212,6 +212,7 @@ class Copy:
     mesh_shape: tuple
     placements: tuple
     expert_stack: bool
+    mesh_dim_names: tuple = ()  # the mesh's dim names (tp_newton_schulz="gram" looks for "tp"), () if none
 
     @property
     def local(self):
@@ -236,6 +237,8 @@ class Matrix:
     expert: int  # -1 for a 2-D parameter
     holders: tuple  # global ranks that hold some of it
     owner: int = -1
+    shape: tuple = ()  # what the owner puts together: the (out, in) matrix, or its TP piece (section 3c)
+    tp_dim: int = -1  # section 3c: the mesh dim whose ranks orthogonalize their pieces together; -1: whole at owner
     gather: list = field(default_factory=list)  # (source, destination, numel, positions at source, offsets at dest.)
     scatter: list = field(default_factory=list)  # (source, destination, numel, offsets at source, positions at dest.)
 
@@ -279,21 +282,29 @@ def assign_among_holders(ns_flops, holders, world, load=None, shapes=None):
     return {n: owners[n] for n in ns_flops}
 
 
-def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None):
+def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None, tp_dim_of=None):
     """Every distributed matrix of `copies`, with owners and this rank's transfers; and the owners.
 
-    assign: None for assign_among_holders, or a callable (ns_flops, holders, world) -> {rank: [names]}.
+    assign: None for assign_among_holders, or a callable (ns_flops, holders, world) -> {rank: [names]}
+        (the matrices gathered whole; TP pieces, section 3c, go to the rows of ranks gram_owners picks).
     flops_of: None, or a callable (copy, steps) -> Newton-Schulz FLOPs of one of its matrices (blocks: section 3b).
+    tp_dim_of: None, or a callable copy -> the mesh dim whose TP pieces are orthogonalized in place (3c), or -1.
     """
     flops_of = flops_of or (lambda c, steps: newton_schulz_flops(c.matrix_shape, steps))
     copies_of_name = {}
     for c in copies:
         copies_of_name[c.name] = copies_of_name.get(c.name, 0) + 1
-    matrices, pieces_of = [], {}
+    matrices, pieces_of, gram = [], {}, []
     for c in copies:
         if c.local:
             continue
         pieces = copy_pieces(c)
+        tp_dim = tp_dim_of(c) if tp_dim_of else -1
+        in_pieces = tp_pieces(c, pieces, tp_dim, copies_of_name[c.name]) if tp_dim >= 0 else None
+        if in_pieces:
+            gram.append(in_pieces)
+            pieces_of.update((m.name, p) for m, p in in_pieces)
+            continue
         per_matrix = math.prod(c.matrix_shape)
         for e in range(c.n_matrices):
             holders = set()
@@ -305,13 +316,14 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None)
                     holders.update(ranks)
                     expert_pieces.append((key, ranks, positions, index[positions] - e * per_matrix))
             m = Matrix(matrix_name(c, e if c.expert_stack else -1, copies_of_name[c.name]), c,
-                       e if c.expert_stack else -1, tuple(sorted(holders)))
+                       e if c.expert_stack else -1, tuple(sorted(holders)), shape=tuple(c.matrix_shape))
             matrices.append(m)
             pieces_of[m.name] = expert_pieces
     ns_flops = {m.name: flops_of(m.copy, group_ns_steps[m.copy.group]) for m in matrices}
     holders = {m.name: m.holders for m in matrices}
+    load, gram_flops, gram_owners = gram_owners_of(gram, group_ns_steps, world)
     if assign is None:
-        owners = assign_among_holders(ns_flops, holders, world,
+        owners = assign_among_holders(ns_flops, holders, world, load,
                                       shapes={m.name: tuple(m.copy.matrix_shape) for m in matrices})
     else:
         owners = check_owners(assign(ns_flops, holders, world), list(ns_flops), world)
@@ -319,6 +331,9 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None)
                      if owners[n] not in holders[n]]
         if strangers:
             raise ValueError("bad owner assignment: owned by a rank that holds none of it: " + "; ".join(strangers))
+    matrices += [m for in_pieces in gram for m, _ in in_pieces]
+    ns_flops.update(gram_flops)
+    owners.update(gram_owners)
     for m in matrices:
         m.owner = owners[m.name]
         for key, ranks, positions, offsets in pieces_of.pop(m.name):
@@ -366,7 +381,6 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None)
 # attention heads, does not apply to an expert stack (refused).
 NS_BLOCKS = ("whole", "blocks", "heads")  # "whole": torch's, the matrix as one
 TP_NEWTON_SCHULZ = ("gather", "gram")
-GRAM_REFUSED = "tp_newton_schulz='gram': not implemented in DTensorMuon yet (see its docstring)"
 QK_SEGMENTS = ("q", "k")  # the segments of a RowLayout that QK-clip scales
 
 
@@ -449,6 +463,87 @@ def row_layout_problem(name, layout, matrix_shape, expert_stack, qk_clip):
     if qk_clip and expert_stack and set(layout.names) & set(QK_SEGMENTS):
         return f"row_layouts[{name!r}]: QK-clip scales attention heads, not the experts of an expert stack"
     return None
+
+
+# -----------------------------------------------------------------------------
+# 3c. Newton-Schulz on TP pieces, without gathering the matrix (tp_newton_schulz="gram")
+# -----------------------------------------------------------------------------
+# When TP cuts a matrix along its LONG side (the columns of a wide one, the rows
+# of a tall one: dm.gram_eligible), Newton-Schulz needs only the small Gram matrix
+# X X^T = sum_t X_t X_t^T of the (transposed-if-tall) X: the lesson's
+# newton_schulz_tp all-reduces it over the TP ranks once per iteration, and each
+# rank updates its own columns. Here the TP dim is the mesh dim named "tp"
+# (torchtitan's name), holding Shard(d) with d the long side. FSDP2 (or HSDP)
+# also cuts the piece of each TP rank over the other dims; so each TP piece is
+# first put together, by the same one all-to-all as a whole matrix is, on one
+# rank of its TP column, and the owners of the pieces of one matrix are the TP
+# ranks of ONE row of the mesh (one TP group), every one of them taking part:
+#
+#   mesh dp=2 x tp=2, a wide W (rows x cols) under RowwiseParallel x FSDP2:
+#     (dp0,tp0) W[:h, :c/2]  (dp0,tp1) W[:h, c/2:]     row chosen: dp1, so
+#     (dp1,tp0) W[h:, :c/2]  (dp1,tp1) W[h:, c/2:]     (dp1,tp0) owns W[:, :c/2], (dp1,tp1) W[:, c/2:]
+#   gather at owner (the all-to-all) -> newton_schulz_tp on the TP group of row dp1
+#   (one all-reduce of 4 m^2 bytes per iteration, m = the short side) -> scatter from owner
+#
+# Rows of the mesh are chosen by the lesson's longest-processing-time rule,
+# before the matrices gathered whole, which then see that load. Each piece is one
+# Matrix named "<matrix>|tp<t>"; an owner's piece is full[lines] (tall) or
+# full[:, lines] (wide), its lines in increasing order. Not torch's bits: the
+# Gram matrix is a sum over ranks of bf16 products (section 5's docstring and
+# tests/test_dtensor_large_runs.py bound and measure it). Expert stacks and
+# blocked matrices (3b) keep the gather.
+
+
+def tp_pieces(copy, pieces, tp_dim, copies_of_name):
+    """[(Matrix, its pieces as plan_matrices takes them)] of each TP piece of a 2-D copy cut along its long side on
+    mesh dim tp_dim, offsets in the piece's own (rows, cols); None if a piece is not whole lines (keep the gather)."""
+    rows, cols = copy.shape
+    long_dim = 0 if rows > cols else 1
+    at = sharded_dims(copy.placements).index(tp_dim)
+    out = []
+    for t in range(copy.mesh_shape[tp_dim]):
+        mine = [(key, ranks, index) for key, ranks, index in pieces if key[at] == t]
+        held = torch.cat([index for _, _, index in mine])
+        line, across = (held // cols, held % cols) if long_dim == 0 else (held % cols, held // cols)
+        lines = torch.unique(line)
+        if held.numel() != lines.numel() * copy.shape[1 - long_dim]:
+            return None
+        position = torch.full((copy.shape[long_dim],), -1, dtype=torch.long)
+        position[lines] = torch.arange(lines.numel())
+        shape = (lines.numel(), cols) if long_dim == 0 else (rows, lines.numel())
+        offset = lambda index: (position[index // cols] * cols + index % cols if long_dim == 0
+                                else (index // cols) * shape[1] + position[index % cols])
+        holders = tuple(sorted({r for _, ranks, _ in mine for r in ranks}))
+        m = Matrix(f"{matrix_name(copy, -1, copies_of_name)}|tp{t}", copy, -1, holders, shape=shape, tp_dim=tp_dim)
+        out.append((m, [(key, ranks, torch.arange(index.numel()), offset(index)) for key, ranks, index in mine]))
+    return out
+
+
+def gram_flops(shape, long_dim, steps):
+    """Matmul FLOPs one TP rank spends in newton_schulz_tp on its piece: m the short side, n its long lines:
+    per iteration X_t X_t^T (2 m m n), A@A (2 m m m, on every TP rank) and poly@X_t (2 m m n)."""
+    m, n = shape[1 - long_dim], shape[long_dim]
+    return steps * (4 * m * m * n + 2 * m * m * m)
+
+
+def gram_owners_of(gram, group_ns_steps, world):
+    """Each TP-split matrix to one row of its mesh (its TP group at one coordinate of the other dims), longest
+    first, to the row whose busiest rank is least loaded (ties: the first row): (load per rank, FLOPs, owners)."""
+    load, flops, owners = [0] * world, {}, {}
+    work = []
+    for in_pieces in gram:
+        c = in_pieces[0][0].copy
+        long_dim = 0 if c.shape[0] > c.shape[1] else 1
+        cost = {m.name: gram_flops(m.shape, long_dim, group_ns_steps[c.group]) for m, _ in in_pieces}
+        work.append((-sum(cost.values()), in_pieces[0][0].name, in_pieces, cost))
+    for _, _, in_pieces, cost in sorted(work, key=lambda w: w[:2]):
+        c, tp_dim = in_pieces[0][0].copy, in_pieces[0][0].tp_dim
+        mesh_rows = torch.tensor(c.mesh_ranks).view(c.mesh_shape).movedim(tp_dim, -1).reshape(-1, c.mesh_shape[tp_dim])
+        row = min(mesh_rows.tolist(), key=lambda ranks: max(load[r] for r in ranks))
+        for (m, _), rank in zip(in_pieces, row):
+            owners[m.name], flops[m.name] = rank, cost[m.name]
+            load[rank] += cost[m.name]
+    return load, flops, owners
 
 
 # =============================================================================
@@ -566,7 +661,7 @@ def describe(name, group_index, p, expert_stack):
     if isinstance(p, DTensor):
         mesh = p.device_mesh
         return Copy(name, group_index, tuple(p.shape), tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.mesh.shape),
-                    tuple(p.placements), expert_stack)
+                    tuple(p.placements), expert_stack, tuple(mesh.mesh_dim_names or ()))
     return Copy(name, group_index, tuple(p.shape), (), (), (), expert_stack)
 
 
@@ -722,15 +817,14 @@ class DTensorMuon(torch.optim.Optimizer):
             return f"ns_blocks must be one of {', '.join(NS_BLOCKS)} (got {self.ns_blocks!r})"
         if self.tp_newton_schulz not in TP_NEWTON_SCHULZ:
             return f"tp_newton_schulz must be one of {', '.join(TP_NEWTON_SCHULZ)} (got {self.tp_newton_schulz!r})"
-        if self.tp_newton_schulz == "gram":
-            return GRAM_REFUSED
         if self.qk_clip_tau is not None:
             why = tau_problem(self.qk_clip_tau)
             if why:
                 return why
-        if self.config.explicit and (self.row_layouts or self.qk_clip_tau is not None):
-            return ("row_layouts and qk_clip_tau need the automatic distributed_config: the rows of your own "
-                    "local pieces are not known here")
+        if self.config.explicit and (self.row_layouts or self.qk_clip_tau is not None
+                                     or self.tp_newton_schulz != "gather"):
+            return ("row_layouts, qk_clip_tau and tp_newton_schulz='gram' need the automatic distributed_config: "
+                    "your gather puts each matrix together whole, and the rows of your local pieces are not known here")
         for name, layout in self.row_layouts.items():
             p = self.param_by_name.get(name)
             if p is None or self.group_of[name]["algorithm"] != "muon":
@@ -784,8 +878,8 @@ class DTensorMuon(torch.optim.Optimizer):
         muon_copies = [c for c in copies if self.param_groups[c.group]["algorithm"] == "muon"]
         steps = {i: g["ns_steps"] for i, g in enumerate(self.param_groups)}
         self.matrices, self.ns_flops, self.owners = plan_matrices(
-            muon_copies, steps, self.me, self.world, self.config.assign, self._flops_of)
-        outside = sorted({m.name for m in self.matrices if not set(m.holders) <= set(self.axis.ranks)})
+            muon_copies, steps, self.me, self.world, self.config.assign, self._flops_of, self._tp_dim_of)
+        outside = sorted({m.name for m in self.matrices if not set(m.holders) | {m.owner} <= set(self.axis.ranks)})
         if outside:
             raise ValueError(f"matrices held by ranks outside the optimizer's group: {', '.join(outside)}")
         # Plain tensors and all-Replicate DTensors: orthogonalized where they are, on every rank that holds them.
@@ -795,6 +889,17 @@ class DTensorMuon(torch.optim.Optimizer):
         self.index = {r: i for i, r in enumerate(self.axis.ranks)}
         self.param_of_matrix = {m.name: m.copy.name for m in self.matrices}
         self.param_of_matrix.update({m: name for name, names in self.local_matrices.items() for m in names})
+
+    def _tp_dim_of(self, copy):
+        """Section 3c: the mesh dim named "tp" if tp_newton_schulz="gram" and it cuts this 2-D matrix's long side
+        (Shard, more than one rank), else -1 (gathered whole; so are expert stacks and blocked matrices)."""
+        names = copy.mesh_dim_names
+        if (self.tp_newton_schulz != "gram" or copy.expert_stack or "tp" not in names
+                or (self.ns_blocks != "whole" and copy.name in self.row_layouts)):
+            return -1
+        d = names.index("tp")
+        p = copy.placements[d]
+        return d if type(p) is Shard and copy.mesh_shape[d] > 1 and dm.gram_eligible(copy.shape, p.dim) else -1
 
     def _flops_of(self, copy, steps):
         """Newton-Schulz FLOPs of one matrix of `copy`: whole, or block by block (section 3b)."""
@@ -986,9 +1091,23 @@ class DTensorMuon(torch.optim.Optimizer):
         for m in active:
             if m.owner == self.me:
                 group_of[m.name] = self.param_groups[m.copy.group]
-        orthogonal = self._newton_schulz(full, group_of)
+        pieces = [m for m in active if m.owner == self.me and m.tp_dim >= 0]  # in plan order: the same on each
+        orthogonal = self._newton_schulz({n: t for n, t in full.items() if n not in {m.name for m in pieces}},
+                                         group_of)
+        for m in pieces:  # section 3c: with every rank of this row's TP group, one all-reduce per iteration
+            g = group_of[m.name]
+            with record_function("newton-schulz"):
+                orthogonal[m.name] = dm.newton_schulz_tp(full[m.name], m.copy.shape, self._tp_axis(m), self.ledger,
+                                                         g["ns_steps"], g["ns_coefficients"], g["ns_eps"])
+            self.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
         orthos.update(self._scatter_from_owners(orthogonal, updates, active))
         return orthos
+
+    def _tp_axis(self, m):
+        """The TP group of this rank's row of m's mesh, as the lesson's Axis (what newton_schulz_tp sums over)."""
+        group = self.param_by_name[m.copy.name].device_mesh.get_group(m.tp_dim)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return dm.Axis("TP", len(ranks), ranks.index(self.me), ranks, group)
 
     def _newton_schulz(self, full, group_of):
         """{matrix: full bf16 update} -> {matrix: orthogonalized}: laid-out matrices block by block (torch's 2-D
@@ -1020,7 +1139,7 @@ class DTensorMuon(torch.optim.Optimizer):
         full = {}
         for (m, offsets), part in zip(receiving, parts):
             if m.name not in full:
-                full[m.name] = torch.empty(m.copy.matrix_shape, dtype=dtype, device=part.device)
+                full[m.name] = torch.empty(m.shape, dtype=dtype, device=part.device)
             full[m.name].view(-1)[offsets] = part
         return full
 

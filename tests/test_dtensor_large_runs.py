@@ -1,0 +1,434 @@
+"""DTensorMuon's issue-20 options on real FSDP2 x TP runs: fused blocks (ns_blocks), QK-clip (clip_qk_), Polar
+Express's per-iteration coefficients, and Newton-Schulz on TP pieces (tp_newton_schulz="gram").
+
+One spawn of 4 Gloo ranks runs every scenario one after another, on the meshes real runs use: FSDP2 x TP 2x2
+(_StridedShard on dp, Shard(0) / Shard(1) on tp), 4x1 (FSDP2 alone), 1x4 (TP alone) and HSDP 2x1x2 (replicate x
+shard x tp). The model is built with torch's own parallelize_module (ColwiseParallel, RowwiseParallel) and
+fully_shard; every gradient is an exact multiple of 2**-10 (dtensor_demo.exact_grads), given as a DTensor with the
+parameter's placements.
+
+References, single device, written here from the papers' equations (never the distributed code on one rank):
+  * blocks: torch.optim.Muon on each block of rows as its own parameter (Q, K, V of a fused QKV; each head's
+    segments for "heads"; an expert's gate and up): torch.equal;
+  * QK-clip: torch.optim.Muon's step, then head h's rows of W_q and W_k times sqrt(min(1, tau / S_h)), S_h the max
+    over every rank's logits: torch.equal;
+  * Polar Express: torch.optim.Muon with its Newton-Schulz swapped (torch.optim._muon._zeropower_via_newtonschulz)
+    for one written here with one (a, b, c) per iteration and torch's op choice (torch.addmm): torch.equal;
+  * Gram: torch.optim.Muon; not bit-identical (a sum over ranks inside each iteration), held to the bound below.
+"""
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conftest import dm, mt
+
+import distributed_muon_dtensor as dd  # noqa: E402
+import dtensor_demo as demo  # noqa: E402
+
+D = 8  # model width
+# Row layouts of the FULL matrices. The fused QKV has GQA-like heights (q 3, k 2, v 2 rows per head), so its blocks
+# differ in shape and so in adjusted lr; W_q and W_k are separate (4 heads of 3 rows); W_o is laid out only to have
+# a laid-out matrix that TP cuts by columns (RowwiseParallel); each expert of the stack is a fused SwiGLU gate | up.
+LAYOUTS = {"qkv.weight": dm.RowLayout((3, 2, 2), 2, ("q", "k", "v")),
+           "wq.weight": dm.RowLayout((3,), 4, ("q",)),
+           "wk.weight": dm.RowLayout((3,), 4, ("k",)),
+           "wo.weight": dm.RowLayout((3, 2), 2, ("a", "b")),
+           "experts": dm.RowLayout((3, 3), 1, ("gate", "up"))}
+HEADS = {"qkv.weight": 2, "wq.weight": 4, "wk.weight": 4}  # the parameters QK-clip scales
+TAU = 20.0
+GROUPS = (dict(lr=0.02, weight_decay=0.1), dict(lr=0.03, weight_decay=0.05, adjust_lr_fn="spectral_unclamped"))
+GROUP_OF = {"qkv.weight": 1, "wo.weight": 1}  # the others: group 0
+COLWISE = ("qkv", "wq", "wk", "fc", "gate")
+ROWWISE = ("wo", "proj")
+STEPS = 2
+SEED = 0
+
+
+class Model(nn.Module):
+    """Attention's matrices (fused QKV, separate W_q / W_k, W_o), an MLP (fc tall, proj wide: both cut on their
+    long side by TP; gate wide, cut on its short side), and an expert stack (4 experts, each (6, D))."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.qkv, self.wq, self.wk = nn.Linear(D, 14, bias=False), nn.Linear(D, 12, bias=False), nn.Linear(D, 12, bias=False)
+        self.wo = nn.Linear(12, 10, bias=False)
+        self.fc, self.proj, self.gate = nn.Linear(D, 40, bias=False), nn.Linear(40, D, bias=False), nn.Linear(D, 6, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 6, D))
+
+
+@dataclass(frozen=True)
+class Case:
+    mesh: tuple  # (replicate, dp, tp)
+    ns_blocks: str = "whole"
+    ns_coefficients: object = dm.NS_COEFFICIENTS
+    clip: bool = False
+    gram: bool = False
+    bad: str = ""  # "clip": refused clip_qk_ calls between the steps; "layouts": rank 1 passes other row_layouts
+    save: str = ""  # a checkpoint folder, written after step 1
+    resume: str = ""  # a checkpoint folder, loaded before step 2
+
+    @property
+    def label(self):
+        r, d, t = self.mesh
+        return (f"{'hsdp ' if r > 1 else ''}{'x'.join(map(str, self.mesh if r > 1 else self.mesh[1:]))} "
+                f"{self.ns_blocks} {'polar' if self.ns_coefficients == 'polar_express' else 'jordan'}"
+                f"{' clip' if self.clip else ''}{' gram' if self.gram else ''}"
+                f"{' ' + self.bad if self.bad else ''}{' resumed' if self.resume else ''}")
+
+
+@dataclass(frozen=True)
+class Spawn:
+    cases: tuple
+    dp: int = 4
+    tp: int = 1
+    timeout_s: float = 120.0
+
+
+def max_logits(rank, step):
+    """What rank `rank` computed in step `step`: per head a logit max in [0, 40) (tau = 20: some clip, some not), or
+    -inf where it computed none; the last head of each parameter is computed by no rank (S = -inf: no clip)."""
+    out = {}
+    for i, (name, heads) in enumerate(sorted(HEADS.items())):
+        g = torch.Generator().manual_seed(1000 * step + 10 * rank + i)
+        values = torch.rand(heads, generator=g) * 40
+        computed = torch.tensor([(h + rank) % 2 == 0 and h < heads - 1 for h in range(heads)])
+        out[name] = torch.where(computed, values, torch.tensor(-math.inf))
+    out["wk.weight"] = out["wq.weight"].clone()  # W_q and W_k: the same heads' logits
+    return out
+
+
+def global_max(step, world=4):
+    return {n: torch.stack([max_logits(r, step)[n] for r in range(world)]).amax(0) for n in HEADS}
+
+
+def build(case, rank):
+    """The model on the case's mesh, parallelized by torch (TP, then FSDP2 / HSDP), and its DTensorMuon."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = DeviceMesh("cpu", torch.arange(4).view(case.mesh), mesh_dim_names=("replicate", "dp", "tp"))
+    model = Model()
+    parallelize_module(model, mesh["tp"], {**{n: ColwiseParallel() for n in COLWISE},
+                                           **{n: RowwiseParallel() for n in ROWWISE}})
+    model.experts = nn.Parameter(distribute_tensor(model.experts.detach(), mesh["tp"], [Shard(0)], src_data_rank=None))
+    fully_shard(model, mesh=mesh["replicate", "dp"] if case.mesh[0] > 1 else mesh["dp"])
+    named = dict(model.named_parameters())
+    groups = [dict(options, params=[(n, p) for n, p in named.items() if GROUP_OF.get(n, 0) == i])
+              for i, options in enumerate(GROUPS)]
+    layouts = dict(LAYOUTS) if case.ns_blocks != "whole" or case.clip else {}
+    if case.bad == "layouts" and rank == 1:
+        layouts["wo.weight"] = dm.RowLayout((2, 3), 2, ("a", "b"))
+    opt = dd.DTensorMuon(groups, expert_stacks={"experts"}, ns_coefficients=case.ns_coefficients,
+                         row_layouts=layouts, ns_blocks=case.ns_blocks, qk_clip_tau=TAU if case.clip else None,
+                         tp_newton_schulz="gram" if case.gram else "gather")
+    return model, opt, named
+
+
+def give_grads(named, step):
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, g in demo.exact_grads({n: tuple(p.shape) for n, p in named.items()}, SEED, step).items():
+        p = named[name]
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+
+
+def snapshot(opt, named):
+    return [dd.local_of(p).detach().clone() for p in named.values()] + \
+        [dd.local_of(t).clone() for s in opt.state.values() for t in s.values()]
+
+
+BAD_CLIPS = [  # (what, the rank that passes it or -1 for every rank, the max_logits it passes, tau set on it)
+    ("unknown name", 3, lambda m: dict(m, **{"fc.weight": torch.zeros(4)}), None),
+    ("wrong length", 0, lambda m: dict(m, **{"wq.weight": torch.zeros(3)}), None),
+    ("NaN", 1, lambda m: dict(m, **{"qkv.weight": torch.tensor([1.0, math.nan])}), None),
+    ("float64", -1, lambda m: dict(m, **{"qkv.weight": m["qkv.weight"].double()}), None),
+    ("tau <= 0", 2, lambda m: m, 0.0),
+]
+
+
+def run_case(rank, case):
+    """Every rank: build, STEPS steps (QK-clip after each if asked), with the case's refusals on the way."""
+    out = dict(rank=rank, error="", refusals=[], scales=[])
+    try:
+        model, opt, named = build(case, rank)
+    except ValueError as e:
+        return dict(out, error=str(e))
+    first = 1
+    if case.resume:
+        dd.load_checkpoint(case.resume, model, opt)
+        first = 2
+    for step in range(first, STEPS + 1):
+        give_grads(named, step)
+        opt.step()
+        if case.clip:
+            out["scales"].append(opt.clip_qk_(max_logits(rank, step)))
+        if case.save and step == 1:
+            dd.save_checkpoint(case.save, model, opt)
+        if case.bad == "clip" and step == 1:
+            for what, culprit, bad, tau in BAD_CLIPS:
+                before, error = snapshot(opt, named), ""
+                mine = culprit in (-1, rank)
+                if mine and tau is not None:
+                    opt.qk_clip_tau = tau
+                try:
+                    opt.clip_qk_(bad(max_logits(rank, step)) if mine else max_logits(rank, step))
+                except ValueError as e:
+                    error = str(e)
+                opt.qk_clip_tau = TAU
+                same = all(torch.equal(a, b) for a, b in zip(before, snapshot(opt, named)))
+                out["refusals"].append(dict(what=what, error=error, unchanged=same))
+    from torch.distributed.tensor import distribute_tensor
+
+    where = {n: distribute_tensor(torch.arange(p.numel()).view(p.shape), p.device_mesh, p.placements,
+                                       src_data_rank=None).to_local().reshape(-1) for n, p in named.items()}
+    return dict(out, params={n: dd.local_of(p).detach().clone() for n, p in named.items()}, where=where,
+                ledger=asdict(opt.ledger), owners=opt.assignments,
+                placements={n: str(tuple(p.placements)) for n, p in named.items()})
+
+
+def run_cases(rank, spawn, device):
+    torch.set_num_threads(1)
+    results = []
+    for case in spawn.cases:
+        results.append(run_case(rank, case))
+        dist.barrier()  # a checkpoint written by one case is read by the next: every rank done first
+    return results
+
+
+MESHES = [(1, 2, 2), (1, 4, 1), (1, 1, 4), (2, 1, 2)]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """{label: (case, [each rank's result])}, from ONE spawn of 4 ranks."""
+    saved = str(tmp_path_factory.mktemp("dcp") / "blocks_clip_step_1")
+    cases = []
+    for mesh in MESHES:
+        cases += [Case(mesh, "blocks", clip=True), Case(mesh, "heads", "polar_express", clip=True),
+                  Case(mesh, ns_coefficients="polar_express"), Case(mesh, gram=True)]
+    cases += [Case((1, 2, 2), "blocks", clip=True, bad="clip"), Case((1, 2, 2), "blocks", bad="layouts"),
+              Case((1, 2, 2), "blocks", clip=True, save=saved)]
+    cases += [Case(mesh, "blocks", clip=True, resume=saved) for mesh in [(1, 4, 1), (1, 1, 4)]]
+    results = mt.spawn_ranks(Spawn(tuple(cases)), run_cases)
+    runs = {}
+    for i, case in enumerate(cases):
+        label = case.label + (" saved" if case.save else "")
+        runs[label] = (case, [r[i] for r in results])
+    return runs
+
+
+# -- the independent references ----------------------------------------------------------------------------------
+def newton_schulz_per_iteration(coefficients):
+    """torch.optim.Muon's Newton-Schulz (bf16, a tall matrix transposed, Frobenius-normalized, torch.addmm), with
+    one (a, b, c) per iteration (Polar Express, arXiv 2505.16932): the function to swap into torch.optim._muon."""
+    def zeropower(grad, ns_coefficients, ns_steps, eps):
+        x = grad.to(dtype=torch.bfloat16, copy=True)
+        tall = grad.size(0) > grad.size(1)
+        if tall:
+            x = x.T
+        x.div_(x.norm().clamp(min=eps))
+        for a, b, c in coefficients[:ns_steps]:
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if tall else x
+    return zeropower
+
+
+def rows_of(layout, per_head):
+    """The rows of each block of a layout, written out: segment s of period p is rows p * period + offset_s ..."""
+    period = sum(layout.sizes)
+    offsets = [sum(layout.sizes[:s]) for s in range(len(layout.sizes))]
+    segment = lambda p, s: list(range(p * period + offsets[s], p * period + offsets[s] + layout.sizes[s]))
+    if per_head:
+        return [segment(p, s) for p in range(layout.periods) for s in range(len(layout.sizes))]
+    return [[r for p in range(layout.periods) for r in segment(p, s)] for s in range(len(layout.sizes))]
+
+
+def reference(case, record=None):
+    """{name: full tensor} after STEPS steps of torch.optim.Muon on the blocks as separate parameters (each expert's
+    blocks too), each group's options, the case's Newton-Schulz, then QK-clip with the global maxima.
+    record: a list to which each Newton-Schulz call appends (input, output), in torch's order."""
+    torch.set_num_threads(1)
+    full = {n: p.detach().clone() for n, p in Model().named_parameters()}
+    per_head = case.ns_blocks == "heads"
+    blocked = case.ns_blocks != "whole"
+
+    def pieces(name):  # [(index into the full tensor)] of each separate parameter torch sees
+        experts = [(e,) for e in range(full[name].shape[0])] if name == "experts" else [()]
+        if blocked and name in LAYOUTS:
+            return [e + (torch.tensor(rows),) for e in experts for rows in rows_of(LAYOUTS[name], per_head)]
+        return experts
+
+    split = {n: pieces(n) for n in full}
+    params = {n: [nn.Parameter(full[n][i].clone()) for i in split[n]] for n in full}
+    groups = [dict(options, params=[p for n in full if GROUP_OF.get(n, 0) == i for p in params[n]])
+              for i, options in enumerate(GROUPS)]
+    opt = torch.optim.Muon(groups)
+    if case.ns_coefficients == "polar_express":
+        swapped = newton_schulz_per_iteration(dm.ns_coefficients_of("polar_express", dm.NS_STEPS))
+    else:
+        swapped = torch.optim._muon._zeropower_via_newtonschulz
+
+    def recorded(grad, *args):
+        out = swapped(grad, *args)
+        if record is not None:
+            record.append((grad.clone(), out))
+        return out
+
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    with swap_newton_schulz(recorded):
+        for step in range(1, STEPS + 1):
+            for name, g in demo.exact_grads(shapes, SEED, step).items():
+                for p, i in zip(params[name], split[name]):
+                    p.grad = g[i].clone()
+            opt.step()
+            if case.clip:
+                for name, S in global_max(step).items():
+                    whole = assemble(params[name], split[name], shapes[name])
+                    layout = LAYOUTS[name]
+                    for h, s in enumerate(S.tolist()):
+                        if s > TAU:
+                            for seg, segment in enumerate(layout.names):
+                                if segment in ("q", "k"):
+                                    start = h * sum(layout.sizes) + sum(layout.sizes[:seg])
+                                    whole[start:start + layout.sizes[seg]].mul_(math.sqrt(min(1.0, TAU / s)))
+                    for p, i in zip(params[name], split[name]):
+                        p.data.copy_(whole[i])
+    return {n: assemble(params[n], split[n], shapes[n]) for n in full}
+
+
+def assemble(params, index, shape):
+    whole = torch.empty(shape)
+    for p, i in zip(params, index):
+        whole[i] = p.detach()
+    return whole
+
+
+@contextlib.contextmanager
+def swap_newton_schulz(fn):
+    original = torch.optim._muon._zeropower_via_newtonschulz
+    torch.optim._muon._zeropower_via_newtonschulz = fn
+    try:
+        yield
+    finally:
+        torch.optim._muon._zeropower_via_newtonschulz = original
+
+
+def differences(ranks, ref):
+    """{name: largest |rank's element - reference's|} over every rank; every element held somewhere."""
+    out = {}
+    for name, whole in ref.items():
+        seen = torch.zeros(whole.numel(), dtype=torch.bool)
+        worst = 0.0
+        for r in ranks:
+            local, where = r["params"][name].reshape(-1), r["where"][name]
+            seen[where] = True
+            if local.numel():
+                worst = max(worst, (local - whole.reshape(-1)[where]).abs().max().item())
+        assert seen.all(), name
+        out[name] = worst
+    return out
+
+
+def assert_identical(ranks, ref, label):
+    diffs = differences(ranks, ref)
+    assert {n: d for n, d in diffs.items() if d != 0} == {}, label
+
+
+# -- the checks ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("ns_blocks,coefficients", [("blocks", dm.NS_COEFFICIENTS), ("heads", "polar_express")])
+def test_blocks_and_qk_clip_equal_torch_on_the_blocks_then_the_clip(runs, mesh, ns_blocks, coefficients):
+    """Each block of rows orthogonalized alone with its own adjusted lr, wherever FSDP2 and TP cut it, then QK-clip
+    with the maxima of every rank: torch.equal to torch.optim.Muon on the blocks as separate parameters, then the
+    rows of each clipped head times sqrt(min(1, tau / S))."""
+    case, ranks = runs[Case(mesh, ns_blocks, coefficients, clip=True).label]
+    assert len(ranks) == 4 and all(r["error"] == "" for r in ranks)
+    ref = reference(case)
+    assert_identical(ranks, ref, case.label)
+    # the check bites: blocks are not the whole matrix, and the clip changed something
+    whole = reference(Case(mesh, ns_coefficients=coefficients, clip=True))
+    assert not torch.equal(whole["qkv.weight"], ref["qkv.weight"]) and torch.equal(whole["fc.weight"], ref["fc.weight"])
+    unclipped = reference(Case(mesh, ns_blocks, coefficients))
+    assert not torch.equal(unclipped["wq.weight"], ref["wq.weight"])
+    assert torch.equal(unclipped["wo.weight"], ref["wo.weight"])  # not laid out with q or k: never clipped
+    # every rank returned the same multipliers: those of the global maxima, some heads clipped, some not
+    for step, S in enumerate([global_max(1), global_max(2)]):
+        expected = {n: [math.sqrt(min(1.0, TAU / s)) if s > TAU else 1.0 for s in S[n].tolist()] for n in HEADS}
+        assert all(r["scales"][step] == expected for r in ranks)
+        multipliers = [m for n in HEADS for m in expected[n]]
+        assert any(m < 1 for m in multipliers) and any(m == 1 for m in multipliers)
+    assert all(S[n][-1] == -math.inf for S in [global_max(1)] for n in HEADS)  # a head no rank computed
+
+
+def test_blocks_differ_in_height_so_in_lr_and_the_meshes_cut_them_everywhere(runs):
+    """What the blocks runs exercised: blocks of different heights in one matrix (different adjusted lr per run of
+    rows), FSDP2's _StridedShard x TP's Shard(0), TP's Shard(1), HSDP's Replicate, expert parallel."""
+    heights = {len(rows) for rows in rows_of(LAYOUTS["qkv.weight"], False)}
+    assert heights == {6, 4}
+    lrs = {dm.adjusted_lr(0.03, "spectral_unclamped", (h, D)) for h in heights}
+    assert len(lrs) == 2
+    p = runs[Case((1, 2, 2), "blocks", clip=True).label][1][0]["placements"]
+    assert p["qkv.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))" and p["wo.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert runs[Case((2, 1, 2), "blocks", clip=True).label][1][0]["placements"]["wq.weight"].startswith("(Replicate(), ")
+    # a head's rows straddle the FSDP2 shards: 14 rows over 4 ranks (4, 4, 4, 2) against heads of 7 rows
+    rows = sorted({i // D for i in runs[Case((1, 4, 1), "blocks", clip=True).label][1][1]["where"]["qkv.weight"].tolist()})
+    assert rows == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_polar_express_equals_a_per_iteration_newton_schulz_swapped_into_torch(runs, mesh):
+    """ns_coefficients="polar_express" (one triple per iteration, the paper's Algorithm 1): torch.equal to
+    torch.optim.Muon with its Newton-Schulz swapped for one written here from the equations, per iteration."""
+    case, ranks = runs[Case(mesh, ns_coefficients="polar_express").label]
+    ref = reference(case)
+    assert_identical(ranks, ref, case.label)
+    jordan = reference(Case(mesh))
+    assert all(not torch.equal(jordan[n], ref[n]) for n in ref)  # the coefficients mattered everywhere
+    triples = dm.ns_coefficients_of("polar_express", dm.NS_STEPS)
+    assert len(set(triples)) == dm.NS_STEPS  # a different polynomial at every iteration
+
+
+def test_refused_clips_raise_on_every_rank_and_change_nothing(runs):
+    """A bad max_logits (or tau) on one rank, or on all: clip_qk_ raises on EVERY rank before any weight changes,
+    and the run then goes on to torch's result (nothing was half applied, no rank left behind)."""
+    case, ranks = runs[Case((1, 2, 2), "blocks", clip=True, bad="clip").label]
+    told = "another rank found a problem with its max_logits (it raised the details)"
+    said = {"unknown name": "max_logits names 'fc.weight', which QK-clip does not scale",
+            "wrong length": "max_logits['wq.weight'] must be a float32 tensor of shape (4,) (got torch.float32 of shape (3,))",
+            "NaN": "max_logits['qkv.weight'] holds NaN or +inf",
+            "float64": "max_logits['qkv.weight'] must be a float32 tensor of shape (2,) (got torch.float64",
+            "tau <= 0": "qk_clip_tau must be a number > 0 and finite (got 0.0)"}
+    for i, (what, culprit, _, _) in enumerate(BAD_CLIPS):
+        for r in ranks:
+            refusal = r["refusals"][i]
+            assert refusal["what"] == what and refusal["unchanged"] is True, (what, r["rank"])
+            if culprit in (-1, r["rank"]):
+                assert refusal["error"].startswith(said[what]), (what, refusal["error"])
+            else:
+                assert refusal["error"] == told, (what, r["rank"])
+    assert_identical(ranks, reference(Case((1, 2, 2), "blocks", clip=True)), case.label)
+
+
+def test_row_layouts_that_differ_between_ranks_are_refused_on_every_rank(runs):
+    case, ranks = runs[Case((1, 2, 2), "blocks", bad="layouts").label]
+    message = "row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau differ from rank 0's: every rank must pass the same"
+    assert [r["error"] for r in ranks] == [f"rank 1: {message}", message, f"rank 1: {message}", f"rank 1: {message}"]
+
+
+@pytest.mark.parametrize("mesh", [(1, 4, 1), (1, 1, 4)])
+def test_checkpoint_with_blocks_and_qk_clip_resumes_on_another_mesh(runs, mesh):
+    """Saved on 2x2 after step 1 (torch's recipe: dcp.save of get_model_state_dict / get_optimizer_state_dict), loaded
+    on 4x1 or 1x4, step 2 and its clip: torch.equal to the uninterrupted reference."""
+    case, ranks = next(v for v in runs.values() if v[0].resume and v[0].mesh == mesh)
+    assert all(r["error"] == "" for r in ranks) and all(len(r["scales"]) == 1 for r in ranks)
+    assert_identical(ranks, reference(Case(mesh, "blocks", clip=True)), case.label)
