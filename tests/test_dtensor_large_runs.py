@@ -44,6 +44,13 @@ HEADS = {"qkv.weight": 2, "wq.weight": 4, "wk.weight": 4}  # the parameters QK-c
 TAU = 20.0
 GROUPS = (dict(lr=0.02, weight_decay=0.1), dict(lr=0.03, weight_decay=0.05, adjust_lr_fn="spectral_unclamped"))
 GROUP_OF = {"qkv.weight": 1, "wo.weight": 1}  # the others: group 0
+
+
+def group_of(name):
+    """Its param group: GROUP_OF's, or a sweep layer's index mod 2 (both groups on every kind of shape)."""
+    return int(name.split(".")[1][1:]) % 2 if name.startswith("layers.") else GROUP_OF.get(name, 0)
+
+
 COLWISE = ("qkv", "wq", "wk", "fc", "gate")
 ROWWISE = ("wo", "proj")
 STEPS = 2
@@ -63,6 +70,36 @@ class Model(nn.Module):
         self.experts = nn.Parameter(torch.randn(4, 6, D))
 
 
+SWEEP = 24  # matrices of random shapes in a sweep model (tp_newton_schulz="gram" on many shapes and seeds)
+
+
+class Sweep(nn.Module):
+    """SWEEP matrices of random shapes (seeded), tall ones for ColwiseParallel and wide ones for RowwiseParallel: TP
+    cuts every one along its long side, in pieces as uneven as torch.chunk makes them."""
+
+    def __init__(self, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleDict()
+        for i in range(SWEEP):
+            m = int(torch.randint(2, 40, (1,), generator=g))
+            n = int(torch.randint(m + 1, 3 * m + 9, (1,), generator=g))
+            self.layers[f"l{i}"] = nn.Linear(m, n, bias=False) if i % 2 == 0 else nn.Linear(n, m, bias=False)
+
+
+def model_of(case):
+    return Sweep(case.sweep) if case.sweep >= 0 else Model()
+
+
+def tp_plan(case):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if case.sweep >= 0:
+        return {f"layers.l{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(SWEEP)}
+    return {**{n: ColwiseParallel() for n in COLWISE}, **{n: RowwiseParallel() for n in ROWWISE}}
+
+
 @dataclass(frozen=True)
 class Case:
     mesh: tuple  # (replicate, dp, tp)
@@ -73,6 +110,7 @@ class Case:
     bad: str = ""  # "clip": refused clip_qk_ calls between the steps; "layouts": rank 1 passes other row_layouts
     save: str = ""  # a checkpoint folder, written after step 1
     resume: str = ""  # a checkpoint folder, loaded before step 2
+    sweep: int = -1  # >= 0: the Sweep model of this seed instead of Model
 
     @property
     def label(self):
@@ -80,7 +118,8 @@ class Case:
         return (f"{'hsdp ' if r > 1 else ''}{'x'.join(map(str, self.mesh if r > 1 else self.mesh[1:]))} "
                 f"{self.ns_blocks} {'polar' if self.ns_coefficients == 'polar_express' else 'jordan'}"
                 f"{' clip' if self.clip else ''}{' gram' if self.gram else ''}"
-                f"{' ' + self.bad if self.bad else ''}{' resumed' if self.resume else ''}")
+                f"{' ' + self.bad if self.bad else ''}{' resumed' if self.resume else ''}"
+                f"{f' sweep {self.sweep}' if self.sweep >= 0 else ''}")
 
 
 @dataclass(frozen=True)
@@ -113,21 +152,22 @@ def build(case, rank):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = DeviceMesh("cpu", torch.arange(4).view(case.mesh), mesh_dim_names=("replicate", "dp", "tp"))
-    model = Model()
-    parallelize_module(model, mesh["tp"], {**{n: ColwiseParallel() for n in COLWISE},
-                                           **{n: RowwiseParallel() for n in ROWWISE}})
-    model.experts = nn.Parameter(distribute_tensor(model.experts.detach(), mesh["tp"], [Shard(0)], src_data_rank=None))
+    model = model_of(case)
+    parallelize_module(model, mesh["tp"], tp_plan(case))
+    if case.sweep < 0:
+        model.experts = nn.Parameter(distribute_tensor(model.experts.detach(), mesh["tp"], [Shard(0)],
+                                                       src_data_rank=None))
     fully_shard(model, mesh=mesh["replicate", "dp"] if case.mesh[0] > 1 else mesh["dp"])
     named = dict(model.named_parameters())
-    groups = [dict(options, params=[(n, p) for n, p in named.items() if GROUP_OF.get(n, 0) == i])
+    groups = [dict(options, params=[(n, p) for n, p in named.items() if group_of(n) == i])
               for i, options in enumerate(GROUPS)]
     layouts = dict(LAYOUTS) if case.ns_blocks != "whole" or case.clip else {}
     if case.bad == "layouts" and rank == 1:
         layouts["wo.weight"] = dm.RowLayout((2, 3), 2, ("a", "b"))
-    opt = dd.DTensorMuon(groups, expert_stacks={"experts"}, ns_coefficients=case.ns_coefficients,
+    opt = dd.DTensorMuon(groups, expert_stacks={"experts"} if case.sweep < 0 else (), ns_coefficients=case.ns_coefficients,
                          row_layouts=layouts, ns_blocks=case.ns_blocks, qk_clip_tau=TAU if case.clip else None,
                          tp_newton_schulz="gram" if case.gram else "gather")
     return model, opt, named
@@ -205,6 +245,7 @@ def run_cases(rank, spawn, device):
 
 
 MESHES = [(1, 2, 2), (1, 4, 1), (1, 1, 4), (2, 1, 2)]
+SWEPT = [((1, 2, 2), 1), ((1, 1, 4), 2), ((1, 2, 2), 3), ((1, 1, 4), 4)]  # (mesh, seed) of each sweep
 
 
 @pytest.fixture(scope="session")
@@ -218,6 +259,7 @@ def runs(tmp_path_factory):
     cases += [Case((1, 2, 2), "blocks", clip=True, bad="clip"), Case((1, 2, 2), "blocks", bad="layouts"),
               Case((1, 2, 2), "blocks", clip=True, save=saved)]
     cases += [Case(mesh, "blocks", clip=True, resume=saved) for mesh in [(1, 4, 1), (1, 1, 4)]]
+    cases += [Case(mesh, gram=True, sweep=seed) for mesh, seed in SWEPT]
     results = mt.spawn_ranks(Spawn(tuple(cases)), run_cases)
     runs = {}
     for i, case in enumerate(cases):
@@ -256,9 +298,9 @@ def rows_of(layout, per_head):
 def reference(case, record=None):
     """{name: full tensor} after STEPS steps of torch.optim.Muon on the blocks as separate parameters (each expert's
     blocks too), each group's options, the case's Newton-Schulz, then QK-clip with the global maxima.
-    record: a list to which each Newton-Schulz call appends (input, output), in torch's order."""
+    record: a list to which each Newton-Schulz call appends (step, name, its input, its output)."""
     torch.set_num_threads(1)
-    full = {n: p.detach().clone() for n, p in Model().named_parameters()}
+    full = {n: p.detach().clone() for n, p in model_of(case).named_parameters()}
     per_head = case.ns_blocks == "heads"
     blocked = case.ns_blocks != "whole"
 
@@ -270,7 +312,7 @@ def reference(case, record=None):
 
     split = {n: pieces(n) for n in full}
     params = {n: [nn.Parameter(full[n][i].clone()) for i in split[n]] for n in full}
-    groups = [dict(options, params=[p for n in full if GROUP_OF.get(n, 0) == i for p in params[n]])
+    groups = [dict(options, params=[p for n in full if group_of(n) == i for p in params[n]])
               for i, options in enumerate(GROUPS)]
     opt = torch.optim.Muon(groups)
     if case.ns_coefficients == "polar_express":
@@ -278,10 +320,12 @@ def reference(case, record=None):
     else:
         swapped = torch.optim._muon._zeropower_via_newtonschulz
 
-    def recorded(grad, *args):
+    order = [n for i in range(len(GROUPS)) for n in full if group_of(n) == i for _ in split[n]]
+    calls = []
+
+    def recorded(grad, *args):  # torch calls it group by group, parameter by parameter: `order`, every step
         out = swapped(grad, *args)
-        if record is not None:
-            record.append((grad.clone(), out))
+        calls.append((len(calls) // len(order) + 1, order[len(calls) % len(order)], grad.clone(), out))
         return out
 
     shapes = {n: tuple(t.shape) for n, t in full.items()}
@@ -303,6 +347,8 @@ def reference(case, record=None):
                                     whole[start:start + layout.sizes[seg]].mul_(math.sqrt(min(1.0, TAU / s)))
                     for p, i in zip(params[name], split[name]):
                         p.data.copy_(whole[i])
+    if record is not None:
+        record += calls
     return {n: assemble(params[n], split[n], shapes[n]) for n in full}
 
 
@@ -432,3 +478,105 @@ def test_checkpoint_with_blocks_and_qk_clip_resumes_on_another_mesh(runs, mesh):
     case, ranks = next(v for v in runs.values() if v[0].resume and v[0].mesh == mesh)
     assert all(r["error"] == "" for r in ranks) and all(len(r["scales"]) == 1 for r in ranks)
     assert_identical(ranks, reference(Case(mesh, "blocks", clip=True)), case.label)
+
+
+def newton_schulz_float64(x, coefficients=dm.NS_COEFFICIENTS, steps=dm.NS_STEPS):
+    """The same iteration in float64, no bf16 rounding: X / ||X||_F, then X <- a X + (b A + c A A) X, A = X X^T."""
+    x = x.double()
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / x.norm()
+    for _ in range(steps):
+        a, b, c = coefficients
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+GRAM = {"qkv.weight", "wq.weight", "wk.weight", "wo.weight", "fc.weight", "proj.weight"}  # TP cuts the long side
+GRAM_FACTOR = 3  # see the test below
+
+
+def gram_bound(record, name, shape):
+    """The bound on |DTensorMuon's gram weight - torch's|, from the arithmetic (see the test's docstring)."""
+    group = GROUPS[group_of(name)]
+    lr = dm.adjusted_lr(group["lr"], group.get("adjust_lr_fn", "original"), shape)
+    torch_error = [(out.double() - newton_schulz_float64(x)).abs().max().item()
+                   for _, n, x, out in record if n == name]
+    assert len(torch_error) == STEPS
+    return sum(lr * GRAM_FACTOR * e for e in torch_error), sum(lr * out.float().abs().max().item()
+                                                              for _, n, _, out in record if n == name)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals_torch(runs, mesh):
+    """tp_newton_schulz="gram": every 2-D matrix that TP cuts along its long side (fc and W_q-like tall ones under
+    ColwiseParallel, proj and W_o wide under RowwiseParallel) is orthogonalized in pieces, one all-reduce of the
+    Gram matrix per iteration over one TP group; the others (gate: TP cuts its short side; the expert stack) keep
+    the gather and stay torch.equal. On 4x1 there is no TP: everything torch.equal.
+
+    The bound. Each step moves a weight by -adjusted_lr * O, and the momentum does not depend on the weights, so
+    after the steps |w_gram - w_torch| <= sum over steps of adjusted_lr * |O_gram - O_torch| (weight decay only
+    shrinks earlier differences; the float32 update rounds both alike to within an ulp, far below). Both O are
+    bf16 evaluations of the same polynomial: |O_gram - O_torch| <= |O_gram - O_64| + |O_torch - O_64|, O_64 the
+    iteration in float64 (newton_schulz_float64, here). torch's own |O_torch - O_64| is measured on each step's
+    real input (the reference records it). The Gram path rounds the same products in bf16 and, in addition, each
+    rank's partial X_t X_t^T before the float32 sum: one more rounding (2**-9 relative) per partial of A, the same
+    order as torch's rounding of A itself; so its own error is taken as at most twice torch's (measured on 120
+    shapes and seeds, 2 and 4 ranks: at most 1.22 times), hence GRAM_FACTOR = 1 + 2 = 3 times torch's error.
+    Not bitwise: A is summed across ranks inside every iteration, and NS amplifies what rounding does to the
+    smallest singular values (slope a = 3.4445 at 0, 5 times)."""
+    case, ranks = runs[Case(mesh, gram=True).label]
+    tp = mesh[2]
+    record = []
+    ref = reference(case, record)
+    pieces = {c["name"] for r in ranks for c in r["ledger"]["compute"] if "|tp" in c["name"]}
+    assert {n.split("|")[0] for n in pieces} == (GRAM if tp > 1 else set())
+    diffs = differences(ranks, ref)
+    assert {n: d for n, d in diffs.items() if n not in GRAM and d != 0} == {}
+    if tp == 1:
+        assert all(d == 0 for d in diffs.values())
+        return
+    assert len(pieces) == tp * len(GRAM)
+    for name in GRAM:
+        bound, moved = gram_bound(record, name, tuple(ref[name].shape))
+        assert diffs[name] <= bound, (name, diffs[name], bound)
+        assert bound <= moved / 4, (name, bound, moved)  # the bound is a quarter of the update at most: it bites
+    assert any(diffs[n] > 0 for n in GRAM)  # not bitwise, as derived
+    # what travelled: the pieces' owners are one TP group per matrix, and each spent ns_steps Gram all-reduces
+    # of m x m float32 (m the short side) plus one for the norm; the gather moved less than the whole matrices
+    owners = ranks[0]["owners"]
+    for name in GRAM:
+        group = [owners[f"{name}|tp{t}"] for t in range(tp)]
+        assert len(set(group)) == tp
+        m = min(ref[name].shape)
+        for r in ranks:
+            if r["rank"] in group:
+                grams = [c for c in r["ledger"]["comm"] if c["phase"] == "TP Gram" and c["step"] == 1]
+                assert all(c["op"] == "all_reduce" and c["dtype"] == "float32" for c in grams)
+    for r in ranks:
+        mine = [n for n in GRAM if r["rank"] in {owners[f"{n}|tp{t}"] for t in range(tp)}]
+        grams = [c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "TP Gram" and c["step"] == 1]
+        assert sorted(grams) == sorted(2 * (tp - 1) * min(ref[n].shape) ** 2 // tp * 4 for n in mine
+                                       for _ in range(dm.NS_STEPS))
+    whole = runs[Case(mesh, ns_coefficients="polar_express").label][1]  # the same matrices, gathered whole
+    sent = lambda rs: sum(c["sent"] for r in rs for c in r["ledger"]["comm"]
+                          if c["phase"] == "gather at owner" and c["step"] == 1)
+    assert sent(ranks) < sent(whole)
+
+
+@pytest.mark.parametrize("mesh,seed", SWEPT)
+def test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed):
+    """The same bound on SWEEP matrices of random shapes per seed (tall under ColwiseParallel, wide under
+    RowwiseParallel, TP pieces as uneven as torch.chunk cuts them), FSDP2 x TP 2x2 and TP 4."""
+    case, ranks = runs[Case(mesh, gram=True, sweep=seed).label]
+    record = []
+    ref = reference(case, record)
+    assert len(ref) == SWEEP
+    pieces = {c["name"].split("|")[0] for r in ranks for c in r["ledger"]["compute"] if "|tp" in c["name"]}
+    assert pieces == set(ref)  # every one in TP pieces
+    diffs = differences(ranks, ref)
+    for name, whole in ref.items():
+        bound, moved = gram_bound(record, name, tuple(whole.shape))
+        assert diffs[name] <= bound, (name, tuple(whole.shape), diffs[name], bound)
+        assert bound <= moved / 2, (name, bound, moved)
