@@ -414,6 +414,12 @@ def test_blocks_and_qk_clip_equal_torch_on_the_blocks_then_the_clip(runs, mesh, 
         multipliers = [m for n in HEADS for m in expected[n]]
         assert any(m < 1 for m in multipliers) and any(m == 1 for m in multipliers)
     assert all(S[n][-1] == -math.inf for S in [global_max(1)] for n in HEADS)  # a head no rank computed
+    # the data path: one MAX all-reduce per clip of every head's maximum (2 + 4 + 4) and the refusal flag, float32,
+    # padded to 12 for 4 ranks: a ring sends and receives 2 x 3 x 12 / 4 elements, 72 bytes, on every rank
+    for r in ranks:
+        clips = [c for c in r["ledger"]["comm"] if c["phase"] == "QK-clip maxima"]
+        assert [(c["step"], c["op"], c["dtype"], c["sent"], c["received"]) for c in clips] == \
+            [(s, "all_reduce", "float32", 72, 72) for s in (1, 2)]
 
 
 def test_blocks_differ_in_height_so_in_lr_and_the_meshes_cut_them_everywhere(runs):
@@ -580,3 +586,40 @@ def test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed):
         bound, moved = gram_bound(record, name, tuple(whole.shape))
         assert diffs[name] <= bound, (name, tuple(whole.shape), diffs[name], bound)
         assert bound <= moved / 2, (name, bound, moved)
+
+
+def test_bad_options_are_refused_at_construction_in_one_line():
+    """Every option of issue 20 checked before anything is planned (here one process, plain tensors; on a group the
+    problem is swapped with the descriptions, so every rank raises it: the "layouts" run above)."""
+    w, v = nn.Parameter(torch.randn(14, D)), nn.Parameter(torch.randn(2, 6, D))
+    explicit = dd.DistributedConfig(gather=lambda u, o: u, redistribute=lambda o, w: o,
+                                    global_shapes={"w": (14, D), "v": (6, D)})
+    qkv = LAYOUTS["qkv.weight"]
+    refused = [(dict(ns_blocks="rows"), "ns_blocks must be one of whole, blocks, heads (got 'rows')"),
+               (dict(tp_newton_schulz="ring"), "tp_newton_schulz must be one of gather, gram (got 'ring')"),
+               *[(dict(qk_clip_tau=tau, row_layouts={"w": qkv}), f"qk_clip_tau must be a number > 0 and finite (got {tau!r})")
+                 for tau in (0.0, -1.0, math.nan, math.inf, True, "20")],
+               (dict(row_layouts={"x": qkv}), "row_layouts names no Muon parameter: x"),
+               (dict(row_layouts={"w": dm.RowLayout((3, 2, 2), 3, ("q", "k", "v"))}),
+                "row_layouts['w'] has 3 x 7 = 21 rows; the matrix has 14"),
+               (dict(row_layouts={"v": dm.RowLayout((3, 2), 1)}),
+                "row_layouts['v'] has 1 x 5 = 5 rows; the matrix of each expert has 6"),
+               (dict(row_layouts={"w": (3, 2, 2)}), "row_layouts['w'] must be a RowLayout (distributed_muon_cpu), got tuple"),
+               (dict(row_layouts={"w": dm.RowLayout((3, 2, 2), 2, ("q", "k"))}), "row_layouts['w']: 2 names for 3 sizes"),
+               (dict(row_layouts={"w": dm.RowLayout((7, 0), 2)}), "row_layouts['w']: sizes must be positive integers"),
+               (dict(ns_blocks="blocks"), "ns_blocks='blocks' needs row_layouts (which rows make which block)"),
+               (dict(qk_clip_tau=1.0, row_layouts={"w": dm.RowLayout((7,), 2, ("a",))}),
+                "qk_clip_tau needs row_layouts with segments named q or k (the rows it scales)"),
+               (dict(qk_clip_tau=1.0, row_layouts={"w": qkv, "v": dm.RowLayout((3, 3), 1, ("q", "k"))}),
+                "row_layouts['v']: QK-clip scales attention heads, not the experts of an expert stack"),
+               *[(dict(option, distributed_config=explicit), "row_layouts, qk_clip_tau and tp_newton_schulz='gram' need the "
+                  "automatic distributed_config") for option in (dict(row_layouts={"w": qkv}), dict(tp_newton_schulz="gram"))]]
+    for options, message in refused:
+        stacks = {"v"} if "distributed_config" not in options else ()
+        params = [("w", w), ("v", v)] if stacks else [("w", w)]
+        with pytest.raises(ValueError) as raised:
+            dd.DTensorMuon([dict(params=params)], expert_stacks=stacks, **options)
+        assert str(raised.value).startswith(message) and "\n" not in str(raised.value), (options, str(raised.value))
+    opt = dd.DTensorMuon([dict(params=[("w", w)])], row_layouts={"w": qkv}, ns_blocks="heads")
+    with pytest.raises(ValueError, match="^QK-clip is off: construct the optimizer with qk_clip_tau$"):
+        opt.clip_qk_({})
