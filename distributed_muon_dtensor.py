@@ -381,8 +381,6 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
 # expert is its own matrix (section 3), so its blocks are too (e.g. a fused
 # SwiGLU gate | up, orthogonalized as gate and up); QK-clip, which scales
 # attention heads, does not apply to an expert stack (refused).
-NS_BLOCKS = ("whole", "blocks", "heads")  # "whole": torch's, the matrix as one
-TP_NEWTON_SCHULZ = ("gather", "gram")
 QK_SEGMENTS = ("q", "k")  # the segments of a RowLayout that QK-clip scales
 
 
@@ -402,14 +400,6 @@ def runs(keys):
     return [(a, b, k) for a, b, k in zip(starts, stops, keys[starts].tolist()) if k >= 0]
 
 
-def block_height_of_row(layout, per_head):
-    """For each row of the full matrix, the height of the block Newton-Schulz sees it in."""
-    height = torch.empty(layout.rows, dtype=torch.long)
-    for rows in layout.blocks(per_head):
-        height[rows] = len(rows)
-    return height
-
-
 def head_of_qk_row(layout):
     """For each row of the full matrix, its head if it belongs to a "q" or "k" segment, else -1."""
     head = torch.full((layout.rows,), -1, dtype=torch.long)
@@ -419,18 +409,6 @@ def head_of_qk_row(layout):
                 head[list(layout.segment_rows(period, segment))] = period
     return head
 
-
-
-def blocks_flops(layout, per_head, cols, steps):
-    """Newton-Schulz FLOPs of a matrix orthogonalized block by block (what the owner assignment balances)."""
-    return sum(newton_schulz_flops((len(rows), cols), steps) for rows in layout.blocks(per_head))
-
-
-def tau_problem(tau):
-    """None if tau is a valid QK-clip threshold (a finite number > 0), else why not (one line)."""
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
-        return f"qk_clip_tau must be a number > 0 and finite (got {tau!r})"
-    return None
 
 
 def max_logits_problem(max_logits, heads_of):
@@ -638,22 +616,6 @@ def local_of(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def all_reduce_max(tensor, axis, ledger, phase):
-    """Elementwise max of a float32 tensor over the ranks of `axis`, in place, padded (-inf) to a multiple of the
-    group size so that the ring's count is exact: each rank sends and receives 2 (n - 1) / n of it."""
-    if axis.size == 1:
-        return tensor
-    padded = torch.full((-(-tensor.numel() // axis.size) * axis.size,), -math.inf, dtype=tensor.dtype,
-                        device=tensor.device)
-    padded[:tensor.numel()] = tensor
-    with record_function(phase):
-        dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=axis.group)
-    ring = 2 * (axis.size - 1) * (padded.numel() // axis.size)
-    ledger.record_comm(phase, "all_reduce", axis, ring, ring, padded.dtype)
-    tensor.copy_(padded[:tensor.numel()])
-    return tensor
-
-
 def like_param(p, tensor):
     """`tensor` (local shape) as p is: a DTensor with p's mesh and placements, or itself."""
     if isinstance(p, DTensor):
@@ -710,10 +672,13 @@ class DTensorMuon(torch.optim.Optimizer):
         sqrt(min(1, tau / S_h)). Not for expert stacks. Its docstring has the bytes.
       * tp_newton_schulz="gram" (section 3c): a 2-D matrix whose "tp" mesh dim cuts its long side is
         orthogonalized in TP pieces by one TP group (one Gram all-reduce per iteration) instead of
-        whole on one owner; the rest keep the gather (and torch's bits). NOT torch's bits: each
-        step's orthogonal matrix differs from torch's by at most 3 x torch's own bf16 error against
-        the float64 iteration (the derivation: tests/test_dtensor_large_runs.py; measured at most
-        0.71 of that bound on 480 matrices, 2x2 and TP 4).
+        whole on one owner; the rest keep the gather (and torch's bits). NOT always torch's bits (the
+        Gram matrix is a float32 sum over ranks): each step's orthogonal matrix within 2 x torch's own
+        bf16 error against the float64 iteration (derived in tests/test_dtensor_large_runs.py; on 480
+        random shapes, 2x2 and TP 4, most came out torch.equal, the worst used 0.18 of that bound).
+        Bytes: each TP rank all-reduces 5 Gram matrices, ~40 m^2 (tp - 1) / tp bytes (m the short side,
+        float32), where a gathered matrix's owner receives and sends ~4 m n (tp - 1) / tp bytes of bf16:
+        Gram moves less only when n > 10 m (in total over the TP group, when n > 10 m tp).
       * These options are the same on every rank (checked), are not part of the state dict (pass them
         again when you resume), and need the automatic distributed_config.
     See help(DTensorMuon.__init__) for every argument.
@@ -841,14 +806,9 @@ class DTensorMuon(torch.optim.Optimizer):
 
     def _large_run_problem(self):
         """The options of section 3b and clip_qk_, checked; the first problem as one line, or None."""
-        if self.ns_blocks not in NS_BLOCKS:
-            return f"ns_blocks must be one of {', '.join(NS_BLOCKS)} (got {self.ns_blocks!r})"
-        if self.tp_newton_schulz not in TP_NEWTON_SCHULZ:
-            return f"tp_newton_schulz must be one of {', '.join(TP_NEWTON_SCHULZ)} (got {self.tp_newton_schulz!r})"
-        if self.qk_clip_tau is not None:
-            why = tau_problem(self.qk_clip_tau)
-            if why:
-                return why
+        why = self._options_problem()
+        if why:
+            return why
         if self.config.explicit and (self.row_layouts or self.qk_clip_tau is not None
                                      or self.tp_newton_schulz != "gather"):
             return ("row_layouts, qk_clip_tau and tp_newton_schulz='gram' need the automatic distributed_config: "
@@ -865,6 +825,15 @@ class DTensorMuon(torch.optim.Optimizer):
             return f"ns_blocks={self.ns_blocks!r} needs row_layouts (which rows make which block)"
         if self.qk_clip_tau is not None and not self._clip_names():
             return f"qk_clip_tau needs row_layouts with segments named {' or '.join(QK_SEGMENTS)} (the rows it scales)"
+        return None
+
+    def _options_problem(self):
+        """The lesson's check of ns_blocks, tp_newton_schulz and qk_clip_tau (one line), or None."""
+        try:
+            dm.check_large_run_options(ns_blocks=self.ns_blocks, tp_newton_schulz=self.tp_newton_schulz,
+                                       qk_clip_tau=self.qk_clip_tau)
+        except ValueError as e:
+            return str(e)
         return None
 
     def _clip_names(self):
@@ -934,7 +903,7 @@ class DTensorMuon(torch.optim.Optimizer):
         layout = self.row_layouts.get(copy.name)
         if layout is None or self.ns_blocks == "whole":
             return newton_schulz_flops(copy.matrix_shape, steps)
-        return blocks_flops(layout, self.ns_blocks == "heads", copy.matrix_shape[1], steps)
+        return dm.newton_schulz_flops_of(copy.matrix_shape, steps, layout.blocks(self.ns_blocks == "heads"))
 
     def _plan_rows(self):
         """Section 3b on this rank's local pieces: the runs of equal block height (blocks) and of equal head
@@ -946,7 +915,7 @@ class DTensorMuon(torch.optim.Optimizer):
             coordinate = tuple(p.device_mesh.get_coordinate()) if isinstance(p, DTensor) else ()
             rows = local_rows(describe(name, 0, p, name in self.expert_stacks), coordinate)
             if self.ns_blocks != "whole":
-                self.block_runs[name] = runs(block_height_of_row(layout, self.ns_blocks == "heads")[rows])
+                self.block_runs[name] = runs(torch.tensor(layout.block_heights(self.ns_blocks == "heads"))[rows])
             if name in self.clip_names:
                 self.clip_runs[name] = runs(head_of_qk_row(layout)[rows])
 
@@ -1048,12 +1017,8 @@ class DTensorMuon(torch.optim.Optimizer):
         for name, ortho in orthos.items():
             shape = (self.config.global_shapes[name] if self.config.explicit
                      else tuple(self.param_by_name[name].shape)[-2:])  # an expert's (out, in)
-            param, ortho, group = flat(self.param_by_name[name]), ortho.reshape(-1), self.group_of[name]
-            if name in self.block_runs:  # each run of rows with its block's shape (section 3b)
-                for start, stop, height in self.block_runs[name]:
-                    apply_muon_update_(param[start:stop], ortho[start:stop], group, (height, shape[1]))
-            else:
-                apply_muon_update_(param, ortho, group, shape)
+            apply_muon_update_(flat(self.param_by_name[name]), ortho.reshape(-1), self.group_of[name], shape,
+                               self.block_runs.get(name))  # blocks: each run of rows with its block's shape (3b)
         return loss
 
     def _local_grads(self):
@@ -1138,21 +1103,12 @@ class DTensorMuon(torch.optim.Optimizer):
         return dm.Axis("TP", len(ranks), ranks.index(self.me), ranks, group)
 
     def _newton_schulz(self, full, group_of):
-        """{matrix: full bf16 update} -> {matrix: orthogonalized}: laid-out matrices block by block (torch's 2-D
-        path, batched_ns or not: a block is its own matrix), the others by the lesson's newton_schulz_owned."""
+        """{matrix: full bf16 update} -> {matrix: orthogonalized}, by the lesson's newton_schulz_owned; laid-out
+        matrices block by block (torch's 2-D path, batched_ns or not: a block is its own matrix)."""
         per_head = self.ns_blocks == "heads"
-        blocked = {m: self.param_of_matrix[m] for m in full
-                   if self.ns_blocks != "whole" and self.param_of_matrix[m] in self.row_layouts}
-        done = dm.newton_schulz_owned({m: t for m, t in full.items() if m not in blocked}, group_of, self.ledger,
-                                      self.batched_ns)
-        for m, name in blocked.items():
-            g, layout = group_of[m], self.row_layouts[name]
-            with record_function("newton-schulz"):
-                done[m] = dm.newton_schulz_blocks(full[m], layout.blocks(per_head), g["ns_steps"],
-                                                  g["ns_coefficients"], g["ns_eps"])
-            self.ledger.record_compute(m, tuple(full[m].shape),
-                                       blocks_flops(layout, per_head, full[m].shape[1], g["ns_steps"]))
-        return done
+        blocks = {m: self.row_layouts[self.param_of_matrix[m]].blocks(per_head) for m in full
+                  if self.ns_blocks != "whole" and self.param_of_matrix[m] in self.row_layouts}
+        return dm.newton_schulz_owned(full, group_of, self.ledger, self.batched_ns, blocks)
 
     def _gather_at_owners(self, updates, active):
         me, dtype = self.me, torch.bfloat16
@@ -1218,10 +1174,10 @@ class DTensorMuon(torch.optim.Optimizer):
         not compute; a name left out counts as all -inf. Names: the parameters of row_layouts with a
         "q" or "k" segment (self.clip_names); for separate W_q and W_k, pass the same maxima under both.
 
-        Data path: ONE all-reduce MAX over the optimizer's group of a float32 buffer, the heads of every
-        parameter of clip_names in that order, then one flag "this rank's input is bad", padded to a
-        multiple of the group size n: H = total heads, each rank sends and receives
-        2 (n - 1) / n x 4 x ceil((H + 1) / n) x n bytes (a ring's count; the Ledger's phase "QK-clip maxima").
+        Data path: ONE all-reduce MAX over the optimizer's group of n ranks (dm.all_reduce) of H + 1
+        float32 values, the heads of every parameter of clip_names in that order, then a flag "this
+        rank's input is bad": each rank sends and receives 2 (n - 1) x ceil((H + 1) / n) x 4 bytes (a
+        ring's count; the Ledger's phase "QK-clip maxima"), e.g. 72 B for H = 10 heads on 4 ranks.
         No owner is involved: every rank ends with S_h, the max over every rank that computed head h,
         and scales the rows of head h it holds itself, wherever its shard cuts (section 3b):
         gamma_h = min(1, tau / S_h), and head h's rows in segments "q" and "k" times sqrt(gamma_h)
@@ -1234,7 +1190,7 @@ class DTensorMuon(torch.optim.Optimizer):
         """
         heads_of = {n: self.row_layouts[n].periods for n in self.clip_names}
         problem = ("QK-clip is off: construct the optimizer with qk_clip_tau" if self.qk_clip_tau is None
-                   else tau_problem(self.qk_clip_tau) or max_logits_problem(max_logits, heads_of))
+                   else self._options_problem() or max_logits_problem(max_logits, heads_of))
         maxima = torch.full((sum(heads_of.values()) + 1,), -math.inf, dtype=torch.float32, device=self._device())
         offsets, start = {}, 0
         for name, heads in heads_of.items():
@@ -1243,7 +1199,7 @@ class DTensorMuon(torch.optim.Optimizer):
                 maxima[offsets[name]] = max_logits[name].to(maxima.device)
             start += heads
         maxima[-1] = 1.0 if problem else 0.0
-        all_reduce_max(maxima, self.axis, self.ledger, "QK-clip maxima")
+        dm.all_reduce(maxima, self.axis, self.ledger, "QK-clip maxima", dist.ReduceOp.MAX)
         if problem:
             raise ValueError(problem)
         if maxima[-1] > 0:

@@ -500,7 +500,7 @@ def newton_schulz_float64(x, coefficients=dm.NS_COEFFICIENTS, steps=dm.NS_STEPS)
 
 
 GRAM = {"qkv.weight", "wq.weight", "wk.weight", "wo.weight", "fc.weight", "proj.weight"}  # TP cuts the long side
-GRAM_FACTOR = 3  # see the test below
+GRAM_FACTOR = 2  # see the test below
 
 
 def gram_bound(record, name, shape):
@@ -526,14 +526,17 @@ def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals
     shrinks earlier differences; the float32 update rounds both alike to within an ulp, far below). Both O are
     bf16 evaluations of the same polynomial: |O_gram - O_torch| <= |O_gram - O_64| + |O_torch - O_64|, O_64 the
     iteration in float64 (newton_schulz_float64, here). torch's own |O_torch - O_64| is measured on each step's
-    real input (the reference records it). The Gram path rounds the same products in bf16 and, in addition, each
-    rank's partial X_t X_t^T before the float32 sum: one more rounding (2**-9 relative) per partial of A, the same
-    order as torch's rounding of A itself; so its own error is taken to be at most twice torch's (an assumption,
-    not a theorem: the sweeps check it), hence GRAM_FACTOR = 1 + 2 = 3 times torch's error. Measured
-    (`python tests/test_dtensor_large_runs.py 10`: 480 matrices of random shapes, 2x2 and TP 4): the difference
-    reached 0.71 of this bound, i.e. 2.1 times torch's own error, and the bound is at most 0.13 of the update.
-    Not bitwise: A is summed across ranks inside every iteration, and NS amplifies what rounding does to the
-    smallest singular values (slope a = 3.4445 at 0, 5 times)."""
+    real input (the reference records it). The Gram path (dm.newton_schulz_tp) does torch's operations on the same
+    bf16 values but two: the norm and the Gram matrix A are float32 sums over the ranks, in another order than one
+    matmul's, rounded to bf16 once as torch rounds; so they differ from torch's only where the float32 sum lies
+    near a bf16 tie, by one bf16 step, and the path's own error against float64 is taken to be no larger than
+    torch's (an assumption, not a theorem: the sweeps check it), hence GRAM_FACTOR = 1 + 1 = 2 times torch's error.
+    The bound scales with torch's own error on purpose: where the input is nearly low-rank, the quintic (slope
+    a = 3.4445 at 0, 5 times) blows what rounding leaves in the smallest singular values up to O(1) entries, in
+    torch's result as in this one, and no bound independent of the input holds there (2**-2 of the largest entry
+    was measured on rank-2-plus-noise matrices against the lesson's GRAM_NS_BOUND of 2**-5). Measured
+    (`python tests/test_dtensor_large_runs.py 10`: 480 matrices of random shapes, 2x2 and TP 4): see the
+    docstring of DTensorMuon; most matrices come out bit-identical, the others differ."""
     case, ranks = runs[Case(mesh, gram=True).label]
     tp = mesh[2]
     record = []
@@ -550,7 +553,6 @@ def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals
         bound, moved = gram_bound(record, name, tuple(ref[name].shape))
         assert diffs[name] <= bound, (name, diffs[name], bound)
         assert bound <= moved / 4, (name, bound, moved)  # the bound is a quarter of the update at most: it bites
-    assert any(diffs[n] > 0 for n in GRAM)  # not bitwise, as derived
     # what travelled: the pieces' owners are one TP group per matrix, and each spent ns_steps Gram all-reduces
     # of m x m float32 (m the short side) plus one for the norm; the gather moved less than the whole matrices
     owners = ranks[0]["owners"]
@@ -565,7 +567,7 @@ def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals
     for r in ranks:
         mine = [n for n in GRAM if r["rank"] in {owners[f"{n}|tp{t}"] for t in range(tp)}]
         grams = [c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "TP Gram" and c["step"] == 1]
-        assert sorted(grams) == sorted(2 * (tp - 1) * min(ref[n].shape) ** 2 // tp * 4 for n in mine
+        assert sorted(grams) == sorted(2 * (tp - 1) * -(-min(ref[n].shape) ** 2 // tp) * 4 for n in mine
                                        for _ in range(dm.NS_STEPS))
     whole = runs[Case(mesh, ns_coefficients="polar_express").label][1]  # the same matrices, gathered whole
     sent = lambda rs: sum(c["sent"] for r in rs for c in r["ledger"]["comm"]
@@ -587,7 +589,22 @@ def test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed):
     for name, whole in ref.items():
         bound, moved = gram_bound(record, name, tuple(whole.shape))
         assert diffs[name] <= bound, (name, tuple(whole.shape), diffs[name], bound)
-        assert bound <= moved / 2, (name, bound, moved)
+        assert bound <= moved / 4, (name, bound, moved)
+    SWEPT_DIFFS[(mesh, seed)] = diffs
+
+
+SWEPT_DIFFS = {}
+
+
+def test_gram_is_not_bitwise_torch_on_every_matrix(runs):
+    """What the derivation says: near-ties of the float32 sums round the other way now and then, so over the
+    sweeps some matrices differ from torch (and most do not)."""
+    for mesh, seed in SWEPT:
+        if (mesh, seed) not in SWEPT_DIFFS:
+            test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed)
+    diffs = [d for sweep in SWEPT_DIFFS.values() for d in sweep.values()]
+    assert len(diffs) == len(SWEPT) * SWEEP
+    assert 0 < sum(d > 0 for d in diffs) < len(diffs)
 
 
 def test_bad_options_are_refused_at_construction_in_one_line():
@@ -639,11 +656,11 @@ def measure(seeds):
         for name, whole in ref.items():
             bound, moved = gram_bound(record, name, tuple(whole.shape))
             rows.setdefault(case.mesh, []).append((diffs[name] / bound, bound / moved, diffs[name] / moved))
-    table = [[f"{'x'.join(map(str, mesh[1:]))}", len(r), f"{max(x[0] for x in r):.3f}",
+    table = [[f"{'x'.join(map(str, mesh[1:]))}", len(r), sum(x[0] == 0 for x in r), f"{max(x[0] for x in r):.3f}",
               f"{sorted(x[0] for x in r)[len(r) // 2]:.3f}", f"{max(x[1] for x in r):.3f}",
               f"2**{math.log2(max(x[2] for x in r)):.2f}"] for mesh, r in rows.items()]
-    print(mt.format_table(["mesh", "matrices", "max diff/bound", "median diff/bound", "max bound/update",
-                           "max diff/update"], table, ["<", ">", ">", ">", ">", ">"]))
+    print(mt.format_table(["mesh", "matrices", "torch.equal", "max diff/bound", "median diff/bound",
+                           "max bound/update", "max diff/update"], table, ["<", ">", ">", ">", ">", ">", ">"]))
 
 
 if __name__ == "__main__":  # python tests/test_dtensor_large_runs.py [seeds]: the Gram sweep's figures
