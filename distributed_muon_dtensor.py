@@ -410,7 +410,6 @@ def head_of_qk_row(layout):
     return head
 
 
-
 def max_logits_problem(max_logits, heads_of):
     """None if max_logits ({name: (heads,) float32}) may be clipped with, else why not (one line).
     heads_of: {name QK-clip scales: its number of heads}. -inf marks a head this rank did not compute."""
@@ -421,7 +420,8 @@ def max_logits_problem(max_logits, heads_of):
             return (f"max_logits names {name!r}, which QK-clip does not scale (it scales "
                     f"{', '.join(heads_of) or 'nothing'}: parameters laid out with q or k segments)")
         if not torch.is_tensor(maxima) or maxima.dtype != torch.float32 or tuple(maxima.shape) != (heads_of[name],):
-            what = f"{maxima.dtype} of shape {tuple(maxima.shape)}" if torch.is_tensor(maxima) else type(maxima).__name__
+            what = (f"{maxima.dtype} of shape {tuple(maxima.shape)}" if torch.is_tensor(maxima)
+                    else type(maxima).__name__)
             return f"max_logits[{name!r}] must be a float32 tensor of shape ({heads_of[name]},) (got {what})"
         if torch.isnan(maxima).any() or (maxima == math.inf).any():
             return f"max_logits[{name!r}] holds NaN or +inf (a head no rank computed is -inf)"
@@ -468,10 +468,11 @@ def row_layout_problem(name, layout, matrix_shape, expert_stack, qk_clip):
 # Rows of the mesh are chosen by the lesson's longest-processing-time rule,
 # before the matrices gathered whole, which then see that load. Each piece is one
 # Matrix named "<matrix>|tp<t>"; an owner's piece is full[lines] (tall) or
-# full[:, lines] (wide), its lines in increasing order. Not torch's bits: the
-# Gram matrix is a sum over ranks of bf16 products (section 5's docstring and
-# tests/test_dtensor_large_runs.py bound and measure it). Expert stacks and
-# blocked matrices (3b) keep the gather.
+# full[:, lines] (wide), its lines in increasing order. Not always torch's bits:
+# the Gram matrix and the norm are float32 sums over ranks, in another order than
+# one matmul's, so a near-tie may round to the other bf16 neighbour (DTensorMuon's
+# docstring and tests/test_dtensor_large_runs.py bound and measure it). Expert
+# stacks and blocked matrices (3b) keep the gather.
 
 
 def tp_pieces(copy, pieces, tp_dim, copies_of_name):
@@ -484,8 +485,7 @@ def tp_pieces(copy, pieces, tp_dim, copies_of_name):
     for t in range(copy.mesh_shape[tp_dim]):
         mine = [(key, ranks, index) for key, ranks, index in pieces if key[at] == t]
         held = torch.cat([index for _, _, index in mine])
-        line, across = (held // cols, held % cols) if long_dim == 0 else (held % cols, held // cols)
-        lines = torch.unique(line)
+        lines = torch.unique(held // cols if long_dim == 0 else held % cols)
         if held.numel() != lines.numel() * copy.shape[1 - long_dim]:
             return None
         position = torch.full((copy.shape[long_dim],), -1, dtype=torch.long)
