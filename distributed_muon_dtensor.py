@@ -1189,7 +1189,7 @@ class DTensorMuon(torch.optim.Optimizer):
         Returns {name: [multiplier per head]}, the same on every rank.
         """
         heads_of = {n: self.row_layouts[n].periods for n in self.clip_names}
-        problem = ("QK-clip is off: construct the optimizer with qk_clip_tau" if self.qk_clip_tau is None
+        problem = ("QK-clip is off: construct the optimizer with qk_clip_tau" if not self.clip_names
                    else self._options_problem() or max_logits_problem(max_logits, heads_of))
         maxima = torch.full((sum(heads_of.values()) + 1,), -math.inf, dtype=torch.float32, device=self._device())
         offsets, start = {}, 0
