@@ -95,8 +95,8 @@ def global_max_logits(step, dp, tp):
 def build(grid, strategy, ns_blocks, **options):
     tp = grid.tp.size
     params = {n: dm.tp_shard(p, MATRICES[n][1], grid.tp.rank, tp).contiguous() for n, p in start_params().items()}
-    opt = dm.OPTIMIZERS[strategy]([dict(params=list(params.items()), algorithm="muon", ns_coefficients="polar_express")],
-                                  grid=grid, bucket_size=OTHER_BUCKET, row_layouts=LAYOUTS, ns_blocks=ns_blocks,
+    groups = [dict(params=list(params.items()), algorithm="muon", ns_coefficients="polar_express")]
+    opt = dm.OPTIMIZERS[strategy](groups, grid=grid, bucket_size=OTHER_BUCKET, row_layouts=LAYOUTS, ns_blocks=ns_blocks,
                                   tp_split_dims={n: d for n, (_, d, _) in MATRICES.items() if d >= 0},
                                   **dict(dict(HYPER, qk_clip_tau=TAU), **options))
     return params, opt
@@ -164,7 +164,7 @@ GRAM_SEEDS = 3
 def gram_measure(grid):
     """[(TP, shape, seed, coefficients, max |ours - torch's| / max |torch's|, bytes of the TP Gram all-reduces)]."""
     out = []
-    for name, coefficients in (("jordan", (dm.NS_COEFFICIENTS,)), ("polar_express", dm.POLAR_EXPRESS)):  # by name, and as triples
+    for name, coefficients in (("jordan", (dm.NS_COEFFICIENTS,)), ("polar_express", dm.POLAR_EXPRESS)):
         for shape in GRAM_SHAPES:
             split = 1 if shape[0] <= shape[1] else 0
             for seed in range(GRAM_SEEDS):
@@ -236,7 +236,8 @@ def test_the_options_change_the_result(spawned, i):
     cfg = spawned[0][i]
     final = demo_results(spawned, i)
     specs = dm.demo_specs(cfg)
-    for other in (replace(cfg, qk_clip_tau=None), replace(cfg, ns_blocks="whole"), replace(cfg, ns_coefficients="jordan")):
+    for other in (replace(cfg, qk_clip_tau=None), replace(cfg, ns_blocks="whole"),
+                  replace(cfg, ns_coefficients="jordan")):
         reference = dm.reference_params(specs, other)["layers.0.attn.qkv.weight"]
         ours = torch.cat([final[t]["params"]["layers.0.attn.qkv.weight"] for t in range(cfg.tp)])  # DP rank 0's TP row
         assert not torch.equal(reference, ours)
@@ -251,8 +252,8 @@ def test_some_heads_clip_and_some_do_not(spawned, i):
     specs = dm.demo_specs(cfg)
     for step in range(cfg.steps):
         maxima = [dm.dp_rank_max_logits(specs, cfg.seed, step + 1, d) for d in range(cfg.dp)]
-        expected = {n: [math.sqrt(TAU / s) if s > TAU else 1.0 for s in torch.stack([m[n] for m in maxima]).amax(0).tolist()]
-                    for n in maxima[0]}
+        expected = {n: [math.sqrt(TAU / s) if s > TAU else 1.0
+                        for s in torch.stack([m[n] for m in maxima]).amax(0).tolist()] for n in maxima[0]}
         for rank, r in enumerate(results):
             heads = dm.N_HEADS // cfg.tp
             for name, got in r["qk_clip"][step].items():
@@ -273,7 +274,8 @@ def test_qk_clip_and_gram_bytes(spawned):
             assert sent == ([2 * (cfg.dp - 1) * -(-heads // cfg.dp) * 4] * cfg.steps if cfg.dp > 1 else [])
             grams = {c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "TP Gram"}
             if cfg.tp_newton_schulz == "gram":
-                sides = {min(s.global_shape) for s in dm.demo_specs(cfg) if s.name in dm.gram_names(dm.demo_specs(cfg), cfg)}
+                gram = dm.gram_names(dm.demo_specs(cfg), cfg)
+                sides = {min(s.global_shape) for s in dm.demo_specs(cfg) if s.name in gram}
                 assert grams and grams <= {2 * (cfg.tp - 1) * -(-m * m // cfg.tp) * 4 for m in sides}
             else:
                 assert grams == set()
@@ -305,7 +307,8 @@ def test_other_layouts_match_the_reference(spawned, j):
     total = [{n: sum(dp_grads(step, d)[n] for d in range(dp)) for n in MATRICES} for step in range(1, OTHER_STEPS + 1)]
     maxima = [global_max_logits(step, dp, tp) for step in range(1, OTHER_STEPS + 1)]
     expected, multipliers = ref.reference_muon(start_params(), total, **HYPER, coefficients=dm.POLAR_EXPRESS,
-                                               layouts=LAYOUTS, per_head=ns_blocks == "heads", tau=TAU, max_logits=maxima)
+                                               layouts=LAYOUTS, per_head=ns_blocks == "heads", tau=TAU,
+                                               max_logits=maxima)
     assert any(m < 1 for ms in multipliers for v in ms.values() for m in v)
     assert any(m == 1 for ms in multipliers for v in ms.values() for m in v)
     for rank, r in enumerate(spawned[1]):
@@ -321,8 +324,9 @@ def test_other_layouts_match_the_reference(spawned, j):
 def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
     results = [r["refused"] for r in spawned[1]]
     bad_rank = {"wrong length on rank 3": 3, "NaN on rank 5": 5, "+inf on rank 0": 0}
-    says = {"unknown name": "exactly the laid-out matrices with q or k rows", "wrong length on rank 3": "must be a tensor of 4 heads",
-            "NaN on rank 5": "holds NaN or +inf", "+inf on rank 0": "holds NaN or +inf", "QK-clip off": "needs qk_clip_tau"}
+    says = {"unknown name": "exactly the laid-out matrices with q or k rows",
+            "wrong length on rank 3": "must be a tensor of 4 heads", "NaN on rank 5": "holds NaN or +inf",
+            "+inf on rank 0": "holds NaN or +inf", "QK-clip off": "needs qk_clip_tau"}
     for case, expected in says.items():
         for rank, r in enumerate(results):
             message, unchanged = r["clip"][case]
@@ -337,8 +341,9 @@ def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
     assert construct["ns_blocks rows"].startswith("ns_blocks must be one of whole, blocks, heads")
     assert construct["tp_newton_schulz ring"].startswith("tp_newton_schulz must be one of gather, gram")
     for s in ("owner", "comm-free"):
-        assert construct[f"gram with {s}"] == (f"tp_newton_schulz='gram' applies to the gather strategy only: strategy {s} "
-                                               "orthogonalizes each matrix whole on one owner, which receives it anyway")
+        assert construct[f"gram with {s}"] == (f"tp_newton_schulz='gram' applies to the gather strategy only: "
+                                               f"strategy {s} orthogonalizes each matrix whole on one owner, which "
+                                               "receives it anyway")
     assert construct["layout of too many rows"] == "the row layout of w has 16 rows; its full matrix (8, 4) has 8"
     assert construct["layout of an unknown matrix"] == "row_layouts names v, which is not a Muon matrix"
     assert all(r["eight_tp"] == "TP 8 does not divide the 4 heads of a row layout" for r in spawned[1])
