@@ -5,7 +5,9 @@ Launch recipes (torchrun starts one process per GPU):
     torchrun --standalone --nproc-per-node 1 distributed_muon.py            # one GPU: DP=1 x TP=1
     torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2 --strategy owner
     torchrun --standalone --nproc-per-node 4 distributed_muon.py --backend gloo --device cpu --dp 2 --tp 2
-By default TP=1 and DP = the number of processes. Every --strategy works here;
+    torchrun --standalone --nproc-per-node 8 distributed_muon.py --dp 4 --tp 2 --ns-blocks heads --qk-clip 100
+By default TP=1 and DP = the number of processes. Every --strategy works here, and
+every option of what large runs add (--ns-coefficients, --ns-blocks, --tp-newton-schulz, --qk-clip);
 to compare strategies, launch once per --strategy (benchmarks/compare.py runs
 them all in one go on CPU ranks). An error on any rank is printed by that rank, in one
 line that names it; torchrun then stops the other ranks.
