@@ -7,19 +7,24 @@ shard x tp). The model is built with torch's own parallelize_module (ColwisePara
 fully_shard; every gradient is an exact multiple of 2**-10 (dtensor_demo.exact_grads), given as a DTensor with the
 parameter's placements.
 
-References, single device, written here from the papers' equations (never the distributed code on one rank):
+References, single device, from the papers' equations (never the distributed code on one rank): the shared
+independent references of tests/large_runs_reference.py (also the lesson's), group by group, each expert its own
+matrix, and torch.optim.Muon itself:
   * blocks: torch.optim.Muon on each block of rows as its own parameter (Q, K, V of a fused QKV; each head's
     segments for "heads"; an expert's gate and up): torch.equal;
-  * QK-clip: torch.optim.Muon's step, then head h's rows of W_q and W_k times sqrt(min(1, tau / S_h)), S_h the max
-    over every rank's logits: torch.equal;
-  * Polar Express: torch.optim.Muon with its Newton-Schulz swapped (torch.optim._muon._zeropower_via_newtonschulz)
-    for one written here with one (a, b, c) per iteration and torch's op choice (torch.addmm): torch.equal;
-  * Gram: torch.optim.Muon; not bit-identical (a sum over ranks inside each iteration), held to the bound below.
+  * QK-clip: torch.optim.Muon's step, then head h's rows of W_q and W_k times sqrt(tau / S_h) where S_h, the max
+    over every rank's logits (global_max, here), exceeds tau: torch.equal;
+  * Polar Express: torch.optim.Muon with its Newton-Schulz (torch.optim._muon._zeropower_via_newtonschulz) swapped
+    for one with one (a, b, c) per iteration and torch's op choice (torch.addmm): torch.equal;
+  * Gram: torch.optim.Muon; not always bit-identical (float32 sums over ranks inside each iteration), held to the
+    bound derived below, against torch's own error (the same iteration in float64, newton_schulz_float64).
+
+`python tests/test_dtensor_large_runs.py [seeds]` prints the Gram sweep's figures.
 """
 
-import contextlib
 import math
 from dataclasses import asdict, dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -30,6 +35,7 @@ from conftest import dm, mt
 
 import distributed_muon_dtensor as dd  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
+import large_runs_reference as lrr  # noqa: E402
 
 D = 8  # model width
 # Row layouts of the FULL matrices. The fused QKV has GQA-like heights (q 3, k 2, v 2 rows per head), so its blocks
@@ -270,104 +276,74 @@ def runs(tmp_path_factory):
 
 
 # -- the independent references ----------------------------------------------------------------------------------
-def newton_schulz_per_iteration(coefficients):
-    """torch.optim.Muon's Newton-Schulz (bf16, a tall matrix transposed, Frobenius-normalized, torch.addmm), with
-    one (a, b, c) per iteration (Polar Express, arXiv 2505.16932): the function to swap into torch.optim._muon."""
-    def zeropower(grad, ns_coefficients, ns_steps, eps):
-        x = grad.to(dtype=torch.bfloat16, copy=True)
-        tall = grad.size(0) > grad.size(1)
-        if tall:
-            x = x.T
-        x.div_(x.norm().clamp(min=eps))
-        for a, b, c in coefficients[:ns_steps]:
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-        return x.T if tall else x
-    return zeropower
+def per_matrix(tensors):
+    """{name: tensor} with the expert stack as one matrix per expert, "experts[e]" (each its own matrix, as
+    DTensorMuon orthogonalizes it)."""
+    out = {n: t for n, t in tensors.items() if n != "experts"}
+    out.update({f"experts[{e}]": t for e, t in enumerate(tensors.get("experts", ()))})
+    return out
 
 
-def rows_of(layout, per_head):
-    """The rows of each block of a layout, written out: segment s of period p is rows p * period + offset_s ..."""
-    period = sum(layout.sizes)
-    offsets = [sum(layout.sizes[:s]) for s in range(len(layout.sizes))]
-    segment = lambda p, s: list(range(p * period + offsets[s], p * period + offsets[s] + layout.sizes[s]))
-    if per_head:
-        return [segment(p, s) for p in range(layout.periods) for s in range(len(layout.sizes))]
-    return [[r for p in range(layout.periods) for r in segment(p, s)] for s in range(len(layout.sizes))]
+def stacked(tensors):
+    """per_matrix's inverse."""
+    out = {n: t for n, t in tensors.items() if not n.startswith("experts[")}
+    experts = [t for n, t in tensors.items() if n.startswith("experts[")]
+    return dict(out, experts=torch.stack(experts)) if experts else out
 
 
-def reference(case, record=None):
-    """{name: full tensor} after STEPS steps of torch.optim.Muon on the blocks as separate parameters (each expert's
-    blocks too), each group's options, the case's Newton-Schulz, then QK-clip with the global maxima.
+def stack_of(name):
+    return name.split("[")[0]
+
+
+def reference(case):
+    """{name: full tensor} after STEPS steps of the lesson helper's independent reference (tests/
+    large_runs_reference.py: torch.optim.Muon on the blocks as separate parameters, its Newton-Schulz swapped for one
+    with a triple per iteration, QK-clip from the equations with the global maxima), group by group (Muon steps
+    each parameter alone), each expert of the stack its own matrix with the expert's layout."""
+    torch.set_num_threads(1)
+    full = {n: p.detach().clone() for n, p in model_of(case).named_parameters()}
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    grads = [per_matrix(demo.exact_grads(shapes, SEED, step)) for step in range(1, STEPS + 1)]
+    out = {}
+    for i, options in enumerate(GROUPS):
+        names = [n for n in per_matrix(full) if group_of(stack_of(n)) == i]
+        result, _ = lrr.reference_muon(
+            {n: per_matrix(full)[n] for n in names}, [{n: g[n] for n in names} for g in grads],
+            lr=options["lr"], weight_decay=options["weight_decay"], momentum=0.95,
+            adjust_lr_fn=options.get("adjust_lr_fn", "original"),
+            coefficients=(dm.ns_coefficients_of("polar_express", dm.NS_STEPS)
+                          if case.ns_coefficients == "polar_express" else None),
+            layouts={n: LAYOUTS[stack_of(n)] for n in names if stack_of(n) in LAYOUTS},
+            per_head=None if case.ns_blocks == "whole" else case.ns_blocks == "heads",
+            tau=TAU if case.clip else None,
+            max_logits=[{n: S for n, S in global_max(step).items() if n in names} for step in range(1, STEPS + 1)])
+        out.update(result)
+    return stacked(out)
+
+
+def torch_reference(case, record):
+    """torch.optim.Muon itself, whole matrices, Jordan's coefficients (the tp_newton_schulz="gram" runs);
     record: a list to which each Newton-Schulz call appends (step, name, its input, its output)."""
     torch.set_num_threads(1)
     full = {n: p.detach().clone() for n, p in model_of(case).named_parameters()}
-    per_head = case.ns_blocks == "heads"
-    blocked = case.ns_blocks != "whole"
-
-    def pieces(name):  # [(index into the full tensor)] of each separate parameter torch sees
-        experts = [(e,) for e in range(full[name].shape[0])] if name == "experts" else [()]
-        if blocked and name in LAYOUTS:
-            return [e + (torch.tensor(rows),) for e in experts for rows in rows_of(LAYOUTS[name], per_head)]
-        return experts
-
-    split = {n: pieces(n) for n in full}
-    params = {n: [nn.Parameter(full[n][i].clone()) for i in split[n]] for n in full}
-    groups = [dict(options, params=[p for n in full if group_of(n) == i for p in params[n]])
-              for i, options in enumerate(GROUPS)]
-    opt = torch.optim.Muon(groups)
-    if case.ns_coefficients == "polar_express":
-        swapped = newton_schulz_per_iteration(dm.ns_coefficients_of("polar_express", dm.NS_STEPS))
-    else:
-        swapped = torch.optim._muon._zeropower_via_newtonschulz
-
-    order = [n for i in range(len(GROUPS)) for n in full if group_of(n) == i for _ in split[n]]
-    calls = []
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    params = {n: nn.Parameter(t.clone()) for n, t in per_matrix(full).items()}
+    order = [n for i in range(len(GROUPS)) for n in params if group_of(stack_of(n)) == i]
+    opt = torch.optim.Muon([dict(options, params=[params[n] for n in order if group_of(stack_of(n)) == i])
+                            for i, options in enumerate(GROUPS)])
+    newton_schulz = torch.optim._muon._zeropower_via_newtonschulz
 
     def recorded(grad, *args):  # torch calls it group by group, parameter by parameter: `order`, every step
-        out = swapped(grad, *args)
-        calls.append((len(calls) // len(order) + 1, order[len(calls) % len(order)], grad.clone(), out))
+        out = newton_schulz(grad, *args)
+        record.append((len(record) // len(order) + 1, order[len(record) % len(order)], grad.clone(), out))
         return out
 
-    shapes = {n: tuple(t.shape) for n, t in full.items()}
-    with swap_newton_schulz(recorded):
+    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", recorded):
         for step in range(1, STEPS + 1):
-            for name, g in demo.exact_grads(shapes, SEED, step).items():
-                for p, i in zip(params[name], split[name]):
-                    p.grad = g[i].clone()
+            for name, g in per_matrix(demo.exact_grads(shapes, SEED, step)).items():
+                params[name].grad = g.clone()
             opt.step()
-            if case.clip:
-                for name, S in global_max(step).items():
-                    whole = assemble(params[name], split[name], shapes[name])
-                    layout = LAYOUTS[name]
-                    for h, s in enumerate(S.tolist()):
-                        if s > TAU:
-                            for seg, segment in enumerate(layout.names):
-                                if segment in ("q", "k"):
-                                    start = h * sum(layout.sizes) + sum(layout.sizes[:seg])
-                                    whole[start:start + layout.sizes[seg]].mul_(math.sqrt(min(1.0, TAU / s)))
-                    for p, i in zip(params[name], split[name]):
-                        p.data.copy_(whole[i])
-    if record is not None:
-        record += calls
-    return {n: assemble(params[n], split[n], shapes[n]) for n in full}
-
-
-def assemble(params, index, shape):
-    whole = torch.empty(shape)
-    for p, i in zip(params, index):
-        whole[i] = p.detach()
-    return whole
-
-
-@contextlib.contextmanager
-def swap_newton_schulz(fn):
-    original = torch.optim._muon._zeropower_via_newtonschulz
-    torch.optim._muon._zeropower_via_newtonschulz = fn
-    try:
-        yield
-    finally:
-        torch.optim._muon._zeropower_via_newtonschulz = original
+    return stacked({n: p.detach() for n, p in params.items()})
 
 
 def differences(ranks, ref):
@@ -426,7 +402,7 @@ def test_blocks_and_qk_clip_equal_torch_on_the_blocks_then_the_clip(runs, mesh, 
 def test_blocks_differ_in_height_so_in_lr_and_the_meshes_cut_them_everywhere(runs):
     """What the blocks runs exercised: blocks of different heights in one matrix (different adjusted lr per run of
     rows), FSDP2's _StridedShard x TP's Shard(0), TP's Shard(1), HSDP's Replicate, expert parallel."""
-    heights = {len(rows) for rows in rows_of(LAYOUTS["qkv.weight"], False)}
+    heights = {len(rows) for rows in lrr.block_rows(LAYOUTS["qkv.weight"], False)}
     assert heights == {6, 4}
     lrs = {dm.adjusted_lr(0.03, "spectral_unclamped", (h, D)) for h in heights}
     assert len(lrs) == 2
@@ -444,7 +420,7 @@ def test_blocks_differ_in_height_so_in_lr_and_the_meshes_cut_them_everywhere(run
 @pytest.mark.parametrize("mesh", MESHES)
 def test_polar_express_equals_a_per_iteration_newton_schulz_swapped_into_torch(runs, mesh):
     """ns_coefficients="polar_express" (one triple per iteration, the paper's Algorithm 1): torch.equal to
-    torch.optim.Muon with its Newton-Schulz swapped for one written here from the equations, per iteration."""
+    torch.optim.Muon with its Newton-Schulz swapped for one with a triple per iteration (large_runs_reference)."""
     case, ranks = runs[Case(mesh, ns_coefficients="polar_express").label]
     ref = reference(case)
     assert_identical(ranks, ref, case.label)
@@ -546,7 +522,7 @@ def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals
     case, ranks = runs[Case(mesh, gram=True).label]
     tp = mesh[2]
     record = []
-    ref = reference(case, record)
+    ref = torch_reference(case, record)
     pieces = {c["name"] for r in ranks for c in r["ledger"]["compute"] if "|tp" in c["name"]}
     assert {n.split("|")[0] for n in pieces} == (GRAM if tp > 1 else set())
     diffs = differences(ranks, ref)
@@ -585,7 +561,7 @@ def test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed):
     RowwiseParallel, TP pieces as uneven as torch.chunk cuts them), FSDP2 x TP 2x2 and TP 4."""
     case, ranks = runs[Case(mesh, gram=True, sweep=seed).label]
     record = []
-    ref = reference(case, record)
+    ref = torch_reference(case, record)
     assert len(ref) == SWEEP
     pieces = {c["name"].split("|")[0] for r in ranks for c in r["ledger"]["compute"] if "|tp" in c["name"]}
     assert pieces == set(ref)  # every one in TP pieces
@@ -659,7 +635,7 @@ def measure(seeds):
     rows = {}
     for i, case in enumerate(cases):
         record = []
-        ref = reference(case, record)
+        ref = torch_reference(case, record)
         diffs = differences([r[i] for r in results], ref)
         for name, whole in ref.items():
             bound, moved = gram_bound(record, name, tuple(whole.shape))
