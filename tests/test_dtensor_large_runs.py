@@ -117,6 +117,7 @@ class Case:
     save: str = ""  # a checkpoint folder, written after step 1
     resume: str = ""  # a checkpoint folder, loaded before step 2
     sweep: int = -1  # >= 0: the Sweep model of this seed instead of Model
+    low_rank: bool = False  # gradients of rank 2 plus a little noise (grads_of), as momenta often are
 
     @property
     def label(self):
@@ -125,7 +126,7 @@ class Case:
                 f"{self.ns_blocks} {'polar' if self.ns_coefficients == 'polar_express' else 'jordan'}"
                 f"{' clip' if self.clip else ''}{' gram' if self.gram else ''}"
                 f"{' ' + self.bad if self.bad else ''}{' resumed' if self.resume else ''}"
-                f"{f' sweep {self.sweep}' if self.sweep >= 0 else ''}")
+                f"{f' sweep {self.sweep}' if self.sweep >= 0 else ''}{' low rank' if self.low_rank else ''}")
 
 
 @dataclass(frozen=True)
@@ -180,10 +181,24 @@ def build(case, rank):
     return model, opt, named
 
 
-def give_grads(named, step):
+def grads_of(case, shapes, step):
+    """{name: total gradient} of a step, multiples of 2**-10: dtensor_demo's exact gradients (full rank), or
+    (case.low_rank) a rank-2 product rounded to 2**-10 plus them / 64 rounded (noise ~1/100 of the entries)."""
+    grads = demo.exact_grads(shapes, SEED, step)
+    if not case.low_rank:
+        return grads
+    out = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        g = torch.Generator().manual_seed(SEED * 7919 + step * 131 + i)
+        product = torch.randn(*shape[:-1], 2, generator=g) @ torch.randn(*shape[:-2], 2, shape[-1], generator=g)
+        out[name] = (torch.round(product * 2**8) + torch.round(grads[name] * 2**4)) * 2.0**-10
+    return out
+
+
+def give_grads(named, case, step):
     from torch.distributed.tensor import distribute_tensor
 
-    for name, g in demo.exact_grads({n: tuple(p.shape) for n, p in named.items()}, SEED, step).items():
+    for name, g in grads_of(case, {n: tuple(p.shape) for n, p in named.items()}, step).items():
         p = named[name]
         p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
 
@@ -214,7 +229,7 @@ def run_case(rank, case):
         dd.load_checkpoint(case.resume, model, opt)
         first = 2
     for step in range(first, STEPS + 1):
-        give_grads(named, step)
+        give_grads(named, case, step)
         opt.step()
         if case.clip:
             out["scales"].append(opt.clip_qk_(max_logits(rank, step)))
@@ -252,7 +267,9 @@ def run_cases(rank, spawn, device):
 
 
 MESHES = [(1, 2, 2), (1, 4, 1), (1, 1, 4), (2, 1, 2)]
-SWEPT = [((1, 2, 2), 1), ((1, 1, 4), 2), ((1, 2, 2), 3), ((1, 1, 4), 4)]  # (mesh, seed) of each sweep
+# (mesh, seed, low-rank gradients) of each sweep
+SWEPT = [((1, 2, 2), 1, False), ((1, 1, 4), 2, False), ((1, 2, 2), 3, False), ((1, 1, 4), 4, False),
+         ((1, 2, 2), 5, True), ((1, 1, 4), 6, True)]
 
 
 @pytest.fixture(scope="session")
@@ -266,7 +283,7 @@ def runs(tmp_path_factory):
     cases += [Case((1, 2, 2), "blocks", clip=True, bad="clip"), Case((1, 2, 2), "blocks", bad="layouts"),
               Case((1, 2, 2), "blocks", clip=True, save=saved)]
     cases += [Case(mesh, "blocks", clip=True, resume=saved) for mesh in [(1, 4, 1), (1, 1, 4)]]
-    cases += [Case(mesh, gram=True, sweep=seed) for mesh, seed in SWEPT]
+    cases += [Case(mesh, gram=True, sweep=seed, low_rank=low) for mesh, seed, low in SWEPT]
     results = mt.spawn_ranks(Spawn(tuple(cases)), run_cases)
     runs = {}
     for i, case in enumerate(cases):
@@ -303,7 +320,7 @@ def reference(case):
     torch.set_num_threads(1)
     full = {n: p.detach().clone() for n, p in model_of(case).named_parameters()}
     shapes = {n: tuple(t.shape) for n, t in full.items()}
-    grads = [per_matrix(demo.exact_grads(shapes, SEED, step)) for step in range(1, STEPS + 1)]
+    grads = [per_matrix(grads_of(case, shapes, step)) for step in range(1, STEPS + 1)]
     out = {}
     for i, options in enumerate(GROUPS):
         names = [n for n in per_matrix(full) if group_of(stack_of(n)) == i]
@@ -340,7 +357,7 @@ def torch_reference(case, record):
 
     with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", recorded):
         for step in range(1, STEPS + 1):
-            for name, g in per_matrix(demo.exact_grads(shapes, SEED, step)).items():
+            for name, g in per_matrix(grads_of(case, shapes, step)).items():
                 params[name].grad = g.clone()
             opt.step()
     return stacked({n: p.detach() for n, p in params.items()})
@@ -555,11 +572,15 @@ def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals
     assert sent(ranks) < sent(whole)
 
 
-@pytest.mark.parametrize("mesh,seed", SWEPT)
-def test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed):
+@pytest.mark.parametrize("mesh,seed,low_rank", SWEPT)
+def test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed, low_rank):
     """The same bound on SWEEP matrices of random shapes per seed (tall under ColwiseParallel, wide under
-    RowwiseParallel, TP pieces as uneven as torch.chunk cuts them), FSDP2 x TP 2x2 and TP 4."""
-    case, ranks = runs[Case(mesh, gram=True, sweep=seed).label]
+    RowwiseParallel, TP pieces as uneven as torch.chunk cuts them), FSDP2 x TP 2x2 and TP 4. With full-rank
+    gradients the bound is a small part of the update (it bites); with gradients of rank 2 plus noise torch's own
+    bf16 result is far from the float64 iteration, the bound with it, and the Gram path stays within it (the
+    sweeps measured differences up to 2**-3.5 of the update there, 2**-6.9 with full rank: no bound that ignores
+    the input holds)."""
+    case, ranks = runs[Case(mesh, gram=True, sweep=seed, low_rank=low_rank).label]
     record = []
     ref = torch_reference(case, record)
     assert len(ref) == SWEEP
@@ -569,7 +590,7 @@ def test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed):
     for name, whole in ref.items():
         bound, moved = gram_bound(record, name, tuple(whole.shape))
         assert diffs[name] <= bound, (name, tuple(whole.shape), diffs[name], bound)
-        assert bound <= moved / 4, (name, bound, moved)
+        assert low_rank or bound <= moved / 4, (name, bound, moved)
     SWEPT_DIFFS[(mesh, seed)] = diffs
 
 
@@ -579,9 +600,9 @@ SWEPT_DIFFS = {}
 def test_gram_is_not_bitwise_torch_on_every_matrix(runs):
     """What the derivation says: near-ties of the float32 sums round the other way now and then, so over the
     sweeps some matrices differ from torch (and most do not)."""
-    for mesh, seed in SWEPT:
+    for mesh, seed, low_rank in SWEPT:
         if (mesh, seed) not in SWEPT_DIFFS:
-            test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed)
+            test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed, low_rank)
     diffs = [d for sweep in SWEPT_DIFFS.values() for d in sweep.values()]
     assert len(diffs) == len(SWEPT) * SWEEP
     assert 0 < sum(d > 0 for d in diffs) < len(diffs)
@@ -630,7 +651,8 @@ def test_bad_options_are_refused_at_construction_in_one_line():
 
 def measure(seeds):
     """The Gram sweep's figures on `seeds` seeds per mesh (one spawn): difference / bound, bound / update."""
-    cases = [Case(mesh, gram=True, sweep=seed) for seed in range(1, seeds + 1) for mesh in [(1, 2, 2), (1, 1, 4)]]
+    cases = [Case(mesh, gram=True, sweep=seed, low_rank=low) for seed in range(1, seeds + 1)
+             for mesh in [(1, 2, 2), (1, 1, 4)] for low in (False, True)]
     results = mt.spawn_ranks(Spawn(tuple(cases)), run_cases)
     rows = {}
     for i, case in enumerate(cases):
@@ -639,12 +661,14 @@ def measure(seeds):
         diffs = differences([r[i] for r in results], ref)
         for name, whole in ref.items():
             bound, moved = gram_bound(record, name, tuple(whole.shape))
-            rows.setdefault(case.mesh, []).append((diffs[name] / bound, bound / moved, diffs[name] / moved))
-    table = [[f"{'x'.join(map(str, mesh[1:]))}", len(r), sum(x[0] == 0 for x in r), f"{max(x[0] for x in r):.3f}",
+            rows.setdefault((case.mesh, case.low_rank), []).append(
+                (diffs[name] / bound, bound / moved, diffs[name] / moved))
+    table = [[f"{'x'.join(map(str, mesh[1:]))}", "rank 2 + noise" if low else "full rank", len(r),
+              sum(x[0] == 0 for x in r), f"{max(x[0] for x in r):.3f}",
               f"{sorted(x[0] for x in r)[len(r) // 2]:.3f}", f"{max(x[1] for x in r):.3f}",
-              f"2**{math.log2(max(x[2] for x in r)):.2f}"] for mesh, r in rows.items()]
-    print(mt.format_table(["mesh", "matrices", "torch.equal", "max diff/bound", "median diff/bound",
-                           "max bound/update", "max diff/update"], table, ["<", ">", ">", ">", ">", ">", ">"]))
+              f"2**{math.log2(max(x[2] for x in r)):.2f}"] for (mesh, low), r in rows.items()]
+    print(mt.format_table(["mesh", "gradients", "matrices", "torch.equal", "max diff/bound", "median diff/bound",
+                           "max bound/update", "max diff/update"], table, ["<", "<", ">", ">", ">", ">", ">", ">"]))
 
 
 if __name__ == "__main__":  # python tests/test_dtensor_large_runs.py [seeds]: the Gram sweep's figures
