@@ -21,7 +21,7 @@ and the rule for when each moves fewer bytes.
 
 import os
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -173,6 +173,36 @@ def tp_newton_schulz_costs(shape, tp_split_dim, tp, ns_steps=dm.NS_STEPS):
     gram_flops = ns_steps * (4 * m * m * n_long // tp + 2 * m ** 3) if eligible else None
     return dict(gather_bytes=gather_bytes, gram_bytes=gram_bytes, gather_flops=dm.newton_schulz_flops(shape, ns_steps),
                 gram_flops=gram_flops, eligible=eligible)
+
+
+@dataclass(frozen=True)
+class TPNewtonSchulzRun:
+    """What tp_newton_schulz_rank needs (mt.spawn_ranks: dp, tp, timeout_s): matrices (global shape, split)."""
+    matrices: tuple
+    tp: int
+    ns_steps: int = dm.NS_STEPS
+    dp: int = 1
+    timeout_s: float = dm.TIMEOUT_S
+
+
+def tp_newton_schulz_rank(rank, run, device):
+    """One TP rank of a real run of both ways on each matrix (random, seeded): {(shape, split): {phase: bytes
+    sent}} from its Ledger, to check tp_newton_schulz_costs against."""
+    torch.set_num_threads(1)
+    grid = dm.make_grid(1, run.tp, rank)
+    out = {}
+    for shape, split in run.matrices:
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0] * 7919 + shape[1]))
+        piece = dm.tp_shard(full, split, grid.tp.rank, grid.tp.size).bfloat16()
+        ledger = dm.Ledger()
+        dm.tp_gather(piece, split, grid.tp, ledger)
+        if dm.gram_eligible(shape, split):
+            dm.newton_schulz_tp(piece, shape, grid.tp, ledger, run.ns_steps)
+        sent = {}
+        for c in ledger.comm:
+            sent[c["phase"]] = sent.get(c["phase"], 0) + c["sent"]
+        out[shape, split] = sent
+    return out
 
 
 def split_matrices(models):

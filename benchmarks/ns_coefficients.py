@@ -44,12 +44,10 @@ def real_matrices(cfg, train_steps):
     model, optimizers = tg.reference_model(cfg, "cpu")
     for step in range(1, train_steps + 1):
         tg.accumulate_gradients(model, cfg, step, "cpu")
-        tg.set_lr(optimizers, cfg, step)
-        for opt in optimizers:
-            opt.step()
+        optimizers.step(step)
         model.zero_grad(set_to_none=True)
     tg.accumulate_gradients(model, cfg, train_steps + 1, "cpu")
-    muon = next(o for o in optimizers if isinstance(o, torch.optim.Muon))
+    muon = next(o for o in optimizers.optimizers if isinstance(o, torch.optim.Muon))
     out = []
     for name in muon_params(model):
         p = model.get_parameter(name)

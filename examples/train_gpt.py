@@ -8,6 +8,8 @@ Launch recipes
     python examples/train_gpt.py --schedule warmup-cosine --lr 0.02   # warm-up, then cosine decay to 0.1 x lr
     python examples/train_gpt.py --dp 2 --tp 2 --steps 4 --verify   # against torch.optim.Muon + AdamW in one process
     python examples/train_gpt.py --steps 8 --profile traces/   # Chrome traces per rank (open in ui.perfetto.dev)
+    python examples/train_gpt.py --qk-clip 30                  # MuonClip: heads whose logits pass 30 shrink
+    python examples/train_gpt.py --ns-blocks blocks --ns-coefficients polar_express   # Q, K, V apart; Polar Express
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --dp 4 --tp 2   # GPUs, NCCL
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2 --backend gloo --device cpu
 
@@ -28,6 +30,16 @@ serves Muon and AdamW, as in Moonlight, arXiv:2502.16982); AdamW takes the embed
 and biases. The learning rate is the same for every optimizer and constant by default;
 --schedule warmup-cosine warms it up linearly over --warmup-steps, then decays it along a
 cosine to MIN_LR_FRACTION of --lr at the last step (nanoGPT's schedule, karpathy/nanoGPT train.py).
+
+What large runs add (the lesson's section 7), each off by default:
+    --qk-clip TAU        QK-clip (Kimi K2, arXiv 2507.20534): every attention layer reports its heads'
+                         largest logit of the step's forward (gpt.py, max_logits); after the step the
+                         optimizer scales head h's rows of W_q and W_k by sqrt(min(1, TAU / S_h)), S_h
+                         the largest over every rank (clip_qk_). The fused QKV's layout, head by head,
+                         is gpt.qkv_row_layouts.
+    --ns-blocks          whole (torch's), blocks (Q, K and V of the fused QKV orthogonalized apart) or
+                         heads (each head's q, k and v apart).
+    --ns-coefficients    jordan (torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932).
 """
 
 import argparse
@@ -38,6 +50,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -53,13 +66,14 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
-from gpt import GPT, GPTConfig, check_gpt, param_groups  # noqa: E402
+from gpt import GPT, GPTConfig, check_gpt, param_groups, qkv_row_layouts  # noqa: E402
 from stdlib_text import load_corpus  # noqa: E402
 
 # =============================================================================
 # 1. The run's configuration and its checks
 # =============================================================================
 OPTIMIZER_NAMES = ("muon", "adamw")
+NS_BLOCKS = ("whole", "blocks", "heads")  # the optimizer's ns_blocks choices
 SCHEDULES = ("constant", "warmup-cosine")
 MIN_LR_FRACTION = 0.1  # where warmup-cosine ends, as a fraction of --lr (nanoGPT's min_lr = learning_rate / 10)
 PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 2, 1, 3  # steps skipped, warmed up, then traced
@@ -92,6 +106,9 @@ class TrainConfig:
     keep: bool = False  # return every rank's gradients and weights of every step (for verification)
     progress: bool = True  # rank 0 prints a progress line every log_every steps
     fail_rank: int = -1  # for tests: this rank raises at step 1
+    qk_clip: float = None  # tau of QK-clip (None: off)
+    ns_blocks: str = "whole"  # one of NS_BLOCKS: what Newton-Schulz sees of the fused QKV
+    ns_coefficients: str = "jordan"  # one of dm.NS_COEFFICIENT_CHOICES
 
     def gpt(self):
         return GPTConfig(context=self.context, d_model=self.d_model, n_layers=self.layers,
@@ -113,6 +130,7 @@ def validate(cfg, ranks_here=None):
         raise ValueError(f"--warmup-steps must be >= 0 and below --steps {cfg.steps} (got {cfg.warmup_steps})")
     if cfg.strategy not in dm.STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(dm.STRATEGIES)} (got {cfg.strategy!r})")
+    check_large_run_options(cfg)
     dm.check_hyperparameters(mt.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")
     if cfg.lr == 0:
@@ -138,6 +156,23 @@ def validate(cfg, ranks_here=None):
         raise ValueError(f"--val-windows {cfg.val_windows} x (--context {cfg.context} + 1) = {needed:,} bytes, more "
                          f"than the {corpus.val.numel():,}-byte validation text: its windows would overlap")
     check_memory(cfg, cfg.dp * cfg.tp if ranks_here is None else ranks_here)
+
+
+def check_large_run_options(cfg):
+    """--qk-clip, --ns-blocks and --ns-coefficients: their values, and that they are Muon's."""
+    if cfg.ns_blocks not in NS_BLOCKS:
+        raise ValueError(f"--ns-blocks must be one of {', '.join(NS_BLOCKS)} (got {cfg.ns_blocks!r})")
+    if cfg.ns_coefficients not in dm.NS_COEFFICIENT_CHOICES:
+        raise ValueError(f"--ns-coefficients must be one of {', '.join(dm.NS_COEFFICIENT_CHOICES)} "
+                         f"(got {cfg.ns_coefficients!r})")
+    if cfg.qk_clip is not None and not (math.isfinite(cfg.qk_clip) and cfg.qk_clip > 0):
+        raise ValueError(f"--qk-clip must be a finite tau > 0 (got {cfg.qk_clip})")
+    if cfg.optimizer != "muon":
+        given = [flag for flag, on in (("--qk-clip", cfg.qk_clip is not None), ("--ns-blocks", cfg.ns_blocks != "whole"),
+                                       ("--ns-coefficients", cfg.ns_coefficients != "jordan")) if on]
+        if given:
+            raise ValueError(f"--optimizer {cfg.optimizer} takes no {', '.join(given)}: MuonClip and Newton-Schulz "
+                             f"options are Muon's")
 
 
 def memory_lower_bound(cfg):
@@ -177,6 +212,8 @@ def hyperparameters(cfg):
     adamw = dict(algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), eps=1e-8)
     muon = dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=True,
                 ns_steps=dm.NS_STEPS, adjust_lr_fn="match_rms_adamw")
+    if cfg.ns_coefficients != "jordan":  # the group keeps the name; torch's default stays unnamed
+        muon["ns_coefficients"] = cfg.ns_coefficients
     return (muon if cfg.optimizer == "muon" else adamw), adamw, dict(adamw, weight_decay=0.0)
 
 
@@ -197,10 +234,23 @@ def set_lr(optimizers, cfg, step):
             group["lr"] = lr_at(cfg, step)
 
 
+def large_run_options(cfg):
+    """The optimizer's keywords for --ns-blocks and --qk-clip (none at their defaults: torch's behaviour)."""
+    options = {}
+    if cfg.ns_blocks != "whole":
+        options["ns_blocks"] = cfg.ns_blocks
+    if cfg.qk_clip is not None:
+        options["qk_clip_tau"] = cfg.qk_clip
+    if options:
+        options["row_layouts"] = qkv_row_layouts(cfg.gpt())
+    return options
+
+
 def build_optimizer(model, cfg, grid):
     # AdamW ZeRO-1 is the gather class with no Muon group: the lesson's baseline
-    return dm.OPTIMIZERS["gather" if cfg.optimizer == "adamw" else cfg.strategy](param_groups(model, *hyperparameters(cfg)), grid=grid,
-                                       tp_split_dims=model.tp_split_dims(), bucket_size=cfg.bucket_size)
+    return dm.OPTIMIZERS["gather" if cfg.optimizer == "adamw" else cfg.strategy](
+        param_groups(model, *hyperparameters(cfg)), grid=grid, tp_split_dims=model.tp_split_dims(),
+        bucket_size=cfg.bucket_size, **large_run_options(cfg))
 
 
 def run_kind(cfg):
@@ -219,9 +269,11 @@ def train_rank(rank, cfg, device):
     corpus = load_corpus()
     model = GPT(cfg.gpt(), grid.tp, dm.Ledger()).to(device)
     opt = build_optimizer(model, cfg, grid)
+    model.record_max_logits(cfg.qk_clip is not None)
     profiler = start_profiler(cfg, rank)
     losses, val, ms = [], [], {"forward": [], "backward": [], "optimizer": [], "step": []}
     grads, weights = [], []  # with cfg.keep: each step's gradients and the weights they were taken at
+    max_logits, clipped = [], []  # with --qk-clip: this rank's max logits of each step, the multipliers applied
     last_log = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         if rank == cfg.fail_rank:
@@ -241,6 +293,9 @@ def train_rank(rank, cfg, device):
         with record_function("optimizer step"):
             set_lr([opt], cfg, step)
             opt.step()
+            if cfg.qk_clip is not None:  # every rank, after the step: a collective
+                max_logits.append(model.max_logits())
+                clipped.append(opt.clip_qk_(max_logits[-1]))
         t3 = clock(device)
         opt.zero_grad(set_to_none=True)
         for key, (a, b) in zip(ms, ((t0, t1), (t1, t2), (t2, t3), (t0, t3))):
@@ -259,7 +314,8 @@ def train_rank(rank, cfg, device):
     if profiler is not None:
         profiler.stop()
     result = dict(rank=rank, losses=losses, val=val, ms=ms, ledger=asdict(opt.ledger),
-                  model_ledger=asdict(model.ledger), state_bytes=opt.state_bytes(), owners=opt.owners)
+                  model_ledger=asdict(model.ledger), state_bytes=opt.state_bytes(), owners=opt.owners,
+                  max_logits=[{n: t.cpu() for n, t in m.items()} for m in max_logits], clipped=clipped)
     if cfg.keep:
         result.update(grads=grads, weights=weights, params=snapshot(model))
     return result
@@ -405,29 +461,135 @@ UNIT_ROUNDOFF = 2.0**-24  # fp32: a rounding moves a result by at most this frac
 REALIZED_FACTOR = 4  # the ranks' rounding error against the one process's, on the same step (policy, 3.)
 CHAOS_PARAM = "blocks.0.attn.qkv.weight"  # the chaos floor moves its entry 0 by one ulp
 
+# What large runs add has a reference of its own here, from the papers' equations and torch's optimizers
+# (never the lesson's code): --ns-blocks, torch.optim.Muon on each block as a separate parameter (its
+# rows copied out before the step and back after); --ns-coefficients polar_express, torch.optim.Muon
+# with its Newton-Schulz swapped for the same torch ops taking one (a, b, c) per iteration; --qk-clip,
+# after torch's step, head h's q and k rows times sqrt(min(1, tau / S_h)), S_h the largest logit of the
+# step's forward over every micro-batch (the replay: over every rank's). All three are exact: the same
+# ops on the same numbers, so the replay and TP = 1 stay bit for bit.
+
+def reference_blocks(cfg, model):
+    """{qkv weight name: [(row indices, a leaf tensor of those rows)]}: the matrices torch.optim.Muon sees
+    apart under --ns-blocks (Q, K, V: one segment of every head; heads: each head's q, k, v alone)."""
+    if cfg.ns_blocks == "whole" or cfg.optimizer != "muon":
+        return {}
+    g = cfg.gpt()
+    hd = g.d_model // g.n_heads
+    segments = [(h, s) for h in range(g.n_heads) for s in range(3)]  # the rows, head by head (gpt.Attention)
+    if cfg.ns_blocks == "heads":
+        groups = [[(h, s)] for h, s in segments]
+    else:
+        groups = [[(h, s) for h in range(g.n_heads)] for s in range(3)]
+    out = {}
+    for name in qkv_row_layouts(g):
+        w = model.get_parameter(name)
+        out[name] = []
+        for group in groups:
+            rows = torch.tensor([(3 * h + s) * hd + i for h, s in group for i in range(hd)], device=w.device)
+            out[name].append((rows, w.detach()[rows].clone()))
+    return out
+
+
+def per_iteration_newton_schulz(triples):
+    """torch.optim.Muon's _zeropower_via_newtonschulz with one (a, b, c) per iteration: the same torch ops."""
+    def zeropower(grad, ns_coefficients, ns_steps, eps):
+        x = grad.to(dtype=torch.bfloat16, copy=True)
+        tall = grad.size(0) > grad.size(1)
+        if tall:
+            x = x.T
+        x.div_(x.norm().clamp(min=eps))
+        for a, b, c in triples:
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if tall else x
+    return zeropower
+
+
+class ReferenceOptimizers:
+    """torch.optim.Muon + AdamW for the one-process GPT, with the reference of each --ns-blocks,
+    --ns-coefficients and --qk-clip (above)."""
+
+    def __init__(self, model, cfg):
+        self.model, self.cfg, self.blocks = model, cfg, reference_blocks(cfg, model)
+        groups = []
+        for g in param_groups(model, *hyperparameters(cfg)):
+            params = [p for n, p in g["params"] if n not in self.blocks]
+            if g is not None and g.get("algorithm") == "muon":
+                params += [t for pieces in self.blocks.values() for _, t in pieces]
+            groups.append(dict(g, params=params))
+        self.optimizers = dm.torch_optimizers(groups)
+        self.zeropower = (per_iteration_newton_schulz(dm.ns_coefficients_of(cfg.ns_coefficients, dm.NS_STEPS))
+                          if cfg.optimizer == "muon" and cfg.ns_coefficients != "jordan" else None)
+
+    def step(self, step, max_logits=None):
+        """Step `step`; with --qk-clip, then clip by max_logits ({qkv weight name: (heads,) S})."""
+        set_lr(self.optimizers, self.cfg, step)
+        with torch.no_grad():
+            for name, pieces in self.blocks.items():
+                w = self.model.get_parameter(name)
+                for rows, t in pieces:
+                    t.copy_(w[rows])
+                    t.grad = w.grad[rows]
+            with patch.object(torch.optim._muon, "_zeropower_via_newtonschulz",
+                              self.zeropower or torch.optim._muon._zeropower_via_newtonschulz):
+                for opt in self.optimizers:
+                    opt.step()
+            for name, pieces in self.blocks.items():
+                w = self.model.get_parameter(name)
+                for rows, t in pieces:
+                    w[rows] = t
+                    t.grad = None
+            if self.cfg.qk_clip is not None:
+                self.clip_qk_(max_logits)
+
+    def clip_qk_(self, max_logits):
+        """Kimi K2's per-head QK-clip: head h's rows of W_q and W_k each times sqrt(min(1, tau / S_h))."""
+        g, tau = self.cfg.gpt(), self.cfg.qk_clip
+        hd = g.d_model // g.n_heads
+        for name, maxima in max_logits.items():
+            w = self.model.get_parameter(name)
+            for h, s in enumerate(maxima.tolist()):
+                if s > tau:
+                    w[3 * h * hd:(3 * h + 2) * hd].mul_(math.sqrt(min(1.0, tau / s)))  # its q rows, then k rows
+
+
 def reference_model(cfg, device):
     torch.set_num_threads(1)  # as every rank: bf16 matmul bits can depend on the thread count
     model = GPT(cfg.gpt()).to(device)
-    optimizers = dm.torch_optimizers([dict(g, params=[p for _, p in g["params"]])
-                                      for g in param_groups(model, *hyperparameters(cfg))])
-    return model, optimizers
+    model.record_max_logits(cfg.qk_clip is not None)
+    return model, ReferenceOptimizers(model, cfg)
 
 
-def accumulate_gradients(model, cfg, step, device):
-    """loss / DP's gradients of DP rank 0's micro-batch, then rank 1's, ...: [loss of each micro-batch]."""
+def accumulate_gradients(model, cfg, step, device, max_logits=None):
+    """loss / DP's gradients of DP rank 0's micro-batch, then rank 1's, ...: [loss of each micro-batch].
+    max_logits: a dict to fill with each head's largest logit over the micro-batches (--qk-clip)."""
     corpus, losses = load_corpus(), []
     for d in range(cfg.dp):
         x, y = (t.to(device) for t in corpus.batch(step, cfg.batch, cfg.context, cfg.seed, d, cfg.dp))
         loss = model(x, y)
         (loss / cfg.dp).backward()  # accumulates in .grad: g_0 + g_1 + ..., in DP-rank order
         losses.append(loss.item())
+        if max_logits is not None:
+            for n, t in model.max_logits().items():
+                max_logits[n] = torch.maximum(max_logits[n], t) if n in max_logits else t
     return losses
 
 
-def reference(cfg, device="cpu", replay=None, nudge=False):
+def ranks_max_logits(results, step):
+    """{qkv weight name: (heads,)} of step (0-based): the largest over every rank's reported maxima."""
+    out = {}
+    for r in results:
+        for n, t in r["max_logits"][step].items():
+            out[n] = torch.maximum(out[n], t) if n in out else t
+    return out
+
+
+def reference(cfg, device="cpu", replay=None, nudge=False, replay_max_logits=None):
     """Train in one process: {"losses": [[loss of DP rank d's micro-batch] per step], "params"}.
 
-    replay: the total gradient of every step ([{name: tensor}]) to use instead of computing one.
+    replay: the total gradient of every step ([{name: tensor}]) to use instead of computing one, and
+    with --qk-clip replay_max_logits, the ranks' maxima of every step ([{name: (heads,)}]).
     nudge: start with entry 0 of CHAOS_PARAM one ulp larger (the chaos floor)."""
     model, optimizers = reference_model(cfg, device)
     if nudge:
@@ -436,14 +598,15 @@ def reference(cfg, device="cpu", replay=None, nudge=False):
             first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))
     losses = []
     for step in range(1, cfg.steps + 1):
+        max_logits = {} if cfg.qk_clip is not None else None
         if replay is None:
-            losses.append(accumulate_gradients(model, cfg, step, device))
+            losses.append(accumulate_gradients(model, cfg, step, device, max_logits))
         else:
             for n, p in model.named_parameters():
                 p.grad = replay[step - 1][n].to(device)
-        set_lr(optimizers, cfg, step)
-        for opt in optimizers:
-            opt.step()
+            if cfg.qk_clip is not None:
+                max_logits = replay_max_logits[step - 1]
+        optimizers.step(step, max_logits)
         model.zero_grad(set_to_none=True)
     return dict(losses=losses, params=snapshot(model))
 
@@ -574,8 +737,9 @@ def verify(cfg, results, device="cpu", rank_order=True):
     specs = param_specs(cfg)
     rank_params = {r["rank"]: r["params"] for r in results}
     totals, replica_diff = total_gradients(cfg, results, specs)
-    replayed = dm.compare_to_reference(specs, reference(cfg, device, replay=totals)["params"], rank_params,
-                                       cfg.dp, cfg.tp)
+    logits = [ranks_max_logits(results, s) for s in range(cfg.steps)] if cfg.qk_clip is not None else None
+    replayed = dm.compare_to_reference(specs, reference(cfg, device, replay=totals, replay_max_logits=logits)["params"],
+                                       rank_params, cfg.dp, cfg.tp)
     for c, spec in zip(replayed, specs):
         c["tolerance"] = replay_tolerance(cfg, spec, rank_order)
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
@@ -755,6 +919,14 @@ def build_parser():
     p.add_argument("--profile", default="", metavar="DIR",
                    help=f"write torch.profiler Chrome traces of steps {PROFILE_WAIT + PROFILE_WARMUP + 1}-"
                         f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE} to DIR/rank<R>.json")
+    p.add_argument("--qk-clip", type=float, metavar="TAU", dest="qk_clip",
+                   help="QK-clip (Kimi K2's MuonClip): after each step, shrink W_q and W_k of every head whose "
+                        "largest logit passed TAU (default off)")
+    p.add_argument("--ns-blocks", choices=NS_BLOCKS, default=d.ns_blocks,
+                   help="Newton-Schulz of the fused QKV: whole (default, torch's), blocks (Q, K, V apart) or "
+                        "heads (each head's q, k, v apart)")
+    p.add_argument("--ns-coefficients", choices=tuple(dm.NS_COEFFICIENT_CHOICES), default=d.ns_coefficients,
+                   help="jordan (default: torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932)")
     p.add_argument("--verify", action="store_true",
                    help="train the same model in one process with torch.optim.Muon + AdamW and compare")
     p.add_argument("--json", metavar="PATH", help="write the run's figures")
