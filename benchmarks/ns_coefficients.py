@@ -57,33 +57,31 @@ def real_matrices(cfg, train_steps):
     return out
 
 
-def sigma_ranges(matrix, choice, steps):
-    """[(min, max) of the singular values after k iterations of `choice`] for k = 0 (the normalized
-    input, bf16 as newton_schulz casts it) .. steps."""
+def sigmas(matrix, choice, steps):
+    """[singular values (float64) after k iterations of `choice`] for k = 0 (the normalized input, bf16
+    as newton_schulz casts it) .. steps."""
     x = matrix.bfloat16()
-    normalized = x / x.norm().clamp(min=dm.NS_EPS)
-    out = [normalized]
+    out = [x / x.norm().clamp(min=dm.NS_EPS)]
     for k in range(1, steps + 1):
         out.append(dm.newton_schulz(matrix, k, dm.ns_coefficients_of(choice, k)))
-    ranges = []
-    for y in out:
-        s = torch.linalg.svdvals(y.double())
-        ranges.append((s.min().item(), s.max().item()))
-    return ranges, torch.linalg.svdvals(out[-1].double())
+    return [torch.linalg.svdvals(y.double()) for y in out]
 
 
 def measure(cfg, train_steps, steps):
-    """{(shape, source, choice): [ranges over the matrices per k]}, {choice: all final sigmas}, count."""
-    table, finals = {}, {c: [] for c in CHOICES}
+    """{(shape, source, choice): [(min, max) over the matrices, per k]}, {(choice, k): every matrix's sigma
+    after k iterations}, {(shape, source): how many matrices}."""
+    table, finals = {}, {}
     matrices = real_matrices(cfg, train_steps)
     for name, source, m in matrices:
         for choice in CHOICES:
-            ranges, final = sigma_ranges(m, choice, steps)
+            per_k = sigmas(m, choice, steps)
+            ranges = [(s.min().item(), s.max().item()) for s in per_k]
             key = (tuple(m.shape), source, choice)
             prev = table.get(key)
             table[key] = ranges if prev is None else [(min(a[0], b[0]), max(a[1], b[1]))
                                                        for a, b in zip(prev, ranges)]
-            finals[choice].append(final)
+            for k, s in enumerate(per_k):
+                finals.setdefault((choice, k), []).append(s)
     counts = {}
     for name, source, m in matrices:
         counts[(tuple(m.shape), source)] = counts.get((tuple(m.shape), source), 0) + 1
@@ -108,12 +106,13 @@ def format_report(cfg, train_steps, steps, table, finals, counts):
                     + [f"{dm.newton_schulz_flops(shape, steps) / 1e6:.2f}"])
     lines.append(mt.format_table(header, rows, ["<", "<", ">", "<"] + [">"] * (steps + 2)))
     lines.append("")
-    for choice in CHOICES:
-        s = torch.cat(finals[choice])
-        near = (s - 1).abs().le(WITHIN).double().mean().item()
-        lines.append(f"{choice:<14} after {steps} iterations, all {len(finals[choice])} matrices: sigma "
-                     f"{s.min().item():.3g} .. {s.max().item():.3g}, median {statistics.median(s.tolist()):.3f}, "
-                     f"{near:.1%} of them within {WITHIN:g} of 1")
+    for k in sorted({min(dm.NS_STEPS, steps), steps}):
+        for choice in CHOICES:
+            s = torch.cat(finals[choice, k])
+            near = (s - 1).abs().le(WITHIN).double().mean().item()
+            lines.append(f"k={k} {choice:<14} all {len(finals[choice, k])} matrices: sigma {s.min().item():.3g} .. "
+                         f"{s.max().item():.3g}, median {statistics.median(s.tolist()):.3f}, {near:.1%} of the "
+                         f"{s.numel()} within {WITHIN:g} of 1")
     return "\n".join(lines)
 
 
