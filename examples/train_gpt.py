@@ -809,7 +809,9 @@ def summarize(cfg, results):
     ms = {k: statistics.median(max(r["ms"][k][s] for r in results) for s in range(cfg.steps)[timed])
           for k in results[0]["ms"]}
     ledgers = [dict(comm=r["model_ledger"]["comm"] + r["ledger"]["comm"]) for r in results]
-    table = mt.bytes_per_step(ledgers, cfg.steps, TP_PHASES + mt.PHASES_OF[run_kind(cfg)])
+    phases = TP_PHASES + mt.PHASES_OF[run_kind(cfg)]
+    phases += tuple(dict.fromkeys(c["phase"] for r in ledgers for c in r["comm"] if c["phase"] not in phases))
+    table = mt.bytes_per_step(ledgers, cfg.steps, phases)  # with the phases options add ("QK-clip maxima")
     sent_max, sent_all = mt.total_bytes(table)
     optimizer_sent = [sum(t["sent"][r] for p, t in table.items() if p not in TP_PHASES) for r in range(len(results))]
     return dict(losses=losses, val=results[0]["val"], ms=ms, bytes_per_step=table, bytes_sent_max_rank=sent_max,
@@ -855,6 +857,10 @@ def header(cfg):
     n_params = sum(p.numel() for p in GPT(cfg.gpt()).parameters())
     corpus = load_corpus()
     what = "AdamW ZeRO-1 (every parameter)" if cfg.optimizer == "adamw" else f"Muon, {cfg.strategy} strategy"
+    options = [f"QK-clip tau {cfg.qk_clip:g}" if cfg.qk_clip is not None else "",
+               f"Newton-Schulz on the QKV's {cfg.ns_blocks}" if cfg.ns_blocks != "whole" else "",
+               f"{cfg.ns_coefficients} coefficients" if cfg.ns_coefficients != "jordan" else ""]
+    what += "".join(f", {o}" for o in options if o)
     return (f"GPT {cfg.layers} layers x d={cfg.d_model}, {cfg.heads} heads, context {cfg.context}: "
             f"{n_params / 1e6:.2f} M parameters; {what}, lr {cfg.lr:g}{schedule_words(cfg)}\n"
             f"Text: the standard library's sources, {corpus.train.numel() / 1e6:.1f} MB train "
