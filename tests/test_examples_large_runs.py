@@ -7,9 +7,15 @@ Ledger, benchmarks/ns_coefficients.py's table.
 
 Tolerance policy: train_gpt.py's. The replay (torch's optimizers fed the ranks' summed gradients and, with
 --qk-clip, the ranks' maxima) is bit for bit on every grid; with TP = 1 the whole run is. The reported
-maxima are compared with logits computed here in float64 from the model's own q and k: a float32 dot
-product of head_dim terms and the 1/sqrt(head_dim) scale are within (head_dim + 2) u sum_i |q_i k_i| /
-sqrt(head_dim) of the exact one (Higham 2002, section 3.1, u = 2**-24), and so is the max of such values.
+maxima are compared with logits computed here, in float64, from q and k of the one-process model at the
+ranks' weights on the step's micro-batches:
+  * with TP = 1 the ranks' q and k are the one process's float32 q and k, bit for bit (the same ops on the
+    same numbers), so the reported maximum differs from the float64 logits of those q and k only by the
+    float32 dot product of head_dim terms and the 1/sqrt(head_dim) scale: (head_dim + 2) u sum_i |q_i k_i|
+    / sqrt(head_dim) at most (Higham 2002, section 3.1, u = 2**-24), and so does a max of such values;
+  * with TP = 2, layer 1's q and k come from a residual stream that TP sums in another order (g): against
+    the float64 model's logits, the ranks' error is held to train_gpt.py's REALIZED_FACTOR x the one
+    process's own float32 error, plus the dot product's bound (the policy's 3.).
 """
 
 import json
@@ -94,10 +100,11 @@ def test_the_options_change_the_update(trained):
             cfg.ns_coefficients == "jordan"), cfg  # only Polar Express touches the other matrices
 
 
-def direct_max_logits(cfg, weights, step):
-    """{qkv name: ((heads,) float64 max logit, (heads,) its rounding bound)} from the q and k the one-process
-    model computes at `weights` on step's micro-batches: every pair j <= i, in float64."""
-    model = gpt.GPT(cfg.gpt())
+def direct_max_logits(cfg, weights, step, dtype=torch.float32):
+    """{qkv name: ((heads,) float64 max logit, (heads,) the float32 dot product's rounding bound)} from the q
+    and k the one-process model (in dtype) computes at `weights` on step's micro-batches: every pair j <= i,
+    in float64."""
+    model = gpt.GPT(cfg.gpt()).to(dtype)
     tg.load_weights(model, weights)
     g = cfg.gpt()
     hd = g.d_model // g.n_heads
@@ -108,7 +115,8 @@ def direct_max_logits(cfg, weights, step):
     corpus = load_corpus()
     with torch.no_grad():
         for d in range(cfg.dp):
-            model(*corpus.batch(step, cfg.batch, cfg.context, cfg.seed, d, cfg.dp))
+            x, y = corpus.batch(step, cfg.batch, cfg.context, cfg.seed, d, cfg.dp)
+            model(x, y)
     for h in hooks:
         h.remove()
     causal = torch.ones(cfg.context, cfg.context, dtype=torch.bool).tril()
@@ -134,19 +142,28 @@ def test_the_reported_maxima_are_the_logits_of_q_and_k_and_heads_clip(trained, d
     for step in range(cfg.steps):
         weights = tg.full_tensors(cfg, lambda t: by_rank[t]["weights"][step], specs)
         reported = tg.ranks_max_logits(results, step)
-        for name, (exact, bound) in direct_max_logits(cfg, weights, step + 1).items():
-            assert ((reported[name].double() - exact).abs() <= bound).all(), (step, name, reported[name], exact)
-            assert (bound < 1e-3 * exact.abs()).all()  # the check is tight: far below a wrong head or position
+        exact64 = direct_max_logits(cfg, weights, step + 1, torch.float64)
+        for name, (one, bound) in direct_max_logits(cfg, weights, step + 1).items():
+            ranks_err = (reported[name].double() - exact64[name][0]).abs()
+            if tp == 1:
+                assert ((reported[name].double() - one).abs() <= bound).all(), (step, name, reported[name], one)
+            else:
+                one_err = (one - exact64[name][0]).abs()
+                assert (ranks_err <= tg.REALIZED_FACTOR * one_err + bound).all(), (step, name, ranks_err, one_err)
+            assert (ranks_err < 1e-5 * one.abs()).all()  # the check is tight: far below a wrong head or position
             for r in results:  # a rank reports its TP rank's heads, -inf for the others
                 t = r["rank"] % tp
                 mine = torch.zeros(cfg.heads, dtype=torch.bool)
                 mine[t * heads_per_rank:(t + 1) * heads_per_rank] = True
                 local = r["max_logits"][step][name]
                 assert torch.isfinite(local[mine]).all() and (local[~mine] == -math.inf).all()
-            # every rank applied the same multipliers: sqrt(min(1, tau / S)) with S over every rank
+            # the multipliers clip_qk_ returns, sqrt(min(1, tau / S)) with S over every rank: the same on every
+            # rank for the heads whose rows it holds (None for the others), and every head's held somewhere
             expected = [math.sqrt(min(1.0, cfg.qk_clip / s)) for s in reported[name].tolist()]
             for r in results:
-                assert r["clipped"][step][name] == pytest.approx(expected, rel=1e-15, abs=0), (step, name)
+                got = r["clipped"][step][name]
+                assert [g if g is None else e for g, e in zip(got, expected)] == got, (step, name, got, expected)
+            assert all(any(r["clipped"][step][name][h] is not None for r in results) for h in range(cfg.heads))
             clipped_any |= any(m < 1 for m in expected)
             unclipped_any |= any(m == 1 for m in expected)
     assert clipped_any and unclipped_any
