@@ -1,11 +1,11 @@
 """The tooling around the lesson: the report, the launcher and the command line.
 
-distributed_muon_cpu.py is the lesson (sections 1-7: the optimizer, a run, and its check
-against torch). What is here is what a command needs around it, and nothing a reader of the
-algorithm must read: it continues the lesson's numbering.
+distributed_muon_cpu.py is the lesson (sections 1-8: the optimizer, what large runs add, a run,
+and its check against torch). What is here is what a command needs around it, and nothing a
+reader of the algorithm must read: it continues the lesson's numbering.
 
-    8. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
-    9. Main: the launcher (start, watch and stop the ranks) and the command line
+    9. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
+    10. Main: the launcher (start, watch and stop the ranks) and the command line
 
 The launcher (spawn_ranks, exit_code, RankFailure), the table formatting (format_table,
 human_bytes), the parser (OneLineParser) and the checks of a command's options (check_launch,
@@ -37,14 +37,15 @@ from dataclasses import asdict, fields
 import torch
 import torch.distributed as dist
 
-from distributed_muon_cpu import (ADJUST_LR_FNS, BASELINE, MODELS, MUON_GROUP, OVERLAP_DEFAULT, STRATEGIES, RunConfig,
-                                  check_hyperparameters, check_owner_options, check_topology, check_tp_divides,
-                                  demo_specs, load_balance, muon_groups_of, newton_schulz_flops, plan_optimizer,
-                                  rank_grid, run_kind, run_steps, verdict, verify)
+from distributed_muon_cpu import (ADJUST_LR_FNS, BASELINE, MODELS, MUON_GROUP, NS_BLOCKS, NS_COEFFICIENT_CHOICES,
+                                  OVERLAP_DEFAULT, STRATEGIES, TP_NEWTON_SCHULZ, RunConfig, check_hyperparameters,
+                                  check_large_run_options, check_owner_options, check_topology, check_tp_divides,
+                                  demo_row_layouts, demo_specs, load_balance, muon_groups_of, newton_schulz_flops_of,
+                                  plan_optimizer, rank_grid, run_kind, run_steps, verdict, verify)
 
 
 # =============================================================================
-# 8. Accounting
+# 9. Accounting
 # =============================================================================
 # Bytes per phase come from each rank's Ledger (section 2); FLOPs from the
 # Newton-Schulz calls each rank made. The redundancy factor is
@@ -85,10 +86,12 @@ def bytes_per_step(ledgers, step, phases=PHASES):
     return table
 
 
-def flops_per_step(ledgers, specs, step, ns_steps, muon_groups=(MUON_GROUP,)):
-    """Newton-Schulz FLOPs per rank; redundancy and max/mean are None where there is no Muon."""
+def flops_per_step(ledgers, specs, step, ns_steps, muon_groups=(MUON_GROUP,), blocks=None):
+    """Newton-Schulz FLOPs per rank; redundancy and max/mean are None where there is no Muon.
+    blocks: {name: its blocks of rows} of the matrices orthogonalized by blocks (--ns-blocks)."""
     per_rank = [sum(r["flops"] for r in ledger["compute"] if r["step"] == step) for ledger in ledgers]
-    single = sum(newton_schulz_flops(s.global_shape, ns_steps) for s in specs if s.group in muon_groups)
+    single = sum(newton_schulz_flops_of(s.global_shape, ns_steps, (blocks or {}).get(s.name))
+                 for s in specs if s.group in muon_groups)
     mean = sum(per_rank) / len(per_rank)
     return dict(per_rank=per_rank, single_device=single, redundancy=sum(per_rank) / single if single else None,
                 max_over_mean=max(per_rank) / mean if mean else None)
@@ -98,8 +101,13 @@ def account(cfg, results):
     """Bytes per phase (last step), whether every step moved the same, and Newton-Schulz FLOPs."""
     ledgers = [r["ledger"] for r in results]
     phases = PHASES_OF[run_kind(cfg)]
+    # and those of the options of section 7 a run took ("TP Gram", "QK-clip maxima", ...), as they came
+    phases += tuple(dict.fromkeys(r["phase"] for ledger in ledgers for r in ledger["comm"] if r["phase"] not in phases))
     tables = [bytes_per_step(ledgers, s, phases) for s in range(1, cfg.steps + 1)]
-    flops = flops_per_step(ledgers, demo_specs(cfg), cfg.steps, cfg.ns_steps, muon_groups_of(cfg))
+    specs = demo_specs(cfg)
+    blocks = ({} if cfg.ns_blocks == "whole" else
+              {n: rows.blocks(cfg.ns_blocks == "heads") for n, rows in demo_row_layouts(specs, cfg).items()})
+    flops = flops_per_step(ledgers, specs, cfg.steps, cfg.ns_steps, muon_groups_of(cfg), blocks)
     return tables[-1], all(t == tables[0] for t in tables), flops
 
 
@@ -179,13 +187,20 @@ def print_header(cfg, plan, device_kind, backend, explain, print_fn):
     print_fn("")
 
 
+def qk_clipped_heads(results):
+    """Per step, {(matrix, head, multiplier)} of the heads QK-clip scaled, from every rank's clip_qk_ answers."""
+    steps = len(results[0].get("qk_clip") or ())
+    return [{(n, h, m) for r in results for n, ms in r["qk_clip"][i].items() for h, m in enumerate(ms)
+             if m is not None and m < 1} for i in range(steps)]
+
+
 def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=print):
     """Print the verification (checks from verify) and the accounting; return them all as one dict."""
     world = cfg.dp * cfg.tp
     n_same = sum(c["identical"] for c in checks)
     passed, summary = verdict(checks)
     reference_name = "torch.optim.AdamW" if cfg.baseline else "torch.optim.Muon / torch.optim.AdamW"
-    print_fn(f"[7] Every rank's piece against {reference_name} on one device "
+    print_fn(f"[8] Every rank's piece against {reference_name} on one device "
              f"(torch.equal): {n_same}/{len(checks)} parameters identical")
     rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
              "-" if c["tp_split_dim"] < 0 else c["tp_split_dim"], c["optimizer"],
@@ -195,9 +210,15 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
     print_fn(format_table(["parameter", "global shape", "split", "optimizer", "max |d|", "identical"], rows,
                           ["<", ">", ">", "<", ">", ">"]) + "\n")
 
+    clipped = qk_clipped_heads(results)
+    if cfg.qk_clip_tau is not None:
+        heads = sum(len(m) for m in results[0]["qk_clip"][0].values())
+        print_fn(f"[7] QK-clip, tau {cfg.qk_clip_tau:g}: heads clipped per step "
+                 f"{', '.join(f'{len(c)}/{heads}' for c in clipped)} (one MAX all-reduce of the per-head maxima)\n")
+
     table, same_every_step, flops = account(cfg, results)
     gloo_note = "; on Gloo the reduce-scatter is an all-to-all and a local sum" if backend == "gloo" else ""
-    print_fn(f"[8] Bytes per step: ring counts for all-gather and reduce-scatter, exact counts for all-to-all "
+    print_fn(f"[9] Bytes per step: ring counts for all-gather and reduce-scatter, exact counts for all-to-all "
              f"({'the same every step' if same_every_step else 'last step; steps differ'}{gloo_note})")
     rows = [[phase, t["axis"], t["dtype"], human_bytes(max(t["sent"])), human_bytes(max(t["received"])),
              human_bytes(sum(t["sent"]))] for phase, t in table.items()]
@@ -208,14 +229,14 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
                           rows, ["<", "<", "<", ">", ">", ">"]) + "\n")
 
     if flops["single_device"]:
-        print_fn(f"[8] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
+        print_fn(f"[9] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
                  f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
         why = ("every TP peer, and every DP rank whose shard touches a matrix, orthogonalizes it"
                if cfg.strategy == "gather" else "each matrix is orthogonalized once, by its owner")
         print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
                  f"(upper bound DP x TP = {world}; {why}); max/mean per rank = {flops['max_over_mean']:.2f}\n")
     state = [r["state_bytes"] for r in results]
-    print_fn(f"[8] Optimizer state per rank: max {human_bytes(max(state))}, min {human_bytes(min(state))}")
+    print_fn(f"[9] Optimizer state per rank: max {human_bytes(max(state))}, min {human_bytes(min(state))}")
 
     step_ms = [max(r["step_ms"][i] for r in results) for i in range(cfg.steps)]
     timings = dict(ranks_s=ranks_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
@@ -226,11 +247,13 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
     return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks,
                 buckets=[asdict(b) for b in plan.layout.buckets], owners=results[0]["owners"], bytes_per_step=table,
                 bytes_same_every_step=same_every_step, bytes_sent_max_rank=max_sent, bytes_sent_all_ranks=all_sent,
-                ns_flops=flops, state_bytes=state, timings=timings, ledgers=[r["ledger"] for r in results])
+                ns_flops=flops, state_bytes=state, timings=timings, ledgers=[r["ledger"] for r in results],
+                qk_clip=[{f"{n} head {h}": m for n, h, m in sorted(c)} for c in clipped])
+
 
 
 # =============================================================================
-# 9. Main: the launcher and the command line
+# 10. Main: the launcher and the command line
 # =============================================================================
 # The launcher checks the arguments and plans the layout (before starting any
 # rank), starts one process per rank, watches them, then runs the single-device
@@ -293,7 +316,7 @@ def run_rank(rank, body, cfg, port, out_dir, heartbeats, launcher):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_process(f"muon rank {rank}")
     start_heartbeat(heartbeats, rank, launcher)
-    torch.set_num_threads(1)  # same thread count everywhere (distributed_muon_cpu.py, section 7)
+    torch.set_num_threads(1)  # same thread count everywhere (distributed_muon_cpu.py, section 8)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=cfg.dp * cfg.tp, timeout=datetime.timedelta(seconds=cfg.timeout_s))
@@ -422,7 +445,7 @@ def spawn_ranks(cfg, body=run_steps):
     """Run body(rank, cfg, "cpu") on cfg.dp x cfg.tp ranks; return what each returned, in rank order,
     or raise RankFailure naming the rank at fault.
 
-    body is what a rank does once the Gloo world is joined: section 7's run_steps by
+    body is what a rank does once the Gloo world is joined: section 8's run_steps by
     default (examples/ pass their own; it must be importable by name, as any
     multiprocessing target). cfg needs dp, tp and timeout_s. Whatever ends the run
     (success, a failure, Ctrl-C or SIGTERM in the launcher), every rank is stopped
@@ -506,6 +529,19 @@ def validate(cfg, specs):
     if not 1 <= cfg.layers <= MAX_LAYERS:
         raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
     check_owner_options(flag, overlap=cfg.overlap)
+    check_large_run_options(lambda k: "--qk-clip" if k == "qk_clip_tau" else flag(k), ns_blocks=cfg.ns_blocks,
+                            tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip_tau)
+    if cfg.ns_coefficients not in NS_COEFFICIENT_CHOICES:
+        raise ValueError(f"--ns-coefficients must be one of {', '.join(NS_COEFFICIENT_CHOICES)} "
+                         f"(got {cfg.ns_coefficients!r})")
+    if cfg.tp_newton_schulz != "gather" and cfg.strategy != "gather":
+        raise ValueError(f"--tp-newton-schulz {cfg.tp_newton_schulz} applies to --strategy gather: strategy "
+                         f"{cfg.strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
+    laid_out = [f for f, on in (("--ns-blocks", cfg.ns_blocks != "whole"), ("--qk-clip", cfg.qk_clip_tau is not None))
+                if on]
+    if laid_out and (cfg.model != "transformer" or cfg.baseline):
+        raise ValueError(f"{' and '.join(laid_out)} need the fused QKV of --model transformer, with Muon "
+                         f"(got --model {cfg.model}{', --baseline' if cfg.baseline else ''})")
     if cfg.overlap and cfg.strategy not in ("owner", "comm-free"):
         raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
     if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
@@ -580,6 +616,19 @@ def build_parser(description, launcher="spawn"):
     p.add_argument("--batched-ns", action="store_true",
                    help="owner, comm-free: orthogonalize same-shape matrices in one batched call; faster for many "
                         "small matrices, but not bit-identical to torch (within 2**-5 of the largest entry)")
+    p.add_argument("--ns-coefficients", default=d.ns_coefficients, choices=tuple(NS_COEFFICIENT_CHOICES),
+                   help="Newton-Schulz coefficients: jordan (default, torch's one quintic) or polar_express "
+                        "(one per iteration, arXiv 2505.16932)")
+    p.add_argument("--ns-blocks", default=d.ns_blocks, choices=NS_BLOCKS,
+                   help="the fused QKV orthogonalized whole (default, torch's), as Q, K, V (blocks) or per head "
+                        "(heads), each block's lr adjusted for its own shape")
+    p.add_argument("--tp-newton-schulz", default=d.tp_newton_schulz, choices=TP_NEWTON_SCHULZ,
+                   help="gather (default): TP gather -> Newton-Schulz -> TP shard; gram: matrices split along "
+                        "their long side exchange a Gram matrix per iteration instead (--strategy gather; "
+                        "not bit-identical, within a derived bound)")
+    p.add_argument("--qk-clip", type=float, default=d.qk_clip_tau, dest="qk_clip_tau", metavar="TAU",
+                   help="QK-clip after every step (Kimi K2): heads whose largest logit exceeds TAU have their q "
+                        "and k rows scaled by sqrt(TAU / max); the demo's maxima are synthetic (default off)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", metavar="SECONDS",
                    help="seconds after which a rank that stopped responding, or a collective that waits, "
                         "ends the run (default %(default)s)")
