@@ -21,7 +21,7 @@ and the rule for when each moves fewer bytes.
 
 import os
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import torch
 
@@ -148,7 +148,7 @@ def format_targets(cfg, runs, realistic):
 # -- Newton-Schulz of a TP-split matrix: gather it, or all-reduce its Gram matrix ------------------------
 # For one matrix of global shape (rows, cols) split over n TP ranks, per TP rank and per step, counted as
 # the Ledger counts them (distributed_muon_cpu.py, section 2: a ring all-gather sends (n - 1) pieces, a ring
-# all-reduce of k elements 2 (n - 1) k / n, rounded down), with m the short side and N the long one:
+# all-reduce of k elements 2 (n - 1) pieces of ceil(k / n)), with m the short side and N the long one:
 #   gather  TP gather of the bf16 update: (n - 1) pieces of m N / n elements, 2 bytes each; the TP shard
 #           is a slice (0 bytes). Newton-Schulz on the whole matrix on every TP rank: k (4 m^2 N + 2 m^3).
 #   gram    newton_schulz_tp (section 7): one all-reduce of the float32 norm (1 element), then per
@@ -164,45 +164,15 @@ def tp_newton_schulz_costs(shape, tp_split_dim, tp, ns_steps=dm.NS_STEPS):
     """What one TP rank sends per step for one matrix, and its Newton-Schulz FLOPs, both ways:
     dict(gather_bytes, gram_bytes, gather_flops, gram_flops, eligible); gram_* are None where the split
     cuts the short side (dm.gram_eligible: X X^T is then not a sum over the pieces)."""
-    m, n_long = sorted(shape)
+    m = min(shape)
     numel = shape[0] * shape[1]
     gather_bytes = (tp - 1) * (numel // tp) * GATHER_BYTES
     eligible = dm.gram_eligible(shape, tp_split_dim)
-    ring = lambda k: 2 * (tp - 1) * k // tp  # noqa: E731 -- a ring all-reduce's elements, as all_reduce_sum counts
+    ring = lambda k: 2 * (tp - 1) * -(-k // tp)  # noqa: E731 -- a ring all-reduce's elements, as dm.all_reduce counts
     gram_bytes = (ring(1) + ns_steps * ring(m * m)) * GRAM_BYTES if eligible else None
-    gram_flops = ns_steps * (4 * m * m * n_long // tp + 2 * m ** 3) if eligible else None
+    gram_flops = dm.newton_schulz_tp_flops(shape, tp, ns_steps) if eligible else None
     return dict(gather_bytes=gather_bytes, gram_bytes=gram_bytes, gather_flops=dm.newton_schulz_flops(shape, ns_steps),
                 gram_flops=gram_flops, eligible=eligible)
-
-
-@dataclass(frozen=True)
-class TPNewtonSchulzRun:
-    """What tp_newton_schulz_rank needs (mt.spawn_ranks: dp, tp, timeout_s): matrices (global shape, split)."""
-    matrices: tuple
-    tp: int
-    ns_steps: int = dm.NS_STEPS
-    dp: int = 1
-    timeout_s: float = dm.TIMEOUT_S
-
-
-def tp_newton_schulz_rank(rank, run, device):
-    """One TP rank of a real run of both ways on each matrix (random, seeded): {(shape, split): {phase: bytes
-    sent}} from its Ledger, to check tp_newton_schulz_costs against."""
-    torch.set_num_threads(1)
-    grid = dm.make_grid(1, run.tp, rank)
-    out = {}
-    for shape, split in run.matrices:
-        full = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0] * 7919 + shape[1]))
-        piece = dm.tp_shard(full, split, grid.tp.rank, grid.tp.size).bfloat16()
-        ledger = dm.Ledger()
-        dm.tp_gather(piece, split, grid.tp, ledger)
-        if dm.gram_eligible(shape, split):
-            dm.newton_schulz_tp(piece, shape, grid.tp, ledger, run.ns_steps)
-        sent = {}
-        for c in ledger.comm:
-            sent[c["phase"]] = sent.get(c["phase"], 0) + c["sent"]
-        out[shape, split] = sent
-    return out
 
 
 def split_matrices(models):

@@ -212,18 +212,25 @@ def test_bad_large_run_flags_are_refused_before_any_rank():
 
 # -- benchmarks ---------------------------------------------------------------------------------------------
 
-def test_gram_bytes_formula_is_what_a_real_run_sends():
-    """compare.tp_newton_schulz_costs against the Ledger of a real 2- and 4-rank TP run of tp_gather and
-    newton_schulz_tp, every rank, for tall, square and wide matrices split along their long side."""
-    matrices = (((64, 256), 1), ((192, 64), 0), ((64, 64), 1), ((96, 32), 0))
-    for tp in (2, 4):
-        for rank_sent in mt.spawn_ranks(compare.TPNewtonSchulzRun(matrices, tp=tp, timeout_s=60),
-                                        compare.tp_newton_schulz_rank):
-            for shape, split in matrices:
-                c = compare.tp_newton_schulz_costs(shape, split, tp)
-                sent = rank_sent[shape, split]
-                assert sent["TP gather"] == c["gather_bytes"], (shape, tp)
-                assert sent["TP Gram"] + sent["TP Gram norm"] == c["gram_bytes"], (shape, tp)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gram_bytes_formula_is_what_a_real_run_sends(run_grid, tp):
+    """compare.tp_newton_schulz_costs against the Ledgers of real runs of the lesson's demo (DP = 1, so every
+    TP-split matrix goes through each rank): the TP gather of tp_newton_schulz="gather", the Gram and norm
+    all-reduces of "gram", every rank, summed over the matrices."""
+    specs = [s for s in dm.transformer_specs() if s.group == dm.MUON_GROUP and s.tp_split_dim >= 0]
+    assert specs and all(dm.gram_eligible(s.global_shape, s.tp_split_dim) for s in specs)
+    costs = [compare.tp_newton_schulz_costs(s.global_shape, s.tp_split_dim, tp) for s in specs]
+    runs = {way: run_grid(1, tp, steps=1, tp_newton_schulz=way) for way in ("gather", "gram")}
+    unsplit = sum(dm.newton_schulz_flops(s.global_shape) for s in dm.transformer_specs()
+                  if s.group == dm.MUON_GROUP and s.tp_split_dim < 0)  # the routers: whole on every rank either way
+    for way, run in runs.items():
+        assert run["passed"], way
+        assert run["ns_flops"]["per_rank"] == [sum(c[f"{way}_flops"] for c in costs) + unsplit] * tp, way
+    gather, gram = (runs[way]["bytes_per_step"] for way in ("gather", "gram"))
+    assert gather["TP gather"]["sent"] == [sum(c["gather_bytes"] for c in costs)] * tp
+    assert "TP gather" not in gram or gram["TP gather"]["sent"] == [0] * tp  # the router is not split
+    assert [a + b for a, b in zip(gram["TP Gram"]["sent"], gram["TP Gram norm"]["sent"])] == \
+        [sum(c["gram_bytes"] for c in costs)] * tp
 
 
 def test_the_rule_is_where_the_bytes_cross():
