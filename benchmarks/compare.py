@@ -231,7 +231,7 @@ def format_tp_newton_schulz(ns_steps=dm.NS_STEPS, tps=(2, 4, 8)):
                  f"short one (float32 Gram; 2 x ns_steps with a bf16 one), whatever the TP size; gram/gather at TP 4 "
                  f"for " + ", ".join(flips) + ". Every transformer matrix above is at most 4:1, so the gather moves "
                  f"fewer bytes; gram always does fewer FLOPs per rank, in {ns_steps + 1} collectives instead of 1.")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for text in lines for line in text.split("\n"))
 
 
 def main(argv=None):
