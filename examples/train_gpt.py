@@ -8,7 +8,7 @@ Launch recipes
     python examples/train_gpt.py --schedule warmup-cosine --lr 0.02   # warm-up, then cosine decay to 0.1 x lr
     python examples/train_gpt.py --dp 2 --tp 2 --steps 4 --verify   # against torch.optim.Muon + AdamW in one process
     python examples/train_gpt.py --steps 8 --profile traces/   # Chrome traces per rank (open in ui.perfetto.dev)
-    python examples/train_gpt.py --qk-clip 30                  # MuonClip: heads whose logits pass 30 shrink
+    python examples/train_gpt.py --qk-clip 5                   # QK-clip: heads whose logits pass 5 shrink
     python examples/train_gpt.py --ns-blocks blocks --ns-coefficients polar_express   # Q, K, V apart; Polar Express
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --dp 4 --tp 2   # GPUs, NCCL
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2 --backend gloo --device cpu
@@ -814,9 +814,14 @@ def summarize(cfg, results):
     table = mt.bytes_per_step(ledgers, cfg.steps, phases)  # with the phases options add ("QK-clip maxima")
     sent_max, sent_all = mt.total_bytes(table)
     optimizer_sent = [sum(t["sent"][r] for p, t in table.items() if p not in TP_PHASES) for r in range(len(results))]
-    return dict(losses=losses, val=results[0]["val"], ms=ms, bytes_per_step=table, bytes_sent_max_rank=sent_max,
-                bytes_sent_all_ranks=sent_all, optimizer_bytes_sent_max_rank=max(optimizer_sent),
-                tokens_per_s=cfg.batch * cfg.context / (ms["step"] / 1e3))
+    out = dict(losses=losses, val=results[0]["val"], ms=ms, bytes_per_step=table, bytes_sent_max_rank=sent_max,
+               bytes_sent_all_ranks=sent_all, optimizer_bytes_sent_max_rank=max(optimizer_sent),
+               tokens_per_s=cfg.batch * cfg.context / (ms["step"] / 1e3))
+    if cfg.qk_clip is not None:  # per step: the largest logit of any head, and how many heads (of all layers) clipped
+        maxima = [torch.stack(list(ranks_max_logits(results, s).values())) for s in range(cfg.steps)]
+        out["qk_clip"] = dict(max_logit=[m.max().item() for m in maxima],
+                              heads_clipped=[int((m > cfg.qk_clip).sum()) for m in maxima])
+    return out
 
 
 def print_summary(cfg, summary, print_fn=print):
@@ -831,6 +836,14 @@ def print_summary(cfg, summary, print_fn=print):
     print_fn("Bytes per step (ring counts; last step):")
     print_fn(mt.format_table(["phase", "axis", "dtype", "sent/rank (max)", "sent, all ranks"], rows,
                              ["<", "<", "<", ">", ">"]))
+    if "qk_clip" in summary:
+        q, heads = summary["qk_clip"], cfg.layers * cfg.heads
+        steps_clipped = sum(n > 0 for n in q["heads_clipped"])
+        first = next((i + 1 for i, n in enumerate(q["heads_clipped"]) if n), None)
+        print_fn(f"QK-clip, tau {cfg.qk_clip:g}: the largest logit of any head was {q['max_logit'][0]:.3g} at step 1, "
+                 f"{max(q['max_logit']):.3g} at most, {q['max_logit'][-1]:.3g} at step {cfg.steps}; heads clipped at "
+                 f"{steps_clipped} of {cfg.steps} steps" + (f" (from step {first}): {sum(q['heads_clipped'])} of the "
+                 f"{heads} heads x {cfg.steps} steps" if first else ""))
 
 
 def time_split(trace_path, steps=PROFILE_ACTIVE):

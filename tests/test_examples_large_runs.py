@@ -168,6 +168,13 @@ def test_the_reported_maxima_are_the_logits_of_q_and_k_and_heads_clip(trained, d
             unclipped_any |= any(m == 1 for m in expected)
     assert clipped_any and unclipped_any
 
+    def multiplier(step, name, h):  # from a rank that holds head h's rows
+        return next(r["clipped"][step][name][h] for r in results if r["clipped"][step][name][h] is not None)
+
+    counted = [sum(multiplier(s, n, h) < 1 for n in results[0]["clipped"][s] for h in range(cfg.heads))
+               for s in range(cfg.steps)]
+    assert tg.summarize(cfg, results)["qk_clip"]["heads_clipped"] == counted  # what the run prints
+
 
 def test_a_clipped_heads_q_and_k_rows_are_scaled_and_nothing_else(trained):
     """The weights step 2 starts from: step 1's update without the clip (torch's, fed the same gradients), then
