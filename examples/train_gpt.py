@@ -10,6 +10,7 @@ Launch recipes
     python examples/train_gpt.py --steps 8 --profile traces/   # Chrome traces per rank (open in ui.perfetto.dev)
     python examples/train_gpt.py --qk-clip 5                   # QK-clip: heads whose logits pass 5 shrink
     python examples/train_gpt.py --ns-blocks blocks --ns-coefficients polar_express   # Q, K, V apart; Polar Express
+    python examples/train_gpt.py --strategy gather --tp-newton-schulz gram   # Newton-Schulz without the TP gather
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --dp 4 --tp 2   # GPUs, NCCL
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2 --backend gloo --device cpu
 
@@ -40,6 +41,9 @@ What large runs add (the lesson's section 7), each off by default:
     --ns-blocks          whole (torch's), blocks (Q, K and V of the fused QKV orthogonalized apart) or
                          heads (each head's q, k and v apart).
     --ns-coefficients    jordan (torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932).
+    --tp-newton-schulz   gather (the TP gather) or gram (--strategy gather: a matrix TP splits along its
+                         long side is orthogonalized where it lies, X X^T all-reduced once per iteration;
+                         not torch's bits: --verify holds its replay to the lesson's GRAM_NS_BOUND).
 """
 
 import argparse
@@ -73,7 +77,6 @@ from stdlib_text import load_corpus  # noqa: E402
 # 1. The run's configuration and its checks
 # =============================================================================
 OPTIMIZER_NAMES = ("muon", "adamw")
-NS_BLOCKS = ("whole", "blocks", "heads")  # the optimizer's ns_blocks choices
 SCHEDULES = ("constant", "warmup-cosine")
 MIN_LR_FRACTION = 0.1  # where warmup-cosine ends, as a fraction of --lr (nanoGPT's min_lr = learning_rate / 10)
 PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 2, 1, 3  # steps skipped, warmed up, then traced
@@ -107,8 +110,9 @@ class TrainConfig:
     progress: bool = True  # rank 0 prints a progress line every log_every steps
     fail_rank: int = -1  # for tests: this rank raises at step 1
     qk_clip: float = None  # tau of QK-clip (None: off)
-    ns_blocks: str = "whole"  # one of NS_BLOCKS: what Newton-Schulz sees of the fused QKV
+    ns_blocks: str = "whole"  # one of dm.NS_BLOCKS: what Newton-Schulz sees of the fused QKV
     ns_coefficients: str = "jordan"  # one of dm.NS_COEFFICIENT_CHOICES
+    tp_newton_schulz: str = "gather"  # one of dm.TP_NEWTON_SCHULZ: gram orthogonalizes TP pieces where they lie
 
     def gpt(self):
         return GPTConfig(context=self.context, d_model=self.d_model, n_layers=self.layers,
@@ -159,20 +163,23 @@ def validate(cfg, ranks_here=None):
 
 
 def check_large_run_options(cfg):
-    """--qk-clip, --ns-blocks and --ns-coefficients: their values, and that they are Muon's."""
-    if cfg.ns_blocks not in NS_BLOCKS:
-        raise ValueError(f"--ns-blocks must be one of {', '.join(NS_BLOCKS)} (got {cfg.ns_blocks!r})")
+    """--qk-clip, --ns-blocks, --ns-coefficients and --tp-newton-schulz: their values (the lesson's checks),
+    that they are Muon's, and that gram goes with the gather strategy."""
+    dm.check_large_run_options(lambda k: "--qk-clip" if k == "qk_clip_tau" else mt.flag(k), ns_blocks=cfg.ns_blocks,
+                               tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip)
     if cfg.ns_coefficients not in dm.NS_COEFFICIENT_CHOICES:
         raise ValueError(f"--ns-coefficients must be one of {', '.join(dm.NS_COEFFICIENT_CHOICES)} "
                          f"(got {cfg.ns_coefficients!r})")
-    if cfg.qk_clip is not None and not (math.isfinite(cfg.qk_clip) and cfg.qk_clip > 0):
-        raise ValueError(f"--qk-clip must be a finite tau > 0 (got {cfg.qk_clip})")
     if cfg.optimizer != "muon":
         given = [flag for flag, on in (("--qk-clip", cfg.qk_clip is not None), ("--ns-blocks", cfg.ns_blocks != "whole"),
-                                       ("--ns-coefficients", cfg.ns_coefficients != "jordan")) if on]
+                                       ("--ns-coefficients", cfg.ns_coefficients != "jordan"),
+                                       ("--tp-newton-schulz", cfg.tp_newton_schulz != "gather")) if on]
         if given:
-            raise ValueError(f"--optimizer {cfg.optimizer} takes no {', '.join(given)}: MuonClip and Newton-Schulz "
+            raise ValueError(f"--optimizer {cfg.optimizer} takes no {', '.join(given)}: QK-clip and Newton-Schulz "
                              f"options are Muon's")
+    if cfg.tp_newton_schulz != "gather" and cfg.strategy != "gather":
+        raise ValueError(f"--tp-newton-schulz {cfg.tp_newton_schulz} applies to --strategy gather: strategy "
+                         f"{cfg.strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
 
 
 def memory_lower_bound(cfg):
@@ -237,6 +244,8 @@ def set_lr(optimizers, cfg, step):
 def large_run_options(cfg):
     """The optimizer's keywords for --ns-blocks and --qk-clip (none at their defaults: torch's behaviour)."""
     options = {}
+    if cfg.tp_newton_schulz != "gather":
+        options["tp_newton_schulz"] = cfg.tp_newton_schulz
     if cfg.ns_blocks != "whole":
         options["ns_blocks"] = cfg.ns_blocks
     if cfg.qk_clip is not None:
@@ -425,6 +434,9 @@ def start_profiler(cfg, rank):
 #     (NCCL with DP > 2: its order changes the moments' last bits, which Muon turns
 #     into at most a different bf16 rounding inside Newton-Schulz per step; held to
 #     the lesson's BATCHED_NS_BOUND of the update's largest entry per step.)
+#   * --tp-newton-schulz gram (TP > 1) sums each Gram matrix over the TP ranks inside Newton-Schulz, which
+#     torch does in one bf16 matmul: the replay of every matrix it orthogonalizes is held to the lesson's
+#     bound (GRAM_NS_BOUND of the update's largest entry per step, batched_ns_tolerance), the rest bit for bit.
 #   * TP > 1 reorders sums: g adds the row-parallel layers' partial products
 #     (attention-out, MLP-out) over the TP ranks, f's backward the column-parallel
 #     layers' input gradients. The bound for each step's gradients and losses:
@@ -716,12 +728,23 @@ def exact(cfg, rank_order=True):
     return not why_inexact(cfg, rank_order)
 
 
+def by_gram(cfg, spec):
+    """Whether --tp-newton-schulz gram orthogonalizes this parameter with newton_schulz_tp (TP > 1, a Muon
+    matrix split along its long side, not taken apart by --ns-blocks)."""
+    blocked = cfg.ns_blocks != "whole" and spec.name in qkv_row_layouts(cfg.gpt())
+    return (cfg.tp_newton_schulz == "gram" and cfg.tp > 1 and cfg.optimizer == "muon" and spec.group == "muon"
+            and not blocked and dm.gram_eligible(spec.global_shape, spec.tp_split_dim))
+
+
 def replay_tolerance(cfg, spec, rank_order=True):
-    """NCCL's DP sum over DP > 2: what another order of it may do to the weights (see the policy above)."""
+    """What the replay may differ by (see the policy above): NCCL's DP sum over DP > 2, another order of it;
+    --tp-newton-schulz gram, the Gram matrix summed over TP ranks (the lesson's GRAM_NS_BOUND per step)."""
+    gram = (dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape, dm.GRAM_NS_BOUND)
+            if by_gram(cfg, spec) else 0.0)
     if cfg.dp <= 2 or rank_order:
-        return 0.0
+        return gram
     if spec.group == "muon" and cfg.optimizer == "muon":
-        return dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
+        return gram + dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
     return cfg.steps * cfg.lr * dm.BATCHED_NS_BOUND
 
 
@@ -771,7 +794,7 @@ def print_verification(cfg, checks, print_fn=print):
     same = sum(c["identical"] for c in checks["replay"])
     within = sum(c["ok"] and not c["identical"] for c in checks["replay"])
     print_fn(f"  replay:    torch's optimizers fed the ranks' summed gradients: {same}/{n} parameters identical"
-             + (f", {within} within the DP-order bound" if within else "")
+             + (f", {within} within their derived bound (replay_tolerance: DP order, Gram sums)" if within else "")
              + (f", {n - same - within} beyond it" if n - same - within else ""))
     replicas = (f"; TP copies of replicated gradients differ by {checks['replica_max_diff']:.1e}" if cfg.tp > 1 else "")
     n_same = sum(c["identical"] for c in checks["trained"])
@@ -872,7 +895,8 @@ def header(cfg):
     what = "AdamW ZeRO-1 (every parameter)" if cfg.optimizer == "adamw" else f"Muon, {cfg.strategy} strategy"
     options = [f"QK-clip tau {cfg.qk_clip:g}" if cfg.qk_clip is not None else "",
                f"Newton-Schulz on the QKV's {cfg.ns_blocks}" if cfg.ns_blocks != "whole" else "",
-               f"{cfg.ns_coefficients} coefficients" if cfg.ns_coefficients != "jordan" else ""]
+               f"{cfg.ns_coefficients} coefficients" if cfg.ns_coefficients != "jordan" else "",
+               "TP Newton-Schulz by Gram all-reduce" if cfg.tp_newton_schulz == "gram" else ""]
     what += "".join(f", {o}" for o in options if o)
     return (f"GPT {cfg.layers} layers x d={cfg.d_model}, {cfg.heads} heads, context {cfg.context}: "
             f"{n_params / 1e6:.2f} M parameters; {what}, lr {cfg.lr:g}{schedule_words(cfg)}\n"
@@ -941,11 +965,14 @@ def build_parser():
     p.add_argument("--qk-clip", type=float, metavar="TAU", dest="qk_clip",
                    help="QK-clip (Kimi K2's MuonClip): after each step, shrink W_q and W_k of every head whose "
                         "largest logit passed TAU (default off)")
-    p.add_argument("--ns-blocks", choices=NS_BLOCKS, default=d.ns_blocks,
+    p.add_argument("--ns-blocks", choices=dm.NS_BLOCKS, default=d.ns_blocks,
                    help="Newton-Schulz of the fused QKV: whole (default, torch's), blocks (Q, K, V apart) or "
                         "heads (each head's q, k, v apart)")
     p.add_argument("--ns-coefficients", choices=tuple(dm.NS_COEFFICIENT_CHOICES), default=d.ns_coefficients,
                    help="jordan (default: torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932)")
+    p.add_argument("--tp-newton-schulz", choices=dm.TP_NEWTON_SCHULZ, default=d.tp_newton_schulz,
+                   help="gather (default): TP gather -> Newton-Schulz -> TP shard; gram: TP pieces split along the "
+                        "long side orthogonalized where they lie, one Gram all-reduce per iteration (--strategy gather)")
     p.add_argument("--verify", action="store_true",
                    help="train the same model in one process with torch.optim.Muon + AdamW and compare")
     p.add_argument("--json", metavar="PATH", help="write the run's figures")
