@@ -527,7 +527,7 @@ class ReferenceOptimizers:
         groups = []
         for g in param_groups(model, *hyperparameters(cfg)):
             params = [p for n, p in g["params"] if n not in self.blocks]
-            if g is not None and g.get("algorithm") == "muon":
+            if g["algorithm"] == "muon":
                 params += [t for pieces in self.blocks.values() for _, t in pieces]
             groups.append(dict(g, params=params))
         self.optimizers = dm.torch_optimizers(groups)
