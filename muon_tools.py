@@ -540,8 +540,8 @@ def validate(cfg, specs):
     laid_out = [f for f, on in (("--ns-blocks", cfg.ns_blocks != "whole"), ("--qk-clip", cfg.qk_clip_tau is not None))
                 if on]
     if laid_out and (cfg.model != "transformer" or cfg.baseline):
-        raise ValueError(f"{' and '.join(laid_out)} need the fused QKV of --model transformer, with Muon "
-                         f"(got --model {cfg.model}{', --baseline' if cfg.baseline else ''})")
+        raise ValueError(f"{' and '.join(laid_out)}: no fused QKV to act on with --model {cfg.model}"
+                         f"{' --baseline' if cfg.baseline else ''} (--model transformer has one, under Muon)")
     if cfg.overlap and cfg.strategy not in ("owner", "comm-free"):
         raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
     if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):

@@ -1,0 +1,419 @@
+"""What large runs add (issue 20), on real multi-rank runs of every strategy: fused QKV by blocks and by
+heads, Polar Express's per-iteration coefficients, QK-clip, and Newton-Schulz on TP pieces (gram).
+
+One spawn of 8 ranks serves every check here (jobs below, run in turn by every rank on the grids
+4 x 2, 2 x 4 and 1 x 8 cut from the same world): the demo runs of every strategy with the options on,
+checked by the lesson's verify; an optimizer over matrices laid out otherwise (grouped-query QKV whose
+blocks have different heights, W_q split by columns, W_k replicated), checked against
+tests/large_runs_reference.py; bad input to clip_qk_ and to the constructors; newton_schulz_tp
+against torch's Newton-Schulz on many shapes and seeds.
+
+Bit-identity (torch.equal) holds for blocks, Polar Express and QK-clip: the same operations on the
+same bf16 matrices as torch.optim.Muon's on the blocks, its rows scaled by the same double. Gram does
+not (the float32 Gram sum over TP ranks runs in another order, so a bf16 rounding near a tie can go
+the other way): it is held to GRAM_NS_BOUND (distributed_muon_cpu.py, section 8, where it is derived)
+and the difference measured here is printed beside it.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+import large_runs_reference as ref
+from conftest import BUCKET, STEPS, dm, mt
+
+GRIDS = ((4, 2), (2, 4), (1, 8))
+TAU = 100.0
+
+
+def demo_configs():
+    """Every strategy on every grid with the options on (blocks on 2 x 4, heads elsewhere), and the
+    gather strategy with gram too: 12 demo runs."""
+    configs = []
+    for dp, tp in GRIDS:
+        base = dm.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, ns_coefficients="polar_express",
+                            ns_blocks="blocks" if (dp, tp) == (2, 4) else "heads", qk_clip_tau=TAU, timeout_s=180)
+        configs += [replace(base, strategy=s) for s in dm.STRATEGIES]
+        configs.append(replace(base, tp_newton_schulz="gram"))
+    return tuple(configs)
+
+
+# -- the other layouts: an optimizer over matrices laid out otherwise ------------------------------
+# (full shape, TP split dim, row layout or None). GQA: each of 4 key-value heads has 2 query heads.
+HD = 4
+MATRICES = {
+    "gqa.qkv": ((64, 32), 0, dm.RowLayout((2 * HD, HD, HD), 4, ("q", "k", "v"))),
+    "sep.q": ((32, 64), 1, dm.RowLayout((2 * HD,), 4, ("q",))),
+    "sep.k": ((16, 48), -1, dm.RowLayout((HD,), 4, ("k",))),
+    "plain": ((24, 40), 1, None),
+    "tall": ((80, 16), 0, None),
+}
+LAYOUTS = {n: layout for n, (_, _, layout) in MATRICES.items() if layout}
+HYPER = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="original")
+OTHER_STEPS, OTHER_BUCKET = 2, 700  # small buckets: parts straddle DP shards and block runs
+
+
+def other_runs():
+    """(grid, strategy, ns_blocks): every strategy on 4 x 2 by blocks and on 2 x 4 by heads."""
+    return tuple(((dp, tp), s, "blocks" if tp == 2 else "heads") for dp, tp in GRIDS[:2] for s in dm.STRATEGIES)
+
+
+def start_params():
+    g = torch.Generator().manual_seed(7)
+    return {n: torch.randn(shape, generator=g) * 0.02 for n, (shape, _, _) in MATRICES.items()}
+
+
+def dp_grads(step, dp_rank):
+    """Full gradients of DP rank dp_rank at `step`: multiples of 2**-10, exact in any sum (section 3)."""
+    g = torch.Generator().manual_seed(step * 1_000 + dp_rank)
+    return {n: torch.randint(-256, 257, shape, generator=g).float() * 2.0**-10 for n, (shape, _, _) in MATRICES.items()}
+
+
+def rank_max_logits(step, dp_rank, tp_rank, tp):
+    """What rank (dp_rank, tp_rank) reports: under a split by rows only its TP rank's heads, elsewhere
+    some heads computed here and others not (-inf)."""
+    g = torch.Generator().manual_seed(step * 1_000 + dp_rank * 10 + tp_rank)
+    out = {}
+    for name, layout in LAYOUTS.items():
+        heads = torch.arange(layout.periods)
+        s = 30 * (heads + 1) * (0.75 + 0.5 * torch.rand(layout.periods, generator=g))  # heads 0, 1 never clip, 3 mostly
+        if MATRICES[name][1] == 0:
+            here = heads // (layout.periods // tp) == tp_rank
+        else:
+            here = (heads + dp_rank + tp_rank) % 3 != 0
+        out[name] = torch.where(here, s, torch.tensor(-math.inf))
+    return out
+
+
+def global_max_logits(step, dp, tp):
+    return {n: torch.stack([rank_max_logits(step, d, t, tp)[n] for d in range(dp) for t in range(tp)]).amax(0)
+            for n in LAYOUTS}
+
+
+def build(grid, strategy, ns_blocks, **options):
+    tp = grid.tp.size
+    params = {n: dm.tp_shard(p, MATRICES[n][1], grid.tp.rank, tp).contiguous() for n, p in start_params().items()}
+    groups = [dict(params=list(params.items()), algorithm="muon", ns_coefficients="polar_express")]
+    opt = dm.OPTIMIZERS[strategy](groups, grid=grid, bucket_size=OTHER_BUCKET, row_layouts=LAYOUTS, ns_blocks=ns_blocks,
+                                  tp_split_dims={n: d for n, (_, d, _) in MATRICES.items() if d >= 0},
+                                  **dict(dict(HYPER, qk_clip_tau=TAU), **options))
+    return params, opt
+
+
+def other_run(grid, strategy, ns_blocks):
+    params, opt = build(grid, strategy, ns_blocks)
+    multipliers = []
+    for step in range(1, OTHER_STEPS + 1):
+        grads = dp_grads(step, grid.dp.rank)
+        for n, p in params.items():
+            p.grad = dm.tp_shard(grads[n], MATRICES[n][1], grid.tp.rank, grid.tp.size).contiguous()
+        opt.step()
+        multipliers.append(opt.clip_qk_(rank_max_logits(step, grid.dp.rank, grid.tp.rank, grid.tp.size)))
+    return dict(params=params, multipliers=multipliers)
+
+
+# -- refusals: every rank raises, nothing changes ---------------------------------------------------
+def attempt(fn):
+    try:
+        fn()
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def refusals(grid, rank):
+    """{case: (message or None, parameters unchanged)} for clip_qk_, and {case: message} for constructors."""
+    params, opt = build(grid, "gather", "heads")
+    good = rank_max_logits(1, grid.dp.rank, grid.tp.rank, grid.tp.size)
+    cases = {
+        "unknown name": dict(good, nope=torch.zeros(4)),
+        "wrong length on rank 3": dict(good, **{"gqa.qkv": torch.zeros(5)}) if rank == 3 else good,
+        "NaN on rank 5": dict(good, **{"sep.q": torch.tensor([1.0, math.nan, 2.0, 3.0])}) if rank == 5 else good,
+        "+inf on rank 0": dict(good, **{"sep.k": torch.full((4,), math.inf)}) if rank == 0 else good,
+    }
+    clip = {}
+    for case, max_logits in cases.items():
+        before = {n: p.clone() for n, p in params.items()}
+        message = attempt(lambda: opt.clip_qk_(max_logits))
+        clip[case] = (message, all(torch.equal(before[n], p) for n, p in params.items()))
+    _, off = build(grid, "gather", "heads", qk_clip_tau=None)
+    clip["QK-clip off"] = (attempt(lambda: off.clip_qk_(good)), True)
+    construct = {f"tau {tau!r}": attempt(lambda tau=tau: build(grid, "gather", "heads", qk_clip_tau=tau))
+                 for tau in (0, -1.0, math.nan, math.inf, True, "100")}
+    construct["ns_blocks rows"] = attempt(lambda: build(grid, "gather", "rows"))
+    construct["tp_newton_schulz ring"] = attempt(lambda: build(grid, "gather", "heads", tp_newton_schulz="ring"))
+    for s in ("owner", "comm-free"):
+        construct[f"gram with {s}"] = attempt(lambda s=s: build(grid, s, "heads", tp_newton_schulz="gram"))
+    construct["layout of too many rows"] = attempt(lambda: dm.DistributedMuon(
+        [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid,
+        row_layouts={"w": dm.RowLayout((4,), 4, ("q",))}))
+    construct["layout of an unknown matrix"] = attempt(lambda: dm.DistributedMuon(
+        [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid,
+        row_layouts={"v": dm.RowLayout((4,), 2, ("q",))}))
+    return dict(clip=clip, construct=construct)
+
+
+# -- newton_schulz_tp against torch's Newton-Schulz --------------------------------------------------
+GRAM_SHAPES = [(8, 64), (16, 128), (5, 200), (3, 96), (32, 256), (48, 64), (64, 512), (24, 1024),
+               (128, 16), (200, 5), (96, 40), (1000, 24), (128, 128), (256, 1024)]  # the long side a multiple of 8
+GRAM_SEEDS = 3
+
+
+def gram_measure(grid):
+    """[(TP, shape, seed, coefficients, max |ours - torch's| / max |torch's|, bytes of the TP Gram all-reduces)]."""
+    out = []
+    for name, coefficients in (("jordan", (dm.NS_COEFFICIENTS,)), ("polar_express", dm.POLAR_EXPRESS)):
+        for shape in GRAM_SHAPES:
+            split = 1 if shape[0] <= shape[1] else 0
+            for seed in range(GRAM_SEEDS):
+                full = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.1
+                ledger = dm.Ledger()
+                ours = dm.newton_schulz_tp(dm.tp_shard(full, split, grid.tp.rank, grid.tp.size), shape, grid.tp,
+                                           ledger, 5, name)
+                torch_piece = dm.tp_shard(ref.newton_schulz_per_iteration(full, coefficients, 5), split,
+                                          grid.tp.rank, grid.tp.size)
+                diff = (ours.float() - torch_piece.float()).abs().max() / torch_piece.float().abs().max()
+                sent = sum(r["sent"] for r in ledger.comm if r["phase"] == "TP Gram")
+                out.append((grid.tp.size, shape, seed, name, diff.item(), sent))
+    return out
+
+
+@dataclass(frozen=True)
+class Jobs:
+    """The one spawn: 8 ranks, each running every job below in the same order."""
+
+    dp: int = 8
+    tp: int = 1
+    timeout_s: float = 300.0
+    runs: tuple = ()
+
+
+def rank_jobs(rank, jobs, device):
+    demo = [dm.run_steps(rank, cfg, device) for cfg in jobs.runs]
+    grids = {g: dm.make_grid(*g, rank) for g in GRIDS}
+    others = [other_run(grids[g], s, b) for g, s, b in other_runs()]
+    refused = refusals(grids[(4, 2)], rank)
+    eight_tp = attempt(lambda: build(grids[(1, 8)], "gather", "heads"))  # 4 heads cannot split in 8
+    gram = [row for g in GRIDS for row in gram_measure(grids[g])]
+    return dict(demo=demo, others=others, refused=refused, eight_tp=eight_tp, gram=gram)
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    configs = demo_configs()
+    return configs, mt.spawn_ranks(Jobs(runs=configs), rank_jobs)
+
+
+def demo_results(spawned, i):
+    return [r["demo"][i] for r in spawned[1]]
+
+
+def config_id(cfg):
+    return f"{cfg.dp}x{cfg.tp}-{cfg.strategy}-{cfg.ns_blocks}{'-gram' if cfg.tp_newton_schulz == 'gram' else ''}"
+
+
+@pytest.mark.parametrize("i", range(len(demo_configs())), ids=[config_id(c) for c in demo_configs()])
+def test_demo_runs_match_torch(spawned, i):
+    """Every strategy, every grid: bit-identical to torch with blocks, Polar Express and QK-clip;
+    the gram-orthogonalized matrices within their bound, and only those."""
+    cfg = spawned[0][i]
+    checks, _ = dm.verify(cfg, demo_results(spawned, i))
+    gram = dm.gram_names(dm.demo_specs(cfg), cfg)
+    assert [c["name"] for c in checks if not c["ok"]] == []
+    assert [c["name"] for c in checks if not c["identical"]] == sorted(gram, key=[c["name"] for c in checks].index)
+    assert all(c["max_abs_update"] > 0 for c in checks)
+    if gram:
+        assert {n for n in gram if "qkv" in n} == set()  # laid out by blocks: the gather, not gram
+        assert all(c["max_abs_diff"] <= c["tolerance"] for c in checks if c["name"] in gram)
+
+
+@pytest.mark.parametrize("i", range(0, len(demo_configs()), 4), ids=[f"{dp}x{tp}" for dp, tp in GRIDS])
+def test_the_options_change_the_result(spawned, i):
+    """A check that cannot fail is no check: without the clip, or with the matrix whole, or with
+    torch's coefficients, the reference differs from what the ranks computed."""
+    cfg = spawned[0][i]
+    final = demo_results(spawned, i)
+    specs = dm.demo_specs(cfg)
+    for other in (replace(cfg, qk_clip_tau=None), replace(cfg, ns_blocks="whole"),
+                  replace(cfg, ns_coefficients="jordan")):
+        reference = dm.reference_params(specs, other)["layers.0.attn.qkv.weight"]
+        ours = torch.cat([final[t]["params"]["layers.0.attn.qkv.weight"] for t in range(cfg.tp)])  # DP rank 0's TP row
+        assert not torch.equal(reference, ours)
+
+
+@pytest.mark.parametrize("i", range(0, len(demo_configs()), 4), ids=[f"{dp}x{tp}" for dp, tp in GRIDS])
+def test_some_heads_clip_and_some_do_not(spawned, i):
+    """The multipliers every rank reports are Kimi K2's, from the maxima over every DP rank, and the
+    demo's heads include both kinds at every step; a head's rows are on every rank of its TP column."""
+    cfg = spawned[0][i]
+    results = demo_results(spawned, i)
+    specs = dm.demo_specs(cfg)
+    for step in range(cfg.steps):
+        maxima = [dm.dp_rank_max_logits(specs, cfg.seed, step + 1, d) for d in range(cfg.dp)]
+        expected = {n: [math.sqrt(TAU / s) if s > TAU else 1.0
+                        for s in torch.stack([m[n] for m in maxima]).amax(0).tolist()] for n in maxima[0]}
+        for rank, r in enumerate(results):
+            heads = dm.N_HEADS // cfg.tp
+            for name, got in r["qk_clip"][step].items():
+                held = range((rank % cfg.tp) * heads, (rank % cfg.tp + 1) * heads)
+                assert got == [expected[name][h] if h in held else None for h in range(dm.N_HEADS)]
+        flat = [m for ms in expected.values() for m in ms]
+        assert any(m < 1 for m in flat) and any(m == 1 for m in flat)
+
+
+def test_qk_clip_and_gram_bytes(spawned):
+    """The ledger's bytes: QK-clip sends 4 bytes per TP-local head, a ring over DP (2 (DP-1) pieces of
+    1/DP of them); newton_schulz_tp sends a ring of the float32 Gram matrix per iteration."""
+    for i, cfg in enumerate(spawned[0]):
+        results = demo_results(spawned, i)
+        heads = 2 * dm.N_HEADS // cfg.tp  # 2 layers' QKV
+        for r in results:
+            sent = [c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "QK-clip maxima"]
+            assert sent == ([2 * (cfg.dp - 1) * -(-heads // cfg.dp) * 4] * cfg.steps if cfg.dp > 1 else [])
+            grams = {c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "TP Gram"}
+            if cfg.tp_newton_schulz == "gram":
+                gram = dm.gram_names(dm.demo_specs(cfg), cfg)
+                sides = {min(s.global_shape) for s in dm.demo_specs(cfg) if s.name in gram}
+                assert grams and grams <= {2 * (cfg.tp - 1) * -(-m * m // cfg.tp) * 4 for m in sides}
+            else:
+                assert grams == set()
+
+
+def test_gram_replaces_the_tp_gather(spawned):
+    """With gram, a rank gathers across TP only the matrices laid out by blocks (and runs ns_steps Gram
+    all-reduces for every other TP-split matrix its DP shard touches); without it, every TP-split matrix."""
+    for i, cfg in enumerate(spawned[0]):
+        specs = dm.demo_specs(cfg)
+        split = [s.name for s in specs if s.group == "muon" and s.tp_split_dim >= 0]
+        gram = dm.gram_names(specs, cfg)
+        assert bool(gram) == (cfg.tp_newton_schulz == "gram")
+        for rank, r in enumerate(demo_results(spawned, i)):
+            metas = dm.plan_optimizer(cfg, rank).dist_metas
+            touched = lambda names: sum(metas[n].local_numel > 0 for n in names)
+            count = lambda phase: sum(c["phase"] == phase for c in r["ledger"]["comm"])
+            if cfg.strategy == "gather":
+                assert count("TP gather") == cfg.steps * touched([n for n in split if n not in gram])
+            assert count("TP Gram") == cfg.steps * cfg.ns_steps * touched(gram)
+
+
+@pytest.mark.parametrize("j", range(len(other_runs())), ids=[f"{g[0]}x{g[1]}-{s}-{b}" for g, s, b in other_runs()])
+def test_other_layouts_match_the_reference(spawned, j):
+    """Blocks of different heights (GQA), a W_q split by columns, a replicated W_k, DP parts that
+    straddle blocks: torch.optim.Muon on the blocks as separate parameters, Polar Express swapped in,
+    QK-clip from the maxima over every rank: bit for bit, multipliers included."""
+    (dp, tp), strategy, ns_blocks = other_runs()[j]
+    total = [{n: sum(dp_grads(step, d)[n] for d in range(dp)) for n in MATRICES} for step in range(1, OTHER_STEPS + 1)]
+    maxima = [global_max_logits(step, dp, tp) for step in range(1, OTHER_STEPS + 1)]
+    expected, multipliers = ref.reference_muon(start_params(), total, **HYPER, coefficients=dm.POLAR_EXPRESS,
+                                               layouts=LAYOUTS, per_head=ns_blocks == "heads", tau=TAU,
+                                               max_logits=maxima)
+    assert any(m < 1 for ms in multipliers for v in ms.values() for m in v)
+    assert any(m == 1 for ms in multipliers for v in ms.values() for m in v)
+    for rank, r in enumerate(spawned[1]):
+        got = r["others"][j]
+        for name, (_, split, _) in MATRICES.items():
+            assert torch.equal(got["params"][name], dm.tp_shard(expected[name], split, rank % tp, tp)), (rank, name)
+        for step, ms in enumerate(got["multipliers"]):
+            for name, values in ms.items():
+                assert all(v is None or v == w for v, w in zip(values, multipliers[step][name]))
+                assert values.count(None) == (0 if MATRICES[name][1] != 0 else len(values) - len(values) // tp)
+
+
+def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
+    results = [r["refused"] for r in spawned[1]]
+    bad_rank = {"wrong length on rank 3": 3, "NaN on rank 5": 5, "+inf on rank 0": 0}
+    says = {"unknown name": "exactly the laid-out matrices with q or k rows",
+            "wrong length on rank 3": "must be a tensor of 4 heads", "NaN on rank 5": "holds NaN or +inf",
+            "+inf on rank 0": "holds NaN or +inf", "QK-clip off": "needs qk_clip_tau"}
+    for case, expected in says.items():
+        for rank, r in enumerate(results):
+            message, unchanged = r["clip"][case]
+            assert message is not None and unchanged, (case, rank)
+            if bad_rank.get(case, rank) == rank:
+                assert expected in message, (case, rank, message)
+            else:
+                assert "another rank's max_logits were refused" in message
+    construct = results[0]["construct"]
+    assert all(construct[f"tau {t!r}"].startswith("qk_clip_tau must be a number > 0 and finite")
+               for t in (0, -1.0, math.nan, math.inf, True, "100"))
+    assert construct["ns_blocks rows"].startswith("ns_blocks must be one of whole, blocks, heads")
+    assert construct["tp_newton_schulz ring"].startswith("tp_newton_schulz must be one of gather, gram")
+    for s in ("owner", "comm-free"):
+        assert construct[f"gram with {s}"] == (f"tp_newton_schulz='gram' applies to the gather strategy only: "
+                                               f"strategy {s} orthogonalizes each matrix whole on one owner, which "
+                                               "receives it anyway")
+    assert construct["layout of too many rows"] == "the row layout of w has 16 rows; its full matrix (8, 4) has 8"
+    assert construct["layout of an unknown matrix"] == "row_layouts names v, which is not a Muon matrix"
+    assert all(r["eight_tp"] == "TP 8 does not divide the 4 heads of a row layout" for r in spawned[1])
+
+
+def test_gram_is_within_its_bound_on_many_shapes_and_seeds(spawned):
+    """newton_schulz_tp against torch's Newton-Schulz of the whole matrix (the reference's, with each
+    coefficient choice) on TP 2, 4 and 8: within gram_ns_bound of the largest entry; the figures."""
+    rows = [row for r in spawned[1] for row in r["gram"]]
+    assert len({(tp, shape, seed, c) for tp, shape, seed, c, _, _ in rows}) == 3 * len(GRAM_SHAPES) * GRAM_SEEDS * 2
+    share = max(diff / dm.gram_ns_bound(shape) for _, shape, _, _, diff, _ in rows)
+    worst = max(diff for *_, diff, _ in rows)
+    exact = sum(diff == 0 for *_, diff, _ in rows) / len(rows)
+    print(f"\nnewton_schulz_tp vs torch: max |d| / max |O| = {worst:.2e}, at most {share:.2f} of its bound; "
+          f"{exact:.0%} of the pieces bit-identical")
+    assert share <= 1
+    for tp, shape, _, _, _, sent in rows:
+        m = min(shape)
+        assert sent == 5 * 2 * (tp - 1) * -(-m * m // tp) * 4
+
+
+def test_the_lessons_reference_is_the_tests_reference():
+    """verify's reference (the lesson's section 8) and this file's agree bit for bit on the demo's matrices."""
+    cfg = dm.RunConfig(dp=2, tp=1, steps=STEPS, ns_coefficients="polar_express", ns_blocks="heads", qk_clip_tau=TAU)
+    specs = dm.demo_specs(cfg)
+    lesson = dm.reference_params(specs, cfg)
+    matrices = [s.name for s in specs if s.group == "muon"]
+    start = dm.initial_params(specs, cfg.seed)
+    grads = [dm.total_grads(specs, cfg.seed, step, cfg.dp) for step in range(1, cfg.steps + 1)]
+    maxima = [{n: torch.stack([dm.dp_rank_max_logits(specs, cfg.seed, step, d)[n] for d in range(cfg.dp)]).amax(0)
+               for n in dm.transformer_row_layouts(specs)} for step in range(1, cfg.steps + 1)]
+    theirs, _ = ref.reference_muon({n: start[n] for n in matrices}, [{n: g[n] for n in matrices} for g in grads],
+                                   lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                                   coefficients=dm.POLAR_EXPRESS, layouts=dm.transformer_row_layouts(specs),
+                                   per_head=True, tau=TAU, max_logits=maxima)
+    assert all(torch.equal(lesson[n], theirs[n]) for n in matrices)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_polar_express_and_blocks_are_torchs_newton_schulz(seed):
+    """Single device: section 1's newton_schulz with one triple per iteration, and newton_schulz_blocks,
+    against the reference's (torch's operations) on odd shapes: bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    for shape in [(7, 13), (64, 5), (33, 96), (128, 128), (1, 40), (96, 3)]:
+        m = torch.randn(shape, generator=g)
+        for steps in (3, 5, 9):
+            assert torch.equal(dm.newton_schulz(m, steps, "polar_express"),
+                               ref.newton_schulz_per_iteration(m, dm.POLAR_EXPRESS, steps))
+    layout = dm.RowLayout((6, 2, 2), 3, ("q", "k", "v"))
+    m = torch.randn(layout.rows, 24, generator=g)
+    for per_head in (False, True):
+        out = dm.newton_schulz_blocks(m, layout.blocks(per_head))
+        for rows in ref.block_rows(layout, per_head):
+            assert torch.equal(out[rows], torch.optim._muon._zeropower_via_newtonschulz(m[rows], dm.NS_COEFFICIENTS,
+                                                                                        5, 1e-7))
+
+
+def test_the_command_line_takes_the_flags_and_reports_them(spawned):
+    """The four flags reach RunConfig, and the report of a run with them says what moved."""
+    args = mt.build_parser("test").parse_args(["--ns-coefficients", "polar_express", "--ns-blocks", "heads",
+                                               "--tp-newton-schulz", "gram", "--qk-clip", "100"])
+    cfg = mt.config_from_args(args)
+    assert (cfg.ns_coefficients, cfg.ns_blocks, cfg.tp_newton_schulz, cfg.qk_clip_tau) == ("polar_express", "heads",
+                                                                                           "gram", 100.0)
+    i = spawned[0].index(replace(cfg, steps=STEPS, bucket_size=BUCKET, timeout_s=180))
+    results = demo_results(spawned, i)
+    lines = []
+    checks, _ = dm.verify(spawned[0][i], results)
+    out = mt.report(spawned[0][i], dm.plan_optimizer(spawned[0][i]), results, checks, 1.0, 1.0, print_fn=lines.append)
+    text = "\n".join(lines)
+    assert out["passed"] and "[7] QK-clip, tau 100: heads clipped per step" in text
+    assert "TP Gram " in text and "QK-clip maxima" in text and "within their derived bound" in text
+    assert out["qk_clip"] and all(0 < m < 1 for step in out["qk_clip"] for m in step.values())
