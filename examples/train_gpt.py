@@ -43,7 +43,7 @@ What large runs add (the lesson's section 7), each off by default:
     --ns-coefficients    jordan (torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932).
     --tp-newton-schulz   gather (the TP gather) or gram (--strategy gather: a matrix TP splits along its
                          long side is orthogonalized where it lies, X X^T all-reduced once per iteration;
-                         not torch's bits: --verify holds its replay to the lesson's GRAM_NS_BOUND).
+                         not torch's bits: --verify holds its replay to the lesson's gram_ns_bound).
 """
 
 import argparse
@@ -436,7 +436,7 @@ def start_profiler(cfg, rank):
 #     the lesson's BATCHED_NS_BOUND of the update's largest entry per step.)
 #   * --tp-newton-schulz gram (TP > 1) sums each Gram matrix over the TP ranks inside Newton-Schulz, which
 #     torch does in one bf16 matmul: the replay of every matrix it orthogonalizes is held to the lesson's
-#     bound (GRAM_NS_BOUND of the update's largest entry per step, batched_ns_tolerance), the rest bit for bit.
+#     bound (gram_ns_bound of the update's largest entry per step, batched_ns_tolerance), the rest bit for bit.
 #   * TP > 1 reorders sums: g adds the row-parallel layers' partial products
 #     (attention-out, MLP-out) over the TP ranks, f's backward the column-parallel
 #     layers' input gradients. The bound for each step's gradients and losses:
@@ -738,9 +738,9 @@ def by_gram(cfg, spec):
 
 def replay_tolerance(cfg, spec, rank_order=True):
     """What the replay may differ by (see the policy above): NCCL's DP sum over DP > 2, another order of it;
-    --tp-newton-schulz gram, the Gram matrix summed over TP ranks (the lesson's GRAM_NS_BOUND per step)."""
-    gram = (dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape, dm.GRAM_NS_BOUND)
-            if by_gram(cfg, spec) else 0.0)
+    --tp-newton-schulz gram, the Gram matrix summed over TP ranks (the lesson's gram_ns_bound per step)."""
+    gram = (dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape,
+                                    dm.gram_ns_bound(spec.global_shape)) if by_gram(cfg, spec) else 0.0)
     if cfg.dp <= 2 or rank_order:
         return gram
     if spec.group == "muon" and cfg.optimizer == "muon":
