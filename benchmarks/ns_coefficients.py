@@ -118,7 +118,8 @@ def format_report(cfg, train_steps, steps, table, finals, counts):
 
 def build_parser():
     p = mt.OneLineParser(description="Singular values after each Newton-Schulz choice on the GPT's real gradients.")
-    p.add_argument("--steps", type=int, default=dm.NS_STEPS, help="Newton-Schulz iterations shown (default %(default)s)")
+    p.add_argument("--steps", type=int, default=dm.NS_STEPS,
+                   help="Newton-Schulz iterations shown (default %(default)s)")
     p.add_argument("--train-steps", type=int, default=20,
                    help="training steps before the gradients are taken (default %(default)s)")
     p.add_argument("--d-model", type=int, default=tg.TrainConfig.d_model, help="(default %(default)s)")

@@ -171,7 +171,8 @@ def check_large_run_options(cfg):
         raise ValueError(f"--ns-coefficients must be one of {', '.join(dm.NS_COEFFICIENT_CHOICES)} "
                          f"(got {cfg.ns_coefficients!r})")
     if cfg.optimizer != "muon":
-        given = [flag for flag, on in (("--qk-clip", cfg.qk_clip is not None), ("--ns-blocks", cfg.ns_blocks != "whole"),
+        given = [flag for flag, on in (("--qk-clip", cfg.qk_clip is not None),
+                                       ("--ns-blocks", cfg.ns_blocks != "whole"),
                                        ("--ns-coefficients", cfg.ns_coefficients != "jordan"),
                                        ("--tp-newton-schulz", cfg.tp_newton_schulz != "gather")) if on]
         if given:
@@ -971,8 +972,9 @@ def build_parser():
     p.add_argument("--ns-coefficients", choices=tuple(dm.NS_COEFFICIENT_CHOICES), default=d.ns_coefficients,
                    help="jordan (default: torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932)")
     p.add_argument("--tp-newton-schulz", choices=dm.TP_NEWTON_SCHULZ, default=d.tp_newton_schulz,
-                   help="gather (default): TP gather -> Newton-Schulz -> TP shard; gram: TP pieces split along the "
-                        "long side orthogonalized where they lie, one Gram all-reduce per iteration (--strategy gather)")
+                   help="gather (default): TP gather -> Newton-Schulz -> TP shard; gram: TP pieces split along "
+                        "the long side orthogonalized where they lie, one Gram all-reduce per iteration "
+                        "(--strategy gather)")
     p.add_argument("--verify", action="store_true",
                    help="train the same model in one process with torch.optim.Muon + AdamW and compare")
     p.add_argument("--json", metavar="PATH", help="write the run's figures")
