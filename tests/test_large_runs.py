@@ -102,8 +102,8 @@ def build(grid, strategy, ns_blocks, **options):
     return params, opt
 
 
-def other_run(grid, strategy, ns_blocks):
-    params, opt = build(grid, strategy, ns_blocks)
+def other_run(grid, strategy, ns_blocks, **options):
+    params, opt = build(grid, strategy, ns_blocks, **options)
     multipliers = []
     for step in range(1, OTHER_STEPS + 1):
         grads = dp_grads(step, grid.dp.rank)
@@ -298,12 +298,8 @@ def test_gram_replaces_the_tp_gather(spawned):
             assert count("TP Gram") == cfg.steps * cfg.ns_steps * touched(gram)
 
 
-@pytest.mark.parametrize("j", range(len(other_runs())), ids=[f"{g[0]}x{g[1]}-{s}-{b}" for g, s, b in other_runs()])
-def test_other_layouts_match_the_reference(spawned, j):
-    """Blocks of different heights (GQA), a W_q split by columns, a replicated W_k, DP parts that
-    straddle blocks: torch.optim.Muon on the blocks as separate parameters, Polar Express swapped in,
-    QK-clip from the maxima over every rank: bit for bit, multipliers included."""
-    (dp, tp), strategy, ns_blocks = other_runs()[j]
+def assert_matches_the_reference(got_by_rank, dp, tp, ns_blocks):
+    """Every rank's final TP pieces and QK-clip multipliers against tests/large_runs_reference.py."""
     total = [{n: sum(dp_grads(step, d)[n] for d in range(dp)) for n in MATRICES} for step in range(1, OTHER_STEPS + 1)]
     maxima = [global_max_logits(step, dp, tp) for step in range(1, OTHER_STEPS + 1)]
     expected, multipliers = ref.reference_muon(start_params(), total, **HYPER, coefficients=dm.POLAR_EXPRESS,
@@ -311,14 +307,30 @@ def test_other_layouts_match_the_reference(spawned, j):
                                                max_logits=maxima)
     assert any(m < 1 for ms in multipliers for v in ms.values() for m in v)
     assert any(m == 1 for ms in multipliers for v in ms.values() for m in v)
-    for rank, r in enumerate(spawned[1]):
-        got = r["others"][j]
+    for rank, got in enumerate(got_by_rank):
         for name, (_, split, _) in MATRICES.items():
             assert torch.equal(got["params"][name], dm.tp_shard(expected[name], split, rank % tp, tp)), (rank, name)
         for step, ms in enumerate(got["multipliers"]):
             for name, values in ms.items():
                 assert all(v is None or v == w for v, w in zip(values, multipliers[step][name]))
                 assert values.count(None) == (0 if MATRICES[name][1] != 0 else len(values) - len(values) // tp)
+
+
+@pytest.mark.parametrize("j", range(len(other_runs())), ids=[f"{g[0]}x{g[1]}-{s}-{b}" for g, s, b in other_runs()])
+def test_other_layouts_match_the_reference(spawned, j):
+    """Blocks of different heights (GQA), a W_q split by columns, a replicated W_k, DP parts that
+    straddle blocks: torch.optim.Muon on the blocks as separate parameters, Polar Express swapped in,
+    QK-clip from the maxima over every rank: bit for bit, multipliers included."""
+    (dp, tp), _, ns_blocks = other_runs()[j]
+    assert_matches_the_reference([r["others"][j] for r in spawned[1]], dp, tp, ns_blocks)
+
+
+@pytest.mark.parametrize("strategy,options", [("gather", {}), ("owner", dict(overlap=1)),
+                                              ("comm-free", dict(overlap=2))])
+def test_one_rank_overlapped_matches_the_reference(single_process_group, strategy, options):
+    """The owner strategies' overlapped step takes the blocks too (one Gloo rank in this process)."""
+    for ns_blocks in ("blocks", "heads"):
+        assert_matches_the_reference([other_run(single_process_group, strategy, ns_blocks, **options)], 1, 1, ns_blocks)
 
 
 def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
