@@ -10,6 +10,13 @@ shared 2-core machine they move from run to run.
 
 It takes the script's flags (--strategy only chooses which layout --explain prints) and writes
 every run with --json.
+
+    python benchmarks/compare.py --tp-newton-schulz-bytes         # no runs: gather vs Gram bytes and FLOPs, from shapes
+
+--tp-newton-schulz-bytes prints, instead of running, what tp_newton_schulz="gram" moves and computes
+against the TP gather for every TP-split matrix of the demo, the GPT (examples/gpt.py) and GPT-2 small,
+at TP 2, 4 and 8 (tp_newton_schulz_costs: the formulas, counted as the Ledger counts the collectives),
+and the rule for when each moves fewer bytes.
 """
 
 import os
@@ -138,9 +145,105 @@ def format_targets(cfg, runs, realistic):
     return "\n".join(lines)
 
 
+# -- Newton-Schulz of a TP-split matrix: gather it, or all-reduce its Gram matrix ------------------------
+# For one matrix of global shape (rows, cols) split over n TP ranks, per TP rank and per step, counted as
+# the Ledger counts them (distributed_muon_cpu.py, section 2: a ring all-gather sends (n - 1) pieces, a ring
+# all-reduce of k elements 2 (n - 1) pieces of ceil(k / n)), with m the short side and N the long one:
+#   gather  TP gather of the bf16 update: (n - 1) pieces of m N / n elements, 2 bytes each; the TP shard
+#           is a slice (0 bytes). Newton-Schulz on the whole matrix on every TP rank: k (4 m^2 N + 2 m^3).
+#   gram    newton_schulz_tp (section 7): one all-reduce of the float32 norm (1 element), then per
+#           iteration one all-reduce of the float32 m x m Gram matrix; each rank multiplies only its
+#           N / n columns: k (4 m^2 N / n + 2 m^3) FLOPs (A @ A, m x m, stays whole on every rank).
+# Gram moves fewer bytes when k 2 (n - 1) / n 4 m^2 < (n - 1) / n 2 m N, i.e. N > 4 k m: the long side
+# more than 4 x ns_steps (20 at 5 steps) times the short one, whatever n (the float32 norm aside); a
+# bf16 Gram would halve that to 2 k m. It always does fewer FLOPs per rank, and k + 1 collectives, not 1.
+GRAM_BYTES, GATHER_BYTES = 4, 2  # float32 Gram and norm (newton_schulz_tp); the bf16 update (tp_gather)
+
+
+def tp_newton_schulz_costs(shape, tp_split_dim, tp, ns_steps=dm.NS_STEPS):
+    """What one TP rank sends per step for one matrix, and its Newton-Schulz FLOPs, both ways:
+    dict(gather_bytes, gram_bytes, gather_flops, gram_flops, eligible); gram_* are None where the split
+    cuts the short side (dm.gram_eligible: X X^T is then not a sum over the pieces)."""
+    m = min(shape)
+    numel = shape[0] * shape[1]
+    gather_bytes = (tp - 1) * (numel // tp) * GATHER_BYTES
+    eligible = dm.gram_eligible(shape, tp_split_dim)
+    ring = lambda k: 2 * (tp - 1) * -(-k // tp)  # noqa: E731 -- a ring all-reduce's elements, as dm.all_reduce counts
+    gram_bytes = (ring(1) + ns_steps * ring(m * m)) * GRAM_BYTES if eligible else None
+    gram_flops = dm.newton_schulz_tp_flops(shape, tp, ns_steps) if eligible else None
+    return dict(gather_bytes=gather_bytes, gram_bytes=gram_bytes, gather_flops=dm.newton_schulz_flops(shape, ns_steps),
+                gram_flops=gram_flops, eligible=eligible)
+
+
+def split_matrices(models):
+    """[(model, name, global shape, tp_split_dim)] of the TP-split Muon matrices, one per distinct shape
+    and split, of each model."""
+    out = []
+    for model, specs in models:
+        seen = set()
+        for s in specs:
+            if s.group == dm.MUON_GROUP and s.tp_split_dim >= 0 and (s.global_shape, s.tp_split_dim) not in seen:
+                seen.add((s.global_shape, s.tp_split_dim))
+                out.append((model, s.name.split(".", 2)[-1], s.global_shape, s.tp_split_dim))
+    return out
+
+
+def tp_newton_schulz_models():
+    """The demo's matrices, the GPT's (examples/gpt.py at train_gpt.py's defaults) and GPT-2 small's."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from gpt import GPT, GPTConfig, muon_params
+    gpt_model = GPT(GPTConfig())
+    split = gpt_model.tp_split_dims()
+    gpt_specs = [dm.ParamSpec(n, tuple(gpt_model.get_parameter(n).shape), split.get(n, -1), dm.MUON_GROUP)
+                 for n in muon_params(gpt_model)]
+    return [(f"demo (d={dm.D_MODEL})", dm.transformer_specs()), (f"GPT (d={GPTConfig.d_model})", gpt_specs),
+            ("GPT-2 small (d=768)", dm.transformer_specs(vocab=50304, d=768, n_layers=1))]
+
+
+def format_tp_newton_schulz(ns_steps=dm.NS_STEPS, tps=(2, 4, 8)):
+    """The table of --tp-newton-schulz-bytes: per matrix and TP size, bytes sent and FLOPs per TP rank."""
+    rows = []
+    for model, name, shape, split in split_matrices(tp_newton_schulz_models()):
+        for tp in tps:
+            if shape[split] % tp:
+                continue
+            c = tp_newton_schulz_costs(shape, split, tp, ns_steps)
+            gram = c["gram_bytes"]
+            rows.append([model, name, f"{shape[0]}x{shape[1]}", split, tp, mt.human_bytes(c["gather_bytes"]),
+                         mt.human_bytes(gram) if gram is not None else "-",
+                         f"{gram / c['gather_bytes']:.2f}" if gram is not None else "-",
+                         f"{c['gather_flops'] / 1e6:.2f}",
+                         f"{c['gram_flops'] / 1e6:.2f}" if gram is not None else "-",
+                         ("gram" if gram < c["gather_bytes"] else "gather") if gram is not None else "gather (only)"])
+    lines = [f"Newton-Schulz of a TP-split matrix, per TP rank and step ({ns_steps} iterations): the TP gather "
+             f"(bf16 update, {GATHER_BYTES} B) against tp_newton_schulz=\"gram\" (float32 norm + {ns_steps} "
+             f"float32 Gram all-reduces); ring counts, as the Ledger's",
+             mt.format_table(["model", "matrix", "shape", "split", "TP", "gather sent", "gram sent", "gram/gather",
+                              "gather MFLOP", "gram MFLOP", "fewer bytes"], rows,
+                             ["<", "<", ">", ">", ">", ">", ">", ">", ">", ">", "<"])]
+    flips = []
+    m = 64
+    for ratio in (4, 4 * ns_steps - 2, 4 * ns_steps + 2, 64):
+        c = tp_newton_schulz_costs((m, m * ratio), 1, 4, ns_steps)
+        flips.append(f"{m}x{m * ratio}: {c['gram_bytes'] / c['gather_bytes']:.2f}")
+    lines.append("")
+    lines.append(f"Rule: gram moves fewer bytes when the long side exceeds 4 x ns_steps = {4 * ns_steps} times the "
+                 f"short one (float32 Gram; 2 x ns_steps with a bf16 one), whatever the TP size; gram/gather at TP 4 "
+                 f"for " + ", ".join(flips) + ". Every transformer matrix above is at most 4:1, so the gather moves "
+                 f"fewer bytes; gram always does fewer FLOPs per rank, in {ns_steps + 1} collectives instead of 1.")
+    return "\n".join(line.rstrip() for text in lines for line in text.split("\n"))
+
+
 def main(argv=None):
-    args = mt.build_parser("Every strategy and the AdamW ZeRO-1 baseline on one grid, each checked against torch, "
-                           "in one table.").parse_args(argv)
+    parser = mt.build_parser("Every strategy and the AdamW ZeRO-1 baseline on one grid, each checked against torch, "
+                             "in one table.")
+    parser.add_argument("--tp-newton-schulz-bytes", action="store_true",
+                        help="print, without running, the bytes and FLOPs of the TP gather against "
+                             "tp_newton_schulz='gram' for the demo's, the GPT's and GPT-2 small's TP-split matrices")
+    args = parser.parse_args(argv)
+    if args.tp_newton_schulz_bytes:
+        print(format_tp_newton_schulz(args.ns_steps))
+        return 0
     try:
         if args.json:
             mt.check_writable(args.json)

@@ -183,21 +183,37 @@ class RowParallelLinear(nn.Module):
         return self.tpc.g(nnf.linear(x_local, self.weight)) + self.bias
 
 
+@torch.no_grad()
+def max_logits_per_head(q, k):
+    """Each head's largest pre-softmax logit q_i . k_j / sqrt(head_dim) over the batch, the positions i
+    and the keys j <= i the causal mask lets it see: (heads,) float32. q, k: (batch, heads, time, head_dim).
+    This is S_max of QK-clip (Kimi K2, arXiv 2507.20534, section 2.1), measured in the forward."""
+    logits = q.float() @ k.float().transpose(-2, -1) / math.sqrt(q.size(-1))  # (batch, heads, time, time)
+    future = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).triu(1)
+    return logits.masked_fill(future, -math.inf).amax(dim=(0, 2, 3))
+
+
 class Attention(nn.Module):
     """Causal self-attention on this rank's heads. The QKV rows are laid out head by head
     (head 0's q, k, v, then head 1's, ...), so a contiguous split along dim 0 gives each
-    TP rank whole heads, and the attention-out columns are split to match."""
+    TP rank whole heads, and the attention-out columns are split to match.
+
+    With record_max_logits on, each forward also keeps max_logits: this rank's heads' largest
+    logits (max_logits_per_head, no gradient), what QK-clip needs after the step."""
 
     def __init__(self, tpc, config):
         super().__init__()
         self.heads, self.head_dim = config.n_heads // tpc.size, config.d_model // config.n_heads
         self.qkv = ColumnParallelLinear(tpc, config.d_model, 3 * config.d_model)
         self.proj = RowParallelLinear(tpc, config.d_model, config.d_model)
+        self.record_max_logits, self.max_logits = False, None
 
     def forward(self, x):
         batch, time = x.shape[:2]
         qkv = self.qkv(x).view(batch, time, self.heads, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # (batch, heads, time, head_dim)
+        if self.record_max_logits:
+            self.max_logits = max_logits_per_head(q, k)
         y = nnf.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, time, self.heads * self.head_dim))
 
@@ -259,6 +275,25 @@ class GPT(nn.Module):
         logits = nnf.linear(self.ln_f(x), self.wte)  # the head is the token embedding, tied
         return nnf.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
+    def record_max_logits(self, on=True):
+        """Have every attention layer keep its heads' largest logits of each forward (for QK-clip)."""
+        for block in self.blocks:
+            block.attn.record_max_logits, block.attn.max_logits = on, None
+
+    def max_logits(self):
+        """{qkv weight name: (n_heads,) float32} of the last forward (record_max_logits on), over ALL the
+        model's heads: this TP rank's heads hold their maxima, the others -inf (computed elsewhere), as
+        the optimizer's clip_qk_ takes them. TP rank t holds heads [t H / TP, (t + 1) H / TP)."""
+        out = {}
+        for i, block in enumerate(self.blocks):
+            local = block.attn.max_logits
+            if local is None:
+                raise RuntimeError("max_logits: no forward since record_max_logits() was turned on")
+            full = torch.full((self.config.n_heads,), -math.inf, dtype=torch.float32, device=local.device)
+            full[self.tpc.rank * local.numel():(self.tpc.rank + 1) * local.numel()] = local
+            out[f"blocks.{i}.attn.qkv.weight"] = full
+        return out
+
     @contextmanager
     def uncounted(self):
         """Communicate without recording bytes (evaluation is not part of a training step)."""
@@ -267,6 +302,14 @@ class GPT(nn.Module):
             yield
         finally:
             self.tpc.ledger = saved
+
+
+def qkv_row_layouts(config):
+    """{qkv weight name: dm.RowLayout} of the FULL (TP-gathered) fused QKV matrices: head by head, each
+    head's q, k and v rows (head_dim each), as Attention lays them out; for ns_blocks and QK-clip."""
+    hd = config.d_model // config.n_heads
+    layout = dm.RowLayout((hd, hd, hd), config.n_heads, ("q", "k", "v"))
+    return {f"blocks.{i}.attn.qkv.weight": layout for i in range(config.n_layers)}
 
 
 def muon_params(model):

@@ -8,6 +8,9 @@ Launch recipes
     python examples/train_gpt.py --schedule warmup-cosine --lr 0.02   # warm-up, then cosine decay to 0.1 x lr
     python examples/train_gpt.py --dp 2 --tp 2 --steps 4 --verify   # against torch.optim.Muon + AdamW in one process
     python examples/train_gpt.py --steps 8 --profile traces/   # Chrome traces per rank (open in ui.perfetto.dev)
+    python examples/train_gpt.py --qk-clip 5                   # QK-clip: heads whose logits pass 5 shrink
+    python examples/train_gpt.py --ns-blocks blocks --ns-coefficients polar_express   # Q, K, V apart; Polar Express
+    python examples/train_gpt.py --strategy gather --tp-newton-schulz gram   # Newton-Schulz without the TP gather
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --dp 4 --tp 2   # GPUs, NCCL
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 2 --tp 2 --backend gloo --device cpu
 
@@ -28,6 +31,19 @@ serves Muon and AdamW, as in Moonlight, arXiv:2502.16982); AdamW takes the embed
 and biases. The learning rate is the same for every optimizer and constant by default;
 --schedule warmup-cosine warms it up linearly over --warmup-steps, then decays it along a
 cosine to MIN_LR_FRACTION of --lr at the last step (nanoGPT's schedule, karpathy/nanoGPT train.py).
+
+What large runs add (the lesson's section 7), each off by default:
+    --qk-clip TAU        QK-clip (Kimi K2, arXiv 2507.20534): every attention layer reports its heads'
+                         largest logit of the step's forward (gpt.py, max_logits); after the step the
+                         optimizer scales head h's rows of W_q and W_k by sqrt(min(1, TAU / S_h)), S_h
+                         the largest over every rank (clip_qk_). The fused QKV's layout, head by head,
+                         is gpt.qkv_row_layouts.
+    --ns-blocks          whole (torch's), blocks (Q, K and V of the fused QKV orthogonalized apart) or
+                         heads (each head's q, k and v apart).
+    --ns-coefficients    jordan (torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932).
+    --tp-newton-schulz   gather (the TP gather) or gram (--strategy gather: a matrix TP splits along its
+                         long side is orthogonalized where it lies, X X^T all-reduced once per iteration;
+                         not torch's bits: --verify holds its replay to the lesson's gram_ns_bound).
 """
 
 import argparse
@@ -38,6 +54,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -53,7 +70,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
-from gpt import GPT, GPTConfig, check_gpt, param_groups  # noqa: E402
+from gpt import GPT, GPTConfig, check_gpt, param_groups, qkv_row_layouts  # noqa: E402
 from stdlib_text import load_corpus  # noqa: E402
 
 # =============================================================================
@@ -92,6 +109,10 @@ class TrainConfig:
     keep: bool = False  # return every rank's gradients and weights of every step (for verification)
     progress: bool = True  # rank 0 prints a progress line every log_every steps
     fail_rank: int = -1  # for tests: this rank raises at step 1
+    qk_clip: float = None  # tau of QK-clip (None: off)
+    ns_blocks: str = "whole"  # one of dm.NS_BLOCKS: what Newton-Schulz sees of the fused QKV
+    ns_coefficients: str = "jordan"  # one of dm.NS_COEFFICIENT_CHOICES
+    tp_newton_schulz: str = "gather"  # one of dm.TP_NEWTON_SCHULZ: gram orthogonalizes TP pieces where they lie
 
     def gpt(self):
         return GPTConfig(context=self.context, d_model=self.d_model, n_layers=self.layers,
@@ -113,6 +134,7 @@ def validate(cfg, ranks_here=None):
         raise ValueError(f"--warmup-steps must be >= 0 and below --steps {cfg.steps} (got {cfg.warmup_steps})")
     if cfg.strategy not in dm.STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(dm.STRATEGIES)} (got {cfg.strategy!r})")
+    check_large_run_options(cfg)
     dm.check_hyperparameters(mt.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")
     if cfg.lr == 0:
@@ -138,6 +160,27 @@ def validate(cfg, ranks_here=None):
         raise ValueError(f"--val-windows {cfg.val_windows} x (--context {cfg.context} + 1) = {needed:,} bytes, more "
                          f"than the {corpus.val.numel():,}-byte validation text: its windows would overlap")
     check_memory(cfg, cfg.dp * cfg.tp if ranks_here is None else ranks_here)
+
+
+def check_large_run_options(cfg):
+    """--qk-clip, --ns-blocks, --ns-coefficients and --tp-newton-schulz: their values (the lesson's checks),
+    that they are Muon's, and that gram goes with the gather strategy."""
+    dm.check_large_run_options(lambda k: "--qk-clip" if k == "qk_clip_tau" else mt.flag(k), ns_blocks=cfg.ns_blocks,
+                               tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip)
+    if cfg.ns_coefficients not in dm.NS_COEFFICIENT_CHOICES:
+        raise ValueError(f"--ns-coefficients must be one of {', '.join(dm.NS_COEFFICIENT_CHOICES)} "
+                         f"(got {cfg.ns_coefficients!r})")
+    if cfg.optimizer != "muon":
+        given = [flag for flag, on in (("--qk-clip", cfg.qk_clip is not None),
+                                       ("--ns-blocks", cfg.ns_blocks != "whole"),
+                                       ("--ns-coefficients", cfg.ns_coefficients != "jordan"),
+                                       ("--tp-newton-schulz", cfg.tp_newton_schulz != "gather")) if on]
+        if given:
+            raise ValueError(f"--optimizer {cfg.optimizer} takes no {', '.join(given)}: QK-clip and Newton-Schulz "
+                             f"options are Muon's")
+    if cfg.tp_newton_schulz != "gather" and cfg.strategy != "gather":
+        raise ValueError(f"--tp-newton-schulz {cfg.tp_newton_schulz} applies to --strategy gather: strategy "
+                         f"{cfg.strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
 
 
 def memory_lower_bound(cfg):
@@ -177,6 +220,8 @@ def hyperparameters(cfg):
     adamw = dict(algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), eps=1e-8)
     muon = dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=True,
                 ns_steps=dm.NS_STEPS, adjust_lr_fn="match_rms_adamw")
+    if cfg.ns_coefficients != "jordan":  # the group keeps the name; torch's default stays unnamed
+        muon["ns_coefficients"] = cfg.ns_coefficients
     return (muon if cfg.optimizer == "muon" else adamw), adamw, dict(adamw, weight_decay=0.0)
 
 
@@ -197,10 +242,25 @@ def set_lr(optimizers, cfg, step):
             group["lr"] = lr_at(cfg, step)
 
 
+def large_run_options(cfg):
+    """The optimizer's keywords for --ns-blocks and --qk-clip (none at their defaults: torch's behaviour)."""
+    options = {}
+    if cfg.tp_newton_schulz != "gather":
+        options["tp_newton_schulz"] = cfg.tp_newton_schulz
+    if cfg.ns_blocks != "whole":
+        options["ns_blocks"] = cfg.ns_blocks
+    if cfg.qk_clip is not None:
+        options["qk_clip_tau"] = cfg.qk_clip
+    if options:
+        options["row_layouts"] = qkv_row_layouts(cfg.gpt())
+    return options
+
+
 def build_optimizer(model, cfg, grid):
     # AdamW ZeRO-1 is the gather class with no Muon group: the lesson's baseline
-    return dm.OPTIMIZERS["gather" if cfg.optimizer == "adamw" else cfg.strategy](param_groups(model, *hyperparameters(cfg)), grid=grid,
-                                       tp_split_dims=model.tp_split_dims(), bucket_size=cfg.bucket_size)
+    return dm.OPTIMIZERS["gather" if cfg.optimizer == "adamw" else cfg.strategy](
+        param_groups(model, *hyperparameters(cfg)), grid=grid, tp_split_dims=model.tp_split_dims(),
+        bucket_size=cfg.bucket_size, **large_run_options(cfg))
 
 
 def run_kind(cfg):
@@ -219,9 +279,11 @@ def train_rank(rank, cfg, device):
     corpus = load_corpus()
     model = GPT(cfg.gpt(), grid.tp, dm.Ledger()).to(device)
     opt = build_optimizer(model, cfg, grid)
+    model.record_max_logits(cfg.qk_clip is not None)
     profiler = start_profiler(cfg, rank)
     losses, val, ms = [], [], {"forward": [], "backward": [], "optimizer": [], "step": []}
     grads, weights = [], []  # with cfg.keep: each step's gradients and the weights they were taken at
+    max_logits, clipped = [], []  # with --qk-clip: this rank's max logits of each step, the multipliers applied
     last_log = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         if rank == cfg.fail_rank:
@@ -241,6 +303,9 @@ def train_rank(rank, cfg, device):
         with record_function("optimizer step"):
             set_lr([opt], cfg, step)
             opt.step()
+            if cfg.qk_clip is not None:  # every rank, after the step: a collective
+                max_logits.append(model.max_logits())
+                clipped.append(opt.clip_qk_(max_logits[-1]))
         t3 = clock(device)
         opt.zero_grad(set_to_none=True)
         for key, (a, b) in zip(ms, ((t0, t1), (t1, t2), (t2, t3), (t0, t3))):
@@ -259,7 +324,8 @@ def train_rank(rank, cfg, device):
     if profiler is not None:
         profiler.stop()
     result = dict(rank=rank, losses=losses, val=val, ms=ms, ledger=asdict(opt.ledger),
-                  model_ledger=asdict(model.ledger), state_bytes=opt.state_bytes(), owners=opt.owners)
+                  model_ledger=asdict(model.ledger), state_bytes=opt.state_bytes(), owners=opt.owners,
+                  max_logits=[{n: t.cpu() for n, t in m.items()} for m in max_logits], clipped=clipped)
     if cfg.keep:
         result.update(grads=grads, weights=weights, params=snapshot(model))
     return result
@@ -369,6 +435,9 @@ def start_profiler(cfg, rank):
 #     (NCCL with DP > 2: its order changes the moments' last bits, which Muon turns
 #     into at most a different bf16 rounding inside Newton-Schulz per step; held to
 #     the lesson's BATCHED_NS_BOUND of the update's largest entry per step.)
+#   * --tp-newton-schulz gram (TP > 1) sums each Gram matrix over the TP ranks inside Newton-Schulz, which
+#     torch does in one bf16 matmul: the replay of every matrix it orthogonalizes is held to the lesson's
+#     bound (gram_ns_bound of the update's largest entry per step, batched_ns_tolerance), the rest bit for bit.
 #   * TP > 1 reorders sums: g adds the row-parallel layers' partial products
 #     (attention-out, MLP-out) over the TP ranks, f's backward the column-parallel
 #     layers' input gradients. The bound for each step's gradients and losses:
@@ -405,29 +474,135 @@ UNIT_ROUNDOFF = 2.0**-24  # fp32: a rounding moves a result by at most this frac
 REALIZED_FACTOR = 4  # the ranks' rounding error against the one process's, on the same step (policy, 3.)
 CHAOS_PARAM = "blocks.0.attn.qkv.weight"  # the chaos floor moves its entry 0 by one ulp
 
+# What large runs add has a reference of its own here, from the papers' equations and torch's optimizers
+# (never the lesson's code): --ns-blocks, torch.optim.Muon on each block as a separate parameter (its
+# rows copied out before the step and back after); --ns-coefficients polar_express, torch.optim.Muon
+# with its Newton-Schulz swapped for the same torch ops taking one (a, b, c) per iteration; --qk-clip,
+# after torch's step, head h's q and k rows times sqrt(min(1, tau / S_h)), S_h the largest logit of the
+# step's forward over every micro-batch (the replay: over every rank's). All three are exact: the same
+# ops on the same numbers, so the replay and TP = 1 stay bit for bit.
+
+def reference_blocks(cfg, model):
+    """{qkv weight name: [(row indices, a leaf tensor of those rows)]}: the matrices torch.optim.Muon sees
+    apart under --ns-blocks (Q, K, V: one segment of every head; heads: each head's q, k, v alone)."""
+    if cfg.ns_blocks == "whole" or cfg.optimizer != "muon":
+        return {}
+    g = cfg.gpt()
+    hd = g.d_model // g.n_heads
+    segments = [(h, s) for h in range(g.n_heads) for s in range(3)]  # the rows, head by head (gpt.Attention)
+    if cfg.ns_blocks == "heads":
+        groups = [[(h, s)] for h, s in segments]
+    else:
+        groups = [[(h, s) for h in range(g.n_heads)] for s in range(3)]
+    out = {}
+    for name in qkv_row_layouts(g):
+        w = model.get_parameter(name)
+        out[name] = []
+        for group in groups:
+            rows = torch.tensor([(3 * h + s) * hd + i for h, s in group for i in range(hd)], device=w.device)
+            out[name].append((rows, w.detach()[rows].clone()))
+    return out
+
+
+def per_iteration_newton_schulz(triples):
+    """torch.optim.Muon's _zeropower_via_newtonschulz with one (a, b, c) per iteration: the same torch ops."""
+    def zeropower(grad, ns_coefficients, ns_steps, eps):
+        x = grad.to(dtype=torch.bfloat16, copy=True)
+        tall = grad.size(0) > grad.size(1)
+        if tall:
+            x = x.T
+        x.div_(x.norm().clamp(min=eps))
+        for a, b, c in triples:
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if tall else x
+    return zeropower
+
+
+class ReferenceOptimizers:
+    """torch.optim.Muon + AdamW for the one-process GPT, with the reference of each --ns-blocks,
+    --ns-coefficients and --qk-clip (above)."""
+
+    def __init__(self, model, cfg):
+        self.model, self.cfg, self.blocks = model, cfg, reference_blocks(cfg, model)
+        groups = []
+        for g in param_groups(model, *hyperparameters(cfg)):
+            params = [p for n, p in g["params"] if n not in self.blocks]
+            if g["algorithm"] == "muon":
+                params += [t for pieces in self.blocks.values() for _, t in pieces]
+            groups.append(dict(g, params=params))
+        self.optimizers = dm.torch_optimizers(groups)
+        self.zeropower = (per_iteration_newton_schulz(dm.ns_coefficients_of(cfg.ns_coefficients, dm.NS_STEPS))
+                          if cfg.optimizer == "muon" and cfg.ns_coefficients != "jordan" else None)
+
+    def step(self, step, max_logits=None):
+        """Step `step`; with --qk-clip, then clip by max_logits ({qkv weight name: (heads,) S})."""
+        set_lr(self.optimizers, self.cfg, step)
+        with torch.no_grad():
+            for name, pieces in self.blocks.items():
+                w = self.model.get_parameter(name)
+                for rows, t in pieces:
+                    t.copy_(w[rows])
+                    t.grad = w.grad[rows]
+            with patch.object(torch.optim._muon, "_zeropower_via_newtonschulz",
+                              self.zeropower or torch.optim._muon._zeropower_via_newtonschulz):
+                for opt in self.optimizers:
+                    opt.step()
+            for name, pieces in self.blocks.items():
+                w = self.model.get_parameter(name)
+                for rows, t in pieces:
+                    w[rows] = t
+                    t.grad = None
+            if self.cfg.qk_clip is not None:
+                self.clip_qk_(max_logits)
+
+    def clip_qk_(self, max_logits):
+        """Kimi K2's per-head QK-clip: head h's rows of W_q and W_k each times sqrt(min(1, tau / S_h))."""
+        g, tau = self.cfg.gpt(), self.cfg.qk_clip
+        hd = g.d_model // g.n_heads
+        for name, maxima in max_logits.items():
+            w = self.model.get_parameter(name)
+            for h, s in enumerate(maxima.tolist()):
+                if s > tau:
+                    w[3 * h * hd:(3 * h + 2) * hd].mul_(math.sqrt(min(1.0, tau / s)))  # its q rows, then k rows
+
+
 def reference_model(cfg, device):
     torch.set_num_threads(1)  # as every rank: bf16 matmul bits can depend on the thread count
     model = GPT(cfg.gpt()).to(device)
-    optimizers = dm.torch_optimizers([dict(g, params=[p for _, p in g["params"]])
-                                      for g in param_groups(model, *hyperparameters(cfg))])
-    return model, optimizers
+    model.record_max_logits(cfg.qk_clip is not None)
+    return model, ReferenceOptimizers(model, cfg)
 
 
-def accumulate_gradients(model, cfg, step, device):
-    """loss / DP's gradients of DP rank 0's micro-batch, then rank 1's, ...: [loss of each micro-batch]."""
+def accumulate_gradients(model, cfg, step, device, max_logits=None):
+    """loss / DP's gradients of DP rank 0's micro-batch, then rank 1's, ...: [loss of each micro-batch].
+    max_logits: a dict to fill with each head's largest logit over the micro-batches (--qk-clip)."""
     corpus, losses = load_corpus(), []
     for d in range(cfg.dp):
         x, y = (t.to(device) for t in corpus.batch(step, cfg.batch, cfg.context, cfg.seed, d, cfg.dp))
         loss = model(x, y)
         (loss / cfg.dp).backward()  # accumulates in .grad: g_0 + g_1 + ..., in DP-rank order
         losses.append(loss.item())
+        if max_logits is not None:
+            for n, t in model.max_logits().items():
+                max_logits[n] = torch.maximum(max_logits[n], t) if n in max_logits else t
     return losses
 
 
-def reference(cfg, device="cpu", replay=None, nudge=False):
+def ranks_max_logits(results, step):
+    """{qkv weight name: (heads,)} of step (0-based): the largest over every rank's reported maxima."""
+    out = {}
+    for r in results:
+        for n, t in r["max_logits"][step].items():
+            out[n] = torch.maximum(out[n], t) if n in out else t
+    return out
+
+
+def reference(cfg, device="cpu", replay=None, nudge=False, replay_max_logits=None):
     """Train in one process: {"losses": [[loss of DP rank d's micro-batch] per step], "params"}.
 
-    replay: the total gradient of every step ([{name: tensor}]) to use instead of computing one.
+    replay: the total gradient of every step ([{name: tensor}]) to use instead of computing one, and
+    with --qk-clip replay_max_logits, the ranks' maxima of every step ([{name: (heads,)}]).
     nudge: start with entry 0 of CHAOS_PARAM one ulp larger (the chaos floor)."""
     model, optimizers = reference_model(cfg, device)
     if nudge:
@@ -436,14 +611,15 @@ def reference(cfg, device="cpu", replay=None, nudge=False):
             first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))
     losses = []
     for step in range(1, cfg.steps + 1):
+        max_logits = {} if cfg.qk_clip is not None else None
         if replay is None:
-            losses.append(accumulate_gradients(model, cfg, step, device))
+            losses.append(accumulate_gradients(model, cfg, step, device, max_logits))
         else:
             for n, p in model.named_parameters():
                 p.grad = replay[step - 1][n].to(device)
-        set_lr(optimizers, cfg, step)
-        for opt in optimizers:
-            opt.step()
+            if cfg.qk_clip is not None:
+                max_logits = replay_max_logits[step - 1]
+        optimizers.step(step, max_logits)
         model.zero_grad(set_to_none=True)
     return dict(losses=losses, params=snapshot(model))
 
@@ -553,12 +729,23 @@ def exact(cfg, rank_order=True):
     return not why_inexact(cfg, rank_order)
 
 
+def by_gram(cfg, spec):
+    """Whether --tp-newton-schulz gram orthogonalizes this parameter with newton_schulz_tp (TP > 1, a Muon
+    matrix split along its long side, not taken apart by --ns-blocks)."""
+    blocked = cfg.ns_blocks != "whole" and spec.name in qkv_row_layouts(cfg.gpt())
+    return (cfg.tp_newton_schulz == "gram" and cfg.tp > 1 and cfg.optimizer == "muon" and spec.group == "muon"
+            and not blocked and dm.gram_eligible(spec.global_shape, spec.tp_split_dim))
+
+
 def replay_tolerance(cfg, spec, rank_order=True):
-    """NCCL's DP sum over DP > 2: what another order of it may do to the weights (see the policy above)."""
+    """What the replay may differ by (see the policy above): NCCL's DP sum over DP > 2, another order of it;
+    --tp-newton-schulz gram, the Gram matrix summed over TP ranks (the lesson's gram_ns_bound per step)."""
+    gram = (dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape,
+                                    dm.gram_ns_bound(spec.global_shape)) if by_gram(cfg, spec) else 0.0)
     if cfg.dp <= 2 or rank_order:
-        return 0.0
+        return gram
     if spec.group == "muon" and cfg.optimizer == "muon":
-        return dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
+        return gram + dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
     return cfg.steps * cfg.lr * dm.BATCHED_NS_BOUND
 
 
@@ -574,8 +761,9 @@ def verify(cfg, results, device="cpu", rank_order=True):
     specs = param_specs(cfg)
     rank_params = {r["rank"]: r["params"] for r in results}
     totals, replica_diff = total_gradients(cfg, results, specs)
-    replayed = dm.compare_to_reference(specs, reference(cfg, device, replay=totals)["params"], rank_params,
-                                       cfg.dp, cfg.tp)
+    logits = [ranks_max_logits(results, s) for s in range(cfg.steps)] if cfg.qk_clip is not None else None
+    replayed = dm.compare_to_reference(specs, reference(cfg, device, replay=totals, replay_max_logits=logits)["params"],
+                                       rank_params, cfg.dp, cfg.tp)
     for c, spec in zip(replayed, specs):
         c["tolerance"] = replay_tolerance(cfg, spec, rank_order)
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
@@ -607,7 +795,7 @@ def print_verification(cfg, checks, print_fn=print):
     same = sum(c["identical"] for c in checks["replay"])
     within = sum(c["ok"] and not c["identical"] for c in checks["replay"])
     print_fn(f"  replay:    torch's optimizers fed the ranks' summed gradients: {same}/{n} parameters identical"
-             + (f", {within} within the DP-order bound" if within else "")
+             + (f", {within} within their derived bound (replay_tolerance: DP order, Gram sums)" if within else "")
              + (f", {n - same - within} beyond it" if n - same - within else ""))
     replicas = (f"; TP copies of replicated gradients differ by {checks['replica_max_diff']:.1e}" if cfg.tp > 1 else "")
     n_same = sum(c["identical"] for c in checks["trained"])
@@ -645,12 +833,19 @@ def summarize(cfg, results):
     ms = {k: statistics.median(max(r["ms"][k][s] for r in results) for s in range(cfg.steps)[timed])
           for k in results[0]["ms"]}
     ledgers = [dict(comm=r["model_ledger"]["comm"] + r["ledger"]["comm"]) for r in results]
-    table = mt.bytes_per_step(ledgers, cfg.steps, TP_PHASES + mt.PHASES_OF[run_kind(cfg)])
+    phases = TP_PHASES + mt.PHASES_OF[run_kind(cfg)]
+    phases += tuple(dict.fromkeys(c["phase"] for r in ledgers for c in r["comm"] if c["phase"] not in phases))
+    table = mt.bytes_per_step(ledgers, cfg.steps, phases)  # with the phases options add ("QK-clip maxima")
     sent_max, sent_all = mt.total_bytes(table)
     optimizer_sent = [sum(t["sent"][r] for p, t in table.items() if p not in TP_PHASES) for r in range(len(results))]
-    return dict(losses=losses, val=results[0]["val"], ms=ms, bytes_per_step=table, bytes_sent_max_rank=sent_max,
-                bytes_sent_all_ranks=sent_all, optimizer_bytes_sent_max_rank=max(optimizer_sent),
-                tokens_per_s=cfg.batch * cfg.context / (ms["step"] / 1e3))
+    out = dict(losses=losses, val=results[0]["val"], ms=ms, bytes_per_step=table, bytes_sent_max_rank=sent_max,
+               bytes_sent_all_ranks=sent_all, optimizer_bytes_sent_max_rank=max(optimizer_sent),
+               tokens_per_s=cfg.batch * cfg.context / (ms["step"] / 1e3))
+    if cfg.qk_clip is not None:  # per step: the largest logit of any head, and how many heads (of all layers) clipped
+        maxima = [torch.stack(list(ranks_max_logits(results, s).values())) for s in range(cfg.steps)]
+        out["qk_clip"] = dict(max_logit=[m.max().item() for m in maxima],
+                              heads_clipped=[int((m > cfg.qk_clip).sum()) for m in maxima])
+    return out
 
 
 def print_summary(cfg, summary, print_fn=print):
@@ -665,6 +860,14 @@ def print_summary(cfg, summary, print_fn=print):
     print_fn("Bytes per step (ring counts; last step):")
     print_fn(mt.format_table(["phase", "axis", "dtype", "sent/rank (max)", "sent, all ranks"], rows,
                              ["<", "<", "<", ">", ">"]))
+    if "qk_clip" in summary:
+        q, heads = summary["qk_clip"], cfg.layers * cfg.heads
+        steps_clipped = sum(n > 0 for n in q["heads_clipped"])
+        first = next((i + 1 for i, n in enumerate(q["heads_clipped"]) if n), None)
+        print_fn(f"QK-clip, tau {cfg.qk_clip:g}: the largest logit of any head was {q['max_logit'][0]:.3g} at step 1, "
+                 f"{max(q['max_logit']):.3g} at most, {q['max_logit'][-1]:.3g} at step {cfg.steps}; heads clipped at "
+                 f"{steps_clipped} of {cfg.steps} steps" + (f" (from step {first}): {sum(q['heads_clipped'])} of the "
+                 f"{heads} heads x {cfg.steps} steps" if first else ""))
 
 
 def time_split(trace_path, steps=PROFILE_ACTIVE):
@@ -691,6 +894,11 @@ def header(cfg):
     n_params = sum(p.numel() for p in GPT(cfg.gpt()).parameters())
     corpus = load_corpus()
     what = "AdamW ZeRO-1 (every parameter)" if cfg.optimizer == "adamw" else f"Muon, {cfg.strategy} strategy"
+    options = [f"QK-clip tau {cfg.qk_clip:g}" if cfg.qk_clip is not None else "",
+               f"Newton-Schulz on the QKV's {cfg.ns_blocks}" if cfg.ns_blocks != "whole" else "",
+               f"{cfg.ns_coefficients} coefficients" if cfg.ns_coefficients != "jordan" else "",
+               "TP Newton-Schulz by Gram all-reduce" if cfg.tp_newton_schulz == "gram" else ""]
+    what += "".join(f", {o}" for o in options if o)
     return (f"GPT {cfg.layers} layers x d={cfg.d_model}, {cfg.heads} heads, context {cfg.context}: "
             f"{n_params / 1e6:.2f} M parameters; {what}, lr {cfg.lr:g}{schedule_words(cfg)}\n"
             f"Text: the standard library's sources, {corpus.train.numel() / 1e6:.1f} MB train "
@@ -755,6 +963,18 @@ def build_parser():
     p.add_argument("--profile", default="", metavar="DIR",
                    help=f"write torch.profiler Chrome traces of steps {PROFILE_WAIT + PROFILE_WARMUP + 1}-"
                         f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE} to DIR/rank<R>.json")
+    p.add_argument("--qk-clip", type=float, metavar="TAU", dest="qk_clip",
+                   help="QK-clip (Kimi K2's MuonClip): after each step, shrink W_q and W_k of every head whose "
+                        "largest logit passed TAU (default off)")
+    p.add_argument("--ns-blocks", choices=dm.NS_BLOCKS, default=d.ns_blocks,
+                   help="Newton-Schulz of the fused QKV: whole (default, torch's), blocks (Q, K, V apart) or "
+                        "heads (each head's q, k, v apart)")
+    p.add_argument("--ns-coefficients", choices=tuple(dm.NS_COEFFICIENT_CHOICES), default=d.ns_coefficients,
+                   help="jordan (default: torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932)")
+    p.add_argument("--tp-newton-schulz", choices=dm.TP_NEWTON_SCHULZ, default=d.tp_newton_schulz,
+                   help="gather (default): TP gather -> Newton-Schulz -> TP shard; gram: TP pieces split along "
+                        "the long side orthogonalized where they lie, one Gram all-reduce per iteration "
+                        "(--strategy gather)")
     p.add_argument("--verify", action="store_true",
                    help="train the same model in one process with torch.optim.Muon + AdamW and compare")
     p.add_argument("--json", metavar="PATH", help="write the run's figures")
