@@ -247,7 +247,8 @@ blocks = layout.blocks()  # row indices of Q, K and V across the heads
 as_blocks, as_whole = dm.newton_schulz_blocks(fused, blocks), dm.newton_schulz(fused)
 for name, rows in zip(layout.names, blocks):
     alone = dm.newton_schulz(fused[rows])
-    print(f"{name}: rows {rows[:2]}..{rows[-1]} ({len(rows)}); torch.equal with its block alone: "
+    runs = " ".join(f"{rows[i]}-{rows[i + head_dim - 1]}" for i in range(0, len(rows), head_dim))
+    print(f"{name}: rows {runs}; torch.equal with its block alone: "
           f"{torch.equal(as_blocks[rows], alone)}; max |whole - blocks| {(as_whole[rows].float() - alone.float()).abs().max():.3f}")
 print(f"per head: {len(layout.blocks(per_head=True))} blocks of {head_dim} rows; "
       f"each TP rank of 2 holds {layout.tp_piece(2).periods} heads, {layout.tp_piece(2).rows} rows")
