@@ -51,7 +51,8 @@ def test_the_snippet_runs_as_written_under_torchrun(tmp_path):
 
 @pytest.mark.parametrize("argument", ["params", "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients",
                                       "ns_steps", "ns_eps", "adjust_lr_fn", "betas", "eps", "expert_stacks",
-                                      "distributed_config", "batched_ns", "group"])
+                                      "distributed_config", "batched_ns", "group", "row_layouts", "ns_blocks",
+                                      "tp_newton_schulz", "qk_clip_tau"])
 def test_help_documents_every_argument(argument):
     import inspect
 
