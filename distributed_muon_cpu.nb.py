@@ -211,8 +211,9 @@ print("class OwnerMuon(DistributedMuon):\n    " + dm.OwnerMuon.__doc__.strip())
 #
 # `torch.optim.Muon` runs one fixed polynomial five times on each whole matrix and does nothing after
 # the update. Large runs do four things more, each a constructor keyword and a flag of the script
-# (the default keeps torch's behaviour), each changing what travels between ranks (chapter 11 of
-# `notes/` draws it). First, the math of each, in this process, with the script's own functions.
+# (the default keeps torch's behaviour); two of them change what travels between ranks (chapter 11
+# of `notes/` draws what moves). Here, the math of each, in this process, with the script's own
+# functions.
 #
 # **Per-iteration coefficients.** `ns_coefficients="polar_express"` (`--ns-coefficients
 # polar_express`) gives each iteration its own (a, b, c) (Polar Express, arXiv 2505.16932): the
@@ -287,10 +288,11 @@ for h in range(heads):
 # **Newton–Schulz on TP pieces.** A matrix that TP splits along its long side, columns X = [X₁ X₂],
 # has X·Xᵀ = X₁·X₁ᵀ + X₂·X₂ᵀ: with `tp_newton_schulz="gram"` (`--tp-newton-schulz gram`) each TP
 # rank computes its piece's small Gram matrix, one all-reduce sums them, and each rank updates its
-# own columns, every iteration (`dm.newton_schulz_tp`, Megatron-core's "distributed" mode). Below,
-# the same arithmetic with the all-reduce done as a sum in this process. The sum is exact math but
-# not torch's bits: torch rounds one bf16 matmul over all the columns, the pieces round each
-# partial product first.
+# own columns, every iteration (`dm.newton_schulz_tp`; the "distributed" TP mode of NVIDIA's
+# Emerging-Optimizers, which Megatron-core uses). Below, the same arithmetic with the all-reduce done
+# as a sum in this process. The identity is exact in real numbers, not in bf16: torch rounds one bf16
+# matmul over all the columns, the pieces round each partial product first, so the result is close
+# to torch's, not equal.
 
 # %%
 wide = torch.randn(64, 1024, generator=gen)
