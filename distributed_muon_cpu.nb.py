@@ -207,7 +207,7 @@ print(f"max / mean = {balance:.2f}\n")
 print("class OwnerMuon(DistributedMuon):\n    " + dm.OwnerMuon.__doc__.strip())
 
 # %% [markdown]
-# ## 7. What large runs add: blocks, QK-clip, Newton-Schulz on TP pieces
+# ## 7. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
 #
 # `torch.optim.Muon` runs one fixed polynomial five times on each whole matrix and does nothing after
 # the update. Large runs do four things more, each a constructor keyword and a flag of the script
