@@ -258,8 +258,16 @@ print(f"per head: {len(layout.blocks(per_head=True))} blocks of {head_dim} rows;
 # **QK-clip.** After the step, every head whose largest pre-softmax logit S exceeded τ has its rows
 # of W_q and of W_k each multiplied by √(τ / S) (Kimi K2, arXiv 2507.20534), so its logits shrink by
 # τ / S: that head's largest logit on the same input becomes τ. A head that no rank computed (-inf)
-# or that stayed under τ keeps its rows. Under DP, TP and ZeRO-1 the maxima live on other ranks than
-# the rows: `optimizer.clip_qk_(max_logits)` reduces them first (chapter 11).
+# or that stayed under τ keeps its rows. Under DP the maxima of one head come from every DP rank's
+# batch, so `optimizer.clip_qk_(max_logits)` reduces them first: on the lesson's grid, 4 bytes per
+# head of this TP rank, over its DP group (chapter 11 has the other layouts):
+#
+# ```
+#   DP 0, TP t: [a0 a1] ─┐
+#   DP 1, TP t: [b0 b1] ─┤
+#   DP 2, TP t: [c0 c1] ─┼─ all-reduce MAX over DP ─► S_h ─► every DP rank: rows of head h × √min(1, τ/S_h)
+#   DP 3, TP t: [d0 d1] ─┘
+# ```
 
 # %%
 tau = 3.0
@@ -288,9 +296,16 @@ for h in range(heads):
 # **Newton–Schulz on TP pieces.** A matrix that TP splits along its long side, columns X = [X₁ X₂],
 # has X·Xᵀ = X₁·X₁ᵀ + X₂·X₂ᵀ: with `tp_newton_schulz="gram"` (`--tp-newton-schulz gram`) each TP
 # rank computes its piece's small Gram matrix, one all-reduce sums them, and each rank updates its
-# own columns, every iteration (`dm.newton_schulz_tp`; the "distributed" TP mode of NVIDIA's
-# Emerging-Optimizers, which Megatron-core uses). Below, the same arithmetic with the all-reduce done
-# as a sum in this process. The identity is exact in real numbers, not in bf16: torch rounds one bf16
+# own columns, every iteration:
+#
+# ```
+#   TP 0: X₁ ─ X₁·X₁ᵀ ─┐                                   ┌─ X₁ ← a·X₁ + (b·A + c·A·A)·X₁
+#                      ├─ all-reduce SUM: A (m × m, fp32) ─┤
+#   TP 1: X₂ ─ X₂·X₂ᵀ ─┘                                   └─ X₂ ← a·X₂ + (b·A + c·A·A)·X₂
+# ```
+#
+# That is `dm.newton_schulz_tp` (the "distributed" TP mode of NVIDIA's Emerging-Optimizers, which
+# Megatron-core uses). Below, the same arithmetic with the all-reduce done as a sum in this process. The identity is exact in real numbers, not in bf16: torch rounds one bf16
 # matmul over all the columns, the pieces round each partial product first, so the result is close
 # to torch's, not equal.
 
