@@ -89,8 +89,8 @@ def check_large_runs(text):
         assert (multiplier < 1 and after == 3.0) if before > 3.0 else (multiplier == 1 and after == before)
     assert sum(float(m) < 1 for _, _, m, _ in heads) == 2 and sum(float(m) == 1 for _, _, m, _ in heads) == 2
     assert re.search(r"float32 Gram: max \|whole - sum over pieces\| [\d.e-]+ \(entries up to \d+\)", text)
-    gram = re.search(r"pieces against torch's on the whole: torch.equal (\w+), max \|d\| ([\d.]+) = (\d+) bf16 steps", text)
-    assert gram.group(1) == "False" and 0 < float(gram.group(2)) and int(gram.group(3)) <= 16
+    gram = re.search(r"8 matrices of 64x1024: torch.equal on (\d) of 8; max \|d\| (\d+) bf16 steps", text)
+    assert int(gram.group(1)) < 8 and 0 < int(gram.group(2)) <= 16  # not torch's bits, within a few bf16 steps
 
 
 def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
