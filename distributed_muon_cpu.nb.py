@@ -207,7 +207,143 @@ print(f"max / mean = {balance:.2f}\n")
 print("class OwnerMuon(DistributedMuon):\n    " + dm.OwnerMuon.__doc__.strip())
 
 # %% [markdown]
-# ## 7. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
+# ## 7. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
+#
+# `torch.optim.Muon` runs one fixed polynomial five times on each whole matrix and does nothing after
+# the update. Large runs do four things more, each a constructor keyword and a flag of the script
+# (the default keeps torch's behaviour); two of them change what travels between ranks (chapter 11
+# of `notes/` draws what moves). Here, the math of each, in this process, with the script's own
+# functions.
+#
+# **Per-iteration coefficients.** `ns_coefficients="polar_express"` (`--ns-coefficients
+# polar_express`) gives each iteration its own (a, b, c) (Polar Express, arXiv 2505.16932): the
+# same matmuls, so the same FLOPs and bytes, and the singular values of a matrix whose spectrum
+# spans three decades, as a gradient's does, land closer to 1 in five iterations:
+
+# %%
+gen = torch.Generator().manual_seed(2)
+left, _ = torch.linalg.qr(torch.randn(512, 128, generator=gen))
+right, _ = torch.linalg.qr(torch.randn(128, 128, generator=gen))
+spread = left @ torch.diag(torch.logspace(0, -3, 128)) @ right.T  # singular values 1 down to 0.001
+for name in dm.NS_COEFFICIENT_CHOICES:
+    sv = torch.linalg.svdvals(dm.newton_schulz(spread, coefficients=name).float())
+    first = dm.ns_coefficients_of(name, dm.NS_STEPS)[0]
+    print(f"{name:<14} first (a, b, c) = ({first[0]:.3f}, {first[1]:.3f}, {first[2]:.3f}): "
+          f"singular values after {dm.NS_STEPS} iterations {sv.min():.3f} to {sv.max():.3f}")
+
+# %% [markdown]
+# **Fused blocks.** A fused QKV weight laid out head by head (q, k, v of head 0, then of head 1, …)
+# orthogonalized whole is not what Q, K and V would get as three parameters. `RowLayout` names the
+# rows; `ns_blocks="blocks"` (`--ns-blocks blocks`) orthogonalizes Q, K and V each alone, `"heads"`
+# each head's q, k and v alone. Each block is exactly `newton_schulz` of those rows as a separate
+# matrix, so `torch.optim.Muon` on the blocks as separate parameters gives the same bits. Under TP
+# (split on dim 0, by heads) each TP rank holds whole heads: half of Q's rows here, so the Q block
+# still needs the TP gather, and the blocks add no bytes to it.
+
+# %%
+heads, head_dim, d_model = 4, 16, 64
+layout = dm.RowLayout(sizes=(head_dim,) * 3, periods=heads, names=("q", "k", "v"))
+fused = torch.randn(layout.rows, d_model, generator=gen)
+blocks = layout.blocks()  # row indices of Q, K and V across the heads
+as_blocks, as_whole = dm.newton_schulz_blocks(fused, blocks), dm.newton_schulz(fused)
+for name, rows in zip(layout.names, blocks):
+    alone = dm.newton_schulz(fused[rows])
+    runs = " ".join(f"{rows[i]}-{rows[i + head_dim - 1]}" for i in range(0, len(rows), head_dim))
+    print(f"{name}: rows {runs}; torch.equal with its block alone: "
+          f"{torch.equal(as_blocks[rows], alone)}; max |whole - blocks| {(as_whole[rows].float() - alone.float()).abs().max():.3f}")
+print(f"per head: {len(layout.blocks(per_head=True))} blocks of {head_dim} rows; "
+      f"each TP rank of 2 holds {layout.tp_piece(2).periods} heads, {layout.tp_piece(2).rows} rows")
+
+# %% [markdown]
+# **QK-clip.** After the step, every head whose largest pre-softmax logit S exceeded τ has its rows
+# of W_q and of W_k each multiplied by √(τ / S) (Kimi K2, arXiv 2507.20534), so its logits shrink by
+# τ / S: that head's largest logit on the same input becomes τ. A head that no rank computed (-inf)
+# or that stayed under τ keeps its rows. Under DP the maxima of one head come from every DP rank's
+# batch, so `optimizer.clip_qk_(max_logits)` reduces them first: on the lesson's grid, 4 bytes per
+# head of this TP rank, over its DP group (chapter 11 has the other layouts):
+#
+# ```
+#   DP 0, TP t: [a0 a1] ─┐
+#   DP 1, TP t: [b0 b1] ─┤
+#   DP 2, TP t: [c0 c1] ─┼─ all-reduce MAX over DP ─► S_h ─► every DP rank: rows of head h × √min(1, τ/S_h)
+#   DP 3, TP t: [d0 d1] ─┘
+# ```
+
+# %%
+tau = 3.0
+w_q, w_k = (torch.randn(heads * head_dim, d_model, generator=gen, dtype=torch.float64) / 8 for _ in range(2))
+tokens = torch.randn(8, d_model, generator=gen, dtype=torch.float64)
+w_q[:head_dim] *= 4  # heads 0 and 1: logits that grew
+w_q[head_dim:2 * head_dim] *= 2
+
+
+def max_logits(w_q, w_k):  # per head: max over token pairs of q.k / sqrt(head_dim)
+    q, k = (tokens @ w_q.T).view(8, heads, head_dim), (tokens @ w_k.T).view(8, heads, head_dim)
+    return torch.einsum("ihd,jhd->hij", q, k).amax(dim=(1, 2)) / head_dim**0.5
+
+
+before = max_logits(w_q, w_k)
+scales = dm.qk_clip_scales(before, tau)
+for h, s in enumerate(scales):
+    rows = slice(h * head_dim, (h + 1) * head_dim)
+    w_q[rows] *= s
+    w_k[rows] *= s
+after = max_logits(w_q, w_k)
+for h in range(heads):
+    print(f"head {h}: max logit {before[h]:7.3f}, multiplier {scales[h]:.4f} -> {after[h]:7.3f}")
+
+# %% [markdown]
+# **Newton–Schulz on TP pieces.** A matrix that TP splits along its long side, columns X = [X₁ X₂],
+# has X·Xᵀ = X₁·X₁ᵀ + X₂·X₂ᵀ: with `tp_newton_schulz="gram"` (`--tp-newton-schulz gram`) each TP
+# rank computes its piece's small Gram matrix, one all-reduce sums them, and each rank updates its
+# own columns, every iteration:
+#
+# ```
+#   TP 0: X₁ ─ X₁·X₁ᵀ ─┐                                   ┌─ X₁ ← a·X₁ + (b·A + c·A·A)·X₁
+#                      ├─ all-reduce SUM: A (m × m, fp32) ─┤
+#   TP 1: X₂ ─ X₂·X₂ᵀ ─┘                                   └─ X₂ ← a·X₂ + (b·A + c·A·A)·X₂
+# ```
+#
+# That is `dm.newton_schulz_tp` (the "distributed" TP mode of NVIDIA's Emerging-Optimizers, which
+# Megatron-core uses). Below, the same arithmetic with the all-reduce done as a sum in this process:
+# each piece's product in float32, summed, rounded to bf16 once, as torch's one bf16 matmul rounds its
+# float32 accumulation once. The identity is exact in real numbers; in float32 the sum runs in another
+# order than torch's, so now and then a near-tie rounds to the other bf16 neighbour, and the later
+# iterations carry it on: close to torch's bits, usually not equal to them.
+
+# %%
+wide = torch.randn(64, 1024, generator=gen)
+pieces = wide.chunk(2, dim=1)  # the two TP ranks' columns
+whole_gram, pieces_gram = wide @ wide.T, sum(p @ p.T for p in pieces)
+print(f"float32 Gram: max |whole - sum over pieces| {(whole_gram - pieces_gram).abs().max():.2g} "
+      f"(entries up to {whole_gram.abs().max():.0f})")
+
+
+def newton_schulz_of_pieces(pieces):
+    xs = [p.bfloat16() for p in pieces]
+    norm = sum(x.float().square().sum() for x in xs).sqrt().to(torch.bfloat16)  # one all-reduced float
+    xs = [x / norm for x in xs]
+    for a, b, c in dm.ns_coefficients_of(dm.NS_COEFFICIENTS, dm.NS_STEPS):
+        gram = sum(x.float() @ x.float().mT for x in xs).bfloat16()  # the all-reduce: every rank gets the sum
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        xs = [torch.addmm(x, poly, x, beta=a) for x in xs]  # each rank its own columns
+    return torch.cat(xs, dim=1)
+
+
+equal, worst = 0, 0
+for _ in range(8):
+    wide = torch.randn(64, 1024, generator=gen)
+    ours = newton_schulz_of_pieces(wide.chunk(2, dim=1))
+    theirs = torch.optim._muon._zeropower_via_newtonschulz(wide, dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+    top = theirs.float().abs().max()
+    spacing = torch.finfo(torch.bfloat16).eps * 2 ** top.log2().floor()  # between bf16 numbers just below `top`
+    equal += torch.equal(ours, theirs)
+    worst = max(worst, int((ours.float() - theirs.float()).abs().max() / spacing))
+print(f"Newton-Schulz from 2 pieces against torch's on the whole, 8 matrices of 64x1024: torch.equal on {equal} "
+      f"of 8; max |d| {worst} bf16 steps at the largest entries")
+
+# %% [markdown]
+# ## 8. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
 #
 # Now 8 ranks, DP=4 × TP=2, started by the script as one process per rank; the notebook runs the
 # script as a process of its own (`mt.run_program`) and fails the cell if it fails. After the steps,
@@ -243,7 +379,7 @@ plt.show()
 assert n_same == len(checks), "some parameter differs from torch"
 
 # %% [markdown]
-# ## 8. Accounting
+# ## 9. Accounting
 #
 # Every collective goes through one place in the script (section 2) that records the bytes each
 # rank sends and receives, counted as a ring algorithm moves them (Gloo records no sizes; its own
@@ -272,7 +408,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ## 9. Main: the launcher and the command line
+# ## 10. Main: the launcher and the command line
 #
 # The launcher behind every run above checks the arguments and plans the layout before any rank
 # starts, starts one process per rank and watches them: bad input stops with one line and exit code

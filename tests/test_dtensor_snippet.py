@@ -1,6 +1,6 @@
-"""The README's "DTensorMuon in your FSDP2 x TP training loop" snippet (the same block in notes/10-dtensor.md),
-extracted and run as written under torchrun on 4 Gloo CPU ranks; and help(DTensorMuon) documents every
-argument."""
+"""The "Use it in your FSDP2 x TP training loop" snippet of notes/10-dtensor.md (the one page users find: the
+README links to it), extracted and run as written under torchrun on 4 Gloo CPU ranks; and help(DTensorMuon)
+documents every argument."""
 
 import os
 import re
@@ -16,20 +16,27 @@ import distributed_muon_dtensor as dd  # noqa: E402
 MARKER = "<!-- dtensor-snippet: tests/test_dtensor_snippet.py runs this block -->"
 
 
-def snippet(path):
-    text = open(os.path.join(ROOT, path)).read()
-    assert text.count(MARKER) == 1, path
-    block = text.split(MARKER, 1)[1]
+PAGE = "notes/10-dtensor.md"
+ANCHOR = "use-it-in-your-fsdp2--tp-training-loop"  # the heading the snippet sits under
+
+
+def snippet():
+    text = open(os.path.join(ROOT, PAGE)).read()
+    assert text.count(MARKER) == 1
+    heading, block = text.split(MARKER, 1)
+    assert heading.rstrip().rsplit("\n## ", 1)[1].startswith("Use it in your FSDP2 × TP training loop")
     return re.match(r"\s*```python\n(.*?)```", block, re.S).group(1)
 
 
-def test_the_snippet_is_the_same_in_the_readme_and_the_note():
-    assert snippet("README.md") == snippet("notes/10-dtensor.md")
+def test_the_readme_links_to_the_one_page_with_the_snippet():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert f"]({PAGE}#{ANCHOR})" in readme
+    assert MARKER not in readme and "dcp.save(" not in readme  # one copy, on one page
 
 
-def test_the_readme_snippet_runs_as_written_under_torchrun(tmp_path):
+def test_the_snippet_runs_as_written_under_torchrun(tmp_path):
     script = tmp_path / "snippet.py"
-    script.write_text(snippet("README.md"))
+    script.write_text(snippet())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                            str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env=dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path)))
@@ -44,7 +51,8 @@ def test_the_readme_snippet_runs_as_written_under_torchrun(tmp_path):
 
 @pytest.mark.parametrize("argument", ["params", "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients",
                                       "ns_steps", "ns_eps", "adjust_lr_fn", "betas", "eps", "expert_stacks",
-                                      "distributed_config", "batched_ns", "group"])
+                                      "distributed_config", "batched_ns", "group", "row_layouts", "ns_blocks",
+                                      "tp_newton_schulz", "qk_clip_tau"])
 def test_help_documents_every_argument(argument):
     import inspect
 

@@ -46,11 +46,11 @@ def test_notebook_is_committed_without_outputs(notebook):
 
 def test_notebook_sections_are_the_scripts_in_order():
     script = []
-    for path in (SCRIPT, TOOLS):  # the lesson's sections 1-7, then its tooling's 8 and 9
+    for path in (SCRIPT, TOOLS):  # the lesson's sections 1-8, then its tooling's 9 and 10
         with open(path) as f:
-            script += re.findall(r"^# (\d)\. (.+)$", f.read(), flags=re.M)
-    assert [int(n) for n, _ in script] == list(range(1, 10))
-    assert headings(NOTEBOOK) == [("0", "Setup")] + script  # 0 sets up, 1-9 follow the script
+            script += re.findall(r"^# (\d+)\. (.+)$", f.read(), flags=re.M)
+    assert [int(n) for n, _ in script] == list(range(1, 11))
+    assert headings(NOTEBOOK) == [("0", "Setup")] + script  # 0 sets up, 1-10 follow the script
     assert [int(n) for n, _ in headings(RUNS_NOTEBOOK)] == list(range(4))
 
 
@@ -74,6 +74,25 @@ def execute(tmp_path, notebook):
     return outputs, "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
 
 
+def check_large_runs(text):
+    """Section 7's four additions, each checked on the numbers it printed."""
+    spread = dict(re.findall(r"^(jordan|polar_express) .*singular values after 5 iterations ([\d.]+) to", text, re.M))
+    assert float(spread["polar_express"]) > float(spread["jordan"]) + 0.1  # closer to 1 in the same 5 iterations
+    for name in "qkv":  # each block is newton_schulz of its rows alone, and not the whole matrix's rows
+        line = re.search(rf"^{name}: rows .*torch.equal with its block alone: (\w+); max \|whole - blocks\| ([\d.]+)$",
+                         text, re.M)
+        assert line.group(1) == "True" and float(line.group(2)) > 0.05
+    heads = re.findall(r"^head (\d): max logit +([\d.]+), multiplier ([\d.]+) -> +([\d.]+)$", text, re.M)
+    assert len(heads) == 4
+    for _, before, multiplier, after in heads:  # tau = 3: a clipped head's largest logit becomes tau
+        before, multiplier, after = float(before), float(multiplier), float(after)
+        assert (multiplier < 1 and after == 3.0) if before > 3.0 else (multiplier == 1 and after == before)
+    assert sum(float(m) < 1 for _, _, m, _ in heads) == 2 and sum(float(m) == 1 for _, _, m, _ in heads) == 2
+    assert re.search(r"float32 Gram: max \|whole - sum over pieces\| [\d.e-]+ \(entries up to \d+\)", text)
+    gram = re.search(r"8 matrices of 64x1024: torch.equal on (\d) of 8; max \|d\| (\d+) bf16 steps", text)
+    assert int(gram.group(1)) < 8 and 0 < int(gram.group(2)) <= 16  # not torch's bits, within a few bf16 steps
+
+
 def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     outputs, text = execute(tmp_path, NOTEBOOK)
     assert "torch.equal with torch's Newton-Schulz: True" in text  # section 1, in the kernel
@@ -88,12 +107,13 @@ def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
         assert f"{name}: every rank's part put together, torch.equal with Newton-Schulz on the whole matrix: True" in text
     assert "TP-local (192, 128) -> TP gather (384, 128) -> Newton-Schulz (384, 128) -> TP shard (192, 128)" in text
     assert "max / mean = 1.00" in text and "class OwnerMuon(DistributedMuon):" in text  # section 6
-    default_run = text[text.index("Distributed Muon: 8 CPU ranks"):]  # section 7: the default run, --explain
+    check_large_runs(text)  # section 7
+    default_run = text[text.index("Distributed Muon: 8 CPU ranks"):]  # section 8: the default run, --explain
     with open(tmp_path / "runs" / "notebook_4x2.json") as f:
         check_default_run(default_run[:default_run.index("Result: PASS") + 60], json.load(f))
     assert text.count("Result: PASS") == 1
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # checks, accounting
-    assert "usage: distributed_muon_cpu.py" in text and "--strategy" in text  # section 9: the command line
+    assert "usage: distributed_muon_cpu.py" in text and "--strategy" in text  # section 10: the command line
 
 
 def test_runs_notebook_runs_top_to_bottom(tmp_path):
