@@ -534,15 +534,20 @@ def step_errors(ref, weights, step, ranks_loss, ranks_grads):
                        .item(), ranks_grad_err=ranks_err / scale, one_process_grad_err=one_err / scale)
         out.update((k, largest([out.get(k, 0.0), v])) for k, v in figures.items())
         ratio = bound_ratio(ranks_err, one_err, n, scale)
-        if not ratio <= out["bound_ratio"]:  # NaN included: it must show, and fail
+        if worse(ratio, out["bound_ratio"]):
             out.update(bound_ratio=ratio, bound_worst=(step, name))
     return out
+
+
+def worse(a, b):
+    """Whether figure a is worse than b: larger, or NaN where b is not (a NaN must show, and fail)."""
+    return not math.isnan(b) and (math.isnan(a) or a > b)
 
 
 def worse_of(a, b):
     """Two steps' step_errors, the largest of each figure (bound_worst goes with bound_ratio)."""
     out = {k: largest([a[k], b[k]]) for k in a if k != "bound_worst"}
-    out["bound_worst"] = b["bound_worst"] if not b["bound_ratio"] <= a["bound_ratio"] else a["bound_worst"]
+    out["bound_worst"] = b["bound_worst"] if worse(b["bound_ratio"], a["bound_ratio"]) else a["bound_worst"]
     return out
 
 
@@ -617,7 +622,8 @@ def training_table(out):
     share = f"{share:.2f}" if share < 100 else f"{share:,.0f}"  # NaN: "nan" (and FAIL)
     rows = [["replay", "torch's optimizers fed the ranks' own gradients", replay, "torch.equal",
              "PASS" if not out["replay_differs"] else "FAIL"],
-            ["replicas", "each rank's full_tensor() of each gradient vs rank 0's, max |d|", f"{out['replica_max_diff']:.1e}", "0",
+            ["replicas", "each rank's full_tensor() of each gradient vs rank 0's, max |d|",
+             f"{out['replica_max_diff']:.1e}", "0",
              "PASS" if out["replica_max_diff"] == 0 else "FAIL"],
             ["gradients", "error vs float64, of each tensor's largest entry",
              f"ranks {out['ranks_grad_err']:.1e}, one process {out['one_process_grad_err']:.1e}",
