@@ -1228,6 +1228,9 @@ def validate(cfg):
         raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
     if cfg.layers < 1 or cfg.experts < 1:
         raise ValueError(f"--layers and --experts must be >= 1 (got {cfg.layers}, {cfg.experts})")
+    if cfg.train and cfg.batched_ns:
+        raise ValueError("--train checks its replay against torch bit for bit, which --batched-ns does not promise: "
+                         "use one of them")
     mt.check_launch(cfg.timeout_s)
 
 
@@ -1251,6 +1254,11 @@ def build_parser():
                         "lesson's bound) and every other parameter bit for bit")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", metavar="SECONDS",
                    help="a rank silent this long ends the run (default %(default)s)")
+    p.add_argument("--train", action="store_true",
+                   help=f"real forward and backward on random tokens ({BATCH} x {SEQ} per DP rank a step) instead of "
+                        "exact gradients, checked as train_gpt checks a training: the replay of the ranks' own "
+                        "gradients bit for bit, the gradients within a bound derived from the arithmetic, the "
+                        "free-running gap reported beside a one-ulp chaos floor")
     p.add_argument("--compare", action="store_true",
                    help="also run the lesson's owner and comm-free strategies on this model's matrices, on the same "
                         "grid, measure what FSDP2 and the TP layers send in one training step, and print bytes and "
@@ -1262,9 +1270,8 @@ def build_parser():
     return p
 
 
-def report(cfg, results, checks, print_fn=print):
-    world = cfg.dp * cfg.tp
-    table, same, flops = account(cfg, results)
+def report_parameters(cfg, checks, print_fn=print):
+    """[7] of exact gradients: one row per parameter against torch; returns dm.verdict's (passed, line)."""
     print_fn("[7] Every rank's local elements against torch.optim.Muon / AdamW in one process:")
     rows = [[c["name"], "x".join(map(str, c["shape"])), c["placements"], c["optimizer"],
              f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0",
@@ -1277,6 +1284,24 @@ def report(cfg, results, checks, print_fn=print):
         print_fn("--batched-ns: each Muon matrix is held to steps x adjusted lr x 1.5 x BATCHED_NS_BOUND (2**-5) "
                  "of torch's (the lesson's batched_ns_tolerance), every other parameter bit for bit; bounds: "
                  + ", ".join(f"{shape} {bound:.1e}" for shape, bound in bounds.items()) + "\n")
+    return dm.verdict(checks)
+
+
+def report(cfg, results, checks, print_fn=print):
+    """The checks ([7]: verify's per-parameter list; verify_training's dict with cfg.train), the bytes and
+    FLOPs ([8]) and the verdict, printed; returns the JSON dict."""
+    if cfg.train:
+        print_fn(f"[7] A real training ({BATCH} x {SEQ} = {BATCH * SEQ} random tokens per DP rank a step, {cfg.steps} "
+                 f"steps) against torch.optim.Muon / AdamW in one process on each step's whole batch (FSDP2 and TP "
+                 f"sum in other orders):")
+        print_fn(training_table(checks) + "\n")
+        passed = checks["passed"]
+        line = (f"{'PASS' if passed else 'FAIL'}: the replay bit for bit, the gradients within the derived bound "
+                f"(the free-running gap reported, not checked)")
+    else:
+        passed, line = report_parameters(cfg, checks, print_fn)
+    world = cfg.dp * cfg.tp
+    table, same, flops = account(cfg, results)
     print_fn(f"[8] Bytes per step, counted by the ledger (exact all-to-all counts; "
              f"{'the same every step' if same else 'last step; steps differ'}):")
     rows = [[phase, t["dtype"], mt.human_bytes(max(t["sent"])), mt.human_bytes(max(t["received"])),
@@ -1291,7 +1316,6 @@ def report(cfg, results, checks, print_fn=print):
     single = single_device_flops(cfg)
     print_fn(f"[8] Newton-Schulz GFLOP per rank (last step): {', '.join(f'{f / 1e9:.4f}' for f in flops)}; "
              f"single device {single / 1e9:.4f}; redundancy {sum(flops) / single:.2f}\n")
-    passed, line = dm.verdict(checks)
     print_fn(f"Result: {line}")
     return dict(config=asdict(cfg), torch=torch.__version__, passed=passed, checks=checks, owners=results[0]["owners"],
                 bytes_per_step=table, bytes_same_every_step=same, ns_flops_per_rank=flops, ns_flops_single=single,
@@ -1301,7 +1325,7 @@ def report(cfg, results, checks, print_fn=print):
 def demo_config(args):
     return DemoConfig(dp=args.dp, tp=args.tp, steps=args.steps, seed=args.seed, lr=args.lr, momentum=args.momentum,
                       weight_decay=args.weight_decay, layers=args.layers, experts=args.experts,
-                      batched_ns=args.batched_ns, timeout_s=args.timeout_s, count_comm=args.compare)
+                      batched_ns=args.batched_ns, timeout_s=args.timeout_s, count_comm=args.compare, train=args.train)
 
 
 def print_header(cfg, ranks, print_fn=print):
@@ -1318,7 +1342,7 @@ def finish(cfg, results, ranks_s, device="cpu", print_fn=print):
     print_fn("[2] Placements: " + "; ".join(sorted({f"{n.split('.')[-2]}.{n.split('.')[-1]} {p}"
                                                    for n, p in results[0]["placements"].items()
                                                    if n.startswith("layers.0.")})) + "\n")
-    checks = verify(cfg, results, run_reference(cfg, device))
+    checks = verify_training(cfg, results, device) if cfg.train else verify(cfg, results, run_reference(cfg, device))
     out = report(cfg, results, checks, print_fn)
     print_fn(f"Timing: ranks {ranks_s:.1f} s (start, build, {cfg.steps} steps, checks)")
     return out
