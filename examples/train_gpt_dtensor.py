@@ -30,8 +30,9 @@ What a rank does (mesh (dp, tp), rank = dp_rank * tp + tp_rank):
 section 7, with train_gpt's policy, its section 3): torch.optim.Muon + AdamW fed the ranks' own total
 gradients replay every rank's weights bit for bit at every step (checked); at the ranks' own weights, the
 one process's fp32 and float64 gradients and loss bound the ranks' (FSDP2's and TP's sums run in another
-order: their error against float64 within 4 x the one process's plus n u, checked); and the free-running
-losses' gap is reported beside the chaos floor (the one process started one ulp away), never a verdict.
+order: their error against float64 within tg.REALIZED_FACTOR (4) x the one process's plus n u, checked);
+the free-running losses' gap is reported beside the chaos floor (the one process started one ulp away),
+never a verdict.
 The one-process model is the same nn.Linear form, unparallelized. The launcher is the lesson's
 (mt.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing or silent rank ends the run naming it.
 """
