@@ -619,7 +619,7 @@ def training_table(out):
     replay = (f"{n}/{n} parameters identical after each of {steps} steps" if not out["replay_differs"] else
               f"{len(out['replay_differs'])} (step, parameter) differ, first {out['replay_differs'][0]}")
     where, ratio, share = out["bound_worst"], out["chaos_ratio"], out["bound_ratio"]
-    share = f"{share:.2f}" if share < 100 else f"{share:,.0f}"  # NaN: "nan" (and FAIL)
+    share = f"{share:.2g}" if share < 100 else f"{share:,.0f}"  # NaN: "nan" (and FAIL)
     rows = [["replay", "torch's optimizers fed the ranks' own gradients", replay, "torch.equal",
              "PASS" if not out["replay_differs"] else "FAIL"],
             ["replicas", "each rank's full_tensor() of each gradient vs rank 0's, max |d|",
