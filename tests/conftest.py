@@ -19,8 +19,9 @@ policy, its section 3: bit for bit with TP = 1 (any DP on Gloo); with TP = 2 eac
 within 4 x the one process's own fp32 error against float64 plus n u of the largest entry, the
 free-running drift reported beside a one-ulp chaos floor; the optimizer's replay bit for bit everywhere)
 and tests/test_dtensor.py / tests/test_train_gpt_dtensor.py (real FSDP2 x TP runs, checked by
-dtensor_demo.py's section 7: the replay bit for bit at every step, gradients and losses at the same
-weights within GRAD_RTOL and STEP_LOSS_RTOL).
+dtensor_demo.py's section 7 with the same policy: the replay bit for bit at every step, each step's
+gradients and loss against float64 within the same derived bound, the free-running drift reported
+beside the chaos floor).
 If another test ever needs a tolerance, the reason must be written beside it.
 
 Every reference is PyTorch's own torch.optim.Muon / torch.optim.AdamW (or its
