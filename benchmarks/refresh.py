@@ -126,12 +126,23 @@ PARTS = (
     Part("dtensor_torchrun_2x2_gloo.txt", ("{python} -m torch.distributed.run --standalone --nproc-per-node 4 "
                                            "distributed_muon_dtensor.py --dp 2 --tp 2 --backend gloo --device cpu",),
          env=(("OMP_NUM_THREADS", "1"),)),  # set, torchrun prints no banner about it
-    Part("dtensor_train_gpt_4x2.txt", ("{python} examples/train_gpt_dtensor.py --verify",)),
+    Part("dtensor_training_4x2.txt", ("{python} dtensor_demo.py --train",)),
+    Part("dtensor_train_gpt_4x2.txt", ("{python} examples/train_gpt_dtensor.py --verify",
+                                       "{python} examples/train_gpt_dtensor.py --verify --steps 8 --lr 0.1",
+                                       "{python} examples/train_gpt_dtensor.py")),
     Part("dtensor_train_gpt_resume.txt", (
         train_gpt("--steps 40 --log-every 10"),
         "{python} examples/train_gpt_dtensor.py --dp 2 --tp 2 --save {tmp}/gptckpt --save-step 20",
         "{python} examples/train_gpt_dtensor.py --dp 4 --tp 1 --resume {tmp}/gptckpt --resume-step 20",
         "{python} examples/train_gpt_dtensor.py --dp 1 --tp 4 --resume {tmp}/gptckpt --resume-step 20")),
+    # Chapter 11: the large runs' options
+    Part("ns_coefficients_gpt_2core.txt", ("{python} benchmarks/ns_coefficients.py --steps 8",)),
+    Part("gpt_qk_clip_4x2.txt", (train_gpt("--qk-clip 5"),)),
+    Part("tp_newton_schulz_bytes.txt", (compare("--tp-newton-schulz-bytes"),)),
+    Part("gpt_tp_newton_schulz_4x2.txt", (train_gpt("--strategy gather --steps 40"),
+                                          train_gpt("--strategy gather --steps 40 --tp-newton-schulz gram"))),
+    Part("gpt_large_options_verify_2x2.txt", (train_gpt("--dp 2 --tp 2 --lr 0.1 --steps 8 --qk-clip 1 --ns-blocks heads "
+                                                        "--ns-coefficients polar_express --verify"),)),
 )
 NOT_HERE = ("the GPU's files (h100_*; sibling_*, ns_gflops_* and the rest of benchmarks/on_gpu.sh's): "
             "bash benchmarks/on_gpu.sh on a machine with a GPU")
