@@ -734,11 +734,12 @@ def under_torchrun():
 # some fp32 sums in another order than the same model in one process does: TP's
 # partial products, FSDP2's partial sums over its ranks' tokens. Its gradients
 # cannot have the one process's bits, so these commands check three things
-# (each names the sums it reorders: train_gpt.py section 3, dtensor_demo.py
-# section 7):
+# (each names the sums it reorders: examples/train_gpt.py section 3,
+# dtensor_demo.py section 7):
 #
 #   replay     torch's optimizers fed the ranks' own total gradients give every
-#              rank's weights: bit for bit.
+#              rank's weights: bit for bit (but for train_gpt.py's stated opt-ins,
+#              NCCL's DP order and --tp-newton-schulz gram, held to their bounds).
 #   gradients  at the ranks' own weights, the ranks' gradients and losses against
 #              the same computation in float64: within the bound below.
 #   trained    both runs free-running from the same start: the gap of their losses
@@ -755,7 +756,8 @@ def under_torchrun():
 #      worst case no larger than the one process's.
 #   2. How a step's data amplify each rounding (norms, softmax, the residual sums)
 #      has no closed form, so that worst case is measured on the step: the one
-#      process's fp32 error against float64, e_one = max |G_fp32 - G_fp64| per tensor.
+#      process's fp32 error against float64 (u = 2**-53: its own error is 2**-29 of
+#      fp32's), e_one = max |G_fp32 - G_fp64| per tensor.
 #   3. The ranks' e_ranks = max |G_ranks - G_fp64| is another draw of the same worst
 #      case, in another order: held to REALIZED_FACTOR x e_one, plus one reordered
 #      reduction of the step's n terms adding up to the largest entry, n u max |G_fp64|
