@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import statistics
 import sys
 import time
@@ -35,10 +34,6 @@ import distributed_muon_cpu as dm
 import muon_tools as mt
 from distributed_muon_cpu import NS_STEPS, newton_schulz_flops
 from distributed_muon_dtensor import DistributedConfig, DTensorMuon, load_checkpoint, local_of, save_checkpoint
-
-# A real training's verification policy is the GPT example's (examples/train_gpt.py, section 3): imported, not restated
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
-import train_gpt as tg  # noqa: E402
 
 # =============================================================================
 # 7. The demo model, a run, and its verification
@@ -353,10 +348,8 @@ class OneProcess:
 
     def nudge(self):
         """Entry 0 of CHAOS_PARAM one ulp up, where torch's optimizers hold it: the chaos floor's start
-        (examples/train_gpt.py, section 3)."""
-        with torch.no_grad():
-            first = self.stepped(self.CHAOS_PARAM).view(-1)[:1]
-            first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))
+        (muon_tools.py, section 11)."""
+        mt.one_ulp_up(self.stepped(self.CHAOS_PARAM))
 
 
 class Reference(OneProcess):
@@ -462,25 +455,21 @@ def verify(cfg, results, reference):
 
 # A real training run (cfg.train): FSDP2 x TP forward and backward on real
 # tokens, against the same model in one process on the whole batch. Checked as
-# the GPT example checks its TP training, with its policy (examples/train_gpt.py,
-# section 3; its constants and its chaos floor's parameter are imported from
-# there, not restated), three ways:
+# every real training of the repository is (muon_tools.py, section 11: the
+# policy, the bound and the chaos floor, shared with examples/train_gpt.py):
 #
 #   replay     torch's optimizers, from the same initial weights, fed the ranks'
 #              own total gradients (full_tensor() of every .grad, before each
 #              step): every element every rank holds is torch.equal to theirs,
 #              at every step. The optimizer is exact on a real FSDP2 x TP run.
-#              Checked, bit for bit.
 #   gradients  before each step, the plain model at the ranks' own weights takes
 #              the loss and gradients of the whole global batch, in fp32 and in
-#              float64: the ranks' error against float64 must stay within the
-#              bound below. Checked.
+#              float64: the ranks' error against float64 within mt.bound_ratio's
+#              bound, REALIZED_FACTOR x the one process's + n u max |G_fp64|.
 #   trained    both runs free-running from the same start: the losses' largest
 #              relative gap, reported beside the chaos floor (the same one-process
-#              run started with entry 0 of CHAOS_PARAM one ulp up), as a ratio.
-#              Reported, never a verdict: a training amplifies any difference
-#              chaotically (one ulp moves the losses by 1e-2 within 8 steps at
-#              lr 0.1), so a bound on it would fail correct runs, not bugs.
+#              run started with entry 0 of CHAOS_PARAM one ulp up), as a ratio;
+#              never a verdict.
 #
 # Why the gradients are not bit-identical. Four sums run in another order here
 # than in the one process (the demo's step batch: BATCH x SEQ = 16 tokens per DP
@@ -494,25 +483,11 @@ def verify(cfg, results, reference):
 #     over the output rows as tp partial sums, all-reduced over tp.
 #   (The experts are gathered whole by full_tensor() and run the reference's own
 #   einsum; every other layer is replicated over tp and sums as the reference does.)
-# The bound, train_gpt's (its section 3, steps 1-3): a sum of k fp32 terms split
-# into p partial sums has the worst case gamma(k / p + p - 2) <= gamma(k - 1) of
-# the one process's order (Higham, "Accuracy and Stability of Numerical
-# Algorithms", 2002, section 4.2); how much a step's data amplify each rounding
-# has no closed form, so it is measured on the step: e_one = max |G_fp32 - G_fp64|
-# of the one process. The ranks' e_ranks = max |G_ranks - G_fp64| is another
-# draw of the same worst case: held to tg.REALIZED_FACTOR x e_one + n u max |G_fp64|,
-# n = the step's tokens (one reordered reduction; also FSDP2's division by dp, a
-# rounding of at most u), u = tg.UNIT_ROUNDOFF. The loss the same way: the mean of
-# the DP ranks' losses against the float64 loss of the whole batch, same n. A
-# lost all-reduce or a wrong split moves a gradient by a fraction of itself, far
-# beyond it (a test halves one rank's gradient and sees FAIL; the replay stays
-# exact: the optimizer did what it was given).
-
-
-def bound_ratio(ranks_err, one_err, n, scale):
-    """The ranks' error against float64 over its bound (train_gpt's policy, section 3, 3.): <= 1 passes."""
-    bound = tg.REALIZED_FACTOR * one_err + n * tg.UNIT_ROUNDOFF * scale
-    return ranks_err / bound if bound > 0 else (0.0 if ranks_err == 0 else math.inf)
+# The bound's n is the step's tokens (one reordered reduction; FSDP2's division by
+# dp is one rounding more, of at most u); a loss is the mean of the DP ranks'
+# losses against the float64 loss of the whole batch, with the same n. A test
+# halves one rank's gradient and sees FAIL (the replay stays exact: the optimizer
+# did what it was given).
 
 
 def step_errors(ref, weights, step, ranks_loss, ranks_grads):
@@ -524,7 +499,7 @@ def step_errors(ref, weights, step, ranks_loss, ranks_grads):
     n = ref.tokens_per_step
     out = dict(step_loss_max_rel_diff=abs(ranks_loss - loss) / abs(loss), ranks_loss_err=abs(ranks_loss - loss64)
                / abs(loss64), one_process_loss_err=abs(loss - loss64) / abs(loss64),
-               bound_ratio=bound_ratio(abs(ranks_loss - loss64), abs(loss - loss64), n, abs(loss64)),
+               bound_ratio=mt.bound_ratio(abs(ranks_loss - loss64), abs(loss - loss64), n, abs(loss64)),
                bound_worst=(step, "loss"))
     for name, g64 in grads64.items():
         scale = g64.abs().max().item()
@@ -533,7 +508,7 @@ def step_errors(ref, weights, step, ranks_loss, ranks_grads):
         figures = dict(grad_max_rel_diff=((ranks_grads[name] - grads[name]).abs().max() / grads[name].abs().max())
                        .item(), ranks_grad_err=ranks_err / scale, one_process_grad_err=one_err / scale)
         out.update((k, largest([out.get(k, 0.0), v])) for k, v in figures.items())
-        ratio = bound_ratio(ranks_err, one_err, n, scale)
+        ratio = mt.bound_ratio(ranks_err, one_err, n, scale)
         if worse(ratio, out["bound_ratio"]):
             out.update(bound_ratio=ratio, bound_worst=(step, name))
     return out
@@ -601,8 +576,8 @@ def verify_training(cfg, results, device="cpu", reference=None):
     free_losses, nudged_losses = [], []
     trained = verify(None, ranks, run_reference(cfg, device, free_losses, reference))
     run_reference(cfg, device, nudged_losses, reference, nudge=True)
-    drift = tg.loss_drift([[x] for x in ranks_loss], [[x] for x in free_losses])  # one loss per step: the batch's
-    floor = tg.loss_drift([[x] for x in nudged_losses], [[x] for x in free_losses])
+    drift = mt.loss_drift([[x] for x in ranks_loss], [[x] for x in free_losses])  # one loss per step: the batch's
+    floor = mt.loss_drift([[x] for x in nudged_losses], [[x] for x in free_losses])
     worst = max(trained, key=lambda c: c["max_abs_diff"])
     out = dict(replay_differs=differs, replica_max_diff=replica_diff, **errors, tokens_per_step=ref.tokens_per_step,
                trained_loss_max_rel_diff=drift, chaos_floor_loss_max_rel_diff=floor, chaos_param=ref.CHAOS_PARAM,
@@ -627,7 +602,7 @@ def training_table(out):
              "PASS" if out["replica_max_diff"] == 0 else "FAIL"],
             ["gradients", "error vs float64, of each tensor's largest entry",
              f"ranks {out['ranks_grad_err']:.1e}, one process {out['one_process_grad_err']:.1e}",
-             f"{tg.REALIZED_FACTOR} x one process + n u", ""],
+             f"{mt.REALIZED_FACTOR} x one process + n u", ""],
             ["losses", "error vs float64, relative",
              f"ranks {out['ranks_loss_err']:.1e}, one process {out['one_process_loss_err']:.1e}",
              f"n = {out['tokens_per_step']:,} tokens", ""],

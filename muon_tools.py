@@ -1,4 +1,4 @@
-"""The tooling around the lesson: the report, the launcher and the command line.
+"""The tooling around the lesson: the report, the launcher, the command line, and the checks of a real training.
 
 distributed_muon_cpu.py is the lesson (sections 1-8: the optimizer, what large runs add, a run,
 and its check against torch). What is here is what a command needs around it, and nothing a
@@ -6,12 +6,15 @@ reader of the algorithm must read: it continues the lesson's numbering.
 
     9. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
     10. Main: the launcher (start, watch and stop the ranks) and the command line
+    11. Training checks: how a real training is checked against one process (the bound on its
+        gradients, the chaos floor), for examples/train_gpt.py and dtensor_demo.py alike
 
 The launcher (spawn_ranks, exit_code, RankFailure), the table formatting (format_table,
 human_bytes), the parser (OneLineParser) and the checks of a command's options (check_launch,
-check_writable, flag) serve
-every command of the repository: distributed_muon.py, distributed_muon_dtensor.py, examples/
-and benchmarks/ import them from here. `python distributed_muon_cpu.py` runs main() below.
+check_writable, flag) serve every command of the repository: distributed_muon.py,
+distributed_muon_dtensor.py, dtensor_demo.py, examples/ and benchmarks/ import them from here,
+and the training checks (bound_ratio, loss_drift, one_ulp_up) too. `python distributed_muon_cpu.py`
+runs main() below.
 """
 
 from __future__ import annotations
@@ -721,3 +724,68 @@ def run_program(program, *args):
 def under_torchrun():
     """Whether this process is one rank started by torchrun: it sets RANK, WORLD_SIZE and LOCAL_RANK."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+# =============================================================================
+# 11. Training checks: a real training against one process
+# =============================================================================
+# A training with real forward and backward passes (examples/train_gpt.py with
+# TP > 1, dtensor_demo.py --train, examples/train_gpt_dtensor.py --verify) adds
+# some fp32 sums in another order than the same model in one process does: TP's
+# partial products, FSDP2's partial sums over its ranks' tokens. Its gradients
+# cannot have the one process's bits, so these commands check three things
+# (each names the sums it reorders: examples/train_gpt.py section 3,
+# dtensor_demo.py section 7):
+#
+#   replay     torch's optimizers fed the ranks' own total gradients give every
+#              rank's weights: bit for bit (but for train_gpt.py's stated opt-ins,
+#              NCCL's DP order and --tp-newton-schulz gram, held to their bounds).
+#   gradients  at the ranks' own weights, the ranks' gradients and losses against
+#              the same computation in float64: within the bound below.
+#   trained    both runs free-running from the same start: the gap of their losses
+#              (loss_drift), reported beside the chaos floor, the gap of the same
+#              one-process run started one ulp away (one_ulp_up), as a ratio; never
+#              a verdict. A training amplifies any difference chaotically, so a
+#              bound on the gap would fail correct runs, not bugs.
+#
+# The bound (bound_ratio <= 1 passes):
+#   1. A sum of k fp32 terms, in any order, is within gamma(k - 1) * sum |terms| of
+#      the exact sum, gamma(m) = m u / (1 - m u) (Higham, "Accuracy and Stability of
+#      Numerical Algorithms", 2002, section 4.2). Split into p partial sums that are
+#      then added, it is gamma(k / p + p - 2) <= gamma(k - 1): a reordered sum has a
+#      worst case no larger than the one process's.
+#   2. How a step's data amplify each rounding (norms, softmax, the residual sums)
+#      has no closed form, so that worst case is measured on the step: the one
+#      process's fp32 error against float64 (u = 2**-53: its own error is 2**-29 of
+#      fp32's), e_one = max |G_fp32 - G_fp64| per tensor.
+#   3. The ranks' e_ranks = max |G_ranks - G_fp64| is another draw of the same worst
+#      case, in another order: held to REALIZED_FACTOR x e_one, plus one reordered
+#      reduction of the step's n terms adding up to the largest entry, n u max |G_fp64|
+#      (which keeps the bound above zero where the one process happens to round
+#      well). A loss: the same, with the n tokens it is the mean of.
+# A lost all-reduce or a wrong split moves a gradient by a fraction of itself, far
+# beyond the bound: the commands' tests break one and see FAIL.
+UNIT_ROUNDOFF = 2.0**-24  # fp32's u (a 24-bit significand): a rounding moves a result by at most this fraction of it
+REALIZED_FACTOR = 4  # step 3's factor, the one part not derived: two orders' errors are two draws of the same rounding,
+#                      their largest entries 2x apart at most in the runs measured (notes/09); 4 leaves room for that
+#                      and stays far below what a bug does
+
+
+def bound_ratio(ranks_err, one_err, n, scale):
+    """The ranks' error against float64 over its bound (step 3 above; <= 1 passes): one_err is the one
+    process's error on the same step, n the terms of one reordered reduction, scale its largest float64 entry
+    (or the loss). A zero bound holds only a zero error."""
+    bound = REALIZED_FACTOR * one_err + n * UNIT_ROUNDOFF * scale
+    return ranks_err / bound if bound > 0 else (0.0 if ranks_err == 0 else math.inf)
+
+
+def loss_drift(losses, reference_losses):
+    """The largest relative difference of two runs' losses ([[loss of each micro-batch] per step])."""
+    return max(abs(a - b) / b for step, ref in zip(losses, reference_losses) for a, b in zip(step, ref))
+
+
+def one_ulp_up(tensor):
+    """Entry 0 of `tensor` one ulp up (toward +inf), in place: where the chaos floor's run starts."""
+    with torch.no_grad():
+        first = tensor.view(-1)[:1]
+        first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))

@@ -7,7 +7,7 @@ One spawn of 8 Gloo ranks runs every distributed scenario one after another (eac
 (sub-)mesh of the first dp x tp ranks): starting 8 ranks costs ~12 s on 2 cores, a scenario ~1 s.
 Every comparison is torch.equal except two. The real FSDP2 x TP training run is checked by dtensor_demo.py's
 section 7 (the demo, its verification and its command line; the optimizer is distributed_muon_dtensor.py), with
-examples/train_gpt.py's policy: the replay of the ranks' own gradients through torch's optimizers is torch.equal
+the policy every real training here shares (muon_tools.py, section 11): the replay of the ranks' own gradients through torch's optimizers is torch.equal
 at every step, while each step's gradients and loss at the ranks' weights are held, against float64, to the bound
 derived from the arithmetic (4 x the one process's own fp32 error plus n u: FSDP2's and TP's sums run in another
 order); the free-running losses' gap is reported beside a one-ulp chaos floor, never checked. And the Muon
@@ -273,7 +273,8 @@ def training(scenarios):
 
 def test_real_fsdp2_tp_training_replays_bit_for_bit_and_its_gradients_are_within_the_derived_bound(training):
     """Real forward / backward through fully_shard x parallelize_module, 3 steps on 4x2, checked as
-    examples/train_gpt.py checks its TP training (its section 3; this model's sums: dtensor_demo.py section 7):
+    examples/train_gpt.py checks its TP training (muon_tools.py section 11; this model's sums: dtensor_demo.py
+    section 7):
       * replay: torch.optim.Muon + AdamW fed the ranks' own total gradients (full_tensor() of every .grad)
         from the same start give every rank's weights torch.equal, at every step: the optimizer is exact;
       * at the ranks' own weights before each step, the plain model on the whole batch of 64 tokens, in fp32
@@ -309,7 +310,7 @@ def test_training_checks_fail_on_a_wrong_gradient_weight_or_loss(training):
     bad[0]["grads"][1] = dict(grads, **{"layers.0.fc1.weight": g})
     holder = next(r for r in bad if r["weights"][1]["embed.weight"].numel())
     w = holder["weights"][1]["embed.weight"].clone()
-    w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
+    mt.one_ulp_up(w)
     holder["weights"][1] = dict(holder["weights"][1], **{"embed.weight": w})
     out = demo.verify_training(cfg, bad)
     assert not out["passed"]

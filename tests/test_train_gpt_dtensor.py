@@ -1,6 +1,6 @@
 """examples/train_gpt_dtensor.py: the GPT of examples/ trained with fully_shard x parallelize_module and
 DTensorMuon on the standard library's text, checked against one process of torch.optim.Muon + AdamW as
-dtensor_demo.verify_training checks (train_gpt's policy, its section 3): the replay of the ranks' own gradients
+dtensor_demo.verify_training checks (the policy of muon_tools.py, section 11): the replay of the ranks' own gradients
 bit for bit at every step; each step's gradients and loss against float64 within the bound derived from the
 arithmetic (fp32 sums in another order: 4 x the one process's own error plus n u); the free-running losses'
 gap reported beside a one-ulp chaos floor, never a verdict (a chaotic lr 0.1 run passes; a wrong gradient the
@@ -14,9 +14,8 @@ import sys
 from dataclasses import replace
 
 import pytest
-import torch
 
-from conftest import ROOT
+from conftest import ROOT, mt
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -74,7 +73,7 @@ def test_a_weight_one_ulp_off_or_a_gradient_the_optimizer_did_not_take_fails_the
     bad = [dict(r, grads=list(r["grads"]), weights=list(r["weights"])) for r in results[0]]
     holder = next(r for r in bad if r["weights"][1]["blocks.1.mlp.proj.weight"].numel())
     w = holder["weights"][1]["blocks.1.mlp.proj.weight"].clone()
-    w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
+    mt.one_ulp_up(w)
     holder["weights"][1] = dict(holder["weights"][1], **{"blocks.1.mlp.proj.weight": w})
     g = bad[0]["grads"][1]["wpe"].clone()
     g.view(-1)[0] += 2 * g.abs().max()
