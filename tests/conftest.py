@@ -14,8 +14,8 @@ One comparison is not exact, by construction: --batched-ns stacks same-shape mat
 bf16 baddbmm, which rounds some near-ties unlike torch's addmm; it is held to a bound derived
 in the script (batched_ns_tolerance) and tested in test_math.py and test_strategies.py.
 Two files train real models, where the forward and backward pass reduce in another order than
-one process does, and say so beside their bounds: tests/test_gpt.py (examples/train_gpt.py's
-policy, its section 3: bit for bit with TP = 1 (any DP on Gloo); with TP = 2 each step's gradients
+one process does, and say so beside their bounds: tests/test_gpt.py (the policy of muon_tools.py's
+section 11, which examples/train_gpt.py applies: bit for bit with TP = 1 (any DP on Gloo); with TP = 2 each step's gradients
 within 4 x the one process's own fp32 error against float64 plus n u of the largest entry, the
 free-running drift reported beside a one-ulp chaos floor; the optimizer's replay bit for bit everywhere)
 and tests/test_dtensor.py / tests/test_train_gpt_dtensor.py (real FSDP2 x TP runs, checked by
