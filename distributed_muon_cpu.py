@@ -1170,10 +1170,9 @@ class DistributedMuon(torch.optim.Optimizer):
         bad: QK-clip off, an unknown name, not float32 of (heads,), NaN or +inf (max_logits_problem).
         Returns {every laid-out name with q or k rows: [multiplier of each head of the full matrix; None
         for the heads whose q and k rows this rank does not hold]}.
-        Who sends what: a matrix TP splits by rows holds its heads on one TP rank, which computes them
-        (Megatron's attention): every rank all-reduces (MAX) the 4 bytes per head of its TP-local heads
-        over DP, a ring of 2 (DP - 1)/DP of them out and in; any other laid-out matrix (all heads on
-        every TP rank) over the world, every head. A 1-byte vote over the world comes first ("QK-clip check").
+        What moves (section 7's picture): after a 1-byte vote over the world ("QK-clip check"), a MAX
+        all-reduce of 4 bytes per head, over DP of the TP-local heads of a matrix TP splits by rows (its
+        heads live on one TP rank, which computes them), over the world for any other laid-out matrix.
         """
         heads = qk_heads(self.row_layouts, self.param_by_name) if self.qk_clip_tau is not None else {}
         problem = max_logits_problem(max_logits, heads)
