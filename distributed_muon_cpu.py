@@ -59,6 +59,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -1169,7 +1170,7 @@ class DistributedMuon(torch.optim.Optimizer):
         may leave out different ones). Refused on every rank before anything changes, if any rank's is
         bad: QK-clip off, an unknown name, not float32 of (heads,), NaN or +inf (max_logits_problem).
         Returns {every laid-out name with q or k rows: [multiplier of each head of the full matrix; None
-        for the heads whose q and k rows this rank does not hold]}.
+        for a head of whose q and k rows this rank holds no element]}.
         What moves (section 7's picture): after a 1-byte vote over the world ("QK-clip check"), a MAX
         all-reduce of 4 bytes per head, over DP of the TP-local heads of a matrix TP splits by rows (its
         heads live on one TP rank, which computes them), over the world for any other laid-out matrix.
@@ -2231,11 +2232,8 @@ def torch_newton_schulz_per_iteration(coefficients):
             x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
         return x.T if grad.size(0) > grad.size(1) else x
 
-    saved, torch.optim._muon._zeropower_via_newtonschulz = torch.optim._muon._zeropower_via_newtonschulz, zeropower
-    try:
+    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", zeropower):
         yield
-    finally:
-        torch.optim._muon._zeropower_via_newtonschulz = saved
 
 
 @contextlib.contextmanager
@@ -2249,11 +2247,8 @@ def ns_inputs_recorded(optimizers, name_of, record):
         inputs.append(grad.clone())
         return inner(grad, *args)
 
-    torch.optim._muon._zeropower_via_newtonschulz = recorded
-    try:
+    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", recorded):
         yield
-    finally:
-        torch.optim._muon._zeropower_via_newtonschulz = inner
     stepped = [p for opt in optimizers if isinstance(opt, torch.optim.Muon)
                for g in opt.param_groups for p in g["params"] if p.grad is not None]
     for p, x in zip(stepped, inputs, strict=True):
@@ -2361,18 +2356,18 @@ def batched_ns_tolerance(steps, lr, adjust_lr_fn, shape, bound=BATCHED_NS_BOUND)
     return steps * adjusted_lr(lr, adjust_lr_fn, shape) * 1.5 * bound
 
 
-# newton_schulz_tp (section 5) against torch's Newton-Schulz of the whole matrix. Both are bf16
+# newton_schulz_tp (section 5) against torch's Newton-Schulz of the whole matrix: both are bf16
 # evaluations of the same iteration, so |O_gram - O_torch| <= |O_gram - O_64| + |O_torch - O_64|,
-# O_64 the iteration in float64 on the same input. torch's own error |O_torch - O_64| is computed
-# on the step's real input. The Gram path does torch's operations on the same bf16 values but
-# two, the norm and the Gram matrix, float32 sums over the ranks in another order than one
-# matmul's, each rounded to bf16 once as torch rounds: they differ only where a sum lies near a
-# bf16 tie. Its error is assumed at most GRAM_ERROR_RATIO x torch's: an assumption, not a
-# theorem (another rounding now and then can land either side), which tests/test_large_runs.py
-# checks on every matrix of its sweeps and prints; hence (1 + GRAM_ERROR_RATIO) x torch's error.
-# No bound from the shape alone holds: on a nearly low-rank input (momenta often are) the quintic
-# (slope a > 3 at 0, every iteration) blows what rounding leaves in the small singular values up
-# to O(1) entries, in torch's result as in this one.
+# O_64 the iteration in float64 on the same input, and torch's own error is computed on each
+# step's real input. The Gram path does torch's operations on the same bf16 values but two, the
+# norm and the Gram matrix: float32 sums over the ranks in another order than one matmul's, each
+# rounded to bf16 once as torch rounds, so they differ only where a sum lies near a bf16 tie.
+# Its error against O_64 is assumed at most GRAM_ERROR_RATIO x torch's (an assumption, not a
+# theorem: a rounding can land either side; tests/test_large_runs.py checks it on every matrix of
+# its sweeps and prints the largest, and 1.25 leaves room above it). No bound from the shape
+# alone holds: on a nearly low-rank input (momenta often are) the quintic (slope a > 3 at 0, each
+# iteration) blows what rounding leaves in the small singular values up to O(1) entries, in
+# torch's result as in this one.
 GRAM_ERROR_RATIO = 1.25
 
 
