@@ -2239,12 +2239,12 @@ def torch_newton_schulz_per_iteration(coefficients):
 @contextlib.contextmanager
 def ns_inputs_recorded(optimizers, name_of, record):
     """Inside, the Newton-Schulz (whichever is in place) of every torch.optim.Muon among `optimizers` also
-    appends its input to record[name] (name_of: {id(param): name}; others are left out): torch calls it
-    for the parameters with a gradient, in order."""
+    appends its input, as the bf16 it first becomes, to record[name] (name_of: {id(param): name}; others
+    are left out): torch calls it for the parameters with a gradient, in order."""
     inputs, inner = [], torch.optim._muon._zeropower_via_newtonschulz
 
     def recorded(grad, *args):
-        inputs.append(grad.clone())
+        inputs.append(grad.to(torch.bfloat16, copy=True))
         return inner(grad, *args)
 
     with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", recorded):
@@ -2373,8 +2373,8 @@ GRAM_ERROR_RATIO = 1.25
 
 def gram_ns_tolerance(update, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
     """The largest |newton_schulz_tp - newton_schulz| allowed on this input, entrywise: (1 + GRAM_ERROR_RATIO)
-    x torch's own error, max |newton_schulz(update) - the same iteration in float64|."""
-    exact = newton_schulz(update.double(), steps, coefficients, eps, dtype=torch.float64)
+    x torch's own error, max |newton_schulz(update) - the same iteration in float64 on the bf16 input both see|."""
+    exact = newton_schulz(update.bfloat16(), steps, coefficients, eps, dtype=torch.float64)
     torch_error = (newton_schulz(update, steps, coefficients, eps).double() - exact).abs().max().item()
     return (1 + GRAM_ERROR_RATIO) * torch_error
 
