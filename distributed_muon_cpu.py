@@ -59,6 +59,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -118,16 +119,18 @@ def ns_coefficients_of(coefficients, steps):
     return triples
 
 
-def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS, fused_mm=torch.addmm):
-    """Approximately orthogonalize a full (rows, cols) matrix; returns bfloat16.
+def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS, fused_mm=torch.addmm,
+                  dtype=torch.bfloat16):
+    """Approximately orthogonalize a full (rows, cols) matrix; returns bfloat16 (dtype).
 
     With fused_mm = torch.addmm (beta * input + alpha * m1 @ m2, in one call) these are
     exactly torch.optim.Muon's operations, so its result is torch's, bit for bit.
     (Section 6 passes torch.baddbmm to run a stack of same-shape matrices at once.)
     coefficients: one (a, b, c), or one per iteration (ns_coefficients_of).
+    dtype: torch's bf16; torch.float64 gives the same iteration without bf16's rounding.
     """
     per_iteration = ns_coefficients_of(coefficients, steps)
-    x = matrix.bfloat16()
+    x = matrix.to(dtype)
     tall = matrix.size(-2) > matrix.size(-1)
     if tall:
         x = x.mT
@@ -909,6 +912,33 @@ def check_row_layouts(row_layouts, layout, muon_names, tp, qk_clip):
             rows.tp_piece(tp)
 
 
+QK_SEGMENTS = ("q", "k")  # the segments of a RowLayout that QK-clip scales
+
+
+def qk_heads(row_layouts, names):
+    """{laid-out matrix with q or k rows: its heads}, in the order of `names` (the same on every rank)."""
+    return {n: row_layouts[n].periods for n in names
+            if n in row_layouts and set(row_layouts[n].names) & set(QK_SEGMENTS)}
+
+
+def max_logits_problem(max_logits, heads):
+    """Why clip_qk_ cannot take max_logits (one line), or None; heads: qk_heads, empty when QK-clip is off."""
+    if not heads:
+        return "QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows)"
+    if not isinstance(max_logits, dict):
+        return f"max_logits must be a dict {{param name: (heads,) float32 tensor}} (got {type(max_logits).__name__})"
+    for name, s in max_logits.items():
+        if name not in heads:
+            return (f"max_logits names {name!r}, which QK-clip does not scale (it scales {', '.join(heads)}: "
+                    f"parameters laid out with q or k segments)")
+        if not torch.is_tensor(s) or s.dtype != torch.float32 or tuple(s.shape) != (heads[name],):
+            what = f"{s.dtype} of shape {tuple(s.shape)}" if torch.is_tensor(s) else type(s).__name__
+            return f"max_logits[{name!r}] must be a float32 tensor of shape ({heads[name]},) (got {what})"
+        if torch.isnan(s).any() or (s == math.inf).any():
+            return f"max_logits[{name!r}] holds NaN or +inf (a head no rank computed is -inf)"
+    return None
+
+
 def check_param_groups(param_groups):
     """Every group's hyperparameters by its algorithm's rules, naming the group when one is wrong
     (torch checks only the constructor's defaults; a group's own value would fail mid-step)."""
@@ -1132,59 +1162,45 @@ class DistributedMuon(torch.optim.Optimizer):
     def clip_qk_(self, max_logits):
         """QK-clip (section 7): scale the W_q and W_k rows of every head whose largest logit S exceeded
         qk_clip_tau by sqrt(tau / S). Collective: every rank calls it after step(), when every rank
-        holds its whole TP piece again, and scales the rows of that piece.
+        holds its whole TP piece again, and scales the rows of that piece. The contract, DTensorMuon's too:
 
-        max_logits: {name: float32 tensor (heads,)} over the FULL matrix's heads, -inf for heads this
-        rank did not compute, one entry for every laid-out matrix with "q" or "k" rows. Who sends what:
-        a matrix TP splits by rows holds its heads on one TP rank, which computes them (Megatron's
-        attention): every rank all-reduces (MAX) the 4 bytes per head of its TP-local heads over DP,
-        a ring of 2 (DP - 1)/DP of them out and in; any other laid-out matrix (all heads on every TP
-        rank) over the world, every head. Bad input on any rank is refused on every rank before anything
-        changes (a 1-byte vote over the world comes first, "QK-clip check").
-        Returns {name: [multiplier of each head of the full matrix; None where this rank holds no rows]}.
+        max_logits: {name: float32 tensor (heads,) over the FULL matrix's heads}, the largest logit this
+        rank computed for each head, -inf for heads it did not compute; names: any of the laid-out
+        matrices with "q" or "k" rows (qk_heads), a name left out counting as -inf for every head (ranks
+        may leave out different ones). Refused on every rank before anything changes, if any rank's is
+        bad: QK-clip off, an unknown name, not float32 of (heads,), NaN or +inf (max_logits_problem).
+        Returns {every laid-out name with q or k rows: [multiplier of each head of the full matrix; None
+        for a head of whose q and k rows this rank holds no element]}.
+        What moves (section 7's picture): after a 1-byte vote over the world ("QK-clip check"), a MAX
+        all-reduce of 4 bytes per head, over DP of the TP-local heads of a matrix TP splits by rows (its
+        heads live on one TP rank, which computes them), over the world for any other laid-out matrix.
         """
-        problem = self._qk_clip_problem(max_logits)
+        heads = qk_heads(self.row_layouts, self.param_by_name) if self.qk_clip_tau is not None else {}
+        problem = max_logits_problem(max_logits, heads)
         refused = any_rank(torch.tensor([problem is not None], device=self.device), self.grid.world, self.ledger,
                            "QK-clip check")
         if refused.item():
             raise ValueError(problem or "clip_qk_ refused: another rank's max_logits were refused (it says why)")
-        names, tp, multipliers = [n for n in self.param_by_name if n in max_logits], self.grid.tp, {}
+        tp, multipliers = self.grid.tp, {}
         for axis, by_rows in ((self.grid.dp, True), (self.grid.world, False)):
-            mine = [n for n in names if (self.layout.tp_split_dims[n] == 0) == by_rows]
+            mine = [n for n in heads if (self.layout.tp_split_dims[n] == 0) == by_rows]  # the same on every rank
             if not mine:
                 continue
             # the heads whose rows this rank holds: its TP piece's (split by rows), or all of them
             local = {n: self.row_layouts[n].tp_piece(tp.size) if by_rows else self.row_layouts[n] for n in mine}
             first = {n: tp.rank * local[n].periods if by_rows else 0 for n in mine}
-            maxima = all_reduce(torch.cat([max_logits[n].to(self.device, torch.float32)[first[n]:][:local[n].periods]
-                                           for n in mine]), axis, self.ledger, "QK-clip maxima", dist.ReduceOp.MAX)
+            computed = [max_logits[n].to(self.device)[first[n]:][:local[n].periods] if n in max_logits else
+                        torch.full((local[n].periods,), -math.inf, device=self.device) for n in mine]
+            maxima = all_reduce(torch.cat(computed), axis, self.ledger, "QK-clip maxima", dist.ReduceOp.MAX)
             for name, s in zip(mine, maxima.split([local[n].periods for n in mine])):
                 scales = qk_clip_scales(s, self.qk_clip_tau)
                 weight, rows = self.param_by_name[name], local[name]
                 for h, scale in enumerate(scales):
                     for segment, label in enumerate(rows.names):
-                        if label in ("q", "k") and scale != 1.0:
+                        if label in QK_SEGMENTS and scale != 1.0:
                             weight[rows.segment_rows(h, segment).start:rows.segment_rows(h, segment).stop].mul_(scale)
-                after = self.row_layouts[name].periods - first[name] - len(scales)
-                multipliers[name] = [None] * first[name] + scales + [None] * after
+                multipliers[name] = [None] * first[name] + scales + [None] * (heads[name] - first[name] - len(scales))
         return multipliers
-
-    def _qk_clip_problem(self, max_logits):
-        """Why this rank's max_logits cannot be used (one line), or None."""
-        if self.qk_clip_tau is None:
-            return "clip_qk_ needs qk_clip_tau (QK-clip is off)"
-        expected = {n for n, rows in self.row_layouts.items() if {"q", "k"} & set(rows.names)}
-        if not isinstance(max_logits, dict) or set(max_logits) != expected:
-            got = sorted(max_logits) if isinstance(max_logits, dict) else type(max_logits).__name__
-            return (f"clip_qk_ takes max_logits for exactly the laid-out matrices with q or k rows "
-                    f"{sorted(expected)} (got {got})")
-        for name, s in max_logits.items():
-            heads = self.row_layouts[name].periods
-            if not torch.is_tensor(s) or s.shape != (heads,):
-                return f"max_logits[{name!r}] must be a tensor of {heads} heads (got {getattr(s, 'shape', s)})"
-            if torch.isnan(s).any() or (s == math.inf).any():
-                return f"max_logits[{name!r}] holds NaN or +inf: {s.tolist()}"
-        return None
 
     def _gather_bucket(self, bucket):
         """Stage 4 for one bucket: the parameter all-gather; every DP rank again holds its full TP pieces."""
@@ -2216,11 +2232,28 @@ def torch_newton_schulz_per_iteration(coefficients):
             x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
         return x.T if grad.size(0) > grad.size(1) else x
 
-    saved, torch.optim._muon._zeropower_via_newtonschulz = torch.optim._muon._zeropower_via_newtonschulz, zeropower
-    try:
+    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", zeropower):
         yield
-    finally:
-        torch.optim._muon._zeropower_via_newtonschulz = saved
+
+
+@contextlib.contextmanager
+def ns_inputs_recorded(optimizers, name_of, record):
+    """Inside, the Newton-Schulz (whichever is in place) of every torch.optim.Muon among `optimizers` also
+    appends its input, as the bf16 it first becomes, to record[name] (name_of: {id(param): name}; others
+    are left out): torch calls it for the parameters with a gradient, in order."""
+    inputs, inner = [], torch.optim._muon._zeropower_via_newtonschulz
+
+    def recorded(grad, *args):
+        inputs.append(grad.to(torch.bfloat16, copy=True))
+        return inner(grad, *args)
+
+    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", recorded):
+        yield
+    stepped = [p for opt in optimizers if isinstance(opt, torch.optim.Muon)
+               for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    for p, x in zip(stepped, inputs, strict=True):
+        if id(p) in name_of:
+            record.setdefault(name_of[id(p)], []).append(x)
 
 
 def clip_rows_(weight, rows, max_logit, tau):
@@ -2240,13 +2273,15 @@ def _reference_params(specs, cfg, device):
     optimizers = torch_optimizers([dict(h, params=[t for s in specs if s.group == g
                                                    for t in separate.get(s.name, [params[s.name]])])
                                    for g, h in group_hyperparameters(cfg).items()])
+    ns_inputs, whole = {}, {id(params[n]): n for n in params if n not in separate}  # what bounds gram: its inputs
     for step in range(1, cfg.steps + 1):
         grads = total_grads(specs, cfg.seed, step, cfg.dp, cfg.missing_grads)
         for s in specs:  # None where no rank has a gradient: torch skips the parameter
             grad = None if grads[s.name] is None else grads[s.name].to(device)
             for t, index in zip(separate.get(s.name, [params[s.name]]), blocks.get(s.name, [None])):
                 t.grad = grad if grad is None or index is None else grad[index]
-        with torch_newton_schulz_per_iteration(NS_COEFFICIENT_CHOICES[cfg.ns_coefficients]):
+        with torch_newton_schulz_per_iteration(NS_COEFFICIENT_CHOICES[cfg.ns_coefficients]), \
+                ns_inputs_recorded(optimizers, whole, ns_inputs):
             for opt in optimizers:
                 opt.step()
         for name, ts in separate.items():
@@ -2263,20 +2298,24 @@ def _reference_params(specs, cfg, device):
                                                            rows.segment_rows(h, segment).stop), s[h], cfg.qk_clip_tau)
                 for t, index in zip(separate.get(name, []), blocks.get(name, [])):
                     t.copy_(params[name][index])
-    return {n: p.cpu() for n, p in params.items()}
+    return {n: p.cpu() for n, p in params.items()}, ns_inputs
 
 
-def reference_params(specs, cfg, device="cpu"):
+def reference_params(specs, cfg, device="cpu", ns_inputs=None):
     """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU).
 
     The result depends on what the ranks were fed (the model, the seed, the steps, DP's number of
     gradient contributions, the hyperparameters), not on how they split the work (TP, strategy,
     buckets, overlap). So it is kept for the runs of one process that share those inputs, e.g.
     benchmarks/compare.py's four strategies and the tests: torch computes it once for them.
+    ns_inputs: a dict to fill with {matrix stepped whole: [its Newton-Schulz input at each step]}.
     """
     how = dict(tp=1, strategy="gather", bucket_size=RunConfig.bucket_size, overlap=0, batched_ns=False,
                tp_newton_schulz="gather", timeout_s=RunConfig.timeout_s, fail_rank=-1)
-    return {n: t.clone() for n, t in _reference_params(tuple(specs), replace(cfg, **how), device).items()}
+    params, inputs = _reference_params(tuple(specs), replace(cfg, **how), device)
+    if ns_inputs is not None:
+        ns_inputs.update(inputs)
+    return {n: t.clone() for n, t in params.items()}
 
 
 def compare_to_reference(specs, reference, rank_params, dp, tp, muon_groups=(MUON_GROUP,)):
@@ -2305,8 +2344,7 @@ def muon_groups_of(cfg):
 
 
 def batched_ns_tolerance(steps, lr, adjust_lr_fn, shape, bound=BATCHED_NS_BOUND):
-    """How far --batched-ns (or --tp-newton-schulz gram, with bound=gram_ns_bound(shape)) may leave a Muon
-    matrix of `shape` (rows, cols) from torch's after `steps` steps.
+    """How far --batched-ns may leave a Muon matrix of `shape` (rows, cols) from torch's after `steps` steps.
 
     Each step adds -adjusted_lr * O, and a batched O differs from torch's by at most
     `bound` times its largest entry (section 6). That entry is at most the
@@ -2318,22 +2356,34 @@ def batched_ns_tolerance(steps, lr, adjust_lr_fn, shape, bound=BATCHED_NS_BOUND)
     return steps * adjusted_lr(lr, adjust_lr_fn, shape) * 1.5 * bound
 
 
-# newton_schulz_tp (section 5) against torch's Newton-Schulz of the whole matrix. Every operation
-# after the Gram sum is torch's, on the same bf16 values, until a rounding differs: the (m, m) Gram
-# matrix A, summed in float32 over the TP ranks in another order than one matmul's, may round to the
-# other bf16 neighbour where the float32 sum lies near a tie, one bf16 step (2**-8 of the entry,
-# relative), and so may the norm. From there on the difference grows through the remaining
-# iterations as a batched matmul's does (BATCHED_NS_BOUND, section 6), with one more factor: a row
-# of (b A + c A A) X sums m entries of A, whose rounding differences have independent signs, so the
-# difference they make adds up as a random walk, as sqrt(m). The bound: 2**-5 of the largest entry
-# up to m = 64 (as for the batched path), times sqrt(m / 64) beyond. Measured on 12 shapes, 3 seeds,
-# TP 2, 4 and 8, both coefficient choices (tests/test_large_runs.py): at most 0.5 of it.
-GRAM_NS_BOUND = 2.0**-5
+# newton_schulz_tp (section 5) against torch's Newton-Schulz of the whole matrix: both are bf16
+# evaluations of the same iteration, so |O_gram - O_torch| <= |O_gram - O_64| + |O_torch - O_64|,
+# O_64 the iteration in float64 on the same input, and torch's own error is computed on each
+# step's real input. The Gram path does torch's operations on the same bf16 values but two, the
+# norm and the Gram matrix: float32 sums over the ranks in another order than one matmul's, each
+# rounded to bf16 once as torch rounds, so they differ only where a sum lies near a bf16 tie.
+# Its error against O_64 is assumed at most GRAM_ERROR_RATIO x torch's (an assumption, not a
+# theorem: a rounding can land either side; tests/test_large_runs.py checks it on every matrix of
+# its sweeps and prints the largest, and 1.25 leaves room above it). No bound from the shape
+# alone holds: on a nearly low-rank input (momenta often are) the quintic (slope a > 3 at 0, each
+# iteration) blows what rounding leaves in the small singular values up to O(1) entries, in
+# torch's result as in this one.
+GRAM_ERROR_RATIO = 1.25
 
 
-def gram_ns_bound(global_shape):
-    """The largest |newton_schulz_tp - torch's| allowed, relative to the largest entry of torch's result."""
-    return GRAM_NS_BOUND * max(1.0, math.sqrt(min(global_shape) / 64))
+def gram_ns_tolerance(update, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """The largest |newton_schulz_tp - newton_schulz| allowed on this input, entrywise: (1 + GRAM_ERROR_RATIO)
+    x torch's own error, max |newton_schulz(update) - the same iteration in float64 on the bf16 input both see|."""
+    exact = newton_schulz(update.bfloat16(), steps, coefficients, eps, dtype=torch.float64)
+    torch_error = (newton_schulz(update, steps, coefficients, eps).double() - exact).abs().max().item()
+    return (1 + GRAM_ERROR_RATIO) * torch_error
+
+
+def gram_tolerance(inputs, lr, adjust_lr_fn, shape, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """How far --tp-newton-schulz gram may leave a matrix of `shape` from torch's after the steps whose
+    Newton-Schulz inputs were `inputs`: each step moves it by adjusted_lr x its O (batched_ns_tolerance's
+    argument), so the sum of adjusted_lr x gram_ns_tolerance."""
+    return adjusted_lr(lr, adjust_lr_fn, shape) * sum(gram_ns_tolerance(x, steps, coefficients, eps) for x in inputs)
 
 
 def gram_names(specs, cfg):
@@ -2350,21 +2400,23 @@ def verify(cfg, results, device="cpu"):
 
     A check is "ok" when bit-identical; with --batched-ns, a Muon matrix is also ok
     within batched_ns_tolerance (it cannot be bit-identical, section 6), and with
-    --tp-newton-schulz gram, a matrix newton_schulz_tp orthogonalized within the same
-    with gram_ns_bound.
+    --tp-newton-schulz gram, a matrix newton_schulz_tp orthogonalized within gram_tolerance
+    of its Newton-Schulz inputs in the reference.
     """
     specs = demo_specs(cfg)
     t1 = time.perf_counter()
-    reference = reference_params(specs, cfg, device)
+    ns_inputs = {}
+    reference = reference_params(specs, cfg, device, ns_inputs)
     checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp,
                                   muon_groups_of(cfg))
     start, gram = initial_params(specs, cfg.seed), gram_names(specs, cfg)
     for c, spec in zip(checks, specs):
         # how far the weights moved: the scale against which max |d| = 0 means something
         c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
-        bound = (BATCHED_NS_BOUND if cfg.batched_ns and c["optimizer"] == "Muon" else
-                 gram_ns_bound(spec.global_shape) if spec.name in gram else 0.0)
-        c["tolerance"] = bound and batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, spec.global_shape, bound)
+        c["tolerance"] = (batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, spec.global_shape)
+                          if cfg.batched_ns and c["optimizer"] == "Muon" else
+                          gram_tolerance(ns_inputs[spec.name], cfg.lr, cfg.adjust_lr_fn, spec.global_shape,
+                                         cfg.ns_steps, cfg.ns_coefficients) if spec.name in gram else 0.0)
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
     return checks, time.perf_counter() - t1
 

@@ -381,7 +381,7 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
 # expert is its own matrix (section 3), so its blocks are too (e.g. a fused
 # SwiGLU gate | up, orthogonalized as gate and up); QK-clip, which scales
 # attention heads, does not apply to an expert stack (refused).
-QK_SEGMENTS = ("q", "k")  # the segments of a RowLayout that QK-clip scales
+QK_SEGMENTS = dm.QK_SEGMENTS  # the segments of a RowLayout that QK-clip scales
 
 
 def local_rows(copy, coordinate):
@@ -408,24 +408,6 @@ def head_of_qk_row(layout):
             if name in QK_SEGMENTS:
                 head[list(layout.segment_rows(period, segment))] = period
     return head
-
-
-def max_logits_problem(max_logits, heads_of):
-    """None if max_logits ({name: (heads,) float32}) may be clipped with, else why not (one line).
-    heads_of: {name QK-clip scales: its number of heads}. -inf marks a head this rank did not compute."""
-    if not isinstance(max_logits, dict):
-        return f"max_logits must be a dict {{param name: (heads,) float32 tensor}} (got {type(max_logits).__name__})"
-    for name, maxima in max_logits.items():
-        if name not in heads_of:
-            return (f"max_logits names {name!r}, which QK-clip does not scale (it scales "
-                    f"{', '.join(heads_of) or 'nothing'}: parameters laid out with q or k segments)")
-        if not torch.is_tensor(maxima) or maxima.dtype != torch.float32 or tuple(maxima.shape) != (heads_of[name],):
-            what = (f"{maxima.dtype} of shape {tuple(maxima.shape)}" if torch.is_tensor(maxima)
-                    else type(maxima).__name__)
-            return f"max_logits[{name!r}] must be a float32 tensor of shape ({heads_of[name]},) (got {what})"
-        if torch.isnan(maxima).any() or (maxima == math.inf).any():
-            return f"max_logits[{name!r}] holds NaN or +inf (a head no rank computed is -inf)"
-    return None
 
 
 def row_layout_problem(name, layout, matrix_shape, expert_stack, qk_clip):
@@ -673,9 +655,10 @@ class DTensorMuon(torch.optim.Optimizer):
       * tp_newton_schulz="gram" (section 3c): a 2-D matrix whose "tp" mesh dim cuts its long side is
         orthogonalized in TP pieces by one TP group (one Gram all-reduce per iteration) instead of
         whole on one owner; the rest keep the gather (and torch's bits). NOT always torch's bits (the
-        Gram matrix is a float32 sum over ranks): each step's orthogonal matrix within 2 x torch's own
-        bf16 error against the float64 iteration (derived in tests/test_dtensor_large_runs.py; on 960
-        random shapes, 2x2 and TP 4, most came out torch.equal, the worst used 0.18 of that bound; with
+        Gram matrix is a float32 sum over ranks): each step's orthogonal matrix within the lesson's
+        gram_ns_tolerance, a multiple of torch's own bf16 error against the float64 iteration on that
+        step's input (derived in its section 8; `python tests/test_dtensor_large_runs.py 10`: on 960
+        random shapes, 2x2 and TP 4, 926 came out torch.equal, the worst used 0.17 of the bound; with
         nearly rank-2 gradients torch's own error, and the difference, reach 2**-3.5 of the update).
         Bytes: each TP rank all-reduces 5 Gram matrices, ~40 m^2 (tp - 1) / tp bytes (m the short side,
         float32), where a gathered matrix's owner receives and sends ~4 m n (tp - 1) / tp bytes of bf16:
@@ -1168,30 +1151,23 @@ class DTensorMuon(torch.optim.Optimizer):
     # -- QK-clip --------------------------------------------------------------
     @torch.no_grad()
     def clip_qk_(self, max_logits):
-        """Kimi K2's per-head QK-clip, after step(): collective, every rank of the group calls it.
-
-        max_logits: {param name: float32 tensor (heads,) over the FULL matrix's heads}: the largest
-        pre-softmax logit this rank computed for each head in the last forward, -inf for heads it did
-        not compute; a name left out counts as all -inf. Names: the parameters of row_layouts with a
-        "q" or "k" segment (self.clip_names); for separate W_q and W_k, pass the same maxima under both.
+        """Kimi K2's per-head QK-clip, after step(): collective, every rank of the group calls it. The
+        contract (max_logits, refusals, the multipliers returned) is the lesson's:
+        help(distributed_muon_cpu.DistributedMuon.clip_qk_). For separate W_q and W_k, pass the same maxima
+        under both names. A head's rows are held here if any element of its q or k rows is in this
+        rank's local shard, wherever FSDP2 and TP cut (section 3b).
 
         Data path: ONE all-reduce MAX over the optimizer's group of n ranks (dm.all_reduce) of H + 1
         float32 values, the heads of every parameter of clip_names in that order, then a flag "this
         rank's input is bad": each rank sends and receives 2 (n - 1) x ceil((H + 1) / n) x 4 bytes (a
         ring's count; the Ledger's phase "QK-clip maxima"), e.g. 72 B for H = 10 heads on 4 ranks.
         No owner is involved: every rank ends with S_h, the max over every rank that computed head h,
-        and scales the rows of head h it holds itself, wherever its shard cuts (section 3b):
-        gamma_h = min(1, tau / S_h), and head h's rows in segments "q" and "k" times sqrt(gamma_h)
-        (dm.qk_clip_scales: one Python float per head; the rows of W_q and W_k each take the square root,
-        so the logits q.k shrink by gamma_h: the report's per-head form for multi-head attention).
-
-        Refused on EVERY rank before any weight changes (one rank's bad input is seen by all through the
-        flag): QK-clip off or tau not > 0, an unknown name, a tensor of the wrong dtype or length, NaN or +inf.
-        Returns {name: [multiplier per head]}, the same on every rank.
+        and scales the rows of head h it holds itself: gamma_h = min(1, tau / S_h), and head h's rows in
+        segments "q" and "k" times sqrt(gamma_h) (dm.qk_clip_scales), bit-identical to torch's step then
+        those rows times sqrt(gamma_h).
         """
-        heads_of = {n: self.row_layouts[n].periods for n in self.clip_names}
-        problem = ("QK-clip is off: construct the optimizer with qk_clip_tau" if not self.clip_names
-                   else self._options_problem() or max_logits_problem(max_logits, heads_of))
+        heads_of = dm.qk_heads(self.row_layouts, self.clip_names)
+        problem = self._options_problem() or dm.max_logits_problem(max_logits, heads_of)
         maxima = torch.full((sum(heads_of.values()) + 1,), -math.inf, dtype=torch.float32, device=self._device())
         offsets, start = {}, 0
         for name, heads in heads_of.items():
@@ -1205,13 +1181,16 @@ class DTensorMuon(torch.optim.Optimizer):
             raise ValueError(problem)
         if maxima[-1] > 0:
             raise ValueError("another rank found a problem with its max_logits (it raised the details)")
-        scales = {name: dm.qk_clip_scales(maxima[where].cpu(), self.qk_clip_tau) for name, where in offsets.items()}
-        for name, head_runs in self.clip_runs.items():
+        out = {}
+        for name, where in offsets.items():
+            scales = dm.qk_clip_scales(maxima[where].cpu(), self.qk_clip_tau)
             flat = local_of(self.param_by_name[name]).view(-1)
-            for start, stop, head in head_runs:
-                if scales[name][head] != 1.0:
-                    flat[start:stop].mul_(scales[name][head])
-        return scales
+            for start, stop, head in self.clip_runs[name]:
+                if scales[head] != 1.0:
+                    flat[start:stop].mul_(scales[head])
+            held = {head for _, _, head in self.clip_runs[name]}
+            out[name] = [m if h in held else None for h, m in enumerate(scales)]
+        return out
 
 
 # =============================================================================

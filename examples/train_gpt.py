@@ -43,7 +43,7 @@ What large runs add (the lesson's section 7), each off by default:
     --ns-coefficients    jordan (torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932).
     --tp-newton-schulz   gather (the TP gather) or gram (--strategy gather: a matrix TP splits along its
                          long side is orthogonalized where it lies, X X^T all-reduced once per iteration;
-                         not torch's bits: --verify holds its replay to the lesson's gram_ns_bound).
+                         not torch's bits: --verify holds its replay to the lesson's gram_tolerance).
 """
 
 import argparse
@@ -437,7 +437,7 @@ def start_profiler(cfg, rank):
 #     the lesson's BATCHED_NS_BOUND of the update's largest entry per step.)
 #   * --tp-newton-schulz gram (TP > 1) sums each Gram matrix over the TP ranks inside Newton-Schulz, which
 #     torch does in one bf16 matmul: the replay of every matrix it orthogonalizes is held to the lesson's
-#     bound (gram_ns_bound of the update's largest entry per step, batched_ns_tolerance), the rest bit for bit.
+#     bound (gram_tolerance, from torch's own bf16 error on each step's Newton-Schulz input), the rest bit for bit.
 #   * TP > 1 reorders sums: g adds the row-parallel layers' partial products
 #     (attention-out, MLP-out) over the TP ranks, f's backward the column-parallel
 #     layers' input gradients. The bound for each step's gradients and losses:
@@ -534,6 +534,8 @@ class ReferenceOptimizers:
         self.optimizers = dm.torch_optimizers(groups)
         self.zeropower = (per_iteration_newton_schulz(dm.ns_coefficients_of(cfg.ns_coefficients, dm.NS_STEPS))
                           if cfg.optimizer == "muon" and cfg.ns_coefficients != "jordan" else None)
+        # {matrix stepped whole: its Newton-Schulz input at each step}: what bounds --tp-newton-schulz gram's replay
+        self.names, self.ns_inputs = {id(p): n for n, p in model.named_parameters()}, {}
 
     def step(self, step, max_logits=None):
         """Step `step`; with --qk-clip, then clip by max_logits ({qkv weight name: (heads,) S})."""
@@ -545,7 +547,8 @@ class ReferenceOptimizers:
                     t.copy_(w[rows])
                     t.grad = w.grad[rows]
             with patch.object(torch.optim._muon, "_zeropower_via_newtonschulz",
-                              self.zeropower or torch.optim._muon._zeropower_via_newtonschulz):
+                              self.zeropower or torch.optim._muon._zeropower_via_newtonschulz), \
+                    dm.ns_inputs_recorded(self.optimizers, self.names, self.ns_inputs):
                 for opt in self.optimizers:
                     opt.step()
             for name, pieces in self.blocks.items():
@@ -621,7 +624,7 @@ def reference(cfg, device="cpu", replay=None, nudge=False, replay_max_logits=Non
                 max_logits = replay_max_logits[step - 1]
         optimizers.step(step, max_logits)
         model.zero_grad(set_to_none=True)
-    return dict(losses=losses, params=snapshot(model))
+    return dict(losses=losses, params=snapshot(model), ns_inputs=optimizers.ns_inputs)
 
 
 def param_specs(cfg):
@@ -737,11 +740,12 @@ def by_gram(cfg, spec):
             and not blocked and dm.gram_eligible(spec.global_shape, spec.tp_split_dim))
 
 
-def replay_tolerance(cfg, spec, rank_order=True):
+def replay_tolerance(cfg, spec, ns_inputs, rank_order=True):
     """What the replay may differ by (see the policy above): NCCL's DP sum over DP > 2, another order of it;
-    --tp-newton-schulz gram, the Gram matrix summed over TP ranks (the lesson's gram_ns_bound per step)."""
-    gram = (dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape,
-                                    dm.gram_ns_bound(spec.global_shape)) if by_gram(cfg, spec) else 0.0)
+    --tp-newton-schulz gram, the Gram matrix summed over TP ranks (the lesson's gram_tolerance of the replay's
+    Newton-Schulz inputs, ns_inputs: {name: [each step's]}; lr_at never exceeds cfg.lr)."""
+    gram = (dm.gram_tolerance(ns_inputs[spec.name], cfg.lr, "match_rms_adamw", spec.global_shape, dm.NS_STEPS,
+                              cfg.ns_coefficients) if by_gram(cfg, spec) else 0.0)
     if cfg.dp <= 2 or rank_order:
         return gram
     if spec.group == "muon" and cfg.optimizer == "muon":
@@ -762,10 +766,10 @@ def verify(cfg, results, device="cpu", rank_order=True):
     rank_params = {r["rank"]: r["params"] for r in results}
     totals, replica_diff = total_gradients(cfg, results, specs)
     logits = [ranks_max_logits(results, s) for s in range(cfg.steps)] if cfg.qk_clip is not None else None
-    replayed = dm.compare_to_reference(specs, reference(cfg, device, replay=totals, replay_max_logits=logits)["params"],
-                                       rank_params, cfg.dp, cfg.tp)
+    replay = reference(cfg, device, replay=totals, replay_max_logits=logits)
+    replayed = dm.compare_to_reference(specs, replay["params"], rank_params, cfg.dp, cfg.tp)
     for c, spec in zip(replayed, specs):
-        c["tolerance"] = replay_tolerance(cfg, spec, rank_order)
+        c["tolerance"] = replay_tolerance(cfg, spec, replay["ns_inputs"], rank_order)
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
     inexact = why_inexact(cfg, rank_order)
     checks = dict(exact=not inexact, why_inexact=inexact, replay=replayed, replica_max_diff=replica_diff,

@@ -109,3 +109,19 @@ def reference_muon(params, grads, *, lr, weight_decay, momentum, nesterov=True, 
                 for t, i in zip(tensors[name], index):
                     t.copy_(params[name][i])
     return params, multipliers
+
+
+# -- checks shared by the tests of every optimizer (the lesson's and DTensorMuon) ---------------------
+def assert_qk_multipliers(returned, expected, held):
+    """clip_qk_'s contract (the lesson's DistributedMuon.clip_qk_): one entry for every laid-out matrix with
+    q or k rows (`expected`: {name: [multiplier of each head]}), each head's multiplier where this rank
+    holds its q or k rows (held: {name: set of heads}), None elsewhere."""
+    assert returned == {n: [m if h in held[n] else None for h, m in enumerate(ms)] for n, ms in expected.items()}, \
+        (returned, expected, held)
+
+
+def shape_only_gram_bound(shape):
+    """The bound tp_newton_schulz="gram" first had (GRAM_NS_BOUND): 2**-5 of the largest entry of torch's
+    orthogonal matrix, times sqrt(m / 64) past m = 64 (m the short side), whatever the input. Kept to show
+    that nearly low-rank inputs break it, and why the bound now comes from the input (gram_ns_tolerance)."""
+    return 2.0**-5 * max(1.0, math.sqrt(min(shape) / 64))

@@ -3,7 +3,7 @@
 TP = 2), checked
 against train_gpt.py's one-process reference (torch.optim.Muon + AdamW, its section 3: blocks as separate
 parameters, Polar Express swapped into torch's Newton-Schulz, the clip from the paper's equation; gram's
-replay within the lesson's gram_ns_bound);
+replay within the lesson's gram_tolerance);
 their refusals; and benchmarks/compare.py's byte formulas for the Gram all-reduce against a real run's
 Ledger, benchmarks/ns_coefficients.py's table.
 
