@@ -70,6 +70,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
+from muon_tools import bound_ratio, loss_drift, one_ulp_up  # noqa: E402
 from gpt import GPT, GPTConfig, check_gpt, param_groups, qkv_row_layouts  # noqa: E402
 from stdlib_text import load_corpus  # noqa: E402
 
@@ -440,27 +441,11 @@ def start_profiler(cfg, rank):
 #     bound (gram_tolerance, from torch's own bf16 error on each step's Newton-Schulz input), the rest bit for bit.
 #   * TP > 1 reorders sums: g adds the row-parallel layers' partial products
 #     (attention-out, MLP-out) over the TP ranks, f's backward the column-parallel
-#     layers' input gradients. The bound for each step's gradients and losses:
-#       1. A sum of k terms in fp32, in any order, is within gamma(k - 1) * sum|terms|
-#          of the exact sum, gamma(m) = m u / (1 - m u), u = 2**-24 (Higham,
-#          "Accuracy and Stability of Numerical Algorithms", 2002, section 4.2). Split
-#          into TP pieces of k / TP terms and TP - 1 additions, the bound is
-#          gamma(k / TP + TP - 2) <= gamma(k - 1): every sum the ranks reorder has a
-#          worst case no larger than the one process's, so their whole gradient does.
-#       2. That worst case depends on how this step's data amplify each rounding
-#          (layer norms, softmax, the residual sums through every layer), which has
-#          no closed form; its size on this step is measured instead: the one
-#          process's fp32 gradient against the same computation in float64 (u = 2**-53,
-#          its own error 2**-29 of fp32's), e_one = max |G_fp32 - G_fp64| per tensor.
-#       3. The ranks' error e_ranks = max |G_ranks - G_fp64| is another realization of
-#          the same worst case, in another order: held to REALIZED_FACTOR x e_one, plus
-#          one reordered reduction over the step's n = batch x context tokens whose
-#          terms add up to the largest entry, n u max |G_fp64| (what keeps the bound
-#          above zero when the one process happens to round well). A loss is the mean
-#          over a micro-batch's tokens, the same with its n. The factor is the one part
-#          not derived: two orders' errors are two draws of the same rounding, and their
-#          largest entries differ by up to a factor of 2 in the runs measured (notes/09);
-#          4 leaves room for that and stays far below what a bug does.
+#     layers' input gradients. Each step's gradients and losses are held, against
+#     float64, to the bound every real training here shares, derived in muon_tools.py
+#     (section 11; bound_ratio): REALIZED_FACTOR x the one process's own fp32 error on
+#     the step, plus one reordered reduction, n u of the largest entry, n = batch x
+#     context tokens (a micro-batch's loss: its own tokens).
 #     A missing all-reduce or a wrong split moves a gradient by a fraction of itself
 #     (1e-1, not 1e-4): the tests break one and see it fail.
 #   * Free-running with TP > 1, each step's few different roundings change the next
@@ -470,8 +455,6 @@ def start_profiler(cfg, rank):
 #     notes/09). So the drift of the losses is reported beside that chaos floor (the
 #     same one-process run with entry 0 of CHAOS_PARAM moved by one ulp), as a ratio,
 #     and never fails a run: the replay and the gradients are what catch a bug.
-UNIT_ROUNDOFF = 2.0**-24  # fp32: a rounding moves a result by at most this fraction of itself
-REALIZED_FACTOR = 4  # the ranks' rounding error against the one process's, on the same step (policy, 3.)
 CHAOS_PARAM = "blocks.0.attn.qkv.weight"  # the chaos floor moves its entry 0 by one ulp
 
 # What large runs add has a reference of its own here, from the papers' equations and torch's optimizers
@@ -609,9 +592,7 @@ def reference(cfg, device="cpu", replay=None, nudge=False, replay_max_logits=Non
     nudge: start with entry 0 of CHAOS_PARAM one ulp larger (the chaos floor)."""
     model, optimizers = reference_model(cfg, device)
     if nudge:
-        with torch.no_grad():
-            first = model.get_parameter(CHAOS_PARAM).view(-1)[:1]
-            first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))
+        one_ulp_up(model.get_parameter(CHAOS_PARAM))
     losses = []
     for step in range(1, cfg.steps + 1):
         max_logits = {} if cfg.qk_clip is not None else None
@@ -686,10 +667,6 @@ def step_gradients(cfg, results, specs, totals, device, against_float64):
     def worse(key, value):
         out[key] = max(out[key], value)
 
-    def held(ranks_err, one_err, n, scale):  # the policy's 3.: the ranks' error over its bound
-        bound = REALIZED_FACTOR * one_err + n * UNIT_ROUNDOFF * scale
-        return ranks_err / bound if bound > 0 else (0.0 if ranks_err == 0 else math.inf)
-
     for step in range(cfg.steps):
         weights = full_tensors(cfg, lambda t: by_rank[t]["weights"][step], specs)
         load_weights(model, weights)
@@ -704,7 +681,7 @@ def step_gradients(cfg, results, specs, totals, device, against_float64):
             for r, l, l64 in zip(ranks_losses, losses, accumulate_gradients(exact64, cfg, step + 1, device)):
                 worse("ranks_loss_err", abs(r - l64) / l64)
                 worse("one_process_loss_err", abs(l - l64) / l64)
-                worse("bound_ratio", held(abs(r - l64), abs(l - l64), tokens // cfg.dp, abs(l64)))
+                worse("bound_ratio", bound_ratio(abs(r - l64), abs(l - l64), tokens // cfg.dp, abs(l64)))
             for n, p in model.named_parameters():
                 g64 = exact64.get_parameter(n).grad.cpu()
                 scale = g64.abs().max().item()
@@ -712,7 +689,7 @@ def step_gradients(cfg, results, specs, totals, device, against_float64):
                 one_err = (p.grad.cpu().double() - g64).abs().max().item()
                 worse("ranks_grad_err", ranks_err / scale)
                 worse("one_process_grad_err", one_err / scale)
-                worse("bound_ratio", held(ranks_err, one_err, tokens, scale))
+                worse("bound_ratio", bound_ratio(ranks_err, one_err, tokens, scale))
             exact64.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
     return out
@@ -751,11 +728,6 @@ def replay_tolerance(cfg, spec, ns_inputs, rank_order=True):
     if spec.group == "muon" and cfg.optimizer == "muon":
         return gram + dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
     return cfg.steps * cfg.lr * dm.BATCHED_NS_BOUND
-
-
-def loss_drift(losses, reference_losses):
-    """The largest relative difference of two runs' losses ([[loss of each micro-batch] per step])."""
-    return max(abs(a - b) / b for step, ref in zip(losses, reference_losses) for a, b in zip(step, ref))
 
 
 def verify(cfg, results, device="cpu", rank_order=True):

@@ -160,7 +160,7 @@ def test_the_reported_maxima_are_the_logits_of_q_and_k_and_heads_clip(trained, d
                 assert ((reported[name].double() - one).abs() <= bound).all(), (step, name, reported[name], one)
             else:
                 one_err = (one - exact64[name][0]).abs()
-                assert (ranks_err <= tg.REALIZED_FACTOR * one_err + bound).all(), (step, name, ranks_err, one_err)
+                assert (ranks_err <= mt.REALIZED_FACTOR * one_err + bound).all(), (step, name, ranks_err, one_err)
             assert (ranks_err < 1e-5 * one.abs()).all()  # the check is tight: far below a wrong head or position
             for r in results:  # a rank reports its TP rank's heads, -inf for the others
                 t = r["rank"] % tp

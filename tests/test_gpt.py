@@ -66,7 +66,7 @@ def test_every_strategy_trains_as_one_process_does(trained, dp, tp):
             assert not checks["exact"] and checks["grad_max_rel_diff"] > 0, what
             assert checks["bound_ratio"] <= 1, what
             # the ranks' error against float64 is of the one process's own size, and far below a bug's
-            assert checks["ranks_grad_err"] <= tg.REALIZED_FACTOR * checks["one_process_grad_err"] + 2.0**-13, what
+            assert checks["ranks_grad_err"] <= mt.REALIZED_FACTOR * checks["one_process_grad_err"] + 2.0**-13, what
             floor = checks["chaos_floor_loss_max_rel_diff"]  # 0 where one ulp has not reached a loss in 3 steps
             assert checks["chaos_ratio"] == (checks["trained_loss_max_rel_diff"] / floor if floor else None), what
 
