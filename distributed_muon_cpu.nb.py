@@ -419,6 +419,29 @@ plt.show()
 mt.run_program("distributed_muon_cpu.py", "--help")
 
 # %% [markdown]
+# ## 11. Training checks: a real training against one process
+#
+# A real training (the GPT in `examples/`, `dtensor_demo.py --train`) adds fp32 sums in another order
+# than one process does, so its gradients cannot have the one process's bits. What is checked instead:
+# the optimizer's replay bit for bit, and each step's gradients against float64 within a bound measured
+# on the step itself: `REALIZED_FACTOR` x the one process's own error, plus one reordered reduction
+# (`mt.bound_ratio`, at most 1 passes). The same idea on one reordered sum: 4096 terms per entry, added
+# in one pass (one process) or as two halves then added (two TP ranks).
+
+# %%
+torch.manual_seed(0)
+terms = torch.randn(4096, 64)
+exact = terms.double().sum(0)
+one_process = terms.sum(0)
+halves = terms.view(2, 2048, 64).sum(1)
+two_ranks = halves[0] + halves[1]
+e_one = (one_process.double() - exact).abs().max().item()
+e_ranks = (two_ranks.double() - exact).abs().max().item()
+print(f"error against float64: one process {e_one:.2e}, two ranks {e_ranks:.2e}; "
+      f"bound_ratio {mt.bound_ratio(e_ranks, e_one, 2, exact.abs().max().item()):.3f} (<= 1 passes)")
+print("bits equal:", torch.equal(one_process, two_ranks))
+
+# %% [markdown]
 # Next, `distributed_muon_runs.ipynb` runs the script more: every grid of 8 ranks, the strategies
 # side by side, and a real tensor-parallel GPT trained with the optimizer. `notes/README.md` orders
 # the chapters that explain each idea with its measured figures.

@@ -49,6 +49,7 @@ Reading order (each section opens with what it does and why)
 The tooling around it lives beside it, in muon_tools.py, and is no part of the lesson:
     9. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
     10. Main: the launcher (start, watch and stop the ranks) and the command line
+    11. Training checks (the bound and the chaos floor that real trainings, examples/ and dtensor_demo.py, share)
 """
 
 from __future__ import annotations

@@ -46,11 +46,11 @@ def test_notebook_is_committed_without_outputs(notebook):
 
 def test_notebook_sections_are_the_scripts_in_order():
     script = []
-    for path in (SCRIPT, TOOLS):  # the lesson's sections 1-8, then its tooling's 9 and 10
+    for path in (SCRIPT, TOOLS):  # the lesson's sections 1-8, then its tooling's 9 to 11
         with open(path) as f:
             script += re.findall(r"^# (\d+)\. (.+)$", f.read(), flags=re.M)
-    assert [int(n) for n, _ in script] == list(range(1, 11))
-    assert headings(NOTEBOOK) == [("0", "Setup")] + script  # 0 sets up, 1-10 follow the script
+    assert [int(n) for n, _ in script] == list(range(1, 12))
+    assert headings(NOTEBOOK) == [("0", "Setup")] + script  # 0 sets up, 1-11 follow the script
     assert [int(n) for n, _ in headings(RUNS_NOTEBOOK)] == list(range(4))
 
 
@@ -114,6 +114,9 @@ def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     assert text.count("Result: PASS") == 1
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # checks, accounting
     assert "usage: distributed_muon_cpu.py" in text and "--strategy" in text  # section 10: the command line
+    check = re.search(r"error against float64: one process ([\d.e+-]+), two ranks ([\d.e+-]+); bound_ratio ([\d.]+)", text)
+    e_one, e_ranks, ratio = (float(g) for g in check.groups())  # section 11: a reordered sum, within its bound
+    assert 0 < e_one and 0 < e_ranks and ratio <= 1 and "bits equal: False" in text
 
 
 def test_runs_notebook_runs_top_to_bottom(tmp_path):
