@@ -219,7 +219,7 @@ def adamw_step_(param, grad, state, group):
            betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
 
 
-# Two changes large runs make to the math (section 7 shows what they change between ranks).
+# Two changes large runs make to the math (what they change between ranks comes with the strategies).
 # Blocks (ns_blocks): a fused matrix, e.g. attention's QKV, is orthogonalized as the separate
 # matrices it stands for (Q, K and V, or each head's), each block of rows alone.
 def newton_schulz_blocks(full, blocks, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
@@ -250,7 +250,9 @@ def newton_schulz_flops_of(shape, steps, blocks=None):
 # pre-softmax logit S exceeded tau has its logits scaled back to tau.
 def qk_clip_scales(max_logits, tau):
     """The report's per-head form for multi-head attention: gamma_h = min(1, tau / S_max_h), and head h's
-    rows of W_q and of W_k are each multiplied by sqrt(gamma_h), so its logits q.k shrink by gamma_h.
+    rows of W_q and of W_k are each multiplied by sqrt(gamma_h), so its logits q.k shrink by gamma_h when q
+    and k have no bias (Kimi's models have none); with a QKV bias, as the demo's and the GPT's, only the
+    weights' part of q and k shrinks, so a clipped head's next logits are near tau, not capped at it.
     (Its MLA form, which leaves the shared rotary key alone, has no counterpart in plain MHA.)
     Python floats (computed in double), one per head: the same multiplier wherever the rows lie."""
     return [math.sqrt(min(1.0, tau / s)) if s > tau else 1.0 for s in max_logits.tolist()]
@@ -792,7 +794,7 @@ def newton_schulz_tp(piece, global_shape, tp, ledger, steps=NS_STEPS, coefficien
     columns, X_t <- a X_t + (b A + c A A) X_t; the Frobenius norm is one all-reduced float. Each
     piece's product is taken in float32 and rounded to bf16 once, after the sum, as torch's bf16
     matmul rounds its float32 accumulation once: what differs from torch's bits is the order of
-    the float32 sum, hence a near-tie now and then rounded the other way (the bound: section 8)."""
+    the float32 sum, hence a near-tie now and then rounded the other way (bounded, not bit-identical)."""
     tall = global_shape[0] > global_shape[1]
     x = piece.bfloat16()
     if tall:
@@ -889,7 +891,7 @@ TP_NEWTON_SCHULZ = ("gather", "gram")  # TP gather -> NS -> TP shard; or newton_
 
 
 def check_large_run_options(name=str, *, ns_blocks, tp_newton_schulz, qk_clip_tau):
-    """The options of what large runs add (section 7), spelled as check_hyperparameters spells them."""
+    """The options of what large runs add (the constructor's docstring), spelled as check_hyperparameters spells them."""
     if ns_blocks not in NS_BLOCKS:
         raise ValueError(f"{name('ns_blocks')} must be one of {', '.join(NS_BLOCKS)} (got {ns_blocks!r})")
     if tp_newton_schulz not in TP_NEWTON_SCHULZ:
@@ -900,15 +902,33 @@ def check_large_run_options(name=str, *, ns_blocks, tp_newton_schulz, qk_clip_ta
         raise ValueError(f"{name('qk_clip_tau')} must be a number > 0 and finite (got {qk_clip_tau!r})")
 
 
+def row_layout_problem(name, rows, matrix_shape, expert_stack=False, qk_clip=False):
+    """None if `rows` (a RowLayout) describes the rows of `name`'s full (out, in) matrix, else why not
+    (one line); DTensorMuon asks the same of each expert's matrix."""
+    if not isinstance(rows, RowLayout):
+        return f"row_layouts[{name!r}] must be a RowLayout (distributed_muon_cpu), got {type(rows).__name__}"
+    if not (isinstance(rows.periods, int) and rows.periods >= 1 and rows.sizes
+            and all(isinstance(s, int) and s >= 1 for s in rows.sizes)):
+        return f"row_layouts[{name!r}]: sizes must be positive integers and periods >= 1 (got {rows})"
+    if rows.names and len(rows.names) != len(rows.sizes):
+        return f"row_layouts[{name!r}]: {len(rows.names)} names for {len(rows.sizes)} sizes"
+    if rows.rows != matrix_shape[0]:
+        return (f"row_layouts[{name!r}] has {rows.periods} x {sum(rows.sizes)} = {rows.rows} rows; "
+                f"the matrix{' of each expert' if expert_stack else ''} has {matrix_shape[0]}")
+    if qk_clip and expert_stack and set(rows.names) & {"q", "k"}:
+        return f"row_layouts[{name!r}]: QK-clip scales attention heads, not the experts of an expert stack"
+    return None
+
+
 def check_row_layouts(row_layouts, layout, muon_names, tp, qk_clip):
-    """Every row layout names a Muon matrix and covers its full rows; with QK-clip, a matrix TP splits
+    """Every row layout names a Muon matrix and describes its full rows; with QK-clip, a matrix TP splits
     by rows gives each TP rank whole heads (the heads whose logits that rank computes)."""
     for name, rows in row_layouts.items():
         if name not in muon_names:
             raise ValueError(f"row_layouts names {name}, which is not a Muon matrix")
-        shape = layout.global_shapes[name]
-        if rows.rows != shape[0]:
-            raise ValueError(f"the row layout of {name} has {rows.rows} rows; its full matrix {shape} has {shape[0]}")
+        problem = row_layout_problem(name, rows, layout.global_shapes[name])
+        if problem:
+            raise ValueError(problem)
         if qk_clip and layout.tp_split_dims[name] == 0:
             rows.tp_piece(tp)
 
@@ -1027,14 +1047,14 @@ class DistributedMuon(torch.optim.Optimizer):
     bucket_size: largest bucket, in elements, before padding to a multiple of DP.
     Gradients are summed over DP. A parameter whose .grad is None on every rank is skipped, as torch
     skips it; one with a gradient on some ranks only gets zeros from the others, as DDP adds.
-    What large runs add (section 7), each off by default (torch's behaviour):
+    What large runs add, each off by default (torch's behaviour):
     row_layouts: {name: RowLayout of its FULL matrix}, for the two below.
     ns_blocks: "whole", "blocks" (each named segment, all heads joined: Q, K, V) or "heads" (each
         segment of each head): the laid-out matrices are orthogonalized block by block, each block's
         lr adjusted for its own shape, as torch.optim.Muon on the blocks as separate parameters.
     tp_newton_schulz: "gather", or "gram": TP-split matrices whose split cuts the long side
         (gram_eligible; not those orthogonalized by blocks) go through newton_schulz_tp instead of
-        TP gather -> Newton-Schulz -> TP shard. Not bit-identical to torch (section 8 bounds it).
+        TP gather -> Newton-Schulz -> TP shard. Not bit-identical to torch: within a bound.
     qk_clip_tau: a number > 0 turns on clip_qk_ (QK-clip), called by every rank after step().
     """
 
@@ -1161,7 +1181,7 @@ class DistributedMuon(torch.optim.Optimizer):
     # -- QK-clip, after the step ---------------------------------------------
     @torch.no_grad()
     def clip_qk_(self, max_logits):
-        """QK-clip (section 7): scale the W_q and W_k rows of every head whose largest logit S exceeded
+        """QK-clip: scale the W_q and W_k rows of every head whose largest logit S exceeded
         qk_clip_tau by sqrt(tau / S). Collective: every rank calls it after step(), when every rank
         holds its whole TP piece again, and scales the rows of that piece. The contract, DTensorMuon's too:
 
@@ -1172,7 +1192,7 @@ class DistributedMuon(torch.optim.Optimizer):
         bad: QK-clip off, an unknown name, not float32 of (heads,), NaN or +inf (max_logits_problem).
         Returns {every laid-out name with q or k rows: [multiplier of each head of the full matrix; None
         for a head of whose q and k rows this rank holds no element]}.
-        What moves (section 7's picture): after a 1-byte vote over the world ("QK-clip check"), a MAX
+        What moves: after a 1-byte vote over the world ("QK-clip check"), a MAX
         all-reduce of 4 bytes per head, over DP of the TP-local heads of a matrix TP splits by rows (its
         heads live on one TP rank, which computes them), over the world for any other laid-out matrix.
         """
@@ -1918,8 +1938,9 @@ STRATEGIES = tuple(OPTIMIZERS)
 # =============================================================================
 # torch.optim.Muon orthogonalizes each parameter whole, with one quintic, and
 # does nothing after the update. Large runs do more. Each addition is an option of
-# every optimizer above (off by default: torch's behaviour) and a flag of the
-# script, and each is defined where the step needs it; here is what each moves.
+# every optimizer above (the Gram form of the gather strategy only: an owner
+# receives the whole matrix anyway), off by default (torch's behaviour), and a flag
+# of the script; each is defined where the step needs it; here is what each moves.
 #
 # Blocks (row_layouts + ns_blocks, section 1's newton_schulz_blocks). A fused QKV
 # is orthogonalized as the matrices it stands for: "blocks", Q, K and V, each
@@ -1938,8 +1959,10 @@ STRATEGIES = tuple(OPTIMIZERS)
 #
 # QK-clip (qk_clip_tau, clip_qk_ after the step). The largest logit of a head is
 # known where its attention was computed: on each DP rank (its own batch), on the
-# TP rank that holds the head. One MAX all-reduce over DP of 4 bytes per TP-local
-# head, and every rank scales its own rows of W_q and W_k (the weights are whole
+# TP rank that holds the head. A 1-byte vote over the world first (bad maxima on
+# any rank: every rank refuses, nothing changed), then one MAX all-reduce over DP
+# of 4 bytes per TP-local head (a QKV not split by rows: over the world, every
+# head), and every rank scales its own rows of W_q and W_k (the weights are whole
 # on every DP rank again after the step):
 #
 #   (DP 0, TP t): S_h of its batch, heads of TP t --\                        /--> (DP 0, TP t) scales
@@ -1991,11 +2014,13 @@ def computed_here(max_logits, tp_rank, tp):
 # torch.optim.AdamW on the full parameters, fed the sum of every DP rank's
 # gradient: an independent implementation, not this script's code path. Every
 # rank's TP piece of every parameter must equal the matching piece of the
-# reference bit for bit (torch.equal). No tolerance is needed anywhere: the only
-# cross-rank reduction is the gradient sum, exact by construction (section 3);
+# reference bit for bit (torch.equal). No tolerance is needed by default: the only
+# cross-rank reduction that changes a value is the gradient sum, exact by
+# construction (section 3; QK-clip's maxima are a MAX, exact in any order);
 # everything else is elementwise on shards or one Newton-Schulz on the same full
-# bf16 matrix with the same thread count. The one exception is a choice:
-# batched_ns (section 6) is held to a derived bound instead.
+# bf16 matrix with the same thread count. Two exceptions are choices, each held to
+# a bound instead: batched_ns (section 6) and tp_newton_schulz="gram" (section 5's
+# newton_schulz_tp sums the Gram matrix over ranks).
 
 # A rank that stops beating for this long (stopped, frozen, swapped out) ends the run, and so
 # does a collective that waits this long (--timeout): many times the demo's start and step,

@@ -413,23 +413,6 @@ def head_of_qk_row(layout):
     return head
 
 
-def row_layout_problem(name, layout, matrix_shape, expert_stack, qk_clip):
-    """None if `layout` describes the rows of `name`'s (out, in) matrix, else why not (one line)."""
-    if not isinstance(layout, dm.RowLayout):
-        return f"row_layouts[{name!r}] must be a RowLayout (distributed_muon_cpu), got {type(layout).__name__}"
-    if not (isinstance(layout.periods, int) and layout.periods >= 1 and layout.sizes
-            and all(isinstance(s, int) and s >= 1 for s in layout.sizes)):
-        return f"row_layouts[{name!r}]: sizes must be positive integers and periods >= 1 (got {layout})"
-    if layout.names and len(layout.names) != len(layout.sizes):
-        return f"row_layouts[{name!r}]: {len(layout.names)} names for {len(layout.sizes)} sizes"
-    if layout.rows != matrix_shape[0]:
-        return (f"row_layouts[{name!r}] has {layout.periods} x {sum(layout.sizes)} = {layout.rows} rows; "
-                f"the matrix{' of each expert' if expert_stack else ''} has {matrix_shape[0]}")
-    if qk_clip and expert_stack and set(layout.names) & set(QK_SEGMENTS):
-        return f"row_layouts[{name!r}]: QK-clip scales attention heads, not the experts of an expert stack"
-    return None
-
-
 # -----------------------------------------------------------------------------
 # 3c. Newton-Schulz on TP pieces, without gathering the matrix (tp_newton_schulz="gram")
 # -----------------------------------------------------------------------------
@@ -665,7 +648,7 @@ class DTensorMuon(torch.optim.Optimizer):
         nearly rank-2 gradients torch's own error, and the difference, reach 2**-3.5 of the update).
         Bytes: each TP rank all-reduces 5 Gram matrices, ~40 m^2 (tp - 1) / tp bytes (m the short side,
         float32), where a gathered matrix's owner receives and sends ~4 m n (tp - 1) / tp bytes of bf16:
-        Gram moves less only when n > 10 m (in total over the TP group, when n > 10 m tp).
+        Gram moves less only when n > 20 m, sent and received counted alike (the lesson's section 7).
       * These options are the same on every rank (checked), are not part of the state dict (pass them
         again when you resume), and need the automatic distributed_config.
     See help(DTensorMuon.__init__) for every argument.
@@ -804,7 +787,7 @@ class DTensorMuon(torch.optim.Optimizer):
             p = self.param_by_name.get(name)
             if p is None or self.group_of[name]["algorithm"] != "muon":
                 return f"row_layouts names no Muon parameter: {name}"
-            why = row_layout_problem(name, layout, tuple(p.shape)[-2:], name in self.expert_stacks,
+            why = dm.row_layout_problem(name, layout, tuple(p.shape)[-2:], name in self.expert_stacks,
                                      self.qk_clip_tau is not None)
             if why:
                 return why

@@ -540,6 +540,9 @@ def validate(cfg, specs):
     if cfg.tp_newton_schulz != "gather" and cfg.strategy != "gather":
         raise ValueError(f"--tp-newton-schulz {cfg.tp_newton_schulz} applies to --strategy gather: strategy "
                          f"{cfg.strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
+    if cfg.tp_newton_schulz == "gram" and cfg.tp == 1:
+        raise ValueError("--tp-newton-schulz gram sums Newton-Schulz's Gram matrix over the TP ranks: with --tp 1 "
+                         "no matrix is split, so it would change nothing")
     laid_out = [f for f, on in (("--ns-blocks", cfg.ns_blocks != "whole"), ("--qk-clip", cfg.qk_clip_tau is not None))
                 if on]
     if laid_out and (cfg.model != "transformer" or cfg.baseline):

@@ -164,6 +164,10 @@ def refusals(grid, rank):
     construct["layout of an unknown matrix"] = attempt(lambda: dm.DistributedMuon(
         [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid,
         row_layouts={"v": dm.RowLayout((4,), 2, ("q",))}))
+    for case, rows in (("two names, one size", dm.RowLayout((4,), 2, ("q", "k"))),
+                       ("a size of 0", dm.RowLayout((0, 8), 1, ("q", "k"))), ("not a RowLayout", (4, 4))):
+        construct[case] = attempt(lambda rows=rows: dm.DistributedMuon(
+            [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid, row_layouts={"w": rows}))
     return dict(clip=clip, construct=construct)
 
 
@@ -409,7 +413,10 @@ def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
         assert construct[f"gram with {s}"] == (f"tp_newton_schulz='gram' applies to the gather strategy only: "
                                                f"strategy {s} orthogonalizes each matrix whole on one owner, which "
                                                "receives it anyway")
-    assert construct["layout of too many rows"] == "the row layout of w has 16 rows; its full matrix (8, 4) has 8"
+    assert construct["layout of too many rows"] == "row_layouts['w'] has 4 x 4 = 16 rows; the matrix has 8"
+    assert construct["two names, one size"] == "row_layouts['w']: 2 names for 1 sizes"
+    assert construct["a size of 0"].startswith("row_layouts['w']: sizes must be positive integers and periods >= 1")
+    assert construct["not a RowLayout"] == "row_layouts['w'] must be a RowLayout (distributed_muon_cpu), got tuple"
     assert construct["layout of an unknown matrix"] == "row_layouts names v, which is not a Muon matrix"
     assert all(r["eight_tp"] == "TP 8 does not divide the 4 heads of a row layout" for r in spawned[1])
 
