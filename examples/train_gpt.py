@@ -54,7 +54,6 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
-from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -487,21 +486,6 @@ def reference_blocks(cfg, model):
     return out
 
 
-def per_iteration_newton_schulz(triples):
-    """torch.optim.Muon's _zeropower_via_newtonschulz with one (a, b, c) per iteration: the same torch ops."""
-    def zeropower(grad, ns_coefficients, ns_steps, eps):
-        x = grad.to(dtype=torch.bfloat16, copy=True)
-        tall = grad.size(0) > grad.size(1)
-        if tall:
-            x = x.T
-        x.div_(x.norm().clamp(min=eps))
-        for a, b, c in triples:
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-        return x.T if tall else x
-    return zeropower
-
-
 class ReferenceOptimizers:
     """torch.optim.Muon + AdamW for the one-process GPT, with the reference of each --ns-blocks,
     --ns-coefficients and --qk-clip (above)."""
@@ -515,8 +499,9 @@ class ReferenceOptimizers:
                 params += [t for pieces in self.blocks.values() for _, t in pieces]
             groups.append(dict(g, params=params))
         self.optimizers = dm.torch_optimizers(groups)
-        self.zeropower = (per_iteration_newton_schulz(dm.ns_coefficients_of(cfg.ns_coefficients, dm.NS_STEPS))
-                          if cfg.optimizer == "muon" and cfg.ns_coefficients != "jordan" else None)
+        # one (a, b, c) per iteration swapped into torch's Newton-Schulz; Jordan's one triple leaves torch's in place
+        self.coefficients = (dm.ns_coefficients_of(cfg.ns_coefficients, dm.NS_STEPS)
+                             if cfg.optimizer == "muon" and cfg.ns_coefficients != "jordan" else dm.NS_COEFFICIENTS)
         # {matrix stepped whole: its Newton-Schulz input at each step}: what bounds --tp-newton-schulz gram's replay
         self.names, self.ns_inputs = {id(p): n for n, p in model.named_parameters()}, {}
 
@@ -529,8 +514,7 @@ class ReferenceOptimizers:
                 for rows, t in pieces:
                     t.copy_(w[rows])
                     t.grad = w.grad[rows]
-            with patch.object(torch.optim._muon, "_zeropower_via_newtonschulz",
-                              self.zeropower or torch.optim._muon._zeropower_via_newtonschulz), \
+            with dm.torch_newton_schulz_per_iteration(self.coefficients), \
                     dm.ns_inputs_recorded(self.optimizers, self.names, self.ns_inputs):
                 for opt in self.optimizers:
                     opt.step()
@@ -549,8 +533,7 @@ class ReferenceOptimizers:
         for name, maxima in max_logits.items():
             w = self.model.get_parameter(name)
             for h, s in enumerate(maxima.tolist()):
-                if s > tau:
-                    w[3 * h * hd:(3 * h + 2) * hd].mul_(math.sqrt(min(1.0, tau / s)))  # its q rows, then k rows
+                dm.clip_rows_(w, slice(3 * h * hd, (3 * h + 2) * hd), s, tau)  # its q rows, then k rows
 
 
 def reference_model(cfg, device):
