@@ -509,6 +509,21 @@ def flag(argument):
 MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
 
 
+
+def check_large_run_flags(*, ns_coefficients, ns_blocks, tp_newton_schulz, qk_clip_tau, strategy):
+    """--ns-coefficients, --ns-blocks, --tp-newton-schulz and --qk-clip, by the optimizers' own checks spelled
+    as flags, and the one combination only a strategy refuses (at construction, after the ranks started):
+    the Gram form with an owner strategy. examples/train_gpt.py's command line checks them here too."""
+    check_large_run_options(lambda k: "--qk-clip" if k == "qk_clip_tau" else flag(k), ns_blocks=ns_blocks,
+                            tp_newton_schulz=tp_newton_schulz, qk_clip_tau=qk_clip_tau)
+    if ns_coefficients not in NS_COEFFICIENT_CHOICES:
+        raise ValueError(f"--ns-coefficients must be one of {', '.join(NS_COEFFICIENT_CHOICES)} "
+                         f"(got {ns_coefficients!r})")
+    if tp_newton_schulz != "gather" and strategy != "gather":
+        raise ValueError(f"--tp-newton-schulz {tp_newton_schulz} applies to --strategy gather: strategy "
+                         f"{strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
+
+
 def validate(cfg, specs):
     """Every check that can be made before spawning; raises ValueError with one line.
     The optimizer's own rules are its own functions, spelled with the flags' names."""
@@ -532,14 +547,8 @@ def validate(cfg, specs):
     if not 1 <= cfg.layers <= MAX_LAYERS:
         raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
     check_owner_options(flag, overlap=cfg.overlap)
-    check_large_run_options(lambda k: "--qk-clip" if k == "qk_clip_tau" else flag(k), ns_blocks=cfg.ns_blocks,
-                            tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip_tau)
-    if cfg.ns_coefficients not in NS_COEFFICIENT_CHOICES:
-        raise ValueError(f"--ns-coefficients must be one of {', '.join(NS_COEFFICIENT_CHOICES)} "
-                         f"(got {cfg.ns_coefficients!r})")
-    if cfg.tp_newton_schulz != "gather" and cfg.strategy != "gather":
-        raise ValueError(f"--tp-newton-schulz {cfg.tp_newton_schulz} applies to --strategy gather: strategy "
-                         f"{cfg.strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
+    check_large_run_flags(ns_coefficients=cfg.ns_coefficients, ns_blocks=cfg.ns_blocks,
+                          tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip_tau, strategy=cfg.strategy)
     if cfg.tp_newton_schulz == "gram" and cfg.tp == 1:
         raise ValueError("--tp-newton-schulz gram sums Newton-Schulz's Gram matrix over the TP ranks: with --tp 1 "
                          "no matrix is split, so it would change nothing")

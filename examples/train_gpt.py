@@ -165,11 +165,8 @@ def validate(cfg, ranks_here=None):
 def check_large_run_options(cfg):
     """--qk-clip, --ns-blocks, --ns-coefficients and --tp-newton-schulz: their values (the lesson's checks),
     that they are Muon's, and that gram goes with the gather strategy."""
-    dm.check_large_run_options(lambda k: "--qk-clip" if k == "qk_clip_tau" else mt.flag(k), ns_blocks=cfg.ns_blocks,
-                               tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip)
-    if cfg.ns_coefficients not in dm.NS_COEFFICIENT_CHOICES:
-        raise ValueError(f"--ns-coefficients must be one of {', '.join(dm.NS_COEFFICIENT_CHOICES)} "
-                         f"(got {cfg.ns_coefficients!r})")
+    mt.check_large_run_flags(ns_coefficients=cfg.ns_coefficients, ns_blocks=cfg.ns_blocks,
+                             tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip, strategy=cfg.strategy)
     if cfg.optimizer != "muon":
         given = [flag for flag, on in (("--qk-clip", cfg.qk_clip is not None),
                                        ("--ns-blocks", cfg.ns_blocks != "whole"),
@@ -178,9 +175,6 @@ def check_large_run_options(cfg):
         if given:
             raise ValueError(f"--optimizer {cfg.optimizer} takes no {', '.join(given)}: QK-clip and Newton-Schulz "
                              f"options are Muon's")
-    if cfg.tp_newton_schulz != "gather" and cfg.strategy != "gather":
-        raise ValueError(f"--tp-newton-schulz {cfg.tp_newton_schulz} applies to --strategy gather: strategy "
-                         f"{cfg.strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
 
 
 def memory_lower_bound(cfg):
