@@ -73,7 +73,7 @@ def check(args, world):
         args.dp = world // args.tp
     cfg = mt.config_from_args(args)
     dm.check_topology(cfg.dp, cfg.tp, world)
-    mt.validate(cfg, dm.demo_specs(cfg))
+    mt.validate(cfg, mt.demo_specs(cfg))
     if args.json:
         mt.check_writable(args.json)
     return cfg
@@ -149,15 +149,15 @@ def main(argv=None):
     def body(cfg, rank, device):
         if rank == 0:  # the layout every rank builds, printed once
             backend = {"gloo": "Gloo", "nccl": "NCCL"}[args.backend]
-            mt.print_header(cfg, dm.plan_optimizer(cfg), "GPU" if args.device == "cuda" else "CPU", backend,
+            mt.print_header(cfg, mt.plan_optimizer(cfg), "GPU" if args.device == "cuda" else "CPU", backend,
                             args.explain, print)
-        return dm.run_steps(rank, cfg, device)
+        return mt.run_steps(rank, cfg, device)
 
     def finish(cfg, gathered, device, ranks_s):
         if args.device == "cuda":
             print(f"device: {torch.cuda.get_device_name(device)}\n")
-        checks, ref_s = dm.verify(cfg, gathered, device)
-        results = mt.report(cfg, dm.plan_optimizer(cfg), gathered, checks, ranks_s, ref_s, backend=args.backend)
+        checks, ref_s = mt.verify(cfg, gathered, device)
+        results = mt.report(cfg, mt.plan_optimizer(cfg), gathered, checks, ranks_s, ref_s, backend=args.backend)
         results["launcher"] = dict(backend=args.backend, device=args.device,
                                    gpu=torch.cuda.get_device_name(device) if args.device == "cuda" else None)
         mt.write_json(args.json, results)

@@ -127,7 +127,7 @@ print(mt.format_table(["parameter", "global shape", "TP split dim", "param group
 # run, without process groups, so this is the layout the ranks use, here on an uneven 3 × 2 grid:
 
 # %%
-plan = dm.plan_optimizer(dm.RunConfig(dp=3, tp=2))
+plan = mt.plan_optimizer(mt.RunConfig(dp=3, tp=2))
 print(mt.format_buffer_map(plan.layout))
 
 # %% [markdown]
@@ -146,7 +146,7 @@ print(mt.format_buffer_map(plan.layout))
 
 # %%
 dp, tp = 4, 2
-plans = [dm.plan_optimizer(dm.RunConfig(dp=dp, tp=tp), rank) for rank in range(dp * tp)]  # rank = d * TP + t
+plans = [mt.plan_optimizer(mt.RunConfig(dp=dp, tp=tp), rank) for rank in range(dp * tp)]  # rank = d * TP + t
 bucket = plans[0].layout.buckets[0]
 meta = {(d, t): plans[d * tp + t].dist_metas for d in range(dp) for t in range(tp)}  # {name: DistMeta}
 gen = torch.Generator().manual_seed(0)
@@ -199,7 +199,7 @@ for name in bucket.names:
 # over 8 ranks:
 
 # %%
-plan = dm.plan_optimizer(dm.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
+plan = mt.plan_optimizer(mt.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
 per_rank, balance = dm.load_balance(plan.ns_flops, plan.owners, 8)
 rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}"] for r in range(8)]
 print(mt.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))

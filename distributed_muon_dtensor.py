@@ -20,7 +20,7 @@ longest-processing-time assignment, restricted to each matrix's holders).
 Everything is checked, bit for bit (torch.equal), against PyTorch's
 single-device torch.optim.Muon and torch.optim.AdamW fed the same total
 gradient; with --batched-ns the Muon matrices are held to the lesson's derived
-bound instead (dm.batched_ns_tolerance), everything else still bit for bit.
+bound instead (mt.batched_ns_tolerance), everything else still bit for bit.
 
 Launch recipes
 --------------
@@ -105,7 +105,7 @@ import muon_tools as mt
 # its check come from its section 6, with the function that moves many parts in
 # one all-to-all (send_parts) and the Newton-Schulz of an owner's matrices
 # (newton_schulz_owned, which also records FLOPs in a Ledger).
-from distributed_muon_cpu import (BATCHED_NS_BOUND, NS_COEFFICIENTS, NS_EPS, NS_STEPS, adamw_step_,  # noqa: F401
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, adamw_step_,  # noqa: F401
                                   apply_muon_update_, assign_owners, check_owners, lpt_order, muon_update,
                                   newton_schulz_flops)
 

@@ -92,7 +92,7 @@ class DemoConfig:
     experts: int = 4
     expert_hidden: int = 36
     batched_ns: bool = False
-    timeout_s: float = dm.TIMEOUT_S
+    timeout_s: float = mt.TIMEOUT_S
     missing_grads: tuple = ()  # (name, step): a gradient None on every rank at that step (tests)
     checkpoint: str = ""  # a folder: save after checkpoint_step (tests)
     checkpoint_step: int = 0
@@ -445,7 +445,7 @@ def verify(cfg, results, reference):
                     if r["where"][name].numel() else 0.0) for r in results)
         batched = cfg is not None and cfg.batched_ns and is_muon(name, ref.ndim)
         # the lesson's bound, per matrix (each expert of a stack: its (out, in))
-        tolerance = dm.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, ref.shape[-2:]) if batched else 0.0
+        tolerance = mt.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, ref.shape[-2:]) if batched else 0.0
         checks.append(dict(name=name, shape=tuple(ref.shape), placements=results[0]["placements"][name],
                            identical=same and bool(covered.all()), max_abs_diff=diff,
                            optimizer="Muon" if is_muon(name, ref.ndim) else "AdamW", tolerance=tolerance,
@@ -827,7 +827,7 @@ class Runs:
     runs: tuple
     dp: int = 8
     tp: int = 1
-    timeout_s: float = dm.TIMEOUT_S
+    timeout_s: float = mt.TIMEOUT_S
 
 
 def run_many_rank(rank, runs, device):
@@ -1037,7 +1037,7 @@ def lesson_specs(cfg):
 
 
 def lesson_config(cfg, strategy):
-    return dm.RunConfig(dp=cfg.dp, tp=cfg.tp, steps=cfg.steps, seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum,
+    return mt.RunConfig(dp=cfg.dp, tp=cfg.tp, steps=cfg.steps, seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum,
                         weight_decay=cfg.weight_decay, strategy=strategy)
 
 
@@ -1063,7 +1063,7 @@ class LessonRuns:
 
 
 def run_lesson_rank(rank, runs, device):
-    """Every rank: the lesson's own code path (dm.make_grid, dm.build_optimizer, its gradients) on lesson_specs,
+    """Every rank: the lesson's own code path (dm.make_grid, mt.build_optimizer, its gradients) on lesson_specs,
     one optimizer per strategy; {strategy: its params, ledger and owners}."""
     torch.set_num_threads(1)
     cfg = runs.demo
@@ -1072,8 +1072,8 @@ def run_lesson_rank(rank, runs, device):
     out = {}
     for strategy in runs.strategies:
         lcfg = lesson_config(cfg, strategy)
-        params = dm.tp_pieces(specs, lcfg, grid.tp.rank)
-        opt = dm.build_optimizer(specs, lcfg, grid, params)
+        params = mt.tp_pieces(specs, lcfg, grid.tp.rank)
+        opt = mt.build_optimizer(specs, lcfg, grid, params)
         for step in range(1, cfg.steps + 1):
             grads = dm.dp_rank_grads(specs, cfg.seed, step, grid.dp.rank)
             for spec in specs:
@@ -1094,8 +1094,8 @@ def lesson_accounts(runs, results):
     for strategy in runs.strategies:
         lcfg = lesson_config(cfg, strategy)
         ledgers = [r["lesson"][strategy]["ledger"] for r in results]
-        reference = dm.reference_params(specs, lcfg)
-        checks = dm.compare_to_reference(specs, reference, {r["rank"]: r["lesson"][strategy]["params"]
+        reference = mt.reference_params(specs, lcfg)
+        checks = mt.compare_to_reference(specs, reference, {r["rank"]: r["lesson"][strategy]["params"]
                                                             for r in results}, cfg.dp, cfg.tp)
         accounts[strategy] = dict(checks=checks, table=mt.bytes_per_step(ledgers, cfg.steps, mt.PHASES_OF[strategy]),
                                   flops=mt.flops_per_step(ledgers, specs, cfg.steps, NS_STEPS))
@@ -1246,7 +1246,7 @@ def build_parser():
 
 
 def report_parameters(cfg, checks, print_fn=print):
-    """[7] of exact gradients: one row per parameter against torch; returns dm.verdict's (passed, line)."""
+    """[7] of exact gradients: one row per parameter against torch; returns mt.verdict's (passed, line)."""
     print_fn("[7] Every rank's local elements against torch.optim.Muon / AdamW in one process:")
     rows = [[c["name"], "x".join(map(str, c["shape"])), c["placements"], c["optimizer"],
              f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0",
@@ -1259,7 +1259,7 @@ def report_parameters(cfg, checks, print_fn=print):
         print_fn("--batched-ns: each Muon matrix is held to steps x adjusted lr x 1.5 x BATCHED_NS_BOUND (2**-5) "
                  "of torch's (the lesson's batched_ns_tolerance), every other parameter bit for bit; bounds: "
                  + ", ".join(f"{shape} {bound:.1e}" for shape, bound in bounds.items()) + "\n")
-    return dm.verdict(checks)
+    return mt.verdict(checks)
 
 
 def report(cfg, results, checks, print_fn=print):

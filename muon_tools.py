@@ -20,7 +20,9 @@ runs main() below.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import math
 import multiprocessing
@@ -35,16 +37,493 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields, replace
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
-from distributed_muon_cpu import (ADJUST_LR_FNS, BASELINE, MODELS, MUON_GROUP, NS_BLOCKS, NS_COEFFICIENT_CHOICES,
-                                  OVERLAP_DEFAULT, STRATEGIES, TP_NEWTON_SCHULZ, RunConfig, check_hyperparameters,
-                                  check_large_run_options, check_owner_options, check_topology, check_tp_divides,
-                                  demo_row_layouts, demo_specs, load_balance, muon_groups_of, newton_schulz_flops_of,
-                                  plan_optimizer, rank_grid, run_kind, run_steps, verdict, verify)
+from distributed_muon_cpu import (ADJUST_LR_FNS, BATCHED_NS_BOUND, NS_BLOCKS, NS_COEFFICIENTS,
+                                  NS_COEFFICIENT_CHOICES, NS_EPS, NS_STEPS, N_LAYERS, OPTIMIZERS, OVERLAP_DEFAULT,
+                                  STRATEGIES, TP_NEWTON_SCHULZ, ParamSpec, adjusted_lr, check_hyperparameters,
+                                  check_large_run_options, check_owner_options, check_topology, dp_rank_grads,
+                                  gram_eligible, initial_params, load_balance, make_grid, newton_schulz,
+                                  newton_schulz_flops_of, plan_grid, rank_grid, tp_shard, transformer_row_layouts,
+                                  transformer_specs)
+
+
+# =============================================================================
+# 8. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
+# =============================================================================
+# A run of the demo: every rank builds the optimizer over its TP pieces of the
+
+# The demo run needs the per-head maxima a forward pass would report: a stand-in.
+
+
+def dp_rank_max_logits(specs, seed, step, dp_rank):
+    """{fused QKV name: the largest logit of each of its heads in DP rank dp_rank's forward at `step`}
+    (float32). Head h's lies in [0.75, 1.25] x 25 (h + 1): with tau = 100 the first three heads never
+    clip, the last three always do, and the two between depend on the step and the batch."""
+    g = torch.Generator().manual_seed((seed * 100_003 + step) * 1_009 + dp_rank + 1)
+    return {name: 25 * (0.75 + 0.5 * torch.rand(rows.periods, generator=g)) * torch.arange(1, rows.periods + 1)
+            for name, rows in transformer_row_layouts(specs).items()}
+
+
+def computed_here(max_logits, tp_rank, tp):
+    """What a rank reports: its TP rank's heads (the demo's QKV is split by rows), -inf for the others."""
+    out = {}
+    for name, s in max_logits.items():
+        heads = s.numel() // tp
+        out[name] = torch.full_like(s, -math.inf)
+        out[name][tp_rank * heads:(tp_rank + 1) * heads] = s[tp_rank * heads:(tp_rank + 1) * heads]
+    return out
+
+
+# section 3 model and steps it with its own gradients (run_steps: the example of
+# use). Then the reference: PyTorch's own single-device torch.optim.Muon and
+# torch.optim.AdamW on the full parameters, fed the sum of every DP rank's
+# gradient: an independent implementation, not this script's code path. Every
+# rank's TP piece of every parameter must equal the matching piece of the
+# reference bit for bit (torch.equal). No tolerance is needed by default: the only
+# cross-rank reduction that changes a value is the gradient sum, exact by
+# construction (section 3; QK-clip's maxima are a MAX, exact in any order);
+# everything else is elementwise on shards or one Newton-Schulz on the same full
+# bf16 matrix with the same thread count. Two exceptions are choices, each held to
+# a bound instead: batched_ns (section 6) and tp_newton_schulz="gram" (section 5's
+# newton_schulz_tp sums the Gram matrix over ranks).
+
+# A rank that stops beating for this long (stopped, frozen, swapped out) ends the run, and so
+# does a collective that waits this long (--timeout): many times the demo's start and step,
+# room for a loaded laptop (their times: notes/measured/default_4x2.txt).
+TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dp: int = 4
+    tp: int = 2
+    steps: int = 3
+    seed: int = 0
+    bucket_size: int = 1 << 16
+    lr: float = 0.02
+    momentum: float = 0.95
+    weight_decay: float = 0.1
+    ns_steps: int = NS_STEPS
+    adjust_lr_fn: str = "original"
+    strategy: str = "gather"  # one of STRATEGIES
+    baseline: bool = False  # the AdamW ZeRO-1 baseline instead of Muon: every parameter takes AdamW
+    model: str = "transformer"  # one of MODELS: the transformer of section 3, or lopsided_specs()
+    layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
+    overlap: int = 0  # owner / comm-free: K >= 1 pipelines the step, Newton-Schulz K units behind (section 6)
+    batched_ns: bool = False  # owner / comm-free: same-shape matrices in one call (not bitwise torch's)
+    ns_coefficients: str = "jordan"  # one of NS_COEFFICIENT_CHOICES (section 1)
+    ns_blocks: str = "whole"  # one of NS_BLOCKS: the fused QKV whole, by blocks or by heads (section 7)
+    tp_newton_schulz: str = "gather"  # gather: "gram" orthogonalizes eligible TP pieces where they lie (section 7)
+    qk_clip_tau: float = None  # a number > 0: QK-clip after every step, with dp_rank_max_logits (section 7)
+    timeout_s: float = TIMEOUT_S  # a silent rank or a stuck collective ends the run after this long
+    missing_grads: tuple = ()  # (name, dp_rank or -1 for all, step): gradients that are None (tests)
+    fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
+
+
+def lopsided_specs():
+    """One huge matrix among many small ones (--model lopsided): work that cannot be
+    spread evenly over ranks that each take whole matrices."""
+    specs = [ParamSpec("huge.weight", (1024, 128), 0, "muon"), ParamSpec("huge.bias", (1024,), 0, "adamw_no_wd")]
+    for i in range(12):  # alternately tall (split rows) and wide (split columns)
+        specs.append(ParamSpec(f"small.{i}.weight", (32, 64) if i % 2 else (64, 32), i % 2, "muon"))
+    specs += [ParamSpec("small.router.weight", (8, 32), -1, "muon"),
+              ParamSpec("out.weight", (64, 32), 0, "adamw")]
+    return specs
+
+
+def thin_specs():
+    """Matrices with a small side (--model thin): k x 1, 1 x k, k x 2, 600 x 6, odd sizes.
+
+    On such shapes bf16 rounding near-ties are common enough that a Newton-Schulz
+    done in any other order than torch's shows up in a few steps. Eight copies of
+    each shape, so that one rank can be given several of the same shape, and one
+    6 x 6000 matrix that outweighs any rank's share of the rest, so that a rank can
+    be given it alone.
+    """
+    shapes = [((600, 6), 0), ((6, 600), 1), ((60, 6), 0), ((6, 60), 1), ((97, 5), -1), ((5, 97), -1),
+              ((64, 1), 0), ((1, 64), 1), ((64, 2), 0), ((2, 64), 1)]
+    specs = [ParamSpec(f"thin.{copy}.{rows}x{cols}.weight", (rows, cols), split, "muon")
+             for copy in range(8) for (rows, cols), split in shapes]
+    return specs + [ParamSpec("thin.wide.weight", (6, 6000), 1, "muon"),
+                    ParamSpec("thin.bias", (60,), 0, "adamw_no_wd"), ParamSpec("thin.scale", (), -1, "adamw_no_wd")]
+
+
+MODELS = ("transformer", "lopsided", "thin")
+
+
+def demo_specs(cfg):
+    if cfg.model == "transformer":
+        return transformer_specs(n_layers=cfg.layers)
+    return lopsided_specs() if cfg.model == "lopsided" else thin_specs()
+
+
+def check_tp_divides(specs, tp):
+    """Raise ValueError naming the first parameter TP cannot split evenly."""
+    for s in specs:
+        if s.tp_split_dim >= 0 and s.global_shape[s.tp_split_dim] % tp:
+            raise ValueError(f"TP {tp} does not divide {s.name} dim {s.tp_split_dim} "
+                             f"(size {s.global_shape[s.tp_split_dim]}, global shape {tuple(s.global_shape)})")
+
+
+def tp_local_shape(spec, tp):
+    shape = list(spec.global_shape)
+    if spec.tp_split_dim >= 0:
+        shape[spec.tp_split_dim] //= tp
+    return tuple(shape)
+
+
+MUON_GROUP = "muon"
+BASELINE = "baseline"  # --baseline: AdamW ZeRO-1 for every parameter, the yardstick Muon is priced against
+
+
+def run_kind(cfg):
+    """What a run is: one of STRATEGIES, or BASELINE."""
+    return BASELINE if cfg.baseline else cfg.strategy
+
+
+def group_hyperparameters(cfg):
+    """The three param groups of the demo model and their hyperparameters.
+
+    With the AdamW ZeRO-1 baseline (--baseline) the matrices take AdamW too:
+    the same parameters and layout, and no Newton-Schulz at all.
+    """
+    muon = dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                nesterov=True, ns_steps=cfg.ns_steps, adjust_lr_fn=cfg.adjust_lr_fn,
+                ns_coefficients=cfg.ns_coefficients)
+    # One lr and weight decay for Muon and AdamW (Moonlight's practice with
+    # match_rms_adamw); torch's default betas and eps; no decay on norms and biases.
+    adamw = dict(algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    return {"muon": adamw if cfg.baseline else muon, "adamw": adamw,
+            "adamw_no_wd": dict(adamw, weight_decay=0.0)}
+
+
+def demo_row_layouts(specs, cfg):
+    """The fused QKV's layout when a run asks for blocks or QK-clip (none otherwise: torch's run)."""
+    return transformer_row_layouts(specs) if cfg.ns_blocks != "whole" or cfg.qk_clip_tau is not None else {}
+
+
+def build_optimizer(specs, cfg, grid, params):
+    """The demo's optimizer for cfg.strategy over this rank's TP pieces `params` ({name: tensor})."""
+    groups = [dict(h, params=[(s.name, params[s.name]) for s in specs if s.group == g])
+              for g, h in group_hyperparameters(cfg).items()]
+    options = {} if cfg.strategy == "gather" else dict(overlap=cfg.overlap, batched_ns=cfg.batched_ns)
+    return OPTIMIZERS[cfg.strategy]([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
+                                    tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
+                                    row_layouts=demo_row_layouts(specs, cfg), ns_blocks=cfg.ns_blocks,
+                                    tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip_tau, **options)
+
+
+
+def tp_pieces(specs, cfg, tp_rank):
+    """{name: TP rank tp_rank's piece of the starting parameter}: what that rank holds before step 1."""
+    return {s.name: tp_shard(t, s.tp_split_dim, tp_rank, cfg.tp).contiguous()
+            for s, t in zip(specs, initial_params(specs, cfg.seed).values())}
+
+
+def plan_optimizer(cfg, rank=0):
+    """The optimizer rank `rank` will build, built here on a grid without process groups.
+
+    Its layout (buckets, dist_meta) and owners depend on shapes alone, so the
+    launcher prints them from the very code every rank runs, before any rank starts.
+    """
+    specs = demo_specs(cfg)
+    grid = plan_grid(cfg.dp, cfg.tp, rank)
+    return build_optimizer(specs, cfg, grid, tp_pieces(specs, cfg, grid.tp.rank))
+
+
+def run_steps(rank, cfg, device):
+    """The body of every rank, whatever launched it: returns its final params, ledger and step times."""
+    specs = demo_specs(cfg)
+    grid = make_grid(cfg.dp, cfg.tp, rank)
+    params = {name: piece.to(device) for name, piece in tp_pieces(specs, cfg, grid.tp.rank).items()}
+    opt = build_optimizer(specs, cfg, grid, params)
+    resume_at = (cfg.steps + 1) // 2  # checkpoint round trip halfway through (see below)
+    step_ms, qk_clip = [], []
+    for step in range(1, cfg.steps + 1):
+        if rank == cfg.fail_rank:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-rank)")
+        grads = dp_rank_grads(specs, cfg.seed, step, grid.dp.rank, cfg.missing_grads)
+        for s in specs:
+            grad = grads[s.name]
+            if grad is not None:
+                grad = tp_shard(grad, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
+            params[s.name].grad = grad
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.step()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        if cfg.qk_clip_tau is not None:  # what this rank's forward would have reported, then the clip (section 7)
+            max_logits = computed_here(dp_rank_max_logits(specs, cfg.seed, step, grid.dp.rank), grid.tp.rank, cfg.tp)
+            qk_clip.append(opt.clip_qk_(max_logits))
+        if step == resume_at:
+            # Resume from a checkpoint mid-run: a fresh optimizer loads this rank's
+            # state_dict. If the state were lost, the momentum would restart and
+            # the final comparison with torch would fail.
+            fresh = build_optimizer(specs, cfg, grid, params)
+            fresh.load_state_dict(opt.state_dict())
+            fresh.ledger = opt.ledger
+            opt = fresh
+    return dict(rank=rank, params={n: p.detach().cpu() for n, p in params.items()},
+                ledger=asdict(opt.ledger), step_ms=step_ms, state_bytes=opt.state_bytes(), owners=opt.owners,
+                qk_clip=qk_clip)
+
+
+def torch_optimizers(groups):
+    """The single-device reference for param groups as DistributedMuon takes them, with plain
+    tensors for params: torch.optim.Muon for each Muon group, torch.optim.AdamW for each AdamW one."""
+    optimizers = []
+    for h in groups:
+        if not h["params"]:
+            continue
+        if h["algorithm"] == "muon":
+            optimizers.append(torch.optim.Muon(h["params"], lr=h["lr"], weight_decay=h["weight_decay"],
+                                               momentum=h["momentum"], nesterov=h["nesterov"],
+                                               ns_steps=h["ns_steps"], adjust_lr_fn=h["adjust_lr_fn"]))
+        else:
+            # foreach=False: torch's single-tensor AdamW, its default on the CPU; on a GPU
+            # torch would pick the multi-tensor kernels, whose rounding may differ.
+            optimizers.append(torch.optim.AdamW(h["params"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
+                                                weight_decay=h["weight_decay"], foreach=False))
+    return optimizers
+
+
+def total_grads(specs, seed, step, dp, missing=()):
+    """The gradient the single-device reference sees: the sum over the DP ranks that have
+    one (a missing gradient counts as zeros, as in DDP), or None where no rank has one."""
+    per_rank = [dp_rank_grads(specs, seed, step, r, missing) for r in range(dp)]
+    total = {}
+    for s in specs:
+        present = [grads[s.name] for grads in per_rank if grads[s.name] is not None]
+        total[s.name] = sum(present) if present else None
+    return total
+
+
+# The reference of section 7's options, written from the papers' equations and torch's own code,
+# not from the optimizers above: torch.optim.Muon steps the blocks as separate parameters; its
+# Newton-Schulz is swapped for the same operations with one (a, b, c) per iteration; QK-clip
+# scales the reference's rows from the maxima of every DP rank.
+@contextlib.contextmanager
+def torch_newton_schulz_per_iteration(coefficients):
+    """torch.optim.Muon with its _zeropower_via_newtonschulz replaced by torch's own operations, taking
+    coefficients[i] at iteration i (the last one repeated). Nothing is replaced for one triple."""
+    if isinstance(coefficients[0], (int, float)):
+        yield
+        return
+
+    def zeropower(grad, ns_coefficients, ns_steps, eps):
+        x = grad.to(dtype=torch.bfloat16, copy=True)
+        if grad.size(0) > grad.size(1):
+            x = x.T
+        x.div_(x.norm().clamp(min=eps))
+        for i in range(ns_steps):
+            a, b, c = coefficients[min(i, len(coefficients) - 1)]
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if grad.size(0) > grad.size(1) else x
+
+    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", zeropower):
+        yield
+
+
+@contextlib.contextmanager
+def ns_inputs_recorded(optimizers, name_of, record):
+    """Inside, the Newton-Schulz (whichever is in place) of every torch.optim.Muon among `optimizers` also
+    appends its input, as the bf16 it first becomes, to record[name] (name_of: {id(param): name}; others
+    are left out): torch calls it for the parameters with a gradient, in order."""
+    inputs, inner = [], torch.optim._muon._zeropower_via_newtonschulz
+
+    def recorded(grad, *args):
+        inputs.append(grad.to(torch.bfloat16, copy=True))
+        return inner(grad, *args)
+
+    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", recorded):
+        yield
+    stepped = [p for opt in optimizers if isinstance(opt, torch.optim.Muon)
+               for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    for p, x in zip(stepped, inputs, strict=True):
+        if id(p) in name_of:
+            record.setdefault(name_of[id(p)], []).append(x)
+
+
+def clip_rows_(weight, rows, max_logit, tau):
+    """Kimi K2's per-head QK-clip on the reference: the head's q and k rows times sqrt(min(1, tau / S))."""
+    if max_logit > tau:
+        weight[rows].mul_(math.sqrt(min(1.0, tau / max_logit)))
+
+
+@functools.lru_cache(maxsize=16)
+def _reference_params(specs, cfg, device):
+    torch.set_num_threads(1)  # same thread count as every rank: bf16 matmul bits can depend on it
+    params = {n: t.to(device) for n, t in initial_params(specs, cfg.seed).items()}
+    layouts = {} if cfg.baseline else demo_row_layouts(specs, cfg)
+    blocks = {} if cfg.ns_blocks == "whole" else {n: [torch.tensor(r) for r in rows.blocks(cfg.ns_blocks == "heads")]
+                                                  for n, rows in layouts.items()}
+    separate = {n: [params[n][index] for index in indices] for n, indices in blocks.items()}  # the blocks, copied
+    optimizers = torch_optimizers([dict(h, params=[t for s in specs if s.group == g
+                                                   for t in separate.get(s.name, [params[s.name]])])
+                                   for g, h in group_hyperparameters(cfg).items()])
+    ns_inputs, whole = {}, {id(params[n]): n for n in params if n not in separate}  # what bounds gram: its inputs
+    for step in range(1, cfg.steps + 1):
+        grads = total_grads(specs, cfg.seed, step, cfg.dp, cfg.missing_grads)
+        for s in specs:  # None where no rank has a gradient: torch skips the parameter
+            grad = None if grads[s.name] is None else grads[s.name].to(device)
+            for t, index in zip(separate.get(s.name, [params[s.name]]), blocks.get(s.name, [None])):
+                t.grad = grad if grad is None or index is None else grad[index]
+        with torch_newton_schulz_per_iteration(NS_COEFFICIENT_CHOICES[cfg.ns_coefficients]), \
+                ns_inputs_recorded(optimizers, whole, ns_inputs):
+            for opt in optimizers:
+                opt.step()
+        for name, ts in separate.items():
+            for t, index in zip(ts, blocks[name]):
+                params[name][index] = t
+        if cfg.qk_clip_tau is not None:
+            maxima = [dp_rank_max_logits(specs, cfg.seed, step, r) for r in range(cfg.dp)]
+            for name, rows in layouts.items():
+                s = torch.stack([m[name] for m in maxima]).amax(0).tolist()
+                for h in range(rows.periods):
+                    for segment, label in enumerate(rows.names):
+                        if label in ("q", "k"):
+                            clip_rows_(params[name], slice(rows.segment_rows(h, segment).start,
+                                                           rows.segment_rows(h, segment).stop), s[h], cfg.qk_clip_tau)
+                for t, index in zip(separate.get(name, []), blocks.get(name, [])):
+                    t.copy_(params[name][index])
+    return {n: p.cpu() for n, p in params.items()}, ns_inputs
+
+
+def reference_params(specs, cfg, device="cpu", ns_inputs=None):
+    """Run torch.optim.Muon / torch.optim.AdamW on one device; return the final params (on the CPU).
+
+    The result depends on what the ranks were fed (the model, the seed, the steps, DP's number of
+    gradient contributions, the hyperparameters), not on how they split the work (TP, strategy,
+    buckets, overlap). So it is kept for the runs of one process that share those inputs, e.g.
+    benchmarks/compare.py's four strategies and the tests: torch computes it once for them.
+    ns_inputs: a dict to fill with {matrix stepped whole: [its Newton-Schulz input at each step]}.
+    """
+    how = dict(tp=1, strategy="gather", bucket_size=RunConfig.bucket_size, overlap=0, batched_ns=False,
+               tp_newton_schulz="gather", timeout_s=RunConfig.timeout_s, fail_rank=-1)
+    params, inputs = _reference_params(tuple(specs), replace(cfg, **how), device)
+    if ns_inputs is not None:
+        ns_inputs.update(inputs)
+    return {n: t.clone() for n, t in params.items()}
+
+
+def compare_to_reference(specs, reference, rank_params, dp, tp, muon_groups=(MUON_GROUP,)):
+    """One row per parameter: max |delta| over every rank's piece and torch.equal on all of them."""
+    rows = []
+    for s in specs:
+        max_diff, identical = 0.0, True
+        for rank, params in rank_params.items():
+            expected = tp_shard(reference[s.name], s.tp_split_dim, rank % tp, tp)
+            got = params[s.name]
+            same = got.shape == expected.shape and torch.equal(got, expected)
+            identical &= same
+            if got.shape == expected.shape:
+                max_diff = max(max_diff, (got.double() - expected.double()).abs().max().item())
+            else:
+                max_diff = float("inf")
+        rows.append(dict(name=s.name, global_shape=list(s.global_shape), tp_split_dim=s.tp_split_dim,
+                         optimizer="Muon" if s.group in muon_groups else "AdamW",
+                         max_abs_diff=max_diff, identical=bool(identical)))
+    return rows
+
+
+def muon_groups_of(cfg):
+    """The param groups that run Muon: none in the AdamW ZeRO-1 baseline."""
+    return () if cfg.baseline else (MUON_GROUP,)
+
+
+def batched_ns_tolerance(steps, lr, adjust_lr_fn, shape, bound=BATCHED_NS_BOUND):
+    """How far --batched-ns may leave a Muon matrix of `shape` (rows, cols) from torch's after `steps` steps.
+
+    Each step adds -adjusted_lr * O, and a batched O differs from torch's by at most
+    `bound` times its largest entry (section 6). That entry is at most the
+    largest singular value Newton-Schulz leaves: about 1.2, the quintic's maximum on
+    [0, 1]; 1.5 leaves room for bf16 rounding. Weight decay scales both runs alike
+    and only shrinks earlier differences, as QK-clip's multipliers (<= 1) do; the
+    momentum does not depend on the weights.
+    """
+    return steps * adjusted_lr(lr, adjust_lr_fn, shape) * 1.5 * bound
+
+
+# newton_schulz_tp (section 5) against torch's Newton-Schulz of the whole matrix: both are bf16
+# evaluations of the same iteration, so |O_gram - O_torch| <= |O_gram - O_64| + |O_torch - O_64|,
+# O_64 the iteration in float64 on the same input, and torch's own error is computed on each
+# step's real input. The Gram path does torch's operations on the same bf16 values but two, the
+# norm and the Gram matrix: float32 sums over the ranks in another order than one matmul's, each
+# rounded to bf16 once as torch rounds, so they differ only where a sum lies near a bf16 tie.
+# Its error against O_64 is assumed at most GRAM_ERROR_RATIO x torch's (an assumption, not a
+# theorem: a rounding can land either side; tests/test_large_runs.py checks it on every matrix of
+# its sweeps and prints the largest, and 1.25 leaves room above it). No bound from the shape
+# alone holds: on a nearly low-rank input (momenta often are) the quintic (slope a > 3 at 0, each
+# iteration) blows what rounding leaves in the small singular values up to O(1) entries, in
+# torch's result as in this one.
+GRAM_ERROR_RATIO = 1.25
+
+
+def gram_ns_tolerance(update, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """The largest |newton_schulz_tp - newton_schulz| allowed on this input, entrywise: (1 + GRAM_ERROR_RATIO)
+    x torch's own error, max |newton_schulz(update) - the same iteration in float64 on the bf16 input both see|."""
+    exact = newton_schulz(update.bfloat16(), steps, coefficients, eps, dtype=torch.float64)
+    torch_error = (newton_schulz(update, steps, coefficients, eps).double() - exact).abs().max().item()
+    return (1 + GRAM_ERROR_RATIO) * torch_error
+
+
+def gram_tolerance(inputs, lr, adjust_lr_fn, shape, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """How far --tp-newton-schulz gram may leave a matrix of `shape` from torch's after the steps whose
+    Newton-Schulz inputs were `inputs`: each step moves it by adjusted_lr x its O (batched_ns_tolerance's
+    argument), so the sum of adjusted_lr x gram_ns_tolerance."""
+    return adjusted_lr(lr, adjust_lr_fn, shape) * sum(gram_ns_tolerance(x, steps, coefficients, eps) for x in inputs)
+
+
+def gram_names(specs, cfg):
+    """The matrices a run orthogonalizes with newton_schulz_tp: --tp-newton-schulz gram, TP > 1, not by blocks."""
+    if cfg.tp_newton_schulz != "gram" or cfg.tp == 1:
+        return set()
+    blocked = set(demo_row_layouts(specs, cfg)) if cfg.ns_blocks != "whole" else set()
+    return {s.name for s in specs if s.group == MUON_GROUP and s.name not in blocked
+            and gram_eligible(s.global_shape, s.tp_split_dim)}
+
+
+def verify(cfg, results, device="cpu"):
+    """Every rank's parameters against torch on `device`: (checks, reference seconds).
+
+    A check is "ok" when bit-identical; with --batched-ns, a Muon matrix is also ok
+    within batched_ns_tolerance (it cannot be bit-identical, section 6), and with
+    --tp-newton-schulz gram, a matrix newton_schulz_tp orthogonalized within gram_tolerance
+    of its Newton-Schulz inputs in the reference.
+    """
+    specs = demo_specs(cfg)
+    t1 = time.perf_counter()
+    ns_inputs = {}
+    reference = reference_params(specs, cfg, device, ns_inputs)
+    checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp,
+                                  muon_groups_of(cfg))
+    start, gram = initial_params(specs, cfg.seed), gram_names(specs, cfg)
+    for c, spec in zip(checks, specs):
+        # how far the weights moved: the scale against which max |d| = 0 means something
+        c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
+        c["tolerance"] = (batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, spec.global_shape)
+                          if cfg.batched_ns and c["optimizer"] == "Muon" else
+                          gram_tolerance(ns_inputs[spec.name], cfg.lr, cfg.adjust_lr_fn, spec.global_shape,
+                                         cfg.ns_steps, cfg.ns_coefficients) if spec.name in gram else 0.0)
+        c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
+    return checks, time.perf_counter() - t1
+
+
+def verdict(checks):
+    """'PASS: 26/26 parameters bit-identical to torch' (or FAIL), with those within a derived bound
+    (--batched-ns, --tp-newton-schulz gram) said apart."""
+    n_same, n_within = sum(c["identical"] for c in checks), sum(c["ok"] and not c["identical"] for c in checks)
+    within = f", {n_within} within their derived bound" if n_within else ""
+    passed = all(c["ok"] for c in checks)
+    return passed, f"{'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch{within}"
 
 
 # =============================================================================

@@ -30,29 +30,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
-COMPARED = dm.STRATEGIES + (dm.BASELINE,)  # every strategy, then the baseline
-LABELS = {"gather": "gather", "owner": "owner", "comm-free": "comm-free", dm.BASELINE: "AdamW ZeRO-1"}
+COMPARED = dm.STRATEGIES + (mt.BASELINE,)  # every strategy, then the baseline
+LABELS = {"gather": "gather", "owner": "owner", "comm-free": "comm-free", mt.BASELINE: "AdamW ZeRO-1"}
 BALANCE_TARGET = 1.10  # max/mean Newton-Schulz FLOPs per rank that the owner assignment should reach
 
 
 def compare(cfg, explain=False, print_fn=print):
     """Run each of COMPARED in turn (each checked against torch), then print one table; returns them all."""
     world = cfg.dp * cfg.tp
-    mt.validate(cfg, dm.demo_specs(cfg))
+    mt.validate(cfg, mt.demo_specs(cfg))
     print_fn(f"Comparing strategies: {world} CPU rank{'s' * (world != 1)} over Gloo, DP={cfg.dp} x TP={cfg.tp}, "
              f"{cfg.model} model, {cfg.steps} steps, seed {cfg.seed}, torch {torch.__version__}\n")
     if explain:  # the grid, the buffer map and the owners of --strategy, as a single run prints them
-        mt.print_header(cfg, dm.plan_optimizer(cfg), "CPU", "Gloo", explain, print_fn)
+        mt.print_header(cfg, mt.plan_optimizer(cfg), "CPU", "Gloo", explain, print_fn)
     runs = {}
     for kind in COMPARED:
         owned = kind in ("owner", "comm-free")  # the owner options apply to these two only
-        run_cfg = replace(cfg, strategy="gather" if kind == dm.BASELINE else kind, baseline=kind == dm.BASELINE,
+        run_cfg = replace(cfg, strategy="gather" if kind == mt.BASELINE else kind, baseline=kind == mt.BASELINE,
                           overlap=cfg.overlap if owned else 0, batched_ns=cfg.batched_ns and owned)
         runs[kind] = result = mt.run(run_cfg, print_fn=lambda *args: None)
         if kind == "owner":  # for the balance target: every matrix's Newton-Schulz FLOPs
-            result["ns_flops_by_matrix"] = dm.plan_optimizer(run_cfg).ns_flops
+            result["ns_flops_by_matrix"] = mt.plan_optimizer(run_cfg).ns_flops
         failed = [c["name"] for c in result["checks"] if not c["ok"]]
-        print_fn(f"{LABELS[kind]:<13} {dm.verdict(result['checks'])[1]}"
+        print_fn(f"{LABELS[kind]:<13} {mt.verdict(result['checks'])[1]}"
                  + (f" (not: {', '.join(failed)})" if failed else ""))
     balance = realistic_balance(world, cfg.ns_steps)
     print_fn("")
@@ -64,7 +64,7 @@ def compare(cfg, explain=False, print_fn=print):
 def realistic_balance(n_ranks, ns_steps=dm.NS_STEPS):
     """max/mean Newton-Schulz FLOPs of the owner assignment for GPT-2 small's matrices (12 layers, d = 768),
     from shapes alone: the demo model is too small to balance 8 ranks (see section 6)."""
-    matrices = [s for s in dm.transformer_specs(vocab=50304, d=768, n_layers=12) if s.group == dm.MUON_GROUP]
+    matrices = [s for s in dm.transformer_specs(vocab=50304, d=768, n_layers=12) if s.group == mt.MUON_GROUP]
     flops = {s.name: dm.newton_schulz_flops(s.global_shape, ns_steps) for s in matrices}
     owners = dm.assign_owners(flops, n_ranks, {s.name: s.global_shape for s in matrices})
     _, balance = dm.load_balance(flops, owners, n_ranks)
@@ -74,7 +74,7 @@ def realistic_balance(n_ranks, ns_steps=dm.NS_STEPS):
 
 def format_comparison(cfg, runs, realistic):
     world = cfg.dp * cfg.tp
-    baseline_all = runs[dm.BASELINE]["bytes_sent_all_ranks"]
+    baseline_all = runs[mt.BASELINE]["bytes_sent_all_ranks"]
     phases = list(dict.fromkeys(p for s in COMPARED for p in mt.PHASES_OF[s]))  # in first-seen order
     model = f"{cfg.layers}-layer transformer" if cfg.model == "transformer" else f"{cfg.model} model"
     lines = [f"[8] Bytes sent per step by all ranks, per phase (DP={cfg.dp} x TP={cfg.tp}, {model})"]
@@ -108,7 +108,7 @@ def format_targets(cfg, runs, realistic):
     """The targets of the zero-redundancy strategies that do not depend on the machine (counts of FLOPs
     and bytes), each with what this run got and why where missed; then the step-time ratios, as figures."""
     world, yes = cfg.dp * cfg.tp, lambda ok: "met" if ok else "NOT met"
-    owner, free, gather, adamw = (runs[s] for s in ("owner", "comm-free", "gather", dm.BASELINE))
+    owner, free, gather, adamw = (runs[s] for s in ("owner", "comm-free", "gather", mt.BASELINE))
     redundancy = [runs[s]["ns_flops"]["redundancy"] for s in ("owner", "comm-free")]
     lines = [f"[8] Targets, from this run: redundancy 1.00 for owner and comm-free: "
              f"{yes(redundancy == [1.0, 1.0])} ({redundancy[0]:.2f}, {redundancy[1]:.2f})"]
@@ -182,7 +182,7 @@ def split_matrices(models):
     for model, specs in models:
         seen = set()
         for s in specs:
-            if s.group == dm.MUON_GROUP and s.tp_split_dim >= 0 and (s.global_shape, s.tp_split_dim) not in seen:
+            if s.group == mt.MUON_GROUP and s.tp_split_dim >= 0 and (s.global_shape, s.tp_split_dim) not in seen:
                 seen.add((s.global_shape, s.tp_split_dim))
                 out.append((model, s.name.split(".", 2)[-1], s.global_shape, s.tp_split_dim))
     return out
@@ -194,7 +194,7 @@ def tp_newton_schulz_models():
     from gpt import GPT, GPTConfig, muon_params
     gpt_model = GPT(GPTConfig())
     split = gpt_model.tp_split_dims()
-    gpt_specs = [dm.ParamSpec(n, tuple(gpt_model.get_parameter(n).shape), split.get(n, -1), dm.MUON_GROUP)
+    gpt_specs = [dm.ParamSpec(n, tuple(gpt_model.get_parameter(n).shape), split.get(n, -1), mt.MUON_GROUP)
                  for n in muon_params(gpt_model)]
     return [(f"demo (d={dm.D_MODEL})", dm.transformer_specs()), (f"GPT (d={GPTConfig.d_model})", gpt_specs),
             ("GPT-2 small (d=768)", dm.transformer_specs(vocab=50304, d=768, n_layers=1))]

@@ -19,9 +19,9 @@ import tempfile
 
 from gpt_bench import dm, mt, pyplot, tg
 from gpt_bench import main as benchmark_main
-KINDS = dm.STRATEGIES + (dm.BASELINE,)
+KINDS = dm.STRATEGIES + (mt.BASELINE,)
 LABELS = {"gather": "Muon, gather", "owner": "Muon, owner", "comm-free": "Muon, comm-free",
-          dm.BASELINE: "AdamW ZeRO-1"}
+          mt.BASELINE: "AdamW ZeRO-1"}
 EXCHANGES = ("DP gather", "TP gather", "gather at owner", "scatter from owner", "grad reduce at owner",
              "param broadcast from owner")
 PARTS = ("forward", "backward", "grad reduce-scatter", "exchanges", "newton-schulz", "state update",
@@ -40,8 +40,8 @@ def split_of(time_split):
 
 
 def measure(dp, tp, steps, traces, print_fn=print):
-    configs = [tg.TrainConfig(dp=dp, tp=tp, steps=steps, optimizer="adamw" if k == dm.BASELINE else "muon",
-                              strategy="gather" if k == dm.BASELINE else k, progress=False,
+    configs = [tg.TrainConfig(dp=dp, tp=tp, steps=steps, optimizer="adamw" if k == mt.BASELINE else "muon",
+                              strategy="gather" if k == mt.BASELINE else k, progress=False,
                               profile=os.path.join(traces, k)) for k in KINDS]
     for cfg in configs:  # before the header: a refusal is one line
         tg.validate(cfg)
@@ -66,7 +66,7 @@ def report(runs, print_fn=print):
         rows.append([LABELS[kind]] + [f"{s[p]:.0f}" for p in PARTS] + [f"{optimizer / sum(s.values()):.0%}"])
     print_fn("\nTime per step, ms (traced steps 4-6, mean over ranks):")
     print_fn(mt.format_table(["run"] + list(PARTS) + ["optimizer share"], rows, ["<"] + [">"] * (len(PARTS) + 1)))
-    base = runs[dm.BASELINE]
+    base = runs[mt.BASELINE]
     rows = [[LABELS[k], mt.human_bytes(r["optimizer_bytes"]), f"{r['optimizer_bytes'] / base['optimizer_bytes']:.2f}",
              mt.human_bytes(r["tp_bytes"]), f"{r['optimizer_ms']:.0f}", f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}",
              f"{r['step_ms']:.0f}", f"{r['step_ms'] / base['step_ms']:.2f}"] for k, r in runs.items()]

@@ -73,16 +73,17 @@ skip() {
 TORCH_STEP='
 import json, statistics, sys, time, torch
 import distributed_muon_cpu as dm
+import muon_tools as mt
 run = json.load(open(sys.argv[1]))
-cfg = dm.RunConfig(**run["config"])
-specs = dm.demo_specs(cfg)
+cfg = mt.RunConfig(**run["config"])
+specs = mt.demo_specs(cfg)
 torch.set_num_threads(1)
 params = {n: t.cuda() for n, t in dm.initial_params(specs, cfg.seed).items()}
-optimizers = dm.torch_optimizers([dict(h, params=[params[s.name] for s in specs if s.group == g])
-                                  for g, h in dm.group_hyperparameters(cfg).items()])
+optimizers = mt.torch_optimizers([dict(h, params=[params[s.name] for s in specs if s.group == g])
+                                  for g, h in mt.group_hyperparameters(cfg).items()])
 ms = []
 for step in range(1, cfg.steps + 1):
-    grads = dm.total_grads(specs, cfg.seed, step, cfg.dp, cfg.missing_grads)
+    grads = mt.total_grads(specs, cfg.seed, step, cfg.dp, cfg.missing_grads)
     for s in specs:
         params[s.name].grad = None if grads[s.name] is None else grads[s.name].cuda()
     torch.cuda.synchronize()

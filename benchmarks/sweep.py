@@ -13,7 +13,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 STEPS = 5
@@ -29,10 +28,10 @@ def per_rank_max(result, phase):
 
 def main(argv=None):
     mt.OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
-    print(f"Grids of 8 ranks, default model, {STEPS} steps, bucket size {dm.RunConfig().bucket_size:,} elements\n")
+    print(f"Grids of 8 ranks, default model, {STEPS} steps, bucket size {mt.RunConfig().bucket_size:,} elements\n")
     rows = []
     for dp, tp in [(8, 1), (4, 2), (2, 4), (1, 8)]:
-        r = mt.run(dm.RunConfig(dp=dp, tp=tp, steps=STEPS), print_fn=quiet)
+        r = mt.run(mt.RunConfig(dp=dp, tp=tp, steps=STEPS), print_fn=quiet)
         assert r["passed"]
         phases = [mt.human_bytes(per_rank_max(r, p)) for p in mt.PHASES]
         total, _ = mt.total_bytes(r["bytes_per_step"])
@@ -44,7 +43,7 @@ def main(argv=None):
     print(f"\nBucket size on DP=4 x TP=2 ({STEPS} steps): fewer, larger DP messages\n")
     rows = []
     for bucket_size in (1, 8_192, 65_536, 1 << 20):
-        r = mt.run(dm.RunConfig(dp=4, tp=2, steps=STEPS, bucket_size=bucket_size), print_fn=quiet)
+        r = mt.run(mt.RunConfig(dp=4, tp=2, steps=STEPS, bucket_size=bucket_size), print_fn=quiet)
         assert r["passed"]
         ledger = r["ledgers"][0]["comm"]
         calls = {p: sum(1 for c in ledger if c["step"] == STEPS and c["phase"] == p) for p in mt.PHASES}

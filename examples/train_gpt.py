@@ -104,7 +104,7 @@ class TrainConfig:
     bucket_size: int = 1 << 16
     log_every: int = 20
     val_windows: int = 32
-    timeout_s: float = dm.TIMEOUT_S
+    timeout_s: float = mt.TIMEOUT_S
     profile: str = ""  # a folder for Chrome traces, one per rank ("" = no profiling)
     keep: bool = False  # return every rank's gradients and weights of every step (for verification)
     progress: bool = True  # rank 0 prints a progress line every log_every steps
@@ -258,7 +258,7 @@ def build_optimizer(model, cfg, grid):
 
 
 def run_kind(cfg):
-    return dm.BASELINE if cfg.optimizer == "adamw" else cfg.strategy
+    return mt.BASELINE if cfg.optimizer == "adamw" else cfg.strategy
 
 
 # =============================================================================
@@ -342,7 +342,7 @@ class Trainings:
     configs: tuple
     dp: int
     tp: int
-    timeout_s: float = dm.TIMEOUT_S
+    timeout_s: float = mt.TIMEOUT_S
 
 
 def train_many(configs):
@@ -492,7 +492,7 @@ class ReferenceOptimizers:
             if g["algorithm"] == "muon":
                 params += [t for pieces in self.blocks.values() for _, t in pieces]
             groups.append(dict(g, params=params))
-        self.optimizers = dm.torch_optimizers(groups)
+        self.optimizers = mt.torch_optimizers(groups)
         # one (a, b, c) per iteration swapped into torch's Newton-Schulz; Jordan's one triple leaves torch's in place
         self.coefficients = (dm.ns_coefficients_of(cfg.ns_coefficients, dm.NS_STEPS)
                              if cfg.optimizer == "muon" and cfg.ns_coefficients != "jordan" else dm.NS_COEFFICIENTS)
@@ -508,8 +508,8 @@ class ReferenceOptimizers:
                 for rows, t in pieces:
                     t.copy_(w[rows])
                     t.grad = w.grad[rows]
-            with dm.torch_newton_schulz_per_iteration(self.coefficients), \
-                    dm.ns_inputs_recorded(self.optimizers, self.names, self.ns_inputs):
+            with mt.torch_newton_schulz_per_iteration(self.coefficients), \
+                    mt.ns_inputs_recorded(self.optimizers, self.names, self.ns_inputs):
                 for opt in self.optimizers:
                     opt.step()
             for name, pieces in self.blocks.items():
@@ -527,7 +527,7 @@ class ReferenceOptimizers:
         for name, maxima in max_logits.items():
             w = self.model.get_parameter(name)
             for h, s in enumerate(maxima.tolist()):
-                dm.clip_rows_(w, slice(3 * h * hd, (3 * h + 2) * hd), s, tau)  # its q rows, then k rows
+                mt.clip_rows_(w, slice(3 * h * hd, (3 * h + 2) * hd), s, tau)  # its q rows, then k rows
 
 
 def reference_model(cfg, device):
@@ -698,12 +698,12 @@ def replay_tolerance(cfg, spec, ns_inputs, rank_order=True):
     """What the replay may differ by (see the policy above): NCCL's DP sum over DP > 2, another order of it;
     --tp-newton-schulz gram, the Gram matrix summed over TP ranks (the lesson's gram_tolerance of the replay's
     Newton-Schulz inputs, ns_inputs: {name: [each step's]}; lr_at never exceeds cfg.lr)."""
-    gram = (dm.gram_tolerance(ns_inputs[spec.name], cfg.lr, "match_rms_adamw", spec.global_shape, dm.NS_STEPS,
+    gram = (mt.gram_tolerance(ns_inputs[spec.name], cfg.lr, "match_rms_adamw", spec.global_shape, dm.NS_STEPS,
                               cfg.ns_coefficients) if by_gram(cfg, spec) else 0.0)
     if cfg.dp <= 2 or rank_order:
         return gram
     if spec.group == "muon" and cfg.optimizer == "muon":
-        return gram + dm.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
+        return gram + mt.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
     return cfg.steps * cfg.lr * dm.BATCHED_NS_BOUND
 
 
@@ -716,7 +716,7 @@ def verify(cfg, results, device="cpu", rank_order=True):
     totals, replica_diff = total_gradients(cfg, results, specs)
     logits = [ranks_max_logits(results, s) for s in range(cfg.steps)] if cfg.qk_clip is not None else None
     replay = reference(cfg, device, replay=totals, replay_max_logits=logits)
-    replayed = dm.compare_to_reference(specs, replay["params"], rank_params, cfg.dp, cfg.tp)
+    replayed = mt.compare_to_reference(specs, replay["params"], rank_params, cfg.dp, cfg.tp)
     for c, spec in zip(replayed, specs):
         c["tolerance"] = replay_tolerance(cfg, spec, replay["ns_inputs"], rank_order)
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
@@ -725,7 +725,7 @@ def verify(cfg, results, device="cpu", rank_order=True):
                   **step_gradients(cfg, results, specs, totals, device, against_float64=bool(inexact)))
     plain = reference(cfg, device)
     ranks_losses = [[results[d * cfg.tp]["losses"][s] for d in range(cfg.dp)] for s in range(cfg.steps)]
-    checks.update(trained=dm.compare_to_reference(specs, plain["params"], rank_params, cfg.dp, cfg.tp),
+    checks.update(trained=mt.compare_to_reference(specs, plain["params"], rank_params, cfg.dp, cfg.tp),
                   trained_loss_max_rel_diff=loss_drift(ranks_losses, plain["losses"]))
     if inexact:  # reported beside the chaos floor, never a verdict (the policy above)
         floor = loss_drift(reference(cfg, device, nudge=True)["losses"], plain["losses"])

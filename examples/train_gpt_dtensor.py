@@ -53,7 +53,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
 import distributed_muon_dtensor as dd  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
@@ -206,7 +205,7 @@ class Trainings:
     configs: tuple
     dp: int
     tp: int = 1
-    timeout_s: float = dm.TIMEOUT_S
+    timeout_s: float = mt.TIMEOUT_S
 
 
 def train_each(rank, trainings, device):
@@ -230,7 +229,7 @@ def train_many(configs, world):
 # 4. The one-process reference (demo.verify_training's interface)
 # =============================================================================
 class Reference(demo.OneProcess):
-    """torch.optim.Muon + AdamW (dm.torch_optimizers, the same groups) on the plain nn.Linear GPT in one process;
+    """torch.optim.Muon + AdamW (mt.torch_optimizers, the same groups) on the plain nn.Linear GPT in one process;
     the plain model in fp32 and float64 for the loss and gradients of a whole global batch (demo.OneProcess)."""
 
     CHAOS_PARAM = tg.CHAOS_PARAM  # train_gpt's chaos floor moves the same entry
@@ -239,7 +238,7 @@ class Reference(demo.OneProcess):
         super().__init__(cfg, device)
         self.tokens_per_step = cfg.batch * cfg.context
         self.model = self.make_model()  # what the optimizers step
-        self.optimizers = dm.torch_optimizers([dict(g, params=[p for _, p in g["params"]])
+        self.optimizers = mt.torch_optimizers([dict(g, params=[p for _, p in g["params"]])
                                                for g in param_groups(self.model, *tg.hyperparameters(cfg))])
 
     def make_model(self):

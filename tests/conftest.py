@@ -64,7 +64,7 @@ def run_grid():
     cache = {}
 
     def run(dp, tp, **overrides):
-        cfg = dm.RunConfig(dp=dp, tp=tp, **overrides)
+        cfg = mt.RunConfig(dp=dp, tp=tp, **overrides)
         if cfg not in cache:
             cache[cfg] = mt.run(cfg, print_fn=lambda *a, **k: None)
         return cache[cfg]
@@ -84,8 +84,8 @@ def single_process_group():
 
 def layout_metas(dp, tp, bucket_size, **config):
     """Every DP rank's dist_meta for the demo model, from the layout the run's optimizer plans."""
-    cfg = dm.RunConfig(dp=dp, tp=tp, bucket_size=bucket_size, **config)
-    return dm.plan_optimizer(cfg).layout.metas
+    cfg = mt.RunConfig(dp=dp, tp=tp, bucket_size=bucket_size, **config)
+    return mt.plan_optimizer(cfg).layout.metas
 
 
 def presence_bytes(n_params, world):

@@ -25,7 +25,7 @@ def check_compare_output(stdout, results):
     lines = stdout.splitlines()
     summary = lines[next(i for i, line in enumerate(lines) if line.startswith("strategy ")):]
     for kind, run in results["runs"].items():
-        assert dm.run_kind(dm.RunConfig(**run["config"])) == kind and run["passed"]
+        assert mt.run_kind(mt.RunConfig(**run["config"])) == kind and run["passed"]
         label = compare.LABELS[kind]
         assert f"{label:<13} PASS" in stdout  # the verification line
         row = next(line for line in summary if line.startswith(label + " "))

@@ -51,11 +51,11 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
 def test_tp_that_divides_some_but_not_all_parameters_names_the_first():
     specs = dm.transformer_specs()
     with pytest.raises(ValueError, match=r"TP 5 does not divide embed.weight dim 0 \(size 512"):
-        dm.check_tp_divides(specs, 5)
+        mt.check_tp_divides(specs, 5)
     specs = [dm.ParamSpec("a", (6, 4), 0, "muon"), dm.ParamSpec("b", (4, 6), 1, "muon"),
              dm.ParamSpec("c", (6, 5), 1, "muon")]
     with pytest.raises(ValueError, match=r"TP 2 does not divide c dim 1 \(size 5"):
-        dm.check_tp_divides(specs, 2)
+        mt.check_tp_divides(specs, 2)
 
 
 def run_script(*argv, timeout=120):
@@ -113,8 +113,8 @@ def test_help():
 def test_explain_lists_the_owners():
     """--explain prints from the plan, before any rank starts: the launcher's own call, without the ranks."""
     printed = []
-    cfg = dm.RunConfig(strategy="owner", dp=2, tp=1)
-    mt.print_header(cfg, dm.plan_optimizer(cfg), "CPU", "Gloo", True, printed.append)
+    cfg = mt.RunConfig(strategy="owner", dp=2, tp=1)
+    mt.print_header(cfg, mt.plan_optimizer(cfg), "CPU", "Gloo", True, printed.append)
     out = "\n".join(printed)
     assert "[6] Owners: 10 matrices on 2 ranks" in out
     owns = [line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"]) and "weight" in line]

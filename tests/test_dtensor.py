@@ -12,7 +12,7 @@ at every step, while each step's gradients and loss at the ranks' weights are he
 derived from the arithmetic (4 x the one process's own fp32 error plus n u: FSDP2's and TP's sums run in another
 order); the free-running losses' gap is reported beside a one-ulp chaos floor, never checked. And the Muon
 matrices of the
---batched-ns run are held to the lesson's derived bound (dm.batched_ns_tolerance).
+--batched-ns run are held to the lesson's derived bound (mt.batched_ns_tolerance).
 """
 
 import json
@@ -192,7 +192,7 @@ def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_
             assert c["max_abs_diff"] <= c["tolerance"] and c["ok"], c
         else:  # AdamW is untouched by batching: bit for bit
             assert c["identical"] and c["max_abs_diff"] == 0 and c["tolerance"] == 0, c
-    passed, line = dm.verdict(checks)
+    passed, line = mt.verdict(checks)
     assert passed and line.startswith("PASS: "), line
 
     # and the check bites: a Muon element past its bound, or an AdamW element one ulp off, fails
@@ -204,12 +204,12 @@ def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_
         holder["params"][name] = flat.view(holder["params"][name].shape)
         return {c["name"]: c for c in demo.verify(cfg, bad, reference)}[name]
 
-    bound = dm.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, (160, 40))
+    bound = mt.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, (160, 40))
     muon = nudged("layers.0.fc1.weight", lambda x: 2 * bound)
     assert not muon["ok"] and muon["max_abs_diff"] > muon["tolerance"] > 0
     adamw = nudged("embed.weight", lambda x: torch.nextafter(x, torch.tensor(float("inf"))) - x)
     assert not adamw["ok"] and 0 < adamw["max_abs_diff"] < 1e-6 and adamw["tolerance"] == 0
-    assert not dm.verdict(demo.verify(cfg, [dict(r, params=dict(r["params"], **{"layers.0.fc1.weight":
+    assert not mt.verdict(demo.verify(cfg, [dict(r, params=dict(r["params"], **{"layers.0.fc1.weight":
                                                                             r["params"]["layers.0.fc1.weight"] + 1}))
                                         for r in ranks], reference))[0]
 
@@ -229,8 +229,8 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
         assert all(c["identical"] for c in acc["checks"]) and len(acc["checks"]) == len(specs), strategy
         assert acc["flops"]["redundancy"] == 1.0  # each matrix orthogonalized once
         # the ledger's bytes are what the lesson's plan says, computed here without process groups
-        plans = [dm.build_optimizer(specs, demo.lesson_config(lesson.demo, strategy), dm.plan_grid(dp, tp, r),
-                                    dm.tp_pieces(specs, demo.lesson_config(lesson.demo, strategy), r % tp))
+        plans = [mt.build_optimizer(specs, demo.lesson_config(lesson.demo, strategy), dm.plan_grid(dp, tp, r),
+                                    mt.tp_pieces(specs, demo.lesson_config(lesson.demo, strategy), r % tp))
                  for r in range(dp * tp)]
         table = acc["table"]
         ring = [sum((dp - 1) * (b.numel // dp) * 4 for b in plans[0].layout.buckets)] * (dp * tp)

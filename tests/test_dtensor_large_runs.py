@@ -510,7 +510,7 @@ def gram_bound(record, name, shape):
     assert len(inputs) == STEPS
     lr, adjust = group["lr"], group.get("adjust_lr_fn", "original")
     moved = sum(out.float().abs().max().item() for _, n, _, out in record if n == name)
-    return dm.gram_tolerance(inputs, lr, adjust, shape), dm.adjusted_lr(lr, adjust, shape) * moved
+    return mt.gram_tolerance(inputs, lr, adjust, shape), dm.adjusted_lr(lr, adjust, shape) * moved
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -583,7 +583,7 @@ def test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed, low
 
 def shape_only_tolerance(name, shape):
     group = GROUPS[group_of(name)]
-    return dm.batched_ns_tolerance(STEPS, group["lr"], group.get("adjust_lr_fn", "original"), shape,
+    return mt.batched_ns_tolerance(STEPS, group["lr"], group.get("adjust_lr_fn", "original"), shape,
                                    lrr.shape_only_gram_bound(shape))
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import BUCKET, GRIDS, dm, grid_run, layout_metas, presence_bytes
+from conftest import BUCKET, GRIDS, dm, grid_run, layout_metas, mt, presence_bytes
 
 
 @pytest.mark.parametrize("dp,tp", GRIDS)
@@ -31,10 +31,10 @@ def test_uneven_grid_pads_and_straddles(run_grid):
 
 def test_the_run_actually_changes_the_parameters():
     # Guards against a comparison that passes because nothing moved.
-    cfg = dm.RunConfig(dp=1, tp=1, steps=1)
+    cfg = mt.RunConfig(dp=1, tp=1, steps=1)
     specs = dm.transformer_specs()
     before = dm.initial_params(specs, cfg.seed)
-    after = dm.reference_params(specs, cfg)
+    after = mt.reference_params(specs, cfg)
     assert all(not after[s.name].equal(before[s.name]) for s in specs)
 
 
@@ -43,10 +43,10 @@ def test_comparison_detects_a_single_flipped_bit():
     reference = dm.initial_params(specs, 0)
     pieces = {r: {s.name: dm.tp_shard(reference[s.name], s.tp_split_dim, r, 2).clone() for s in specs}
               for r in range(2)}
-    assert all(c["identical"] for c in dm.compare_to_reference(specs, reference, pieces, 1, 2))
+    assert all(c["identical"] for c in mt.compare_to_reference(specs, reference, pieces, 1, 2))
     flat = pieces[1]["layers.0.attn.qkv.weight"].view(-1)
     flat[5] = flat[5].nextafter(flat[5] + 1)  # one ulp
-    rows = {c["name"]: c for c in dm.compare_to_reference(specs, reference, pieces, 1, 2)}
+    rows = {c["name"]: c for c in mt.compare_to_reference(specs, reference, pieces, 1, 2)}
     assert not rows["layers.0.attn.qkv.weight"]["identical"] and rows["layers.0.attn.qkv.weight"]["max_abs_diff"] > 0
     assert rows["embed.weight"]["identical"]
 

@@ -237,12 +237,12 @@ def test_gram_bytes_formula_is_what_a_real_run_sends(run_grid, tp):
     """compare.tp_newton_schulz_costs against the Ledgers of real runs of the lesson's demo (DP = 1, so every
     TP-split matrix goes through each rank): the TP gather of tp_newton_schulz="gather", the Gram and norm
     all-reduces of "gram", every rank, summed over the matrices."""
-    specs = [s for s in dm.transformer_specs() if s.group == dm.MUON_GROUP and s.tp_split_dim >= 0]
+    specs = [s for s in dm.transformer_specs() if s.group == mt.MUON_GROUP and s.tp_split_dim >= 0]
     assert specs and all(dm.gram_eligible(s.global_shape, s.tp_split_dim) for s in specs)
     costs = [compare.tp_newton_schulz_costs(s.global_shape, s.tp_split_dim, tp) for s in specs]
     runs = {way: run_grid(1, tp, steps=1, tp_newton_schulz=way) for way in ("gather", "gram")}
     unsplit = sum(dm.newton_schulz_flops(s.global_shape) for s in dm.transformer_specs()
-                  if s.group == dm.MUON_GROUP and s.tp_split_dim < 0)  # the routers: whole on every rank either way
+                  if s.group == mt.MUON_GROUP and s.tp_split_dim < 0)  # the routers: whole on every rank either way
     for way, run in runs.items():
         assert run["passed"], way
         assert run["ns_flops"]["per_rank"] == [sum(c[f"{way}_flops"] for c in costs) + unsplit] * tp, way

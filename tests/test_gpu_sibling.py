@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, dm
+from conftest import ROOT, dm, mt
 
 SIBLING = os.path.join(ROOT, "distributed_muon.py")
 
@@ -85,6 +85,6 @@ def test_under_torchrun_a_rank_without_its_gpu_says_so_itself(monkeypatch, capsy
     monkeypatch.setattr(gpu, "join_world", lambda *a: pytest.fail("joined the world"))
     for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3").items():
         monkeypatch.setenv(name, value)
-    assert gpu.run_under_torchrun("nccl", "cuda", lambda world: dm.RunConfig(dp=4, tp=1), None, None) == 2
+    assert gpu.run_under_torchrun("nccl", "cuda", lambda world: mt.RunConfig(dp=4, tp=1), None, None) == 2
     assert capsys.readouterr().err == ("error: rank 3: no CUDA device for LOCAL_RANK 3 here (2 GPUs): use "
                                        "--backend gloo --device cpu\n")

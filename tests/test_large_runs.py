@@ -35,7 +35,7 @@ def demo_configs():
     gather strategy with gram too: 12 demo runs."""
     configs = []
     for dp, tp in GRIDS:
-        base = dm.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, ns_coefficients="polar_express",
+        base = mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, ns_coefficients="polar_express",
                             ns_blocks="blocks" if (dp, tp) == (2, 4) else "heads", qk_clip_tau=TAU, timeout_s=180)
         configs += [replace(base, strategy=s) for s in dm.STRATEGIES]
         configs.append(replace(base, tp_newton_schulz="gram"))
@@ -220,7 +220,7 @@ def gram_figures(rows):
             full = gram_input(shape, seed, low)
             torch_ns = ref.newton_schulz_per_iteration(full, dm.ns_coefficients_of(c, 5), 5).double()
             inputs[shape, seed, c, low] = (torch_ns, dm.newton_schulz(full.bfloat16(), 5, c, dtype=torch.float64),
-                                           dm.gram_ns_tolerance(full, 5, c))
+                                           mt.gram_ns_tolerance(full, 5, c))
         torch_ns, exact, bound = inputs[shape, seed, c, low]
         ours = torch.cat([pieces[t] for t in range(tp)], dim=1 if shape[0] <= shape[1] else 0).double()
         diff = (ours - torch_ns).abs().max().item()
@@ -241,7 +241,7 @@ class Jobs:
 
 
 def rank_jobs(rank, jobs, device):
-    demo = [dm.run_steps(rank, cfg, device) for cfg in jobs.runs]
+    demo = [mt.run_steps(rank, cfg, device) for cfg in jobs.runs]
     grids = {g: dm.make_grid(*g, rank) for g in GRIDS}
     others = [other_run(grids[g], s, b) for g, s, b in other_runs()]
     refused = refusals(grids[(4, 2)], rank)
@@ -269,8 +269,8 @@ def test_demo_runs_match_torch(spawned, i):
     """Every strategy, every grid: bit-identical to torch with blocks, Polar Express and QK-clip;
     the gram-orthogonalized matrices within their bound, and only those."""
     cfg = spawned[0][i]
-    checks, _ = dm.verify(cfg, demo_results(spawned, i))
-    gram = dm.gram_names(dm.demo_specs(cfg), cfg)
+    checks, _ = mt.verify(cfg, demo_results(spawned, i))
+    gram = mt.gram_names(mt.demo_specs(cfg), cfg)
     assert [c["name"] for c in checks if not c["ok"]] == []
     assert [c["name"] for c in checks if not c["identical"]] == sorted(gram, key=[c["name"] for c in checks].index)
     assert all(c["max_abs_update"] > 0 for c in checks)
@@ -285,10 +285,10 @@ def test_the_options_change_the_result(spawned, i):
     torch's coefficients, the reference differs from what the ranks computed."""
     cfg = spawned[0][i]
     final = demo_results(spawned, i)
-    specs = dm.demo_specs(cfg)
+    specs = mt.demo_specs(cfg)
     for other in (replace(cfg, qk_clip_tau=None), replace(cfg, ns_blocks="whole"),
                   replace(cfg, ns_coefficients="jordan")):
-        reference = dm.reference_params(specs, other)["layers.0.attn.qkv.weight"]
+        reference = mt.reference_params(specs, other)["layers.0.attn.qkv.weight"]
         ours = torch.cat([final[t]["params"]["layers.0.attn.qkv.weight"] for t in range(cfg.tp)])  # DP rank 0's TP row
         assert not torch.equal(reference, ours)
 
@@ -299,9 +299,9 @@ def test_some_heads_clip_and_some_do_not(spawned, i):
     demo's heads include both kinds at every step; a head's rows are on every rank of its TP column."""
     cfg = spawned[0][i]
     results = demo_results(spawned, i)
-    specs = dm.demo_specs(cfg)
+    specs = mt.demo_specs(cfg)
     for step in range(cfg.steps):
-        maxima = [dm.dp_rank_max_logits(specs, cfg.seed, step + 1, d) for d in range(cfg.dp)]
+        maxima = [mt.dp_rank_max_logits(specs, cfg.seed, step + 1, d) for d in range(cfg.dp)]
         expected = {n: [math.sqrt(TAU / s) if s > TAU else 1.0
                         for s in torch.stack([m[n] for m in maxima]).amax(0).tolist()] for n in maxima[0]}
         for rank, r in enumerate(results):
@@ -324,8 +324,8 @@ def test_qk_clip_and_gram_bytes(spawned):
             assert sent == ([2 * (cfg.dp - 1) * -(-heads // cfg.dp) * 4] * cfg.steps if cfg.dp > 1 else [])
             grams = {c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "TP Gram"}
             if cfg.tp_newton_schulz == "gram":
-                gram = dm.gram_names(dm.demo_specs(cfg), cfg)
-                sides = {min(s.global_shape) for s in dm.demo_specs(cfg) if s.name in gram}
+                gram = mt.gram_names(mt.demo_specs(cfg), cfg)
+                sides = {min(s.global_shape) for s in mt.demo_specs(cfg) if s.name in gram}
                 assert grams and grams <= {2 * (cfg.tp - 1) * -(-m * m // cfg.tp) * 4 for m in sides}
             else:
                 assert grams == set()
@@ -335,12 +335,12 @@ def test_gram_replaces_the_tp_gather(spawned):
     """With gram, a rank gathers across TP only the matrices laid out by blocks (and runs ns_steps Gram
     all-reduces for every other TP-split matrix its DP shard touches); without it, every TP-split matrix."""
     for i, cfg in enumerate(spawned[0]):
-        specs = dm.demo_specs(cfg)
+        specs = mt.demo_specs(cfg)
         split = [s.name for s in specs if s.group == "muon" and s.tp_split_dim >= 0]
-        gram = dm.gram_names(specs, cfg)
+        gram = mt.gram_names(specs, cfg)
         assert bool(gram) == (cfg.tp_newton_schulz == "gram")
         for rank, r in enumerate(demo_results(spawned, i)):
-            metas = dm.plan_optimizer(cfg, rank).dist_metas
+            metas = mt.plan_optimizer(cfg, rank).dist_metas
             touched = lambda names: sum(metas[n].local_numel > 0 for n in names)
             count = lambda phase: sum(c["phase"] == phase for c in r["ledger"]["comm"])
             if cfg.strategy == "gather":
@@ -430,7 +430,7 @@ def test_gram_is_within_its_bound_on_many_shapes_and_seeds(spawned):
     figures = gram_figures(rows)
     assert len(figures) == sum(len(gram_cases(tp)) for _, tp in GRIDS)
     assert all(f["diff"] <= f["bound"] for f in figures)
-    assert all(f["ratio"] <= dm.GRAM_ERROR_RATIO for f in figures)  # the assumption the bound rests on
+    assert all(f["ratio"] <= mt.GRAM_ERROR_RATIO for f in figures)  # the assumption the bound rests on
     low = [f for f in figures if f["low_rank"]]
     assert {f["tp"] for f in low} == set(LOW_RANK_TP)
     assert any(f["relative"] > f["shape_only"] for f in low)  # what the shape alone cannot bound
@@ -448,13 +448,13 @@ def test_gram_is_within_its_bound_on_many_shapes_and_seeds(spawned):
 
 def test_the_lessons_reference_is_the_tests_reference():
     """verify's reference (the lesson's section 8) and this file's agree bit for bit on the demo's matrices."""
-    cfg = dm.RunConfig(dp=2, tp=1, steps=STEPS, ns_coefficients="polar_express", ns_blocks="heads", qk_clip_tau=TAU)
-    specs = dm.demo_specs(cfg)
-    lesson = dm.reference_params(specs, cfg)
+    cfg = mt.RunConfig(dp=2, tp=1, steps=STEPS, ns_coefficients="polar_express", ns_blocks="heads", qk_clip_tau=TAU)
+    specs = mt.demo_specs(cfg)
+    lesson = mt.reference_params(specs, cfg)
     matrices = [s.name for s in specs if s.group == "muon"]
     start = dm.initial_params(specs, cfg.seed)
-    grads = [dm.total_grads(specs, cfg.seed, step, cfg.dp) for step in range(1, cfg.steps + 1)]
-    maxima = [{n: torch.stack([dm.dp_rank_max_logits(specs, cfg.seed, step, d)[n] for d in range(cfg.dp)]).amax(0)
+    grads = [mt.total_grads(specs, cfg.seed, step, cfg.dp) for step in range(1, cfg.steps + 1)]
+    maxima = [{n: torch.stack([mt.dp_rank_max_logits(specs, cfg.seed, step, d)[n] for d in range(cfg.dp)]).amax(0)
                for n in dm.transformer_row_layouts(specs)} for step in range(1, cfg.steps + 1)]
     theirs, _ = ref.reference_muon({n: start[n] for n in matrices}, [{n: g[n] for n in matrices} for g in grads],
                                    lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
@@ -492,8 +492,8 @@ def test_the_command_line_takes_the_flags_and_reports_them(spawned):
     i = spawned[0].index(replace(cfg, steps=STEPS, bucket_size=BUCKET, timeout_s=180))
     results = demo_results(spawned, i)
     lines = []
-    checks, _ = dm.verify(spawned[0][i], results)
-    out = mt.report(spawned[0][i], dm.plan_optimizer(spawned[0][i]), results, checks, 1.0, 1.0, print_fn=lines.append)
+    checks, _ = mt.verify(spawned[0][i], results)
+    out = mt.report(spawned[0][i], mt.plan_optimizer(spawned[0][i]), results, checks, 1.0, 1.0, print_fn=lines.append)
     text = "\n".join(lines)
     assert out["passed"] and "[7] QK-clip, tau 100: heads clipped per step" in text
     assert "TP Gram " in text and "QK-clip maxima" in text and "within their derived bound" in text

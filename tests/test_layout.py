@@ -94,11 +94,11 @@ def test_bucket_size_closes_buckets_and_oversized_parameters_stand_alone():
 
 def test_transformer_tp_shapes():
     specs = {s.name: s for s in dm.transformer_specs()}
-    assert dm.tp_local_shape(specs["layers.0.attn.qkv.weight"], 4) == (3 * dm.D_MODEL // 4, dm.D_MODEL)
-    assert dm.tp_local_shape(specs["layers.0.mlp.fc2.weight"], 4) == (dm.D_MODEL, dm.D_MODEL)
-    assert dm.tp_local_shape(specs["layers.0.router.weight"], 4) == (dm.N_EXPERTS, dm.D_MODEL)
+    assert mt.tp_local_shape(specs["layers.0.attn.qkv.weight"], 4) == (3 * dm.D_MODEL // 4, dm.D_MODEL)
+    assert mt.tp_local_shape(specs["layers.0.mlp.fc2.weight"], 4) == (dm.D_MODEL, dm.D_MODEL)
+    assert mt.tp_local_shape(specs["layers.0.router.weight"], 4) == (dm.N_EXPERTS, dm.D_MODEL)
     for s in specs.values():
-        assert dm.global_shape_of(dm.tp_local_shape(s, 2), s.tp_split_dim, 2) == s.global_shape
+        assert dm.global_shape_of(mt.tp_local_shape(s, 2), s.tp_split_dim, 2) == s.global_shape
     assert math.prod(specs["logit_scale"].global_shape) == 1
 
 

@@ -43,6 +43,6 @@ def test_missing_gradients_match_torch(run_grid, run, dp, tp):
 
 
 def test_a_missing_gradient_outside_the_run_is_refused():
-    cfg = dm.RunConfig(missing_grads=(("embed.weight", 4, 1),))  # DP is 4: ranks 0..3
+    cfg = mt.RunConfig(missing_grads=(("embed.weight", 4, 1),))  # DP is 4: ranks 0..3
     with pytest.raises(ValueError, match=r"missing gradient \(embed.weight, DP rank 4, step 1\)"):
-        mt.validate(cfg, dm.demo_specs(cfg))
+        mt.validate(cfg, mt.demo_specs(cfg))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import dm
+from conftest import dm, mt
 
 
 class TinyNet(torch.nn.Module):
@@ -79,9 +79,9 @@ def test_one_rank_steps_matrix_by_matrix_as_torch_does(single_process_group, str
 def test_one_rank_is_bit_identical_on_odd_shapes(single_process_group, strategy, model):
     """The one-rank step (bucket by bucket) on small-side (k x 1, 1 x k, ...) and lopsided matrices, with
     buckets that hold many matrices: the demo's own run and verification, in this process."""
-    cfg = dm.RunConfig(dp=1, tp=1, steps=4, model=model, strategy=strategy, bucket_size=16_384)
-    checks, _ = dm.verify(cfg, [dm.run_steps(0, cfg, "cpu")])
-    assert len(checks) == len(dm.demo_specs(cfg)) and all(c["identical"] for c in checks)
+    cfg = mt.RunConfig(dp=1, tp=1, steps=4, model=model, strategy=strategy, bucket_size=16_384)
+    checks, _ = mt.verify(cfg, [mt.run_steps(0, cfg, "cpu")])
+    assert len(checks) == len(mt.demo_specs(cfg)) and all(c["identical"] for c in checks)
     assert all(c["max_abs_update"] > 0 for c in checks if c["optimizer"] == "Muon")  # something moved
 
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import BUCKET, GRIDS, STEPS, dm, grid_run, layout_metas, presence_bytes
+from conftest import BUCKET, GRIDS, STEPS, dm, grid_run, layout_metas, mt, presence_bytes
 # (dp, tp, config): more ranks than matrices (1 layer: 5 matrices on 8 ranks), one huge
 # matrix among small ones (the lopsided model), and both on the uneven 3 x 2 grid.
 UNEVEN = [(8, 1, dict(layers=1)), (4, 2, dict(layers=1)), (8, 1, dict(model="lopsided")),
@@ -71,7 +71,7 @@ def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strate
     assert overlapped["bytes_per_step"] == plain["bytes_per_step"]
     # One gather at owner and one scatter from owner per unit that has a matrix to move (rank 0's view;
     # comm-free moves TP pieces inside rank 0's DP row only), against one of each for the whole step.
-    opt = dm.plan_optimizer(dm.RunConfig(dp=dp, tp=tp, bucket_size=BUCKET, strategy=strategy,
+    opt = mt.plan_optimizer(mt.RunConfig(dp=dp, tp=tp, bucket_size=BUCKET, strategy=strategy,
                                          overlap=dm.OVERLAP_DEFAULT))
     moving = sum(any(r.name in u.names for r in opt.routes) for u in opt._units())
     owner_phases = ("gather at owner", "scatter from owner")
@@ -92,12 +92,12 @@ def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strate
 
 def demo_flops(**config):
     """Every Muon matrix's Newton-Schulz FLOPs, as the owner strategy's optimizer computes them."""
-    return dm.plan_optimizer(dm.RunConfig(strategy="owner", **config)).ns_flops
+    return mt.plan_optimizer(mt.RunConfig(strategy="owner", **config)).ns_flops
 
 
 def demo_owners(n_ranks, **config):
     """The balanced owners of the demo model's matrices, from their FLOPs and shapes."""
-    plan = dm.plan_optimizer(dm.RunConfig(strategy="owner", **config))
+    plan = mt.plan_optimizer(mt.RunConfig(strategy="owner", **config))
     return dm.assign_owners(plan.ns_flops, n_ranks, plan.layout.global_shapes)
 
 
@@ -202,7 +202,7 @@ def test_owner_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_comm_free_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
     result, gather_result, specs, owners = runs_to_check(run_grid, dp, tp, "comm-free")
-    local = {n: math.prod(dm.tp_local_shape(specs[n], tp)) for n in owners}
+    local = {n: math.prod(mt.tp_local_shape(specs[n], tp)) for n in owners}
     row = {n: o // tp for n, o in owners.items()}
     table = result["bytes_per_step"]
     reduce_sent = [sum(4 * local[n] for n in owners if row[n] != r // tp) for r in range(dp * tp)]
@@ -259,7 +259,7 @@ def test_bit_identical_on_small_side_matrices(run_grid, dp, tp, strategy):
     result = thin_run(run_grid, dp, tp, strategy)
     assert_identical(result)
     if strategy != "gather":  # both cases the batched path got wrong: one matrix alone, several of a shape
-        shapes = {s.name: s.global_shape for s in dm.thin_specs()}
+        shapes = {s.name: s.global_shape for s in mt.thin_specs()}
         owned = [[n for n, o in result["owners"].items() if o == r] for r in range(dp * tp)]
         assert any(len(names) == 1 for names in owned)
         assert any(len(names) > len({shapes[n] for n in names}) for names in owned)
@@ -268,14 +268,14 @@ def test_bit_identical_on_small_side_matrices(run_grid, dp, tp, strategy):
 @pytest.mark.parametrize("strategy", ZERO_REDUNDANCY)
 def test_batched_newton_schulz_stays_within_its_derived_bound(run_grid, strategy):
     result = thin_run(run_grid, 4, 2, strategy, batched_ns=True)
-    specs = {s.name: s for s in dm.thin_specs()}
-    cfg = dm.RunConfig(dp=4, tp=2, steps=THIN_STEPS, model="thin", strategy=strategy, batched_ns=True)
+    specs = {s.name: s for s in mt.thin_specs()}
+    cfg = mt.RunConfig(dp=4, tp=2, steps=THIN_STEPS, model="thin", strategy=strategy, batched_ns=True)
     for c in result["checks"]:
         if c["optimizer"] == "AdamW":
             assert c["identical"], c["name"]  # batching touches Newton-Schulz only
         else:
             shape = specs[c["name"]].global_shape
-            assert c["tolerance"] == dm.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, shape) > 0
+            assert c["tolerance"] == mt.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, shape) > 0
             assert c["max_abs_diff"] <= c["tolerance"], c["name"]
     # Not bitwise: on this grid and seed some matrices differ (measured: 3 of 81, by 5e-6 to 6e-5).
     assert not all(c["identical"] for c in result["checks"]) and result["passed"]
