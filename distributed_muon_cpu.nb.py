@@ -54,6 +54,7 @@ import muon_tools as mt  # noqa: E402  (the report, the launcher, the command li
 
 mt.notebook_requirements()
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_large_runs as mlr  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
@@ -242,10 +243,10 @@ for name in dm.NS_COEFFICIENT_CHOICES:
 
 # %%
 heads, head_dim, d_model = 4, 16, 64
-layout = dm.RowLayout(sizes=(head_dim,) * 3, periods=heads, names=("q", "k", "v"))
+layout = mlr.RowLayout(sizes=(head_dim,) * 3, periods=heads, names=("q", "k", "v"))
 fused = torch.randn(layout.rows, d_model, generator=gen)
 blocks = layout.blocks()  # row indices of Q, K and V across the heads
-as_blocks, as_whole = dm.newton_schulz_blocks(fused, blocks), dm.newton_schulz(fused)
+as_blocks, as_whole = mlr.newton_schulz_blocks(fused, blocks), dm.newton_schulz(fused)
 for name, rows in zip(layout.names, blocks):
     alone = dm.newton_schulz(fused[rows])
     runs = " ".join(f"{rows[i]}-{rows[i + head_dim - 1]}" for i in range(0, len(rows), head_dim))
@@ -283,7 +284,7 @@ def max_logits(w_q, w_k):  # per head: max over token pairs of q.k / sqrt(head_d
 
 
 before = max_logits(w_q, w_k)
-scales = dm.qk_clip_scales(before, tau)
+scales = mlr.qk_clip_scales(before, tau)
 for h, s in enumerate(scales):
     rows = slice(h * head_dim, (h + 1) * head_dim)
     w_q[rows] *= s
@@ -304,7 +305,7 @@ for h in range(heads):
 #   TP 1: X₂ ─ X₂·X₂ᵀ ─┘                                   └─ X₂ ← a·X₂ + (b·A + c·A·A)·X₂
 # ```
 #
-# That is `dm.newton_schulz_tp` (the "distributed" TP mode of NVIDIA's Emerging-Optimizers, which
+# That is `mlr.newton_schulz_tp` (the "distributed" TP mode of NVIDIA's Emerging-Optimizers, which
 # Megatron-core uses). Below, the same arithmetic with the all-reduce done as a sum in this process:
 # each piece's product in float32, summed, rounded to bf16 once, as torch's one bf16 matmul rounds its
 # float32 accumulation once. The identity is exact in real numbers; in float32 the sum runs in another

@@ -44,9 +44,11 @@ Reading order (each section opens with what it does and why)
     5. The step: the gather strategy (DistributedMuon, a torch.optim.Optimizer)
     6. Orthogonalize each matrix once: the owner and comm-free strategies (OwnerMuon, CommFreeMuon),
        and the step overlapped with its collectives (--overlap)
-    7. What large runs add: fused QKV by blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
+Beside it, read after section 6:
+    7. muon_large_runs.py: what large runs add (fused QKV by blocks, QK-clip, Newton-Schulz on TP
+       pieces), options of the optimizers above, off by default
+and the tooling, in muon_tools.py, no part of the lesson:
     8. A run (run_steps, the example of use), and its verification against torch
-The tooling around it lives beside it, in muon_tools.py, and is no part of the lesson:
     9. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
     10. Main: the launcher (start, watch and stop the ranks) and the command line
     11. Training checks (the bound and the chaos floor that real trainings, examples/ and dtensor_demo.py, share)
@@ -197,7 +199,7 @@ def muon_update(momentum_buffer, grad, group):
 
 def apply_muon_update_(param, ortho, group, global_shape, runs=None):
     """p <- p (1 - lr wd) - adjusted_lr(global shape) O, as torch.optim.Muon: the decay takes the unadjusted lr.
-    runs: [(start, stop, rows)] of a matrix orthogonalized by blocks (newton_schulz_blocks, below): elements
+    runs: [(start, stop, rows)] of a matrix orthogonalized by blocks (muon_large_runs.block_runs): elements
     [start, stop) belong to blocks of `rows` rows, each adjusted for its own shape (rows, cols), as torch
     would adjust the blocks as separate parameters; one add_ per run, so the bits stay torch's."""
     param.mul_(1 - group["lr"] * group["weight_decay"])
@@ -214,44 +216,6 @@ def adamw_step_(param, grad, state, group):
     adamw_(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"].item(), lr=group["lr"],
            betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
 
-
-# Two changes large runs make to the math (what they change between ranks comes with the strategies).
-# Blocks (ns_blocks): a fused matrix, e.g. attention's QKV, is orthogonalized as the separate
-# matrices it stands for (Q, K and V, or each head's), each block of rows alone.
-def newton_schulz_blocks(full, blocks, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
-    """Newton-Schulz of each block of rows alone, put back where its rows were (bf16, full's shape).
-    A block is copied out contiguous, as the separate parameter it stands for would be."""
-    out = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
-    for rows in blocks:
-        index = torch.tensor(rows, device=full.device)
-        out[index] = newton_schulz(full[index], steps, coefficients, eps)
-    return out
-
-
-def newton_schulz_of(full, group, blocks=None):
-    """Newton-Schulz with a param group's options: of the whole matrix (torch.optim.Muon's), or of each block."""
-    if blocks is None:
-        return newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-    return newton_schulz_blocks(full, blocks, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-
-
-def newton_schulz_flops_of(shape, steps, blocks=None):
-    """newton_schulz_flops of the matrix, or the sum over its blocks."""
-    if blocks is None:
-        return newton_schulz_flops(shape, steps)
-    return sum(newton_schulz_flops((len(rows), shape[1]), steps) for rows in blocks)
-
-
-# QK-clip (MuonClip, Kimi K2, arXiv 2507.20534): after the step, an attention head whose largest
-# pre-softmax logit S exceeded tau has its logits scaled back to tau.
-def qk_clip_scales(max_logits, tau):
-    """The report's per-head form for multi-head attention: gamma_h = min(1, tau / S_max_h), and head h's
-    rows of W_q and of W_k are each multiplied by sqrt(gamma_h), so its logits q.k shrink by gamma_h when q
-    and k have no bias (Kimi's models have none); with a QKV bias, as the demo's and the GPT's, only the
-    weights' part of q and k shrinks, so a clipped head's next logits are near tau, not capped at it.
-    (Its MLA form, which leaves the shared rotary key alone, has no counterpart in plain MHA.)
-    Python floats (computed in double), one per head: the same multiplier wherever the rows lie."""
-    return [math.sqrt(min(1.0, tau / s)) if s > tau else 1.0 for s in max_logits.tolist()]
 
 
 # =============================================================================
@@ -505,54 +469,6 @@ def transformer_specs(vocab=VOCAB, d=D_MODEL, n_layers=N_LAYERS, n_experts=N_EXP
     return specs
 
 
-@dataclass(frozen=True)
-class RowLayout:
-    """Which rows of a full (TP-gathered) matrix are which: `periods` repeats (one per attention head) of
-    segments of `sizes` rows named `names`. The fused QKV below, head by head: sizes (hd, hd, hd), names
-    ("q", "k", "v"), periods = heads; a separate W_q: sizes (hd,), names ("q",)."""
-    sizes: tuple
-    periods: int = 1
-    names: tuple = ()
-
-    @property
-    def rows(self):
-        return self.periods * sum(self.sizes)
-
-    def segment_rows(self, period, segment):
-        start = period * sum(self.sizes) + sum(self.sizes[:segment])
-        return range(start, start + self.sizes[segment])
-
-    def blocks(self, per_head=False):
-        """Row indices of each matrix Newton-Schulz sees alone: segment i of every period joined
-        (Q, K, V), or per_head, each period's segments alone."""
-        segments = range(len(self.sizes))
-        if per_head:
-            return [list(self.segment_rows(p, s)) for p in range(self.periods) for s in segments]
-        return [[r for p in range(self.periods) for r in self.segment_rows(p, s)] for s in segments]
-
-    def block_heights(self, per_head=False):
-        """For every row, the number of rows of its block (what its learning-rate adjustment sees)."""
-        heights = [0] * self.rows
-        for rows in self.blocks(per_head):
-            for r in rows:
-                heights[r] = len(rows)
-        return heights
-
-    def tp_piece(self, tp):
-        """The layout of one TP rank's rows when the matrix is split along dim 0 in equal parts."""
-        if self.periods % tp:
-            raise ValueError(f"TP {tp} does not divide the {self.periods} heads of a row layout")
-        return replace(self, periods=self.periods // tp)
-
-
-def transformer_row_layouts(specs, d=D_MODEL, heads=N_HEADS):
-    """{name: RowLayout} of the fused QKV matrices, laid out head by head as Megatron's are (so that a
-    column-parallel split gives each TP rank whole heads)."""
-    hd = d // heads
-    return {s.name: RowLayout((hd, hd, hd), heads, ("q", "k", "v")) for s in specs
-            if s.name.endswith("attn.qkv.weight")}
-
-
 def initial_params(specs, seed):
     """The full single-device parameters every run starts from."""
     g = torch.Generator().manual_seed(seed)
@@ -773,45 +689,6 @@ def dp_shard(tp_local, meta):
     return tp_local.reshape(-1)[meta.param_slice]
 
 
-# Newton-Schulz on the TP pieces (tp_newton_schulz="gram"; Megatron-core's "distributed" TP mode): for
-# a matrix split along its long side, X = [X_1 .. X_TP] (X oriented wide, as Newton-Schulz orients it),
-# X X^T = sum_t X_t X_t^T, so the TP peers need only the small Gram matrix, not each other's pieces.
-def gram_eligible(global_shape, tp_split_dim):
-    """Whether a TP split cuts the long side (columns of a wide matrix, rows of a tall one): then
-    X X^T of the (transposed-if-tall) matrix is a sum over the TP pieces."""
-    rows, cols = global_shape
-    return (tp_split_dim == 1 and rows <= cols) or (tp_split_dim == 0 and rows > cols)
-
-
-def newton_schulz_tp(piece, global_shape, tp, ledger, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
-    """Newton-Schulz of a matrix split along its long side over the TP ranks, without gathering it:
-    this rank's piece of the result (bf16). Per iteration one all-reduce of the small (m, m) Gram
-    matrix A = sum_t X_t X_t^T in float32 (m = the short side), then each rank updates its own
-    columns, X_t <- a X_t + (b A + c A A) X_t; the Frobenius norm is one all-reduced float. Each
-    piece's product is taken in float32 and rounded to bf16 once, after the sum, as torch's bf16
-    matmul rounds its float32 accumulation once: what differs from torch's bits is the order of
-    the float32 sum, hence a near-tie now and then rounded the other way (bounded, not bit-identical)."""
-    tall = global_shape[0] > global_shape[1]
-    x = piece.bfloat16()
-    if tall:
-        x = x.mT
-    norm_sq = all_reduce_sum(x.float().square().sum().reshape(1), tp, ledger, "TP Gram norm")
-    x = x / norm_sq.sqrt().to(torch.bfloat16).clamp(min=eps)
-    for a, b, c in ns_coefficients_of(coefficients, steps):
-        xf = x.float()
-        gram = all_reduce_sum(xf @ xf.mT, tp, ledger, "TP Gram").bfloat16()
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.mT if tall else x
-
-
-def newton_schulz_tp_flops(global_shape, tp, steps=NS_STEPS):
-    """One TP rank's matmul FLOPs in newton_schulz_tp: its 1/TP of the long side in X X^T and poly X,
-    the whole (m, m) A A."""
-    m, n = sorted(global_shape)
-    return steps * (4 * m * m * (n // tp) + 2 * m * m * m)
-
-
 def shard_of_bucket(parts, metas, shard_numel, dtype, device):
     """This DP rank's shard of a bucket from its parts ({name: flat part}), the mirror of dp_shard:
     zeros where it has none (padding, or a parameter that has no gradient). A part that fills the
@@ -826,31 +703,35 @@ def shard_of_bucket(parts, metas, shard_numel, dtype, device):
     return shard
 
 
-def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger, blocks=None, gram=()):
+def orthogonalize(name, full, group, ledger, large_runs=None):
+    """Newton-Schulz of one full matrix with its param group's options, its FLOPs counted in the ledger:
+    torch.optim.Muon's call on the whole matrix, or block by block where large_runs says so."""
+    if large_runs is not None and name in large_runs.blocks:
+        return large_runs.newton_schulz_blocks(name, full, group, ledger)
+    with record_function("newton-schulz"):  # a label for profiler traces
+        ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+    ledger.record_compute(name, tuple(full.shape), newton_schulz_flops(full.shape, group["ns_steps"]))
+    return ortho
+
+
+def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger, large_runs=None):
     """The gather flow for one bucket of matrices: {name: this rank's part of the orthogonalized matrix}.
 
         DP gather  ->  TP gather  ->  Newton-Schulz  ->  TP shard  ->  DP shard
 
     update_shard: this rank's DP shard of the bucket (bf16); metas: the matrices to orthogonalize.
-    blocks: {name: its blocks of rows} to orthogonalize by blocks; gram: the names whose TP pieces
-    are orthogonalized where they lie (newton_schulz_tp), with no TP gather and no TP shard.
+    large_runs: None (torch's way), or the optimizer's muon_large_runs.LargeRuns, which orthogonalizes
+    some matrices by blocks, and some on their TP pieces where they lie (no TP gather, no TP shard).
     """
     update_bucket = dp_gather(update_shard, grid.dp, ledger)  # DP gather: the whole bucket
-    ortho_parts, steps = {}, group["ns_steps"]
+    ortho_parts = {}
     for meta in metas:
         tp_local = matrix_in_bucket(update_bucket, meta)
-        if meta.name in gram:  # every TP peer takes part: they share this DP shard, so they touch it too
-            with record_function("newton-schulz"):
-                tp_piece = newton_schulz_tp(tp_local, meta.global_shape, grid.tp, ledger, steps,
-                                            group["ns_coefficients"], group["ns_eps"])
-            ledger.record_compute(meta.name, meta.global_shape, newton_schulz_tp_flops(meta.global_shape,
-                                                                                        grid.tp.size, steps))
+        if large_runs is not None and meta.name in large_runs.gram:
+            tp_piece = large_runs.newton_schulz_tp(tp_local, meta, group, grid, ledger)
         else:
             full = tp_gather(tp_local, meta.tp_split_dim, grid.tp, ledger)  # TP gather
-            rows = (blocks or {}).get(meta.name)
-            with record_function("newton-schulz"):
-                ortho = newton_schulz_of(full, group, rows)
-            ledger.record_compute(meta.name, meta.global_shape, newton_schulz_flops_of(meta.global_shape, steps, rows))
+            ortho = orthogonalize(meta.name, full, group, ledger, large_runs)  # Newton-Schulz
             tp_piece = tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
         ortho_parts[meta.name] = dp_shard(tp_piece, meta)  # DP shard: a slice
     return ortho_parts
@@ -880,80 +761,6 @@ def check_adamw_hyperparameters(name=str, *, lr, betas, eps, weight_decay):
             raise ValueError(f"{name(key)} must be >= 0 and finite (got {value})")
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ValueError(f"{name('betas')} must be two numbers in [0, 1) (got {tuple(betas)})")
-
-
-NS_BLOCKS = ("whole", "blocks", "heads")  # torch's whole matrix; each segment with all heads joined; each head's alone
-TP_NEWTON_SCHULZ = ("gather", "gram")  # TP gather -> NS -> TP shard; or newton_schulz_tp where eligible
-
-
-def check_large_run_options(name=str, *, ns_blocks, tp_newton_schulz, qk_clip_tau):
-    """The options of what large runs add (the constructor's docstring), spelled as check_hyperparameters spells them."""
-    if ns_blocks not in NS_BLOCKS:
-        raise ValueError(f"{name('ns_blocks')} must be one of {', '.join(NS_BLOCKS)} (got {ns_blocks!r})")
-    if tp_newton_schulz not in TP_NEWTON_SCHULZ:
-        raise ValueError(f"{name('tp_newton_schulz')} must be one of {', '.join(TP_NEWTON_SCHULZ)} "
-                         f"(got {tp_newton_schulz!r})")
-    if qk_clip_tau is not None and (isinstance(qk_clip_tau, bool) or not isinstance(qk_clip_tau, (int, float))
-                                    or not (qk_clip_tau > 0 and math.isfinite(qk_clip_tau))):
-        raise ValueError(f"{name('qk_clip_tau')} must be a number > 0 and finite (got {qk_clip_tau!r})")
-
-
-def row_layout_problem(name, rows, matrix_shape, expert_stack=False, qk_clip=False):
-    """None if `rows` (a RowLayout) describes the rows of `name`'s full (out, in) matrix, else why not
-    (one line); DTensorMuon asks the same of each expert's matrix."""
-    if not isinstance(rows, RowLayout):
-        return f"row_layouts[{name!r}] must be a RowLayout (distributed_muon_cpu), got {type(rows).__name__}"
-    if not (isinstance(rows.periods, int) and rows.periods >= 1 and rows.sizes
-            and all(isinstance(s, int) and s >= 1 for s in rows.sizes)):
-        return f"row_layouts[{name!r}]: sizes must be positive integers and periods >= 1 (got {rows})"
-    if rows.names and len(rows.names) != len(rows.sizes):
-        return f"row_layouts[{name!r}]: {len(rows.names)} names for {len(rows.sizes)} sizes"
-    if rows.rows != matrix_shape[0]:
-        return (f"row_layouts[{name!r}] has {rows.periods} x {sum(rows.sizes)} = {rows.rows} rows; "
-                f"the matrix{' of each expert' if expert_stack else ''} has {matrix_shape[0]}")
-    if qk_clip and expert_stack and set(rows.names) & {"q", "k"}:
-        return f"row_layouts[{name!r}]: QK-clip scales attention heads, not the experts of an expert stack"
-    return None
-
-
-def check_row_layouts(row_layouts, layout, muon_names, tp, qk_clip):
-    """Every row layout names a Muon matrix and describes its full rows; with QK-clip, a matrix TP splits
-    by rows gives each TP rank whole heads (the heads whose logits that rank computes)."""
-    for name, rows in row_layouts.items():
-        if name not in muon_names:
-            raise ValueError(f"row_layouts names {name}, which is not a Muon matrix")
-        problem = row_layout_problem(name, rows, layout.global_shapes[name])
-        if problem:
-            raise ValueError(problem)
-        if qk_clip and layout.tp_split_dims[name] == 0:
-            rows.tp_piece(tp)
-
-
-QK_SEGMENTS = ("q", "k")  # the segments of a RowLayout that QK-clip scales
-
-
-def qk_heads(row_layouts, names):
-    """{laid-out matrix with q or k rows: its heads}, in the order of `names` (the same on every rank)."""
-    return {n: row_layouts[n].periods for n in names
-            if n in row_layouts and set(row_layouts[n].names) & set(QK_SEGMENTS)}
-
-
-def max_logits_problem(max_logits, heads):
-    """Why clip_qk_ cannot take max_logits (one line), or None; heads: qk_heads, empty when QK-clip is off."""
-    if not heads:
-        return "QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows)"
-    if not isinstance(max_logits, dict):
-        return f"max_logits must be a dict {{param name: (heads,) float32 tensor}} (got {type(max_logits).__name__})"
-    for name, s in max_logits.items():
-        if name not in heads:
-            return (f"max_logits names {name!r}, which QK-clip does not scale (it scales {', '.join(heads)}: "
-                    f"parameters laid out with q or k segments)")
-        if not torch.is_tensor(s) or s.dtype != torch.float32 or tuple(s.shape) != (heads[name],):
-            what = f"{s.dtype} of shape {tuple(s.shape)}" if torch.is_tensor(s) else type(s).__name__
-            return f"max_logits[{name!r}] must be a float32 tensor of shape ({heads[name]},) (got {what})"
-        if torch.isnan(s).any() or (s == math.inf).any():
-            return f"max_logits[{name!r}] holds NaN or +inf (a head no rank computed is -inf)"
-    return None
 
 
 def check_param_groups(param_groups):
@@ -1017,23 +824,6 @@ def index_named_params(param_groups, tp_split_dims):
     return param_by_name, group_of, split_dims
 
 
-def block_runs(heights, shape, tp_split_dim, tp_rank, part):
-    """[(start, stop, rows)]: the part (a slice of the flat TP piece of a TP-local (rows, cols) matrix)
-    cut into runs of consecutive elements whose rows lie in blocks of the same height; heights: per
-    row of the full matrix (RowLayout.block_heights). Under a split by rows the piece is a range of them."""
-    rows, cols = shape
-    first = tp_rank * rows if tp_split_dim == 0 else 0
-    runs = []
-    for r in range(part.start // cols, -(-part.stop // cols)):
-        start, stop = max(r * cols, part.start) - part.start, min((r + 1) * cols, part.stop) - part.start
-        height = heights[first + r]
-        if runs and runs[-1][2] == height:
-            runs[-1] = (runs[-1][0], stop, height)
-        else:
-            runs.append((start, stop, height))
-    return runs
-
-
 class DistributedMuon(torch.optim.Optimizer):
     """ZeRO-1 x TP Muon (and AdamW for non-matrix parameters), the gather strategy; bit-identical to torch.
 
@@ -1043,15 +833,9 @@ class DistributedMuon(torch.optim.Optimizer):
     bucket_size: largest bucket, in elements, before padding to a multiple of DP.
     Gradients are summed over DP. A parameter whose .grad is None on every rank is skipped, as torch
     skips it; one with a gradient on some ranks only gets zeros from the others, as DDP adds.
-    What large runs add, each off by default (torch's behaviour):
-    row_layouts: {name: RowLayout of its FULL matrix}, for the two below.
-    ns_blocks: "whole", "blocks" (each named segment, all heads joined: Q, K, V) or "heads" (each
-        segment of each head): the laid-out matrices are orthogonalized block by block, each block's
-        lr adjusted for its own shape, as torch.optim.Muon on the blocks as separate parameters.
-    tp_newton_schulz: "gather", or "gram": TP-split matrices whose split cuts the long side
-        (gram_eligible; not those orthogonalized by blocks) go through newton_schulz_tp instead of
-        TP gather -> Newton-Schulz -> TP shard. Not bit-identical to torch: within a bound.
-    qk_clip_tau: a number > 0 turns on clip_qk_ (QK-clip), called by every rank after step().
+    row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau: what large runs add (fused QKV orthogonalized
+        by blocks, Newton-Schulz on TP pieces, QK-clip), each off by default, torch's behaviour; read
+        muon_large_runs.py after section 6 (its LargeRuns takes them).
     """
 
     strategy = "gather"
@@ -1063,7 +847,11 @@ class DistributedMuon(torch.optim.Optimizer):
                  tp_newton_schulz="gather", qk_clip_tau=None):
         check_hyperparameters(bucket_size=bucket_size, lr=lr, weight_decay=weight_decay, momentum=momentum,
                               adjust_lr_fn=adjust_lr_fn)
-        check_large_run_options(ns_blocks=ns_blocks, tp_newton_schulz=tp_newton_schulz, qk_clip_tau=qk_clip_tau)
+        self.large_runs = None  # torch's way; otherwise what muon_large_runs.py adds, planned below
+        if row_layouts or ns_blocks != "whole" or tp_newton_schulz != "gather" or qk_clip_tau is not None:
+            import muon_large_runs
+            self.large_runs = muon_large_runs.LargeRuns(self.strategy, row_layouts, ns_blocks, tp_newton_schulz,
+                                                        qk_clip_tau)
         defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
                         ns_eps=ns_eps, adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
@@ -1076,17 +864,12 @@ class DistributedMuon(torch.optim.Optimizer):
         shapes = {n: tuple(p.shape) for n, p in self.param_by_name.items()}
         self.layout = plan_layout(buffers, shapes, split_dims, grid.dp.size, grid.tp.size, bucket_size)
         self.dist_metas = self.layout.metas[grid.dp.rank]
-        self.row_layouts, self.qk_clip_tau = dict(row_layouts or {}), qk_clip_tau
-        check_row_layouts(self.row_layouts, self.layout, self.muon_names, grid.tp.size, qk_clip_tau is not None)
-        self.ns_blocks, self.tp_newton_schulz = ns_blocks, tp_newton_schulz
-        self.blocks = ({} if ns_blocks == "whole" else  # {name: its blocks of rows}
-                       {n: rows.blocks(ns_blocks == "heads") for n, rows in self.row_layouts.items()})
-        self.gram = {n for n in self.muon_names if tp_newton_schulz == "gram" and grid.tp.size > 1
-                     and n not in self.blocks and gram_eligible(self.layout.global_shapes[n], split_dims[n])}
+        if self.large_runs is not None:
+            self.large_runs.plan(self, split_dims)
         self._plan()
         self.parts = {n: self.part_of(n, grid.dp.rank) for n in self.param_by_name}
-        self.runs = {n: block_runs(self.row_layouts[n].block_heights(ns_blocks == "heads"), shapes[n], split_dims[n],
-                                   grid.tp.rank, self.parts[n]) for n in self.blocks}
+        if self.large_runs is not None:
+            self.large_runs.plan_parts(self)
 
     # -- the step ------------------------------------------------------------
     @torch.no_grad()
@@ -1167,57 +950,21 @@ class DistributedMuon(torch.optim.Optimizer):
         # Only the matrices this rank's DP shard touches (its TP peers share that shard,
         # so they agree) and that some rank has a gradient for.
         touched = [m for m in metas if m.local_numel and m.name in active]
-        return gather_newton_schulz_shard(update_shard, touched, group, self.grid, self.ledger, self.blocks, self.gram)
+        return gather_newton_schulz_shard(update_shard, touched, group, self.grid, self.ledger, self.large_runs)
 
     def _apply_update(self, name, ortho_part):
         """The end of stage 3: Muon's weight update, on this rank's part of the matrix."""
+        runs = self.large_runs.runs.get(name) if self.large_runs is not None else None
         apply_muon_update_(self.param_by_name[name].view(-1)[self.parts[name]], ortho_part, self.group_of[name],
-                           self.layout.global_shapes[name], self.runs.get(name))
+                           self.layout.global_shapes[name], runs)
 
-    # -- QK-clip, after the step ---------------------------------------------
     @torch.no_grad()
     def clip_qk_(self, max_logits):
-        """QK-clip: scale the W_q and W_k rows of every head whose largest logit S exceeded
-        qk_clip_tau by sqrt(tau / S). Collective: every rank calls it after step(), when every rank
-        holds its whole TP piece again, and scales the rows of that piece. The contract, DTensorMuon's too:
-
-        max_logits: {name: float32 tensor (heads,) over the FULL matrix's heads}, the largest logit this
-        rank computed for each head, -inf for heads it did not compute; names: any of the laid-out
-        matrices with "q" or "k" rows (qk_heads), a name left out counting as -inf for every head (ranks
-        may leave out different ones). Refused on every rank before anything changes, if any rank's is
-        bad: QK-clip off, an unknown name, not float32 of (heads,), NaN or +inf (max_logits_problem).
-        Returns {every laid-out name with q or k rows: [multiplier of each head of the full matrix; None
-        for a head of whose q and k rows this rank holds no element]}.
-        What moves: after a 1-byte vote over the world ("QK-clip check"), a MAX
-        all-reduce of 4 bytes per head, over DP of the TP-local heads of a matrix TP splits by rows (its
-        heads live on one TP rank, which computes them), over the world for any other laid-out matrix.
-        """
-        heads = qk_heads(self.row_layouts, self.param_by_name) if self.qk_clip_tau is not None else {}
-        problem = max_logits_problem(max_logits, heads)
-        refused = any_rank(torch.tensor([problem is not None], device=self.device), self.grid.world, self.ledger,
-                           "QK-clip check")
-        if refused.item():
-            raise ValueError(problem or "clip_qk_ refused: another rank's max_logits were refused (it says why)")
-        tp, multipliers = self.grid.tp, {}
-        for axis, by_rows in ((self.grid.dp, True), (self.grid.world, False)):
-            mine = [n for n in heads if (self.layout.tp_split_dims[n] == 0) == by_rows]  # the same on every rank
-            if not mine:
-                continue
-            # the heads whose rows this rank holds: its TP piece's (split by rows), or all of them
-            local = {n: self.row_layouts[n].tp_piece(tp.size) if by_rows else self.row_layouts[n] for n in mine}
-            first = {n: tp.rank * local[n].periods if by_rows else 0 for n in mine}
-            computed = [max_logits[n].to(self.device)[first[n]:][:local[n].periods] if n in max_logits else
-                        torch.full((local[n].periods,), -math.inf, device=self.device) for n in mine]
-            maxima = all_reduce(torch.cat(computed), axis, self.ledger, "QK-clip maxima", dist.ReduceOp.MAX)
-            for name, s in zip(mine, maxima.split([local[n].periods for n in mine])):
-                scales = qk_clip_scales(s, self.qk_clip_tau)
-                weight, rows = self.param_by_name[name], local[name]
-                for h, scale in enumerate(scales):
-                    for segment, label in enumerate(rows.names):
-                        if label in QK_SEGMENTS and scale != 1.0:
-                            weight[rows.segment_rows(h, segment).start:rows.segment_rows(h, segment).stop].mul_(scale)
-                multipliers[name] = [None] * first[name] + scales + [None] * (heads[name] - first[name] - len(scales))
-        return multipliers
+        """QK-clip, called by every rank after step() (collective): muon_large_runs.LargeRuns.clip_qk_ says
+        what it takes, scales and returns. Refused on every rank when the optimizer has no qk_clip_tau."""
+        if self.large_runs is None:
+            raise ValueError("QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows)")
+        return self.large_runs.clip_qk_(self, max_logits)
 
     def _gather_bucket(self, bucket):
         """Stage 4 for one bucket: the parameter all-gather; every DP rank again holds its full TP pieces."""
@@ -1573,35 +1320,32 @@ def batched_newton_schulz(stack, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, e
     return newton_schulz(stack, steps, coefficients, eps, fused_mm=torch.baddbmm)
 
 
-def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
+def newton_schulz_owned(full, group_of, ledger, batched=False, large_runs=None):
     """Newton-Schulz of every matrix an owner holds ({name: full matrix}): {name: ortho}.
 
     One matrix at a time by default: the 2-D path torch.optim.Muon takes, hence
     torch's bits. batched: one call per (shape, hyperparameters) stack, so many
     small matrices cost one call instead of many; not bitwise equal to torch, within
-    BATCHED_NS_BOUND (above). blocks: {name: its blocks of rows}, orthogonalized
-    block by block (section 1), one 2-D call each.
+    BATCHED_NS_BOUND (above). Matrices large_runs orthogonalizes by blocks go one by one.
     """
-    orthos, blocks = {}, blocks or {}
+    orthos = {}
     if batched:
         stacks = {}
         for name, matrix in full.items():
-            if name in blocks:
+            if large_runs is not None and name in large_runs.blocks:
                 continue
             g = group_of[name]
             stacks.setdefault((matrix.shape, g["ns_steps"], ns_coefficients_of(g["ns_coefficients"], g["ns_steps"]),
-                                   g["ns_eps"]), []).append(name)
-        for (_, steps, coefficients, eps), names in stacks.items():
+                               g["ns_eps"]), []).append(name)
+        for (shape, steps, coefficients, eps), names in stacks.items():
             with record_function("newton-schulz"):
                 stack = batched_newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
             orthos.update(zip(names, stack.unbind(0)))
+            for name in names:
+                ledger.record_compute(name, tuple(shape), newton_schulz_flops(shape, steps))
     for name, matrix in full.items():
         if name not in orthos:
-            with record_function("newton-schulz"):
-                orthos[name] = newton_schulz_of(matrix, group_of[name], blocks.get(name))
-    for name in full:
-        shape = tuple(full[name].shape)
-        ledger.record_compute(name, shape, newton_schulz_flops_of(shape, group_of[name]["ns_steps"], blocks.get(name)))
+            orthos[name] = orthogonalize(name, matrix, group_of[name], ledger, large_runs)
     return orthos
 
 
@@ -1743,14 +1487,6 @@ def check_owner_options(name=str, *, overlap):
         raise ValueError(f"{name('overlap')} must be an integer >= 0 (got {overlap!r})")
 
 
-def check_owner_tp_newton_schulz(strategy, tp_newton_schulz):
-    """The owner strategies refuse tp_newton_schulz="gram": it has every TP peer orthogonalize its own
-    piece, which is the gather strategy (an owner receives the whole matrix anyway)."""
-    if tp_newton_schulz != "gather":
-        raise ValueError(f"tp_newton_schulz={tp_newton_schulz!r} applies to the gather strategy only: strategy "
-                         f"{strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
-
-
 class OwnerMuon(DistributedMuon):
     """The owner strategy: ZeRO-1 exactly as in section 5 (the same buckets, reduce-scatter,
     momentum parts and all-gather); only stage 3 changes, to gather at owner -> Newton-Schulz
@@ -1770,7 +1506,6 @@ class OwnerMuon(DistributedMuon):
 
     def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
         check_owner_options(overlap=overlap)
-        check_owner_tp_newton_schulz(self.strategy, kwargs.get("tp_newton_schulz", "gather"))
         self.owner_override, self.overlap, self.batched_ns = owners, overlap, batched_ns
         super().__init__(params, **kwargs)
 
@@ -1779,15 +1514,18 @@ class OwnerMuon(DistributedMuon):
 
     def _plan(self):
         world = self.grid.world.size
-        self.ns_flops = {n: newton_schulz_flops_of(self.layout.global_shapes[n], self.group_of[n]["ns_steps"],
-                                                   self.blocks.get(n)) for n in self.muon_names}
+        large_runs = self.large_runs
+        self.ns_flops = {n: large_runs.flops(n, self.layout.global_shapes[n], self.group_of[n]["ns_steps"])
+                         if large_runs is not None and n in large_runs.blocks else
+                         newton_schulz_flops(self.layout.global_shapes[n], self.group_of[n]["ns_steps"])
+                         for n in self.muon_names}
         self.owners = (check_owners(self.owner_override, self.muon_names, world) if self.owner_override is not None
                        else assign_owners(self.ns_flops, world, self.layout.global_shapes))
         self.routes = plan_routes(self.muon_names, self.owners, self.part_of, self.layout, self.grid,
                                   self._route_axis())
 
     def _newton_schulz_owned(self, full):
-        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns, self.blocks)
+        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns, self.large_runs)
 
     def _stages(self, active):
         """Without overlap, on more than one rank: each stage for every bucket, then the next
@@ -1927,58 +1665,6 @@ class CommFreeMuon(OwnerMuon):
 # Every strategy, by the name --strategy takes.
 OPTIMIZERS = {"gather": DistributedMuon, "owner": OwnerMuon, "comm-free": CommFreeMuon}
 STRATEGIES = tuple(OPTIMIZERS)
-
-
-# =============================================================================
-# 7. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
-# =============================================================================
-# torch.optim.Muon orthogonalizes each parameter whole, with one quintic, and
-# does nothing after the update. Large runs do more. Each addition is an option of
-# every optimizer above (the Gram form of the gather strategy only: an owner
-# receives the whole matrix anyway), off by default (torch's behaviour), and a flag
-# of the script; each is defined where the step needs it; here is what each moves.
-#
-# Blocks (row_layouts + ns_blocks, section 1's newton_schulz_blocks). A fused QKV
-# is orthogonalized as the matrices it stands for: "blocks", Q, K and V, each
-# with every head's rows (Moonlight); "heads", each head's q, k and v alone. The
-# blocks are rows of the full matrix, which the TP gather (or the gather at the
-# owner) brings anyway: nothing new moves. Each run of rows of a rank's part then
-# takes its block's lr adjustment (block_runs). Laid out head by head, a split
-# by rows gives every TP rank whole heads; a split by columns, every row:
-#
-#   rows of the full QKV:  q0 k0 v0 | q1 k1 v1 | q2 k2 v2 | q3 k3 v3
-#   TP = 2 by rows:        <-------- TP 0 ------> <-------- TP 1 ------>
-#   "blocks": Q = q0 q1 q2 q3, K = k0 .. k3, V = v0 .. v3    "heads": q0, k0, v0, q1, ...
-#
-# Polar Express (ns_coefficients="polar_express", section 1): one (a, b, c) per
-# iteration. Nothing new moves.
-#
-# QK-clip (qk_clip_tau, clip_qk_ after the step). The largest logit of a head is
-# known where its attention was computed: on each DP rank (its own batch), on the
-# TP rank that holds the head. A 1-byte vote over the world first (bad maxima on
-# any rank: every rank refuses, nothing changed), then one MAX all-reduce over DP
-# of 4 bytes per TP-local head (a QKV not split by rows: over the world, every
-# head), and every rank scales its own rows of W_q and W_k (the weights are whole
-# on every DP rank again after the step):
-#
-#   (DP 0, TP t): S_h of its batch, heads of TP t --\                        /--> (DP 0, TP t) scales
-#   (DP 1, TP t): ...                             ---+-- MAX over DP: S_h --+--> q_h, k_h rows by
-#   (DP 3, TP t): ...                             --/                        \--> sqrt(min(1, tau / S_h))
-#
-# Newton-Schulz on TP pieces (tp_newton_schulz="gram", gather strategy: section 5's
-# newton_schulz_tp). A (m, n) matrix, m < n, split along n never meets; its TP
-# ranks add up their Gram matrices instead, each iteration:
-#
-#   TP 0: X_0 --X_0 X_0^T--\                                      /-- X_0 <- a X_0 + (b A + c A A) X_0
-#                           +-- SUM all-reduce: A (m x m) fp32 --+
-#   TP 1: X_1 --X_1 X_1^T--/                                      \-- X_1 <- a X_1 + (b A + c A A) X_1
-#
-# Bytes a TP rank receives per matrix: the gather, (TP - 1)/TP x m n x 2 (bf16);
-# the Gram, 2 (TP - 1)/TP x m m x 4 per iteration: fewer only when n > 4 x steps
-# x m (20 m at 5 steps). What it always saves is the work: each TP rank does 1/TP
-# of the long side instead of the whole matrix. It is not torch's bits (the sum is
-# another order): section 8 bounds it.
-#
 
 
 if __name__ == "__main__":

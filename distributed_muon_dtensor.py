@@ -90,6 +90,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.profiler import record_function
 
 import distributed_muon_cpu as dm
+import muon_large_runs as mlr
 import muon_tools as mt
 
 # =============================================================================
@@ -356,12 +357,12 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
 # -----------------------------------------------------------------------------
 # 3b. Rows of a laid-out matrix: fused blocks and QK-clip, on any local piece
 # -----------------------------------------------------------------------------
-# The lesson's RowLayout (its section 7) names the rows of a FULL matrix: a
+# muon_large_runs.py's RowLayout (the lesson's section 7) names the rows of a FULL matrix: a
 # fused QKV laid out head by head is periods = heads of segments (q, k, v). Two
 # additions need to know which rows a rank's LOCAL piece holds, whatever cut it
 # (FSDP2's Shard(0) or _StridedShard on dp, TP's Shard(0) or Shard(1)):
 #
-#   blocks   the owner orthogonalizes each block alone (dm.newton_schulz_blocks:
+#   blocks   the owner orthogonalizes each block alone (mlr.newton_schulz_blocks:
 #            "blocks" joins a segment across heads, Q K V; "heads" takes each
 #            segment of each head), so each block's update takes the adjusted lr
 #            of its OWN (rows, cols), as torch.optim.Muon on the blocks as
@@ -384,7 +385,7 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
 # expert is its own matrix (section 3), so its blocks are too (e.g. a fused
 # SwiGLU gate | up, orthogonalized as gate and up); QK-clip, which scales
 # attention heads, does not apply to an expert stack (refused).
-QK_SEGMENTS = dm.QK_SEGMENTS  # the segments of a RowLayout that QK-clip scales
+QK_SEGMENTS = mlr.QK_SEGMENTS  # the segments of a RowLayout that QK-clip scales
 
 
 def local_rows(copy, coordinate):
@@ -417,7 +418,7 @@ def head_of_qk_row(layout):
 # 3c. Newton-Schulz on TP pieces, without gathering the matrix (tp_newton_schulz="gram")
 # -----------------------------------------------------------------------------
 # When TP cuts a matrix along its LONG side (the columns of a wide one, the rows
-# of a tall one: dm.gram_eligible), Newton-Schulz needs only the small Gram matrix
+# of a tall one: mlr.gram_eligible), Newton-Schulz needs only the small Gram matrix
 # X X^T = sum_t X_t X_t^T of the (transposed-if-tall) X: the lesson's
 # newton_schulz_tp all-reduces it over the TP ranks once per iteration, and each
 # rank updates its own columns. Here the TP dim is the mesh dim named "tp"
@@ -627,7 +628,7 @@ class DTensorMuon(torch.optim.Optimizer):
 
     What large runs add (defaults: torch's behaviour; tests/test_dtensor_large_runs.py):
         opt = DTensorMuon(groups, ns_coefficients="polar_express",       # one (a, b, c) per iteration
-                          row_layouts={"attn.qkv.weight": dm.RowLayout((hd, hd, hd), heads, ("q", "k", "v"))},
+                          row_layouts={"attn.qkv.weight": mlr.RowLayout((hd, hd, hd), heads, ("q", "k", "v"))},
                           ns_blocks="blocks",                            # or "heads"
                           qk_clip_tau=100.0, tp_newton_schulz="gram")
         loss.backward(); opt.step(); opt.clip_qk_({"attn.qkv.weight": max_logit_per_head})
@@ -643,12 +644,12 @@ class DTensorMuon(torch.optim.Optimizer):
         whole on one owner; the rest keep the gather (and torch's bits). NOT always torch's bits (the
         Gram matrix is a float32 sum over ranks): each step's orthogonal matrix within the lesson's
         gram_ns_tolerance, a multiple of torch's own bf16 error against the float64 iteration on that
-        step's input (derived in its section 8; `python tests/test_dtensor_large_runs.py 10`: on 960
+        step's input (derived in muon_tools.py, section 8; `python tests/test_dtensor_large_runs.py 10`: on 960
         random shapes, 2x2 and TP 4, 926 came out torch.equal, the worst used 0.17 of the bound; with
         nearly rank-2 gradients torch's own error, and the difference, reach 2**-3.5 of the update).
         Bytes: each TP rank all-reduces 5 Gram matrices, ~40 m^2 (tp - 1) / tp bytes (m the short side,
         float32), where a gathered matrix's owner receives and sends ~4 m n (tp - 1) / tp bytes of bf16:
-        Gram moves less only when n > 20 m, sent and received counted alike (the lesson's section 7).
+        Gram moves less only when n > 20 m, sent and received counted alike (muon_large_runs.py, section 7.3).
       * These options are the same on every rank (checked), are not part of the state dict (pass them
         again when you resume), and need the automatic distributed_config.
     See help(DTensorMuon.__init__) for every argument.
@@ -682,7 +683,7 @@ class DTensorMuon(torch.optim.Optimizer):
             many small ones, not bitwise torch's (within BATCHED_NS_BOUND of it). Off by default.
         group: the process group of the exchanges (default: the whole world); every rank of it
             builds the optimizer and calls step() together.
-        row_layouts: {name: dm.RowLayout of the FULL matrix (one expert's, for a stack)}: which rows are which
+        row_layouts: {name: mlr.RowLayout of the FULL matrix (one expert's, for a stack)}: which rows are which
             (section 3b), for the two options below; the same on every rank.
         ns_blocks: "whole" (torch's: each matrix as one), "blocks" (each segment of a layout across its
             periods, e.g. Q, K, V) or "heads" (each segment of each period alone): Newton-Schulz of each block
@@ -787,7 +788,7 @@ class DTensorMuon(torch.optim.Optimizer):
             p = self.param_by_name.get(name)
             if p is None or self.group_of[name]["algorithm"] != "muon":
                 return f"row_layouts names no Muon parameter: {name}"
-            why = dm.row_layout_problem(name, layout, tuple(p.shape)[-2:], name in self.expert_stacks,
+            why = mlr.row_layout_problem(name, layout, tuple(p.shape)[-2:], name in self.expert_stacks,
                                      self.qk_clip_tau is not None)
             if why:
                 return why
@@ -800,7 +801,7 @@ class DTensorMuon(torch.optim.Optimizer):
     def _options_problem(self):
         """The lesson's check of ns_blocks, tp_newton_schulz and qk_clip_tau (one line), or None."""
         try:
-            dm.check_large_run_options(ns_blocks=self.ns_blocks, tp_newton_schulz=self.tp_newton_schulz,
+            mlr.check_large_run_options(ns_blocks=self.ns_blocks, tp_newton_schulz=self.tp_newton_schulz,
                                        qk_clip_tau=self.qk_clip_tau)
         except ValueError as e:
             return str(e)
@@ -866,14 +867,14 @@ class DTensorMuon(torch.optim.Optimizer):
             return -1
         d = names.index("tp")
         p = copy.placements[d]
-        return d if type(p) is Shard and copy.mesh_shape[d] > 1 and dm.gram_eligible(copy.shape, p.dim) else -1
+        return d if type(p) is Shard and copy.mesh_shape[d] > 1 and mlr.gram_eligible(copy.shape, p.dim) else -1
 
     def _flops_of(self, copy, steps):
         """Newton-Schulz FLOPs of one matrix of `copy`: whole, or block by block (section 3b)."""
         layout = self.row_layouts.get(copy.name)
         if layout is None or self.ns_blocks == "whole":
             return newton_schulz_flops(copy.matrix_shape, steps)
-        return dm.newton_schulz_flops_of(copy.matrix_shape, steps, layout.blocks(self.ns_blocks == "heads"))
+        return mlr.newton_schulz_flops_of(copy.matrix_shape, steps, layout.blocks(self.ns_blocks == "heads"))
 
     def _plan_rows(self):
         """Section 3b on this rank's local pieces: the runs of equal block height (blocks) and of equal head
@@ -1060,7 +1061,7 @@ class DTensorMuon(torch.optim.Optimizer):
         for m in pieces:  # section 3c: with every rank of this row's TP group, one all-reduce per iteration
             g = group_of[m.name]
             with record_function("newton-schulz"):
-                orthogonal[m.name] = dm.newton_schulz_tp(full[m.name], m.copy.shape, self._tp_axis(m), self.ledger,
+                orthogonal[m.name] = mlr.newton_schulz_tp(full[m.name], m.copy.shape, self._tp_axis(m), self.ledger,
                                                          g["ns_steps"], g["ns_coefficients"], g["ns_eps"])
             self.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
         orthos.update(self._scatter_from_owners(orthogonal, updates, active))
@@ -1078,7 +1079,7 @@ class DTensorMuon(torch.optim.Optimizer):
         per_head = self.ns_blocks == "heads"
         blocks = {m: self.row_layouts[self.param_of_matrix[m]].blocks(per_head) for m in full
                   if self.ns_blocks != "whole" and self.param_of_matrix[m] in self.row_layouts}
-        return dm.newton_schulz_owned(full, group_of, self.ledger, self.batched_ns, blocks)
+        return dm.newton_schulz_owned(full, group_of, self.ledger, self.batched_ns, mlr.Blocks(blocks))
 
     def _gather_at_owners(self, updates, active):
         me, dtype = self.me, torch.bfloat16
@@ -1149,11 +1150,11 @@ class DTensorMuon(torch.optim.Optimizer):
         ring's count; the Ledger's phase "QK-clip maxima"), e.g. 72 B for H = 10 heads on 4 ranks.
         No owner is involved: every rank ends with S_h, the max over every rank that computed head h,
         and scales the rows of head h it holds itself: gamma_h = min(1, tau / S_h), and head h's rows in
-        segments "q" and "k" times sqrt(gamma_h) (dm.qk_clip_scales), bit-identical to torch's step then
+        segments "q" and "k" times sqrt(gamma_h) (mlr.qk_clip_scales), bit-identical to torch's step then
         those rows times sqrt(gamma_h).
         """
-        heads_of = dm.qk_heads(self.row_layouts, self.clip_names)
-        problem = self._options_problem() or dm.max_logits_problem(max_logits, heads_of)
+        heads_of = mlr.qk_heads(self.row_layouts, self.clip_names)
+        problem = self._options_problem() or mlr.max_logits_problem(max_logits, heads_of)
         maxima = torch.full((sum(heads_of.values()) + 1,), -math.inf, dtype=torch.float32, device=self._device())
         offsets, start = {}, 0
         for name, heads in heads_of.items():
@@ -1169,7 +1170,7 @@ class DTensorMuon(torch.optim.Optimizer):
             raise ValueError("another rank found a problem with its max_logits (it raised the details)")
         out = {}
         for name, where in offsets.items():
-            scales = dm.qk_clip_scales(maxima[where].cpu(), self.qk_clip_tau)
+            scales = mlr.qk_clip_scales(maxima[where].cpu(), self.qk_clip_tau)
             flat = local_of(self.param_by_name[name]).view(-1)
             for start, stop, head in self.clip_runs[name]:
                 if scales[head] != 1.0:

@@ -1,9 +1,11 @@
-"""The tooling around the lesson: the report, the launcher, the command line, and the checks of a real training.
+"""The tooling around the lesson: a run and its check against torch, the report, the launcher, the command line.
 
-distributed_muon_cpu.py is the lesson (sections 1-8: the optimizer, what large runs add, a run,
-and its check against torch). What is here is what a command needs around it, and nothing a
-reader of the algorithm must read: it continues the lesson's numbering.
+distributed_muon_cpu.py is the lesson (sections 1-6: the optimizers), muon_large_runs.py its section 7
+(what large runs add). What is here is what a command needs around them, and nothing a reader of the
+algorithm must read: it continues the lesson's numbering.
 
+    8. A run of the demo (run_steps, the example of use), and its verification against torch.optim.Muon
+       and torch.optim.AdamW (reference_params, verify, verdict)
     9. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
     10. Main: the launcher (start, watch and stop the ranks) and the command line
     11. Training checks: how a real training is checked against one process (the bound on its
@@ -43,19 +45,31 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from distributed_muon_cpu import (ADJUST_LR_FNS, BATCHED_NS_BOUND, NS_BLOCKS, NS_COEFFICIENTS,
-                                  NS_COEFFICIENT_CHOICES, NS_EPS, NS_STEPS, N_LAYERS, OPTIMIZERS, OVERLAP_DEFAULT,
-                                  STRATEGIES, TP_NEWTON_SCHULZ, ParamSpec, adjusted_lr, check_hyperparameters,
-                                  check_large_run_options, check_owner_options, check_topology, dp_rank_grads,
-                                  gram_eligible, initial_params, load_balance, make_grid, newton_schulz,
-                                  newton_schulz_flops_of, plan_grid, rank_grid, tp_shard, transformer_row_layouts,
-                                  transformer_specs)
+from distributed_muon_cpu import (ADJUST_LR_FNS, BATCHED_NS_BOUND, NS_COEFFICIENTS, NS_COEFFICIENT_CHOICES, NS_EPS,
+                                  NS_STEPS, N_LAYERS, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, ParamSpec,
+                                  adjusted_lr, check_hyperparameters, check_owner_options, check_topology,
+                                  dp_rank_grads, initial_params, load_balance, make_grid, newton_schulz, plan_grid,
+                                  rank_grid, tp_shard, transformer_specs)
+from muon_large_runs import (NS_BLOCKS, TP_NEWTON_SCHULZ, check_large_run_options, gram_eligible,
+                             newton_schulz_flops_of, transformer_row_layouts)
 
 
 # =============================================================================
 # 8. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
 # =============================================================================
 # A run of the demo: every rank builds the optimizer over its TP pieces of the
+# section 3 model and steps it with its own gradients (run_steps: the example of
+# use). Then the reference: PyTorch's own single-device torch.optim.Muon and
+# torch.optim.AdamW on the full parameters, fed the sum of every DP rank's
+# gradient: an independent implementation, not this script's code path. Every
+# rank's TP piece of every parameter must equal the matching piece of the
+# reference bit for bit (torch.equal). No tolerance is needed by default: the only
+# cross-rank reduction that changes a value is the gradient sum, exact by
+# construction (section 3; QK-clip's maxima are a MAX, exact in any order);
+# everything else is elementwise on shards or one Newton-Schulz on the same full
+# bf16 matrix with the same thread count. Two exceptions are choices, each held to
+# a bound instead: batched_ns (section 6) and tp_newton_schulz="gram" (section 7.3's
+# newton_schulz_tp sums the Gram matrix over ranks).
 
 # The demo run needs the per-head maxima a forward pass would report: a stand-in.
 
@@ -78,19 +92,6 @@ def computed_here(max_logits, tp_rank, tp):
         out[name][tp_rank * heads:(tp_rank + 1) * heads] = s[tp_rank * heads:(tp_rank + 1) * heads]
     return out
 
-
-# section 3 model and steps it with its own gradients (run_steps: the example of
-# use). Then the reference: PyTorch's own single-device torch.optim.Muon and
-# torch.optim.AdamW on the full parameters, fed the sum of every DP rank's
-# gradient: an independent implementation, not this script's code path. Every
-# rank's TP piece of every parameter must equal the matching piece of the
-# reference bit for bit (torch.equal). No tolerance is needed by default: the only
-# cross-rank reduction that changes a value is the gradient sum, exact by
-# construction (section 3; QK-clip's maxima are a MAX, exact in any order);
-# everything else is elementwise on shards or one Newton-Schulz on the same full
-# bf16 matrix with the same thread count. Two exceptions are choices, each held to
-# a bound instead: batched_ns (section 6) and tp_newton_schulz="gram" (section 5's
-# newton_schulz_tp sums the Gram matrix over ranks).
 
 # A rank that stops beating for this long (stopped, frozen, swapped out) ends the run, and so
 # does a collective that waits this long (--timeout): many times the demo's start and step,
@@ -117,9 +118,9 @@ class RunConfig:
     overlap: int = 0  # owner / comm-free: K >= 1 pipelines the step, Newton-Schulz K units behind (section 6)
     batched_ns: bool = False  # owner / comm-free: same-shape matrices in one call (not bitwise torch's)
     ns_coefficients: str = "jordan"  # one of NS_COEFFICIENT_CHOICES (section 1)
-    ns_blocks: str = "whole"  # one of NS_BLOCKS: the fused QKV whole, by blocks or by heads (section 7)
-    tp_newton_schulz: str = "gather"  # gather: "gram" orthogonalizes eligible TP pieces where they lie (section 7)
-    qk_clip_tau: float = None  # a number > 0: QK-clip after every step, with dp_rank_max_logits (section 7)
+    ns_blocks: str = "whole"  # one of NS_BLOCKS: the fused QKV whole, by blocks or by heads (muon_large_runs.py)
+    tp_newton_schulz: str = "gather"  # gather: "gram" orthogonalizes eligible TP pieces where they lie (muon_large_runs.py)
+    qk_clip_tau: float = None  # a number > 0: QK-clip after every step, with dp_rank_max_logits (muon_large_runs.py)
     timeout_s: float = TIMEOUT_S  # a silent rank or a stuck collective ends the run after this long
     missing_grads: tuple = ()  # (name, dp_rank or -1 for all, step): gradients that are None (tests)
     fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
@@ -259,7 +260,7 @@ def run_steps(rank, cfg, device):
         if device != "cpu":
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
-        if cfg.qk_clip_tau is not None:  # what this rank's forward would have reported, then the clip (section 7)
+        if cfg.qk_clip_tau is not None:  # what this rank's forward would have reported, then the clip (muon_large_runs.py)
             max_logits = computed_here(dp_rank_max_logits(specs, cfg.seed, step, grid.dp.rank), grid.tp.rank, cfg.tp)
             qk_clip.append(opt.clip_qk_(max_logits))
         if step == resume_at:
@@ -452,7 +453,7 @@ def batched_ns_tolerance(steps, lr, adjust_lr_fn, shape, bound=BATCHED_NS_BOUND)
     return steps * adjusted_lr(lr, adjust_lr_fn, shape) * 1.5 * bound
 
 
-# newton_schulz_tp (section 5) against torch's Newton-Schulz of the whole matrix: both are bf16
+# newton_schulz_tp (section 7.3) against torch's Newton-Schulz of the whole matrix: both are bf16
 # evaluations of the same iteration, so |O_gram - O_torch| <= |O_gram - O_64| + |O_torch - O_64|,
 # O_64 the iteration in float64 on the same input, and torch's own error is computed on each
 # step's real input. The Gram path does torch's operations on the same bf16 values but two, the
@@ -798,7 +799,7 @@ def run_rank(rank, body, cfg, port, out_dir, heartbeats, launcher):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_process(f"muon rank {rank}")
     start_heartbeat(heartbeats, rank, launcher)
-    torch.set_num_threads(1)  # same thread count everywhere (distributed_muon_cpu.py, section 8)
+    torch.set_num_threads(1)  # same thread count everywhere (section 8)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=cfg.dp * cfg.tp, timeout=datetime.timedelta(seconds=cfg.timeout_s))

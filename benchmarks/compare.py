@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_large_runs as mlr  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 COMPARED = dm.STRATEGIES + (mt.BASELINE,)  # every strategy, then the baseline
@@ -163,14 +164,14 @@ GRAM_BYTES, GATHER_BYTES = 4, 2  # float32 Gram and norm (newton_schulz_tp); the
 def tp_newton_schulz_costs(shape, tp_split_dim, tp, ns_steps=dm.NS_STEPS):
     """What one TP rank sends per step for one matrix, and its Newton-Schulz FLOPs, both ways:
     dict(gather_bytes, gram_bytes, gather_flops, gram_flops, eligible); gram_* are None where the split
-    cuts the short side (dm.gram_eligible: X X^T is then not a sum over the pieces)."""
+    cuts the short side (mlr.gram_eligible: X X^T is then not a sum over the pieces)."""
     m = min(shape)
     numel = shape[0] * shape[1]
     gather_bytes = (tp - 1) * (numel // tp) * GATHER_BYTES
-    eligible = dm.gram_eligible(shape, tp_split_dim)
+    eligible = mlr.gram_eligible(shape, tp_split_dim)
     ring = lambda k: 2 * (tp - 1) * -(-k // tp)  # noqa: E731 -- a ring all-reduce's elements, as dm.all_reduce counts
     gram_bytes = (ring(1) + ns_steps * ring(m * m)) * GRAM_BYTES if eligible else None
-    gram_flops = dm.newton_schulz_tp_flops(shape, tp, ns_steps) if eligible else None
+    gram_flops = mlr.newton_schulz_tp_flops(shape, tp, ns_steps) if eligible else None
     return dict(gather_bytes=gather_bytes, gram_bytes=gram_bytes, gather_flops=dm.newton_schulz_flops(shape, ns_steps),
                 gram_flops=gram_flops, eligible=eligible)
 

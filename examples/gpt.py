@@ -47,6 +47,7 @@ from torch.profiler import record_function
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_large_runs as mlr  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -305,10 +306,10 @@ class GPT(nn.Module):
 
 
 def qkv_row_layouts(config):
-    """{qkv weight name: dm.RowLayout} of the FULL (TP-gathered) fused QKV matrices: head by head, each
+    """{qkv weight name: mlr.RowLayout} of the FULL (TP-gathered) fused QKV matrices: head by head, each
     head's q, k and v rows (head_dim each), as Attention lays them out; for ns_blocks and QK-clip."""
     hd = config.d_model // config.n_heads
-    layout = dm.RowLayout((hd, hd, hd), config.n_heads, ("q", "k", "v"))
+    layout = mlr.RowLayout((hd, hd, hd), config.n_heads, ("q", "k", "v"))
     return {f"blocks.{i}.attn.qkv.weight": layout for i in range(config.n_layers)}
 
 

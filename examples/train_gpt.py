@@ -68,6 +68,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_large_runs as mlr  # noqa: E402
 import muon_tools as mt  # noqa: E402
 from muon_tools import bound_ratio, loss_drift, one_ulp_up  # noqa: E402
 from gpt import GPT, GPTConfig, check_gpt, param_groups, qkv_row_layouts  # noqa: E402
@@ -110,9 +111,9 @@ class TrainConfig:
     progress: bool = True  # rank 0 prints a progress line every log_every steps
     fail_rank: int = -1  # for tests: this rank raises at step 1
     qk_clip: float = None  # tau of QK-clip (None: off)
-    ns_blocks: str = "whole"  # one of dm.NS_BLOCKS: what Newton-Schulz sees of the fused QKV
+    ns_blocks: str = "whole"  # one of mlr.NS_BLOCKS: what Newton-Schulz sees of the fused QKV
     ns_coefficients: str = "jordan"  # one of dm.NS_COEFFICIENT_CHOICES
-    tp_newton_schulz: str = "gather"  # one of dm.TP_NEWTON_SCHULZ: gram orthogonalizes TP pieces where they lie
+    tp_newton_schulz: str = "gather"  # one of mlr.TP_NEWTON_SCHULZ: gram orthogonalizes TP pieces where they lie
 
     def gpt(self):
         return GPTConfig(context=self.context, d_model=self.d_model, n_layers=self.layers,
@@ -691,7 +692,7 @@ def by_gram(cfg, spec):
     matrix split along its long side, not taken apart by --ns-blocks)."""
     blocked = cfg.ns_blocks != "whole" and spec.name in qkv_row_layouts(cfg.gpt())
     return (cfg.tp_newton_schulz == "gram" and cfg.tp > 1 and cfg.optimizer == "muon" and spec.group == "muon"
-            and not blocked and dm.gram_eligible(spec.global_shape, spec.tp_split_dim))
+            and not blocked and mlr.gram_eligible(spec.global_shape, spec.tp_split_dim))
 
 
 def replay_tolerance(cfg, spec, ns_inputs, rank_order=True):
@@ -919,12 +920,12 @@ def build_parser():
     p.add_argument("--qk-clip", type=float, metavar="TAU", dest="qk_clip",
                    help="QK-clip (Kimi K2's MuonClip): after each step, shrink W_q and W_k of every head whose "
                         "largest logit passed TAU (default off)")
-    p.add_argument("--ns-blocks", choices=dm.NS_BLOCKS, default=d.ns_blocks,
+    p.add_argument("--ns-blocks", choices=mlr.NS_BLOCKS, default=d.ns_blocks,
                    help="Newton-Schulz of the fused QKV: whole (default, torch's), blocks (Q, K, V apart) or "
                         "heads (each head's q, k, v apart)")
     p.add_argument("--ns-coefficients", choices=tuple(dm.NS_COEFFICIENT_CHOICES), default=d.ns_coefficients,
                    help="jordan (default: torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932)")
-    p.add_argument("--tp-newton-schulz", choices=dm.TP_NEWTON_SCHULZ, default=d.tp_newton_schulz,
+    p.add_argument("--tp-newton-schulz", choices=mlr.TP_NEWTON_SCHULZ, default=d.tp_newton_schulz,
                    help="gather (default): TP gather -> Newton-Schulz -> TP shard; gram: TP pieces split along "
                         "the long side orthogonalized where they lie, one Gram all-reduce per iteration "
                         "(--strategy gather)")

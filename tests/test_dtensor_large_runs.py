@@ -17,7 +17,7 @@ matrix, and torch.optim.Muon itself:
   * Polar Express: torch.optim.Muon with its Newton-Schulz (torch.optim._muon._zeropower_via_newtonschulz) swapped
     for one with one (a, b, c) per iteration and torch's op choice (torch.addmm): torch.equal;
   * Gram: torch.optim.Muon; not always bit-identical (float32 sums over ranks inside each iteration), held to the
-    lesson's gram_tolerance (its section 8 derives it from torch's own bf16 error on each step's input).
+    lesson's gram_tolerance (muon_tools.py section 8 derives it from torch's own bf16 error on each step's input).
 
 `python tests/test_dtensor_large_runs.py [seeds]` prints the Gram sweep's figures.
 """
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conftest import dm, mt
+from conftest import dm, mlr, mt
 
 import distributed_muon_dtensor as dd  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
@@ -41,11 +41,11 @@ D = 8  # model width
 # Row layouts of the FULL matrices. The fused QKV has GQA-like heights (q 3, k 2, v 2 rows per head), so its blocks
 # differ in shape and so in adjusted lr; W_q and W_k are separate (4 heads of 3 rows); W_o is laid out only to have
 # a laid-out matrix that TP cuts by columns (RowwiseParallel); each expert of the stack is a fused SwiGLU gate | up.
-LAYOUTS = {"qkv.weight": dm.RowLayout((3, 2, 2), 2, ("q", "k", "v")),
-           "wq.weight": dm.RowLayout((3,), 4, ("q",)),
-           "wk.weight": dm.RowLayout((3,), 4, ("k",)),
-           "wo.weight": dm.RowLayout((3, 2), 2, ("a", "b")),
-           "experts": dm.RowLayout((3, 3), 1, ("gate", "up"))}
+LAYOUTS = {"qkv.weight": mlr.RowLayout((3, 2, 2), 2, ("q", "k", "v")),
+           "wq.weight": mlr.RowLayout((3,), 4, ("q",)),
+           "wk.weight": mlr.RowLayout((3,), 4, ("k",)),
+           "wo.weight": mlr.RowLayout((3, 2), 2, ("a", "b")),
+           "experts": mlr.RowLayout((3, 3), 1, ("gate", "up"))}
 HEADS = {"qkv.weight": 2, "wq.weight": 4, "wk.weight": 4}  # the parameters QK-clip scales
 TAU = 20.0
 GROUPS = (dict(lr=0.02, weight_decay=0.1), dict(lr=0.03, weight_decay=0.05, adjust_lr_fn="spectral_unclamped"))
@@ -182,7 +182,7 @@ def build(case, rank):
               for i, options in enumerate(GROUPS)]
     layouts = dict(LAYOUTS) if case.ns_blocks != "whole" or case.clip else {}
     if case.bad == "layouts" and rank == 1:
-        layouts["wo.weight"] = dm.RowLayout((2, 3), 2, ("a", "b"))
+        layouts["wo.weight"] = mlr.RowLayout((2, 3), 2, ("a", "b"))
     opt = dd.DTensorMuon(groups, expert_stacks={"experts"} if case.sweep < 0 else (),
                          ns_coefficients=case.ns_coefficients,
                          row_layouts=layouts, ns_blocks=case.ns_blocks, qk_clip_tau=TAU if case.clip else None,
@@ -520,7 +520,7 @@ def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals
     Gram matrix per iteration over one TP group; the others (gate: TP cuts its short side; the expert stack) keep
     the gather and stay torch.equal. On 4x1 there is no TP: everything torch.equal.
 
-    The bound: the lesson's gram_tolerance (its section 8 derives it and states its assumption), from the
+    The bound: the lesson's gram_tolerance (muon_tools.py section 8 derives it and states its assumption), from the
     Newton-Schulz inputs torch's own step records here. Measured (`python tests/test_dtensor_large_runs.py 10`):
     see the docstring of DTensorMuon; most matrices come out bit-identical, the others differ."""
     case, ranks = runs[Case(mesh, gram=True).label]
@@ -614,19 +614,19 @@ def test_bad_options_are_refused_at_construction_in_one_line():
                   f"qk_clip_tau must be a number > 0 and finite (got {tau!r})")
                  for tau in (0.0, -1.0, math.nan, math.inf, True, "20")],
                (dict(row_layouts={"x": qkv}), "row_layouts names no Muon parameter: x"),
-               (dict(row_layouts={"w": dm.RowLayout((3, 2, 2), 3, ("q", "k", "v"))}),
+               (dict(row_layouts={"w": mlr.RowLayout((3, 2, 2), 3, ("q", "k", "v"))}),
                 "row_layouts['w'] has 3 x 7 = 21 rows; the matrix has 14"),
-               (dict(row_layouts={"v": dm.RowLayout((3, 2), 1)}),
+               (dict(row_layouts={"v": mlr.RowLayout((3, 2), 1)}),
                 "row_layouts['v'] has 1 x 5 = 5 rows; the matrix of each expert has 6"),
                (dict(row_layouts={"w": (3, 2, 2)}),
-                "row_layouts['w'] must be a RowLayout (distributed_muon_cpu), got tuple"),
-               (dict(row_layouts={"w": dm.RowLayout((3, 2, 2), 2, ("q", "k"))}),
+                "row_layouts['w'] must be a RowLayout (muon_large_runs), got tuple"),
+               (dict(row_layouts={"w": mlr.RowLayout((3, 2, 2), 2, ("q", "k"))}),
                 "row_layouts['w']: 2 names for 3 sizes"),
-               (dict(row_layouts={"w": dm.RowLayout((7, 0), 2)}), "row_layouts['w']: sizes must be positive integers"),
+               (dict(row_layouts={"w": mlr.RowLayout((7, 0), 2)}), "row_layouts['w']: sizes must be positive integers"),
                (dict(ns_blocks="blocks"), "ns_blocks='blocks' needs row_layouts (which rows make which block)"),
-               (dict(qk_clip_tau=1.0, row_layouts={"w": dm.RowLayout((7,), 2, ("a",))}),
+               (dict(qk_clip_tau=1.0, row_layouts={"w": mlr.RowLayout((7,), 2, ("a",))}),
                 "qk_clip_tau needs row_layouts with segments named q or k (the rows it scales)"),
-               (dict(qk_clip_tau=1.0, row_layouts={"w": qkv, "v": dm.RowLayout((3, 3), 1, ("q", "k"))}),
+               (dict(qk_clip_tau=1.0, row_layouts={"w": qkv, "v": mlr.RowLayout((3, 3), 1, ("q", "k"))}),
                 "row_layouts['v']: QK-clip scales attention heads, not the experts of an expert stack"),
                *[(dict(option, distributed_config=explicit),
                   "row_layouts, qk_clip_tau and tp_newton_schulz='gram' need the automatic distributed_config")

@@ -30,7 +30,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import ROOT, dm, mt
+from conftest import ROOT, dm, mlr, mt
 
 sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
 
@@ -238,7 +238,7 @@ def test_gram_bytes_formula_is_what_a_real_run_sends(run_grid, tp):
     TP-split matrix goes through each rank): the TP gather of tp_newton_schulz="gather", the Gram and norm
     all-reduces of "gram", every rank, summed over the matrices."""
     specs = [s for s in dm.transformer_specs() if s.group == mt.MUON_GROUP and s.tp_split_dim >= 0]
-    assert specs and all(dm.gram_eligible(s.global_shape, s.tp_split_dim) for s in specs)
+    assert specs and all(mlr.gram_eligible(s.global_shape, s.tp_split_dim) for s in specs)
     costs = [compare.tp_newton_schulz_costs(s.global_shape, s.tp_split_dim, tp) for s in specs]
     runs = {way: run_grid(1, tp, steps=1, tp_newton_schulz=way) for way in ("gather", "gram")}
     unsplit = sum(dm.newton_schulz_flops(s.global_shape) for s in dm.transformer_specs()

@@ -11,7 +11,7 @@ against torch's Newton-Schulz on many shapes and seeds.
 Bit-identity (torch.equal) holds for blocks, Polar Express and QK-clip: the same operations on the
 same bf16 matrices as torch.optim.Muon's on the blocks, its rows scaled by the same double. Gram does
 not (the float32 Gram sum over TP ranks runs in another order, so a bf16 rounding near a tie can go
-the other way): it is held to gram_ns_tolerance (distributed_muon_cpu.py, section 8, where it is
+the other way): it is held to gram_ns_tolerance (muon_tools.py, section 8, where it is
 derived: (1 + GRAM_ERROR_RATIO) x torch's own bf16 error against the float64 iteration, assuming the Gram
 path's own error is at most GRAM_ERROR_RATIO x torch's), on random and on nearly low-rank matrices; the
 assumption is checked and measured here.
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import large_runs_reference as ref
-from conftest import BUCKET, STEPS, dm, mt
+from conftest import BUCKET, STEPS, dm, mlr, mt
 
 GRIDS = ((4, 2), (2, 4), (1, 8))
 TAU = 100.0
@@ -46,9 +46,9 @@ def demo_configs():
 # (full shape, TP split dim, row layout or None). GQA: each of 4 key-value heads has 2 query heads.
 HD = 4
 MATRICES = {
-    "gqa.qkv": ((64, 32), 0, dm.RowLayout((2 * HD, HD, HD), 4, ("q", "k", "v"))),
-    "sep.q": ((32, 64), 1, dm.RowLayout((2 * HD,), 4, ("q",))),
-    "sep.k": ((16, 48), -1, dm.RowLayout((HD,), 4, ("k",))),
+    "gqa.qkv": ((64, 32), 0, mlr.RowLayout((2 * HD, HD, HD), 4, ("q", "k", "v"))),
+    "sep.q": ((32, 64), 1, mlr.RowLayout((2 * HD,), 4, ("q",))),
+    "sep.k": ((16, 48), -1, mlr.RowLayout((HD,), 4, ("k",))),
     "plain": ((24, 40), 1, None),
     "tall": ((80, 16), 0, None),
 }
@@ -160,12 +160,12 @@ def refusals(grid, rank):
         construct[f"gram with {s}"] = attempt(lambda s=s: build(grid, s, "heads", tp_newton_schulz="gram"))
     construct["layout of too many rows"] = attempt(lambda: dm.DistributedMuon(
         [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid,
-        row_layouts={"w": dm.RowLayout((4,), 4, ("q",))}))
+        row_layouts={"w": mlr.RowLayout((4,), 4, ("q",))}))
     construct["layout of an unknown matrix"] = attempt(lambda: dm.DistributedMuon(
         [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid,
-        row_layouts={"v": dm.RowLayout((4,), 2, ("q",))}))
-    for case, rows in (("two names, one size", dm.RowLayout((4,), 2, ("q", "k"))),
-                       ("a size of 0", dm.RowLayout((0, 8), 1, ("q", "k"))), ("not a RowLayout", (4, 4))):
+        row_layouts={"v": mlr.RowLayout((4,), 2, ("q",))}))
+    for case, rows in (("two names, one size", mlr.RowLayout((4,), 2, ("q", "k"))),
+                       ("a size of 0", mlr.RowLayout((0, 8), 1, ("q", "k"))), ("not a RowLayout", (4, 4))):
         construct[case] = attempt(lambda rows=rows: dm.DistributedMuon(
             [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid, row_layouts={"w": rows}))
     return dict(clip=clip, construct=construct)
@@ -200,7 +200,7 @@ def gram_measure(grid):
     for shape, seed, coefficients, low_rank in gram_cases(grid.tp.size):
         split = 1 if shape[0] <= shape[1] else 0
         ledger = dm.Ledger()
-        piece = dm.newton_schulz_tp(dm.tp_shard(gram_input(shape, seed, low_rank), split, grid.tp.rank, grid.tp.size),
+        piece = mlr.newton_schulz_tp(dm.tp_shard(gram_input(shape, seed, low_rank), split, grid.tp.rank, grid.tp.size),
                                     shape, grid.tp, ledger, 5, coefficients)
         sent = sum(r["sent"] for r in ledger.comm if r["phase"] == "TP Gram")
         if grid.dp.rank == 0:
@@ -416,7 +416,7 @@ def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
     assert construct["layout of too many rows"] == "row_layouts['w'] has 4 x 4 = 16 rows; the matrix has 8"
     assert construct["two names, one size"] == "row_layouts['w']: 2 names for 1 sizes"
     assert construct["a size of 0"].startswith("row_layouts['w']: sizes must be positive integers and periods >= 1")
-    assert construct["not a RowLayout"] == "row_layouts['w'] must be a RowLayout (distributed_muon_cpu), got tuple"
+    assert construct["not a RowLayout"] == "row_layouts['w'] must be a RowLayout (muon_large_runs), got tuple"
     assert construct["layout of an unknown matrix"] == "row_layouts names v, which is not a Muon matrix"
     assert all(r["eight_tp"] == "TP 8 does not divide the 4 heads of a row layout" for r in spawned[1])
 
@@ -447,7 +447,7 @@ def test_gram_is_within_its_bound_on_many_shapes_and_seeds(spawned):
 
 
 def test_the_lessons_reference_is_the_tests_reference():
-    """verify's reference (the lesson's section 8) and this file's agree bit for bit on the demo's matrices."""
+    """verify's reference (muon_tools.py, section 8) and this file's agree bit for bit on the demo's matrices."""
     cfg = mt.RunConfig(dp=2, tp=1, steps=STEPS, ns_coefficients="polar_express", ns_blocks="heads", qk_clip_tau=TAU)
     specs = mt.demo_specs(cfg)
     lesson = mt.reference_params(specs, cfg)
@@ -455,10 +455,10 @@ def test_the_lessons_reference_is_the_tests_reference():
     start = dm.initial_params(specs, cfg.seed)
     grads = [mt.total_grads(specs, cfg.seed, step, cfg.dp) for step in range(1, cfg.steps + 1)]
     maxima = [{n: torch.stack([mt.dp_rank_max_logits(specs, cfg.seed, step, d)[n] for d in range(cfg.dp)]).amax(0)
-               for n in dm.transformer_row_layouts(specs)} for step in range(1, cfg.steps + 1)]
+               for n in mlr.transformer_row_layouts(specs)} for step in range(1, cfg.steps + 1)]
     theirs, _ = ref.reference_muon({n: start[n] for n in matrices}, [{n: g[n] for n in matrices} for g in grads],
                                    lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                                   coefficients=dm.POLAR_EXPRESS, layouts=dm.transformer_row_layouts(specs),
+                                   coefficients=dm.POLAR_EXPRESS, layouts=mlr.transformer_row_layouts(specs),
                                    per_head=True, tau=TAU, max_logits=maxima)
     assert all(torch.equal(lesson[n], theirs[n]) for n in matrices)
 
@@ -473,10 +473,10 @@ def test_polar_express_and_blocks_are_torchs_newton_schulz(seed):
         for steps in (3, 5, 9):
             assert torch.equal(dm.newton_schulz(m, steps, "polar_express"),
                                ref.newton_schulz_per_iteration(m, dm.POLAR_EXPRESS, steps))
-    layout = dm.RowLayout((6, 2, 2), 3, ("q", "k", "v"))
+    layout = mlr.RowLayout((6, 2, 2), 3, ("q", "k", "v"))
     m = torch.randn(layout.rows, 24, generator=g)
     for per_head in (False, True):
-        out = dm.newton_schulz_blocks(m, layout.blocks(per_head))
+        out = mlr.newton_schulz_blocks(m, layout.blocks(per_head))
         for rows in ref.block_rows(layout, per_head):
             assert torch.equal(out[rows], torch.optim._muon._zeropower_via_newtonschulz(m[rows], dm.NS_COEFFICIENTS,
                                                                                         5, 1e-7))

@@ -1,0 +1,431 @@
+"""What large runs add to the lesson's optimizers: fused QKV by blocks, Newton-Schulz on TP pieces, QK-clip.
+
+Section 7 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-6 first.
+torch.optim.Muon orthogonalizes each parameter whole, with one quintic, and does nothing after the
+update. Large runs do more; each addition is an option of every optimizer of the lesson
+(DistributedMuon, OwnerMuon, CommFreeMuon; the Gram form of the gather strategy only: an owner
+receives the whole matrix anyway) and of DTensorMuon, off by default (torch's behaviour), and a flag
+of the script:
+
+    row_layouts + ns_blocks   7.1-7.2  a fused QKV orthogonalized as the matrices it stands for
+    tp_newton_schulz="gram"   7.3      a matrix TP cuts along its long side orthogonalized where it lies
+    qk_clip_tau               7.4      QK-clip (MuonClip) after the step
+    ns_coefficients           section 1 of the lesson: one (a, b, c) per iteration (Polar Express);
+                                       nothing new moves
+
+An optimizer given any of the first three builds a LargeRuns (7.5) and calls it at three points of
+its step: where a matrix is orthogonalized (by blocks, or on its TP pieces), where its update is
+applied (each block's own learning-rate adjustment), and after the step (clip_qk_).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from distributed_muon_cpu import (D_MODEL, N_HEADS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce, all_reduce_sum,
+                                  any_rank, newton_schulz, newton_schulz_flops, ns_coefficients_of)
+
+# -----------------------------------------------------------------------------
+# 7. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
+# =============================================================================
+# Five parts: the row layout that names a fused matrix's rows (7.1), orthogonalizing
+# by its blocks (7.2), Newton-Schulz on TP pieces (7.3), QK-clip (7.4), and the
+# object the optimizers call (7.5). Polar Express is section 1's: one (a, b, c)
+# per iteration, and nothing new moves.
+
+
+# -----------------------------------------------------------------------------
+# 7.1 Row layouts: which rows of a fused matrix are which
+# -----------------------------------------------------------------------------
+# A fused QKV is one parameter to the optimizer, three (or 3 x heads) matrices to
+# the model. A RowLayout names its rows, head by head as Megatron lays them out,
+# so that the blocks (7.2) and QK-clip's heads (7.4) can be found in any piece of
+# it that TP and ZeRO-1 leave on a rank.
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Which rows of a full (TP-gathered) matrix are which: `periods` repeats (one per attention head) of
+    segments of `sizes` rows named `names`. The fused QKV below, head by head: sizes (hd, hd, hd), names
+    ("q", "k", "v"), periods = heads; a separate W_q: sizes (hd,), names ("q",)."""
+    sizes: tuple
+    periods: int = 1
+    names: tuple = ()
+
+    @property
+    def rows(self):
+        return self.periods * sum(self.sizes)
+
+    def segment_rows(self, period, segment):
+        start = period * sum(self.sizes) + sum(self.sizes[:segment])
+        return range(start, start + self.sizes[segment])
+
+    def blocks(self, per_head=False):
+        """Row indices of each matrix Newton-Schulz sees alone: segment i of every period joined
+        (Q, K, V), or per_head, each period's segments alone."""
+        segments = range(len(self.sizes))
+        if per_head:
+            return [list(self.segment_rows(p, s)) for p in range(self.periods) for s in segments]
+        return [[r for p in range(self.periods) for r in self.segment_rows(p, s)] for s in segments]
+
+    def block_heights(self, per_head=False):
+        """For every row, the number of rows of its block (what its learning-rate adjustment sees)."""
+        heights = [0] * self.rows
+        for rows in self.blocks(per_head):
+            for r in rows:
+                heights[r] = len(rows)
+        return heights
+
+    def tp_piece(self, tp):
+        """The layout of one TP rank's rows when the matrix is split along dim 0 in equal parts."""
+        if self.periods % tp:
+            raise ValueError(f"TP {tp} does not divide the {self.periods} heads of a row layout")
+        return replace(self, periods=self.periods // tp)
+
+
+def transformer_row_layouts(specs, d=D_MODEL, heads=N_HEADS):
+    """{name: RowLayout} of the fused QKV matrices, laid out head by head as Megatron's are (so that a
+    column-parallel split gives each TP rank whole heads)."""
+    hd = d // heads
+    return {s.name: RowLayout((hd, hd, hd), heads, ("q", "k", "v")) for s in specs
+            if s.name.endswith("attn.qkv.weight")}
+
+
+def row_layout_problem(name, rows, matrix_shape, expert_stack=False, qk_clip=False):
+    """None if `rows` (a RowLayout) describes the rows of `name`'s full (out, in) matrix, else why not
+    (one line); DTensorMuon asks the same of each expert's matrix."""
+    if not isinstance(rows, RowLayout):
+        return f"row_layouts[{name!r}] must be a RowLayout (muon_large_runs), got {type(rows).__name__}"
+    if not (isinstance(rows.periods, int) and rows.periods >= 1 and rows.sizes
+            and all(isinstance(s, int) and s >= 1 for s in rows.sizes)):
+        return f"row_layouts[{name!r}]: sizes must be positive integers and periods >= 1 (got {rows})"
+    if rows.names and len(rows.names) != len(rows.sizes):
+        return f"row_layouts[{name!r}]: {len(rows.names)} names for {len(rows.sizes)} sizes"
+    if rows.rows != matrix_shape[0]:
+        return (f"row_layouts[{name!r}] has {rows.periods} x {sum(rows.sizes)} = {rows.rows} rows; "
+                f"the matrix{' of each expert' if expert_stack else ''} has {matrix_shape[0]}")
+    if qk_clip and expert_stack and set(rows.names) & {"q", "k"}:
+        return f"row_layouts[{name!r}]: QK-clip scales attention heads, not the experts of an expert stack"
+    return None
+
+
+def check_row_layouts(row_layouts, layout, muon_names, tp, qk_clip):
+    """Every row layout names a Muon matrix and describes its full rows; with QK-clip, a matrix TP splits
+    by rows gives each TP rank whole heads (the heads whose logits that rank computes)."""
+    for name, rows in row_layouts.items():
+        if name not in muon_names:
+            raise ValueError(f"row_layouts names {name}, which is not a Muon matrix")
+        problem = row_layout_problem(name, rows, layout.global_shapes[name])
+        if problem:
+            raise ValueError(problem)
+        if qk_clip and layout.tp_split_dims[name] == 0:
+            rows.tp_piece(tp)
+
+
+# -----------------------------------------------------------------------------
+# 7.2 Blocks: each block of rows orthogonalized alone
+# -----------------------------------------------------------------------------
+# Blocks (row_layouts + ns_blocks, section 1's newton_schulz_blocks). A fused QKV
+# is orthogonalized as the matrices it stands for: "blocks", Q, K and V, each
+# with every head's rows (Moonlight); "heads", each head's q, k and v alone. The
+# blocks are rows of the full matrix, which the TP gather (or the gather at the
+# owner) brings anyway: nothing new moves. Each run of rows of a rank's part then
+# takes its block's lr adjustment (block_runs). Laid out head by head, a split
+# by rows gives every TP rank whole heads; a split by columns, every row:
+#
+#   rows of the full QKV:  q0 k0 v0 | q1 k1 v1 | q2 k2 v2 | q3 k3 v3
+#   TP = 2 by rows:        <-------- TP 0 ------> <-------- TP 1 ------>
+#   "blocks": Q = q0 q1 q2 q3, K = k0 .. k3, V = v0 .. v3    "heads": q0, k0, v0, q1, ...
+
+
+def newton_schulz_blocks(full, blocks, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """Newton-Schulz of each block of rows alone, put back where its rows were (bf16, full's shape).
+    A block is copied out contiguous, as the separate parameter it stands for would be."""
+    out = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
+    for rows in blocks:
+        index = torch.tensor(rows, device=full.device)
+        out[index] = newton_schulz(full[index], steps, coefficients, eps)
+    return out
+
+
+def newton_schulz_of(full, group, blocks=None):
+    """Newton-Schulz with a param group's options: of the whole matrix (torch.optim.Muon's), or of each block."""
+    if blocks is None:
+        return newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+    return newton_schulz_blocks(full, blocks, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+
+
+def newton_schulz_flops_of(shape, steps, blocks=None):
+    """newton_schulz_flops of the matrix, or the sum over its blocks."""
+    if blocks is None:
+        return newton_schulz_flops(shape, steps)
+    return sum(newton_schulz_flops((len(rows), shape[1]), steps) for rows in blocks)
+
+
+class Blocks:
+    """{name: its blocks of rows} and what the step asks of them: section 5's orthogonalize and section 6's
+    newton_schulz_owned call newton_schulz_blocks for a matrix named here (LargeRuns is one; DTensorMuon
+    makes one for the matrices its owners hold)."""
+
+    def __init__(self, blocks=None):
+        self.blocks = dict(blocks or {})
+
+    def flops(self, name, shape, steps):
+        return newton_schulz_flops_of(shape, steps, self.blocks.get(name))
+
+    def newton_schulz_blocks(self, name, full, group, ledger):
+        """The full matrix `name`, orthogonalized block by block, its FLOPs counted."""
+        with record_function("newton-schulz"):
+            ortho = newton_schulz_of(full, group, self.blocks[name])
+        ledger.record_compute(name, tuple(full.shape), self.flops(name, tuple(full.shape), group["ns_steps"]))
+        return ortho
+
+
+def block_runs(heights, shape, tp_split_dim, tp_rank, part):
+    """[(start, stop, rows)]: the part (a slice of the flat TP piece of a TP-local (rows, cols) matrix)
+    cut into runs of consecutive elements whose rows lie in blocks of the same height; heights: per
+    row of the full matrix (RowLayout.block_heights). Under a split by rows the piece is a range of them."""
+    rows, cols = shape
+    first = tp_rank * rows if tp_split_dim == 0 else 0
+    runs = []
+    for r in range(part.start // cols, -(-part.stop // cols)):
+        start, stop = max(r * cols, part.start) - part.start, min((r + 1) * cols, part.stop) - part.start
+        height = heights[first + r]
+        if runs and runs[-1][2] == height:
+            runs[-1] = (runs[-1][0], stop, height)
+        else:
+            runs.append((start, stop, height))
+    return runs
+
+
+# -----------------------------------------------------------------------------
+# 7.3 Newton-Schulz on TP pieces (tp_newton_schulz="gram")
+# -----------------------------------------------------------------------------
+# Newton-Schulz on TP pieces (tp_newton_schulz="gram", gather strategy: section 5's
+# newton_schulz_tp). A (m, n) matrix, m < n, split along n never meets; its TP
+# ranks add up their Gram matrices instead, each iteration:
+#
+#   TP 0: X_0 --X_0 X_0^T--\                                      /-- X_0 <- a X_0 + (b A + c A A) X_0
+#                           +-- SUM all-reduce: A (m x m) fp32 --+
+#   TP 1: X_1 --X_1 X_1^T--/                                      \-- X_1 <- a X_1 + (b A + c A A) X_1
+#
+# Bytes a TP rank receives per matrix: the gather, (TP - 1)/TP x m n x 2 (bf16);
+# the Gram, 2 (TP - 1)/TP x m m x 4 per iteration: fewer only when n > 4 x steps
+# x m (20 m at 5 steps). What it always saves is the work: each TP rank does 1/TP
+# of the long side instead of the whole matrix. It is not torch's bits (the sum is
+# another order): muon_tools.py section 8 bounds it.
+
+
+def gram_eligible(global_shape, tp_split_dim):
+    """Whether a TP split cuts the long side (columns of a wide matrix, rows of a tall one): then
+    X X^T of the (transposed-if-tall) matrix is a sum over the TP pieces."""
+    rows, cols = global_shape
+    return (tp_split_dim == 1 and rows <= cols) or (tp_split_dim == 0 and rows > cols)
+
+
+def newton_schulz_tp(piece, global_shape, tp, ledger, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """Newton-Schulz of a matrix split along its long side over the TP ranks, without gathering it:
+    this rank's piece of the result (bf16). Per iteration one all-reduce of the small (m, m) Gram
+    matrix A = sum_t X_t X_t^T in float32 (m = the short side), then each rank updates its own
+    columns, X_t <- a X_t + (b A + c A A) X_t; the Frobenius norm is one all-reduced float. Each
+    piece's product is taken in float32 and rounded to bf16 once, after the sum, as torch's bf16
+    matmul rounds its float32 accumulation once: what differs from torch's bits is the order of
+    the float32 sum, hence a near-tie now and then rounded the other way (bounded, not bit-identical)."""
+    tall = global_shape[0] > global_shape[1]
+    x = piece.bfloat16()
+    if tall:
+        x = x.mT
+    norm_sq = all_reduce_sum(x.float().square().sum().reshape(1), tp, ledger, "TP Gram norm")
+    x = x / norm_sq.sqrt().to(torch.bfloat16).clamp(min=eps)
+    for a, b, c in ns_coefficients_of(coefficients, steps):
+        xf = x.float()
+        gram = all_reduce_sum(xf @ xf.mT, tp, ledger, "TP Gram").bfloat16()
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+def newton_schulz_tp_flops(global_shape, tp, steps=NS_STEPS):
+    """One TP rank's matmul FLOPs in newton_schulz_tp: its 1/TP of the long side in X X^T and poly X,
+    the whole (m, m) A A."""
+    m, n = sorted(global_shape)
+    return steps * (4 * m * m * (n // tp) + 2 * m * m * m)
+
+
+# -----------------------------------------------------------------------------
+# 7.4 QK-clip, after the step
+# -----------------------------------------------------------------------------
+# QK-clip (qk_clip_tau, clip_qk_ after the step). The largest logit of a head is
+# known where its attention was computed: on each DP rank (its own batch), on the
+# TP rank that holds the head. A 1-byte vote over the world first (bad maxima on
+# any rank: every rank refuses, nothing changed), then one MAX all-reduce over DP
+# of 4 bytes per TP-local head (a QKV not split by rows: over the world, every
+# head), and every rank scales its own rows of W_q and W_k (the weights are whole
+# on every DP rank again after the step):
+#
+#   (DP 0, TP t): S_h of its batch, heads of TP t --\                        /--> (DP 0, TP t) scales
+#   (DP 1, TP t): ...                             ---+-- MAX over DP: S_h --+--> q_h, k_h rows by
+#   (DP 3, TP t): ...                             --/                        \--> sqrt(min(1, tau / S_h))
+
+
+# QK-clip (MuonClip, Kimi K2, arXiv 2507.20534): after the step, an attention head whose largest
+# pre-softmax logit S exceeded tau has its logits scaled back to tau.
+def qk_clip_scales(max_logits, tau):
+    """The report's per-head form for multi-head attention: gamma_h = min(1, tau / S_max_h), and head h's
+    rows of W_q and of W_k are each multiplied by sqrt(gamma_h), so its logits q.k shrink by gamma_h when q
+    and k have no bias (Kimi's models have none); with a QKV bias, as the demo's and the GPT's, only the
+    weights' part of q and k shrinks, so a clipped head's next logits are near tau, not capped at it.
+    (Its MLA form, which leaves the shared rotary key alone, has no counterpart in plain MHA.)
+    Python floats (computed in double), one per head: the same multiplier wherever the rows lie."""
+    return [math.sqrt(min(1.0, tau / s)) if s > tau else 1.0 for s in max_logits.tolist()]
+
+
+QK_SEGMENTS = ("q", "k")  # the segments of a RowLayout that QK-clip scales
+
+
+def qk_heads(row_layouts, names):
+    """{laid-out matrix with q or k rows: its heads}, in the order of `names` (the same on every rank)."""
+    return {n: row_layouts[n].periods for n in names
+            if n in row_layouts and set(row_layouts[n].names) & set(QK_SEGMENTS)}
+
+
+def max_logits_problem(max_logits, heads):
+    """Why clip_qk_ cannot take max_logits (one line), or None; heads: qk_heads, empty when QK-clip is off."""
+    if not heads:
+        return "QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows)"
+    if not isinstance(max_logits, dict):
+        return f"max_logits must be a dict {{param name: (heads,) float32 tensor}} (got {type(max_logits).__name__})"
+    for name, s in max_logits.items():
+        if name not in heads:
+            return (f"max_logits names {name!r}, which QK-clip does not scale (it scales {', '.join(heads)}: "
+                    f"parameters laid out with q or k segments)")
+        if not torch.is_tensor(s) or s.dtype != torch.float32 or tuple(s.shape) != (heads[name],):
+            what = f"{s.dtype} of shape {tuple(s.shape)}" if torch.is_tensor(s) else type(s).__name__
+            return f"max_logits[{name!r}] must be a float32 tensor of shape ({heads[name]},) (got {what})"
+        if torch.isnan(s).any() or (s == math.inf).any():
+            return f"max_logits[{name!r}] holds NaN or +inf (a head no rank computed is -inf)"
+    return None
+
+
+# -----------------------------------------------------------------------------
+# 7.5 The options, and what the optimizers call
+# -----------------------------------------------------------------------------
+# The lesson's optimizers build a LargeRuns when any option is on: it checks the
+# options at once (before the parameters), plans once the optimizer knows its
+# layout (which matrices go by blocks, which on their TP pieces, each part's runs
+# of rows), and serves the step's three calls.
+
+
+NS_BLOCKS = ("whole", "blocks", "heads")  # torch's whole matrix; each segment with all heads joined; each head's alone
+TP_NEWTON_SCHULZ = ("gather", "gram")  # TP gather -> NS -> TP shard; or newton_schulz_tp where eligible
+
+
+def check_large_run_options(name=str, *, ns_blocks, tp_newton_schulz, qk_clip_tau):
+    """The options of what large runs add (the constructor's docstring), spelled as check_hyperparameters spells them."""
+    if ns_blocks not in NS_BLOCKS:
+        raise ValueError(f"{name('ns_blocks')} must be one of {', '.join(NS_BLOCKS)} (got {ns_blocks!r})")
+    if tp_newton_schulz not in TP_NEWTON_SCHULZ:
+        raise ValueError(f"{name('tp_newton_schulz')} must be one of {', '.join(TP_NEWTON_SCHULZ)} "
+                         f"(got {tp_newton_schulz!r})")
+    if qk_clip_tau is not None and (isinstance(qk_clip_tau, bool) or not isinstance(qk_clip_tau, (int, float))
+                                    or not (qk_clip_tau > 0 and math.isfinite(qk_clip_tau))):
+        raise ValueError(f"{name('qk_clip_tau')} must be a number > 0 and finite (got {qk_clip_tau!r})")
+
+
+def check_owner_tp_newton_schulz(strategy, tp_newton_schulz):
+    """The owner strategies refuse tp_newton_schulz="gram": it has every TP peer orthogonalize its own
+    piece, which is the gather strategy (an owner receives the whole matrix anyway)."""
+    if tp_newton_schulz != "gather":
+        raise ValueError(f"tp_newton_schulz={tp_newton_schulz!r} applies to the gather strategy only: strategy "
+                         f"{strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
+
+
+class LargeRuns(Blocks):
+    """What an optimizer of the lesson adds when it is given row_layouts, ns_blocks, tp_newton_schulz or
+    qk_clip_tau (their meaning: the module's docstring). strategy: the optimizer's ("gather", "owner",
+    "comm-free"); an owner strategy refuses the Gram form."""
+
+    def __init__(self, strategy, row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau):
+        check_large_run_options(ns_blocks=ns_blocks, tp_newton_schulz=tp_newton_schulz, qk_clip_tau=qk_clip_tau)
+        if strategy != "gather":
+            check_owner_tp_newton_schulz(strategy, tp_newton_schulz)
+        self.row_layouts, self.ns_blocks = dict(row_layouts or {}), ns_blocks
+        self.tp_newton_schulz, self.qk_clip_tau = tp_newton_schulz, qk_clip_tau
+        super().__init__()
+        self.gram, self.runs = set(), {}
+
+    def plan(self, optimizer, split_dims):
+        """Once the layout is known: {name: its blocks of rows}, and the matrices newton_schulz_tp takes."""
+        layout, grid = optimizer.layout, optimizer.grid
+        check_row_layouts(self.row_layouts, layout, optimizer.muon_names, grid.tp.size, self.qk_clip_tau is not None)
+        if self.ns_blocks != "whole":
+            self.blocks = {n: rows.blocks(self.ns_blocks == "heads") for n, rows in self.row_layouts.items()}
+        self.gram = {n for n in optimizer.muon_names if self.tp_newton_schulz == "gram" and grid.tp.size > 1
+                     and n not in self.blocks and gram_eligible(layout.global_shapes[n], split_dims[n])}
+
+    def plan_parts(self, optimizer):
+        """Once each rank's parts are known: the runs of rows of each blocked matrix's part (block_runs)."""
+        per_head = self.ns_blocks == "heads"
+        self.runs = {n: block_runs(self.row_layouts[n].block_heights(per_head), tuple(optimizer.param_by_name[n].shape),
+                                   optimizer.layout.tp_split_dims[n], optimizer.grid.tp.rank, optimizer.parts[n])
+                     for n in self.blocks}
+
+    def newton_schulz_tp(self, tp_local, meta, group, grid, ledger):
+        """This TP rank's piece of the orthogonalized matrix, from its piece alone (every TP peer takes
+        part: they share this DP shard, so they touch it too)."""
+        steps = group["ns_steps"]
+        with record_function("newton-schulz"):
+            tp_piece = newton_schulz_tp(tp_local, meta.global_shape, grid.tp, ledger, steps,
+                                        group["ns_coefficients"], group["ns_eps"])
+        ledger.record_compute(meta.name, meta.global_shape, newton_schulz_tp_flops(meta.global_shape,
+                                                                                    grid.tp.size, steps))
+        return tp_piece
+
+    @torch.no_grad()
+    def clip_qk_(self, optimizer, max_logits):
+        """QK-clip: scale the W_q and W_k rows of every head whose largest logit S exceeded
+        qk_clip_tau by sqrt(tau / S). Collective: every rank calls it after step(), when every rank
+        holds its whole TP piece again, and scales the rows of that piece. The contract, DTensorMuon's too:
+
+        max_logits: {name: float32 tensor (heads,) over the FULL matrix's heads}, the largest logit this
+        rank computed for each head, -inf for heads it did not compute; names: any of the laid-out
+        matrices with "q" or "k" rows (qk_heads), a name left out counting as -inf for every head (ranks
+        may leave out different ones). Refused on every rank before anything changes, if any rank's is
+        bad: QK-clip off, an unknown name, not float32 of (heads,), NaN or +inf (max_logits_problem).
+        Returns {every laid-out name with q or k rows: [multiplier of each head of the full matrix; None
+        for a head of whose q and k rows this rank holds no element]}.
+        What moves: after a 1-byte vote over the world ("QK-clip check"), a MAX
+        all-reduce of 4 bytes per head, over DP of the TP-local heads of a matrix TP splits by rows (its
+        heads live on one TP rank, which computes them), over the world for any other laid-out matrix.
+        """
+        heads = qk_heads(self.row_layouts, optimizer.param_by_name) if self.qk_clip_tau is not None else {}
+        problem = max_logits_problem(max_logits, heads)
+        refused = any_rank(torch.tensor([problem is not None], device=optimizer.device), optimizer.grid.world,
+                           optimizer.ledger, "QK-clip check")
+        if refused.item():
+            raise ValueError(problem or "clip_qk_ refused: another rank's max_logits were refused (it says why)")
+        tp, multipliers = optimizer.grid.tp, {}
+        for axis, by_rows in ((optimizer.grid.dp, True), (optimizer.grid.world, False)):
+            mine = [n for n in heads if (optimizer.layout.tp_split_dims[n] == 0) == by_rows]  # the same on every rank
+            if not mine:
+                continue
+            # the heads whose rows this rank holds: its TP piece's (split by rows), or all of them
+            local = {n: self.row_layouts[n].tp_piece(tp.size) if by_rows else self.row_layouts[n] for n in mine}
+            first = {n: tp.rank * local[n].periods if by_rows else 0 for n in mine}
+            computed = [max_logits[n].to(optimizer.device)[first[n]:][:local[n].periods] if n in max_logits else
+                        torch.full((local[n].periods,), -math.inf, device=optimizer.device) for n in mine]
+            maxima = all_reduce(torch.cat(computed), axis, optimizer.ledger, "QK-clip maxima", dist.ReduceOp.MAX)
+            for name, s in zip(mine, maxima.split([local[n].periods for n in mine])):
+                scales = qk_clip_scales(s, self.qk_clip_tau)
+                weight, rows = optimizer.param_by_name[name], local[name]
+                for h, scale in enumerate(scales):
+                    for segment, label in enumerate(rows.names):
+                        if label in QK_SEGMENTS and scale != 1.0:
+                            weight[rows.segment_rows(h, segment).start:rows.segment_rows(h, segment).stop].mul_(scale)
+                multipliers[name] = [None] * first[name] + scales + [None] * (heads[name] - first[name] - len(scales))
+        return multipliers
