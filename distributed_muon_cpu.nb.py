@@ -31,9 +31,10 @@
 # %% [markdown]
 # ## 0. Setup
 #
-# The notebook imports the lesson, `distributed_muon_cpu.py`, and its tooling, `muon_tools.py`, from
-# the folder it runs in. In Colab, first set the repository's git URL (`%env
-# DISTRIBUTED_MUON_REPOSITORY=<url>`): this cell clones it and works in the clone. What is missing
+# The notebook imports the lesson, `distributed_muon_cpu.py` (§1–§6) and `muon_large_runs.py` (§7,
+# as `mlr`), and its tooling, `muon_tools.py`, from the folder it runs in. In Colab, first set the
+# repository's git URL (`%env DISTRIBUTED_MUON_REPOSITORY=<url>`): this cell clones it and works in
+# the clone. What is missing
 # (torch ≥ 2.9, which has `torch.optim.Muon`, the reference; matplotlib) comes from `requirements.txt`.
 
 # %%
@@ -213,8 +214,8 @@ print("class OwnerMuon(DistributedMuon):\n    " + dm.OwnerMuon.__doc__.strip())
 # `torch.optim.Muon` runs one fixed polynomial five times on each whole matrix and does nothing after
 # the update. Large runs do four things more, each a constructor keyword and a flag of the script
 # (the default keeps torch's behaviour); two of them change what travels between ranks (chapter 11
-# of `notes/` draws what moves). Here, the math of each, in this process, with the script's own
-# functions.
+# of `notes/` draws what moves). Here, the math of each, in this process, with the functions of
+# `muon_large_runs.py` (§7, imported as `mlr`).
 #
 # **Per-iteration coefficients.** `ns_coefficients="polar_express"` (`--ns-coefficients
 # polar_express`) gives each iteration its own (a, b, c) (Polar Express, arXiv 2505.16932): the

@@ -124,7 +124,7 @@ def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_E
 
     With fused_mm = torch.addmm (beta * input + alpha * m1 @ m2, in one call) these are
     exactly torch.optim.Muon's operations, so its result is torch's, bit for bit.
-    (Section 6 passes torch.baddbmm to run a stack of same-shape matrices at once.)
+    fused_mm: torch.addmm (torch's 2-D path); torch.baddbmm takes a stack of same-shape matrices.
     coefficients: one (a, b, c), or one per iteration (ns_coefficients_of).
     dtype: torch's bf16; torch.float64 gives the same iteration without bf16's rounding.
     """
@@ -199,9 +199,9 @@ def muon_update(momentum_buffer, grad, group):
 
 def apply_muon_update_(param, ortho, group, global_shape, runs=None):
     """p <- p (1 - lr wd) - adjusted_lr(global shape) O, as torch.optim.Muon: the decay takes the unadjusted lr.
-    runs: [(start, stop, rows)] of a matrix orthogonalized by blocks (muon_large_runs.block_runs): elements
-    [start, stop) belong to blocks of `rows` rows, each adjusted for its own shape (rows, cols), as torch
-    would adjust the blocks as separate parameters; one add_ per run, so the bits stay torch's."""
+    runs: None (torch's update), or [(start, stop, rows)]: elements [start, stop) lie in blocks of `rows`
+    rows, each adjusted for its own shape (rows, cols) as torch would adjust the blocks as separate
+    parameters; one add_ per run, so the bits stay torch's."""
     param.mul_(1 - group["lr"] * group["weight_decay"])
     if runs is None:
         param.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], global_shape))
@@ -703,11 +703,12 @@ def shard_of_bucket(parts, metas, shard_numel, dtype, device):
     return shard
 
 
-def orthogonalize(name, full, group, ledger, large_runs=None):
+def orthogonalize(name, full, group, ledger, blocks=None):
     """Newton-Schulz of one full matrix with its param group's options, its FLOPs counted in the ledger:
-    torch.optim.Muon's call on the whole matrix, or block by block where large_runs says so."""
-    if large_runs is not None and name in large_runs.blocks:
-        return large_runs.newton_schulz_blocks(name, full, group, ledger)
+    torch.optim.Muon's call on the whole matrix, or block by block where `blocks` (None, or a
+    muon_large_runs.Blocks: LargeRuns is one) names the matrix."""
+    if blocks is not None and name in blocks.blocks:
+        return blocks.orthogonalize_by_blocks(name, full, group, ledger)
     with record_function("newton-schulz"):  # a label for profiler traces
         ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
     ledger.record_compute(name, tuple(full.shape), newton_schulz_flops(full.shape, group["ns_steps"]))
@@ -728,7 +729,7 @@ def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger, large_r
     for meta in metas:
         tp_local = matrix_in_bucket(update_bucket, meta)
         if large_runs is not None and meta.name in large_runs.gram:
-            tp_piece = large_runs.newton_schulz_tp(tp_local, meta, group, grid, ledger)
+            tp_piece = large_runs.orthogonalize_tp_piece(tp_local, meta, group, grid, ledger)
         else:
             full = tp_gather(tp_local, meta.tp_split_dim, grid.tp, ledger)  # TP gather
             ortho = orthogonalize(meta.name, full, group, ledger, large_runs)  # Newton-Schulz
@@ -824,6 +825,10 @@ def index_named_params(param_groups, tp_split_dims):
     return param_by_name, group_of, split_dims
 
 
+# What clip_qk_ (section 7.4) says, on every rank, when the optimizer was built without qk_clip_tau.
+QK_CLIP_OFF = "QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows)"
+
+
 class DistributedMuon(torch.optim.Optimizer):
     """ZeRO-1 x TP Muon (and AdamW for non-matrix parameters), the gather strategy; bit-identical to torch.
 
@@ -833,9 +838,15 @@ class DistributedMuon(torch.optim.Optimizer):
     bucket_size: largest bucket, in elements, before padding to a multiple of DP.
     Gradients are summed over DP. A parameter whose .grad is None on every rank is skipped, as torch
     skips it; one with a gradient on some ranks only gets zeros from the others, as DDP adds.
-    row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau: what large runs add (fused QKV orthogonalized
-        by blocks, Newton-Schulz on TP pieces, QK-clip), each off by default, torch's behaviour; read
-        muon_large_runs.py after section 6 (its LargeRuns takes them).
+    What large runs add (section 7, muon_large_runs.py, imported only when one is on; each off by
+    default, torch's behaviour):
+    row_layouts: {name: muon_large_runs.RowLayout of its FULL matrix}, for the options below.
+    ns_blocks: "whole", "blocks" (Q, K, V, each with every head's rows) or "heads" (each head's q, k, v):
+        each block orthogonalized alone, its lr adjusted for its own shape, as torch.optim.Muon on the
+        blocks as separate parameters.
+    tp_newton_schulz: "gather", or "gram" (this strategy only): TP pieces cut along the long side
+        orthogonalized where they lie; not bit-identical to torch, within a bound.
+    qk_clip_tau: a number > 0 turns on clip_qk_, called by every rank after step().
     """
 
     strategy = "gather"
@@ -847,7 +858,9 @@ class DistributedMuon(torch.optim.Optimizer):
                  tp_newton_schulz="gather", qk_clip_tau=None):
         check_hyperparameters(bucket_size=bucket_size, lr=lr, weight_decay=weight_decay, momentum=momentum,
                               adjust_lr_fn=adjust_lr_fn)
-        self.large_runs = None  # torch's way; otherwise what muon_large_runs.py adds, planned below
+        # What large runs add (section 7, muon_large_runs.py) is built only when one of its options is on,
+        # and imported here, not at the top: that module imports this one (it builds on sections 1-2).
+        self.large_runs = None
         if row_layouts or ns_blocks != "whole" or tp_newton_schulz != "gather" or qk_clip_tau is not None:
             import muon_large_runs
             self.large_runs = muon_large_runs.LargeRuns(self.strategy, row_layouts, ns_blocks, tp_newton_schulz,
@@ -865,7 +878,7 @@ class DistributedMuon(torch.optim.Optimizer):
         self.layout = plan_layout(buffers, shapes, split_dims, grid.dp.size, grid.tp.size, bucket_size)
         self.dist_metas = self.layout.metas[grid.dp.rank]
         if self.large_runs is not None:
-            self.large_runs.plan(self, split_dims)
+            self.large_runs.plan(self)
         self._plan()
         self.parts = {n: self.part_of(n, grid.dp.rank) for n in self.param_by_name}
         if self.large_runs is not None:
@@ -958,14 +971,6 @@ class DistributedMuon(torch.optim.Optimizer):
         apply_muon_update_(self.param_by_name[name].view(-1)[self.parts[name]], ortho_part, self.group_of[name],
                            self.layout.global_shapes[name], runs)
 
-    @torch.no_grad()
-    def clip_qk_(self, max_logits):
-        """QK-clip, called by every rank after step() (collective): muon_large_runs.LargeRuns.clip_qk_ says
-        what it takes, scales and returns. Refused on every rank when the optimizer has no qk_clip_tau."""
-        if self.large_runs is None:
-            raise ValueError("QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows)")
-        return self.large_runs.clip_qk_(self, max_logits)
-
     def _gather_bucket(self, bucket):
         """Stage 4 for one bucket: the parameter all-gather; every DP rank again holds its full TP pieces."""
         self._copy_in(bucket, all_gather(self._param_shard(bucket), self.grid.dp, self.ledger, "param all-gather"))
@@ -978,6 +983,16 @@ class DistributedMuon(torch.optim.Optimizer):
     def _copy_in(self, bucket, param_bucket):
         for name in bucket.names:
             self.param_by_name[name].view(-1).copy_(param_bucket[slice(*self.dist_metas[name].bucket_range)])
+
+    # -- after the step: QK-clip (section 7.4) -------------------------------
+    @torch.no_grad()
+    def clip_qk_(self, max_logits):
+        """QK-clip, called by every rank after step() (collective): muon_large_runs.LargeRuns.clip_qk_ says
+        what it takes, scales and returns. Refused on every rank when the optimizer has no qk_clip_tau."""
+        if self.large_runs is None:  # off: every rank still votes, as LargeRuns.clip_qk_ does, and all refuse
+            any_rank(torch.ones(1, dtype=torch.bool, device=self.device), self.grid.world, self.ledger, "QK-clip check")
+            raise ValueError(QK_CLIP_OFF)
+        return self.large_runs.clip_qk_(self, max_logits)
 
     # -- what the layout holds, and what section 6's strategies plan differently --
     def _bucketed(self, name):
@@ -1320,19 +1335,19 @@ def batched_newton_schulz(stack, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, e
     return newton_schulz(stack, steps, coefficients, eps, fused_mm=torch.baddbmm)
 
 
-def newton_schulz_owned(full, group_of, ledger, batched=False, large_runs=None):
+def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
     """Newton-Schulz of every matrix an owner holds ({name: full matrix}): {name: ortho}.
 
     One matrix at a time by default: the 2-D path torch.optim.Muon takes, hence
     torch's bits. batched: one call per (shape, hyperparameters) stack, so many
     small matrices cost one call instead of many; not bitwise equal to torch, within
-    BATCHED_NS_BOUND (above). Matrices large_runs orthogonalizes by blocks go one by one.
+    BATCHED_NS_BOUND (above). Matrices `blocks` names (orthogonalize) go one by one.
     """
     orthos = {}
     if batched:
         stacks = {}
         for name, matrix in full.items():
-            if large_runs is not None and name in large_runs.blocks:
+            if blocks is not None and name in blocks.blocks:
                 continue
             g = group_of[name]
             stacks.setdefault((matrix.shape, g["ns_steps"], ns_coefficients_of(g["ns_coefficients"], g["ns_steps"]),
@@ -1345,7 +1360,7 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, large_runs=None):
                 ledger.record_compute(name, tuple(shape), newton_schulz_flops(shape, steps))
     for name, matrix in full.items():
         if name not in orthos:
-            orthos[name] = orthogonalize(name, matrix, group_of[name], ledger, large_runs)
+            orthos[name] = orthogonalize(name, matrix, group_of[name], ledger, blocks)
     return orthos
 
 

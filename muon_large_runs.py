@@ -13,7 +13,8 @@ of the script:
     ns_coefficients           section 1 of the lesson: one (a, b, c) per iteration (Polar Express);
                                        nothing new moves
 
-An optimizer given any of the first three builds a LargeRuns (7.5) and calls it at three points of
+An optimizer given any of row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau (not ns_coefficients,
+section 1's) builds a LargeRuns (7.5) and calls it at three points of
 its step: where a matrix is orthogonalized (by blocks, or on its TP pieces), where its update is
 applied (each block's own learning-rate adjustment), and after the step (clip_qk_).
 """
@@ -28,9 +29,9 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from distributed_muon_cpu import (D_MODEL, N_HEADS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce, all_reduce_sum,
-                                  any_rank, newton_schulz, newton_schulz_flops, ns_coefficients_of)
+                                  QK_CLIP_OFF, any_rank, newton_schulz, newton_schulz_flops, ns_coefficients_of)
 
-# -----------------------------------------------------------------------------
+# =============================================================================
 # 7. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
 # =============================================================================
 # Five parts: the row layout that names a fused matrix's rows (7.1), orthogonalizing
@@ -130,11 +131,10 @@ def check_row_layouts(row_layouts, layout, muon_names, tp, qk_clip):
 # -----------------------------------------------------------------------------
 # 7.2 Blocks: each block of rows orthogonalized alone
 # -----------------------------------------------------------------------------
-# Blocks (row_layouts + ns_blocks, section 1's newton_schulz_blocks). A fused QKV
-# is orthogonalized as the matrices it stands for: "blocks", Q, K and V, each
-# with every head's rows (Moonlight); "heads", each head's q, k and v alone. The
-# blocks are rows of the full matrix, which the TP gather (or the gather at the
-# owner) brings anyway: nothing new moves. Each run of rows of a rank's part then
+# A fused QKV (row_layouts + ns_blocks) is orthogonalized as the matrices it
+# stands for: "blocks", Q, K and V, each with every head's rows (Moonlight);
+# "heads", each head's q, k and v alone. The blocks are rows of the full matrix,
+# which the TP gather (or the gather at the owner) brings anyway: nothing new moves. Each run of rows of a rank's part then
 # takes its block's lr adjustment (block_runs). Laid out head by head, a split
 # by rows gives every TP rank whole heads; a split by columns, every row:
 #
@@ -178,7 +178,7 @@ class Blocks:
     def flops(self, name, shape, steps):
         return newton_schulz_flops_of(shape, steps, self.blocks.get(name))
 
-    def newton_schulz_blocks(self, name, full, group, ledger):
+    def orthogonalize_by_blocks(self, name, full, group, ledger):
         """The full matrix `name`, orthogonalized block by block, its FLOPs counted."""
         with record_function("newton-schulz"):
             ortho = newton_schulz_of(full, group, self.blocks[name])
@@ -206,9 +206,11 @@ def block_runs(heights, shape, tp_split_dim, tp_rank, part):
 # -----------------------------------------------------------------------------
 # 7.3 Newton-Schulz on TP pieces (tp_newton_schulz="gram")
 # -----------------------------------------------------------------------------
-# Newton-Schulz on TP pieces (tp_newton_schulz="gram", gather strategy: section 5's
-# newton_schulz_tp). A (m, n) matrix, m < n, split along n never meets; its TP
-# ranks add up their Gram matrices instead, each iteration:
+# For a matrix TP splits along its long side (gather strategy only; Megatron-core's
+# "distributed" TP mode), X = [X_1 .. X_TP] (X oriented wide, as Newton-Schulz
+# orients it), X X^T = sum_t X_t X_t^T: the TP peers need only the small Gram
+# matrix, not each other's pieces. A (m, n) matrix, m < n, split along n never
+# meets; its TP ranks add up their Gram matrices instead, each iteration:
 #
 #   TP 0: X_0 --X_0 X_0^T--\                                      /-- X_0 <- a X_0 + (b A + c A A) X_0
 #                           +-- SUM all-reduce: A (m x m) fp32 --+
@@ -260,21 +262,24 @@ def newton_schulz_tp_flops(global_shape, tp, steps=NS_STEPS):
 # -----------------------------------------------------------------------------
 # 7.4 QK-clip, after the step
 # -----------------------------------------------------------------------------
-# QK-clip (qk_clip_tau, clip_qk_ after the step). The largest logit of a head is
-# known where its attention was computed: on each DP rank (its own batch), on the
-# TP rank that holds the head. A 1-byte vote over the world first (bad maxima on
-# any rank: every rank refuses, nothing changed), then one MAX all-reduce over DP
-# of 4 bytes per TP-local head (a QKV not split by rows: over the world, every
-# head), and every rank scales its own rows of W_q and W_k (the weights are whole
-# on every DP rank again after the step):
+# QK-clip (MuonClip, Kimi K2, arXiv 2507.20534; qk_clip_tau, then clip_qk_ after
+# the step): an attention head whose largest pre-softmax logit S exceeded tau has
+# its logits scaled back to tau. S is known where the head's attention was
+# computed: on each DP rank (its own batch), on the TP rank that holds the head.
+# A 1-byte vote over the world first (bad maxima on any rank: every rank refuses,
+# nothing changed), then one MAX all-reduce over DP of 4 bytes per TP-local head
+# (a QKV not split by rows: over the world, every head), and every rank scales its
+# own rows of W_q and W_k (the weights are whole on every DP rank again after the
+# step):
 #
 #   (DP 0, TP t): S_h of its batch, heads of TP t --\                        /--> (DP 0, TP t) scales
 #   (DP 1, TP t): ...                             ---+-- MAX over DP: S_h --+--> q_h, k_h rows by
 #   (DP 3, TP t): ...                             --/                        \--> sqrt(min(1, tau / S_h))
+#
+# LargeRuns.clip_qk_ (7.5) makes that exchange; here are the per-head multipliers
+# and the checks of its input.
 
 
-# QK-clip (MuonClip, Kimi K2, arXiv 2507.20534): after the step, an attention head whose largest
-# pre-softmax logit S exceeded tau has its logits scaled back to tau.
 def qk_clip_scales(max_logits, tau):
     """The report's per-head form for multi-head attention: gamma_h = min(1, tau / S_max_h), and head h's
     rows of W_q and of W_k are each multiplied by sqrt(gamma_h), so its logits q.k shrink by gamma_h when q
@@ -297,7 +302,7 @@ def qk_heads(row_layouts, names):
 def max_logits_problem(max_logits, heads):
     """Why clip_qk_ cannot take max_logits (one line), or None; heads: qk_heads, empty when QK-clip is off."""
     if not heads:
-        return "QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows)"
+        return QK_CLIP_OFF
     if not isinstance(max_logits, dict):
         return f"max_logits must be a dict {{param name: (heads,) float32 tensor}} (got {type(max_logits).__name__})"
     for name, s in max_logits.items():
@@ -326,7 +331,7 @@ TP_NEWTON_SCHULZ = ("gather", "gram")  # TP gather -> NS -> TP shard; or newton_
 
 
 def check_large_run_options(name=str, *, ns_blocks, tp_newton_schulz, qk_clip_tau):
-    """The options of what large runs add (the constructor's docstring), spelled as check_hyperparameters spells them."""
+    """The options of what large runs add (DistributedMuon's docstring), spelled as check_hyperparameters spells them."""
     if ns_blocks not in NS_BLOCKS:
         raise ValueError(f"{name('ns_blocks')} must be one of {', '.join(NS_BLOCKS)} (got {ns_blocks!r})")
     if tp_newton_schulz not in TP_NEWTON_SCHULZ:
@@ -347,7 +352,7 @@ def check_owner_tp_newton_schulz(strategy, tp_newton_schulz):
 
 class LargeRuns(Blocks):
     """What an optimizer of the lesson adds when it is given row_layouts, ns_blocks, tp_newton_schulz or
-    qk_clip_tau (their meaning: the module's docstring). strategy: the optimizer's ("gather", "owner",
+    qk_clip_tau (their meaning: DistributedMuon's docstring). strategy: the optimizer's ("gather", "owner",
     "comm-free"); an owner strategy refuses the Gram form."""
 
     def __init__(self, strategy, row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau):
@@ -359,14 +364,16 @@ class LargeRuns(Blocks):
         super().__init__()
         self.gram, self.runs = set(), {}
 
-    def plan(self, optimizer, split_dims):
+    def plan(self, optimizer):
         """Once the layout is known: {name: its blocks of rows}, and the matrices newton_schulz_tp takes."""
         layout, grid = optimizer.layout, optimizer.grid
         check_row_layouts(self.row_layouts, layout, optimizer.muon_names, grid.tp.size, self.qk_clip_tau is not None)
         if self.ns_blocks != "whole":
             self.blocks = {n: rows.blocks(self.ns_blocks == "heads") for n, rows in self.row_layouts.items()}
+        if self.ns_blocks != "whole" and not self.row_layouts:
+            raise ValueError(f"ns_blocks={self.ns_blocks!r} needs row_layouts (which rows make which block)")
         self.gram = {n for n in optimizer.muon_names if self.tp_newton_schulz == "gram" and grid.tp.size > 1
-                     and n not in self.blocks and gram_eligible(layout.global_shapes[n], split_dims[n])}
+                     and n not in self.blocks and gram_eligible(layout.global_shapes[n], layout.tp_split_dims[n])}
 
     def plan_parts(self, optimizer):
         """Once each rank's parts are known: the runs of rows of each blocked matrix's part (block_runs)."""
@@ -375,7 +382,7 @@ class LargeRuns(Blocks):
                                    optimizer.layout.tp_split_dims[n], optimizer.grid.tp.rank, optimizer.parts[n])
                      for n in self.blocks}
 
-    def newton_schulz_tp(self, tp_local, meta, group, grid, ledger):
+    def orthogonalize_tp_piece(self, tp_local, meta, group, grid, ledger):
         """This TP rank's piece of the orthogonalized matrix, from its piece alone (every TP peer takes
         part: they share this DP shard, so they touch it too)."""
         steps = group["ns_steps"]

@@ -307,7 +307,7 @@ def total_grads(specs, seed, step, dp, missing=()):
 
 
 # The reference of section 7's options, written from the papers' equations and torch's own code,
-# not from the optimizers above: torch.optim.Muon steps the blocks as separate parameters; its
+# not from the lesson's optimizers: torch.optim.Muon steps the blocks as separate parameters; its
 # Newton-Schulz is swapped for the same operations with one (a, b, c) per iteration; QK-clip
 # scales the reference's rows from the maxima of every DP rank.
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ tests/test_large_runs.py checks against this file). Importable by any test (the 
     times sqrt(tau / S_h) where S_h, the largest logit over every rank, exceeds tau.
 
 A layout is anything with .sizes (rows of each segment in one head), .periods (heads) and .names (of the
-segments, "q" and "k" are clipped), such as distributed_muon_cpu.RowLayout; the rows are computed here.
+segments, "q" and "k" are clipped), such as muon_large_runs.RowLayout; the rows are computed here.
 """
 
 import contextlib

@@ -152,9 +152,15 @@ def refusals(grid, rank):
         clip[case] = (message, all(torch.equal(before[n], p) for n, p in params.items()))
     _, off = build(grid, "gather", "heads", qk_clip_tau=None)
     clip["QK-clip off"] = (attempt(lambda: off.clip_qk_(good)), True)
+    plain = dm.DistributedMuon([dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid)
+    # no LargeRuns at all: still refused on every rank after the world's vote (its second item: the vote ran)
+    clip["no large-run option"] = (attempt(lambda: plain.clip_qk_(good)),
+                                   [c["phase"] for c in plain.ledger.comm] == ["QK-clip check"])
     construct = {f"tau {tau!r}": attempt(lambda tau=tau: build(grid, "gather", "heads", qk_clip_tau=tau))
                  for tau in (0, -1.0, math.nan, math.inf, True, "100")}
     construct["ns_blocks rows"] = attempt(lambda: build(grid, "gather", "rows"))
+    construct["blocks without a layout"] = attempt(lambda: dm.DistributedMuon(
+        [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid, ns_blocks="blocks"))
     construct["tp_newton_schulz ring"] = attempt(lambda: build(grid, "gather", "heads", tp_newton_schulz="ring"))
     for s in ("owner", "comm-free"):
         construct[f"gram with {s}"] = attempt(lambda s=s: build(grid, s, "heads", tp_newton_schulz="gram"))
@@ -395,7 +401,8 @@ def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
             "+inf on rank 0": "max_logits['sep.k'] holds NaN or +inf",
             "float64 on rank 6": "max_logits['sep.q'] must be a float32 tensor of shape (4,) (got torch.float64",
             "not a dict on rank 2": "max_logits must be a dict {param name: (heads,) float32 tensor} (got list)",
-            "QK-clip off": "QK-clip is off: construct the optimizer with qk_clip_tau"}
+            "QK-clip off": "QK-clip is off: construct the optimizer with qk_clip_tau",
+            "no large-run option": "QK-clip is off: construct the optimizer with qk_clip_tau"}
     for case, expected in says.items():
         for rank, r in enumerate(results):
             message, unchanged = r["clip"][case]
@@ -408,6 +415,7 @@ def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
     assert all(construct[f"tau {t!r}"].startswith("qk_clip_tau must be a number > 0 and finite")
                for t in (0, -1.0, math.nan, math.inf, True, "100"))
     assert construct["ns_blocks rows"].startswith("ns_blocks must be one of whole, blocks, heads")
+    assert construct["blocks without a layout"] == "ns_blocks='blocks' needs row_layouts (which rows make which block)"
     assert construct["tp_newton_schulz ring"].startswith("tp_newton_schulz must be one of gather, gram")
     for s in ("owner", "comm-free"):
         assert construct[f"gram with {s}"] == (f"tp_newton_schulz='gram' applies to the gather strategy only: "
