@@ -108,9 +108,10 @@ def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceba
       body(cfg, rank, device) -> this rank's result, gathered at rank 0 (gather_object).
       finish(cfg, results, device, seconds) -> the exit code; rank 0 only, after every rank's body.
 
-    A rank without its GPU says so itself (exit 2). An error in a rank's body is printed by that
-    rank, in one line naming it (exit 1); no teardown then: the peers may be waiting in a
-    collective, and torchrun stops them.
+    Before joining, a refusal returns 2 (a rank without its GPU says so itself). Once joined, the
+    process ends here, with os._exit (below): 0, or finish's code on rank 0. An error in a rank's
+    body is printed by that rank, in one line naming it (exit 1); no teardown then: the peers may
+    be waiting in a collective, and torchrun stops them.
     """
     try:
         rank, world, local_rank = environment()
@@ -136,10 +137,23 @@ def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceba
         print(f"error: rank {rank} failed: {mt.one_line(e)}", file=sys.stderr, flush=True)
         if show_traceback:
             traceback.print_exc()
-        return 1
-    code = finish(cfg, gathered, device, seconds) if rank == 0 else 0
-    dist.destroy_process_group()
-    return code
+        code = 1
+    else:
+        try:
+            code = finish(cfg, gathered, device, seconds) if rank == 0 else 0
+        finally:
+            dist.destroy_process_group()
+    # End the process without Python's interpreter shutdown, as multiprocessing ends a forked rank.
+    # destroy_process_group does not stop every Gloo worker thread: DTensor's caches still hold the
+    # mesh's process groups. A worker that has just finished this rank's last collective
+    # (gather_object's gather, on every rank but 0, which leaves at once) may drop that work's
+    # tensors only after the main thread began shutting the interpreter down; freeing them takes
+    # the GIL, Python then ends the thread (pthread_exit), and unwinding through the work's
+    # destructor calls std::terminate: "terminate called without an active exception", exit -6
+    # (a core dump showed exactly this stack). Without the shutdown, no thread can meet it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv=None):
