@@ -150,7 +150,8 @@ def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceba
     # tensors only after the main thread began shutting the interpreter down; freeing them takes
     # the GIL, Python then ends the thread (pthread_exit), and unwinding through the work's
     # destructor calls std::terminate: "terminate called without an active exception", exit -6
-    # (a core dump showed exactly this stack). Without the shutdown, no thread can meet it.
+    # (a core dump showed exactly this stack; pytorch/pytorch PR 179291 describes the same crash). Without
+    # the shutdown, no thread can meet it.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

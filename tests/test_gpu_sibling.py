@@ -85,6 +85,7 @@ def test_a_joined_rank_ends_without_interpreter_shutdown():
     assert (code, out) == (1, ""), err
     assert "error: rank 0 failed: RuntimeError: body failed\n" in err
 
+
 def test_help_shows_what_the_sibling_accepts_with_real_defaults():
     proc = subprocess.run([sys.executable, SIBLING, "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
