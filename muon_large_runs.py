@@ -134,9 +134,10 @@ def check_row_layouts(row_layouts, layout, muon_names, tp, qk_clip):
 # A fused QKV (row_layouts + ns_blocks) is orthogonalized as the matrices it
 # stands for: "blocks", Q, K and V, each with every head's rows (Moonlight);
 # "heads", each head's q, k and v alone. The blocks are rows of the full matrix,
-# which the TP gather (or the gather at the owner) brings anyway: nothing new moves. Each run of rows of a rank's part then
-# takes its block's lr adjustment (block_runs). Laid out head by head, a split
-# by rows gives every TP rank whole heads; a split by columns, every row:
+# which the TP gather (or the gather at the owner) brings anyway: nothing new
+# moves. Each run of rows of a rank's part then takes its block's lr adjustment
+# (block_runs). Laid out head by head, a split by rows gives every TP rank whole
+# heads; a split by columns, every row:
 #
 #   rows of the full QKV:  q0 k0 v0 | q1 k1 v1 | q2 k2 v2 | q3 k3 v3
 #   TP = 2 by rows:        <-------- TP 0 ------> <-------- TP 1 ------>
@@ -168,9 +169,9 @@ def newton_schulz_flops_of(shape, steps, blocks=None):
 
 
 class Blocks:
-    """{name: its blocks of rows} and what the step asks of them: section 5's orthogonalize and section 6's
-    newton_schulz_owned call newton_schulz_blocks for a matrix named here (LargeRuns is one; DTensorMuon
-    makes one for the matrices its owners hold)."""
+    """{name: its blocks of rows} and what the step asks of them: section 5's orthogonalize (which section 6's
+    newton_schulz_owned calls too) hands a matrix named here to orthogonalize_by_blocks (LargeRuns is a
+    Blocks; DTensorMuon makes one for the matrices its owners hold)."""
 
     def __init__(self, blocks=None):
         self.blocks = dict(blocks or {})
