@@ -1055,16 +1055,18 @@ class DistributedMuon(torch.optim.Optimizer):
 # comm-free (--strategy comm-free): ZeRO-1 shards Muon matrices WHOLE across DP
 # (torchtitan's communication-free Muon). A matrix's owner row (a DP rank)
 # keeps its full TP-local momentum; the gradient is reduced at that row instead
-# of reduce-scattered, and the row broadcasts the updated weights instead of an
-# all-gather. With TP = 1 nothing else moves: AdamW ZeRO-1's bytes (less the
-# padding its flat buckets carry), hence "communication-free" Muon.
+# of reduce-scattered, and instead of an all-gather of fp32 weights the row
+# broadcasts its bf16 update, which every DP rank applies to its own copy of the
+# weights (equal on every DP rank: the same arithmetic, the same bits). With
+# TP = 1 nothing else moves: fewer bytes than AdamW ZeRO-1 (half of its
+# matrices' all-gather, and no padding), hence "communication-free" Muon.
 # With TP > 1 the TP pieces of the matrix still have to meet, at one rank of
 # the owner row: the same gather at owner / scatter from owner as above, but
 # inside the row's TP group only:
 #
 #     all DP ranks --grad reduce at owner--> owner row (d_o, 0..TP-1): momentum, TP-local, whole
 #     (d_o, t)     --gather at owner (TP)--> owner (d_o, t_o): O = NS(W) --scatter from owner (TP)--> (d_o, t)
-#     owner row    --param broadcast from owner--> all DP ranks
+#     owner row    --update broadcast from owner--> all DP ranks
 #
 # A TP-replicated matrix (an MoE router) is the same on every TP rank, so only
 # the owner's own TP column sends its parts; every holder gets O back.
@@ -1399,24 +1401,28 @@ def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
     return add_up if async_op else add_up()
 
 
-def broadcast_from_owner(params, owners, grid, ledger, device, async_op=False):
-    """comm-free, the mirror of reduce_at_owner: the owner row's updated TP-local
-    matrices -> every other DP rank. With async_op: a function that waits and copies them in."""
+def broadcast_from_owner(orthos, numels, owners, grid, ledger, device, apply, async_op=False):
+    """comm-free, the mirror of reduce_at_owner: the owner row's orthogonalized TP-local matrices (bf16,
+    orthos: {name: flat} on the owner row, what its own update took; numels: {name: numel} of the
+    matrices to move, the same on every rank) -> every other DP rank, which applies the same update to
+    its own copy of the weights, apply(name, ortho). Those copies are equal on every DP rank, so each
+    ends with the owner row's weights, bit for bit, for half the bytes of sending them in fp32.
+    With async_op: a function that waits and applies them."""
     dp, tp = grid.dp, grid.tp.size
     if dp.size == 1:  # no other DP rank to send to
         return (lambda: None) if async_op else None
-    mine = [params[n].view(-1) for n in params if owners[n] // tp == dp.rank]
+    mine = [orthos[n] for n in numels if owners[n] // tp == dp.rank]
     sends = [mine if d != dp.rank else [] for d in range(dp.size)]
-    theirs = [[n for n in params if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
-    wait = exchange(sends, [sum(params[n].numel() for n in names) for names in theirs], dp, ledger,
-                    "param broadcast from owner", torch.float32, device)
+    theirs = [[n for n in numels if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
+    wait = exchange(sends, [sum(numels[n] for n in names) for names in theirs], dp, ledger,
+                    "update broadcast from owner", torch.bfloat16, device)
 
-    def copy_in():
+    def apply_received():
         for names, flat in zip(theirs, wait()):
-            for name, value in zip(names, flat.split([params[n].numel() for n in names])):
-                params[name].view(-1).copy_(value)
+            for name, ortho in zip(names, flat.split([numels[n] for n in names])):
+                apply(name, ortho)
 
-    return copy_in if async_op else copy_in()
+    return apply_received if async_op else apply_received()
 
 
 # Overlap (overlap=K, --overlap K). Stages 1-4 above run one after the other,
@@ -1638,8 +1644,25 @@ class CommFreeMuon(OwnerMuon):
     def _muon_grads(self, names, active):
         return {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n]) for n in names if n in active}
 
-    def _muon_params(self, names, active):
-        return {n: self.param_by_name[n] for n in names if n in active}
+    def _apply_update(self, name, ortho_part):
+        """The owner row's update, kept until stage 4 sends it to the other DP rows (a matrix's part is all
+        of its TP piece on the owner row: section 5's _apply_update updates it whole)."""
+        super()._apply_update(name, ortho_part)
+        if not self._bucketed(name):
+            self.sent_updates[name] = ortho_part
+
+    def _apply_received(self, name, ortho):
+        """Another DP row's update of `name`, applied to this rank's own copy of its TP piece: the owner
+        row's arithmetic on the same weights."""
+        runs = self.large_runs.whole_runs.get(name) if self.large_runs is not None else None
+        apply_muon_update_(self.param_by_name[name].view(-1), ortho, self.group_of[name],
+                           self.layout.global_shapes[name], runs)
+
+    def _broadcast_updates(self, names, active, async_op=False):
+        numels = {n: self.param_by_name[n].numel() for n in names if n in active}
+        orthos = {n: self.sent_updates.pop(n) for n in numels if n in self.sent_updates}
+        return broadcast_from_owner(orthos, numels, self.owners, self.grid, self.ledger, self.device,
+                                    self._apply_received, async_op)
 
     def _plan(self):
         super()._plan()
@@ -1648,6 +1671,7 @@ class CommFreeMuon(OwnerMuon):
         # message for all of them: notes/08-strategies.md).
         numel = {n: self.param_by_name[n].numel() for n in self.muon_names}
         self.muon_chunks = chunk_names(self.muon_names, numel, self.bucket_size)
+        self.sent_updates = {}  # {matrix: the owner row's update}, from stage 3 to stage 4
 
     def _reduce_grads(self, active):
         grads = super()._reduce_grads(active)
@@ -1659,7 +1683,7 @@ class CommFreeMuon(OwnerMuon):
     def _gather_params(self, active):
         super()._gather_params(active)
         for names in self.muon_chunks:
-            broadcast_from_owner(self._muon_params(names, active), self.owners, self.grid, self.ledger, self.device)
+            self._broadcast_updates(names, active)
 
     def _units(self):
         return super()._units() + [Unit(c) for c in self.muon_chunks]
@@ -1673,8 +1697,7 @@ class CommFreeMuon(OwnerMuon):
     def _gather_unit(self, unit, active):
         if unit.bucket is not None:
             return super()._gather_unit(unit, active)
-        return broadcast_from_owner(self._muon_params(unit.names, active), self.owners, self.grid, self.ledger,
-                                    self.device, async_op=True)
+        return self._broadcast_updates(unit.names, active, async_op=True)
 
 
 # Every strategy, by the name --strategy takes.

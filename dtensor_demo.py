@@ -1016,7 +1016,7 @@ def measured_table(results):
 # The demo's TP split dims, as the lesson's ParamSpec.tp_split_dim (-1: not split); experts per matrix.
 LESSON_TP_SPLIT = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "moe.w1": 0, "moe.w2": 1}
 OWNER_EXCHANGE = ("gather at owner", "scatter from owner")
-DP_IN_STEP = ("grad reduce-scatter", "param all-gather", "grad reduce at owner", "param broadcast from owner")
+DP_IN_STEP = ("grad reduce-scatter", "param all-gather", "grad reduce at owner", "update broadcast from owner")
 
 
 def lesson_specs(cfg):

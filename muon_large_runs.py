@@ -379,9 +379,13 @@ class LargeRuns(Blocks):
     def plan_parts(self, optimizer):
         """Once each rank's parts are known: the runs of rows of each blocked matrix's part (block_runs)."""
         per_head = self.ns_blocks == "heads"
-        self.runs = {n: block_runs(self.row_layouts[n].block_heights(per_head), tuple(optimizer.param_by_name[n].shape),
-                                   optimizer.layout.tp_split_dims[n], optimizer.grid.tp.rank, optimizer.parts[n])
-                     for n in self.blocks}
+
+        def runs(n, part):
+            return block_runs(self.row_layouts[n].block_heights(per_head), tuple(optimizer.param_by_name[n].shape),
+                              optimizer.layout.tp_split_dims[n], optimizer.grid.tp.rank, part)
+        self.runs = {n: runs(n, optimizer.parts[n]) for n in self.blocks}
+        # the whole TP piece's, for a comm-free rank that applies another DP row's update to its copy
+        self.whole_runs = {n: runs(n, slice(0, optimizer.param_by_name[n].numel())) for n in self.blocks}
 
     def orthogonalize_tp_piece(self, tp_local, meta, group, grid, ledger):
         """This TP rank's piece of the orthogonalized matrix, from its piece alone (every TP peer takes

@@ -547,7 +547,7 @@ PHASES_OF = {
     "gather": ("grad presence", "grad reduce-scatter", "DP gather", "TP gather", "param all-gather"),
     "owner": ("grad presence", "grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather"),
     "comm-free": ("grad presence", "grad reduce-scatter", "grad reduce at owner", "gather at owner",
-                  "scatter from owner", "param all-gather", "param broadcast from owner"),
+                  "scatter from owner", "param all-gather", "update broadcast from owner"),
     BASELINE: ("grad presence", "grad reduce-scatter", "param all-gather"),
 }
 PHASES = PHASES_OF["gather"]

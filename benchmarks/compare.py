@@ -130,13 +130,13 @@ def format_targets(cfg, runs, realistic):
     padding = cfg.tp * sum(2 * (cfg.dp - 1) * (b["numel"] - b["used"]) * 4 for b in adamw["buckets"]
                            if set(b["names"]) <= set(flops))
     exchange = sum(sum(free["bytes_per_step"][p]["sent"]) for p in ("gather at owner", "scatter from owner"))
-    less_padding = f" less the {mt.human_bytes(padding)} of padding ZeRO-1's buckets move" if padding else ""
-    if cfg.tp == 1:
-        lines.append(f"    comm-free extra bytes over AdamW ZeRO-1 at TP = 1 = 0: {yes(extra + padding == 0)} "
-                     f"({mt.human_bytes(extra)}{': 0' + less_padding if padding else ''})")
-    else:
-        lines.append(f"    comm-free extra bytes over AdamW ZeRO-1: {mt.human_bytes(extra)}, its TP exchange "
-                     f"({mt.human_bytes(exchange)}){less_padding}; the exchange is 0 at TP = 1, here TP = {cfg.tp}")
+    # Where ZeRO-1 all-gathers the matrices' fp32 weights, comm-free broadcasts their bf16 update: half the bytes.
+    saved = sum(free["bytes_per_step"]["update broadcast from owner"]["sent"])
+    less_padding = f", less the {mt.human_bytes(padding)} of padding ZeRO-1's buckets move" if padding else ""
+    lines.append(f"    comm-free extra bytes over AdamW ZeRO-1: {mt.human_bytes(extra)} = its TP exchange "
+                 f"({mt.human_bytes(exchange)}; 0 at TP = 1, here TP = {cfg.tp}) less the {mt.human_bytes(saved)} its "
+                 f"bf16 update broadcast saves over an fp32 all-gather{less_padding}: "
+                 f"{yes(extra == exchange - saved - padding)}")
     o_ms, g_ms = owner["timings"]["step_ms_median"], gather["timings"]["step_ms_median"]
     o_max, g_max = (max(r["ns_flops"]["per_rank"]) / 1e9 for r in (owner, gather))
     lines.append(f"[8] Step time, median on this machine (a figure, not a target: it moves from run to run): "

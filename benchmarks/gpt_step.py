@@ -23,7 +23,7 @@ KINDS = dm.STRATEGIES + (mt.BASELINE,)
 LABELS = {"gather": "Muon, gather", "owner": "Muon, owner", "comm-free": "Muon, comm-free",
           mt.BASELINE: "AdamW ZeRO-1"}
 EXCHANGES = ("DP gather", "TP gather", "gather at owner", "scatter from owner", "grad reduce at owner",
-             "param broadcast from owner")
+             "update broadcast from owner")
 PARTS = ("forward", "backward", "grad reduce-scatter", "exchanges", "newton-schulz", "state update",
          "param all-gather", "other")
 

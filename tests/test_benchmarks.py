@@ -36,7 +36,8 @@ def check_compare_output(stdout, results):
     assert results["realistic_balance"]["max_over_mean"] <= 1.10
     targets = stdout[stdout.index("[8] Targets"):]
     assert "redundancy 1.00 for owner and comm-free: met (1.00, 1.00)" in targets
-    assert "comm-free extra bytes over AdamW ZeRO-1: " in targets
+    assert "comm-free extra bytes over AdamW ZeRO-1: " in targets and "fp32 all-gather" in targets
+    assert "NOT met" not in targets[targets.index("comm-free extra bytes"):].splitlines()[0]
     # step times are figures, never verdicts: a shared 2-core machine would flip them
     owner, gather = (results["runs"][s]["timings"]["step_ms_median"] for s in ("owner", "gather"))
     assert f"owner / gather = {owner / gather:.2f}" in targets and "NOT met" not in targets

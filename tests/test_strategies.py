@@ -209,8 +209,9 @@ def test_comm_free_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
     reduce_received = [sum(4 * local[n] * (dp - 1) for n in owners if row[n] == r // tp) for r in range(dp * tp)]
     assert table["grad reduce at owner"]["sent"] == reduce_sent
     assert table["grad reduce at owner"]["received"] == reduce_received
-    assert table["param broadcast from owner"]["sent"] == reduce_received  # the mirror
-    assert table["param broadcast from owner"]["received"] == reduce_sent
+    # the mirror, in bf16: the owner row's update, which every other DP rank applies to its own weights
+    assert [2 * b for b in table["update broadcast from owner"]["sent"]] == reduce_received
+    assert [2 * b for b in table["update broadcast from owner"]["received"]] == reduce_sent
     splits = {n: specs[n].tp_split_dim if tp > 1 else -1 for n in owners}
     gather, scatter = expected_exchange(dp, tp, owners, lambda n, d: local[n] if d == row[n] else 0, splits)
     assert_exchange_bytes(table, gather, scatter)
@@ -228,18 +229,22 @@ def test_comm_free_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
 
 @pytest.mark.parametrize("dp,tp", [(8, 1), (3, 2), (2, 4)])
 def test_comm_free_extra_bytes_over_adamw_zero1(run_grid, dp, tp):
-    """At TP = 1 comm-free moves AdamW ZeRO-1's bytes, less the padding ZeRO-1 moves; with TP > 1 it adds
-    exactly its TP exchange."""
+    """comm-free moves AdamW ZeRO-1's bytes but for three things: it adds its TP exchange (none at TP = 1),
+    it moves no padding, and its update broadcast (bf16) sends half the bytes of ZeRO-1's fp32 all-gather of
+    the matrices."""
     free, adamw = strategy_run(run_grid, dp, tp, "comm-free"), grid_run(run_grid, dp, tp, baseline=True)
     matrix_buckets = [b for b in adamw["buckets"] if b["buffer_idx"] == 0]
     # The reduce-scatter and all-gather of the padding, in each of the TP columns' DP groups.
     padding = tp * sum(2 * (dp - 1) * (b["numel"] - b["used"]) * 4 for b in matrix_buckets)
     tp_exchange = sum(sum(free["bytes_per_step"][p]["sent"]) for p in ("gather at owner", "scatter from owner"))
-    assert free["bytes_sent_all_ranks"] - adamw["bytes_sent_all_ranks"] == tp_exchange - padding
+    update_broadcast = sum(free["bytes_per_step"]["update broadcast from owner"]["sent"])
+    # ZeRO-1's all-gather of the matrices' fp32 weights (padding aside), in every TP column: twice the broadcast
+    assert 2 * update_broadcast == tp * (dp - 1) * sum(b["used"] for b in matrix_buckets) * 4
+    assert free["bytes_sent_all_ranks"] - adamw["bytes_sent_all_ranks"] == tp_exchange - padding - update_broadcast
     if tp == 1:
         assert tp_exchange == 0
         if dp == 8:
-            assert padding == 0 and free["bytes_sent_all_ranks"] == adamw["bytes_sent_all_ranks"]
+            assert padding == 0 and free["bytes_sent_all_ranks"] == adamw["bytes_sent_all_ranks"] - update_broadcast
     else:
         assert tp_exchange > 0
 
