@@ -1165,7 +1165,7 @@ def print_comparison(cfg, rows, per_rank, accounts, results, print_fn=print):
         print_fn(f"{'':<24} NS GFLOP per rank: {', '.join(f'{f / 1e9:.4f}' for f in flops)}")
     print_fn("owner exchange = gather at owner + scatter from owner (bf16, exact all-to-all counts). DP in step = "
              "ZeRO-1's grad reduce-scatter + param all-gather (fp32, ring counts), and for comm-free the matrices' "
-             "grad reduce at / param broadcast from the owner row; DTensorMuon's step has none. DP in fwd/bwd = "
+             "grad reduce at the owner row (fp32) and the update broadcast from it (bf16); DTensorMuon's step has none. DP in fwd/bwd = "
              "FSDP2's param all-gathers (forward, and again in backward) and grad reduce-scatters (measured above); "
              "ZeRO-1 keeps whole parameters and has none. step + DP = the optimizer step (with the grad-presence "
              "vote) + DP in fwd/bwd. TP in fwd/bwd = the TP layers' all-reduces and the experts' all-gathers "
