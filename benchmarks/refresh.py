@@ -136,6 +136,9 @@ PARTS = (
         "{python} examples/train_gpt_dtensor.py --dp 4 --tp 1 --resume {tmp}/gptckpt --resume-step 20",
         "{python} examples/train_gpt_dtensor.py --dp 1 --tp 4 --resume {tmp}/gptckpt --resume-step 20")),
     # Chapter 11: the large runs' options
+    Part("large_runs_gram_4x2.txt", ("{python} distributed_muon_cpu.py --tp-newton-schulz gram",)),
+    Part("large_runs_options_4x2.txt", ("{python} distributed_muon_cpu.py --ns-coefficients polar_express "
+                                        "--ns-blocks blocks --qk-clip 100",)),
     Part("ns_coefficients_gpt_2core.txt", ("{python} benchmarks/ns_coefficients.py --steps 8",)),
     Part("gpt_qk_clip_4x2.txt", (train_gpt("--qk-clip 5"),)),
     Part("tp_newton_schulz_bytes.txt", (compare("--tp-newton-schulz-bytes"),)),
