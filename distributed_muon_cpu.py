@@ -1535,11 +1535,9 @@ class OwnerMuon(DistributedMuon):
 
     def _plan(self):
         world = self.grid.world.size
-        large_runs = self.large_runs
-        self.ns_flops = {n: large_runs.flops(n, self.layout.global_shapes[n], self.group_of[n]["ns_steps"])
-                         if large_runs is not None and n in large_runs.blocks else
-                         newton_schulz_flops(self.layout.global_shapes[n], self.group_of[n]["ns_steps"])
-                         for n in self.muon_names}
+        shapes, large_runs = self.layout.global_shapes, self.large_runs  # LargeRuns counts by blocks where it has them
+        self.ns_flops = {n: newton_schulz_flops(shapes[n], self.group_of[n]["ns_steps"]) if large_runs is None else
+                         large_runs.flops(n, shapes[n], self.group_of[n]["ns_steps"]) for n in self.muon_names}
         self.owners = (check_owners(self.owner_override, self.muon_names, world) if self.owner_override is not None
                        else assign_owners(self.ns_flops, world, self.layout.global_shapes))
         self.routes = plan_routes(self.muon_names, self.owners, self.part_of, self.layout, self.grid,

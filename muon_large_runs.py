@@ -154,13 +154,6 @@ def newton_schulz_blocks(full, blocks, steps=NS_STEPS, coefficients=NS_COEFFICIE
     return out
 
 
-def newton_schulz_of(full, group, blocks=None):
-    """Newton-Schulz with a param group's options: of the whole matrix (torch.optim.Muon's), or of each block."""
-    if blocks is None:
-        return newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-    return newton_schulz_blocks(full, blocks, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-
-
 def newton_schulz_flops_of(shape, steps, blocks=None):
     """newton_schulz_flops of the matrix, or the sum over its blocks."""
     if blocks is None:
@@ -182,7 +175,8 @@ class Blocks:
     def orthogonalize_by_blocks(self, name, full, group, ledger):
         """The full matrix `name`, orthogonalized block by block, its FLOPs counted."""
         with record_function("newton-schulz"):
-            ortho = newton_schulz_of(full, group, self.blocks[name])
+            ortho = newton_schulz_blocks(full, self.blocks[name], group["ns_steps"], group["ns_coefficients"],
+                                         group["ns_eps"])
         ledger.record_compute(name, tuple(full.shape), self.flops(name, tuple(full.shape), group["ns_steps"]))
         return ortho
 
