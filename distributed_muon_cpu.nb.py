@@ -31,11 +31,11 @@
 # %% [markdown]
 # ## 0. Setup
 #
-# The notebook imports the lesson, `distributed_muon_cpu.py` (§1–§6) and `muon_large_runs.py` (§7,
-# as `mlr`), and its tooling, `muon_tools.py`, from the folder it runs in. In Colab, first set the
-# repository's git URL (`%env DISTRIBUTED_MUON_REPOSITORY=<url>`): this cell clones it and works in
-# the clone. What is missing
-# (torch ≥ 2.9, which has `torch.optim.Muon`, the reference; matplotlib) comes from `requirements.txt`.
+# The notebook imports the lesson, `distributed_muon_cpu.py` (§1–§5), `muon_owners.py` (§6, as
+# `mo`) and `muon_large_runs.py` (§7, as `mlr`), and its tooling, `muon_tools.py`, from the folder it
+# runs in. In Colab, first set the repository's git URL (`%env DISTRIBUTED_MUON_REPOSITORY=<url>`):
+# this cell clones it and works in the clone. What is missing (torch ≥ 2.9, which has
+# `torch.optim.Muon`, the reference; matplotlib) comes from `requirements.txt`.
 
 # %%
 import json
@@ -56,6 +56,7 @@ import muon_tools as mt  # noqa: E402  (the report, the launcher, the command li
 mt.notebook_requirements()
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_large_runs as mlr  # noqa: E402
+import muon_owners as mo  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
@@ -197,16 +198,16 @@ for name in bucket.names:
 # keeps each matrix whole on its owner's DP row. Both are section 5's optimizer with stages
 # replaced, every other stage reused; with `overlap=K` (`--overlap K`) they also pipeline the
 # step bucket by bucket, so that Newton–Schulz runs while later buckets' collectives are in
-# flight (the script's section 6 draws the schedule). With 8 layers, 40 matrices spread evenly
-# over 8 ranks:
+# flight (`muon_owners.py`, the lesson's section 6 in a file of its own, draws the schedule).
+# With 8 layers, 40 matrices spread evenly over 8 ranks:
 
 # %%
 plan = mt.plan_optimizer(mt.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
-per_rank, balance = dm.load_balance(plan.ns_flops, plan.owners, 8)
+per_rank, balance = mo.load_balance(plan.ns_flops, plan.owners, 8)
 rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}"] for r in range(8)]
 print(mt.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
 print(f"max / mean = {balance:.2f}\n")
-print("class OwnerMuon(DistributedMuon):\n    " + dm.OwnerMuon.__doc__.strip())
+print("class OwnerMuon(DistributedMuon):\n    " + mo.OwnerMuon.__doc__.strip())
 
 # %% [markdown]
 # ## 7. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces

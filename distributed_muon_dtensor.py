@@ -90,6 +90,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.profiler import record_function
 
 import distributed_muon_cpu as dm
+import muon_owners as mo
 import muon_large_runs as mlr
 import muon_tools as mt
 
@@ -103,12 +104,12 @@ import muon_tools as mt
 # identical to torch.optim.Muon and torch.optim.AdamW. The named parameters and
 # every group's options are checked by the lesson's named_params (section 5).
 # The owner assignment (longest-processing-time over Newton-Schulz FLOPs) and
-# its check come from its section 6, with the function that moves many parts in
-# one all-to-all (send_parts) and the Newton-Schulz of an owner's matrices
-# (newton_schulz_owned, which also records FLOPs in a Ledger).
+# its check come from its section 6 (muon_owners.py), with the function that moves
+# many parts in one all-to-all (send_parts) and the Newton-Schulz of an owner's
+# matrices (newton_schulz_owned, which also records FLOPs in a Ledger).
 from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, adamw_step_,  # noqa: F401
-                                  apply_muon_update_, assign_owners, check_owners, lpt_order, muon_update,
-                                  newton_schulz_flops)
+                                  apply_muon_update_, muon_update, newton_schulz_flops)
+from muon_owners import assign_owners, check_owners, lpt_order  # noqa: F401
 
 # =============================================================================
 # 2. Placements: where each element lives
@@ -278,7 +279,7 @@ def rank_at(copy, like, key):
 
 
 def assign_among_holders(ns_flops, holders, world, load=None, shapes=None):
-    """{matrix: owner}: the lesson's LPT (dm.assign_owners), each matrix among its own holders only."""
+    """{matrix: owner}: the lesson's LPT (mo.assign_owners), each matrix among its own holders only."""
     load = [0] * world if load is None else list(load)
     owners = {}
     for name in lpt_order(ns_flops, shapes):
@@ -916,7 +917,7 @@ class DTensorMuon(torch.optim.Optimizer):
     def format_assignments(self):
         """The assignment as a table: per rank, how many matrices, their GFLOP and their names."""
         world = self.world
-        load, _ = dm.load_balance(self.ns_flops, self.owners, world)
+        load, _ = mo.load_balance(self.ns_flops, self.owners, world)
         rows = [[r, sum(o == r for o in self.owners.values()), f"{load[r] / 1e9:.4f}",
                  " ".join(n for n, o in self.owners.items() if o == r) or "-"] for r in range(world)]
         table = mt.format_table(["rank", "matrices", "NS GFLOP", "owns"], rows, [">", ">", ">", "<"])
@@ -1079,7 +1080,7 @@ class DTensorMuon(torch.optim.Optimizer):
         per_head = self.ns_blocks == "heads"
         blocks = {m: self.row_layouts[self.param_of_matrix[m]].blocks(per_head) for m in full
                   if self.ns_blocks != "whole" and self.param_of_matrix[m] in self.row_layouts}
-        return dm.newton_schulz_owned(full, group_of, self.ledger, self.batched_ns, mlr.Blocks(blocks))
+        return mo.newton_schulz_owned(full, group_of, self.ledger, self.batched_ns, mlr.Blocks(blocks))
 
     def _gather_at_owners(self, updates, active):
         me, dtype = self.me, torch.bfloat16
@@ -1090,7 +1091,7 @@ class DTensorMuon(torch.optim.Optimizer):
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
                     receiving.append((m, offsets))
-        parts = dm.send_parts(transfers, self.axis, self.ledger, "gather at owner", dtype, self._device())()
+        parts = mo.send_parts(transfers, self.axis, self.ledger, "gather at owner", dtype, self._device())()
         full = {}
         for (m, offsets), part in zip(receiving, parts):
             if m.name not in full:
@@ -1107,7 +1108,7 @@ class DTensorMuon(torch.optim.Optimizer):
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
                     receiving.append((m, positions))
-        parts = dm.send_parts(transfers, self.axis, self.ledger, "scatter from owner", dtype, self._device())()
+        parts = mo.send_parts(transfers, self.axis, self.ledger, "scatter from owner", dtype, self._device())()
         local = {}
         for (m, positions), part in zip(receiving, parts):
             name = m.copy.name
@@ -1124,7 +1125,7 @@ class DTensorMuon(torch.optim.Optimizer):
                  f"{tuple(self.config.global_shapes[n])}" for n in updates if self.owners[n] == me
                  and (n not in full or tuple(full[n].shape) != tuple(self.config.global_shapes[n]))]
         self._refuse_on_every_rank(wrong[0] if wrong else None, phase="explicit checks")
-        orthogonal = dm.newton_schulz_owned({n: full[n] for n in updates if self.owners[n] == me},
+        orthogonal = mo.newton_schulz_owned({n: full[n] for n in updates if self.owners[n] == me},
                                             self.group_of, self.ledger, self.batched_ns)
         local = self.config.redistribute(orthogonal, dict(self.owners))
         wrong = [f"redistribute gave no piece of {n} the size of this rank's parameter" for n in updates

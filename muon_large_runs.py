@@ -1,6 +1,7 @@
 """What large runs add to the lesson's optimizers: fused QKV by blocks, Newton-Schulz on TP pieces, QK-clip.
 
-Section 7 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-6 first.
+Section 7 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-5 and muon_owners.py's
+section 6 first.
 torch.optim.Muon orthogonalizes each parameter whole, with one quintic, and does nothing after the
 update. Large runs do more; each addition is an option of every optimizer of the lesson
 (DistributedMuon, OwnerMuon, CommFreeMuon; the Gram form of the gather strategy only: an owner

@@ -1,8 +1,9 @@
 """The tooling around the lesson: a run and its check against torch, the report, the launcher, the command line.
 
-distributed_muon_cpu.py is the lesson (sections 1-6: the optimizers), muon_large_runs.py its section 7
-(what large runs add). What is here is what a command needs around them, and nothing a reader of the
-algorithm must read: it continues the lesson's numbering.
+distributed_muon_cpu.py is the lesson (sections 1-5: the gather flow and its optimizer), muon_owners.py
+its section 6 (the owner and comm-free strategies), muon_large_runs.py its section 7 (what large runs
+add). What is here is what a command needs around them, and nothing a reader of the algorithm must
+read: it continues the lesson's numbering.
 
     8. A run of the demo (run_steps, the example of use), and its verification against torch.optim.Muon
        and torch.optim.AdamW (reference_params, verify, verdict)
@@ -45,11 +46,12 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from distributed_muon_cpu import (ADJUST_LR_FNS, BATCHED_NS_BOUND, NS_COEFFICIENTS, NS_COEFFICIENT_CHOICES, NS_EPS,
-                                  NS_STEPS, N_LAYERS, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, ParamSpec,
-                                  adjusted_lr, check_hyperparameters, check_owner_options, check_topology,
-                                  dp_rank_grads, initial_params, load_balance, make_grid, newton_schulz, plan_grid,
-                                  rank_grid, tp_shard, transformer_specs)
+from distributed_muon_cpu import (ADJUST_LR_FNS, NS_COEFFICIENTS, NS_COEFFICIENT_CHOICES, NS_EPS, NS_STEPS, N_LAYERS,
+                                  ParamSpec, adjusted_lr, check_hyperparameters, check_topology, dp_rank_grads,
+                                  initial_params, make_grid, newton_schulz, plan_grid, rank_grid, tp_shard,
+                                  transformer_specs)
+from muon_owners import (BATCHED_NS_BOUND, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, check_owner_options,
+                         load_balance)
 from muon_large_runs import (NS_BLOCKS, TP_NEWTON_SCHULZ, check_large_run_options, gram_eligible,
                              newton_schulz_flops_of, transformer_row_layouts)
 

@@ -18,6 +18,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 REPEATS = 7  # median of 7 timings of each variant
@@ -43,7 +44,7 @@ def main(argv=None):
     for shape, count in CASES:
         stack = torch.randn(count, *shape, generator=torch.Generator().manual_seed(count))
         one_by_one = lambda: [dm.newton_schulz(m) for m in stack]
-        batched = lambda: dm.batched_newton_schulz(stack)
+        batched = lambda: mo.batched_newton_schulz(stack)
         expected = [torch_newton_schulz(m.clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS) for m in stack]
         got = batched()
         differing = sum(not torch.equal(b, e) for b, e in zip(got, expected))

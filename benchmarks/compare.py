@@ -28,10 +28,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_owners as mo  # noqa: E402
 import muon_large_runs as mlr  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
-COMPARED = dm.STRATEGIES + (mt.BASELINE,)  # every strategy, then the baseline
+COMPARED = mo.STRATEGIES + (mt.BASELINE,)  # every strategy, then the baseline
 LABELS = {"gather": "gather", "owner": "owner", "comm-free": "comm-free", mt.BASELINE: "AdamW ZeRO-1"}
 BALANCE_TARGET = 1.10  # max/mean Newton-Schulz FLOPs per rank that the owner assignment should reach
 
@@ -67,8 +68,8 @@ def realistic_balance(n_ranks, ns_steps=dm.NS_STEPS):
     from shapes alone: the demo model is too small to balance 8 ranks (see section 6)."""
     matrices = [s for s in dm.transformer_specs(vocab=50304, d=768, n_layers=12) if s.group == mt.MUON_GROUP]
     flops = {s.name: dm.newton_schulz_flops(s.global_shape, ns_steps) for s in matrices}
-    owners = dm.assign_owners(flops, n_ranks, {s.name: s.global_shape for s in matrices})
-    _, balance = dm.load_balance(flops, owners, n_ranks)
+    owners = mo.assign_owners(flops, n_ranks, {s.name: s.global_shape for s in matrices})
+    _, balance = mo.load_balance(flops, owners, n_ranks)
     return dict(model="GPT-2 small shapes (12 layers, d = 768, with an 8-expert router)", matrices=len(flops),
                 ranks=n_ranks, max_over_mean=balance)
 

@@ -17,9 +17,9 @@ import statistics
 import sys
 import tempfile
 
-from gpt_bench import dm, mt, pyplot, tg
+from gpt_bench import mo, mt, pyplot, tg
 from gpt_bench import main as benchmark_main
-KINDS = dm.STRATEGIES + (mt.BASELINE,)
+KINDS = mo.STRATEGIES + (mt.BASELINE,)
 LABELS = {"gather": "Muon, gather", "owner": "Muon, owner", "comm-free": "Muon, comm-free",
           mt.BASELINE: "AdamW ZeRO-1"}
 EXCHANGES = ("DP gather", "TP gather", "gather at owner", "scatter from owner", "grad reduce at owner",

@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 import scaling  # noqa: E402
 
@@ -185,7 +186,7 @@ def ours(strategy):
                 p.grad = local[n]
 
         groups = [dict(params=list(params.items()), algorithm="muon")]
-        optimizer = dm.OPTIMIZERS[strategy](groups, grid=dm.make_grid(world, 1, rank), lr=LR,
+        optimizer = mo.OPTIMIZERS[strategy](groups, grid=dm.make_grid(world, 1, rank), lr=LR,
                                             weight_decay=WEIGHT_DECAY, momentum=MOMENTUM)
         return Contender(params, sync, optimizer.step, lambda: full_weights(params))
     return build

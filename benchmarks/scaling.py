@@ -40,14 +40,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 D, LAYERS, VECTORS, ROUNDS = 768, 4, 32, 5  # GPT-2 small's width; the median of 5 steps
 TORCH = "torch.optim.Muon + AdamW"
 HYPERPARAMETERS = dict(lr=0.02, weight_decay=0.1)  # for torch's optimizers and ours alike
 # What is timed: every strategy, and the owner strategies with their step overlapped.
-VARIANTS = {s: (s, {}) for s in dm.STRATEGIES}
-VARIANTS.update({f"{s} --overlap {dm.OVERLAP_DEFAULT}": (s, dict(overlap=dm.OVERLAP_DEFAULT))
+VARIANTS = {s: (s, {}) for s in mo.STRATEGIES}
+VARIANTS.update({f"{s} --overlap {mo.OVERLAP_DEFAULT}": (s, dict(overlap=mo.OVERLAP_DEFAULT))
                  for s in ("owner", "comm-free")})
 
 

@@ -68,6 +68,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import muon_owners as mo  # noqa: E402
 import muon_large_runs as mlr  # noqa: E402
 import muon_tools as mt  # noqa: E402
 from muon_tools import bound_ratio, loss_drift, one_ulp_up  # noqa: E402
@@ -89,7 +90,7 @@ class TrainConfig:
     dp: int = 4
     tp: int = 2
     optimizer: str = "muon"  # or "adamw": AdamW ZeRO-1 on every parameter (the lesson's baseline)
-    strategy: str = "owner"  # one of dm.STRATEGIES (Muon only); owner: each matrix orthogonalized once
+    strategy: str = "owner"  # one of mo.STRATEGIES (Muon only); owner: each matrix orthogonalized once
     steps: int = 120
     lr: float = 0.01
     schedule: str = "constant"  # or "warmup-cosine" (see lr_at)
@@ -133,8 +134,8 @@ def validate(cfg, ranks_here=None):
         raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)} (got {cfg.schedule!r})")
     if cfg.schedule == "warmup-cosine" and not 0 <= cfg.warmup_steps < cfg.steps:
         raise ValueError(f"--warmup-steps must be >= 0 and below --steps {cfg.steps} (got {cfg.warmup_steps})")
-    if cfg.strategy not in dm.STRATEGIES:
-        raise ValueError(f"--strategy must be one of {', '.join(dm.STRATEGIES)} (got {cfg.strategy!r})")
+    if cfg.strategy not in mo.STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(mo.STRATEGIES)} (got {cfg.strategy!r})")
     check_large_run_options(cfg)
     dm.check_hyperparameters(mt.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")
@@ -253,7 +254,7 @@ def large_run_options(cfg):
 
 def build_optimizer(model, cfg, grid):
     # AdamW ZeRO-1 is the gather class with no Muon group: the lesson's baseline
-    return dm.OPTIMIZERS["gather" if cfg.optimizer == "adamw" else cfg.strategy](
+    return mo.OPTIMIZERS["gather" if cfg.optimizer == "adamw" else cfg.strategy](
         param_groups(model, *hyperparameters(cfg)), grid=grid, tp_split_dims=model.tp_split_dims(),
         bucket_size=cfg.bucket_size, **large_run_options(cfg))
 
@@ -705,7 +706,7 @@ def replay_tolerance(cfg, spec, ns_inputs, rank_order=True):
         return gram
     if spec.group == "muon" and cfg.optimizer == "muon":
         return gram + mt.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
-    return cfg.steps * cfg.lr * dm.BATCHED_NS_BOUND
+    return cfg.steps * cfg.lr * mo.BATCHED_NS_BOUND
 
 
 def verify(cfg, results, device="cpu", rank_order=True):
@@ -895,7 +896,7 @@ def build_parser():
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
     p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZER_NAMES,
                    help="muon (default): Muon for hidden matrices, AdamW for the rest; adamw: AdamW for all")
-    p.add_argument("--strategy", choices=dm.STRATEGIES, help=f"Muon's (default {d.strategy})")
+    p.add_argument("--strategy", choices=mo.STRATEGIES, help=f"Muon's (default {d.strategy})")
     p.add_argument("--steps", type=int, default=d.steps, help="(default %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate, the schedule's peak (default %(default)s)")
     p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.optim._muon import _adjust_lr as torch_adjust_lr
 
-from conftest import dm
+from conftest import dm, mo
 from distributed_muon_dtensor import DTensorMuon
 from test_optimizer_api import TinyNet, split_groups
 
@@ -28,7 +28,7 @@ def test_spectral_unclamped_steps_like_torch_on_one_rank(single_process_group):
     theirs.load_state_dict(ours.state_dict())
     groups = split_groups(ours)
     (hidden, _), (out, _) = groups[0]["params"]
-    opt = dm.OPTIMIZERS["owner"]([dict(params=[groups[0]["params"][0]], adjust_lr_fn="spectral_unclamped"),
+    opt = mo.OPTIMIZERS["owner"]([dict(params=[groups[0]["params"][0]], adjust_lr_fn="spectral_unclamped"),
                                   dict(params=[groups[0]["params"][1]]), groups[1]],
                                  grid=single_process_group, bucket_size=300, lr=0.02)
     named = dict(theirs.named_parameters())
@@ -57,11 +57,11 @@ def test_the_lessons_optimizer_checks_every_group(single_process_group, group, m
     groups = split_groups(TinyNet())
     groups[0].update(group)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        dm.OPTIMIZERS["gather"](groups, grid=single_process_group)
+        mo.OPTIMIZERS["gather"](groups, grid=single_process_group)
     groups = split_groups(TinyNet())
     groups[1].update(betas=(0.9, 1.0))
     with pytest.raises(ValueError, match=r"param group 1: betas must be two numbers in \[0, 1\)"):
-        dm.OPTIMIZERS["gather"](groups, grid=single_process_group)
+        mo.OPTIMIZERS["gather"](groups, grid=single_process_group)
 
 
 @pytest.mark.parametrize("make_groups,message", [

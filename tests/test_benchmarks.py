@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from conftest import ROOT, dm, mt
+from conftest import ROOT, dm, mo, mt
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -31,7 +31,7 @@ def check_compare_output(stdout, results):
         row = next(line for line in summary if line.startswith(label + " "))
         assert mt.human_bytes(run["bytes_sent_all_ranks"]) in row  # the summary shows the JSON's numbers
         assert f"{run['timings']['step_ms_median']:.0f}" == row.split()[-1]
-    for strategy in dm.STRATEGIES[1:]:
+    for strategy in mo.STRATEGIES[1:]:
         assert results["runs"][strategy]["ns_flops"]["redundancy"] == 1.0
     assert results["realistic_balance"]["max_over_mean"] <= 1.10
     targets = stdout[stdout.index("[8] Targets"):]

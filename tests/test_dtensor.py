@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, dm, mt
+from conftest import ROOT, dm, mo, mt
 
 import distributed_muon_dtensor as dd  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
@@ -187,7 +187,7 @@ def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_
     for c in checks:
         if c["optimizer"] == "Muon":  # the lesson's bound: steps x adjusted lr x 1.5 x BATCHED_NS_BOUND
             rows, cols = c["shape"][-2:]
-            bound = cfg.steps * cfg.lr * max(1, rows / cols) ** 0.5 * 1.5 * dm.BATCHED_NS_BOUND
+            bound = cfg.steps * cfg.lr * max(1, rows / cols) ** 0.5 * 1.5 * mo.BATCHED_NS_BOUND
             assert c["tolerance"] == pytest.approx(bound) and c["tolerance"] > 0, c
             assert c["max_abs_diff"] <= c["tolerance"] and c["ok"], c
         else:  # AdamW is untouched by batching: bit for bit
@@ -517,14 +517,14 @@ def test_owners_are_the_lessons_lpt_restricted_to_each_matrixs_holders():
     g = torch.Generator().manual_seed(0)
     flops = {f"m{i}": int(f) for i, f in enumerate(torch.randint(1, 50, (23,), generator=g).tolist())}
     everyone = {n: tuple(range(6)) for n in flops}
-    assert dd.assign_among_holders(flops, everyone, 6) == dm.assign_owners(flops, 6)  # holding all: the lesson's
+    assert dd.assign_among_holders(flops, everyone, 6) == mo.assign_owners(flops, 6)  # holding all: the lesson's
     shapes = {n: (f % 3, 1) for n, f in flops.items()}  # equal FLOPs in different shapes, too
-    assert dd.assign_among_holders(flops, everyone, 6, shapes=shapes) == dm.assign_owners(flops, 6, shapes)
+    assert dd.assign_among_holders(flops, everyone, 6, shapes=shapes) == mo.assign_owners(flops, 6, shapes)
     # two holder sets, as the expert stacks of one TP column each, beside matrices everyone holds
     holders = {n: (tuple(range(6)) if i < 3 else (0, 2, 4) if i % 2 else (1, 3, 5)) for i, n in enumerate(flops)}
     owners = dd.assign_among_holders(flops, holders, 6)
     assert all(owners[n] in holders[n] for n in flops)
-    per_rank = dm.load_balance(flops, owners, 6)[0]
+    per_rank = mo.load_balance(flops, owners, 6)[0]
     assert max(per_rank) - min(per_rank) <= max(flops.values())  # here: no rank a whole matrix ahead of another
 
 

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, dm, mt
+from conftest import ROOT, mo, mt
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -37,7 +37,7 @@ SMALL = dict(d_model=32, layers=2, heads=2, context=32, batch=8, val_windows=4, 
 SMALL_FLAGS = ["--d-model", "32", "--layers", "2", "--heads", "2", "--context", "32", "--batch", "8",
                "--val-windows", "4"]
 STEPS = 3
-KINDS = [dict(strategy=s) for s in dm.STRATEGIES] + [dict(optimizer="adamw", strategy="gather"),
+KINDS = [dict(strategy=s) for s in mo.STRATEGIES] + [dict(optimizer="adamw", strategy="gather"),
                                                     dict(strategy="owner", schedule="warmup-cosine", warmup_steps=1)]
 GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import large_runs_reference as ref
-from conftest import BUCKET, STEPS, dm, mlr, mt
+from conftest import BUCKET, STEPS, dm, mo, mlr, mt
 
 GRIDS = ((4, 2), (2, 4), (1, 8))
 TAU = 100.0
@@ -37,7 +37,7 @@ def demo_configs():
     for dp, tp in GRIDS:
         base = mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, ns_coefficients="polar_express",
                             ns_blocks="blocks" if (dp, tp) == (2, 4) else "heads", qk_clip_tau=TAU, timeout_s=180)
-        configs += [replace(base, strategy=s) for s in dm.STRATEGIES]
+        configs += [replace(base, strategy=s) for s in mo.STRATEGIES]
         configs.append(replace(base, tp_newton_schulz="gram"))
     return tuple(configs)
 
@@ -59,7 +59,7 @@ OTHER_STEPS, OTHER_BUCKET = 2, 700  # small buckets: parts straddle DP shards an
 
 def other_runs():
     """(grid, strategy, ns_blocks): every strategy on 4 x 2 by blocks and on 2 x 4 by heads."""
-    return tuple(((dp, tp), s, "blocks" if tp == 2 else "heads") for dp, tp in GRIDS[:2] for s in dm.STRATEGIES)
+    return tuple(((dp, tp), s, "blocks" if tp == 2 else "heads") for dp, tp in GRIDS[:2] for s in mo.STRATEGIES)
 
 
 def start_params():
@@ -106,7 +106,7 @@ def build(grid, strategy, ns_blocks, **options):
     tp = grid.tp.size
     params = {n: dm.tp_shard(p, MATRICES[n][1], grid.tp.rank, tp).contiguous() for n, p in start_params().items()}
     groups = [dict(params=list(params.items()), algorithm="muon", ns_coefficients="polar_express")]
-    opt = dm.OPTIMIZERS[strategy](groups, grid=grid, bucket_size=OTHER_BUCKET, row_layouts=LAYOUTS, ns_blocks=ns_blocks,
+    opt = mo.OPTIMIZERS[strategy](groups, grid=grid, bucket_size=OTHER_BUCKET, row_layouts=LAYOUTS, ns_blocks=ns_blocks,
                                   tp_split_dims={n: d for n, (_, d, _) in MATRICES.items() if d >= 0},
                                   **dict(dict(HYPER, qk_clip_tau=TAU), **options))
     return params, opt

@@ -8,7 +8,7 @@ from torch.optim._muon import _adjust_lr as torch_adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import dm
+from conftest import dm, mo
 
 SHAPES = [(1, 1), (3, 5), (5, 3), (64, 64), (384, 128), (128, 512), (8, 128), (257, 31)]
 
@@ -144,7 +144,7 @@ def owned_matrices(shape, seed):
 def orthogonalize_owned(full, batched):
     group = dict(ns_steps=dm.NS_STEPS, ns_coefficients=dm.NS_COEFFICIENTS, ns_eps=dm.NS_EPS)
     ledger = dm.Ledger()
-    orthos = dm.newton_schulz_owned(full, {n: group for n in full}, ledger, batched=batched)
+    orthos = mo.newton_schulz_owned(full, {n: group for n in full}, ledger, batched=batched)
     assert sorted(r["name"] for r in ledger.compute) == sorted(full)  # each matrix counted once
     return orthos
 
@@ -173,5 +173,5 @@ def test_batched_newton_schulz_is_within_its_bound_but_not_bitwise():
                     differing += 1
                     relative = ((ortho.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
                     worst = max(worst, relative)
-    assert worst <= dm.BATCHED_NS_BOUND
+    assert worst <= mo.BATCHED_NS_BOUND
     assert differing > 0

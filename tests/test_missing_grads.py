@@ -7,7 +7,7 @@ sum over the DP ranks that have a gradient, or None where none has one.
 
 import pytest
 
-from conftest import BUCKET, dm, grid_run, layout_metas, mt
+from conftest import BUCKET, grid_run, layout_metas, mo, mt
 
 # (name, DP rank or -1 for every rank, step); the run has 3 steps and resumes from a
 # state_dict after step 2.
@@ -22,7 +22,7 @@ MISSING = (
     ("lm_head.weight", 1, 2),  # some ranks only: AdamW
 )
 # every strategy and the baseline on the uneven 3 x 2 grid, and the exchanges of the owner strategies elsewhere
-RUNS = [(dict(strategy=s), 3, 2) for s in dm.STRATEGIES] + [(dict(baseline=True), 3, 2),
+RUNS = [(dict(strategy=s), 3, 2) for s in mo.STRATEGIES] + [(dict(baseline=True), 3, 2),
                                                              (dict(strategy="owner"), 8, 1),
                                                              (dict(strategy="comm-free"), 2, 4)]
 

@@ -20,6 +20,7 @@ NOTEBOOK = os.path.join(ROOT, "distributed_muon_cpu.ipynb")  # the lesson, secti
 RUNS_NOTEBOOK = os.path.join(ROOT, "distributed_muon_runs.ipynb")  # grids, strategies, the GPT
 PAIRS = {NOTEBOOK: os.path.join(ROOT, "distributed_muon_cpu.nb.py"),
          RUNS_NOTEBOOK: os.path.join(ROOT, "distributed_muon_runs.nb.py")}
+OWNERS = os.path.join(ROOT, "muon_owners.py")
 LARGE_RUNS = os.path.join(ROOT, "muon_large_runs.py")
 TOOLS = os.path.join(ROOT, "muon_tools.py")
 
@@ -47,7 +48,7 @@ def test_notebook_is_committed_without_outputs(notebook):
 
 def test_notebook_sections_are_the_scripts_in_order():
     script = []
-    for path in (SCRIPT, LARGE_RUNS, TOOLS):  # the lesson's sections 1-6, large runs' 7, the tooling's 8 to 11
+    for path in (SCRIPT, OWNERS, LARGE_RUNS, TOOLS):  # the lesson's sections 1-5, owners' 6, large runs' 7, tooling's 8-11
         with open(path) as f:
             script += re.findall(r"^# (\d+)\. (.+)$", f.read(), flags=re.M)
     assert [int(n) for n, _ in script] == list(range(1, 12))
@@ -58,7 +59,8 @@ def test_notebook_sections_are_the_scripts_in_order():
 def execute(tmp_path, notebook):
     """`jupyter nbconvert --to notebook --execute`, the README's command, in a folder holding only
     what a user's clone has that the notebook needs; returns the outputs and their printed text."""
-    for name in ("distributed_muon_cpu.py", "muon_large_runs.py", "muon_tools.py", os.path.basename(notebook), "requirements.txt",
+    for name in ("distributed_muon_cpu.py", "muon_owners.py", "muon_large_runs.py", "muon_tools.py",
+                 os.path.basename(notebook), "requirements.txt",
                  os.path.join("benchmarks", "compare.py"), os.path.join("examples", "gpt.py"),
                  os.path.join("examples", "stdlib_text.py"), os.path.join("examples", "train_gpt.py")):
         os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import dm, mt
+from conftest import dm, mo, mt
 
 
 class TinyNet(torch.nn.Module):
@@ -25,7 +25,7 @@ def split_groups(model, **muon_hyper):
 
 
 # Every strategy, and the owner strategies with their step overlapped (section 6), in lock-step and not.
-VARIANTS = [(s, {}) for s in dm.STRATEGIES] + [(s, dict(overlap=k)) for s in ("owner", "comm-free") for k in (1, 3)]
+VARIANTS = [(s, {}) for s in mo.STRATEGIES] + [(s, dict(overlap=k)) for s in ("owner", "comm-free") for k in (1, 3)]
 
 
 @pytest.mark.parametrize("strategy,options", VARIANTS)
@@ -34,7 +34,7 @@ def test_trains_a_real_model_exactly_like_torch(single_process_group, strategy, 
     torch.manual_seed(0)
     ours, theirs = TinyNet(), TinyNet()
     theirs.load_state_dict(ours.state_dict())
-    opt = dm.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group, bucket_size=300, lr=0.02,
+    opt = mo.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group, bucket_size=300, lr=0.02,
                                   weight_decay=0.1, adjust_lr_fn="match_rms_adamw", **options)
     assert isinstance(opt, torch.optim.Optimizer)
     muon_params = [p for n, p in theirs.named_parameters() if p.ndim == 2 and not n.startswith("embed")]
@@ -60,7 +60,7 @@ def test_one_rank_steps_matrix_by_matrix_as_torch_does(single_process_group, str
     and applied before the next one is orthogonalized: one bucket's temporaries alive at a time, as
     torch.optim.Muon keeps one matrix's (section 5; notes/08-strategies.md measures why)."""
     model = TinyNet()
-    opt = dm.OPTIMIZERS[strategy](split_groups(model), grid=single_process_group, bucket_size=300, **options)
+    opt = mo.OPTIMIZERS[strategy](split_groups(model), grid=single_process_group, bucket_size=300, **options)
     apply_update = opt._apply_update
 
     def record(name, ortho_part):
@@ -75,7 +75,7 @@ def test_one_rank_steps_matrix_by_matrix_as_torch_does(single_process_group, str
 
 
 @pytest.mark.parametrize("model", ["thin", "lopsided"])
-@pytest.mark.parametrize("strategy", dm.STRATEGIES)  # on one rank --overlap runs the same loop, with K = 0
+@pytest.mark.parametrize("strategy", mo.STRATEGIES)  # on one rank --overlap runs the same loop, with K = 0
 def test_one_rank_is_bit_identical_on_odd_shapes(single_process_group, strategy, model):
     """The one-rank step (bucket by bucket) on small-side (k x 1, 1 x k, ...) and lopsided matrices, with
     buckets that hold many matrices: the demo's own run and verification, in this process."""
@@ -102,7 +102,7 @@ def test_state_dict_round_trip_and_layout_check(single_process_group):
     other = dm.DistributedMuon(split_groups(model), grid=single_process_group, bucket_size=100)
     with pytest.raises(ValueError, match="bucket_size 65536 != 100"):
         other.load_state_dict(sd)
-    owner = dm.OwnerMuon(split_groups(model), grid=single_process_group)
+    owner = mo.OwnerMuon(split_groups(model), grid=single_process_group)
     with pytest.raises(ValueError, match="strategy gather != owner"):
         owner.load_state_dict(sd)
 
@@ -110,14 +110,14 @@ def test_state_dict_round_trip_and_layout_check(single_process_group):
 def test_custom_owners_are_checked_and_used(single_process_group):
     model = TinyNet()
     matrices = ["hidden.weight", "out.weight"]
-    opt = dm.OwnerMuon(split_groups(model), grid=single_process_group, owners={0: matrices})
+    opt = mo.OwnerMuon(split_groups(model), grid=single_process_group, owners={0: matrices})
     assert opt.owners == {"hidden.weight": 0, "out.weight": 0}
     for owners, message in [({0: ["hidden.weight"]}, "out.weight has no owner"),
                             ({0: matrices + ["hidden.weight"]}, r"hidden.weight is owned twice \(ranks 0 and 0\)"),
                             ({0: matrices + ["norm.weight"]}, "norm.weight is not a Muon matrix"),
                             ({0: matrices, 3: []}, r"rank 3 is not in \[0, 1\)")]:
         with pytest.raises(ValueError, match=message):
-            dm.OwnerMuon(split_groups(model), grid=single_process_group, owners=owners)
+            mo.OwnerMuon(split_groups(model), grid=single_process_group, owners=owners)
     with pytest.raises(TypeError, match="owners"):  # the gather strategy has no owners to take
         dm.DistributedMuon(split_groups(model), grid=single_process_group, owners={0: matrices})
 
@@ -128,7 +128,7 @@ def test_parameters_without_gradients_are_skipped_like_torch(single_process_grou
     torch.manual_seed(2)
     ours, theirs = TinyNet(), TinyNet()
     theirs.load_state_dict(ours.state_dict())
-    opt = dm.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group, bucket_size=300, **options)
+    opt = mo.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group, bucket_size=300, **options)
     named = dict(theirs.named_parameters())
     ref = [torch.optim.Muon([named["hidden.weight"], named["out.weight"]], lr=0.02, weight_decay=0.1),
            torch.optim.AdamW([p for n, p in named.items() if n not in ("hidden.weight", "out.weight")], lr=0.02,
@@ -164,7 +164,7 @@ def test_parameters_without_gradients_are_skipped_like_torch(single_process_grou
     (lambda m: split_groups(m), dict(weight_decay=float("nan")), "weight_decay must be >= 0 and finite"),
 ])
 def test_bad_construction_is_a_clear_error(single_process_group, make_groups, kwargs, message):
-    for optimizer in dm.OPTIMIZERS.values():  # one set of rules, whatever the strategy
+    for optimizer in mo.OPTIMIZERS.values():  # one set of rules, whatever the strategy
         with pytest.raises(ValueError, match=message):
             optimizer(make_groups(TinyNet()), grid=single_process_group, **kwargs)
 
@@ -172,7 +172,7 @@ def test_bad_construction_is_a_clear_error(single_process_group, make_groups, kw
 def test_owner_options_are_checked_and_refused_by_the_gather_strategy(single_process_group):
     for overlap in (-1, 1.5, True):
         with pytest.raises(ValueError, match=r"overlap must be an integer >= 0 \(got "):
-            dm.OwnerMuon(split_groups(TinyNet()), grid=single_process_group, overlap=overlap)
+            mo.OwnerMuon(split_groups(TinyNet()), grid=single_process_group, overlap=overlap)
     for option in (dict(overlap=2), dict(batched_ns=True)):  # an error, not an option silently ignored
         with pytest.raises(TypeError, match=next(iter(option))):
             dm.DistributedMuon(split_groups(TinyNet()), grid=single_process_group, **option)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import BUCKET, GRIDS, STEPS, dm, grid_run, layout_metas, mt, presence_bytes
+from conftest import BUCKET, GRIDS, STEPS, dm, grid_run, layout_metas, mo, mt, presence_bytes
 # (dp, tp, config): more ranks than matrices (1 layer: 5 matrices on 8 ranks), one huge
 # matrix among small ones (the lopsided model), and both on the uneven 3 x 2 grid.
 UNEVEN = [(8, 1, dict(layers=1)), (4, 2, dict(layers=1)), (8, 1, dict(model="lopsided")),
@@ -66,13 +66,13 @@ def newton_schulz_before_a_reduction_arrives(ev, phase):
 @pytest.mark.parametrize("strategy,dp,tp", [("owner", 4, 2), ("comm-free", 3, 2)])
 def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strategy, dp, tp):
     plain = strategy_run(run_grid, dp, tp, strategy)
-    overlapped = strategy_run(run_grid, dp, tp, strategy, overlap=dm.OVERLAP_DEFAULT)
+    overlapped = strategy_run(run_grid, dp, tp, strategy, overlap=mo.OVERLAP_DEFAULT)
     assert_identical(overlapped)
     assert overlapped["bytes_per_step"] == plain["bytes_per_step"]
     # One gather at owner and one scatter from owner per unit that has a matrix to move (rank 0's view;
     # comm-free moves TP pieces inside rank 0's DP row only), against one of each for the whole step.
     opt = mt.plan_optimizer(mt.RunConfig(dp=dp, tp=tp, bucket_size=BUCKET, strategy=strategy,
-                                         overlap=dm.OVERLAP_DEFAULT))
+                                         overlap=mo.OVERLAP_DEFAULT))
     moving = sum(any(r.name in u.names for r in opt.routes) for u in opt._units())
     owner_phases = ("gather at owner", "scatter from owner")
     launches = lambda r: sum(e[0] == "launch" and e[1] in owner_phases for e in events(r, 0))
@@ -98,7 +98,7 @@ def demo_flops(**config):
 def demo_owners(n_ranks, **config):
     """The balanced owners of the demo model's matrices, from their FLOPs and shapes."""
     plan = mt.plan_optimizer(mt.RunConfig(strategy="owner", **config))
-    return dm.assign_owners(plan.ns_flops, n_ranks, plan.layout.global_shapes)
+    return mo.assign_owners(plan.ns_flops, n_ranks, plan.layout.global_shapes)
 
 
 def test_lpt_on_the_demo_model_by_hand():
@@ -121,7 +121,7 @@ def test_equal_flops_in_different_shapes_are_shared_out_shape_by_shape():
     assert all(owners[f"layers.{i}.mlp.fc1.weight"] != owners[f"layers.{i}.mlp.fc2.weight"] for i in range(4))
     assert all(len({owners[n] for n in owners if n.startswith(f"layers.{i}.")}) == 2 for i in range(4))
     # In model order (fc1, fc2, fc1, ...) LPT alone gives rank 0 every fc1 and rank 1 every fc2.
-    in_model_order = dm.assign_owners(demo_flops(layers=4), 2)
+    in_model_order = mo.assign_owners(demo_flops(layers=4), 2)
     assert {in_model_order[f"layers.{i}.mlp.fc{j}.weight"] for i in range(4) for j in (1, 2)} == {0, 1}
     assert len({in_model_order[f"layers.{i}.mlp.fc1.weight"] for i in range(4)}) == 1
 
@@ -129,18 +129,18 @@ def test_equal_flops_in_different_shapes_are_shared_out_shape_by_shape():
 def test_every_matrix_has_exactly_one_owner_and_balance_improves_with_more_matrices():
     for layers, ranks in [(1, 8), (2, 8), (8, 8), (24, 6)]:
         flops = demo_flops(layers=layers)
-        owners = dm.assign_owners(flops, ranks)
+        owners = mo.assign_owners(flops, ranks)
         assert list(owners) == list(flops) and all(0 <= r < ranks for r in owners.values())
-        per_rank, balance = dm.load_balance(flops, owners, ranks)
+        per_rank, balance = mo.load_balance(flops, owners, ranks)
         assert sum(per_rank) == sum(flops.values())
         # LPT's bound (Graham): max <= 4/3 of the optimum, itself >= max(mean, largest matrix).
         assert max(per_rank) <= 4 / 3 * max(sum(per_rank) / ranks, max(flops.values()))
-    assert dm.load_balance(demo_flops(layers=8), dm.assign_owners(demo_flops(layers=8), 8), 8)[1] == 1.0
+    assert mo.load_balance(demo_flops(layers=8), mo.assign_owners(demo_flops(layers=8), 8), 8)[1] == 1.0
 
 
 def test_a_huge_matrix_cannot_be_balanced():
     flops = demo_flops(model="lopsided")
-    per_rank, balance = dm.load_balance(flops, dm.assign_owners(flops, 8), 8)
+    per_rank, balance = mo.load_balance(flops, mo.assign_owners(flops, 8), 8)
     assert max(per_rank) == flops["huge.weight"] and balance > 4
 
 

@@ -1,0 +1,702 @@
+"""Orthogonalize each matrix once: the owner and comm-free strategies (OwnerMuon, CommFreeMuon).
+
+Section 6 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-5 first.
+The gather flow of section 5 orthogonalizes a matrix on every rank that touches it. The two
+strategies here give every matrix ONE owner among the DP x TP ranks, balanced by Newton-Schulz
+FLOPs, and are section 5's optimizer with its stage 3 replaced (comm-free: stages 1 and 4 too):
+
+    owner      ZeRO-1 unchanged; the parts of every matrix go to its owner and back (two all-to-alls)
+    comm-free  ZeRO-1 keeps Muon matrices whole: reduced at the owner row, its update broadcast
+
+and the step overlapped with its collectives (--overlap), and same-shape matrices batched
+(--batched-ns). Launch recipes (the lesson's command line):
+
+    python distributed_muon_cpu.py --strategy owner --explain   # one owner per matrix, and who owns what
+    python distributed_muon_cpu.py --model thin --strategy comm-free   # 81 matrices with a small side
+    python distributed_muon_cpu.py --strategy owner --overlap   # the step pipelined, collectives in flight
+
+Import it and the optimizers are real torch.optim.Optimizers, as section 5's:
+    from muon_owners import OwnerMuon, CommFreeMuon, OPTIMIZERS   # OPTIMIZERS: every strategy by name
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, _all_gather_single,
+                                  apply_muon_update_, newton_schulz, newton_schulz_flops, ns_coefficients_of,
+                                  orthogonalize, reduce_scatter_sum, sum_in_order, tp_shard)
+
+# =============================================================================
+# 6. Orthogonalize each matrix once: the owner and comm-free strategies
+# =============================================================================
+# In the gather flow a matrix is orthogonalized by every rank that touches it:
+# TP x (DP shards it touches) times, up to DP x TP, and every one of those ranks
+# receives the whole matrix. Zero-redundancy designs give every matrix ONE owner
+# among all DP x TP ranks, balanced by Newton-Schulz FLOPs:
+#
+# owner (--strategy owner): ZeRO-1 is unchanged (the same buckets, reduce-scatter,
+# momentum shards and parameter all-gather); only the middle changes. Every rank
+# sends its momentum part of each matrix straight to the matrix's owner, all
+# matrices in ONE all-to-all over the world; the owner puts the parts together,
+# orthogonalizes, and a second all-to-all returns each rank exactly its part:
+#
+#   rank (0,0): part of W --\                             /--> rank (0,0): part of O
+#   rank (0,1): part of W ---+--> owner: O = NS(W) -------+--> rank (0,1): part of O
+#   ...                    --/                             \--> ...
+#          gather at owner (one all_to_all)    scatter from owner (one all_to_all)
+#
+# comm-free (--strategy comm-free): ZeRO-1 shards Muon matrices WHOLE across DP
+# (torchtitan's communication-free Muon). A matrix's owner row (a DP rank)
+# keeps its full TP-local momentum; the gradient is reduced at that row instead
+# of reduce-scattered, and instead of an all-gather of fp32 weights the row
+# broadcasts its bf16 update, which every DP rank applies to its own copy of the
+# weights (equal on every DP rank: the same arithmetic, the same bits). With
+# TP = 1 nothing else moves: fewer bytes than AdamW ZeRO-1 (half of its
+# matrices' all-gather, and no padding), hence "communication-free" Muon.
+# With TP > 1 the TP pieces of the matrix still have to meet, at one rank of
+# the owner row: the same gather at owner / scatter from owner as above, but
+# inside the row's TP group only:
+#
+#     all DP ranks --grad reduce at owner--> owner row (d_o, 0..TP-1): momentum, TP-local, whole
+#     (d_o, t)     --gather at owner (TP)--> owner (d_o, t_o): O = NS(W) --scatter from owner (TP)--> (d_o, t)
+#     owner row    --update broadcast from owner--> all DP ranks
+#
+# A TP-replicated matrix (an MoE router) is the same on every TP rank, so only
+# the owner's own TP column sends its parts; every holder gets O back.
+#
+# The functions below plan and move the parts; at the end of the section,
+# OwnerMuon and CommFreeMuon are section 5's optimizer with stage 3 replaced
+# (and, for comm-free, stages 1 and 4 extended), every other stage reused.
+
+def lpt_order(ns_flops, shapes=None):
+    """The order in which assign_owners hands out matrices: decreasing FLOPs; among equal
+    FLOPs, one shape after another (shapes: {name: shape}; in order of first appearance);
+    within a shape, the order given, reversed for every other group.
+
+    Why group by shape: equal FLOPs need not mean equal time (a tall matrix works on a
+    transposed view: notes/measured/ns_shapes_2core.txt). Taken in model order (fc, fc2,
+    fc, fc2, ...) on 2 ranks, LPT gave every fc to rank 0 and every fc2 to rank 1; taken
+    shape by shape, the ranks get the same number of each, whatever each costs on the
+    machine at hand. Why reverse every other group (a snake, as in a draft): taken all
+    forward, rank 0 got every matrix of layers 0 and 2; a step overlapped unit by unit
+    (below) then has the ranks take turns instead of working at the same time.
+    """
+    shape = {n: tuple(shapes[n]) if shapes else () for n in ns_flops}
+    first, groups = {}, {}
+    for name in ns_flops:
+        first.setdefault(shape[name], len(first))
+        groups.setdefault((ns_flops[name], shape[name]), []).append(name)
+    order = []
+    for i, key in enumerate(sorted(groups, key=lambda k: (-k[0], first[k[1]]))):
+        order += groups[key] if i % 2 == 0 else groups[key][::-1]
+    return order
+
+
+def assign_owners(ns_flops, n_ranks, shapes=None):
+    """Greedy longest-processing-time: {matrix name: rank}, balanced by Newton-Schulz FLOPs.
+
+    Matrices in lpt_order, each to the rank with the least work so far (ties: the
+    lowest rank). Deterministic, so every rank computes the same assignment without
+    talking. LPT is within 4/3 of the best possible maximum (Graham, 1969); it cannot
+    balance fewer or very uneven matrices (e.g. 10 matrices, 4 of them the largest,
+    on 8 ranks).
+    """
+    load = [0] * n_ranks
+    owners = {}
+    for name in lpt_order(ns_flops, shapes):
+        rank = min(range(n_ranks), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += ns_flops[name]
+    return {n: owners[n] for n in ns_flops}
+
+
+def check_owners(owned_by_rank, matrices, n_ranks):
+    """{rank: [names]} -> {name: rank}; ValueError naming each missing, doubled or unknown matrix."""
+    owners, problems = {}, []
+    for rank, names in sorted(owned_by_rank.items()):
+        if not (isinstance(rank, int) and 0 <= rank < n_ranks):
+            problems.append(f"rank {rank!r} is not in [0, {n_ranks})")
+        for name in names:
+            if name in owners:
+                problems.append(f"{name} is owned twice (ranks {owners[name]} and {rank})")
+            elif name not in matrices:
+                problems.append(f"{name} is not a Muon matrix")
+            owners.setdefault(name, rank)
+    problems += [f"{name} has no owner" for name in matrices if name not in owners]
+    if problems:
+        raise ValueError("bad owner assignment: " + "; ".join(problems))
+    return {n: owners[n] for n in matrices}
+
+
+def load_balance(ns_flops, owners, n_ranks):
+    """FLOPs per rank under `owners`, and max/mean (1.00 is perfect balance)."""
+    per_rank = [0] * n_ranks
+    for name, rank in owners.items():
+        per_rank[rank] += ns_flops[name]
+    return per_rank, max(per_rank) / (sum(per_rank) / n_ranks)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A rank's part of a matrix, as the exchanges with its owner see it."""
+
+    rank: int  # index along the exchange axis of the rank that keeps it
+    tp_rank: int  # which TP piece of the matrix it is a range of
+    start: int  # its range of the flattened TP piece
+    stop: int
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one matrix travels to its owner and back, along one exchange axis."""
+
+    name: str
+    owner: int  # index along the exchange axis
+    shape: tuple  # TP-local shape
+    tp_split_dim: int  # -1: not split (replicated, or TP = 1)
+    tp_size: int
+    holders: tuple  # the Part of every rank that keeps state for some of it: the update comes back to each
+    senders: tuple  # the holders whose parts make up the full matrix, in (tp_rank, position) order
+
+
+def plan_routes(matrices, owners, part_of, layout, grid, axis):
+    """The routes of the matrices whose owner is on this rank's `axis` (all of them for the world).
+    part_of(name, dp_rank): the slice of the flat TP piece that DP rank keeps state for."""
+    dp, tp = grid.dp.size, grid.tp.size
+    routes = []
+    for name in matrices:
+        if owners[name] not in axis.ranks:
+            continue  # comm-free: another DP row's matrix, none of our business
+        owner_tp = owners[name] % tp
+        split = layout.tp_split_dims[name] if tp > 1 else -1
+        holders = []
+        for t in range(tp):
+            for d in range(dp):
+                part = part_of(name, d)
+                if part.stop > part.start:
+                    holders.append(Part(axis.ranks.index(d * tp + t), t, part.start, part.stop))
+        senders = tuple(h for h in holders if split >= 0 or h.tp_rank == owner_tp)
+        routes.append(Route(name, axis.ranks.index(owners[name]), layout.shapes[name], split, tp, tuple(holders),
+                            senders))
+    return routes
+
+
+# Collectives in flight. Section 2's collectives wait for their result before
+# they return. Here a rank may start one and compute while it travels: torch's
+# async_op=True returns a Work to wait on later, and every function below that
+# starts one returns a function that waits for it and returns the result
+# (later()). The tensors passed in must stay untouched until that wait.
+
+def later(work, phase, ledger, result):
+    """A started collective: a function that waits for `work` (None: nothing to wait for) and
+    returns result(). The wait is labelled with the phase, as the launch is."""
+    def wait():
+        if work is not None:
+            with record_function(phase):
+                work.wait()
+            ledger.record_wait(phase)
+        return result()
+    return wait
+
+
+def concat(tensors, dtype, device):
+    return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
+
+
+def exchange(sends, receive_numels, axis, ledger, phase, dtype, device):
+    """All-to-all with uneven sizes, started: sends[i], a list of 1-D tensors, goes to rank i of
+    `axis`, all of them copied once into one send buffer.
+
+    receive_numels[i] is how much rank i sends here (every rank knows the whole
+    plan, so nobody has to ask). Returns a function that waits and returns one
+    1-D tensor per source rank. Each piece goes straight to its destination, so
+    the byte count is exact: what a rank sends to the others, and receives from them.
+    """
+    send = concat([t for ts in sends for t in ts], dtype, device)
+    received = send.new_empty(sum(receive_numels))
+    split_sizes = [sum(t.numel() for t in ts) for ts in sends]
+    work = None
+    if axis.size == 1:
+        received.copy_(send)
+    else:
+        with record_function(phase):
+            work = dist.all_to_all_single(received, send, list(receive_numels), split_sizes,
+                                          group=axis.group, async_op=True)
+    others = [i for i in range(axis.size) if i != axis.rank]
+    ledger.record_comm(phase, "all_to_all", axis, sum(split_sizes[i] for i in others),
+                       sum(receive_numels[i] for i in others), send.dtype)
+    return later(work, phase, ledger, lambda: list(received.split(list(receive_numels))))
+
+
+def send_parts(transfers, axis, ledger, phase, dtype, device):
+    """Move many parts in one all-to-all. transfers: (source, destination, numel, part) along `axis`,
+    in an order every rank agrees on; `part` is the tensor on its source rank (None elsewhere).
+
+    A part a rank sends to itself is handed over as it is: no copy and no message.
+    On a group of one nothing else exists, and no collective is called.
+    Returns a function that waits and returns, in that order, the parts this rank receives.
+    """
+    me = axis.rank
+    sends, receive = [[] for _ in range(axis.size)], [0] * axis.size
+    for source, destination, numel, part in transfers:
+        if source == destination:
+            continue
+        if source == me:
+            sends[destination].append(part)
+        if destination == me:
+            receive[source] += numel
+    wait = exchange(sends, receive, axis, ledger, phase, dtype, device) if axis.size > 1 else None
+
+    def received_parts():
+        received, offset, parts = wait() if wait else None, [0] * axis.size, []
+        for source, destination, numel, part in transfers:
+            if destination != me:
+                continue
+            if source == me:
+                parts.append(part.reshape(-1))
+            else:
+                parts.append(received[source][offset[source]:][:numel])
+                offset[source] += numel
+        return parts
+
+    return received_parts
+
+
+def gather_at_owner(updates, routes, axis, ledger, dtype, device):
+    """Every rank's bf16 part of each routed matrix -> the full matrix, at its owner only.
+
+    One all-to-all for all the routes. Returns a function that waits and returns
+    {name: full matrix} of the matrices this rank owns.
+    """
+    me = axis.rank
+    wait = send_parts([(p.rank, r.owner, p.stop - p.start, updates[r.name] if p.rank == me else None)
+                       for r in routes for p in r.senders], axis, ledger, "gather at owner", dtype, device)
+
+    def assemble():
+        parts, full = iter(wait()), {}
+        for r in routes:
+            if r.owner != me:
+                continue
+            tp_locals = {}  # tp_rank -> its flattened TP-local matrix, part by part in DP order
+            for p in r.senders:
+                tp_locals.setdefault(p.tp_rank, []).append(next(parts))
+            # One part is the whole TP piece (DP = 1, or comm-free): used as it is, not copied.
+            mats = [(flats[0] if len(flats) == 1 else torch.cat(flats)).view(r.shape)
+                    for _, flats in sorted(tp_locals.items())]
+            full[r.name] = torch.cat(mats, dim=r.tp_split_dim) if r.tp_split_dim >= 0 else mats[0]
+        return full
+
+    return assemble
+
+
+def scatter_from_owner(orthos, routes, axis, ledger, dtype, device):
+    """The mirror of gather_at_owner: each owner's orthogonalized matrices -> every holder's part.
+
+    Returns a function that waits and returns {name: this rank's part}.
+    """
+    me = axis.rank
+
+    def part_of_ortho(r, p):  # the owner cuts the holder's part out: TP shard, then its flat range
+        return tp_shard(orthos[r.name], r.tp_split_dim, p.tp_rank, r.tp_size).reshape(-1)[p.start:p.stop]
+
+    wait = send_parts([(r.owner, p.rank, p.stop - p.start, part_of_ortho(r, p) if r.owner == me else None)
+                       for r in routes for p in r.holders], axis, ledger, "scatter from owner", dtype, device)
+    mine = [r.name for r in routes for p in r.holders if p.rank == me]
+    return lambda: dict(zip(mine, wait()))
+
+
+def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, device):
+    """gather at owner -> Newton-Schulz (owners only) -> scatter from owner: {name: this rank's part}."""
+    dtype = torch.bfloat16  # the updates were cast to Newton-Schulz's input type before they travel
+    full = gather_at_owner(updates, routes, axis, ledger, dtype, device)()
+    return scatter_from_owner(newton_schulz_fn(full), routes, axis, ledger, dtype, device)()
+
+
+# Batched Newton-Schulz (batched_ns, --batched-ns): an owner's same-shape matrices
+# as one stack, newton_schulz with torch.baddbmm, one call for all of them. The
+# same math but NOT the same bits: bf16 baddbmm and addmm round some near-ties
+# differently, so a stack is used only when asked for. BATCHED_NS_BOUND is the
+# largest |stack result - 2-D result|, relative to the largest entry of the 2-D
+# result, that tests/test_math.py allows: a bf16 entry carries 8 significant bits
+# (relative step 2**-8), and a few roundings that differ early grow through the 5
+# iterations; 2**-5 leaves a margin over what was measured on many seeds and odd
+# shapes (tests/test_math.py, notes/07-pitfalls.md).
+BATCHED_NS_BOUND = 2.0**-5
+
+
+def batched_newton_schulz(stack, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
+    """newton_schulz of a (batch, rows, cols) stack of same-shape matrices, one torch.baddbmm call
+    for all of them per product: within BATCHED_NS_BOUND of torch's result, not bitwise equal."""
+    return newton_schulz(stack, steps, coefficients, eps, fused_mm=torch.baddbmm)
+
+
+def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
+    """Newton-Schulz of every matrix an owner holds ({name: full matrix}): {name: ortho}.
+
+    One matrix at a time by default: the 2-D path torch.optim.Muon takes, hence
+    torch's bits. batched: one call per (shape, hyperparameters) stack, so many
+    small matrices cost one call instead of many; not bitwise equal to torch, within
+    BATCHED_NS_BOUND (above). Matrices `blocks` names (orthogonalize) go one by one.
+    """
+    orthos = {}
+    if batched:
+        stacks = {}
+        for name, matrix in full.items():
+            if blocks is not None and name in blocks.blocks:
+                continue
+            g = group_of[name]
+            stacks.setdefault((matrix.shape, g["ns_steps"], ns_coefficients_of(g["ns_coefficients"], g["ns_steps"]),
+                               g["ns_eps"]), []).append(name)
+        for (shape, steps, coefficients, eps), names in stacks.items():
+            with record_function("newton-schulz"):
+                stack = batched_newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
+            orthos.update(zip(names, stack.unbind(0)))
+            for name in names:
+                ledger.record_compute(name, tuple(shape), newton_schulz_flops(shape, steps))
+    for name, matrix in full.items():
+        if name not in orthos:
+            orthos[name] = orthogonalize(name, matrix, group_of[name], ledger, blocks)
+    return orthos
+
+
+def zeros_if_none(grad, param):
+    """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
+    return torch.zeros_like(param) if grad is None else grad
+
+
+def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
+    """comm-free: every DP rank's TP-local gradient of each matrix -> its sum, on the owner row only.
+
+    One all-to-all over DP carries the matrices given (a chunk of at most
+    bucket_size elements) to their owner rows, which add the DP contributions in
+    DP-rank order (exact here: section 3). The same bytes as a reduce-scatter,
+    with matrices instead of equal shards as the unit.
+    With async_op: a function that waits and returns the sums.
+    """
+    dp, tp = grid.dp, grid.tp.size
+    mine = [n for n in grads if owners[n] // tp == dp.rank]
+    if dp.size == 1:  # the only contribution is this rank's own: nothing to move or add
+        sums = {n: grads[n].reshape(-1) for n in mine}
+        return (lambda: sums) if async_op else sums
+    # This rank's own contribution stays where it is: nothing sent to itself, nothing copied.
+    sends = [[grads[n].reshape(-1) for n in grads if owners[n] // tp == d] if d != dp.rank else []
+             for d in range(dp.size)]
+    numel = sum(grads[n].numel() for n in mine)
+    wait = exchange(sends, [numel if d != dp.rank else 0 for d in range(dp.size)], dp, ledger,
+                    "grad reduce at owner", torch.float32, device)
+
+    def add_up():
+        received = [flat.split([grads[n].numel() for n in mine]) if d != dp.rank else None
+                    for d, flat in enumerate(wait())]
+        return {n: sum_in_order([grads[n].reshape(-1) if d == dp.rank else received[d][i] for d in range(dp.size)])
+                for i, n in enumerate(mine)}
+
+    return add_up if async_op else add_up()
+
+
+def broadcast_from_owner(orthos, numels, owners, grid, ledger, device, apply, async_op=False):
+    """comm-free, the mirror of reduce_at_owner: the owner row's orthogonalized TP-local matrices (bf16,
+    orthos: {name: flat} on the owner row, what its own update took; numels: {name: numel} of the
+    matrices to move, the same on every rank) -> every other DP rank, which applies the same update to
+    its own copy of the weights, apply(name, ortho). Those copies are equal on every DP rank, so each
+    ends with the owner row's weights, bit for bit, for half the bytes of sending them in fp32.
+    With async_op: a function that waits and applies them."""
+    dp, tp = grid.dp, grid.tp.size
+    if dp.size == 1:  # no other DP rank to send to
+        return (lambda: None) if async_op else None
+    mine = [orthos[n] for n in numels if owners[n] // tp == dp.rank]
+    sends = [mine if d != dp.rank else [] for d in range(dp.size)]
+    theirs = [[n for n in numels if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
+    wait = exchange(sends, [sum(numels[n] for n in names) for names in theirs], dp, ledger,
+                    "update broadcast from owner", torch.bfloat16, device)
+
+    def apply_received():
+        for names, flat in zip(theirs, wait()):
+            for name, ortho in zip(names, flat.split([numels[n] for n in names])):
+                apply(name, ortho)
+
+    return apply_received if async_op else apply_received()
+
+
+# Overlap (overlap=K, --overlap K). Stages 1-4 above run one after the other,
+# so a rank's core sits idle while its messages travel, and its transfers wait
+# while it computes. With overlap, the step is pipelined unit by unit (a unit is
+# a ZeRO-1 bucket; for comm-free's matrices, a chunk of them of at most
+# bucket_size elements) and every collective is started asynchronously:
+#
+#   every gradient reduction starts at once; then, iteration i of the loop:
+#     unit i      1->2  wait for its summed gradient, update momentum / AdamW,
+#                       start its gather at owner                          -> G(i)
+#     unit i-K    3     wait G(i-K), Newton-Schulz of what this rank owns,
+#                       start its scatter from owner                       -> S(i-K)
+#     unit i-2K   3, 4  wait S(i-2K), apply the update, start the param all-gather
+#   and at the end, wait for every param all-gather. With K = 1:
+#
+#   main thread: | state 0 | state 1 | NS 0        | state 2 | NS 1        | apply 0 | ...
+#   in flight:   | R1 R2 ... Rn, G0  | G1, R2..Rn  | S0      | G2, S0 ...  | A0      | ...
+#
+# So the Newton-Schulz of a unit runs while the gradients of later units are
+# still being reduced (R), later units' parts travel to their owners (G) and
+# earlier units' results travel back (S) and their parameters are all-gathered
+# (A). Every rank starts the same collectives in the same order on each group,
+# which is all that asynchronous collectives need to match up. Nothing is
+# computed differently: the same elements go through the same operations, so
+# the bits are the same.
+#
+# Why K (the lookahead) and not just 1: a gather at owner cannot complete before
+# every rank has started it. With K = 1 the ranks move in lock-step, one unit at
+# a time, and a rank that owns nothing in a unit waits for the one that owns its
+# matrix; K units of slack let them drift apart by up to K units (what each K
+# cost on 2 cores: benchmarks/overlap.py, notes/measured/overlap_2rank_2core.txt).
+# Whether overlap is faster at all depends on having something to overlap with: a
+# core or a copy engine that is idle while messages travel (notes/08-strategies.md).
+# On one rank nothing travels, and the loop below runs with K = 0 whatever K is.
+OVERLAP_DEFAULT = 2  # --overlap without a number
+
+
+def all_gather_async(shard, axis, ledger, phase):
+    """Section 2's all_gather, started: a function that waits and returns its result."""
+    if axis.size == 1:
+        return lambda: shard
+    out = shard.new_empty(axis.size * shard.numel())
+    with record_function(phase):
+        work = _all_gather_single(out, shard, group=axis.group, async_op=True)
+    ledger.record_ring(phase, "all_gather", axis, shard)
+    return later(work, phase, ledger, lambda: out)
+
+
+def reduce_scatter_async(bucket, axis, ledger, phase):
+    """Section 2's reduce_scatter, started: a function that waits and returns this rank's shard."""
+    if axis.size == 1:
+        return lambda: bucket
+    with record_function(phase):
+        work, shard = reduce_scatter_sum(bucket, axis)
+    ledger.record_ring(phase, "reduce_scatter", axis, bucket[:bucket.numel() // axis.size])
+    return later(work, phase, ledger, shard)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of an overlapped step: parameters whose gradients are reduced together."""
+
+    names: tuple
+    bucket: object = None  # the ZeRO-1 bucket that holds them; None: comm-free matrices, reduced at their owners
+
+
+def chunk_names(names, numel, size):
+    """Consecutive names in chunks of at most `size` elements (a larger one alone)."""
+    chunks, current, total = [], [], 0
+    for name in names:
+        if current and total + numel[name] > size:
+            chunks.append(tuple(current))
+            current, total = [], 0
+        current.append(name)
+        total += numel[name]
+    return chunks + ([tuple(current)] if current else [])
+
+
+def check_owner_options(name=str, *, overlap):
+    """The owner strategies' rule for their own argument (see check_hyperparameters)."""
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
+        raise ValueError(f"{name('overlap')} must be an integer >= 0 (got {overlap!r})")
+
+
+class OwnerMuon(DistributedMuon):
+    """The owner strategy: ZeRO-1 exactly as in section 5 (the same buckets, reduce-scatter,
+    momentum parts and all-gather); only stage 3 changes, to gather at owner -> Newton-Schulz
+    on the owner -> scatter from owner.
+
+    owners: {rank: [matrix names]} to override the balanced assignment (every Muon matrix
+        exactly once).
+    overlap: 0 (off), or K >= 1: pipeline the step bucket by bucket with asynchronous
+        collectives, Newton-Schulz K units behind the reductions (above); the same bytes in
+        more, smaller all-to-alls, and the same bits.
+    batched_ns: orthogonalize an owner's same-shape matrices in one batched call. Faster for
+        many small matrices, but not bitwise equal to torch: within BATCHED_NS_BOUND
+        (above). Off by default.
+    """
+
+    strategy = "owner"
+
+    def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
+        check_owner_options(overlap=overlap)
+        self.owner_override, self.overlap, self.batched_ns = owners, overlap, batched_ns
+        super().__init__(params, **kwargs)
+
+    def _route_axis(self):
+        return self.grid.world  # parts travel across the whole grid
+
+    def _plan(self):
+        world = self.grid.world.size
+        shapes, large_runs = self.layout.global_shapes, self.large_runs  # LargeRuns counts by blocks where it has them
+        self.ns_flops = {n: newton_schulz_flops(shapes[n], self.group_of[n]["ns_steps"]) if large_runs is None else
+                         large_runs.flops(n, shapes[n], self.group_of[n]["ns_steps"]) for n in self.muon_names}
+        self.owners = (check_owners(self.owner_override, self.muon_names, world) if self.owner_override is not None
+                       else assign_owners(self.ns_flops, world, self.layout.global_shapes))
+        self.routes = plan_routes(self.muon_names, self.owners, self.part_of, self.layout, self.grid,
+                                  self._route_axis())
+
+    def _newton_schulz_owned(self, full):
+        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns, self.large_runs)
+
+    def _stages(self, active):
+        """Without overlap, on more than one rank: each stage for every bucket, then the next
+        stage, so that stage 3 moves every matrix in one exchange each way."""
+        if self.overlap or self.grid.world.size == 1:
+            return self._overlapped_stages(active)
+        updates = self._update_state(self._reduce_grads(active))  # 1, 2
+        for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
+            self._apply_update(name, ortho_part)
+        self._gather_params(active)  # 4
+
+    def _reduce_grads(self, active):
+        """Stage 1 for every bucket: {name: this rank's part of the gradient summed over DP}."""
+        grads = {}
+        for bucket in self.layout.buckets:
+            grads.update(self._reduce_bucket(bucket, active))
+        return grads
+
+    def _orthogonalize(self, updates, active):
+        """Stage 3 for every matrix: gather at owner -> Newton-Schulz -> scatter from owner."""
+        routes = [r for r in self.routes if r.name in active]
+        return orthogonalize_at_owners(updates, routes, self._newton_schulz_owned, self._route_axis(),
+                                       self.ledger, self.device)
+
+    def _gather_params(self, active):
+        """Stage 4 for every bucket."""
+        for bucket in self.layout.buckets:
+            self._gather_bucket(bucket)
+
+    # -- the overlapped step -------------------------------------------------
+    def _units(self):
+        return [Unit(b.names, b) for b in self.layout.buckets]
+
+    def _reduce_unit(self, unit, active):
+        """Start stage 1 for a unit; returns a function that waits and returns its gradient parts."""
+        wait = reduce_scatter_async(self._grad_bucket(unit.bucket), self.grid.dp, self.ledger, "grad reduce-scatter")
+        return lambda: self._grad_parts(unit.bucket, wait(), active)
+
+    def _gather_unit(self, unit, active):
+        """Start stage 4 for a unit; returns a function that waits and puts the weights in place."""
+        wait = all_gather_async(self._param_shard(unit.bucket), self.grid.dp, self.ledger, "param all-gather")
+        return lambda: self._copy_in(unit.bucket, wait())
+
+    def _overlapped_stages(self, active):
+        # On one rank nothing travels and there is nothing to overlap: K = 0 runs the units
+        # one after the other, as section 5 runs its buckets.
+        axis, dtype, device = self._route_axis(), torch.bfloat16, self.device
+        units = self._units()
+        # Which matrices of each unit travel to an owner: the same on every rank of the axis,
+        # so a unit without any starts no exchange anywhere.
+        routes = [[r for r in self.routes if r.name in u.names and r.name in active] for u in units]
+        k = self.overlap if self.grid.world.size > 1 else 0
+        # 1: with K >= 1 every reduction starts now; with K = 0 each one when its unit's turn comes
+        reduced = [self._reduce_unit(u, active) for u in units] if k else None
+        gathered, scattered, gathered_params = {}, {}, []
+        for i in range(len(units) + 2 * k):
+            if i < len(units):  # unit i: 1 -> 2, then start its gather at owner
+                updates = self._update_state((reduced[i] if k else self._reduce_unit(units[i], active))())
+                if routes[i]:
+                    gathered[i] = gather_at_owner(updates, routes[i], axis, self.ledger, dtype, device)
+            if i - k in gathered:  # unit i-k: 3, while later units' transfers and reductions fly
+                orthos = self._newton_schulz_owned(gathered.pop(i - k)())
+                scattered[i - k] = scatter_from_owner(orthos, routes[i - k], axis, self.ledger, dtype, device)
+            if 0 <= i - 2 * k < len(units):  # unit i-2k: the end of 3, then start 4
+                if i - 2 * k in scattered:
+                    for name, ortho_part in scattered.pop(i - 2 * k)().items():
+                        self._apply_update(name, ortho_part)
+                gathered_params.append(self._gather_unit(units[i - 2 * k], active))
+        for wait in gathered_params:
+            wait()
+
+
+class CommFreeMuon(OwnerMuon):
+    """The comm-free strategy: Muon matrices sharded whole across DP, outside the buckets.
+
+    Stage 1 adds the gradient reduce at the owner row, stage 3 exchanges TP pieces inside
+    the owner's row only, stage 4 adds the broadcast from the owner row; the matrices
+    travel in chunks of at most bucket_size elements, which overlap pipelines.
+    """
+
+    strategy = "comm-free"
+
+    def _bucketed(self, name):
+        return self.group_of[name]["algorithm"] != "muon"  # matrices live whole, on their owner's row
+
+    def _route_axis(self):
+        return self.grid.tp  # the TP pieces of a matrix meet inside the owner's row
+
+    def part_of(self, name, dp_rank):
+        if self._bucketed(name):
+            return super().part_of(name, dp_rank)
+        on_owner_row = self.owners[name] // self.grid.tp.size == dp_rank
+        return slice(0, math.prod(self.layout.shapes[name]) if on_owner_row else 0)
+
+    def _muon_grads(self, names, active):
+        return {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n]) for n in names if n in active}
+
+    def _apply_update(self, name, ortho_part):
+        """The owner row's update, kept until stage 4 sends it to the other DP rows (a matrix's part is all
+        of its TP piece on the owner row: section 5's _apply_update updates it whole)."""
+        super()._apply_update(name, ortho_part)
+        if not self._bucketed(name):
+            self.sent_updates[name] = ortho_part
+
+    def _apply_received(self, name, ortho):
+        """Another DP row's update of `name`, applied to this rank's own copy of its TP piece: the owner
+        row's arithmetic on the same weights."""
+        runs = self.large_runs.whole_runs.get(name) if self.large_runs is not None else None
+        apply_muon_update_(self.param_by_name[name].view(-1), ortho, self.group_of[name],
+                           self.layout.global_shapes[name], runs)
+
+    def _broadcast_updates(self, names, active, async_op=False):
+        numels = {n: self.param_by_name[n].numel() for n in names if n in active}
+        orthos = {n: self.sent_updates.pop(n) for n in numels if n in self.sent_updates}
+        return broadcast_from_owner(orthos, numels, self.owners, self.grid, self.ledger, self.device,
+                                    self._apply_received, async_op)
+
+    def _plan(self):
+        super()._plan()
+        # The matrices in chunks of at most bucket_size elements: what one reduce at owner or
+        # broadcast from owner carries, as a bucket bounds one reduce-scatter (why not one
+        # message for all of them: notes/08-strategies.md).
+        numel = {n: self.param_by_name[n].numel() for n in self.muon_names}
+        self.muon_chunks = chunk_names(self.muon_names, numel, self.bucket_size)
+        self.sent_updates = {}  # {matrix: the owner row's update}, from stage 3 to stage 4
+
+    def _reduce_grads(self, active):
+        grads = super()._reduce_grads(active)
+        for names in self.muon_chunks:
+            grads.update(reduce_at_owner(self._muon_grads(names, active), self.owners, self.grid, self.ledger,
+                                         self.device))
+        return grads
+
+    def _gather_params(self, active):
+        super()._gather_params(active)
+        for names in self.muon_chunks:
+            self._broadcast_updates(names, active)
+
+    def _units(self):
+        return super()._units() + [Unit(c) for c in self.muon_chunks]
+
+    def _reduce_unit(self, unit, active):
+        if unit.bucket is not None:
+            return super()._reduce_unit(unit, active)
+        return reduce_at_owner(self._muon_grads(unit.names, active), self.owners, self.grid, self.ledger,
+                               self.device, async_op=True)
+
+    def _gather_unit(self, unit, active):
+        if unit.bucket is not None:
+            return super()._gather_unit(unit, active)
+        return self._broadcast_updates(unit.names, active, async_op=True)
+
+
+# Every strategy, by the name --strategy takes.
+OPTIMIZERS = {"gather": DistributedMuon, "owner": OwnerMuon, "comm-free": CommFreeMuon}
+STRATEGIES = tuple(OPTIMIZERS)
