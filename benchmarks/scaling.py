@@ -101,8 +101,8 @@ def torch_reference(params):
             torch.optim.AdamW([p for p in params.values() if p.ndim != 2], **HYPERPARAMETERS, foreach=False)]
 
 
-def build(variant, params, grid, variants=VARIANTS, module=dm):
-    """`variant`'s optimizer from `module` (this distributed_muon_cpu, or another commit's)."""
+def build(variant, params, grid, variants=VARIANTS, module=mo):
+    """`variant`'s optimizer from `module`'s OPTIMIZERS (this muon_owners, or another commit's)."""
     strategy, options = variants[variant]
     groups = [dict(params=[(n, p) for n, p in params.items() if p.ndim == 2], algorithm="muon"),
               dict(params=[(n, p) for n, p in params.items() if p.ndim != 2], algorithm="adamw")]
@@ -130,7 +130,7 @@ def without_newton_schulz():
 
     cast = lambda matrix, *args, **kwargs: matrix.bfloat16()  # noqa: E731
     setattr(torch_muon, TORCH_NEWTON_SCHULZ, cast)
-    dm.newton_schulz = cast
+    dm.newton_schulz = mo.newton_schulz = cast  # the lesson's, and the one muon_owners imported for --batched-ns
 
 
 def step_ms(steppers, rounds, barrier=lambda: None):

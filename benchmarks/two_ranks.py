@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import scaling  # noqa: E402
-from scaling import dm, mt  # noqa: E402
+from scaling import dm, mo, mt  # noqa: E402
 
 VARIANTS = {v: s for v, s in scaling.VARIANTS.items() if s[0] != "gather"}
 COPIES = ("aten::cat", "aten::copy_", "aten::clone", "aten::zeros", "aten::zero_", "aten::fill_", "aten::new_zeros",
@@ -75,12 +75,26 @@ def split_of(events, labels):
 BEFORE = " (before)"
 
 
-def other_commit(directory):
-    """The distributed_muon_cpu module in `directory`, imported under another name."""
-    spec = importlib.util.spec_from_file_location("dm_before", os.path.join(directory, "distributed_muon_cpu.py"))
-    module = sys.modules["dm_before"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+def load_as(name, path):
+    """The module in `path`, imported as `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
     spec.loader.exec_module(module)
     return module
+
+
+def other_commit(directory):
+    """The module that holds OPTIMIZERS in `directory` (another commit's checkout), imported under other
+    names: [its lesson, its muon_owners.py] (before section 6 moved to muon_owners.py: [its lesson])."""
+    lesson = load_as("dm_before", os.path.join(directory, "distributed_muon_cpu.py"))
+    owners = os.path.join(directory, "muon_owners.py")
+    if not os.path.isfile(owners):
+        return [lesson]
+    ours, sys.modules["distributed_muon_cpu"] = sys.modules["distributed_muon_cpu"], lesson  # its own lesson
+    try:
+        return [lesson, load_as("mo_before", owners)]
+    finally:
+        sys.modules["distributed_muon_cpu"] = ours
 
 
 def rank_main(rank, world, port, out_dir, d, layers, rounds, without_ns, before):
@@ -89,11 +103,12 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, without_ns, before)
         scaling.without_newton_schulz()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     grid = dm.make_grid(world, 1, rank)
-    modules = {"": dm} | ({BEFORE: other_commit(before)} if before else {})
+    modules = {"": [dm, mo]} | ({BEFORE: other_commit(before)} if before else {})
     built, others = {}, {}
-    for suffix, module in modules.items():
+    for suffix, (*rest, module) in modules.items():
         if without_ns:
-            module.newton_schulz = dm.newton_schulz
+            for m in rest + [module]:
+                m.newton_schulz = dm.newton_schulz
         for variant in VARIANTS:
             params, grads = scaling.parameters(d, layers)
             (others if suffix else built)[variant + suffix] = (

@@ -74,7 +74,8 @@ def test_scaling_without_ns_replaces_newton_schulz_in_torch_and_here_alike(singl
     params, grads = scaling.parameters(16, 1)
     with_ns, _ = step_both(params, grads)
     monkeypatch.setattr(torch_muon, scaling.TORCH_NEWTON_SCHULZ, getattr(torch_muon, scaling.TORCH_NEWTON_SCHULZ))
-    monkeypatch.setattr(dm, "newton_schulz", dm.newton_schulz)  # both restored after the test
+    monkeypatch.setattr(dm, "newton_schulz", dm.newton_schulz)  # all three restored after the test
+    monkeypatch.setattr(mo, "newton_schulz", mo.newton_schulz)
     scaling.without_newton_schulz()
     theirs, ours = step_both(params, grads)
     assert all(torch.equal(theirs[n], ours[n]) for n in params)  # the same work on both sides
