@@ -313,28 +313,20 @@ class Ledger:
     step: int = 0
     comm: list = field(default_factory=list)  # dicts: step, phase, op, axis, dtype, sent, received (bytes)
     compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
-    # In order: (step, "launch" | "wait", phase) per collective, (step, "newton-schulz", matrix) per
-    # orthogonalization; what was in flight while what ran, once collectives overlap compute.
-    events: list = field(default_factory=list)
 
     def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
         size = dtype.itemsize
         self.comm.append(dict(step=self.step, phase=phase, op=op, axis=axis.name,
                               dtype=str(dtype).replace("torch.", ""),
                               sent=sent_numel * size, received=received_numel * size))
-        self.events.append((self.step, "launch", phase))
 
     def record_ring(self, phase, op, axis, shard):
         """A ring collective of `shard`-sized pieces: (n - 1) pieces out and in."""
         ring = (axis.size - 1) * shard.numel()
         self.record_comm(phase, op, axis, ring, ring, shard.dtype)
 
-    def record_wait(self, phase):
-        self.events.append((self.step, "wait", phase))
-
     def record_compute(self, name, shape, flops):
         self.compute.append(dict(step=self.step, name=name, shape=tuple(shape), flops=flops))
-        self.events.append((self.step, "newton-schulz", name))
 
 
 def all_gather(shard, axis, ledger, phase):
@@ -345,7 +337,6 @@ def all_gather(shard, axis, ledger, phase):
     with record_function(phase):
         _all_gather_single(out, shard, group=axis.group)
     ledger.record_ring(phase, "all_gather", axis, shard)
-    ledger.record_wait(phase)
     return out
 
 
@@ -383,7 +374,6 @@ def reduce_scatter(bucket, axis, ledger, phase):
         work, shard = reduce_scatter_sum(bucket, axis)
         work.wait()
     ledger.record_ring(phase, "reduce_scatter", axis, bucket[:bucket.numel() // axis.size])
-    ledger.record_wait(phase)
     return shard()
 
 
@@ -411,7 +401,6 @@ def all_reduce(tensor, axis, ledger, phase, op=dist.ReduceOp.SUM):
         dist.all_reduce(tensor, op=op, group=axis.group)
     ring = 2 * (axis.size - 1) * -(-tensor.numel() // axis.size)
     ledger.record_comm(phase, "all_reduce", axis, ring, ring, tensor.dtype)
-    ledger.record_wait(phase)
     return tensor
 
 

@@ -703,7 +703,7 @@ class DTensorMuon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.config = distributed_config or DistributedConfig()
         self.config.check()
-        self.batched_ns, self.ledger = batched_ns, dm.Ledger()
+        self.batched_ns, self.ledger = batched_ns, mo.EventLedger()
         self.expert_stacks = set(expert_stacks)
         self.row_layouts, self.ns_blocks = dict(row_layouts or {}), ns_blocks
         self.tp_newton_schulz, self.qk_clip_tau = tp_newton_schulz, qk_clip_tau

@@ -22,13 +22,13 @@ Import it and the optimizers are real torch.optim.Optimizers, as section 5's:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, _all_gather_single,
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Ledger, _all_gather_single,
                                   apply_muon_update_, newton_schulz, newton_schulz_flops, ns_coefficients_of,
                                   orthogonalize, reduce_scatter_sum, sum_in_order, tp_shard)
 
@@ -191,7 +191,29 @@ def plan_routes(matrices, owners, part_of, layout, grid, axis):
 # they return. Here a rank may start one and compute while it travels: torch's
 # async_op=True returns a Work to wait on later, and every function below that
 # starts one returns a function that waits for it and returns the result
-# (later()). The tensors passed in must stay untouched until that wait.
+# (later()). The tensors passed in must stay untouched until that wait. What
+# was in flight while what ran is then worth a record of its own: the ledger
+# of these strategies keeps the order of launches, waits and orthogonalizations.
+
+@dataclass
+class EventLedger(Ledger):
+    """Section 2's Ledger, and in order: (step, "launch" | "wait", phase) per collective, (step,
+    "newton-schulz", matrix) per orthogonalization. A launch with no wait is one of section 2's
+    collectives, over when it returns."""
+
+    events: list = field(default_factory=list)
+
+    def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
+        super().record_comm(phase, op, axis, sent_numel, received_numel, dtype)
+        self.events.append((self.step, "launch", phase))
+
+    def record_wait(self, phase):
+        self.events.append((self.step, "wait", phase))
+
+    def record_compute(self, name, shape, flops):
+        super().record_compute(name, shape, flops)
+        self.events.append((self.step, "newton-schulz", name))
+
 
 def later(work, phase, ledger, result):
     """A started collective: a function that waits for `work` (None: nothing to wait for) and
@@ -528,6 +550,7 @@ class OwnerMuon(DistributedMuon):
         check_owner_options(overlap=overlap)
         self.owner_override, self.overlap, self.batched_ns = owners, overlap, batched_ns
         super().__init__(params, **kwargs)
+        self.ledger = EventLedger()  # the order of launches, waits and orthogonalizations too (above)
 
     def _route_axis(self):
         return self.grid.world  # parts travel across the whole grid

@@ -61,17 +61,17 @@ def test_one_rank_steps_matrix_by_matrix_as_torch_does(single_process_group, str
     torch.optim.Muon keeps one matrix's (section 5; notes/08-strategies.md measures why)."""
     model = TinyNet()
     opt = mo.OPTIMIZERS[strategy](split_groups(model), grid=single_process_group, bucket_size=300, **options)
-    apply_update = opt._apply_update
+    apply_update, applied = opt._apply_update, []
 
-    def record(name, ortho_part):
-        opt.ledger.events.append((opt.ledger.step, "apply", name))
+    def record(name, ortho_part):  # each update applied, after how many orthogonalizations
+        applied.append((name, len(opt.ledger.compute)))
         apply_update(name, ortho_part)
 
     opt._apply_update = record
     model(torch.randint(0, 50, (2, 3))).backward()
     opt.step()
-    assert [(kind, name) for _, kind, name in opt.ledger.events] == [
-        (kind, name) for name in ("hidden.weight", "out.weight") for kind in ("newton-schulz", "apply")]
+    assert [c["name"] for c in opt.ledger.compute] == ["hidden.weight", "out.weight"]
+    assert applied == [("hidden.weight", 1), ("out.weight", 2)]
 
 
 @pytest.mark.parametrize("model", ["thin", "lopsided"])
