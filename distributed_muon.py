@@ -12,10 +12,10 @@ to compare strategies, launch once per --strategy (benchmarks/compare.py runs
 them all in one go on CPU ranks). An error on any rank is printed by that rank, in one
 line that names it; torchrun then stops the other ranks.
 
-Nothing of the algorithm lives here. The math, the grid, the virtual buffer,
-the step, the verification against torch.optim.Muon / AdamW and the
-accounting are imported from distributed_muon_cpu.py; this file launches them
-the way GPU jobs are launched. What differs on GPUs, and why:
+Nothing of the algorithm lives here. The math, the grid, the virtual buffer and
+the step (distributed_muon_cpu.py, and muon_owners.py's strategies), the
+verification against torch.optim.Muon / AdamW and the accounting (muon_tools.py)
+are imported; this file launches them the way GPU jobs are launched. What differs on GPUs, and why:
 
   1. Backend: NCCL instead of Gloo. NCCL runs the collectives on the GPUs
      themselves, over NVLink inside a node and InfiniBand/RoCE between nodes;

@@ -21,22 +21,15 @@ section 6 (muon_owners.py) adds two strategies that orthogonalize each matrix
 once, on its owner ("owner": all-to-all exchanges; "comm-free": matrices sharded
 whole across DP).
 
-Launch recipes
+Launch recipes (the other strategies' and options' are in muon_owners.py's and muon_large_runs.py's)
 --------------
     python distributed_muon_cpu.py                      # 8 ranks, DP=4 x TP=2, 3 steps
     python distributed_muon_cpu.py --dp 2 --tp 4 --explain   # print the virtual buffer map too
     python distributed_muon_cpu.py --dp 8 --tp 1 --steps 5 --json run.json
-    python distributed_muon_cpu.py --strategy owner --explain   # one owner per matrix, and who owns what
-    python distributed_muon_cpu.py --model thin --strategy comm-free   # 81 matrices with a small side
-    python distributed_muon_cpu.py --strategy owner --overlap   # the step pipelined, collectives in flight
-    python distributed_muon_cpu.py --ns-blocks heads --ns-coefficients polar_express --qk-clip 100
-    python distributed_muon_cpu.py --tp-newton-schulz gram   # Gram all-reduces instead of TP gathers
     python distributed_muon_cpu.py --help
-    python benchmarks/compare.py                        # gather, owner, comm-free, AdamW ZeRO-1: one table
 
-Import it and its optimizer is a real torch.optim.Optimizer (section 6's two are too):
+Import it and its optimizer is a real torch.optim.Optimizer:
     from distributed_muon_cpu import DistributedMuon, make_grid
-    from muon_owners import OwnerMuon, CommFreeMuon
 
 Reading order (each section opens with what it does and why)
     1. Newton-Schulz, momentum and the learning-rate adjustment (the math)
@@ -44,16 +37,9 @@ Reading order (each section opens with what it does and why)
     3. The parameters (a small transformer) and their per-rank gradients
     4. The virtual buffer (param groups, buckets, dist_meta)
     5. The step: the gather strategy (DistributedMuon, a torch.optim.Optimizer)
-Beside it, each in a file of its own, read in this order:
-    6. muon_owners.py: orthogonalize each matrix once, the owner and comm-free strategies (OwnerMuon,
-       CommFreeMuon), and the step overlapped with its collectives (--overlap)
-    7. muon_large_runs.py: what large runs add (fused QKV by blocks, QK-clip, Newton-Schulz on TP
-       pieces), options of the optimizers above, off by default
-and the tooling, in muon_tools.py, no part of the lesson:
-    8. A run (run_steps, the example of use), and its verification against torch
-    9. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
-    10. Main: the launcher (start, watch and stop the ranks) and the command line
-    11. Training checks (the bound and the chaos floor that real trainings, examples/ and dtensor_demo.py, share)
+then, each in a file of its own: 6. muon_owners.py (each matrix orthogonalized once: the owner and
+comm-free strategies), 7. muon_large_runs.py (what large runs add), and the tooling, no part of the
+lesson, 8-11. muon_tools.py (a run and its check against torch, the accounting, the launcher).
 """
 
 from __future__ import annotations
@@ -65,6 +51,10 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+# What the optimizer refuses (its constructor's checks, shared with DTensorMuon and the command lines)
+# lives beside the lesson, no part of it.
+from muon_checks import check_hyperparameters, index_named_params
 
 # =============================================================================
 # 1. Newton-Schulz, momentum and the learning-rate adjustment
@@ -126,7 +116,6 @@ def newton_schulz(matrix, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_E
 
     With fused_mm = torch.addmm (beta * input + alpha * m1 @ m2, in one call) these are
     exactly torch.optim.Muon's operations, so its result is torch's, bit for bit.
-    fused_mm: torch.addmm (torch's 2-D path); torch.baddbmm takes a stack of same-shape matrices.
     coefficients: one (a, b, c), or one per iteration (ns_coefficients_of).
     dtype: torch's bf16; torch.float64 gives the same iteration without bf16's rounding.
     """
@@ -153,7 +142,7 @@ def newton_schulz_flops(shape, steps=NS_STEPS):
 def muon_momentum_(momentum_buffer, grad, momentum, nesterov):
     """Update the momentum buffer in place and return the Newton-Schulz input (elementwise: a shard
     gets the whole matrix's bits). torch's moving average, buf <- buf + (1-mu)(g - buf), Nesterov
-    g.lerp(buf, mu); Megatron-LM PR 1428's buf <- mu*buf + g is another scale, so not torch's bits."""
+    g.lerp(buf, mu)."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
@@ -193,7 +182,7 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_dec
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-# The same math with a param group's options, on a part of a parameter (DTensorMuon calls them too).
+# The same math with a param group's options, on a part of a parameter.
 def muon_update(momentum_buffer, grad, group):
     """Muon's momentum, then the bf16 cast Newton-Schulz does first anyway (half the bytes to move, no bit changed)."""
     return muon_momentum_(momentum_buffer, grad, group["momentum"], group["nesterov"]).bfloat16()
@@ -377,21 +366,6 @@ def reduce_scatter(bucket, axis, ledger, phase):
     return shard()
 
 
-def any_rank(flags, axis, ledger, phase):
-    """Elementwise OR of a 1-D bool tensor over the ranks of `axis` (one MAX all-reduce), counted as a
-    ring all-reduce (reduce-scatter, then all-gather) of the flags as bytes, padded to the group size."""
-    if axis.size == 1:
-        return flags
-    padded = -(-flags.numel() // axis.size) * axis.size
-    votes = torch.zeros(padded, dtype=torch.uint8, device=flags.device)
-    votes[:flags.numel()] = flags
-    with record_function(phase):
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=axis.group)
-    ring = 2 * (axis.size - 1) * (padded // axis.size)
-    ledger.record_comm(phase, "all_reduce", axis, ring, ring, votes.dtype)
-    return votes[:flags.numel()].bool()
-
-
 def all_reduce(tensor, axis, ledger, phase, op=dist.ReduceOp.SUM):
     """Reduce `tensor` in place over the ranks of `axis` (SUM or MAX), counted as a ring all-reduce:
     2 (n - 1) pieces of 1/n of it out and in."""
@@ -404,9 +378,11 @@ def all_reduce(tensor, axis, ledger, phase, op=dist.ReduceOp.SUM):
     return tensor
 
 
-def all_reduce_sum(tensor, axis, ledger, phase):
-    """Sum `tensor` over the ranks of `axis`, in place."""
-    return all_reduce(tensor, axis, ledger, phase, dist.ReduceOp.SUM)
+def any_rank(flags, axis, ledger, phase):
+    """Elementwise OR of a 1-D bool tensor over the ranks of `axis`: one MAX all-reduce of the flags as bytes."""
+    if axis.size == 1:
+        return flags
+    return all_reduce(flags.to(torch.uint8), axis, ledger, phase, dist.ReduceOp.MAX).bool()
 
 
 # =============================================================================
@@ -727,93 +703,6 @@ def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger, large_r
             tp_piece = tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
         ortho_parts[meta.name] = dp_shard(tp_piece, meta)  # DP shard: a slice
     return ortho_parts
-
-
-# The constructor's checks: what it refuses, and the index of named parameters it builds.
-def check_hyperparameters(name=str, *, bucket_size, lr, weight_decay, momentum, adjust_lr_fn):
-    """torch.optim.Muon's rules (`name` spells an argument: a keyword, or a command-line flag),
-    stricter where a value would break the step: finite lr and weight decay, momentum below 1
-    (torch accepts any >= 0; at 1 the buffer never takes a gradient)."""
-    if bucket_size < 1:
-        raise ValueError(f"{name('bucket_size')} must be >= 1 (got {bucket_size})")
-    if not (lr >= 0 and math.isfinite(lr)):
-        raise ValueError(f"{name('lr')} must be >= 0 and finite (got {lr})")
-    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
-        raise ValueError(f"{name('weight_decay')} must be >= 0 and finite (got {weight_decay})")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"{name('momentum')} must be in [0, 1) (got {momentum})")
-    if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"{name('adjust_lr_fn')} must be one of {', '.join(ADJUST_LR_FNS)} (got {adjust_lr_fn!r})")
-
-
-def check_adamw_hyperparameters(name=str, *, lr, betas, eps, weight_decay):
-    """torch.optim.AdamW's rules (lr, eps, weight_decay >= 0; each beta in [0, 1)), finite as above."""
-    for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if not (value >= 0 and math.isfinite(value)):
-            raise ValueError(f"{name(key)} must be >= 0 and finite (got {value})")
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        raise ValueError(f"{name('betas')} must be two numbers in [0, 1) (got {tuple(betas)})")
-
-
-def check_param_groups(param_groups):
-    """Every group's hyperparameters by its algorithm's rules, naming the group when one is wrong
-    (torch checks only the constructor's defaults; a group's own value would fail mid-step)."""
-    for i, group in enumerate(param_groups):
-        spell = lambda key, i=i: f"param group {i}: {key}"
-        if group.get("algorithm") == "adamw":
-            check_adamw_hyperparameters(spell, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                        weight_decay=group["weight_decay"])
-        else:
-            check_hyperparameters(spell, bucket_size=1, lr=group["lr"], weight_decay=group["weight_decay"],
-                                  momentum=group["momentum"], adjust_lr_fn=group["adjust_lr_fn"])
-            if not 1 <= group["ns_steps"] < 100:  # torch.optim.Muon's limit
-                raise ValueError(f"{spell('ns_steps')} must be in [1, 100) (got {group['ns_steps']})")
-            try:  # validated, and kept as given: a group's value is what torch.optim.Muon would take
-                ns_coefficients_of(group["ns_coefficients"], group["ns_steps"])
-            except ValueError as e:
-                raise ValueError(f"param group {i}: {e}") from None
-
-
-def named_params(param_groups):
-    """[(name, tensor, its group)] after the checks every optimizer here needs (DTensorMuon's too):
-    'muon' or 'adamw' groups, their options, named float32 parameters (state is keyed by name), no
-    name twice."""
-    for group in param_groups:
-        if group["algorithm"] not in ("muon", "adamw"):
-            raise ValueError(f"unknown algorithm {group['algorithm']!r}; use 'muon' or 'adamw'")
-        if "param_names" not in group:
-            raise ValueError("pass named parameters: [(name, tensor), ...] (state is keyed by name)")
-    check_param_groups(param_groups)
-    named, seen = [], set()
-    for group in param_groups:
-        for name, p in zip(group["param_names"], group["params"]):
-            if name in seen:
-                raise ValueError(f"parameter {name} appears twice")
-            if p.dtype != torch.float32:
-                raise ValueError(f"{name} is {p.dtype}; this reference keeps float32 parameters")
-            seen.add(name)
-            named.append((name, p, group))
-    return named
-
-
-def index_named_params(param_groups, tp_split_dims):
-    """({name: tensor}, {name: its group}, {name: TP split dim}) after checking what the step relies on."""
-    param_by_name, group_of = {}, {}
-    for name, p, group in named_params(param_groups):
-        if group["algorithm"] == "muon" and p.ndim != 2:
-            raise ValueError(f"Muon needs 2-D parameters; {name} has shape {tuple(p.shape)}")
-        if not p.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (it is viewed flat)")
-        param_by_name[name], group_of[name] = p, group
-    unknown = set(tp_split_dims) - set(param_by_name)
-    if unknown:
-        raise ValueError(f"tp_split_dims names unknown parameters: {sorted(unknown)}")
-    split_dims = {name: tp_split_dims.get(name, -1) for name in param_by_name}
-    for name, split in split_dims.items():
-        if split >= param_by_name[name].ndim:
-            raise ValueError(f"tp_split_dim {split} of {name} is out of range for shape "
-                             f"{tuple(param_by_name[name].shape)}")
-    return param_by_name, group_of, split_dims
 
 
 # What clip_qk_ (section 7.4) says, on every rank, when the optimizer was built without qk_clip_tau.

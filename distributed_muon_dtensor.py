@@ -90,8 +90,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.profiler import record_function
 
 import distributed_muon_cpu as dm
-import muon_owners as mo
+import muon_checks as mc
 import muon_large_runs as mlr
+import muon_owners as mo
 import muon_tools as mt
 
 # =============================================================================
@@ -102,11 +103,11 @@ import muon_tools as mt
 # small functions that step a part of a parameter with a group's options:
 # muon_update, apply_muon_update_, adamw_step_), kept operation for operation
 # identical to torch.optim.Muon and torch.optim.AdamW. The named parameters and
-# every group's options are checked by the lesson's named_params (section 5).
+# every group's options are checked by muon_checks.named_params, as the lesson's are.
 # The owner assignment (longest-processing-time over Newton-Schulz FLOPs) and
 # its check come from its section 6 (muon_owners.py), with the function that moves
-# many parts in one all-to-all (send_parts) and the Newton-Schulz of an owner's
-# matrices (newton_schulz_owned, which also records FLOPs in a Ledger).
+# many parts in one all-to-all (send_parts, which records its bytes and waits in an
+# EventLedger) and the Newton-Schulz of an owner's matrices (newton_schulz_owned).
 from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, adamw_step_,  # noqa: F401
                                   apply_muon_update_, muon_update, newton_schulz_flops)
 from muon_owners import assign_owners, check_owners, lpt_order  # noqa: F401
@@ -551,7 +552,7 @@ class DistributedConfig:
 # =============================================================================
 # One step, as seen from one rank:
 #
-#   0. checks         every group's options (torch's rules, dm.named_params)
+#   0. checks         every group's options (torch's rules, mc.named_params)
 #                     and every gradient, then the grad-presence vote: one MAX
 #                     all-reduce of a flag per parameter name and one for "a rank
 #                     found a problem" (then EVERY rank raises, before any tensor
@@ -668,7 +669,7 @@ class DTensorMuon(torch.optim.Optimizer):
             them. Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks.
             Tensors are float32 DTensors (any mesh; Shard, _StridedShard or Replicate placements)
             or plain tensors. A group's own options override the defaults below; every group is
-            checked here by torch.optim.Muon's / AdamW's rules (dm.named_params, as the lesson's).
+            checked here by torch.optim.Muon's / AdamW's rules (mc.named_params, as the lesson's).
         lr: learning rate of both algorithms (>= 0, finite).
         weight_decay: decoupled weight decay, p *= 1 - lr * weight_decay (>= 0, finite).
         momentum: Muon's momentum (in [0, 1); torch allows any >= 0); nesterov: Nesterov's input, as torch.
@@ -694,16 +695,16 @@ class DTensorMuon(torch.optim.Optimizer):
         qk_clip_tau: None (off), or tau > 0: clip_qk_ scales the "q" and "k" rows of every head whose
             max logit exceeded tau (Kimi K2's per-head QK-clip).
         """
-        dm.check_hyperparameters(bucket_size=1, lr=lr, weight_decay=weight_decay, momentum=momentum,
+        mc.check_hyperparameters(bucket_size=1, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                  adjust_lr_fn=adjust_lr_fn)
-        dm.check_adamw_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        mc.check_adamw_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, ns_eps=ns_eps,
                         adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
         self.config = distributed_config or DistributedConfig()
         self.config.check()
-        self.batched_ns, self.ledger = batched_ns, mo.EventLedger()
+        self.batched_ns, self.ledger = batched_ns, mo.EventLedger()  # send_parts records its waits there
         self.expert_stacks = set(expert_stacks)
         self.row_layouts, self.ns_blocks = dict(row_layouts or {}), ns_blocks
         self.tp_newton_schulz, self.qk_clip_tau = tp_newton_schulz, qk_clip_tau
@@ -734,9 +735,9 @@ class DTensorMuon(torch.optim.Optimizer):
 
     def _index_groups(self):
         """{name: its param group} (groups found by identity, never ==) after the lesson's checks of the named
-        parameters and every group's options (dm.named_params); the first problem as one line, or None."""
+        parameters and every group's options (mc.named_params); the first problem as one line, or None."""
         try:
-            named = dm.named_params(self.param_groups)
+            named = mc.named_params(self.param_groups)
         except ValueError as e:
             return str(e)
         self.group_of = {name: group for name, _, group in named}

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import distributed_muon_cpu as dm
+import muon_checks as mc
 import muon_tools as mt
 from distributed_muon_cpu import NS_STEPS, newton_schulz_flops
 from distributed_muon_dtensor import DistributedConfig, DTensorMuon, load_checkpoint, local_of, save_checkpoint
@@ -1197,7 +1198,7 @@ def validate(cfg):
         raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
     if not 0 <= cfg.seed < 2**32:
         raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
-    dm.check_hyperparameters(mt.flag, bucket_size=1, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    mc.check_hyperparameters(mt.flag, bucket_size=1, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
     if cfg.lr == 0:
         raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")

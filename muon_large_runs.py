@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from distributed_muon_cpu import (D_MODEL, N_HEADS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce, all_reduce_sum,
+from distributed_muon_cpu import (D_MODEL, N_HEADS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce,
                                   QK_CLIP_OFF, any_rank, newton_schulz, newton_schulz_flops, ns_coefficients_of)
 
 # =============================================================================
@@ -238,11 +238,11 @@ def newton_schulz_tp(piece, global_shape, tp, ledger, steps=NS_STEPS, coefficien
     x = piece.bfloat16()
     if tall:
         x = x.mT
-    norm_sq = all_reduce_sum(x.float().square().sum().reshape(1), tp, ledger, "TP Gram norm")
+    norm_sq = all_reduce(x.float().square().sum().reshape(1), tp, ledger, "TP Gram norm")
     x = x / norm_sq.sqrt().to(torch.bfloat16).clamp(min=eps)
     for a, b, c in ns_coefficients_of(coefficients, steps):
         xf = x.float()
-        gram = all_reduce_sum(xf @ xf.mT, tp, ledger, "TP Gram").bfloat16()
+        gram = all_reduce(xf @ xf.mT, tp, ledger, "TP Gram").bfloat16()
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)
     return x.mT if tall else x

@@ -31,6 +31,8 @@ from torch.profiler import record_function
 from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Ledger, _all_gather_single,
                                   apply_muon_update_, newton_schulz, newton_schulz_flops, ns_coefficients_of,
                                   orthogonalize, reduce_scatter_sum, sum_in_order, tp_shard)
+# (Bound here at import: a test or benchmark that patches one of them in distributed_muon_cpu patches it
+# here too, as benchmarks/scaling.py does with newton_schulz.)
 
 # =============================================================================
 # 6. Orthogonalize each matrix once: the owner and comm-free strategies
@@ -187,13 +189,14 @@ def plan_routes(matrices, owners, part_of, layout, grid, axis):
     return routes
 
 
-# Collectives in flight. Section 2's collectives wait for their result before
-# they return. Here a rank may start one and compute while it travels: torch's
-# async_op=True returns a Work to wait on later, and every function below that
-# starts one returns a function that waits for it and returns the result
-# (later()). The tensors passed in must stay untouched until that wait. What
-# was in flight while what ran is then worth a record of its own: the ledger
-# of these strategies keeps the order of launches, waits and orthogonalizations.
+# Collectives in flight. Section 2's collectives return their result (its
+# reduce-scatter starts one and waits at once). Here a rank may start one and
+# compute while it travels: torch's async_op=True returns a Work to wait on
+# later, and every function below that starts one returns a function that waits
+# for it and returns the result (later()). The tensors passed in must stay
+# untouched until that wait. What was in flight while what ran is then worth a
+# record of its own: these functions take an EventLedger, which keeps the order
+# of launches, waits and orthogonalizations.
 
 @dataclass
 class EventLedger(Ledger):
@@ -217,7 +220,8 @@ class EventLedger(Ledger):
 
 def later(work, phase, ledger, result):
     """A started collective: a function that waits for `work` (None: nothing to wait for) and
-    returns result(). The wait is labelled with the phase, as the launch is."""
+    returns result(). The wait is labelled with the phase, as the launch is, and recorded in the
+    ledger (an EventLedger: every function below that starts a collective needs one)."""
     def wait():
         if work is not None:
             with record_function(phase):
@@ -550,7 +554,7 @@ class OwnerMuon(DistributedMuon):
         check_owner_options(overlap=overlap)
         self.owner_override, self.overlap, self.batched_ns = owners, overlap, batched_ns
         super().__init__(params, **kwargs)
-        self.ledger = EventLedger()  # the order of launches, waits and orthogonalizations too (above)
+        self.ledger = EventLedger()  # later() records waits (above); nothing is recorded before this line
 
     def _route_axis(self):
         return self.grid.world  # parts travel across the whole grid

@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 
 from distributed_muon_cpu import (ADJUST_LR_FNS, NS_COEFFICIENTS, NS_COEFFICIENT_CHOICES, NS_EPS, NS_STEPS, N_LAYERS,
-                                  ParamSpec, adjusted_lr, check_hyperparameters, check_topology, dp_rank_grads,
-                                  initial_params, make_grid, newton_schulz, plan_grid, rank_grid, tp_shard,
-                                  transformer_specs)
+                                  ParamSpec, adjusted_lr, check_topology, dp_rank_grads, initial_params, make_grid,
+                                  newton_schulz, plan_grid, rank_grid, tp_shard, transformer_specs)
+from muon_checks import check_hyperparameters
 from muon_owners import (BATCHED_NS_BOUND, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, check_owner_options,
                          load_balance)
 from muon_large_runs import (NS_BLOCKS, TP_NEWTON_SCHULZ, check_large_run_options, gram_eligible,

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
-import muon_owners as mo  # noqa: E402
 import muon_large_runs as mlr  # noqa: E402
+import muon_owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 COMPARED = mo.STRATEGIES + (mt.BASELINE,)  # every strategy, then the baseline

@@ -68,8 +68,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import distributed_muon_cpu as dm  # noqa: E402
-import muon_owners as mo  # noqa: E402
+import muon_checks as mc  # noqa: E402
 import muon_large_runs as mlr  # noqa: E402
+import muon_owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 from muon_tools import bound_ratio, loss_drift, one_ulp_up  # noqa: E402
 from gpt import GPT, GPTConfig, check_gpt, param_groups, qkv_row_layouts  # noqa: E402
@@ -137,7 +138,7 @@ def validate(cfg, ranks_here=None):
     if cfg.strategy not in mo.STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(mo.STRATEGIES)} (got {cfg.strategy!r})")
     check_large_run_options(cfg)
-    dm.check_hyperparameters(mt.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    mc.check_hyperparameters(mt.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")
     if cfg.lr == 0:
         raise ValueError("--lr must be > 0")

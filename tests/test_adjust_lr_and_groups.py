@@ -75,7 +75,7 @@ def test_the_lessons_optimizer_checks_every_group(single_process_group, group, m
     (lambda m: [dict(split_groups(m)[0], lr=-1.0)], "param group 0: lr must be >= 0 and finite (got -1.0)"),
 ])
 def test_both_optimizers_check_named_params_with_one_function(single_process_group, make_groups, message):
-    """The lesson's DistributedMuon and DTensorMuon refuse the same groups with the same line: dm.named_params."""
+    """The lesson's DistributedMuon and DTensorMuon refuse the same groups with the same line: muon_checks.named_params."""
     for build in (lambda groups: dm.DistributedMuon(groups, grid=single_process_group), DTensorMuon):
         with pytest.raises(ValueError) as refused:
             build(make_groups(TinyNet()))

@@ -11,8 +11,8 @@ import pytest
 
 from conftest import ROOT, SCRIPT
 
-OWNERS, LARGE_RUNS, TOOLS = (os.path.join(ROOT, name) for name in ("muon_owners.py", "muon_large_runs.py",
-                                                                     "muon_tools.py"))
+CHECKS, OWNERS, LARGE_RUNS, TOOLS = (os.path.join(ROOT, name) for name in (
+    "muon_checks.py", "muon_owners.py", "muon_large_runs.py", "muon_tools.py"))
 
 
 def banner_lines(source):
@@ -81,9 +81,9 @@ def test_sections_1_to_5_use_nothing_defined_later():
     assert forward_references(source, 1, len(source.splitlines())) == []
 
 
-@pytest.mark.parametrize("path", [OWNERS, LARGE_RUNS, TOOLS])
+@pytest.mark.parametrize("path", [CHECKS, OWNERS, LARGE_RUNS, TOOLS])
 def test_the_files_beside_it_read_top_to_bottom_too(path):
-    """Sections 6 and 7 and the tooling, each in its own file, use only what comes before them too."""
+    """Sections 6 and 7, the checks and the tooling, each in its own file, use only what comes before them too."""
     with open(path) as f:
         source = f.read()
     assert forward_references(source, 1, len(source.splitlines())) == []

@@ -59,7 +59,7 @@ def test_notebook_sections_are_the_scripts_in_order():
 def execute(tmp_path, notebook):
     """`jupyter nbconvert --to notebook --execute`, the README's command, in a folder holding only
     what a user's clone has that the notebook needs; returns the outputs and their printed text."""
-    for name in ("distributed_muon_cpu.py", "muon_owners.py", "muon_large_runs.py", "muon_tools.py",
+    for name in ("distributed_muon_cpu.py", "muon_checks.py", "muon_owners.py", "muon_large_runs.py", "muon_tools.py",
                  os.path.basename(notebook), "requirements.txt",
                  os.path.join("benchmarks", "compare.py"), os.path.join("examples", "gpt.py"),
                  os.path.join("examples", "stdlib_text.py"), os.path.join("examples", "train_gpt.py")):

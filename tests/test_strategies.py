@@ -51,17 +51,21 @@ def events(result, rank):
     return [e[1:] for e in result["ledgers"][rank]["events"] if e[0] == STEPS]
 
 
-def reductions_all_start_before_any_is_waited_for(ev, phase):
-    """(A launch with no wait is a blocking collective, over when it returns: never in flight.)"""
-    launches = [i for i, e in enumerate(ev) if e == ("launch", phase)]
+def arrivals(ev, phase):
+    """Where each collective of `phase` had arrived: its waits, or, for section 2's blocking collectives,
+    which record no wait, their launches (over when they return)."""
     waits = [i for i, e in enumerate(ev) if e == ("wait", phase)]
-    return len(launches) > 1 and bool(waits) and max(launches) < min(waits)
+    return waits or [i for i, e in enumerate(ev) if e == ("launch", phase)]
+
+
+def reductions_all_start_before_any_is_waited_for(ev, phase):
+    launches = [i for i, e in enumerate(ev) if e == ("launch", phase)]
+    return len(launches) > 1 and max(launches) < min(arrivals(ev, phase))
 
 
 def newton_schulz_before_a_reduction_arrives(ev, phase):
     ns = [i for i, e in enumerate(ev) if e[0] == "newton-schulz"]
-    waits = [i for i, e in enumerate(ev) if e == ("wait", phase)]
-    return bool(ns) and bool(waits) and min(ns) < max(waits)
+    return bool(ns) and min(ns) < max(arrivals(ev, phase))
 
 
 @pytest.mark.parametrize("strategy,dp,tp", [("owner", 4, 2), ("comm-free", 3, 2)])
