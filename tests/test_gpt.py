@@ -100,6 +100,26 @@ def test_the_schedule_changes_the_training_and_the_replay_follows_it(trained):
         assert scheduled[0]["losses"][2] != constant[0]["losses"][2], grid
 
 
+def step1_gradients_match(cfg, results, tp_pieces):
+    """Whether a one-process GPT computing tp_pieces TP pieces apart gives the ranks' step-1 loss and every
+    step-1 gradient bit for bit (at the initial weights, on the same micro-batches)."""
+    torch.set_num_threads(1)  # as every rank and the reference
+    model = gpt.GPT(cfg.gpt(), tp_pieces=tp_pieces)
+    losses = tg.accumulate_gradients(model, cfg, 1, "cpu")
+    totals, _ = tg.total_gradients(cfg, results, tg.param_specs(cfg))
+    return (losses == [results[d * cfg.tp]["losses"][0] for d in range(cfg.dp)]
+            and all(torch.equal(p.grad, totals[0][n]) for n, p in model.named_parameters()))
+
+
+def test_only_the_ranks_association_matches_them(trained, trained_tp4):
+    """What makes TP = 2 exact is the reference's association, not luck: the plain model (one long matmul
+    per layer) does not give the 2x2 ranks' gradients, TP's two pieces do; and with TP = 4 a model adding
+    the four pieces left to right does not give the 1x4 ranks' either (Gloo adds in its own order)."""
+    cfg, results = trained[2, 2][0]
+    assert not step1_gradients_match(cfg, results, 1) and step1_gradients_match(cfg, results, 2)
+    assert not step1_gradients_match(*trained_tp4, 4)
+
+
 def test_the_checks_catch_a_wrong_weight_and_a_wrong_gradient(trained):
     cfg, results = trained[2, 2][1]
     name = "blocks.0.mlp.fc.weight"
