@@ -1227,7 +1227,7 @@ def under_torchrun():
 # known, the one-process reference performs the same sums and every comparison is
 # torch.equal: examples/train_gpt.py with TP <= 2 (TP = 2's all-reduces add two
 # terms, and a + b == b + a whatever order the backend takes; its reference
-# computes TP's two pieces apart and adds them there, gpt.py's tp_pieces). Where it
+# computes TP's two pieces apart and adds them there, gpt.GPT's as_tp). Where it
 # is not (an all-reduce of TP > 2 terms adds in the backend's own order: Gloo's
 # ring takes another rotation of the ranks for each chunk of the tensor; and
 # dtensor_demo.py --train, examples/train_gpt_dtensor.py --verify, FSDP2 x TP), the

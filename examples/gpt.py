@@ -31,19 +31,19 @@ as users of Muon do (Keller Jordan's Muon README; Moonlight, arXiv:2502.16982).
 With TP = 1 (tp=None) f and g are identities and this is a plain GPT: the
 single-process reference is this class, built without a grid.
 
-Built without a grid and with tp_pieces=2, the one process computes TP = 2's two
-pieces apart, with the shapes each rank uses, and adds them where f and g would:
+Built without a grid and with as_tp=2, the one process computes as TP = 2's two
+ranks do: each rank's piece apart, with the rank's shapes, added where f and g add:
 
-   column-parallel   x A_0^T + b_0 and x A_1^T + b_1 (A_t: rank t's rows of A);
-                     x's gradient is the two input gradients' sum (autograd's)
-   local work        attention on each piece's heads, GELU on its units
-   row-parallel      y_0 B_0^T + y_1 B_1^T (B_t: rank t's columns of B), then + bias
+   column-parallel   x A_0^T + b_0 and x A_1^T + b_1 side by side (A_t: rank t's
+                     rows of A); x's gradient: the two input gradients' sum
+   local work        attention per head, GELU per unit: each on rank t's numbers
+   row-parallel      y_0 B_0^T + y_1 B_1^T (B_t, y_t: rank t's columns), then + bias
 
 Each of those sums has two terms, and a + b == b + a bit for bit in fp32, so in
 whatever order the backend's all-reduce adds the two ranks' terms, this model gets
 the ranks' numbers exactly. With more pieces it would not: a TP > 2 all-reduce adds
-in the backend's own order (Gloo's ring: a different rotation per chunk), which no
-one-process order reproduces.
+in the backend's own order (Gloo's ring: another rotation of the ranks for each
+chunk of the tensor), which a model's own sums do not follow.
 """
 
 import math
@@ -153,19 +153,19 @@ class g(torch.autograd.Function):  # noqa: N801 -- the paper's name
 
 class TPContext:
     """What every parallel layer shares: this rank's TP axis (None: one process), the ledger, and how
-    many TP pieces this process computes apart (pieces: 1 on a rank, which holds one; the one-process
-    reference computes TP = 2's two, to add them as the ranks do)."""
+    many TP pieces this process computes apart (pieces: 1 on a rank, which holds one; 2 in the
+    one-process reference of TP = 2, to add them as the ranks do)."""
 
     def __init__(self, tp=None, ledger=None, pieces=1):
         if tp is not None and pieces != 1:
-            raise ValueError("a TP rank holds one piece of each split matrix: tp_pieces is for one process")
+            raise ValueError("a TP rank computes its own piece: as_tp is for one process")
         self.tp, self.ledger, self.pieces = tp, ledger, pieces
         self.size, self.rank = (tp.size, tp.rank) if tp is not None else (1, 0)
 
-    def piece(self, w, dim, t):
-        """Piece t of w along dim, laid out as TP rank t holds it (contiguous: the same matmul call);
-        w itself where this process computes one piece."""
-        return w if self.pieces == 1 else w.chunk(self.pieces, dim)[t].contiguous()
+    def pieces_of(self, t, dim):
+        """t's TP pieces along dim, each laid out as its TP rank holds it (contiguous: the same matmul
+        call); [t] itself where this process computes one piece."""
+        return [t] if self.pieces == 1 else [piece.contiguous() for piece in t.chunk(self.pieces, dim)]
 
     def f(self, x):
         return f.apply(x, self.tp, self.ledger) if self.size > 1 else x
@@ -177,8 +177,9 @@ class TPContext:
 # -- the parallel layers ------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A (out, in) split along dim 0: this rank computes its out / TP features
-    (in one process computing TP's pieces apart, piece t's)."""
+    """y = x A^T + b with A (out, in) split along dim 0: this rank computes its out / TP features.
+    One process computing TP's pieces apart computes each rank's features and sets them side by side
+    (a concatenation: no arithmetic), so attention and GELU see each rank's numbers."""
 
     split_dims = {"weight": 0, "bias": 0}
 
@@ -188,16 +189,17 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(d_out // tpc.size, d_in))
         self.bias = nn.Parameter(torch.empty(d_out // tpc.size))
 
-    def forward(self, x, piece=0):
-        w, b = (self.tpc.piece(t, 0, piece) for t in (self.weight, self.bias))
-        return nnf.linear(self.tpc.f(x), w, b)
+    def forward(self, x):
+        x = self.tpc.f(x)
+        pieces = zip(self.tpc.pieces_of(self.weight, 0), self.tpc.pieces_of(self.bias, 0))
+        y = [nnf.linear(x, w, b) for w, b in pieces]
+        return y[0] if len(y) == 1 else torch.cat(y, dim=-1)
 
 
 class RowParallelLinear(nn.Module):
     """y = x A^T + b with A (out, in) split along dim 1: this rank's product is a partial sum over its
     in / TP columns; g adds them up. The bias is replicated and added once, after the sum.
-
-    Takes a list: the input of each TP piece this process computes (one on a rank)."""
+    One process computing TP's pieces apart computes each rank's partial product and adds them there."""
 
     split_dims = {"weight": 1}
 
@@ -207,8 +209,9 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(d_out, d_in // tpc.size))
         self.bias = nn.Parameter(torch.empty(d_out))
 
-    def forward(self, x_pieces):
-        partial = [nnf.linear(x, self.tpc.piece(self.weight, 1, t)) for t, x in enumerate(x_pieces)]
+    def forward(self, x_local):
+        pieces = zip(self.tpc.pieces_of(x_local, -1), self.tpc.pieces_of(self.weight, 1))
+        partial = [nnf.linear(x, w) for x, w in pieces]
         z = partial[0]
         for p in partial[1:]:  # one process, TP = 2: z_0 + z_1, the ranks' all-reduce bit for bit
             z = z + p
@@ -228,47 +231,36 @@ def max_logits_per_head(q, k):
 class Attention(nn.Module):
     """Causal self-attention on this rank's heads. The QKV rows are laid out head by head
     (head 0's q, k, v, then head 1's, ...), so a contiguous split along dim 0 gives each
-    TP rank whole heads, and the attention-out columns are split to match. (In one process
-    computing TP's pieces apart, each piece's heads in turn.)
+    TP rank whole heads, and the attention-out columns are split to match.
 
     With record_max_logits on, each forward also keeps max_logits: this rank's heads' largest
     logits (max_logits_per_head, no gradient), what QK-clip needs after the step."""
 
     def __init__(self, tpc, config):
         super().__init__()
-        self.tpc = tpc
-        self.heads = config.n_heads // (tpc.size * tpc.pieces)  # of one TP piece
-        self.head_dim = config.d_model // config.n_heads
+        self.heads, self.head_dim = config.n_heads // tpc.size, config.d_model // config.n_heads
         self.qkv = ColumnParallelLinear(tpc, config.d_model, 3 * config.d_model)
         self.proj = RowParallelLinear(tpc, config.d_model, config.d_model)
         self.record_max_logits, self.max_logits = False, None
 
     def forward(self, x):
-        y, maxima = zip(*(self.attend(x, t) for t in range(self.tpc.pieces)))
-        if self.record_max_logits:
-            self.max_logits = torch.cat(maxima)
-        return self.proj(list(y))
-
-    def attend(self, x, piece):
-        """Attention on one TP piece's heads: (batch, time, heads x head_dim), the out-projection's input,
-        and those heads' largest logits (None with record_max_logits off)."""
         batch, time = x.shape[:2]
-        qkv = self.qkv(x, piece).view(batch, time, self.heads, 3, self.head_dim)
+        qkv = self.qkv(x).view(batch, time, self.heads, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # (batch, heads, time, head_dim)
-        maxima = max_logits_per_head(q, k) if self.record_max_logits else None
+        if self.record_max_logits:
+            self.max_logits = max_logits_per_head(q, k)
         y = nnf.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return y.transpose(1, 2).reshape(batch, time, self.heads * self.head_dim), maxima
+        return self.proj(y.transpose(1, 2).reshape(batch, time, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, tpc, config):
         super().__init__()
-        self.tpc = tpc
         self.fc = ColumnParallelLinear(tpc, config.d_model, 4 * config.d_model)
         self.proj = RowParallelLinear(tpc, 4 * config.d_model, config.d_model)
 
     def forward(self, x):
-        return self.proj([nnf.gelu(self.fc(x, t)) for t in range(self.tpc.pieces)])
+        return self.proj(nnf.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
@@ -286,12 +278,12 @@ class GPT(nn.Module):
     """The model as one TP rank holds it: grid_tp is that rank's dm.Axis along TP (None: one process).
 
     Every parameter starts as this rank's TP piece of initial_weights(config). One process holds the
-    whole parameters; with tp_pieces=2 it computes TP = 2's pieces apart (the module's docstring)."""
+    whole parameters; with as_tp=2 it computes as TP = 2's ranks do (the module's docstring)."""
 
-    def __init__(self, config, grid_tp=None, ledger=None, tp_pieces=1):
+    def __init__(self, config, grid_tp=None, ledger=None, as_tp=1):
         super().__init__()
-        check_gpt(config, grid_tp.size if grid_tp is not None else tp_pieces)
-        self.config, self.tpc = config, TPContext(grid_tp, ledger, tp_pieces)
+        check_gpt(config, grid_tp.size if grid_tp is not None else as_tp)
+        self.config, self.tpc = config, TPContext(grid_tp, ledger, as_tp)
         self.wte = nn.Parameter(torch.empty(config.vocab, config.d_model))
         self.wpe = nn.Parameter(torch.empty(config.context, config.d_model))
         self.blocks = nn.ModuleList(Block(self.tpc, config) for _ in range(config.n_layers))

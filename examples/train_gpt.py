@@ -406,7 +406,7 @@ def start_profiler(cfg, rank):
 # by torch.optim.Muon + torch.optim.AdamW. Each step it runs the DP ranks'
 # micro-batches one after the other and accumulates loss / DP's gradients, so it
 # sees exactly the batch the ranks see. With TP = 2 it computes TP's two pieces
-# apart and adds them where f and g do (gpt.py, tp_pieces; reference_tp_pieces).
+# apart and adds them where f and g do (gpt.py, as_tp; reference_as_tp).
 # Three comparisons:
 #
 #   replay     torch's optimizers fed the ranks' own gradients (TP pieces
@@ -546,7 +546,7 @@ class ReferenceOptimizers:
                 mt.clip_rows_(w, slice(3 * h * hd, (3 * h + 2) * hd), s, tau)  # its q rows, then k rows
 
 
-def reference_tp_pieces(cfg):
+def reference_as_tp(cfg):
     """How many TP pieces the one process computes apart (the policy above): TP = 2's two, whose
     two-term sums have the ranks' bits; otherwise one, the plain model (TP > 2: the bound)."""
     return 2 if cfg.tp == 2 else 1
@@ -554,7 +554,7 @@ def reference_tp_pieces(cfg):
 
 def reference_model(cfg, device):
     torch.set_num_threads(1)  # as every rank: bf16 matmul bits can depend on the thread count
-    model = GPT(cfg.gpt(), tp_pieces=reference_tp_pieces(cfg)).to(device)
+    model = GPT(cfg.gpt(), as_tp=reference_as_tp(cfg)).to(device)
     model.record_max_logits(cfg.qk_clip is not None)
     return model, ReferenceOptimizers(model, cfg)
 
@@ -753,7 +753,7 @@ def verify(cfg, results, device="cpu", rank_order=True):
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
     inexact, gradients_inexact = why_inexact(cfg, rank_order), why_gradients_inexact(cfg)
     checks = dict(exact=not inexact, gradients_exact=not gradients_inexact, why_inexact=inexact,
-                  tp_pieces=reference_tp_pieces(cfg), replay=replayed, replica_max_diff=replica_diff,
+                  as_tp=reference_as_tp(cfg), replay=replayed, replica_max_diff=replica_diff,
                   **step_gradients(cfg, results, specs, totals, device, against_float64=bool(gradients_inexact)))
     plain = reference(cfg, device)
     ranks_losses = [[results[d * cfg.tp]["losses"][s] for d in range(cfg.dp)] for s in range(cfg.steps)]
@@ -775,7 +775,7 @@ def verify(cfg, results, device="cpu", rank_order=True):
 
 
 def print_verification(cfg, checks, print_fn=print):
-    n, pieces = len(checks["replay"]), checks["tp_pieces"]
+    n, pieces = len(checks["replay"]), checks["as_tp"]
     model = f"DP=1, TP's {pieces} pieces computed apart" if pieces > 1 else "TP=1, DP=1"
     in_order = ("every fp32 sum as the ranks associate it (TP = 2: the reference adds TP's two partial sums as the "
                 "ranks do, a + b = b + a)" if pieces == 2 else "every fp32 sum in its order")

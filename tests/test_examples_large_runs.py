@@ -114,8 +114,7 @@ def direct_max_logits(cfg, weights, step, dtype=torch.float32):
     """{qkv name: ((heads,) float64 max logit, (heads,) the float32 dot product's rounding bound)} from the q
     and k the one-process model (in dtype; with TP = 2, its two pieces apart) computes at `weights` on step's
     micro-batches: every pair j <= i, in float64."""
-    pieces = tg.reference_tp_pieces(cfg)
-    model = gpt.GPT(cfg.gpt(), tp_pieces=pieces).to(dtype)
+    model = gpt.GPT(cfg.gpt(), as_tp=tg.reference_as_tp(cfg)).to(dtype)
     tg.load_weights(model, weights)
     g = cfg.gpt()
     hd = g.d_model // g.n_heads
@@ -132,9 +131,8 @@ def direct_max_logits(cfg, weights, step, dtype=torch.float32):
         h.remove()
     causal = torch.ones(cfg.context, cfg.context, dtype=torch.bool).tril()
     out = {}
-    for name, outputs in captured.items():  # each forward's pieces in turn: their heads side by side
-        forwards = [torch.cat(outputs[i:i + pieces], dim=-1) for i in range(0, len(outputs), pieces)]
-        qkv = torch.cat(forwards).double().view(-1, cfg.context, g.n_heads, 3, hd)
+    for name, outputs in captured.items():
+        qkv = torch.cat(outputs).double().view(-1, cfg.context, g.n_heads, 3, hd)
         q, k = qkv[:, :, :, 0], qkv[:, :, :, 1]  # (batch, time, heads, hd)
         logits = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(hd)
         magnitude = torch.einsum("bihd,bjhd->bhij", q.abs(), k.abs()) / math.sqrt(hd)

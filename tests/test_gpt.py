@@ -62,7 +62,7 @@ def test_every_strategy_trains_as_one_process_does(trained, dp, tp):
         assert checks["replica_max_diff"] == 0, what
         # TP = 1: the same sums in the same order as one process (DP = 4 too); TP = 2: the one process adds
         # TP's two pieces where the ranks do. Either way every bit is the same.
-        assert checks["tp_pieces"] == tp and checks["exact"] and checks["gradients_exact"], what
+        assert checks["as_tp"] == tp and checks["exact"] and checks["gradients_exact"], what
         assert all(c["identical"] for c in checks["trained"]), what
         assert checks["grad_max_rel_diff"] == checks["step_loss_max_rel_diff"] == 0, what
         assert checks["trained_loss_max_rel_diff"] == 0, what
@@ -100,11 +100,11 @@ def test_the_schedule_changes_the_training_and_the_replay_follows_it(trained):
         assert scheduled[0]["losses"][2] != constant[0]["losses"][2], grid
 
 
-def step1_gradients_match(cfg, results, tp_pieces):
-    """Whether a one-process GPT computing tp_pieces TP pieces apart gives the ranks' step-1 loss and every
+def step1_gradients_match(cfg, results, as_tp):
+    """Whether a one-process GPT computing as_tp TP pieces apart gives the ranks' step-1 loss and every
     step-1 gradient bit for bit (at the initial weights, on the same micro-batches)."""
     torch.set_num_threads(1)  # as every rank and the reference
-    model = gpt.GPT(cfg.gpt(), tp_pieces=tp_pieces)
+    model = gpt.GPT(cfg.gpt(), as_tp=as_tp)
     losses = tg.accumulate_gradients(model, cfg, 1, "cpu")
     totals, _ = tg.total_gradients(cfg, results, tg.param_specs(cfg))
     return (losses == [results[d * cfg.tp]["losses"][0] for d in range(cfg.dp)]
@@ -180,7 +180,7 @@ def test_tp_4_is_held_to_the_bound_and_its_drift_reported_beside_the_chaos_floor
     all-reduce had lost half the sum, is far beyond the bound."""
     cfg, results = trained_tp4
     checks = tg.verify(cfg, results)
-    assert checks["passed"] and not checks["exact"] and not checks["gradients_exact"] and checks["tp_pieces"] == 1
+    assert checks["passed"] and not checks["exact"] and not checks["gradients_exact"] and checks["as_tp"] == 1
     assert checks["grad_max_rel_diff"] > 0 and checks["bound_ratio"] <= 1
     assert all(c["identical"] for c in checks["replay"]) and checks["replica_max_diff"] == 0
     # the ranks' error against float64 is of the one process's own size, and far below a bug's
