@@ -1223,12 +1223,18 @@ def under_torchrun():
 # =============================================================================
 # 11. Training checks: a real training against one process
 # =============================================================================
-# A training with real forward and backward passes (examples/train_gpt.py with
-# TP > 1, dtensor_demo.py --train, examples/train_gpt_dtensor.py --verify) adds
-# some fp32 sums in another order than the same model in one process does: TP's
-# partial products, FSDP2's partial sums over its ranks' tokens. Its gradients
-# cannot have the one process's bits, so these commands check three things
-# (each names the sums it reorders: examples/train_gpt.py section 3,
+# A training with real forward and backward passes splits some fp32 sums over
+# ranks that the same model in one process computes whole: TP's partial products,
+# FSDP2's partial sums over its ranks' tokens. Where the ranks' association is
+# known, the one-process reference performs the same sums and every comparison is
+# torch.equal: examples/train_gpt.py with TP <= 2 (TP = 2's all-reduces add two
+# terms, and a + b == b + a whatever order the backend takes; its reference
+# computes TP's two pieces apart and adds them there, gpt.GPT's as_tp). Where it
+# is not (an all-reduce of TP > 2 terms adds in the backend's own order: Gloo's
+# ring takes another rotation of the ranks for each chunk of the tensor; and
+# dtensor_demo.py --train, examples/train_gpt_dtensor.py --verify, FSDP2 x TP), the
+# gradients cannot have the one process's bits, and these commands check three
+# things (each names the sums it reorders: examples/train_gpt.py section 3,
 # dtensor_demo.py section 7):
 #
 #   replay     torch's optimizers fed the ranks' own total gradients give every
@@ -1261,8 +1267,9 @@ def under_torchrun():
 # beyond the bound: the commands' tests break one and see FAIL.
 UNIT_ROUNDOFF = 2.0**-24  # fp32's u (a 24-bit significand): a rounding moves a result by at most this fraction of it
 REALIZED_FACTOR = 4  # step 3's factor, the one part not derived: two orders' errors are two draws of the same rounding,
-#                      their largest entries 2x apart at most in the runs measured (notes/09); 4 leaves room for that
-#                      and stays far below what a bug does
+#                      their largest entries 2x apart at most in the runs measured (notes/09: TP = 2 against the
+#                      plain model, before its reference took the ranks' association; TP = 4); 4 leaves room for
+#                      that and stays far below what a bug does. Only where the association is unknown (above).
 
 
 def bound_ratio(ranks_err, one_err, n, scale):

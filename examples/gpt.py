@@ -30,6 +30,20 @@ Embeddings, norms and biases are not hidden matrices: they go to the AdamW group
 as users of Muon do (Keller Jordan's Muon README; Moonlight, arXiv:2502.16982).
 With TP = 1 (tp=None) f and g are identities and this is a plain GPT: the
 single-process reference is this class, built without a grid.
+
+Built without a grid and with as_tp=2, the one process computes as TP = 2's two
+ranks do: each rank's piece apart, with the rank's shapes, added where f and g add:
+
+   column-parallel   x A_0^T + b_0 and x A_1^T + b_1 side by side (A_t: rank t's
+                     rows of A); x's gradient: the two input gradients' sum
+   local work        attention per head, GELU per unit: each on rank t's numbers
+   row-parallel      y_0 B_0^T + y_1 B_1^T (B_t, y_t: rank t's columns), then + bias
+
+Each of those sums has two terms, and a + b == b + a bit for bit in fp32, so in
+whatever order the backend's all-reduce adds the two ranks' terms, this model gets
+the ranks' numbers exactly. With more pieces it would not: a TP > 2 all-reduce adds
+in the backend's own order (Gloo's ring: another rotation of the ranks for each
+chunk of the tensor), which a model's own sums do not follow.
 """
 
 import math
@@ -138,11 +152,20 @@ class g(torch.autograd.Function):  # noqa: N801 -- the paper's name
 
 
 class TPContext:
-    """What every parallel layer shares: this rank's TP axis (None: one process) and the ledger."""
+    """What every parallel layer shares: this rank's TP axis (None: one process), the ledger, and how
+    many TP pieces this process computes apart (pieces: 1 on a rank, which holds one; 2 in the
+    one-process reference of TP = 2, to add them as the ranks do)."""
 
-    def __init__(self, tp=None, ledger=None):
-        self.tp, self.ledger = tp, ledger
+    def __init__(self, tp=None, ledger=None, pieces=1):
+        if tp is not None and pieces != 1:
+            raise ValueError("a TP rank computes its own piece: as_tp is for one process")
+        self.tp, self.ledger, self.pieces = tp, ledger, pieces
         self.size, self.rank = (tp.size, tp.rank) if tp is not None else (1, 0)
+
+    def pieces_of(self, t, dim):
+        """t's TP pieces along dim, each laid out as its TP rank holds it (contiguous: the same matmul
+        call); [t] itself where this process computes one piece."""
+        return [t] if self.pieces == 1 else [piece.contiguous() for piece in t.chunk(self.pieces, dim)]
 
     def f(self, x):
         return f.apply(x, self.tp, self.ledger) if self.size > 1 else x
@@ -154,7 +177,9 @@ class TPContext:
 # -- the parallel layers ------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A (out, in) split along dim 0: this rank computes its out / TP features."""
+    """y = x A^T + b with A (out, in) split along dim 0: this rank computes its out / TP features.
+    One process computing TP's pieces apart computes each rank's features and sets them side by side
+    (a concatenation: no arithmetic), so attention and GELU see each rank's numbers."""
 
     split_dims = {"weight": 0, "bias": 0}
 
@@ -165,12 +190,16 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(d_out // tpc.size))
 
     def forward(self, x):
-        return nnf.linear(self.tpc.f(x), self.weight, self.bias)
+        x = self.tpc.f(x)
+        pieces = zip(self.tpc.pieces_of(self.weight, 0), self.tpc.pieces_of(self.bias, 0))
+        y = [nnf.linear(x, w, b) for w, b in pieces]
+        return y[0] if len(y) == 1 else torch.cat(y, dim=-1)
 
 
 class RowParallelLinear(nn.Module):
     """y = x A^T + b with A (out, in) split along dim 1: this rank's product is a partial sum over its
-    in / TP columns; g adds them up. The bias is replicated and added once, after the sum."""
+    in / TP columns; g adds them up. The bias is replicated and added once, after the sum.
+    One process computing TP's pieces apart computes each rank's partial product and adds them there."""
 
     split_dims = {"weight": 1}
 
@@ -181,7 +210,12 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(d_out))
 
     def forward(self, x_local):
-        return self.tpc.g(nnf.linear(x_local, self.weight)) + self.bias
+        pieces = zip(self.tpc.pieces_of(x_local, -1), self.tpc.pieces_of(self.weight, 1))
+        partial = [nnf.linear(x, w) for x, w in pieces]
+        z = partial[0]
+        for p in partial[1:]:  # one process, TP = 2: z_0 + z_1, the ranks' all-reduce bit for bit
+            z = z + p
+        return self.tpc.g(z) + self.bias
 
 
 @torch.no_grad()
@@ -243,12 +277,13 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """The model as one TP rank holds it: grid_tp is that rank's dm.Axis along TP (None: one process).
 
-    Every parameter starts as this rank's TP piece of initial_weights(config)."""
+    Every parameter starts as this rank's TP piece of initial_weights(config). One process holds the
+    whole parameters; with as_tp=2 it computes as TP = 2's ranks do (the module's docstring)."""
 
-    def __init__(self, config, grid_tp=None, ledger=None):
+    def __init__(self, config, grid_tp=None, ledger=None, as_tp=1):
         super().__init__()
-        check_gpt(config, grid_tp.size if grid_tp is not None else 1)
-        self.config, self.tpc = config, TPContext(grid_tp, ledger)
+        check_gpt(config, grid_tp.size if grid_tp is not None else as_tp)
+        self.config, self.tpc = config, TPContext(grid_tp, ledger, as_tp)
         self.wte = nn.Parameter(torch.empty(config.vocab, config.d_model))
         self.wpe = nn.Parameter(torch.empty(config.context, config.d_model))
         self.blocks = nn.ModuleList(Block(self.tpc, config) for _ in range(config.n_layers))

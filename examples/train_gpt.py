@@ -404,10 +404,12 @@ def start_profiler(cfg, rank):
 # =============================================================================
 # 3. The same training in one process, and the comparison
 # =============================================================================
-# The reference is this GPT with TP = 1 (no grid: f and g are identities), trained
-# by torch.optim.Muon + torch.optim.AdamW in one process. Each step it runs the DP
-# ranks' micro-batches one after the other and accumulates loss / DP's gradients,
-# so it sees exactly the batch the ranks see. Three comparisons:
+# The reference is this GPT in one process (no grid: f and g are identities), trained
+# by torch.optim.Muon + torch.optim.AdamW. Each step it runs the DP ranks'
+# micro-batches one after the other and accumulates loss / DP's gradients, so it
+# sees exactly the batch the ranks see. With TP = 2 it computes TP's two pieces
+# apart and adds them where f and g do (gpt.py, as_tp; reference_as_tp).
+# Three comparisons:
 #
 #   replay     torch's optimizers fed the ranks' own gradients (TP pieces
 #              concatenated, summed over DP in DP-rank order) give the ranks'
@@ -416,17 +418,18 @@ def start_profiler(cfg, rank):
 #              own weights (before that step) against the ranks': the TP model
 #              computes what the plain model computes. Checked.
 #   trained    both runs free-running from the same start. Checked bit for bit
-#              where every sum has the one process's order; otherwise reported
+#              where every sum has the ranks' association; otherwise reported
 #              beside the chaos floor, never a verdict (below).
 #
 # Tolerance policy: which bits can differ, and why
-#   * Bit for bit whenever every fp32 sum has the one process's order: TP = 1 (the
-#     same matmuls on the same micro-batches) and the DP sum in DP-rank order. The
-#     lesson's Gloo reduce-scatter adds the DP ranks' contributions in rank order
-#     (distributed_muon_cpu.py section 2, reduce_scatter and sum_in_order), as the
-#     one process accumulates its micro-batches, so on Gloo any DP is exact; NCCL's
-#     ReduceOp.SUM has its own order, exact only for DP <= 2 (a + b = b + a). Then
-#     replay, gradients and the trained weights and losses are all torch.equal.
+#   * Bit for bit whenever every fp32 sum has the ranks' association: TP = 1 (the
+#     same matmuls on the same micro-batches) or TP = 2 (below), and the DP sum in
+#     DP-rank order. The lesson's Gloo reduce-scatter adds the DP ranks'
+#     contributions in rank order (distributed_muon_cpu.py section 2, reduce_scatter
+#     and sum_in_order), as the one process accumulates its micro-batches, so on Gloo
+#     any DP is exact; NCCL's ReduceOp.SUM has its own order, exact only for DP <= 2
+#     (a + b = b + a). Then replay, gradients and the trained weights and losses are
+#     all torch.equal.
 #   * The replay is bit for bit on every grid where the DP sum runs in rank order,
 #     TP > 1 included: the optimizer never sees TP's reordering, only the gradients.
 #     (NCCL with DP > 2: its order changes the moments' last bits, which Muon turns
@@ -435,20 +438,32 @@ def start_profiler(cfg, rank):
 #   * --tp-newton-schulz gram (TP > 1) sums each Gram matrix over the TP ranks inside Newton-Schulz, which
 #     torch does in one bf16 matmul: the replay of every matrix it orthogonalizes is held to the lesson's
 #     bound (gram_tolerance, from torch's own bf16 error on each step's Newton-Schulz input), the rest bit for bit.
-#   * TP > 1 reorders sums: g adds the row-parallel layers' partial products
-#     (attention-out, MLP-out) over the TP ranks, f's backward the column-parallel
-#     layers' input gradients. Each step's gradients and losses are held, against
-#     float64, to the bound every real training here shares, derived in muon_tools.py
-#     (section 11; bound_ratio): REALIZED_FACTOR x the one process's own fp32 error on
-#     the step, plus one reordered reduction, n u of the largest entry, n = batch x
-#     context tokens (a micro-batch's loss: its own tokens).
+#   * TP splits sums: g adds the row-parallel layers' partial products (attention-out,
+#     MLP-out) over the TP ranks, f's backward the column-parallel layers' input
+#     gradients, where one plain process does one long matmul. With TP = 2 each of
+#     those sums has two terms, and a + b == b + a bit for bit: whatever order the
+#     backend adds them in, the one process that computes the two pieces apart, with
+#     the ranks' shapes, and adds them there (autograd adds the two input gradients)
+#     has the ranks' bits. So TP = 2 is as exact as TP = 1: gradients, losses, trained
+#     weights, all torch.equal (measured on every strategy, AdamW, seeds 0-2, lr 0.1,
+#     --ns-blocks, --qk-clip: notes/09).
+#   * TP > 2: the all-reduce adds TP terms in the backend's own order (Gloo's ring:
+#     another rotation of the ranks for each chunk of the tensor), which the model's
+#     own sums do not follow (a 4-piece model adding left to right already differs
+#     at step 1). The reference is then the plain model, and each step's gradients
+#     and losses are held, against float64, to the bound every real training here
+#     shares, derived in muon_tools.py (section 11; bound_ratio): REALIZED_FACTOR x
+#     the one process's own fp32 error on the step, plus one reordered reduction,
+#     n u of the largest entry, n = batch x context tokens (a micro-batch's loss: its
+#     own tokens).
 #     A missing all-reduce or a wrong split moves a gradient by a fraction of itself
-#     (1e-1, not 1e-4): the tests break one and see it fail.
-#   * Free-running with TP > 1, each step's few different roundings change the next
-#     step's weights and so its gradient, and a training amplifies any difference
-#     chaotically: one ulp on one weight of the one-process run, with no distributed
-#     code at all, moves its losses by as much within a few steps at lr 0.1 (figures in
-#     notes/09). So the drift of the losses is reported beside that chaos floor (the
+#     (1e-1, not 1e-4): the tests break one and see it fail, on TP = 2 and TP = 4.
+#   * Free-running with TP > 2, --tp-newton-schulz gram or NCCL's DP > 2 order, each
+#     step's few different roundings change the next step's weights and so its
+#     gradient, and a training amplifies any difference chaotically: one ulp on one
+#     weight of the one-process run, with no distributed code at all, moves its
+#     losses by as much within a few steps at lr 0.1 (figures in notes/09). So the
+#     drift of the losses is reported beside that chaos floor (the
 #     same one-process run with entry 0 of CHAOS_PARAM moved by one ulp), as a ratio,
 #     and never fails a run: the replay and the gradients are what catch a bug.
 CHAOS_PARAM = "blocks.0.attn.qkv.weight"  # the chaos floor moves its entry 0 by one ulp
@@ -533,9 +548,15 @@ class ReferenceOptimizers:
                 mt.clip_rows_(w, slice(3 * h * hd, (3 * h + 2) * hd), s, tau)  # its q rows, then k rows
 
 
+def reference_as_tp(cfg):
+    """How many TP pieces the one process computes apart (the policy above): TP = 2's two, whose
+    two-term sums have the ranks' bits; otherwise one, the plain model (TP > 2: the bound)."""
+    return 2 if cfg.tp == 2 else 1
+
+
 def reference_model(cfg, device):
     torch.set_num_threads(1)  # as every rank: bf16 matmul bits can depend on the thread count
-    model = GPT(cfg.gpt()).to(device)
+    model = GPT(cfg.gpt(), as_tp=reference_as_tp(cfg)).to(device)
     model.record_max_logits(cfg.qk_clip is not None)
     return model, ReferenceOptimizers(model, cfg)
 
@@ -675,26 +696,35 @@ def step_gradients(cfg, results, specs, totals, device, against_float64):
     return out
 
 
-def why_inexact(cfg, rank_order=True):
-    """Why some fp32 sum of the run has another order than the one process's ("" if none: see
-    the policy above). rank_order: the DP sum adds the ranks in rank order (Gloo, the lesson's)."""
-    reasons = [f"TP = {cfg.tp} reorders fp32 sums in f and g"] if cfg.tp > 1 else []
-    if cfg.dp > 2 and not rank_order:
-        reasons.append(f"the backend sums over DP = {cfg.dp} in its own order")
-    return "; ".join(reasons)
-
-
-def exact(cfg, rank_order=True):
-    """Whether every fp32 sum happens in the same order as in one process (see the policy above)."""
-    return not why_inexact(cfg, rank_order)
-
-
 def by_gram(cfg, spec):
     """Whether --tp-newton-schulz gram orthogonalizes this parameter with newton_schulz_tp (TP > 1, a Muon
     matrix split along its long side, not taken apart by --ns-blocks)."""
     blocked = cfg.ns_blocks != "whole" and spec.name in qkv_row_layouts(cfg.gpt())
     return (cfg.tp_newton_schulz == "gram" and cfg.tp > 1 and cfg.optimizer == "muon" and spec.group == "muon"
             and not blocked and mlr.gram_eligible(spec.global_shape, spec.tp_split_dim))
+
+
+def why_gradients_inexact(cfg):
+    """Why the ranks' step gradients cannot have the one process's bits ("" if they can: TP <= 2)."""
+    if cfg.tp > 2:
+        return f"TP = {cfg.tp} adds f's and g's {cfg.tp} partial sums in the backend's own order"
+    return ""
+
+
+def why_inexact(cfg, rank_order=True):
+    """Why some fp32 sum of the run has another order than the one process's ("" if none: see
+    the policy above). rank_order: the DP sum adds the ranks in rank order (Gloo, the lesson's)."""
+    reasons = [why_gradients_inexact(cfg)] if why_gradients_inexact(cfg) else []
+    if cfg.dp > 2 and not rank_order:
+        reasons.append(f"the backend sums over DP = {cfg.dp} in its own order")
+    if any(by_gram(cfg, spec) for spec in param_specs(cfg)):
+        reasons.append("--tp-newton-schulz gram sums Gram matrices over TP inside Newton-Schulz")
+    return "; ".join(reasons)
+
+
+def exact(cfg, rank_order=True):
+    """Whether every fp32 sum happens in the same order as in one process (see the policy above)."""
+    return not why_inexact(cfg, rank_order)
 
 
 def replay_tolerance(cfg, spec, ns_inputs, rank_order=True):
@@ -723,31 +753,36 @@ def verify(cfg, results, device="cpu", rank_order=True):
     for c, spec in zip(replayed, specs):
         c["tolerance"] = replay_tolerance(cfg, spec, replay["ns_inputs"], rank_order)
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
-    inexact = why_inexact(cfg, rank_order)
-    checks = dict(exact=not inexact, why_inexact=inexact, replay=replayed, replica_max_diff=replica_diff,
-                  **step_gradients(cfg, results, specs, totals, device, against_float64=bool(inexact)))
+    inexact, gradients_inexact = why_inexact(cfg, rank_order), why_gradients_inexact(cfg)
+    checks = dict(exact=not inexact, gradients_exact=not gradients_inexact, why_inexact=inexact,
+                  as_tp=reference_as_tp(cfg), replay=replayed, replica_max_diff=replica_diff,
+                  **step_gradients(cfg, results, specs, totals, device, against_float64=bool(gradients_inexact)))
     plain = reference(cfg, device)
     ranks_losses = [[results[d * cfg.tp]["losses"][s] for d in range(cfg.dp)] for s in range(cfg.steps)]
     checks.update(trained=mt.compare_to_reference(specs, plain["params"], rank_params, cfg.dp, cfg.tp),
                   trained_loss_max_rel_diff=loss_drift(ranks_losses, plain["losses"]))
+    if gradients_inexact:
+        same_function = checks["bound_ratio"] <= 1
+    else:
+        same_function = checks["grad_max_rel_diff"] == checks["step_loss_max_rel_diff"] == 0
     if inexact:  # reported beside the chaos floor, never a verdict (the policy above)
         floor = loss_drift(reference(cfg, device, nudge=True)["losses"], plain["losses"])
         checks.update(chaos_floor_loss_max_rel_diff=floor,
                       chaos_ratio=checks["trained_loss_max_rel_diff"] / floor if floor else None)
-        same_function = checks["bound_ratio"] <= 1
+        same_training = True
     else:
-        same_function = (checks["grad_max_rel_diff"] == checks["step_loss_max_rel_diff"] == 0
-                         and checks["trained_loss_max_rel_diff"] == 0
-                         and all(c["identical"] for c in checks["trained"]))
-    checks["passed"] = all(c["ok"] for c in replayed) and replica_diff == 0 and same_function
+        same_training = checks["trained_loss_max_rel_diff"] == 0 and all(c["identical"] for c in checks["trained"])
+    checks["passed"] = all(c["ok"] for c in replayed) and replica_diff == 0 and same_function and same_training
     return checks
 
 
 def print_verification(cfg, checks, print_fn=print):
-    n = len(checks["replay"])
-    print_fn("Against one process (TP=1, DP=1, torch.optim.Muon + AdamW, the same micro-batches): "
-             + (checks["why_inexact"] if checks["why_inexact"] else "every fp32 sum in its order, every comparison bit "
-                "for bit"))
+    n, pieces = len(checks["replay"]), checks["as_tp"]
+    model = f"DP=1, TP's {pieces} pieces computed apart" if pieces > 1 else "TP=1, DP=1"
+    in_order = ("every fp32 sum as the ranks associate it (TP = 2: the reference adds TP's two partial sums as the "
+                "ranks do, a + b = b + a)" if pieces == 2 else "every fp32 sum in its order")
+    print_fn(f"Against one process ({model}, torch.optim.Muon + AdamW, the same micro-batches): "
+             + (checks["why_inexact"] if checks["why_inexact"] else f"{in_order}, every comparison bit for bit"))
     same = sum(c["identical"] for c in checks["replay"])
     within = sum(c["ok"] and not c["identical"] for c in checks["replay"])
     print_fn(f"  replay:    torch's optimizers fed the ranks' summed gradients: {same}/{n} parameters identical"
@@ -755,16 +790,18 @@ def print_verification(cfg, checks, print_fn=print):
              + (f", {n - same - within} beyond it" if n - same - within else ""))
     replicas = (f"; TP copies of replicated gradients differ by {checks['replica_max_diff']:.1e}" if cfg.tp > 1 else "")
     n_same = sum(c["identical"] for c in checks["trained"])
-    if checks["exact"]:
+    if checks["gradients_exact"]:
         print_fn(f"  gradients: each step at the ranks' weights: losses within {checks['step_loss_max_rel_diff']:.1e} "
                  f"and gradients within {checks['grad_max_rel_diff']:.1e} relative{replicas}")
-        print_fn(f"  trained:   free-running from the same start: losses of all {cfg.steps} steps within "
-                 f"{checks['trained_loss_max_rel_diff']:.1e} relative; {n_same}/{n} parameters identical")
     else:
         print_fn(f"  gradients: each step at the ranks' weights, against float64: the ranks' within "
                  f"{checks['ranks_grad_err']:.1e} of the largest entry (losses {checks['ranks_loss_err']:.1e}), "
                  f"the one process's fp32 within {checks['one_process_grad_err']:.1e} ({checks['one_process_loss_err']:.1e}); "
                  f"{checks['bound_ratio']:.2f} of the bound at most (section 3){replicas}")
+    if checks["exact"]:
+        print_fn(f"  trained:   free-running from the same start: losses of all {cfg.steps} steps within "
+                 f"{checks['trained_loss_max_rel_diff']:.1e} relative; {n_same}/{n} parameters identical")
+    else:
         ratio = checks["chaos_ratio"]
         worst = max(checks["trained"], key=lambda c: c["max_abs_diff"])
         print_fn(f"  trained:   free-running, reported (not checked): losses within "
