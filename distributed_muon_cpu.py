@@ -718,15 +718,8 @@ class DistributedMuon(torch.optim.Optimizer):
     bucket_size: largest bucket, in elements, before padding to a multiple of DP.
     Gradients are summed over DP. A parameter whose .grad is None on every rank is skipped, as torch
     skips it; one with a gradient on some ranks only gets zeros from the others, as DDP adds.
-    What large runs add (section 7, muon_large_runs.py, imported only when one is on; each off by
-    default, torch's behaviour):
-    row_layouts: {name: muon_large_runs.RowLayout of its FULL matrix}, for the options below.
-    ns_blocks: "whole", "blocks" (Q, K, V, each with every head's rows) or "heads" (each head's q, k, v):
-        each block orthogonalized alone, its lr adjusted for its own shape, as torch.optim.Muon on the
-        blocks as separate parameters.
-    tp_newton_schulz: "gather", or "gram" (this strategy only): TP pieces cut along the long side
-        orthogonalized where they lie; not bit-identical to torch, within a bound.
-    qk_clip_tau: a number > 0 turns on clip_qk_, called by every rank after step().
+    row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau: what large runs add, each off by default
+        (torch's behaviour): section 7, muon_large_runs.py, whose docstring says what each does.
     """
 
     strategy = "gather"

@@ -1,7 +1,7 @@
 """What large runs add to the lesson's optimizers: fused QKV by blocks, Newton-Schulz on TP pieces, QK-clip.
 
-Section 7 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-5 and muon_owners.py's
-section 6 first.
+Section 7 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-5 and
+muon_owners.py's section 6 first.
 torch.optim.Muon orthogonalizes each parameter whole, with one quintic, and does nothing after the
 update. Large runs do more; each addition is an option of every optimizer of the lesson
 (DistributedMuon, OwnerMuon, CommFreeMuon; the Gram form of the gather strategy only: an owner
@@ -14,10 +14,23 @@ of the script:
     ns_coefficients           section 1 of the lesson: one (a, b, c) per iteration (Polar Express);
                                        nothing new moves
 
+The keywords (the flags: --ns-blocks, --tp-newton-schulz, --qk-clip TAU, --ns-coefficients):
+    row_layouts       {name: RowLayout of its FULL matrix}, which the options below read
+    ns_blocks         "whole" (torch's), "blocks" (Q, K, V, each with every head's rows) or "heads" (each
+                      head's q, k, v): each block orthogonalized alone, its lr adjusted for its own shape, as
+                      torch.optim.Muon on the blocks as separate parameters
+    tp_newton_schulz  "gather" (torch's), or "gram" (the gather strategy and DTensorMuon): TP pieces cut
+                      along the long side orthogonalized where they lie; not bit-identical, within a bound
+    qk_clip_tau       None (off), or a number > 0: clip_qk_(max_logits), called by every rank after step()
+
 An optimizer given any of row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau (not ns_coefficients,
-section 1's) builds a LargeRuns (7.5) and calls it at three points of
-its step: where a matrix is orthogonalized (by blocks, or on its TP pieces), where its update is
-applied (each block's own learning-rate adjustment), and after the step (clip_qk_).
+section 1's) builds a LargeRuns (7.5) and calls it at three points of its step: where a matrix is
+orthogonalized (by blocks, or on its TP pieces), where its update is applied (each block's own
+learning-rate adjustment), and after the step (clip_qk_).
+
+Launch recipes:
+    python distributed_muon_cpu.py --ns-blocks heads --ns-coefficients polar_express --qk-clip 100
+    python distributed_muon_cpu.py --tp-newton-schulz gram   # Gram all-reduces instead of TP gathers
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ and the step overlapped with its collectives (--overlap), and same-shape matrice
     python distributed_muon_cpu.py --strategy owner --explain   # one owner per matrix, and who owns what
     python distributed_muon_cpu.py --model thin --strategy comm-free   # 81 matrices with a small side
     python distributed_muon_cpu.py --strategy owner --overlap   # the step pipelined, collectives in flight
+    python benchmarks/compare.py          # gather, owner, comm-free, AdamW ZeRO-1: bytes, FLOPs, balance, time
 
 Import it and the optimizers are real torch.optim.Optimizers, as section 5's:
     from muon_owners import OwnerMuon, CommFreeMuon, OPTIMIZERS   # OPTIMIZERS: every strategy by name
