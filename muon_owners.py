@@ -73,9 +73,18 @@ from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, Distributed
 # A TP-replicated matrix (an MoE router) is the same on every TP rank, so only
 # the owner's own TP column sends its parts; every holder gets O back.
 #
-# The functions below plan and move the parts; at the end of the section,
-# OwnerMuon and CommFreeMuon are section 5's optimizer with stage 3 replaced
-# (and, for comm-free, stages 1 and 4 extended), every other stage reused.
+# Seven parts: who owns what (6.1), the routes of a matrix's parts (6.2), the
+# exchanges that move them, collectives in flight (6.3), Newton-Schulz at the
+# owner, one matrix or one stack at a time (6.4), comm-free's reduce at and
+# broadcast from the owner row (6.5), the step overlapped with its collectives
+# (6.6), and the optimizers, OwnerMuon and CommFreeMuon: section 5's optimizer
+# with stage 3 replaced (and, for comm-free, stages 1 and 4 extended), every
+# other stage reused (6.7).
+
+
+# -----------------------------------------------------------------------------
+# 6.1 Who owns what: longest-processing-time over Newton-Schulz FLOPs
+# -----------------------------------------------------------------------------
 
 def lpt_order(ns_flops, shapes=None):
     """The order in which assign_owners hands out matrices: decreasing FLOPs; among equal
@@ -145,6 +154,10 @@ def load_balance(ns_flops, owners, n_ranks):
     return per_rank, max(per_rank) / (sum(per_rank) / n_ranks)
 
 
+# -----------------------------------------------------------------------------
+# 6.2 Routes: where a matrix's parts are, and how they travel to its owner
+# -----------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class Part:
     """A rank's part of a matrix, as the exchanges with its owner see it."""
@@ -190,14 +203,17 @@ def plan_routes(matrices, owners, part_of, layout, grid, axis):
     return routes
 
 
-# Collectives in flight. Section 2's collectives return their result (its
-# reduce-scatter starts one and waits at once). Here a rank may start one and
-# compute while it travels: torch's async_op=True returns a Work to wait on
-# later, and every function below that starts one returns a function that waits
-# for it and returns the result (later()). The tensors passed in must stay
-# untouched until that wait. What was in flight while what ran is then worth a
-# record of its own: these functions take an EventLedger, which keeps the order
-# of launches, waits and orthogonalizations.
+# -----------------------------------------------------------------------------
+# 6.3 The exchanges: collectives in flight
+# -----------------------------------------------------------------------------
+# Section 2's collectives return their result (its reduce-scatter starts one and
+# waits at once). Here a rank may start one and compute while it travels:
+# torch's async_op=True returns a Work to wait on later, and every function
+# below that starts one returns a function that waits for it and returns the
+# result (later()). The tensors passed in must stay untouched until that wait.
+# What was in flight while what ran is then worth a record of its own: these
+# functions take an EventLedger, which keeps the order of launches, waits and
+# orthogonalizations.
 
 @dataclass
 class EventLedger(Ledger):
@@ -345,6 +361,9 @@ def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, dev
     return scatter_from_owner(newton_schulz_fn(full), routes, axis, ledger, dtype, device)()
 
 
+# -----------------------------------------------------------------------------
+# 6.4 Newton-Schulz at the owner: one matrix at a time, or one stack
+# -----------------------------------------------------------------------------
 # Batched Newton-Schulz (batched_ns, --batched-ns): an owner's same-shape matrices
 # as one stack, newton_schulz with torch.baddbmm, one call for all of them. The
 # same math but NOT the same bits: bf16 baddbmm and addmm round some near-ties
@@ -391,6 +410,10 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
             orthos[name] = orthogonalize(name, matrix, group_of[name], ledger, blocks)
     return orthos
 
+
+# -----------------------------------------------------------------------------
+# 6.5 comm-free: the gradient reduced at the owner row, its update broadcast
+# -----------------------------------------------------------------------------
 
 def zeros_if_none(grad, param):
     """A rank without a gradient for a parameter others have one for adds zeros (as DDP does)."""
@@ -451,11 +474,14 @@ def broadcast_from_owner(orthos, numels, owners, grid, ledger, device, apply, as
     return apply_received if async_op else apply_received()
 
 
-# Overlap (overlap=K, --overlap K). Stages 1-4 above run one after the other,
-# so a rank's core sits idle while its messages travel, and its transfers wait
-# while it computes. With overlap, the step is pipelined unit by unit (a unit is
-# a ZeRO-1 bucket; for comm-free's matrices, a chunk of them of at most
-# bucket_size elements) and every collective is started asynchronously:
+# -----------------------------------------------------------------------------
+# 6.6 The step overlapped with its collectives (overlap=K, --overlap K)
+# -----------------------------------------------------------------------------
+# Stages 1-4 above run one after the other, so a rank's core sits idle while its
+# messages travel, and its transfers wait while it computes. With overlap, the
+# step is pipelined unit by unit (a unit is a ZeRO-1 bucket; for comm-free's
+# matrices, a chunk of them of at most bucket_size elements) and every
+# collective is started asynchronously:
 #
 #   every gradient reduction starts at once; then, iteration i of the loop:
 #     unit i      1->2  wait for its summed gradient, update momentum / AdamW,
@@ -533,6 +559,10 @@ def check_owner_options(name=str, *, overlap):
     if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
         raise ValueError(f"{name('overlap')} must be an integer >= 0 (got {overlap!r})")
 
+
+# -----------------------------------------------------------------------------
+# 6.7 The optimizers: OwnerMuon and CommFreeMuon
+# -----------------------------------------------------------------------------
 
 class OwnerMuon(DistributedMuon):
     """The owner strategy: ZeRO-1 exactly as in section 5 (the same buckets, reduce-scatter,
