@@ -123,15 +123,21 @@ def test_only_the_ranks_association_matches_them(trained, trained_tp4, monkeypat
     assert not step1_gradients_match(*trained_tp4, 4)
 
 
+def with_a_halved_gradient(results, name="blocks.0.mlp.fc.weight"):
+    """A copy of the ranks' results where rank 1's step-1 gradient of `name` is halved, as if f's all-reduce
+    had lost half the sum."""
+    broken = copy.deepcopy(results)
+    broken[1]["grads"][0][name].mul_(0.5)
+    return broken
+
+
 def test_the_checks_catch_a_wrong_weight_and_a_wrong_gradient(trained):
     cfg, results = trained[2, 2][1]
     name = "blocks.0.mlp.fc.weight"
     broken = copy.deepcopy(results)
     broken[3]["params"][name].view(-1)[0] += 1e-6  # one entry of one rank's piece, off by a few ulps
     assert not tg.verify(cfg, broken)["passed"]
-    broken = copy.deepcopy(results)
-    broken[1]["grads"][0][name].mul_(0.5)  # as if f's backward had lost half the sum
-    checks = tg.verify(cfg, broken)
+    checks = tg.verify(cfg, with_a_halved_gradient(results, name))
     # TP = 2: caught by the exact comparison of the step's gradients (no bound is computed)
     assert not checks["passed"] and checks["gradients_exact"] and "bound_ratio" not in checks
     assert checks["grad_max_rel_diff"] > 0.1
@@ -190,9 +196,7 @@ def test_tp_4_is_bit_for_bit_and_a_lost_all_reduce_fails(trained_tp4):
     assert lines[0].endswith("(TP = 4: the reference adds TP's 4 partial sums left to right in rank order, as the "
                              "ranks' Gloo all-reduces do), every comparison bit for bit"), lines[0]
     assert "chaos" not in "\n".join(lines) and lines[-1] == "Result: PASS"
-    broken = copy.deepcopy(results)
-    broken[1]["grads"][0]["blocks.0.mlp.fc.weight"].mul_(0.5)
-    checks = tg.verify(cfg, broken)
+    checks = tg.verify(cfg, with_a_halved_gradient(results))
     assert not checks["passed"] and checks["grad_max_rel_diff"] > 0.1
 
 
@@ -213,9 +217,7 @@ def test_another_order_of_tp_sums_is_held_to_the_bound_and_its_drift_reported(tr
     tg.print_verification(cfg, checks, lines.append)
     assert lines[0].endswith("TP = 4 adds f's and g's 4 partial sums in the backend's own order"), lines[0]
     assert f"{checks['chaos_ratio']:.2g}x that chaos floor" in lines[3] and lines[-1] == "Result: PASS"
-    broken = copy.deepcopy(results)
-    broken[1]["grads"][0]["blocks.0.mlp.fc.weight"].mul_(0.5)
-    checks = tg.verify(cfg, broken, rank_order=False)
+    checks = tg.verify(cfg, with_a_halved_gradient(results), rank_order=False)
     assert not checks["passed"] and checks["bound_ratio"] > 100 and checks["grad_max_rel_diff"] > 0.1
 
 
