@@ -1227,15 +1227,15 @@ def under_torchrun():
 # ranks that the same model in one process computes whole: TP's partial products,
 # FSDP2's partial sums over its ranks' tokens. Where the ranks' association is
 # known, the one-process reference performs the same sums and every comparison is
-# torch.equal: examples/train_gpt.py with TP <= 2 (TP = 2's all-reduces add two
-# terms, and a + b == b + a whatever order the backend takes; its reference
-# computes TP's two pieces apart and adds them there, gpt.GPT's as_tp). Where it
-# is not (an all-reduce of TP > 2 terms adds in the backend's own order: Gloo's
-# ring takes another rotation of the ranks for each chunk of the tensor; and
-# dtensor_demo.py --train, examples/train_gpt_dtensor.py --verify, FSDP2 x TP), the
-# gradients cannot have the one process's bits, and these commands check three
-# things (each names the sums it reorders: examples/train_gpt.py section 3,
-# dtensor_demo.py section 7):
+# torch.equal: examples/train_gpt.py on Gloo for any TP (its TP all-reduces add
+# every element's TP terms left to right in rank order, gpt.tp_all_reduce, and its
+# reference computes TP's pieces apart and adds them in that order, gpt.GPT's
+# as_tp), and under NCCL for TP <= 2 (two terms: a + b == b + a whatever order
+# NCCL takes). Where it is not (NCCL's all-reduce of TP > 2 terms adds in its own
+# order; dtensor_demo.py --train and examples/train_gpt_dtensor.py --verify, FSDP2
+# x TP), the gradients cannot have the one process's bits, and these commands
+# check three things (each names the sums it reorders: examples/train_gpt.py
+# section 3, dtensor_demo.py section 7):
 #
 #   replay     torch's optimizers fed the ranks' own total gradients give every
 #              rank's weights: bit for bit (but for train_gpt.py's stated opt-ins,
@@ -1268,8 +1268,10 @@ def under_torchrun():
 UNIT_ROUNDOFF = 2.0**-24  # fp32's u (a 24-bit significand): a rounding moves a result by at most this fraction of it
 REALIZED_FACTOR = 4  # step 3's factor, the one part not derived: two orders' errors are two draws of the same rounding,
 #                      their largest entries 2x apart at most in the runs measured (notes/09: TP = 2 against the
-#                      plain model, before its reference took the ranks' association; TP = 4); 4 leaves room for
-#                      that and stays far below what a bug does. Only where the association is unknown (above).
+#                      plain model, before its reference took the ranks' association; TP = 4 under Gloo's own
+#                      all-reduce order, before train_gpt.py's TP all-reduce took rank order); 4 leaves room for
+#                      that and stays far below what a bug does. Used only where the association is unknown
+#                      (above): FSDP2 x TP and NCCL's TP > 2.
 
 
 def bound_ratio(ranks_err, one_err, n, scale):

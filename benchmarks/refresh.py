@@ -74,7 +74,10 @@ VERIFY_SETTINGS = ("--dp 2 --tp 2 --lr 0.1 --steps 8 --verify",
                    "--dp 1 --tp 2 --lr 0.1 --strategy gather --steps 8 --verify",
                    "--dp 1 --tp 2 --optimizer adamw --lr 0.03 --seed 1 --steps 8 --verify",
                    "--dp 2 --tp 2 --optimizer adamw --lr 0.01 --seed 2 --steps 8 --verify",
-                   "--dp 4 --tp 1 --steps 8 --verify")
+                   "--dp 4 --tp 1 --steps 8 --verify",
+                   "--dp 1 --tp 4 --lr 0.1 --steps 8 --verify",
+                   "--dp 1 --tp 4 --optimizer adamw --lr 0.03 --seed 1 --steps 8 --verify",
+                   "--dp 2 --tp 4 --optimizer adamw --lr 0.01 --seed 2 --steps 8 --verify")
 NS_SHAPES = ("{python} -c \"import time, statistics, torch, distributed_muon_cpu as dm; torch.set_num_threads(1); "
              "[print(f'{r}x{c}: {statistics.median([(lambda t: (dm.newton_schulz(m), time.perf_counter() - t)[1])"
              "(time.perf_counter()) for _ in range(5)]) * 1e3:.1f} ms, {dm.newton_schulz_flops((r, c)) / 1e6:.1f} "

@@ -31,21 +31,24 @@ as users of Muon do (Keller Jordan's Muon README; Moonlight, arXiv:2502.16982).
 With TP = 1 (tp=None) f and g are identities and this is a plain GPT: the
 single-process reference is this class, built without a grid.
 
-Built without a grid and with as_tp=2, the one process computes as TP = 2's two
-ranks do: each rank's piece apart, with the rank's shapes, added where f and g add:
+Built without a grid and with as_tp=TP, the one process computes as TP's ranks do:
+each rank's piece apart, with the rank's shapes, added where f and g add:
 
-   column-parallel   x A_0^T + b_0 and x A_1^T + b_1 side by side (A_t: rank t's
-                     rows of A); x's gradient: the two input gradients' sum
+   column-parallel   x A_0^T + b_0, x A_1^T + b_1, ... side by side (A_t: rank t's
+                     rows of A); x's gradient: the pieces' input gradients added
+                     left to right in rank order (fan_out: what f's backward adds)
    local work        attention per head, GELU per unit: each on rank t's numbers
-   row-parallel      y_0 B_0^T + y_1 B_1^T (B_t, y_t: rank t's columns), then + bias
+   row-parallel      ((y_0 B_0^T + y_1 B_1^T) + y_2 B_2^T) + ... (B_t, y_t: rank t's
+                     columns), then + bias
 
-Each of those sums has two terms, and a + b == b + a bit for bit in fp32, so in
-whatever order the backend's all-reduce adds the two ranks' terms, this model gets
-the ranks' numbers exactly. With more pieces it would not: a TP > 2 all-reduce adds
-in the backend's own order (Gloo's ring: another rotation of the ranks for each
-chunk of the tensor), which a model's own sums do not follow.
+A float32 sum of more than two terms depends on its order, so the ranks' all-reduces
+must add in that order too: on Gloo, tp_all_reduce adds every element's terms in rank
+order, t_0 + t_1 + t_2 + ..., on every rank, and this model has the ranks' bits for
+any TP. NCCL's all-reduce adds in its own order: there only TP = 2 has them (two
+terms: a + b == b + a whatever the order).
 """
 
+import functools
 import math
 import os
 import sys
@@ -112,15 +115,38 @@ def initial_weights(config):
 # Both record what they move in a dm.Ledger, as the optimizer's collectives do
 # (Gloo's profiler records no sizes): an all-reduce of n elements over a group of
 # size s counts as a ring's 2 (s - 1) n / s sent and received per rank.
+#
+# On Gloo the all-reduce is the lesson's reduce-scatter followed by an all-gather:
+#
+#   rank t's x, in TP chunks    all-to-all: chunk i      rank i adds its chunk's     all-gather:
+#   [x_t0 | x_t1 | .. ]   -->   to rank i          -->   terms in rank order   -->   every rank gets
+#                                                        x_0i + x_1i + x_2i + ..     every summed chunk
+#
+# the bytes of a ring all-reduce (2 (s - 1) / s of x each way), and every element is
+# added left to right in rank order on every rank: the association a one-process
+# reference can perform (GPT(as_tp=TP)). Gloo's own all_reduce adds each chunk in
+# another rotation of the ranks, which no one process follows once TP > 2.
 
 def tp_all_reduce(x, tp, ledger, phase):
-    """Sum x over the ranks of `tp` (a dm.Axis) in place; ReduceOp.SUM, as the optimizer reduces."""
+    """Sum x over the ranks of `tp` (a dm.Axis) in place; ReduceOp.SUM, as the optimizer reduces.
+    Gloo: in rank order (above); NCCL: its own all-reduce, in its own order."""
     with record_function(phase):
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group)
+        if dist.get_backend(tp.group) == "gloo":
+            flat = x.view(-1)  # TP divides its size: the last dim is d_model, whole heads per rank (check_gpt)
+            work, summed = dm.reduce_scatter_sum(flat, tp)
+            work.wait()
+            dm._all_gather_single(flat, summed(), group=tp.group)
+        else:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group)
     if ledger is not None:
         ring = 2 * (tp.size - 1) * x.numel() // tp.size
         ledger.record_comm(phase, "all_reduce", tp, ring, ring, x.dtype)
     return x
+
+
+def rank_order_sum(terms):
+    """((t_0 + t_1) + t_2) + ...: how the Gloo TP all-reduce adds TP's terms, written for one process."""
+    return functools.reduce(torch.add, terms)
 
 
 class f(torch.autograd.Function):  # noqa: N801 -- the paper's name
@@ -151,10 +177,23 @@ class g(torch.autograd.Function):  # noqa: N801 -- the paper's name
         return grad, None, None
 
 
+class FanOut(torch.autograd.Function):
+    """f's one-process twin: hands x to each of TP's pieces; backward, adds their input gradients in
+    rank order, as f's all-reduce does on the ranks (autograd would add them in its own order)."""
+
+    @staticmethod
+    def forward(ctx, x, pieces):
+        return tuple(x.view_as(x) for _ in range(pieces))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return rank_order_sum(grads), None
+
+
 class TPContext:
     """What every parallel layer shares: this rank's TP axis (None: one process), the ledger, and how
-    many TP pieces this process computes apart (pieces: 1 on a rank, which holds one; 2 in the
-    one-process reference of TP = 2, to add them as the ranks do)."""
+    many TP pieces this process computes apart (pieces: 1 on a rank, which holds one; TP in the
+    one-process reference of TP, to add them as the ranks do)."""
 
     def __init__(self, tp=None, ledger=None, pieces=1):
         if tp is not None and pieces != 1:
@@ -166,6 +205,10 @@ class TPContext:
         """t's TP pieces along dim, each laid out as its TP rank holds it (contiguous: the same matmul
         call); [t] itself where this process computes one piece."""
         return [t] if self.pieces == 1 else [piece.contiguous() for piece in t.chunk(self.pieces, dim)]
+
+    def fan_out(self, x):
+        """x for each piece this process computes (FanOut where there are several)."""
+        return [x] if self.pieces == 1 else FanOut.apply(x, self.pieces)
 
     def f(self, x):
         return f.apply(x, self.tp, self.ledger) if self.size > 1 else x
@@ -179,7 +222,8 @@ class TPContext:
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A (out, in) split along dim 0: this rank computes its out / TP features.
     One process computing TP's pieces apart computes each rank's features and sets them side by side
-    (a concatenation: no arithmetic), so attention and GELU see each rank's numbers."""
+    (a concatenation: no arithmetic), so attention and GELU see each rank's numbers; x's gradient is
+    the pieces' added in rank order (fan_out)."""
 
     split_dims = {"weight": 0, "bias": 0}
 
@@ -190,9 +234,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(d_out // tpc.size))
 
     def forward(self, x):
-        x = self.tpc.f(x)
-        pieces = zip(self.tpc.pieces_of(self.weight, 0), self.tpc.pieces_of(self.bias, 0))
-        y = [nnf.linear(x, w, b) for w, b in pieces]
+        xs = self.tpc.fan_out(self.tpc.f(x))
+        pieces = zip(xs, self.tpc.pieces_of(self.weight, 0), self.tpc.pieces_of(self.bias, 0))
+        y = [nnf.linear(x, w, b) for x, w, b in pieces]
         return y[0] if len(y) == 1 else torch.cat(y, dim=-1)
 
 
@@ -211,10 +255,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x_local):
         pieces = zip(self.tpc.pieces_of(x_local, -1), self.tpc.pieces_of(self.weight, 1))
-        partial = [nnf.linear(x, w) for x, w in pieces]
-        z = partial[0]
-        for p in partial[1:]:  # one process, TP = 2: z_0 + z_1, the ranks' all-reduce bit for bit
-            z = z + p
+        z = rank_order_sum([nnf.linear(x, w) for x, w in pieces])  # one process: as g adds on Gloo's ranks
         return self.tpc.g(z) + self.bias
 
 
@@ -278,7 +319,7 @@ class GPT(nn.Module):
     """The model as one TP rank holds it: grid_tp is that rank's dm.Axis along TP (None: one process).
 
     Every parameter starts as this rank's TP piece of initial_weights(config). One process holds the
-    whole parameters; with as_tp=2 it computes as TP = 2's ranks do (the module's docstring)."""
+    whole parameters; with as_tp=TP it computes as TP's ranks do (the module's docstring)."""
 
     def __init__(self, config, grid_tp=None, ledger=None, as_tp=1):
         super().__init__()

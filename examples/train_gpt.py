@@ -407,8 +407,8 @@ def start_profiler(cfg, rank):
 # The reference is this GPT in one process (no grid: f and g are identities), trained
 # by torch.optim.Muon + torch.optim.AdamW. Each step it runs the DP ranks'
 # micro-batches one after the other and accumulates loss / DP's gradients, so it
-# sees exactly the batch the ranks see. With TP = 2 it computes TP's two pieces
-# apart and adds them where f and g do (gpt.py, as_tp; reference_as_tp).
+# sees exactly the batch the ranks see. With TP > 1 it computes TP's pieces apart
+# and adds them where f and g do, in rank order (gpt.py, as_tp).
 # Three comparisons:
 #
 #   replay     torch's optimizers fed the ranks' own gradients (TP pieces
@@ -423,13 +423,13 @@ def start_profiler(cfg, rank):
 #
 # Tolerance policy: which bits can differ, and why
 #   * Bit for bit whenever every fp32 sum has the ranks' association: TP = 1 (the
-#     same matmuls on the same micro-batches) or TP = 2 (below), and the DP sum in
-#     DP-rank order. The lesson's Gloo reduce-scatter adds the DP ranks'
-#     contributions in rank order (distributed_muon_cpu.py section 2, reduce_scatter
-#     and sum_in_order), as the one process accumulates its micro-batches, so on Gloo
-#     any DP is exact; NCCL's ReduceOp.SUM has its own order, exact only for DP <= 2
-#     (a + b = b + a). Then replay, gradients and the trained weights and losses are
-#     all torch.equal.
+#     same matmuls on the same micro-batches) or TP's sums in rank order (below),
+#     and the DP sum in DP-rank order. The lesson's Gloo reduce-scatter adds the DP
+#     ranks' contributions in rank order (distributed_muon_cpu.py section 2,
+#     reduce_scatter and sum_in_order), as the one process accumulates its
+#     micro-batches, so on Gloo any DP is exact; NCCL's ReduceOp.SUM has its own
+#     order, exact only for DP <= 2 (a + b = b + a). Then replay, gradients and the
+#     trained weights and losses are all torch.equal.
 #   * The replay is bit for bit on every grid where the DP sum runs in rank order,
 #     TP > 1 included: the optimizer never sees TP's reordering, only the gradients.
 #     (NCCL with DP > 2: its order changes the moments' last bits, which Muon turns
@@ -440,25 +440,24 @@ def start_profiler(cfg, rank):
 #     bound (gram_tolerance, from torch's own bf16 error on each step's Newton-Schulz input), the rest bit for bit.
 #   * TP splits sums: g adds the row-parallel layers' partial products (attention-out,
 #     MLP-out) over the TP ranks, f's backward the column-parallel layers' input
-#     gradients, where one plain process does one long matmul. With TP = 2 each of
-#     those sums has two terms, and a + b == b + a bit for bit: whatever order the
-#     backend adds them in, the one process that computes the two pieces apart, with
-#     the ranks' shapes, and adds them there (autograd adds the two input gradients)
-#     has the ranks' bits. So TP = 2 is as exact as TP = 1: gradients, losses, trained
-#     weights, all torch.equal (measured on every strategy, AdamW, seeds 0-2, lr 0.1,
-#     --ns-blocks, --qk-clip: notes/09).
-#   * TP > 2: the all-reduce adds TP terms in the backend's own order (Gloo's ring:
-#     another rotation of the ranks for each chunk of the tensor), which the model's
-#     own sums do not follow (a 4-piece model adding left to right already differs
-#     at step 1). The reference is then the plain model, and each step's gradients
-#     and losses are held, against float64, to the bound every real training here
-#     shares, derived in muon_tools.py (section 11; bound_ratio): REALIZED_FACTOR x
-#     the one process's own fp32 error on the step, plus one reordered reduction,
+#     gradients, where one plain process does one long matmul. On Gloo both
+#     all-reduces add every element's TP terms left to right in rank order on every
+#     rank (gpt.py, tp_all_reduce: the lesson's reduce-scatter, then an all-gather),
+#     and the one process computes TP's pieces apart, with the ranks' shapes, and adds
+#     them in the same order (gpt.py: rank_order_sum; FanOut for x's gradient, which
+#     autograd would add in its own order). So any TP is as exact as TP = 1:
+#     gradients, losses, trained weights, all torch.equal (measured on 1x2 to 2x4,
+#     every strategy, AdamW, lr 0.1: notes/09). NCCL's all-reduce adds in its own
+#     order: TP = 2 keeps the ranks' bits there (two terms, a + b == b + a), TP > 2
+#     does not.
+#   * NCCL with TP > 2: each step's gradients and losses are held, against float64,
+#     to the bound derived in muon_tools.py (section 11; bound_ratio): REALIZED_FACTOR
+#     x the one process's own fp32 error on the step, plus one reordered reduction,
 #     n u of the largest entry, n = batch x context tokens (a micro-batch's loss: its
 #     own tokens).
 #     A missing all-reduce or a wrong split moves a gradient by a fraction of itself
 #     (1e-1, not 1e-4): the tests break one and see it fail, on TP = 2 and TP = 4.
-#   * Free-running with TP > 2, --tp-newton-schulz gram or NCCL's DP > 2 order, each
+#   * Free-running with --tp-newton-schulz gram or NCCL's TP > 2 or DP > 2 orders, each
 #     step's few different roundings change the next step's weights and so its
 #     gradient, and a training amplifies any difference chaotically: one ulp on one
 #     weight of the one-process run, with no distributed code at all, moves its
@@ -548,15 +547,9 @@ class ReferenceOptimizers:
                 mt.clip_rows_(w, slice(3 * h * hd, (3 * h + 2) * hd), s, tau)  # its q rows, then k rows
 
 
-def reference_as_tp(cfg):
-    """How many TP pieces the one process computes apart (the policy above): TP = 2's two, whose
-    two-term sums have the ranks' bits; otherwise one, the plain model (TP > 2: the bound)."""
-    return 2 if cfg.tp == 2 else 1
-
-
 def reference_model(cfg, device):
     torch.set_num_threads(1)  # as every rank: bf16 matmul bits can depend on the thread count
-    model = GPT(cfg.gpt(), as_tp=reference_as_tp(cfg)).to(device)
+    model = GPT(cfg.gpt(), as_tp=cfg.tp).to(device)  # TP's pieces apart, added in rank order (policy above)
     model.record_max_logits(cfg.qk_clip is not None)
     return model, ReferenceOptimizers(model, cfg)
 
@@ -704,17 +697,19 @@ def by_gram(cfg, spec):
             and not blocked and mlr.gram_eligible(spec.global_shape, spec.tp_split_dim))
 
 
-def why_gradients_inexact(cfg):
-    """Why the ranks' step gradients cannot have the one process's bits ("" if they can: TP <= 2)."""
-    if cfg.tp > 2:
+def why_gradients_inexact(cfg, rank_order=True):
+    """Why the ranks' step gradients cannot have the one process's bits ("" if they can). rank_order: the
+    backend's sums add the ranks in rank order (Gloo: the lesson's reduce-scatter, gpt.tp_all_reduce)."""
+    if cfg.tp > 2 and not rank_order:
         return f"TP = {cfg.tp} adds f's and g's {cfg.tp} partial sums in the backend's own order"
     return ""
 
 
 def why_inexact(cfg, rank_order=True):
     """Why some fp32 sum of the run has another order than the one process's ("" if none: see
-    the policy above). rank_order: the DP sum adds the ranks in rank order (Gloo, the lesson's)."""
-    reasons = [why_gradients_inexact(cfg)] if why_gradients_inexact(cfg) else []
+    the policy above). rank_order: the DP and TP sums add the ranks in rank order (Gloo, the lesson's)."""
+    gradients = why_gradients_inexact(cfg, rank_order)
+    reasons = [gradients] if gradients else []
     if cfg.dp > 2 and not rank_order:
         reasons.append(f"the backend sums over DP = {cfg.dp} in its own order")
     if any(by_gram(cfg, spec) for spec in param_specs(cfg)):
@@ -743,7 +738,7 @@ def replay_tolerance(cfg, spec, ns_inputs, rank_order=True):
 def verify(cfg, results, device="cpu", rank_order=True):
     """The distributed run (run with cfg.keep) against one process; returns a dict of checks.
 
-    rank_order: whether the ranks' DP sum added their gradients in rank order (Gloo: yes)."""
+    rank_order: whether the ranks' DP and TP sums added their terms in rank order (Gloo: yes)."""
     specs = param_specs(cfg)
     rank_params = {r["rank"]: r["params"] for r in results}
     totals, replica_diff = total_gradients(cfg, results, specs)
@@ -753,9 +748,9 @@ def verify(cfg, results, device="cpu", rank_order=True):
     for c, spec in zip(replayed, specs):
         c["tolerance"] = replay_tolerance(cfg, spec, replay["ns_inputs"], rank_order)
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
-    inexact, gradients_inexact = why_inexact(cfg, rank_order), why_gradients_inexact(cfg)
+    inexact, gradients_inexact = why_inexact(cfg, rank_order), why_gradients_inexact(cfg, rank_order)
     checks = dict(exact=not inexact, gradients_exact=not gradients_inexact, why_inexact=inexact,
-                  as_tp=reference_as_tp(cfg), replay=replayed, replica_max_diff=replica_diff,
+                  replay=replayed, replica_max_diff=replica_diff,
                   **step_gradients(cfg, results, specs, totals, device, against_float64=bool(gradients_inexact)))
     plain = reference(cfg, device)
     ranks_losses = [[results[d * cfg.tp]["losses"][s] for d in range(cfg.dp)] for s in range(cfg.steps)]
@@ -777,10 +772,13 @@ def verify(cfg, results, device="cpu", rank_order=True):
 
 
 def print_verification(cfg, checks, print_fn=print):
-    n, pieces = len(checks["replay"]), checks["as_tp"]
-    model = f"DP=1, TP's {pieces} pieces computed apart" if pieces > 1 else "TP=1, DP=1"
-    in_order = ("every fp32 sum as the ranks associate it (TP = 2: the reference adds TP's two partial sums as the "
-                "ranks do, a + b = b + a)" if pieces == 2 else "every fp32 sum in its order")
+    n = len(checks["replay"])
+    model = f"DP=1, TP's {cfg.tp} pieces computed apart" if cfg.tp > 1 else "TP=1, DP=1"
+    in_order = {1: "every fp32 sum in its order",
+                2: "every fp32 sum as the ranks associate it (TP = 2: the reference adds TP's two partial sums as "
+                   "the ranks do, a + b = b + a)"}.get(
+        cfg.tp, f"every fp32 sum as the ranks associate it (TP = {cfg.tp}: the reference adds TP's {cfg.tp} partial "
+                "sums left to right in rank order, as the ranks' Gloo all-reduces do)")
     print_fn(f"Against one process ({model}, torch.optim.Muon + AdamW, the same micro-batches): "
              + (checks["why_inexact"] if checks["why_inexact"] else f"{in_order}, every comparison bit for bit"))
     same = sum(c["identical"] for c in checks["replay"])

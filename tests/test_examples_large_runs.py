@@ -112,9 +112,9 @@ def test_the_options_change_the_update(trained):
 
 def direct_max_logits(cfg, weights, step, dtype=torch.float32):
     """{qkv name: ((heads,) float64 max logit, (heads,) the float32 dot product's rounding bound)} from the q
-    and k the one-process model (in dtype; with TP = 2, its two pieces apart) computes at `weights` on step's
+    and k the one-process model (in dtype; with TP > 1, TP's pieces apart) computes at `weights` on step's
     micro-batches: every pair j <= i, in float64."""
-    model = gpt.GPT(cfg.gpt(), as_tp=tg.reference_as_tp(cfg)).to(dtype)
+    model = gpt.GPT(cfg.gpt(), as_tp=cfg.tp).to(dtype)
     tg.load_weights(model, weights)
     g = cfg.gpt()
     hd = g.d_model // g.n_heads
