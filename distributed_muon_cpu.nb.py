@@ -424,12 +424,14 @@ mt.run_program("distributed_muon_cpu.py", "--help")
 # %% [markdown]
 # ## 11. Training checks: a real training against one process
 #
-# A real training (the GPT in `examples/`, `dtensor_demo.py --train`) adds fp32 sums in another order
-# than one process does, so its gradients cannot have the one process's bits. What is checked instead:
-# the optimizer's replay bit for bit, and each step's gradients against float64 within a bound measured
-# on the step itself: `REALIZED_FACTOR` x the one process's own error, plus one reordered reduction
-# (`mt.bound_ratio`, at most 1 passes). The same idea on one reordered sum: 4096 terms per entry, added
-# in one pass (one process) or as two halves then added (two TP ranks).
+# A real training splits fp32 sums over ranks. Where the ranks' association is known, the one-process
+# reference performs the same sums: the GPT of `examples/` on Gloo adds TP's partial sums in rank
+# order, and its reference computes TP's pieces apart and adds them in that order, so every comparison
+# is bit for bit. Where it is not (FSDP2 in `dtensor_demo.py --train`; NCCL's own order with TP > 2),
+# what is checked instead: the optimizer's replay bit for bit, and each step's gradients against float64
+# within a bound measured on the step itself: `REALIZED_FACTOR` x the one process's own error, plus one
+# reordered reduction (`mt.bound_ratio`, at most 1 passes). Both on one sum of 4096 terms per entry,
+# added in one pass (one process) or as two halves then added (two TP ranks):
 
 # %%
 torch.manual_seed(0)
@@ -442,7 +444,8 @@ e_one = (one_process.double() - exact).abs().max().item()
 e_ranks = (two_ranks.double() - exact).abs().max().item()
 print(f"error against float64: one process {e_one:.2e}, two ranks {e_ranks:.2e}; "
       f"bound_ratio {mt.bound_ratio(e_ranks, e_one, 2, exact.abs().max().item()):.3f} (<= 1 passes)")
-print("bits equal:", torch.equal(one_process, two_ranks))
+print("one pass and two halves, bits equal:", torch.equal(one_process, two_ranks))
+print("two halves added either way round (any two-term sum), bits equal:", torch.equal(two_ranks, halves[1] + halves[0]))
 
 # %% [markdown]
 # Next, `distributed_muon_runs.ipynb` runs the script more: every grid of 8 ranks, the strategies

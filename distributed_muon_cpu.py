@@ -230,8 +230,8 @@ def adamw_step_(param, grad, state, group):
 
 # torch 2.14 renames all_gather_into_tensor / reduce_scatter_tensor to *_single;
 # older torch has only the old names: resolved once, here.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # A world this large on one machine is a typo, not a plan: every rank is a Python
 # process with torch loaded (its memory: notes/07-pitfalls.md).
@@ -324,7 +324,7 @@ def all_gather(shard, axis, ledger, phase):
         return shard
     out = shard.new_empty(axis.size * shard.numel())
     with record_function(phase):
-        _all_gather_single(out, shard, group=axis.group)
+        all_gather_single(out, shard, group=axis.group)
     ledger.record_ring(phase, "all_gather", axis, shard)
     return out
 
@@ -351,7 +351,7 @@ def reduce_scatter_sum(bucket, axis):
         work = dist.all_to_all_single(received, bucket, group=axis.group, async_op=True)
         return work, lambda: sum_in_order(received.view(axis.size, shard_numel))
     out = bucket.new_empty(shard_numel)
-    work = _reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+    work = reduce_scatter_single(out, bucket, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
     return work, lambda: out
 
 

@@ -164,9 +164,9 @@ plt.show()
 # Is the distributed training the training one process would do? `--verify` trains the same GPT in
 # this process with `torch.optim.Muon` and `torch.optim.AdamW` on the same micro-batches, and
 # compares three ways: the ranks' own gradients replayed through torch's optimizers (bit for bit:
-# the optimizer is exact), each step's loss and gradients at the ranks' weights (TP adds partial
-# sums in another order, so they agree to the last bits of float32, within a stated bound), and the
-# two free-running trainings. `notes/09-training.md` explains the bounds.
+# the optimizer is exact), each step's loss and gradients at the ranks' weights (bit for bit too:
+# the ranks' TP all-reduces add their partial sums in rank order, and this process adds TP's pieces
+# in the same order), and the two free-running trainings. `notes/09-training.md` explains why.
 
 # %%
 mt.run_program("examples/train_gpt.py", "--dp", "2", "--tp", "2", "--steps", "3", "--verify")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Ledger, _all_gather_single,
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Ledger, all_gather_single,
                                   apply_muon_update_, newton_schulz, newton_schulz_flops, ns_coefficients_of,
                                   orthogonalize, reduce_scatter_sum, sum_in_order, tp_shard)
 # (Bound here at import: a test or benchmark that patches one of them in distributed_muon_cpu patches it
@@ -519,7 +519,7 @@ def all_gather_async(shard, axis, ledger, phase):
         return lambda: shard
     out = shard.new_empty(axis.size * shard.numel())
     with record_function(phase):
-        work = _all_gather_single(out, shard, group=axis.group, async_op=True)
+        work = all_gather_single(out, shard, group=axis.group, async_op=True)
     ledger.record_ring(phase, "all_gather", axis, shard)
     return later(work, phase, ledger, lambda: out)
 

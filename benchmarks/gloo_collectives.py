@@ -32,10 +32,10 @@ def collectives(n, world, dp_axis):
     shard = n // world
     full, part = torch.ones(n), torch.ones(shard)
     return {
-        "Gloo's reduce-scatter (RS)": lambda: dm._reduce_scatter_single(torch.empty(shard), full,
+        "Gloo's reduce-scatter (RS)": lambda: dm.reduce_scatter_single(torch.empty(shard), full,
                                                                         op=dist.ReduceOp.SUM),
         "RS, all-to-all + sum": lambda: dm.reduce_scatter(full, dp_axis, dm.Ledger(), "grad reduce-scatter"),
-        "all-gather (AG)": lambda: dm._all_gather_single(torch.empty(n), part),
+        "all-gather (AG)": lambda: dm.all_gather_single(torch.empty(n), part),
         "all-to-all": lambda: dist.all_to_all_single(torch.empty(n), full),
         "all-reduce": lambda: dist.all_reduce(full),
     }

@@ -135,7 +135,7 @@ def tp_all_reduce(x, tp, ledger, phase):
             flat = x.view(-1)  # TP divides its size: the last dim is d_model, whole heads per rank (check_gpt)
             work, summed = dm.reduce_scatter_sum(flat, tp)
             work.wait()
-            dm._all_gather_single(flat, summed(), group=tp.group)
+            dm.all_gather_single(flat, summed(), group=tp.group)
         else:
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group)
     if ledger is not None:

@@ -13,15 +13,16 @@ Every comparison in this suite but one is bit-exact (torch.equal), with no toler
 One comparison is not exact, by construction: --batched-ns stacks same-shape matrices into
 bf16 baddbmm, which rounds some near-ties unlike torch's addmm; it is held to a bound derived
 in the script (batched_ns_tolerance) and tested in test_math.py and test_strategies.py.
-Two files train real models, where the forward and backward pass reduce in another order than
-one process does, and say so beside their bounds: tests/test_gpt.py (the policy of muon_tools.py's
-section 11, which examples/train_gpt.py applies: bit for bit with TP = 1 (any DP on Gloo); with TP = 2 each step's gradients
-within 4 x the one process's own fp32 error against float64 plus n u of the largest entry, the
-free-running drift reported beside a one-ulp chaos floor; the optimizer's replay bit for bit everywhere)
-and tests/test_dtensor.py / tests/test_train_gpt_dtensor.py (real FSDP2 x TP runs, checked by
-dtensor_demo.py's section 7 with the same policy: the replay bit for bit at every step, each step's
-gradients and loss against float64 within the same derived bound, the free-running drift reported
-beside the chaos floor).
+Real trainings: tests/test_gpt.py (the policy of muon_tools.py's section 11, which
+examples/train_gpt.py applies) is bit for bit on Gloo for any DP x TP: the DP reduce-scatter and
+the TP all-reduces add in rank order, and the one-process reference adds TP's pieces in that order;
+only its check of the bound path (the same run verified as NCCL would be, TP > 2) holds each step's
+gradients within 4 x the one process's own fp32 error against float64 plus n u of the largest entry,
+the free-running drift reported beside a one-ulp chaos floor. tests/test_dtensor.py and
+tests/test_train_gpt_dtensor.py run real FSDP2 x TP trainings, whose reductions (FSDP2's, DTensor's)
+add in torch's own order: checked by dtensor_demo.py's section 7 with that bound (the replay bit for
+bit at every step, each step's gradients and loss against float64 within the bound, the free-running
+drift reported beside the chaos floor).
 If another test ever needs a tolerance, the reason must be written beside it.
 
 Every reference is PyTorch's own torch.optim.Muon / torch.optim.AdamW (or its

@@ -272,9 +272,9 @@ def training(scenarios):
 
 
 def test_real_fsdp2_tp_training_replays_bit_for_bit_and_its_gradients_are_within_the_derived_bound(training):
-    """Real forward / backward through fully_shard x parallelize_module, 3 steps on 4x2, checked as
-    examples/train_gpt.py checks its TP training (muon_tools.py section 11; this model's sums: dtensor_demo.py
-    section 7):
+    """Real forward / backward through fully_shard x parallelize_module, 3 steps on 4x2, checked by the
+    bound muon_tools.py section 11 derives for sums in torch's own order (examples/train_gpt.py needs it only
+    as NCCL with TP > 2 would; this model's sums: dtensor_demo.py section 7):
       * replay: torch.optim.Muon + AdamW fed the ranks' own total gradients (full_tensor() of every .grad)
         from the same start give every rank's weights torch.equal, at every step: the optimizer is exact;
       * at the ranks' own weights before each step, the plain model on the whole batch of 64 tokens, in fp32

@@ -119,7 +119,8 @@ def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     assert "usage: distributed_muon_cpu.py" in text and "--strategy" in text  # section 10: the command line
     check = re.search(r"error against float64: one process ([\d.e+-]+), two ranks ([\d.e+-]+); bound_ratio ([\d.]+)", text)
     e_one, e_ranks, ratio = (float(g) for g in check.groups())  # section 11: a reordered sum, within its bound
-    assert 0 < e_one and 0 < e_ranks and ratio <= 1 and "bits equal: False" in text
+    assert 0 < e_one and 0 < e_ranks and ratio <= 1 and "one pass and two halves, bits equal: False" in text
+    assert "either way round (any two-term sum), bits equal: True" in text  # why TP = 2 sums are exact anywhere
 
 
 def test_runs_notebook_runs_top_to_bottom(tmp_path):
