@@ -21,12 +21,13 @@ section 6 (muon_owners.py) adds two strategies that orthogonalize each matrix
 once, on its owner ("owner": all-to-all exchanges; "comm-free": matrices sharded
 whole across DP).
 
-Launch recipes (the other strategies' and options' are in muon_owners.py's and muon_large_runs.py's)
+Launch recipes
 --------------
     python distributed_muon_cpu.py                      # 8 ranks, DP=4 x TP=2, 3 steps
     python distributed_muon_cpu.py --dp 2 --tp 4 --explain   # print the virtual buffer map too
     python distributed_muon_cpu.py --dp 8 --tp 1 --steps 5 --json run.json
-    python distributed_muon_cpu.py --help
+    python distributed_muon_cpu.py --help               # every flag; the other strategies' and options'
+                                                        # recipes: muon_owners.py, muon_large_runs.py
 
 Import it and its optimizer is a real torch.optim.Optimizer:
     from distributed_muon_cpu import DistributedMuon, make_grid
@@ -37,9 +38,11 @@ Reading order (each section opens with what it does and why)
     3. The parameters (a small transformer) and their per-rank gradients
     4. The virtual buffer (param groups, buckets, dist_meta)
     5. The step: the gather strategy (DistributedMuon, a torch.optim.Optimizer)
-then, each in a file of its own: 6. muon_owners.py (each matrix orthogonalized once: the owner and
-comm-free strategies), 7. muon_large_runs.py (what large runs add), and the tooling, no part of the
-lesson, 8-11. muon_tools.py (a run and its check against torch, the accounting, the launcher).
+then, each in a file of its own:
+    6. muon_owners.py: each matrix orthogonalized once (the owner and comm-free strategies)
+    7. muon_large_runs.py: what large runs add (fused QKV by blocks, QK-clip, Newton-Schulz on TP pieces)
+and beside the lesson, no part of it: muon_checks.py (what the optimizer refuses) and muon_tools.py
+(8-11: a run and its check against torch, the accounting, the launcher and the command line).
 """
 
 from __future__ import annotations
