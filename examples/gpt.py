@@ -48,7 +48,6 @@ any TP. NCCL's all-reduce adds in its own order: there only TP = 2 has them (two
 terms: a + b == b + a whatever the order).
 """
 
-import functools
 import math
 import os
 import sys
@@ -144,11 +143,6 @@ def tp_all_reduce(x, tp, ledger, phase):
     return x
 
 
-def rank_order_sum(terms):
-    """((t_0 + t_1) + t_2) + ...: how the Gloo TP all-reduce adds TP's terms, written for one process."""
-    return functools.reduce(torch.add, terms)
-
-
 class f(torch.autograd.Function):  # noqa: N801 -- the paper's name
     """Megatron's f: identity forward; backward, all-reduce the input gradient over TP.
 
@@ -179,7 +173,8 @@ class g(torch.autograd.Function):  # noqa: N801 -- the paper's name
 
 class FanOut(torch.autograd.Function):
     """f's one-process twin: hands x to each of TP's pieces; backward, adds their input gradients in
-    rank order, as f's all-reduce does on the ranks (autograd would add them in its own order)."""
+    rank order with the lesson's sum_in_order, the very sum f's all-reduce does on Gloo's ranks
+    (autograd would add them in its own order)."""
 
     @staticmethod
     def forward(ctx, x, pieces):
@@ -187,7 +182,7 @@ class FanOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return rank_order_sum(grads), None
+        return dm.sum_in_order(grads), None
 
 
 class TPContext:
@@ -255,7 +250,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x_local):
         pieces = zip(self.tpc.pieces_of(x_local, -1), self.tpc.pieces_of(self.weight, 1))
-        z = rank_order_sum([nnf.linear(x, w) for x, w in pieces])  # one process: as g adds on Gloo's ranks
+        zs = [nnf.linear(x, w) for x, w in pieces]
+        z = zs[0] if len(zs) == 1 else dm.sum_in_order(zs)  # one process: the sum g does on Gloo's ranks
         return self.tpc.g(z) + self.bias
 
 

@@ -444,7 +444,7 @@ def start_profiler(cfg, rank):
 #     all-reduces add every element's TP terms left to right in rank order on every
 #     rank (gpt.py, tp_all_reduce: the lesson's reduce-scatter, then an all-gather),
 #     and the one process computes TP's pieces apart, with the ranks' shapes, and adds
-#     them in the same order (gpt.py: rank_order_sum; FanOut for x's gradient, which
+#     them in the same order (the lesson's sum_in_order; gpt.py's FanOut for x's gradient, which
 #     autograd would add in its own order). So any TP is as exact as TP = 1:
 #     gradients, losses, trained weights, all torch.equal (measured on 1x2 to 2x4,
 #     every strategy, AdamW, lr 0.1: notes/09). NCCL's all-reduce adds in its own
