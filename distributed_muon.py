@@ -15,7 +15,8 @@ line that names it; torchrun then stops the other ranks.
 Nothing of the algorithm lives here. The math, the grid, the virtual buffer and
 the step (distributed_muon_cpu.py, and muon_owners.py's strategies), the
 verification against torch.optim.Muon / AdamW and the accounting (muon_tools.py)
-are imported; this file launches them the way GPU jobs are launched. What differs on GPUs, and why:
+are imported; this file launches them the way GPU jobs are launched. What
+differs on GPUs, and why:
 
   1. Backend: NCCL instead of Gloo. NCCL runs the collectives on the GPUs
      themselves, over NVLink inside a node and InfiniBand/RoCE between nodes;
