@@ -24,15 +24,18 @@
 #
 #     DP gather  →  TP gather  →  Newton–Schulz  →  TP shard  →  DP shard
 #
-# This notebook follows the script section by section, with the script's own code: the pieces
-# that run in one process run here, in cells; the 8-rank run is launched as a subprocess. The same
-# ideas, chapter by chapter, with measured figures, are in `notes/`. Run the cells top to bottom.
+# This notebook reads the script along, section by section: each section prints the script's own
+# source of what it runs (`mt.show_source`, with the file's line numbers), then runs it. Section 4
+# runs the flow itself, `gather_newton_schulz_shard`, on the eight ranks of a DP 4 × TP 2 grid, each a
+# thread of this notebook's process with real Gloo process groups; section 6 starts the eight
+# processes of `python distributed_muon_cpu.py`. The same ideas, chapter by chapter, with measured
+# figures, are in `notes/`. Run the cells top to bottom.
 
 # %% [markdown]
 # ## 0. Setup
 #
-# The notebook imports the lesson, `distributed_muon_cpu.py` (§1–§5), `muon_owners.py` (§6, as
-# `mo`) and `muon_large_runs.py` (§7, as `mlr`), and its tooling, `muon_tools.py`, from the folder it
+# The notebook imports the lesson, `distributed_muon_cpu.py` (§1–§6), `muon_owners.py` (§7, as
+# `mo`) and `muon_large_runs.py` (§8, as `mlr`), and its tooling, `muon_tools.py`, from the folder it
 # runs in. In Colab, first set the repository's git URL (`%env DISTRIBUTED_MUON_REPOSITORY=<url>`):
 # this cell clones it and works in the clone. What is missing (torch ≥ 2.9, which has
 # `torch.optim.Muon`, the reference; matplotlib) comes from `requirements.txt`.
@@ -51,7 +54,7 @@ if not os.path.exists("distributed_muon_cpu.py"):  # Colab: clone the repository
                              "or upload the repository's files beside this notebook.")
         subprocess.run(["git", "clone", "--depth", "1", url, "distributed-muon"], check=True)
     os.chdir("distributed-muon")
-import muon_tools as mt  # noqa: E402  (the report, the launcher, the command line, this setup)
+import muon_tools as mt  # noqa: E402  (the reference, the launcher, the report, this notebook's helpers)
 
 mt.notebook_requirements()
 import distributed_muon_cpu as dm  # noqa: E402
@@ -60,18 +63,21 @@ import muon_owners as mo  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+torch.set_num_threads(1)  # as every rank does: bf16 matmul bits can depend on the thread count
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
 
 # %% [markdown]
 # ## 1. Newton-Schulz, momentum and the learning-rate adjustment
 #
-# `dm.newton_schulz` casts the matrix to bf16, transposes it if it is tall, scales it by its
-# Frobenius norm and runs five quintic iterations: the same operations as `torch.optim.Muon`, in
-# the same order, so the same bits, which `torch.equal` checks against torch's own function. The
-# result is close to the nearest semi-orthogonal matrix: its singular values land near 1.
+# `newton_schulz` casts the matrix to bf16, transposes it if it is tall, scales it by its Frobenius
+# norm and runs five quintic iterations: the same operations as `torch.optim.Muon`, in the same
+# order, so the same bits, which `torch.equal` checks against torch's own function. The result is
+# close to the nearest semi-orthogonal matrix: its singular values land near 1.
 
 # %%
-torch.set_num_threads(1)  # as every rank does: bf16 matmul bits can depend on the thread count
+mt.show_source(dm.newton_schulz)
+
+# %%
 matrix = torch.randn(384, 128, generator=torch.Generator().manual_seed(0))
 ours = dm.newton_schulz(matrix)
 theirs = torch.optim._muon._zeropower_via_newtonschulz(matrix, dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
@@ -81,12 +87,13 @@ print(f"singular values of the result: {singular.min():.3f} to {singular.max():.
       f"(of the input: {singular_in.min():.1f} to {singular_in.max():.1f})")
 
 # %% [markdown]
-# The momentum (torch's `lerp`, with Nesterov) and AdamW are elementwise: a rank that holds a part
-# of a matrix gets the same bits for that part as one device holding all of it, which is what lets
-# ZeRO-1 keep a part of the state per rank. The learning rate of each matrix is scaled by its full
-# (TP-gathered) shape, `sqrt(max(1, rows / cols))` by default.
+# The momentum (torch's `lerp`, with Nesterov) is elementwise: a rank that holds a part of a matrix
+# gets the same bits for that part as one device holding all of it, which is what lets ZeRO-1 keep a
+# part of the state per rank (AdamW likewise). The learning rate of each matrix is scaled by its
+# full (TP-gathered) shape, `sqrt(max(1, rows / cols))` by default.
 
 # %%
+mt.show_source(dm.muon_momentum_)
 gen = torch.Generator().manual_seed(1)
 grad, buf = torch.randn(384 * 128, generator=gen), torch.randn(384 * 128, generator=gen)
 whole = dm.muon_momentum_(buf.clone(), grad, 0.95, True)
@@ -100,123 +107,198 @@ for shape in [(384, 128), (128, 128), (128, 512)]:
 #
 # World = DP × TP ranks, `rank = dp_rank · TP + tp_rank`. A row is a TP group: contiguous ranks,
 # as the GPUs of one node, because TP traffic is the most frequent. A column is a DP group: the
-# ranks holding the same TP piece of every weight, each fed different data.
+# ranks holding the same TP piece of every weight, each fed different data. `plan_grid` is what a
+# rank sees without process groups; `make_grid` adds them. Every byte between ranks then goes
+# through a function like `all_gather`, which counts it in the rank's `Ledger`.
 
 # %%
+mt.show_source(dm.plan_grid, dm.all_gather)
 print(mt.format_grid(4, 2))
 grid = dm.plan_grid(4, 2, rank=5)
 print(f"\nrank 5: DP rank {grid.dp.rank} of DP group {grid.dp.ranks}, "
       f"TP rank {grid.tp.rank} of TP group {grid.tp.ranks}")
 
 # %% [markdown]
-# ## 3. The parameters and their gradients
-#
-# A small transformer: column-parallel matrices split on dim 0 (`qkv`, `fc1`), row-parallel ones
-# on dim 1 (`proj`, `fc2`), a router that TP does not split, and non-matrix parameters (embedding,
-# head, norms, biases, a 0-dim scalar) that go to AdamW, as in practice. Each DP rank draws its own
-# gradients as multiples of 2⁻¹⁰, so their float32 sum is exact in any order.
-
-# %%
-rows = [[s.name, "x".join(map(str, s.global_shape)) or "scalar", "-" if s.tp_split_dim < 0 else s.tp_split_dim,
-         s.group] for s in dm.transformer_specs()]
-print(mt.format_table(["parameter", "global shape", "TP split dim", "param group"], rows, ["<", ">", ">", "<"]))
-
-# %% [markdown]
-# ## 4. The virtual buffer
+# ## 3. The virtual buffer
 #
 # Each param group is one flat virtual buffer of TP pieces, cut into buckets, each padded to a
 # multiple of DP and split into DP equal shards. A parameter may straddle shards: each DP rank
-# keeps optimizer state for its part only. `plan_optimizer` builds the optimizer rank 0 builds in a
-# run, without process groups, so this is the layout the ranks use, here on an uneven 3 × 2 grid:
+# keeps optimizer state for its part only, and its `DistMeta` says where that part lies: a pure
+# function of shapes, DP and the bucket size. `mt.plan_optimizer` builds the optimizer rank 0 builds
+# in a run, without process groups, so this is the layout the ranks use, here on an uneven 3 × 2 grid:
 
 # %%
+mt.show_source(dm.build_dist_metas)
 plan = mt.plan_optimizer(mt.RunConfig(dp=3, tp=2))
 print(mt.format_buffer_map(plan.layout))
 
 # %% [markdown]
-# ## 5. The step: the gather strategy
+# ## 4. The gather flow
 #
-# `DistributedMuon.step` takes the buckets one at a time: the gradient reduce-scatter, momentum and
-# AdamW on this rank's parts, the orthogonalization, the parameter all-gather. The orthogonalization
-# is the gather flow, `gather_newton_schulz_shard`:
-# DP gather → TP gather → Newton–Schulz → TP shard → DP shard.
-#
-# Here it runs in this process, on the first bucket of the 4 × 2 grid: `plan_optimizer` builds what
-# each of the eight ranks builds (its `dist_meta`), each rank's update shard is cut with the script's
-# own slices, and each arrow is the script's own function. The two collectives are joins that a
-# process group does: the DP gather concatenates the DP shards in DP rank order (what `all_gather`
-# returns), and the TP gather joins the TP pieces with `join_tp_pieces`, as `tp_gather` does.
+# `gather_newton_schulz_shard` is the flow for one bucket: DP gather → TP gather → Newton–Schulz →
+# TP shard → DP shard. Here it runs on every rank of the DP 4 × TP 2 grid at once: each rank is a
+# thread of this process, and each axis of its grid a real Gloo process group (`mt.on_thread_ranks`),
+# so `all_gather` moves real bytes between them. Each rank starts from its DP shard of the first
+# bucket's update, cut with the script's own slices (`tp_shard`, then `dp_shard`, then
+# `shard_of_bucket`), and calls the function the ranks of section 6 call.
+
+# %%
+mt.show_source(dm.gather_newton_schulz_shard)
 
 # %%
 dp, tp = 4, 2
-plans = [mt.plan_optimizer(mt.RunConfig(dp=dp, tp=tp), rank) for rank in range(dp * tp)]  # rank = d * TP + t
-bucket = plans[0].layout.buckets[0]
-meta = {(d, t): plans[d * tp + t].dist_metas for d in range(dp) for t in range(tp)}  # {name: DistMeta}
+plan = mt.plan_optimizer(mt.RunConfig(dp=dp, tp=tp))  # the layout every rank plans alike
+bucket, group = plan.layout.buckets[0], plan.param_groups[0]
 gen = torch.Generator().manual_seed(0)
-update = {n: torch.randn(plans[0].layout.global_shapes[n], generator=gen).bfloat16() for n in bucket.names}
-# Each rank's update shard of the bucket: its TP piece of each matrix, then its DP part of that piece.
-shard = {(d, t): dm.shard_of_bucket({n: dm.dp_shard(dm.tp_shard(update[n], meta[d, t][n].tp_split_dim, t, tp),
-                                                    meta[d, t][n]) for n in bucket.names},
-                                    [meta[d, t][n] for n in bucket.names], bucket.numel // dp, torch.bfloat16, "cpu")
-         for d in range(dp) for t in range(tp)}
-print(f"bucket {bucket.names}: {bucket.numel:,} elements; each rank's update shard: {tuple(shard[0, 0].shape)}\n")
+update = {n: torch.randn(plan.layout.global_shapes[n], generator=gen).bfloat16() for n in bucket.names}
 
-# The DP gather: each TP column's ranks join their shards, and every one of them holds the whole bucket.
-whole_bucket = {t: torch.cat([shard[d, t] for d in range(dp)]) for t in range(tp)}
-print(f"DP gather: {dp} shards of {tuple(shard[0, 0].shape)} -> the bucket, {tuple(whole_bucket[0].shape)}")
-parts = {}  # (d, t, name) -> that rank's part of the orthogonalized matrix
-for name in bucket.names:
-    for t in range(tp):
-        m = meta[0, t][name]
-        tp_local = dm.matrix_in_bucket(whole_bucket[t], m)
-        peers = [dm.matrix_in_bucket(whole_bucket[u], meta[0, u][name]) for u in range(tp)]
-        full = dm.join_tp_pieces(peers if m.tp_split_dim >= 0 else [tp_local], m.tp_split_dim)  # TP gather
-        ortho = dm.newton_schulz(full)  # Newton-Schulz
-        tp_piece = dm.tp_shard(ortho, m.tp_split_dim, t, tp)  # TP shard
-        for d in range(dp):
-            parts[d, t, name] = dm.dp_shard(tp_piece, meta[d, t][name])  # DP shard
-        if t == 0:
-            split = "not split" if m.tp_split_dim < 0 else f"split on dim {m.tp_split_dim}"
-            print(f"{name} ({split}), TP rank 0: TP-local {tuple(tp_local.shape)} -> TP gather {tuple(full.shape)}"
-                  f" -> Newton-Schulz {tuple(ortho.shape)} -> TP shard {tuple(tp_piece.shape)} -> DP shard, "
-                  "elements on DP 0-3: " + " ".join(str(parts[d, t, name].numel()) for d in range(dp)))
 
-# Put every rank's part back together and compare with torch's Newton-Schulz on the whole matrix.
-for name in bucket.names:
-    split = meta[0, 0][name].tp_split_dim
-    tp_locals = [torch.cat([parts[d, t, name] for d in range(dp)]).view(meta[0, t][name].shape) for t in range(tp)]
-    whole = dm.join_tp_pieces(tp_locals, split)
-    theirs = torch.optim._muon._zeropower_via_newtonschulz(update[name], dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
-    print(f"{name}: every rank's part put together, torch.equal with Newton-Schulz on the whole matrix: "
-          f"{torch.equal(whole, theirs)}")
+def flow(grid):
+    """One rank: its DP shard of the bucket's update, then the gather flow, counted in its own ledger."""
+    metas = [plan.layout.metas[grid.dp.rank][n] for n in bucket.names]
+    parts = {m.name: dm.dp_shard(dm.tp_shard(update[m.name], m.tp_split_dim, grid.tp.rank, tp), m) for m in metas}
+    shard = dm.shard_of_bucket(parts, metas, bucket.numel // dp, torch.bfloat16, "cpu")
+    ledger = dm.Ledger()
+    ortho = dm.gather_newton_schulz_shard(shard, [m for m in metas if m.local_numel], group, grid, ledger)
+    return dict(shard=shard, ortho=ortho, ledger=ledger)
+
+
+ranks = mt.on_thread_ranks(dp, tp, flow)
+print(f"bucket (0, 0): {', '.join(bucket.names)}; {bucket.numel:,} elements, each rank's shard "
+      f"{bucket.numel // dp:,}\n")
+rows = []
+for r, out in enumerate(ranks):
+    received = {p: sum(c["received"] for c in out["ledger"].comm if c["phase"] == p) for p in ("DP gather", "TP gather")}
+    ns = [f"{c['name'].split('.')[-2]} {'x'.join(map(str, c['shape']))}" for c in out["ledger"].compute]
+    rows.append([r, tuple(out["shard"].shape), mt.human_bytes(received["DP gather"]),
+                 mt.human_bytes(received["TP gather"]), ", ".join(ns),
+                 " ".join(str(p.numel()) for p in out["ortho"].values())])
+print(mt.format_table(["rank", "update shard", "DP gather in", "TP gather in", "Newton-Schulz on", "parts out"],
+                      rows, [">", ">", ">", ">", "<", "<"]))
 
 # %% [markdown]
-# ## 6. Orthogonalize each matrix once: the owner and comm-free strategies
+# Every rank's parts of each matrix, put back together (DP parts in DP rank order, then TP pieces
+# along the split dim), against torch's own Newton–Schulz of the whole matrix:
+
+# %%
+for name in bucket.names:
+    meta = {(d, t): plan.layout.metas[d][name] for d in range(dp) for t in range(tp)}
+    tp_locals = [torch.cat([ranks[d * tp + t]["ortho"].get(name, torch.empty(0, dtype=torch.bfloat16))
+                            for d in range(dp)]).view(meta[0, t].shape) for t in range(tp)]
+    ours = dm.join_tp_pieces(tp_locals, meta[0, 0].tp_split_dim)
+    theirs = torch.optim._muon._zeropower_via_newtonschulz(update[name], dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+    split = "not split" if meta[0, 0].tp_split_dim < 0 else f"split on dim {meta[0, 0].tp_split_dim}"
+    print(f"{name} ({split}, {'x'.join(map(str, ours.shape))}): every rank's part put together, torch.equal "
+          f"with torch's Newton-Schulz on the whole matrix: {torch.equal(ours, theirs)}")
+
+# %% [markdown]
+# ## 5. The step: DistributedMuon, the gather strategy
+#
+# `DistributedMuon.step` takes the buckets one at a time through four stages: the gradient
+# reduce-scatter over DP, momentum (and AdamW) on this rank's parts, the gather flow above with the
+# weight update on the parts, and the parameter all-gather that gives every DP rank its whole TP
+# pieces again. Each stage is a method; the ledger names each collective's phase, as the report
+# of section 6 prints them.
+
+# %%
+mt.show_source(dm.DistributedMuon.step, dm.DistributedMuon._stages)
+print("phases of one step, in order:", " -> ".join(mt.PHASES_OF["gather"]))
+
+# %% [markdown]
+# ## 6. Run it
+#
+# Now the eight processes. `python distributed_muon_cpu.py` hands its command line to the tooling,
+# which checks the flags, prints the plan and starts DP × TP processes (a torchrun for one machine),
+# each running `run_rank`, below: it joins the Gloo world, builds the grid, its pieces of the demo
+# model and the optimizer, steps it with its own DP rank's gradients (with a checkpoint round trip
+# halfway), and sends everything to rank 0, which runs `torch.optim.Muon` and `torch.optim.AdamW`
+# on one device, fed the summed gradients, and compares every rank's piece (`torch.equal`).
+
+# %%
+mt.show_source(dm.run_steps, dm.run_rank)
+
+# %% [markdown]
+# The notebook runs the script as a process of its own (`mt.run_program`), and fails the cell if
+# the run fails; `--explain` adds the virtual buffer's map, `--json` writes what the report shows:
+
+# %%
+os.makedirs("runs", exist_ok=True)
+mt.run_program("distributed_muon_cpu.py", "--dp", "4", "--tp", "2", "--explain", "--json", "runs/notebook_4x2.json")
+with open("runs/notebook_4x2.json") as f:
+    run = json.load(f)
+
+# %% [markdown]
+# The difference against torch, next to how far each weight moved, so that 0 is seen against the
+# size of the change:
+
+# %%
+checks = run["checks"]
+names = [c["name"] for c in checks]
+fig, ax = plt.subplots(figsize=(11, 4))
+ax.bar(range(len(checks)), [c["max_abs_update"] for c in checks], color="tab:blue", label="max |update| (3 steps)")
+diffs = [c["max_abs_diff"] for c in checks]
+ax.scatter([i for i, d in enumerate(diffs) if d > 0], [d for d in diffs if d > 0], color="red", zorder=3,
+           label="max |Δ| vs torch (where not 0)")
+ax.set_yscale("log")
+ax.set_xticks(range(len(checks)), names, rotation=75, fontsize=7)
+n_same = sum(c["identical"] for c in checks)
+ax.set_title(f"max |Δ| against torch.optim.Muon / AdamW: {n_same}/{len(checks)} parameters bit-identical "
+             f"(Δ = 0 is not drawn on a log axis)")
+ax.legend(loc="lower left", framealpha=1)
+plt.tight_layout()
+plt.show()
+assert n_same == len(checks), "some parameter differs from torch"
+
+# %% [markdown]
+# What the run moved and computed, from every rank's ledger: the bytes of each phase (counted as
+# a ring moves them; Gloo records no sizes), and the Newton–Schulz FLOPs of each rank beside one
+# device doing each matrix once. Their ratio, the redundancy, is what section 7 removes.
+
+# %%
+phases = list(run["bytes_per_step"])
+fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+for rank in range(len(run["ledgers"])):
+    left.bar([i + rank * 0.1 for i in range(len(phases))],
+             [run["bytes_per_step"][p]["sent"][rank] / 1024 for p in phases], width=0.1, label=f"rank {rank}")
+left.set_xticks([i + 0.35 for i in range(len(phases))], phases, fontsize=8)
+left.set_ylabel("KiB sent per step")
+left.set_title("Bytes per phase, per rank")
+left.legend(fontsize=7, ncol=2)
+flops = run["ns_flops"]
+right.bar(range(len(flops["per_rank"])), [f / 1e9 for f in flops["per_rank"]], color="tab:orange")
+right.axhline(flops["single_device"] / 1e9, color="black", linestyle="--", label="one device, each matrix once")
+right.set_xlabel("rank")
+right.set_ylabel("GFLOP per step")
+right.set_title(f"Newton–Schulz FLOPs per rank: redundancy {flops['redundancy']:.2f} (DP × TP = 8 at most)")
+right.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 7. Orthogonalize each matrix once: the owner and comm-free strategies
 #
 # The gather flow repeats Newton–Schulz on every rank that touches a matrix. `OwnerMuon` gives each
 # matrix one owner, chosen by longest-processing-time over Newton–Schulz FLOPs; `CommFreeMuon` also
 # keeps each matrix whole on its owner's DP row. Both are section 5's optimizer with stages
-# replaced, every other stage reused; with `overlap=K` (`--overlap K`) they also pipeline the
-# step bucket by bucket, so that Newton–Schulz runs while later buckets' collectives are in
-# flight (`muon_owners.py`, the lesson's section 6 in a file of its own, draws the schedule).
-# With 8 layers, 40 matrices spread evenly over 8 ranks:
+# replaced, every other stage reused (`muon_owners.py`, the lesson's section 7 in a file of its own,
+# draws their data paths and the overlapped step). The assignment, and what it gives with 8 layers:
+# 40 matrices spread evenly over 8 ranks.
 
 # %%
+mt.show_source(mo.assign_owners)
 plan = mt.plan_optimizer(mt.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
 per_rank, balance = mo.load_balance(plan.ns_flops, plan.owners, 8)
 rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}"] for r in range(8)]
 print(mt.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
-print(f"max / mean = {balance:.2f}\n")
-print("class OwnerMuon(DistributedMuon):\n    " + mo.OwnerMuon.__doc__.strip())
+print(f"max / mean = {balance:.2f}")
 
 # %% [markdown]
-# ## 7. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
+# ## 8. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
 #
 # `torch.optim.Muon` runs one fixed polynomial five times on each whole matrix and does nothing after
-# the update. Large runs do four things more, each a constructor keyword and a flag of the script
-# (the default keeps torch's behaviour); two of them change what travels between ranks (chapter 11
-# of `notes/` draws what moves). Here, the math of each, in this process, with the functions of
-# `muon_large_runs.py` (§7, imported as `mlr`).
+# the update. Large runs do four things more, each an option of the optimizers (`ns_coefficients`,
+# and a `muon_large_runs.LargeRuns`) and a flag of the script; the default keeps torch's behaviour.
+# Chapter 9 of `notes/` draws what each moves between ranks. Here, each one's own code, run.
 #
 # **Per-iteration coefficients.** `ns_coefficients="polar_express"` (`--ns-coefficients
 # polar_express`) gives each iteration its own (a, b, c) (Polar Express, arXiv 2505.16932): the
@@ -224,6 +306,7 @@ print("class OwnerMuon(DistributedMuon):\n    " + mo.OwnerMuon.__doc__.strip())
 # spans three decades, as a gradient's does, land closer to 1 in five iterations:
 
 # %%
+mt.show_source(dm.ns_coefficients_of)
 gen = torch.Generator().manual_seed(2)
 left, _ = torch.linalg.qr(torch.randn(512, 128, generator=gen))
 right, _ = torch.linalg.qr(torch.randn(128, 128, generator=gen))
@@ -240,10 +323,10 @@ for name in dm.NS_COEFFICIENT_CHOICES:
 # rows; `ns_blocks="blocks"` (`--ns-blocks blocks`) orthogonalizes Q, K and V each alone, `"heads"`
 # each head's q, k and v alone. Each block is exactly `newton_schulz` of those rows as a separate
 # matrix, so `torch.optim.Muon` on the blocks as separate parameters gives the same bits. Under TP
-# (split on dim 0, by heads) each TP rank holds whole heads: half of Q's rows here, so the Q block
-# still needs the TP gather, and the blocks add no bytes to it.
+# (split on dim 0, by heads) each TP rank holds whole heads.
 
 # %%
+mt.show_source(mlr.newton_schulz_blocks)
 heads, head_dim, d_model = 4, 16, 64
 layout = mlr.RowLayout(sizes=(head_dim,) * 3, periods=heads, names=("q", "k", "v"))
 fused = torch.randn(layout.rows, d_model, generator=gen)
@@ -260,10 +343,9 @@ print(f"per head: {len(layout.blocks(per_head=True))} blocks of {head_dim} rows;
 # %% [markdown]
 # **QK-clip.** After the step, every head whose largest pre-softmax logit S exceeded τ has its rows
 # of W_q and of W_k each multiplied by √(τ / S) (Kimi K2, arXiv 2507.20534), so its logits shrink by
-# τ / S: that head's largest logit on the same input becomes τ. A head that no rank computed (-inf)
-# or that stayed under τ keeps its rows. Under DP the maxima of one head come from every DP rank's
-# batch, so `optimizer.clip_qk_(max_logits)` reduces them first: on the lesson's grid, 4 bytes per
-# head of this TP rank, over its DP group (chapter 11 has the other layouts):
+# τ / S: that head's largest logit on the same input becomes τ. Under DP the maxima of one head
+# come from every DP rank's batch, so `optimizer.clip_qk_(max_logits)` reduces them first (one MAX
+# all-reduce, 4 bytes per head):
 #
 # ```
 #   DP 0, TP t: [a0 a1] ─┐
@@ -273,6 +355,7 @@ print(f"per head: {len(layout.blocks(per_head=True))} blocks of {head_dim} rows;
 # ```
 
 # %%
+mt.show_source(mlr.qk_clip_scales)
 tau = 3.0
 w_q, w_k = (torch.randn(heads * head_dim, d_model, generator=gen, dtype=torch.float64) / 8 for _ in range(2))
 tokens = torch.randn(8, d_model, generator=gen, dtype=torch.float64)
@@ -307,147 +390,29 @@ for h in range(heads):
 #   TP 1: X₂ ─ X₂·X₂ᵀ ─┘                                   └─ X₂ ← a·X₂ + (b·A + c·A·A)·X₂
 # ```
 #
-# That is `mlr.newton_schulz_tp` (the "distributed" TP mode of NVIDIA's Emerging-Optimizers, which
-# Megatron-core uses). Below, the same arithmetic with the all-reduce done as a sum in this process:
-# each piece's product in float32, summed, rounded to bf16 once, as torch's one bf16 matmul rounds its
-# float32 accumulation once. The identity is exact in real numbers; in float32 the sum runs in another
-# order than torch's, so now and then a near-tie rounds to the other bf16 neighbour, and the later
-# iterations carry it on: close to torch's bits, usually not equal to them.
+# That is `mlr.newton_schulz_tp`, run here on the two ranks of a TP 2 grid (threads, real Gloo
+# groups, as in section 4). The identity is exact in real numbers; in float32 the sum runs in
+# another order than torch's one matmul, so now and then a near-tie rounds to the other bf16
+# neighbour, and the later iterations carry it on: close to torch's bits, usually not equal to them.
 
 # %%
-wide = torch.randn(64, 1024, generator=gen)
-pieces = wide.chunk(2, dim=1)  # the two TP ranks' columns
-whole_gram, pieces_gram = wide @ wide.T, sum(p @ p.T for p in pieces)
-print(f"float32 Gram: max |whole - sum over pieces| {(whole_gram - pieces_gram).abs().max():.2g} "
-      f"(entries up to {whole_gram.abs().max():.0f})")
-
-
-def newton_schulz_of_pieces(pieces):
-    xs = [p.bfloat16() for p in pieces]
-    norm = sum(x.float().square().sum() for x in xs).sqrt().to(torch.bfloat16)  # one all-reduced float
-    xs = [x / norm for x in xs]
-    for a, b, c in dm.ns_coefficients_of(dm.NS_COEFFICIENTS, dm.NS_STEPS):
-        gram = sum(x.float() @ x.float().mT for x in xs).bfloat16()  # the all-reduce: every rank gets the sum
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        xs = [torch.addmm(x, poly, x, beta=a) for x in xs]  # each rank its own columns
-    return torch.cat(xs, dim=1)
-
-
+mt.show_source(mlr.newton_schulz_tp)
 equal, worst = 0, 0
 for _ in range(8):
     wide = torch.randn(64, 1024, generator=gen)
-    ours = newton_schulz_of_pieces(wide.chunk(2, dim=1))
+    pieces = mt.on_thread_ranks(1, 2, lambda g: mlr.newton_schulz_tp(wide.chunk(2, dim=1)[g.tp.rank], wide.shape,
+                                                                     g.tp, dm.Ledger()))
+    ours = torch.cat(pieces, dim=1)
     theirs = torch.optim._muon._zeropower_via_newtonschulz(wide, dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
     top = theirs.float().abs().max()
     spacing = torch.finfo(torch.bfloat16).eps * 2 ** top.log2().floor()  # between bf16 numbers just below `top`
     equal += torch.equal(ours, theirs)
     worst = max(worst, int((ours.float() - theirs.float()).abs().max() / spacing))
-print(f"Newton-Schulz from 2 pieces against torch's on the whole, 8 matrices of 64x1024: torch.equal on {equal} "
+print(f"Newton-Schulz on 2 TP pieces against torch's on the whole, 8 matrices of 64x1024: torch.equal on {equal} "
       f"of 8; max |d| {worst} bf16 steps at the largest entries")
-
-# %% [markdown]
-# ## 8. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
-#
-# Now 8 ranks, DP=4 × TP=2, started by the script as one process per rank; the notebook runs the
-# script as a process of its own (`mt.run_program`) and fails the cell if it fails. After the steps,
-# the launcher runs `torch.optim.Muon` and `torch.optim.AdamW` on one device, fed the summed
-# gradients, and compares every rank's piece with `torch.equal`.
-
-# %%
-os.makedirs("runs", exist_ok=True)
-mt.run_program("distributed_muon_cpu.py", "--dp", "4", "--tp", "2", "--explain", "--json", "runs/notebook_4x2.json")
-with open("runs/notebook_4x2.json") as f:
-    run = json.load(f)
-
-# %% [markdown]
-# The difference against torch, next to how far each weight moved, so that 0 is seen against the
-# size of the change:
-
-# %%
-checks = run["checks"]
-names = [c["name"] for c in checks]
-fig, ax = plt.subplots(figsize=(11, 4))
-ax.bar(range(len(checks)), [c["max_abs_update"] for c in checks], color="tab:blue", label="max |update| (3 steps)")
-diffs = [c["max_abs_diff"] for c in checks]
-ax.scatter([i for i, d in enumerate(diffs) if d > 0], [d for d in diffs if d > 0], color="red", zorder=3,
-           label="max |Δ| vs torch (where not 0)")
-ax.set_yscale("log")
-ax.set_xticks(range(len(checks)), names, rotation=75, fontsize=7)
-n_same = sum(c["identical"] for c in checks)
-ax.set_title(f"max |Δ| against torch.optim.Muon / AdamW: {n_same}/{len(checks)} parameters bit-identical "
-             f"(Δ = 0 is not drawn on a log axis)")
-ax.legend(loc="lower left", framealpha=1)
-plt.tight_layout()
-plt.show()
-assert n_same == len(checks), "some parameter differs from torch"
-
-# %% [markdown]
-# ## 9. Accounting
-#
-# Every collective goes through one place in the script (section 2) that records the bytes each
-# rank sends and receives, counted as a ring algorithm moves them (Gloo records no sizes; its own
-# reduce-scatter is a full all-reduce, so on Gloo the script's is an all-to-all and a local sum,
-# which moves exactly the ring's bytes). Newton–Schulz FLOPs are counted per call.
-# The redundancy is their sum over ranks divided by one device doing each matrix once.
-
-# %%
-phases = list(run["bytes_per_step"])
-fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-for rank in range(len(run["ledgers"])):
-    left.bar([i + rank * 0.1 for i in range(len(phases))],
-             [run["bytes_per_step"][p]["sent"][rank] / 1024 for p in phases], width=0.1, label=f"rank {rank}")
-left.set_xticks([i + 0.35 for i in range(len(phases))], phases)
-left.set_ylabel("KiB sent per step")
-left.set_title("Bytes per phase, per rank")
-left.legend(fontsize=7, ncol=2)
-flops = run["ns_flops"]
-right.bar(range(len(flops["per_rank"])), [f / 1e9 for f in flops["per_rank"]], color="tab:orange")
-right.axhline(flops["single_device"] / 1e9, color="black", linestyle="--", label="one device, each matrix once")
-right.set_xlabel("rank")
-right.set_ylabel("GFLOP per step")
-right.set_title(f"Newton–Schulz FLOPs per rank: redundancy {flops['redundancy']:.2f} (DP × TP = 8 at most)")
-right.legend()
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# ## 10. Main: the launcher and the command line
-#
-# The launcher behind every run above checks the arguments and plans the layout before any rank
-# starts, starts one process per rank and watches them: bad input stops with one line and exit code
-# 2, a rank that fails, dies or stops responding ends the run with one line naming it, and Ctrl-C
-# stops every rank. Its options:
-
-# %%
-mt.run_program("distributed_muon_cpu.py", "--help")
-
-# %% [markdown]
-# ## 11. Training checks: a real training against one process
-#
-# A real training splits fp32 sums over ranks. Where the ranks' association is known, the one-process
-# reference performs the same sums: the GPT of `examples/` on Gloo adds TP's partial sums in rank
-# order, and its reference computes TP's pieces apart and adds them in that order, so every comparison
-# is bit for bit. Where it is not (FSDP2 in `dtensor_demo.py --train`; NCCL's own order with TP > 2),
-# what is checked instead: the optimizer's replay bit for bit, and each step's gradients against float64
-# within a bound measured on the step itself: `REALIZED_FACTOR` x the one process's own error, plus one
-# reordered reduction (`mt.bound_ratio`, at most 1 passes). Both on one sum of 4096 terms per entry,
-# added in one pass (one process) or as two halves then added (two TP ranks):
-
-# %%
-torch.manual_seed(0)
-terms = torch.randn(4096, 64)
-exact = terms.double().sum(0)
-one_process = terms.sum(0)
-halves = terms.view(2, 2048, 64).sum(1)
-two_ranks = halves[0] + halves[1]
-e_one = (one_process.double() - exact).abs().max().item()
-e_ranks = (two_ranks.double() - exact).abs().max().item()
-print(f"error against float64: one process {e_one:.2e}, two ranks {e_ranks:.2e}; "
-      f"bound_ratio {mt.bound_ratio(e_ranks, e_one, 2, exact.abs().max().item()):.3f} (<= 1 passes)")
-print("one pass and two halves, bits equal:", torch.equal(one_process, two_ranks))
-print("two halves added either way round (any two-term sum), bits equal:", torch.equal(two_ranks, halves[1] + halves[0]))
 
 # %% [markdown]
 # Next, `distributed_muon_runs.ipynb` runs the script more: every grid of 8 ranks, the strategies
 # side by side, and a real tensor-parallel GPT trained with the optimizer. `notes/README.md` orders
-# the chapters that explain each idea with its measured figures.
+# the chapters that explain each idea with its measured figures; `python distributed_muon_cpu.py
+# --help` lists every flag, and `notes/running.md` what a run prints, line by line.

@@ -17,7 +17,7 @@ rank exactly its piece:
 and then checks every parameter, bit for bit (torch.equal), against PyTorch's
 own single-device torch.optim.Muon and torch.optim.AdamW fed the same total
 gradient. That flow repeats Newton-Schulz on every rank that touches a matrix;
-section 6 (muon_owners.py) adds two strategies that orthogonalize each matrix
+section 7 (muon_owners.py) adds two strategies that orthogonalize each matrix
 once, on its owner ("owner": all-to-all exchanges; "comm-free": matrices sharded
 whole across DP).
 
@@ -35,21 +35,25 @@ Import it and its optimizer is a real torch.optim.Optimizer:
 Reading order (each section opens with what it does and why)
     1. Newton-Schulz, momentum and the learning-rate adjustment (the math)
     2. The grid and its collectives (through which every byte between ranks goes, counted)
-    3. The parameters (a small transformer) and their per-rank gradients
-    4. The virtual buffer (param groups, buckets, dist_meta)
+    3. The virtual buffer (param groups, buckets, dist_meta)
+    4. The gather flow (DP gather -> TP gather -> Newton-Schulz -> TP shard -> DP shard)
     5. The step: the gather strategy (DistributedMuon, a torch.optim.Optimizer)
+    6. Run it (what each process runs, on a small transformer, checked against torch)
 then, each in a file of its own:
-    6. muon_owners.py: each matrix orthogonalized once (the owner and comm-free strategies)
-    7. muon_large_runs.py: what large runs add (fused QKV by blocks, QK-clip, Newton-Schulz on TP pieces)
+    7. muon_owners.py: each matrix orthogonalized once (the owner and comm-free strategies)
+    8. muon_large_runs.py: what large runs add (fused QKV by blocks, QK-clip, Newton-Schulz on TP pieces)
 and beside the lesson, no part of it: muon_checks.py (what the optimizer refuses) and muon_tools.py
-(8-11: a run and its check against torch, the accounting, the launcher and the command line).
+(9-12: torch's reference, the accounting, the launcher and the command line, the training checks).
 """
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
 import sys
-from dataclasses import dataclass, field, replace
+import time
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -167,9 +171,6 @@ def adjusted_lr(lr, adjust_lr_fn, global_shape):
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
 
 
-ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_unclamped")  # torch.optim.Muon's, and None = "original"
-
-
 def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_decay):
     """torch.optim.AdamW's single-tensor math, line for line, on any slice (elementwise: a ZeRO-1
     shard gets the full tensor's bits). `step` is the already-incremented step count."""
@@ -209,7 +210,6 @@ def adamw_step_(param, grad, state, group):
     state["step"] += 1
     adamw_(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"].item(), lr=group["lr"],
            betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
-
 
 
 # =============================================================================
@@ -389,84 +389,7 @@ def any_rank(flags, axis, ledger, phase):
 
 
 # =============================================================================
-# 3. The parameters and their gradients
-# =============================================================================
-# A small transformer that exercises every case the optimizer must handle: Muon
-# matrices tall, square and wide, split by TP along dim 0 (column-parallel), dim 1
-# (row-parallel) or not at all (an MoE router); AdamW, as in practice, for the
-# embedding and head (split by vocabulary), and without weight decay for norms,
-# biases and a 0-dim scalar.
-#
-# Gradients differ per DP rank (each saw different data) and agree across a TP
-# row (pieces of one gradient). They are integers times 2**-10 in [-1/4, 1/4]:
-# any sum of up to MAX_WORLD of them is a multiple of 2**-10 below 2**4, exact in
-# float32, so the DP reduction gives the same bits in any order (real gradients
-# would make bit-identity impossible for a reason unrelated to Muon).
-
-VOCAB, D_MODEL, N_LAYERS, N_EXPERTS, N_HEADS = 512, 128, 2, 8, 8
-GRAD_SCALE = 2.0**-10
-GRAD_MAX_INT = 256  # |gradient| <= 256 * 2**-10 = 1/4
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str
-    global_shape: tuple
-    tp_split_dim: int  # -1: the same full tensor on every TP rank
-    group: str  # "muon", "adamw" or "adamw_no_wd"
-
-
-def transformer_specs(vocab=VOCAB, d=D_MODEL, n_layers=N_LAYERS, n_experts=N_EXPERTS):
-    specs = [ParamSpec("embed.weight", (vocab, d), 0, "adamw")]
-    for i in range(n_layers):
-        p = f"layers.{i}."
-        specs += [
-            ParamSpec(p + "norm1.weight", (d,), -1, "adamw_no_wd"),
-            ParamSpec(p + "attn.qkv.weight", (3 * d, d), 0, "muon"),  # tall, column-parallel
-            ParamSpec(p + "attn.qkv.bias", (3 * d,), 0, "adamw_no_wd"),
-            ParamSpec(p + "attn.proj.weight", (d, d), 1, "muon"),  # square, row-parallel
-            ParamSpec(p + "attn.proj.bias", (d,), -1, "adamw_no_wd"),
-            ParamSpec(p + "norm2.weight", (d,), -1, "adamw_no_wd"),
-            ParamSpec(p + "router.weight", (n_experts, d), -1, "muon"),  # wide, never split
-            ParamSpec(p + "mlp.fc1.weight", (4 * d, d), 0, "muon"),
-            ParamSpec(p + "mlp.fc1.bias", (4 * d,), 0, "adamw_no_wd"),
-            ParamSpec(p + "mlp.fc2.weight", (d, 4 * d), 1, "muon"),  # wide, row-parallel
-            ParamSpec(p + "mlp.fc2.bias", (d,), -1, "adamw_no_wd"),
-        ]
-    specs += [ParamSpec("final_norm.weight", (d,), -1, "adamw_no_wd"),
-              ParamSpec("logit_scale", (), -1, "adamw_no_wd"),  # a 0-dim tensor
-              ParamSpec("lm_head.weight", (vocab, d), 0, "adamw")]
-    return specs
-
-
-def initial_params(specs, seed):
-    """The full single-device parameters every run starts from."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for s in specs:
-        if s.name.endswith("norm1.weight") or s.name.endswith("norm2.weight") or s.name == "final_norm.weight":
-            out[s.name] = torch.ones(s.global_shape)
-        elif s.name.endswith(".bias"):
-            out[s.name] = torch.zeros(s.global_shape)
-        else:
-            out[s.name] = torch.randn(s.global_shape, generator=g) * 0.02
-    return out
-
-
-def dp_rank_grads(specs, seed, step, dp_rank, missing=()):
-    """Full gradients that DP rank `dp_rank` computed at `step`. missing: (name, dp_rank or -1 for
-    every rank, step) whose gradient is None (a frozen embedding, an expert no token reached)."""
-    g = torch.Generator().manual_seed((seed * 100_003 + step) * 1_009 + dp_rank)
-    grads = {s.name: torch.randint(-GRAD_MAX_INT, GRAD_MAX_INT + 1, s.global_shape, generator=g).float() * GRAD_SCALE
-             for s in specs}  # drawn for every parameter, so a missing one changes no other draw
-    for name, rank, at in missing:
-        if at == step and rank in (-1, dp_rank):
-            grads[name] = None
-    return grads
-
-
-# =============================================================================
-# 4. The virtual buffer
+# 3. The virtual buffer
 # =============================================================================
 # ZeRO-1 sees a param group's TP-local parameters as one flat "virtual buffer",
 # cut into buckets of at most --bucket-size elements (a parameter larger than
@@ -596,33 +519,23 @@ def plan_layout(buffers, shapes, tp_split_dims, dp, tp, bucket_size):
 
 
 # =============================================================================
-# 5. The step: the gather strategy
+# 4. The gather flow
 # =============================================================================
-# One optimizer step as seen from one rank (DP=4, TP=2), bucket by bucket. This
-# section is the flow the whole project is about, the "gather" strategy:
+# The heart of the step, for one bucket of Muon matrices. Each rank holds its DP
+# shard of the bucket's update (bf16: its part of every matrix the shard
+# touches) and needs its part of newton_schulz(the FULL matrix), for each of them:
 #
-#   1. grads (TP-local)  --DP reduce-scatter (fp32)---> this rank's part of the summed gradient
-#   2. gradient part     --momentum (lerp) / AdamW----> update part (bf16) / new AdamW weights
-#   3. gather_newton_schulz_shard, on the bucket's matrices:
-#        update shard          --DP gather (all-gather)------> every TP-local matrix of the bucket
-#        TP-local matrix       --TP gather (along split dim)-> the full matrix  [only where this rank has a part]
-#        full matrix           --Newton-Schulz---------------> orthogonal full matrix
-#        orthogonal matrix     --TP shard (slice)------------> its TP piece
-#        TP piece              --DP shard (slice)------------> this rank's part
-#      then  part -= lr*wd*part + adjusted_lr * update     (the weight update, on the part only)
-#   4. parts             --param all-gather (fp32)-----> every rank holds its full TP-local weights
-#
-# A rank's "part" of a parameter is the range of its flat TP piece whose state it
-# keeps (dist_meta's local range). AdamW rides the same reduce-scatter and
-# all-gather and needs no gather (elementwise). Buckets go one at a time through
-# all four stages, so one bucket's temporaries are alive at a time (notes/08).
+#   update shard       --DP gather (all-gather)------> every TP-local matrix of the bucket
+#   TP-local matrix    --TP gather (along split dim)-> the full matrix  [only where this rank has a part]
+#   full matrix        --Newton-Schulz---------------> orthogonal full matrix
+#   orthogonal matrix  --TP shard (slice)------------> its TP piece
+#   TP piece           --DP shard (slice)------------> this rank's part
 #
 # The DP gather is one flat all-gather per bucket (every matrix a view of it);
 # the TP gather is per matrix, along its own split dim, for the matrices this
 # rank's DP shard touches (notes/04-bucketing.md). The gathers communicate; their
 # mirrors, the shards, are free slices of the full result. The pure part of each
 # arrow is a function of its own, so the notebook runs them in one process.
-
 
 def dp_gather(update_shard, dp, ledger):
     """Every DP rank's update shard -> the whole bucket: the shards joined in DP rank order."""
@@ -675,7 +588,7 @@ def shard_of_bucket(parts, metas, shard_numel, dtype, device):
 
 def orthogonalize(name, full, group, ledger, blocks=None):
     """Newton-Schulz of one full matrix with its param group's options, its FLOPs counted in the ledger:
-    torch.optim.Muon's call on the whole matrix, or block by block where `blocks` (None, or a
+    torch.optim.Muon's call on the whole matrix, or block by block where `blocks` (None, or section 8's
     muon_large_runs.Blocks: LargeRuns is one) names the matrix."""
     if blocks is not None and name in blocks.blocks:
         return blocks.orthogonalize_by_blocks(name, full, group, ledger)
@@ -708,8 +621,37 @@ def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger, large_r
     return ortho_parts
 
 
-# What clip_qk_ (section 7.4) says, on every rank, when the optimizer was built without qk_clip_tau.
-QK_CLIP_OFF = "QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows)"
+# =============================================================================
+# 5. The step: DistributedMuon, the gather strategy
+# =============================================================================
+# One optimizer step as seen from one rank (DP=4, TP=2), bucket by bucket:
+#
+#   1. grads (TP-local)  --DP reduce-scatter (fp32)----> this rank's part of the summed gradient
+#   2. gradient part     --momentum (lerp) / AdamW-----> update part (bf16) / new AdamW weights
+#   3. update parts      --the gather flow (section 4)--> this rank's part of each orthogonalized matrix
+#      then  part -= lr*wd*part + adjusted_lr * update     (the weight update, on the part only)
+#   4. parts             --param all-gather (fp32)-----> every rank holds its full TP-local weights
+#
+# A rank's "part" of a parameter is the range of its flat TP piece whose state it
+# keeps (dist_meta's local range). AdamW rides the same reduce-scatter and
+# all-gather and needs no gather (elementwise). Buckets go one at a time through
+# all four stages, so one bucket's temporaries are alive at a time (notes/08).
+
+
+def check_ns_coefficients(param_groups):
+    """Every Muon group's ns_coefficients as ns_coefficients_of reads them (section 1), kept as given:
+    what torch.optim.Muon would take. A ValueError names the group."""
+    for i, group in enumerate(param_groups):
+        if group["algorithm"] == "muon":
+            try:
+                ns_coefficients_of(group["ns_coefficients"], group["ns_steps"])
+            except ValueError as e:
+                raise ValueError(f"param group {i}: {e}") from None
+
+
+# What clip_qk_ (section 8.4) says, on every rank, when the optimizer was built without QK-clip.
+QK_CLIP_OFF = ("QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows; the "
+               "lesson's optimizers take both in large_runs=muon_large_runs.LargeRuns(...))")
 
 
 class DistributedMuon(torch.optim.Optimizer):
@@ -721,8 +663,10 @@ class DistributedMuon(torch.optim.Optimizer):
     bucket_size: largest bucket, in elements, before padding to a multiple of DP.
     Gradients are summed over DP. A parameter whose .grad is None on every rank is skipped, as torch
     skips it; one with a gradient on some ranks only gets zeros from the others, as DDP adds.
-    row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau: what large runs add, each off by default
-        (torch's behaviour): section 7, muon_large_runs.py, whose docstring says what each does.
+    large_runs: None (torch's behaviour), or a muon_large_runs.LargeRuns: what large runs add (fused QKV
+        by blocks, Newton-Schulz on TP pieces, QK-clip), section 8, whose docstring says what each does;
+        one per optimizer. The step calls it where a matrix is orthogonalized, where its update is
+        applied, and after the step (clip_qk_).
     """
 
     strategy = "gather"
@@ -730,17 +674,10 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, lr=0.02, weight_decay=0.1,
                  momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS,
-                 adjust_lr_fn="original", betas=(0.9, 0.999), eps=1e-8, row_layouts=None, ns_blocks="whole",
-                 tp_newton_schulz="gather", qk_clip_tau=None):
+                 adjust_lr_fn="original", betas=(0.9, 0.999), eps=1e-8, large_runs=None):
         check_hyperparameters(bucket_size=bucket_size, lr=lr, weight_decay=weight_decay, momentum=momentum,
                               adjust_lr_fn=adjust_lr_fn)
-        # What large runs add (section 7, muon_large_runs.py) is built only when one of its options is on,
-        # and imported here, not at the top: that module imports this one (it builds on sections 1-2).
-        self.large_runs = None
-        if row_layouts or ns_blocks != "whole" or tp_newton_schulz != "gather" or qk_clip_tau is not None:
-            import muon_large_runs
-            self.large_runs = muon_large_runs.LargeRuns(self.strategy, row_layouts, ns_blocks, tp_newton_schulz,
-                                                        qk_clip_tau)
+        self.large_runs = large_runs
         defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
                         ns_eps=ns_eps, adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
@@ -748,6 +685,7 @@ class DistributedMuon(torch.optim.Optimizer):
         self.grid, self.bucket_size, self.ledger = grid, bucket_size, Ledger()
         self.device = self.param_groups[0]["params"][0].device
         self.param_by_name, self.group_of, split_dims = index_named_params(self.param_groups, tp_split_dims or {})
+        check_ns_coefficients(self.param_groups)
         self.muon_names = [n for n in self.param_by_name if self.group_of[n]["algorithm"] == "muon"]
         buffers = [[n for n in g["param_names"] if self._bucketed(n)] for g in self.param_groups]
         shapes = {n: tuple(p.shape) for n, p in self.param_by_name.items()}
@@ -772,7 +710,7 @@ class DistributedMuon(torch.optim.Optimizer):
         return loss
 
     def _stages(self, active):
-        """The four stages, bucket by bucket (section 6's strategies, muon_owners.py, schedule them otherwise)."""
+        """The four stages, bucket by bucket (section 7's strategies, muon_owners.py, schedule them otherwise)."""
         for bucket in self.layout.buckets:
             updates = self._update_state(self._reduce_bucket(bucket, active))  # 1, 2
             for name, ortho_part in self._orthogonalize_bucket(bucket, updates, active).items():  # 3
@@ -860,7 +798,7 @@ class DistributedMuon(torch.optim.Optimizer):
         for name in bucket.names:
             self.param_by_name[name].view(-1).copy_(param_bucket[slice(*self.dist_metas[name].bucket_range)])
 
-    # -- after the step: QK-clip (section 7.4) -------------------------------
+    # -- after the step: QK-clip (section 8.4) -------------------------------
     @torch.no_grad()
     def clip_qk_(self, max_logits):
         """QK-clip, called by every rank after step() (collective): muon_large_runs.LargeRuns.clip_qk_ says
@@ -870,7 +808,7 @@ class DistributedMuon(torch.optim.Optimizer):
             raise ValueError(QK_CLIP_OFF)
         return self.large_runs.clip_qk_(self, max_logits)
 
-    # -- what the layout holds, and what section 6's strategies plan differently --
+    # -- what the layout holds, and what section 7's strategies plan differently --
     def _bucketed(self, name):
         """Whether ZeRO-1's flat buckets hold this parameter: all of them here."""
         return True
@@ -909,7 +847,212 @@ class DistributedMuon(torch.optim.Optimizer):
                    if torch.is_tensor(t))
 
 
+# =============================================================================
+# 6. Run it
+# =============================================================================
+# Every one of the DP x TP processes runs run_rank, at the end of this section,
+# top to bottom:
+#
+#   join the world (init_process_group) -> the grid (section 2)
+#     -> its TP pieces of the demo model (below) -> the optimizer (section 5)
+#     -> the steps, each fed this DP rank's own gradients
+#     -> every rank's pieces to rank 0, which runs torch.optim.Muon / torch.optim.AdamW
+#        on one device, fed the gradients summed over DP, and compares (torch.equal)
+#
+# Something else starts the processes and tells each who it is: torchrun on a GPU
+# cluster, here muon_tools.spawn_ranks, a torchrun for one machine (and tooling:
+# a free port, heartbeats, Ctrl-C, a dead or frozen rank named in one line). Both
+# set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in every process, which
+# init_process_group reads.
+#
+# The demo model is a small transformer that exercises every case the optimizer
+# must handle: Muon matrices tall, square and wide, split by TP along dim 0
+# (column-parallel), dim 1 (row-parallel) or not at all (an MoE router); AdamW, as
+# in practice, for the embedding and head (split by vocabulary), and without
+# weight decay for norms, biases and a 0-dim scalar.
+#
+# Gradients differ per DP rank (each saw different data) and agree across a TP
+# row (pieces of one gradient). They are integers times 2**-10 in [-1/4, 1/4]:
+# any sum of up to MAX_WORLD of them is a multiple of 2**-10 below 2**4, exact in
+# float32, so the DP reduction gives the same bits in any order (real gradients
+# would make bit-identity impossible for a reason unrelated to Muon).
+
+VOCAB, D_MODEL, N_LAYERS, N_EXPERTS, N_HEADS = 512, 128, 2, 8, 8
+GRAD_SCALE = 2.0**-10
+GRAD_MAX_INT = 256  # |gradient| <= 256 * 2**-10 = 1/4
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    global_shape: tuple
+    tp_split_dim: int  # -1: the same full tensor on every TP rank
+    group: str  # "muon", "adamw" or "adamw_no_wd"
+
+
+def transformer_specs(vocab=VOCAB, d=D_MODEL, n_layers=N_LAYERS, n_experts=N_EXPERTS):
+    specs = [ParamSpec("embed.weight", (vocab, d), 0, "adamw")]
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        specs += [
+            ParamSpec(p + "norm1.weight", (d,), -1, "adamw_no_wd"),
+            ParamSpec(p + "attn.qkv.weight", (3 * d, d), 0, "muon"),  # tall, column-parallel
+            ParamSpec(p + "attn.qkv.bias", (3 * d,), 0, "adamw_no_wd"),
+            ParamSpec(p + "attn.proj.weight", (d, d), 1, "muon"),  # square, row-parallel
+            ParamSpec(p + "attn.proj.bias", (d,), -1, "adamw_no_wd"),
+            ParamSpec(p + "norm2.weight", (d,), -1, "adamw_no_wd"),
+            ParamSpec(p + "router.weight", (n_experts, d), -1, "muon"),  # wide, never split
+            ParamSpec(p + "mlp.fc1.weight", (4 * d, d), 0, "muon"),
+            ParamSpec(p + "mlp.fc1.bias", (4 * d,), 0, "adamw_no_wd"),
+            ParamSpec(p + "mlp.fc2.weight", (d, 4 * d), 1, "muon"),  # wide, row-parallel
+            ParamSpec(p + "mlp.fc2.bias", (d,), -1, "adamw_no_wd"),
+        ]
+    specs += [ParamSpec("final_norm.weight", (d,), -1, "adamw_no_wd"),
+              ParamSpec("logit_scale", (), -1, "adamw_no_wd"),  # a 0-dim tensor
+              ParamSpec("lm_head.weight", (vocab, d), 0, "adamw")]
+    return specs
+
+
+def initial_params(specs, seed):
+    """The full single-device parameters every run starts from."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for s in specs:
+        if s.name.endswith("norm1.weight") or s.name.endswith("norm2.weight") or s.name == "final_norm.weight":
+            out[s.name] = torch.ones(s.global_shape)
+        elif s.name.endswith(".bias"):
+            out[s.name] = torch.zeros(s.global_shape)
+        else:
+            out[s.name] = torch.randn(s.global_shape, generator=g) * 0.02
+    return out
+
+
+def dp_rank_grads(specs, seed, step, dp_rank, missing=()):
+    """Full gradients that DP rank `dp_rank` computed at `step`. missing: (name, dp_rank or -1 for
+    every rank, step) whose gradient is None (a frozen embedding, an expert no token reached)."""
+    g = torch.Generator().manual_seed((seed * 100_003 + step) * 1_009 + dp_rank)
+    grads = {s.name: torch.randint(-GRAD_MAX_INT, GRAD_MAX_INT + 1, s.global_shape, generator=g).float() * GRAD_SCALE
+             for s in specs}  # drawn for every parameter, so a missing one changes no other draw
+    for name, rank, at in missing:
+        if at == step and rank in (-1, dp_rank):
+            grads[name] = None
+    return grads
+
+
+FUSED_QKV = "attn.qkv.weight"  # the demo's fused QKV matrices end so: laid out head by head, as Megatron's
+
+
+def dp_rank_max_logits(specs, seed, step, dp_rank):
+    """{fused QKV name: the largest logit of each of its N_HEADS heads in DP rank dp_rank's forward at
+    `step`} (float32): for section 8's QK-clip, what a forward pass would report, drawn as the gradients
+    are. Head h's lies in [0.75, 1.25] x 25 (h + 1): with tau = 100 the first three heads never clip, the
+    last three always do, and the two between depend on the step and the batch."""
+    g = torch.Generator().manual_seed((seed * 100_003 + step) * 1_009 + dp_rank + 1)
+    return {s.name: 25 * (0.75 + 0.5 * torch.rand(N_HEADS, generator=g)) * torch.arange(1, N_HEADS + 1)
+            for s in specs if s.name.endswith(FUSED_QKV)}
+
+
+def computed_here(max_logits, tp_rank, tp):
+    """What a rank reports: its TP rank's heads (the demo's QKV is split by rows), -inf for the others."""
+    out = {}
+    for name, s in max_logits.items():
+        heads = s.numel() // tp
+        out[name] = torch.full_like(s, -math.inf)
+        out[name][tp_rank * heads:(tp_rank + 1) * heads] = s[tp_rank * heads:(tp_rank + 1) * heads]
+    return out
+
+
+def rank_piece(full, spec, grid, device):
+    """This rank's TP piece of a full tensor of `spec` (a weight or its gradient), on `device`; None stays None."""
+    if full is None:
+        return None
+    return tp_shard(full, spec.tp_split_dim, grid.tp.rank, grid.tp.size).contiguous().to(device)
+
+
+def run_steps(cfg, specs, build_optimizer, grid, device):
+    """The steps, on a rank that has joined the world: {its final pieces, ledger, step times, state}.
+
+    build_optimizer(grid, params) builds the optimizer over this rank's pieces {name: tensor}."""
+    start = initial_params(specs, cfg.seed)
+    params = {s.name: rank_piece(start[s.name], s, grid, device) for s in specs}
+    opt = build_optimizer(grid, params)
+    step_ms, qk_clip = [], []
+    for step in range(1, cfg.steps + 1):
+        if grid.rank == cfg.fail_rank:  # how the tests make a rank fail
+            raise RuntimeError(f"injected failure on rank {grid.rank} at step {step} (--fail-rank)")
+        grads = dp_rank_grads(specs, cfg.seed, step, grid.dp.rank, cfg.missing_grads)
+        for s in specs:
+            params[s.name].grad = rank_piece(grads[s.name], s, grid, device)
+        dist.barrier()  # the ranks start the step together: the clock times the step alone
+        t0 = time.perf_counter()
+        opt.step()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        if cfg.qk_clip_tau is not None:  # section 8's QK-clip, after the step
+            max_logits = dp_rank_max_logits(specs, cfg.seed, step, grid.dp.rank)
+            qk_clip.append(opt.clip_qk_(computed_here(max_logits, grid.tp.rank, grid.tp.size)))
+        if step == (cfg.steps + 1) // 2:
+            # Resume from a checkpoint halfway: a fresh optimizer loads this rank's state_dict. Were
+            # the state lost, the momentum would restart and the comparison with torch would fail.
+            fresh = build_optimizer(grid, params)
+            fresh.load_state_dict(opt.state_dict())
+            fresh.ledger, opt = opt.ledger, fresh
+    return dict(rank=grid.rank, params={n: p.detach().cpu() for n, p in params.items()}, ledger=asdict(opt.ledger),
+                step_ms=step_ms, state_bytes=opt.state_bytes(), owners=opt.owners, qk_clip=qk_clip)
+
+
+def max_abs_diff(got, expected):
+    return (got.double() - expected.double()).abs().max().item() if got.shape == expected.shape else math.inf
+
+
+def check_against_torch(specs, ranks, reference, tp, start=None):
+    """One row per parameter: every rank's piece against the same piece of torch's result (torch.equal),
+    the largest difference, and (given the parameters the run started from) how far torch moved the
+    parameter, the scale of a difference of 0."""
+    checks = []
+    for s in specs:
+        pairs = [(r["params"][s.name], tp_shard(reference[s.name], s.tp_split_dim, r["rank"] % tp, tp))
+                 for r in ranks]
+        checks.append(dict(name=s.name, identical=all(torch.equal(got, want) for got, want in pairs),
+                           max_abs_diff=max(max_abs_diff(got, want) for got, want in pairs)))
+        if start is not None:
+            checks[-1]["max_abs_update"] = (reference[s.name] - start[s.name]).abs().max().item()
+    return checks
+
+
+def run_rank(cfg, specs, build_optimizer, torch_reference):
+    """What every process runs: join, build, step, and (rank 0) check every rank's pieces against torch.
+
+    cfg: the run's settings (muon_tools.RunConfig: the command line's flags): dp, tp, steps, seed, ...
+    specs: the model's parameters (transformer_specs above, or the command line's --model).
+    build_optimizer(grid, params): DistributedMuon (section 5) over this rank's pieces, or the strategy
+        and options the command line asks for (sections 7 and 8).
+    torch_reference(device): {name: the full parameter after cfg.steps steps of torch.optim.Muon /
+        torch.optim.AdamW on one device, fed each step's gradients summed over DP}.
+    Returns on rank 0 {"ranks": what run_steps returned on each rank, "checks": check_against_torch's
+    rows, "reference_s": torch's time}; None on the others.
+    """
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)  # bf16 matmul bits can depend on the thread count: one, as in torch's run
+    device = torch.device("cpu")  # every tensor in this process's memory
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))  # over TCP
+    grid = make_grid(cfg.dp, cfg.tp, rank)
+    mine = run_steps(cfg, specs, build_optimizer, grid, device)
+    ranks = [None] * grid.world.size if rank == 0 else None
+    dist.gather_object(mine, ranks, dst=0)  # every rank's pieces, ledger and times, to rank 0
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    t0 = time.perf_counter()
+    reference = torch_reference(device)
+    checks = check_against_torch(specs, ranks, reference, cfg.tp, initial_params(specs, cfg.seed))
+    return dict(ranks=ranks, checks=checks, reference_s=time.perf_counter() - t0)
+
+
 if __name__ == "__main__":
-    import muon_tools  # the launcher, the report and the command line: not part of the lesson
+    # Run as a command, this file hands over to its tooling, muon_tools.py, in one line: it checks the
+    # flags, prints the plan, starts DP x TP processes running run_rank, and prints the report. (The
+    # tooling imports this file as the module distributed_muon_cpu, as every other file does; no module
+    # imports the tooling.)
+    import muon_tools
 
     sys.exit(muon_tools.main())

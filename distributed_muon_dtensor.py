@@ -22,21 +22,9 @@ single-device torch.optim.Muon and torch.optim.AdamW fed the same total
 gradient; with --batched-ns the Muon matrices are held to the lesson's derived
 bound instead (mt.batched_ns_tolerance), everything else still bit for bit.
 
-Launch recipes
---------------
-    python distributed_muon_dtensor.py                     # 8 Gloo ranks, mesh dp=4 x tp=2, 3 steps, PASS/FAIL
-    python distributed_muon_dtensor.py --dp 3 --tp 2       # uneven FSDP2 shards (dims that 3 does not divide)
-    python distributed_muon_dtensor.py --dp 2 --tp 4 --json run.json
-    python distributed_muon_dtensor.py --compare           # bytes and FLOPs beside the lesson's owner / comm-free,
-                                                           # run on this model's matrices, same grid; FSDP2's and
-                                                           # the TP layers' bytes of a training step, measured
-    python distributed_muon_dtensor.py --batched-ns        # batched Newton-Schulz, held to the lesson's bound
-    python distributed_muon_dtensor.py --train             # a real FSDP2 x TP training on tokens: the replay bit for
-                                                           # bit, gradients within the derived bound, the free-running
-                                                           # gap beside a one-ulp chaos floor (about 10 s)
-    python distributed_muon_dtensor.py --help
-    torchrun --standalone --nproc-per-node 8 distributed_muon_dtensor.py --dp 4 --tp 2     # GPUs: NCCL, one per rank
-    torchrun --standalone --nproc-per-node 4 distributed_muon_dtensor.py --dp 2 --tp 2 --backend gloo --device cpu
+Its demo is a command of its own, dtensor_demo.py (`python dtensor_demo.py`: 8 Gloo ranks, a 4 x 2 mesh,
+PASS/FAIL; its docstring has the launch recipes, torchrun's among them). This file is the optimizer alone,
+a module to import: it has no command, and imports nothing that runs it.
 
 The optimizer alone, in your own training script (every rank, after init_process_group; the README's
 "DTensorMuon in your FSDP2 x TP training loop" is a whole one, checkpoints included, run by a test):
@@ -68,8 +56,8 @@ Reading order (each section opens with what it does and why)
     4. The configuration: automatic from placements, or your own callables
     5. The optimizer (DTensorMuon, a torch.optim.Optimizer)
     6. Checkpoints through torch.distributed.checkpoint, across meshes
-What runs it lives beside it, in dtensor_demo.py, and continues the numbering (`python
-distributed_muon_dtensor.py` runs its main()):
+What runs it lives beside it, in dtensor_demo.py, and continues the numbering (`python dtensor_demo.py`
+runs it):
     7. The demo model (FSDP2 x TP x a MoE expert stack), a run, and its verification
        (exact gradients bit for bit; a real training run replayed bit for bit, and within fp32 bounds)
     8. Accounting, beside the lesson's strategies; FSDP2's and TP's own bytes, measured
@@ -79,7 +67,6 @@ distributed_muon_dtensor.py` runs its main()):
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -738,6 +725,7 @@ class DTensorMuon(torch.optim.Optimizer):
         parameters and every group's options (mc.named_params); the first problem as one line, or None."""
         try:
             named = mc.named_params(self.param_groups)
+            dm.check_ns_coefficients(self.param_groups)
         except ValueError as e:
             return str(e)
         self.group_of = {name: group for name, _, group in named}
@@ -1242,9 +1230,3 @@ def load_checkpoint(path, model, optimizer):
     dcp.load(state, checkpoint_id=path, process_group=optimizer.axis.group, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
-
-
-if __name__ == "__main__":  # the demo and its verification: dtensor_demo.py (sections 7-9)
-    import dtensor_demo
-
-    sys.exit(dtensor_demo.main())

@@ -10,13 +10,34 @@ configuration, DTensorMuon, checkpoints); this module continues its numbering wi
     8. Accounting, beside the lesson's strategies; FSDP2's and TP's own bytes, measured
     9. Main: the command line (spawned Gloo ranks, or one rank per torchrun process)
 
-`python distributed_muon_dtensor.py [flags]` runs main() here; so does `python dtensor_demo.py [flags]`.
-The launch recipes are in distributed_muon_dtensor.py's docstring.
+Everything is checked, bit for bit (torch.equal), against PyTorch's single-device torch.optim.Muon and
+torch.optim.AdamW fed the same total gradient; with --batched-ns the Muon matrices are held to the lesson's
+derived bound instead (mt.batched_ns_tolerance), everything else still bit for bit.
+
+Launch recipes
+--------------
+    python dtensor_demo.py                     # 8 Gloo ranks, mesh dp=4 x tp=2, 3 steps, PASS/FAIL
+    python dtensor_demo.py --dp 3 --tp 2       # uneven FSDP2 shards (dims that 3 does not divide)
+    python dtensor_demo.py --dp 2 --tp 4 --json run.json
+    python dtensor_demo.py --compare           # bytes and FLOPs beside the lesson's owner / comm-free, run on this
+                                               # model's matrices, same grid; FSDP2's and the TP layers' bytes of a
+                                               # training step, measured
+    python dtensor_demo.py --batched-ns        # batched Newton-Schulz, held to the lesson's bound
+    python dtensor_demo.py --train             # a real FSDP2 x TP training on tokens: the replay bit for bit,
+                                               # gradients within the derived bound, the free-running gap beside
+                                               # a one-ulp chaos floor (about 10 s)
+    python dtensor_demo.py --help
+    torchrun --standalone --nproc-per-node 8 dtensor_demo.py --dp 4 --tp 2     # GPUs: NCCL, one per rank
+    torchrun --standalone --nproc-per-node 4 dtensor_demo.py --dp 2 --tp 2 --backend gloo --device cpu
+
+Under torchrun each process is one rank of the same demo (section 9): NCCL and cuda:LOCAL_RANK where a GPU
+exists (the defaults), Gloo and the CPU with --backend gloo --device cpu; the world size must be --dp x --tp.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 import sys
@@ -349,7 +370,7 @@ class OneProcess:
 
     def nudge(self):
         """Entry 0 of CHAOS_PARAM one ulp up, where torch's optimizers hold it: the chaos floor's start
-        (muon_tools.py, section 11)."""
+        (muon_tools.py, section 12)."""
         mt.one_ulp_up(self.stepped(self.CHAOS_PARAM))
 
 
@@ -456,7 +477,7 @@ def verify(cfg, results, reference):
 
 # A real training run (cfg.train): FSDP2 x TP forward and backward on real
 # tokens, against the same model in one process on the whole batch. Checked as
-# every real training of the repository is (muon_tools.py, section 11: the
+# every real training of the repository is (muon_tools.py, section 12: the
 # policy, the bound and the chaos floor, shared with examples/train_gpt.py):
 #
 #   replay     torch's optimizers, from the same initial weights, fed the ranks'
@@ -1064,8 +1085,8 @@ class LessonRuns:
 
 
 def run_lesson_rank(rank, runs, device):
-    """Every rank: the lesson's own code path (dm.make_grid, mt.build_optimizer, its gradients) on lesson_specs,
-    one optimizer per strategy; {strategy: its params, ledger and owners}."""
+    """Every rank: the lesson's own steps (dm.run_steps, with mt.build_optimizer) on lesson_specs, one optimizer
+    per strategy; {strategy: what run_steps returned}."""
     torch.set_num_threads(1)
     cfg = runs.demo
     specs = lesson_specs(cfg)
@@ -1073,17 +1094,7 @@ def run_lesson_rank(rank, runs, device):
     out = {}
     for strategy in runs.strategies:
         lcfg = lesson_config(cfg, strategy)
-        params = mt.tp_pieces(specs, lcfg, grid.tp.rank)
-        opt = mt.build_optimizer(specs, lcfg, grid, params)
-        for step in range(1, cfg.steps + 1):
-            grads = dm.dp_rank_grads(specs, cfg.seed, step, grid.dp.rank)
-            for spec in specs:
-                params[spec.name].grad = dm.tp_shard(grads[spec.name], spec.tp_split_dim, grid.tp.rank,
-                                                     cfg.tp).contiguous()
-            opt.step()
-        out[strategy] = dict(params={n: p.detach() for n, p in params.items()}, ledger=asdict(opt.ledger),
-                             owners=opt.owners)
-        dist.barrier()
+        out[strategy] = dm.run_steps(lcfg, specs, functools.partial(mt.build_optimizer, specs, lcfg), grid, device)
     return dict(rank=rank, lesson=out)
 
 
@@ -1096,8 +1107,7 @@ def lesson_accounts(runs, results):
         lcfg = lesson_config(cfg, strategy)
         ledgers = [r["lesson"][strategy]["ledger"] for r in results]
         reference = mt.reference_params(specs, lcfg)
-        checks = mt.compare_to_reference(specs, reference, {r["rank"]: r["lesson"][strategy]["params"]
-                                                            for r in results}, cfg.dp, cfg.tp)
+        checks = dm.check_against_torch(specs, [r["lesson"][strategy] for r in results], reference, cfg.tp)
         accounts[strategy] = dict(checks=checks, table=mt.bytes_per_step(ledgers, cfg.steps, mt.PHASES_OF[strategy]),
                                   flops=mt.flops_per_step(ledgers, specs, cfg.steps, NS_STEPS))
     return accounts
@@ -1182,8 +1192,8 @@ def print_comparison(cfg, rows, per_rank, accounts, results, print_fn=print):
 # this process, and prints the mesh, the owners, the bytes and the verdict.
 #
 # Under torchrun (RANK, WORLD_SIZE and LOCAL_RANK set), this process is one
-# rank instead, through the GPU sibling's run_under_torchrun (distributed_muon.py,
-# shared with the GPT example): the same checks on every rank (rank 0 prints the
+# rank instead, through muon_tools.run_under_torchrun (shared with the lesson's GPU
+# twin and the GPT example): the same checks on every rank (rank 0 prints the
 # line; the world size must be dp x tp), the device checks and the join (NCCL
 # needs cuda, a GPU per LOCAL_RANK; the process is bound to cuda:LOCAL_RANK),
 # the same rank body (run_demo_rank) on that device, and rank 0 gathers every
@@ -1358,8 +1368,6 @@ def main(argv=None):
 
 def main_torchrun(args):
     """Under torchrun: this process is one rank (section 9's comment); rank 0 prints, verifies and writes --json."""
-    import distributed_muon as gpu  # the GPU sibling: how a torchrun process checks, joins and reports
-
     def prepare(world):
         cfg = demo_config(args)
         dm.check_topology(cfg.dp, cfg.tp, world)
@@ -1383,7 +1391,7 @@ def main_torchrun(args):
         mt.write_json(args.json, out)
         return 0 if out["passed"] else 1
 
-    return gpu.run_under_torchrun(args.backend, args.device, prepare, body, report_at_rank_0, args.traceback)
+    return mt.run_under_torchrun(args.backend, args.device, prepare, body, report_at_rank_0, args.traceback)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """What the optimizers refuse: the constructor's checks, and the index of named parameters it builds.
 
-Beside the lesson, no part of it: distributed_muon_cpu.py's DistributedMuon (and so section 6's
-optimizers) and distributed_muon_dtensor.py's DTensorMuon check their arguments here, and the
-command lines check their flags with the same functions, so that a keyword and its flag are refused
-with the same words (`name` spells an argument either way: a keyword, or mt.flag's "--lr").
+Beside the lesson, no part of it, and below it: it imports no file of the project.
+distributed_muon_cpu.py's DistributedMuon (and so section 7's optimizers) and distributed_muon_dtensor.py's
+DTensorMuon check their arguments here, and the command lines check their flags with the same functions,
+so that a keyword and its flag are refused with the same words (`name` spells an argument either way: a
+keyword, or mt.flag's "--lr"). The coefficients of section 1 are the lesson's to read (check_ns_coefficients).
 Every check runs before anything moves: a refused optimizer was never built.
 """
 
@@ -14,12 +15,7 @@ import math
 import torch
 
 
-def _lesson():
-    """The lesson's section 1 (its vocabulary of options), imported when a check runs: the lesson
-    imports this module at its top, so this one cannot import it at its own."""
-    import distributed_muon_cpu
-
-    return distributed_muon_cpu
+ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_unclamped")  # torch.optim.Muon's, and None = "original"
 
 
 def check_hyperparameters(name=str, *, bucket_size, lr, weight_decay, momentum, adjust_lr_fn):
@@ -34,9 +30,8 @@ def check_hyperparameters(name=str, *, bucket_size, lr, weight_decay, momentum, 
         raise ValueError(f"{name('weight_decay')} must be >= 0 and finite (got {weight_decay})")
     if not 0 <= momentum < 1:
         raise ValueError(f"{name('momentum')} must be in [0, 1) (got {momentum})")
-    choices = _lesson().ADJUST_LR_FNS
-    if adjust_lr_fn is not None and adjust_lr_fn not in choices:
-        raise ValueError(f"{name('adjust_lr_fn')} must be one of {', '.join(choices)} (got {adjust_lr_fn!r})")
+    if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"{name('adjust_lr_fn')} must be one of {', '.join(ADJUST_LR_FNS)} (got {adjust_lr_fn!r})")
 
 
 def check_adamw_hyperparameters(name=str, *, lr, betas, eps, weight_decay):
@@ -61,10 +56,6 @@ def check_param_groups(param_groups):
                                   momentum=group["momentum"], adjust_lr_fn=group["adjust_lr_fn"])
             if not 1 <= group["ns_steps"] < 100:  # torch.optim.Muon's limit
                 raise ValueError(f"{spell('ns_steps')} must be in [1, 100) (got {group['ns_steps']})")
-            try:  # validated, and kept as given: a group's value is what torch.optim.Muon would take
-                _lesson().ns_coefficients_of(group["ns_coefficients"], group["ns_steps"])
-            except ValueError as e:
-                raise ValueError(f"param group {i}: {e}") from None
 
 
 def named_params(param_groups):

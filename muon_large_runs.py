@@ -1,20 +1,21 @@
 """What large runs add to the lesson's optimizers: fused QKV by blocks, Newton-Schulz on TP pieces, QK-clip.
 
-Section 7 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-5 and
-muon_owners.py's section 6 first.
+Section 8 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-6 and
+muon_owners.py's section 7 first.
 torch.optim.Muon orthogonalizes each parameter whole, with one quintic, and does nothing after the
 update. Large runs do more; each addition is an option of every optimizer of the lesson
 (DistributedMuon, OwnerMuon, CommFreeMuon; the Gram form of the gather strategy only: an owner
 receives the whole matrix anyway) and of DTensorMuon, off by default (torch's behaviour), and a flag
 of the script:
 
-    row_layouts + ns_blocks   7.1-7.2  a fused QKV orthogonalized as the matrices it stands for
-    tp_newton_schulz="gram"   7.3      a matrix TP cuts along its long side orthogonalized where it lies
-    qk_clip_tau               7.4      QK-clip (MuonClip) after the step
+    row_layouts + ns_blocks   8.1-8.2  a fused QKV orthogonalized as the matrices it stands for
+    tp_newton_schulz="gram"   8.3      a matrix TP cuts along its long side orthogonalized where it lies
+    qk_clip_tau               8.4      QK-clip (MuonClip) after the step
     ns_coefficients           section 1 of the lesson: one (a, b, c) per iteration (Polar Express);
                                        nothing new moves
 
-The keywords (the flags: --ns-blocks, --tp-newton-schulz, --qk-clip TAU, --ns-coefficients):
+The keywords of LargeRuns (8.5), which the lesson's optimizers take as large_runs=LargeRuns(...), and of
+DTensorMuon itself (the flags: --ns-blocks, --tp-newton-schulz, --qk-clip TAU, --ns-coefficients):
     row_layouts       {name: RowLayout of its FULL matrix}, which the options below read
     ns_blocks         "whole" (torch's), "blocks" (Q, K, V, each with every head's rows) or "heads" (each
                       head's q, k, v): each block orthogonalized alone, its lr adjusted for its own shape, as
@@ -23,10 +24,13 @@ The keywords (the flags: --ns-blocks, --tp-newton-schulz, --qk-clip TAU, --ns-co
                       along the long side orthogonalized where they lie; not bit-identical, within a bound
     qk_clip_tau       None (off), or a number > 0: clip_qk_(max_logits), called by every rank after step()
 
-An optimizer given any of row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau (not ns_coefficients,
-section 1's) builds a LargeRuns (7.5) and calls it at three points of its step: where a matrix is
-orthogonalized (by blocks, or on its TP pieces), where its update is applied (each block's own
-learning-rate adjustment), and after the step (clip_qk_).
+An optimizer given a LargeRuns (ns_coefficients is not one of its options: it is section 1's, a param
+group's) calls it at three points of its step: where a matrix is orthogonalized (by blocks, or on its TP
+pieces), where its update is applied (each block's own learning-rate adjustment), and after the step
+(clip_qk_):
+
+    opt = OwnerMuon(groups, grid=grid, large_runs=LargeRuns(row_layouts={"qkv.weight": RowLayout(...)},
+                                                            ns_blocks="heads", qk_clip_tau=100.0))
 
 Launch recipes:
     python distributed_muon_cpu.py --ns-blocks heads --ns-coefficients polar_express --qk-clip 100
@@ -42,24 +46,24 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from distributed_muon_cpu import (D_MODEL, N_HEADS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce,
+from distributed_muon_cpu import (D_MODEL, FUSED_QKV, N_HEADS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce,
                                   QK_CLIP_OFF, any_rank, newton_schulz, newton_schulz_flops, ns_coefficients_of)
 
 # =============================================================================
-# 7. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
+# 8. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
 # =============================================================================
-# Five parts: the row layout that names a fused matrix's rows (7.1), orthogonalizing
-# by its blocks (7.2), Newton-Schulz on TP pieces (7.3), QK-clip (7.4), and the
-# object the optimizers call (7.5). Polar Express is section 1's: one (a, b, c)
+# Five parts: the row layout that names a fused matrix's rows (8.1), orthogonalizing
+# by its blocks (8.2), Newton-Schulz on TP pieces (8.3), QK-clip (8.4), and the
+# object the optimizers call (8.5). Polar Express is section 1's: one (a, b, c)
 # per iteration, and nothing new moves.
 
 
 # -----------------------------------------------------------------------------
-# 7.1 Row layouts: which rows of a fused matrix are which
+# 8.1 Row layouts: which rows of a fused matrix are which
 # -----------------------------------------------------------------------------
 # A fused QKV is one parameter to the optimizer, three (or 3 x heads) matrices to
 # the model. A RowLayout names its rows, head by head as Megatron lays them out,
-# so that the blocks (7.2) and QK-clip's heads (7.4) can be found in any piece of
+# so that the blocks (8.2) and QK-clip's heads (8.4) can be found in any piece of
 # it that TP and ZeRO-1 leave on a rank.
 
 
@@ -104,11 +108,10 @@ class RowLayout:
 
 
 def transformer_row_layouts(specs, d=D_MODEL, heads=N_HEADS):
-    """{name: RowLayout} of the fused QKV matrices, laid out head by head as Megatron's are (so that a
+    """{name: RowLayout} of the demo's fused QKV matrices, laid out head by head as Megatron's are (so that a
     column-parallel split gives each TP rank whole heads)."""
     hd = d // heads
-    return {s.name: RowLayout((hd, hd, hd), heads, ("q", "k", "v")) for s in specs
-            if s.name.endswith("attn.qkv.weight")}
+    return {s.name: RowLayout((hd, hd, hd), heads, ("q", "k", "v")) for s in specs if s.name.endswith(FUSED_QKV)}
 
 
 def row_layout_problem(name, rows, matrix_shape, expert_stack=False, qk_clip=False):
@@ -143,7 +146,7 @@ def check_row_layouts(row_layouts, layout, muon_names, tp, qk_clip):
 
 
 # -----------------------------------------------------------------------------
-# 7.2 Blocks: each block of rows orthogonalized alone
+# 8.2 Blocks: each block of rows orthogonalized alone
 # -----------------------------------------------------------------------------
 # A fused QKV (row_layouts + ns_blocks) is orthogonalized as the matrices it
 # stands for: "blocks", Q, K and V, each with every head's rows (Moonlight);
@@ -176,7 +179,7 @@ def newton_schulz_flops_of(shape, steps, blocks=None):
 
 
 class Blocks:
-    """{name: its blocks of rows} and what the step asks of them: section 5's orthogonalize (which section 6's
+    """{name: its blocks of rows} and what the step asks of them: section 4's orthogonalize (which section 7's
     newton_schulz_owned calls too) hands a matrix named here to orthogonalize_by_blocks (LargeRuns is a
     Blocks; DTensorMuon makes one for the matrices its owners hold)."""
 
@@ -213,7 +216,7 @@ def block_runs(heights, shape, tp_split_dim, tp_rank, part):
 
 
 # -----------------------------------------------------------------------------
-# 7.3 Newton-Schulz on TP pieces (tp_newton_schulz="gram")
+# 8.3 Newton-Schulz on TP pieces (tp_newton_schulz="gram")
 # -----------------------------------------------------------------------------
 # For a matrix TP splits along its long side (gather strategy only; Megatron-core's
 # "distributed" TP mode), X = [X_1 .. X_TP] (X oriented wide, as Newton-Schulz
@@ -229,7 +232,7 @@ def block_runs(heights, shape, tp_split_dim, tp_rank, part):
 # the Gram, 2 (TP - 1)/TP x m m x 4 per iteration: fewer only when n > 4 x steps
 # x m (20 m at 5 steps). What it always saves is the work: each TP rank does 1/TP
 # of the long side instead of the whole matrix. It is not torch's bits (the sum is
-# another order): muon_tools.py section 8 bounds it.
+# another order): muon_tools.py section 9 bounds it.
 
 
 def gram_eligible(global_shape, tp_split_dim):
@@ -269,7 +272,7 @@ def newton_schulz_tp_flops(global_shape, tp, steps=NS_STEPS):
 
 
 # -----------------------------------------------------------------------------
-# 7.4 QK-clip, after the step
+# 8.4 QK-clip, after the step
 # -----------------------------------------------------------------------------
 # QK-clip (MuonClip, Kimi K2, arXiv 2507.20534; qk_clip_tau, then clip_qk_ after
 # the step): an attention head whose largest pre-softmax logit S exceeded tau has
@@ -285,7 +288,7 @@ def newton_schulz_tp_flops(global_shape, tp, steps=NS_STEPS):
 #   (DP 1, TP t): ...                             ---+-- MAX over DP: S_h --+--> q_h, k_h rows by
 #   (DP 3, TP t): ...                             --/                        \--> sqrt(min(1, tau / S_h))
 #
-# LargeRuns.clip_qk_ (7.5) makes that exchange; here are the per-head multipliers
+# LargeRuns.clip_qk_ (8.5) makes that exchange; here are the per-head multipliers
 # and the checks of its input.
 
 
@@ -327,7 +330,7 @@ def max_logits_problem(max_logits, heads):
 
 
 # -----------------------------------------------------------------------------
-# 7.5 The options, and what the optimizers call
+# 8.5 The options, and what the optimizers call
 # -----------------------------------------------------------------------------
 # The lesson's optimizers build a LargeRuns when any option is on: it checks the
 # options at once (before the parameters), plans once the optimizer knows its
@@ -360,21 +363,24 @@ def check_owner_tp_newton_schulz(strategy, tp_newton_schulz):
 
 
 class LargeRuns(Blocks):
-    """What an optimizer of the lesson adds when it is given row_layouts, ns_blocks, tp_newton_schulz or
-    qk_clip_tau (their meaning: DistributedMuon's docstring). strategy: the optimizer's ("gather", "owner",
-    "comm-free"); an owner strategy refuses the Gram form."""
+    """What large runs add, given to an optimizer of the lesson as large_runs=LargeRuns(...): the options
+    are this module's docstring's keywords, each off by default (torch's behaviour), checked here at once.
+    One per optimizer: it plans for the optimizer it is given to (an owner strategy refuses the Gram form)."""
 
-    def __init__(self, strategy, row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau):
+    def __init__(self, *, row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None):
         check_large_run_options(ns_blocks=ns_blocks, tp_newton_schulz=tp_newton_schulz, qk_clip_tau=qk_clip_tau)
-        if strategy != "gather":
-            check_owner_tp_newton_schulz(strategy, tp_newton_schulz)
         self.row_layouts, self.ns_blocks = dict(row_layouts or {}), ns_blocks
         self.tp_newton_schulz, self.qk_clip_tau = tp_newton_schulz, qk_clip_tau
         super().__init__()
-        self.gram, self.runs = set(), {}
+        self.gram, self.runs, self.optimizer = set(), {}, None
 
     def plan(self, optimizer):
         """Once the layout is known: {name: its blocks of rows}, and the matrices newton_schulz_tp takes."""
+        if self.optimizer is not None:
+            raise ValueError("this LargeRuns serves another optimizer already: give each optimizer its own")
+        if optimizer.strategy != "gather":
+            check_owner_tp_newton_schulz(optimizer.strategy, self.tp_newton_schulz)
+        self.optimizer = optimizer
         layout, grid = optimizer.layout, optimizer.grid
         check_row_layouts(self.row_layouts, layout, optimizer.muon_names, grid.tp.size, self.qk_clip_tau is not None)
         if self.ns_blocks != "whole":

@@ -1,7 +1,7 @@
 """Orthogonalize each matrix once: the owner and comm-free strategies (OwnerMuon, CommFreeMuon).
 
-Section 6 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-5 first.
-The gather flow of section 5 orthogonalizes a matrix on every rank that touches it. The two
+Section 7 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-6 first.
+The gather flow of section 4 orthogonalizes a matrix on every rank that touches it. The two
 strategies here give every matrix ONE owner among the DP x TP ranks, balanced by Newton-Schulz
 FLOPs, and are section 5's optimizer with its stage 3 replaced (comm-free: stages 1 and 4 too):
 
@@ -36,7 +36,7 @@ from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, Distributed
 # here too, as benchmarks/scaling.py does with newton_schulz.)
 
 # =============================================================================
-# 6. Orthogonalize each matrix once: the owner and comm-free strategies
+# 7. Orthogonalize each matrix once: the owner and comm-free strategies
 # =============================================================================
 # In the gather flow a matrix is orthogonalized by every rank that touches it:
 # TP x (DP shards it touches) times, up to DP x TP, and every one of those ranks
@@ -73,17 +73,17 @@ from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, Distributed
 # A TP-replicated matrix (an MoE router) is the same on every TP rank, so only
 # the owner's own TP column sends its parts; every holder gets O back.
 #
-# Seven parts: who owns what (6.1), the routes of a matrix's parts (6.2), the
-# exchanges that move them, collectives in flight (6.3), Newton-Schulz at the
-# owner, one matrix or one stack at a time (6.4), comm-free's reduce at and
-# broadcast from the owner row (6.5), the step overlapped with its collectives
-# (6.6), and the optimizers, OwnerMuon and CommFreeMuon: section 5's optimizer
+# Seven parts: who owns what (7.1), the routes of a matrix's parts (7.2), the
+# exchanges that move them, collectives in flight (7.3), Newton-Schulz at the
+# owner, one matrix or one stack at a time (7.4), comm-free's reduce at and
+# broadcast from the owner row (7.5), the step overlapped with its collectives
+# (7.6), and the optimizers, OwnerMuon and CommFreeMuon: section 5's optimizer
 # with stage 3 replaced (and, for comm-free, stages 1 and 4 extended), every
-# other stage reused (6.7).
+# other stage reused (7.7).
 
 
 # -----------------------------------------------------------------------------
-# 6.1 Who owns what: longest-processing-time over Newton-Schulz FLOPs
+# 7.1 Who owns what: longest-processing-time over Newton-Schulz FLOPs
 # -----------------------------------------------------------------------------
 
 def lpt_order(ns_flops, shapes=None):
@@ -155,7 +155,7 @@ def load_balance(ns_flops, owners, n_ranks):
 
 
 # -----------------------------------------------------------------------------
-# 6.2 Routes: where a matrix's parts are, and how they travel to its owner
+# 7.2 Routes: where a matrix's parts are, and how they travel to its owner
 # -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def plan_routes(matrices, owners, part_of, layout, grid, axis):
 
 
 # -----------------------------------------------------------------------------
-# 6.3 The exchanges: collectives in flight
+# 7.3 The exchanges: collectives in flight
 # -----------------------------------------------------------------------------
 # Section 2's collectives return their result (its reduce-scatter starts one and
 # waits at once). Here a rank may start one and compute while it travels:
@@ -362,7 +362,7 @@ def orthogonalize_at_owners(updates, routes, newton_schulz_fn, axis, ledger, dev
 
 
 # -----------------------------------------------------------------------------
-# 6.4 Newton-Schulz at the owner: one matrix at a time, or one stack
+# 7.4 Newton-Schulz at the owner: one matrix at a time, or one stack
 # -----------------------------------------------------------------------------
 # Batched Newton-Schulz (batched_ns, --batched-ns): an owner's same-shape matrices
 # as one stack, newton_schulz with torch.baddbmm, one call for all of them. The
@@ -412,7 +412,7 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
 
 
 # -----------------------------------------------------------------------------
-# 6.5 comm-free: the gradient reduced at the owner row, its update broadcast
+# 7.5 comm-free: the gradient reduced at the owner row, its update broadcast
 # -----------------------------------------------------------------------------
 
 def zeros_if_none(grad, param):
@@ -425,7 +425,7 @@ def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
 
     One all-to-all over DP carries the matrices given (a chunk of at most
     bucket_size elements) to their owner rows, which add the DP contributions in
-    DP-rank order (exact here: section 3). The same bytes as a reduce-scatter,
+    DP-rank order (exact here: section 6). The same bytes as a reduce-scatter,
     with matrices instead of equal shards as the unit.
     With async_op: a function that waits and returns the sums.
     """
@@ -475,7 +475,7 @@ def broadcast_from_owner(orthos, numels, owners, grid, ledger, device, apply, as
 
 
 # -----------------------------------------------------------------------------
-# 6.6 The step overlapped with its collectives (overlap=K, --overlap K)
+# 7.6 The step overlapped with its collectives (overlap=K, --overlap K)
 # -----------------------------------------------------------------------------
 # Stages 1-4 above run one after the other, so a rank's core sits idle while its
 # messages travel, and its transfers wait while it computes. With overlap, the
@@ -561,7 +561,7 @@ def check_owner_options(name=str, *, overlap):
 
 
 # -----------------------------------------------------------------------------
-# 6.7 The optimizers: OwnerMuon and CommFreeMuon
+# 7.7 The optimizers: OwnerMuon and CommFreeMuon
 # -----------------------------------------------------------------------------
 
 class OwnerMuon(DistributedMuon):

@@ -1,31 +1,35 @@
-"""The tooling around the lesson: a run and its check against torch, the report, the launcher, the command line.
+"""The tooling around the lesson: torch's reference, the report, the launcher, the command line.
 
-distributed_muon_cpu.py is the lesson (sections 1-5: the gather flow and its optimizer), muon_owners.py
-its section 6 (the owner and comm-free strategies), muon_large_runs.py its section 7 (what large runs
+distributed_muon_cpu.py is the lesson (sections 1-6: the gather flow, its optimizer and its run), muon_owners.py
+its section 7 (the owner and comm-free strategies), muon_large_runs.py its section 8 (what large runs
 add). What is here is what a command needs around them, and nothing a reader of the algorithm must
 read: it continues the lesson's numbering.
 
-    8. A run of the demo (run_steps, the example of use), and its verification against torch.optim.Muon
-       and torch.optim.AdamW (reference_params, verify, verdict)
-    9. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
-    10. Main: the launcher (start, watch and stop the ranks) and the command line
-    11. Training checks: how a real training is checked against one process (the bound on its
+    9. The run's settings (RunConfig, the models of --model, the optimizer of --strategy and the options),
+       torch's reference (reference_params) and the bounds of the two opt-ins that are not bit for bit
+    10. Accounting (bytes per phase, Newton-Schulz FLOPs, redundancy, balance) and the report
+    11. Main: the launcher (start, watch and stop the ranks; run_under_torchrun under torchrun) and the
+        command line
+    12. Training checks: how a real training is checked against one process (the bound on its
         gradients, the chaos floor), for examples/train_gpt.py and dtensor_demo.py alike
 
-The launcher (spawn_ranks, exit_code, RankFailure), the table formatting (format_table,
-human_bytes), the parser (OneLineParser) and the checks of a command's options (check_launch,
-check_writable, flag) serve every command of the repository: distributed_muon.py,
-distributed_muon_dtensor.py, dtensor_demo.py, examples/ and benchmarks/ import them from here,
-and the training checks (bound_ratio, loss_drift, one_ulp_up) too. `python distributed_muon_cpu.py`
-runs main() below.
+The launcher (spawn_ranks, run_under_torchrun, exit_code, RankFailure), the table formatting
+(format_table, human_bytes), the parser (OneLineParser) and the checks of a command's options
+(check_launch, check_writable, flag) serve every command of the repository: distributed_muon.py,
+distributed_muon_dtensor.py, dtensor_demo.py, examples/ and benchmarks/ import them from here, and the
+training checks (bound_ratio, loss_drift, one_ulp_up) too. `python distributed_muon_cpu.py` runs main()
+below; `torchrun ... distributed_muon.py` runs main_under_torchrun.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import functools
+import importlib.util
+import inspect
 import json
 import math
 import multiprocessing
@@ -46,54 +50,33 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from distributed_muon_cpu import (ADJUST_LR_FNS, NS_COEFFICIENTS, NS_COEFFICIENT_CHOICES, NS_EPS, NS_STEPS, N_LAYERS,
-                                  ParamSpec, adjusted_lr, check_topology, dp_rank_grads, initial_params, make_grid,
-                                  newton_schulz, plan_grid, rank_grid, tp_shard, transformer_specs)
-from muon_checks import check_hyperparameters
+import distributed_muon_cpu as dm
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_COEFFICIENT_CHOICES, NS_EPS, NS_STEPS, N_LAYERS, ParamSpec,
+                                  adjusted_lr, check_topology, dp_rank_grads, dp_rank_max_logits, initial_params,
+                                  newton_schulz, plan_grid, rank_grid, transformer_specs)
+from muon_checks import ADJUST_LR_FNS, check_hyperparameters
 from muon_owners import (BATCHED_NS_BOUND, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, check_owner_options,
                          load_balance)
-from muon_large_runs import (NS_BLOCKS, TP_NEWTON_SCHULZ, check_large_run_options, gram_eligible,
+from muon_large_runs import (NS_BLOCKS, TP_NEWTON_SCHULZ, LargeRuns, check_large_run_options, gram_eligible,
                              newton_schulz_flops_of, transformer_row_layouts)
 
 
 # =============================================================================
-# 8. A run, and its verification against torch.optim.Muon / torch.optim.AdamW
+# 9. The run's settings, torch's reference, and the bounds of the two opt-ins
 # =============================================================================
-# A run of the demo: every rank builds the optimizer over its TP pieces of the
-# section 3 model and steps it with its own gradients (run_steps: the example of
-# use). Then the reference: PyTorch's own single-device torch.optim.Muon and
-# torch.optim.AdamW on the full parameters, fed the sum of every DP rank's
-# gradient: an independent implementation, not this script's code path. Every
-# rank's TP piece of every parameter must equal the matching piece of the
-# reference bit for bit (torch.equal). No tolerance is needed by default: the only
-# cross-rank reduction that changes a value is the gradient sum, exact by
-# construction (section 3; QK-clip's maxima are a MAX, exact in any order);
-# everything else is elementwise on shards or one Newton-Schulz on the same full
-# bf16 matrix with the same thread count. Two exceptions are choices, each held to
-# a bound instead: batched_ns (section 6) and tp_newton_schulz="gram" (section 7.3's
-# newton_schulz_tp sums the Gram matrix over ranks).
-
-# The demo run needs the per-head maxima a forward pass would report: a stand-in.
-
-
-def dp_rank_max_logits(specs, seed, step, dp_rank):
-    """{fused QKV name: the largest logit of each of its heads in DP rank dp_rank's forward at `step`}
-    (float32). Head h's lies in [0.75, 1.25] x 25 (h + 1): with tau = 100 the first three heads never
-    clip, the last three always do, and the two between depend on the step and the batch."""
-    g = torch.Generator().manual_seed((seed * 100_003 + step) * 1_009 + dp_rank + 1)
-    return {name: 25 * (0.75 + 0.5 * torch.rand(rows.periods, generator=g)) * torch.arange(1, rows.periods + 1)
-            for name, rows in transformer_row_layouts(specs).items()}
-
-
-def computed_here(max_logits, tp_rank, tp):
-    """What a rank reports: its TP rank's heads (the demo's QKV is split by rows), -inf for the others."""
-    out = {}
-    for name, s in max_logits.items():
-        heads = s.numel() // tp
-        out[name] = torch.full_like(s, -math.inf)
-        out[name][tp_rank * heads:(tp_rank + 1) * heads] = s[tp_rank * heads:(tp_rank + 1) * heads]
-    return out
-
+# The run of the lesson's section 6 (run_rank), set up from the command line: its
+# settings (RunConfig), its model (--model), its optimizer (the strategy, and the
+# options of sections 7 and 8), and its reference: PyTorch's own single-device
+# torch.optim.Muon and torch.optim.AdamW on the full parameters, fed the sum of
+# every DP rank's gradient: an independent implementation, not the lesson's code
+# path. Rank 0 compares every rank's piece with it (check_against_torch). No
+# tolerance is needed by default: the only cross-rank reduction that changes a
+# value is the gradient sum, exact by construction (section 6; QK-clip's maxima
+# are a MAX, exact in any order); everything else is elementwise on shards or one
+# Newton-Schulz on the same full bf16 matrix with the same thread count. Two
+# exceptions are choices, each held to a bound instead: batched_ns (section 7)
+# and tp_newton_schulz="gram" (section 8.3's newton_schulz_tp sums the Gram
+# matrix over ranks).
 
 # A rank that stops beating for this long (stopped, frozen, swapped out) ends the run, and so
 # does a collective that waits this long (--timeout): many times the demo's start and step,
@@ -115,9 +98,9 @@ class RunConfig:
     adjust_lr_fn: str = "original"
     strategy: str = "gather"  # one of STRATEGIES
     baseline: bool = False  # the AdamW ZeRO-1 baseline instead of Muon: every parameter takes AdamW
-    model: str = "transformer"  # one of MODELS: the transformer of section 3, or lopsided_specs()
+    model: str = "transformer"  # one of MODELS: the transformer of section 6, lopsided_specs() or thin_specs()
     layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
-    overlap: int = 0  # owner / comm-free: K >= 1 pipelines the step, Newton-Schulz K units behind (section 6)
+    overlap: int = 0  # owner / comm-free: K >= 1 pipelines the step, Newton-Schulz K units behind (section 7)
     batched_ns: bool = False  # owner / comm-free: same-shape matrices in one call (not bitwise torch's)
     ns_coefficients: str = "jordan"  # one of NS_COEFFICIENT_CHOICES (section 1)
     ns_blocks: str = "whole"  # one of NS_BLOCKS: the fused QKV whole, by blocks or by heads (muon_large_runs.py)
@@ -126,6 +109,8 @@ class RunConfig:
     timeout_s: float = TIMEOUT_S  # a silent rank or a stuck collective ends the run after this long
     missing_grads: tuple = ()  # (name, dp_rank or -1 for all, step): gradients that are None (tests)
     fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
+    backend: str = "gloo"  # distributed_muon.py's --backend: Gloo (CPU tensors), or NCCL on GPUs under torchrun
+    device: str = "cpu"  # distributed_muon.py's --device: "cpu", or "cuda" (a GPU per rank) under torchrun
 
 
 def lopsided_specs():
@@ -215,67 +200,23 @@ def build_optimizer(specs, cfg, grid, params):
     groups = [dict(h, params=[(s.name, params[s.name]) for s in specs if s.group == g])
               for g, h in group_hyperparameters(cfg).items()]
     options = {} if cfg.strategy == "gather" else dict(overlap=cfg.overlap, batched_ns=cfg.batched_ns)
+    row_layouts = demo_row_layouts(specs, cfg)
+    if row_layouts or cfg.tp_newton_schulz != "gather":  # section 8's options: torch's run without them
+        options["large_runs"] = LargeRuns(row_layouts=row_layouts, ns_blocks=cfg.ns_blocks,
+                                          tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip_tau)
     return OPTIMIZERS[cfg.strategy]([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
                                     tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
-                                    row_layouts=demo_row_layouts(specs, cfg), ns_blocks=cfg.ns_blocks,
-                                    tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip_tau, **options)
+                                    **options)
 
 
-
-def tp_pieces(specs, cfg, tp_rank):
-    """{name: TP rank tp_rank's piece of the starting parameter}: what that rank holds before step 1."""
-    return {s.name: tp_shard(t, s.tp_split_dim, tp_rank, cfg.tp).contiguous()
-            for s, t in zip(specs, initial_params(specs, cfg.seed).values())}
-
-
-def plan_optimizer(cfg, rank=0):
-    """The optimizer rank `rank` will build, built here on a grid without process groups.
-
-    Its layout (buckets, dist_meta) and owners depend on shapes alone, so the
-    launcher prints them from the very code every rank runs, before any rank starts.
+def plan_optimizer(cfg, rank=0, specs=None):
+    """The optimizer rank `rank` will build (for the run's model, or `specs`), built here on a grid without
+    process groups. Its layout (buckets, dist_meta) and owners depend on shapes alone, so the launcher
+    prints them from the very code every rank runs, before any rank starts.
     """
-    specs = demo_specs(cfg)
-    grid = plan_grid(cfg.dp, cfg.tp, rank)
-    return build_optimizer(specs, cfg, grid, tp_pieces(specs, cfg, grid.tp.rank))
-
-
-def run_steps(rank, cfg, device):
-    """The body of every rank, whatever launched it: returns its final params, ledger and step times."""
-    specs = demo_specs(cfg)
-    grid = make_grid(cfg.dp, cfg.tp, rank)
-    params = {name: piece.to(device) for name, piece in tp_pieces(specs, cfg, grid.tp.rank).items()}
-    opt = build_optimizer(specs, cfg, grid, params)
-    resume_at = (cfg.steps + 1) // 2  # checkpoint round trip halfway through (see below)
-    step_ms, qk_clip = [], []
-    for step in range(1, cfg.steps + 1):
-        if rank == cfg.fail_rank:
-            raise RuntimeError(f"injected failure on rank {rank} at step {step} (--fail-rank)")
-        grads = dp_rank_grads(specs, cfg.seed, step, grid.dp.rank, cfg.missing_grads)
-        for s in specs:
-            grad = grads[s.name]
-            if grad is not None:
-                grad = tp_shard(grad, s.tp_split_dim, grid.tp.rank, cfg.tp).contiguous().to(device)
-            params[s.name].grad = grad
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.step()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-        if cfg.qk_clip_tau is not None:  # what this rank's forward would have reported, then the clip (muon_large_runs.py)
-            max_logits = computed_here(dp_rank_max_logits(specs, cfg.seed, step, grid.dp.rank), grid.tp.rank, cfg.tp)
-            qk_clip.append(opt.clip_qk_(max_logits))
-        if step == resume_at:
-            # Resume from a checkpoint mid-run: a fresh optimizer loads this rank's
-            # state_dict. If the state were lost, the momentum would restart and
-            # the final comparison with torch would fail.
-            fresh = build_optimizer(specs, cfg, grid, params)
-            fresh.load_state_dict(opt.state_dict())
-            fresh.ledger = opt.ledger
-            opt = fresh
-    return dict(rank=rank, params={n: p.detach().cpu() for n, p in params.items()},
-                ledger=asdict(opt.ledger), step_ms=step_ms, state_bytes=opt.state_bytes(), owners=opt.owners,
-                qk_clip=qk_clip)
+    specs, grid = specs or demo_specs(cfg), plan_grid(cfg.dp, cfg.tp, rank)
+    start = initial_params(specs, cfg.seed)
+    return build_optimizer(specs, cfg, grid, {s.name: dm.rank_piece(start[s.name], s, grid, "cpu") for s in specs})
 
 
 def torch_optimizers(groups):
@@ -308,7 +249,7 @@ def total_grads(specs, seed, step, dp, missing=()):
     return total
 
 
-# The reference of section 7's options, written from the papers' equations and torch's own code,
+# The reference of section 8's options, written from the papers' equations and torch's own code,
 # not from the lesson's optimizers: torch.optim.Muon steps the blocks as separate parameters; its
 # Newton-Schulz is swapped for the same operations with one (a, b, c) per iteration; QK-clip
 # scales the reference's rows from the maxima of every DP rank.
@@ -410,31 +351,11 @@ def reference_params(specs, cfg, device="cpu", ns_inputs=None):
     ns_inputs: a dict to fill with {matrix stepped whole: [its Newton-Schulz input at each step]}.
     """
     how = dict(tp=1, strategy="gather", bucket_size=RunConfig.bucket_size, overlap=0, batched_ns=False,
-               tp_newton_schulz="gather", timeout_s=RunConfig.timeout_s, fail_rank=-1)
+               tp_newton_schulz="gather", timeout_s=RunConfig.timeout_s, fail_rank=-1, backend="gloo", device="cpu")
     params, inputs = _reference_params(tuple(specs), replace(cfg, **how), device)
     if ns_inputs is not None:
         ns_inputs.update(inputs)
     return {n: t.clone() for n, t in params.items()}
-
-
-def compare_to_reference(specs, reference, rank_params, dp, tp, muon_groups=(MUON_GROUP,)):
-    """One row per parameter: max |delta| over every rank's piece and torch.equal on all of them."""
-    rows = []
-    for s in specs:
-        max_diff, identical = 0.0, True
-        for rank, params in rank_params.items():
-            expected = tp_shard(reference[s.name], s.tp_split_dim, rank % tp, tp)
-            got = params[s.name]
-            same = got.shape == expected.shape and torch.equal(got, expected)
-            identical &= same
-            if got.shape == expected.shape:
-                max_diff = max(max_diff, (got.double() - expected.double()).abs().max().item())
-            else:
-                max_diff = float("inf")
-        rows.append(dict(name=s.name, global_shape=list(s.global_shape), tp_split_dim=s.tp_split_dim,
-                         optimizer="Muon" if s.group in muon_groups else "AdamW",
-                         max_abs_diff=max_diff, identical=bool(identical)))
-    return rows
 
 
 def muon_groups_of(cfg):
@@ -446,7 +367,7 @@ def batched_ns_tolerance(steps, lr, adjust_lr_fn, shape, bound=BATCHED_NS_BOUND)
     """How far --batched-ns may leave a Muon matrix of `shape` (rows, cols) from torch's after `steps` steps.
 
     Each step adds -adjusted_lr * O, and a batched O differs from torch's by at most
-    `bound` times its largest entry (section 6). That entry is at most the
+    `bound` times its largest entry (section 7). That entry is at most the
     largest singular value Newton-Schulz leaves: about 1.2, the quintic's maximum on
     [0, 1]; 1.5 leaves room for bf16 rounding. Weight decay scales both runs alike
     and only shrinks earlier differences, as QK-clip's multipliers (<= 1) do; the
@@ -455,7 +376,7 @@ def batched_ns_tolerance(steps, lr, adjust_lr_fn, shape, bound=BATCHED_NS_BOUND)
     return steps * adjusted_lr(lr, adjust_lr_fn, shape) * 1.5 * bound
 
 
-# newton_schulz_tp (section 7.3) against torch's Newton-Schulz of the whole matrix: both are bf16
+# newton_schulz_tp (section 8.3) against torch's Newton-Schulz of the whole matrix: both are bf16
 # evaluations of the same iteration, so |O_gram - O_torch| <= |O_gram - O_64| + |O_torch - O_64|,
 # O_64 the iteration in float64 on the same input, and torch's own error is computed on each
 # step's real input. The Gram path does torch's operations on the same bf16 values but two, the
@@ -494,30 +415,55 @@ def gram_names(specs, cfg):
             and gram_eligible(s.global_shape, s.tp_split_dim)}
 
 
-def verify(cfg, results, device="cpu"):
-    """Every rank's parameters against torch on `device`: (checks, reference seconds).
+def bound(cfg, checks, device="cpu"):
+    """check_against_torch's rows (the lesson's section 6), each with what the report shows beside it: the
+    parameter's global shape, split and optimizer, the tolerance of its opt-in (0: bit for bit) and "ok".
 
-    A check is "ok" when bit-identical; with --batched-ns, a Muon matrix is also ok
-    within batched_ns_tolerance (it cannot be bit-identical, section 6), and with
-    --tp-newton-schulz gram, a matrix newton_schulz_tp orthogonalized within gram_tolerance
-    of its Newton-Schulz inputs in the reference.
+    A check is "ok" when bit-identical; with --batched-ns, a Muon matrix is also ok within
+    batched_ns_tolerance (it cannot be bit-identical, section 7), and with --tp-newton-schulz gram, a
+    matrix newton_schulz_tp orthogonalized within gram_tolerance of its Newton-Schulz inputs in torch's
+    run (reference_params records them: run here, on `device`, for those runs only).
     """
+    specs, muon_groups = demo_specs(cfg), muon_groups_of(cfg)
+    gram, ns_inputs = gram_names(specs, cfg), {}
+    if gram:
+        reference_params(specs, cfg, device, ns_inputs)
+    rows = []
+    for c, spec in zip(checks, specs, strict=True):
+        optimizer = "Muon" if spec.group in muon_groups else "AdamW"
+        tolerance = (batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, spec.global_shape)
+                     if cfg.batched_ns and optimizer == "Muon" else
+                     gram_tolerance(ns_inputs[spec.name], cfg.lr, cfg.adjust_lr_fn, spec.global_shape,
+                                    cfg.ns_steps, cfg.ns_coefficients) if spec.name in gram else 0.0)
+        rows.append(dict(c, global_shape=list(spec.global_shape), tp_split_dim=spec.tp_split_dim,
+                         optimizer=optimizer, tolerance=tolerance,
+                         ok=c["identical"] or c["max_abs_diff"] <= tolerance))
+    return rows
+
+
+def verify(cfg, results, device="cpu"):
+    """Every rank's run_steps results against torch on `device`, as rank 0 checks them in run_rank:
+    (bound's rows, seconds). For runs that came back without that check: several sharing one spawn."""
     specs = demo_specs(cfg)
     t1 = time.perf_counter()
-    ns_inputs = {}
-    reference = reference_params(specs, cfg, device, ns_inputs)
-    checks = compare_to_reference(specs, reference, {r["rank"]: r["params"] for r in results}, cfg.dp, cfg.tp,
-                                  muon_groups_of(cfg))
-    start, gram = initial_params(specs, cfg.seed), gram_names(specs, cfg)
-    for c, spec in zip(checks, specs):
-        # how far the weights moved: the scale against which max |d| = 0 means something
-        c["max_abs_update"] = (reference[c["name"]] - start[c["name"]]).abs().max().item()
-        c["tolerance"] = (batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, spec.global_shape)
-                          if cfg.batched_ns and c["optimizer"] == "Muon" else
-                          gram_tolerance(ns_inputs[spec.name], cfg.lr, cfg.adjust_lr_fn, spec.global_shape,
-                                         cfg.ns_steps, cfg.ns_coefficients) if spec.name in gram else 0.0)
-        c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
-    return checks, time.perf_counter() - t1
+    reference = reference_params(specs, cfg, device)
+    checks = dm.check_against_torch(specs, results, reference, cfg.tp, initial_params(specs, cfg.seed))
+    return bound(cfg, checks, device), time.perf_counter() - t1
+
+
+def rank_program(cfg, run_rank=dm.run_rank):
+    """The lesson's run_rank (section 6; distributed_muon.py's own, its GPU twin) with this run's model,
+    optimizer and torch's reference: what spawn_ranks starts on every rank, or a torchrun process calls."""
+    specs = demo_specs(cfg)
+    return functools.partial(run_rank, cfg, specs, functools.partial(build_optimizer, specs, cfg),
+                             functools.partial(reference_params, specs, cfg))
+
+
+def run_demo_steps(cfg, grid, device="cpu"):
+    """The lesson's run_steps for this run, on a rank that has joined already: for several runs in one
+    spawn (the tests'), each checked afterwards with verify."""
+    specs = demo_specs(cfg)
+    return dm.run_steps(cfg, specs, functools.partial(build_optimizer, specs, cfg), grid, device)
 
 
 def verdict(checks):
@@ -530,7 +476,7 @@ def verdict(checks):
 
 
 # =============================================================================
-# 9. Accounting
+# 10. Accounting
 # =============================================================================
 # Bytes per phase come from each rank's Ledger (section 2); FLOPs from the
 # Newton-Schulz calls each rank made. The redundancy factor is
@@ -541,7 +487,7 @@ def verdict(checks):
 # every DP rank whose shard touches it: the redundancy is TP x (how many DP
 # shards a matrix touches, FLOP-weighted), at most DP x TP, which it reaches
 # when every rank touches every matrix. The owner and comm-free strategies
-# (section 6) give each matrix one owner instead: redundancy 1, and max/mean
+# (section 7) give each matrix one owner instead: redundancy 1, and max/mean
 # FLOPs per rank then says how well the owners are balanced.
 
 # The phases of each strategy's data path, and of the baseline's, in the order they happen.
@@ -586,7 +532,7 @@ def account(cfg, results):
     """Bytes per phase (last step), whether every step moved the same, and Newton-Schulz FLOPs."""
     ledgers = [r["ledger"] for r in results]
     phases = PHASES_OF[run_kind(cfg)]
-    # and those of the options of section 7 a run took ("TP Gram", "QK-clip maxima", ...), as they came
+    # and those of the options of section 8 a run took ("TP Gram", "QK-clip maxima", ...), as they came
     phases += tuple(dict.fromkeys(r["phase"] for ledger in ledgers for r in ledger["comm"] if r["phase"] not in phases))
     tables = [bytes_per_step(ledgers, s, phases) for s in range(1, cfg.steps + 1)]
     specs = demo_specs(cfg)
@@ -657,13 +603,13 @@ def print_header(cfg, plan, device_kind, backend, explain, print_fn):
     used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
     n_buffers = len({b.buffer_idx for b in buckets})
     whole = " (Muon matrices are sharded whole, outside the buckets)" if plan.strategy == "comm-free" else ""
-    print_fn(f"[4] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
+    print_fn(f"[3] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
              f"elements, {used:,} TP-local elements + {padded - used} padding per rank{whole}")
     if explain:
         print_fn(format_buffer_map(plan.layout))
     if plan.owners:
         per_rank, balance = load_balance(plan.ns_flops, plan.owners, world)
-        print_fn(f"[6] Owners: {len(plan.owners)} matrices on {world} ranks by longest-processing-time over "
+        print_fn(f"[7] Owners: {len(plan.owners)} matrices on {world} ranks by longest-processing-time over "
                  f"Newton-Schulz FLOPs; max/mean = {balance:.2f}")
         if explain:
             rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}",
@@ -685,7 +631,7 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
     n_same = sum(c["identical"] for c in checks)
     passed, summary = verdict(checks)
     reference_name = "torch.optim.AdamW" if cfg.baseline else "torch.optim.Muon / torch.optim.AdamW"
-    print_fn(f"[8] Every rank's piece against {reference_name} on one device "
+    print_fn(f"[6] Every rank's piece against {reference_name} on one device "
              f"(torch.equal): {n_same}/{len(checks)} parameters identical")
     rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
              "-" if c["tp_split_dim"] < 0 else c["tp_split_dim"], c["optimizer"],
@@ -698,12 +644,12 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
     clipped = qk_clipped_heads(results)
     if cfg.qk_clip_tau is not None:
         heads = sum(len(m) for m in results[0]["qk_clip"][0].values())
-        print_fn(f"[7] QK-clip, tau {cfg.qk_clip_tau:g}: heads clipped per step "
+        print_fn(f"[8] QK-clip, tau {cfg.qk_clip_tau:g}: heads clipped per step "
                  f"{', '.join(f'{len(c)}/{heads}' for c in clipped)} (one MAX all-reduce of the per-head maxima)\n")
 
     table, same_every_step, flops = account(cfg, results)
     gloo_note = "; on Gloo the reduce-scatter is an all-to-all and a local sum" if backend == "gloo" else ""
-    print_fn(f"[9] Bytes per step: ring counts for all-gather and reduce-scatter, exact counts for all-to-all "
+    print_fn(f"[10] Bytes per step: ring counts for all-gather and reduce-scatter, exact counts for all-to-all "
              f"({'the same every step' if same_every_step else 'last step; steps differ'}{gloo_note})")
     rows = [[phase, t["axis"], t["dtype"], human_bytes(max(t["sent"])), human_bytes(max(t["received"])),
              human_bytes(sum(t["sent"]))] for phase, t in table.items()]
@@ -714,14 +660,14 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
                           rows, ["<", "<", "<", ">", ">", ">"]) + "\n")
 
     if flops["single_device"]:
-        print_fn(f"[9] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
+        print_fn(f"[10] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
                  f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
         why = ("every TP peer, and every DP rank whose shard touches a matrix, orthogonalizes it"
                if cfg.strategy == "gather" else "each matrix is orthogonalized once, by its owner")
         print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
                  f"(upper bound DP x TP = {world}; {why}); max/mean per rank = {flops['max_over_mean']:.2f}\n")
     state = [r["state_bytes"] for r in results]
-    print_fn(f"[9] Optimizer state per rank: max {human_bytes(max(state))}, min {human_bytes(min(state))}")
+    print_fn(f"[10] Optimizer state per rank: max {human_bytes(max(state))}, min {human_bytes(min(state))}")
 
     step_ms = [max(r["step_ms"][i] for r in results) for i in range(cfg.steps)]
     timings = dict(ranks_s=ranks_s, reference_s=ref_s, step_ms_slowest_rank=step_ms,
@@ -738,14 +684,18 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
 
 
 # =============================================================================
-# 10. Main: the launcher and the command line
+# 11. Main: the launcher and the command line
 # =============================================================================
 # The launcher checks the arguments and plans the layout (before starting any
-# rank), starts one process per rank, watches them, then runs the single-device
-# reference and prints the report. Each rank writes its final parameters, ledger
-# and timings to a temporary folder that the launcher reads. Like torchrun, it
-# stops every rank on Ctrl-C or SIGTERM, and names the rank that failed, died or
-# stopped responding.
+# rank), starts one process per rank and watches them, then prints the report.
+# Like torchrun, it tells each process who it is (RANK, WORLD_SIZE, LOCAL_RANK,
+# MASTER_ADDR, MASTER_PORT), stops every rank on Ctrl-C or SIGTERM, and names the
+# rank that failed, died or stopped responding. What a rank returns reaches the
+# launcher through a temporary folder: the lesson's run_rank returns its report
+# on rank 0 (every rank's results, gathered there, and the check against torch).
+# Under torchrun (distributed_muon.py, and the examples' --backend nccl) there is
+# no launcher of ours: run_under_torchrun, below, does in each process what can
+# be done there.
 
 def one_line(error):
     """An exception as one line, 'Type: message', whatever newlines its message holds."""
@@ -783,15 +733,15 @@ def start_heartbeat(heartbeats, rank, launcher):
 def name_process(title):
     """Show `title` in ps and top (Linux's prctl PR_SET_NAME); elsewhere do nothing."""
     try:
-        import ctypes
-
         ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME, at most 15 bytes
     except (OSError, AttributeError):
         pass
 
 
-def run_rank(rank, body, cfg, port, out_dir, heartbeats, launcher):
-    """One spawned rank: join the Gloo world, run body(rank, cfg, "cpu"), write what it returns to out_dir.
+def rank_process(rank, body, program, cfg, port, out_dir, heartbeats, launcher):
+    """One spawned rank, told who it is as torchrun tells it. body: body(rank, cfg, "cpu") once this
+    process has joined the Gloo world; or program: program(), which joins and leaves by itself (the
+    lesson's run_rank). What it returns is written to out_dir.
 
     Nothing is printed here: a failure is written to rank<R>.error (time, one
     line, traceback) and the launcher reports it once, for the whole run.
@@ -801,12 +751,16 @@ def run_rank(rank, body, cfg, port, out_dir, heartbeats, launcher):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_process(f"muon rank {rank}")
     start_heartbeat(heartbeats, rank, launcher)
-    torch.set_num_threads(1)  # same thread count everywhere (section 8)
+    torch.set_num_threads(1)  # same thread count everywhere, as in torch's reference (section 9)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.dp * cfg.tp),
+                      LOCAL_WORLD_SIZE=str(cfg.dp * cfg.tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=cfg.dp * cfg.tp, timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        result = body(rank, cfg, "cpu")
-        dist.destroy_process_group()
+        if program is not None:
+            result = program()
+        else:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
+            result = body(rank, cfg, "cpu")
+            dist.destroy_process_group()
         write_atomically(os.path.join(out_dir, f"rank{rank}.pt"), lambda f: torch.save(result, f))
     except BaseException as e:
         # When one rank dies its peers fail too ("connection closed"). The time
@@ -926,23 +880,25 @@ def stop(procs):
         p.join()
 
 
-def spawn_ranks(cfg, body=run_steps):
-    """Run body(rank, cfg, "cpu") on cfg.dp x cfg.tp ranks; return what each returned, in rank order,
-    or raise RankFailure naming the rank at fault.
+def spawn_ranks(cfg, body=None, program=None):
+    """Run body(rank, cfg, "cpu") on cfg.dp x cfg.tp ranks, each joined to the Gloo world first; or
+    program(), which joins by itself as under torchrun (rank_program: the lesson's run_rank). Returns
+    what each returned, in rank order, or raises RankFailure naming the rank at fault.
 
-    body is what a rank does once the Gloo world is joined: section 8's run_steps by
-    default (examples/ pass their own; it must be importable by name, as any
-    multiprocessing target). cfg needs dp, tp and timeout_s. Whatever ends the run
-    (success, a failure, Ctrl-C or SIGTERM in the launcher), every rank is stopped
-    and the temporary folder removed before this returns.
+    body and program must be importable by name, as any multiprocessing target (a functools.partial of
+    one is). cfg needs dp, tp and timeout_s. Whatever ends the run (success, a failure, Ctrl-C or SIGTERM
+    in the launcher), every rank is stopped and the temporary folder removed before this returns.
     """
+    if (body is None) == (program is None):
+        raise ValueError("spawn_ranks runs a body or a program: give one of them")
     context = multiprocessing.get_context(start_method())
     world = cfg.dp * cfg.tp
     heartbeats = context.Array("d", world, lock=False)  # shared memory: one time per rank
     with tempfile.TemporaryDirectory(prefix="distributed-muon-") as out_dir:
         launcher, alive = context.Pipe(duplex=False)  # the ranks watch `launcher`; `alive` stays here
-        args = (body, cfg, free_port(), out_dir, heartbeats, launcher)
-        procs = [context.Process(target=run_rank, args=(rank,) + args, name=f"rank {rank}") for rank in range(world)]
+        args = (body, program, cfg, free_port(), out_dir, heartbeats, launcher)
+        procs = [context.Process(target=rank_process, args=(rank,) + args, name=f"rank {rank}")
+                 for rank in range(world)]
         try:
             for p in procs:
                 p.start()
@@ -1053,15 +1009,18 @@ def validate(cfg, specs):
 
 
 def run(cfg, explain=False, print_fn=print):
-    """Plan, start the ranks on this machine, verify against torch, account; returns the results dict."""
+    """Plan, start the ranks on this machine (the lesson's run_rank on each), report; returns the results dict."""
+    if (cfg.backend, cfg.device) != ("gloo", "cpu"):
+        raise ValueError(f"this launcher starts Gloo ranks on the CPU (got backend {cfg.backend}, device "
+                         f"{cfg.device}): GPUs need torchrun, with distributed_muon.py")
     validate(cfg, demo_specs(cfg))
     plan = plan_optimizer(cfg)
     print_header(cfg, plan, "CPU", "Gloo", explain, print_fn)
     t0 = time.perf_counter()
-    results = spawn_ranks(cfg)
-    ranks_s = time.perf_counter() - t0
-    checks, ref_s = verify(cfg, results)
-    return report(cfg, plan, results, checks, ranks_s, ref_s, print_fn=print_fn)
+    out = spawn_ranks(cfg, program=rank_program(cfg))[0]  # rank 0's: every rank's results, and the check
+    seconds = time.perf_counter() - t0
+    return report(cfg, plan, out["ranks"], bound(cfg, out["checks"]), seconds - out["reference_s"],
+                  out["reference_s"], print_fn=print_fn)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -1104,12 +1063,12 @@ def build_parser(description, launcher="spawn"):
     p.add_argument("--baseline", action="store_true",
                    help="run the AdamW ZeRO-1 baseline instead: every parameter takes AdamW, no Muon")
     p.add_argument("--model", default=d.model, choices=MODELS,
-                   help="transformer (default): section 3's model; lopsided: one huge matrix among small ones; "
+                   help="transformer (default): section 6's model; lopsided: one huge matrix among small ones; "
                         "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")
     p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (default %(default)s)")
     p.add_argument("--overlap", type=int, nargs="?", const=OVERLAP_DEFAULT, default=d.overlap, metavar="K",
                    help="owner, comm-free: pipeline the step bucket by bucket, Newton-Schulz K units behind "
-                        f"the gradient reductions (section 6; K = {OVERLAP_DEFAULT} if omitted; default off)")
+                        f"the gradient reductions (section 7; K = {OVERLAP_DEFAULT} if omitted; default off)")
     p.add_argument("--batched-ns", action="store_true",
                    help="owner, comm-free: orthogonalize same-shape matrices in one batched call; faster for many "
                         "small matrices, but not bit-identical to torch (within 2**-5 of the largest entry)")
@@ -1134,6 +1093,9 @@ def build_parser(description, launcher="spawn"):
     p.add_argument("--json", metavar="PATH", help="write the run's results (checks, bytes, FLOPs, timings)")
     p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
     p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: make this rank raise
+    if launcher == "torchrun":
+        p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="(default %(default)s)")
+        p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="(default %(default)s)")
     return p
 
 
@@ -1186,13 +1148,153 @@ def main(argv=None):
     return exit_code(work, args.traceback)
 
 
+# Under torchrun: each process is a rank already, started and told who it is by torchrun. What our launcher
+# does for a run (check the flags before any rank starts, report once) is done in every process, by rank 0
+# where once is enough: distributed_muon.py's command, and examples/train_gpt.py's and dtensor_demo.py's
+# under torchrun.
+def environment():
+    """RANK, WORLD_SIZE, LOCAL_RANK from torchrun, or a ValueError saying how to launch."""
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v not in os.environ]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} not set: launch with torchrun --standalone "
+                         f"--nproc-per-node N {os.path.basename(sys.argv[0])}")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+def check_devices(backend, device_kind, local_rank=0):
+    """The backend and device flags, and a GPU for LOCAL_RANK local_rank (ValueError)."""
+    if backend == "nccl" and device_kind != "cuda":
+        raise ValueError("NCCL needs --device cuda; on CPUs use --backend gloo --device cpu")
+    if device_kind == "cuda" and torch.cuda.device_count() <= local_rank:
+        raise ValueError(f"no CUDA device for LOCAL_RANK {local_rank} here ({torch.cuda.device_count()} GPUs): "
+                         f"use --backend gloo --device cpu")
+
+
+def rank_device(device_kind, local_rank):
+    """This process's device: its GPU, "cuda:LOCAL_RANK", or "cpu"."""
+    return f"cuda:{local_rank}" if device_kind == "cuda" else "cpu"
+
+
+def join_world(backend, device_kind, local_rank, timeout_s):
+    """Bind this process to its GPU (cuda:LOCAL_RANK) or the CPU and join torchrun's world; returns the device."""
+    device = rank_device(device_kind, local_rank)
+    if device_kind == "cuda":
+        torch.cuda.set_device(device)
+    # device_id binds the NCCL communicator to this rank's GPU up front (else NCCL guesses it from the rank).
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=torch.device(device) if device_kind == "cuda" else None)
+    return device
+
+
+def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceback=False, program=None):
+    """What every torchrun entry point of the project does (distributed_muon.py's, examples/train_gpt.py's and
+    dtensor_demo.py's), around its own parts:
+
+      prepare(world) -> cfg: every check that can be made before joining; a ValueError is the same
+          on every rank, so rank 0 alone prints it (exit 2). cfg.timeout_s bounds every collective.
+      body(cfg, rank, device) -> this rank's result, gathered at rank 0 (gather_object), run once this
+          process has joined the world; or program(cfg) -> rank 0's result (None on the others), which
+          joins, gathers and leaves by itself (the lesson's run_rank): give body=None then.
+      finish(cfg, result, device, seconds) -> the exit code; rank 0 only, after every rank's part.
+
+    Before joining, a refusal returns 2 (a rank without its GPU says so itself). Once joined, the
+    process ends here, with os._exit (below): 0, or finish's code on rank 0. An error in a rank's
+    part is printed by that rank, in one line naming it (exit 1); no teardown then: the peers may
+    be waiting in a collective, and torchrun stops them.
+    """
+    try:
+        rank, world, local_rank = environment()
+        cfg = prepare(world)
+        check_devices(backend, device_kind)  # the flags, and a GPU at all: the same on every rank
+    except ValueError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        check_devices(backend, device_kind, local_rank)  # this rank's own GPU
+    except ValueError as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr)
+        return 2
+    device = rank_device(device_kind, local_rank) if program else join_world(backend, device_kind, local_rank,
+                                                                              cfg.timeout_s)
+    try:
+        t0 = time.perf_counter()
+        if program:
+            result = program(cfg)
+        else:
+            mine, result = body(cfg, rank, device), [None] * world if rank == 0 else None
+            dist.gather_object(mine, result, dst=0)
+        seconds = time.perf_counter() - t0
+    except Exception as e:
+        print(f"error: rank {rank} failed: {one_line(e)}", file=sys.stderr, flush=True)
+        if show_traceback:
+            traceback.print_exc()
+        code = 1
+    else:
+        try:
+            code = finish(cfg, result, device, seconds) if rank == 0 else 0
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    # End the process without Python's interpreter shutdown, as multiprocessing ends a forked rank.
+    # destroy_process_group does not stop every Gloo worker thread: DTensor's caches still hold the
+    # mesh's process groups. A worker that has just finished this rank's last collective
+    # (gather_object's gather, on every rank but 0, which leaves at once) may drop that work's
+    # tensors only after the main thread began shutting the interpreter down; freeing them takes
+    # the GIL, Python then ends the thread (pthread_exit), and unwinding through the work's
+    # destructor calls std::terminate: "terminate called without an active exception", exit -6
+    # (a core dump showed exactly this stack; pytorch/pytorch PR 179291 describes the same crash). Without
+    # the shutdown, no thread can meet it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main_under_torchrun(run_rank, argv=None):
+    """distributed_muon.py's command, in each process torchrun started: the flags (rank 0 says what is
+    wrong, exit 2), the plan (rank 0 prints it), run_rank (that file's own, the lesson's for GPUs), and the
+    report (rank 0). DP is the world size / TP unless --dp says otherwise."""
+    args = build_parser("Distributed Muon on GPUs (NCCL, one process per GPU, launched with torchrun), "
+                        "checked bit for bit against torch.optim.Muon / AdamW on the same device.",
+                        launcher="torchrun").parse_args(argv)
+    backend = {"gloo": "Gloo", "nccl": "NCCL"}[args.backend]
+
+    def prepare(world):
+        if args.dp is None:
+            if world % args.tp:
+                raise ValueError(f"TP {args.tp} does not divide the world size {world}")
+            args.dp = world // args.tp
+        cfg = config_from_args(args)
+        check_topology(cfg.dp, cfg.tp, world)
+        validate(cfg, demo_specs(cfg))
+        if args.json:
+            check_writable(args.json)
+        return cfg
+
+    def program(cfg):
+        if os.environ["RANK"] == "0":  # the layout every rank builds, printed once
+            print_header(cfg, plan_optimizer(cfg), "GPU" if cfg.device == "cuda" else "CPU", backend, args.explain,
+                         print)
+        return rank_program(cfg, run_rank)()
+
+    def finish(cfg, out, device, seconds):
+        gpu = torch.cuda.get_device_name(device) if cfg.device == "cuda" else None
+        if gpu:
+            print(f"device: {gpu}\n")
+        results = report(cfg, plan_optimizer(cfg), out["ranks"], bound(cfg, out["checks"], device),
+                         seconds - out["reference_s"], out["reference_s"], backend=cfg.backend)
+        results["launcher"] = dict(backend=cfg.backend, device=cfg.device, gpu=gpu)
+        write_json(args.json, results)
+        return 0 if results["passed"] else 1
+
+    return run_under_torchrun(args.backend, args.device, prepare, None, finish, args.traceback, program)
+
+
 # The notebooks' helpers.
 def notebook_requirements():
     """The notebooks' setup: install requirements.txt when this torch has no torch.optim.Muon (the
     reference, torch >= 2.9) or matplotlib is missing. A torch already imported stays loaded until
     the kernel restarts, so a new one asks for a restart."""
-    import importlib.util
-
     if hasattr(torch.optim, "Muon") and importlib.util.find_spec("matplotlib") is not None:
         return
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", "requirements.txt"], check=True)
@@ -1213,6 +1315,44 @@ def run_program(program, *args):
         raise subprocess.CalledProcessError(proc.returncode, cmd)
 
 
+def show_source(*objects):
+    """Print each function's, method's or class's source as its file has it, under the file's name and the
+    lines: what a notebook runs next is the script's own code, not a copy."""
+    for obj in objects:
+        lines, first = inspect.getsourcelines(obj)
+        print(f"# {os.path.basename(inspect.getsourcefile(obj))}, lines {first}-{first + len(lines) - 1}")
+        print("".join(lines))
+
+
+def on_thread_ranks(dp, tp, fn, timeout_s=TIMEOUT_S):
+    """[fn(grid) for every rank of a DP x TP world, in rank order], each rank a thread of this process and
+    each axis of its grid a real Gloo process group, made from one in-memory store (no torch.distributed
+    world is joined): how a notebook runs a function of the lesson that every rank calls at once, the
+    gather flow among them. The first error of any rank is raised."""
+    store, results, errors = dist.HashStore(), [None] * (dp * tp), []
+
+    def rank(r):
+        try:
+            plan = plan_grid(dp, tp, r)
+            group = {a.name: dist.ProcessGroupGloo(dist.PrefixStore(f"{a.name} {a.ranks}", store), a.rank, a.size,
+                                                   datetime.timedelta(seconds=timeout_s))
+                     for a in (plan.dp, plan.tp, plan.world)}
+            results[r] = fn(replace(plan, dp=replace(plan.dp, group=group["DP"]),
+                                    tp=replace(plan.tp, group=group["TP"]),
+                                    world=replace(plan.world, group=group["world"])))
+        except Exception as e:  # noqa: BLE001  (raised below, in the caller's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank {r}") for r in range(dp * tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 
 # How a command knows it runs under torchrun (distributed_muon_dtensor.py's demo, examples/).
 def under_torchrun():
@@ -1221,7 +1361,7 @@ def under_torchrun():
 
 
 # =============================================================================
-# 11. Training checks: a real training against one process
+# 12. Training checks: a real training against one process
 # =============================================================================
 # A training with real forward and backward passes splits some fp32 sums over
 # ranks that the same model in one process computes whole: TP's partial products,

@@ -65,7 +65,7 @@ def compare(cfg, explain=False, print_fn=print):
 
 def realistic_balance(n_ranks, ns_steps=dm.NS_STEPS):
     """max/mean Newton-Schulz FLOPs of the owner assignment for GPT-2 small's matrices (12 layers, d = 768),
-    from shapes alone: the demo model is too small to balance 8 ranks (see section 6)."""
+    from shapes alone: the demo model is too small to balance 8 ranks (see section 7)."""
     matrices = [s for s in dm.transformer_specs(vocab=50304, d=768, n_layers=12) if s.group == mt.MUON_GROUP]
     flops = {s.name: dm.newton_schulz_flops(s.global_shape, ns_steps) for s in matrices}
     owners = mo.assign_owners(flops, n_ranks, {s.name: s.global_shape for s in matrices})
@@ -153,7 +153,7 @@ def format_targets(cfg, runs, realistic):
 # all-reduce of k elements 2 (n - 1) pieces of ceil(k / n)), with m the short side and N the long one:
 #   gather  TP gather of the bf16 update: (n - 1) pieces of m N / n elements, 2 bytes each; the TP shard
 #           is a slice (0 bytes). Newton-Schulz on the whole matrix on every TP rank: k (4 m^2 N + 2 m^3).
-#   gram    newton_schulz_tp (the lesson's section 5): one all-reduce of the float32 norm (1 element), then per
+#   gram    newton_schulz_tp (the lesson's section 8.3): one all-reduce of the float32 norm (1 element), then per
 #           iteration one all-reduce of the float32 m x m Gram matrix; each rank multiplies only its
 #           N / n columns: k (4 m^2 N / n + 2 m^3) FLOPs (A @ A, m x m, stays whole on every rank).
 # Gram moves fewer bytes when k 2 (n - 1) / n 4 m^2 < (n - 1) / n 2 m N, i.e. N > 4 k m: the long side

@@ -140,7 +140,7 @@ else
   part "2b. Newton-Schulz bits, CPU vs GPU" 30 "$OUT/cpu_vs_gpu_newton_schulz_$NAME.txt" "4096, 1024" \
     $PY benchmarks/cpu_vs_gpu_newton_schulz.py
   part "3. DTensor optimizer on 1 CUDA device" 60 "$OUT/dtensor_1gpu_$NAME.txt" "^Result|PASS|FAIL" \
-    torchrun --standalone --nproc-per-node 1 distributed_muon_dtensor.py --dp 1 --tp 1 --steps "$STEPS" \
+    torchrun --standalone --nproc-per-node 1 dtensor_demo.py --dp 1 --tp 1 --steps "$STEPS" \
     --json "$OUT/dtensor_1gpu_$NAME.json"
 fi
 HOST=$([ "$CPU_ONLY" = 1 ] && echo "$NAME" || echo "${NAME}host")

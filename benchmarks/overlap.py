@@ -1,5 +1,5 @@
 """Does overlapping the step help here, and with which lookahead? The owner and comm-free strategies
-with --overlap K for K = 0 (off), 1, 2 and 4 (section 6: the step pipelined bucket by bucket, every
+with --overlap K for K = 0 (off), 1, 2 and 4 (section 7: the step pipelined bucket by bucket, every
 collective asynchronous, Newton-Schulz K units behind the gradient reductions), timed as
 benchmarks/scaling.py times them: step() only, gradients preset, one process and one thread per
 rank, a step's time that of its slowest rank. Every variant is bit-identical to torch

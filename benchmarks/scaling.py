@@ -1,5 +1,5 @@
 """Does the step get faster with ranks? torch.optim.Muon + torch.optim.AdamW in one process, then
-every strategy (and the owner strategies with --overlap, section 6) on 1 rank (in this process) and
+every strategy (and the owner strategies with --overlap, section 7) on 1 rank (in this process) and
 on N ranks (DP = N, TP = 1, one process and one thread each), on the same parameters: 4 transformer
 layers at d = 768 (qkv 2304x768, proj 768x768, fc 3072x768, fc2 768x3072 to Muon) and 32 vectors of
 768 to AdamW. Only step() is timed, gradients preset; a step's time on N ranks is that of its

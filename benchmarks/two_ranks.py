@@ -85,7 +85,7 @@ def load_as(name, path):
 
 def other_commit(directory):
     """The module that holds OPTIMIZERS in `directory` (another commit's checkout), imported under other
-    names: [its lesson, its muon_owners.py] (before section 6 moved to muon_owners.py: [its lesson])."""
+    names: [its lesson, its muon_owners.py] (before the owner strategies moved to muon_owners.py: [its lesson])."""
     lesson = load_as("dm_before", os.path.join(directory, "distributed_muon_cpu.py"))
     owners = os.path.join(directory, "muon_owners.py")
     if not os.path.isfile(owners):

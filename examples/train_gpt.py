@@ -32,7 +32,7 @@ and biases. The learning rate is the same for every optimizer and constant by de
 --schedule warmup-cosine warms it up linearly over --warmup-steps, then decays it along a
 cosine to MIN_LR_FRACTION of --lr at the last step (nanoGPT's schedule, karpathy/nanoGPT train.py).
 
-What large runs add (the lesson's section 7), each off by default:
+What large runs add (the lesson's section 8), each off by default:
     --qk-clip TAU        QK-clip (Kimi K2, arXiv 2507.20534): every attention layer reports its heads'
                          largest logit of the step's forward (gpt.py, max_logits); after the step the
                          optimizer scales head h's rows of W_q and W_k by sqrt(min(1, TAU / S_h)), S_h
@@ -239,8 +239,9 @@ def set_lr(optimizers, cfg, step):
             group["lr"] = lr_at(cfg, step)
 
 
-def large_run_options(cfg):
-    """The optimizer's keywords for --ns-blocks and --qk-clip (none at their defaults: torch's behaviour)."""
+def large_runs(cfg):
+    """What --tp-newton-schulz, --ns-blocks and --qk-clip add, as the lesson's optimizers take it
+    (muon_large_runs.LargeRuns); None at their defaults: torch's behaviour."""
     options = {}
     if cfg.tp_newton_schulz != "gather":
         options["tp_newton_schulz"] = cfg.tp_newton_schulz
@@ -248,16 +249,14 @@ def large_run_options(cfg):
         options["ns_blocks"] = cfg.ns_blocks
     if cfg.qk_clip is not None:
         options["qk_clip_tau"] = cfg.qk_clip
-    if options:
-        options["row_layouts"] = qkv_row_layouts(cfg.gpt())
-    return options
+    return mlr.LargeRuns(row_layouts=qkv_row_layouts(cfg.gpt()), **options) if options else None
 
 
 def build_optimizer(model, cfg, grid):
     # AdamW ZeRO-1 is the gather class with no Muon group: the lesson's baseline
     return mo.OPTIMIZERS["gather" if cfg.optimizer == "adamw" else cfg.strategy](
         param_groups(model, *hyperparameters(cfg)), grid=grid, tp_split_dims=model.tp_split_dims(),
-        bucket_size=cfg.bucket_size, **large_run_options(cfg))
+        bucket_size=cfg.bucket_size, large_runs=large_runs(cfg))
 
 
 def run_kind(cfg):
@@ -451,7 +450,7 @@ def start_profiler(cfg, rank):
 #     order: TP = 2 keeps the ranks' bits there (two terms, a + b == b + a), TP > 2
 #     does not.
 #   * NCCL with TP > 2: each step's gradients and losses are held, against float64,
-#     to the bound derived in muon_tools.py (section 11; bound_ratio): REALIZED_FACTOR
+#     to the bound derived in muon_tools.py (section 12; bound_ratio): REALIZED_FACTOR
 #     x the one process's own fp32 error on the step, plus one reordered reduction,
 #     n u of the largest entry, n = batch x context tokens (a micro-batch's loss: its
 #     own tokens).
@@ -740,11 +739,10 @@ def verify(cfg, results, device="cpu", rank_order=True):
 
     rank_order: whether the ranks' DP and TP sums added their terms in rank order (Gloo: yes)."""
     specs = param_specs(cfg)
-    rank_params = {r["rank"]: r["params"] for r in results}
     totals, replica_diff = total_gradients(cfg, results, specs)
     logits = [ranks_max_logits(results, s) for s in range(cfg.steps)] if cfg.qk_clip is not None else None
     replay = reference(cfg, device, replay=totals, replay_max_logits=logits)
-    replayed = mt.compare_to_reference(specs, replay["params"], rank_params, cfg.dp, cfg.tp)
+    replayed = dm.check_against_torch(specs, results, replay["params"], cfg.tp)
     for c, spec in zip(replayed, specs):
         c["tolerance"] = replay_tolerance(cfg, spec, replay["ns_inputs"], rank_order)
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
@@ -754,7 +752,7 @@ def verify(cfg, results, device="cpu", rank_order=True):
                   **step_gradients(cfg, results, specs, totals, device, against_float64=bool(gradients_inexact)))
     plain = reference(cfg, device)
     ranks_losses = [[results[d * cfg.tp]["losses"][s] for d in range(cfg.dp)] for s in range(cfg.steps)]
-    checks.update(trained=mt.compare_to_reference(specs, plain["params"], rank_params, cfg.dp, cfg.tp),
+    checks.update(trained=dm.check_against_torch(specs, results, plain["params"], cfg.tp),
                   trained_loss_max_rel_diff=loss_drift(ranks_losses, plain["losses"]))
     if gradients_inexact:
         same_function = checks["bound_ratio"] <= 1
@@ -986,8 +984,6 @@ def config_from_args(a):
 def main_torchrun(args):
     """Under torchrun: this process is one rank; rank 0 gathers the results and prints (no second copy
     of the training: train_rank is the same)."""
-    import distributed_muon as gpu  # the GPU sibling: how a torchrun process checks, joins and reports
-
     def prepare(world):
         cfg = config_from_args(args)
         dm.check_topology(cfg.dp, cfg.tp, world)
@@ -1016,7 +1012,7 @@ def main_torchrun(args):
         mt.write_json(args.json, out)
         return code
 
-    return gpu.run_under_torchrun(args.backend, args.device, prepare, body, finish)
+    return mt.run_under_torchrun(args.backend, args.device, prepare, body, finish)
 
 
 def main(argv=None):

@@ -4,7 +4,7 @@ Tolerance policy
 ----------------
 Every comparison in this suite but one is bit-exact (torch.equal), with no tolerance:
   * nothing but the gradient is reduced across ranks, and the gradients are
-    multiples of 2**-10 whose float32 sum is exact in any order (script, section 3);
+    multiples of 2**-10 whose float32 sum is exact in any order (script, section 6);
   * momentum, AdamW and the parameter update are elementwise, so a shard gets the
     same bits as the whole tensor;
   * Newton-Schulz runs on the same full bf16 matrix as torch's, with the thread
@@ -13,7 +13,7 @@ Every comparison in this suite but one is bit-exact (torch.equal), with no toler
 One comparison is not exact, by construction: --batched-ns stacks same-shape matrices into
 bf16 baddbmm, which rounds some near-ties unlike torch's addmm; it is held to a bound derived
 in the script (batched_ns_tolerance) and tested in test_math.py and test_strategies.py.
-Real trainings: tests/test_gpt.py (the policy of muon_tools.py's section 11, which
+Real trainings: tests/test_gpt.py (the policy of muon_tools.py's section 12, which
 examples/train_gpt.py applies) is bit for bit on Gloo for any DP x TP: the DP reduce-scatter and
 the TP all-reduces add in rank order, and the one-process reference adds TP's pieces in that order;
 only its check of the bound path (the same run verified as NCCL would be, TP > 2) holds each step's

@@ -116,6 +116,6 @@ def test_explain_lists_the_owners():
     cfg = mt.RunConfig(strategy="owner", dp=2, tp=1)
     mt.print_header(cfg, mt.plan_optimizer(cfg), "CPU", "Gloo", True, printed.append)
     out = "\n".join(printed)
-    assert "[6] Owners: 10 matrices on 2 ranks" in out
+    assert "[7] Owners: 10 matrices on 2 ranks" in out
     owns = [line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"]) and "weight" in line]
     assert len(owns) == 2 and sum(line.count(".weight") for line in owns) == 10

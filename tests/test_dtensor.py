@@ -7,7 +7,7 @@ One spawn of 8 Gloo ranks runs every distributed scenario one after another (eac
 (sub-)mesh of the first dp x tp ranks): starting 8 ranks costs ~12 s on 2 cores, a scenario ~1 s.
 Every comparison is torch.equal except two. The real FSDP2 x TP training run is checked by dtensor_demo.py's
 section 7 (the demo, its verification and its command line; the optimizer is distributed_muon_dtensor.py), with
-the policy every real training here shares (muon_tools.py, section 11): the replay of the ranks' own gradients through torch's optimizers is torch.equal
+the policy every real training here shares (muon_tools.py, section 12): the replay of the ranks' own gradients through torch's optimizers is torch.equal
 at every step, while each step's gradients and loss at the ranks' weights are held, against float64, to the bound
 derived from the arithmetic (4 x the one process's own fp32 error plus n u: FSDP2's and TP's sums run in another
 order); the free-running losses' gap is reported beside a one-ulp chaos floor, never checked. And the Muon
@@ -29,7 +29,7 @@ from conftest import ROOT, dm, mo, mt
 import distributed_muon_dtensor as dd  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
 
-SCRIPT = os.path.join(ROOT, "distributed_muon_dtensor.py")
+SCRIPT = os.path.join(ROOT, "dtensor_demo.py")  # the demo's command
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2), (3, 2)]
 MISSING = (("layers.0.fc1.weight", 2), ("layers.0.moe.w1", 1), ("embed.weight", 1), ("layers.1.norm.bias", 3))
 
@@ -229,9 +229,7 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
         assert all(c["identical"] for c in acc["checks"]) and len(acc["checks"]) == len(specs), strategy
         assert acc["flops"]["redundancy"] == 1.0  # each matrix orthogonalized once
         # the ledger's bytes are what the lesson's plan says, computed here without process groups
-        plans = [mt.build_optimizer(specs, demo.lesson_config(lesson.demo, strategy), dm.plan_grid(dp, tp, r),
-                                    mt.tp_pieces(specs, demo.lesson_config(lesson.demo, strategy), r % tp))
-                 for r in range(dp * tp)]
+        plans = [mt.plan_optimizer(demo.lesson_config(lesson.demo, strategy), r, specs) for r in range(dp * tp)]
         table = acc["table"]
         ring = [sum((dp - 1) * (b.numel // dp) * 4 for b in plans[0].layout.buckets)] * (dp * tp)
         assert table["grad reduce-scatter"]["sent"] == ring == table["param all-gather"]["sent"], strategy
@@ -273,7 +271,7 @@ def training(scenarios):
 
 def test_real_fsdp2_tp_training_replays_bit_for_bit_and_its_gradients_are_within_the_derived_bound(training):
     """Real forward / backward through fully_shard x parallelize_module, 3 steps on 4x2, checked by the
-    bound muon_tools.py section 11 derives for sums in torch's own order (examples/train_gpt.py needs it only
+    bound muon_tools.py section 12 derives for sums in torch's own order (examples/train_gpt.py needs it only
     as NCCL with TP > 2 would; this model's sums: dtensor_demo.py section 7):
       * replay: torch.optim.Muon + AdamW fed the ranks' own total gradients (full_tensor() of every .grad)
         from the same start give every rank's weights torch.equal, at every step: the optimizer is exact;
@@ -617,13 +615,11 @@ def test_under_torchrun_bad_flags_or_world_size_are_refused_before_joining(monke
                                                                            rank):
     """What each torchrun process does with a bad launch (RANK, WORLD_SIZE=4, LOCAL_RANK as torchrun sets them):
     exit 2 before joining the world; rank 0 prints one line, the others nothing."""
-    import distributed_muon as gpu
-
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as on this machine, GPU or not
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(gpu, "join_world", lambda *a: pytest.fail("joined the world"))
+    monkeypatch.setattr(mt, "join_world", lambda *a: pytest.fail("joined the world"))
     assert demo.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""

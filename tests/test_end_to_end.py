@@ -39,14 +39,17 @@ def test_the_run_actually_changes_the_parameters():
 
 
 def test_comparison_detects_a_single_flipped_bit():
+    """check_against_torch, rank 0's check in the lesson's run_rank, on two TP ranks' pieces of torch's result."""
     specs = dm.transformer_specs()[:3]
     reference = dm.initial_params(specs, 0)
-    pieces = {r: {s.name: dm.tp_shard(reference[s.name], s.tp_split_dim, r, 2).clone() for s in specs}
-              for r in range(2)}
-    assert all(c["identical"] for c in mt.compare_to_reference(specs, reference, pieces, 1, 2))
-    flat = pieces[1]["layers.0.attn.qkv.weight"].view(-1)
+    start = {n: t - 1 for n, t in reference.items()}  # torch moved every entry by 1
+    ranks = [dict(rank=r, params={s.name: dm.tp_shard(reference[s.name], s.tp_split_dim, r, 2).clone() for s in specs})
+             for r in range(2)]
+    assert all(c["identical"] and c["max_abs_diff"] == 0 and c["max_abs_update"] == 1
+               for c in dm.check_against_torch(specs, ranks, reference, 2, start))
+    flat = ranks[1]["params"]["layers.0.attn.qkv.weight"].view(-1)
     flat[5] = flat[5].nextafter(flat[5] + 1)  # one ulp
-    rows = {c["name"]: c for c in mt.compare_to_reference(specs, reference, pieces, 1, 2)}
+    rows = {c["name"]: c for c in dm.check_against_torch(specs, ranks, reference, 2, start)}
     assert not rows["layers.0.attn.qkv.weight"]["identical"] and rows["layers.0.attn.qkv.weight"]["max_abs_diff"] > 0
     assert rows["embed.weight"]["identical"]
 

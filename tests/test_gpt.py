@@ -8,7 +8,7 @@ ranks' association, which on Gloo is every grid: the DP sum adds in rank order, 
 accumulates, and the TP all-reduces add TP's terms left to right in rank order (gpt.tp_all_reduce),
 as the one process computing TP's pieces apart adds them (GPT(as_tp=TP)), so the replay, each step's
 gradients and losses, and the free-running weights and losses are torch.equal, TP = 4 included.
-The bound (muon_tools section 11), which only NCCL's TP > 2 still needs on this model, is exercised on
+The bound (muon_tools section 12), which only NCCL's TP > 2 still needs on this model, is exercised on
 the 1x4 run verified as if its TP sums had another order (rank_order=False)."""
 
 import copy

@@ -1,6 +1,6 @@
-"""distributed_muon.py, the NCCL/GPU sibling, run on CPUs: torchrun, Gloo, 4 ranks."""
+"""distributed_muon.py, the NCCL/GPU sibling: the lesson's twin (made by tools/gpu_twin.py, never by hand), run
+on CPUs under torchrun (Gloo, 4 ranks)."""
 
-import ast
 import json
 import os
 import subprocess
@@ -9,9 +9,11 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, dm, mt
+from conftest import ROOT, SCRIPT, mt
 
 SIBLING = os.path.join(ROOT, "distributed_muon.py")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import gpu_twin  # noqa: E402
 
 
 # One strategy (the one with the most collectives): the algorithm is the CPU script's, tested there for
@@ -52,7 +54,7 @@ def test_an_error_on_any_rank_is_reported_by_that_rank(tmp_path):
 # only if the interpreter shuts down; then the joined rank ends (finish's code 3) or its body fails (1).
 ONE_RANK = """
 import atexit, sys
-import distributed_muon as gpu, muon_tools as mt
+import muon_tools as mt
 
 def body(cfg, rank, device):
     atexit.register(print, "interpreter shut down")
@@ -64,7 +66,7 @@ def finish(cfg, gathered, device, seconds):
     print(f"finish saw {gathered}")
     return 3
 
-sys.exit(gpu.run_under_torchrun("gloo", "cpu", lambda world: mt.RunConfig(dp=1, tp=1), body, finish))
+sys.exit(mt.run_under_torchrun("gloo", "cpu", lambda world: mt.RunConfig(dp=1, tp=1), body, finish))
 """
 
 
@@ -103,26 +105,48 @@ def test_outside_torchrun_says_how_to_launch():
                                    "--standalone --nproc-per-node N distributed_muon.py")
 
 
-def test_the_sibling_holds_no_copy_of_the_algorithm():
-    tree = ast.parse(open(SIBLING).read())
-    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    algorithm = {n.name for n in ast.parse(open(dm.__file__).read()).body
-                 if isinstance(n, (ast.FunctionDef, ast.ClassDef))} - {"main"}
-    assert defined & algorithm == set()
-    launcher = {"parse", "environment", "check", "check_devices", "join_world", "run_under_torchrun", "main"}
-    assert defined <= launcher | {"body", "finish"}  # main's parts for run_under_torchrun
+def test_the_twin_is_the_lesson_with_its_gpu_hunks_and_nothing_else():
+    """The committed twin is what tools/gpu_twin.py makes from the lesson, and `diff distributed_muon_cpu.py
+    distributed_muon.py` is short: every line it shows is one of the declared hunks'."""
+    with open(SCRIPT) as f:
+        lesson = f.read()
+    with open(SIBLING) as f:
+        twin = f.read()
+    assert twin == gpu_twin.make_twin(lesson), "distributed_muon.py was edited by hand: run python tools/gpu_twin.py"
+    changed = gpu_twin.diff_lines(lesson, twin)
+    assert 0 < len(changed) <= gpu_twin.MAX_DIFF_LINES
+    declared = {line for cpu, gpu in gpu_twin.HUNKS for line in cpu.splitlines() + gpu.splitlines()}
+    assert {line[2:] for line in changed} <= declared
+    diff = gpu_twin.diff_text(SCRIPT, SIBLING)  # the card's own command
+    assert sum(line[:1] in "<>" for line in diff.splitlines() if line) == len(changed)
+    for cpu, gpu in gpu_twin.HUNKS[2:]:  # code hunks (after the docstring's two): each says why, in a comment
+        assert "#" in gpu
+
+
+def test_chapter_6_shows_todays_diff():
+    with open(gpu_twin.CHAPTER) as f:
+        chapter = f.read()
+    assert chapter == gpu_twin.with_diff(chapter, gpu_twin.diff_text(SCRIPT, SIBLING)), "run python tools/gpu_twin.py"
+
+
+def test_the_twin_check_fails_on_a_hand_edit(tmp_path):
+    edited = tmp_path / "distributed_muon.py"
+    with open(SIBLING) as f:
+        edited.write_text(f.read().replace("torch.cuda.synchronize()", "pass"))
+    assert gpu_twin.main(["--check", "--twin", SIBLING]) == 0
+    assert gpu_twin.main(["--check", "--twin", str(edited)]) == 1
+    with pytest.raises(ValueError, match="found 0 times, not once"):  # a lesson edit that breaks a hunk is caught
+        gpu_twin.make_twin(gpu_twin.make_twin(open(SCRIPT).read()))
 
 
 def test_under_torchrun_a_rank_without_its_gpu_says_so_itself(monkeypatch, capsys):
     """The launch checks every torchrun entry point shares (run_under_torchrun): an error that is the same on
     every rank is printed by rank 0 alone (the refusal tests of each entry point); a rank whose own GPU is
     missing prints its own line, and does not join."""
-    import distributed_muon as gpu
-
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a machine with 2 GPUs, 4 ranks started on it
-    monkeypatch.setattr(gpu, "join_world", lambda *a: pytest.fail("joined the world"))
+    monkeypatch.setattr(mt, "join_world", lambda *a: pytest.fail("joined the world"))
     for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3").items():
         monkeypatch.setenv(name, value)
-    assert gpu.run_under_torchrun("nccl", "cuda", lambda world: mt.RunConfig(dp=4, tp=1), None, None) == 2
+    assert mt.run_under_torchrun("nccl", "cuda", lambda world: mt.RunConfig(dp=4, tp=1), None, None) == 2
     assert capsys.readouterr().err == ("error: rank 3: no CUDA device for LOCAL_RANK 3 here (2 GPUs): use "
                                        "--backend gloo --device cpu\n")

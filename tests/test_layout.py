@@ -1,4 +1,4 @@
-"""Section 4 of the script: the virtual buffer and dist_meta."""
+"""Section 3 of the script: the virtual buffer and dist_meta."""
 
 import math
 import random

@@ -1,6 +1,7 @@
-"""The lesson reads top to bottom: nothing in sections 1-5 uses a name the file defines later (nor do the
-files of sections 6, 7 and the tooling), and the flow's helpers come before the flow, the flow before the
-class that calls it."""
+"""The lesson reads top to bottom: nothing in sections 1-6 uses a name the file defines later (nor do the
+files of sections 7, 8 and the tooling), the flow's helpers come before the flow, the flow before the class
+that calls it, and section 6 is the whole program a rank runs. The project's modules import one another in
+layers, none from a layer above (no cycle, no import tucked into a function)."""
 
 import ast
 import builtins
@@ -73,17 +74,17 @@ def test_the_checker_finds_a_forward_reference():
     assert forward_references(source.replace("g(x)", "x"), 1, 11) == []
 
 
-def test_sections_1_to_5_use_nothing_defined_later():
-    """The lesson's file is sections 1-5, read top to bottom: no statement uses a name defined below it."""
+def test_sections_1_to_6_use_nothing_defined_later():
+    """The lesson's file is sections 1-6, read top to bottom: no statement uses a name defined below it."""
     with open(SCRIPT) as f:
         source = f.read()
-    assert sorted(banner_lines(source)) == [1, 2, 3, 4, 5]
+    assert sorted(banner_lines(source)) == [1, 2, 3, 4, 5, 6]
     assert forward_references(source, 1, len(source.splitlines())) == []
 
 
 @pytest.mark.parametrize("path", [CHECKS, OWNERS, LARGE_RUNS, TOOLS])
 def test_the_files_beside_it_read_top_to_bottom_too(path):
-    """Sections 6 and 7, the checks and the tooling, each in its own file, use only what comes before them too."""
+    """Sections 7 and 8, the checks and the tooling, each in its own file, use only what comes before them too."""
     with open(path) as f:
         source = f.read()
     assert forward_references(source, 1, len(source.splitlines())) == []
@@ -93,6 +94,102 @@ def test_the_flow_comes_before_the_class_that_calls_it():
     with open(SCRIPT) as f:
         source = f.read()
     line = {n.name: n.lineno for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    order = ["dp_gather", "tp_gather", "tp_shard", "dp_shard", "gather_newton_schulz_shard", "DistributedMuon"]
+    order = ["dp_gather", "tp_gather", "tp_shard", "dp_shard", "gather_newton_schulz_shard", "DistributedMuon",
+             "run_steps", "run_rank"]
     assert [line[n] for n in order] == sorted(line[n] for n in order)
-    assert banner_lines(source)[5] < line["dp_gather"]
+    banners = banner_lines(source)
+    assert banners[4] < line["dp_gather"] and line["gather_newton_schulz_shard"] < banners[5]
+    assert banners[5] < line["DistributedMuon"] < banners[6] < line["run_rank"]
+
+
+def calls(node):
+    """The dotted names a function calls: dist.init_process_group, make_grid, opt.step, ..."""
+    def dotted(f):
+        return f.id if isinstance(f, ast.Name) else f"{dotted(f.value)}.{f.attr}" if isinstance(f, ast.Attribute) else "?"
+    return [dotted(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def test_section_6_is_the_program_every_rank_runs():
+    """`sed -n '/^# 6\\./,$p' distributed_muon_cpu.py` is the whole per-rank program: it joins the world, builds
+    the grid, the pieces and the optimizer, steps, and compares every piece with torch's (torch.equal); the file
+    ends by handing the command line to the tooling in one call."""
+    with open(SCRIPT) as f:
+        source = f.read()
+    section_6 = source[source.index("\n# 6. Run it\n"):]
+    tree = ast.parse(section_6)
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    run_rank, run_steps = calls(functions["run_rank"]), calls(functions["run_steps"])
+    for name in ("dist.init_process_group", "make_grid", "run_steps", "dist.gather_object", "torch_reference",
+                 "check_against_torch", "dist.destroy_process_group"):
+        assert name in run_rank, name
+    for name in ("initial_params", "build_optimizer", "dp_rank_grads", "opt.step", "opt.state_dict",
+                 "fresh.load_state_dict"):
+        assert name in run_steps, name
+    assert "torch.equal" in calls(functions["check_against_torch"])
+    main = tree.body[-1]  # if __name__ == "__main__": one call of the tooling
+    assert isinstance(main, ast.If) and [c for c in calls(main) if c.startswith("muon_tools")] == ["muon_tools.main"]
+
+
+# The project's modules, in layers: each imports only modules of the layers below it (the lesson's order:
+# the math, grid, buffer, flow and step below the strategies, below the tools and the demos).
+LAYERS = [
+    ["muon_checks"],  # what the optimizers refuse: imports nothing of the project
+    ["distributed_muon_cpu"],  # the lesson: math, grid, buffer, flow, the step, the run
+    ["muon_owners", "muon_large_runs"],  # sections 7 and 8: strategies and what large runs add
+    ["muon_tools"],  # the reference, the accounting, the launcher, the command line
+    ["distributed_muon_dtensor"],  # DTensorMuon, built on all of the above
+    ["dtensor_demo", "distributed_muon"],  # its demo; the lesson's GPU twin
+]
+
+
+def project_imports(path, modules):
+    """[(line, imported module, where)] for every import of a project module in the file at `path`: where is
+    "top" at module level, "function" inside a def or class, "main" inside `if __name__ == "__main__":`."""
+    tree = ast.parse(open(path).read())
+    found = []
+
+    def visit(node, where):
+        for child in ast.iter_child_nodes(node):
+            here = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                here = "function"
+            elif (isinstance(child, ast.If) and isinstance(child.test, ast.Compare)
+                  and getattr(child.test.left, "id", None) == "__name__"):
+                here = "main"
+            if isinstance(child, ast.Import):
+                found.extend((child.lineno, a.name.split(".")[0], here) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module:
+                found.append((child.lineno, child.module.split(".")[0], here))
+            visit(child, here)
+
+    visit(tree, "top")
+    return [f for f in found if f[1] in modules]
+
+
+def test_the_modules_import_each_other_in_layers():
+    """A tree of layers, no cycle: a module imports only from layers below its own, at its top, never inside a
+    function (the way a cycle is dodged). A command's `if __name__ == "__main__":` block is not part of the
+    module but the command itself, above every layer: only the lesson has one that reaches up, handing its
+    command line to the tooling (the command of a runnable lesson needs the strategies and the tooling, which
+    build on it)."""
+    layer = {m: i for i, names in enumerate(LAYERS) for m in names}
+    top_level = {n[:-3] for n in os.listdir(ROOT) if n.endswith(".py") and not n.endswith(".nb.py")}  # not notebooks
+    assert top_level == set(layer)  # every module of the repository's top level has its layer
+    problems, upward_mains = [], []
+    for module in sorted(layer):
+        for line, imported, where in project_imports(os.path.join(ROOT, module + ".py"), set(layer)):
+            if where == "main":
+                if layer[imported] >= layer[module]:
+                    upward_mains.append((module, imported))
+            elif where == "function" or layer[imported] >= layer[module]:
+                problems.append(f"{module}.py:{line} imports {imported} ({where})")
+    assert problems == []
+    assert upward_mains == [("distributed_muon_cpu", "muon_tools")]
+
+
+def test_the_layer_check_finds_a_cycle_and_a_tucked_import(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import os\nimport muon_tools\n\ndef f():\n    import muon_owners\n\n"
+                    "if __name__ == '__main__':\n    import dtensor_demo\n")
+    assert project_imports(str(path), {"muon_tools", "muon_owners", "dtensor_demo"}) == [
+        (2, "muon_tools", "top"), (5, "muon_owners", "function"), (8, "dtensor_demo", "main")]

@@ -1,5 +1,6 @@
-"""The notebook: its sections are the script's, it matches its jupytext pair, and it runs top to
-bottom headless, the way the README tells a user to run it."""
+"""The notebooks: the read-along's sections are the script's, each pair matches its jupytext twin, the read-along
+is committed with the outputs of today's code (tools/make_notebook.py), and both run top to bottom headless,
+the way the README tells a user to run them."""
 
 import json
 import os
@@ -16,13 +17,15 @@ from conftest import ROOT, SCRIPT
 from test_benchmarks import check_compare_output
 from test_cli import check_default_run
 
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import make_notebook  # noqa: E402
+
 NOTEBOOK = os.path.join(ROOT, "distributed_muon_cpu.ipynb")  # the lesson, section by section
 RUNS_NOTEBOOK = os.path.join(ROOT, "distributed_muon_runs.ipynb")  # grids, strategies, the GPT
 PAIRS = {NOTEBOOK: os.path.join(ROOT, "distributed_muon_cpu.nb.py"),
          RUNS_NOTEBOOK: os.path.join(ROOT, "distributed_muon_runs.nb.py")}
 OWNERS = os.path.join(ROOT, "muon_owners.py")
 LARGE_RUNS = os.path.join(ROOT, "muon_large_runs.py")
-TOOLS = os.path.join(ROOT, "muon_tools.py")
 
 
 def cells(nb):
@@ -40,20 +43,43 @@ def test_notebook_and_its_py_pair_are_in_sync(notebook):
     assert cells(nbformat.read(notebook, as_version=4)) == cells(jupytext.read(PAIRS[notebook]))
 
 
-@pytest.mark.parametrize("notebook", list(PAIRS))
-def test_notebook_is_committed_without_outputs(notebook):
-    nb = nbformat.read(notebook, as_version=4)
+def test_the_read_along_is_committed_with_the_outputs_of_todays_code(tmp_path):
+    """Every code cell has its output, none an error, and the hash tools/make_notebook.py recorded is that of
+    today's cells and code; a cell or a lesson line changed since, and the check fails."""
+    assert make_notebook.check() is None
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb.cells[-1].source += " "
+    nbformat.write(nb, tmp_path / "edited.ipynb")
+    assert "other cells or other code" in make_notebook.check(tmp_path / "edited.ipynb")
+
+
+def test_the_notebook_of_runs_is_committed_without_outputs():
+    nb = nbformat.read(RUNS_NOTEBOOK, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
 
 
 def test_notebook_sections_are_the_scripts_in_order():
     script = []
-    for path in (SCRIPT, OWNERS, LARGE_RUNS, TOOLS):  # the lesson's sections 1-5, owners' 6, large runs' 7, tooling's 8-11
+    for path in (SCRIPT, OWNERS, LARGE_RUNS):  # the lesson's sections 1-6, owners' 7, large runs' 8
         with open(path) as f:
             script += re.findall(r"^# (\d+)\. (.+)$", f.read(), flags=re.M)
-    assert [int(n) for n, _ in script] == list(range(1, 12))
-    assert headings(NOTEBOOK) == [("0", "Setup")] + script  # 0 sets up, 1-11 follow the script
+    assert [int(n) for n, _ in script] == list(range(1, 9))
+    assert headings(NOTEBOOK) == [("0", "Setup")] + script  # 0 sets up, 1-8 follow the script
     assert [int(n) for n, _ in headings(RUNS_NOTEBOOK)] == list(range(4))
+
+
+def test_each_section_shows_the_scripts_own_source_before_it_runs_it():
+    """Sections 1-8 each print the source of what they run (mt.show_source), not a paraphrase of it."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    shown, section = {}, None
+    for c in nb.cells:
+        if c.cell_type == "markdown" and re.match(r"^## (\d+)\.", c.source):
+            section = int(re.match(r"^## (\d+)\.", c.source).group(1))
+        elif c.cell_type == "code" and "mt.show_source(" in c.source:
+            shown.setdefault(section, []).append(c.source)
+    assert sorted(shown) == list(range(1, 9))
+    assert any("dm.gather_newton_schulz_shard" in src for src in shown[4])  # the flow itself
+    assert any("dm.run_rank" in src for src in shown[6])
 
 
 def execute(tmp_path, notebook):
@@ -78,7 +104,7 @@ def execute(tmp_path, notebook):
 
 
 def check_large_runs(text):
-    """Section 7's four additions, each checked on the numbers it printed."""
+    """Section 8's four additions, each checked on the numbers it printed."""
     spread = dict(re.findall(r"^(jordan|polar_express) .*singular values after 5 iterations ([\d.]+) to", text, re.M))
     assert float(spread["polar_express"]) > float(spread["jordan"]) + 0.1  # closer to 1 in the same 5 iterations
     for name in "qkv":  # each block is newton_schulz of its rows alone, and not the whole matrix's rows
@@ -91,7 +117,6 @@ def check_large_runs(text):
         before, multiplier, after = float(before), float(multiplier), float(after)
         assert (multiplier < 1 and after == 3.0) if before > 3.0 else (multiplier == 1 and after == before)
     assert sum(float(m) < 1 for _, _, m, _ in heads) == 2 and sum(float(m) == 1 for _, _, m, _ in heads) == 2
-    assert re.search(r"float32 Gram: max \|whole - sum over pieces\| [\d.e-]+ \(entries up to \d+\)", text)
     gram = re.search(r"8 matrices of 64x1024: torch.equal on (\d) of 8; max \|d\| (\d+) bf16 steps", text)
     assert int(gram.group(1)) < 8 and 0 < int(gram.group(2)) <= 16  # not torch's bits, within a few bf16 steps
 
@@ -99,28 +124,29 @@ def check_large_runs(text):
 def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     outputs, text = execute(tmp_path, NOTEBOOK)
     assert "torch.equal with torch's Newton-Schulz: True" in text  # section 1, in the kernel
+    assert "def newton_schulz(matrix" in text and "# distributed_muon_cpu.py, lines " in text  # its own source
     assert "momentum on two halves equals momentum on the whole: True" in text
     assert "rank 5: DP rank 2 of DP group (1, 3, 5, 7), TP rank 1 of TP group (4, 5)" in text  # section 2
-    assert "bucket (0, 0)" in text and "(padding)" in text  # section 4: the planned layout
-    # section 5: the flow, arrow by arrow, on the three kinds of matrix of the first bucket
-    assert "DP gather: 4 shards of (8448,) -> the bucket, (33792,)" in text
-    for name, split in (("layers.0.attn.qkv.weight", "split on dim 0"), ("layers.0.attn.proj.weight", "split on dim 1"),
-                        ("layers.0.router.weight", "not split")):
-        assert f"{name} ({split}), TP rank 0: TP-local" in text
-        assert f"{name}: every rank's part put together, torch.equal with Newton-Schulz on the whole matrix: True" in text
-    assert "TP-local (192, 128) -> TP gather (384, 128) -> Newton-Schulz (384, 128) -> TP shard (192, 128)" in text
-    assert "max / mean = 1.00" in text and "class OwnerMuon(DistributedMuon):" in text  # section 6
-    check_large_runs(text)  # section 7
-    default_run = text[text.index("Distributed Muon: 8 CPU ranks"):]  # section 8: the default run, --explain
+    assert "bucket (0, 0)" in text and "(padding)" in text  # section 3: the planned layout
+    # section 4: gather_newton_schulz_shard itself, on 8 thread ranks with real Gloo groups
+    assert "def gather_newton_schulz_shard(" in text
+    table = re.findall(r"^ +(\d) +\(8448,\) +49\.5 KiB +([\d.]+) KiB ", text, re.M)
+    assert [int(r) for r, _ in table] == list(range(8))  # every rank: its shard in, the DP gather's 3 x 16.5 KiB
+    assert [float(t) for _, t in table] == [48.0] * 4 + [64.0] * 2 + [16.0] * 2  # what its TP gathers brought
+    for name, split in (("layers.0.attn.qkv.weight", "split on dim 0, 384x128"),
+                        ("layers.0.attn.proj.weight", "split on dim 1, 128x128"), ("layers.0.router.weight", "not split, 8x128")):
+        assert (f"{name} ({split}): every rank's part put together, torch.equal with torch's Newton-Schulz on the "
+                "whole matrix: True") in text
+    assert "phases of one step, in order: grad presence -> grad reduce-scatter -> DP gather" in text  # section 5
+    assert "def run_rank(cfg, specs, build_optimizer, torch_reference):" in text  # section 6: its source, then
+    default_run = text[text.index("Distributed Muon: 8 CPU ranks"):]  # the default run, --explain
     with open(tmp_path / "runs" / "notebook_4x2.json") as f:
         check_default_run(default_run[:default_run.index("Result: PASS") + 60], json.load(f))
     assert text.count("Result: PASS") == 1
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # checks, accounting
-    assert "usage: distributed_muon_cpu.py" in text and "--strategy" in text  # section 10: the command line
-    check = re.search(r"error against float64: one process ([\d.e+-]+), two ranks ([\d.e+-]+); bound_ratio ([\d.]+)", text)
-    e_one, e_ranks, ratio = (float(g) for g in check.groups())  # section 11: a reordered sum, within its bound
-    assert 0 < e_one and 0 < e_ranks and ratio <= 1 and "one pass and two halves, bits equal: False" in text
-    assert "either way round (any two-term sum), bits equal: True" in text  # why TP = 2 sums are exact anywhere
+    assert "max / mean = 1.00" in text and "def assign_owners(" in text  # section 7
+    check_large_runs(text)  # section 8
+    assert "usage:" not in text and "bound_ratio" not in text  # the tooling's sections left the read-along
 
 
 def test_runs_notebook_runs_top_to_bottom(tmp_path):

@@ -24,7 +24,7 @@ def split_groups(model, **muon_hyper):
     return [dict(params=matrices, algorithm="muon", **muon_hyper), dict(params=others, algorithm="adamw")]
 
 
-# Every strategy, and the owner strategies with their step overlapped (section 6), in lock-step and not.
+# Every strategy, and the owner strategies with their step overlapped (section 7), in lock-step and not.
 VARIANTS = [(s, {}) for s in mo.STRATEGIES] + [(s, dict(overlap=k)) for s in ("owner", "comm-free") for k in (1, 3)]
 
 
@@ -80,7 +80,7 @@ def test_one_rank_is_bit_identical_on_odd_shapes(single_process_group, strategy,
     """The one-rank step (bucket by bucket) on small-side (k x 1, 1 x k, ...) and lopsided matrices, with
     buckets that hold many matrices: the demo's own run and verification, in this process."""
     cfg = mt.RunConfig(dp=1, tp=1, steps=4, model=model, strategy=strategy, bucket_size=16_384)
-    checks, _ = mt.verify(cfg, [mt.run_steps(0, cfg, "cpu")])
+    checks, _ = mt.verify(cfg, [mt.run_demo_steps(cfg, single_process_group)])
     assert len(checks) == len(mt.demo_specs(cfg)) and all(c["identical"] for c in checks)
     assert all(c["max_abs_update"] > 0 for c in checks if c["optimizer"] == "Muon")  # something moved
 

@@ -1,0 +1,141 @@
+"""Make distributed_muon.py, the lesson's GPU twin, from distributed_muon_cpu.py and the hunks below.
+
+    python tools/gpu_twin.py          # write distributed_muon.py, and the diff into notes/06-gpus.md
+    python tools/gpu_twin.py --check  # exit 1 if the committed distributed_muon.py is not what this makes
+    diff distributed_muon_cpu.py distributed_muon.py   # what changes on GPUs, and only that
+
+The twin is never edited by hand: change the lesson, or a hunk here, then run this. Each hunk is a
+stretch of the lesson, found exactly once, and what it becomes on GPUs: the backend, the device and
+set_device, torchrun's environment instead of our launcher, a synchronization before reading the
+clock. Everything else, the algorithm and the run, is the lesson's text, line for line.
+tests/test_gpu_sibling.py checks that the committed twin is what this makes and that the diff stays
+within MAX_DIFF_LINES.
+"""
+
+import argparse
+import difflib
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LESSON = os.path.join(ROOT, "distributed_muon_cpu.py")
+TWIN = os.path.join(ROOT, "distributed_muon.py")
+CHAPTER = os.path.join(ROOT, "notes", "06-gpus.md")  # shows the diff itself, in its one ```diff block
+MAX_DIFF_LINES = 40  # lines of `diff distributed_muon_cpu.py distributed_muon.py` that start with < or >
+
+# (the lesson's text, the twin's): each a whole stretch of lines.
+HUNKS = [
+    ('''"""Distributed Muon, ZeRO-1 x tensor parallel, on 8 CPU processes over Gloo.
+''', '''"""Distributed Muon, ZeRO-1 x tensor parallel, on GPUs over NCCL: one process per GPU, started by torchrun.
+(Made from distributed_muon_cpu.py by tools/gpu_twin.py, never by hand: diff the two to see what GPUs change.)
+'''),
+    ('''Launch recipes
+--------------
+    python distributed_muon_cpu.py                      # 8 ranks, DP=4 x TP=2, 3 steps
+    python distributed_muon_cpu.py --dp 2 --tp 4 --explain   # print the virtual buffer map too
+    python distributed_muon_cpu.py --dp 8 --tp 1 --steps 5 --json run.json
+    python distributed_muon_cpu.py --help               # every flag; the other strategies' and options'
+''', '''Launch recipes (DP = processes / TP unless --dp says otherwise)
+--------------
+    torchrun --standalone --nproc-per-node 8 distributed_muon.py --tp 2       # 8 GPUs, DP=4 x TP=2
+    torchrun --standalone --nproc-per-node 8 distributed_muon.py --tp 2 --strategy owner --explain
+    torchrun --standalone --nproc-per-node 4 distributed_muon.py --backend gloo --device cpu --tp 2  # no GPU
+    python distributed_muon.py --help                   # every flag; the other strategies' and options'
+'''),
+    ('''    device = torch.device("cpu")  # every tensor in this process's memory
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))  # over TCP
+''', '''    # One GPU per process, cuda:LOCAL_RANK (torchrun sets it), set once. Rank 0 runs torch's reference on its
+    # GPU too: tensor cores round bf16 matmuls otherwise than a CPU, so bit-identity holds device against device.
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # NCCL runs the collectives on the GPUs themselves (NVLink, InfiniBand); device_id binds it to this GPU.
+    dist.init_process_group(cfg.backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+'''),
+    ('''        opt.step()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+''', '''        opt.step()
+        if device.type == "cuda":  # kernels and NCCL return before they finish: wait, then read the clock
+            torch.cuda.synchronize()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+'''),
+    ('''    # Run as a command, this file hands over to its tooling, muon_tools.py, in one line: it checks the
+    # flags, prints the plan, starts DP x TP processes running run_rank, and prints the report. (The
+    # tooling imports this file as the module distributed_muon_cpu, as every other file does; no module
+    # imports the tooling.)
+    import muon_tools
+
+    sys.exit(muon_tools.main())
+''', '''    # torchrun started this process, one of DP x TP, and set its RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
+    # and MASTER_PORT: no launcher of ours. The tooling checks the flags (rank 0 says what is wrong), rank 0
+    # prints the plan, this file's run_rank runs, and rank 0 prints the report.
+    import muon_tools
+
+    sys.exit(muon_tools.main_under_torchrun(run_rank))
+'''),
+]
+
+
+def make_twin(lesson_text):
+    """The twin's text: the lesson's, each hunk's lesson stretch (found exactly once) replaced."""
+    for cpu, gpu in HUNKS:
+        if lesson_text.count(cpu) != 1:
+            raise ValueError(f"a hunk's lesson text is found {lesson_text.count(cpu)} times, not once: "
+                             f"{cpu.splitlines()[0]!r}")
+        lesson_text = lesson_text.replace(cpu, gpu)
+    return lesson_text
+
+
+def diff_lines(a, b):
+    """The lines `diff a b` prints that start with < or >: lines of one side only."""
+    return [line for line in difflib.ndiff(a.splitlines(), b.splitlines()) if line[:2] in ("- ", "+ ")]
+
+
+def diff_text(lesson_path, twin_path):
+    """What `diff lesson twin` prints (the `diff` command of the card; difflib would print it otherwise)."""
+    return subprocess.run(["diff", lesson_path, twin_path], capture_output=True, text=True).stdout
+
+
+def with_diff(chapter, diff):
+    """The chapter's text with its ```diff block replaced by `diff`."""
+    start = chapter.index("```diff\n") + len("```diff\n")
+    return chapter[:start] + diff + chapter[chapter.index("```", start):]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Make distributed_muon.py from distributed_muon_cpu.py.")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the committed twin differs")
+    parser.add_argument("--twin", default=TWIN, help="the twin's path (default %(default)s)")
+    args = parser.parse_args(argv)
+    with open(LESSON) as f:
+        twin = make_twin(f.read())
+    if args.check:
+        with open(args.twin) as f:
+            same = f.read() == twin
+        with open(CHAPTER) as f:
+            chapter = f.read()
+        shown = chapter == with_diff(chapter, diff_text(LESSON, args.twin))
+        name = os.path.basename(args.twin)
+        print(f"{name} is what tools/gpu_twin.py makes" if same else
+              f"{name} differs from what tools/gpu_twin.py makes: edit the lesson or a hunk, then run "
+              f"python tools/gpu_twin.py")
+        if not shown:
+            print("notes/06-gpus.md shows another diff than today's: run python tools/gpu_twin.py")
+        return 0 if same and shown else 1
+    with open(args.twin, "w") as f:
+        f.write(twin)
+    with open(LESSON) as f:
+        changed = len(diff_lines(f.read(), twin))
+    with open(CHAPTER) as f:
+        chapter = with_diff(f.read(), diff_text(LESSON, args.twin))
+    with open(CHAPTER, "w") as f:
+        f.write(chapter)
+    print(f"wrote distributed_muon.py ({changed} lines differ from distributed_muon_cpu.py) and its diff into "
+          f"notes/06-gpus.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
