@@ -61,7 +61,7 @@ from torch.profiler import record_function
 
 # What the optimizer refuses (its constructor's checks, shared with DTensorMuon and the command lines)
 # lives beside the lesson, no part of it.
-from muon_checks import check_hyperparameters, index_named_params
+from muon_checks import check_options, check_param_groups, fill_param_group, index_named_params, name_params
 
 # =============================================================================
 # 1. Newton-Schulz, momentum and the learning-rate adjustment
@@ -104,14 +104,16 @@ def ns_coefficients_of(coefficients, steps):
         named = NS_COEFFICIENT_CHOICES[coefficients]
         named = (named,) if isinstance(named[0], (int, float)) else named
         return tuple(named[min(i, len(named) - 1)] for i in range(steps))
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     coefficients = tuple(coefficients)
-    if len(coefficients) == 3 and all(isinstance(v, (int, float)) for v in coefficients):
+    if len(coefficients) == 3 and all(number(v) for v in coefficients):
         triples = (tuple(float(v) for v in coefficients),) * steps
     else:
-        triples = tuple(tuple(float(v) for v in t) if len(t) == 3 else None for t in coefficients)
+        triples = tuple(tuple(float(v) for v in t) if isinstance(t, (tuple, list)) and len(t) == 3
+                        and all(number(v) for v in t) else None for t in coefficients)
         if None in triples or len(triples) != steps:
             raise ValueError(f"ns_coefficients must be one (a, b, c) triple, a name ({', '.join(NS_COEFFICIENT_CHOICES)}) "
-                             f"or {steps} triples, one per iteration (got {len(coefficients)} items)")
+                             f"or {steps} triples, one per iteration (got {coefficients!r})")
     if not all(math.isfinite(v) for t in triples for v in t):
         raise ValueError(f"ns_coefficients must be finite (got {coefficients})")
     return triples
@@ -171,10 +173,14 @@ def adjusted_lr(lr, adjust_lr_fn, global_shape):
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
 
 
-def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_decay):
+def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_decay, maximize=False,
+           max_exp_avg_sq=None):
     """torch.optim.AdamW's single-tensor math, line for line, on any slice (elementwise: a ZeRO-1
-    shard gets the full tensor's bits). `step` is the already-incremented step count."""
+    shard gets the full tensor's bits). `step` is the already-incremented step count; maximize: the
+    gradient's ascent; max_exp_avg_sq: amsgrad's running maximum of exp_avg_sq, or None without amsgrad."""
     beta1, beta2 = betas
+    if maximize:
+        grad = -grad
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
@@ -182,6 +188,9 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas, eps, weight_dec
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
+    if max_exp_avg_sq is not None:  # amsgrad: normalize by the largest second moment so far
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        exp_avg_sq = max_exp_avg_sq
     denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
@@ -205,11 +214,21 @@ def apply_muon_update_(param, ortho, group, global_shape, runs=None):
                                alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], (rows, global_shape[1])))
 
 
+def adamw_state(numel, group, device=None):
+    """What torch.optim.AdamW keeps for a parameter of `numel` elements, before its first step."""
+    state = dict(step=torch.tensor(0.0), exp_avg=torch.zeros(numel, device=device),
+                 exp_avg_sq=torch.zeros(numel, device=device))
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros(numel, device=device)
+    return state
+
+
 def adamw_step_(param, grad, state, group):
-    """One AdamW step of a part: the step count, then adamw_ on the state's exp_avg and exp_avg_sq."""
+    """One AdamW step of a part: the step count, then adamw_ on the state's moments."""
     state["step"] += 1
     adamw_(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"].item(), lr=group["lr"],
-           betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+           betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+           maximize=group.get("maximize", False), max_exp_avg_sq=state.get("max_exp_avg_sq"))
 
 
 # =============================================================================
@@ -593,7 +612,7 @@ def orthogonalize(name, full, group, ledger, blocks=None):
     if blocks is not None and name in blocks.blocks:
         return blocks.orthogonalize_by_blocks(name, full, group, ledger)
     with record_function("newton-schulz"):  # a label for profiler traces
-        ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+        ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"])
     ledger.record_compute(name, tuple(full.shape), newton_schulz_flops(full.shape, group["ns_steps"]))
     return ortho
 
@@ -657,9 +676,17 @@ QK_CLIP_OFF = ("QK-clip is off: construct the optimizer with qk_clip_tau (and ro
 class DistributedMuon(torch.optim.Optimizer):
     """ZeRO-1 x TP Muon (and AdamW for non-matrix parameters), the gather strategy; bit-identical to torch.
 
-    params: groups {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", ...options}; each
-        tensor this rank's TP piece, the same on every DP rank; the same names in the same order everywhere.
-    grid: from make_grid; tp_split_dims: {name: dim} of TP-split parameters (others are replicated).
+    params: as torch's optimizers take them: tensors, (name, tensor) pairs (named_parameters()), or param
+        groups {"params": ..., "algorithm": "muon" | "adamw", ...options}; a group without an algorithm is
+        Muon's, as torch.optim.Muon takes plain parameters. Each tensor is this rank's TP piece, the same on
+        every DP rank; the same parameters in the same order on every rank (plain tensors are named by their
+        index, as torch's state_dict numbers them).
+    options (keywords): any option of torch.optim.Muon or torch.optim.AdamW, the default of every group
+        whose algorithm takes it; a group's own options win, and what neither gives is torch's default
+        (muon_checks.TORCH_OPTIONS, read from the installed torch). A Muon group's `eps` is Newton-Schulz's,
+        as in torch.optim.Muon. What is not honoured bit for bit is refused (muon_checks.REFUSED).
+    grid: from make_grid; tp_split_dims: {name: dim} of TP-split parameters (others are replicated); a group
+        added later (add_param_group, on every rank) may carry its own as the key "tp_split_dims".
     bucket_size: largest bucket, in elements, before padding to a multiple of DP.
     Gradients are summed over DP. A parameter whose .grad is None on every rank is skipped, as torch
     skips it; one with a gradient on some ranks only gets zeros from the others, as DDP adds.
@@ -672,24 +699,38 @@ class DistributedMuon(torch.optim.Optimizer):
     strategy = "gather"
     owners = None  # the gather strategy has none: every rank that touches a matrix orthogonalizes it
 
-    def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, lr=0.02, weight_decay=0.1,
-                 momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS,
-                 adjust_lr_fn="original", betas=(0.9, 0.999), eps=1e-8, large_runs=None):
-        check_hyperparameters(bucket_size=bucket_size, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                              adjust_lr_fn=adjust_lr_fn)
-        self.large_runs = large_runs
-        defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
-                        nesterov=nesterov, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
-                        ns_eps=ns_eps, adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
-        super().__init__(params, defaults)
-        self.grid, self.bucket_size, self.ledger = grid, bucket_size, Ledger()
+    def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, large_runs=None, **options):
+        if not isinstance(grid, Grid):
+            raise ValueError(f"grid must be the Grid of make_grid(dp, tp, rank) (got {type(grid).__name__})")
+        check_options(str, options, bucket_size=bucket_size)
+        self.grid, self.bucket_size, self.ledger, self.large_runs = grid, bucket_size, Ledger(), large_runs
+        self.options, self.tp_split_dims = options, dict(tp_split_dims or {})
+        super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
         self.device = self.param_groups[0]["params"][0].device
-        self.param_by_name, self.group_of, split_dims = index_named_params(self.param_groups, tp_split_dims or {})
+        self._lay_out()
+
+    def add_param_group(self, param_group):
+        """torch's, each option filled and checked per the group's algorithm (fill_param_group). Called after
+        construction, on every rank alike (a collective decision, as construction is), the group joins the
+        layout: its own buckets, and section 7's owners for its matrices, the others keeping theirs."""
+        if not isinstance(param_group, dict):
+            raise ValueError(f"a param group must be a dict with 'params' (got {type(param_group).__name__})")
+        self.tp_split_dims.update(param_group.pop("tp_split_dims", {}))
+        fill_param_group(param_group, self.options, len(self.param_groups))
+        super().add_param_group(name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
+        if hasattr(self, "layout"):
+            self._lay_out()
+
+    def _lay_out(self):
+        """Index and check every parameter, plan the layout (buckets, dist_meta) and what the strategy and
+        large_runs plan on it: at construction, and again when a param group is added."""
+        grid = self.grid
+        self.param_by_name, self.group_of, split_dims = index_named_params(self.param_groups, self.tp_split_dims)
         check_ns_coefficients(self.param_groups)
         self.muon_names = [n for n in self.param_by_name if self.group_of[n]["algorithm"] == "muon"]
         buffers = [[n for n in g["param_names"] if self._bucketed(n)] for g in self.param_groups]
         shapes = {n: tuple(p.shape) for n, p in self.param_by_name.items()}
-        self.layout = plan_layout(buffers, shapes, split_dims, grid.dp.size, grid.tp.size, bucket_size)
+        self.layout = plan_layout(buffers, shapes, split_dims, grid.dp.size, grid.tp.size, self.bucket_size)
         self.dist_metas = self.layout.metas[grid.dp.rank]
         if self.large_runs is not None:
             self.large_runs.plan(self)
@@ -718,11 +759,33 @@ class DistributedMuon(torch.optim.Optimizer):
             self._gather_bucket(bucket)  # 4
 
     def _vote_on_gradients(self):
-        """The parameters with a gradient on some rank, the same set everywhere (one tiny all-reduce):
-        had each rank decided alone, ranks could enter different collectives and wait forever."""
-        has_grad = torch.tensor([p.grad is not None for p in self.param_by_name.values()], device=self.device)
-        has_grad = any_rank(has_grad, self.grid.world, self.ledger, "grad presence")
-        return {n for n, present in zip(self.param_by_name, has_grad.tolist()) if present}
+        """The parameters with a gradient on some rank, the same set everywhere, and whether every rank can
+        step: one tiny MAX all-reduce of a byte per parameter and one more, before anything moves. Had each
+        rank decided alone, ranks could enter different collectives and wait forever; a rank that refuses (a
+        group's option set or loaded since construction, a gradient of another shape) makes every rank
+        raise, the highest such rank named, and nothing has changed."""
+        problem = self._problem()
+        votes = [p.grad is not None for p in self.param_by_name.values()] + [self.grid.rank + 1 if problem else 0]
+        votes = all_reduce(torch.tensor(votes, dtype=torch.uint8, device=self.device), self.grid.world, self.ledger,
+                           "grad presence", dist.ReduceOp.MAX).tolist()
+        if votes[-1]:
+            raise ValueError(problem or f"rank {votes[-1] - 1} refused the step (it raised why); nothing changed")
+        return {n for n, present in zip(self.param_by_name, votes) if present}
+
+    def _problem(self):
+        """This rank's reason to refuse the step, or None: a group's options, or a gradient that is not the
+        parameter's shape, dtype and device."""
+        try:
+            check_param_groups(self.param_groups)
+            check_ns_coefficients(self.param_groups)
+        except ValueError as e:
+            return f"rank {self.grid.rank}: {e}"
+        for name, p in self.param_by_name.items():
+            g = p.grad
+            if g is not None and (g.shape != p.shape or g.dtype != p.dtype or g.device != p.device):
+                return (f"rank {self.grid.rank}: the gradient of {name} is {g.dtype} {tuple(g.shape)} on {g.device}; "
+                        f"the parameter is {p.dtype} {tuple(p.shape)} on {p.device}")
+        return None
 
     def _reduce_bucket(self, bucket, active):
         """Stage 1: {name: this rank's part of the gradient summed over DP} for the bucket's active parts."""
@@ -757,8 +820,7 @@ class DistributedMuon(torch.optim.Optimizer):
                 state = self.state[p]
                 if group["algorithm"] == "adamw":
                     if not state:
-                        state.update(step=torch.tensor(0.0), exp_avg=grad.new_zeros(grad.numel()),
-                                     exp_avg_sq=grad.new_zeros(grad.numel()))
+                        state.update(adamw_state(grad.numel(), group, grad.device))
                     adamw_step_(p.view(-1)[self.parts[name]], grad, state, group)
                 else:
                     if not state:  # momentum of this rank's part only: it never exists for the whole matrix

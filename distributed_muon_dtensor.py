@@ -644,34 +644,31 @@ class DTensorMuon(torch.optim.Optimizer):
     See help(DTensorMuon.__init__) for every argument.
     """
 
-    def __init__(self, params, *, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr_fn="original",
-                 betas=(0.9, 0.999), eps=1e-8, expert_stacks=(), distributed_config=None, batched_ns=False,
-                 group=None, row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None):
+    def __init__(self, params, *, expert_stacks=(), distributed_config=None, batched_ns=False, group=None,
+                 row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None, **options):
         """Build the plan (collective: every rank of `group` calls it with the same parameter names).
 
-        params: named parameters, as torch optimizers take them: a list of groups
-            {"params": [(name, tensor), ...], "algorithm": "muon" | "adamw", any option below}.
-            Names are the model's (model.named_parameters()): owners and checkpoints are keyed by
-            them. Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks.
-            Tensors are float32 DTensors (any mesh; Shard, _StridedShard or Replicate placements)
-            or plain tensors. A group's own options override the defaults below; every group is
-            checked here by torch.optim.Muon's / AdamW's rules (mc.named_params, as the lesson's).
-        lr: learning rate of both algorithms (>= 0, finite).
-        weight_decay: decoupled weight decay, p *= 1 - lr * weight_decay (>= 0, finite).
-        momentum: Muon's momentum (in [0, 1); torch allows any >= 0); nesterov: Nesterov's input, as torch.
-        ns_coefficients, ns_steps, ns_eps: Newton-Schulz's (a, b, c) for every iteration, or one triple
-            per iteration, or "polar_express" (dm.ns_coefficients_of); iterations (1..99); norm floor.
-        adjust_lr_fn: Muon's per-matrix lr from its (rows A, cols B): "original" or None
-            (sqrt(max(1, A/B))), "match_rms_adamw" (0.2 sqrt(max(A, B))), "spectral_unclamped" (sqrt(A/B)).
-        betas, eps: AdamW's (each beta in [0, 1); eps >= 0).
+        params: as torch's optimizers take them: tensors, (name, tensor) pairs (model.named_parameters()),
+            or param groups {"params": ..., "algorithm": "muon" | "adamw", any option of that algorithm's
+            torch optimizer}; a group without an algorithm is Muon's, as torch.optim.Muon takes plain
+            parameters (muon_checks.muon_param_groups(model) splits a model the way Muon users do). Names
+            are the model's (model.named_parameters(); plain tensors are numbered as torch's state_dict
+            numbers them): owners are keyed by them. Muon parameters are 2-D, or 3-D expert stacks (E, out,
+            in) named in expert_stacks. Tensors are float32 DTensors (any mesh; Shard, _StridedShard or
+            Replicate placements) or plain tensors.
+        options (keywords): any option of torch.optim.Muon or torch.optim.AdamW, the default of every group
+            whose algorithm takes it; a group's own options win; what neither gives is torch's default
+            (muon_checks.TORCH_OPTIONS, read from the installed torch), checked by torch's rules. A Muon
+            group's `eps` is Newton-Schulz's, as in torch.optim.Muon; ns_coefficients may also be one triple
+            per iteration or "polar_express" (dm.ns_coefficients_of). What is not honoured bit for bit is
+            refused (muon_checks.REFUSED).
         expert_stacks: names of 3-D Muon parameters whose dim 0 indexes experts: each expert is its
             own matrix (orthogonalized once, lr adjusted by its (out, in)).
         distributed_config: DistributedConfig (section 4); None: automatic from the placements.
         batched_ns: owners orthogonalize their same-shape matrices in one batched call: faster for
             many small ones, not bitwise torch's (within BATCHED_NS_BOUND of it). Off by default.
         group: the process group of the exchanges (default: the whole world); every rank of it
-            builds the optimizer and calls step() together.
+            builds the optimizer and calls step() together (and add_param_group, which plans again).
         row_layouts: {name: mlr.RowLayout of the FULL matrix (one expert's, for a stack)}: which rows are which
             (section 3b), for the two options below; the same on every rank.
         ns_blocks: "whole" (torch's: each matrix as one), "blocks" (each segment of a layout across its
@@ -682,13 +679,9 @@ class DTensorMuon(torch.optim.Optimizer):
         qk_clip_tau: None (off), or tau > 0: clip_qk_ scales the "q" and "k" rows of every head whose
             max logit exceeded tau (Kimi K2's per-head QK-clip).
         """
-        mc.check_hyperparameters(bucket_size=1, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                 adjust_lr_fn=adjust_lr_fn)
-        mc.check_adamw_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        defaults = dict(algorithm="muon", lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=ns_coefficients, ns_steps=ns_steps, ns_eps=ns_eps,
-                        adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), eps=eps)
-        super().__init__(params, defaults)
+        mc.check_options(str, options)
+        self.options = options
+        super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
         self.config = distributed_config or DistributedConfig()
         self.config.check()
         self.batched_ns, self.ledger = batched_ns, mo.EventLedger()  # send_parts records its waits there
@@ -698,6 +691,19 @@ class DTensorMuon(torch.optim.Optimizer):
         self.axis = self._axis(group)
         self.me = self.axis.ranks[self.axis.rank]  # global ranks everywhere; self.index maps them to the group's
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self._plan()
+
+    def add_param_group(self, param_group):
+        """torch's, each option filled and checked per the group's algorithm (mc.fill_param_group). Called after
+        construction (on every rank of the group alike: it is collective), the plan is made again with the new
+        group: the state of the others is kept (it lives with the parameters' shards, whoever owns what)."""
+        mc.fill_param_group(param_group, self.options, len(self.param_groups))
+        super().add_param_group(mc.name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
+        if hasattr(self, "axis"):
+            self._plan()
+
+    def _plan(self):
+        """Index and check the parameters, agree with every rank, plan who orthogonalizes what; create the state."""
         self.param_by_name, self.group_of = {}, {}
         problem = self._index_params()  # local checks; raised below on every rank at once, never a hang
         copies = self._swap_descriptions(problem)
@@ -750,8 +756,7 @@ class DTensorMuon(torch.optim.Optimizer):
                     if p.ndim != 3:
                         return f"expert stack {name} must be 3-D (experts, out, in); it has shape {tuple(p.shape)}"
                 elif p.ndim != 2:
-                    return (f"Muon needs 2-D matrices; {name} has shape {tuple(p.shape)} (a 3-D expert stack "
-                            f"must be named in expert_stacks)")
+                    return mc.not_a_matrix(name, p.shape, expert_stacks=True)
         unknown = sorted(self.expert_stacks - {n for n in self.param_by_name
                                                 if self.group_of[n]["algorithm"] == "muon"})
         if unknown:
@@ -834,7 +839,7 @@ class DTensorMuon(torch.optim.Optimizer):
 
     def _plan_automatic(self, copies):
         muon_copies = [c for c in copies if self.param_groups[c.group]["algorithm"] == "muon"]
-        steps = {i: g["ns_steps"] for i, g in enumerate(self.param_groups)}
+        steps = {i: g["ns_steps"] for i, g in enumerate(self.param_groups) if g["algorithm"] == "muon"}
         self.matrices, self.ns_flops, self.owners = plan_matrices(
             muon_copies, steps, self.me, self.world, self.config.assign, self._flops_of, self._tp_dim_of)
         outside = sorted({m.name for m in self.matrices if not set(m.holders) | {m.owner} <= set(self.axis.ranks)})
@@ -922,8 +927,10 @@ class DTensorMuon(torch.optim.Optimizer):
             zeros = lambda: like_param(p, torch.zeros_like(local_of(p), memory_format=torch.contiguous_format))
             if self.group_of[name]["algorithm"] == "muon":
                 state["momentum_buffer"] = zeros()
-            else:
+            else:  # torch.optim.AdamW's: the moments, and amsgrad's running maximum
                 state.update(step=torch.tensor(0.0), exp_avg=zeros(), exp_avg_sq=zeros())
+                if self.group_of[name]["amsgrad"]:
+                    state["max_exp_avg_sq"] = zeros()
         return state
 
     def load_state_dict(self, state_dict):
@@ -1014,14 +1021,19 @@ class DTensorMuon(torch.optim.Optimizer):
 
     def _refuse_on_every_rank(self, problem, someone=None, phase=""):
         """Raise on every rank if any rank found a problem: `someone` is the vote already taken, or None to take
-        it now (one MAX all-reduce, `phase` in the ledger). This rank raises its own problem, the others say so."""
+        it now (one MAX all-reduce, `phase` in the ledger). A refusal names the rank: this rank raises its own
+        problem, the others name the (highest) rank that refused, from one more MAX all-reduce of the rank, made
+        only then (the vote is a byte a rank: too small for a rank of a large cluster)."""
         if someone is None:
             flag = torch.tensor([problem is not None], device=self._device())
             someone = dm.any_rank(flag, self.axis, self.ledger, phase)[0]
+        if not someone:
+            return
+        rank = torch.tensor([self.me + 1 if problem else 0], dtype=torch.int64, device=self._device())
+        rank = int(dm.all_reduce(rank, self.axis, self.ledger, "refusal", dist.ReduceOp.MAX)) - 1
         if problem:
-            raise ValueError(problem)
-        if someone:
-            raise ValueError("another rank found a problem with its gradients or options (it raised the details)")
+            raise ValueError(f"rank {self.me}: {problem}")
+        raise ValueError(f"rank {rank} refused the step (it raised why); nothing changed")
 
     def _orthogonalize(self, updates):
         """{name: bf16 update of this rank's local shard} -> {name: its orthogonalized local shard}."""
@@ -1052,7 +1064,7 @@ class DTensorMuon(torch.optim.Optimizer):
             g = group_of[m.name]
             with record_function("newton-schulz"):
                 orthogonal[m.name] = mlr.newton_schulz_tp(full[m.name], m.copy.shape, self._tp_axis(m), self.ledger,
-                                                         g["ns_steps"], g["ns_coefficients"], g["ns_eps"])
+                                                         g["ns_steps"], g["ns_coefficients"], g["eps"])
             self.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
         orthos.update(self._scatter_from_owners(orthogonal, updates, active))
         return orthos

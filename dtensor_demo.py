@@ -823,14 +823,12 @@ def run_placed_reference(run):
     pieces = lambda n, t: [t[e] for e in range(t.shape[0])] if n in stacks else [t]
     tensors = {n: [nn.Parameter(p.clone()) for p in pieces(n, t)] for n, t in placed_start(run).items()}
     groups = {"muon": [], "adamw": []}
-    torch_options = {"muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps",
-                              "adjust_lr_fn"), "adamw": ("lr", "betas", "eps", "weight_decay")}
     for i, options in enumerate(run.groups):
         options = dict(options)
         kind = options.pop("algorithm", "muon")
         mine = [p for n, _, _, g in run.params if g == i for p in tensors[n]]
-        groups[kind].append(dict({k: v for k, v in options.items() if k in torch_options[kind]}, params=mine))
-    optimizers = ([torch.optim.Muon(groups["muon"], adjust_lr_fn="original")] if groups["muon"] else []) + \
+        groups[kind].append(dict(options, params=mine))  # every option as the group gives it: torch's own
+    optimizers = ([torch.optim.Muon(groups["muon"])] if groups["muon"] else []) + \
                  ([torch.optim.AdamW(groups["adamw"], foreach=False)] if groups["adamw"] else [])
     for step in range(1, run.steps + 1):
         for n, g in exact_grads(shapes, run.seed, step).items():

@@ -193,7 +193,7 @@ class Blocks:
         """The full matrix `name`, orthogonalized block by block, its FLOPs counted."""
         with record_function("newton-schulz"):
             ortho = newton_schulz_blocks(full, self.blocks[name], group["ns_steps"], group["ns_coefficients"],
-                                         group["ns_eps"])
+                                         group["eps"])
         ledger.record_compute(name, tuple(full.shape), self.flops(name, tuple(full.shape), group["ns_steps"]))
         return ortho
 
@@ -376,7 +376,7 @@ class LargeRuns(Blocks):
 
     def plan(self, optimizer):
         """Once the layout is known: {name: its blocks of rows}, and the matrices newton_schulz_tp takes."""
-        if self.optimizer is not None:
+        if self.optimizer not in (None, optimizer):
             raise ValueError("this LargeRuns serves another optimizer already: give each optimizer its own")
         if optimizer.strategy != "gather":
             check_owner_tp_newton_schulz(optimizer.strategy, self.tp_newton_schulz)
@@ -407,7 +407,7 @@ class LargeRuns(Blocks):
         steps = group["ns_steps"]
         with record_function("newton-schulz"):
             tp_piece = newton_schulz_tp(tp_local, meta.global_shape, grid.tp, ledger, steps,
-                                        group["ns_coefficients"], group["ns_eps"])
+                                        group["ns_coefficients"], group["eps"])
         ledger.record_compute(meta.name, meta.global_shape, newton_schulz_tp_flops(meta.global_shape,
                                                                                     grid.tp.size, steps))
         return tp_piece

@@ -110,18 +110,20 @@ def lpt_order(ns_flops, shapes=None):
     return order
 
 
-def assign_owners(ns_flops, n_ranks, shapes=None):
+def assign_owners(ns_flops, n_ranks, shapes=None, kept=None):
     """Greedy longest-processing-time: {matrix name: rank}, balanced by Newton-Schulz FLOPs.
 
     Matrices in lpt_order, each to the rank with the least work so far (ties: the
     lowest rank). Deterministic, so every rank computes the same assignment without
     talking. LPT is within 4/3 of the best possible maximum (Graham, 1969); it cannot
     balance fewer or very uneven matrices (e.g. 10 matrices, 4 of them the largest,
-    on 8 ranks).
+    on 8 ranks). kept: {name: rank} of matrices already owned (a param group added to a
+    built optimizer: the others keep their owners, and their work counts).
     """
-    load = [0] * n_ranks
-    owners = {}
-    for name in lpt_order(ns_flops, shapes):
+    kept = {n: r for n, r in (kept or {}).items() if n in ns_flops}
+    load = [sum(ns_flops[n] for n, r in kept.items() if r == rank) for rank in range(n_ranks)]
+    owners = dict(kept)
+    for name in lpt_order({n: f for n, f in ns_flops.items() if n not in kept}, shapes):
         rank = min(range(n_ranks), key=lambda r: (load[r], r))
         owners[name] = rank
         load[rank] += ns_flops[name]
@@ -398,7 +400,7 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
                 continue
             g = group_of[name]
             stacks.setdefault((matrix.shape, g["ns_steps"], ns_coefficients_of(g["ns_coefficients"], g["ns_steps"]),
-                               g["ns_eps"]), []).append(name)
+                               g["eps"]), []).append(name)
         for (shape, steps, coefficients, eps), names in stacks.items():
             with record_function("newton-schulz"):
                 stack = batched_newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
@@ -596,7 +598,7 @@ class OwnerMuon(DistributedMuon):
         self.ns_flops = {n: newton_schulz_flops(shapes[n], self.group_of[n]["ns_steps"]) if large_runs is None else
                          large_runs.flops(n, shapes[n], self.group_of[n]["ns_steps"]) for n in self.muon_names}
         self.owners = (check_owners(self.owner_override, self.muon_names, world) if self.owner_override is not None
-                       else assign_owners(self.ns_flops, world, self.layout.global_shapes))
+                       else assign_owners(self.ns_flops, world, self.layout.global_shapes, self.owners))
         self.routes = plan_routes(self.muon_names, self.owners, self.part_of, self.layout, self.grid,
                                   self._route_axis())
 

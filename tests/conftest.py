@@ -92,7 +92,7 @@ def layout_metas(dp, tp, bucket_size, **config):
 
 
 def presence_bytes(n_params, world):
-    """Bytes each rank sends (and receives) to agree which parameters have a gradient: a ring
-    all-reduce of one byte per parameter, padded to a multiple of the world size."""
-    padded = -(-n_params // world) * world
+    """Bytes each rank sends (and receives) to agree which parameters have a gradient and whether every rank
+    can step: a ring all-reduce of one byte per parameter and one more, padded to a multiple of the world size."""
+    padded = -(-(n_params + 1) // world) * world
     return 2 * (world - 1) * (padded // world)

@@ -35,7 +35,7 @@ def test_spectral_unclamped_steps_like_torch_on_one_rank(single_process_group):
     named = dict(theirs.named_parameters())
     ref = [torch.optim.Muon([dict(params=[named[hidden]], adjust_lr_fn="spectral_unclamped"),
                              dict(params=[named[out]])], lr=0.02, weight_decay=0.1, adjust_lr_fn="original"),
-           torch.optim.AdamW([named[n] for n in groups[1]["param_names"]], lr=0.02, weight_decay=0.1)]
+           torch.optim.AdamW([named[n] for n in groups[1]["param_names"]], lr=0.02)]  # torch's defaults, as ours
     g = torch.Generator().manual_seed(3)
     for step in range(3):
         for name, p in ours.named_parameters():
@@ -49,10 +49,10 @@ def test_spectral_unclamped_steps_like_torch_on_one_rank(single_process_group):
 
 
 @pytest.mark.parametrize("group,message", [
-    (dict(adjust_lr_fn="spectral"), "param group 0: adjust_lr_fn must be one of original, match_rms_adamw, "
-                                    "spectral_unclamped (got 'spectral')"),
-    (dict(lr=float("nan")), "param group 0: lr must be >= 0 and finite (got nan)"),
-    (dict(momentum=-0.1), "param group 0: momentum must be in [0, 1) (got -0.1)"),
+    (dict(adjust_lr_fn="spectral"), "param group 0 (muon): adjust_lr_fn must be None or one of original, "
+                                    "match_rms_adamw, spectral_unclamped (got 'spectral')"),
+    (dict(lr=float("nan")), "param group 0 (muon): lr must be >= 0 and finite (got nan)"),
+    (dict(momentum=-0.1), "param group 0 (muon): momentum must be in [0, 1) (got -0.1)"),
 ])
 def test_the_lessons_optimizer_checks_every_group(single_process_group, group, message):
     groups = split_groups(TinyNet())
@@ -61,19 +61,20 @@ def test_the_lessons_optimizer_checks_every_group(single_process_group, group, m
         mo.OPTIMIZERS["gather"](groups, grid=single_process_group)
     groups = split_groups(TinyNet())
     groups[1].update(betas=(0.9, 1.0))
-    with pytest.raises(ValueError, match=r"param group 1: betas must be two numbers in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"param group 1 \(adamw\): betas must be in \[0, 1\) \(got 1.0\)"):
         mo.OPTIMIZERS["gather"](groups, grid=single_process_group)
 
 
 @pytest.mark.parametrize("make_groups,message", [
     (lambda m: [dict(params=list(m.parameters()))],
-     "pass named parameters: [(name, tensor), ...] (state is keyed by name)"),
+     "Muon needs 2-D parameters; 2 has shape (48,): put it in a group of algorithm 'adamw' (muon_param_groups "
+     "splits a model the way Muon users do)"),
     (lambda m: [dict(params=list(m.named_parameters()), algorithm="sgd")],
-     "unknown algorithm 'sgd'; use 'muon' or 'adamw'"),
+     "param group 0: algorithm must be 'muon' or 'adamw' (got 'sgd')"),
     (lambda m: split_groups(m) + [dict(params=[("out.weight", torch.nn.Parameter(torch.zeros(16, 48)))])],
      "parameter out.weight appears twice"),
     (lambda m: split_groups(m.double()), "hidden.weight is torch.float64; this reference keeps float32 parameters"),
-    (lambda m: [dict(split_groups(m)[0], lr=-1.0)], "param group 0: lr must be >= 0 and finite (got -1.0)"),
+    (lambda m: [dict(split_groups(m)[0], lr=-1.0)], "param group 0 (muon): lr must be >= 0 and finite (got -1.0)"),
 ])
 def test_both_optimizers_check_named_params_with_one_function(single_process_group, make_groups, message):
     """The lesson's DistributedMuon and DTensorMuon refuse the same groups with the same line: muon_checks.named_params."""

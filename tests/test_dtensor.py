@@ -45,15 +45,18 @@ def checkpoint_2x2(tmp_path_factory):
 
 
 RESUMED_ON = [(4, 1), (1, 4), (3, 2), (1, 1)]
-# Param groups of different options (demo.PlacedRun): every adjust_lr_fn torch accepts, Nesterov on and off,
-# another ns_steps, AdamW's betas and eps; groups 1, 2 and 3 hold one parameter each (equal sizes: the case
-# that param_groups.index broke), group 3 a vector beside group 1's matrix.
+# Param groups of different options (demo.PlacedRun), each as torch's own optimizer takes it: every adjust_lr_fn
+# torch accepts, Nesterov on and off, another ns_steps, Muon's eps (Newton-Schulz's: 100 is above these updates'
+# norms, so it scales them), AdamW's betas, eps, amsgrad (a second moment that falls: beta2 0.5) and maximize;
+# groups 1, 2 and 3 hold one parameter each (equal sizes: the case that param_groups.index broke), group 3 a
+# vector beside group 1's matrix. tests/test_torch_options.py checks each option changes the result.
 GROUPS = ((("algorithm", "muon"), ("lr", 0.02), ("weight_decay", 0.1)),
           (("algorithm", "muon"), ("lr", 0.03), ("weight_decay", 0.0), ("adjust_lr_fn", "spectral_unclamped"),
            ("nesterov", False), ("momentum", 0.9)),
           (("algorithm", "muon"), ("lr", 0.01), ("weight_decay", 0.05), ("adjust_lr_fn", "match_rms_adamw"),
-           ("ns_steps", 3)),
-          (("algorithm", "adamw"), ("lr", 0.01), ("weight_decay", 0.02), ("betas", (0.8, 0.99)), ("eps", 1e-6)))
+           ("ns_steps", 3), ("eps", 100.0)),
+          (("algorithm", "adamw"), ("lr", 0.01), ("weight_decay", 0.02), ("betas", (0.8, 0.5)), ("eps", 1e-6),
+           ("amsgrad", True), ("maximize", True)))
 # b's 3 rows over 4 ranks leave rank 3 nothing of group 1's only matrix
 GROUPED = (("a", (6, 5), ("S0", "S1"), 0), ("b", (3, 7), ("S0", "R"), 1), ("c", (5, 9), ("R", "S1"), 2),
            ("d", (7,), ("S0", "R"), 3), ("e", (4, 4), ("S1", "S0"), 0))
@@ -419,7 +422,8 @@ def test_torch_checkpoint_recipe_is_what_the_helpers_run(checkpoint_2x2, scenari
     metadata = dcp.FileSystemReader(checkpoint_2x2).read_metadata().state_dict_metadata
     assert "optim.state.layers.0.moe.w1.momentum_buffer" in metadata
     assert "optim.state.embed.weight.exp_avg_sq" in metadata and "model.layers.1.fc2.weight" in metadata
-    assert {f"optim.param_groups.{i}.{k}" for i in range(3) for k in ("params", "lr", "adjust_lr_fn")} <= set(metadata)
+    assert {f"optim.param_groups.{i}.{k}" for i in range(3) for k in ("params", "lr")} <= set(metadata)
+    assert {"optim.param_groups.0.adjust_lr_fn", "optim.param_groups.1.betas"} <= set(metadata)  # each torch's own
 
 
 def test_checkpoint_resharded_to_other_meshes_continues_bit_identical(scenarios, reference):
@@ -453,7 +457,7 @@ def test_partial_gradient_is_a_clear_error_on_every_rank(scenarios):
     assert len(errors) == 4
     for rank, error in errors.items():
         assert "placement P(sum) on mesh dim 0 is a pending reduction (Partial)" in error or \
-            error == "another rank found a problem with its gradients (it raised the details)", error
+            error.endswith(" refused the step (it raised why); nothing changed"), error
     assert any("the gradient of layers.0.fc2.weight" in e for e in errors.values())
 
 
@@ -482,7 +486,8 @@ def plain_model_optimizer(**options):
 
 
 @pytest.mark.parametrize("stacks,message", [
-    (set(), "Muon needs 2-D matrices; layers.0.moe.w1 has shape (4, 36, 40) (a 3-D expert stack must be named"),
+    (set(), "Muon needs 2-D parameters; layers.0.moe.w1 has shape (4, 36, 40): put it in a group of algorithm 'adamw' "
+            "(muon_param_groups splits a model the way Muon users do), or name it in expert_stacks"),
     ({"layers.0.moe.w1", "layers.0.moe.w2", "layers.1.moe.w1", "layers.1.moe.w2", "nope"},
      "expert_stacks names no Muon parameter: nope"),
 ])
@@ -659,10 +664,12 @@ def test_a_refused_step_changes_nothing_on_any_rank(scenarios, label):
     ranks = results[label]
     assert len(ranks) == 4 and all(r["unchanged"] is True for r in ranks)
     assert all(r["error"] for r in ranks)
-    said = "param group 1: adjust_lr_fn must be one of original, match_rms_adamw, spectral_unclamped (got 'bogus')"
-    told = "another rank found a problem with its gradients or options (it raised the details)"
+    said = ("param group 1 (muon): adjust_lr_fn must be None or one of original, match_rms_adamw, spectral_unclamped "
+            "(got 'bogus')")
     culprits = range(4) if label == "refused 4x1" else [3]
-    assert [r["error"] for r in ranks] == [said if r["rank"] in culprits else told for r in ranks]
+    told = f"rank {max(culprits)} refused the step (it raised why); nothing changed"  # the highest refusing rank
+    assert [r["error"] for r in ranks] == [f"rank {r['rank']}: {said}" if r["rank"] in culprits else told
+                                           for r in ranks]
     assert ranks[3]["params"]["b"].numel() == 0  # rank 3 holds nothing of group 1's matrix
 
 
@@ -684,13 +691,13 @@ def test_hsdp_replicas_get_identical_updates_and_newton_schulz_runs_once_per_mat
 def test_equal_size_groups_in_one_process_and_every_group_checked_at_construction():
     a, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))
     dd.DTensorMuon([dict(params=[("a", a)]), dict(params=[("b", b)], algorithm="adamw")])  # == on tensors: gone
-    for group, message in [(dict(adjust_lr_fn="bogus"), "param group 1: adjust_lr_fn must be one of"),
-                           (dict(lr=-1.0), "param group 1: lr must be >= 0"),
-                           (dict(momentum=1.0), "param group 1: momentum must be in [0, 1)"),
-                           (dict(ns_steps=100), "param group 1: ns_steps must be in [1, 100)"),
-                           (dict(algorithm="adamw", betas=(0.9, 1.0)), "param group 1: betas must be two numbers"),
-                           (dict(algorithm="adamw", eps=-1e-8), "param group 1: eps must be >= 0"),
-                           (dict(algorithm="adamw", weight_decay=float("inf")), "param group 1: weight_decay")]:
+    for group, message in [(dict(adjust_lr_fn="bogus"), "param group 1 (muon): adjust_lr_fn must be None or one of"),
+                           (dict(lr=-1.0), "param group 1 (muon): lr must be >= 0"),
+                           (dict(momentum=1.0), "param group 1 (muon): momentum must be in [0, 1)"),
+                           (dict(ns_steps=100), "param group 1 (muon): ns_steps must be in [1, 100)"),
+                           (dict(algorithm="adamw", betas=(0.9, 1.0)), "param group 1 (adamw): betas must be in [0, 1)"),
+                           (dict(algorithm="adamw", eps=-1e-8), "param group 1 (adamw): eps must be >= 0"),
+                           (dict(algorithm="adamw", weight_decay=float("inf")), "param group 1 (adamw): weight_decay")]:
         c = torch.nn.Parameter(torch.randn(3, 3) if group.get("algorithm") != "adamw" else torch.randn(3))
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
             dd.DTensorMuon([dict(params=[("a", a)]), dict(group, params=[("c", c)])])
@@ -705,8 +712,8 @@ def test_explicit_gather_that_gives_a_wrong_shape_is_refused_on_every_rank_with_
     ranks = results["explicit refused"]
     assert len(ranks) == 8 and all(r["unchanged"] is True for r in ranks)
     owned = sorted(n for n, o in ranks[0]["owners"].items() if o == 0)
-    assert owned and ranks[0]["error"].startswith(f"gather gave {owned[0]} as (")
-    told = "another rank found a problem with its gradients or options (it raised the details)"
+    assert owned and ranks[0]["error"].startswith(f"rank 0: gather gave {owned[0]} as (")
+    told = "rank 0 refused the step (it raised why); nothing changed"
     assert [r["error"] for r in ranks[1:]] == [told] * 7
 
 

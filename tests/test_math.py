@@ -142,7 +142,7 @@ def owned_matrices(shape, seed):
 
 
 def orthogonalize_owned(full, batched):
-    group = dict(ns_steps=dm.NS_STEPS, ns_coefficients=dm.NS_COEFFICIENTS, ns_eps=dm.NS_EPS)
+    group = dict(ns_steps=dm.NS_STEPS, ns_coefficients=dm.NS_COEFFICIENTS, eps=dm.NS_EPS)
     ledger = dm.Ledger()
     orthos = mo.newton_schulz_owned(full, {n: group for n in full}, ledger, batched=batched)
     assert sorted(r["name"] for r in ledger.compute) == sorted(full)  # each matrix counted once

@@ -128,7 +128,8 @@ def test_parameters_without_gradients_are_skipped_like_torch(single_process_grou
     torch.manual_seed(2)
     ours, theirs = TinyNet(), TinyNet()
     theirs.load_state_dict(ours.state_dict())
-    opt = mo.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group, bucket_size=300, **options)
+    opt = mo.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group, bucket_size=300, lr=0.02,
+                                  weight_decay=0.1, **options)
     named = dict(theirs.named_parameters())
     ref = [torch.optim.Muon([named["hidden.weight"], named["out.weight"]], lr=0.02, weight_decay=0.1),
            torch.optim.AdamW([p for n, p in named.items() if n not in ("hidden.weight", "out.weight")], lr=0.02,
@@ -152,15 +153,15 @@ def test_parameters_without_gradients_are_skipped_like_torch(single_process_grou
 
 
 @pytest.mark.parametrize("make_groups,kwargs,message", [
-    (lambda m: [dict(params=list(m.parameters()))], {}, "pass named parameters"),
+    (lambda m: [dict(params=list(m.parameters()))], {}, r"Muon needs 2-D parameters; 2 has shape \(48,\)"),
     (lambda m: [dict(params=list(m.named_parameters()), algorithm="muon")], {}, "Muon needs 2-D parameters"),
-    (lambda m: [dict(params=list(m.named_parameters()), algorithm="sgd")], {}, "unknown algorithm 'sgd'"),
+    (lambda m: [dict(params=list(m.named_parameters()), algorithm="sgd")], {}, r"algorithm must be 'muon' or 'adamw' \(got 'sgd'\)"),
     (lambda m: split_groups(m), dict(tp_split_dims={"nope.weight": 0}), "unknown parameters"),
     (lambda m: split_groups(m), dict(tp_split_dims={"hidden.weight": 2}), "out of range"),
     (lambda m: split_groups(m), dict(bucket_size=0), "bucket_size must be >= 1"),
     (lambda m: split_groups(m), dict(momentum=1.0), "momentum must be in"),
     (lambda m: split_groups(m), dict(lr=-1.0), "lr must be >= 0 and finite"),
-    (lambda m: split_groups(m), dict(adjust_lr_fn="spectral"), "adjust_lr_fn must be one of"),
+    (lambda m: split_groups(m), dict(adjust_lr_fn="spectral"), "adjust_lr_fn must be None or one of"),
     (lambda m: split_groups(m), dict(weight_decay=float("nan")), "weight_decay must be >= 0 and finite"),
 ])
 def test_bad_construction_is_a_clear_error(single_process_group, make_groups, kwargs, message):
