@@ -226,8 +226,8 @@ def train_rank(rank, cfg, device):
 
 
 def log_progress(cfg, model, corpus, dense, dp_rank, device, out, step, first, last, printing):
-    """Validate (the cross-entropy alone, in eval mode, nothing counted) and print train_gpt's progress line with the
-    load-balance loss (means over the DP ranks)."""
+    """Validate (the cross-entropy alone, in eval mode, nothing counted) and print train_gpt's progress line (train:
+    the cross-entropy, as val) with the load-balance loss a layer (1 when the routing is even; means over DP ranks)."""
     train_ce, aux = (tgd.dp_mean(v, dense, device) for v in (model.ce.item(), out["aux"][-1]))
     model.eval()
     with model.uncounted():
@@ -237,7 +237,8 @@ def log_progress(cfg, model, corpus, dense, dp_rank, device, out, step, first, l
     now = time.perf_counter()
     done = step - (out["val"][-2][0] if len(out["val"]) > 1 else first - 1)
     if printing and cfg.progress:
-        print(tg.progress_line(cfg, step, train_ce, val, now - last, done) + f"  aux {aux:.3f}", flush=True)
+        print(tg.progress_line(cfg, step, train_ce, val, now - last, done) + f"  aux/layer {aux / cfg.layers:.3f}",
+              flush=True)
 
 
 def train_many(configs, world):
@@ -386,11 +387,13 @@ def summarize(cfg, results):
     # an EP rank's rows over its edp groups (other tokens), once per TP row (its TP replicas take the same rows)
     by_ep = [sum(p["tokens"] for p in per_rank if p["coordinate"][1:] == (e, 0)) for e in range(cfg.ep)]
     ns = [p["ns_flops_experts"] + p["ns_flops_other"] for p in per_rank]
+    # an expert's owner is one of its holders, the ranks of its EP rank: the EP split is the experts' NS split
+    ns_by_ep = [sum(p["ns_flops_experts"] for p in per_rank if p["coordinate"][1] == e) for e in range(cfg.ep)]
     per_row = 4 * ACTIVATION_NUMBERS(cfg)
     group_pairs = cfg.ep * cfg.batch // cfg.dp * cfg.context * cfg.top_k  # the pairs of one EP group, per layer
     return dict(per_rank=per_rank, expert_ns_flops=flops[min(experts)] if experts else 0,
                 expert_matrices=len(experts), each_once=sorted(done) == sorted(owners) and len(done) == len(owners),
-                ns_balance=max(ns) / statistics.fmean(ns) if sum(ns) else 1.0,
+                ns_balance=max(ns) / statistics.fmean(ns) if sum(ns) else 1.0, expert_ns_by_ep=ns_by_ep,
                 tokens_by_ep=by_ep, token_balance=max(by_ep) / statistics.fmean(by_ep),
                 rows_max=max(rows_per_layer), rows_even=group_pairs // cfg.ep, rows_worst=group_pairs,
                 bytes_per_row=per_row, rows_capacity=math.ceil(CAPACITY_FACTOR * group_pairs / cfg.experts)
@@ -412,6 +415,8 @@ def print_summary(cfg, s, print_fn=print):
              f"{s['expert_matrices']} expert matrices ({cfg.layers} layers x 2 stacks x {cfg.experts}), each "
              f"orthogonalized {'once in the world (the ledgers)' if s['each_once'] else 'NOT once'}; NS FLOPs max/mean "
              f"over ranks {s['ns_balance']:.2f}")
+    print_fn(f"Newton-Schulz of the experts per EP rank (each among the ranks holding it): "
+             f"{', '.join(f'{f / 1e6:.2f}' for f in s['expert_ns_by_ep'])} MFLOP a step")
     print_fn(f"Expert exchange (gather at owner + scatter from owner, bf16): {kib(total('experts'))} a step over all "
              f"ranks, {total('experts') / max(1, total('experts') + total('other')):.0%} of DTensorMuon's")
     print_fn(f"Tokens per EP rank (rows its experts took, a layer, mean over steps): "
