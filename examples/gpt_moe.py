@@ -73,9 +73,12 @@ def experts_per_rank(experts, ep):
 
 def check_moe(moe, ep=1):
     """Raise ValueError (one line) when the MoE cannot be built or its experts split over `ep` EP ranks."""
-    for name in ("experts", "top_k", "expert_hidden"):
+    for name in ("top_k", "expert_hidden"):
         if getattr(moe, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(moe, name)})")
+    if moe.experts < 2:
+        raise ValueError(f"--experts must be >= 2 (got {moe.experts}): one expert routes nothing (its router's "
+                         f"softmax is 1 whatever it weighs); the dense GPT is examples/train_gpt_dtensor.py")
     if moe.top_k > moe.experts:
         raise ValueError(f"--top-k {moe.top_k} exceeds --experts {moe.experts}: a token cannot take more experts "
                          f"than there are")

@@ -318,7 +318,8 @@ def routing_check(cfg, results):
             prob_diff = max(prob_diff, gap.max().item())
             decisions += chosen.shape[0]
             ranked = mine["probs"].sort(-1, descending=True).values[:, :cfg.top_k + 1]
-            margin = (ranked[:, :-1] - ranked[:, 1:]).amin(-1)
+            gaps = torch.cat([ranked[:, :-1] - ranked[:, 1:], torch.full_like(ranked[:, :1], math.inf)], -1)
+            margin = gaps.amin(-1)  # inf: one expert, no decision to make
             for token in (chosen != mine["chosen"]).any(-1).nonzero().view(-1).tolist():
                 differ.append(dict(step=s + 1, layer=layer, token=token, ranks=chosen[token].tolist(),
                                    one_process=mine["chosen"][token].tolist(), margin=margin[token].item(),

@@ -167,7 +167,7 @@ def test_command_line_on_4_ranks_with_an_ep_rank_of_fewer_experts(tmp_path):
     (["--experts", "2", "--top-k", "3"], "--top-k 3 exceeds --experts 2"),
     (["--dp", "4", "--ep", "4", "--experts", "6"], "--experts 6 over EP 4: torch.chunk (Shard(0)) gives 2, 2, 2, 0, "
                                                    "so EP rank 3 would hold none"),
-    (["--experts", "0"], "--experts must be >= 1 (got 0)"),
+    (["--experts", "1", "--ep", "1", "--top-k", "1"], "--experts must be >= 2 (got 1): one expert routes nothing"),
     (["--aux-loss-weight", "-1"], "--aux-loss-weight must be >= 0 and finite (got -1.0)"),
     (["--verify", "--resume", "{checkpoint}"], "--verify replays the run from its initial weights: it takes no --resume"),
     (["--ep", "two"], "argument --ep: invalid int value: 'two'"),
