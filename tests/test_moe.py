@@ -31,12 +31,12 @@ import train_gpt_moe as tgm  # noqa: E402
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt_moe.py")
 SMALL = dict(batch=8, context=32, d_model=32, layers=2, heads=4, expert_hidden=32, log_every=2, val_windows=8,
              progress=False)
-STEPS = 4
+STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def trainings(tmp_path_factory):
-    """One spawn of 8 ranks: DP 4 (EP 2) x TP 2 with 7 experts and a shared expert, 4 steps kept for --verify's
+    """One spawn of 8 ranks: DP 4 (EP 2) x TP 2 with 7 experts and a shared expert, 3 steps kept for --verify's
     checks, saving after step 2; then, on 4 of the ranks, the same run resumed under DP 4 (EP 4) x TP 1. With
     the first one's verification (computed once: several tests read it)."""
     folder = str(tmp_path_factory.mktemp("moe_dcp") / "after_step_2")
@@ -120,17 +120,17 @@ def test_a_weight_one_ulp_off_a_wrong_expert_gradient_or_a_wrong_route_fails(tra
 
 
 def test_saved_under_ep_2_resumed_under_ep_4_replays_bit_for_bit_through_the_checkpoint(trainings):
-    """torch's optimizers fed the uninterrupted run's gradients of steps 1 and 2, then the resumed run's of steps
-    3 and 4 (EP 4: experts 2, 2, 2, 1 per EP rank), give every rank's weights bit for bit at every step: the
+    """torch's optimizers fed the uninterrupted run's gradients of steps 1 and 2, then the resumed run's of step 3
+    (EP 4: experts 2, 2, 2, 1 per EP rank), give every rank's weights bit for bit at every step: the
     checkpoint restored the weights and the optimizer's state exactly, resharded across EP sizes. Step 3 runs at
     the saved weights on another mesh: its loss and gradients within the bound; the curve continues."""
     configs, results, _ = trainings
     whole, resumed, cfg = results[0], results[1], configs[1]
-    assert all(r["first"] == 3 and len(r["losses"]) == 2 for r in resumed)
+    assert all(r["first"] == 3 and len(r["losses"]) == 1 for r in resumed)
     assert sorted(r["experts_held"] for r in resumed) == [(0, 2), (2, 4), (4, 6), (6, 7)]
     ref = tgm.Reference(cfg, routing=tgm.ranks_routing(cfg, resumed))
     assert tgm.demo.replay_differs(ref, whole, steps=2) == []
-    assert tgm.demo.replay_differs(ref, resumed, steps=2, first=3) == []
+    assert tgm.demo.replay_differs(ref, resumed, steps=1, first=3) == []
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
     at_3 = tgm.demo.assemble([dict(r, params=r["weights"][0]) for r in resumed], shapes)
     loss_3 = sum(r["losses"][0] for r in resumed) / cfg.dp
@@ -138,28 +138,29 @@ def test_saved_under_ep_2_resumed_under_ep_4_replays_bit_for_bit_through_the_che
     assert 0 < errors["bound_ratio"] <= 1, errors
     heads = lambda rs: [r for r in rs if r["coordinate"][2] == 0]
     mean = lambda rs, s: sum(r["losses"][s] for r in heads(rs)) / cfg.dp
-    assert all(abs(mean(resumed, s) - mean(whole, s + 2)) < 1e-4 for s in range(2))
+    assert abs(mean(resumed, 0) - mean(whole, 2)) < 1e-4
 
 
 def test_command_line_on_4_ranks_with_an_ep_rank_of_fewer_experts(tmp_path):
-    argv = ["--dp", "2", "--ep", "2", "--tp", "2", "--experts", "3", "--steps", "3", "--batch", "8", "--context",
-            "32", "--d-model", "32", "--layers", "2", "--expert-hidden", "32", "--log-every", "3", "--val-windows", "8",
-            "--verify", "--json", str(tmp_path / "run.json"), "--figure", str(tmp_path / "ledger.png")]
+    """--figure's picture is drawn in the notebook of runs' test (tests/test_notebook.py), on the same command."""
+    argv = ["--dp", "2", "--ep", "2", "--tp", "2", "--experts", "3", "--steps", "2", "--batch", "8", "--context",
+            "32", "--d-model", "32", "--layers", "2", "--expert-hidden", "32", "--log-every", "2", "--val-windows", "8",
+            "--verify", "--json", str(tmp_path / "run.json")]
     proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout
     assert "DP 2 (EP 2) x TP 2 = 4 Gloo ranks, experts per EP rank 2, 1" in text
-    assert [line.split()[1] for line in text.splitlines() if line.startswith("step ")] == ["3/3"]
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("step ")] == ["2/2"]
     assert "12 expert matrices (2 layers x 2 stacks x 3), each orthogonalized once in the world" in text
-    assert "router: each token's top-k of every layer and step (1,536 decisions)" in text
-    assert "1,536 identical" in text and "TP replicas agree  PASS" in text
-    assert "26/26 parameters identical after each of 3 steps" in text and text.rstrip().endswith("Result: PASS")
+    assert "router: each token's top-k of every layer and step (1,024 decisions)" in text
+    assert "1,024 identical" in text and "TP replicas agree  PASS" in text
+    assert "26/26 parameters identical after each of 2 steps" in text and text.rstrip().endswith("Result: PASS")
     with open(tmp_path / "run.json") as f:
         run = json.load(f)
     held = [p["experts_held"] for p in run["ledger"]["per_rank"]]
-    assert held == [[0, 2], [0, 2], [2, 3], [2, 3]] and run["passed"] and len(run["losses"]) == 3
-    assert (tmp_path / "ledger.png").stat().st_size > 10_000 and proc.stderr == ""
+    assert held == [[0, 2], [0, 2], [2, 3], [2, 3]] and run["passed"] and len(run["losses"]) == 2
+    assert proc.stderr == ""
 
 
 @pytest.mark.parametrize("argv,message", [
