@@ -18,8 +18,9 @@
 #
 # The second notebook of `distributed_muon_cpu.py`. The first, `distributed_muon_cpu.ipynb`, follows
 # the script section by section and runs the flow in one process; this one runs the script as a
-# user would: every grid of 8 ranks, the strategies side by side, and a tensor-parallel GPT trained
-# with the optimizer on real text. Every run is checked against torch.optim.Muon / AdamW.
+# user would: every grid of 8 ranks, the strategies side by side, a tensor-parallel GPT trained
+# with the optimizer on real text, and a mixture-of-experts GPT under expert parallelism. Every run is
+# checked against torch.optim.Muon / AdamW.
 
 # %% [markdown]
 # ## 0. Setup
@@ -158,7 +159,7 @@ plt.show()
 # %% [markdown]
 # Muon against AdamW on this task, each at the best of four learning rates with the same tokens,
 # is a longer measurement (`python benchmarks/gpt_lr_sweep.py`, about 4 minutes on 2 cores): there
-# Muon reached AdamW's best validation loss in 3.3x fewer steps (`notes/09-training.md`).
+# Muon reached AdamW's best validation loss in 3.3x fewer steps (`notes/11-training.md`).
 
 # %% [markdown]
 # Is the distributed training the training one process would do? `--verify` trains the same GPT in
@@ -166,10 +167,38 @@ plt.show()
 # compares three ways: the ranks' own gradients replayed through torch's optimizers (bit for bit:
 # the optimizer is exact), each step's loss and gradients at the ranks' weights (bit for bit too:
 # the ranks' TP all-reduces add their partial sums in rank order, and this process adds TP's pieces
-# in the same order), and the two free-running trainings. `notes/09-training.md` explains why.
+# in the same order), and the two free-running trainings. `notes/11-training.md` explains why.
 
 # %%
 mt.run_program("examples/train_gpt.py", "--dp", "2", "--tp", "2", "--steps", "3", "--verify")
+
+# %% [markdown]
+# ## 4. Experts: a mixture-of-experts GPT under expert parallelism
+#
+# `examples/train_gpt_moe.py` trains the same GPT with each block's MLP replaced by routed experts
+# (`examples/gpt_moe.py`): a router sends each token to its top-2 of E experts, one `all_to_all_single`
+# with uneven splits carries it to the rank holding that expert (expert parallelism, EP, over a mesh
+# dimension of its own, borrowed from DP), and one more brings the result back. Attention is TP,
+# everything is FSDP2, and `DTensorMuon` orthogonalizes each expert of the 3-D stacks as its own matrix,
+# once in the world. Below: DP 2 (both of them EP ranks) × TP 2 with 3 experts, so one EP rank holds two
+# and the other one. `--verify` checks the run as the FSDP2 GPT's (the replay bit for bit) and every
+# routing decision against one process. The picture is the run's ledger: what MoE adds to the optimizer.
+
+# %%
+from IPython.display import Image  # noqa: E402
+
+mt.run_program("examples/train_gpt_moe.py", "--dp", "2", "--ep", "2", "--tp", "2", "--experts", "3", "--steps", "6",
+               "--log-every", "3", "--layers", "2", "--d-model", "32", "--expert-hidden", "64", "--context", "64",
+               "--batch", "8", "--verify", "--figure", "runs/notebook_moe.png")
+Image("runs/notebook_moe.png")
+
+# %% [markdown]
+# Left: the experts are most of the Newton–Schulz work, and an expert is orthogonalized by a rank that
+# holds it, so the EP rank with two experts does twice the other's. Middle: the expert matrices' share
+# of the optimizer's exchange: an expert's owner sends its orthogonalized update to the other ranks that
+# hold it (here its TP replica; with more DP ranks than EP ranks, FSDP2 also cuts each expert, and the
+# owner first gathers its pieces). Right: without a capacity cut, the EP rank with more experts takes
+# more rows. `notes/13-moe.md` has the default run on 8 ranks and what each figure means.
 
 # %% [markdown]
 # Where to go next: `benchmarks/` measures the strategies (`compare.py`), the grids and bucket sizes

@@ -43,6 +43,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -95,9 +96,13 @@ def validate(cfg, on_disk=True):
 # 2. The model in PyTorch's parallelism
 # =============================================================================
 def plain_gpt(cfg):
-    """gpt.GPT with its Megatron layers (ColumnParallelLinear, RowParallelLinear: one process's form) turned
-    into nn.Linear holding the same weights, the form parallelize_module's styles take."""
-    model = GPT(cfg.gpt())
+    """gpt.GPT in one process's form, its Megatron layers as nn.Linear (as_linear)."""
+    return as_linear(GPT(cfg.gpt()))
+
+
+def as_linear(model):
+    """model (gpt.GPT or a model built on it) with its Megatron layers (ColumnParallelLinear, RowParallelLinear:
+    one process's form) turned into nn.Linear holding the same weights, the form parallelize_module's styles take."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
@@ -200,28 +205,31 @@ def validation_loss(model, corpus, cfg, mesh, dp_rank, device):
 
 @dataclass(frozen=True)
 class Trainings:
-    """Several Configs on one spawn of `dp` x `tp` ranks, one after another, each on its first ranks."""
+    """Several Configs on one spawn of `dp` x `tp` ranks, one after another, each on its first ranks; body: what a
+    rank runs for one of them (train_rank, or another training's, e.g. examples/train_gpt_moe.py's)."""
 
     configs: tuple
     dp: int
     tp: int = 1
     timeout_s: float = mt.TIMEOUT_S
+    body: Callable = None  # None: train_rank
 
 
 def train_each(rank, trainings, device):
     results = []
     for cfg in trainings.configs:
-        results.append(train_rank(rank, cfg, device))
+        results.append((trainings.body or train_rank)(rank, cfg, device))
         dist.barrier()  # the next training may load what this one saved
     return results
 
 
-def train_many(configs, world):
-    """[every rank's result] of each Config, from one spawn of `world` ranks."""
+def train_many(configs, world, body=None, check=validate):
+    """[every rank's result] of each Config, from one spawn of `world` ranks; body and check: another training's
+    rank and its validate (default this file's)."""
     for cfg in configs:
-        validate(cfg, on_disk=False)
-    per_rank = mt.spawn_ranks(Trainings(tuple(configs), world, timeout_s=max(c.timeout_s for c in configs)),
-                              train_each)
+        check(cfg, on_disk=False)
+    per_rank = mt.spawn_ranks(Trainings(tuple(configs), world, timeout_s=max(c.timeout_s for c in configs),
+                                        body=body), train_each)
     return [[r[i] for r in per_rank if r[i] is not None] for i in range(len(configs))]
 
 
@@ -306,12 +314,18 @@ def print_verification(out, print_fn=print):
     print_fn(f"Result: {'PASS' if out['passed'] else 'FAIL'}")
 
 
+def config_from_args(args, config=Config):
+    """The Config (or a subclass's, e.g. examples/train_gpt_moe.py's) that parsed arguments describe; --verify keeps
+    every rank's gradients and weights."""
+    given = {f.name: getattr(args, f.name) for f in fields(config) if hasattr(args, f.name)}
+    return config(**given, keep=args.verify)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
 
     def work():
-        given = {f.name: getattr(args, f.name) for f in fields(Config) if hasattr(args, f.name)}
-        cfg = Config(**given, keep=args.verify)
+        cfg = config_from_args(args)
         validate(cfg)
         print(f"GPT {cfg.layers} layers x d={cfg.d_model}, {cfg.heads} heads; fully_shard x parallelize_module on "
               f"mesh dp={cfg.dp} x tp={cfg.tp}, DTensorMuon, lr {cfg.lr:g}, torch {torch.__version__}"

@@ -65,7 +65,7 @@ def test_notebook_sections_are_the_scripts_in_order():
             script += re.findall(r"^# (\d+)\. (.+)$", f.read(), flags=re.M)
     assert [int(n) for n, _ in script] == list(range(1, 9))
     assert headings(NOTEBOOK) == [("0", "Setup")] + script  # 0 sets up, 1-8 follow the script
-    assert [int(n) for n, _ in headings(RUNS_NOTEBOOK)] == list(range(4))
+    assert [int(n) for n, _ in headings(RUNS_NOTEBOOK)] == list(range(5))
 
 
 def test_each_section_shows_the_scripts_own_source_before_it_runs_it():
@@ -88,7 +88,9 @@ def execute(tmp_path, notebook):
     for name in ("distributed_muon_cpu.py", "muon_checks.py", "muon_owners.py", "muon_large_runs.py", "muon_tools.py",
                  os.path.basename(notebook), "requirements.txt",
                  os.path.join("benchmarks", "compare.py"), os.path.join("examples", "gpt.py"),
-                 os.path.join("examples", "stdlib_text.py"), os.path.join("examples", "train_gpt.py")):
+                 os.path.join("examples", "stdlib_text.py"), os.path.join("examples", "train_gpt.py"),
+                 "distributed_muon_dtensor.py", "dtensor_demo.py", os.path.join("examples", "train_gpt_dtensor.py"),
+                 os.path.join("examples", "gpt_moe.py"), os.path.join("examples", "train_gpt_moe.py")):
         os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     # `python -m jupyter` is the `jupyter` command of this very environment (a bare `jupyter` on
@@ -152,11 +154,13 @@ def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
 def test_runs_notebook_runs_top_to_bottom(tmp_path):
     outputs, text = execute(tmp_path, RUNS_NOTEBOOK)
     assert text.count("Result: PASS: 26/26 parameters bit-identical to torch") == 4  # every grid of 8 ranks
-    assert text.count("Result: PASS") == 5  # and the GPT's --verify
+    assert text.count("Result: PASS") == 6  # and the GPT's --verify, and the MoE GPT's
     for label in ("gather", "owner", "comm-free", "AdamW ZeRO-1"):  # benchmarks/compare.py
         assert f"{label:<13} PASS: 26/26 parameters bit-identical to torch" in text
     with open(tmp_path / "runs" / "notebook_compare.json") as f:
         check_compare_output(text[text.index("Comparing strategies:"):], json.load(f))
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3  # grids, strategies, the GPT's loss curves
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # grids, strategies, the GPT's loss, the MoE's
     assert text.count("step 20/20  train") == 1  # the GPT trained
+    assert "experts per EP rank 2, 1" in text and "each orthogonalized once in the world" in text  # the MoE GPT
+    assert "(6,144 decisions) against the one process's own at the ranks' weights: 6,144 identical" in text
     assert "replay:    torch's optimizers fed the ranks' summed gradients: 52/52 parameters identical" in text
