@@ -701,7 +701,8 @@ class DistributedMuon(torch.optim.Optimizer):
     owners = None  # the gather strategy has none: every rank that touches a matrix orthogonalizes it
 
     def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, large_runs=None, **options):
-        if not isinstance(grid, Grid):
+        # by its fields, not its class: the GPU twin and another commit's lesson define their own Grid
+        if not all(hasattr(grid, axis) for axis in ("rank", "dp", "tp", "world")):
             raise ValueError(f"grid must be the Grid of make_grid(dp, tp, rank) (got {type(grid).__name__})")
         check_options(str, options, bucket_size=bucket_size)
         self.grid, self.bucket_size, self.ledger, self.large_runs = grid, bucket_size, Ledger(), large_runs

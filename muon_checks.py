@@ -129,6 +129,20 @@ GROUP_KEYS = ("params", "param_names", "algorithm")
 SCHEDULER_KEYS = ("initial_lr", "base_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
 
 
+def check_param_group(group, i):
+    """A group's options (once filled) by their algorithm's rules, naming the group: at construction, and at
+    every step, where a value set or loaded since then is caught before anything moves."""
+    name = group_spelling(i, group)
+    for key in TORCH_OPTIONS[group["algorithm"]]:
+        check_option(name, group["algorithm"], key, group[key])
+
+
+def check_param_groups(param_groups):
+    """Every group's options (once filled), each by its algorithm's rules."""
+    for i, group in enumerate(param_groups):
+        check_param_group(group, i)
+
+
 def fill_param_group(group, options, i, extra=()):
     """The group as the optimizer keeps it, in place (torch's add_param_group fills its dict in place too): its
     algorithm ("muon" unless given, as torch.optim.Muon takes plain parameters), and each option of that
@@ -152,20 +166,6 @@ def fill_param_group(group, options, i, extra=()):
         group.setdefault(key, options.get(key, default))
     check_param_group(group, i)
     return group
-
-
-def check_param_group(group, i):
-    """A group's options (once filled) by their algorithm's rules, naming the group: at construction, and at
-    every step, where a value set or loaded since then is caught before anything moves."""
-    name = group_spelling(i, group)
-    for key in TORCH_OPTIONS[group["algorithm"]]:
-        check_option(name, group["algorithm"], key, group[key])
-
-
-def check_param_groups(param_groups):
-    """Every group's options (once filled), each by its algorithm's rules."""
-    for i, group in enumerate(param_groups):
-        check_param_group(group, i)
 
 
 def name_params(group, first):
