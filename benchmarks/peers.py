@@ -1,6 +1,7 @@
 """The peers side by side, like for like: every Muon on the package registry that runs on CPU Gloo,
-timed as *its gradient synchronization + its step* against ours, whose step includes its reduction,
-and each checked against torch.optim.Muon after one step.
+timed as *its gradient synchronization + its step* against ours (DTensorMuon under FSDP2 like them;
+the lesson's owner and comm-free, whose ZeRO-1 step includes its reduction), and each checked against
+torch.optim.Muon after one step.
 
     What a data-parallel step costs, per optimizer          what is timed here
     ---------------------------------------------------     -------------------------------------
@@ -8,12 +9,14 @@ and each checked against torch.optim.Muon after one step.
                                                             buckets, averaged), then step()
     FSDP2 peer (dtensor-muon,    reduce-scatter + its step  the reduce-scatter FSDP2 does (one per
       muon-fsdp2, muonium)                                  layer, averaged), then step()
-    ours (owner, comm-free)      its step                   step(): it reduces the gradients itself
+    ours, FSDP2 (DTensorMuon)    reduce-scatter + its step  the same reduce-scatter, then step()
+    ours, ZeRO-1 (owner,         its step                   step(): it reduces the gradients itself
+      comm-free)
 
 Both collectives are run and timed on Gloo here, never assumed. The model is scaling.py's 4
 transformer layers (qkv, proj, fc, fc2), Muon's matrices only (no AdamW: the peers' AdamWs differ
-more than their Muons). On N processes every rank holds the same local gradient: g for the peers,
-whose DDP / FSDP2 average it, g / N for ours, which sums; both give the total gradient g exactly for
+more than their Muons). On N processes every rank holds the same local gradient: g where DDP / FSDP2
+average it (the peers, DTensorMuon), g / N for owner and comm-free, which sum; both give g exactly for
 N a power of two, and torch.optim.Muon in one process is fed g. Each process runs one thread.
 
 Install the peers into their own virtual environment that sees the system torch, with --no-deps,
@@ -22,6 +25,7 @@ so that the torch this project runs on is never replaced (requirements.txt never
     python -m venv --system-site-packages /work/peers-venv
     /work/peers-venv/bin/pip install --no-deps -r benchmarks/requirements-peers.txt
     /work/peers-venv/bin/python benchmarks/peers.py                     # d = 768, 1 and 2 processes
+    /work/peers-venv/bin/python benchmarks/peers.py --ranks 1 2 4 --d 128   # a CPU without bf16 units
     python benchmarks/peers.py --d 32 --rounds 2 --ranks 1              # ours only, no peer installed
 
 A peer that is not installed is reported as "not installed"; one that fails, with its error's first
@@ -61,6 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import distributed_muon_dtensor as dd  # noqa: E402
 import muon_owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 import scaling  # noqa: E402
@@ -68,7 +73,10 @@ import scaling  # noqa: E402
 LR, WEIGHT_DECAY, MOMENTUM = scaling.HYPERPARAMETERS["lr"], scaling.HYPERPARAMETERS["weight_decay"], 0.95
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 TORCH = "torch.optim.Muon"
-OURS = ("owner", "comm-free")
+OURS = ("owner", "comm-free")  # the lesson's ZeRO-1 strategies: their step reduces the gradients
+IN_STEP = "none: in its step"
+FSDP2_SYNC = "FSDP2 reduce-scatter"
+DTENSOR = "ours: DTensorMuon"  # distributed_muon_dtensor.py under FSDP2, synchronized as the FSDP2 peers are
 NOT_INSTALLED = "not installed"
 
 
@@ -192,6 +200,12 @@ def ours(strategy):
     return build
 
 
+def dtensor_muon(weights, world, rank):
+    """DTensorMuon on FSDP2's Shard(0) parameters: the optimizer practitioners adopt, timed as the FSDP2 peers."""
+    return fsdp2_contender(weights, world, lambda params: dd.DTensorMuon(
+        [dict(params=list(params.items()), algorithm="muon")], lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM))
+
+
 def uncompiled(package):
     """Every torch.compile'd function held by the package's loaded modules replaced by the function it
     wraps: the patch, in one line."""
@@ -225,7 +239,7 @@ def muon_fsdp2(module, weights, world, rank):
         rms_scale=False, nesterov=True, ns_steps=5)]))
 
 
-def dtensor_muon(module, weights, world, rank):
+def dtensor_muon_peer(module, weights, world, rank):
     return fsdp2_contender(weights, world, lambda params: module.MuonForeach(
         list(params.values()), lr=LR, wd=WEIGHT_DECAY, use_cautious_wd=False, momentum=MOMENTUM,
         nesterov=True, ns_steps=5, orthogonalization_strategy="newton_schulz"))
@@ -283,11 +297,11 @@ class Peer:
 PEERS = [
     Peer("muon-optimizer", "muon", "muon-optimizer {v} Muon", "DDP all-reduce", keller_jordan,
          patch_keller_jordan),
-    Peer("dtensor-muon", "dtensor_muon", "dtensor-muon {v} MuonForeach", "FSDP2 reduce-scatter", dtensor_muon,
+    Peer("dtensor-muon", "dtensor_muon", "dtensor-muon {v} MuonForeach", FSDP2_SYNC, dtensor_muon_peer,
          patch_dtensor_muon),
-    Peer("muon-fsdp2", "muon_fsdp2", "muon-fsdp2 {v} Muon", "FSDP2 reduce-scatter", muon_fsdp2,
+    Peer("muon-fsdp2", "muon_fsdp2", "muon-fsdp2 {v} Muon", FSDP2_SYNC, muon_fsdp2,
          lambda: [uncompiled("muon_fsdp2")]),
-    Peer("muonium", "muonium", "muonium {v} Muon", "FSDP2 reduce-scatter", muonium, patch_muonium),
+    Peer("muonium", "muonium", "muonium {v} Muon", FSDP2_SYNC, muonium, patch_muonium),
     Peer("emerging-optimizers", "emerging_optimizers", "emerging-optimizers {v}", "-", None,
          note="NVIDIA-NeMo/Emerging-Optimizers is installed from its GitHub source, not the registry "
               "(its registry names are placeholders); no adapter here: not run"),
@@ -304,7 +318,7 @@ def installed(peer):
 
 def contenders(peers, world, rank):
     """[(label, sync label, builder(weights, world, rank) -> Contender)], patches applied, [(label, status)]."""
-    built = [(f"ours: {s}", "none: in its step", ours(s)) for s in OURS]
+    built = [(f"ours: {s}", IN_STEP, ours(s)) for s in OURS] + [(DTENSOR, FSDP2_SYNC, dtensor_muon)]
     patches, status = [], []
     for peer in peers:
         version = installed(peer)
@@ -329,9 +343,10 @@ def contenders(peers, world, rank):
 # 4. One run on N processes: every contender checked once, then timed in interleaved rounds
 # ----------------------------------------------------------------------------------------------
 
-def local_gradients(total, label, world):
-    """What this rank's backward would hand the contender: g for the peers, g / N for ours."""
-    share = 1 / world if label.startswith("ours") else 1.0
+def local_gradients(total, sync, world):
+    """What this rank's backward would hand the contender: g where a wrapper averages (DDP, FSDP2), g / N for
+    our ZeRO-1 strategies, whose step sums."""
+    share = 1 / world if sync == IN_STEP else 1.0
     return {n: g * share for n, g in total.items()}
 
 
@@ -354,7 +369,7 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names):
     for label, sync_label, build in built:
         try:
             contender = build(weights, world, rank)
-            local = local_gradients(total, label, world)
+            local = local_gradients(total, sync_label, world)
             contender.sync({n: g.clone() for n, g in local.items()})
             contender.step()
             checks[label] = check(contender.full(), reference, weights)
