@@ -28,6 +28,15 @@ so that the torch this project runs on is never replaced (requirements.txt never
     /work/peers-venv/bin/python benchmarks/peers.py --ranks 1 2 4 --d 128   # a CPU without bf16 units
     python benchmarks/peers.py --d 32 --rounds 2 --ranks 1              # ours only, no peer installed
 
+NVIDIA's emerging-optimizers 0.3.0 needs Python >= 3.12: the same recipe with a 3.12 python (pyenv's), whose
+venv cannot see this torch; it gets torch 2.14.1 from the registry, the same version as the system's (the
+requirements file installs emerging-optimizers and its absl-py only there; torch brings triton, which its
+import needs):
+
+    python3.12 -m venv /work/peers312-venv
+    /work/peers312-venv/bin/pip install torch==2.14.1 && /work/peers312-venv/bin/pip install --no-deps -r benchmarks/requirements-peers.txt
+    /work/peers312-venv/bin/python benchmarks/peers.py --ranks 1 2 4 --d 128
+
 A peer that is not installed is reported as "not installed"; one that fails, with its error's first
 line. Patches a peer needs to run here are applied at run time, to the imported modules (never to
 their files), and printed:
@@ -228,6 +237,14 @@ def without_triton(package):
     return f"{package}.orthogonalize.orthogonalize._get_orthogonalization_fn: never the Triton kernel (CUDA only)"
 
 
+def emerging(module, weights, world, rank):
+    """NVIDIA's Muon (Megatron-core's, single-device: every rank steps every matrix), with DDP's all-reduce;
+    its "simple" coefficients are Jordan's triple, "shape_scaling" torch's original lr adjustment."""
+    return ddp_contender(weights, world, lambda params: module.Muon(
+        list(params.values()), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, nesterov=True,
+        coefficient_type="simple", num_ns_steps=5, scale_mode="shape_scaling"))
+
+
 def keller_jordan(module, weights, world, rank):
     return ddp_contender(weights, world, lambda params: module.Muon(
         list(params.values()), lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM))
@@ -302,9 +319,10 @@ PEERS = [
     Peer("muon-fsdp2", "muon_fsdp2", "muon-fsdp2 {v} Muon", FSDP2_SYNC, muon_fsdp2,
          lambda: [uncompiled("muon_fsdp2")]),
     Peer("muonium", "muonium", "muonium {v} Muon", FSDP2_SYNC, muonium, patch_muonium),
-    Peer("emerging-optimizers", "emerging_optimizers", "emerging-optimizers {v}", "-", None,
-         note="NVIDIA-NeMo/Emerging-Optimizers is installed from its GitHub source, not the registry "
-              "(its registry names are placeholders); no adapter here: not run"),
+    Peer("emerging-optimizers", "emerging_optimizers.orthogonalized_optimizers", "emerging-optimizers {v} Muon",
+         "DDP all-reduce", emerging,
+         note="its 0.3.0 needs Python >= 3.12, where the registry offers a 3.11 pip only a placeholder: run this "
+              "script with a 3.12 virtual environment's python (the docstring's recipe)"),
 ]
 
 
