@@ -26,6 +26,7 @@ so that the torch this project runs on is never replaced (requirements.txt never
     /work/peers-venv/bin/pip install --no-deps -r benchmarks/requirements-peers.txt
     /work/peers-venv/bin/python benchmarks/peers.py                     # d = 768, 1 and 2 processes
     /work/peers-venv/bin/python benchmarks/peers.py --ranks 1 2 4 --d 128   # a CPU without bf16 units
+    /work/peers-venv/bin/python benchmarks/peers.py --ranks 1 2 4 --without-ns   # all but Newton-Schulz, d = 768
     python benchmarks/peers.py --d 32 --rounds 2 --ranks 1              # ours only, no peer installed
 
 NVIDIA's emerging-optimizers 0.3.0 needs Python >= 3.12: the same recipe with a 3.12 python (pyenv's), whose
@@ -52,7 +53,11 @@ where they still differ, the check below says by how much.
 Default size: scaling.py's 4 layers at d = 768 (GPT-2 small's width), as issue 22 asks, on a CPU with
 bf16 matrix units (AVX512-BF16 / AMX: this one's first line says its bf16 GFLOP/s); on one without,
 bf16 matmuls run tens of times slower than fp32 and a step takes minutes: use --d 128 there, as
-scaling.py does. Figures and ratios, never verdicts: the machine is shared and noisy, so every round
+scaling.py does; or --without-ns, which times everything but Newton-Schulz (each contender's replaced by its
+bf16 cast, torch's and ours by scaling.py's): the distributed machinery alone, like for like, even where bf16
+matmuls crawl and each contender's own Newton-Schulz would decide the race (its check column then compares
+steps that are not Muon's: dtensor-muon and muonium scale their input before the function replaced, and
+differ from torch's so replaced by far more than with Newton-Schulz). Figures and ratios, never verdicts: the machine is shared and noisy, so every round
 steps every contender once, in turn (interleaved), and the ratios come from one run.
 """
 
@@ -300,6 +305,21 @@ def patch_muonium():
             "muonium.optim.optim.Muon._get_muon_impl: its uncompiled update (it compiles the whole update)"]
 
 
+def cast_only(module, name):
+    """--without-ns: a peer's Newton-Schulz function replaced by the bf16 cast it begins with, as
+    scaling.without_newton_schulz does to torch's and ours."""
+    module = importlib.import_module(module)
+    setattr(module, name, lambda matrix, *args, **kwargs: matrix.bfloat16())
+    return f"{module.__name__}.{name}: the bf16 cast only (--without-ns)"
+
+
+def no_orthogonalization(package):
+    """--without-ns for dtensor-muon and muonium: their orthogonalization loop (fed bf16) returns its input."""
+    module = importlib.import_module(f"{package}.orthogonalize.orthogonalize")
+    module._get_orthogonalization_fn = lambda strategy, use_triton: lambda matrix, **kwargs: matrix
+    return f"{package}.orthogonalize.orthogonalize._get_orthogonalization_fn: the bf16 input returned (--without-ns)"
+
+
 @dataclasses.dataclass
 class Peer:
     distribution: str  # its name on the package registry
@@ -309,20 +329,23 @@ class Peer:
     build: object
     patch: object = lambda: []
     note: str = ""  # why it may be absent
+    without_ns: object = None  # --without-ns: replaces its Newton-Schulz by the bf16 cast, returns what it did
 
 
 PEERS = [
     Peer("muon-optimizer", "muon", "muon-optimizer {v} Muon", "DDP all-reduce", keller_jordan,
-         patch_keller_jordan),
+         patch_keller_jordan, without_ns=lambda: cast_only("muon", "zeropower_via_newtonschulz5")),
     Peer("dtensor-muon", "dtensor_muon", "dtensor-muon {v} MuonForeach", FSDP2_SYNC, dtensor_muon_peer,
-         patch_dtensor_muon),
+         patch_dtensor_muon, without_ns=lambda: no_orthogonalization("dtensor_muon")),
     Peer("muon-fsdp2", "muon_fsdp2", "muon-fsdp2 {v} Muon", FSDP2_SYNC, muon_fsdp2,
-         lambda: [uncompiled("muon_fsdp2")]),
-    Peer("muonium", "muonium", "muonium {v} Muon", FSDP2_SYNC, muonium, patch_muonium),
+         lambda: [uncompiled("muon_fsdp2")], without_ns=lambda: cast_only("muon_fsdp2", "zeropower_via_newtonschulz5")),
+    Peer("muonium", "muonium", "muonium {v} Muon", FSDP2_SYNC, muonium, patch_muonium,
+         without_ns=lambda: no_orthogonalization("muonium")),
     Peer("emerging-optimizers", "emerging_optimizers.orthogonalized_optimizers", "emerging-optimizers {v} Muon",
          "DDP all-reduce", emerging,
          note="its 0.3.0 needs Python >= 3.12, where the registry offers a 3.11 pip only a placeholder: run this "
-              "script with a 3.12 virtual environment's python (the docstring's recipe)"),
+              "script with a 3.12 virtual environment's python (the docstring's recipe)",
+         without_ns=lambda: cast_only("emerging_optimizers.orthogonalized_optimizers.muon_utils", "newton_schulz")),
 ]
 
 
@@ -334,7 +357,7 @@ def installed(peer):
         return None
 
 
-def contenders(peers, world, rank):
+def contenders(peers, world, rank, without_ns=False):
     """[(label, sync label, builder(weights, world, rank) -> Contender)], patches applied, [(label, status)]."""
     built = [(f"ours: {s}", IN_STEP, ours(s)) for s in OURS] + [(DTENSOR, FSDP2_SYNC, dtensor_muon)]
     patches, status = [], []
@@ -350,6 +373,8 @@ def contenders(peers, world, rank):
         try:
             module = importlib.import_module(peer.module)
             patches += [f"{peer.distribution}: {p}" for p in peer.patch()]
+            if without_ns:
+                patches.append(f"{peer.distribution}: {peer.without_ns()}")
         except Exception as error:  # a peer that cannot even be imported here is reported, not fatal
             status.append((label, f"failed: {mt.one_line(error)}"))
             continue
@@ -368,13 +393,15 @@ def local_gradients(total, sync, world):
     return {n: g * share for n, g in total.items()}
 
 
-def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names):
+def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without_ns=False):
     torch.set_num_threads(1)
+    if without_ns:  # torch's and ours; each peer's in contenders()
+        scaling.without_newton_schulz()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     weights, total = matrices(d, layers)
     reference = reference_step(weights, total)
-    built, patches, status = contenders([p for p in PEERS if p.distribution in peer_names], world, rank)
+    built, patches, status = contenders([p for p in PEERS if p.distribution in peer_names], world, rank, without_ns)
     runners, checks = {}, {}
     if world == 1:
         params = {n: w.clone() for n, w in weights.items()}
@@ -412,10 +439,10 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names):
     dist.destroy_process_group()
 
 
-def on_processes(world, d, layers, rounds, peer_names):
+def on_processes(world, d, layers, rounds, peer_names, without_ns=False):
     """The slowest rank's times per round, and rank 0's checks, patches and statuses."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir, d, layers, rounds, peer_names),
+        mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir, d, layers, rounds, peer_names, without_ns),
                            nprocs=world, start_method=mt.start_method())
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     result = per_rank[0]
@@ -456,6 +483,8 @@ def main(argv=None):
     scaling.model_arguments(p, rounds_help="timed steps of each optimizer")
     p.add_argument("--peers", nargs="*", default=[peer.distribution for peer in PEERS],
                    choices=[peer.distribution for peer in PEERS], help="peers to include (default: all)")
+    p.add_argument("--without-ns", action="store_true",
+                   help="time everything but Newton-Schulz: every contender's replaced by its bf16 cast")
     args = p.parse_args(argv)
     if any(not 1 <= n <= dm.MAX_WORLD or n & (n - 1) for n in args.ranks):
         p.error(f"--ranks must be powers of two up to {dm.MAX_WORLD} (the averaged and the summed gradient are then exact)")
@@ -465,7 +494,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     speed = {str(dt).replace("torch.", ""): scaling.matmul_gflops(args.d, dt) for dt in (torch.bfloat16, torch.float32)}
     load = os.getloadavg()[0]
-    runs = {n: on_processes(n, args.d, args.layers, args.rounds, args.peers) for n in sorted({1, *args.ranks})}
+    runs = {n: on_processes(n, args.d, args.layers, args.rounds, args.peers, args.without_ns)
+            for n in sorted({1, *args.ranks})}
     torch_ms, rows = table(runs)
     print(f"This CPU, one thread, {args.d} x {args.d} matmul: "
           + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in speed.items()))
@@ -473,6 +503,10 @@ def main(argv=None):
           "other jobs share the cores: read ratios, not absolute times)")
     print(f"{args.layers} layers at d = {args.d} (Muon's matrices only), 1 thread per process, median of "
           f"{args.rounds} interleaved rounds, {os.cpu_count()} cores here; torch {torch.__version__}")
+    if args.without_ns:
+        print("WITHOUT Newton-Schulz (--without-ns): every contender's, torch's too, is replaced by its bf16 cast, "
+              "so what is timed is the rest (synchronization, momentum, exchanges, copies, the update); these are not "
+              "Muon steps, and the check below compares them to torch's step so replaced")
     print(f"{TORCH} in one process: median {torch_ms:.0f} ms; a peer's time is its gradient sync + its step, "
           "ours is its step (which reduces); on N processes, the slowest rank's\n")
     print(rows)

@@ -114,6 +114,9 @@ PARTS = (
     # the same on a CPU without bf16 units, where d = 768 would take hours (its first line says which CPU it ran on)
     Part("peers_d128_2core.txt", ("{peers_python} benchmarks/peers.py --ranks 1 2 4 --d 128 --rounds 7",),
          needs="PEERS_PYTHON"),
+    # everything but Newton-Schulz (each contender's replaced by its bf16 cast), at d = 768 on any CPU
+    Part("peers_without_ns_2core.txt", ("{peers_python} benchmarks/peers.py --ranks 1 2 4 --without-ns --rounds 7",),
+         needs="PEERS_PYTHON"),
     Part("gpt_default_4x2.txt", (train_gpt(""),), quick=(train_gpt(f"--dp 1 --tp 1 {TINY_GPT}"),)),
     Part("gpt_verify_2x2.txt", (train_gpt(VERIFY_SETTINGS[0]),)),
     Part("gpt_verify_settings.txt", tuple(train_gpt(s) for s in VERIFY_SETTINGS),
