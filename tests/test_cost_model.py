@@ -213,6 +213,8 @@ def test_a_ring_pays_its_slowest_link_and_an_all_to_all_each_link_apart():
     assert mixed.seconds(0, CLUSTER) == pytest.approx(max(1e-6 + 1000 / 100e9, 10e-6 + 200 / 10e9))
     traffic.all_reduce("vote", "world", torch.uint8, [[0, 1, 2, 3]], 10)
     assert traffic.phases["vote"].sent == [2 * 3 * 3] * 4  # 2 (n - 1) ceil(10 / 4)
+    # ... at a tree's latency where that is fewer steps: 2 log2 4 = 4 against the ring's 2 (4 - 1) = 6
+    assert traffic.phases["vote"].seconds(0, CLUSTER) == pytest.approx(4 * 10e-6 + 18 / 10e9)
 
 
 def test_the_step_is_communication_plus_compute_and_overlap_the_larger():
