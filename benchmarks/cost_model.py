@@ -183,7 +183,7 @@ KIMI = ("Kimi K2 (arXiv 2507.20534: DeepSeek-V3's shapes with 384 experts, 64 at
 MODELS = {
     "gpt2-small": Model("GPT-2 small", 12, 768, 12, 12, 3072, 50304, tokens=2**19, gpt2=True,
                         source="GPT-2 (Radford et al., 2019), vocabulary padded to 50,304 as nanoGPT does; batch "
-                               "2^19 tokens, nanoGPT's and llm.c's GPT-2 (124M) reproduction"),
+                               "2^19 tokens, llm.c's GPT-2 (124M) reproduction (nanoGPT's is 491,520)"),
     "llama3-8b": Model("Llama-3-8B-like", 32, 4096, 32, 8, 14336, 128256, tokens=2**22, source=LLAMA3),
     "llama3-70b": Model("Llama-3-70B-like", 80, 8192, 64, 8, 28672, 128256, tokens=2**22, source=LLAMA3),
     "deepseek-v3": Model("DeepSeek-V3-like MoE", 61, 7168, 128, 128, 18432, 129280, tokens=15360 * 4096,
