@@ -545,7 +545,10 @@ class Traffic:
                 count[r] += hops if messages is None else messages
 
     def all_gather(self, phase, axis, dtype, groups, shard_numel):
+        """A ring all-gather of shard_numel from each rank of each group: (n - 1) shards out and in."""
         self.ring(phase, axis, dtype, groups, shard_numel, len(groups[0]) - 1)
+
+    reduce_scatter = all_gather  # a ring reduce-scatter of n shards moves what the all-gather of one does
 
     def all_reduce(self, phase, axis, dtype, groups, numel):
         """The Ledger's ring count of bytes; the latency of the ring's 2 (n - 1) steps or of a tree's 2 log2 n,
@@ -621,7 +624,7 @@ def lesson_cost(opt, node_of, label=None):
     if world > 1:
         traffic.all_reduce("grad presence", "world", U8, [list(range(world))], len(opt.param_by_name))
     for b in layout.buckets if dp > 1 else ():  # stage 1: ZeRO-1's reduce-scatter, bucket by bucket
-        traffic.all_gather("grad reduce-scatter", "DP", FP32, dp_groups, b.numel // dp)
+        traffic.reduce_scatter("grad reduce-scatter", "DP", FP32, dp_groups, b.numel // dp)
     if opt.strategy == "gather":
         gram = opt.large_runs.gram if opt.large_runs is not None else set()
         for b in layout.buckets:
@@ -1043,6 +1046,7 @@ def elementwise_gbs(n=1 << 22, repeats=7):
 
 
 def this_machine(d):
+    """A Cluster of this machine's measured figures: its ranks all on one "node" (Gloo over loopback)."""
     import scaling
 
     torch.set_num_threads(1)
