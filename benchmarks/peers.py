@@ -1,6 +1,7 @@
 """The peers side by side, like for like: every Muon on the package registry that runs on CPU Gloo,
-timed as *its gradient synchronization + its step* against ours, whose step includes its reduction,
-and each checked against torch.optim.Muon after one step.
+timed as *its gradient synchronization + its step* against ours (DTensorMuon under FSDP2 like them;
+the lesson's owner and comm-free, whose ZeRO-1 step includes its reduction), and each checked against
+torch.optim.Muon after one step.
 
     What a data-parallel step costs, per optimizer          what is timed here
     ---------------------------------------------------     -------------------------------------
@@ -8,12 +9,14 @@ and each checked against torch.optim.Muon after one step.
                                                             buckets, averaged), then step()
     FSDP2 peer (dtensor-muon,    reduce-scatter + its step  the reduce-scatter FSDP2 does (one per
       muon-fsdp2, muonium)                                  layer, averaged), then step()
-    ours (owner, comm-free)      its step                   step(): it reduces the gradients itself
+    ours, FSDP2 (DTensorMuon)    reduce-scatter + its step  the same reduce-scatter, then step()
+    ours, ZeRO-1 (owner,         its step                   step(): it reduces the gradients itself
+      comm-free)
 
 Both collectives are run and timed on Gloo here, never assumed. The model is scaling.py's 4
 transformer layers (qkv, proj, fc, fc2), Muon's matrices only (no AdamW: the peers' AdamWs differ
-more than their Muons). On N processes every rank holds the same local gradient: g for the peers,
-whose DDP / FSDP2 average it, g / N for ours, which sums; both give the total gradient g exactly for
+more than their Muons). On N processes every rank holds the same local gradient: g where DDP / FSDP2
+average it (the peers, DTensorMuon), g / N for owner and comm-free, which sum; both give g exactly for
 N a power of two, and torch.optim.Muon in one process is fed g. Each process runs one thread.
 
 Install the peers into their own virtual environment that sees the system torch, with --no-deps,
@@ -22,7 +25,18 @@ so that the torch this project runs on is never replaced (requirements.txt never
     python -m venv --system-site-packages /work/peers-venv
     /work/peers-venv/bin/pip install --no-deps -r benchmarks/requirements-peers.txt
     /work/peers-venv/bin/python benchmarks/peers.py                     # d = 768, 1 and 2 processes
+    /work/peers-venv/bin/python benchmarks/peers.py --ranks 1 2 4 --d 128   # a CPU without bf16 units
+    /work/peers-venv/bin/python benchmarks/peers.py --ranks 1 2 4 --without-ns   # all but Newton-Schulz, d = 768
     python benchmarks/peers.py --d 32 --rounds 2 --ranks 1              # ours only, no peer installed
+
+NVIDIA's emerging-optimizers 0.3.0 needs Python >= 3.12: the same recipe with a 3.12 python (pyenv's), whose
+venv cannot see this torch; it gets torch 2.14.1 from the registry, the same version as the system's (the
+requirements file installs emerging-optimizers and its absl-py only there; torch brings triton, which its
+import needs):
+
+    python3.12 -m venv /work/peers312-venv
+    /work/peers312-venv/bin/pip install torch==2.14.1 && /work/peers312-venv/bin/pip install --no-deps -r benchmarks/requirements-peers.txt
+    /work/peers312-venv/bin/python benchmarks/peers.py --ranks 1 2 4 --d 128
 
 A peer that is not installed is reported as "not installed"; one that fails, with its error's first
 line. Patches a peer needs to run here are applied at run time, to the imported modules (never to
@@ -39,7 +53,11 @@ where they still differ, the check below says by how much.
 Default size: scaling.py's 4 layers at d = 768 (GPT-2 small's width), as issue 22 asks, on a CPU with
 bf16 matrix units (AVX512-BF16 / AMX: this one's first line says its bf16 GFLOP/s); on one without,
 bf16 matmuls run tens of times slower than fp32 and a step takes minutes: use --d 128 there, as
-scaling.py does. Figures and ratios, never verdicts: the machine is shared and noisy, so every round
+scaling.py does; or --without-ns, which times everything but Newton-Schulz (each contender's replaced by its
+bf16 cast, torch's and ours by scaling.py's): the distributed machinery alone, like for like, even where bf16
+matmuls crawl and each contender's own Newton-Schulz would decide the race (its check column then compares
+steps that are not Muon's: dtensor-muon and muonium scale their input before the function replaced, and
+differ from torch's so replaced by far more than with Newton-Schulz). Figures and ratios, never verdicts: the machine is shared and noisy, so every round
 steps every contender once, in turn (interleaved), and the ratios come from one run.
 """
 
@@ -61,6 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import distributed_muon_dtensor as dd  # noqa: E402
 import muon_owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 import scaling  # noqa: E402
@@ -68,7 +87,10 @@ import scaling  # noqa: E402
 LR, WEIGHT_DECAY, MOMENTUM = scaling.HYPERPARAMETERS["lr"], scaling.HYPERPARAMETERS["weight_decay"], 0.95
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 TORCH = "torch.optim.Muon"
-OURS = ("owner", "comm-free")
+OURS = ("owner", "comm-free")  # the lesson's ZeRO-1 strategies: their step reduces the gradients
+IN_STEP = "none: in its step"
+FSDP2_SYNC = "FSDP2 reduce-scatter"
+DTENSOR = "ours: DTensorMuon"  # distributed_muon_dtensor.py under FSDP2, synchronized as the FSDP2 peers are
 NOT_INSTALLED = "not installed"
 
 
@@ -192,6 +214,12 @@ def ours(strategy):
     return build
 
 
+def dtensor_muon(weights, world, rank):
+    """DTensorMuon on FSDP2's Shard(0) parameters: the optimizer practitioners adopt, timed as the FSDP2 peers."""
+    return fsdp2_contender(weights, world, lambda params: dd.DTensorMuon(
+        [dict(params=list(params.items()), algorithm="muon")], lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM))
+
+
 def uncompiled(package):
     """Every torch.compile'd function held by the package's loaded modules replaced by the function it
     wraps: the patch, in one line."""
@@ -214,6 +242,14 @@ def without_triton(package):
     return f"{package}.orthogonalize.orthogonalize._get_orthogonalization_fn: never the Triton kernel (CUDA only)"
 
 
+def emerging(module, weights, world, rank):
+    """NVIDIA's Muon (Megatron-core's, single-device: every rank steps every matrix), with DDP's all-reduce;
+    its "simple" coefficients are Jordan's triple, "shape_scaling" torch's original lr adjustment."""
+    return ddp_contender(weights, world, lambda params: module.Muon(
+        list(params.values()), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, nesterov=True,
+        coefficient_type="simple", num_ns_steps=5, scale_mode="shape_scaling"))
+
+
 def keller_jordan(module, weights, world, rank):
     return ddp_contender(weights, world, lambda params: module.Muon(
         list(params.values()), lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM))
@@ -225,7 +261,7 @@ def muon_fsdp2(module, weights, world, rank):
         rms_scale=False, nesterov=True, ns_steps=5)]))
 
 
-def dtensor_muon(module, weights, world, rank):
+def dtensor_muon_peer(module, weights, world, rank):
     return fsdp2_contender(weights, world, lambda params: module.MuonForeach(
         list(params.values()), lr=LR, wd=WEIGHT_DECAY, use_cautious_wd=False, momentum=MOMENTUM,
         nesterov=True, ns_steps=5, orthogonalization_strategy="newton_schulz"))
@@ -269,6 +305,21 @@ def patch_muonium():
             "muonium.optim.optim.Muon._get_muon_impl: its uncompiled update (it compiles the whole update)"]
 
 
+def cast_only(module, name):
+    """--without-ns: a peer's Newton-Schulz function replaced by the bf16 cast it begins with, as
+    scaling.without_newton_schulz does to torch's and ours."""
+    module = importlib.import_module(module)
+    setattr(module, name, lambda matrix, *args, **kwargs: matrix.bfloat16())
+    return f"{module.__name__}.{name}: the bf16 cast only (--without-ns)"
+
+
+def no_orthogonalization(package):
+    """--without-ns for dtensor-muon and muonium: their orthogonalization loop (fed bf16) returns its input."""
+    module = importlib.import_module(f"{package}.orthogonalize.orthogonalize")
+    module._get_orthogonalization_fn = lambda strategy, use_triton: lambda matrix, **kwargs: matrix
+    return f"{package}.orthogonalize.orthogonalize._get_orthogonalization_fn: the bf16 input returned (--without-ns)"
+
+
 @dataclasses.dataclass
 class Peer:
     distribution: str  # its name on the package registry
@@ -278,19 +329,23 @@ class Peer:
     build: object
     patch: object = lambda: []
     note: str = ""  # why it may be absent
+    without_ns: object = None  # --without-ns: replaces its Newton-Schulz by the bf16 cast, returns what it did
 
 
 PEERS = [
     Peer("muon-optimizer", "muon", "muon-optimizer {v} Muon", "DDP all-reduce", keller_jordan,
-         patch_keller_jordan),
-    Peer("dtensor-muon", "dtensor_muon", "dtensor-muon {v} MuonForeach", "FSDP2 reduce-scatter", dtensor_muon,
-         patch_dtensor_muon),
-    Peer("muon-fsdp2", "muon_fsdp2", "muon-fsdp2 {v} Muon", "FSDP2 reduce-scatter", muon_fsdp2,
-         lambda: [uncompiled("muon_fsdp2")]),
-    Peer("muonium", "muonium", "muonium {v} Muon", "FSDP2 reduce-scatter", muonium, patch_muonium),
-    Peer("emerging-optimizers", "emerging_optimizers", "emerging-optimizers {v}", "-", None,
-         note="NVIDIA-NeMo/Emerging-Optimizers is installed from its GitHub source, not the registry "
-              "(its registry names are placeholders); no adapter here: not run"),
+         patch_keller_jordan, without_ns=lambda: cast_only("muon", "zeropower_via_newtonschulz5")),
+    Peer("dtensor-muon", "dtensor_muon", "dtensor-muon {v} MuonForeach", FSDP2_SYNC, dtensor_muon_peer,
+         patch_dtensor_muon, without_ns=lambda: no_orthogonalization("dtensor_muon")),
+    Peer("muon-fsdp2", "muon_fsdp2", "muon-fsdp2 {v} Muon", FSDP2_SYNC, muon_fsdp2,
+         lambda: [uncompiled("muon_fsdp2")], without_ns=lambda: cast_only("muon_fsdp2", "zeropower_via_newtonschulz5")),
+    Peer("muonium", "muonium", "muonium {v} Muon", FSDP2_SYNC, muonium, patch_muonium,
+         without_ns=lambda: no_orthogonalization("muonium")),
+    Peer("emerging-optimizers", "emerging_optimizers.orthogonalized_optimizers", "emerging-optimizers {v} Muon",
+         "DDP all-reduce", emerging,
+         note="its 0.3.0 needs Python >= 3.12, where the registry offers a 3.11 pip only a placeholder: run this "
+              "script with a 3.12 virtual environment's python (the docstring's recipe)",
+         without_ns=lambda: cast_only("emerging_optimizers.orthogonalized_optimizers.muon_utils", "newton_schulz")),
 ]
 
 
@@ -302,9 +357,9 @@ def installed(peer):
         return None
 
 
-def contenders(peers, world, rank):
+def contenders(peers, world, rank, without_ns=False):
     """[(label, sync label, builder(weights, world, rank) -> Contender)], patches applied, [(label, status)]."""
-    built = [(f"ours: {s}", "none: in its step", ours(s)) for s in OURS]
+    built = [(f"ours: {s}", IN_STEP, ours(s)) for s in OURS] + [(DTENSOR, FSDP2_SYNC, dtensor_muon)]
     patches, status = [], []
     for peer in peers:
         version = installed(peer)
@@ -318,6 +373,8 @@ def contenders(peers, world, rank):
         try:
             module = importlib.import_module(peer.module)
             patches += [f"{peer.distribution}: {p}" for p in peer.patch()]
+            if without_ns:
+                patches.append(f"{peer.distribution}: {peer.without_ns()}")
         except Exception as error:  # a peer that cannot even be imported here is reported, not fatal
             status.append((label, f"failed: {mt.one_line(error)}"))
             continue
@@ -329,19 +386,22 @@ def contenders(peers, world, rank):
 # 4. One run on N processes: every contender checked once, then timed in interleaved rounds
 # ----------------------------------------------------------------------------------------------
 
-def local_gradients(total, label, world):
-    """What this rank's backward would hand the contender: g for the peers, g / N for ours."""
-    share = 1 / world if label.startswith("ours") else 1.0
+def local_gradients(total, sync, world):
+    """What this rank's backward would hand the contender: g where a wrapper averages (DDP, FSDP2), g / N for
+    our ZeRO-1 strategies, whose step sums."""
+    share = 1 / world if sync == IN_STEP else 1.0
     return {n: g * share for n, g in total.items()}
 
 
-def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names):
+def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without_ns=False):
     torch.set_num_threads(1)
+    if without_ns:  # torch's and ours; each peer's in contenders()
+        scaling.without_newton_schulz()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     weights, total = matrices(d, layers)
     reference = reference_step(weights, total)
-    built, patches, status = contenders([p for p in PEERS if p.distribution in peer_names], world, rank)
+    built, patches, status = contenders([p for p in PEERS if p.distribution in peer_names], world, rank, without_ns)
     runners, checks = {}, {}
     if world == 1:
         params = {n: w.clone() for n, w in weights.items()}
@@ -354,7 +414,7 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names):
     for label, sync_label, build in built:
         try:
             contender = build(weights, world, rank)
-            local = local_gradients(total, label, world)
+            local = local_gradients(total, sync_label, world)
             contender.sync({n: g.clone() for n, g in local.items()})
             contender.step()
             checks[label] = check(contender.full(), reference, weights)
@@ -379,10 +439,10 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names):
     dist.destroy_process_group()
 
 
-def on_processes(world, d, layers, rounds, peer_names):
+def on_processes(world, d, layers, rounds, peer_names, without_ns=False):
     """The slowest rank's times per round, and rank 0's checks, patches and statuses."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir, d, layers, rounds, peer_names),
+        mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir, d, layers, rounds, peer_names, without_ns),
                            nprocs=world, start_method=mt.start_method())
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     result = per_rank[0]
@@ -423,6 +483,8 @@ def main(argv=None):
     scaling.model_arguments(p, rounds_help="timed steps of each optimizer")
     p.add_argument("--peers", nargs="*", default=[peer.distribution for peer in PEERS],
                    choices=[peer.distribution for peer in PEERS], help="peers to include (default: all)")
+    p.add_argument("--without-ns", action="store_true",
+                   help="time everything but Newton-Schulz: every contender's replaced by its bf16 cast")
     args = p.parse_args(argv)
     if any(not 1 <= n <= dm.MAX_WORLD or n & (n - 1) for n in args.ranks):
         p.error(f"--ranks must be powers of two up to {dm.MAX_WORLD} (the averaged and the summed gradient are then exact)")
@@ -432,7 +494,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     speed = {str(dt).replace("torch.", ""): scaling.matmul_gflops(args.d, dt) for dt in (torch.bfloat16, torch.float32)}
     load = os.getloadavg()[0]
-    runs = {n: on_processes(n, args.d, args.layers, args.rounds, args.peers) for n in sorted({1, *args.ranks})}
+    runs = {n: on_processes(n, args.d, args.layers, args.rounds, args.peers, args.without_ns)
+            for n in sorted({1, *args.ranks})}
     torch_ms, rows = table(runs)
     print(f"This CPU, one thread, {args.d} x {args.d} matmul: "
           + ", ".join(f"{dt} {g:.1f} GFLOP/s" for dt, g in speed.items()))
@@ -440,6 +503,10 @@ def main(argv=None):
           "other jobs share the cores: read ratios, not absolute times)")
     print(f"{args.layers} layers at d = {args.d} (Muon's matrices only), 1 thread per process, median of "
           f"{args.rounds} interleaved rounds, {os.cpu_count()} cores here; torch {torch.__version__}")
+    if args.without_ns:
+        print("WITHOUT Newton-Schulz (--without-ns): every contender's, torch's too, is replaced by its bf16 cast, "
+              "so what is timed is the rest (synchronization, momentum, exchanges, copies, the update); these are not "
+              "Muon steps, and the check below compares them to torch's step so replaced")
     print(f"{TORCH} in one process: median {torch_ms:.0f} ms; a peer's time is its gradient sync + its step, "
           "ours is its step (which reduces); on N processes, the slowest rank's\n")
     print(rows)

@@ -110,7 +110,13 @@ PARTS = (
     Part("scaling_without_ns_d768_2core.txt", ("{python} benchmarks/scaling.py --without-ns --ranks 1 2 --rounds 15 "
                                                "--json {out}/scaling_without_ns_d768_2core.json",),
          data=("scaling_without_ns_d768_2core.json",)),
-    Part("peers_2core.txt", ("{peers_python} benchmarks/peers.py --rounds 7",), needs="PEERS_PYTHON"),
+    Part("peers_2core.txt", ("{peers_python} benchmarks/peers.py --rounds 7 --ranks 1 2 4",), needs="PEERS_PYTHON"),
+    # the same on a CPU without bf16 units, where d = 768 would take hours (its first line says which CPU it ran on)
+    Part("peers_d128_2core.txt", ("{peers_python} benchmarks/peers.py --ranks 1 2 4 --d 128 --rounds 7",),
+         needs="PEERS_PYTHON"),
+    # everything but Newton-Schulz (each contender's replaced by its bf16 cast), at d = 768 on any CPU
+    Part("peers_without_ns_2core.txt", ("{peers_python} benchmarks/peers.py --ranks 1 2 4 --without-ns --rounds 7",),
+         needs="PEERS_PYTHON"),
     Part("gpt_default_4x2.txt", (train_gpt(""),), quick=(train_gpt(f"--dp 1 --tp 1 {TINY_GPT}"),)),
     Part("gpt_verify_2x2.txt", (train_gpt(VERIFY_SETTINGS[0]),)),
     Part("gpt_verify_settings.txt", tuple(train_gpt(s) for s in VERIFY_SETTINGS),
@@ -149,6 +155,11 @@ PARTS = (
                                           train_gpt("--strategy gather --steps 40 --tp-newton-schulz gram"))),
     Part("gpt_large_options_verify_2x2.txt", (train_gpt("--dp 2 --tp 2 --lr 0.1 --steps 8 --qk-clip 1 --ns-blocks heads "
                                                         "--ns-coefficients polar_express --verify"),)),
+    # Chapter 12: the cost model, its tables at cluster scale and its times against this machine's
+    Part("cost_model_h100.txt", ("{python} benchmarks/cost_model.py --chapter --json {out}/cost_model_h100.json "
+                                 "--figure {out}/cost_model_h100.png",),
+         data=("cost_model_h100.json", "cost_model_h100.png")),
+    Part("cost_model_check_2core.txt", ("{python} benchmarks/cost_model.py --check-here",)),
 )
 NOT_HERE = ("the GPU's files (h100_*; sibling_*, ns_gflops_* and the rest of benchmarks/on_gpu.sh's): "
             "bash benchmarks/on_gpu.sh on a machine with a GPU")

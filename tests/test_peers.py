@@ -19,7 +19,7 @@ def test_one_and_two_processes_ours_bit_identical_every_peer_reported(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line[:9].strip() in ("1", "2")]
     assert [r[1] for r in rows if r[1] == "torch.optim.Muon"] == ["torch.optim.Muon"]  # one process only
-    for strategy in peers.OURS:
+    for strategy in peers.OURS + (peers.DTENSOR.split()[1],):  # owner, comm-free, and DTensorMuon under FSDP2
         ours = [r for r in rows if r[1:3] == ["ours:", strategy]]
         assert [r[0] for r in ours] == ["1", "2"] and all(r[-1] == "bit-identical" for r in ours)
     for peer in peers.PEERS:
@@ -45,7 +45,7 @@ def test_missing_or_broken_peer_is_reported_not_raised():
     absent = peers.Peer("no-such-peer-xyz", "no_such_peer_xyz", "absent {v}", "-", lambda *a: None)
     broken = peers.Peer("torch", "no_such_module_xyz", "broken {v}", "-", lambda *a: None)
     built, patches, status = peers.contenders([absent, broken], 1, 0)
-    assert [label for label, _, _ in built] == [f"ours: {s}" for s in peers.OURS] and patches == []
+    assert [label for label, _, _ in built] == [f"ours: {s}" for s in peers.OURS] + [peers.DTENSOR] and patches == []
     assert status[0] == ("no-such-peer-xyz", peers.NOT_INSTALLED)
     assert status[1][0] == f"broken {peers.installed(broken)}"
     assert status[1][1].startswith("failed: ModuleNotFoundError: No module named 'no_such_module_xyz'")

@@ -1,0 +1,275 @@
+"""benchmarks/cost_model.py: its bytes, FLOPs and state are what real runs' Ledgers record, exactly, on every
+grid the tests run (the lesson's strategies and AdamW ZeRO-1 from the suite's own spawns, run_grid; DTensorMuon
+from one spawn of 8 ranks here: FSDP2 x TP meshes, HSDP, expert parallelism); its sizes-only DTensor plan is
+DTensorMuon's own plan_matrices, transfer for transfer; and its alpha-beta prices are the stated formulas.
+Its times are never checked against a clock: --check-here prints their error."""
+
+import collections
+from dataclasses import replace
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import BUCKET, GRIDS, ROOT, STEPS, dm, grid_run, mt
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import cost_model as cm  # noqa: E402
+import distributed_muon_dtensor as dd  # noqa: E402
+import dtensor_demo as demo  # noqa: E402
+
+from test_strategies import UNEVEN  # noqa: E402  (the uneven cases the strategies are spawned on)
+
+ONE_NODE = lambda rank: 0  # noqa: E731
+
+
+def assert_ledger_is_the_model(result, cfg):
+    """The model of cfg's optimizer (built on meta tensors, no process) against the run's Ledgers."""
+    cost = cm.lesson_cost(cm.lesson_optimizer(mt.demo_specs(cfg), cfg), ONE_NODE)
+    real = result["bytes_per_step"]
+    assert result["bytes_same_every_step"]
+    assert set(cost.traffic.phases) <= set(real), set(cost.traffic.phases) - set(real)
+    assert cost.traffic.table(list(real)) == real  # every phase, axis, dtype, rank: sent and received
+    assert cost.ns_flops == result["ns_flops"]["per_rank"]
+    assert cost.state_bytes == result["state_bytes"]
+    return cost
+
+
+@pytest.mark.parametrize("strategy", ["gather", "owner", "comm-free"])
+@pytest.mark.parametrize("dp,tp", GRIDS)
+def test_lesson_strategies_bytes_flops_and_state_are_the_ledgers(run_grid, dp, tp, strategy):
+    cost = assert_ledger_is_the_model(grid_run(run_grid, dp, tp, strategy=strategy),
+                                      mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, strategy=strategy))
+    if dp * tp > 1:  # a test that cannot fail is a defect: these grids move bytes
+        assert sum(cost.traffic.phases["grad presence"].sent) > 0
+
+
+@pytest.mark.parametrize("strategy", ["gather", "owner", "comm-free"])
+@pytest.mark.parametrize("dp,tp,config", UNEVEN)
+def test_uneven_cases_are_the_ledgers(run_grid, dp, tp, config, strategy):
+    assert_ledger_is_the_model(grid_run(run_grid, dp, tp, strategy=strategy, **config),
+                               mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, strategy=strategy, **config))
+
+
+@pytest.mark.parametrize("dp,tp", [(8, 1), (4, 2), (3, 2)])
+def test_adamw_zero1_baseline_is_the_ledger(run_grid, dp, tp):
+    cost = assert_ledger_is_the_model(grid_run(run_grid, dp, tp, baseline=True),
+                                      mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, baseline=True))
+    assert sum(cost.ns_flops) == 0
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_gram_form_is_the_ledger(run_grid, tp):
+    cost = assert_ledger_is_the_model(run_grid(1, tp, steps=1, tp_newton_schulz="gram"),
+                                      mt.RunConfig(dp=1, tp=tp, steps=1, tp_newton_schulz="gram"))
+    assert sum(cost.traffic.phases["TP Gram"].sent) > 0
+
+
+def test_a_wrong_plan_fails_the_comparison(run_grid):
+    """The comparison bites: the model of another bucket size, or of another strategy, is not the Ledger."""
+    result = grid_run(run_grid, 3, 2, strategy="owner")
+    for cfg in (mt.RunConfig(dp=3, tp=2, bucket_size=BUCKET // 2, strategy="owner"),
+                mt.RunConfig(dp=3, tp=2, bucket_size=BUCKET, strategy="comm-free")):
+        with pytest.raises(AssertionError):
+            assert_ledger_is_the_model(result, cfg)
+
+
+# -- DTensorMuon -------------------------------------------------------------------------------------------
+
+def demo_params(cfg):
+    """The demo model (dtensor_demo.DemoModel) as the cost model's Params: its TP roles are dtensor_demo.parallelize's."""
+    out = []
+    for n, p in demo.DemoModel(cfg).named_parameters():
+        role = ("expert" if p.ndim == 3 else "col" if ".fc1." in n else "row" if n.endswith("fc2.weight")
+                else "replicate" if n.endswith("fc2.bias") else None)
+        group = "muon" if demo.is_muon(n, p.ndim) else "adamw" if n.startswith(("embed.", "head.")) else "adamw_no_wd"
+        out.append(cm.Param(n, tuple(p.shape), role, group))
+    return out
+
+
+def demo_copies(cfg):
+    mesh = cm.Mesh(cfg.dp, cfg.tp, cfg.replicate)
+    return cm.placed_copies(cm.param_order(demo_params(cfg), cm.GROUPS), mesh, {g: i for i, g in enumerate(cm.GROUPS)})
+
+
+def placed_copies(run):
+    """A PlacedRun's parameters as Copies: the placements it gives them, on its whole mesh."""
+    ranks = tuple(range(torch.Size(run.mesh).numel()))
+    return [dd.Copy(n, g, shape, ranks, run.mesh, tuple(demo.PLACEMENT[k] for k in where), n in run.expert_stacks,
+                    run.dims) for g in range(len(run.groups)) for n, shape, where, group in run.params if group == g]
+
+
+DEMO_MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (3, 2)]
+DEMO_STEPS = 1
+MUON_ONLY = ((("algorithm", "muon"),),)  # one param group, torch.optim.Muon's defaults
+PLACED = {"ep 2 x tp 2": demo.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
+                                                               ("w2", (4, 4, 6), ("S0", "S2"), 0)),
+                                        MUON_ONLY, expert_stacks=("w1", "w2"), steps=DEMO_STEPS),
+          "ep 4, 6 experts": demo.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0), ("w2", (6, 4, 5), ("S0",), 0)),
+                                            MUON_ONLY, expert_stacks=("w1", "w2"), steps=DEMO_STEPS)}
+
+
+def case_copies():
+    """{label: (copies, {group: algorithm}, world)} of every DTensor case checked here."""
+    demo_algorithms = {i: "muon" if g == "muon" else "adamw" for i, g in enumerate(cm.GROUPS)}
+    cases = {f"{dp}x{tp}": (demo_copies(demo.DemoConfig(dp=dp, tp=tp)), demo_algorithms, dp * tp)
+             for dp, tp in DEMO_MESHES}
+    cases["hsdp 2x2x2"] = (demo_copies(demo.DemoConfig(replicate=2, dp=2, tp=2)), demo_algorithms, 8)
+    cases.update({label: (placed_copies(run), {0: "muon"}, torch.Size(run.mesh).numel()) for label, run in PLACED.items()})
+    return cases
+
+
+def test_dim_indices_are_local_indices_for_every_coordinate():
+    """The per-dim, all-coordinates split is DTensorMuon's local_indices, uneven and empty shards included."""
+    for copies, _, _ in case_copies().values():
+        for c in copies:
+            if not c.mesh_ranks:
+                continue
+            pieces = {r: dims for _, ranks, dims in cm.pieces_of(c) for r in ranks}
+            for rank, coordinate in zip(c.mesh_ranks, cm.coordinates(c.mesh_shape)):
+                index = torch.tensor(dd.local_indices(c.shape, c.mesh_shape, c.placements, coordinate).tolist())
+                grid = torch.arange(torch.Size(c.shape).numel()).view(c.shape)[torch.meshgrid(
+                    *[torch.tensor(i, dtype=torch.int64) for i in pieces[rank]], indexing="ij")]
+                assert torch.equal(grid.reshape(-1), index), (c.name, coordinate)
+
+
+def test_the_sized_plan_is_plan_matrices_transfer_for_transfer():
+    """Owners, FLOPs and every transfer (source, destination, elements), against DTensorMuon's own planner run
+    as every rank would run it."""
+    moved = 0
+    for label, (copies, algorithms, world) in case_copies().items():
+        muon = [c for c in copies if algorithms[c.group] == "muon"]
+        steps = {g: dm.NS_STEPS for g in algorithms}
+        matrices, flops, owners = cm.dtensor_plan(muon, steps, world)
+        gather, scatter = cm.dtensor_transfers(matrices)
+        ours = [collections.Counter(t for t in zip(*(x.tolist() for x in moves)) if t[0] != t[1])
+                for moves in (gather, scatter)]
+        theirs = [collections.Counter(), collections.Counter()]
+        for me in range(world):
+            planned, their_flops, their_owners = dd.plan_matrices(muon, steps, me, world)
+            assert their_owners == owners and their_flops == flops, label
+            for m in planned:
+                for counter, moves in zip(theirs, (m.gather, m.scatter)):
+                    counter.update((s, d, n) for s, d, n, *_ in moves if s == me != d)
+        assert ours == theirs, label
+        moved += sum(ours[0].values())
+    assert moved > 0  # (whole experts on their own ranks move nothing: "ep 4, 6 experts")
+
+
+@pytest.fixture(scope="module")
+def dtensor_runs():
+    """{label: [each rank's result]}: the demo on every DTENSOR mesh and the expert-parallel placed runs, one
+    spawn of 8 ranks (each run on its own sub-mesh), DEMO_STEPS steps of exact gradients."""
+    runs = {f"{dp}x{tp}": demo.DemoConfig(dp=dp, tp=tp, steps=DEMO_STEPS) for dp, tp in DEMO_MESHES}
+    runs["hsdp 2x2x2"] = demo.DemoConfig(replicate=2, dp=2, tp=2, steps=DEMO_STEPS)
+    runs.update({label: run for label, run in PLACED.items()})
+    results = mt.spawn_ranks(demo.Runs(tuple(runs.values()), timeout_s=60), demo.run_many_rank)
+    return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}
+
+
+def test_dtensor_bytes_flops_owners_and_state_are_the_ledgers(dtensor_runs):
+    phases = ("grad presence", "gather at owner", "scatter from owner")
+    for label, (copies, algorithms, world) in case_copies().items():
+        ranks = sorted(dtensor_runs[label], key=lambda r: r["rank"])
+        assert len(ranks) == world, label
+        names = [c.name for c in copies]
+        cost = cm.dtensor_cost(copies, names, algorithms, {g: dm.NS_STEPS for g in algorithms}, world, ONE_NODE)
+        ledgers = [r["ledger"] for r in ranks]
+        step = max(rec["step"] for rec in ledgers[0]["comm"])
+        assert cost.traffic.table(phases) == mt.bytes_per_step(ledgers, step, phases), label
+        assert cost.ns_flops == [sum(c["flops"] for c in led["compute"] if c["step"] == step) for led in ledgers]
+        assert sum(sum(t.sent) for t in cost.traffic.phases.values()) > 0 or world == 1, label
+        for r in ranks:  # torch's own placements are the ones the model assumed, parameter by parameter
+            for name, placed in r["placements"].items():
+                mine = next(c for c in copies if c.name == name and (not c.mesh_ranks or r["rank"] in c.mesh_ranks))
+                assert placed == str(tuple(mine.placements)), (label, name)
+            if "state_bytes" in r:
+                assert cost.state_bytes[r["rank"]] == r["state_bytes"], label
+        matrices, _, owners = cm.dtensor_plan([c for c in copies if algorithms[c.group] == "muon"],
+                                              {g: dm.NS_STEPS for g in algorithms}, world)
+        assert ranks[0]["owners"] == owners, label
+
+
+# -- prices --------------------------------------------------------------------------------------------------
+
+CLUSTER = cm.Cluster("test", gpus_per_node=2, intra_gbs=100.0, inter_gbs=10.0, intra_us=1.0, inter_us=10.0,
+                     ns_tflops=1.0, train_tflops=1.0, hbm_gbs=1000.0, muon_bytes=24, adamw_bytes=28)
+
+
+def test_a_ring_pays_its_slowest_link_and_an_all_to_all_each_link_apart():
+    traffic = cm.Traffic(4, lambda r: r // 2)  # ranks 0, 1 on node 0; 2, 3 on node 1
+    traffic.all_gather("inside", "TP", torch.bfloat16, [[0, 1], [2, 3]], 1000)
+    traffic.all_gather("across", "DP", torch.float32, [[0, 2], [1, 3]], 1000)
+    inside, across = traffic.phases["inside"], traffic.phases["across"]
+    assert inside.sent == [2000] * 4 and across.sent == [4000] * 4  # the Ledger's ring count, (n - 1) x shard
+    assert inside.seconds(0, CLUSTER) == pytest.approx(1e-6 + 2000 / 100e9)
+    assert across.seconds(0, CLUSTER) == pytest.approx(10e-6 + 4000 / 10e9)
+    traffic.all_to_all("mixed", "world", torch.bfloat16, [0, 0, 1, 2], [1, 2, 0, 0], [500, 100, 7, 3])
+    mixed = traffic.phases["mixed"]
+    assert mixed.sent == [1200, 14, 6, 0] and mixed.received == [20, 1000, 200, 0]
+    # rank 0: 1000 B to rank 1 (its node) and 14 B back; 200 B to rank 2 and 6 B back: one message each way
+    assert mixed.seconds(0, CLUSTER) == pytest.approx(max(1e-6 + 1000 / 100e9, 10e-6 + 200 / 10e9))
+    traffic.all_reduce("vote", "world", torch.uint8, [[0, 1, 2, 3]], 10)
+    assert traffic.phases["vote"].sent == [2 * 3 * 3] * 4  # 2 (n - 1) ceil(10 / 4)
+    # ... at a tree's latency where that is fewer steps: 2 log2 4 = 4 against the ring's 2 (4 - 1) = 6
+    assert traffic.phases["vote"].seconds(0, CLUSTER) == pytest.approx(4 * 10e-6 + 18 / 10e9)
+
+
+def test_the_step_is_communication_plus_compute_and_overlap_the_larger():
+    traffic = cm.Traffic(2, ONE_NODE)
+    traffic.all_gather("p", "DP", torch.float32, [[0, 1]], 250)  # 1000 B: 1 us + 10 ns
+    cost = cm.Cost("x", traffic, [2e6, 1e6], [0, 0], {"muon": [1000, 0], "adamw": [0, 0]}, 2)
+    row = cm.summarize(cost, CLUSTER)
+    compute = 2e6 / 1e12 + 1000 * 24 / 1000e9
+    assert row.comm_s == pytest.approx(1e-6 + 1000 / 100e9) and row.compute_s == pytest.approx(compute)
+    assert row.step_s == pytest.approx(row.comm_s + compute) and row.overlap_s == pytest.approx(max(row.comm_s, compute))
+    assert row.ns_max == 2e6 and row.ns_mean == 1.5e6
+
+
+def test_the_chapters_models_have_their_published_sizes():
+    """The shapes are the models': Llama 3 8B and 70B, DeepSeek-V3's 671 B (37 B active), GPT-2's 124 M."""
+    sizes = {name: (m.total_params(), m.active_params()) for name, m in cm.MODELS.items()}
+    assert sizes["gpt2-small"][0] == pytest.approx(124.5e6, rel=0.01)  # nanoGPT's 124M with a 50,304 vocabulary
+    assert sizes["llama3-8b"][0] == pytest.approx(8.03e9, rel=0.005)
+    assert sizes["llama3-70b"][0] == pytest.approx(70.6e9, rel=0.005)
+    assert sizes["deepseek-v3"] == (pytest.approx(671e9, rel=0.01), pytest.approx(37e9, rel=0.03))
+
+
+def test_gpt2_small_on_8_gpus_ranks_the_strategies_as_chapter_8_measures():
+    """GPT-2 small's shapes (2 of its layers) at DP 8: comm-free moves fewer bytes than AdamW ZeRO-1 (chapter 8's rule at TP = 1), the owner
+    strategies orthogonalize each matrix once (no more FLOPs than gather), DTensorMuon's step moves the least."""
+    two_layers = replace(cm.MODELS["gpt2-small"], layers=2)  # the same shapes, fewer of them: a cheap plan
+    rows, fwd_bwd, costs = cm.predict(cm.Scenario(two_layers, 8), cm.H100)
+    by = {r.label: r for r in rows}
+    assert by["comm-free"].sent_max < by["AdamW ZeRO-1"].sent_max < by["gather"].sent_max
+    assert sum(costs["owner"].ns_flops) == sum(costs["comm-free"].ns_flops) == costs["owner"].single_device_flops
+    assert sum(costs["gather"].ns_flops) > sum(costs["owner"].ns_flops)
+    assert by["DTensorMuon"].sent_max < by["owner"].sent_max and fwd_bwd > 0
+
+
+# -- the command line --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "0"], "--gpus and --tp must be >= 1"),
+    (["--model", "llama3-8b", "--gpus", "12"], "TP 8 does not divide 12 GPUs"),
+    (["--model", "llama3-8b", "--ep", "8"], "--ep applies to an MoE"),
+    (["--model", "deepseek-v3", "--gpus", "96"], "EP 64 must divide the 96 GPUs"),
+    (["--json", "x.json"], "--json and --figure go with --chapter"),
+    (["--chapter", "--figure", "/no/such/folder/x.png"], "--figure /no/such/folder/x.png: the folder"),
+    (["--model", "gpt-5"], "invalid choice"),
+])
+def test_bad_flags_are_refused_in_one_line_with_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cm.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_one_table_names_every_optimizer_and_the_cluster(capsys):
+    assert cm.main(["--model", "gpt2-small", "--gpus", "8", "--tp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("GPT-2 small: 0.12 B parameters") and cm.H100.name in out
+    rows = [line.split("  ")[0] for line in out.splitlines()[4:]]
+    assert rows == ["gather", "owner", "comm-free", "AdamW ZeRO-1", "DTensorMuon", "AdamW, FSDP2"]
