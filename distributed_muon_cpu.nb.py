@@ -343,15 +343,17 @@ print(f"per head: {len(layout.blocks(per_head=True))} blocks of {head_dim} rows;
 # %% [markdown]
 # **QK-clip.** After the step, every head whose largest pre-softmax logit S exceeded τ has its rows
 # of W_q and of W_k each multiplied by √(τ / S) (Kimi K2, arXiv 2507.20534), so its logits shrink by
-# τ / S: that head's largest logit on the same input becomes τ. Under DP the maxima of one head
-# come from every DP rank's batch, so `optimizer.clip_qk_(max_logits)` reduces them first (one MAX
-# all-reduce, 4 bytes per head):
+# τ / S: that head's largest logit on the same input becomes τ (under GQA, where query heads share a key,
+# each query head's rows take τ / S and the shared key is left alone). A head's maxima come from every
+# rank that computed it (its TP rank, on every DP rank's batch), so `optimizer.clip_qk_(max_logits)`
+# brings them together first: one MAX all-reduce over every rank of one float32 per head (−∞ where the
+# rank computed none) and, last, the rank that refused its input, if any:
 #
 # ```
-#   DP 0, TP t: [a0 a1] ─┐
-#   DP 1, TP t: [b0 b1] ─┤
-#   DP 2, TP t: [c0 c1] ─┼─ all-reduce MAX over DP ─► S_h ─► every DP rank: rows of head h × √min(1, τ/S_h)
-#   DP 3, TP t: [d0 d1] ─┘
+#   DP 0, TP 0: [a0 a1 −∞ −∞ | 0] ─┐
+#   DP 0, TP 1: [−∞ −∞ a2 a3 | 0] ─┤
+#   DP 1, TP 0: [b0 b1 −∞ −∞ | 0] ─┼─ all-reduce MAX ─► S_h ─► every rank: its rows of head h × √min(1, τ/S_h)
+#   DP 1, TP 1: [−∞ −∞ b2 b3 | 0] ─┘
 # ```
 
 # %%

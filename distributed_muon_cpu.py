@@ -866,9 +866,10 @@ class DistributedMuon(torch.optim.Optimizer):
     def clip_qk_(self, max_logits):
         """QK-clip, called by every rank after step() (collective): muon_large_runs.LargeRuns.clip_qk_ says
         what it takes, scales and returns. Refused on every rank when the optimizer has no qk_clip_tau."""
-        if self.large_runs is None:  # off: every rank still votes, as LargeRuns.clip_qk_ does, and all refuse
-            any_rank(torch.ones(1, dtype=torch.bool, device=self.device), self.grid.world, self.ledger, "QK-clip check")
-            raise ValueError(QK_CLIP_OFF)
+        if self.large_runs is None:  # off: every rank still sends what LargeRuns.clip_qk_ would, and all refuse
+            all_reduce(torch.tensor([self.grid.rank + 1.0], device=self.device), self.grid.world, self.ledger,
+                       "QK-clip maxima", dist.ReduceOp.MAX)
+            raise ValueError(f"rank {self.grid.rank}: {QK_CLIP_OFF}")
         return self.large_runs.clip_qk_(self, max_logits)
 
     # -- what the layout holds, and what section 7's strategies plan differently --

@@ -377,8 +377,9 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
 #            segment of each head), so each block's update takes the adjusted lr
 #            of its OWN (rows, cols), as torch.optim.Muon on the blocks as
 #            separate parameters would;
-#   QK-clip  after the step, head h's rows of segments "q" and "k" are
-#            multiplied by sqrt(gamma_h) (section 5, clip_qk_).
+#   QK-clip  after the step, the rows of query head h (its "q" rows, and its
+#            "k" rows where no other head shares them: RowLayout.qk_row_heads)
+#            are multiplied by its multiplier (section 5, clip_qk_).
 #
 # local_indices (section 2) gives each local element's global index, hence its
 # row. Consecutive local elements with the same key (its block's height, or its
@@ -412,16 +413,6 @@ def runs(keys):
     change = (torch.nonzero(keys[1:] != keys[:-1]).view(-1) + 1).tolist()
     starts, stops = [0] + change, change + [keys.numel()]
     return [(a, b, k) for a, b, k in zip(starts, stops, keys[starts].tolist()) if k >= 0]
-
-
-def head_of_qk_row(layout):
-    """For each row of the full matrix, its head if it belongs to a "q" or "k" segment, else -1."""
-    head = torch.full((layout.rows,), -1, dtype=torch.long)
-    for period in range(layout.periods):
-        for segment, name in enumerate(layout.names):
-            if name in QK_SEGMENTS:
-                head[list(layout.segment_rows(period, segment))] = period
-    return head
 
 
 # -----------------------------------------------------------------------------
@@ -904,7 +895,7 @@ class DTensorMuon(torch.optim.Optimizer):
             if self.ns_blocks != "whole":
                 self.block_runs[name] = runs(torch.tensor(layout.block_heights(self.ns_blocks == "heads"))[rows])
             if name in self.clip_names:
-                self.clip_runs[name] = runs(head_of_qk_row(layout)[rows])
+                self.clip_runs[name] = runs(torch.tensor(layout.qk_row_heads())[rows])
 
     def _plan_explicit(self, copies):
         muon = [n for n in self.param_by_name if self.group_of[n]["algorithm"] == "muon"]
@@ -1168,38 +1159,24 @@ class DTensorMuon(torch.optim.Optimizer):
     @torch.no_grad()
     def clip_qk_(self, max_logits):
         """Kimi K2's per-head QK-clip, after step(): collective, every rank of the group calls it. The
-        contract (max_logits, refusals, the multipliers returned) is the lesson's:
-        help(distributed_muon_cpu.DistributedMuon.clip_qk_). For separate W_q and W_k, pass the same maxima
-        under both names. A head's rows are held here if any element of its q or k rows is in this
-        rank's local shard, wherever FSDP2 and TP cut (section 3b).
-
-        Data path: ONE all-reduce MAX over the optimizer's group of n ranks (dm.all_reduce) of H + 1
-        float32 values, the heads of every parameter of clip_names in that order, then a flag "this
-        rank's input is bad": each rank sends and receives 2 (n - 1) x ceil((H + 1) / n) x 4 bytes (a
-        ring's count; the Ledger's phase "QK-clip maxima"), e.g. 72 B for H = 10 heads on 4 ranks.
-        No owner is involved: every rank ends with S_h, the max over every rank that computed head h,
-        and scales the rows of head h it holds itself: gamma_h = min(1, tau / S_h), and head h's rows in
-        segments "q" and "k" times sqrt(gamma_h) (mlr.qk_clip_scales), bit-identical to torch's step then
-        those rows times sqrt(gamma_h).
+        contract (max_logits, one float32 per query head of the full matrix; refusals, naming the rank; the
+        multipliers returned) is the lesson's: help(muon_large_runs.LargeRuns.clip_qk_), and so is its one
+        collective, mlr.exchange_max_logits: ONE all-reduce MAX over the optimizer's group of n ranks of
+        H + 1 float32 values, the heads of every parameter of clip_names in that order, then the refusing
+        rank: each rank sends and receives 2 (n - 1) x ceil((H + 1) / n) x 4 bytes (a ring's count; the
+        Ledger's phase "QK-clip maxima"), e.g. 72 B for H = 10 heads on 4 ranks. For separate W_q and W_k
+        of multi-head attention, pass the same maxima under both names (under GQA, leave W_k out: its keys
+        are shared). A head's rows are held here if any of its scaled rows is in this rank's local shard,
+        wherever FSDP2 and TP cut (section 3b); each run of them is multiplied by its head's multiplier
+        (mlr.qk_clip_scales), bit-identical to torch's step then those rows times it.
         """
         heads_of = mlr.qk_heads(self.row_layouts, self.clip_names)
         problem = self._options_problem() or mlr.max_logits_problem(max_logits, heads_of)
-        maxima = torch.full((sum(heads_of.values()) + 1,), -math.inf, dtype=torch.float32, device=self._device())
-        offsets, start = {}, 0
-        for name, heads in heads_of.items():
-            offsets[name] = slice(start, start + heads)
-            if problem is None and name in max_logits:
-                maxima[offsets[name]] = max_logits[name].to(maxima.device)
-            start += heads
-        maxima[-1] = 1.0 if problem else 0.0
-        dm.all_reduce(maxima, self.axis, self.ledger, "QK-clip maxima", dist.ReduceOp.MAX)
-        if problem:
-            raise ValueError(problem)
-        if maxima[-1] > 0:
-            raise ValueError("another rank found a problem with its max_logits (it raised the details)")
+        maxima = mlr.exchange_max_logits(max_logits, heads_of, problem, self.me, self.axis, self.ledger,
+                                         self._device())
         out = {}
-        for name, where in offsets.items():
-            scales = mlr.qk_clip_scales(maxima[where].cpu(), self.qk_clip_tau)
+        for name, s in maxima.items():
+            scales = mlr.qk_clip_scales(s, self.qk_clip_tau, self.row_layouts[name].shares_keys)
             flat = local_of(self.param_by_name[name]).view(-1)
             for start, stop, head in self.clip_runs[name]:
                 if scales[head] != 1.0:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from distributed_muon_cpu import (D_MODEL, FUSED_QKV, N_HEADS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce,
-                                  QK_CLIP_OFF, any_rank, newton_schulz, newton_schulz_flops, ns_coefficients_of)
+                                  QK_CLIP_OFF, newton_schulz, newton_schulz_flops, ns_coefficients_of)
 
 # =============================================================================
 # 8. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
@@ -67,11 +67,22 @@ from distributed_muon_cpu import (D_MODEL, FUSED_QKV, N_HEADS, NS_COEFFICIENTS, 
 # it that TP and ZeRO-1 leave on a rank.
 
 
+QK_SEGMENTS = ("q", "k")  # the segments of a RowLayout that QK-clip scales (8.4)
+
+
 @dataclass(frozen=True)
 class RowLayout:
-    """Which rows of a full (TP-gathered) matrix are which: `periods` repeats (one per attention head) of
-    segments of `sizes` rows named `names`. The fused QKV below, head by head: sizes (hd, hd, hd), names
-    ("q", "k", "v"), periods = heads; a separate W_q: sizes (hd,), names ("q",)."""
+    """Which rows of a full (TP-gathered) matrix are which: `periods` repeats (one per key head) of
+    segments of `sizes` rows named `names`. Segments of one name are one matrix to the model (a block,
+    8.2); "q" and "k" are the rows QK-clip scales (8.4). Head by head, as Megatron lays them out:
+
+      multi-head attention, fused QKV:  RowLayout((hd, hd, hd), heads, ("q", "k", "v"))
+      its separate W_q (or W_k):        RowLayout((hd,), heads, ("q",))
+      GQA, r query heads per key head:  RowLayout((hd,) * r + (hd, hd), kv_heads, ("q",) * r + ("k", "v"))
+      its separate W_q:                 RowLayout((hd,) * r, kv_heads, ("q",) * r)
+
+    Query head j of period p is head p * r + j (r "q" segments a period), as in the model's q.view(heads, hd).
+    A W_k under GQA is left out of QK-clip (its keys are shared: 8.4)."""
     sizes: tuple
     periods: int = 1
     names: tuple = ()
@@ -80,17 +91,44 @@ class RowLayout:
     def rows(self):
         return self.periods * sum(self.sizes)
 
+    @property
+    def shares_keys(self):
+        """Several query heads to a key head (GQA): more than one "q" segment a period."""
+        return self.names.count("q") > 1
+
+    @property
+    def query_heads(self):
+        """The heads QK-clip takes a max logit for: every query head, or a W_k's key heads."""
+        return self.periods * max(1, self.names.count("q"))
+
+    def qk_row_heads(self):
+        """For each row of the full matrix, the query head whose multiplier scales it (8.4), else -1: the q
+        rows of every head; the k rows of a head only where no other query head shares them."""
+        heads, q_per_period = [-1] * self.rows, self.names.count("q")
+        for p in range(self.periods):
+            j = 0
+            for segment, name in enumerate(self.names):
+                head = p * max(1, q_per_period) + j if name == "q" else p if not self.shares_keys else -1
+                if name in QK_SEGMENTS:
+                    for r in self.segment_rows(p, segment):
+                        heads[r] = head
+                j += name == "q"
+        return heads
+
     def segment_rows(self, period, segment):
         start = period * sum(self.sizes) + sum(self.sizes[:segment])
         return range(start, start + self.sizes[segment])
 
     def blocks(self, per_head=False):
-        """Row indices of each matrix Newton-Schulz sees alone: segment i of every period joined
-        (Q, K, V), or per_head, each period's segments alone."""
+        """Row indices of each matrix Newton-Schulz sees alone: the segments of one name in every period
+        joined (Q, K, V; unnamed segments, each of its own), or per_head, each segment of each period alone
+        (each query head's q, its key head's k and v)."""
         segments = range(len(self.sizes))
         if per_head:
             return [list(self.segment_rows(p, s)) for p in range(self.periods) for s in segments]
-        return [[r for p in range(self.periods) for r in self.segment_rows(p, s)] for s in segments]
+        keys = self.names or segments
+        return [[r for p in range(self.periods) for s in segments if keys[s] == key for r in self.segment_rows(p, s)]
+                for key in dict.fromkeys(keys)]
 
     def block_heights(self, per_head=False):
         """For every row, the number of rows of its block (what its learning-rate adjustment sees)."""
@@ -127,8 +165,10 @@ def row_layout_problem(name, rows, matrix_shape, expert_stack=False, qk_clip=Fal
     if rows.rows != matrix_shape[0]:
         return (f"row_layouts[{name!r}] has {rows.periods} x {sum(rows.sizes)} = {rows.rows} rows; "
                 f"the matrix{' of each expert' if expert_stack else ''} has {matrix_shape[0]}")
-    if qk_clip and expert_stack and set(rows.names) & {"q", "k"}:
+    if qk_clip and expert_stack and set(rows.names) & set(QK_SEGMENTS):
         return f"row_layouts[{name!r}]: QK-clip scales attention heads, not the experts of an expert stack"
+    if qk_clip and rows.names.count("k") > 1:
+        return f"row_layouts[{name!r}]: one \"k\" segment a period (a key head and its query heads), got {rows.names}"
     return None
 
 
@@ -278,37 +318,60 @@ def newton_schulz_tp_flops(global_shape, tp, steps=NS_STEPS):
 # the step): an attention head whose largest pre-softmax logit S exceeded tau has
 # its logits scaled back to tau. S is known where the head's attention was
 # computed: on each DP rank (its own batch), on the TP rank that holds the head.
-# A 1-byte vote over the world first (bad maxima on any rank: every rank refuses,
-# nothing changed), then one MAX all-reduce over DP of 4 bytes per TP-local head
-# (a QKV not split by rows: over the world, every head), and every rank scales its
-# own rows of W_q and W_k (the weights are whole on every DP rank again after the
-# step):
+# The contract, the lesson's optimizers' and DTensorMuon's alike: every rank
+# passes {name: one float32 per query head of the FULL matrix}, the largest logit
+# it computed for each, -inf for the heads it did not compute (or leaves the name
+# out). One MAX all-reduce over the optimizer's ranks carries every head's maxima
+# and, last, the refusing rank (rank + 1, 0 for none): H + 1 floats. Every rank then
+# scales the q and k rows it holds (the weights are whole on every DP rank again
+# after the step) and none is left out or counted twice:
 #
-#   (DP 0, TP t): S_h of its batch, heads of TP t --\                        /--> (DP 0, TP t) scales
-#   (DP 1, TP t): ...                             ---+-- MAX over DP: S_h --+--> q_h, k_h rows by
-#   (DP 3, TP t): ...                             --/                        \--> sqrt(min(1, tau / S_h))
+#   every rank: [S_0 .. S_{H-1} of the heads it computed, -inf elsewhere | refused? rank + 1 : 0]
+#        --> one MAX all-reduce over the optimizer's ranks -->  S_h for every head, or every rank raises
+#   every rank: q rows of head h (and its own k rows) times gamma_h or sqrt(gamma_h), gamma_h = min(1, tau / S_h)
 #
-# LargeRuns.clip_qk_ (8.5) makes that exchange; here are the per-head multipliers
-# and the checks of its input.
+# Which rows take which multiplier is the report's per-head rule: with one query
+# head per key head (MHA), q_h and k_h each times sqrt(gamma_h); with keys shared by
+# a group of query heads (GQA), each query head's q_h times gamma_h and the shared
+# k untouched, as Kimi K2 leaves MLA's shared rotary key alone and scales each
+# head's rotary query by gamma_h. That keeps each head's own gamma: scaling the shared
+# k by the group's smallest would shrink every other head of the group too.
 
 
-def qk_clip_scales(max_logits, tau):
-    """The report's per-head form for multi-head attention: gamma_h = min(1, tau / S_max_h), and head h's
-    rows of W_q and of W_k are each multiplied by sqrt(gamma_h), so its logits q.k shrink by gamma_h when q
-    and k have no bias (Kimi's models have none); with a QKV bias, as the demo's and the GPT's, only the
-    weights' part of q and k shrinks, so a clipped head's next logits are near tau, not capped at it.
-    (Its MLA form, which leaves the shared rotary key alone, has no counterpart in plain MHA.)
+def qk_clip_scales(max_logits, tau, shares_keys=False):
+    """The multiplier of each head's scaled rows: gamma_h = min(1, tau / S_max_h) on its q rows where keys
+    are shared (GQA), else sqrt(gamma_h) on its q rows and on its k rows (MHA), so its logits q.k shrink by
+    gamma_h when q and k have no bias (Kimi's models have none); with a QKV bias, as the demo's and the GPT's,
+    only the weights' part shrinks, so a clipped head's next logits are near tau, not capped at it.
     Python floats (computed in double), one per head: the same multiplier wherever the rows lie."""
-    return [math.sqrt(min(1.0, tau / s)) if s > tau else 1.0 for s in max_logits.tolist()]
-
-
-QK_SEGMENTS = ("q", "k")  # the segments of a RowLayout that QK-clip scales
+    gammas = [min(1.0, tau / s) if s > tau else 1.0 for s in max_logits.tolist()]
+    return gammas if shares_keys else [math.sqrt(g) for g in gammas]
 
 
 def qk_heads(row_layouts, names):
-    """{laid-out matrix with q or k rows: its heads}, in the order of `names` (the same on every rank)."""
-    return {n: row_layouts[n].periods for n in names
+    """{laid-out matrix with q or k rows: its query heads}, in the order of `names` (the same on every rank)."""
+    return {n: row_layouts[n].query_heads for n in names
             if n in row_layouts and set(row_layouts[n].names) & set(QK_SEGMENTS)}
+
+
+def exchange_max_logits(max_logits, heads, problem, me, axis, ledger, device):
+    """The one collective of QK-clip, for every optimizer: {name: S_h of each head, the max over the ranks of
+    `axis`}, or a ValueError on every rank if any rank's `problem` (its input, one line) is not None: this
+    rank's own problem, named "rank R: ...", or the (highest) rank that refused; nothing changed."""
+    maxima = torch.full((sum(heads.values()) + 1,), -math.inf, dtype=torch.float32, device=device)
+    where, start = {}, 0
+    for name, count in heads.items():
+        where[name] = slice(start, start + count)
+        if problem is None and name in max_logits:
+            maxima[where[name]] = max_logits[name].to(device)
+        start += count
+    maxima[-1] = me + 1 if problem else 0  # exact in float32 for any rank below 2**24
+    all_reduce(maxima, axis, ledger, "QK-clip maxima", dist.ReduceOp.MAX)
+    if problem:
+        raise ValueError(f"rank {me}: {problem}")
+    if maxima[-1] > 0:
+        raise ValueError(f"rank {int(maxima[-1]) - 1} refused clip_qk_ (it raised why); nothing changed")
+    return {name: maxima[w].cpu() for name, w in where.items()}
 
 
 def max_logits_problem(max_logits, heads):
@@ -414,44 +477,39 @@ class LargeRuns(Blocks):
 
     @torch.no_grad()
     def clip_qk_(self, optimizer, max_logits):
-        """QK-clip: scale the W_q and W_k rows of every head whose largest logit S exceeded
-        qk_clip_tau by sqrt(tau / S). Collective: every rank calls it after step(), when every rank
-        holds its whole TP piece again, and scales the rows of that piece. The contract, DTensorMuon's too:
+        """QK-clip: scale the q (and unshared k) rows of every head whose largest logit S exceeded
+        qk_clip_tau (qk_clip_scales). Collective: every rank calls it after step(), when every rank holds
+        its whole TP piece again, and scales the rows of that piece. The contract, DTensorMuon's too:
 
-        max_logits: {name: float32 tensor (heads,) over the FULL matrix's heads}, the largest logit this
-        rank computed for each head, -inf for heads it did not compute; names: any of the laid-out
-        matrices with "q" or "k" rows (qk_heads), a name left out counting as -inf for every head (ranks
-        may leave out different ones). Refused on every rank before anything changes, if any rank's is
-        bad: QK-clip off, an unknown name, not float32 of (heads,), NaN or +inf (max_logits_problem).
-        Returns {every laid-out name with q or k rows: [multiplier of each head of the full matrix; None
-        for a head of whose q and k rows this rank holds no element]}.
-        What moves: after a 1-byte vote over the world ("QK-clip check"), a MAX
-        all-reduce of 4 bytes per head, over DP of the TP-local heads of a matrix TP splits by rows (its
-        heads live on one TP rank, which computes them), over the world for any other laid-out matrix.
+        max_logits: {name: float32 tensor (query heads,) over the FULL matrix's heads (RowLayout.query_heads;
+        a W_k's: its key heads)}, the largest logit this rank computed for each head, -inf for heads it did
+        not compute; names: any of the laid-out matrices with "q" or "k" rows (qk_heads), a name left out
+        counting as -inf for every head (ranks may leave out different ones). Refused on every rank before
+        anything changes, naming the rank, if any rank's is bad: QK-clip off, an unknown name, not float32
+        of (heads,), NaN or +inf (max_logits_problem).
+        Returns {every laid-out name with q or k rows: [multiplier of each head's q rows (qk_clip_scales);
+        None for a head of whose scaled rows this rank holds none]}.
+        What moves: exchange_max_logits, one MAX all-reduce over the world of H + 1 float32 (H: the heads of
+        every such matrix), whatever TP and DP cut.
         """
         heads = qk_heads(self.row_layouts, optimizer.param_by_name) if self.qk_clip_tau is not None else {}
         problem = max_logits_problem(max_logits, heads)
-        refused = any_rank(torch.tensor([problem is not None], device=optimizer.device), optimizer.grid.world,
-                           optimizer.ledger, "QK-clip check")
-        if refused.item():
-            raise ValueError(problem or "clip_qk_ refused: another rank's max_logits were refused (it says why)")
-        tp, multipliers = optimizer.grid.tp, {}
-        for axis, by_rows in ((optimizer.grid.dp, True), (optimizer.grid.world, False)):
-            mine = [n for n in heads if (optimizer.layout.tp_split_dims[n] == 0) == by_rows]  # the same on every rank
-            if not mine:
-                continue
-            # the heads whose rows this rank holds: its TP piece's (split by rows), or all of them
-            local = {n: self.row_layouts[n].tp_piece(tp.size) if by_rows else self.row_layouts[n] for n in mine}
-            first = {n: tp.rank * local[n].periods if by_rows else 0 for n in mine}
-            computed = [max_logits[n].to(optimizer.device)[first[n]:][:local[n].periods] if n in max_logits else
-                        torch.full((local[n].periods,), -math.inf, device=optimizer.device) for n in mine]
-            maxima = all_reduce(torch.cat(computed), axis, optimizer.ledger, "QK-clip maxima", dist.ReduceOp.MAX)
-            for name, s in zip(mine, maxima.split([local[n].periods for n in mine])):
-                scales = qk_clip_scales(s, self.qk_clip_tau)
-                weight, rows = optimizer.param_by_name[name], local[name]
-                for h, scale in enumerate(scales):
-                    for segment, label in enumerate(rows.names):
-                        if label in QK_SEGMENTS and scale != 1.0:
-                            weight[rows.segment_rows(h, segment).start:rows.segment_rows(h, segment).stop].mul_(scale)
-                multipliers[name] = [None] * first[name] + scales + [None] * (heads[name] - first[name] - len(scales))
+        grid = optimizer.grid
+        maxima = exchange_max_logits(max_logits, heads, problem, grid.rank, grid.world, optimizer.ledger,
+                                     optimizer.device)
+        multipliers = {}
+        for name, s in maxima.items():
+            layout, weight = self.row_layouts[name], optimizer.param_by_name[name]
+            scales = qk_clip_scales(s, self.qk_clip_tau, layout.shares_keys)
+            row_heads = layout.qk_row_heads()
+            # the rows of the full matrix held here: a TP piece's under a split by rows, else every row
+            first = grid.tp.rank * weight.shape[0] if optimizer.layout.tp_split_dims[name] == 0 else 0
+            held = row_heads[first:first + weight.shape[0]]
+            start, held_heads = 0, set(held)
+            for stop in range(1, len(held) + 1):  # runs of rows of one head, each scaled by one mul_
+                if stop == len(held) or held[stop] != held[start]:
+                    if held[start] >= 0 and scales[held[start]] != 1.0:
+                        weight[start:stop].mul_(scales[held[start]])
+                    start = stop
+            multipliers[name] = [m if h in held_heads else None for h, m in enumerate(scales)]
         return multipliers

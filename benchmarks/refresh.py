@@ -129,11 +129,11 @@ PARTS = (
          data=("gpt_step_4x2_2core.json", "gpt_step_4x2_2core.png")),
     Part("gpt_lr_sweep_2core.txt", (f"{{python}} benchmarks/gpt_lr_sweep.py {SWEEP}",),
          data=("gpt_lr_sweep_2core.json", "gpt_lr_sweep_2core.png")),
-    Part("dtensor_default_4x2.txt", ("{python} distributed_muon_dtensor.py",)),
-    Part("dtensor_batched_4x2.txt", ("{python} distributed_muon_dtensor.py --batched-ns",)),
-    Part("dtensor_compare_4x2.txt", ("{python} distributed_muon_dtensor.py --compare",)),
+    Part("dtensor_default_4x2.txt", ("{python} dtensor_demo.py",)),
+    Part("dtensor_batched_4x2.txt", ("{python} dtensor_demo.py --batched-ns",)),
+    Part("dtensor_compare_4x2.txt", ("{python} dtensor_demo.py --compare",)),
     Part("dtensor_torchrun_2x2_gloo.txt", ("{python} -m torch.distributed.run --standalone --nproc-per-node 4 "
-                                           "distributed_muon_dtensor.py --dp 2 --tp 2 --backend gloo --device cpu",),
+                                           "dtensor_demo.py --dp 2 --tp 2 --backend gloo --device cpu",),
          env=(("OMP_NUM_THREADS", "1"),)),  # set, torchrun prints no banner about it
     Part("dtensor_training_4x2.txt", ("{python} dtensor_demo.py --train",)),
     Part("dtensor_train_gpt_4x2.txt", ("{python} examples/train_gpt_dtensor.py --verify",
@@ -144,7 +144,7 @@ PARTS = (
         "{python} examples/train_gpt_dtensor.py --dp 2 --tp 2 --save {tmp}/gptckpt --save-step 20",
         "{python} examples/train_gpt_dtensor.py --dp 4 --tp 1 --resume {tmp}/gptckpt --resume-step 20",
         "{python} examples/train_gpt_dtensor.py --dp 1 --tp 4 --resume {tmp}/gptckpt --resume-step 20")),
-    # Chapter 11: the large runs' options
+    # Chapter 9: the large runs' options
     Part("large_runs_gram_4x2.txt", ("{python} distributed_muon_cpu.py --tp-newton-schulz gram",)),
     Part("large_runs_options_4x2.txt", ("{python} distributed_muon_cpu.py --ns-coefficients polar_express "
                                         "--ns-blocks blocks --qk-clip 100",)),

@@ -8,11 +8,12 @@ tests/test_large_runs.py checks against this file). Importable by any test (the 
   * Polar Express (arXiv 2505.16932): torch.optim.Muon with its Newton-Schulz
     (torch.optim._muon._zeropower_via_newtonschulz) swapped for newton_schulz_per_iteration below: torch's
     own operations, in torch's order, with one (a, b, c) per iteration.
-  * QK-clip (Kimi K2, arXiv 2507.20534, per-head form for MHA): after the step, the q and k rows of head h
-    times sqrt(tau / S_h) where S_h, the largest logit over every rank, exceeds tau.
+  * QK-clip (Kimi K2, arXiv 2507.20534, per-head): after the step, where S_h, the largest logit of query
+    head h over every rank, exceeds tau: with one query head per key head, its q and k rows times
+    sqrt(tau / S_h); with keys shared (GQA), its q rows times tau / S_h and the keys left alone.
 
-A layout is anything with .sizes (rows of each segment in one head), .periods (heads) and .names (of the
-segments, "q" and "k" are clipped), such as muon_large_runs.RowLayout; the rows are computed here.
+A layout is anything with .sizes (rows of each segment in one period), .periods (key heads) and .names (of
+the segments, "q" and "k" are clipped), such as muon_large_runs.RowLayout; the rows are computed here.
 """
 
 import contextlib
@@ -56,22 +57,35 @@ def segment_rows(layout, head, segment):
 
 
 def block_rows(layout, per_head):
-    """Each block as a list of rows: segment s of every head joined (per_head False), or each head's apart."""
+    """Each block's rows: per_head, every segment of every head alone; else the segments of one name joined
+    across heads (all the query heads' "q" rows are one Q), an unnamed segment joined with itself only."""
     segments = range(len(layout.sizes))
     if per_head:
         return [list(segment_rows(layout, h, s)) for h in range(layout.periods) for s in segments]
-    return [[r for h in range(layout.periods) for r in segment_rows(layout, h, s)] for s in segments]
+    names = list(layout.names) or list(segments)
+    return [[r for h in range(layout.periods) for s in segments if names[s] == name for r in segment_rows(layout, h, s)]
+            for name in sorted(set(names), key=names.index)]
 
 
 def qk_clip_(weight, layout, max_logits, tau):
-    """Kimi K2's per-head QK-clip of one matrix, in place: returns each head's multiplier."""
+    """Kimi K2's per-head QK-clip of one matrix, in place: returns each query head's multiplier.
+    max_logits holds one value per query head (the "q" segments of every period, in row order; a matrix of
+    "k" rows only: one per period). gamma = tau / S where S > tau. One query head a period (MHA): its q
+    rows and its period's k rows times sqrt(gamma). Several (GQA, keys shared): its q rows times gamma and
+    the k rows untouched, as the report treats MLA's shared rotary key."""
+    q_segments = [i for i, name in enumerate(layout.names) if name == "q"]
+    k_segments = [i for i, name in enumerate(layout.names) if name == "k"]
+    shared = len(q_segments) > 1
     multipliers = []
     for head, s in enumerate(max_logits.tolist()):
-        scale = math.sqrt(tau / s) if s > tau else 1.0
-        for segment, name in enumerate(layout.names):
-            if name in ("q", "k") and scale != 1.0:
-                rows = segment_rows(layout, head, segment)
-                weight[rows.start:rows.stop].mul_(scale)
+        gamma = tau / s if s > tau else 1.0
+        period, j = divmod(head, len(q_segments)) if q_segments else (head, None)
+        scale = gamma if shared else math.sqrt(gamma)
+        rows = [segment_rows(layout, period, q_segments[j])] if q_segments else []
+        rows += [] if shared else [segment_rows(layout, period, k) for k in k_segments]
+        for r in rows:
+            if scale != 1.0:
+                weight[r.start:r.stop].mul_(scale)
         multipliers.append(scale)
     return multipliers
 

@@ -39,10 +39,12 @@ import large_runs_reference as lrr  # noqa: E402
 
 D = 8  # model width
 # Row layouts of the FULL matrices. The fused QKV has GQA-like heights (q 3, k 2, v 2 rows per head), so its blocks
-# differ in shape and so in adjusted lr; W_q and W_k are separate (4 heads of 3 rows); W_o is laid out only to have
+# differ in shape and so in adjusted lr; W_q and W_k are separate (4 heads of 3 rows), W_q laid out as GQA's (2 key
+# heads of 2 query heads: QK-clip scales its q rows by gamma) and W_k as multi-head attention's (by sqrt(gamma), the
+# same maxima: a check of each rule, not one model); W_o is laid out only to have
 # a laid-out matrix that TP cuts by columns (RowwiseParallel); each expert of the stack is a fused SwiGLU gate | up.
 LAYOUTS = {"qkv.weight": mlr.RowLayout((3, 2, 2), 2, ("q", "k", "v")),
-           "wq.weight": mlr.RowLayout((3,), 4, ("q",)),
+           "wq.weight": mlr.RowLayout((3, 3), 2, ("q", "q")),
            "wk.weight": mlr.RowLayout((3,), 4, ("k",)),
            "wo.weight": mlr.RowLayout((3, 2), 2, ("a", "b")),
            "experts": mlr.RowLayout((3, 3), 1, ("gate", "up"))}
@@ -159,7 +161,7 @@ def global_max(step, world=4):
 
 def held_heads(rank_result, name):
     """The heads of `name` (a matrix of D columns) whose q or k rows this rank's local shard holds, any element."""
-    heads = dd.head_of_qk_row(LAYOUTS[name])[rank_result["where"][name] // D]
+    heads = torch.tensor(LAYOUTS[name].qk_row_heads())[rank_result["where"][name] // D]
     return set(heads[heads >= 0].tolist())
 
 
@@ -413,7 +415,8 @@ def test_blocks_and_qk_clip_equal_torch_on_the_blocks_then_the_clip(runs, mesh, 
     # every rank returned the multipliers of the global maxima for the heads it holds (None for the others; every
     # head held somewhere), some heads clipped, some not
     for step, S in enumerate([global_max(1), global_max(2)]):
-        expected = {n: [math.sqrt(min(1.0, TAU / s)) if s > TAU else 1.0 for s in S[n].tolist()] for n in HEADS}
+        gammas = {n: [min(1.0, TAU / s) if s > TAU else 1.0 for s in S[n].tolist()] for n in HEADS}
+        expected = {n: g if LAYOUTS[n].shares_keys else [math.sqrt(x) for x in g] for n, g in gammas.items()}
         held = [{n: held_heads(r, n) for n in HEADS} for r in ranks]
         for r, mine in zip(ranks, held):
             lrr.assert_qk_multipliers(r["scales"][step], expected, mine)
@@ -465,7 +468,6 @@ def test_refused_clips_raise_on_every_rank_and_change_nothing(runs):
     """A bad max_logits (or tau) on one rank, or on all: clip_qk_ raises on EVERY rank before any weight changes,
     and the run then goes on to torch's result (nothing was half applied, no rank left behind)."""
     case, ranks = runs[Case((1, 2, 2), "blocks", clip=True, bad="clip").label]
-    told = "another rank found a problem with its max_logits (it raised the details)"
     said = {"unknown name": "max_logits names 'fc.weight', which QK-clip does not scale",
             "wrong length": "max_logits['wq.weight'] must be a float32 tensor of shape (4,) "
                             "(got torch.float32 of shape (3,))",
@@ -476,10 +478,11 @@ def test_refused_clips_raise_on_every_rank_and_change_nothing(runs):
         for r in ranks:
             refusal = r["refusals"][i]
             assert refusal["what"] == what and refusal["unchanged"] is True, (what, r["rank"])
-            if culprit in (-1, r["rank"]):
-                assert refusal["error"].startswith(said[what]), (what, refusal["error"])
+            if culprit in (-1, r["rank"]):  # its own problem, its rank named
+                assert refusal["error"].startswith(f"rank {r['rank']}: {said[what]}"), (what, refusal["error"])
             else:
-                assert refusal["error"] == told, (what, r["rank"])
+                assert refusal["error"] == f"rank {culprit} refused clip_qk_ (it raised why); nothing changed", \
+                    (what, r["rank"], refusal["error"])
     assert_identical(ranks, reference(Case((1, 2, 2), "blocks", clip=True)), case.label)
 
 
@@ -638,7 +641,7 @@ def test_bad_options_are_refused_at_construction_in_one_line():
             dd.DTensorMuon([dict(params=params)], expert_stacks=stacks, **options)
         assert str(raised.value).startswith(message) and "\n" not in str(raised.value), (options, str(raised.value))
     opt = dd.DTensorMuon([dict(params=[("w", w)])], row_layouts={"w": qkv}, ns_blocks="heads")
-    with pytest.raises(ValueError, match=r"^QK-clip is off: construct the optimizer with qk_clip_tau \(and row_"):
+    with pytest.raises(ValueError, match=r"^rank 0: QK-clip is off: construct the optimizer with qk_clip_tau \(and row_"):
         opt.clip_qk_({})
 
 

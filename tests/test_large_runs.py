@@ -43,11 +43,13 @@ def demo_configs():
 
 
 # -- the other layouts: an optimizer over matrices laid out otherwise ------------------------------
-# (full shape, TP split dim, row layout or None). GQA: each of 4 key-value heads has 2 query heads.
+# (full shape, TP split dim, row layout or None). GQA: each of 4 key-value heads has 2 query heads, in a
+# fused QKV and in a separate W_q (8 query heads each: q x gamma, the shared k untouched); a W_k of multi-head
+# attention (4 heads: k x sqrt(gamma)).
 HD = 4
 MATRICES = {
-    "gqa.qkv": ((64, 32), 0, mlr.RowLayout((2 * HD, HD, HD), 4, ("q", "k", "v"))),
-    "sep.q": ((32, 64), 1, mlr.RowLayout((2 * HD,), 4, ("q",))),
+    "gqa.qkv": ((64, 32), 0, mlr.RowLayout((HD, HD, HD, HD), 4, ("q", "q", "k", "v"))),
+    "sep.q": ((32, 64), 1, mlr.RowLayout((HD, HD), 4, ("q", "q"))),
     "sep.k": ((16, 48), -1, mlr.RowLayout((HD,), 4, ("k",))),
     "plain": ((24, 40), 1, None),
     "tall": ((80, 16), 0, None),
@@ -79,10 +81,10 @@ def rank_max_logits(step, dp_rank, tp_rank, tp):
     g = torch.Generator().manual_seed(step * 1_000 + dp_rank * 10 + tp_rank)
     out = {}
     for name, layout in LAYOUTS.items():
-        heads = torch.arange(layout.periods)
-        s = 30 * (heads + 1) * (0.75 + 0.5 * torch.rand(layout.periods, generator=g))  # heads 0, 1 never clip, 3 mostly
-        if MATRICES[name][1] == 0:
-            here = heads // (layout.periods // tp) == tp_rank
+        heads = torch.arange(layout.query_heads)
+        s = 30 * (heads + 1) * (0.75 + 0.5 * torch.rand(layout.query_heads, generator=g))  # heads 0, 1 never clip
+        if MATRICES[name][1] == 0:  # a TP rank holds its heads: 1/TP of them, in order
+            here = heads // (layout.query_heads // tp) == tp_rank
         else:
             here = (heads + dp_rank + tp_rank) % 3 != 0
         out[name] = torch.where(here, s, torch.tensor(-math.inf))
@@ -97,7 +99,7 @@ def reported_max_logits(step, dp_rank, tp_rank, tp):
 
 
 def global_max_logits(step, dp, tp):
-    none = {n: torch.full((layout.periods,), -math.inf) for n, layout in LAYOUTS.items()}
+    none = {n: torch.full((layout.query_heads,), -math.inf) for n, layout in LAYOUTS.items()}
     return {n: torch.stack([reported_max_logits(step, d, t, tp).get(n, none[n]) for d in range(dp)
                             for t in range(tp)]).amax(0) for n in LAYOUTS}
 
@@ -144,7 +146,7 @@ def refusals(grid, rank):
     cases = {
         "unknown name": dict(good, nope=torch.zeros(4)),
         "wrong length on rank 3": dict(good, **{"gqa.qkv": torch.zeros(5)}) if rank == 3 else good,
-        "NaN on rank 5": dict(good, **{"sep.q": torch.tensor([1.0, math.nan, 2.0, 3.0])}) if rank == 5 else good,
+        "NaN on rank 5": dict(good, **{"sep.q": torch.tensor([1.0, math.nan] + [2.0] * 6)}) if rank == 5 else good,
         "+inf on rank 0": dict(good, **{"sep.k": torch.full((4,), math.inf)}) if rank == 0 else good,
         "float64 on rank 6": dict(good, **{"sep.q": good["sep.q"].double()}) if rank == 6 else good,
         "not a dict on rank 2": list(good.values()) if rank == 2 else good,
@@ -157,9 +159,9 @@ def refusals(grid, rank):
     _, off = build(grid, "gather", "heads", qk_clip_tau=None)
     clip["QK-clip off"] = (attempt(lambda: off.clip_qk_(good)), True)
     plain = dm.DistributedMuon([dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid)
-    # no LargeRuns at all: still refused on every rank after the world's vote (its second item: the vote ran)
+    # no LargeRuns at all: still refused on every rank after the world's exchange (its second item: it ran)
     clip["no large-run option"] = (attempt(lambda: plain.clip_qk_(good)),
-                                   [c["phase"] for c in plain.ledger.comm] == ["QK-clip check"])
+                                   [c["phase"] for c in plain.ledger.comm] == ["QK-clip maxima"])
     construct = {f"tau {tau!r}": attempt(lambda tau=tau: build(grid, "gather", "heads", qk_clip_tau=tau))
                  for tau in (0, -1.0, math.nan, math.inf, True, "100")}
     construct["ns_blocks rows"] = attempt(lambda: build(grid, "gather", "rows"))
@@ -329,14 +331,14 @@ def test_some_heads_clip_and_some_do_not(spawned, i):
 
 
 def test_qk_clip_and_gram_bytes(spawned):
-    """The ledger's bytes: QK-clip sends 4 bytes per TP-local head, a ring over DP (2 (DP-1) pieces of
-    1/DP of them); newton_schulz_tp sends a ring of the float32 Gram matrix per iteration."""
+    """The ledger's bytes: QK-clip sends one float32 per head and the refusing rank's, a ring over the world
+    (2 (W-1) pieces of 1/W of them); newton_schulz_tp sends a ring of the float32 Gram matrix per iteration."""
     for i, cfg in enumerate(spawned[0]):
         results = demo_results(spawned, i)
-        heads = 2 * dm.N_HEADS // cfg.tp  # 2 layers' QKV
+        floats, world = 2 * dm.N_HEADS + 1, cfg.dp * cfg.tp  # 2 layers' QKV, every head, and the refusal
         for r in results:
             sent = [c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "QK-clip maxima"]
-            assert sent == ([2 * (cfg.dp - 1) * -(-heads // cfg.dp) * 4] * cfg.steps if cfg.dp > 1 else [])
+            assert sent == [2 * (world - 1) * -(-floats // world) * 4] * cfg.steps
             grams = {c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "TP Gram"}
             if cfg.tp_newton_schulz == "gram":
                 gram = mt.gram_names(mt.demo_specs(cfg), cfg)
@@ -376,8 +378,8 @@ def assert_matches_the_reference(got_by_rank, dp, tp, ns_blocks):
         for name, (_, split, _) in MATRICES.items():
             assert torch.equal(got["params"][name], dm.tp_shard(expected[name], split, rank % tp, tp)), (rank, name)
         for step, ms in enumerate(got["multipliers"]):  # heads held: the TP piece's under a split by rows, else all
-            held = {n: {h for h in range(layout.periods) if MATRICES[n][1] != 0
-                        or h // (layout.periods // tp) == rank % tp} for n, layout in LAYOUTS.items()}
+            held = {n: {h for h in range(layout.query_heads) if MATRICES[n][1] != 0
+                        or h // (layout.query_heads // tp) == rank % tp} for n, layout in LAYOUTS.items()}
             ref.assert_qk_multipliers(ms, multipliers[step], held)
 
 
@@ -404,11 +406,11 @@ def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
                 "not a dict on rank 2": 2}
     says = {"unknown name": "max_logits names 'nope', which QK-clip does not scale (it scales gqa.qkv, sep.q, "
                             "sep.k",
-            "wrong length on rank 3": "max_logits['gqa.qkv'] must be a float32 tensor of shape (4,) (got torch.float32 "
+            "wrong length on rank 3": "max_logits['gqa.qkv'] must be a float32 tensor of shape (8,) (got torch.float32 "
                                       "of shape (5,))",
             "NaN on rank 5": "max_logits['sep.q'] holds NaN or +inf",
             "+inf on rank 0": "max_logits['sep.k'] holds NaN or +inf",
-            "float64 on rank 6": "max_logits['sep.q'] must be a float32 tensor of shape (4,) (got torch.float64",
+            "float64 on rank 6": "max_logits['sep.q'] must be a float32 tensor of shape (8,) (got torch.float64",
             "not a dict on rank 2": "max_logits must be a dict {param name: (heads,) float32 tensor} (got list)",
             "QK-clip off": "QK-clip is off: construct the optimizer with qk_clip_tau",
             "no large-run option": "QK-clip is off: construct the optimizer with qk_clip_tau"}
@@ -416,10 +418,10 @@ def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
         for rank, r in enumerate(results):
             message, unchanged = r["clip"][case]
             assert message is not None and unchanged, (case, rank)
-            if bad_rank.get(case, rank) == rank:
-                assert message.startswith(expected), (case, rank, message)
+            if bad_rank.get(case, rank) == rank:  # its own problem, its rank named
+                assert message.startswith(f"rank {rank}: {expected}"), (case, rank, message)
             else:
-                assert "another rank's max_logits were refused" in message
+                assert message == f"rank {bad_rank[case]} refused clip_qk_ (it raised why); nothing changed"
     construct = results[0]["construct"]
     assert all(construct[f"tau {t!r}"].startswith("qk_clip_tau must be a number > 0 and finite")
                for t in (0, -1.0, math.nan, math.inf, True, "100"))
