@@ -19,10 +19,15 @@ the TP all-reduces add in rank order, and the one-process reference adds TP's pi
 only its check of the bound path (the same run verified as NCCL would be, TP > 2) holds each step's
 gradients within 4 x the one process's own fp32 error against float64 plus n u of the largest entry,
 the free-running drift reported beside a one-ulp chaos floor. tests/test_dtensor.py and
-tests/test_train_gpt_dtensor.py run real FSDP2 x TP trainings, whose reductions (FSDP2's, DTensor's)
-add in torch's own order: checked by dtensor_demo.py's section 7 with that bound (the replay bit for
-bit at every step, each step's gradients and loss against float64 within the bound, the free-running
-drift reported beside the chaos floor).
+tests/test_train_gpt_dtensor.py run real FSDP2 x TP trainings, and tests/test_moe.py a routed MoE GPT's
+under expert parallel x FSDP2 x TP, whose reductions (FSDP2's, DTensor's, the experts' all-to-all) add
+in torch's own order: checked by dtensor_demo.py's section 7 with that bound (the replay bit for bit at
+every step, each step's gradients and loss against float64 within the bound, the free-running drift
+reported beside the chaos floor; for the MoE, every routing decision against the one process's own at
+the ranks' weights: identical, or a near-tie the router probabilities' difference explains).
+tests/test_dtensor_snippet.py replays the practitioner's loop of notes/10 (clipped, accumulated,
+resumed) bit for bit; only its gradient norm, summed shard by shard, is held to a bound (n u) against
+one process's.
 If another test ever needs a tolerance, the reason must be written beside it.
 
 Every reference is PyTorch's own torch.optim.Muon / torch.optim.AdamW (or its
