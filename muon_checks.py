@@ -156,7 +156,9 @@ def fill_param_group(group, options, i, extra=()):
     if algorithm not in ALGORITHMS:
         raise ValueError(f"param group {i}: algorithm must be 'muon' or 'adamw' (got {algorithm!r})")
     params = group.get("params")
-    if params is None or (not torch.is_tensor(params) and not list(params)):
+    if params is not None and not torch.is_tensor(params):  # a generator (model.parameters()) is read once, here
+        group["params"] = params = list(params)
+    if params is None or (not torch.is_tensor(params) and not params):
         raise ValueError(f"param group {i} ({algorithm}) has no parameters")
     unknown = sorted(set(group) - set(GROUP_KEYS) - set(TORCH_OPTIONS[algorithm]) - set(extra))
     if unknown:

@@ -271,3 +271,22 @@ def test_bad_constructor_arguments_are_refused_in_one_line_naming_them(single_pr
     with pytest.raises(TypeError, match="unexpected keyword argument 'nesterow'"):
         build([torch.nn.Parameter(torch.zeros(2, 2))], **dict(nesterow=False)) if family == "dtensor" else \
             dm.DistributedMuon([torch.nn.Parameter(torch.zeros(2, 2))], grid=single_process_group, nesterow=False)
+
+
+@pytest.mark.parametrize("family", ["lesson", "dtensor"])
+def test_a_group_given_as_a_generator_keeps_every_parameter(single_process_group, family):
+    """torch reads a group's params once, whatever iterable they come in: model.parameters() in a group, and in
+    add_param_group, keeps every tensor (a check for emptiness once used the generator up), and each steps."""
+    build = ((lambda groups: dm.DistributedMuon(groups, grid=single_process_group)) if family == "lesson"
+             else DTensorMuon)
+    body, head = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), torch.nn.Linear(2, 2)
+    opt = build([dict(params=(p for p in body.parameters() if p.ndim == 2)),
+                 dict(params=(p for p in body.parameters() if p.ndim != 2), algorithm="adamw")])
+    opt.add_param_group(dict(params=head.parameters(), algorithm="adamw"))
+    expected = [[body[0].weight, body[1].weight], [body[0].bias, body[1].bias], [head.weight, head.bias]]
+    assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [[id(p) for p in ps] for ps in expected]
+    before = [p.detach().clone() for ps in expected for p in ps]
+    for p in (*body.parameters(), *head.parameters()):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, (p for ps in expected for p in ps)))
