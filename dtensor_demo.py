@@ -39,10 +39,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import signal
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 import torch
 import torch.distributed as dist
@@ -1249,8 +1253,7 @@ def build_parser():
                         "Newton-Schulz FLOPs per rank side by side")
     p.add_argument("--json", metavar="PATH", help="write the run's checks, owners, bytes and FLOPs")
     p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
-    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="under torchrun (default %(default)s)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="under torchrun (default %(default)s)")
+    mt.add_backend_flags(p)
     return p
 
 
@@ -1326,9 +1329,18 @@ def finish(cfg, results, ranks_s, device="cpu", print_fn=print):
     print_fn("[2] Placements: " + "; ".join(sorted({f"{n.split('.')[-2]}.{n.split('.')[-1]} {p}"
                                                    for n, p in results[0]["placements"].items()
                                                    if n.startswith("layers.0.")})) + "\n")
+    t0 = time.perf_counter()
     checks = verify_training(cfg, results, device) if cfg.train else verify(cfg, results, run_reference(cfg, device))
+    checked_s = time.perf_counter() - t0
     out = report(cfg, results, checks, print_fn)
-    print_fn(f"Timing: ranks {ranks_s:.1f} s (start, build, {cfg.steps} steps, checks)")
+    # the ranks step together (each step ends in collectives): a step takes as long as its slowest rank's
+    steps = len(results[0]["step_ms"])
+    steps_s = sum(max(r["step_ms"][i] for r in results) for i in range(steps)) / 1e3
+    made = "forward and backward" if cfg.train else "the exact gradients"
+    print_fn(f"Timing: ranks {ranks_s:.1f} s = {steps} optimizer steps {steps_s:.1f} s (each its slowest rank's) "
+             f"+ the rest {ranks_s - steps_s:.1f} s (start, build, {made}, the copies the checks read); torch's "
+             f"reference and the checks {checked_s:.1f} s")
+    out["timings"] = dict(ranks_s=ranks_s, optimizer_steps_s=steps_s, reference_and_checks_s=checked_s)
     return out
 
 
@@ -1338,6 +1350,7 @@ def main(argv=None):
         return main_torchrun(args)
 
     def work():
+        mt.backend_flags(args)
         cfg = demo_config(args)
         validate(cfg)
         if args.json:
@@ -1389,6 +1402,7 @@ def main_torchrun(args):
         mt.write_json(args.json, out)
         return 0 if out["passed"] else 1
 
+    args.backend, args.device = mt.backend_flags(args)
     return mt.run_under_torchrun(args.backend, args.device, prepare, body, report_at_rank_0, args.traceback)
 
 

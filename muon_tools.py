@@ -34,7 +34,9 @@ import json
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -712,7 +714,7 @@ def write_atomically(path, write):
 HEARTBEAT_S = 0.5  # how often a rank says it is alive
 
 
-def start_heartbeat(heartbeats, rank, launcher):
+def start_heartbeat(heartbeats, rank, launcher, folders):
     """A thread that writes the time into heartbeats[rank] every HEARTBEAT_S.
 
     It beats while the rank computes or waits in a collective, and stops only
@@ -720,11 +722,15 @@ def start_heartbeat(heartbeats, rank, launcher):
     the launcher tells the rank that stopped from the peers waiting for it.
     `launcher` is the read end of a pipe whose write end only the launcher holds:
     it becomes readable (end of file) when the launcher is gone, even killed by
-    SIGKILL, and then the rank ends itself rather than run on as an orphan.
+    SIGKILL, and then the rank ends itself rather than run on as an orphan. A
+    launcher killed so cleans up nothing: the ranks remove its temporary `folders`
+    (the run's, and multiprocessing's, where the forkserver's socket lies).
     """
     def beat():
         while not launcher.poll(HEARTBEAT_S):  # nothing is ever sent: it times out, or the launcher died
             heartbeats[rank] = time.monotonic()
+        for folder in folders:  # every rank tries; whichever comes first removes them
+            shutil.rmtree(folder, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=beat, daemon=True, name="heartbeat").start()
@@ -738,7 +744,7 @@ def name_process(title):
         pass
 
 
-def rank_process(rank, body, program, cfg, port, out_dir, heartbeats, launcher):
+def rank_process(rank, body, program, cfg, port, out_dir, heartbeats, launcher, folders):
     """One spawned rank, told who it is as torchrun tells it. body: body(rank, cfg, "cpu") once this
     process has joined the Gloo world; or program: program(), which joins and leaves by itself (the
     lesson's run_rank). What it returns is written to out_dir.
@@ -750,7 +756,7 @@ def rank_process(rank, body, program, cfg, port, out_dir, heartbeats, launcher):
     # alone decides what happens next (it stops every rank and cleans up).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_process(f"muon rank {rank}")
-    start_heartbeat(heartbeats, rank, launcher)
+    start_heartbeat(heartbeats, rank, launcher, folders)
     torch.set_num_threads(1)  # same thread count everywhere, as in torch's reference (section 9)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.dp * cfg.tp),
                       LOCAL_WORLD_SIZE=str(cfg.dp * cfg.tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -766,7 +772,8 @@ def rank_process(rank, body, program, cfg, port, out_dir, heartbeats, launcher):
         # When one rank dies its peers fail too ("connection closed"). The time
         # lets the launcher name the rank that failed first: the cause.
         text = f"{time.time()!r}\n{one_line(e)}\n{traceback.format_exc()}"
-        write_atomically(os.path.join(out_dir, f"rank{rank}.error"), lambda f: f.write(text.encode()))
+        with contextlib.suppress(OSError):  # the launcher died and its folder went with it: nobody to tell
+            write_atomically(os.path.join(out_dir, f"rank{rank}.error"), lambda f: f.write(text.encode()))
         os._exit(1)  # no teardown that could wait on a dead peer
 
 
@@ -817,18 +824,26 @@ def rank_errors(out_dir):
     return sorted(errors)
 
 
+# What a rank raises when it refuses because another rank found a problem: the optimizers vote, then the ranks
+# that found it raise the details and every other one says this (distributed_muon_dtensor.py, muon_large_runs.py).
+ANOTHER_RANK = "another rank"
+
+
 def blame(exits, out_dir):
     """The RankFailure that names the cause, once some rank has exited abnormally.
 
     exits: [(rank, exit code)] in the order the launcher saw them end. A rank
     killed by a signal is the cause (its peers then fail with "connection
-    closed"); otherwise the rank whose error was written first is.
+    closed"); otherwise the rank whose error was written first is, unless it only
+    says that ANOTHER_RANK found the problem: after a vote every rank raises at
+    once, in any order, and the first error that gives the details is the cause.
     """
     for rank, code in exits:
         if code < 0:
             return RankFailure(f"rank {rank} was killed by {signal.Signals(-code).name}")
     errors = rank_errors(out_dir)
     if errors:
+        errors.sort(key=lambda e: ANOTHER_RANK in e[2])  # stable: the details first, each kind by time
         _, rank, error, trace = errors[0]
         others = sorted(r for _, r, _, _ in errors[1:])
         also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
@@ -846,8 +861,10 @@ def watch(procs, heartbeats, out_dir, timeout_s):
 
     Every POLL_S it looks at which processes ended and at every heartbeat. A rank
     that exited with an error ends the run (its peers fail right after it; the
-    launcher waits ERRORS_LAND_S for their errors, to name the first); so does a
-    rank whose heartbeat is older than timeout_s.
+    launcher waits ERRORS_LAND_S for their errors, to name the first, and while
+    every error so far only says that ANOTHER_RANK found the problem, up to
+    timeout_s for the rank that found it); so does a rank whose heartbeat is older
+    than timeout_s.
     """
     exits = []
     while True:
@@ -860,10 +877,13 @@ def watch(procs, heartbeats, out_dir, timeout_s):
         exits += [(rank, p.exitcode) for rank, p in enumerate(procs)
                   if p.exitcode not in (None, 0) and rank not in dict(exits)]
         if exits:
-            deadline = now + ERRORS_LAND_S
-            while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
-                multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
-                                                timeout=deadline - time.monotonic())
+            def waiting_for_the_details():
+                errors = rank_errors(out_dir)
+                return time.monotonic() < now + timeout_s and errors and all(ANOTHER_RANK in e[2] for e in errors)
+
+            while (any(p.exitcode is None for p in procs)
+                   and (time.monotonic() < now + ERRORS_LAND_S or waiting_for_the_details())):
+                multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=POLL_S)
             return blame(exits, out_dir)
         if all(p.exitcode == 0 for p in procs):
             return None
@@ -896,7 +916,8 @@ def spawn_ranks(cfg, body=None, program=None):
     heartbeats = context.Array("d", world, lock=False)  # shared memory: one time per rank
     with tempfile.TemporaryDirectory(prefix="distributed-muon-") as out_dir:
         launcher, alive = context.Pipe(duplex=False)  # the ranks watch `launcher`; `alive` stays here
-        args = (body, program, cfg, free_port(), out_dir, heartbeats, launcher)
+        folders = (out_dir, multiprocessing.util.get_temp_dir())  # what the ranks remove if the launcher is killed
+        args = (body, program, cfg, free_port(), out_dir, heartbeats, launcher, folders)
         procs = [context.Process(target=rank_process, args=(rank,) + args, name=f"rank {rank}")
                  for rank in range(world)]
         try:
@@ -921,16 +942,67 @@ def check_launch(timeout_s, fail_rank=-1, world=1):
         raise ValueError(f"--fail-rank must name a rank in [0, {world}) (got {fail_rank})")
 
 
-def check_writable(path, option="--json"):
-    """Raise ValueError (one line) unless `path` could be written, before any rank starts.
-    It creates nothing, so every rank of a torchrun job may check the same path."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+def check_writable(path, option="--json", folder=False):
+    """Raise ValueError (one line) unless `path`, a file the run will write (or with folder=True, a folder it
+    will write into, made with any missing parents), can be written: checked before any rank starts by
+    creating it, since only that tells (as root, os.access says yes even to /proc). What this creates it
+    removes at once, so that nothing is left however the run ends (whoever writes it creates it again); a
+    file already there is opened for appending, not changed. Every rank of a torchrun job may check the
+    same path: each removes only what it created (O_EXCL)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not folder and os.path.isdir(path):
         raise ValueError(f"{option} {path} is a directory")
-    if not os.path.isdir(folder):
-        raise ValueError(f"{option} {path}: the folder {folder} does not exist")
-    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        raise ValueError(f"{option} {path} is not writable")
+    if folder and os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"{option} {path} is not a folder")
+    if not folder and not os.path.isdir(parent):
+        raise ValueError(f"{option} {path}: the folder {parent} does not exist")
+    made = []  # the folders this makes, deepest first
+    try:
+        if folder:
+            missing = os.path.abspath(path)
+            while not os.path.lexists(missing):
+                made.append(missing)
+                missing = os.path.dirname(missing)
+            os.makedirs(path, exist_ok=True)
+            path_in = os.path.join(path, f".probe-{os.getpid()}")
+            os.close(os.open(path_in, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            os.remove(path_in)
+        else:
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+                os.remove(path)
+            except FileExistsError:
+                with contextlib.suppress(FileNotFoundError):  # a peer's probe, removed since: it could be made
+                    os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+    except OSError as e:
+        raise ValueError(f"{option} {path} cannot be written: {e.strerror}") from None
+    finally:
+        for folder_made in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder_made)
+
+
+def add_backend_flags(p):
+    """--backend and --device, for a command that also runs under torchrun (backend_flags says what they mean)."""
+    p.add_argument("--backend", choices=["nccl", "gloo"],
+                   help="under torchrun: nccl (default) or gloo; without torchrun the ranks are Gloo's")
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   help="under torchrun: cuda (default, a GPU per rank) or cpu; without torchrun the CPU")
+
+
+def backend_flags(args):
+    """(backend, device) of a command with add_backend_flags: under torchrun the flags (NCCL on GPUs unless they
+    say otherwise); without it, spawned Gloo ranks on the CPU, the only thing they run, and a ValueError for a
+    flag that asks for more (it would be ignored)."""
+    if under_torchrun():
+        return args.backend or "nccl", args.device or "cuda"
+    asked = [f"--{name} {value}" for name, value, spawned in (("backend", args.backend, "gloo"),
+                                                              ("device", args.device, "cpu"))
+             if value not in (None, spawned)]
+    if asked:
+        raise ValueError(f"{' '.join(asked)} needs torchrun (torchrun --standalone --nproc-per-node N "
+                         f"{os.path.basename(sys.argv[0])} ...): without it the ranks are Gloo's, on the CPU")
+    return "gloo", "cpu"
 
 
 def host_memory():
@@ -962,6 +1034,10 @@ def check_large_run_flags(*, ns_coefficients, ns_blocks, tp_newton_schulz, qk_cl
                          f"{strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
 
 
+# What only Muon reads: with --baseline (AdamW for every parameter) a value other than the default changes nothing.
+MUON_ONLY = ("momentum", "ns_steps", "adjust_lr_fn", "ns_coefficients", "tp_newton_schulz")
+
+
 def validate(cfg, specs):
     """Every check that can be made before spawning; raises ValueError with one line.
     The optimizer's own rules are its own functions, spelled with the flags' names."""
@@ -980,8 +1056,15 @@ def validate(cfg, specs):
         raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {cfg.strategy!r})")
     if cfg.baseline and cfg.strategy != "gather":
         raise ValueError(f"--baseline runs AdamW for every parameter: it takes no --strategy (got {cfg.strategy})")
+    muon_only = [f"{flag(k)} {getattr(cfg, k)}" for k in MUON_ONLY if getattr(cfg, k) != getattr(RunConfig, k)]
+    if cfg.baseline and muon_only:
+        raise ValueError(f"--baseline runs AdamW for every parameter: {', '.join(muon_only)} would change nothing "
+                         f"(Muon's options)")
     if cfg.model not in MODELS:
         raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
+    if cfg.model != "transformer" and cfg.layers != RunConfig.layers:
+        raise ValueError(f"--layers sizes --model transformer: --model {cfg.model} has shapes of its own "
+                         f"(got --layers {cfg.layers})")
     if not 1 <= cfg.layers <= MAX_LAYERS:
         raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
     check_owner_options(flag, overlap=cfg.overlap)
@@ -1035,9 +1118,18 @@ class OneLineParser(argparse.ArgumentParser):
             print(f"error: {' '.join(message.split())}", file=sys.stderr)
         sys.exit(2)
 
+    def _get_values(self, action, arg_strings):
+        # argparse converts what the command line gave here (a default never comes through): an empty value,
+        # what an unset shell variable gives (--json $OUT), would be taken for "none" or for a path
+        if action.option_strings and "" in arg_strings:
+            self.error(f"argument {'/'.join(action.option_strings)}: an empty value")
+        return super()._get_values(action, arg_strings)
 
-def build_parser(description, launcher="spawn"):
-    """The command line. launcher "torchrun" (distributed_muon.py) takes DP from the world size by default."""
+
+def build_parser(description, launcher="spawn", one_run=True):
+    """The command line. launcher "torchrun" (distributed_muon.py) takes DP from the world size by default.
+    one_run=False: the command runs every strategy and the baseline itself (benchmarks/compare.py), and offers
+    no --strategy and no --baseline."""
     d = RunConfig()
     p = OneLineParser(description=description)
     if launcher == "torchrun":
@@ -1057,15 +1149,16 @@ def build_parser(description, launcher="spawn"):
     p.add_argument("--ns-steps", type=int, default=d.ns_steps, help="Newton-Schulz iterations (default %(default)s)")
     p.add_argument("--adjust-lr-fn", default=d.adjust_lr_fn,
                    help=f"one of {', '.join(ADJUST_LR_FNS)} (default %(default)s)")
-    p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES,
-                   help="gather (default): every rank that touches a matrix orthogonalizes it; owner: one rank "
-                        "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP")
-    p.add_argument("--baseline", action="store_true",
-                   help="run the AdamW ZeRO-1 baseline instead: every parameter takes AdamW, no Muon")
+    if one_run:
+        p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES,
+                       help="gather (default): every rank that touches a matrix orthogonalizes it; owner: one rank "
+                            "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP")
+        p.add_argument("--baseline", action="store_true",
+                       help="run the AdamW ZeRO-1 baseline instead: every parameter takes AdamW, no Muon")
     p.add_argument("--model", default=d.model, choices=MODELS,
                    help="transformer (default): section 6's model; lopsided: one huge matrix among small ones; "
                         "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")
-    p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (default %(default)s)")
+    p.add_argument("--layers", type=int, default=d.layers, help="layers of --model transformer (default %(default)s)")
     p.add_argument("--overlap", type=int, nargs="?", const=OVERLAP_DEFAULT, default=d.overlap, metavar="K",
                    help="owner, comm-free: pipeline the step bucket by bucket, Newton-Schulz K units behind "
                         f"the gradient reductions (section 7; K = {OVERLAP_DEFAULT} if omitted; default off)")
@@ -1112,9 +1205,17 @@ def write_json(path, results):
 
 def exit_code(work, show_traceback=False):
     """Run work() the way a command should end: its return code, or one line on stderr and
-    2 (a bad flag, path or config), 1 (a rank failed), 130 (Ctrl-C) or 143 (SIGTERM)."""
+    2 (a bad flag, path or config), 1 (a rank failed), 130 (Ctrl-C) or 143 (SIGTERM).
+
+    A command blocks SIGINT in its first lines, before it imports torch (seconds): a Ctrl-C
+    then waits, and is delivered here, where it ends the command as any Ctrl-C does, not as
+    a traceback out of torch's import. On the way out the mask is put back as it was: a
+    command's Ctrl-C after work() waits for its end, and is dropped.
+    """
     previous = signal.signal(signal.SIGTERM, raise_interrupted)  # SIGTERM cleans up as Ctrl-C does
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inside the try: one may be waiting
         return work()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -1131,6 +1232,7 @@ def exit_code(work, show_traceback=False):
         print("error: terminated (SIGTERM); every rank stopped, temporary files removed", file=sys.stderr)
         return 143  # 128 + SIGTERM
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         signal.signal(signal.SIGTERM, previous)
 
 

@@ -6,10 +6,12 @@ shared 2-core machine they move from run to run.
 
     python benchmarks/compare.py                                  # DP=4 x TP=2, the 2-layer demo, about 20 s
     python benchmarks/compare.py --steps 5 --dp 8 --tp 1 --layers 8   # balanced owners; comm-free = AdamW bytes
-    python benchmarks/compare.py --model lopsided --explain       # --explain: the layout of --strategy, as a run prints it
+    python benchmarks/compare.py --model lopsided --explain       # --explain: each run's layout, as a run prints it
 
-It takes the script's flags (--strategy only chooses which layout --explain prints) and writes
-every run with --json.
+It takes the script's flags but --strategy and --baseline (it runs them all), and writes every run
+with --json. An option of some strategies goes to the runs that take it, the others run without it
+(--overlap and --batched-ns: owner and comm-free; --tp-newton-schulz gram: gather; Muon's options:
+every run but the baseline), as the printout says.
 
     python benchmarks/compare.py --tp-newton-schulz-bytes         # no runs: gather vs Gram bytes and FLOPs, from shapes
 
@@ -20,10 +22,14 @@ and the rule for when each moves fewer bytes.
 """
 
 import os
+import signal
 import sys
 from dataclasses import asdict, replace
 
-import torch
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,19 +43,44 @@ LABELS = {"gather": "gather", "owner": "owner", "comm-free": "comm-free", mt.BAS
 BALANCE_TARGET = 1.10  # max/mean Newton-Schulz FLOPs per rank that the owner assignment should reach
 
 
+# Which runs take an option: every other run keeps its default.
+TAKEN_BY = {"overlap": ("owner", "comm-free"), "batched_ns": ("owner", "comm-free"), "tp_newton_schulz": ("gather",),
+            **{k: mo.STRATEGIES for k in mt.MUON_ONLY + ("ns_blocks", "qk_clip_tau") if k != "tp_newton_schulz"}}
+
+
+def run_config(cfg, kind):
+    """cfg as the run of `kind` takes it: its strategy (or the baseline), and each option of TAKEN_BY only where
+    that run takes it."""
+    d = mt.RunConfig()
+    return replace(cfg, strategy="gather" if kind == mt.BASELINE else kind, baseline=kind == mt.BASELINE,
+                   **{k: getattr(cfg if kind in runs else d, k) for k, runs in TAKEN_BY.items()})
+
+
+def options_line(cfg):
+    """'Options: --overlap 2 for owner and comm-free; ...' for each option away from its default, or ''."""
+    d = mt.RunConfig()
+    given = {}
+    for k, runs in TAKEN_BY.items():
+        if getattr(cfg, k) != getattr(d, k):
+            value = "" if isinstance(getattr(cfg, k), bool) else f" {getattr(cfg, k)}"
+            given.setdefault(runs, []).append(f"{'--qk-clip' if k == 'qk_clip_tau' else mt.flag(k)}{value}")
+    runs_named = lambda runs: "every Muon run" if runs == mo.STRATEGIES else " and ".join(runs)  # noqa: E731
+    return "; ".join(f"{', '.join(flags)} for {runs_named(runs)}" for runs, flags in given.items())
+
+
 def compare(cfg, explain=False, print_fn=print):
     """Run each of COMPARED in turn (each checked against torch), then print one table; returns them all."""
     world = cfg.dp * cfg.tp
-    mt.validate(cfg, mt.demo_specs(cfg))
+    configs = {kind: run_config(cfg, kind) for kind in COMPARED}
+    for run_cfg in configs.values():  # every run's flags, before any rank starts
+        mt.validate(run_cfg, mt.demo_specs(run_cfg))
     print_fn(f"Comparing strategies: {world} CPU rank{'s' * (world != 1)} over Gloo, DP={cfg.dp} x TP={cfg.tp}, "
-             f"{cfg.model} model, {cfg.steps} steps, seed {cfg.seed}, torch {torch.__version__}\n")
-    if explain:  # the grid, the buffer map and the owners of --strategy, as a single run prints them
-        mt.print_header(cfg, mt.plan_optimizer(cfg), "CPU", "Gloo", explain, print_fn)
+             f"{cfg.model} model, {cfg.steps} steps, seed {cfg.seed}, torch {torch.__version__}\n"
+             + (f"Options: {options_line(cfg)}\n" if options_line(cfg) else ""))
     runs = {}
-    for kind in COMPARED:
-        owned = kind in ("owner", "comm-free")  # the owner options apply to these two only
-        run_cfg = replace(cfg, strategy="gather" if kind == mt.BASELINE else kind, baseline=kind == mt.BASELINE,
-                          overlap=cfg.overlap if owned else 0, batched_ns=cfg.batched_ns and owned)
+    for kind, run_cfg in configs.items():
+        if explain:  # the grid, the buffer map and the owners of this run, as the run alone prints them
+            mt.print_header(run_cfg, mt.plan_optimizer(run_cfg), "CPU", "Gloo", explain, print_fn)
         runs[kind] = result = mt.run(run_cfg, print_fn=lambda *args: None)
         if kind == "owner":  # for the balance target: every matrix's Newton-Schulz FLOPs
             result["ns_flops_by_matrix"] = mt.plan_optimizer(run_cfg).ns_flops
@@ -238,26 +269,30 @@ def format_tp_newton_schulz(ns_steps=dm.NS_STEPS, tps=(2, 4, 8)):
 
 def main(argv=None):
     parser = mt.build_parser("Every strategy and the AdamW ZeRO-1 baseline on one grid, each checked against torch, "
-                             "in one table.")
+                             "in one table.", one_run=False)
     parser.add_argument("--tp-newton-schulz-bytes", action="store_true",
                         help="print, without running, the bytes and FLOPs of the TP gather against "
-                             "tp_newton_schulz='gram' for the demo's, the GPT's and GPT-2 small's TP-split matrices")
+                             "tp_newton_schulz='gram' for the demo's, the GPT's and GPT-2 small's TP-split matrices "
+                             "(it takes --ns-steps, and no other flag)")
     args = parser.parse_args(argv)
-    if args.tp_newton_schulz_bytes:
-        print(format_tp_newton_schulz(args.ns_steps))
-        return 0
-    try:
+
+    def work():
+        if args.tp_newton_schulz_bytes:
+            ignored = [a.option_strings[0] for a in parser._actions  # what differs from its default was given
+                       if a.dest not in ("help", "ns_steps", "tp_newton_schulz_bytes")
+                       and getattr(args, a.dest) != a.default]
+            if ignored:
+                raise ValueError(f"--tp-newton-schulz-bytes runs nothing: it takes --ns-steps alone "
+                                 f"(got {', '.join(ignored)})")
+            print(format_tp_newton_schulz(args.ns_steps))
+            return 0
         if args.json:
             mt.check_writable(args.json)
         results = compare(mt.config_from_args(args), explain=args.explain)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except mt.RankFailure as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    mt.write_json(args.json, results)
-    return 0 if results["passed"] else 1
+        mt.write_json(args.json, results)
+        return 0 if results["passed"] else 1
+
+    return mt.exit_code(work, args.traceback)
 
 
 if __name__ == "__main__":

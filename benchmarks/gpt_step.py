@@ -13,12 +13,16 @@ collective's time includes waiting for the slowest peer. Bytes are the ledgers' 
 """
 
 import os
+import signal
 import statistics
 import sys
 import tempfile
 
-from gpt_bench import mo, mt, pyplot, tg
-from gpt_bench import main as benchmark_main
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+from gpt_bench import mo, mt, pyplot, tg  # noqa: E402
+from gpt_bench import main as benchmark_main  # noqa: E402
 KINDS = mo.STRATEGIES + (mt.BASELINE,)
 LABELS = {"gather": "Muon, gather", "owner": "Muon, owner", "comm-free": "Muon, comm-free",
           mt.BASELINE: "AdamW ZeRO-1"}
@@ -101,6 +105,8 @@ def main(argv=None):
     p.add_argument("--traces", metavar="DIR", help="keep the traces here (default: a temporary folder)")
 
     def measure_and_report(a):
+        if a.traces:
+            mt.check_writable(a.traces, "--traces", folder=True)
         with tempfile.TemporaryDirectory(prefix="gpt-traces-") as scratch:
             runs = measure(a.dp, a.tp, a.steps, a.traces or scratch)
         report(runs)

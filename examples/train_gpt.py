@@ -50,14 +50,18 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 
-import torch
-import torch.distributed as dist
-from torch.profiler import record_function
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
 
 # The profiler's C++ logger (kineto) prints lines at every start and stop of every rank, and an
 # error when it finds no GPU; 6 is above its highest level (USDT = 5). It reads this when torch
@@ -135,6 +139,9 @@ def validate(cfg, ranks_here=None):
         raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)} (got {cfg.schedule!r})")
     if cfg.schedule == "warmup-cosine" and not 0 <= cfg.warmup_steps < cfg.steps:
         raise ValueError(f"--warmup-steps must be >= 0 and below --steps {cfg.steps} (got {cfg.warmup_steps})")
+    if cfg.schedule != "warmup-cosine" and cfg.warmup_steps != TrainConfig.warmup_steps:
+        raise ValueError(f"--warmup-steps {cfg.warmup_steps} applies to --schedule warmup-cosine (got --schedule "
+                         f"{cfg.schedule})")
     if cfg.strategy not in mo.STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(mo.STRATEGIES)} (got {cfg.strategy!r})")
     check_large_run_options(cfg)
@@ -150,11 +157,7 @@ def validate(cfg, ranks_here=None):
                          f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE}: --steps must be >= "
                          f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE} (got {cfg.steps})")
     if cfg.profile:
-        try:
-            os.makedirs(cfg.profile, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"--profile {cfg.profile}: {e.strerror}") from None
-        mt.check_writable(os.path.join(cfg.profile, "rank0.json"), "--profile")
+        mt.check_writable(cfg.profile, "--profile", folder=True)  # the ranks make it (start_profiler)
     mt.check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
     check_gpt(cfg.gpt(), cfg.tp)
     corpus = load_corpus()  # read here once, so that a missing standard library fails before any rank
@@ -171,13 +174,14 @@ def check_large_run_options(cfg):
     mt.check_large_run_flags(ns_coefficients=cfg.ns_coefficients, ns_blocks=cfg.ns_blocks,
                              tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip, strategy=cfg.strategy)
     if cfg.optimizer != "muon":
-        given = [flag for flag, on in (("--qk-clip", cfg.qk_clip is not None),
+        given = [flag for flag, on in (("--momentum", cfg.momentum != TrainConfig.momentum),
+                                       ("--qk-clip", cfg.qk_clip is not None),
                                        ("--ns-blocks", cfg.ns_blocks != "whole"),
                                        ("--ns-coefficients", cfg.ns_coefficients != "jordan"),
                                        ("--tp-newton-schulz", cfg.tp_newton_schulz != "gather")) if on]
         if given:
-            raise ValueError(f"--optimizer {cfg.optimizer} takes no {', '.join(given)}: QK-clip and Newton-Schulz "
-                             f"options are Muon's")
+            raise ValueError(f"--optimizer {cfg.optimizer} takes no {', '.join(given)}: momentum, QK-clip and "
+                             f"Newton-Schulz options are Muon's")
 
 
 def memory_lower_bound(cfg):
@@ -293,19 +297,21 @@ def train_rank(rank, cfg, device):
         with record_function("backward"):
             (loss / cfg.dp).backward()
         t2 = clock(device)
-        if cfg.keep:
+        if cfg.keep:  # --verify's copies: no part of a training step, and not timed
             grads.append(snapshot(model, grads=True))
             weights.append(snapshot(model))
+        t3 = clock(device)
         with record_function("optimizer step"):
             set_lr([opt], cfg, step)
             opt.step()
             if cfg.qk_clip is not None:  # every rank, after the step: a collective
                 max_logits.append(model.max_logits())
                 clipped.append(opt.clip_qk_(max_logits[-1]))
-        t3 = clock(device)
+        t4 = clock(device)
         opt.zero_grad(set_to_none=True)
-        for key, (a, b) in zip(ms, ((t0, t1), (t1, t2), (t2, t3), (t0, t3))):
-            ms[key].append((b - a) * 1e3)
+        parts = dict(forward=t1 - t0, backward=t2 - t1, optimizer=t4 - t3)  # the step is their sum, exactly
+        for key, seconds in dict(parts, step=sum(parts.values())).items():
+            ms[key].append(seconds * 1e3)
         losses.append(loss.item())
         if profiler is not None:
             profiler.step()
@@ -392,6 +398,7 @@ def start_profiler(cfg, rank):
     if not cfg.profile:
         return None
     path = os.path.join(cfg.profile, f"rank{rank}.json")
+    os.makedirs(cfg.profile, exist_ok=True)
     profiler = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU],
         schedule=torch.profiler.schedule(wait=PROFILE_WAIT, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE, repeat=1),
@@ -814,20 +821,35 @@ def print_verification(cfg, checks, print_fn=print):
 TP_PHASES = ("TP all-reduce (forward)", "TP all-reduce (backward)")
 
 
+def timed_steps(cfg):
+    """The steps whose times count (0-based): from TIMED_FROM_STEP, when there are enough of them."""
+    return range(TIMED_FROM_STEP - 1 if cfg.steps >= TIMED_FROM_STEP + 2 else 0, cfg.steps)
+
+
+def median_step(cfg, results):
+    """(step, rank) of the median step, on its slowest rank: each timed step is as long as its slowest rank takes
+    (the others wait for it in the next collective), and the median of those is one real step, whose parts add up
+    to it. (Medians of each part, each on its own slowest rank, would not: a rank waiting for another counts
+    the wait in the part it waits in, and a part's slowest rank is the one that waited there.)"""
+    slowest = sorted((max(r["ms"]["step"][s] for r in results), s) for s in timed_steps(cfg))
+    _, step = slowest[(len(slowest) - 1) // 2]  # the lower middle of an even count: a step that ran
+    return step, max(range(len(results)), key=lambda r: results[r]["ms"]["step"][step])
+
+
 def summarize(cfg, results):
-    """Losses (averaged over DP ranks), medians of the step's parts (slowest rank) and bytes per step."""
+    """Losses (averaged over DP ranks), the median step's parts (median_step) and bytes per step."""
     dp_heads = [results[d * cfg.tp] for d in range(cfg.dp)]  # TP ranks of a DP rank share its loss
     losses = [statistics.fmean(r["losses"][s] for r in dp_heads) for s in range(cfg.steps)]
-    timed = slice(TIMED_FROM_STEP - 1 if cfg.steps >= TIMED_FROM_STEP + 2 else 0, None)
-    ms = {k: statistics.median(max(r["ms"][k][s] for r in results) for s in range(cfg.steps)[timed])
-          for k in results[0]["ms"]}
+    step, rank = median_step(cfg, results)
+    ms = {k: results[rank]["ms"][k][step] for k in results[0]["ms"]}
     ledgers = [dict(comm=r["model_ledger"]["comm"] + r["ledger"]["comm"]) for r in results]
     phases = TP_PHASES + mt.PHASES_OF[run_kind(cfg)]
     phases += tuple(dict.fromkeys(c["phase"] for r in ledgers for c in r["comm"] if c["phase"] not in phases))
     table = mt.bytes_per_step(ledgers, cfg.steps, phases)  # with the phases options add ("QK-clip maxima")
     sent_max, sent_all = mt.total_bytes(table)
     optimizer_sent = [sum(t["sent"][r] for p, t in table.items() if p not in TP_PHASES) for r in range(len(results))]
-    out = dict(losses=losses, val=results[0]["val"], ms=ms, bytes_per_step=table, bytes_sent_max_rank=sent_max,
+    out = dict(losses=losses, val=results[0]["val"], ms=ms, ms_at=dict(step=step + 1, rank=rank),
+               bytes_per_step=table, bytes_sent_max_rank=sent_max,
                bytes_sent_all_ranks=sent_all, optimizer_bytes_sent_max_rank=max(optimizer_sent),
                tokens_per_s=cfg.batch * cfg.context / (ms["step"] / 1e3))
     if cfg.qk_clip is not None:  # per step: the largest logit of any head, and how many heads (of all layers) clipped
@@ -837,11 +859,23 @@ def summarize(cfg, results):
     return out
 
 
+def whole_ms(parts):
+    """{name: ms} rounded to whole ms that add up to the rounded sum (the largest remainders round up)."""
+    floors = {k: math.floor(v) for k, v in parts.items()}
+    short = round(sum(parts.values())) - sum(floors.values())
+    for k in sorted(parts, key=lambda k: floors[k] - parts[k])[:short]:
+        floors[k] += 1
+    return floors
+
+
 def print_summary(cfg, summary, print_fn=print):
-    ms = summary["ms"]
-    print_fn(f"\nStep (median from step {TIMED_FROM_STEP}, slowest rank): {ms['step']:.0f} ms = forward "
-             f"{ms['forward']:.0f} + backward {ms['backward']:.0f} + optimizer {ms['optimizer']:.0f} ms "
-             f"(optimizer {ms['optimizer'] / ms['step']:.0%} of the step); {summary['tokens_per_s']:,.0f} tokens/s")
+    ms, at = summary["ms"], summary["ms_at"]
+    shown = whole_ms({k: ms[k] for k in ("forward", "backward", "optimizer")})
+    timed = timed_steps(cfg)
+    print_fn(f"\nStep (the median of steps {timed[0] + 1}-{timed[-1] + 1}, each on its slowest rank: step {at['step']}, "
+             f"rank {at['rank']}): {sum(shown.values())} ms = forward {shown['forward']} + backward "
+             f"{shown['backward']} + optimizer {shown['optimizer']} ms (optimizer {ms['optimizer'] / ms['step']:.0%} "
+             f"of the step); {summary['tokens_per_s']:,.0f} tokens/s")
     rows = [[phase, t["axis"], t["dtype"], mt.human_bytes(max(t["sent"])), mt.human_bytes(sum(t["sent"]))]
             for phase, t in summary["bytes_per_step"].items()]
     rows.append(["total", "", "", mt.human_bytes(summary["bytes_sent_max_rank"]),
@@ -968,8 +1002,7 @@ def build_parser():
                    help="train the same model in one process with torch.optim.Muon + AdamW and compare")
     p.add_argument("--json", metavar="PATH", help="write the run's figures")
     p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
-    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl", help="under torchrun (default %(default)s)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="under torchrun (default %(default)s)")
+    mt.add_backend_flags(p)
     p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p
 
@@ -1012,7 +1045,8 @@ def main_torchrun(args):
         mt.write_json(args.json, out)
         return code
 
-    return mt.run_under_torchrun(args.backend, args.device, prepare, body, finish)
+    args.backend, args.device = mt.backend_flags(args)
+    return mt.run_under_torchrun(args.backend, args.device, prepare, body, finish, args.traceback)
 
 
 def main(argv=None):
@@ -1021,6 +1055,7 @@ def main(argv=None):
         return main_torchrun(args)
 
     def work():
+        mt.backend_flags(args)
         if args.json:
             mt.check_writable(args.json)
         out = run(config_from_args(args), verify_run=args.verify)

@@ -40,15 +40,19 @@ The one-process model is the same nn.Linear form, unparallelized. The launcher i
 
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, fields
 from typing import Callable
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.tensor import distribute_tensor
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.tensor import distribute_tensor  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -82,6 +86,9 @@ def validate(cfg, on_disk=True):
     """train_gpt's checks (sizes, hyperparameters, the text), and the checkpoint's; ValueError, one line.
     on_disk=False: the --resume folder may not exist yet (train_many: an earlier training writes it)."""
     tg.validate(cfg)
+    for folder, step in (("save", "save_step"), ("resume", "resume_step")):
+        if getattr(cfg, step) != getattr(Config, step) and not getattr(cfg, folder):
+            raise ValueError(f"{mt.flag(step)} {getattr(cfg, step)} applies to --{folder}: give the folder")
     if cfg.save and not 1 <= cfg.save_step <= cfg.steps:
         raise ValueError(f"--save-step must be in [1, --steps {cfg.steps}] (got {cfg.save_step})")
     if cfg.resume and not 0 <= cfg.resume_step < cfg.steps:
@@ -89,7 +96,7 @@ def validate(cfg, on_disk=True):
     if on_disk and cfg.resume and not os.path.isfile(os.path.join(cfg.resume, ".metadata")):
         raise ValueError(f"--resume {cfg.resume}: no torch.distributed.checkpoint there (no .metadata)")
     if cfg.save:
-        mt.check_writable(cfg.save, "--save")  # its folder must exist; DCP creates cfg.save itself
+        mt.check_writable(cfg.save, "--save", folder=True)  # DCP makes it, with its parents
 
 
 # =============================================================================

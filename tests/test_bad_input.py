@@ -70,7 +70,8 @@ ROWS = [
      False),
     ("examples/train_gpt.py", TOO_BIG, "--batch 4096 x --context 2048 with --d-model 1024 and --layers 24 needs "
                                        "at least", False),
-    ("examples/train_gpt.py", ["--profile", "/proc/no-such-folder"], "--profile /proc/no-such-folder:", False),
+    ("examples/train_gpt.py", ["--profile", "/proc/no-such-folder"],
+     "--profile /proc/no-such-folder cannot be written: No such file or directory", False),
     ("examples/train_gpt.py", ["--bogus", *GLOO_CPU], "unrecognized arguments: --bogus", True),
     ("examples/train_gpt.py", ["--dp", "4", "--tp", "2", *GLOO_CPU], "world size 4 != DP 4 x TP 2 = 8", True),
     ("examples/train_gpt.py", ["--dp", "2", "--tp", "2", *GLOO_CPU, *TOO_BIG], "needs at least", True),
@@ -79,7 +80,6 @@ ROWS = [
     ("examples/train_gpt_dtensor.py", ["--resume", "/nonexistent"], "--resume /nonexistent: no torch.distributed",
      False),
     ("examples/train_gpt_dtensor.py", ["--dp", "2", "--tp", "2", *TOO_BIG], "needs at least", False),
-    ("benchmarks/compare.py", ["--strategy", "foo"], "argument --strategy: invalid choice: 'foo'", False),
     ("benchmarks/compare.py", ["--tp", "3"], "TP 3 does not divide embed.weight dim 0", False),
     ("benchmarks/gloo_collectives.py", ["--ranks", "abc"], "argument --ranks: invalid int value: 'abc'", False),
     ("benchmarks/gloo_collectives.py", ["--ranks", "1"], "--ranks must be in [2, 64] (got 1)", False),
@@ -115,9 +115,59 @@ ROWS = [
     ("benchmarks/refresh.sh", ["--only", "nope"], "--only: no part nope (see --list)", False),
     ("benchmarks/refresh.sh", ["--quick", "--out", "/nonexistent"], "--out /nonexistent is not a folder", False),
 ]
-# Good input, run by the same harness: each gets as far as starting a rank, which the harness stops (exit 3).
-CONTROLS = [("distributed_muon_cpu.py", ["--dp", "1", "--tp", "1", "--steps", "1"], {}),
-            ("distributed_muon.py", ["--dp", "2", "--tp", "2", *GLOO_CPU], TORCHRUN_ENV)]
+# Output paths are checked by creating them (as root, os.access says yes to /proc); an empty value (an unset shell
+# variable) is refused for every flag; a flag that changes nothing without another, or that a command cannot honour
+# (--backend nccl without torchrun), is refused, never ignored.
+PROC = "/proc/x.json"
+ROWS += [
+    ("distributed_muon_cpu.py", ["--json", PROC], f"--json {PROC} cannot be written: No such file or directory", False),
+    ("distributed_muon_cpu.py", ["--json", ""], "argument --json: an empty value", False),
+    ("distributed_muon_cpu.py", ["--json="], "argument --json: an empty value", False),
+    ("distributed_muon_cpu.py", ["--baseline", "--momentum", "0.9"],
+     "--baseline runs AdamW for every parameter: --momentum 0.9 would change nothing", False),
+    ("distributed_muon_cpu.py", ["--baseline", "--ns-coefficients", "polar_express"],
+     "--ns-coefficients polar_express would change nothing", False),
+    ("distributed_muon_cpu.py", ["--model", "thin", "--layers", "3"], "--layers sizes --model transformer", False),
+    ("distributed_muon.py", ["--json", PROC, *GLOO_CPU], f"--json {PROC} cannot be written", True),
+    ("dtensor_demo.py", ["--backend", "nccl"], "--backend nccl needs torchrun", False),
+    ("dtensor_demo.py", ["--device", "cuda"], "--device cuda needs torchrun", False),
+    ("dtensor_demo.py", ["--json", PROC], f"--json {PROC} cannot be written", False),
+    ("dtensor_demo.py", ["--json", ""], "argument --json: an empty value", False),
+    ("dtensor_demo.py", ["--dp", "2", "--tp", "2", "--json", PROC, *GLOO_CPU], f"--json {PROC} cannot be written",
+     True),
+    ("examples/train_gpt.py", ["--backend", "nccl"], "--backend nccl needs torchrun", False),
+    ("examples/train_gpt.py", ["--backend", "gloo", "--device", "cuda"], "--device cuda needs torchrun", False),
+    ("examples/train_gpt.py", ["--json", PROC], f"--json {PROC} cannot be written", False),
+    ("examples/train_gpt.py", ["--profile", ""], "argument --profile: an empty value", False),
+    ("examples/train_gpt.py", ["--warmup-steps", "5"], "--warmup-steps 5 applies to --schedule warmup-cosine", False),
+    ("examples/train_gpt.py", ["--optimizer", "adamw", "--momentum", "0.9"], "--optimizer adamw takes no --momentum",
+     False),
+    ("examples/train_gpt.py", ["--dp", "2", "--tp", "2", "--json", PROC, *GLOO_CPU], f"--json {PROC} cannot be written",
+     True),
+    ("examples/train_gpt_dtensor.py", ["--save-step", "3"], "--save-step 3 applies to --save: give the folder", False),
+    ("examples/train_gpt_dtensor.py", ["--resume-step", "2"], "--resume-step 2 applies to --resume: give the folder",
+     False),
+    ("examples/train_gpt_dtensor.py", ["--save", "/proc/ckpt", "--save-step", "2"],
+     "--save /proc/ckpt cannot be written: No such file or directory", False),
+    ("examples/train_gpt_dtensor.py", ["--save", ""], "argument --save: an empty value", False),
+    ("benchmarks/compare.py", ["--strategy", "owner"], "unrecognized arguments: --strategy owner", False),
+    ("benchmarks/compare.py", ["--baseline"], "unrecognized arguments: --baseline", False),
+    ("benchmarks/compare.py", ["--json", PROC], f"--json {PROC} cannot be written", False),
+    ("benchmarks/compare.py", ["--tp-newton-schulz-bytes", "--dp", "2"],
+     "--tp-newton-schulz-bytes runs nothing: it takes --ns-steps alone (got --dp)", False),
+    ("benchmarks/compare.py", ["--tp-newton-schulz", "gram", "--tp", "1", "--dp", "8"],
+     "--tp-newton-schulz gram sums Newton-Schulz's Gram matrix over the TP ranks", False),
+    ("benchmarks/gpt_step.py", ["--figure", "/proc/x.png"], "--figure /proc/x.png cannot be written", False),
+    ("benchmarks/gpt_step.py", ["--traces", "/proc/traces"], "--traces /proc/traces cannot be written", False),
+]
+# Good input, run by the same harness: each gets as far as starting a rank, which the harness stops (exit 3). Its
+# output paths, under {tmp} (a fresh folder), were created to check them and removed at once: nothing is left there.
+CONTROLS = [("distributed_muon_cpu.py", ["--dp", "1", "--tp", "1", "--steps", "1", "--json", "{tmp}/run.json"], {}),
+            ("distributed_muon.py", ["--dp", "2", "--tp", "2", *GLOO_CPU], TORCHRUN_ENV),
+            ("examples/train_gpt_dtensor.py", ["--dp", "1", "--tp", "1", "--save", "{tmp}/a/ckpt", "--save-step", "1"],
+             {}),
+            ("benchmarks/compare.py", ["--overlap", "2", "--tp-newton-schulz", "gram", "--json", "{tmp}/compare.json"],
+             {})]
 
 
 def row_id(script, args, torchrun):
@@ -130,17 +180,22 @@ def cases():
 
 
 @pytest.fixture(scope="module")
-def outcomes():
+def controls_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("outputs")
+
+
+@pytest.fixture(scope="module")
+def outcomes(controls_folder):
     """{(script, args, rank): (exit code, stdout, stderr)} of every Python row (rank 3 too under torchrun), run by
-    one harness process: this file as a script."""
+    one harness process: this file as a script. The CONTROLS' {tmp} is controls_folder."""
     jobs = [(script, args, env) for script, args, _, torchrun in ROWS if not script.endswith(".sh")
             for env in ([TORCHRUN_ENV, dict(TORCHRUN_ENV, RANK="3", LOCAL_RANK="3")] if torchrun else [{}])]
-    jobs += [(script, args, env) for script, args, env in CONTROLS]
+    jobs += [(script, [a.format(tmp=controls_folder) for a in args], env) for script, args, env in CONTROLS]
     proc = subprocess.run([sys.executable, __file__], input=json.dumps(jobs), capture_output=True, text=True,
                           timeout=60 + ROW_TIMEOUT_S * len(jobs) // 4, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {(script, tuple(args), env.get("RANK")): tuple(out) for (script, args, env), out
-            in zip(jobs, json.loads(proc.stdout))}
+    return {(script, tuple(a.replace(str(controls_folder), "{tmp}") for a in args), env.get("RANK")): tuple(out)
+            for (script, args, env), out in zip(jobs, json.loads(proc.stdout))}
 
 
 @pytest.mark.parametrize("script,args,message,torchrun", cases())
@@ -159,10 +214,12 @@ def test_bad_input_is_one_line_exit_2_and_starts_no_rank(outcomes, script, args,
 
 
 @pytest.mark.parametrize("script,args,env", CONTROLS, ids=[c[0] for c in CONTROLS])
-def test_the_harness_stops_a_run_that_starts_a_rank(outcomes, script, args, env):
-    """The rows' "no rank started" can fail: good input reaches a rank's start (a process, or joining the world)."""
+def test_the_harness_stops_a_run_that_starts_a_rank(outcomes, controls_folder, script, args, env):
+    """The rows' "no rank started" can fail: good input reaches a rank's start (a process, or joining the world).
+    What it was to write was created and removed before: the run then stopped, and left nothing behind."""
     code, out, err = outcomes[script, tuple(args), env.get("RANK")]
     assert code == 3 and err.endswith("a rank was started\n"), (code, out, err)
+    assert os.listdir(controls_folder) == []
 
 
 def test_help_is_argparses_own():

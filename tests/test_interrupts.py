@@ -1,8 +1,9 @@
 """What a user does to a real run, and what they get back, as torchrun would give it:
-Ctrl-C and SIGTERM stop every rank and clean up (exit 130 / 143); a rank that dies or stops
-ends the run with one line naming it (exit 1). Each test starts the script in a session of
-its own, with a private temporary folder, so that it can check that no process and no
-temporary file is left behind."""
+Ctrl-C and SIGTERM stop every rank and clean up (exit 130 / 143), at any moment, even while
+torch imports; a rank that dies or stops ends the run with one line naming it (exit 1); a
+launcher killed outright leaves no rank and no temporary file. Each test starts the script in a
+session of its own, with a private temporary folder, so that it can check that no process and
+no temporary file is left behind."""
 
 import glob
 import os
@@ -13,7 +14,9 @@ import time
 
 import pytest
 
-from conftest import SCRIPT
+from conftest import ROOT, SCRIPT
+
+TRAIN_GPT = os.path.join(ROOT, "examples", "train_gpt.py")
 
 LONG_RUN = ["--dp", "2", "--tp", "2", "--steps", "2000"]  # minutes of steps: only a signal ends it early
 STOPS_WITHIN_S = 10  # what "within seconds" means on a loaded 2-core machine; it takes about 2 s here
@@ -56,6 +59,13 @@ class Run:
                 return ranks[f"muon rank {rank}"]
             time.sleep(0.2)
         pytest.fail(f"the ranks did not start: {self.processes()}")
+
+    def sigint(self, field):
+        """Whether SIGINT is in the process's signal mask field of /proc/PID/status: SigBlk (blocked), ShdPnd
+        (pending)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            mask = next(line.split()[1] for line in f if line.startswith(field + ":"))
+        return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
 
     def finish(self, within_s):
         """(exit code, stdout, stderr, seconds), then check that nothing is left behind."""
@@ -126,9 +136,30 @@ def test_a_rank_that_stops_responding_ends_the_run_within_the_timeout(tmp_path):
 
 
 def test_ranks_end_themselves_when_the_launcher_is_killed(tmp_path):
-    """SIGKILL cannot be caught: the ranks notice the launcher is gone and exit on their own."""
+    """SIGKILL cannot be caught: the ranks notice the launcher is gone, remove its temporary folders (the run's,
+    where a rank that saw its peers go may have written rank<R>.error, and multiprocessing's) and exit."""
     run = Run(tmp_path, *LONG_RUN)
     run.rank_pid(0)
+    assert {name.split("-")[0] for name in os.listdir(run.tmp)} >= {"distributed", "pymp"}
     os.kill(run.proc.pid, signal.SIGKILL)
     returncode, _, _, _ = run.finish(STOPS_WITHIN_S)  # asserts no rank is left
     assert returncode == -signal.SIGKILL
+    assert os.listdir(run.tmp) == []
+
+
+def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path):
+    """Ctrl-C in the first seconds, while the command still imports torch: its first lines block SIGINT, so the
+    signal waits (pending) until muon_tools.exit_code takes it, as it takes any Ctrl-C: exit 130, one line, not
+    Python's traceback out of torch's import; no rank started, nothing left. (It ends once the imports are done:
+    seconds, more on a loaded machine.)"""
+    run = Run(tmp_path, "--dp", "1", "--tp", "1", "--steps", "1", script=TRAIN_GPT)
+    deadline = time.monotonic() + 60
+    while not run.sigint("SigBlk"):  # the script's first lines have run; torch takes seconds to import
+        assert time.monotonic() < deadline and run.proc.poll() is None, "SIGINT was never blocked"
+        time.sleep(0.005)
+    os.killpg(run.proc.pid, signal.SIGINT)
+    assert run.sigint("ShdPnd")  # it came before the command could take it: during the imports
+    returncode, out, err, _ = run.finish(60)
+    assert returncode == 130 and out == ""
+    assert_one_line(err, "error: interrupted (SIGINT); every rank stopped, temporary files removed")
+    assert os.listdir(run.tmp) == []
