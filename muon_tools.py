@@ -824,9 +824,16 @@ def rank_errors(out_dir):
     return sorted(errors)
 
 
-# What a rank raises when it refuses because another rank found a problem: the optimizers vote, then the ranks
-# that found it raise the details and every other one says this (distributed_muon_dtensor.py, muon_large_runs.py).
-ANOTHER_RANK = "another rank"
+# How a rank's error says that another rank found the problem: the optimizers vote, then the ranks that found
+# it raise the details and every other one raises "rank R refused ... (it raised why); nothing changed"
+# (distributed_muon_cpu.py's and distributed_muon_dtensor.py's refused step, clip_qk_ in muon_large_runs.py and
+# distributed_muon_dtensor.py).
+HEARSAY = "(it raised why)"
+
+
+def hearsay(error):
+    """Whether a rank's one-line error only says that another rank found the problem (HEARSAY)."""
+    return HEARSAY in error
 
 
 def blame(exits, out_dir):
@@ -834,8 +841,8 @@ def blame(exits, out_dir):
 
     exits: [(rank, exit code)] in the order the launcher saw them end. A rank
     killed by a signal is the cause (its peers then fail with "connection
-    closed"); otherwise the rank whose error was written first is, unless it only
-    says that ANOTHER_RANK found the problem: after a vote every rank raises at
+    closed"); otherwise the rank whose error was written first is, unless it is
+    hearsay (another rank found the problem): after a vote every rank raises at
     once, in any order, and the first error that gives the details is the cause.
     """
     for rank, code in exits:
@@ -843,7 +850,7 @@ def blame(exits, out_dir):
             return RankFailure(f"rank {rank} was killed by {signal.Signals(-code).name}")
     errors = rank_errors(out_dir)
     if errors:
-        errors.sort(key=lambda e: ANOTHER_RANK in e[2])  # stable: the details first, each kind by time
+        errors.sort(key=lambda e: hearsay(e[2]))  # stable: the details first, each kind by time
         _, rank, error, trace = errors[0]
         others = sorted(r for _, r, _, _ in errors[1:])
         also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
@@ -862,7 +869,7 @@ def watch(procs, heartbeats, out_dir, timeout_s):
     Every POLL_S it looks at which processes ended and at every heartbeat. A rank
     that exited with an error ends the run (its peers fail right after it; the
     launcher waits ERRORS_LAND_S for their errors, to name the first, and while
-    every error so far only says that ANOTHER_RANK found the problem, up to
+    every error so far is hearsay (another rank found the problem), up to
     timeout_s for the rank that found it); so does a rank whose heartbeat is older
     than timeout_s.
     """
@@ -879,7 +886,7 @@ def watch(procs, heartbeats, out_dir, timeout_s):
         if exits:
             def waiting_for_the_details():
                 errors = rank_errors(out_dir)
-                return time.monotonic() < now + timeout_s and errors and all(ANOTHER_RANK in e[2] for e in errors)
+                return time.monotonic() < now + timeout_s and errors and all(hearsay(e[2]) for e in errors)
 
             while (any(p.exitcode is None for p in procs)
                    and (time.monotonic() < now + ERRORS_LAND_S or waiting_for_the_details())):
