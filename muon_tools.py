@@ -727,13 +727,21 @@ def start_heartbeat(heartbeats, rank, launcher, folders):
     (the run's, and multiprocessing's, where the forkserver's socket lies).
     """
     def beat():
-        while not launcher.poll(HEARTBEAT_S):  # nothing is ever sent: it times out, or the launcher died
+        while True:
+            end_if_orphaned(launcher, folders, HEARTBEAT_S)  # nothing is ever sent: it times out, or ends all
             heartbeats[rank] = time.monotonic()
-        for folder in folders:  # every rank tries; whichever comes first removes them
-            shutil.rmtree(folder, ignore_errors=True)
-        os._exit(1)
 
     threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+
+
+def end_if_orphaned(launcher, folders, wait_s=0.0):
+    """End this rank if the launcher is gone (start_heartbeat), removing the launcher's temporary folders first.
+    A rank also looks once it has written its last file there (its result, or its error, which a peer's going
+    may cause): every rank removes them after its last write, so the last one out leaves nothing."""
+    if launcher.poll(wait_s):
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        os._exit(1)
 
 
 def name_process(title):
@@ -774,7 +782,9 @@ def rank_process(rank, body, program, cfg, port, out_dir, heartbeats, launcher, 
         text = f"{time.time()!r}\n{one_line(e)}\n{traceback.format_exc()}"
         with contextlib.suppress(OSError):  # the launcher died and its folder went with it: nobody to tell
             write_atomically(os.path.join(out_dir, f"rank{rank}.error"), lambda f: f.write(text.encode()))
+        end_if_orphaned(launcher, folders)
         os._exit(1)  # no teardown that could wait on a dead peer
+    end_if_orphaned(launcher, folders)
 
 
 def free_port():
@@ -1311,6 +1321,11 @@ def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceba
     part is printed by that rank, in one line naming it (exit 1); no teardown then: the peers may
     be waiting in a collective, and torchrun stops them.
     """
+    # torchrun hands a Ctrl-C on to every rank (SIGINT; SIGKILL 30 s later). The command's first lines blocked
+    # it while torch imported (exit_code's docstring): from here it ends the rank at once, rank 0 saying so.
+    signal.signal(signal.SIGINT, lambda *_: leave(130, "error: interrupted (SIGINT)"
+                                                       if os.environ.get("RANK", "0") == "0" else ""))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         rank, world, local_rank = environment()
         cfg = prepare(world)
@@ -1354,6 +1369,14 @@ def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceba
     # destructor calls std::terminate: "terminate called without an active exception", exit -6
     # (a core dump showed exactly this stack; pytorch/pytorch PR 179291 describes the same crash). Without
     # the shutdown, no thread can meet it.
+    leave(code)
+
+
+def leave(code, line=""):
+    """End this process now, without Python's interpreter shutdown (run_under_torchrun says why): `line` on
+    stderr, what is buffered flushed."""
+    if line:
+        print(line, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -24,12 +24,16 @@ rewritten after every (seed, schedule) group, so an interrupted sweep keeps what
 """
 
 import json
+import signal
 import statistics
 import sys
 from dataclasses import replace
 
-from gpt_bench import mt, pyplot, tg
-from gpt_bench import main as benchmark_main
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+from gpt_bench import mt, pyplot, tg  # noqa: E402
+from gpt_bench import main as benchmark_main  # noqa: E402
 
 COLORS = {"muon": "tab:blue", "adamw": "tab:orange"}
 LABELS = {"muon": "Muon", "adamw": "AdamW"}

@@ -9,10 +9,15 @@ The model has 8 heads so that TP = 8 keeps one head per rank. Times are medians 
 all-reduces (f and g) and the optimizer's collectives.
 """
 
+import signal
 import sys
 
-from gpt_bench import mt, pyplot, tg
-from gpt_bench import main as benchmark_main
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+from gpt_bench import mt, pyplot, tg  # noqa: E402
+from gpt_bench import main as benchmark_main  # noqa: E402
+
 SPLITS = ((8, 1), (4, 2), (2, 4), (1, 8))
 
 

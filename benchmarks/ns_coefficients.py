@@ -18,12 +18,16 @@ Orthogonal would be 1 everywhere; the paper's figure plots exactly this range.
 """
 
 import os
+import signal
 import statistics
 import sys
 import time
 from dataclasses import replace
 
-import torch
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))

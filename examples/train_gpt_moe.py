@@ -41,16 +41,20 @@ Bad flags exit 2 with one line before any rank starts; the launcher is the lesso
 import logging
 import math
 import os
+import signal
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
