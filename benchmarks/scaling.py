@@ -216,9 +216,12 @@ def main(argv=None):
     if any(not 1 <= n <= dm.MAX_WORLD for n in args.ranks):
         p.error(f"--ranks must be in [1, {dm.MAX_WORLD}] (got {' '.join(map(str, args.ranks))})")
     check_model(p, args, max(args.ranks))
-    for path in (args.json, args.figure):
+    for option, path in (("--json", args.json), ("--figure", args.figure)):
         if path:
-            mt.check_writable(path, "--json" if path == args.json else "--figure")
+            try:
+                mt.check_writable(path, option)
+            except ValueError as e:
+                p.error(str(e))
     if args.without_ns and not hasattr(torch.optim._muon, TORCH_NEWTON_SCHULZ):
         p.error(f"--without-ns: torch {torch.__version__} has no torch.optim._muon.{TORCH_NEWTON_SCHULZ} to replace")
     torch.set_num_threads(1)

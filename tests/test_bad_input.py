@@ -157,7 +157,12 @@ ROWS += [
      "--tp-newton-schulz-bytes runs nothing: it takes --ns-steps alone (got --dp)", False),
     ("benchmarks/compare.py", ["--tp-newton-schulz", "gram", "--tp", "1", "--dp", "8"],
      "--tp-newton-schulz gram sums Newton-Schulz's Gram matrix over the TP ranks", False),
+    ("examples/train_gpt_moe.py", ["--json", PROC], f"--json {PROC} cannot be written", False),
+    ("examples/train_gpt_moe.py", ["--figure", ""], "argument --figure: an empty value", False),
+    ("examples/train_gpt_moe.py", ["--resume-step", "1"], "--resume-step 1 applies to --resume: give the folder",
+     False),
     ("benchmarks/gpt_step.py", ["--figure", "/proc/x.png"], "--figure /proc/x.png cannot be written", False),
+    ("benchmarks/scaling.py", ["--figure", "/proc/x.png"], "--figure /proc/x.png cannot be written", False),
     ("benchmarks/gpt_step.py", ["--traces", "/proc/traces"], "--traces /proc/traces cannot be written", False),
 ]
 # Good input, run by the same harness: each gets as far as starting a rank, which the harness stops (exit 3). Its
