@@ -1337,9 +1337,10 @@ def finish(cfg, results, ranks_s, device="cpu", print_fn=print):
     steps = len(results[0]["step_ms"])
     steps_s = sum(max(r["step_ms"][i] for r in results) for i in range(steps)) / 1e3
     made = "forward and backward" if cfg.train else "the exact gradients"
-    print_fn(f"Timing: ranks {ranks_s:.1f} s = {steps} optimizer steps {steps_s:.1f} s (each its slowest rank's) "
-             f"+ the rest {ranks_s - steps_s:.1f} s (start, build, {made}, the copies the checks read); torch's "
-             f"reference and the checks {checked_s:.1f} s")
+    shown = mt.rounded_parts(dict(steps=steps_s, rest=ranks_s - steps_s), 1)  # tenths of a second that add up
+    print_fn(f"Timing: ranks {sum(shown.values()):.1f} s = {steps} optimizer steps {shown['steps']:.1f} s (each its "
+             f"slowest rank's) + the rest {shown['rest']:.1f} s (start, build, {made}, the copies the checks read); "
+             f"torch's reference and the checks {checked_s:.1f} s")
     out["timings"] = dict(ranks_s=ranks_s, optimizer_steps_s=steps_s, reference_and_checks_s=checked_s)
     return out
 

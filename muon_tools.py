@@ -558,6 +558,18 @@ def format_table(header, rows, aligns):
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
+def rounded_parts(parts, digits=0):
+    """{name: value} rounded to `digits` decimals so that they add up to their rounded sum, as a printed line
+    "total = a + b + c" must: each is rounded down, then the largest remainders up (Hare's method). Rounding
+    each alone can miss by a unit per part."""
+    unit = 10 ** digits
+    floors = {k: math.floor(v * unit) for k, v in parts.items()}
+    short = round(sum(parts.values()) * unit) - sum(floors.values())
+    for k in sorted(parts, key=lambda k: floors[k] - parts[k] * unit)[:short]:
+        floors[k] += 1
+    return {k: v if digits == 0 else v / unit for k, v in floors.items()}
+
+
 def human_bytes(n):
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":

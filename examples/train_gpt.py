@@ -859,18 +859,9 @@ def summarize(cfg, results):
     return out
 
 
-def whole_ms(parts):
-    """{name: ms} rounded to whole ms that add up to the rounded sum (the largest remainders round up)."""
-    floors = {k: math.floor(v) for k, v in parts.items()}
-    short = round(sum(parts.values())) - sum(floors.values())
-    for k in sorted(parts, key=lambda k: floors[k] - parts[k])[:short]:
-        floors[k] += 1
-    return floors
-
-
 def print_summary(cfg, summary, print_fn=print):
     ms, at = summary["ms"], summary["ms_at"]
-    shown = whole_ms({k: ms[k] for k in ("forward", "backward", "optimizer")})
+    shown = mt.rounded_parts({k: ms[k] for k in ("forward", "backward", "optimizer")})  # whole ms
     timed = timed_steps(cfg)
     print_fn(f"\nStep (the median of steps {timed[0] + 1}-{timed[-1] + 1}, each on its slowest rank: step {at['step']}, "
              f"rank {at['rank']}): {sum(shown.values())} ms = forward {shown['forward']} + backward "

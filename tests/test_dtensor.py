@@ -18,6 +18,7 @@ matrices of the
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -568,8 +569,15 @@ def test_cli_run_passes_and_writes_json(tmp_path, scenarios, capsys):
     started, which saves a fresh interpreter's seconds), against the same mesh run in the shared spawn."""
     path = tmp_path / "run.json"
     assert demo.main(["--dp", "2", "--tp", "2", "--json", str(path)]) == 0
-    assert "Result: PASS: 20/20 parameters bit-identical to torch" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Result: PASS: 20/20 parameters bit-identical to torch" in out
     assert_same_run_as_spawned(json.loads(path.read_text()), scenarios, "2x2")
+    # the timing line adds up, in the tenths it prints: the ranks' time is their optimizer steps and the rest
+    ranks, steps, rest = (round(float(x) * 10) for x in re.search(
+        r"^Timing: ranks (\d+\.\d) s = 3 optimizer steps (\d+\.\d) s .* \+ the rest (\d+\.\d) s ", out, re.M).groups())
+    timings = json.loads(path.read_text())["timings"]
+    assert ranks == steps + rest == round(timings["ranks_s"] * 10) and 0 < timings["optimizer_steps_s"]
+    assert steps >= 0 and rest > 0
 
 
 def assert_same_run_as_spawned(out, scenarios, label):

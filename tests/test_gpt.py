@@ -14,6 +14,7 @@ the 1x4 run verified as if its TP sums had another order (rank_order=False)."""
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -296,12 +297,32 @@ def test_the_command_line_trains_prints_progress_and_writes_traces(tmp_path):
     assert all("train" in line and "val" in line and "tokens/s" in line and "ms/step" in line for line in progress)
     results = json.loads(out.read_text())
     assert len(results["losses"]) == 6 and [s for s, _ in results["val"]] == [3, 6]
+    # the step line adds up, printed and written: one step that ran (the median), on its slowest rank
+    step_line = next(line for line in proc.stdout.splitlines() if line.startswith("Step ("))
+    total, *parts = map(int, re.search(r": (\d+) ms = forward (\d+) \+ backward (\d+) \+ optimizer (\d+) ms ",
+                                       step_line).groups())
+    ms = results["ms"]
+    assert total == sum(parts) == round(ms["step"]) and ms["step"] > 0
+    assert ms["step"] == pytest.approx(ms["forward"] + ms["backward"] + ms["optimizer"], rel=1e-12)
+    assert f"step {results['ms_at']['step']}, rank {results['ms_at']['rank']}" in step_line
     assert sorted(os.listdir(traces)) == [f"rank{r}.json" for r in range(4)]
     for split in results["time_split_ms"]:
         for label in ("forward", "backward", "optimizer step", "grad reduce-scatter", "gather at owner",
                       "newton-schulz", "param all-gather", "TP all-reduce (forward)"):
             assert split[label] > 0, label
         assert split["newton-schulz"] < split["optimizer step"]
+
+
+@pytest.mark.parametrize("parts,digits,shown", [
+    (dict(forward=81.4, backward=81.4, optimizer=85.4), 0, 248),  # each rounded alone: 81 + 81 + 85 = 247
+    (dict(steps=0.26, rest=5.46), 1, 5.7),  # each rounded alone: 0.3 + 5.5 = 5.8
+    (dict(forward=10.5, backward=10.5), 0, 21),  # round() alone: 10 + 10 (to even)
+])
+def test_printed_parts_add_up_to_the_printed_total(parts, digits, shown):
+    rounded = mt.rounded_parts(parts, digits)
+    assert round(sum(rounded.values()), digits) == shown == round(sum(parts.values()), digits)
+    assert all(abs(rounded[k] - parts[k]) < 10 ** -digits for k in parts)
+    assert sum(round(v, digits) for v in parts.values()) != shown  # what it is for
 
 
 @pytest.mark.parametrize("argv,message", [
