@@ -60,10 +60,12 @@ def train(a, model=tg.TrainConfig(), save=None, print_fn=print):
     one spawn per (seed, schedule), save(what --json holds) after each; [run dicts]."""
     lrs = dict(muon=a.muon_lrs, adamw=a.adamw_lrs)
     base = replace(model, dp=a.dp, tp=a.tp, steps=a.steps, log_every=a.every, val_windows=a.val_windows,
-                   warmup_steps=a.warmup_steps, progress=False)
+                   progress=False)
+    warmup = {"warmup-cosine": dict(warmup_steps=a.warmup_steps)}  # a constant schedule takes none (tg.validate)
     # seed by seed: an interrupted sweep has both schedules at the seeds it finished
     groups = {(seed, schedule): [replace(base, optimizer=o, strategy="owner" if o == "muon" else "gather", lr=lr,
-                                         schedule=schedule, seed=seed) for o in tg.OPTIMIZER_NAMES for lr in lrs[o]]
+                                         schedule=schedule, seed=seed, **warmup.get(schedule, {}))
+                                 for o in tg.OPTIMIZER_NAMES for lr in lrs[o]]
               for seed in a.seeds for schedule in a.schedules}
     for configs in groups.values():  # every configuration is checked before the first rank starts
         for cfg in configs:
