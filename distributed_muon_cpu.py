@@ -51,9 +51,13 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for the launcher (section 11): one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 import torch
 import torch.distributed as dist

@@ -726,6 +726,16 @@ def write_atomically(path, write):
 HEARTBEAT_S = 0.5  # how often a rank says it is alive
 
 
+def end_if_orphaned(launcher, folders, wait_s=0.0):
+    """End this rank if the launcher is gone (start_heartbeat), removing the launcher's temporary folders first.
+    A rank also looks once it has written its last file there (its result, or its error, which a peer's going
+    may cause): every rank removes them after its last write, so the last one out leaves nothing."""
+    if launcher.poll(wait_s):
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        os._exit(1)
+
+
 def start_heartbeat(heartbeats, rank, launcher, folders):
     """A thread that writes the time into heartbeats[rank] every HEARTBEAT_S.
 
@@ -744,16 +754,6 @@ def start_heartbeat(heartbeats, rank, launcher, folders):
             heartbeats[rank] = time.monotonic()
 
     threading.Thread(target=beat, daemon=True, name="heartbeat").start()
-
-
-def end_if_orphaned(launcher, folders, wait_s=0.0):
-    """End this rank if the launcher is gone (start_heartbeat), removing the launcher's temporary folders first.
-    A rank also looks once it has written its last file there (its result, or its error, which a peer's going
-    may cause): every rank removes them after its last write, so the last one out leaves nothing."""
-    if launcher.poll(wait_s):
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
-        os._exit(1)
 
 
 def name_process(title):
@@ -1009,6 +1009,12 @@ def check_writable(path, option="--json", folder=False):
         for folder_made in made:
             with contextlib.suppress(OSError):
                 os.rmdir(folder_made)
+
+
+# How a command knows it runs under torchrun (distributed_muon_dtensor.py's demo, examples/).
+def under_torchrun():
+    """Whether this process is one rank started by torchrun: it sets RANK, WORLD_SIZE and LOCAL_RANK."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
 def add_backend_flags(p):
@@ -1317,6 +1323,16 @@ def join_world(backend, device_kind, local_rank, timeout_s):
     return device
 
 
+def leave(code, line=""):
+    """End this process now, without Python's interpreter shutdown (run_under_torchrun says why): `line` on
+    stderr, what is buffered flushed."""
+    if line:
+        print(line, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceback=False, program=None):
     """What every torchrun entry point of the project does (distributed_muon.py's, examples/train_gpt.py's and
     dtensor_demo.py's), around its own parts:
@@ -1382,16 +1398,6 @@ def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceba
     # (a core dump showed exactly this stack; pytorch/pytorch PR 179291 describes the same crash). Without
     # the shutdown, no thread can meet it.
     leave(code)
-
-
-def leave(code, line=""):
-    """End this process now, without Python's interpreter shutdown (run_under_torchrun says why): `line` on
-    stderr, what is buffered flushed."""
-    if line:
-        print(line, file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def main_under_torchrun(run_rank, argv=None):
@@ -1495,13 +1501,6 @@ def on_thread_ranks(dp, tp, fn, timeout_s=TIMEOUT_S):
     if errors:
         raise errors[0]
     return results
-
-
-
-# How a command knows it runs under torchrun (distributed_muon_dtensor.py's demo, examples/).
-def under_torchrun():
-    """Whether this process is one rank started by torchrun: it sets RANK, WORLD_SIZE and LOCAL_RANK."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
 # =============================================================================

@@ -35,6 +35,7 @@ import datetime
 import functools
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -42,11 +43,14 @@ import time
 from dataclasses import dataclass, field, replace
 from unittest import mock
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -171,9 +171,6 @@ COMMANDS = sorted(os.path.relpath(path, ROOT) for folder in ("", "examples", "be
                   if os.path.basename(path) != "muon_tools.py" and "__name__ == \"__main__\"" in open(path).read()
                   and any(call in open(path).read() for call in ("exit_code(", "run_under_torchrun(", "benchmark_main(",
                                                                  "muon_tools.main()", "main_under_torchrun(")))
-# They import torch in their first lines, which another change of issue 30 (item 8) is to make block SIGINT first.
-NOT_YET = {"distributed_muon_cpu.py": "the lesson imports torch first", "distributed_muon.py": "the lesson's twin",
-           "benchmarks/refresh.py": "it imports torch first", "benchmarks/cost_model.py": "it imports torch first"}
 # Runs a command as `python COMMAND` would, until it first imports torch; exit 0 if SIGINT is blocked then, 1 if
 # not, 2 if it never imports torch. An audit hook sees the import before it begins: no torch is loaded.
 BLOCKED_AT_TORCH = """
@@ -189,8 +186,7 @@ os._exit(2)
 """
 
 
-@pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[c]))
-                                     if c in NOT_YET else c for c in COMMANDS])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_blocks_ctrl_c_before_it_imports_torch(command):
     """What makes test_ctrl_c_while_torch_imports_is_one_line_and_130 true of every command, checked in a tenth of a
     second each: SIGINT is blocked when torch's import begins (muon_tools.exit_code takes it once torch is in)."""
