@@ -218,7 +218,7 @@ BAD = [(["--qk-clip", "0"], "--qk-clip must be a number > 0 and finite (got 0.0)
        (["--ns-blocks", "rows"], "argument --ns-blocks: invalid choice: 'rows'"),
        (["--ns-coefficients", "newton"], "argument --ns-coefficients: invalid choice: 'newton'"),
        (["--optimizer", "adamw", "--qk-clip", "1", "--ns-blocks", "heads"],
-        "--optimizer adamw takes no --qk-clip, --ns-blocks: QK-clip and Newton-Schulz options are Muon's")]
+        "--optimizer adamw takes no --qk-clip, --ns-blocks: momentum, QK-clip and Newton-Schulz options are Muon's")]
 
 
 def test_bad_large_run_flags_are_refused_before_any_rank():
