@@ -1015,7 +1015,8 @@ class DTensorMuon(torch.optim.Optimizer):
                     problem = problem or (f"the gradient of {name} is {placements}, the parameter "
                                           f"{p.placements}: give it the parameter's placements")
                 elif g.shape != p.shape or local_of(g).numel() != local_of(p).numel():
-                    problem = f"the gradient of {name} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}"
+                    problem = (f"the gradient of {name} has shape {tuple(g.shape)} (here {tuple(local_of(g).shape)}), "
+                               f"the parameter {tuple(p.shape)} (here {tuple(local_of(p).shape)})")
             grads[name] = None if g is None else local_of(g)
         return grads, problem
 
