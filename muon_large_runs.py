@@ -241,7 +241,8 @@ class Blocks:
 def block_runs(heights, shape, tp_split_dim, tp_rank, part):
     """[(start, stop, rows)]: the part (a slice of the flat TP piece of a TP-local (rows, cols) matrix)
     cut into runs of consecutive elements whose rows lie in blocks of the same height; heights: per
-    row of the full matrix (RowLayout.block_heights). Under a split by rows the piece is a range of them."""
+    row of the full matrix (RowLayout.block_heights; or any key per row: QK-clip's heads, 8.4). Under a
+    split by rows the piece is a range of them."""
     rows, cols = shape
     first = tp_rank * rows if tp_split_dim == 0 else 0
     runs = []
@@ -501,15 +502,12 @@ class LargeRuns(Blocks):
         for name, s in maxima.items():
             layout, weight = self.row_layouts[name], optimizer.param_by_name[name]
             scales = qk_clip_scales(s, self.qk_clip_tau, layout.shares_keys)
-            row_heads = layout.qk_row_heads()
-            # the rows of the full matrix held here: a TP piece's under a split by rows, else every row
-            first = grid.tp.rank * weight.shape[0] if optimizer.layout.tp_split_dims[name] == 0 else 0
-            held = row_heads[first:first + weight.shape[0]]
-            start, held_heads = 0, set(held)
-            for stop in range(1, len(held) + 1):  # runs of rows of one head, each scaled by one mul_
-                if stop == len(held) or held[stop] != held[start]:
-                    if held[start] >= 0 and scales[held[start]] != 1.0:
-                        weight[start:stop].mul_(scales[held[start]])
-                    start = stop
-            multipliers[name] = [m if h in held_heads else None for h, m in enumerate(scales)]
+            # runs of this TP piece's elements whose rows take one head's multiplier (-1: none), as 8.2 cuts blocks
+            runs = block_runs(layout.qk_row_heads(), tuple(weight.shape), optimizer.layout.tp_split_dims[name],
+                              grid.tp.rank, slice(0, weight.numel()))
+            for start, stop, head in runs:
+                if head >= 0 and scales[head] != 1.0:
+                    weight.view(-1)[start:stop].mul_(scales[head])
+            held = {head for _, _, head in runs}
+            multipliers[name] = [m if h in held else None for h, m in enumerate(scales)]
         return multipliers
