@@ -34,6 +34,7 @@ import json
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import shutil
@@ -816,6 +817,14 @@ def start_method():
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo"])
+    # Ctrl-C reaches the whole job, the forkserver too, which imports torch before it ignores SIGINT (a
+    # KeyboardInterrupt traceback then). Started here with SIGINT ignored, it inherits that (a handler would
+    # not survive its exec); the launcher ignores it only while the server process is made, not while it imports.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return "forkserver"
 
 
