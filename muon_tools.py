@@ -971,6 +971,43 @@ def spawn_ranks(cfg, body=None, program=None):
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
+def worker_process(rank, fn, launcher, folders, *args):
+    """A benchmark's worker (run_processes): fn(rank, *args), ended by a thread of its own, the launcher's
+    temporary folders removed, once the launcher is gone (killed by SIGKILL too), as a rank is (start_heartbeat)."""
+    def watch():
+        while True:
+            end_if_orphaned(launcher, folders, HEARTBEAT_S)
+
+    threading.Thread(target=watch, daemon=True, name="launcher watch").start()
+    fn(rank, *args)
+
+
+def run_processes(fn, args, nprocs, folders=()):
+    """fn(rank, *args) in nprocs processes started as the ranks are (start_method), for the benchmarks' workers,
+    which join their process group themselves: wait for every one; the first that fails ends the run
+    (RankFailure naming it; its traceback is on stderr). Whatever ends it (a failure, Ctrl-C, SIGTERM), every
+    process is stopped before this returns; a launcher killed outright, the workers end themselves and remove
+    `folders` (the caller's temporary ones) and multiprocessing's."""
+    context = multiprocessing.get_context(start_method())
+    launcher, alive = context.Pipe(duplex=False)  # the workers watch `launcher`; `alive` stays here
+    folders = tuple(folders) + (multiprocessing.util.get_temp_dir(),)
+    procs = [context.Process(target=worker_process, args=(rank, fn, launcher, folders) + tuple(args),
+                             name=f"rank {rank}") for rank in range(nprocs)]
+    try:
+        for p in procs:
+            p.start()
+        while any(p.exitcode is None for p in procs):
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=POLL_S)
+            failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                raise RankFailure(f"rank {rank} " + (f"was killed by {signal.Signals(-code).name}" if code < 0
+                                                     else f"exited with code {code}"))
+    finally:
+        stop(procs)
+        alive.close()
+
+
 # The command line: its checks, made before any rank starts, then its parser and main().
 def check_launch(timeout_s, fail_rank=-1, world=1):
     """The launcher's own options, shared by every command that launches ranks (ValueError, one line)."""

@@ -8,12 +8,16 @@ bf16 baddbmm and addmm round some near-ties differently; section 1 of the script
 """
 
 import os
+import signal
 import statistics
 import sys
 import time
 
-import torch
-from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,4 +63,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(mt.exit_code(main))

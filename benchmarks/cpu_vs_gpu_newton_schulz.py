@@ -9,10 +9,14 @@ The H100 output is notes/measured/h100_cpu_vs_gpu_newton_schulz.txt (chapter 6 o
 """
 
 import os
+import signal
 import sys
 
-import torch
-from torch.optim._muon import _zeropower_via_newtonschulz as ns
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
+from torch.optim._muon import _zeropower_via_newtonschulz as ns  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,4 +47,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(mt.exit_code(main))

@@ -10,14 +10,17 @@ then each rank adds the shards it received, in rank order.
 
 import datetime
 import os
+import signal
 import statistics
 import sys
 import tempfile
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,8 +70,7 @@ def main(argv=None):
     if not 2 <= world <= dm.MAX_WORLD:
         p.error(f"--ranks must be in [2, {dm.MAX_WORLD}] (got {world})")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir), nprocs=world,
-                           start_method=mt.start_method())
+        mt.run_processes(rank_main, (world, mt.free_port(), out_dir), world, folders=(out_dir,))
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     print(f"Gloo, {world} ranks on this machine, median of {REPEATS}, slowest rank; torch {torch.__version__}\n")
     names = [name for n, name in per_rank[0] if n == SIZES[0]]  # in the order they ran
@@ -82,4 +84,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(mt.exit_code(main))

@@ -66,14 +66,17 @@ import datetime
 import importlib
 import importlib.metadata
 import os
+import signal
 import statistics
 import sys
 import tempfile
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -442,8 +445,8 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without
 def on_processes(world, d, layers, rounds, peer_names, without_ns=False):
     """The slowest rank's times per round, and rank 0's checks, patches and statuses."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir, d, layers, rounds, peer_names, without_ns),
-                           nprocs=world, start_method=mt.start_method())
+        mt.run_processes(rank_main, (world, mt.free_port(), out_dir, d, layers, rounds, peer_names, without_ns), world,
+                         folders=(out_dir,))
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     result = per_rank[0]
     for label, kinds in result["times"].items():
@@ -521,4 +524,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(mt.exit_code(main))

@@ -28,14 +28,17 @@ and comm-free at least 1.7x faster than torch on 2 ranks; owner at least 0.85 N 
 
 import datetime
 import os
+import signal
 import statistics
 import sys
 import tempfile
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -185,8 +188,8 @@ def on_one_process(d, layers, rounds=ROUNDS):
 def on_ranks(world, d, layers, variants=VARIANTS, rounds=ROUNDS, without_ns=False):
     """{variant: per-step times of the slowest rank} on `world` ranks."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, mt.free_port(), out_dir, d, layers, variants, rounds, without_ns),
-                           nprocs=world, start_method=mt.start_method())
+        mt.run_processes(rank_main, (world, mt.free_port(), out_dir, d, layers, variants, rounds, without_ns), world,
+                         folders=(out_dir,))
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     return {v: [max(r[v][i] for r in per_rank) for i in range(rounds)] for v in variants}
 
@@ -273,4 +276,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(mt.exit_code(main))

@@ -9,7 +9,11 @@ much as the algorithm: compare them with each other, not with a GPU.
 """
 
 import os
+import signal
 import sys
+
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,4 +61,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(mt.exit_code(main))

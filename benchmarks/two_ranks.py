@@ -20,16 +20,19 @@ hits alike.
 
 import importlib.util
 import os
+import signal
 import statistics
 import sys
 import tempfile
 import time
 
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's logger, quiet (why: examples/train_gpt.py)
 
 import torch  # noqa: E402
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,9 +161,8 @@ def main(argv=None):
         p.error(f"--before {a.before}: no distributed_muon_cpu.py there")
     ns_ms, ns_flops = torch_newton_schulz_ms(a.d, a.layers)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(2, mt.free_port(), out_dir, a.d, a.layers, a.rounds, a.without_ns,
-                                               a.before),
-                           nprocs=2, start_method=mt.start_method())
+        mt.run_processes(rank_main, (2, mt.free_port(), out_dir, a.d, a.layers, a.rounds, a.without_ns, a.before), 2,
+                         folders=(out_dir,))
         ranks = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(2)]
     print(f"{a.layers} layers at d = {a.d}, DP = 2 x TP = 1, 1 thread per rank; torch {torch.__version__}"
           + (" (WITHOUT Newton-Schulz)" if a.without_ns else ""))
@@ -191,4 +193,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(mt.exit_code(main))

@@ -60,6 +60,17 @@ class Run:
             time.sleep(0.2)
         pytest.fail(f"the ranks did not start: {self.processes()}")
 
+    def forkserver(self):
+        """Whether the run's forkserver (multiprocessing's, which imports torch before it forks a rank) runs."""
+        for pid in self.processes():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"multiprocessing.forkserver" in f.read():
+                        return True
+            except OSError:
+                continue
+        return False
+
     def sigint(self, field):
         """Whether SIGINT is in the process's signal mask field of /proc/PID/status: SigBlk (blocked), ShdPnd
         (pending)."""
@@ -162,6 +173,48 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path):
     returncode, out, err, _ = run.finish(60)
     assert returncode == 130 and out == ""
     assert_one_line(err, "error: interrupted (SIGINT); every rank stopped, temporary files removed")
+    assert os.listdir(run.tmp) == []
+
+
+def test_ctrl_c_while_the_forkserver_imports_torch_is_one_line_and_130(tmp_path):
+    """Ctrl-C once the command has torch, while the forkserver it started imports torch in turn (seconds, before
+    any rank): the forkserver, started with SIGINT ignored, prints nothing; the command ends as on any Ctrl-C."""
+    run = Run(tmp_path, *LONG_RUN)
+    deadline = time.monotonic() + 60
+    while not run.forkserver():
+        assert time.monotonic() < deadline and run.proc.poll() is None, "no forkserver started"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert not [name for name in run.processes().values() if name.startswith("muon rank")]  # it still imports
+    os.killpg(run.proc.pid, signal.SIGINT)
+    returncode, out, err, seconds = run.finish(STOPS_WITHIN_S)
+    assert returncode == 130 and seconds < STOPS_WITHIN_S and "Result:" not in out
+    assert_one_line(err, "error: interrupted (SIGINT); every rank stopped, temporary files removed")
+    assert os.listdir(run.tmp) == []
+
+
+@pytest.mark.parametrize("how", ["SIGINT to the job", "SIGKILL to the launcher"])
+def test_a_benchmarks_own_workers_stop_with_it_and_leave_nothing(tmp_path, how):
+    """A benchmark that starts its own workers (muon_tools.run_processes, not the lesson's launcher): Ctrl-C once
+    they run ends it as any command (exit 130, one line); a launcher killed outright, its workers end themselves
+    and remove its temporary folders. No worker and no temporary file is left either way."""
+    run = Run(tmp_path, "--ranks", "2", script=os.path.join(ROOT, "benchmarks", "gloo_collectives.py"))
+    deadline = time.monotonic() + 60
+    while len(run.processes()) < 4:  # the command, the forkserver and its 2 workers
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.processes()
+        time.sleep(0.05)
+    time.sleep(1)
+    if how.startswith("SIGINT"):
+        os.killpg(run.proc.pid, signal.SIGINT)
+    else:
+        assert {name[:3] for name in os.listdir(run.tmp)} == {"tmp", "pym"}  # its folder, and the forkserver's
+        os.kill(run.proc.pid, signal.SIGKILL)
+    returncode, out, err, seconds = run.finish(STOPS_WITHIN_S)  # asserts no process is left
+    if how.startswith("SIGINT"):
+        assert returncode == 130 and seconds < STOPS_WITHIN_S
+        assert_one_line(err, "error: interrupted (SIGINT); every rank stopped, temporary files removed")
+    else:
+        assert returncode == -signal.SIGKILL
     assert os.listdir(run.tmp) == []
 
 
