@@ -125,16 +125,52 @@ from muon_owners import assign_owners, check_owners, lpt_order  # noqa: F401
 # matrix), and it is now a pure function of (global shape, mesh shape,
 # placements, mesh coordinate): local_indices below computes, for any rank, the
 # global flat index of each element of its local tensor, in its local order,
-# by applying each placement's own split (torch's _split_tensor, the code
-# DTensor uses itself) to a tensor of indices. Replicate dims copy and need no
-# gather. A Partial placement (a pending sum) cannot be orthogonalized: the
-# gradient must be reduced first, as FSDP2 and DDP do in backward.
+# by cutting a tensor of indices as the placements cut the parameter. Replicate
+# dims copy and need no gather. A Partial placement (a pending sum) cannot be
+# orthogonalized: the gradient must be reduced first, as FSDP2 and DDP do in
+# backward.
+#
+# The order of the cuts matters when they are uneven. TP cuts first (rows
+# 0-53 | 54-107 | 108-159 of a (160, 40) ColwiseParallel weight over tp = 3),
+# then FSDP2 cuts each TP piece over dp as torch.chunk does (54 rows over
+# dp = 4: 14, 14, 14, 12), and it marks its cut _StridedShard(0, sf=3): the
+# split that comes AFTER the 3 of the mesh dim to its right. So a cut applies
+# in mesh order, except a _StridedShard, which waits for the later mesh dims
+# that cut the same tensor dim (split_order). torch's own
+# _StridedShard._split_tensor (which distribute_tensor uses) cuts the strided
+# dim first and is right only when the later cuts are even: for rank (dp 3,
+# tp 1) of that weight it gives 13 rows where FSDP2 keeps 12, rows 96-107
+# (measured with torch 2.14; pytorch/pytorch issue 168134, "gaps in uneven
+# strided shard", is open). The optimizer follows FSDP2, which holds the data,
+# and checks at construction that every local tensor has the shape its
+# placements give it here.
 SHARD_PLACEMENTS = (Shard, _StridedShard)
 
 
-def placements_problem(name, placements):
+def split_order(placements):
+    """The mesh dims that cut the tensor, in the order their cuts apply (see above): per tensor dim, mesh order,
+    each _StridedShard after the later mesh dims that cut the same tensor dim."""
+    def ordered(dims):  # the mesh dims cutting one tensor dim, in mesh order
+        if not dims:
+            return []
+        first, rest = dims[0], ordered(dims[1:])
+        return rest + [first] if isinstance(placements[first], _StridedShard) else [first] + rest
+
+    tensor_dims = sorted({p.dim for p in placements if isinstance(p, SHARD_PLACEMENTS)})
+    return [i for d in tensor_dims
+            for i in ordered([i for i, p in enumerate(placements) if isinstance(p, SHARD_PLACEMENTS) and p.dim == d])]
+
+
+def placements_problem(name, placements, mesh_shape):
     """None when the optimizer can handle these placements, else why not (one line)."""
     for dim, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard):
+            later = [mesh_shape[i] for i, p in enumerate(placements)
+                     if i > dim and isinstance(p, SHARD_PLACEMENTS) and p.dim == placement.dim]
+            if placement.split_factor != math.prod(later):
+                return (f"{name}: placement {placement!r} on mesh dim {dim}: its split factor is not the product of "
+                        f"the later mesh dims cutting tensor dim {placement.dim} ({math.prod(later)}), as FSDP2 "
+                        f"writes it; this layout is not known here")
         if isinstance(placement, (Replicate,) + SHARD_PLACEMENTS):
             continue
         if placement.is_partial():
@@ -144,13 +180,41 @@ def placements_problem(name, placements):
     return None
 
 
+def local_index_tensor(shape, mesh_shape, placements, coordinate):
+    """The global flat index of each element the rank at `coordinate` holds, shaped as its local tensor."""
+    index = torch.arange(math.prod(shape)).view(shape)
+    for i in split_order(placements):
+        index = torch.chunk(index, mesh_shape[i], dim=placements[i].dim)
+        index = index[coordinate[i]] if coordinate[i] < len(index) else index[0].narrow(placements[i].dim, 0, 0)
+    return index
+
+
 def local_indices(shape, mesh_shape, placements, coordinate):
     """Global flat indices of the elements the rank at `coordinate` holds, in its local tensor's order."""
-    index = torch.arange(math.prod(shape)).view(shape)
-    for size, placement, c in zip(mesh_shape, placements, coordinate):
-        if isinstance(placement, SHARD_PLACEMENTS):
-            index = placement._split_tensor(index, size, with_padding=False)[0][c]
-    return index.reshape(-1)
+    return local_index_tensor(shape, mesh_shape, placements, coordinate).reshape(-1)
+
+
+def local_shape(shape, mesh_shape, placements, coordinate):
+    """The shape of the local tensor local_index_tensor cuts, without building it (torch.chunk's sizes)."""
+    shape = list(shape)
+    for i in split_order(placements):
+        d, n, k = placements[i].dim, shape[placements[i].dim], mesh_shape[i]
+        size = -(-n // k)  # torch.chunk's chunk size; the last chunks are smaller, or missing (empty)
+        shape[d] = max(0, min(size, n - coordinate[i] * size))
+    return tuple(shape)
+
+
+def local_shape_problem(name, p):
+    """None when DTensor p's local tensor has the shape its placements give it here, else why not (one line)."""
+    coordinate = p.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not on the parameter's mesh
+        return None
+    expected = local_shape(tuple(p.shape), tuple(p.device_mesh.shape), p.placements, coordinate)
+    if tuple(p.to_local().shape) != expected:
+        return (f"{name}: the local tensor on rank {dist.get_rank()} has shape {tuple(p.to_local().shape)}, where "
+                f"placements {tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)} put {expected} "
+                f"(TP cuts, then FSDP2: section 2); this layout is not known here")
+    return None
 
 
 def sharded_dims(placements):
@@ -760,7 +824,7 @@ class DTensorMuon(torch.optim.Optimizer):
             return problem
         for name, p in self.param_by_name.items():
             if isinstance(p, DTensor):
-                why = placements_problem(name, p.placements)
+                why = placements_problem(name, p.placements, p.device_mesh.shape) or local_shape_problem(name, p)
                 if why:
                     return why
             if self.group_of[name]["algorithm"] == "muon":
@@ -1010,8 +1074,8 @@ class DTensorMuon(torch.optim.Optimizer):
                 if isinstance(p, DTensor) and not (isinstance(g, DTensor) and g.placements == p.placements
                                                    and g.device_mesh == p.device_mesh):
                     placements = g.placements if isinstance(g, DTensor) else "a plain tensor"
-                    problem = placements_problem(f"the gradient of {name}", g.placements) if isinstance(g, DTensor) \
-                        else None
+                    problem = placements_problem(f"the gradient of {name}", g.placements, g.device_mesh.shape) \
+                        if isinstance(g, DTensor) else None
                     problem = problem or (f"the gradient of {name} is {placements}, the parameter "
                                           f"{p.placements}: give it the parameter's placements")
                 elif g.shape != p.shape or local_of(g).numel() != local_of(p).numel():

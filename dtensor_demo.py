@@ -59,7 +59,8 @@ import distributed_muon_cpu as dm
 import muon_checks as mc
 import muon_tools as mt
 from distributed_muon_cpu import NS_STEPS, newton_schulz_flops
-from distributed_muon_dtensor import DistributedConfig, DTensorMuon, load_checkpoint, local_of, save_checkpoint
+from distributed_muon_dtensor import (DistributedConfig, DTensorMuon, load_checkpoint, local_indices, local_of,
+                                      save_checkpoint)
 
 # =============================================================================
 # 7. The demo model, a run, and its verification
@@ -88,12 +89,15 @@ from distributed_muon_dtensor import DistributedConfig, DTensorMuon, load_checkp
 #
 # The verification is the lesson's: exact gradients (integers times 2**-10, so
 # that no summation order can matter) are given to every rank as DTensors with
-# the parameter's placements (distribute_tensor, torch's own split: not this
-# file's local_indices), and the same full gradients to torch.optim.Muon (one
-# 2-D tensor per matrix, per expert) and torch.optim.AdamW(foreach=False) in
-# one process. Every element each rank holds must equal torch's at the same
-# place (found by DTensor's own distribute_tensor), bit for bit, and every
-# element must be held by some rank. A real training run (cfg.train: forward
+# the parameter's placements, and the same full gradients to torch.optim.Muon
+# (one 2-D tensor per matrix, per expert) and torch.optim.AdamW(foreach=False)
+# in one process. Every element each rank holds must equal torch's at the same
+# place, bit for bit, and every element must be held by some rank. The places
+# (element_places) are read off a copy of the model whose parameters hold their
+# own flat indices, put through the same parallelize: what TP and FSDP2 do with
+# the data, neither the optimizer's local_indices nor DTensor's placement
+# arithmetic (torch's distribute_tensor cuts an uneven _StridedShard otherwise
+# than FSDP2 does: distributed_muon_dtensor.py, section 2). A real training run (cfg.train: forward
 # and backward on tokens) cannot be bit for bit; verify_training, at the end of
 # this section, says what it checks instead, and why.
 #
@@ -207,8 +211,11 @@ def parallelize(model, mesh):
         for name in ("w1", "w2"):  # expert parallel over the tp dim: each tp rank keeps E / tp experts
             w = getattr(layer.moe, name)
             setattr(layer.moe, name, nn.Parameter(distribute_tensor(w.detach(), tp, [Shard(0)], src_data_rank=None)))
-    # FSDP2 cuts each expert (dim 1) where it can: it shards dims other than 0 only evenly; else the expert dim.
-    experts_on_dim_1 = lambda p: Shard(1) if p.ndim == 3 and p.shape[1] % dp.size() == 0 else None
+    # FSDP2 cuts each expert (dim 1) where it can: it shards dims other than 0 only evenly, and not a TP rank's
+    # empty stack (4 experts over tp = 3: torch.chunk gives 2, 2, 0); else the expert dim.
+    every_tp_rank_has_one = lambda p: len(torch.arange(p.shape[0]).chunk(tp.size())) == tp.size()
+    experts_on_dim_1 = lambda p: Shard(1) if p.ndim == 3 and p.shape[1] % dp.size() == 0 \
+        and every_tp_rank_has_one(p) else None
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp, shard_placement_fn=experts_on_dim_1)
     fully_shard(model, mesh=fsdp, shard_placement_fn=experts_on_dim_1)
@@ -228,8 +235,22 @@ def build_optimizer(model, cfg):
     return DTensorMuon(param_groups(model, cfg), expert_stacks=expert_stack_names(model), batched_ns=cfg.batched_ns)
 
 
-def give_grads(model, cfg, step):
-    """Every parameter's exact total gradient, as a DTensor with its placements (None where cfg says so)."""
+def element_places(model, parallelize_fn, device):
+    """{name: the global flat index of each element this rank holds, in local order}: `model` (a fresh copy of the
+    run's model) with every parameter set to its own flat indices, put through parallelize_fn as the run's model
+    is, and read off (float32 holds these integers exactly below 2**24)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.numel() >= 2 ** 24:
+                raise ValueError(f"{name}: {p.numel():,} elements; its flat indices are not exact in float32")
+            p.copy_(torch.arange(p.numel(), dtype=p.dtype).view(p.shape))
+    return {n: local_of(p).detach().reshape(-1).to("cpu", torch.int64)
+            for n, p in parallelize_fn(model.to(device)).named_parameters()}
+
+
+def give_grads(model, cfg, step, where=None):
+    """Every parameter's exact total gradient, as a DTensor with its placements (None where cfg says so);
+    where: element_places of the model, needed when it has DTensors."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     missing = {n for n, s in cfg.missing_grads if s == step}
     for name, g in exact_grads(shapes, cfg.seed, step).items():
@@ -237,7 +258,9 @@ def give_grads(model, cfg, step):
         if name in missing:
             p.grad = None
         elif isinstance(p, DTensor):
-            p.grad = distribute_tensor(g.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            local = g.reshape(-1)[where[name]].view(p.to_local().shape)
+            p.grad = DTensor.from_local(local.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
         else:
             p.grad = g.to(p.device)
 
@@ -261,12 +284,8 @@ def run_on_mesh(cfg, rank, device):
     part in creating it (DeviceMesh and new_group are collective over the whole world) and
     return None.
     """
-    import logging
-
     from torch.distributed.device_mesh import DeviceMesh
 
-    # full_tensor() of a _StridedShard parameter (for the check) warns that it takes two all-gathers: known, fine
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     world = cfg.replicate * cfg.dp * cfg.tp
     # What init_device_mesh(kind, (dp, tp)) builds when the mesh is the whole world; DeviceMesh itself also takes
     # the first dp x tp ranks of a larger world (the tests run many meshes in one spawn of 8 ranks).
@@ -277,6 +296,7 @@ def run_on_mesh(cfg, rank, device):
     if rank >= world:
         return None
     model = parallelize(DemoModel(cfg).to(device), mesh)
+    where = element_places(DemoModel(cfg), lambda m: parallelize(m, mesh), device)
     config = DistributedConfig(assign=lambda ns_flops, holders, world: {0: []}) if cfg.bad == "assign" else None
     opt = DTensorMuon(param_groups(model, cfg), expert_stacks=expert_stack_names(model), batched_ns=cfg.batched_ns,
                       group=group, distributed_config=config)
@@ -308,10 +328,9 @@ def run_on_mesh(cfg, rank, device):
             loss = model(*(t.to(device) for t in batch(cfg, step, dp_rank)))
             loss.backward()  # FSDP2: grads reduce-scattered (mean over dp)
             losses.append(loss.item())
-            # the total gradient the optimizer is given (a collective on each parameter's mesh, every rank alike)
-            grads.append({n: p.grad.full_tensor().to("cpu", copy=True) for n, p in model.named_parameters()})
+            grads.append(local_grads(model))  # this rank's part of the total gradient the optimizer is given
         else:
-            give_grads(model, cfg, step)
+            give_grads(model, cfg, step, where)
         measured = counter.measuring("optimizer step") if counter and step == cfg.steps else contextlib.nullcontext()
         t0 = time.perf_counter()
         with measured:
@@ -320,22 +339,29 @@ def run_on_mesh(cfg, rank, device):
         if cfg.checkpoint and step == cfg.checkpoint_step:
             save_checkpoint(cfg.checkpoint, model, opt)
     named = list(model.named_parameters())
-    # Where each element this rank holds sits in the full tensor, by torch's own distribute_tensor of an index
-    # tensor (not the optimizer's local_indices, and no collective: full_tensor() of an empty FSDP2 shard is not safe
-    # on every mesh here).
-    where = {n: distribute_tensor(torch.arange(p.numel(), device=device).view(p.shape), p.device_mesh, p.placements,
-                                  src_data_rank=None).to_local().reshape(-1).cpu() if isinstance(p, DTensor)
-             else torch.arange(p.numel()) for n, p in named}
     return dict(rank=rank, params=local_params(model), where=where, losses=losses, grads=grads, weights=weights,
                 ledger=asdict(opt.ledger), comm=counter.records if counter else [], owners=opt.assignments,
                 batched_ns=opt.batched_ns, table=opt.format_assignments() if rank == 0 else "",
-                state_bytes=opt.state_bytes(), step_ms=step_ms,
+                state_bytes=opt.state_bytes(), step_ms=step_ms, optimizer_places=optimizer_places(model),
                 placements={n: str(tuple(p.placements)) if isinstance(p, DTensor) else "plain" for n, p in named})
 
 
 def local_params(model):
     """{name: a CPU copy of what this rank holds of the parameter}."""
     return {n: local_of(p).detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+
+
+def optimizer_places(model):
+    """{name: the global flat index of each local element} as DTensorMuon's local_indices finds it from the
+    placements alone (the tests hold it to element_places, what the wrappers did)."""
+    return {n: local_indices(tuple(p.shape), tuple(p.device_mesh.shape), p.placements,
+                             p.device_mesh.get_coordinate()) for n, p in model.named_parameters()
+            if isinstance(p, DTensor)}
+
+
+def local_grads(model):
+    """{name: a CPU copy of what this rank holds of the parameter's gradient} (total_grads puts them together)."""
+    return {n: local_of(p.grad).detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
 def run_demo_rank(rank, cfg, device):
@@ -485,9 +511,10 @@ def verify(cfg, results, reference):
 # policy, the bound and the chaos floor, shared with examples/train_gpt.py):
 #
 #   replay     torch's optimizers, from the same initial weights, fed the ranks'
-#              own total gradients (full_tensor() of every .grad, before each
-#              step): every element every rank holds is torch.equal to theirs,
-#              at every step. The optimizer is exact on a real FSDP2 x TP run.
+#              own total gradients (every rank's part of every .grad before each
+#              step, put together at its places: total_grads): every element
+#              every rank holds is torch.equal to theirs, at every step. The
+#              optimizer is exact on a real FSDP2 x TP run.
 #   gradients  before each step, the plain model at the ranks' own weights takes
 #              the loss and gradients of the whole global batch, in fp32 and in
 #              float64: the ranks' error against float64 within mt.bound_ratio's
@@ -559,9 +586,10 @@ def replay_differs(ref, ranks, steps, first=1):
     def ranks_at(s):  # every rank's local weights before step first + s; after the last when the list ends
         return [dict(r, params=r["weights"][s] if s < len(r["weights"]) else r["params"]) for r in ranks]
 
+    shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
     differs = [(first - 1, c["name"]) for c in verify(None, ranks_at(0), ref.weights()) if not c["identical"]]
     for s in range(steps):
-        ref.step(ranks[0]["grads"][s])
+        ref.step(total_grads(ranks, s, shapes))
         differs += [(first + s, c["name"]) for c in verify(None, ranks_at(s + 1), ref.weights()) if not c["identical"]]
     return differs
 
@@ -573,6 +601,19 @@ def assemble(ranks, shapes):
         for name, local in r["params"].items():
             full[name][r["where"][name]] = local.reshape(-1)
     return {n: t.view(shapes[n]) for n, t in full.items()}
+
+
+def total_grads(ranks, s, shapes):
+    """{name: the total gradient of the ranks' step s (0-based in their grads lists)}: every rank's part at its
+    places (the last rank's where replicas overlap; replica_gap says whether they agree)."""
+    return assemble([dict(r, params=r["grads"][s]) for r in ranks], shapes)
+
+
+def replica_gap(ranks, s, full):
+    """The largest |d| between a rank's part of a gradient of step s and the total at its places: 0 when every
+    copy of an element (the ranks a Replicate dim or a plain parameter repeats it on) is the same."""
+    return largest([(r["grads"][s][n].reshape(-1) - full[n].reshape(-1)[r["where"][n]]).abs().max()
+                    for r in ranks for n in full if r["where"][n].numel()])
 
 
 def largest(values):
@@ -592,11 +633,11 @@ def verify_training(cfg, results, device="cpu", reference=None):
     reference = reference or Reference
     ref, errors = reference(cfg, device), None
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
-    replica_diff = largest((r["grads"][s][n] - g).abs().max() for s in range(cfg.steps) for r in ranks[1:]
-                           for n, g in ranks[0]["grads"][s].items())
+    grads = [total_grads(ranks, s, shapes) for s in range(cfg.steps)]
+    replica_diff = largest([replica_gap(ranks, s, grads[s]) for s in range(cfg.steps)])
     for s in range(cfg.steps):
         weights = assemble([dict(r, params=r["weights"][s]) for r in ranks], shapes)
-        step = step_errors(ref, weights, s + 1, ranks_loss[s], ranks[0]["grads"][s])
+        step = step_errors(ref, weights, s + 1, ranks_loss[s], grads[s])
         errors = step if errors is None else worse_of(errors, step)
     differs = replay_differs(ref, ranks, cfg.steps)  # ref's optimizers have not stepped yet
     free_losses, nudged_losses = [], []
@@ -623,7 +664,7 @@ def training_table(out):
     share = f"{share:.2g}" if share < 100 else f"{share:,.0f}"  # NaN: "nan" (and FAIL)
     rows = [["replay", "torch's optimizers fed the ranks' own gradients", replay, "torch.equal",
              "PASS" if not out["replay_differs"] else "FAIL"],
-            ["replicas", "each rank's full_tensor() of each gradient vs rank 0's, max |d|",
+            ["replicas", "each rank's part of each gradient vs the total at its places, max |d|",
              f"{out['replica_max_diff']:.1e}", "0",
              "PASS" if out["replica_max_diff"] == 0 else "FAIL"],
             ["gradients", "error vs float64, of each tensor's largest entry",
@@ -1127,7 +1168,7 @@ def comparison_rows(cfg, results, accounts):
     per rank)}. DTensorMuon's forward / backward figures are CollectiveCounter's (results run with count_comm)."""
     table, _, flops = account(cfg, results)
     single = single_device_flops(cfg)
-    runs = [("DTensorMuon (this file)", table, flops, sum(flops) / single,
+    runs = [("DTensorMuon", table, flops, sum(flops) / single,
              measured_sent(results, FORWARD_BACKWARD, "dp"), measured_sent(results, FORWARD_BACKWARD, "tp"))]
     for strategy, acc in accounts.items():  # ZeRO-1 keeps whole parameters: no DP message in forward / backward
         runs.append((f"lesson {strategy}", acc["table"], acc["flops"]["per_rank"], acc["flops"]["redundancy"],
@@ -1216,6 +1257,10 @@ def validate(cfg):
         raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
     if cfg.layers < 1 or cfg.experts < 1:
         raise ValueError(f"--layers and --experts must be >= 1 (got {cfg.layers}, {cfg.experts})")
+    if cfg.train and (4 * cfg.d) % cfg.tp:
+        raise ValueError(f"--train with TP {cfg.tp}: torch's ColwiseParallel -> RowwiseParallel forward needs TP to "
+                         f"divide the hidden size {4 * cfg.d} (it takes the uneven pieces for even ones); without "
+                         f"--train (exact gradients, no forward) any TP runs")
     if cfg.train and cfg.batched_ns:
         raise ValueError("--train checks its replay against torch bit for bit, which --batched-ns does not promise: "
                          "use one of them")

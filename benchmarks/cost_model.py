@@ -48,7 +48,6 @@ if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.ex
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
@@ -272,9 +271,9 @@ def lesson_optimizer(specs, cfg):
 # below were read off real runs, and tests/test_cost_model.py checks them against the placements of real
 # FSDP2 x TP runs): TP first (Shard(0) col / experts, Shard(1) row, Replicate for a TP module's unsplit
 # parameter), then FSDP2 over "dp" on the tensor dim it shards (dim 0; an expert stack's dim 1 where dp
-# divides it, as dtensor_demo.parallelize asks): where TP already cuts that dim, FSDP2's is a
-# _StridedShard(split_factor = TP size); a parameter TP leaves alone lives on its TP column's own dp
-# sub-mesh (one Copy per column). HSDP adds a "replicate" mesh dim in front, Replicate() on it.
+# divides it and every TP rank holds an expert, as dtensor_demo.parallelize asks): where TP already cuts
+# that dim, FSDP2's is a _StridedShard(split_factor = TP size); a parameter TP leaves alone lives on its TP
+# column's own dp sub-mesh (one Copy per column). HSDP adds a "replicate" mesh dim in front, Replicate() on it.
 
 @dataclass(frozen=True)
 class Mesh:
@@ -318,7 +317,9 @@ def placed_copies(params, mesh, group_index):
                                   mesh.shape[:-1], rep + (Shard(0),), False, mesh.names[:-1]) for t in range(mesh.tp)]
             continue
         on_tp = tp_of[p.tp]
-        dim = 1 if p.expert and p.shape[1] % mesh.dp == 0 else 0
+        # an expert stack's dim 1 where dp divides it, unless a TP rank holds no expert (dtensor_demo.parallelize)
+        every_ep_rank_has_one = mesh.ep_dim != "tp" or len(torch.arange(p.shape[0]).chunk(mesh.tp)) == mesh.tp
+        dim = 1 if p.expert and p.shape[1] % mesh.dp == 0 and every_ep_rank_has_one else 0
         whole.append(dd.Copy(p.name, group_index[p.group], p.shape, tuple(range(mesh.world)), mesh.shape,
                              rep + (fsdp_placement(on_tp, dim, mesh.tp), on_tp), p.expert, mesh.names))
     by_name = {c.name: c for c in whole}
@@ -352,14 +353,19 @@ def coordinates(mesh_shape):
 @functools.lru_cache(maxsize=None)
 def dim_indices(size, mesh_shape, placements):
     """{where the mesh dims that cut it sit: [indices held there]} along one tensor dim of `size` (placements:
-    on_dim's), for every coordinate at once: torch's own split (placement._split_tensor), one mesh dim after
-    another, as DTensorMuon's local_indices applies it for one coordinate (the test checks they agree)."""
+    on_dim's), for every coordinate at once: torch.chunk, one mesh dim after another in DTensorMuon's
+    split_order, as its local_indices applies it for one coordinate (the test checks they agree)."""
     level = {(): torch.arange(size)}
-    for mesh_size, p in zip(mesh_shape, placements):
-        if not isinstance(p, Replicate):
-            level = {at + (c,): chunk for at, index in level.items()
-                     for c, chunk in enumerate(p._split_tensor(index, mesh_size, with_padding=False)[0])}
-    return {at: index.tolist() for at, index in level.items()}
+    for i in dd.split_order(placements):  # keys: ((mesh dim, coordinate), ...) in cut order, sorted below
+        level = {at + ((i, c),): chunk for at, index in level.items()
+                 for c, chunk in enumerate(chunks_with_empty(index, mesh_shape[i]))}
+    return {tuple(c for _, c in sorted(at)): index.tolist() for at, index in level.items()}
+
+
+def chunks_with_empty(index, n):
+    """torch.chunk of a 1-D tensor into n, and empty ones where it makes fewer (the ranks past the data)."""
+    chunks = list(torch.chunk(index, n))
+    return chunks + [index[:0]] * (n - len(chunks))
 
 
 @functools.lru_cache(maxsize=None)
@@ -1032,7 +1038,7 @@ def gloo_alpha_beta():
     """(latency s, bandwidth bytes/s) of one message between two ranks here, fitted to the all-to-alls of
     GLOO_SIZES (each rank sends half of its buffer to the other), the slower rank's."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(gloo_rank, args=(mt.free_port(), out_dir), nprocs=2, start_method=mt.start_method())
+        mt.run_processes(gloo_rank, (mt.free_port(), out_dir), 2, folders=(out_dir,))
         t = [max(a, b) for a, b in zip(*(torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(2)))]
     moved = [n // 2 * 4 for n in GLOO_SIZES]
     beta = (moved[1] - moved[0]) / max(t[1] - t[0], 1e-9)

@@ -38,7 +38,6 @@ The one-process model is the same nn.Linear form, unparallelized. The launcher i
 (mt.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing or silent rank ends the run naming it.
 """
 
-import logging
 import os
 import signal
 import sys
@@ -52,7 +51,6 @@ if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.ex
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from torch.distributed.tensor import distribute_tensor  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -146,8 +144,6 @@ def train_rank(rank, cfg, device):
     from torch.distributed.device_mesh import DeviceMesh
 
     torch.set_num_threads(1)  # as the reference: bf16 matmul bits may depend on it
-    # full_tensor() of a _StridedShard gradient (for --verify) warns that it takes two all-gathers: known, fine
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     world = cfg.dp * cfg.tp
     mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     group = dist.new_group(list(range(world))) if world < dist.get_world_size() else None
@@ -156,6 +152,7 @@ def train_rank(rank, cfg, device):
     dp_rank = mesh.get_coordinate()[0]
     corpus = load_corpus()
     model = parallelize(plain_gpt(cfg).to(device), mesh)
+    where = demo.element_places(plain_gpt(cfg), lambda m: parallelize(m, mesh), device)
     opt = build_optimizer(model, cfg, group)
     first = 1
     if cfg.resume:
@@ -172,8 +169,8 @@ def train_rank(rank, cfg, device):
         if cfg.halve_grad and mesh.get_coordinate()[1] == cfg.tp - 1:  # tests: a wrong gradient the optimizer takes
             with torch.no_grad():
                 model.get_parameter(cfg.halve_grad).grad.to_local().mul_(0.5)
-        if cfg.keep:  # the total gradient the optimizer is given (a collective on each mesh, every rank alike)
-            grads.append({n: p.grad.full_tensor().to("cpu", copy=True) for n, p in model.named_parameters()})
+        if cfg.keep:  # this rank's part of the total gradient the optimizer is given
+            grads.append(demo.local_grads(model))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cfg.save and step == cfg.save_step:
@@ -188,8 +185,6 @@ def train_rank(rank, cfg, device):
                 print(tg.progress_line(cfg, step, train_loss, val_loss, now - last, done), flush=True)
             last = now
     named = list(model.named_parameters())
-    where = {n: distribute_tensor(torch.arange(p.numel(), device=device).view(p.shape), p.device_mesh,
-                                     p.placements, src_data_rank=None).to_local().reshape(-1).cpu() for n, p in named}
     return dict(rank=rank, first=first, losses=losses, val=val, grads=grads, weights=weights,
                 params=demo.local_params(model), where=where, owners=opt.assignments,
                 placements={n: str(tuple(p.placements)) for n, p in named})

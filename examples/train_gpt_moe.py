@@ -38,7 +38,6 @@ Bad flags exit 2 with one line before any rank starts; the launcher is the lesso
 130, SIGTERM 143, a failing or silent rank ends the run naming it.
 """
 
-import logging
 import math
 import os
 import signal
@@ -172,8 +171,6 @@ def train_rank(rank, cfg, device):
     """Every rank: build, (resume,) train, (save); its losses, routing and ledgers and, for --verify, its gradients
     and weights."""
     torch.set_num_threads(1)  # as the reference: bf16 matmul bits may depend on it
-    # full_tensor() of a _StridedShard gradient (for --verify) warns that it takes two all-gathers: known, fine
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dense, moe_mesh = meshes(cfg, device)
     world = cfg.dp * cfg.tp
     group = dist.new_group(list(range(world))) if world < dist.get_world_size() else None
@@ -182,6 +179,7 @@ def train_rank(rank, cfg, device):
     dp_rank, tp_rank = dense.get_coordinate()
     corpus, ledger = load_corpus(), dm.Ledger()
     model = parallelize(moe_gpt(cfg).to(device), dense, moe_mesh, ledger)
+    where = demo.element_places(moe_gpt(cfg), lambda m: parallelize(m, dense, moe_mesh, dm.Ledger()), device)
     opt = build_optimizer(model, cfg, group)
     first = 1
     if cfg.resume:
@@ -202,8 +200,8 @@ def train_rank(rank, cfg, device):
         if cfg.halve_grad and tp_rank == cfg.tp - 1:  # tests: a wrong gradient the optimizer takes
             with torch.no_grad():
                 model.get_parameter(cfg.halve_grad).grad.to_local().mul_(0.5)
-        if cfg.keep:  # the total gradient the optimizer is given (a collective on each mesh, every rank alike)
-            out["grads"].append({n: p.grad.full_tensor().to("cpu", copy=True) for n, p in model.named_parameters()})
+        if cfg.keep:  # this rank's part of the total gradient the optimizer is given
+            out["grads"].append(demo.local_grads(model))
         opt.step()
         opt.zero_grad(set_to_none=True)
         records = model.routing()
@@ -217,8 +215,6 @@ def train_rank(rank, cfg, device):
             log_progress(cfg, model, corpus, dense, dp_rank, device, out, step, first, last, rank == 0)
             last = time.perf_counter()
     named = list(model.named_parameters())
-    where = {n: distribute_tensor(torch.arange(p.numel(), device=device).view(p.shape), p.device_mesh,
-                                  p.placements, src_data_rank=None).to_local().reshape(-1).cpu() for n, p in named}
     split = experts_per_rank(cfg.experts, cfg.ep)
     ep_rank = dp_rank % cfg.ep
     return dict(out, rank=rank, first=first, coordinate=(dp_rank // cfg.ep, ep_rank, tp_rank),

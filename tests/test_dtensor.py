@@ -46,6 +46,11 @@ def checkpoint_2x2(tmp_path_factory):
 
 
 RESUMED_ON = [(4, 1), (1, 4), (3, 2), (1, 1)]
+# 7 experts: TP cuts the stacks 4 | 3, then FSDP2 cuts each TP piece over dp = 3 (as w2's dim 1, 40 rows, is not a
+# multiple of 3): experts 0-1, 2-3, none | 4, 5, 6. torch's own _StridedShard split (distribute_tensor's) puts
+# expert 6 on (dp 2, tp 0) and nothing on (dp 2, tp 1): the case where the optimizer must follow FSDP2
+# (distributed_muon_dtensor.py, section 2).
+UNEVEN_STRIDED = demo.DemoConfig(dp=3, tp=2, experts=7)
 # Param groups of different options (demo.PlacedRun), each as torch's own optimizer takes it: every adjust_lr_fn
 # torch accepts, Nesterov on and off, another ns_steps, Muon's eps (Newton-Schulz's: 100 is above these updates'
 # norms, so it scales them), AdamW's betas, eps, amsgrad (a second moment that falls: beta2 0.5) and maximize;
@@ -90,6 +95,7 @@ def scenarios(checkpoint_dir, checkpoint_2x2):
     runs.update({f"resume 2x2 -> {dp}x{tp}": demo.DemoConfig(dp=dp, tp=tp, resume=checkpoint_2x2, resume_step=1)
                  for dp, tp in RESUMED_ON})
     runs["hsdp 2x2x2"] = demo.DemoConfig(replicate=2, dp=2, tp=2)  # real fully_shard on mesh["replicate", "dp"]
+    runs["uneven strided 3x2"] = UNEVEN_STRIDED
     runs.update(PLACED)
     runs["missing"] = demo.DemoConfig(dp=4, tp=2, missing_grads=MISSING)
     runs["train"] = demo.DemoConfig(dp=4, tp=2, train=True)
@@ -134,6 +140,35 @@ def test_meshes_exercise_strided_uneven_and_expert_parallel_shards(scenarios):
     assert p["layers.0.moe.w1"] == "(Shard(dim=1), Shard(dim=0))"  # each expert's 36 rows cut over dp = 3
     assert p["layers.0.moe.w2"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # 40 % 3 != 0: expert dim cut
     assert results["4x2"][0]["placements"]["layers.0.moe.w1"] == "(Shard(dim=1), Shard(dim=0))"
+
+
+def test_uneven_strided_shards_are_where_fsdp2_puts_them_and_equal_torch(scenarios):
+    """Where the optimizer's local_indices puts each local element is where TP and FSDP2 put it (element_places:
+    a model of index values through the same wrappers), on every mesh of the spawn, and the uneven strided case
+    steps bit for bit as torch does."""
+    results, _ = scenarios
+    ranks = results["uneven strided 3x2"]
+    assert ranks[0]["placements"]["layers.0.moe.w2"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    held = {r["rank"]: r["where"]["layers.0.moe.w2"].numel() // (40 * 36) for r in ranks}
+    assert held == {0: 2, 1: 1, 2: 2, 3: 1, 4: 0, 5: 1}  # experts per rank: 0-1 | 4, 2-3 | 5, none | 6
+    checked = 0
+    for label, runs in results.items():
+        for r in runs:
+            for name, index in (r.get("optimizer_places", {}) if isinstance(r, dict) else {}).items():
+                assert torch.equal(index, r["where"][name]), (label, r["rank"], name)
+                checked += 1
+    assert checked > 500
+    assert_identical(ranks, demo.run_reference(UNEVEN_STRIDED), "uneven strided 3x2")
+
+
+def test_placements_the_optimizer_does_not_know_are_refused_in_one_line():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    assert dd.placements_problem("w", (_StridedShard(0, split_factor=2), Shard(0)), (3, 2)) is None
+    why = dd.placements_problem("w", (_StridedShard(0, split_factor=4), Shard(0)), (3, 2))
+    assert why.startswith("w: placement _StridedShard(dim=0, sf=4) on mesh dim 0: its split factor is not the "
+                          "product of the later mesh dims cutting tensor dim 0 (2)")
 
 
 def test_each_matrix_orthogonalized_once_and_one_exchange_each_way_per_step(scenarios):
@@ -249,7 +284,7 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
                                 planned[r] += 2 * (part.stop - part.start)  # bf16
             assert table[phase]["sent"] == planned, (strategy, phase)
     rows, per_rank = demo.comparison_rows(runs["4x2"], results["4x2"], accounts)
-    assert [r[0] for r in rows] == ["DTensorMuon (this file)", "lesson owner", "lesson comm-free"]
+    assert [r[0] for r in rows] == ["DTensorMuon", "lesson owner", "lesson comm-free"]
     column = dict(zip(demo.COMPARISON_HEADER, zip(*rows)))
     fsdp2 = demo.measured_sent(results["4x2"], demo.FORWARD_BACKWARD, "dp")
     assert column["DP in step"] == ("0 B", mt.human_bytes(max(table_of(accounts, "owner"))),
@@ -257,7 +292,7 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
     assert column["DP in fwd/bwd"] == (mt.human_bytes(max(fsdp2)), "0 B", "0 B")  # ZeRO-1 gathers nothing there
     assert column["TP in fwd/bwd"][1:] == ("not run", "not run")
     own_step = demo.phase_bytes(demo.account(runs["4x2"], results["4x2"])[0], demo.DTENSOR_PHASES)
-    assert per_rank["DTensorMuon (this file)"][0] == [a + b for a, b in zip(own_step, fsdp2)]
+    assert per_rank["DTensorMuon"][0] == [a + b for a, b in zip(own_step, fsdp2)]
     assert [len(sent) for sent, _ in per_rank.values()] == [8, 8, 8]
 
 
@@ -542,6 +577,13 @@ def test_local_indices_match_torch_chunk_for_uneven_and_empty_shards():
             for c in [(d, t) for d in range(3) for t in range(2)]}
     assert rows == {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4], (0, 1): [5, 6], (1, 1): [7, 8], (2, 1): [9]}
     assert dd.local_indices((2, 8), (4,), (Shard(0),), (3,)).numel() == 0  # 2 rows over 4 ranks: rank 3 empty
+    # (160, 40) ColwiseParallel over tp = 3 (rows 0-53 | 54-107 | 108-159), FSDP2 over dp = 4 (section 2's example):
+    # (dp 3, tp 1) keeps rows 96-107 (torch's _StridedShard split gives 13 rows there, not these)
+    placements = (_StridedShard(0, split_factor=3), Shard(0))
+    rows = (dd.local_indices((160, 40), (4, 3), placements, (3, 1)) // 40).unique().tolist()
+    assert rows == list(range(96, 108))
+    assert dd.local_shape((160, 40), (4, 3), placements, (3, 1)) == (12, 40)
+    assert dd.local_shape((160, 40), (4, 3), placements, (3, 2)) == (13, 40)
 
 
 BAD_INPUT = [

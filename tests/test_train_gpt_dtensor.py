@@ -75,13 +75,27 @@ def test_a_weight_one_ulp_off_or_a_gradient_the_optimizer_did_not_take_fails_the
     w = holder["weights"][1]["blocks.1.mlp.proj.weight"].clone()
     mt.one_ulp_up(w)
     holder["weights"][1] = dict(holder["weights"][1], **{"blocks.1.mlp.proj.weight": w})
-    g = bad[0]["grads"][1]["wpe"].clone()
-    g.view(-1)[0] += 2 * g.abs().max()
-    bad[0]["grads"][1] = dict(bad[0]["grads"][1], wpe=g)
+    largest = max(r["grads"][1]["wpe"].abs().max() for r in bad)
+    for r in bad:  # wpe's entry 0, in every rank's part that holds it (its copies alike)
+        g = r["grads"][1]["wpe"].clone()
+        g.view(-1)[r["where"]["wpe"] == 0] += 2 * largest
+        r["grads"][1] = dict(r["grads"][1], wpe=g)
     out = tgd.verify(configs[0], bad)
     assert (1, "blocks.1.mlp.proj.weight") in out["replay_differs"]
     assert (2, "wpe") in out["replay_differs"] and not out["passed"]
     assert out["chaos_floor_loss_max_rel_diff"] == verified["chaos_floor_loss_max_rel_diff"]
+
+
+def test_copies_of_a_gradient_that_disagree_fail_the_replica_check(trainings):
+    """wpe lives on each TP column's own dp sub-mesh: two copies of every element. Rank 0's copy of one entry
+    changed (the other copy not) and the replicas check fails, by that change."""
+    configs, results = trainings
+    bad = [dict(r, grads=list(r["grads"])) for r in results[0]]
+    g = bad[0]["grads"][1]["wpe"].clone()
+    g.view(-1)[0] += 0.5
+    bad[0]["grads"][1] = dict(bad[0]["grads"][1], wpe=g)
+    out = tgd.verify(configs[0], bad)
+    assert out["replica_max_diff"] == pytest.approx(0.5, rel=1e-3) and not out["passed"]
 
 
 def test_a_wrong_gradient_the_optimizer_takes_passes_the_replay_and_fails_the_bound(trainings):
@@ -110,7 +124,7 @@ def test_saved_on_2x2_resumed_on_another_mesh_replays_bit_for_bit_through_the_ch
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
     at_3 = tgd.demo.assemble([dict(r, params=r["weights"][0]) for r in resumed], shapes)
     loss_3 = sum(r["losses"][0] for r in resumed if r["rank"] % cfg.tp == 0) / cfg.dp
-    errors = tgd.demo.step_errors(ref, at_3, 3, loss_3, resumed[0]["grads"][0])
+    errors = tgd.demo.step_errors(ref, at_3, 3, loss_3, tgd.demo.total_grads(resumed, 0, shapes))
     assert 0 < errors["bound_ratio"] <= 1, errors
 
 
