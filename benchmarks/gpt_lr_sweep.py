@@ -23,6 +23,8 @@ The runs use DP=2 x TP=1, which trains exactly as one process does (tests/test_g
 rewritten after every (seed, schedule) group, so an interrupted sweep keeps what it finished.
 """
 
+import argparse
+import functools
 import json
 import signal
 import statistics
@@ -211,7 +213,30 @@ def plot(result, path):
     fig.savefig(path, dpi=110)
 
 
-def measure(a):
+TRAINING_FLAGS = ("muon_lrs", "adamw_lrs", "seeds", "schedules", "warmup_steps", "val_windows", "steps", "every",
+                  "dp", "tp")  # what a sweep trains with; --from-json reports runs trained with their own
+
+
+def given_flags(argv):
+    """The options the command line names (abbreviated too): build_parser's, parsed with no defaults."""
+    p = build_parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_known_args(argv)[0]))
+
+
+def check(a, given):
+    """Refuse (ValueError, one line) an option this run would not use."""
+    unused = [flag for flag in TRAINING_FLAGS if flag in given] if a.from_json else \
+        ["warmup_steps"] if "warmup_steps" in given and "warmup-cosine" not in a.schedules else []
+    if unused:
+        why = (f"--from-json reports the runs saved in {a.from_json}, as they were trained" if a.from_json else
+               "only warmup-cosine warms up, and --schedules leaves it out")
+        raise ValueError(f"{', '.join('--' + f.replace('_', '-') for f in unused)} would be ignored: {why}")
+
+
+def measure(a, given=frozenset()):
+    check(a, given)
     if a.from_json:
         with open(a.from_json) as f:
             result = json.load(f)
@@ -240,7 +265,7 @@ def build_parser():
 
 
 def main(argv=None):
-    return benchmark_main(build_parser(), measure, plot, argv)
+    return benchmark_main(build_parser(), functools.partial(measure, given=given_flags(argv)), plot, argv)
 
 
 if __name__ == "__main__":

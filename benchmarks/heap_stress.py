@@ -3,7 +3,10 @@
 Once in five runs under a load near 15 on 2 cores it ended with `malloc(): unaligned fastbin chunk
 detected` and a rank killed by SIGABRT: heap corruption, cause unknown. This runs the command again and
 again beside busy loops (the load) and counts how each run ended; --malloc-check runs it with glibc's
-MALLOC_CHECK_=3, which aborts at the first inconsistency it sees instead of later.
+MALLOC_CHECK_=3, which aborts at the first inconsistency it sees instead of later (glibc 2.34 and later
+honour it only with their debugging malloc preloaded, libc_malloc_debug.so.0: --malloc-check preloads it,
+and refuses to run where it is missing. Measured with glibc 2.36: a C program writing one byte past a
+24-byte block ran to its end without it and with MALLOC_CHECK_=3 alone; preloaded, free() aborted).
 
     python benchmarks/heap_stress.py                          # 10 runs of --verify beside 2 busy loops
     python benchmarks/heap_stress.py --runs 30 --busy 6 --malloc-check
@@ -23,6 +26,7 @@ import sys
 if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
+import ctypes.util  # noqa: E402
 import multiprocessing  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -46,6 +50,22 @@ def spin():
         pass
 
 
+def malloc_check_env():
+    """{variable: value} that turn glibc's heap checks on (MALLOC_CHECK_=3); glibc 2.34 moved them into
+    libc_malloc_debug.so.0, which must be preloaded (its NEWS for 2.34); ValueError where it cannot be."""
+    env = {"MALLOC_CHECK_": "3"}
+    version = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else ""
+    if not version.startswith("glibc "):
+        raise ValueError(f"--malloc-check needs glibc (this C library says {version or 'nothing'})")
+    if tuple(map(int, version.split()[1].split(".")[:2])) >= (2, 34):
+        debug = ctypes.util.find_library("c_malloc_debug")
+        if not debug:
+            raise ValueError(f"--malloc-check: {version} checks the heap only with libc_malloc_debug.so.0 "
+                             f"preloaded, and it is not installed")
+        env["LD_PRELOAD"] = " ".join(filter(None, [debug, os.environ.get("LD_PRELOAD", "")]))
+    return env
+
+
 def one_run(flags, env):
     """(exit code, seconds, what it said): the command once, as a user runs it."""
     t0 = time.monotonic()
@@ -63,7 +83,8 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=10, help="how many runs (default %(default)s)")
     p.add_argument("--busy", type=int, default=os.cpu_count() or 1,
                    help="busy loops beside the runs, the load (default %(default)s: one a core)")
-    p.add_argument("--malloc-check", action="store_true", help="run the command with MALLOC_CHECK_=3")
+    p.add_argument("--malloc-check", action="store_true",
+                   help="run the command with MALLOC_CHECK_=3 (and glibc's debugging malloc preloaded)")
     p.add_argument("flags", nargs="*", default=["--verify"],
                    help="the command's flags, after -- (default --verify)")
     args = p.parse_args(argv)
@@ -71,11 +92,12 @@ def main(argv=None):
         p.error(f"--runs must be >= 1 and --busy >= 0 (got {args.runs}, {args.busy})")
 
     def work():
-        env = dict(os.environ, **({"MALLOC_CHECK_": "3"} if args.malloc_check else {}))
+        checks = malloc_check_env() if args.malloc_check else {}
+        env = dict(os.environ, **checks)
         busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
         print(f"{args.runs} runs of examples/train_gpt_dtensor.py {' '.join(args.flags)} beside {args.busy} busy "
               f"loop{'s' * (args.busy != 1)} on {os.cpu_count()} cores"
-              + (", MALLOC_CHECK_=3" if args.malloc_check else ""), flush=True)
+              + "".join(f", {k}={v}" for k, v in checks.items()), flush=True)
         ends = []
         try:
             for b in busy:

@@ -595,6 +595,8 @@ BAD_INPUT = [
     (["--experts", "0"], "--layers and --experts must be >= 1 (got 2, 0)"),
     (["--timeout", "nan"], "--timeout must be > 0 seconds and finite"),
     (["--json", "/nonexistent-folder/run.json"], "--json /nonexistent-folder/run.json: the folder /nonexistent-folder"),
+    (["--train", "--dp", "2", "--tp", "3"], "--train with TP 3: torch's ColwiseParallel -> RowwiseParallel forward "
+                                            "needs TP to divide the hidden size 160"),
 ]
 
 
