@@ -806,6 +806,37 @@ def free_port():
         return s.getsockname()[1]
 
 
+# The ranks remove the launcher's temporary folders when it is killed outright (end_if_orphaned), but only once
+# they run: a launcher killed by SIGKILL while its forkserver imports torch (seconds) left its folders behind.
+# A janitor, a small Python of its own (no torch: a tenth of a second), waits for the end of a pipe that only
+# the launcher writes to, then removes every folder the launcher named on it: at the launcher's end, however
+# it ends (those it removed itself are gone already). Ctrl-C and SIGTERM reach it with the job: it ignores them.
+JANITOR = """
+import shutil, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+folders = sys.stdin.read().splitlines()  # until the end of file: the launcher is gone
+for folder in folders:
+    shutil.rmtree(folder, ignore_errors=True)
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def janitor():
+    """This process's janitor (started at first use; one a launcher, for every run it starts). Started with
+    SIGINT ignored, which it inherits (a Ctrl-C while it starts would print Python's fatal error)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return subprocess.Popen([sys.executable, "-c", JANITOR], stdin=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def remove_at_exit(*folders):
+    """Have the janitor remove these folders once this process is gone, however it goes."""
+    janitor().stdin.write("".join(f"{folder}\n" for folder in folders))
+    janitor().stdin.flush()
+
+
 def start_method():
     """How ranks are started: forked from a server that has already imported torch.
 
@@ -814,6 +845,7 @@ def start_method():
     at once. A forkserver imports them once and forks each rank from it, which
     reaches the first step several times sooner. "spawn" remains where there is no forkserver.
     """
+    remove_at_exit(multiprocessing.util.get_temp_dir())  # the forkserver's socket, the ranks' semaphores
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo"])
@@ -826,6 +858,16 @@ def start_method():
     finally:
         signal.signal(signal.SIGINT, previous)
     return "forkserver"
+
+
+def stop_forkserver():
+    """SIGKILL this process's forkserver, if it started one, and reap it. An interrupted command's: it would
+    end by itself once it sees the command gone, but only after its own import of torch, seconds later."""
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid  # multiprocessing's own record of it
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 class RankFailure(RuntimeError):
@@ -953,6 +995,7 @@ def spawn_ranks(cfg, body=None, program=None):
     world = cfg.dp * cfg.tp
     heartbeats = context.Array("d", world, lock=False)  # shared memory: one time per rank
     with tempfile.TemporaryDirectory(prefix="distributed-muon-") as out_dir:
+        remove_at_exit(out_dir)
         launcher, alive = context.Pipe(duplex=False)  # the ranks watch `launcher`; `alive` stays here
         folders = (out_dir, multiprocessing.util.get_temp_dir())  # what the ranks remove if the launcher is killed
         args = (body, program, cfg, free_port(), out_dir, heartbeats, launcher, folders)
@@ -989,6 +1032,7 @@ def run_processes(fn, args, nprocs, folders=()):
     process is stopped before this returns; a launcher killed outright, the workers end themselves and remove
     `folders` (the caller's temporary ones) and multiprocessing's."""
     context = multiprocessing.get_context(start_method())
+    remove_at_exit(*folders)
     launcher, alive = context.Pipe(duplex=False)  # the workers watch `launcher`; `alive` stays here
     folders = tuple(folders) + (multiprocessing.util.get_temp_dir(),)
     procs = [context.Process(target=worker_process, args=(rank, fn, launcher, folders) + tuple(args),
@@ -1284,6 +1328,16 @@ def write_json(path, results):
             json.dump(results, f, indent=1)
 
 
+def leave(code, line=""):
+    """End this process now, without Python's interpreter shutdown: `line` on stderr, what is buffered flushed
+    (an interrupted command, below, and a torchrun process, run_under_torchrun, each say why)."""
+    if line:
+        print(line, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def exit_code(work, show_traceback=False):
     """Run work() the way a command should end: its return code, or one line on stderr and
     2 (a bad flag, path or config), 1 (a rank failed), 130 (Ctrl-C) or 143 (SIGTERM).
@@ -1295,6 +1349,7 @@ def exit_code(work, show_traceback=False):
     """
     previous = signal.signal(signal.SIGTERM, raise_interrupted)  # SIGTERM cleans up as Ctrl-C does
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    command = signal.SIGINT in mask  # blocked by a command's first lines: this process is that command's
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inside the try: one may be waiting
         return work()
@@ -1306,12 +1361,16 @@ def exit_code(work, show_traceback=False):
         if show_traceback:
             print(e.traceback, file=sys.stderr, end="")
         return 1
-    except KeyboardInterrupt:
-        print("error: interrupted (SIGINT); every rank stopped, temporary files removed", file=sys.stderr)
-        return 130  # 128 + SIGINT, as shells and torchrun report it
-    except Interrupted:
-        print("error: terminated (SIGTERM); every rank stopped, temporary files removed", file=sys.stderr)
-        return 143  # 128 + SIGTERM
+    except (KeyboardInterrupt, Interrupted) as e:
+        # 130 = 128 + SIGINT, 143 = 128 + SIGTERM, as shells and torchrun report them
+        code, line = (130, "error: interrupted (SIGINT)") if isinstance(e, KeyboardInterrupt) else \
+            (143, "error: terminated (SIGTERM)")
+        line += "; every rank stopped, temporary files removed"
+        if command:  # its ranks stopped and its folders removed, it ends now, and so does its forkserver
+            stop_forkserver()  # (which may still import torch: 15 s here) rather than after Python's teardown
+            leave(code, line)
+        print(line, file=sys.stderr)  # an importer's process (a test's) just gets the code
+        return code
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         signal.signal(signal.SIGTERM, previous)
@@ -1367,16 +1426,6 @@ def join_world(backend, device_kind, local_rank, timeout_s):
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=torch.device(device) if device_kind == "cuda" else None)
     return device
-
-
-def leave(code, line=""):
-    """End this process now, without Python's interpreter shutdown (run_under_torchrun says why): `line` on
-    stderr, what is buffered flushed."""
-    if line:
-        print(line, file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceback=False, program=None):

@@ -158,6 +158,22 @@ def test_ranks_end_themselves_when_the_launcher_is_killed(tmp_path):
     assert os.listdir(run.tmp) == []
 
 
+def test_a_launcher_killed_before_any_rank_starts_leaves_nothing(tmp_path):
+    """SIGKILL to the launcher while its forkserver still imports torch, before any rank runs (no rank is there
+    to clean up for it): its janitor removes the folders it had made; the forkserver ends by itself."""
+    run = Run(tmp_path, *LONG_RUN)
+    deadline = time.monotonic() + 60
+    while not run.forkserver():
+        assert time.monotonic() < deadline and run.proc.poll() is None, "no forkserver started"
+        time.sleep(0.01)
+    assert not [name for name in run.processes().values() if name.startswith("muon rank")]
+    assert "pymp" in [name[:4] for name in os.listdir(run.tmp)]  # the forkserver's socket is in it
+    os.kill(run.proc.pid, signal.SIGKILL)
+    returncode, _, _, _ = run.finish(STOPS_WITHIN_S)  # asserts no process is left
+    assert returncode == -signal.SIGKILL
+    assert os.listdir(run.tmp) == []
+
+
 def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path):
     """Ctrl-C in the first seconds, while the command still imports torch: its first lines block SIGINT, so the
     signal waits (pending) until muon_tools.exit_code takes it, as it takes any Ctrl-C: exit 130, one line, not
