@@ -66,6 +66,17 @@ def grid_run(run_grid, dp, tp, **config):
     return run_grid(dp, tp, steps=STEPS, bucket_size=BUCKET, **config)
 
 
+@pytest.fixture(autouse=True)
+def reap_runs():
+    """After every test: end what its real runs (test_interrupts.Run, in their own sessions) left alive, should the
+    test have failed before it ended them: a run of 2000 steps once went on for 40 minutes beside the suite."""
+    yield
+    runs = getattr(sys.modules.get("test_interrupts"), "STARTED", [])
+    for run in runs:
+        run.kill_all()
+    runs.clear()
+
+
 @pytest.fixture(scope="session")
 def run_grid():
     """run_grid(dp, tp, **config) -> results of mt.run, each configuration spawned once per session."""

@@ -22,11 +22,15 @@ LONG_RUN = ["--dp", "2", "--tp", "2", "--steps", "2000"]  # minutes of steps: on
 STOPS_WITHIN_S = 10  # what "within seconds" means on a loaded 2-core machine; it takes about 2 s here
 
 
+STARTED = []  # every Run of the session: a test that fails before it ends its run leaves it to conftest's reaper
+
+
 class Run:
     """The script (or another that uses its launcher) in its own session (a terminal's job), with TMPDIR
     under tmp_path."""
 
     def __init__(self, tmp_path, *argv, script=SCRIPT):
+        STARTED.append(self)
         self.tmp = tmp_path / "tmp"
         self.tmp.mkdir()
         # torch creates an (empty) compile cache in TMPDIR at import; it is torch's, and persistent
@@ -48,6 +52,15 @@ class Run:
             if int(fields[3]) == self.proc.pid and fields[0] != "Z":  # session id, state
                 found[int(os.path.basename(os.path.dirname(stat)))] = name
         return found
+
+    def kill_all(self):
+        """SIGKILL whatever of the run's session is still alive (after its test, whatever happened in it)."""
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.poll()
 
     def rank_pid(self, rank, world=4, within_s=60):
         """Wait until every rank runs (they name themselves 'muon rank R'), then a moment more."""
