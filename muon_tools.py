@@ -833,8 +833,9 @@ def janitor():
 
 def remove_at_exit(*folders):
     """Have the janitor remove these folders once this process is gone, however it goes."""
-    janitor().stdin.write("".join(f"{folder}\n" for folder in folders))
-    janitor().stdin.flush()
+    with contextlib.suppress(OSError):  # a janitor killed by hand: the run goes on, as before there was one
+        janitor().stdin.write("".join(f"{folder}\n" for folder in folders))
+        janitor().stdin.flush()
 
 
 def start_method():
