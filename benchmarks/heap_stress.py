@@ -17,7 +17,8 @@ A rate is only what was seen: 0 in N runs bounds the rate below about 3/N (95 %)
 
 Observed so far (2 cores shared with another engineer's jobs, load 4-16, torch 2.14.1, no fix applied):
 `--runs 8 --busy 2`, stopped by a timeout after 6 whole runs of 192-319 s: 0 failures (and --malloc-check,
-before it preloaded the debugging malloc, checked nothing). At commit 866148e, the machine otherwise idle:
+before it preloaded the debugging malloc, checked nothing). At commits 252d68a and 866148e (runs 3-5: the
+janitor's error handling changed in between), the machine otherwise idle:
 `--runs 5 --busy 2 --malloc-check`, heap checks on: 5 runs of 215-254 s, 0 failures, no heap message. 0 in 11
 neither reproduces the crash nor rules out 1 in 5 (0 in 11 happens 9 % of the time at that rate); no cause
 found.
