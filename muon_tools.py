@@ -820,15 +820,27 @@ for folder in folders:
 """
 
 
-@functools.lru_cache(maxsize=None)
-def janitor():
-    """This process's janitor (started at first use; one a launcher, for every run it starts). Started with
-    SIGINT ignored, which it inherits (a Ctrl-C while it starts would print Python's fatal error)."""
+@contextlib.contextmanager
+def sigint_ignored():
+    """SIGINT ignored in this process while it starts a child, which inherits that from its first instruction
+    (a handler would not survive the child's exec, nor a mask: _posixsubprocess clears it). Ctrl-C reaches the
+    whole job; a child that cannot ignore it yet prints Python's traceback, or its fatal error."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        return subprocess.Popen([sys.executable, "-c", JANITOR], stdin=subprocess.PIPE, text=True)
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@functools.lru_cache(maxsize=None)
+def janitor():
+    """This process's janitor (started at first use; one a launcher, for every run it starts), told at once of
+    multiprocessing's folder (the forkserver's socket, the ranks' semaphores: one for the process's life)."""
+    with sigint_ignored():
+        proc = subprocess.Popen([sys.executable, "-c", JANITOR], stdin=subprocess.PIPE, text=True)
+    proc.stdin.write(multiprocessing.util.get_temp_dir() + "\n")
+    proc.stdin.flush()
+    return proc
 
 
 def remove_at_exit(*folders):
@@ -846,18 +858,14 @@ def start_method():
     at once. A forkserver imports them once and forks each rank from it, which
     reaches the first step several times sooner. "spawn" remains where there is no forkserver.
     """
-    remove_at_exit(multiprocessing.util.get_temp_dir())  # the forkserver's socket, the ranks' semaphores
+    janitor()  # it removes multiprocessing's folder, where the forkserver puts its socket, however this ends
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo"])
-    # Ctrl-C reaches the whole job, the forkserver too, which imports torch before it ignores SIGINT (a
-    # KeyboardInterrupt traceback then). Started here with SIGINT ignored, it inherits that (a handler would
-    # not survive its exec); the launcher ignores it only while the server process is made, not while it imports.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+    # The forkserver imports torch before it would ignore SIGINT itself; the launcher ignores it only while the
+    # server process is made, not while it imports.
+    with sigint_ignored():
         multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGINT, previous)
     return "forkserver"
 
 
