@@ -180,12 +180,17 @@ def placements_problem(name, placements, mesh_shape):
     return None
 
 
+def chunks_with_empty(tensor, n, dim=0):
+    """torch.chunk into n along dim, and empty pieces where it makes fewer (the ranks past the data)."""
+    chunks = list(torch.chunk(tensor, n, dim=dim))
+    return chunks + [chunks[0].narrow(dim, 0, 0)] * (n - len(chunks))
+
+
 def local_index_tensor(shape, mesh_shape, placements, coordinate):
     """The global flat index of each element the rank at `coordinate` holds, shaped as its local tensor."""
     index = torch.arange(math.prod(shape)).view(shape)
     for i in split_order(placements):
-        index = torch.chunk(index, mesh_shape[i], dim=placements[i].dim)
-        index = index[coordinate[i]] if coordinate[i] < len(index) else index[0].narrow(placements[i].dim, 0, 0)
+        index = chunks_with_empty(index, mesh_shape[i], placements[i].dim)[coordinate[i]]
     return index
 
 

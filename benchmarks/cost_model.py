@@ -358,14 +358,8 @@ def dim_indices(size, mesh_shape, placements):
     level = {(): torch.arange(size)}
     for i in dd.split_order(placements):  # keys: ((mesh dim, coordinate), ...) in cut order, sorted below
         level = {at + ((i, c),): chunk for at, index in level.items()
-                 for c, chunk in enumerate(chunks_with_empty(index, mesh_shape[i]))}
+                 for c, chunk in enumerate(dd.chunks_with_empty(index, mesh_shape[i]))}
     return {tuple(c for _, c in sorted(at)): index.tolist() for at, index in level.items()}
-
-
-def chunks_with_empty(index, n):
-    """torch.chunk of a 1-D tensor into n, and empty ones where it makes fewer (the ranks past the data)."""
-    chunks = list(torch.chunk(index, n))
-    return chunks + [index[:0]] * (n - len(chunks))
 
 
 @functools.lru_cache(maxsize=None)

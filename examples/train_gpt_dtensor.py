@@ -152,7 +152,8 @@ def train_rank(rank, cfg, device):
     dp_rank = mesh.get_coordinate()[0]
     corpus = load_corpus()
     model = parallelize(plain_gpt(cfg).to(device), mesh)
-    where = demo.element_places(plain_gpt(cfg), lambda m: parallelize(m, mesh), device)
+    # where each element sits, for --verify only (another model parallelized: not part of every run's start)
+    where = demo.element_places(plain_gpt(cfg), lambda m: parallelize(m, mesh), device) if cfg.keep else None
     opt = build_optimizer(model, cfg, group)
     first = 1
     if cfg.resume:

@@ -179,7 +179,9 @@ def train_rank(rank, cfg, device):
     dp_rank, tp_rank = dense.get_coordinate()
     corpus, ledger = load_corpus(), dm.Ledger()
     model = parallelize(moe_gpt(cfg).to(device), dense, moe_mesh, ledger)
-    where = demo.element_places(moe_gpt(cfg), lambda m: parallelize(m, dense, moe_mesh, dm.Ledger()), device)
+    # where each element sits, for --verify only (another model parallelized: not part of every run's start)
+    where = demo.element_places(moe_gpt(cfg), lambda m: parallelize(m, dense, moe_mesh, dm.Ledger()), device) \
+        if cfg.keep else None
     opt = build_optimizer(model, cfg, group)
     first = 1
     if cfg.resume:
