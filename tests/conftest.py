@@ -34,9 +34,11 @@ Every reference is PyTorch's own torch.optim.Muon / torch.optim.AdamW (or its
 Newton-Schulz), never this project's code compared with itself.
 """
 
+from dataclasses import dataclass
 import datetime
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -61,6 +63,11 @@ STEPS = 3
 BUCKET = 16_384  # elements
 
 
+def grid_config(dp, tp, **config):
+    """The configuration grid_run(run_grid, dp, tp, **config) asks for: for a module's GRID_RUNS."""
+    return mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, **config)
+
+
 def grid_run(run_grid, dp, tp, **config):
     """The session's run of this grid and configuration, at STEPS steps and BUCKET-element buckets."""
     return run_grid(dp, tp, steps=STEPS, bucket_size=BUCKET, **config)
@@ -77,15 +84,69 @@ def reap_runs():
     runs.clear()
 
 
+@dataclass(frozen=True)
+class Together:
+    """Several runs of one world size in one spawn: what spawn_ranks needs (dp x tp ranks, a timeout)."""
+
+    dp: int
+    tp: int
+    timeout_s: float
+    runs: tuple
+
+
+def run_together_rank(rank, together, device):
+    """Each run's steps on this rank, in order, on its grid (the world's groups, built once per grid)."""
+    grids = {}
+    for cfg in together.runs:
+        if (cfg.dp, cfg.tp) not in grids:
+            grids[cfg.dp, cfg.tp] = dm.make_grid(cfg.dp, cfg.tp, rank)
+    return [mt.run_demo_steps(cfg, grids[cfg.dp, cfg.tp], device) for cfg in together.runs]
+
+
+def run_together(cfgs):
+    """{cfg: what mt.run(cfg) returns} for runs of one world size, spawned once: each run's ranks do what
+    mt.run's do (the lesson's run_steps), and this process checks each against torch as run_rank's rank 0
+    would (mt.verify), sharing torch's reference between runs that have the same one (mt.reference_params).
+    Spawning the ranks (each imports torch) cost more than the steps of most runs here."""
+    together = Together(dp=cfgs[0].dp * cfgs[0].tp, tp=1, timeout_s=max(c.timeout_s for c in cfgs), runs=tuple(cfgs))
+    for cfg in cfgs:
+        mt.validate(cfg, mt.demo_specs(cfg))
+    t0 = time.perf_counter()
+    ranks = mt.spawn_ranks(together, run_together_rank)
+    seconds = (time.perf_counter() - t0) / len(cfgs)  # the ranks' time, shared out: a figure no test reads
+    out = {}
+    for i, cfg in enumerate(cfgs):
+        checks, reference_s = mt.verify(cfg, [r[i] for r in ranks])
+        out[cfg] = mt.report(cfg, mt.plan_optimizer(cfg), [r[i] for r in ranks], checks, seconds, reference_s,
+                             print_fn=lambda *a, **k: None)
+    return out
+
+
+def planned_runs():
+    """Every configuration the collected test modules name in GRID_RUNS (the runs they ask run_grid for), in order."""
+    planned = {}
+    for name, module in sorted(sys.modules.items()):
+        if name.startswith("test_"):
+            planned.update(dict.fromkeys(getattr(module, "GRID_RUNS", ())))
+    return list(planned)
+
+
 @pytest.fixture(scope="session")
 def run_grid():
-    """run_grid(dp, tp, **config) -> results of mt.run, each configuration spawned once per session."""
+    """run_grid(dp, tp, **config) -> what mt.run returns for that RunConfig, each configuration run once per
+    session. A configuration some collected module names in GRID_RUNS runs at the first request of any of its
+    world size, with every other such configuration of that size, in one spawn (run_together); any other in a
+    spawn of its own (mt.run)."""
     cache = {}
 
     def run(dp, tp, **overrides):
         cfg = mt.RunConfig(dp=dp, tp=tp, **overrides)
         if cfg not in cache:
-            cache[cfg] = mt.run(cfg, print_fn=lambda *a, **k: None)
+            planned = [c for c in planned_runs() if c not in cache and c.dp * c.tp == dp * tp]
+            if cfg in planned:
+                cache.update(run_together(planned))
+            else:
+                cache[cfg] = mt.run(cfg, print_fn=lambda *a, **k: None)
         return cache[cfg]
 
     return run

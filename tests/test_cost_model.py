@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BUCKET, GRIDS, ROOT, STEPS, dm, grid_run, mt
+from conftest import BUCKET, GRIDS, ROOT, STEPS, dm, grid_config, grid_run, mo, mt
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -23,6 +23,12 @@ import dtensor_demo as demo  # noqa: E402
 from test_strategies import UNEVEN  # noqa: E402  (the uneven cases the strategies are spawned on)
 
 ONE_NODE = lambda rank: 0  # noqa: E731
+BASELINE_GRIDS = [(8, 1), (4, 2), (3, 2)]
+GRAM_TPS = [2, 4]
+GRID_RUNS = ([grid_config(dp, tp, strategy=s) for dp, tp in GRIDS for s in mo.STRATEGIES]
+             + [grid_config(dp, tp, strategy=s, **config) for dp, tp, config in UNEVEN for s in mo.STRATEGIES]
+             + [grid_config(dp, tp, baseline=True) for dp, tp in BASELINE_GRIDS]
+             + [mt.RunConfig(dp=1, tp=tp, steps=1, tp_newton_schulz="gram") for tp in GRAM_TPS])
 
 
 def assert_ledger_is_the_model(result, cfg):
@@ -37,7 +43,7 @@ def assert_ledger_is_the_model(result, cfg):
     return cost
 
 
-@pytest.mark.parametrize("strategy", ["gather", "owner", "comm-free"])
+@pytest.mark.parametrize("strategy", mo.STRATEGIES)
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_lesson_strategies_bytes_flops_and_state_are_the_ledgers(run_grid, dp, tp, strategy):
     cost = assert_ledger_is_the_model(grid_run(run_grid, dp, tp, strategy=strategy),
@@ -46,21 +52,21 @@ def test_lesson_strategies_bytes_flops_and_state_are_the_ledgers(run_grid, dp, t
         assert sum(cost.traffic.phases["grad presence"].sent) > 0
 
 
-@pytest.mark.parametrize("strategy", ["gather", "owner", "comm-free"])
+@pytest.mark.parametrize("strategy", mo.STRATEGIES)
 @pytest.mark.parametrize("dp,tp,config", UNEVEN)
 def test_uneven_cases_are_the_ledgers(run_grid, dp, tp, config, strategy):
     assert_ledger_is_the_model(grid_run(run_grid, dp, tp, strategy=strategy, **config),
                                mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, strategy=strategy, **config))
 
 
-@pytest.mark.parametrize("dp,tp", [(8, 1), (4, 2), (3, 2)])
+@pytest.mark.parametrize("dp,tp", BASELINE_GRIDS)
 def test_adamw_zero1_baseline_is_the_ledger(run_grid, dp, tp):
     cost = assert_ledger_is_the_model(grid_run(run_grid, dp, tp, baseline=True),
                                       mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, baseline=True))
     assert sum(cost.ns_flops) == 0
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", GRAM_TPS)
 def test_the_gram_form_is_the_ledger(run_grid, tp):
     cost = assert_ledger_is_the_model(run_grid(1, tp, steps=1, tp_newton_schulz="gram"),
                                       mt.RunConfig(dp=1, tp=tp, steps=1, tp_newton_schulz="gram"))

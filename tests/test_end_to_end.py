@@ -4,7 +4,9 @@ import math
 
 import pytest
 
-from conftest import BUCKET, GRIDS, dm, grid_run, layout_metas, mt, presence_bytes
+from conftest import BUCKET, GRIDS, dm, grid_config, grid_run, layout_metas, mt, presence_bytes, run_together
+
+GRID_RUNS = [grid_config(dp, tp) for dp, tp in GRIDS + [(3, 2)]]
 
 
 @pytest.mark.parametrize("dp,tp", GRIDS)
@@ -100,3 +102,15 @@ def test_no_bytes_on_one_rank(run_grid):
     table = grid_run(run_grid, 1, 1)["bytes_per_step"]
     assert all(sum(row["sent"]) == 0 for row in table.values())
     assert sum(grid_run(run_grid, 8, 1)["bytes_per_step"]["TP gather"]["sent"]) == 0
+
+
+def test_runs_spawned_together_are_what_the_commands_launcher_returns():
+    """The suite spawns the runs of one world size together (conftest.run_together); the command's launcher,
+    mt.run, spawns each alone. Two runs in one spawn: the second is mt.run's, clocks aside."""
+    first, second = (mt.RunConfig(dp=dp, tp=tp, steps=2, bucket_size=BUCKET, strategy=s)
+                     for dp, tp, s in ((2, 1, "gather"), (1, 2, "owner")))
+    together = run_together([first, second])[second]
+    alone = mt.run(second, print_fn=lambda *a, **k: None)
+    assert together.keys() == alone.keys() and together["passed"]
+    assert {k: v for k, v in together.items() if k != "timings"} == {k: v for k, v in alone.items() if k != "timings"}
+    assert len(together["timings"]["step_ms_slowest_rank"]) == len(alone["timings"]["step_ms_slowest_rank"]) == 2

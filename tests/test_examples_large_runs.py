@@ -42,6 +42,8 @@ SMALL = dict(d_model=32, layers=2, heads=4, context=32, batch=8, val_windows=4, 
 STEPS = 3
 UNIT_ROUNDOFF = 2.0**-24
 GRIDS = [(2, 1), (1, 2)]
+GRAM_TPS = [2, 4]
+GRID_RUNS = [mt.RunConfig(dp=1, tp=tp, steps=1, tp_newton_schulz=way) for tp in GRAM_TPS for way in ("gather", "gram")]
 
 
 def step1_max_logits(cfg):
@@ -233,7 +235,7 @@ def test_bad_large_run_flags_are_refused_before_any_rank():
 
 # -- benchmarks ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", GRAM_TPS)
 def test_gram_bytes_formula_is_what_a_real_run_sends(run_grid, tp):
     """compare.tp_newton_schulz_costs against the Ledgers of real runs of the lesson's demo (DP = 1, so every
     TP-split matrix goes through each rank): the TP gather of tp_newton_schulz="gather", the Gram and norm

@@ -7,7 +7,7 @@ sum over the DP ranks that have a gradient, or None where none has one.
 
 import pytest
 
-from conftest import BUCKET, grid_run, layout_metas, mo, mt
+from conftest import BUCKET, grid_config, grid_run, layout_metas, mo, mt
 
 # (name, DP rank or -1 for every rank, step); the run has 3 steps and resumes from a
 # state_dict after step 2.
@@ -25,6 +25,7 @@ MISSING = (
 RUNS = [(dict(strategy=s), 3, 2) for s in mo.STRATEGIES] + [(dict(baseline=True), 3, 2),
                                                              (dict(strategy="owner"), 8, 1),
                                                              (dict(strategy="comm-free"), 2, 4)]
+GRID_RUNS = [grid_config(dp, tp, missing_grads=m, **run) for run, dp, tp in RUNS for m in (MISSING, ())]
 
 
 @pytest.mark.parametrize("run,dp,tp", RUNS)

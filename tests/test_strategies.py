@@ -5,12 +5,24 @@ import math
 
 import pytest
 
-from conftest import BUCKET, GRIDS, STEPS, dm, grid_run, layout_metas, mo, mt, presence_bytes
+from conftest import BUCKET, GRIDS, STEPS, dm, grid_config, grid_run, layout_metas, mo, mt, presence_bytes
 # (dp, tp, config): more ranks than matrices (1 layer: 5 matrices on 8 ranks), one huge
 # matrix among small ones (the lopsided model), and both on the uneven 3 x 2 grid.
 UNEVEN = [(8, 1, dict(layers=1)), (4, 2, dict(layers=1)), (8, 1, dict(model="lopsided")),
           (3, 2, dict(model="lopsided")), (2, 4, dict(model="lopsided"))]
 ZERO_REDUNDANCY = ("owner", "comm-free")
+BASELINE_GRIDS = [(8, 1), (4, 2), (3, 2)]
+OVERLAPPED = [("owner", 4, 2), ("comm-free", 3, 2)]
+AGAINST_ZERO1 = [(8, 1), (3, 2), (2, 4)]  # comm-free's bytes against AdamW ZeRO-1's
+THIN_GRIDS = [(8, 1), (4, 2)]
+THIN_STEPS = 6  # more steps, more Newton-Schulz inputs: each of THIN_GRIDS catches a batched one
+THIN = dict(steps=THIN_STEPS, bucket_size=BUCKET, model="thin")
+GRID_RUNS = ([grid_config(dp, tp, strategy=s) for dp, tp in GRIDS for s in mo.STRATEGIES]
+             + [grid_config(dp, tp, strategy=s, **config) for dp, tp, config in UNEVEN for s in mo.STRATEGIES]
+             + [grid_config(dp, tp, baseline=True) for dp, tp in BASELINE_GRIDS + AGAINST_ZERO1]
+             + [grid_config(dp, tp, strategy=s, overlap=o) for s, dp, tp in OVERLAPPED for o in (0, mo.OVERLAP_DEFAULT)]
+             + [mt.RunConfig(dp=dp, tp=tp, strategy=s, **THIN) for dp, tp in THIN_GRIDS for s in mo.STRATEGIES]
+             + [mt.RunConfig(dp=4, tp=2, strategy=s, batched_ns=True, **THIN) for s in ZERO_REDUNDANCY])
 
 
 def strategy_run(run_grid, dp, tp, strategy, **config):
@@ -38,7 +50,7 @@ def test_bit_identical_on_uneven_cases(run_grid, dp, tp, config, strategy):
         assert sum(f == 0 for f in result["ns_flops"]["per_rank"]) == dp * tp - 5  # ranks that own nothing
 
 
-@pytest.mark.parametrize("dp,tp", [(8, 1), (4, 2), (3, 2)])
+@pytest.mark.parametrize("dp,tp", BASELINE_GRIDS)
 def test_adamw_baseline_is_torch_adamw(run_grid, dp, tp):
     result = grid_run(run_grid, dp, tp, baseline=True)
     assert_identical(result)
@@ -68,7 +80,7 @@ def newton_schulz_before_a_reduction_arrives(ev, phase):
     return bool(ns) and min(ns) < max(arrivals(ev, phase))
 
 
-@pytest.mark.parametrize("strategy,dp,tp", [("owner", 4, 2), ("comm-free", 3, 2)])
+@pytest.mark.parametrize("strategy,dp,tp", OVERLAPPED)
 def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strategy, dp, tp):
     plain = strategy_run(run_grid, dp, tp, strategy)
     overlapped = strategy_run(run_grid, dp, tp, strategy, overlap=mo.OVERLAP_DEFAULT)
@@ -232,7 +244,7 @@ def test_comm_free_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
         assert result["state_bytes"][r] - gather_result["state_bytes"][r] == whole - shards
 
 
-@pytest.mark.parametrize("dp,tp", [(8, 1), (3, 2), (2, 4)])
+@pytest.mark.parametrize("dp,tp", AGAINST_ZERO1)
 def test_comm_free_extra_bytes_over_adamw_zero1(run_grid, dp, tp):
     """comm-free moves AdamW ZeRO-1's bytes but for three things: it adds its TP exchange (none at TP = 1),
     it moves no padding, and its update broadcast (bf16) sends half the bytes of ZeRO-1's fp32 all-gather of
@@ -256,15 +268,12 @@ def test_comm_free_extra_bytes_over_adamw_zero1(run_grid, dp, tp):
 
 # --- matrices with a small side (the thin model): bit-identity that a batched Newton-Schulz breaks -----
 
-THIN_STEPS = 6  # more steps, more Newton-Schulz inputs: each of the grids below catches a batched one
-
-
 def thin_run(run_grid, dp, tp, strategy, **config):
-    return run_grid(dp, tp, steps=THIN_STEPS, bucket_size=BUCKET, model="thin", strategy=strategy, **config)
+    return run_grid(dp, tp, strategy=strategy, **THIN, **config)
 
 
 @pytest.mark.parametrize("strategy", ZERO_REDUNDANCY + ("gather",))
-@pytest.mark.parametrize("dp,tp", [(8, 1), (4, 2)])
+@pytest.mark.parametrize("dp,tp", THIN_GRIDS)
 def test_bit_identical_on_small_side_matrices(run_grid, dp, tp, strategy):
     result = thin_run(run_grid, dp, tp, strategy)
     assert_identical(result)
