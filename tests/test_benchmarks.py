@@ -1,6 +1,7 @@
 """benchmarks/compare.py: every strategy and the AdamW ZeRO-1 baseline on one grid, each checked
 against torch, in one table whose figures are the JSON's."""
 
+import json
 import os
 import subprocess
 import sys
@@ -17,30 +18,44 @@ import scaling  # noqa: E402
 COMPARE = os.path.join(ROOT, "benchmarks", "compare.py")
 
 
-def check_compare_output(stdout, results):
-    """What `benchmarks/compare.py --json` printed (stdout) and wrote (results): one table whose figures are
-    the JSON's, every run checked against torch. The notebook runs compare.py and calls this on its output
-    (test_notebook.py): one run of it serves both."""
-    assert list(results["runs"]) == list(compare.COMPARED) and results["passed"]
+def compare_summary(stdout):
+    """{label: its row of compare.py's summary table}, checking that every run passed against torch; the
+    targets' lines. What the notebook of runs printed is checked with this too (test_notebook.py)."""
     lines = stdout.splitlines()
     summary = lines[next(i for i, line in enumerate(lines) if line.startswith("strategy ")):]
-    for kind, run in results["runs"].items():
-        assert mt.run_kind(mt.RunConfig(**run["config"])) == kind and run["passed"]
+    rows = {}
+    for kind in compare.COMPARED:
         label = compare.LABELS[kind]
         assert f"{label:<13} PASS" in stdout  # the verification line
-        row = next(line for line in summary if line.startswith(label + " "))
+        rows[label] = next(line for line in summary if line.startswith(label + " ")).split()
+    targets = stdout[stdout.index("[8] Targets"):]
+    assert "redundancy 1.00 for owner and comm-free: met (1.00, 1.00)" in targets
+    assert "comm-free extra bytes over AdamW ZeRO-1: " in targets and "fp32 all-gather" in targets
+    assert "NOT met" not in targets[targets.index("comm-free extra bytes"):].splitlines()[0]
+    assert "NOT met" not in targets  # step times are figures, never verdicts: a shared 2-core machine would flip them
+    return rows, targets
+
+
+def test_compare_prints_one_table_of_the_jsons_figures(tmp_path):
+    """What `benchmarks/compare.py --json` printed and wrote: one table whose figures are the JSON's, every run
+    checked against torch (one layer: 5 matrices on 8 ranks, the cheapest run that moves every phase's bytes)."""
+    path = tmp_path / "compare.json"
+    proc = subprocess.run([sys.executable, COMPARE, "--steps", "2", "--layers", "1", "--json", str(path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(path.read_text())
+    rows, targets = compare_summary(proc.stdout)
+    assert list(results["runs"]) == list(compare.COMPARED) and results["passed"]
+    for kind, run in results["runs"].items():
+        assert mt.run_kind(mt.RunConfig(**run["config"])) == kind and run["passed"]
+        row = " ".join(rows[compare.LABELS[kind]])
         assert mt.human_bytes(run["bytes_sent_all_ranks"]) in row  # the summary shows the JSON's numbers
         assert f"{run['timings']['step_ms_median']:.0f}" == row.split()[-1]
     for strategy in mo.STRATEGIES[1:]:
         assert results["runs"][strategy]["ns_flops"]["redundancy"] == 1.0
     assert results["realistic_balance"]["max_over_mean"] <= 1.10
-    targets = stdout[stdout.index("[8] Targets"):]
-    assert "redundancy 1.00 for owner and comm-free: met (1.00, 1.00)" in targets
-    assert "comm-free extra bytes over AdamW ZeRO-1: " in targets and "fp32 all-gather" in targets
-    assert "NOT met" not in targets[targets.index("comm-free extra bytes"):].splitlines()[0]
-    # step times are figures, never verdicts: a shared 2-core machine would flip them
     owner, gather = (results["runs"][s]["timings"]["step_ms_median"] for s in ("owner", "gather"))
-    assert f"owner / gather = {owner / gather:.2f}" in targets and "NOT met" not in targets
+    assert f"owner / gather = {owner / gather:.2f}" in targets
 
 
 def test_realistic_parameter_set_balances_within_ten_percent():

@@ -1,6 +1,7 @@
-"""The notebooks: the read-along's sections are the script's, each pair matches its jupytext twin, the read-along
-is committed with the outputs of today's code (tools/make_notebook.py), and both run top to bottom headless,
-the way the README tells a user to run them."""
+"""The notebooks: the read-along's sections are the script's, each pair matches its jupytext twin, both are
+committed with the outputs of today's code (tools/make_notebook.py, which runs them headless in a folder holding
+only what they need), the read-along runs top to bottom the way the README tells a user to run it, and the
+runs' saved outputs show every run checked against torch."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import nbformat
 import pytest
 
 from conftest import ROOT, SCRIPT
-from test_benchmarks import check_compare_output
+from test_benchmarks import compare_summary
 from test_cli import check_default_run
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -43,19 +44,26 @@ def test_notebook_and_its_py_pair_are_in_sync(notebook):
     assert cells(nbformat.read(notebook, as_version=4)) == cells(jupytext.read(PAIRS[notebook]))
 
 
-def test_the_read_along_is_committed_with_the_outputs_of_todays_code(tmp_path):
+@pytest.mark.parametrize("notebook", list(PAIRS), ids=os.path.basename)
+def test_each_notebook_is_committed_with_the_outputs_of_todays_code(tmp_path, notebook):
     """Every code cell has its output, none an error, and the hash tools/make_notebook.py recorded is that of
-    today's cells and code; a cell or a lesson line changed since, and the check fails."""
-    assert make_notebook.check() is None
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    today's cells and code; a cell changed since, and the check fails."""
+    name = os.path.basename(notebook)
+    assert make_notebook.check(name) is None
+    nb = nbformat.read(notebook, as_version=4)
     nb.cells[-1].source += " "
     nbformat.write(nb, tmp_path / "edited.ipynb")
-    assert "other cells or other code" in make_notebook.check(tmp_path / "edited.ipynb")
+    assert "other cells or other code" in make_notebook.check(name, tmp_path / "edited.ipynb")
 
 
-def test_the_notebook_of_runs_is_committed_without_outputs():
-    nb = nbformat.read(RUNS_NOTEBOOK, as_version=4)
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
+def test_the_hash_reads_every_program_the_runs_notebook_runs():
+    """A program the runs notebook starts, left out of what make_notebook hashes, would let its saved outputs
+    go stale unnoticed."""
+    with open(PAIRS[RUNS_NOTEBOOK]) as f:
+        programs = set(re.findall(r'mt\.run_program\("([^"]+)"', f.read()))
+    assert programs == {"distributed_muon_cpu.py", "benchmarks/compare.py", "examples/train_gpt.py",
+                        "examples/train_gpt_moe.py"}
+    assert programs <= set(make_notebook.NOTEBOOKS[os.path.basename(RUNS_NOTEBOOK)][1])
 
 
 def test_notebook_sections_are_the_scripts_in_order():
@@ -85,21 +93,22 @@ def test_each_section_shows_the_scripts_own_source_before_it_runs_it():
 def execute(tmp_path, notebook):
     """`jupyter nbconvert --to notebook --execute`, the README's command, in a folder holding only
     what a user's clone has that the notebook needs; returns the outputs and their printed text."""
-    for name in ("distributed_muon_cpu.py", "muon_checks.py", "muon_owners.py", "muon_large_runs.py", "muon_tools.py",
-                 os.path.basename(notebook), "requirements.txt",
-                 os.path.join("benchmarks", "compare.py"), os.path.join("examples", "gpt.py"),
-                 os.path.join("examples", "stdlib_text.py"), os.path.join("examples", "train_gpt.py"),
-                 "distributed_muon_dtensor.py", "dtensor_demo.py", os.path.join("examples", "train_gpt_dtensor.py"),
-                 os.path.join("examples", "gpt_moe.py"), os.path.join("examples", "train_gpt_moe.py")):
-        os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
-        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    name = os.path.basename(notebook)
+    for needed in (name,) + make_notebook.NOTEBOOKS[name][1] + make_notebook.NEEDED:
+        os.makedirs(os.path.dirname(tmp_path / needed), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, needed), tmp_path / needed)
     # `python -m jupyter` is the `jupyter` command of this very environment (a bare `jupyter` on
     # PATH could belong to another Python).
     proc = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
-                           os.path.basename(notebook), "--output", "executed.ipynb"],
+                           name, "--output", "executed.ipynb"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    nb = nbformat.read(tmp_path / "executed.ipynb", as_version=4)
+    return printed(tmp_path / "executed.ipynb")
+
+
+def printed(path):
+    """A notebook's outputs and their printed text."""
+    nb = nbformat.read(path, as_version=4)
     outputs = [o for c in nb.cells for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     return outputs, "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
@@ -151,14 +160,15 @@ def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     assert "usage:" not in text and "bound_ratio" not in text  # the tooling's sections left the read-along
 
 
-def test_runs_notebook_runs_top_to_bottom(tmp_path):
-    outputs, text = execute(tmp_path, RUNS_NOTEBOOK)
+def test_the_runs_notebooks_saved_outputs_show_every_run_checked_against_torch():
+    """The runs notebook as committed (made by tools/make_notebook.py, which ran it top to bottom headless; its
+    outputs are today's code's: test_each_notebook_is_committed_with_the_outputs_of_todays_code)."""
+    outputs, text = printed(RUNS_NOTEBOOK)
     assert text.count("Result: PASS: 26/26 parameters bit-identical to torch") == 4  # every grid of 8 ranks
     assert text.count("Result: PASS") == 6  # and the GPT's --verify, and the MoE GPT's
     for label in ("gather", "owner", "comm-free", "AdamW ZeRO-1"):  # benchmarks/compare.py
         assert f"{label:<13} PASS: 26/26 parameters bit-identical to torch" in text
-    with open(tmp_path / "runs" / "notebook_compare.json") as f:
-        check_compare_output(text[text.index("Comparing strategies:"):], json.load(f))
+    compare_summary(text[text.index("Comparing strategies:"):])
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # grids, strategies, the GPT's loss, the MoE's
     assert text.count("step 20/20  train") == 1  # the GPT trained
     assert "experts per EP rank 2, 1" in text and "each orthogonalized once in the world" in text  # the MoE GPT
