@@ -31,6 +31,7 @@
 import json
 import os
 import subprocess
+import sys
 
 if not os.path.exists("distributed_muon_cpu.py"):  # Colab: clone the repository (once), work in the clone
     if not os.path.exists("distributed-muon"):
@@ -44,8 +45,10 @@ import muon_tools as mt  # noqa: E402
 
 mt.notebook_requirements()
 import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
 
 os.makedirs("runs", exist_ok=True)
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPU cores")  # what made the outputs below
 
 # %% [markdown]
 # ## 1. Grids: the bytes and the repeated work of each DP × TP
