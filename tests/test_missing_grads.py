@@ -7,10 +7,10 @@ sum over the DP ranks that have a gradient, or None where none has one.
 
 import pytest
 
-from conftest import BUCKET, grid_config, grid_run, layout_metas, mo, mt
+from conftest import BUCKET, layout_metas, mo, mt
 
-# (name, DP rank or -1 for every rank, step); the run has 3 steps and resumes from a
-# state_dict after step 2.
+# (name, DP rank or -1 for every rank, step); the run has 3 steps (mid-run and the last step apart) and
+# resumes from a state_dict after step 2.
 MISSING = (
     # a frozen embedding: no gradient anywhere, ever, so no state and no change
     ("embed.weight", -1, 1), ("embed.weight", -1, 2), ("embed.weight", -1, 3),
@@ -25,12 +25,14 @@ MISSING = (
 RUNS = [(dict(strategy=s), 3, 2) for s in mo.STRATEGIES] + [(dict(baseline=True), 3, 2),
                                                              (dict(strategy="owner"), 8, 1),
                                                              (dict(strategy="comm-free"), 2, 4)]
-GRID_RUNS = [grid_config(dp, tp, missing_grads=m, **run) for run, dp, tp in RUNS for m in (MISSING, ())]
+RUN_STEPS = 3
+GRID_RUNS = [mt.RunConfig(dp=dp, tp=tp, steps=RUN_STEPS, bucket_size=BUCKET, missing_grads=m, **run)
+             for run, dp, tp in RUNS for m in (MISSING, ())]
 
 
 @pytest.mark.parametrize("run,dp,tp", RUNS)
 def test_missing_gradients_match_torch(run_grid, run, dp, tp):
-    result = grid_run(run_grid, dp, tp, missing_grads=MISSING, **run)
+    result = run_grid(dp, tp, steps=RUN_STEPS, bucket_size=BUCKET, missing_grads=MISSING, **run)
     checks = {c["name"]: c for c in result["checks"]}
     assert [n for n, c in checks.items() if not c["identical"]] == [] and result["passed"]
     assert checks["embed.weight"]["max_abs_update"] == 0  # frozen: torch left it alone, and so did we
@@ -39,7 +41,7 @@ def test_missing_gradients_match_torch(run_grid, run, dp, tp):
     # less embed.weight's AdamW moments (2 x 4 bytes an element) and step count (4 bytes).
     metas = layout_metas(dp, tp, BUCKET, **run)
     embed = [metas[rank // tp]["embed.weight"].local_numel for rank in range(dp * tp)]
-    full = grid_run(run_grid, dp, tp, **run)
+    full = run_grid(dp, tp, steps=RUN_STEPS, bucket_size=BUCKET, **run)
     assert result["state_bytes"] == [s - (8 * n + 4 if n else 0) for s, n in zip(full["state_bytes"], embed)]
 
 
