@@ -144,10 +144,10 @@ def test_saved_under_ep_2_resumed_under_ep_4_replays_bit_for_bit_through_the_che
 
 
 def test_command_line_on_4_ranks_with_an_ep_rank_of_fewer_experts(tmp_path):
-    """--figure's picture is drawn in the notebook of runs' test (tests/test_notebook.py), on the same command."""
+    """--verify, --json and --figure (the ledger's picture, which the notebook of runs shows for the same command)."""
     argv = ["--dp", "2", "--ep", "2", "--tp", "2", "--experts", "3", "--steps", "2", "--batch", "8", "--context",
             "32", "--d-model", "32", "--layers", "2", "--expert-hidden", "32", "--log-every", "2", "--val-windows", "8",
-            "--verify", "--json", str(tmp_path / "run.json")]
+            "--verify", "--json", str(tmp_path / "run.json"), "--figure", str(tmp_path / "ledger.png")]
     proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -162,6 +162,8 @@ def test_command_line_on_4_ranks_with_an_ep_rank_of_fewer_experts(tmp_path):
         run = json.load(f)
     held = [p["experts_held"] for p in run["ledger"]["per_rank"]]
     assert held == [[0, 2], [0, 2], [2, 3], [2, 3]] and run["passed"] and len(run["losses"]) == 2
+    with open(tmp_path / "ledger.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert proc.stderr == ""
 
 
