@@ -209,16 +209,18 @@ def gram_cases(tp):
 
 def gram_measure(grid):
     """[((TP, shape, seed, coefficients, low rank), TP rank, its piece of newton_schulz_tp, bytes of the TP Gram
-    all-reduces)] from DP rank 0 (the other DP ranks compute the same)."""
+    all-reduces)] from DP rank 0. The other DP ranks would compute the same pieces: they skip it (a TP group lies
+    within one DP rank's row of the grid, so its collectives need no other rank)."""
     out = []
+    if grid.dp.rank != 0:
+        return out
     for shape, seed, coefficients, low_rank in gram_cases(grid.tp.size):
         split = 1 if shape[0] <= shape[1] else 0
         ledger = dm.Ledger()
         piece = mlr.newton_schulz_tp(dm.tp_shard(gram_input(shape, seed, low_rank), split, grid.tp.rank, grid.tp.size),
                                     shape, grid.tp, ledger, 5, coefficients)
         sent = sum(r["sent"] for r in ledger.comm if r["phase"] == "TP Gram")
-        if grid.dp.rank == 0:
-            out.append(((grid.tp.size, shape, seed, coefficients, low_rank), grid.tp.rank, piece, sent))
+        out.append(((grid.tp.size, shape, seed, coefficients, low_rank), grid.tp.rank, piece, sent))
     return out
 
 
