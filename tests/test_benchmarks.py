@@ -31,7 +31,6 @@ def compare_summary(stdout):
     targets = stdout[stdout.index("[8] Targets"):]
     assert "redundancy 1.00 for owner and comm-free: met (1.00, 1.00)" in targets
     assert "comm-free extra bytes over AdamW ZeRO-1: " in targets and "fp32 all-gather" in targets
-    assert "NOT met" not in targets[targets.index("comm-free extra bytes"):].splitlines()[0]
     assert "NOT met" not in targets  # step times are figures, never verdicts: a shared 2-core machine would flip them
     return rows, targets
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BUCKET, GRIDS, ROOT, STEPS, dm, grid_config, grid_run, mo, mt
+from conftest import BUCKET, GRIDS, ROOT, dm, grid_config, grid_run, mo, mt
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -20,15 +20,11 @@ import cost_model as cm  # noqa: E402
 import distributed_muon_dtensor as dd  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
 
-from test_strategies import UNEVEN  # noqa: E402  (the uneven cases the strategies are spawned on)
+from test_strategies import BASELINE_GRIDS, LESSON_RUNS, UNEVEN  # noqa: E402  (the strategies' runs, checked here too)
 
 ONE_NODE = lambda rank: 0  # noqa: E731
-BASELINE_GRIDS = [(8, 1), (4, 2), (3, 2)]
 GRAM_TPS = [2, 4]
-GRID_RUNS = ([grid_config(dp, tp, strategy=s) for dp, tp in GRIDS for s in mo.STRATEGIES]
-             + [grid_config(dp, tp, strategy=s, **config) for dp, tp, config in UNEVEN for s in mo.STRATEGIES]
-             + [grid_config(dp, tp, baseline=True) for dp, tp in BASELINE_GRIDS]
-             + [mt.RunConfig(dp=1, tp=tp, steps=1, tp_newton_schulz="gram") for tp in GRAM_TPS])
+GRID_RUNS = LESSON_RUNS + [mt.RunConfig(dp=1, tp=tp, steps=1, tp_newton_schulz="gram") for tp in GRAM_TPS]
 
 
 def assert_ledger_is_the_model(result, cfg):
@@ -47,7 +43,7 @@ def assert_ledger_is_the_model(result, cfg):
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_lesson_strategies_bytes_flops_and_state_are_the_ledgers(run_grid, dp, tp, strategy):
     cost = assert_ledger_is_the_model(grid_run(run_grid, dp, tp, strategy=strategy),
-                                      mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, strategy=strategy))
+                                      grid_config(dp, tp, strategy=strategy))
     if dp * tp > 1:  # a test that cannot fail is a defect: these grids move bytes
         assert sum(cost.traffic.phases["grad presence"].sent) > 0
 
@@ -56,13 +52,13 @@ def test_lesson_strategies_bytes_flops_and_state_are_the_ledgers(run_grid, dp, t
 @pytest.mark.parametrize("dp,tp,config", UNEVEN)
 def test_uneven_cases_are_the_ledgers(run_grid, dp, tp, config, strategy):
     assert_ledger_is_the_model(grid_run(run_grid, dp, tp, strategy=strategy, **config),
-                               mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, strategy=strategy, **config))
+                               grid_config(dp, tp, strategy=strategy, **config))
 
 
 @pytest.mark.parametrize("dp,tp", BASELINE_GRIDS)
 def test_adamw_zero1_baseline_is_the_ledger(run_grid, dp, tp):
     cost = assert_ledger_is_the_model(grid_run(run_grid, dp, tp, baseline=True),
-                                      mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, baseline=True))
+                                      grid_config(dp, tp, baseline=True))
     assert sum(cost.ns_flops) == 0
 
 
@@ -76,8 +72,8 @@ def test_the_gram_form_is_the_ledger(run_grid, tp):
 def test_a_wrong_plan_fails_the_comparison(run_grid):
     """The comparison bites: the model of another bucket size, or of another strategy, is not the Ledger."""
     result = grid_run(run_grid, 3, 2, strategy="owner")
-    for cfg in (mt.RunConfig(dp=3, tp=2, bucket_size=BUCKET // 2, strategy="owner"),
-                mt.RunConfig(dp=3, tp=2, bucket_size=BUCKET, strategy="comm-free")):
+    for cfg in (replace(grid_config(3, 2, strategy="owner"), bucket_size=BUCKET // 2),  # the run's, but for one thing
+                grid_config(3, 2, strategy="comm-free")):
         with pytest.raises(AssertionError):
             assert_ledger_is_the_model(result, cfg)
 

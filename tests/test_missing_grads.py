@@ -25,14 +25,13 @@ MISSING = (
 RUNS = [(dict(strategy=s), 3, 2) for s in mo.STRATEGIES] + [(dict(baseline=True), 3, 2),
                                                              (dict(strategy="owner"), 8, 1),
                                                              (dict(strategy="comm-free"), 2, 4)]
-RUN_STEPS = 3
-GRID_RUNS = [mt.RunConfig(dp=dp, tp=tp, steps=RUN_STEPS, bucket_size=BUCKET, missing_grads=m, **run)
-             for run, dp, tp in RUNS for m in (MISSING, ())]
+AT = dict(steps=3, bucket_size=BUCKET)  # 3 steps: MISSING's steps 2 and 3 apart
+GRID_RUNS = [mt.RunConfig(dp=dp, tp=tp, missing_grads=m, **AT, **run) for run, dp, tp in RUNS for m in (MISSING, ())]
 
 
 @pytest.mark.parametrize("run,dp,tp", RUNS)
 def test_missing_gradients_match_torch(run_grid, run, dp, tp):
-    result = run_grid(dp, tp, steps=RUN_STEPS, bucket_size=BUCKET, missing_grads=MISSING, **run)
+    result = run_grid(dp, tp, missing_grads=MISSING, **AT, **run)
     checks = {c["name"]: c for c in result["checks"]}
     assert [n for n, c in checks.items() if not c["identical"]] == [] and result["passed"]
     assert checks["embed.weight"]["max_abs_update"] == 0  # frozen: torch left it alone, and so did we
@@ -41,7 +40,7 @@ def test_missing_gradients_match_torch(run_grid, run, dp, tp):
     # less embed.weight's AdamW moments (2 x 4 bytes an element) and step count (4 bytes).
     metas = layout_metas(dp, tp, BUCKET, **run)
     embed = [metas[rank // tp]["embed.weight"].local_numel for rank in range(dp * tp)]
-    full = run_grid(dp, tp, steps=RUN_STEPS, bucket_size=BUCKET, **run)
+    full = run_grid(dp, tp, **AT, **run)
     assert result["state_bytes"] == [s - (8 * n + 4 if n else 0) for s, n in zip(full["state_bytes"], embed)]
 
 

@@ -6,7 +6,6 @@ runs' saved outputs show every run checked against torch."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -94,9 +93,7 @@ def execute(tmp_path, notebook):
     """`jupyter nbconvert --to notebook --execute`, the README's command, in a folder holding only
     what a user's clone has that the notebook needs; returns the outputs and their printed text."""
     name = os.path.basename(notebook)
-    for needed in (name,) + make_notebook.NOTEBOOKS[name][1] + make_notebook.NEEDED:
-        os.makedirs(os.path.dirname(tmp_path / needed), exist_ok=True)
-        shutil.copy(os.path.join(ROOT, needed), tmp_path / needed)
+    make_notebook.copy_needed(name, str(tmp_path), name)
     # `python -m jupyter` is the `jupyter` command of this very environment (a bare `jupyter` on
     # PATH could belong to another Python).
     proc = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",

@@ -17,9 +17,11 @@ AGAINST_ZERO1 = [(8, 1), (3, 2), (2, 4)]  # comm-free's bytes against AdamW ZeRO
 THIN_GRIDS = [(8, 1), (4, 2)]
 THIN_STEPS = 6  # more steps, more Newton-Schulz inputs: each of THIN_GRIDS catches a batched one
 THIN = dict(steps=THIN_STEPS, bucket_size=BUCKET, model="thin")
-GRID_RUNS = ([grid_config(dp, tp, strategy=s) for dp, tp in GRIDS for s in mo.STRATEGIES]
-             + [grid_config(dp, tp, strategy=s, **config) for dp, tp, config in UNEVEN for s in mo.STRATEGIES]
-             + [grid_config(dp, tp, baseline=True) for dp, tp in BASELINE_GRIDS + AGAINST_ZERO1]
+# every strategy on every grid and uneven case, and AdamW ZeRO-1: test_cost_model's runs too
+LESSON_RUNS = ([grid_config(dp, tp, strategy=s) for dp, tp in GRIDS for s in mo.STRATEGIES]
+               + [grid_config(dp, tp, strategy=s, **config) for dp, tp, config in UNEVEN for s in mo.STRATEGIES]
+               + [grid_config(dp, tp, baseline=True) for dp, tp in BASELINE_GRIDS])
+GRID_RUNS = (LESSON_RUNS + [grid_config(dp, tp, baseline=True) for dp, tp in AGAINST_ZERO1]
              + [grid_config(dp, tp, strategy=s, overlap=o) for s, dp, tp in OVERLAPPED for o in (0, mo.OVERLAP_DEFAULT)]
              + [mt.RunConfig(dp=dp, tp=tp, strategy=s, **THIN) for dp, tp in THIN_GRIDS for s in mo.STRATEGIES]
              + [mt.RunConfig(dp=4, tp=2, strategy=s, batched_ns=True, **THIN) for s in ZERO_REDUNDANCY])

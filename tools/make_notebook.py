@@ -53,7 +53,7 @@ def sources_sha256(nb, code):
     return digest.hexdigest()
 
 
-def check(notebook="distributed_muon_cpu.ipynb", path=None):
+def check(notebook, path=None):
     """None if the notebook (its saved copy at `path`, by default the repository's) holds outputs made from
     today's cells and code, else why not."""
     nb = nbformat.read(path or os.path.join(ROOT, notebook), as_version=4)
@@ -68,14 +68,18 @@ def check(notebook="distributed_muon_cpu.ipynb", path=None):
     return None
 
 
+def copy_needed(notebook, folder, *more):
+    """Copy into `folder` what the notebook's cells need (and `more` files), as a clone has them."""
+    for name in NOTEBOOKS[notebook][1] + NEEDED + more:
+        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), os.path.join(folder, name))
+
+
 def execute(notebook, folder):
     """The notebook's cells from its pair, run top to bottom in `folder`, which gets a copy of what they need;
     returns the executed notebook (not written anywhere)."""
-    pair, code = NOTEBOOKS[notebook]
-    for name in code + NEEDED:
-        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
-        shutil.copy(os.path.join(ROOT, name), os.path.join(folder, name))
-    nb = jupytext.read(os.path.join(ROOT, pair))
+    copy_needed(notebook, folder)
+    nb = jupytext.read(os.path.join(ROOT, NOTEBOOKS[notebook][0]))
     ExecutePreprocessor(timeout=TIMEOUT_S, kernel_name="python3").preprocess(nb, {"metadata": {"path": folder}})
     return nb
 
