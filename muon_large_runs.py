@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from distributed_muon_cpu import (D_MODEL, FUSED_QKV, N_HEADS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce,
+from distributed_muon_cpu import (FUSED_QKV, N_HEADS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce,
                                   QK_CLIP_OFF, newton_schulz, newton_schulz_flops, ns_coefficients_of)
 
 # =============================================================================
@@ -145,11 +145,11 @@ class RowLayout:
         return replace(self, periods=self.periods // tp)
 
 
-def transformer_row_layouts(specs, d=D_MODEL, heads=N_HEADS):
-    """{name: RowLayout} of the demo's fused QKV matrices, laid out head by head as Megatron's are (so that a
-    column-parallel split gives each TP rank whole heads)."""
-    hd = d // heads
-    return {s.name: RowLayout((hd, hd, hd), heads, ("q", "k", "v")) for s in specs if s.name.endswith(FUSED_QKV)}
+def transformer_row_layouts(specs, heads=N_HEADS):
+    """{name: RowLayout} of the demo's fused QKV matrices ((3d, d): q, k and v of each head, d / heads rows
+    each), laid out head by head as Megatron's are (so that a column-parallel split gives each TP rank whole heads)."""
+    return {s.name: RowLayout((s.global_shape[1] // heads,) * 3, heads, ("q", "k", "v"))
+            for s in specs if s.name.endswith(FUSED_QKV)}
 
 
 def row_layout_problem(name, rows, matrix_shape, expert_stack=False, qk_clip=False):

@@ -54,7 +54,8 @@ import torch
 import torch.distributed as dist
 
 import distributed_muon_cpu as dm
-from distributed_muon_cpu import (NS_COEFFICIENTS, NS_COEFFICIENT_CHOICES, NS_EPS, NS_STEPS, N_LAYERS, ParamSpec,
+from distributed_muon_cpu import (D_MODEL, NS_COEFFICIENTS, NS_COEFFICIENT_CHOICES, NS_EPS, NS_STEPS, N_HEADS, N_LAYERS,
+                                  ParamSpec,
                                   adjusted_lr, check_topology, dp_rank_grads, dp_rank_max_logits, initial_params,
                                   newton_schulz, plan_grid, rank_grid, transformer_specs)
 from muon_checks import ADJUST_LR_FNS, check_hyperparameters
@@ -103,6 +104,7 @@ class RunConfig:
     baseline: bool = False  # the AdamW ZeRO-1 baseline instead of Muon: every parameter takes AdamW
     model: str = "transformer"  # one of MODELS: the transformer of section 6, lopsided_specs() or thin_specs()
     layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
+    d_model: int = D_MODEL  # the demo transformer's width: its matrices are d x d to 4d x d
     overlap: int = 0  # owner / comm-free: K >= 1 pipelines the step, Newton-Schulz K units behind (section 7)
     batched_ns: bool = False  # owner / comm-free: same-shape matrices in one call (not bitwise torch's)
     ns_coefficients: str = "jordan"  # one of NS_COEFFICIENT_CHOICES (section 1)
@@ -149,7 +151,7 @@ MODELS = ("transformer", "lopsided", "thin")
 
 def demo_specs(cfg):
     if cfg.model == "transformer":
-        return transformer_specs(n_layers=cfg.layers)
+        return transformer_specs(d=cfg.d_model, n_layers=cfg.layers)
     return lopsided_specs() if cfg.model == "lopsided" else thin_specs()
 
 
@@ -1151,6 +1153,9 @@ def flag(argument):
 
 
 MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
+# Every rank draws every full parameter and gradient (float32), and the launcher's reference holds them too:
+# 16 Mi parameters are 64 MiB a copy (d = 256 with 20 layers is 16.0 M; d = 1024 with 1 layer 13.6 M).
+MAX_DEMO_PARAMETERS = 16 * 2**20
 
 
 
@@ -1196,11 +1201,18 @@ def validate(cfg, specs):
                          f"(Muon's options)")
     if cfg.model not in MODELS:
         raise ValueError(f"--model must be one of {', '.join(MODELS)} (got {cfg.model!r})")
-    if cfg.model != "transformer" and cfg.layers != RunConfig.layers:
-        raise ValueError(f"--layers sizes --model transformer: --model {cfg.model} has shapes of its own "
-                         f"(got --layers {cfg.layers})")
+    for size in ("layers", "d_model"):
+        if cfg.model != "transformer" and getattr(cfg, size) != getattr(RunConfig, size):
+            raise ValueError(f"{flag(size)} sizes --model transformer: --model {cfg.model} has shapes of its own "
+                             f"(got {flag(size)} {getattr(cfg, size)})")
     if not 1 <= cfg.layers <= MAX_LAYERS:
         raise ValueError(f"--layers must be in [1, {MAX_LAYERS}] (got {cfg.layers})")
+    if cfg.d_model < N_HEADS or cfg.d_model % N_HEADS:
+        raise ValueError(f"--d-model must be a positive multiple of the demo's {N_HEADS} heads (got {cfg.d_model})")
+    n_parameters = sum(math.prod(s.global_shape) for s in specs)
+    if n_parameters > MAX_DEMO_PARAMETERS:
+        raise ValueError(f"--d-model {cfg.d_model} x --layers {cfg.layers}: {n_parameters:,} parameters, more than the "
+                         f"{MAX_DEMO_PARAMETERS:,} a laptop's ranks can each hold whole")
     check_owner_options(flag, overlap=cfg.overlap)
     check_large_run_flags(ns_coefficients=cfg.ns_coefficients, ns_blocks=cfg.ns_blocks,
                           tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip_tau, strategy=cfg.strategy)
@@ -1293,6 +1305,8 @@ def build_parser(description, launcher="spawn", one_run=True):
                    help="transformer (default): section 6's model; lopsided: one huge matrix among small ones; "
                         "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")
     p.add_argument("--layers", type=int, default=d.layers, help="layers of --model transformer (default %(default)s)")
+    p.add_argument("--d-model", type=int, default=d.d_model,
+                   help=f"width of --model transformer, a multiple of its {N_HEADS} heads (default %(default)s)")
     p.add_argument("--overlap", type=int, nargs="?", const=OVERLAP_DEFAULT, default=d.overlap, metavar="K",
                    help="owner, comm-free: pipeline the step bucket by bucket, Newton-Schulz K units behind "
                         f"the gradient reductions (section 7; K = {OVERLAP_DEFAULT} if omitted; default off)")

@@ -109,7 +109,7 @@ def format_comparison(cfg, runs, realistic):
     world = cfg.dp * cfg.tp
     baseline_all = runs[mt.BASELINE]["bytes_sent_all_ranks"]
     phases = list(dict.fromkeys(p for s in COMPARED for p in mt.PHASES_OF[s]))  # in first-seen order
-    model = f"{cfg.layers}-layer transformer" if cfg.model == "transformer" else f"{cfg.model} model"
+    model = f"{cfg.layers}-layer transformer, d = {cfg.d_model}" if cfg.model == "transformer" else f"{cfg.model} model"
     lines = [f"[8] Bytes sent per step by all ranks, per phase (DP={cfg.dp} x TP={cfg.tp}, {model})"]
     rows = [[p] + [mt.human_bytes(sum(runs[s]["bytes_per_step"][p]["sent"])) if p in runs[s]["bytes_per_step"]
                    else "-" for s in COMPARED] for p in phases]

@@ -60,12 +60,29 @@ SCRIPT = os.path.join(ROOT, "distributed_muon_cpu.py")
 # and buckets small enough for several Muon buckets on every grid, TP = 8 included.
 GRIDS = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8), (3, 2)]
 STEPS = 2
-BUCKET = 16_384  # elements
+BUCKET = 4_096  # elements
+# The suite's demo transformer is narrower than the command's (d = 64, not 128): the same matrices in kind
+# (tall, square and wide; whole heads on every TP rank up to TP = 8) at an eighth of Newton-Schulz's FLOPs, which
+# are most of every run here (bf16 matmuls run at about 1.7 GFLOP/s on a CPU without bf16 units). The command's
+# own width runs in test_cli.py, test_interrupts.py and the notebooks.
+SUITE_D_MODEL = 64
+
+
+def suite_config(**config):
+    """mt.RunConfig(**config), SUITE_D_MODEL wide unless config says otherwise (for --model transformer)."""
+    if config.get("model", mt.RunConfig.model) == "transformer":
+        config.setdefault("d_model", SUITE_D_MODEL)
+    return mt.RunConfig(**config)
+
+
+def suite_specs(**config):
+    """The parameters of the suite's demo model (suite_config(**config)'s)."""
+    return mt.demo_specs(suite_config(**config))
 
 
 def grid_config(dp, tp, **config):
     """The configuration grid_run(run_grid, dp, tp, **config) asks for: for a module's GRID_RUNS."""
-    return mt.RunConfig(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, **config)
+    return suite_config(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, **config)
 
 
 def grid_run(run_grid, dp, tp, **config):
@@ -133,14 +150,14 @@ def planned_runs():
 
 @pytest.fixture(scope="session")
 def run_grid():
-    """run_grid(dp, tp, **config) -> what mt.run returns for that RunConfig, each configuration run once per
+    """run_grid(dp, tp, **config) -> what mt.run returns for suite_config(dp=dp, tp=tp, **config), each run once per
     session. A configuration some collected module names in GRID_RUNS runs at the first request of any of its
     world size, with every other such configuration of that size, in one spawn (run_together); any other in a
     spawn of its own (mt.run)."""
     cache = {}
 
     def run(dp, tp, **overrides):
-        cfg = mt.RunConfig(dp=dp, tp=tp, **overrides)
+        cfg = suite_config(dp=dp, tp=tp, **overrides)
         if cfg not in cache:
             planned = [c for c in planned_runs() if c not in cache and c.dp * c.tp == dp * tp]
             if cfg in planned:
@@ -164,7 +181,7 @@ def single_process_group():
 
 def layout_metas(dp, tp, bucket_size, **config):
     """Every DP rank's dist_meta for the demo model, from the layout the run's optimizer plans."""
-    cfg = mt.RunConfig(dp=dp, tp=tp, bucket_size=bucket_size, **config)
+    cfg = suite_config(dp=dp, tp=tp, bucket_size=bucket_size, **config)
     return mt.plan_optimizer(cfg).layout.metas
 
 

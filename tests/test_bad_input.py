@@ -132,6 +132,7 @@ ROWS += [
     ("distributed_muon_cpu.py", ["--baseline", "--ns-coefficients", "polar_express"],
      "--ns-coefficients polar_express would change nothing", False),
     ("distributed_muon_cpu.py", ["--model", "thin", "--layers", "3"], "--layers sizes --model transformer", False),
+    ("distributed_muon_cpu.py", ["--model", "lopsided", "--d-model", "64"], "--d-model sizes --model transformer", False),
     ("distributed_muon.py", ["--json", PROC, *GLOO_CPU], f"--json {PROC} cannot be written", True),
     ("dtensor_demo.py", ["--backend", "nccl"], "--backend nccl needs torchrun", False),
     ("dtensor_demo.py", ["--device", "cuda"], "--device cuda needs torchrun", False),

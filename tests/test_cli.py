@@ -27,6 +27,8 @@ BAD_INPUT = [
     (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
     (["--adjust-lr-fn", "spectral"], "--adjust-lr-fn must be None or one of original, match_rms_adamw"),
     (["--layers", "0"], "--layers must be in [1, 24]"),
+    (["--d-model", "100"], "--d-model must be a positive multiple of the demo's 8 heads (got 100)"),
+    (["--d-model", "1024", "--layers", "2"], "--d-model 1024 x --layers 2: 26,254,337 parameters, more than the "),
     (["--overlap"], "--overlap applies to --strategy owner or comm-free (got gather)"),
     (["--overlap", "-1", "--strategy", "owner"], "--overlap must be an integer >= 0 (got -1)"),
     (["--model", "lopsided", "--tp", "3"], "TP 3 does not divide huge.weight"),
@@ -121,7 +123,7 @@ def test_help():
     assert proc.returncode == 0
     for flag in ["--dp", "--tp", "--steps", "--seed", "--bucket-size", "--lr", "--momentum", "--weight-decay",
                  "--ns-steps", "--adjust-lr-fn", "--explain", "--json", "--strategy", "--baseline", "--model",
-                 "--layers", "--overlap", "--batched-ns", "--timeout", "--traceback"]:
+                 "--layers", "--d-model", "--overlap", "--batched-ns", "--timeout", "--traceback"]:
         assert flag in proc.stdout
 
 

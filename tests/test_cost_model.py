@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BUCKET, GRIDS, ROOT, dm, grid_config, grid_run, mo, mt
+from conftest import BUCKET, GRIDS, ROOT, dm, grid_config, grid_run, mo, mt, suite_config
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -24,7 +24,7 @@ from test_strategies import BASELINE_GRIDS, LESSON_RUNS, UNEVEN  # noqa: E402  (
 
 ONE_NODE = lambda rank: 0  # noqa: E731
 GRAM_TPS = [2, 4]
-GRID_RUNS = LESSON_RUNS + [mt.RunConfig(dp=1, tp=tp, steps=1, tp_newton_schulz="gram") for tp in GRAM_TPS]
+GRID_RUNS = LESSON_RUNS + [suite_config(dp=1, tp=tp, steps=1, tp_newton_schulz="gram") for tp in GRAM_TPS]
 
 
 def assert_ledger_is_the_model(result, cfg):
@@ -65,7 +65,7 @@ def test_adamw_zero1_baseline_is_the_ledger(run_grid, dp, tp):
 @pytest.mark.parametrize("tp", GRAM_TPS)
 def test_the_gram_form_is_the_ledger(run_grid, tp):
     cost = assert_ledger_is_the_model(run_grid(1, tp, steps=1, tp_newton_schulz="gram"),
-                                      mt.RunConfig(dp=1, tp=tp, steps=1, tp_newton_schulz="gram"))
+                                      suite_config(dp=1, tp=tp, steps=1, tp_newton_schulz="gram"))
     assert sum(cost.traffic.phases["TP Gram"].sent) > 0
 
 

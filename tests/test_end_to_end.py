@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from conftest import BUCKET, GRIDS, dm, grid_config, grid_run, layout_metas, mt, presence_bytes, run_together
+from conftest import (BUCKET, GRIDS, dm, grid_config, grid_run, layout_metas, mt, presence_bytes, run_together,
+                      suite_specs)
 
 GRID_RUNS = [grid_config(dp, tp) for dp, tp in GRIDS + [(3, 2)]]
 
@@ -12,7 +13,7 @@ GRID_RUNS = [grid_config(dp, tp) for dp, tp in GRIDS + [(3, 2)]]
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_bit_identical_to_torch(run_grid, dp, tp):
     result = grid_run(run_grid, dp, tp)
-    specs = dm.transformer_specs()
+    specs = suite_specs()
     assert [c["name"] for c in result["checks"]] == [s.name for s in specs]
     not_identical = [c["name"] for c in result["checks"] if not c["identical"]]
     assert not_identical == []
@@ -79,7 +80,7 @@ def expected_per_rank(specs, dp, tp, buckets):
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_bytes_and_flops_match_sizes(run_grid, dp, tp):
     result = grid_run(run_grid, dp, tp)
-    specs = dm.transformer_specs()
+    specs = suite_specs()
     expected = expected_per_rank(specs, dp, tp, result["buckets"])
     assert result["bytes_same_every_step"]
     for phase, row in result["bytes_per_step"].items():
@@ -107,8 +108,7 @@ def test_no_bytes_on_one_rank(run_grid):
 def test_runs_spawned_together_are_what_the_commands_launcher_returns():
     """The suite spawns the runs of one world size together (conftest.run_together); the command's launcher,
     mt.run, spawns each alone. Two runs in one spawn: the second is mt.run's, clocks aside."""
-    first, second = (mt.RunConfig(dp=dp, tp=tp, steps=2, bucket_size=BUCKET, strategy=s)
-                     for dp, tp, s in ((2, 1, "gather"), (1, 2, "owner")))
+    first, second = (grid_config(dp, tp, strategy=s) for dp, tp, s in ((2, 1, "gather"), (1, 2, "owner")))
     together = run_together([first, second])[second]
     alone = mt.run(second, print_fn=lambda *a, **k: None)
     assert together.keys() == alone.keys() and together["passed"]

@@ -28,7 +28,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import ROOT, dm, mlr, mt
+from conftest import ROOT, dm, mlr, mt, suite_config, suite_specs
 
 sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
 
@@ -43,7 +43,7 @@ STEPS = 3
 UNIT_ROUNDOFF = 2.0**-24
 GRIDS = [(2, 1), (1, 2)]
 GRAM_TPS = [2, 4]
-GRID_RUNS = [mt.RunConfig(dp=1, tp=tp, steps=1, tp_newton_schulz=way) for tp in GRAM_TPS for way in ("gather", "gram")]
+GRID_RUNS = [suite_config(dp=1, tp=tp, steps=1, tp_newton_schulz=way) for tp in GRAM_TPS for way in ("gather", "gram")]
 
 
 def step1_max_logits(cfg):
@@ -240,11 +240,11 @@ def test_gram_bytes_formula_is_what_a_real_run_sends(run_grid, tp):
     """compare.tp_newton_schulz_costs against the Ledgers of real runs of the lesson's demo (DP = 1, so every
     TP-split matrix goes through each rank): the TP gather of tp_newton_schulz="gather", the Gram and norm
     all-reduces of "gram", every rank, summed over the matrices."""
-    specs = [s for s in dm.transformer_specs() if s.group == mt.MUON_GROUP and s.tp_split_dim >= 0]
+    specs = [s for s in suite_specs() if s.group == mt.MUON_GROUP and s.tp_split_dim >= 0]
     assert specs and all(mlr.gram_eligible(s.global_shape, s.tp_split_dim) for s in specs)
     costs = [compare.tp_newton_schulz_costs(s.global_shape, s.tp_split_dim, tp) for s in specs]
     runs = {way: run_grid(1, tp, steps=1, tp_newton_schulz=way) for way in ("gather", "gram")}
-    unsplit = sum(dm.newton_schulz_flops(s.global_shape) for s in dm.transformer_specs()
+    unsplit = sum(dm.newton_schulz_flops(s.global_shape) for s in suite_specs()
                   if s.group == mt.MUON_GROUP and s.tp_split_dim < 0)  # the routers: whole on every rank either way
     for way, run in runs.items():
         assert run["passed"], way

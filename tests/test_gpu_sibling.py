@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, SCRIPT, mt
+from conftest import ROOT, SCRIPT, SUITE_D_MODEL, mt
 
 SIBLING = os.path.join(ROOT, "distributed_muon.py")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -21,13 +21,15 @@ import gpu_twin  # noqa: E402
 @pytest.mark.parametrize("strategy", ["comm-free"])
 def test_under_torchrun_on_cpu_matches_torch_and_the_cpu_script(tmp_path, run_grid, strategy):
     path = tmp_path / "run.json"
-    proc = torchrun(tmp_path, "--dp", "2", "--tp", "2", "--strategy", strategy, "--json", str(path))
+    proc = torchrun(tmp_path, "--dp", "2", "--tp", "2", "--strategy", strategy, "--d-model", str(SUITE_D_MODEL),
+                    "--json", str(path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(path.read_text())
     assert results["passed"] and all(c["identical"] for c in results["checks"])
     assert results["launcher"] == dict(backend="gloo", device="cpu", gpu=None)
     assert "4 CPU ranks over Gloo, DP=2 x TP=2" in proc.stdout
     # The same algorithm as the CPU script's own launcher: the same bytes, FLOPs and layout.
+    assert results["config"]["d_model"] == SUITE_D_MODEL
     spawned = run_grid(2, 2, steps=results["config"]["steps"], strategy=strategy)
     assert results["bytes_per_step"] == spawned["bytes_per_step"]
     assert results["ns_flops"] == spawned["ns_flops"]

@@ -7,7 +7,7 @@ sum over the DP ranks that have a gradient, or None where none has one.
 
 import pytest
 
-from conftest import BUCKET, layout_metas, mo, mt
+from conftest import BUCKET, layout_metas, mo, mt, suite_config
 
 # (name, DP rank or -1 for every rank, step); the run has 3 steps (mid-run and the last step apart) and
 # resumes from a state_dict after step 2.
@@ -26,7 +26,7 @@ RUNS = [(dict(strategy=s), 3, 2) for s in mo.STRATEGIES] + [(dict(baseline=True)
                                                              (dict(strategy="owner"), 8, 1),
                                                              (dict(strategy="comm-free"), 2, 4)]
 AT = dict(steps=3, bucket_size=BUCKET)  # 3 steps: MISSING's steps 2 and 3 apart
-GRID_RUNS = [mt.RunConfig(dp=dp, tp=tp, missing_grads=m, **AT, **run) for run, dp, tp in RUNS for m in (MISSING, ())]
+GRID_RUNS = [suite_config(dp=dp, tp=tp, missing_grads=m, **AT, **run) for run, dp, tp in RUNS for m in (MISSING, ())]
 
 
 @pytest.mark.parametrize("run,dp,tp", RUNS)

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from conftest import BUCKET, GRIDS, STEPS, dm, grid_config, grid_run, layout_metas, mo, mt, presence_bytes
+from conftest import (BUCKET, GRIDS, STEPS, dm, grid_config, grid_run, layout_metas, mo, mt, presence_bytes, suite_config,
+                      suite_specs)
 # (dp, tp, config): more ranks than matrices (1 layer: 5 matrices on 8 ranks), one huge
 # matrix among small ones (the lopsided model), and both on the uneven 3 x 2 grid.
 UNEVEN = [(8, 1, dict(layers=1)), (4, 2, dict(layers=1)), (8, 1, dict(model="lopsided")),
@@ -90,8 +91,7 @@ def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strate
     assert overlapped["bytes_per_step"] == plain["bytes_per_step"]
     # One gather at owner and one scatter from owner per unit that has a matrix to move (rank 0's view;
     # comm-free moves TP pieces inside rank 0's DP row only), against one of each for the whole step.
-    opt = mt.plan_optimizer(mt.RunConfig(dp=dp, tp=tp, bucket_size=BUCKET, strategy=strategy,
-                                         overlap=mo.OVERLAP_DEFAULT))
+    opt = mt.plan_optimizer(suite_config(dp=dp, tp=tp, bucket_size=BUCKET, strategy=strategy, overlap=mo.OVERLAP_DEFAULT))
     moving = sum(any(r.name in u.names for r in opt.routes) for u in opt._units())
     owner_phases = ("gather at owner", "scatter from owner")
     launches = lambda r: sum(e[0] == "launch" and e[1] in owner_phases for e in events(r, 0))
@@ -189,11 +189,11 @@ def expected_exchange(dp, tp, owners, parts, splits):
 def runs_to_check(run_grid, dp, tp, strategy):
     """The strategy's run, the gather run on the same grid, the specs, and the owners (checked)."""
     result = strategy_run(run_grid, dp, tp, strategy)
-    assert result["owners"] == demo_owners(dp * tp)
-    presence = presence_bytes(len(dm.transformer_specs()), dp * tp)
+    assert result["owners"] == demo_owners(dp * tp, d_model=result["config"]["d_model"])
+    specs = suite_specs()
+    presence = presence_bytes(len(specs), dp * tp)
     assert result["bytes_per_step"]["grad presence"]["sent"] == [presence] * (dp * tp)
-    return (result, strategy_run(run_grid, dp, tp, "gather"), {s.name: s for s in dm.transformer_specs()},
-            result["owners"])
+    return result, strategy_run(run_grid, dp, tp, "gather"), {s.name: s for s in specs}, result["owners"]
 
 
 def assert_exchange_bytes(table, gather, scatter):
