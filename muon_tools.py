@@ -1243,6 +1243,7 @@ def run(cfg, explain=False, print_fn=print):
         raise ValueError(f"this launcher starts Gloo ranks on the CPU (got backend {cfg.backend}, device "
                          f"{cfg.device}): GPUs need torchrun, with distributed_muon.py")
     validate(cfg, demo_specs(cfg))
+    start_method()  # the ranks' forkserver imports torch (seconds) while this process plans
     plan = plan_optimizer(cfg)
     print_header(cfg, plan, "CPU", "Gloo", explain, print_fn)
     t0 = time.perf_counter()

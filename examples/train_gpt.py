@@ -928,6 +928,7 @@ def header(cfg):
 def run(cfg, verify_run=False, print_fn=print):
     """Check, train on cfg.dp x cfg.tp spawned Gloo ranks, summarize (and verify); returns a dict."""
     validate(cfg)
+    mt.start_method()  # the ranks' forkserver imports torch (seconds) while this process reads the text
     print_fn(header(cfg))
     t0 = time.perf_counter()
     results = mt.spawn_ranks(replace(cfg, keep=cfg.keep or verify_run), train_rank)
