@@ -1378,6 +1378,8 @@ def exit_code(work, show_traceback=False):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inside the try: one may be waiting
         return work()
     except ValueError as e:
+        if command:  # a forkserver started for ranks that will not come (run() starts it once the flags pass)
+            stop_forkserver()
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RankFailure as e:

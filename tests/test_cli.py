@@ -1,5 +1,6 @@
 """The command line: bad input, a failing rank, and the default run as a user starts it."""
 
+import json
 import subprocess
 import sys
 
@@ -100,16 +101,28 @@ def test_the_launcher_names_the_rank_that_says_why_not_one_that_heard_of_it(tmp_
     assert str(mt.blame([(0, 1), (5, 1)], str(tmp_path))) == f"rank 0 failed: {told} (then rank 5 failed too)"
 
 
-def check_default_run(out, results):
-    """What the default run with --explain --json printed (out) and wrote (results). The notebook
-    launches exactly that run (`--dp 4 --tp 2 --explain --json`) and test_notebook.py calls this on
-    its output: one run serves both."""
+def check_default_run_printed(out):
+    """What the default run with --explain printed: the read-along notebook runs it too (test_notebook.py reads
+    its saved outputs with this)."""
     assert "DP=4 x TP=2" in out
     assert "(padding)" in out and "bucket (0, 0)" in out  # --explain's map
     n = len(dm.transformer_specs())
     assert f"Result: PASS: {n}/{n} parameters bit-identical to torch" in out
+
+
+def test_the_default_run_as_a_user_runs_it_passes_and_its_json_is_what_it_printed(tmp_path):
+    """`python distributed_muon_cpu.py`, the README's command, with --explain and --json."""
+    proc = run_script("--explain", "--json", str(tmp_path / "run.json"), timeout=240)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    out = proc.stdout
+    check_default_run_printed(out)
+    with open(tmp_path / "run.json") as f:
+        results = json.load(f)
+    n = len(dm.transformer_specs())
     assert results["passed"] and all(c["identical"] for c in results["checks"]) and len(results["checks"]) == n
-    assert results["config"]["dp"] == 4 and results["config"]["tp"] == 2
+    default = mt.RunConfig()
+    assert {k: results["config"][k] for k in ("dp", "tp", "steps", "d_model", "layers", "strategy")} == \
+        dict(dp=4, tp=2, steps=default.steps, d_model=default.d_model, layers=default.layers, strategy="gather")
     assert set(results["bytes_per_step"]) == set(mt.PHASES)
     assert len(results["ns_flops"]["per_rank"]) == 8 and len(results["ledgers"]) == 8
     assert len(results["timings"]["step_ms_slowest_rank"]) == results["config"]["steps"]

@@ -1,12 +1,10 @@
 """The notebooks: the read-along's sections are the script's, each pair matches its jupytext twin, both are
-committed with the outputs of today's code (tools/make_notebook.py, which runs them headless in a folder holding
-only what they need), the read-along runs top to bottom the way the README tells a user to run it, and the
-runs' saved outputs show every run checked against torch."""
+committed with the outputs of today's code (tools/make_notebook.py, which runs them top to bottom headless, as
+`jupyter nbconvert --execute` does, in a folder holding only what they need), and those saved outputs show what
+each section computed and every run checked against torch."""
 
-import json
 import os
 import re
-import subprocess
 import sys
 
 import jupytext
@@ -15,7 +13,7 @@ import pytest
 
 from conftest import ROOT, SCRIPT
 from test_benchmarks import compare_summary
-from test_cli import check_default_run
+from test_cli import check_default_run_printed
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import make_notebook  # noqa: E402
@@ -89,20 +87,6 @@ def test_each_section_shows_the_scripts_own_source_before_it_runs_it():
     assert any("dm.run_rank" in src for src in shown[6])
 
 
-def execute(tmp_path, notebook):
-    """`jupyter nbconvert --to notebook --execute`, the README's command, in a folder holding only
-    what a user's clone has that the notebook needs; returns the outputs and their printed text."""
-    name = os.path.basename(notebook)
-    make_notebook.copy_needed(name, str(tmp_path), name)
-    # `python -m jupyter` is the `jupyter` command of this very environment (a bare `jupyter` on
-    # PATH could belong to another Python).
-    proc = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
-                           name, "--output", "executed.ipynb"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return printed(tmp_path / "executed.ipynb")
-
-
 def printed(path):
     """A notebook's outputs and their printed text."""
     nb = nbformat.read(path, as_version=4)
@@ -129,8 +113,11 @@ def check_large_runs(text):
     assert int(gram.group(1)) < 8 and 0 < int(gram.group(2)) <= 16  # not torch's bits, within a few bf16 steps
 
 
-def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
-    outputs, text = execute(tmp_path, NOTEBOOK)
+def test_the_read_alongs_saved_outputs_show_each_section_at_work():
+    """The read-along as committed (made by tools/make_notebook.py from today's code:
+    test_each_notebook_is_committed_with_the_outputs_of_todays_code); its default run, run as a command, is
+    test_cli.py's too."""
+    outputs, text = printed(NOTEBOOK)
     assert "torch.equal with torch's Newton-Schulz: True" in text  # section 1, in the kernel
     assert "def newton_schulz(matrix" in text and "# distributed_muon_cpu.py, lines " in text  # its own source
     assert "momentum on two halves equals momentum on the whole: True" in text
@@ -148,8 +135,7 @@ def test_notebook_runs_top_to_bottom_as_the_readme_runs_it(tmp_path):
     assert "phases of one step, in order: grad presence -> grad reduce-scatter -> DP gather" in text  # section 5
     assert "def run_rank(cfg, specs, build_optimizer, torch_reference):" in text  # section 6: its source, then
     default_run = text[text.index("Distributed Muon: 8 CPU ranks"):]  # the default run, --explain
-    with open(tmp_path / "runs" / "notebook_4x2.json") as f:
-        check_default_run(default_run[:default_run.index("Result: PASS") + 60], json.load(f))
+    check_default_run_printed(default_run[:default_run.index("Result: PASS") + 60])
     assert text.count("Result: PASS") == 1
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # checks, accounting
     assert "max / mean = 1.00" in text and "def assign_owners(" in text  # section 7

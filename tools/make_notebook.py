@@ -68,9 +68,9 @@ def check(notebook, path=None):
     return None
 
 
-def copy_needed(notebook, folder, *more):
-    """Copy into `folder` what the notebook's cells need (and `more` files), as a clone has them."""
-    for name in NOTEBOOKS[notebook][1] + NEEDED + more:
+def copy_needed(notebook, folder):
+    """Copy into `folder` what the notebook's cells need, as a clone has them."""
+    for name in NOTEBOOKS[notebook][1] + NEEDED:
         os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
         shutil.copy(os.path.join(ROOT, name), os.path.join(folder, name))
 
