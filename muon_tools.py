@@ -1235,6 +1235,8 @@ def validate(cfg, specs):
             raise ValueError(f"missing gradient ({name}, DP rank {rank}, step {step}) names no parameter, "
                              f"DP rank or step of this run")
     check_tp_divides(specs, cfg.tp)
+    for layout in demo_row_layouts(specs, cfg).values():  # the optimizer's own refusal, made before anything starts
+        layout.tp_piece(cfg.tp)
 
 
 def run(cfg, explain=False, print_fn=print):
