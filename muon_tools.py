@@ -55,9 +55,8 @@ import torch.distributed as dist
 
 import distributed_muon_cpu as dm
 from distributed_muon_cpu import (D_MODEL, NS_COEFFICIENTS, NS_COEFFICIENT_CHOICES, NS_EPS, NS_STEPS, N_HEADS, N_LAYERS,
-                                  ParamSpec,
-                                  adjusted_lr, check_topology, dp_rank_grads, dp_rank_max_logits, initial_params,
-                                  newton_schulz, plan_grid, rank_grid, transformer_specs)
+                                  ParamSpec, adjusted_lr, check_topology, dp_rank_grads, dp_rank_max_logits,
+                                  initial_params, newton_schulz, plan_grid, rank_grid, transformer_specs)
 from muon_checks import ADJUST_LR_FNS, check_hyperparameters
 from muon_owners import (BATCHED_NS_BOUND, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, check_owner_options,
                          load_balance)
@@ -1152,7 +1151,7 @@ def flag(argument):
     return "--" + argument.replace("_", "-")
 
 
-MAX_LAYERS = 24  # 24 layers: 5.6 M parameters, every rank holds them all; more is a typo on a laptop
+MAX_LAYERS = 24  # 24 layers: 4.9 M parameters at d = 128, every rank holds them all; more is a typo on a laptop
 # Every rank draws every full parameter and gradient (float32), and the launcher's reference holds them too:
 # 16 Mi parameters are 64 MiB a copy (d = 256 with 20 layers is 16.0 M; d = 1024 with 1 layer 13.6 M).
 MAX_DEMO_PARAMETERS = 16 * 2**20
