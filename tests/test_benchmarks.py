@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from conftest import ROOT, dm, mo, mt
+from conftest import ROOT, SUITE_D_MODEL, dm, mo, mt
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -37,9 +37,11 @@ def compare_summary(stdout):
 
 def test_compare_prints_one_table_of_the_jsons_figures(tmp_path):
     """What `benchmarks/compare.py --json` printed and wrote: one table whose figures are the JSON's, every run
-    checked against torch (one layer: 5 matrices on 8 ranks, the cheapest run that moves every phase's bytes)."""
+    checked against torch (one layer of the suite's width: 5 matrices on 8 ranks, the cheapest run that moves every
+    phase's bytes)."""
     path = tmp_path / "compare.json"
-    proc = subprocess.run([sys.executable, COMPARE, "--steps", "2", "--layers", "1", "--json", str(path)],
+    proc = subprocess.run([sys.executable, COMPARE, "--steps", "2", "--layers", "1", "--d-model", str(SUITE_D_MODEL),
+                           "--json", str(path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(path.read_text())
