@@ -5,8 +5,7 @@ import math
 
 import pytest
 
-from conftest import (BUCKET, GRIDS, STEPS, dm, grid_config, grid_run, layout_metas, mo, mt, presence_bytes, suite_config,
-                      suite_specs)
+from conftest import BUCKET, GRIDS, STEPS, dm, grid_config, grid_run, layout_metas, mo, mt, presence_bytes, suite_specs
 # (dp, tp, config): more ranks than matrices (1 layer: 5 matrices on 8 ranks), one huge
 # matrix among small ones (the lopsided model), and both on the uneven 3 x 2 grid.
 UNEVEN = [(8, 1, dict(layers=1)), (4, 2, dict(layers=1)), (8, 1, dict(model="lopsided")),
@@ -91,7 +90,7 @@ def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strate
     assert overlapped["bytes_per_step"] == plain["bytes_per_step"]
     # One gather at owner and one scatter from owner per unit that has a matrix to move (rank 0's view;
     # comm-free moves TP pieces inside rank 0's DP row only), against one of each for the whole step.
-    opt = mt.plan_optimizer(suite_config(dp=dp, tp=tp, bucket_size=BUCKET, strategy=strategy, overlap=mo.OVERLAP_DEFAULT))
+    opt = mt.plan_optimizer(grid_config(dp, tp, strategy=strategy, overlap=mo.OVERLAP_DEFAULT))  # the overlapped run's
     moving = sum(any(r.name in u.names for r in opt.routes) for u in opt._units())
     owner_phases = ("gather at owner", "scatter from owner")
     launches = lambda r: sum(e[0] == "launch" and e[1] in owner_phases for e in events(r, 0))

@@ -68,18 +68,14 @@ def check(notebook, path=None):
     return None
 
 
-def copy_needed(notebook, folder):
-    """Copy into `folder` what the notebook's cells need, as a clone has them."""
-    for name in NOTEBOOKS[notebook][1] + NEEDED:
-        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
-        shutil.copy(os.path.join(ROOT, name), os.path.join(folder, name))
-
-
 def execute(notebook, folder):
     """The notebook's cells from its pair, run top to bottom in `folder`, which gets a copy of what they need;
     returns the executed notebook (not written anywhere)."""
-    copy_needed(notebook, folder)
-    nb = jupytext.read(os.path.join(ROOT, NOTEBOOKS[notebook][0]))
+    pair, code = NOTEBOOKS[notebook]
+    for name in code + NEEDED:
+        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), os.path.join(folder, name))
+    nb = jupytext.read(os.path.join(ROOT, pair))
     ExecutePreprocessor(timeout=TIMEOUT_S, kernel_name="python3").preprocess(nb, {"metadata": {"path": folder}})
     return nb
 
