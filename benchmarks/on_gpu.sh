@@ -14,32 +14,27 @@
 #   bash benchmarks/on_gpu.sh                      # on the GPU machine, from the repository root
 #   bash benchmarks/on_gpu.sh --cpu-only           # any machine: parts 1-3 skipped (and said so), part 4 runs
 #   bash benchmarks/on_gpu.sh --cpu-only --quick --out /tmp/x   # seconds: tiny sizes (the test's run)
+#   bash benchmarks/on_gpu.sh 2>&1 | tee $OUT/on_gpu.log; tar czf $OUT/measured.tgz notes/measured/*_h100*.* \
+#     notes/measured/INDEX.md   # on this workplace's lent machine: its copy has git, its only Python is python3
+#     (found below; never write a `python` over a link to it), and at most 8 files come back from $OUT
 # Options: --cpu-only, --quick (tiny sizes: a plumbing check, not figures), --out DIR (default notes/measured),
-# --name NAME (file suffix; default the GPU's model, e.g. h100, or "cpu" with --cpu-only), --commit SHA (the
-# commit a copy of the tree without git came from, e.g. the device machine's; refused where git can tell).
+# --name NAME (file suffix; default the GPU's model, e.g. h100, or "cpu" with --cpu-only).
 set -u
 cd "$(dirname "$0")/.."
-CPU_ONLY=0; QUICK=0; OUT=notes/measured; NAME=""; GIVEN_COMMIT=""
+CPU_ONLY=0; QUICK=0; OUT=notes/measured; NAME=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu-only) CPU_ONLY=1 ;;
     --quick) QUICK=1 ;;
-    --out|--name|--commit) [ $# -gt 1 ] || { echo "error: on_gpu.sh: $1 needs a value" >&2; exit 2; }
-      case "$1" in --out) OUT=$2 ;; --name) NAME=$2 ;; --commit) GIVEN_COMMIT=$2 ;; esac; shift ;;
-    *) echo "error: on_gpu.sh: unknown option $1 (--cpu-only, --quick, --out DIR, --name NAME, --commit SHA)" >&2
-      exit 2 ;;
+    --out|--name) [ $# -gt 1 ] || { echo "error: on_gpu.sh: $1 needs a value" >&2; exit 2; }
+      if [ "$1" = --out ]; then OUT=$2; else NAME=$2; fi; shift ;;
+    *) echo "error: on_gpu.sh: unknown option $1 (--cpu-only, --quick, --out DIR, --name NAME)" >&2; exit 2 ;;
   esac
   shift
 done
 [ -d "$OUT" ] || { echo "error: on_gpu.sh: --out $OUT is not a folder" >&2; exit 2; }
-if git rev-parse --short HEAD >/dev/null 2>&1; then
-  [ -z "$GIVEN_COMMIT" ] || { echo "error: on_gpu.sh: --commit is for a copy without git; git says $(git rev-parse --short HEAD)" >&2; exit 2; }
-  COMMIT=$(git rev-parse --short HEAD)
-  [ -n "$(git status --porcelain)" ] && COMMIT="$COMMIT+dirty"  # as benchmarks/refresh.sh writes it
-elif [ -n "$GIVEN_COMMIT" ]; then COMMIT="$GIVEN_COMMIT"
-else echo "error: on_gpu.sh: no git here to name the commit: pass --commit SHA (the commit this copy came from)" >&2; exit 2
-fi
-PY=${PYTHON:-python}
+# The Python with torch: $PYTHON, else `python`, else `python3` (the device machine lent here has only python3).
+PY=${PYTHON:-$(command -v python >/dev/null && echo python || echo python3)}
 if [ "$CPU_ONLY" = 0 ] && ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "error: on_gpu.sh: no CUDA GPU here (torch.cuda.is_available() is False); run with --cpu-only" >&2; exit 2
 fi
@@ -53,6 +48,8 @@ if [ "$QUICK" = 1 ]; then
 else
   STEPS=10; NS_SHAPES="2304x768 768x768 3072x768 768x3072 8192x8192"; SCALING="--ranks 1 2 4 8 --d 768 --rounds 3"
 fi
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+[ -n "$(git status --porcelain 2>/dev/null)" ] && COMMIT="$COMMIT+dirty"  # as benchmarks/refresh.sh writes it
 START=$SECONDS
 SUMMARY=()
 

@@ -111,8 +111,6 @@ ROWS = [
     ("benchmarks/cpu_vs_gpu_newton_schulz.py", ["--bogus"], "unrecognized arguments: --bogus", False),
     ("benchmarks/on_gpu.sh", ["--frobnicate"], "on_gpu.sh: unknown option --frobnicate", False),
     ("benchmarks/on_gpu.sh", ["--out"], "on_gpu.sh: --out needs a value", False),
-    ("benchmarks/on_gpu.sh", ["--cpu-only", "--commit", "abc1234"], "on_gpu.sh: --commit is for a copy without git",
-     False),
     ("benchmarks/on_gpu.sh", ["--cpu-only", "--out", "/nonexistent"], "on_gpu.sh: --out /nonexistent is not a folder",
      False),
     ("benchmarks/peak_memory.sh", [], "no command to measure", False),

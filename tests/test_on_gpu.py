@@ -37,7 +37,7 @@ def test_cpu_only_quick_skips_cuda_parts_and_writes_the_scaling_figures(tmp_path
 def test_refuses_bad_options_and_a_missing_gpu(tmp_path):
     proc = run("--frobnicate")
     assert proc.returncode == 2 and proc.stderr == (
-        "error: on_gpu.sh: unknown option --frobnicate (--cpu-only, --quick, --out DIR, --name NAME, --commit SHA)\n")
+        "error: on_gpu.sh: unknown option --frobnicate (--cpu-only, --quick, --out DIR, --name NAME)\n")
     proc = run("--cpu-only", "--out", str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "is not a folder" in proc.stderr
     if not torch.cuda.is_available():
