@@ -43,8 +43,9 @@ Reading order (each section opens with what it does and why)
 then, each in a file of its own:
     7. muon_owners.py: each matrix orthogonalized once (the owner and comm-free strategies)
     8. muon_large_runs.py: what large runs add (fused QKV by blocks, QK-clip, Newton-Schulz on TP pieces)
-and beside the lesson, no part of it: muon_checks.py (what the optimizer refuses) and muon_tools.py
-(9-12: torch's reference, the accounting, the launcher and the command line, the training checks).
+and beside the lesson, no part of it: muon_checks.py (what the optimizer refuses), muon_forkserver.py (how
+a command starts its ranks' processes early) and muon_tools.py (9-12: torch's reference, the accounting, the
+launcher and the command line, the training checks).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 if __name__ == "__main__":  # a Ctrl-C while torch loads waits for the launcher (section 11): one line, exit 130
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+
+    muon_forkserver.start_for_command()
 
 import torch
 import torch.distributed as dist

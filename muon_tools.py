@@ -13,7 +13,8 @@ read: it continues the lesson's numbering.
     12. Training checks: how a real training is checked against one process (the bound on its
         gradients, the chaos floor), for examples/train_gpt.py and dtensor_demo.py alike
 
-The launcher (spawn_ranks, run_under_torchrun, exit_code, RankFailure), the table formatting
+The launcher (spawn_ranks, run_under_torchrun, exit_code, RankFailure; its forkserver and janitor are in
+muon_forkserver.py, without torch, for a command's first lines to start), the table formatting
 (format_table, human_bytes), the parser (OneLineParser) and the checks of a command's options
 (check_launch, check_writable, flag) serve every command of the repository: distributed_muon.py,
 distributed_muon_dtensor.py, dtensor_demo.py, examples/ and benchmarks/ import them from here, and the
@@ -58,6 +59,7 @@ from distributed_muon_cpu import (D_MODEL, NS_COEFFICIENTS, NS_COEFFICIENT_CHOIC
                                   ParamSpec, adjusted_lr, check_topology, dp_rank_grads, dp_rank_max_logits,
                                   initial_params, newton_schulz, plan_grid, rank_grid, transformer_specs)
 from muon_checks import ADJUST_LR_FNS, check_hyperparameters
+from muon_forkserver import remove_at_exit, start_method, stop_forkserver
 from muon_owners import (BATCHED_NS_BOUND, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, check_owner_options,
                          load_balance)
 from muon_large_runs import (NS_BLOCKS, TP_NEWTON_SCHULZ, LargeRuns, check_large_run_options, gram_eligible,
@@ -807,79 +809,6 @@ def free_port():
         return s.getsockname()[1]
 
 
-# The ranks remove the launcher's temporary folders when it is killed outright (end_if_orphaned), but only once
-# they run: a launcher killed by SIGKILL while its forkserver imports torch (seconds) left its folders behind.
-# A janitor, a small Python of its own (no torch: a tenth of a second), waits for the end of a pipe that only
-# the launcher writes to, then removes every folder the launcher named on it: at the launcher's end, however
-# it ends (those it removed itself are gone already). Ctrl-C and SIGTERM reach it with the job: it ignores them.
-JANITOR = """
-import shutil, signal, sys
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-folders = sys.stdin.read().splitlines()  # until the end of file: the launcher is gone
-for folder in folders:
-    shutil.rmtree(folder, ignore_errors=True)
-"""
-
-
-@contextlib.contextmanager
-def sigint_ignored():
-    """SIGINT ignored in this process while it starts a child, which inherits that from its first instruction
-    (a handler would not survive the child's exec, nor a mask: _posixsubprocess clears it). Ctrl-C reaches the
-    whole job; a child that cannot ignore it yet prints Python's traceback, or its fatal error."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-@functools.lru_cache(maxsize=None)
-def janitor():
-    """This process's janitor (started at first use; one a launcher, for every run it starts), told at once of
-    multiprocessing's folder (the forkserver's socket, the ranks' semaphores: one for the process's life)."""
-    with sigint_ignored():
-        proc = subprocess.Popen([sys.executable, "-c", JANITOR], stdin=subprocess.PIPE, text=True)
-    proc.stdin.write(multiprocessing.util.get_temp_dir() + "\n")
-    proc.stdin.flush()
-    return proc
-
-
-def remove_at_exit(*folders):
-    """Have the janitor remove these folders once this process is gone, however it goes."""
-    with contextlib.suppress(OSError):  # a janitor killed by hand: the run goes on, as before there was one
-        janitor().stdin.write("".join(f"{folder}\n" for folder in folders))
-        janitor().stdin.flush()
-
-
-def start_method():
-    """How ranks are started: forked from a server that has already imported torch.
-
-    Each freshly spawned process spends seconds importing torch (and torch._dynamo,
-    which torch.optim.Optimizer imports on first use), and 8 ranks on 2 cores do it
-    at once. A forkserver imports them once and forks each rank from it, which
-    reaches the first step several times sooner. "spawn" remains where there is no forkserver.
-    """
-    janitor()  # it removes multiprocessing's folder, where the forkserver puts its socket, however this ends
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo"])
-    # The forkserver imports torch before it would ignore SIGINT itself; the launcher ignores it only while the
-    # server process is made, not while it imports.
-    with sigint_ignored():
-        multiprocessing.forkserver.ensure_running()
-    return "forkserver"
-
-
-def stop_forkserver():
-    """SIGKILL this process's forkserver, if it started one, and reap it. An interrupted command's: it would
-    end by itself once it sees the command gone, but only after its own import of torch, seconds later."""
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid  # multiprocessing's own record of it
-    if pid is not None:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-
-
 class RankFailure(RuntimeError):
     """A rank failed, died or stopped responding; str() is one line, .traceback the rank's own."""
 
@@ -1244,7 +1173,7 @@ def run(cfg, explain=False, print_fn=print):
         raise ValueError(f"this launcher starts Gloo ranks on the CPU (got backend {cfg.backend}, device "
                          f"{cfg.device}): GPUs need torchrun, with distributed_muon.py")
     validate(cfg, demo_specs(cfg))
-    start_method()  # the ranks' forkserver imports torch (seconds) while this process plans
+    start_method()  # the ranks' forkserver (a command's first lines started it already) imports torch meanwhile
     plan = plan_optimizer(cfg)
     print_header(cfg, plan, "CPU", "Gloo", explain, print_fn)
     t0 = time.perf_counter()
@@ -1379,7 +1308,7 @@ def exit_code(work, show_traceback=False):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inside the try: one may be waiting
         return work()
     except ValueError as e:
-        if command:  # a forkserver started for ranks that will not come (run() starts it once the flags pass)
+        if command:  # a forkserver started for ranks that will not come (by the command's first lines, or run())
             stop_forkserver()
         print(f"error: {e}", file=sys.stderr)
         return 2

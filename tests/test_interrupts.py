@@ -26,8 +26,8 @@ STARTED = []  # every Run of the session: a test that fails before it ends its r
 
 
 class Run:
-    """The script (or another that uses its launcher) in its own session (a terminal's job), with TMPDIR
-    under tmp_path."""
+    """The script (or another that uses its launcher; script=None: argv is python's own) in its own session (a
+    terminal's job), with TMPDIR under tmp_path."""
 
     def __init__(self, tmp_path, *argv, script=SCRIPT):
         STARTED.append(self)
@@ -35,7 +35,7 @@ class Run:
         self.tmp.mkdir()
         # torch creates an (empty) compile cache in TMPDIR at import; it is torch's, and persistent
         env = dict(os.environ, TMPDIR=str(self.tmp), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-        self.proc = subprocess.Popen([sys.executable, script, *argv], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, *([script] if script else []), *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
     def processes(self):
@@ -187,12 +187,44 @@ def test_a_launcher_killed_before_any_rank_starts_leaves_nothing(tmp_path):
     assert os.listdir(run.tmp) == []
 
 
-def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path):
+FIRST_IMPORT_OF_TORCH = """
+import importlib.abc, multiprocessing.forkserver, os, runpy, sys
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":  # the command's first import of torch: is its forkserver running yet?
+            sys.meta_path.remove(self)
+            pid = multiprocessing.forkserver._forkserver._forkserver_pid
+            print("forkserver running at import torch:", pid is not None and os.path.exists(f"/proc/{pid}"),
+                  file=sys.stderr)
+sys.meta_path.insert(0, Watch())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("argv,code", [(["--tp", "3"], 2), (["--dp", "abc"], 2), (["--help"], 0)])
+def test_the_forkserver_starts_before_the_command_imports_torch_and_ends_with_it(tmp_path, argv, code):
+    """The lesson's first lines start its ranks' forkserver (muon_forkserver.start_for_command) before the command
+    imports torch, so that the two imports run at once on 2 cores. A command that starts no rank (a refusal, exit 2,
+    or --help) stops it on the way out: nothing is left a moment later, and no temporary folder."""
+    run = Run(tmp_path, "-c", FIRST_IMPORT_OF_TORCH, SCRIPT, *argv, script=None)
+    run.proc.wait(timeout=60)  # the command's end (its output is a few lines: the pipes do not fill)
+    assert not run.forkserver()  # the command killed it (and reaped it) before it ended: not left to its import
+    out, err = run.proc.communicate()  # which would also have waited for a forkserver holding the pipes
+    returncode, _, _, _ = run.finish(10)  # and then nothing at all: the janitor ends too
+    first, *rest = err.splitlines()
+    assert returncode == code and first == "forkserver running at import torch: True"
+    assert (rest[0].startswith("error: ") and len(rest) == 1) if code else (rest == [] and "usage:" in out)
+    assert os.listdir(run.tmp) == []
+
+
+@pytest.mark.parametrize("script", [TRAIN_GPT, SCRIPT], ids=["train_gpt", "the lesson (its forkserver starts first)"])
+def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path, script):
     """Ctrl-C in the first seconds, while the command still imports torch: its first lines block SIGINT, so the
     signal waits (pending) until muon_tools.exit_code takes it, as it takes any Ctrl-C: exit 130, one line, not
     Python's traceback out of torch's import; no rank started, nothing left. (It ends once the imports are done:
     seconds, more on a loaded machine.)"""
-    run = Run(tmp_path, "--dp", "1", "--tp", "1", "--steps", "1", script=TRAIN_GPT)
+    run = Run(tmp_path, "--dp", "1", "--tp", "1", "--steps", "1", script=script)
     deadline = time.monotonic() + 60
     while not run.sigint("SigBlk"):  # the script's first lines have run; torch takes seconds to import
         assert time.monotonic() < deadline and run.proc.poll() is None, "SIGINT was never blocked"
@@ -206,8 +238,8 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path):
 
 
 def test_ctrl_c_while_the_forkserver_imports_torch_is_one_line_and_130(tmp_path):
-    """Ctrl-C once the command has torch, while the forkserver it started imports torch in turn (seconds, before
-    any rank): the forkserver, started with SIGINT ignored, prints nothing; the command ends as on any Ctrl-C."""
+    """Ctrl-C while the forkserver the command started imports torch (seconds, before any rank): the forkserver,
+    started with SIGINT ignored, prints nothing; the command ends as on any Ctrl-C."""
     run = Run(tmp_path, *LONG_RUN)
     deadline = time.monotonic() + 60
     while not run.forkserver():

@@ -133,7 +133,7 @@ def test_section_6_is_the_program_every_rank_runs():
 # The project's modules, in layers: each imports only modules of the layers below it (the lesson's order:
 # the math, grid, buffer, flow and step below the strategies, below the tools and the demos).
 LAYERS = [
-    ["muon_checks"],  # what the optimizers refuse: imports nothing of the project
+    ["muon_checks", "muon_forkserver"],  # what the optimizers refuse; the ranks' forkserver: nothing of the project
     ["distributed_muon_cpu"],  # the lesson: math, grid, buffer, flow, the step, the run
     ["muon_owners", "muon_large_runs"],  # sections 7 and 8: strategies and what large runs add
     ["muon_tools"],  # the reference, the accounting, the launcher, the command line

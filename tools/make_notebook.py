@@ -28,7 +28,8 @@ import nbformat
 from nbconvert.preprocessors import ExecutePreprocessor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LESSON = ("distributed_muon_cpu.py", "muon_checks.py", "muon_owners.py", "muon_large_runs.py", "muon_tools.py")
+LESSON = ("distributed_muon_cpu.py", "muon_checks.py", "muon_forkserver.py", "muon_owners.py", "muon_large_runs.py",
+          "muon_tools.py")
 # {notebook: (its pair, what its cells import and run)}. The read-along runs the lesson, its sections 7
 # and 8, the checks and the tooling; the runs notebook runs commands too: compare.py and the trainings.
 NOTEBOOKS = {
