@@ -1,10 +1,10 @@
 """The ranks' forkserver and the janitor: how a command starts its ranks quickly and leaves nothing behind.
 
 No torch here, on purpose: a command calls start_for_command() in its first lines, before its own import of
-torch (seconds), so that the forkserver's import of it, which the ranks need, runs at the same time on the
-other core instead of after it (`python distributed_muon_cpu.py --dp 2 --tp 1 --steps 1 --d-model 64`: about
-2.7 s of 11 sooner here, 2 cores). muon_tools.py's launcher (section 11) forks every rank from this forkserver;
-a command refused before any rank starts stops it on the way out. Beside the lesson, no part of it.
+torch (seconds), so that the forkserver's import of it, which the ranks need, runs at the same time on another
+core instead of after it (a small run's command seconds sooner on 2 cores: notes/measured/timings.md).
+muon_tools.py's launcher (section 11) forks every rank from this forkserver; a command refused before any rank
+starts stops it on the way out. Beside the lesson, no part of it.
 """
 
 import atexit

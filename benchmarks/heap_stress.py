@@ -25,7 +25,9 @@ found. At commit 6fdc039, many short runs instead (each start and exit, where th
 `--runs 40 --busy 2 --malloc-check -- --verify --steps 6 --val-windows 4`: 40 runs of 60-73 s, 0 failures, no
 heap message (load 5 at the end). At commit a9b6a1c, under a heavier load (eight busy loops, as near the load of
 15 the crash was seen under): `--runs 12 --busy 8 --malloc-check -- --verify --steps 6 --val-windows 4`: 12 runs of
-136-170 s, 0 failures, no heap message (load 9.9 at the end). 0 in 63 in all; still no cause found.
+136-170 s, 0 failures, no heap message (load 9.9 at the end). At commit 4b99ebf (the lesson's forkserver started
+first; the examples' unchanged), the same command with --runs 6: 6 runs of 138-160 s, 0 failures, no heap message
+(load 9.8 at the end). 0 in 69 in all; still no cause found.
 What is alive in a rank when it ends (`/proc/self/task` read at the end of rank_process, in a copy, one run of
 `train_gpt_dtensor.py --steps 2`): the main thread and the heartbeat thread, 4 Gloo run loops (pt_gloo_runloop)
 and 2 Gloo TCP loops after destroy_process_group, 8 autograd threads, and rank 0's TCPStore loop. A rank forked
