@@ -266,8 +266,8 @@ def run_row(script, args, env, out_path, err_path):
 
     multiprocessing.process.BaseProcess.start = started
     subprocess.Popen.__init__ = started
-    # A command's first lines start its ranks' forkserver (no rank: test_cli's real processes check it ends
-    # with the refusal); here, where every process start is refused, it is not started.
+    # A command's first lines start its ranks' forkserver (no rank: test_interrupts checks, on real commands, that
+    # it ends with the refusal); here, where every process start is refused, it is not started.
     muon_forkserver.start_for_command = lambda: None
     torch.distributed.init_process_group = started
     path = os.path.join(ROOT, script)
