@@ -80,14 +80,23 @@ def start_method():
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo"])
+    # multiprocessing's resource tracker (the forkserver's first child) unblocks SIGINT and SIGTERM once it has
+    # started, whatever they were: the mask is put back (a command's first lines block SIGINT until
+    # muon_tools.exit_code takes it), and a Ctrl-C that lands meanwhile is caught, then raised again.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        multiprocessing.resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        signal.raise_signal(signal.SIGINT)  # waits, where the mask blocks it; else as any Ctrl-C here
     # The forkserver imports torch before it would ignore SIGINT itself; the launcher ignores it only while the
     # server process is made, not while it imports.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     with sigint_ignored():
         multiprocessing.forkserver.ensure_running()
-    # multiprocessing's resource tracker, started with it, unblocks SIGINT and SIGTERM afterwards, whatever they
-    # were: a command's first lines block SIGINT until muon_tools.exit_code takes it, as they did before.
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return "forkserver"
 
 
@@ -108,15 +117,4 @@ def start_for_command():
     if {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= os.environ.keys():
         return
     atexit.register(stop_forkserver)
-    # multiprocessing's resource tracker (the forkserver's first child) unblocks SIGINT once it has started: a
-    # Ctrl-C waiting then, or arriving, is caught here and waits again, for muon_tools.exit_code.
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        multiprocessing.resource_tracker.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        signal.raise_signal(signal.SIGINT)
     start_method()
