@@ -47,6 +47,9 @@ from dataclasses import asdict, dataclass, replace
 
 if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+
+    muon_forkserver.start_for_command()
 
 import torch
 import torch.distributed as dist

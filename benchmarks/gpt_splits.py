@@ -9,11 +9,16 @@ The model has 8 heads so that TP = 8 keeps one head per rank. Times are medians 
 all-reduces (f and g) and the optimizer's collectives.
 """
 
+import os
 import signal
 import sys
 
 if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where muon_forkserver.py is
+    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+
+    muon_forkserver.start_for_command()
 
 from gpt_bench import mt, pyplot, tg  # noqa: E402
 from gpt_bench import main as benchmark_main  # noqa: E402

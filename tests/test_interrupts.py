@@ -38,8 +38,9 @@ class Run:
         self.proc = subprocess.Popen([sys.executable, *([script] if script else []), *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
-    def processes(self):
-        """{pid: name} of the live processes of the run's session (zombies are dead already)."""
+    def processes(self, parent=None):
+        """{pid: name} of the live processes of the run's session (zombies are dead already); of those whose parent
+        is `parent`, if given."""
         found = {}
         for stat in glob.glob("/proc/[0-9]*/stat"):
             try:
@@ -49,8 +50,8 @@ class Run:
                     name = f.read().strip()
             except OSError:
                 continue  # ended while we looked
-            if int(fields[3]) == self.proc.pid and fields[0] != "Z":  # session id, state
-                found[int(os.path.basename(os.path.dirname(stat)))] = name
+            if int(fields[3]) == self.proc.pid and fields[0] != "Z" and parent in (None, int(fields[1])):
+                found[int(os.path.basename(os.path.dirname(stat)))] = name  # session id, state, parent's pid
         return found
 
     def kill_all(self):
@@ -74,15 +75,15 @@ class Run:
         pytest.fail(f"the ranks did not start: {self.processes()}")
 
     def forkserver(self):
-        """Whether the run's forkserver (multiprocessing's, which imports torch before it forks a rank) runs."""
+        """The pid of the run's forkserver (multiprocessing's, which imports torch before it forks a rank), or None."""
         for pid in self.processes():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if b"multiprocessing.forkserver" in f.read():
-                        return True
+                        return pid
             except OSError:
                 continue
-        return False
+        return None
 
     def sigint(self, field):
         """Whether SIGINT is in the process's signal mask field of /proc/PID/status: SigBlk (blocked), ShdPnd
@@ -218,7 +219,7 @@ def test_the_forkserver_starts_before_the_command_imports_torch_and_ends_with_it
     assert os.listdir(run.tmp) == []
 
 
-@pytest.mark.parametrize("script", [TRAIN_GPT, SCRIPT], ids=["train_gpt", "the lesson (its forkserver starts first)"])
+@pytest.mark.parametrize("script", [TRAIN_GPT, SCRIPT], ids=["train_gpt", "the lesson"])
 def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path, script):
     """Ctrl-C in the first seconds, while the command still imports torch: its first lines block SIGINT, so the
     signal waits (pending) until muon_tools.exit_code takes it, as it takes any Ctrl-C: exit 130, one line, not
@@ -261,7 +262,7 @@ def test_a_benchmarks_own_workers_stop_with_it_and_leave_nothing(tmp_path, how):
     and remove its temporary folders. No worker and no temporary file is left either way."""
     run = Run(tmp_path, "--ranks", "2", script=os.path.join(ROOT, "benchmarks", "gloo_collectives.py"))
     deadline = time.monotonic() + 60
-    while len(run.processes()) < 4:  # the command, the forkserver and its 2 workers
+    while (server := run.forkserver()) is None or len(run.processes(parent=server)) < 2:  # its 2 workers, forked
         assert time.monotonic() < deadline and run.proc.poll() is None, run.processes()
         time.sleep(0.05)
     time.sleep(1)
@@ -285,13 +286,23 @@ COMMANDS = sorted(os.path.relpath(path, ROOT) for folder in ("", "examples", "be
                   if os.path.basename(path) != "muon_tools.py" and "__name__ == \"__main__\"" in open(path).read()
                   and any(call in open(path).read() for call in ("exit_code(", "run_under_torchrun(", "benchmark_main(",
                                                                  "muon_tools.main()", "main_under_torchrun(")))
-# Runs a command as `python COMMAND` would, until it first imports torch; exit 0 if SIGINT is blocked then, 1 if
-# not, 2 if it never imports torch. An audit hook sees the import before it begins: no torch is loaded.
+# The commands that start no rank of their own (cost_model.py's --check-here aside: its default is a prediction):
+# every other one starts its ranks' forkserver in its first lines, before its own import of torch.
+NO_RANKS = {"benchmarks/batching.py", "benchmarks/cost_model.py", "benchmarks/cpu_vs_gpu_newton_schulz.py",
+            "benchmarks/heap_stress.py", "benchmarks/ns_coefficients.py", "benchmarks/overlap.py",
+            "benchmarks/refresh.py"}
+# Runs a command as `python COMMAND` would, until it first imports torch; prints whether its forkserver runs then
+# (and stops it), and exits 0 if SIGINT is blocked then, 1 if not, 2 if it never imports torch. An audit hook sees
+# the import before it begins: no torch is loaded.
 BLOCKED_AT_TORCH = """
-import os, runpy, signal, sys
+import multiprocessing.forkserver, os, runpy, signal, sys
 def hook(event, args):
     if event == "import" and args[0] == "torch":
-        os._exit(0 if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []) else 1)
+        blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        print("forkserver:", multiprocessing.forkserver._forkserver._forkserver_pid is not None, file=sys.stderr)
+        if "muon_forkserver" in sys.modules:
+            sys.modules["muon_forkserver"].stop_forkserver()  # not left to finish its import of torch: seconds
+        os._exit(0 if blocked else 1)
 sys.addaudithook(hook)
 sys.argv = sys.argv[1:]
 sys.path[0] = os.path.dirname(sys.argv[0])
@@ -301,9 +312,11 @@ os._exit(2)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_command_blocks_ctrl_c_before_it_imports_torch(command):
-    """What makes test_ctrl_c_while_torch_imports_is_one_line_and_130 true of every command, checked in a tenth of a
-    second each: SIGINT is blocked when torch's import begins (muon_tools.exit_code takes it once torch is in)."""
+def test_every_command_blocks_ctrl_c_and_starts_its_forkserver_before_it_imports_torch(command):
+    """What makes test_ctrl_c_while_torch_imports_is_one_line_and_130 true of every command, checked in a fraction of
+    a second each: SIGINT is blocked when torch's import begins (muon_tools.exit_code takes it once torch is in).
+    And a command that starts ranks has started their forkserver by then (the two imports of torch run at once)."""
     proc = subprocess.run([sys.executable, "-c", BLOCKED_AT_TORCH, os.path.join(ROOT, command)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr == f"forkserver: {command not in NO_RANKS}\n"
