@@ -5,8 +5,9 @@ rank (sizes a run cannot use among them).
 
 Each row runs its script as `python SCRIPT ARGS` would, as __main__, in a process of its own with a timeout
 (ROW_TIMEOUT_S): forked from one harness process that imported torch once (a fresh interpreter per row costs
-~2 s, the whole table then a minute on 2 cores). In the row's process, anything that would start a rank
-(a multiprocessing or subprocess start, joining a torch.distributed world) ends it with exit 3 and says so.
+~2 s, the whole table then a minute on 2 cores), as many rows at once as there are cores. In the row's process,
+anything that would start a rank (a multiprocessing or subprocess start, joining a torch.distributed world) ends
+it with exit 3 and says so.
 Torchrun entry points run as torchrun starts each process (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE set; the parser runs before any rank joins): rank 0 prints the line, rank 3 nothing.
 The shell scripts run as they are, with bash.
@@ -21,6 +22,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW_TIMEOUT_S = 20
+ROWS_AT_ONCE = os.cpu_count() or 1  # each row is one process, mostly one core
 TORCHRUN_ENV = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4")
 GLOO_CPU = ["--backend", "gloo", "--device", "cpu"]
 TOO_BIG = ["--batch", "4096", "--context", "2048", "--d-model", "1024", "--layers", "24"]  # >= 0.8 TiB a rank
@@ -304,25 +306,33 @@ def harness():
     import distributed_muon_dtensor  # noqa: F401
     import train_gpt  # noqa: F401
 
-    results = []
+    jobs = list(enumerate(json.load(sys.stdin)))
+    results = [None] * len(jobs)
+    running = {}  # pid: (row, deadline, its output files)
     with tempfile.TemporaryDirectory() as folder:
-        for i, (script, args, env) in enumerate(json.load(sys.stdin)):
-            paths = [os.path.join(folder, f"{i}.{name}") for name in ("out", "err")]
-            for p in paths:
-                open(p, "w").close()
-            pid = os.fork()
-            if pid == 0:
-                run_row(script, args, env, *paths)
-            deadline = time.monotonic() + ROW_TIMEOUT_S
-            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if done[0] == 0:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                code = f"timed out after {ROW_TIMEOUT_S} s"
-            else:
-                code = os.waitstatus_to_exitcode(done[1])
-            results.append([code, *(open(p).read() for p in paths)])
+        while jobs or running:
+            while jobs and len(running) < ROWS_AT_ONCE:
+                i, (script, args, env) = jobs.pop(0)
+                paths = [os.path.join(folder, f"{i}.{name}") for name in ("out", "err")]
+                for p in paths:
+                    open(p, "w").close()
+                pid = os.fork()
+                if pid == 0:
+                    run_row(script, args, env, *paths)
+                running[pid] = (i, time.monotonic() + ROW_TIMEOUT_S, paths)
+            time.sleep(0.01)
+            for pid, (i, deadline, paths) in list(running.items()):
+                done = os.waitpid(pid, os.WNOHANG)
+                if done[0] == 0 and time.monotonic() < deadline:
+                    continue
+                if done[0] == 0:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    code = f"timed out after {ROW_TIMEOUT_S} s"
+                else:
+                    code = os.waitstatus_to_exitcode(done[1])
+                results[i] = [code, *(open(p).read() for p in paths)]
+                del running[pid]
     json.dump(results, sys.stdout)
 
 
