@@ -96,7 +96,13 @@ def start_method():
     # The forkserver imports torch before it would ignore SIGINT itself; the launcher ignores it only while the
     # server process is made, not while it imports.
     with sigint_ignored():
-        multiprocessing.forkserver.ensure_running()
+        try:
+            multiprocessing.forkserver.ensure_running()
+        except OSError as e:  # its socket lies in multiprocessing's folder, in TMPDIR: a Unix socket's path is short
+            if "too long" not in str(e):
+                raise
+            raise ValueError(f"the ranks' forkserver cannot listen in {multiprocessing.util.get_temp_dir()} ({e}): "
+                             f"set TMPDIR to a shorter folder") from None
     return "forkserver"
 
 
@@ -117,4 +123,5 @@ def start_for_command():
     if {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= os.environ.keys():
         return
     atexit.register(stop_forkserver)
-    start_method()
+    with contextlib.suppress(ValueError):  # the launcher meets it again, where a refusal is one line: not here
+        start_method()

@@ -29,9 +29,9 @@ class Run:
     """The script (or another that uses its launcher; script=None: argv is python's own) in its own session (a
     terminal's job), with TMPDIR under tmp_path."""
 
-    def __init__(self, tmp_path, *argv, script=SCRIPT):
+    def __init__(self, tmp_path, *argv, script=SCRIPT, tmp="tmp"):
         STARTED.append(self)
-        self.tmp = tmp_path / "tmp"
+        self.tmp = tmp_path / tmp
         self.tmp.mkdir()
         # torch creates an (empty) compile cache in TMPDIR at import; it is torch's, and persistent
         env = dict(os.environ, TMPDIR=str(self.tmp), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
@@ -185,6 +185,18 @@ def test_a_launcher_killed_before_any_rank_starts_leaves_nothing(tmp_path):
     os.kill(run.proc.pid, signal.SIGKILL)
     returncode, _, _, _ = run.finish(STOPS_WITHIN_S)  # asserts no process is left
     assert returncode == -signal.SIGKILL
+    assert os.listdir(run.tmp) == []
+
+
+def test_a_temporary_folder_too_long_for_the_forkservers_socket_is_one_line_and_exit_2(tmp_path):
+    """The forkserver listens on a Unix socket in TMPDIR, whose path holds 107 bytes on Linux: a TMPDIR of more than
+    about 75 characters (a pytest-xdist worker's tmp_path here) is refused in one line before any rank starts, not
+    a traceback out of multiprocessing's bind; nothing is left."""
+    run = Run(tmp_path, "--dp", "2", "--tp", "1", "--steps", "1", "--d-model", "64", tmp="t" * 80)
+    returncode, out, err, _ = run.finish(60)
+    assert returncode == 2 and out == ""
+    assert_one_line(err, "error: the ranks' forkserver cannot listen in ")
+    assert err.endswith(" (AF_UNIX path too long): set TMPDIR to a shorter folder\n"), err
     assert os.listdir(run.tmp) == []
 
 
