@@ -27,7 +27,8 @@ heap message (load 5 at the end). At commit a9b6a1c, under a heavier load (eight
 15 the crash was seen under): `--runs 12 --busy 8 --malloc-check -- --verify --steps 6 --val-windows 4`: 12 runs of
 136-170 s, 0 failures, no heap message (load 9.9 at the end). At commit 4b99ebf (the lesson's forkserver started
 first; the examples' unchanged), the same command with --runs 6: 6 runs of 138-160 s, 0 failures, no heap message
-(load 9.8 at the end). 0 in 69 in all; still no cause found.
+(load 9.8 at the end). At commit bf7ea08 (this command's own forkserver started first too), with --runs 8: 8 runs of
+127-139 s, 0 failures, no heap message (load 10.0 at the end). 0 in 77 in all; still no cause found.
 What is alive in a rank when it ends (`/proc/self/task` read at the end of rank_process, in a copy, one run of
 `train_gpt_dtensor.py --steps 2`): the main thread and the heartbeat thread, 4 Gloo run loops (pt_gloo_runloop)
 and 2 Gloo TCP loops after destroy_process_group, 8 autograd threads, and rank 0's TCPStore loop. A rank forked
