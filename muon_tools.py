@@ -35,7 +35,6 @@ import json
 import math
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import shutil
