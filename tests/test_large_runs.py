@@ -237,9 +237,9 @@ def gram_figures(rows):
     for (tp, shape, seed, c, low), pieces in by_case.items():
         if (shape, seed, c, low) not in inputs:  # the same input on every TP: torch's, float64's and the bound once
             full = gram_input(shape, seed, low)
-            torch_ns = ref.newton_schulz_per_iteration(full, dm.ns_coefficients_of(c, 5), 5).double()
-            inputs[shape, seed, c, low] = (torch_ns, dm.newton_schulz(full.bfloat16(), 5, c, dtype=torch.float64),
-                                           mt.gram_ns_tolerance(full, 5, c))
+            torch_ns = ref.newton_schulz_per_iteration(full, dm.ns_coefficients_of(c, 5), 5)
+            exact = dm.newton_schulz(full.bfloat16(), 5, c, dtype=torch.float64)
+            inputs[shape, seed, c, low] = (torch_ns.double(), exact, mt.gram_ns_tolerance(full, 5, c, result=torch_ns))
         torch_ns, exact, bound = inputs[shape, seed, c, low]
         ours = torch.cat([pieces[t] for t in range(tp)], dim=1 if shape[0] <= shape[1] else 0).double()
         diff = (ours - torch_ns).abs().max().item()
