@@ -28,11 +28,18 @@ heap message (load 5 at the end). At commit a9b6a1c, under a heavier load (eight
 136-170 s, 0 failures, no heap message (load 9.9 at the end). At commit 4b99ebf (the lesson's forkserver started
 first; the examples' unchanged), the same command with --runs 6: 6 runs of 138-160 s, 0 failures, no heap message
 (load 9.8 at the end). At commit bf7ea08 (this command's own forkserver started first too), with --runs 8: 8 runs of
-127-139 s, 0 failures, no heap message (load 10.0 at the end). 0 in 77 in all; still no cause found.
+127-139 s, 0 failures, no heap message (load 10.0 at the end). Most of those ran with --malloc-check, whose
+debugging malloc places blocks otherwise than glibc's own, which can hide a bug that depends on where they lie; the
+crash was seen without it. So at commit 25cee33, without it (glibc's own checks, such as the "unaligned fastbin
+chunk" one, stay on): `--runs 16 --busy 8 -- --verify --steps 6 --val-windows 4`: 16 runs of 94-174 s, 0 failures
+(load 10.0 at the end). 0 in 93 in all; still no cause found.
 What is alive in a rank when it ends (`/proc/self/task` read at the end of rank_process, in a copy, one run of
 `train_gpt_dtensor.py --steps 2`): the main thread and the heartbeat thread, 4 Gloo run loops (pt_gloo_runloop)
 and 2 Gloo TCP loops after destroy_process_group, 8 autograd threads, and rank 0's TCPStore loop. A rank forked
 by the forkserver ends in os._exit (multiprocessing's forkserver.py), so no destructor runs beside them.
+The forkserver itself holds one thread beside its main one once torch is imported: numpy's OpenBLAS thread server
+(torch imports numpy; found with gdb), idle; OpenBLAS stops it before every fork (its pthread_atfork handler:
+measured, a process's 2 threads are 1 after an os.fork, and the child has 1), so no rank starts with it.
 """
 
 import signal
