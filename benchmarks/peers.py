@@ -72,9 +72,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # muon_forkserver.py, muon_tools.py
+
 if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where muon_forkserver.py is
     import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
 
     muon_forkserver.start_for_command()
@@ -82,7 +83,6 @@ if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.ex
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distributed_muon_cpu as dm  # noqa: E402

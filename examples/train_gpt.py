@@ -61,9 +61,12 @@ from dataclasses import asdict, dataclass, fields, replace
 # first starts: set here, before the ranks' forkserver starts, and by every process that imports this file.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # muon_forkserver.py, muon_tools.py
+
 if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where muon_forkserver.py is
     import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
 
     muon_forkserver.start_for_command()
@@ -71,10 +74,6 @@ if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.ex
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_checks as mc  # noqa: E402
