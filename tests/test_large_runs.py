@@ -473,6 +473,17 @@ def test_gram_is_within_its_bound_on_many_shapes_and_seeds(spawned):
         assert sent == 5 * 2 * (tp - 1) * -(-m * m // tp) * 4
 
 
+def test_gram_ns_tolerance_takes_the_result_it_is_given():
+    """result= is used, not recomputed beside: given another matrix than newton_schulz's, the tolerance is that
+    matrix's distance from the float64 iteration."""
+    x = gram_input((16, 128), 0, False)
+    exact = dm.newton_schulz(x.bfloat16(), 5, "jordan", dtype=torch.float64)
+    other = torch.zeros_like(x, dtype=torch.bfloat16)
+    given = mt.gram_ns_tolerance(x, 5, "jordan", result=other)
+    assert given == (1 + mt.GRAM_ERROR_RATIO) * exact.abs().max().item()
+    assert given != mt.gram_ns_tolerance(x, 5, "jordan")
+
+
 def test_the_lessons_reference_is_the_tests_reference():
     """verify's reference (muon_tools.py, section 9) and this file's agree bit for bit on the demo's matrices."""
     cfg = suite_config(dp=2, tp=1, steps=STEPS, ns_coefficients="polar_express", ns_blocks="heads", qk_clip_tau=TAU)
