@@ -52,12 +52,15 @@ COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 [ -n "$(git status --porcelain 2>/dev/null)" ] && COMMIT="$COMMIT+dirty"  # as benchmarks/refresh.sh writes it
 START=$SECONDS
 SUMMARY=()
+WRITTEN=()  # the files this run's parts wrote, and only those, get their rows in INDEX.md
 
 # part TITLE SECONDS FILE KEY_PATTERN COMMAND...: runs COMMAND under `timeout`, writes its command, the
 # commit and its output to FILE (and the terminal), and adds a line to the summary.
 part() {
   local title=$1 limit=$2 file=$3 key=$4; shift 4
-  local t0=$SECONDS rc
+  local t0=$SECONDS rc arg
+  WRITTEN+=("$file")
+  for arg in "$@"; do [[ "$arg" == "$OUT"/* ]] && WRITTEN+=("$arg"); done  # --json, --figure (1b's input: 1's)
   echo; echo "=== $title (at most ${limit} s) ==="
   { echo "\$ $*"; echo "# commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) cores, time-boxed to ${limit} s by benchmarks/on_gpu.sh"
     timeout --kill-after=10 "$limit" "$@" 2>&1; echo "exit status $?"; } | tee "$file"
@@ -73,62 +76,6 @@ skip() {
   SUMMARY+=("$(printf '%-40s %-24s' "$1" "SKIPPED (--cpu-only)")")
 }
 
-# 1. The sibling on one GPU, then torch's own step on the same GPU, model and gradients (its median step).
-TORCH_STEP='
-import json, statistics, sys, time, torch
-import distributed_muon_cpu as dm
-import muon_tools as mt
-run = json.load(open(sys.argv[1]))
-cfg = mt.RunConfig(**run["config"])
-specs = mt.demo_specs(cfg)
-torch.set_num_threads(1)
-params = {n: t.cuda() for n, t in dm.initial_params(specs, cfg.seed).items()}
-optimizers = mt.torch_optimizers([dict(h, params=[params[s.name] for s in specs if s.group == g])
-                                  for g, h in mt.group_hyperparameters(cfg).items()])
-ms = []
-for step in range(1, cfg.steps + 1):
-    grads = mt.total_grads(specs, cfg.seed, step, cfg.dp, cfg.missing_grads)
-    for s in specs:
-        params[s.name].grad = None if grads[s.name] is None else grads[s.name].cuda()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for o in optimizers:
-        o.step()
-    torch.cuda.synchronize()
-    ms.append((time.perf_counter() - t0) * 1e3)
-ours, theirs, passed = run["timings"]["step_ms_median"], statistics.median(ms), run["passed"]
-print(f"torch.optim.Muon + AdamW on {torch.cuda.get_device_name(0)}, same model and {cfg.steps} steps: "
-      f"median step {theirs:.1f} ms (min {min(ms):.1f})")
-print(f"sibling / torch step time: {ours / theirs:.2f} ({ours:.1f} against {theirs:.1f} ms); "
-      f"bit-identical to torch (the sibling run passed): {passed}")
-'
-# 2. Newton-Schulz (torch's own, bf16) against one bf16 matmul X @ X.T of the same shape, on the GPU.
-NS_GFLOPS='
-import statistics, sys, time, torch
-from torch.optim._muon import _zeropower_via_newtonschulz as ns
-import distributed_muon_cpu as dm
-
-def ms(f, repeats=10):
-    f(); torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter(); f(); torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; median of 10 after one warm-up")
-print("{:>12}  {:>8}  {:>10}  {:>8}  {:>14}  {:>11}".format(
-    "shape", "NS ms", "NS GFLOP/s", "X@X.T ms", "matmul GFLOP/s", "NS / matmul"))
-for text in sys.argv[1:]:
-    shape = tuple(int(v) for v in text.split("x"))
-    g = torch.randn(shape, device="cuda")
-    x = g.bfloat16() if shape[0] <= shape[1] else g.bfloat16().T.contiguous()
-    m, n = x.shape
-    t_ns = ms(lambda: ns(g, dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS))
-    t_mm = ms(lambda: x @ x.T)
-    ns_rate, mm_rate = dm.newton_schulz_flops(shape) / t_ns / 1e6, 2 * m * m * n / t_mm / 1e6
-    print(f"{text:>12}  {t_ns:8.3f}  {ns_rate:10.0f}  {t_mm:8.3f}  {mm_rate:14.0f}  {ns_rate / mm_rate:11.2f}")
-'
-
 if [ "$CPU_ONLY" = 1 ]; then
   skip "1. sibling on 1 GPU vs torch.optim.Muon"
   skip "2. Newton-Schulz GFLOP/s vs bf16 matmul"
@@ -137,10 +84,11 @@ else
   part "1. sibling on 1 GPU vs torch.optim.Muon" 60 "$OUT/sibling_1gpu_$NAME.txt" "^Result" \
     torchrun --standalone --nproc-per-node 1 distributed_muon.py --steps "$STEPS" --json "$OUT/sibling_1gpu_$NAME.json"
   if [ -s "$OUT/sibling_1gpu_$NAME.json" ]; then
-    part "1b. torch.optim.Muon's step on the GPU" 45 "$OUT/sibling_vs_torch_1gpu_$NAME.txt" "^sibling / torch" \
-      $PY -c "$TORCH_STEP" "$OUT/sibling_1gpu_$NAME.json"
+    part "1b. torch.optim.Muon's step on the GPU" 45 "$OUT/sibling_vs_torch_1gpu_$NAME.txt" "^run / torch" \
+      $PY benchmarks/torch_step.py "$OUT/sibling_1gpu_$NAME.json"
   fi
-  part "2. Newton-Schulz GFLOP/s vs bf16 matmul" 45 "$OUT/ns_gflops_$NAME.txt" "x" $PY -c "$NS_GFLOPS" $NS_SHAPES
+  part "2. Newton-Schulz GFLOP/s vs bf16 matmul" 45 "$OUT/ns_gflops_$NAME.txt" "^ *[0-9]+x[0-9]+ " \
+    $PY benchmarks/newton_schulz_gflops.py $NS_SHAPES
   part "2b. Newton-Schulz bits, CPU vs GPU" 30 "$OUT/cpu_vs_gpu_newton_schulz_$NAME.txt" "4096, 1024" \
     $PY benchmarks/cpu_vs_gpu_newton_schulz.py
   part "3. DTensor optimizer on 1 CUDA device" 60 "$OUT/dtensor_1gpu_$NAME.txt" "^Result|PASS|FAIL" \
@@ -156,6 +104,7 @@ echo; echo "=== Summary: $((SECONDS - START)) s in all (goal: under 540 s), file
 printf '%s\n' "${SUMMARY[@]}"
 [ "$CPU_ONLY" = 1 ] && echo "CUDA parts (1-3) were SKIPPED (--cpu-only): no GPU figure was measured by this run."
 # their rows in $OUT/INDEX.md (the command and commit of each file, from its header: tests/test_measured.py)
-FILES=$(ls "$OUT"/*_"$NAME".* "$OUT"/*_"$HOST".* 2>/dev/null | sort -u)
-[ -n "$FILES" ] && $PY benchmarks/refresh.py --record $FILES | tail -1
+FILES=()
+for f in "${WRITTEN[@]}"; do [ -s "$f" ] && FILES+=("$f"); done
+[ ${#FILES[@]} -gt 0 ] && $PY benchmarks/refresh.py --record "${FILES[@]}" | tail -1
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q "FAILED\|TIMED OUT"

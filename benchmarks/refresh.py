@@ -289,7 +289,8 @@ def header_of(path):
 
 def record(paths):
     """--record: the INDEX.md rows of files another command wrote with a header (benchmarks/on_gpu.sh's),
-    a .json or .png taking its .txt's; ValueError for a file without one."""
+    a .json or .png taking its .txt's; ValueError for a file without one, before any row is written."""
+    rows_of = {}  # INDEX.md -> {name: row}
     for path in paths:
         folder, name = os.path.split(os.path.abspath(path))
         text = os.path.join(folder, name.rsplit(".", 1)[0] + ".txt")
@@ -297,11 +298,12 @@ def record(paths):
         if header is None:
             raise ValueError(f"--record {path}: {os.path.basename(text)} does not begin with `$ command` lines "
                              f"and `# commit ...`")
-        index = os.path.join(folder, INDEX)
-        rows = read_index(index)
-        rows[name] = (" ; ".join(f"`{c}`" for c in header[0]), header[1], RECORDED)
-        write_index(index, rows)
-        print(f"{index}: {name} made by {header[0][0]}{' ...' if len(header[0]) > 1 else ''} at {header[1]}")
+        rows_of.setdefault(os.path.join(folder, INDEX), {})[name] = (
+            " ; ".join(f"`{c}`" for c in header[0]), header[1], RECORDED)
+    for index, new in rows_of.items():
+        write_index(index, {**read_index(index), **new})
+        for name, (command, made, _) in sorted(new.items()):
+            print(f"{index}: {name} made by {command} at {made}")
 
 
 def command_cell(commands, out_dir=MEASURED):

@@ -57,15 +57,17 @@ def test_every_file_names_its_command_and_commit():
 
 def test_files_made_elsewhere_are_recorded_from_their_headers(tmp_path):
     """on_gpu.sh's files (it calls refresh.py --record): a text file's header, and a .json beside it, become
-    rows; a file without a header is refused."""
+    rows; a file without a header is refused, and then no row of that call is written."""
     (tmp_path / "x_h100.txt").write_text("$ python a.py --json x_h100.json\n# commit 1234567+dirty, 2026-11-25\nout\n")
     (tmp_path / "x_h100.json").write_text("{}")
     (tmp_path / "bare.txt").write_text("no header\n")
     refresh.record([str(tmp_path / "x_h100.txt"), str(tmp_path / "x_h100.json")])
     row = ("`python a.py --json x_h100.json`", "1234567+dirty", refresh.RECORDED)
     assert refresh.read_index(str(tmp_path / refresh.INDEX)) == {"x_h100.txt": row, "x_h100.json": row}
+    (tmp_path / "y_h100.txt").write_text("$ python b.py\n# commit 89abcde, 2026-11-26\nout\n")
     with pytest.raises(ValueError, match="bare.txt does not begin with"):
-        refresh.record([str(tmp_path / "bare.txt")])
+        refresh.record([str(tmp_path / "y_h100.txt"), str(tmp_path / "bare.txt")])
+    assert refresh.read_index(str(tmp_path / refresh.INDEX)) == {"x_h100.txt": row, "x_h100.json": row}  # none
 
 
 def test_every_part_writes_files_the_index_knows():

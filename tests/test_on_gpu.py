@@ -1,14 +1,23 @@
 """benchmarks/on_gpu.sh on a machine without a GPU: --cpu-only skips the CUDA parts and says so, the CPU
-part writes its figures with their command on top, and the Python the CUDA parts run at least compiles."""
+part writes its figures with their command on top, and the scripts of the CUDA parts run on the CPU."""
 
+import dataclasses
+import importlib
 import json
 import os
 import re
 import subprocess
+import sys
 
+import pytest
 import torch
 
 from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
 
 ON_GPU = os.path.join(ROOT, "benchmarks", "on_gpu.sh")
 
@@ -45,10 +54,36 @@ def test_refuses_bad_options_and_a_missing_gpu(tmp_path):
         assert proc.returncode == 2 and "no CUDA GPU here" in proc.stderr and "--cpu-only" in proc.stderr
 
 
-def test_the_python_of_the_cuda_parts_compiles():
-    """They cannot run here (no GPU); a syntax error would otherwise first show on the lent machine."""
-    script = open(ON_GPU).read()
-    bodies = re.findall(r"^([A-Z_]+)='\n(.*?)\n'$", script, re.M | re.S)
-    assert [name for name, _ in bodies] == ["TORCH_STEP", "NS_GFLOPS"]
-    for name, body in bodies:
-        compile(body, name, "exec")
+def test_the_cuda_parts_own_scripts_run_on_the_cpu(tmp_path, capsys):
+    """Parts 1b and 2 (benchmarks/torch_step.py, newton_schulz_gflops.py) cannot run on a GPU here: run on this
+    CPU (--device cpu, tiny sizes), in this process, their figures must add up, and without a GPU the default
+    device is refused in one line."""
+    ns_gflops = importlib.import_module("newton_schulz_gflops")
+    torch_step = importlib.import_module("torch_step")
+    assert ns_gflops.main(["--device", "cpu", "--repeats", "2", "96x32", "32x96"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("this CPU, 1 thread, torch ") and lines[0].endswith("median of 2 after one warm-up")
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[3:]}
+    assert list(rows) == ["96x32", "32x96"]
+    ns_flops, mm_flops = dm.newton_schulz_flops((96, 32)), 2 * 32 * 32 * 96  # X @ X.T of the wide (32, 96)
+    for ns_ms, ns_rate, mm_ms, mm_rate, ratio in rows.values():  # ms printed to 3 decimals: 10 % covers it
+        assert ns_ms > 0 and mm_ms > 0
+        assert ns_rate == pytest.approx(ns_flops / ns_ms / 1e6, rel=0.1, abs=1)
+        assert mm_rate == pytest.approx(mm_flops / mm_ms / 1e6, rel=0.1, abs=1)
+        assert ratio == pytest.approx(ns_flops / ns_ms / (mm_flops / mm_ms), rel=0.1)
+
+    cfg = mt.RunConfig(dp=2, tp=1, steps=2, model="thin")
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(dict(config=dataclasses.asdict(cfg), timings=dict(step_ms_median=30.0), passed=True)))
+    assert torch_step.main(["--device", "cpu", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    m = re.fullmatch(r"torch.optim.Muon \+ AdamW on this CPU, 1 thread, same model and 2 steps: "
+                     r"median step ([0-9.]+) ms \(min ([0-9.]+)\)", out[0])
+    assert m and 0 < float(m[2]) <= float(m[1]), out
+    theirs = float(m[1])
+    assert out[1] == (f"run / torch step time: {30.0 / theirs:.2f} (30.0 against {theirs:.1f} ms); "
+                      f"bit-identical to torch (the run passed): True")
+    if not torch.cuda.is_available():
+        for script, args in ((ns_gflops, ["8x8"]), (torch_step, [str(run)])):
+            with pytest.raises(ValueError, match=r"^no CUDA GPU here .*; --device cpu runs on this CPU$"):
+                script.main(args)

@@ -1,0 +1,84 @@
+"""How long does torch's own step take on the run a --json file describes? torch.optim.Muon + AdamW in one
+process on one device, with the run's model, initial parameters and total gradients (the reference the run
+was checked against), each step timed alone (after torch.cuda.synchronize() on a GPU); then the run's median
+step against torch's, and whether the run was bit-identical to torch.
+
+    torchrun --standalone --nproc-per-node 1 distributed_muon.py --steps 10 --json run.json   # the GPU twin
+    python benchmarks/torch_step.py run.json                                                   # torch, same GPU
+    python benchmarks/torch_step.py --device cpu run.json        # a CPU run's file (distributed_muon_cpu.py)
+
+benchmarks/on_gpu.sh runs the first two (part 1b): notes/measured/sibling_vs_torch_1gpu_<gpu>.txt.
+"""
+
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+
+if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
+
+
+def build_parser():
+    p = mt.OneLineParser(description=__doc__.splitlines()[0])
+    p.add_argument("run", metavar="RUN.json", help="what --json wrote for the run to compare with")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where to run (default %(default)s)")
+    return p
+
+
+def read_run(path):
+    """(RunConfig, the run's median step in ms, whether it passed) from a run's --json file; ValueError naming
+    the file for one that is not there or not such a file."""
+    try:
+        with open(path) as f:
+            run = json.load(f)
+        return mt.RunConfig(**run["config"]), run["timings"]["step_ms_median"], run["passed"]
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a run's --json file ({type(e).__name__}: {e})") from None
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    cfg, ours, passed = read_run(args.run)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("no CUDA GPU here (torch.cuda.is_available() is False); --device cpu runs on this CPU")
+    torch.set_num_threads(1)  # as the run's ranks and its reference
+    on_gpu = args.device == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    specs = mt.demo_specs(cfg)
+    params = {n: t.to(args.device) for n, t in dm.initial_params(specs, cfg.seed).items()}
+    optimizers = mt.torch_optimizers([dict(h, params=[params[s.name] for s in specs if s.group == g])
+                                      for g, h in mt.group_hyperparameters(cfg).items()])
+    step_ms = []
+    for step in range(1, cfg.steps + 1):
+        grads = mt.total_grads(specs, cfg.seed, step, cfg.dp, cfg.missing_grads)
+        for s in specs:
+            params[s.name].grad = None if grads[s.name] is None else grads[s.name].to(args.device)
+        sync()
+        t0 = time.perf_counter()
+        for o in optimizers:
+            o.step()
+        sync()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+    theirs = statistics.median(step_ms)
+    where = torch.cuda.get_device_name(0) if on_gpu else "this CPU, 1 thread"
+    print(f"torch.optim.Muon + AdamW on {where}, same model and {cfg.steps} steps: "
+          f"median step {theirs:.1f} ms (min {min(step_ms):.1f})")
+    print(f"run / torch step time: {ours / theirs:.2f} ({ours:.1f} against {theirs:.1f} ms); "
+          f"bit-identical to torch (the run passed): {passed}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(mt.exit_code(main))
