@@ -5,7 +5,7 @@ the GPU repeats itself exactly. Needs a CUDA GPU; without one it exits with stat
 
     python benchmarks/cpu_vs_gpu_newton_schulz.py
 
-The H100 output is notes/measured/h100_cpu_vs_gpu_newton_schulz.txt (chapter 6 of the notes).
+benchmarks/on_gpu.sh runs it (part 2b): notes/measured/cpu_vs_gpu_newton_schulz_<gpu>.txt (chapter 6 of the notes).
 """
 
 import os

@@ -16,7 +16,9 @@
 #   bash benchmarks/on_gpu.sh --cpu-only --quick --out /tmp/x   # seconds: tiny sizes (the test's run)
 #   bash benchmarks/on_gpu.sh 2>&1 | tee $OUT/on_gpu.log; tar czf $OUT/measured.tgz notes/measured/*_h100*.* \
 #     notes/measured/INDEX.md   # on this workplace's lent machine: its copy has git, its only Python is python3
-#     (found below; never write a `python` over a link to it), and at most 8 files come back from $OUT
+#     (found below; never write a `python` over a link to it), and at most 8 files come back from $OUT; its git
+#     HEAD is the session's first commit, so a later tree's files say <that>+dirty: commit first, then name the
+#     commit whose tree was sent in their headers and rows (`git status` there lists the files that differ)
 # Options: --cpu-only, --quick (tiny sizes: a plumbing check, not figures), --out DIR (default notes/measured),
 # --name NAME (file suffix; default the GPU's model, e.g. h100, or "cpu" with --cpu-only).
 set -u
