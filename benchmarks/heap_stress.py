@@ -33,7 +33,10 @@ debugging malloc places blocks otherwise than glibc's own, which can hide a bug 
 crash was seen without it. So at commit 25cee33, without it (glibc's own checks, such as the "unaligned fastbin
 chunk" one, stay on): `--runs 16 --busy 8 -- --verify --steps 6 --val-windows 4`: 16 runs of 94-174 s, 0 failures
 (load 10.0 at the end); then the crash's own command at its full length, `--runs 8 --busy 12` (load 13-14), stopped
-by SIGTERM after 3 whole runs of 644-654 s: 0 failures. 0 in 96 in all; still no cause found.
+by SIGTERM after 3 whole runs of 644-654 s: 0 failures. At commit eee5388, on another 2-core EPYC, one with
+AVX512-BF16 (bf16 matmul 206 GFLOP/s a thread against 1.7: the ranks' phases interleave otherwise), the crash's own
+command at its full length, `--runs 20 --busy 8`, glibc's own allocator: 20 runs of 159-231 s, 0 failures (load 9.4
+at the end). 0 in 116 in all; still no cause found.
 What is alive in a rank when it ends (`/proc/self/task` read at the end of rank_process, in a copy, one run of
 `train_gpt_dtensor.py --steps 2`): the main thread and the heartbeat thread, 4 Gloo run loops (pt_gloo_runloop)
 and 2 Gloo TCP loops after destroy_process_group, 8 autograd threads, and rank 0's TCPStore loop. A rank forked
