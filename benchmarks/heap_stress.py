@@ -36,7 +36,8 @@ chunk" one, stay on): `--runs 16 --busy 8 -- --verify --steps 6 --val-windows 4`
 by SIGTERM after 3 whole runs of 644-654 s: 0 failures. At commit eee5388, on another 2-core EPYC, one with
 AVX512-BF16 (bf16 matmul 206 GFLOP/s a thread against 1.7: the ranks' phases interleave otherwise), the crash's own
 command at its full length, `--runs 20 --busy 8`, glibc's own allocator: 20 runs of 159-231 s, 0 failures (load 9.4
-at the end). 0 in 116 in all; still no cause found.
+at the end); then many short runs (each start and exit), `--runs 40 --busy 12 -- --verify --steps 6 --val-windows 4`:
+40 runs of 60-85 s, 0 failures (load 14.0 at the end). 0 in 156 in all; still no cause found.
 What is alive in a rank when it ends (`/proc/self/task` read at the end of rank_process, in a copy, one run of
 `train_gpt_dtensor.py --steps 2`): the main thread and the heartbeat thread, 4 Gloo run loops (pt_gloo_runloop)
 and 2 Gloo TCP loops after destroy_process_group, 8 autograd threads, and rank 0's TCPStore loop. A rank forked
