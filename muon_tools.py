@@ -307,8 +307,11 @@ def clip_rows_(weight, rows, max_logit, tau):
         weight[rows].mul_(math.sqrt(min(1.0, tau / max_logit)))
 
 
-@functools.lru_cache(maxsize=16)
-def _reference_params(specs, cfg, device):
+def torch_reference_steps(specs, cfg, device, step_ms=None):
+    """torch.optim.Muon / AdamW on one device, the run's steps: (its final params on the CPU, {matrix stepped
+    whole: its Newton-Schulz inputs}). step_ms: a list to fill with each step's optimizer time in ms, the
+    device synchronized around it (benchmarks/torch_step.py); the inputs then go unrecorded, so that only
+    torch's own work is timed."""
     torch.set_num_threads(1)  # same thread count as every rank: bf16 matmul bits can depend on it
     params = {n: t.to(device) for n, t in initial_params(specs, cfg.seed).items()}
     layouts = {} if cfg.baseline else demo_row_layouts(specs, cfg)
@@ -319,16 +322,23 @@ def _reference_params(specs, cfg, device):
                                                    for t in separate.get(s.name, [params[s.name]])])
                                    for g, h in group_hyperparameters(cfg).items()])
     ns_inputs, whole = {}, {id(params[n]): n for n in params if n not in separate}  # what bounds gram: its inputs
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for step in range(1, cfg.steps + 1):
         grads = total_grads(specs, cfg.seed, step, cfg.dp, cfg.missing_grads)
         for s in specs:  # None where no rank has a gradient: torch skips the parameter
             grad = None if grads[s.name] is None else grads[s.name].to(device)
             for t, index in zip(separate.get(s.name, [params[s.name]]), blocks.get(s.name, [None])):
                 t.grad = grad if grad is None or index is None else grad[index]
+        if step_ms is not None:
+            sync()  # the gradients' copies ended: only the step is timed
+        t0 = time.perf_counter()
         with torch_newton_schulz_per_iteration(NS_COEFFICIENT_CHOICES[cfg.ns_coefficients]), \
-                ns_inputs_recorded(optimizers, whole, ns_inputs):
+                ns_inputs_recorded(optimizers, whole, ns_inputs) if step_ms is None else contextlib.nullcontext():
             for opt in optimizers:
                 opt.step()
+        if step_ms is not None:
+            sync()
+            step_ms.append((time.perf_counter() - t0) * 1e3)
         for name, ts in separate.items():
             for t, index in zip(ts, blocks[name]):
                 params[name][index] = t
@@ -344,6 +354,11 @@ def _reference_params(specs, cfg, device):
                 for t, index in zip(separate.get(name, []), blocks.get(name, [])):
                     t.copy_(params[name][index])
     return {n: p.cpu() for n, p in params.items()}, ns_inputs
+
+
+@functools.lru_cache(maxsize=16)
+def _reference_params(specs, cfg, device):
+    return torch_reference_steps(specs, cfg, device)
 
 
 def reference_params(specs, cfg, device="cpu", ns_inputs=None):

@@ -1,6 +1,6 @@
 """How long does torch's own step take on the run a --json file describes? torch.optim.Muon + AdamW in one
-process on one device, with the run's model, initial parameters and total gradients (the reference the run
-was checked against), each step timed alone (after torch.cuda.synchronize() on a GPU); then the run's median
+process on one device, with the run's model, initial parameters, total gradients and options (the reference
+the run was checked against: muon_tools.torch_reference_steps), each step timed alone (after torch.cuda.synchronize() on a GPU); then the run's median
 step against torch's, and whether the run was bit-identical to torch.
 
     torchrun --standalone --nproc-per-node 1 distributed_muon.py --steps 10 --json run.json   # the GPU twin
@@ -15,7 +15,6 @@ import os
 import signal
 import statistics
 import sys
-import time
 
 if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -24,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 
@@ -53,24 +51,9 @@ def main(argv=None):
     cfg, ours, passed = read_run(args.run)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("no CUDA GPU here (torch.cuda.is_available() is False); --device cpu runs on this CPU")
-    torch.set_num_threads(1)  # as the run's ranks and its reference
-    on_gpu = args.device == "cuda"
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    specs = mt.demo_specs(cfg)
-    params = {n: t.to(args.device) for n, t in dm.initial_params(specs, cfg.seed).items()}
-    optimizers = mt.torch_optimizers([dict(h, params=[params[s.name] for s in specs if s.group == g])
-                                      for g, h in mt.group_hyperparameters(cfg).items()])
     step_ms = []
-    for step in range(1, cfg.steps + 1):
-        grads = mt.total_grads(specs, cfg.seed, step, cfg.dp, cfg.missing_grads)
-        for s in specs:
-            params[s.name].grad = None if grads[s.name] is None else grads[s.name].to(args.device)
-        sync()
-        t0 = time.perf_counter()
-        for o in optimizers:
-            o.step()
-        sync()
-        step_ms.append((time.perf_counter() - t0) * 1e3)
+    mt.torch_reference_steps(tuple(mt.demo_specs(cfg)), cfg, args.device, step_ms)  # the run's own reference
+    on_gpu = args.device == "cuda"
     theirs = statistics.median(step_ms)
     where = torch.cuda.get_device_name(0) if on_gpu else "this CPU, 1 thread"
     print(f"torch.optim.Muon + AdamW on {where}, same model and {cfg.steps} steps: "

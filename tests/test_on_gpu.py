@@ -72,7 +72,12 @@ def test_the_cuda_parts_own_scripts_run_on_the_cpu(tmp_path, capsys):
         assert mm_rate == pytest.approx(mm_flops / mm_ms / 1e6, rel=0.1, abs=1)
         assert ratio == pytest.approx(ns_flops / ns_ms / (mm_flops / mm_ms), rel=0.1)
 
-    cfg = mt.RunConfig(dp=2, tp=1, steps=2, model="thin")
+    cfg = mt.RunConfig(dp=2, tp=1, steps=2, model="thin", ns_coefficients="polar_express")
+    step_ms = []  # what torch_step.py times is the run's own reference, its options included, bit for bit
+    timed, _ = mt.torch_reference_steps(tuple(mt.demo_specs(cfg)), cfg, "cpu", step_ms)
+    reference = mt.reference_params(mt.demo_specs(cfg), cfg)
+    assert len(step_ms) == 2 and all(t > 0 for t in step_ms)
+    assert timed.keys() == reference.keys() and all(torch.equal(timed[n], reference[n]) for n in reference)
     run = tmp_path / "run.json"
     run.write_text(json.dumps(dict(config=dataclasses.asdict(cfg), timings=dict(step_ms_median=30.0), passed=True)))
     assert torch_step.main(["--device", "cpu", str(run)]) == 0
