@@ -11,6 +11,7 @@ and refuses to run where it is missing. Measured with glibc 2.36: a C program wr
     python benchmarks/heap_stress.py                          # 10 runs of --verify beside 2 busy loops
     python benchmarks/heap_stress.py --runs 30 --busy 6 --malloc-check
     python benchmarks/heap_stress.py --runs 5 -- --dp 2 --tp 2 --steps 3   # other flags for the command
+    git worktree add /tmp/then 5069b69^ && python benchmarks/heap_stress.py --checkout /tmp/then  # as it was
 
 It prints one line a run (exit code, seconds, the first line of stderr when it failed) and the rate.
 A rate is only what was seen: 0 in N runs bounds the rate below about 3/N (95 %), no more.
@@ -93,11 +94,11 @@ def malloc_check_env():
     return env
 
 
-def one_run(flags, env):
+def one_run(command, flags, env):
     """(exit code, seconds, what it said): the command once, as a user runs it."""
     t0 = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, COMMAND, *flags], capture_output=True, text=True, env=env,
+        proc = subprocess.run([sys.executable, command, *flags], capture_output=True, text=True, env=env,
                               timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return None, time.monotonic() - t0, f"no end after {RUN_TIMEOUT_S} s"
@@ -112,17 +113,25 @@ def main(argv=None):
                    help="busy loops beside the runs, the load (default %(default)s: one a core)")
     p.add_argument("--malloc-check", action="store_true",
                    help="run the command with MALLOC_CHECK_=3 (and glibc's debugging malloc preloaded)")
+    p.add_argument("--checkout", default=ROOT, metavar="DIR",
+                   help="run DIR's examples/train_gpt_dtensor.py, e.g. a git worktree at an older commit (default: "
+                        "this checkout's)")
     p.add_argument("flags", nargs="*", default=["--verify"],
                    help="the command's flags, after -- (default --verify)")
     args = p.parse_args(argv)
     if args.runs < 1 or args.busy < 0:
         p.error(f"--runs must be >= 1 and --busy >= 0 (got {args.runs}, {args.busy})")
+    command = os.path.join(args.checkout, os.path.relpath(COMMAND, ROOT))
+    if not os.path.isfile(command):
+        p.error(f"--checkout {args.checkout}: it has no {os.path.relpath(COMMAND, ROOT)}")
+    commit = subprocess.run(["git", "-C", args.checkout, "log", "-1", "--format=%h"], capture_output=True, text=True)
 
     def work():
         checks = malloc_check_env() if args.malloc_check else {}
         env = dict(os.environ, **checks)
         busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
-        print(f"{args.runs} runs of examples/train_gpt_dtensor.py {' '.join(args.flags)} beside {args.busy} busy "
+        print(f"{args.runs} runs of examples/train_gpt_dtensor.py {' '.join(args.flags)} at commit "
+              f"{commit.stdout.strip() or '(not a git checkout)'} beside {args.busy} busy "
               f"loop{'s' * (args.busy != 1)} on {os.cpu_count()} cores"
               + "".join(f", {k}={v}" for k, v in checks.items()), flush=True)
         ends = []
@@ -130,7 +139,7 @@ def main(argv=None):
             for b in busy:
                 b.start()
             for i in range(args.runs):
-                code, seconds, said = one_run(args.flags, env)
+                code, seconds, said = one_run(command, args.flags, env)
                 ends.append((code, said))
                 print(f"run {i + 1:3d}/{args.runs}  exit {code!s:>4}  {seconds:6.1f} s"
                       + (f"  {said}" if code != 0 else ""), flush=True)
