@@ -38,7 +38,12 @@ by SIGTERM after 3 whole runs of 644-654 s: 0 failures. At commit eee5388, on an
 AVX512-BF16 (bf16 matmul 206 GFLOP/s a thread against 1.7: the ranks' phases interleave otherwise), the crash's own
 command at its full length, `--runs 20 --busy 8`, glibc's own allocator: 20 runs of 159-231 s, 0 failures (load 9.4
 at the end); then many short runs (each start and exit), `--runs 40 --busy 12 -- --verify --steps 6 --val-windows 4`:
-40 runs of 60-85 s, 0 failures (load 14.0 at the end). 0 in 156 in all; still no cause found.
+40 runs of 60-85 s, 0 failures (load 14.0 at the end). The rate before, at the code the crash was seen with
+(commit 04eef11, the last before issue 30's first changes; its own checkout, a git worktree, run by --checkout), on the
+same AVX512-BF16 EPYC, glibc's own allocator: `--runs 15 --busy 8 --checkout DIR` (the crash's own command at its full
+length): 15 runs of 209-303 s, 0 failures (load 9.6 at the end; 0 in 15 happens 3.5 % of the time at 1 in 5). So the
+code of then does not crash here either: 0 in 171 in all, before and after; whatever made the one crash (another
+engineer's jobs on that machine, its memory, a rarer race) is not in these runs, and no cause is found or claimed.
 What is alive in a rank when it ends (`/proc/self/task` read at the end of rank_process, in a copy, one run of
 `train_gpt_dtensor.py --steps 2`): the main thread and the heartbeat thread, 4 Gloo run loops (pt_gloo_runloop)
 and 2 Gloo TCP loops after destroy_process_group, 8 autograd threads, and rank 0's TCPStore loop. A rank forked
