@@ -145,7 +145,8 @@ def training(tmp_path_factory):
         "runpy.run_path('snippet.py', run_name='__main__')\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                            "recorded.py"], capture_output=True, text=True, timeout=300, cwd=tmp,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp)))
+                          env=dict(os.environ, TMPDIR=str(tmp),  # the caller's path kept after ours
+                                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, tmp, [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(4)]
 

@@ -108,3 +108,14 @@ def test_quick_refresh_writes_headers_and_an_index_into_its_own_folder(tmp_path)
     for name in skipped:  # said so
         assert any(line.split()[:1] == [name] and "skipped: no tiny sizes (--quick)" in line for line in lines), name
     assert any(line.startswith("Not made here: the GPU's files") for line in lines)
+
+
+def test_the_suite_can_run_as_without_bf16_units():
+    """timings.md's seventh round ran the suite with tools/without_bf16_units on its path: every interpreter started
+    so has torch's oneDNN off (where bf16 matmuls are fast), and only those."""
+    probe = [sys.executable, "-c", "import torch; print(torch.backends.mkldnn.enabled)"]
+    hooked = subprocess.run(probe, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tools", "without_bf16_units")))
+    plain = subprocess.run(probe, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert (hooked.stdout, plain.stdout) == ("False\n", "True\n"), (hooked.stderr[-2000:], plain.stderr[-2000:])
