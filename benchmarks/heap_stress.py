@@ -11,7 +11,7 @@ and refuses to run where it is missing. Measured with glibc 2.36: a C program wr
     python benchmarks/heap_stress.py                          # 10 runs of --verify beside 2 busy loops
     python benchmarks/heap_stress.py --runs 30 --busy 6 --malloc-check
     python benchmarks/heap_stress.py --runs 5 -- --dp 2 --tp 2 --steps 3   # other flags for the command
-    git worktree add /tmp/then 5069b69^ && python benchmarks/heap_stress.py --checkout /tmp/then  # as it was
+    git worktree add /tmp/then 04eef11 && python benchmarks/heap_stress.py --checkout /tmp/then  # as it was
 
 It prints one line a run (exit code, seconds, the first line of stderr when it failed) and the rate.
 A rate is only what was seen: 0 in N runs bounds the rate below about 3/N (95 %), no more.
@@ -70,7 +70,7 @@ sys.path.insert(0, ROOT)
 
 import muon_tools as mt  # noqa: E402
 
-COMMAND = os.path.join(ROOT, "examples", "train_gpt_dtensor.py")
+COMMAND = os.path.join("examples", "train_gpt_dtensor.py")  # in this checkout, or in --checkout DIR
 HEAP = "malloc"  # glibc's heap checks all say malloc(), free() or corrupted...: the first word of the known one
 RUN_TIMEOUT_S = 900
 
@@ -126,17 +126,21 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.runs < 1 or args.busy < 0:
         p.error(f"--runs must be >= 1 and --busy >= 0 (got {args.runs}, {args.busy})")
-    command = os.path.join(args.checkout, os.path.relpath(COMMAND, ROOT))
+    command = os.path.join(args.checkout, COMMAND)
     if not os.path.isfile(command):
-        p.error(f"--checkout {args.checkout}: it has no {os.path.relpath(COMMAND, ROOT)}")
-    commit = subprocess.run(["git", "-C", args.checkout, "log", "-1", "--format=%h"], capture_output=True, text=True)
+        p.error(f"--checkout {args.checkout}: it has no {COMMAND}")
+    try:
+        commit = subprocess.run(["git", "-C", args.checkout, "log", "-1", "--format=%h"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:  # no git here
+        commit = ""
 
     def work():
         checks = malloc_check_env() if args.malloc_check else {}
         env = dict(os.environ, **checks)
         busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
-        print(f"{args.runs} runs of examples/train_gpt_dtensor.py {' '.join(args.flags)} at commit "
-              f"{commit.stdout.strip() or '(not a git checkout)'} beside {args.busy} busy "
+        print(f"{args.runs} runs of {COMMAND} {' '.join(args.flags)} at commit "
+              f"{commit or '(not a git checkout)'} beside {args.busy} busy "
               f"loop{'s' * (args.busy != 1)} on {os.cpu_count()} cores"
               + "".join(f", {k}={v}" for k, v in checks.items()), flush=True)
         ends = []

@@ -1,7 +1,8 @@
 """How long does torch's own step take on the run a --json file describes? torch.optim.Muon + AdamW in one
 process on one device, with the run's model, initial parameters, total gradients and options (the reference
-the run was checked against: muon_tools.torch_reference_steps), each step timed alone (after torch.cuda.synchronize() on a GPU); then the run's median
-step against torch's, and whether the run was bit-identical to torch.
+the run was checked against: muon_tools.torch_reference_steps), each step timed alone (after
+torch.cuda.synchronize() on a GPU); then the run's median step against torch's, and whether the run was
+bit-identical to torch.
 
     torchrun --standalone --nproc-per-node 1 distributed_muon.py --steps 10 --json run.json   # the GPU twin
     python benchmarks/torch_step.py run.json                                                   # torch, same GPU
