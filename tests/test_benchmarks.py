@@ -119,3 +119,21 @@ def test_two_ranks_splits_every_phase_and_each_rank_orthogonalizes_half(capsys):
         for phase in mt.PHASES_OF["owner"] + mt.PHASES_OF["comm-free"] + ("newton-schulz", "state update"):
             assert phase in rows, phase
         assert all(float(x) > 0 for x in rows["step (traced)"])
+
+
+def test_heap_stress_runs_the_command_of_the_checkout_it_is_given(tmp_path):
+    """--checkout DIR runs DIR's examples/train_gpt_dtensor.py (here one that fails at once, saying where it is),
+    counts its failures and names no commit where DIR is not a git checkout."""
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "train_gpt_dtensor.py").write_text(
+        "import sys\nprint('the other checkout got', sys.argv[1:], file=sys.stderr)\nsys.exit(3)\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "heap_stress.py"), "--runs", "2",
+                           "--busy", "0", "--checkout", str(tmp_path), "--", "--steps", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == ("2 runs of examples/train_gpt_dtensor.py --steps 1 at commit (not a git checkout) beside "
+                        f"0 busy loops on {os.cpu_count()} cores")
+    for line in lines[1:3]:
+        assert line.split()[2:4] == ["exit", "3"] and line.endswith("the other checkout got ['--steps', '1']"), line
+    assert lines[3].startswith("Failed: 2 of 2; of which heap corruption or SIGABRT: 0 ")
