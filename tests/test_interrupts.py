@@ -272,7 +272,10 @@ def test_a_benchmarks_own_workers_stop_with_it_and_leave_nothing(tmp_path, how):
     """A benchmark that starts its own workers (muon_tools.run_processes, not the lesson's launcher): Ctrl-C once
     they run ends it as any command (exit 130, one line); a launcher killed outright, its workers end themselves
     and remove its temporary folders. No worker and no temporary file is left either way."""
-    run = Run(tmp_path, "--ranks", "2", script=os.path.join(ROOT, "benchmarks", "gloo_collectives.py"))
+    # two_ranks.py's 2 workers step a tiny model a thousand times (over 40 s here): they still run when the signal
+    # comes, however fast the machine (gloo_collectives.py's ended within the second this waits, once in a suite here)
+    run = Run(tmp_path, "--d", "64", "--layers", "1", "--rounds", "1000",
+              script=os.path.join(ROOT, "benchmarks", "two_ranks.py"))
     deadline = time.monotonic() + 60
     while (server := run.forkserver()) is None or len(run.processes(parent=server)) < 2:  # its 2 workers, forked
         assert time.monotonic() < deadline and run.proc.poll() is None, run.processes()
