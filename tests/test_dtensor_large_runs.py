@@ -583,27 +583,12 @@ def test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed, low
         bound, moved = gram_bound(record, name, tuple(whole.shape))
         assert diffs[name] <= bound, (name, tuple(whole.shape), diffs[name], bound)
         assert low_rank or bound <= moved / 4, (name, bound, moved)
-    SWEPT_DIFFS[(mesh, seed)] = diffs
 
 
 def shape_only_tolerance(name, shape):
     group = GROUPS[group_of(name)]
     return mt.batched_ns_tolerance(STEPS, group["lr"], group.get("adjust_lr_fn", "original"), shape,
                                    lrr.shape_only_gram_bound(shape))
-
-
-SWEPT_DIFFS = {}
-
-
-def test_gram_is_not_bitwise_torch_on_every_matrix(runs):
-    """What the derivation says: near-ties of the float32 sums round the other way now and then, so over the
-    sweeps some matrices differ from torch (and most do not)."""
-    for mesh, seed, low_rank in SWEPT:
-        if (mesh, seed) not in SWEPT_DIFFS:
-            test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed, low_rank)
-    diffs = [d for sweep in SWEPT_DIFFS.values() for d in sweep.values()]
-    assert len(diffs) == len(SWEPT) * SWEEP
-    assert 0 < sum(d > 0 for d in diffs) < len(diffs)
 
 
 def test_bad_options_are_refused_at_construction_in_one_line():

@@ -287,17 +287,20 @@ def config_id(cfg):
 
 @pytest.mark.parametrize("i", range(len(demo_configs())), ids=[config_id(c) for c in demo_configs()])
 def test_demo_runs_match_torch(spawned, i):
-    """Every strategy, every grid: bit-identical to torch with blocks, Polar Express and QK-clip;
-    the gram-orthogonalized matrices within their bound, and only those."""
+    """Every strategy, every grid: bit-identical to torch with blocks, Polar Express and QK-clip; the
+    gram-orthogonalized matrices within their bound, bit-identical or not (which of them land on torch's bits
+    depends on the CPU's bf16 rounding: chapter 9 shows some that do), every other matrix bit-identical."""
     cfg = spawned[0][i]
     checks, _ = mt.verify(cfg, demo_results(spawned, i))
     gram = mt.gram_names(mt.demo_specs(cfg), cfg)
     assert [c["name"] for c in checks if not c["ok"]] == []
-    assert [c["name"] for c in checks if not c["identical"]] == sorted(gram, key=[c["name"] for c in checks].index)
+    assert [c["name"] for c in checks if not c["identical"] and c["name"] not in gram] == []
     assert all(c["max_abs_update"] > 0 for c in checks)
+    assert bool(gram) == (cfg.tp_newton_schulz == "gram")  # the runs with gram take it on some matrices
     if gram:
         assert {n for n in gram if "qkv" in n} == set()  # laid out by blocks: the gather, not gram
-        assert all(c["max_abs_diff"] <= c["tolerance"] for c in checks if c["name"] in gram)
+        assert all(c["tolerance"] > 0 and c["max_abs_diff"] <= c["tolerance"] for c in checks if c["name"] in gram)
+        assert all(c["tolerance"] == 0 for c in checks if c["name"] not in gram)
 
 
 @pytest.mark.parametrize("i", range(0, len(demo_configs()), 4), ids=[f"{dp}x{tp}" for dp, tp in GRIDS])
@@ -534,5 +537,8 @@ def test_the_command_line_takes_the_flags_and_reports_them(spawned):
     out = mt.report(spawned[0][i], mt.plan_optimizer(spawned[0][i]), results, checks, 1.0, 1.0, print_fn=lines.append)
     text = "\n".join(lines)
     assert out["passed"] and "[8] QK-clip, tau 100: heads clipped per step" in text
-    assert "TP Gram " in text and "QK-clip maxima" in text and "within their derived bound" in text
+    assert "TP Gram " in text and "QK-clip maxima" in text
+    within = sum(c["ok"] and not c["identical"] for c in checks)  # gram's matrices off torch's bits, on this CPU
+    assert text.splitlines()[-1] == f"Result: {mt.verdict(checks)[1]}"
+    assert ("within their derived bound" in text) == (within > 0)
     assert out["qk_clip"] and all(0 < m < 1 for step in out["qk_clip"] for m in step.values())
