@@ -34,9 +34,9 @@
 # %% [markdown]
 # ## 0. Setup
 #
-# The notebook imports the lesson, `distributed_muon_cpu.py` (§1–§6), `muon_owners.py` (§7, as
-# `mo`) and `muon_large_runs.py` (§8, as `mlr`), and its tooling, `muon_tools.py`, from the folder it
-# runs in. In Colab, first set the repository's git URL (`%env DISTRIBUTED_MUON_REPOSITORY=<url>`):
+# The notebook imports the lesson, `distributed_muon_cpu.py` (§1–§6), `distmuon/owners.py` (§7, as
+# `mo`) and `distmuon/large_runs.py` (§8, as `mlr`), and the runner, `muon_tools.py` (as `mt`), from the folder
+# it runs in. In Colab, first set the repository's git URL (`%env DISTRIBUTED_MUON_REPOSITORY=<url>`):
 # this cell clones it and works in the clone. What is missing (torch ≥ 2.9, which has
 # `torch.optim.Muon`, the reference; matplotlib) comes from `requirements.txt`.
 
@@ -58,17 +58,38 @@ import muon_tools as mt  # noqa: E402  (the reference, the launcher, the report,
 
 mt.notebook_requirements()
 import distributed_muon_cpu as dm  # noqa: E402
-import muon_large_runs as mlr  # noqa: E402
-import muon_owners as mo  # noqa: E402
+import distmuon.checks as mc  # noqa: E402
+import distmuon.large_runs as mlr  # noqa: E402
+import distmuon.owners as mo  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from tools import figures  # noqa: E402  (the two pictures of sections 3 and 4, as notes/03-flow.md shows them)
 
 torch.set_num_threads(1)  # as every rank does: bf16 matmul bits can depend on the thread count
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
 
 # %% [markdown]
-# ## 1. Newton-Schulz, momentum and the learning-rate adjustment
+# ## 1. Muon on one device
 #
+# `muon_step_` is `torch.optim.Muon`'s step of one matrix: the momentum, Newton–Schulz of the whole
+# matrix, the weight decay and the update with a learning rate adjusted to the matrix's shape. The rest
+# of the script distributes it. Here it steps a matrix beside `torch.optim.Muon`, bit for bit:
+
+# %%
+mt.show_source(dm.muon_step_)
+w = torch.randn(96, 32, generator=torch.Generator().manual_seed(3))
+ours, theirs = w.clone(), torch.nn.Parameter(w.clone())
+group = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, eps=dm.NS_EPS,
+             ns_coefficients=dm.NS_COEFFICIENTS, adjust_lr_fn=None)
+torch_muon, buffer = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1), torch.zeros(96, 32)
+for step in range(3):
+    grad = torch.randn(96, 32, generator=torch.Generator().manual_seed(10 + step))
+    dm.muon_step_(ours, grad, buffer, group)
+    theirs.grad = grad
+    torch_muon.step()
+print(f"three steps, torch.equal with torch.optim.Muon's: {torch.equal(ours, theirs.detach())}")
+
+# %% [markdown]
 # `newton_schulz` casts the matrix to bf16, transposes it if it is tall, scales it by its Frobenius
 # norm and runs five quintic iterations: the same operations as `torch.optim.Muon`, in the same
 # order, so the same bits, which `torch.equal` checks against torch's own function. The result is
@@ -133,6 +154,16 @@ plan = mt.plan_optimizer(mt.RunConfig(dp=3, tp=2))
 print(mt.format_buffer_map(plan.layout))
 
 # %% [markdown]
+# The same, drawn for a smaller run (DP 2 × TP 2, the demo at d = 16, one layer, buckets of 1,024 elements:
+# `figures.RUN`): the Muon group's buckets, each parameter's TP piece a segment, and the DP shard boundaries.
+# `qkv.weight` straddles the two shards of its bucket: each DP rank keeps state for its part only.
+
+# %%
+fig = plt.figure(figsize=(11, 2.2))
+figures.draw_virtual_buffer(figures.layout_of(), fig)
+plt.show()
+
+# %% [markdown]
 # ## 4. The gather flow
 #
 # `gather_newton_schulz_shard` is the flow for one bucket: DP gather → TP gather → Newton–Schulz →
@@ -177,6 +208,19 @@ print(mt.format_table(["rank", "update shard", "DP gather in", "TP gather in", "
                       rows, [">", ">", ">", ">", "<", "<"]))
 
 # %% [markdown]
+# What each arrow leaves on each rank, drawn: the flow's own functions run on the four thread ranks of the
+# smaller run above, on a bucket whose every element carries its index, and each panel colours the elements of
+# the full matrices that a rank holds after an arrow (darker once orthogonalized). Rank 2 (DP 1, TP 0) starts
+# with a sliver of `qkv`, half of `proj`'s columns and all of the router; the DP gather gives it both TP pieces'
+# worth of its TP rank's matrices; the TP gather, the full matrices its shard touches; then the two slices.
+
+# %%
+bucket_drawn, holdings = figures.flow_holdings()
+fig = plt.figure(figsize=(12, 6.8))
+figures.draw_flow(bucket_drawn, holdings, fig)
+plt.show()
+
+# %% [markdown]
 # Every rank's parts of each matrix, put back together (DP parts in DP rank order, then TP pieces
 # along the split dim), against torch's own Newton–Schulz of the whole matrix:
 
@@ -192,27 +236,28 @@ for name in bucket.names:
           f"with torch's Newton-Schulz on the whole matrix: {torch.equal(ours, theirs)}")
 
 # %% [markdown]
-# ## 5. The step: DistributedMuon, the gather strategy
+# ## 5. The step: DistributedMuon, with the gather strategy as its part
 #
 # `DistributedMuon.step` takes the buckets one at a time through four stages: the gradient
-# reduce-scatter over DP, momentum (and AdamW) on this rank's parts, the gather flow above with the
-# weight update on the parts, and the parameter all-gather that gives every DP rank its whole TP
-# pieces again. Each stage is a method; the ledger names each collective's phase, as the report
-# of section 6 prints them.
+# reduce-scatter over DP, momentum (and AdamW) on this rank's parts, stage 3 (the strategy's: here the
+# gather flow above) with the weight update on the parts, and the parameter all-gather that gives every
+# DP rank its whole TP pieces again. The strategy is a part of the optimizer, `Gather()` here; section 7
+# plugs in two more. Each stage is a method; the ledger names each collective's phase, as the report of
+# section 6 prints them.
 
 # %%
-mt.show_source(dm.DistributedMuon.step, dm.DistributedMuon._stages)
+mt.show_source(dm.DistributedMuon.step, dm.DistributedMuon.stages_in_turn, dm.Gather.orthogonalize)
 print("phases of one step, in order:", " -> ".join(mt.PHASES_OF["gather"]))
 
 # %% [markdown]
 # ## 6. Run it
 #
-# Now the eight processes. `python distributed_muon_cpu.py` hands its command line to the tooling,
+# Now the eight processes. `python distributed_muon_cpu.py` hands its command line to the runner,
 # which checks the flags, prints the plan and starts DP × TP processes (a torchrun for one machine),
 # each running `run_rank`, below: it joins the Gloo world, builds the grid, its pieces of the demo
-# model and the optimizer, steps it with its own DP rank's gradients (with a checkpoint round trip
-# halfway), and sends everything to rank 0, which runs `torch.optim.Muon` and `torch.optim.AdamW`
-# on one device, fed the summed gradients, and compares every rank's piece (`torch.equal`).
+# model and the optimizer, steps it with its own DP rank's gradients (the runner adds a checkpoint round
+# trip halfway, after a step), and sends everything to rank 0, which runs `torch.optim.Muon` and
+# `torch.optim.AdamW` on one device, fed the summed gradients, and compares every rank's piece (`torch.equal`).
 
 # %%
 mt.show_source(dm.run_steps, dm.run_rank)
@@ -279,15 +324,16 @@ plt.show()
 #
 # The gather flow repeats Newton–Schulz on every rank that touches a matrix. `OwnerMuon` gives each
 # matrix one owner, chosen by longest-processing-time over Newton–Schulz FLOPs; `CommFreeMuon` also
-# keeps each matrix whole on its owner's DP row. Both are section 5's optimizer with stages
-# replaced, every other stage reused (`muon_owners.py`, the lesson's section 7 in a file of its own,
-# draws their data paths and the overlapped step). The assignment, and what it gives with 8 layers:
+# keeps each matrix whole on its owner's DP row. Both are section 5's optimizer with another strategy as
+# its part (`Owner()`, `CommFree()`): stage 3 replaced, every other stage the optimizer's own
+# (`distmuon/owners.py`, the lesson's section 7 in a file of its own, draws their data paths and the
+# overlapped step). The assignment, and what it gives with 8 layers:
 # 40 matrices spread evenly over 8 ranks.
 
 # %%
 mt.show_source(mo.assign_owners)
 plan = mt.plan_optimizer(mt.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
-per_rank, balance = mo.load_balance(plan.ns_flops, plan.owners, 8)
+per_rank, balance = mo.load_balance(plan.strategy.ns_flops, plan.owners, 8)
 rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}"] for r in range(8)]
 print(mt.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
 print(f"max / mean = {balance:.2f}")
@@ -297,7 +343,7 @@ print(f"max / mean = {balance:.2f}")
 #
 # `torch.optim.Muon` runs one fixed polynomial five times on each whole matrix and does nothing after
 # the update. Large runs do four things more, each an option of the optimizers (`ns_coefficients`,
-# and a `muon_large_runs.LargeRuns`) and a flag of the script; the default keeps torch's behaviour.
+# and a `distmuon.large_runs.LargeRuns`) and a flag of the script; the default keeps torch's behaviour.
 # Chapter 9 of `notes/` draws what each moves between ranks. Here, each one's own code, run.
 #
 # **Per-iteration coefficients.** `ns_coefficients="polar_express"` (`--ns-coefficients
@@ -306,14 +352,14 @@ print(f"max / mean = {balance:.2f}")
 # spans three decades, as a gradient's does, land closer to 1 in five iterations:
 
 # %%
-mt.show_source(dm.ns_coefficients_of)
+mt.show_source(mc.ns_coefficients_of)
 gen = torch.Generator().manual_seed(2)
 left, _ = torch.linalg.qr(torch.randn(512, 128, generator=gen))
 right, _ = torch.linalg.qr(torch.randn(128, 128, generator=gen))
 spread = left @ torch.diag(torch.logspace(0, -3, 128)) @ right.T  # singular values 1 down to 0.001
-for name in dm.NS_COEFFICIENT_CHOICES:
+for name in mc.NS_COEFFICIENT_CHOICES:
     sv = torch.linalg.svdvals(dm.newton_schulz(spread, coefficients=name).float())
-    first = dm.ns_coefficients_of(name, dm.NS_STEPS)[0]
+    first = mc.ns_coefficients_of(name, dm.NS_STEPS)[0]
     print(f"{name:<14} first (a, b, c) = ({first[0]:.3f}, {first[1]:.3f}, {first[2]:.3f}): "
           f"singular values after {dm.NS_STEPS} iterations {sv.min():.3f} to {sv.max():.3f}")
 

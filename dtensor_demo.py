@@ -1,6 +1,6 @@
 """DTensorMuon's demo, its verification against torch, its accounting and its command line.
 
-The optimizer lives in distributed_muon_dtensor.py (sections 1-6: placements, the plan, the
+The optimizer lives in distmuon/dtensor/ (sections 1-6: placements, the plan, the
 configuration, DTensorMuon, checkpoints); this module continues its numbering with what runs it:
 
     7. The demo model (FSDP2 x TP x a MoE expert stack), a run, and its verification
@@ -45,11 +45,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
+    import muon_forkserver
 
-    muon_forkserver.start_for_command()
+    muon_forkserver.start_command()
 
 import torch
 import torch.distributed as dist
@@ -59,10 +58,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import distributed_muon_cpu as dm
-import muon_checks as mc
+import distmuon.checks as mc
+import distmuon.owners as mo
 import muon_tools as mt
 from distributed_muon_cpu import NS_STEPS, newton_schulz_flops
-from distributed_muon_dtensor import (DistributedConfig, DTensorMuon, load_checkpoint, local_indices, local_of,
+from distmuon.dtensor import (DistributedConfig, DTensorMuon, load_checkpoint, local_indices, local_of,
                                       save_checkpoint)
 
 # =============================================================================
@@ -100,7 +100,7 @@ from distributed_muon_dtensor import (DistributedConfig, DTensorMuon, load_check
 # own flat indices, put through the same parallelize: what TP and FSDP2 do with
 # the data, neither the optimizer's local_indices nor DTensor's placement
 # arithmetic (torch's distribute_tensor cuts an uneven _StridedShard otherwise
-# than FSDP2 does: distributed_muon_dtensor.py, section 2). A real training run (cfg.train: forward
+# than FSDP2 does: distmuon/dtensor/, section 2). A real training run (cfg.train: forward
 # and backward on tokens) cannot be bit for bit; verify_training, at the end of
 # this section, says what it checks instead, and why.
 #
@@ -179,6 +179,16 @@ class DemoModel(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def format_assignments(opt):
+    """DTensorMuon's assignment as a table: per rank, how many matrices, their GFLOP and their names."""
+    load, _ = mo.load_balance(opt.ns_flops, opt.owners, opt.world)
+    rows = [[r, sum(o == r for o in opt.owners.values()), f"{load[r] / 1e9:.4f}",
+             " ".join(n for n, o in opt.owners.items() if o == r) or "-"] for r in range(opt.world)]
+    table = mt.format_table(["rank", "matrices", "NS GFLOP", "owns"], rows, [">", ">", ">", "<"])
+    local = sorted(n for names in opt.local_matrices.values() for n in names)
+    return table + (f"\nlocal on every holder (plain or all-Replicate): {' '.join(local)}" if local else "")
 
 
 def expert_stack_names(model):
@@ -344,7 +354,7 @@ def run_on_mesh(cfg, rank, device):
     named = list(model.named_parameters())
     return dict(rank=rank, params=local_params(model), where=where, losses=losses, grads=grads, weights=weights,
                 ledger=asdict(opt.ledger), comm=counter.records if counter else [], owners=opt.assignments,
-                batched_ns=opt.batched_ns, table=opt.format_assignments() if rank == 0 else "",
+                batched_ns=opt.batched_ns, table=format_assignments(opt) if rank == 0 else "",
                 state_bytes=opt.state_bytes(), step_ms=step_ms, optimizer_places=optimizer_places(model),
                 placements={n: str(tuple(p.placements)) if isinstance(p, DTensor) else "plain" for n, p in named})
 
@@ -689,7 +699,7 @@ def training_table(out):
               f"({out['trained_worst']})")
 
 
-# The explicit form (distributed_muon_dtensor.py, section 4), on parallelism DTensor does not describe: plain
+# The explicit form (distmuon/dtensor/, section 4), on parallelism DTensor does not describe: plain
 # tensors, each rank keeping its torch.chunk of every matrix's rows (uneven,
 # possibly empty). The gather and redistribute below are deliberately plain
 # (a padded all-gather and a broadcast per matrix): what a user might write
@@ -1249,7 +1259,7 @@ def print_comparison(cfg, rows, per_rank, accounts, results, print_fn=print):
 # strategies on Gloo ranks of its own.
 
 def validate(cfg):
-    dm.check_topology(cfg.dp, cfg.tp)
+    mt.check_topology(cfg.dp, cfg.tp)
     if cfg.steps < 1:
         raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
     if not 0 <= cfg.seed < 2**32:
@@ -1430,7 +1440,7 @@ def main_torchrun(args):
     """Under torchrun: this process is one rank (section 9's comment); rank 0 prints, verifies and writes --json."""
     def prepare(world):
         cfg = demo_config(args)
-        dm.check_topology(cfg.dp, cfg.tp, world)
+        mt.check_topology(cfg.dp, cfg.tp, world)
         validate(cfg)
         if args.compare:
             raise ValueError("--compare spawns the lesson's strategies on Gloo ranks of its own: run it without "

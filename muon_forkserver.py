@@ -1,6 +1,6 @@
 """The ranks' forkserver and the janitor: how a command starts its ranks quickly and leaves nothing behind.
 
-No torch here, on purpose: a command calls start_for_command() in its first lines, before its own import of
+No torch here, on purpose: every command calls start_command() in its first lines, before its own import of
 torch (seconds), so that the forkserver's import of it, which the ranks need, runs at the same time on another
 core instead of after it (a small run's command seconds sooner on 2 cores: notes/measured/timings.md).
 muon_tools.py's launcher (section 11) forks every rank from this forkserver; a command refused before any rank
@@ -116,11 +116,14 @@ def stop_forkserver():
             os.waitpid(pid, 0)
 
 
-def start_for_command():
-    """A command's first lines: the janitor and the forkserver start now, and the forkserver ends with the command
-    whichever way it ends (a refusal, --help, a finished run; exit_code stops it itself before an os._exit).
-    Not under torchrun, where every process is a rank already and none is started."""
-    if {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= os.environ.keys():
+def start_command(spawns_ranks=True):
+    """A command's first lines, in one call, before it imports torch (seconds): SIGINT is blocked, so that a Ctrl-C
+    while torch loads waits for muon_tools.exit_code (one line, exit 130), not a traceback out of torch's import;
+    and for a command that spawns ranks, the janitor and the forkserver start now, the forkserver importing torch
+    beside this process, and ending with the command whichever way it ends (a refusal, --help, a finished run;
+    exit_code stops it itself before an os._exit). Under torchrun every process is a rank already: none starts."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    if not spawns_ranks or {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= os.environ.keys():
         return
     atexit.register(stop_forkserver)
     with contextlib.suppress(ValueError):  # the launcher meets it again, where a refusal is one line: not here

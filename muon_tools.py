@@ -1,9 +1,9 @@
-"""The tooling around the lesson: torch's reference, the report, the launcher, the command line.
+"""The runner: the lesson's demo run set up, torch's reference, the report, the launcher, the command line.
 
-distributed_muon_cpu.py is the lesson (sections 1-6: the gather flow, its optimizer and its run), muon_owners.py
-its section 7 (the owner and comm-free strategies), muon_large_runs.py its section 8 (what large runs
-add). What is here is what a command needs around them, and nothing a reader of the algorithm must
-read: it continues the lesson's numbering.
+distributed_muon_cpu.py is the lesson (sections 1-6: the gather flow, its optimizer and its run) and the core of
+the library, distmuon/ (distmuon/owners.py its section 7, the owner and comm-free strategies; distmuon/large_runs.py
+its section 8, what large runs add). What is here is what a command needs around them, and nothing a reader of
+the algorithm must read: it continues the lesson's numbering. The library imports nothing from it.
 
     9. The run's settings (RunConfig, the models of --model, the optimizer of --strategy and the options),
        torch's reference (reference_params) and the bounds of the two opt-ins that are not bit for bit
@@ -17,7 +17,7 @@ The launcher (spawn_ranks, run_under_torchrun, exit_code, RankFailure; its forks
 muon_forkserver.py, without torch, for a command's first lines to start), the table formatting
 (format_table, human_bytes), the parser (OneLineParser) and the checks of a command's options
 (check_launch, check_writable, flag) serve every command of the repository: distributed_muon.py,
-distributed_muon_dtensor.py, dtensor_demo.py, examples/ and benchmarks/ import them from here, and the
+distmuon/dtensor/, dtensor_demo.py, examples/ and benchmarks/ import them from here, and the
 training checks (bound_ratio, loss_drift, one_ulp_up) too. `python distributed_muon_cpu.py` runs main()
 below; `torchrun ... distributed_muon.py` runs main_under_torchrun.
 """
@@ -54,15 +54,14 @@ import torch
 import torch.distributed as dist
 
 import distributed_muon_cpu as dm
-from distributed_muon_cpu import (D_MODEL, NS_COEFFICIENTS, NS_COEFFICIENT_CHOICES, NS_EPS, NS_STEPS, N_HEADS, N_LAYERS,
-                                  ParamSpec, adjusted_lr, check_topology, dp_rank_grads, dp_rank_max_logits,
-                                  initial_params, newton_schulz, plan_grid, rank_grid, transformer_specs)
-from muon_checks import ADJUST_LR_FNS, check_hyperparameters
+from distributed_muon_cpu import (D_MODEL, NS_COEFFICIENTS, NS_EPS, NS_STEPS, N_LAYERS, ParamSpec, adjusted_lr,
+                                  dp_rank_grads, initial_params, newton_schulz, plan_grid, transformer_specs)
+from distmuon.checks import ADJUST_LR_FNS, NS_COEFFICIENT_CHOICES, check_grid, check_hyperparameters
 from muon_forkserver import remove_at_exit, start_method, stop_forkserver
-from muon_owners import (BATCHED_NS_BOUND, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, check_owner_options,
-                         load_balance)
-from muon_large_runs import (NS_BLOCKS, TP_NEWTON_SCHULZ, LargeRuns, check_large_run_options, gram_eligible,
-                             newton_schulz_flops_of, transformer_row_layouts)
+from distmuon.owners import (BATCHED_NS_BOUND, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, check_owner_options,
+                             load_balance)
+from distmuon.large_runs import (NS_BLOCKS, TP_NEWTON_SCHULZ, LargeRuns, RowLayout, check_large_run_options,
+                                 gram_eligible, newton_schulz_flops_of)
 
 
 # =============================================================================
@@ -108,9 +107,9 @@ class RunConfig:
     overlap: int = 0  # owner / comm-free: K >= 1 pipelines the step, Newton-Schulz K units behind (section 7)
     batched_ns: bool = False  # owner / comm-free: same-shape matrices in one call (not bitwise torch's)
     ns_coefficients: str = "jordan"  # one of NS_COEFFICIENT_CHOICES (section 1)
-    ns_blocks: str = "whole"  # one of NS_BLOCKS: the fused QKV whole, by blocks or by heads (muon_large_runs.py)
-    tp_newton_schulz: str = "gather"  # gather: "gram" orthogonalizes eligible TP pieces where they lie (muon_large_runs.py)
-    qk_clip_tau: float = None  # a number > 0: QK-clip after every step, with dp_rank_max_logits (muon_large_runs.py)
+    ns_blocks: str = "whole"  # one of NS_BLOCKS: the fused QKV whole, by blocks or by heads (distmuon/large_runs.py)
+    tp_newton_schulz: str = "gather"  # gather: "gram" orthogonalizes eligible TP pieces where they lie (distmuon/large_runs.py)
+    qk_clip_tau: float = None  # a number > 0: QK-clip after every step, with dp_rank_max_logits (distmuon/large_runs.py)
     timeout_s: float = TIMEOUT_S  # a silent rank or a stuck collective ends the run after this long
     missing_grads: tuple = ()  # (name, dp_rank or -1 for all, step): gradients that are None (tests)
     fail_rank: int = -1  # for testing failure handling: this rank raises at step 1
@@ -147,6 +146,11 @@ def thin_specs():
 
 
 MODELS = ("transformer", "lopsided", "thin")
+# A world this large on one machine is a typo, not a plan: every rank is a Python process with torch loaded (its
+# memory: notes/07-pitfalls.md). The demo's gradients stay exact in float32 far beyond it (the lesson's section 6).
+MAX_WORLD = 64
+N_HEADS = 8  # the demo transformer's attention heads: its fused QKV's row layout (section 8's blocks and QK-clip)
+FUSED_QKV = "attn.qkv.weight"  # the demo's fused QKV matrices end so: laid out head by head, as Megatron's
 
 
 def demo_specs(cfg):
@@ -195,6 +199,33 @@ def group_hyperparameters(cfg):
             "adamw_no_wd": dict(adamw, weight_decay=0.0)}
 
 
+def transformer_row_layouts(specs, heads=N_HEADS):
+    """{name: RowLayout} of the demo's fused QKV matrices ((3d, d): q, k and v of each head, d / heads rows each),
+    laid out head by head as Megatron's are (so that a column-parallel split gives each TP rank whole heads)."""
+    return {s.name: RowLayout((s.global_shape[1] // heads,) * 3, heads, ("q", "k", "v"))
+            for s in specs if s.name.endswith(FUSED_QKV)}
+
+
+def dp_rank_max_logits(specs, seed, step, dp_rank):
+    """{fused QKV name: the largest logit of each of its N_HEADS heads in DP rank dp_rank's forward at `step`}
+    (float32): for section 8's QK-clip, what a forward pass would report, drawn as the gradients are. Head h's lies
+    in [0.75, 1.25] x 25 (h + 1): with tau = 100 the first three heads never clip, the last three always do, and the
+    two between depend on the step and the batch."""
+    g = torch.Generator().manual_seed((seed * 100_003 + step) * 1_009 + dp_rank + 1)
+    return {s.name: 25 * (0.75 + 0.5 * torch.rand(N_HEADS, generator=g)) * torch.arange(1, N_HEADS + 1)
+            for s in specs if s.name.endswith(FUSED_QKV)}
+
+
+def computed_here(max_logits, tp_rank, tp):
+    """What a rank reports: its TP rank's heads (the demo's QKV is split by rows), -inf for the others."""
+    out = {}
+    for name, s in max_logits.items():
+        heads = s.numel() // tp
+        out[name] = torch.full_like(s, -math.inf)
+        out[name][tp_rank * heads:(tp_rank + 1) * heads] = s[tp_rank * heads:(tp_rank + 1) * heads]
+    return out
+
+
 def demo_row_layouts(specs, cfg):
     """The fused QKV's layout when a run asks for blocks or QK-clip (none otherwise: torch's run)."""
     return transformer_row_layouts(specs) if cfg.ns_blocks != "whole" or cfg.qk_clip_tau is not None else {}
@@ -212,6 +243,30 @@ def build_optimizer(specs, cfg, grid, params):
     return OPTIMIZERS[cfg.strategy]([g for g in groups if g["params"]], grid=grid, bucket_size=cfg.bucket_size,
                                     tp_split_dims={s.name: s.tp_split_dim for s in specs if s.tp_split_dim >= 0},
                                     **options)
+
+
+def after_demo_step(cfg, specs, build, step, opt, out):
+    """What the runner adds to the lesson's run_steps after each step (its after_step, with cfg, specs and the
+    build given): section 8's QK-clip with the demo's maxima; halfway, a resume from a checkpoint (a fresh optimizer
+    loads this rank's state_dict: were the state lost, the momentum would restart and the comparison with torch
+    would fail); and --fail-rank's failure, how the tests make a rank fail. Returns the optimizer to go on with."""
+    grid = opt.grid
+    if grid.rank == cfg.fail_rank:
+        raise RuntimeError(f"injected failure on rank {grid.rank} at step {step} (--fail-rank)")
+    clipped = out.setdefault("qk_clip", [])
+    if cfg.qk_clip_tau is not None:
+        max_logits = dp_rank_max_logits(specs, cfg.seed, step, grid.dp.rank)
+        clipped.append(opt.clip_qk_(computed_here(max_logits, grid.tp.rank, grid.tp.size)))
+    if step == (cfg.steps + 1) // 2:
+        fresh = build(grid, dict(opt.param_by_name))
+        fresh.load_state_dict(opt.state_dict())
+        fresh.ledger, opt = opt.ledger, fresh
+    return opt
+
+
+def after_step(cfg, specs, build):
+    """after_demo_step for this run, as the lesson's run_steps calls it (picklable: it travels to the ranks)."""
+    return functools.partial(after_demo_step, cfg, specs, build)
 
 
 def plan_optimizer(cfg, rank=0, specs=None):
@@ -477,17 +532,20 @@ def verify(cfg, results, device="cpu"):
 
 def rank_program(cfg, run_rank=dm.run_rank):
     """The lesson's run_rank (section 6; distributed_muon.py's own, its GPU twin) with this run's model,
-    optimizer and torch's reference: what spawn_ranks starts on every rank, or a torchrun process calls."""
+    optimizer, what it adds after a step and torch's reference: what spawn_ranks starts on every rank, or a
+    torchrun process calls."""
     specs = demo_specs(cfg)
-    return functools.partial(run_rank, cfg, specs, functools.partial(build_optimizer, specs, cfg),
-                             functools.partial(reference_params, specs, cfg))
+    build = functools.partial(build_optimizer, specs, cfg)
+    return functools.partial(run_rank, cfg, specs, build, functools.partial(reference_params, specs, cfg),
+                             after_step(cfg, specs, build))
 
 
 def run_demo_steps(cfg, grid, device="cpu"):
     """The lesson's run_steps for this run, on a rank that has joined already: for several runs in one
     spawn (the tests'), each checked afterwards with verify."""
     specs = demo_specs(cfg)
-    return dm.run_steps(cfg, specs, functools.partial(build_optimizer, specs, cfg), grid, device)
+    build = functools.partial(build_optimizer, specs, cfg)
+    return dm.run_steps(cfg, specs, build, grid, device, after_step(cfg, specs, build))
 
 
 def verdict(checks):
@@ -601,7 +659,7 @@ def human_bytes(n):
 
 def format_grid(dp, tp):
     """The rank layout as a small table."""
-    grid = rank_grid(dp, tp)
+    grid = torch.arange(dp * tp).view(dp, tp)
     width = max(4, len(str(dp * tp - 1)) + 1)
     lines = ["      " + "".join(f"{'TP ' + str(t):>{width + 2}}" for t in range(tp))]
     for d in range(dp):
@@ -638,13 +696,13 @@ def print_header(cfg, plan, device_kind, backend, explain, print_fn):
     buckets = plan.layout.buckets
     used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
     n_buffers = len({b.buffer_idx for b in buckets})
-    whole = " (Muon matrices are sharded whole, outside the buckets)" if plan.strategy == "comm-free" else ""
+    whole = " (Muon matrices are sharded whole, outside the buckets)" if plan.strategy.name == "comm-free" else ""
     print_fn(f"[3] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
              f"elements, {used:,} TP-local elements + {padded - used} padding per rank{whole}")
     if explain:
         print_fn(format_buffer_map(plan.layout))
     if plan.owners:
-        per_rank, balance = load_balance(plan.ns_flops, plan.owners, world)
+        per_rank, balance = load_balance(plan.strategy.ns_flops, plan.owners, world)
         print_fn(f"[7] Owners: {len(plan.owners)} matrices on {world} ranks by longest-processing-time over "
                  f"Newton-Schulz FLOPs; max/mean = {balance:.2f}")
         if explain:
@@ -856,8 +914,8 @@ def rank_errors(out_dir):
 
 # How a rank's error says that another rank found the problem: the optimizers vote, then the ranks that found
 # it raise the details and every other one raises "rank R refused ... (it raised why); nothing changed"
-# (distributed_muon_cpu.py's and distributed_muon_dtensor.py's refused step, clip_qk_ in muon_large_runs.py and
-# distributed_muon_dtensor.py).
+# (distributed_muon_cpu.py's and distmuon/dtensor's refused step, clip_qk_ in distmuon/large_runs.py and
+# distmuon/dtensor/).
 HEARSAY = "(it raised why)"
 
 
@@ -1058,7 +1116,7 @@ def check_writable(path, option="--json", folder=False):
                 os.rmdir(folder_made)
 
 
-# How a command knows it runs under torchrun (distributed_muon_dtensor.py's demo, examples/).
+# How a command knows it runs under torchrun (distmuon/dtensor/'s demo, examples/).
 def under_torchrun():
     """Whether this process is one rank started by torchrun: it sets RANK, WORLD_SIZE and LOCAL_RANK."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
@@ -1121,6 +1179,13 @@ def check_large_run_flags(*, ns_coefficients, ns_blocks, tp_newton_schulz, qk_cl
 
 # What only Muon reads: with --baseline (AdamW for every parameter) a value other than the default changes nothing.
 MUON_ONLY = ("momentum", "ns_steps", "adjust_lr_fn", "ns_coefficients", "tp_newton_schulz")
+
+
+def check_topology(dp, tp, world=None):
+    """The lesson's grid check (every factor named), and at most MAX_WORLD ranks on this machine."""
+    check_grid(dp, tp, world)
+    if dp * tp > MAX_WORLD:
+        raise ValueError(f"DP {dp} x TP {tp} = {dp * tp} ranks is more than {MAX_WORLD} on one machine")
 
 
 def validate(cfg, specs):
@@ -1469,10 +1534,12 @@ def run_under_torchrun(backend, device_kind, prepare, body, finish, show_traceba
     leave(code)
 
 
-def main_under_torchrun(run_rank, argv=None):
+def main_under_torchrun(module, argv=None):
     """distributed_muon.py's command, in each process torchrun started: the flags (rank 0 says what is
-    wrong, exit 2), the plan (rank 0 prints it), run_rank (that file's own, the lesson's for GPUs), and the
-    report (rank 0). DP is the world size / TP unless --dp says otherwise."""
+    wrong, exit 2), the plan (rank 0 prints it), the run_rank of `module` (distributed_muon: the lesson's twin for
+    GPUs, imported here by name, as its command starts before it defines run_rank), and the report (rank 0). DP is
+    the world size / TP unless --dp says otherwise."""
+    run_rank = importlib.import_module(module).run_rank
     args = build_parser("Distributed Muon on GPUs (NCCL, one process per GPU, launched with torchrun), "
                         "checked bit for bit against torch.optim.Muon / AdamW on the same device.",
                         launcher="torchrun").parse_args(argv)

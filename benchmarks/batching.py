@@ -13,16 +13,17 @@ import statistics
 import sys
 import time
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the runner (one line, exit 130)
+    import muon_forkserver
+
+    muon_forkserver.start_command(spawns_ranks=False)
 
 import torch  # noqa: E402
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_muon_cpu as dm  # noqa: E402
-import muon_owners as mo  # noqa: E402
+import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 REPEATS = 7  # median of 7 timings of each variant

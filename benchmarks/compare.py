@@ -26,19 +26,17 @@ import signal
 import sys
 from dataclasses import asdict, replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # muon_forkserver.py, muon_tools.py
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
+    import muon_forkserver
 
-    muon_forkserver.start_for_command()
+    muon_forkserver.start_command()
 
 import torch  # noqa: E402
 
 import distributed_muon_cpu as dm  # noqa: E402
-import muon_large_runs as mlr  # noqa: E402
-import muon_owners as mo  # noqa: E402
+import distmuon.large_runs as mlr  # noqa: E402
+import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 COMPARED = mo.STRATEGIES + (mt.BASELINE,)  # every strategy, then the baseline
@@ -86,7 +84,7 @@ def compare(cfg, explain=False, print_fn=print):
             mt.print_header(run_cfg, mt.plan_optimizer(run_cfg), "CPU", "Gloo", explain, print_fn)
         runs[kind] = result = mt.run(run_cfg, print_fn=lambda *args: None)
         if kind == "owner":  # for the balance target: every matrix's Newton-Schulz FLOPs
-            result["ns_flops_by_matrix"] = mt.plan_optimizer(run_cfg).ns_flops
+            result["ns_flops_by_matrix"] = mt.plan_optimizer(run_cfg).strategy.ns_flops
         failed = [c["name"] for c in result["checks"] if not c["ok"]]
         print_fn(f"{LABELS[kind]:<13} {mt.verdict(result['checks'])[1]}"
                  + (f" (not: {', '.join(failed)})" if failed else ""))
@@ -226,8 +224,7 @@ def split_matrices(models):
 
 def tp_newton_schulz_models():
     """The demo's matrices, the GPT's (examples/gpt.py at train_gpt.py's defaults) and GPT-2 small's."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    from gpt import GPT, GPTConfig, muon_params
+    from examples.gpt import GPT, GPTConfig, muon_params
     gpt_model = GPT(GPTConfig())
     split = gpt_model.tp_split_dims()
     gpt_specs = [dm.ParamSpec(n, tuple(gpt_model.get_parameter(n).shape), split.get(n, -1), mt.MUON_GROUP)

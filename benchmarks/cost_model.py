@@ -41,23 +41,24 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
-from unittest import mock
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the runner (one line, exit 130)
+    import muon_forkserver
+
+    muon_forkserver.start_command(spawns_ranks=False)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distributed_muon_cpu as dm  # noqa: E402
-import distributed_muon_dtensor as dd  # noqa: E402
-import muon_large_runs as mlr  # noqa: E402
-import muon_owners as mo  # noqa: E402
+import distmuon.dtensor as dd  # noqa: E402
+import distmuon.dtensor.placements as dplace  # noqa: E402
+import distmuon.dtensor.plan as dplan  # noqa: E402
+import distmuon.large_runs as mlr  # noqa: E402
+import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 BF16, FP32, U8 = torch.bfloat16, torch.float32, torch.uint8
@@ -252,13 +253,12 @@ H100 = Cluster(
 # 3. The plans
 # =============================================================================
 # 3a. The lesson's strategies. The optimizer class itself, on the grid rank 0 plans with (dm.plan_grid),
-# over meta tensors: nothing is allocated, everything a rank plans is computed. plan_grid refuses more than
-# MAX_WORLD ranks, because each would be a process on this machine; a virtual grid starts none, so the
-# limit is lifted while it plans (the one patch here).
+# over meta tensors: nothing is allocated, everything a rank plans is computed. The lesson's grid takes any
+# size (only the runner refuses more than MAX_WORLD ranks, each a process on this machine): a virtual grid
+# starts none.
 
 def virtual_grid(dp, tp, rank=0):
-    with mock.patch.object(dm, "MAX_WORLD", max(dm.MAX_WORLD, dp * tp)):
-        return dm.plan_grid(dp, tp, rank)
+    return dm.plan_grid(dp, tp, rank)
 
 
 def lesson_optimizer(specs, cfg):
@@ -305,7 +305,7 @@ def fsdp_placement(tp_placement, dim, tp):
 
 
 def placed_copies(params, mesh, group_index):
-    """[dd.Copy] of every parameter, in the order DTensorMuon's ranks swap them (rank 0's, then each further
+    """[dplan.Copy] of every parameter, in the order DTensorMuon's ranks swap them (rank 0's, then each further
     rank's new copies: those of the other TP columns). group_index: {group name: its index in the optimizer}."""
     ranks = torch.arange(mesh.world).view(mesh.shape)
     rep = (Replicate(),) if mesh.replicate > 1 else ()
@@ -313,14 +313,14 @@ def placed_copies(params, mesh, group_index):
     whole, columns = [], {}
     for p in params:
         if p.tp is None:  # FSDP2 alone, on each TP column's own (replicate x) dp sub-mesh
-            columns[p] = [dd.Copy(p.name, group_index[p.group], p.shape, tuple(ranks[..., t].reshape(-1).tolist()),
+            columns[p] = [dplan.Copy(p.name, group_index[p.group], p.shape, tuple(ranks[..., t].reshape(-1).tolist()),
                                   mesh.shape[:-1], rep + (Shard(0),), False, mesh.names[:-1]) for t in range(mesh.tp)]
             continue
         on_tp = tp_of[p.tp]
         # an expert stack's dim 1 where dp divides it, unless a TP rank holds no expert (dtensor_demo.parallelize)
         every_ep_rank_has_one = mesh.ep_dim != "tp" or len(torch.arange(p.shape[0]).chunk(mesh.tp)) == mesh.tp
         dim = 1 if p.expert and p.shape[1] % mesh.dp == 0 and every_ep_rank_has_one else 0
-        whole.append(dd.Copy(p.name, group_index[p.group], p.shape, tuple(range(mesh.world)), mesh.shape,
+        whole.append(dplan.Copy(p.name, group_index[p.group], p.shape, tuple(range(mesh.world)), mesh.shape,
                              rep + (fsdp_placement(on_tp, dim, mesh.tp), on_tp), p.expert, mesh.names))
     by_name = {c.name: c for c in whole}
     first = [by_name[p.name] if p.name in by_name else columns[p][0] for p in params]
@@ -340,7 +340,7 @@ def param_order(params, groups):
 def on_dim(placements, dim):
     """The placements as they act on tensor dim `dim` of a 1-D tensor: those that cut it, the others Replicate."""
     return tuple((_StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0))
-                 if isinstance(p, dd.SHARD_PLACEMENTS) and p.dim == dim else Replicate() for p in placements)
+                 if isinstance(p, dplace.SHARD_PLACEMENTS) and p.dim == dim else Replicate() for p in placements)
 
 
 @functools.lru_cache(maxsize=None)
@@ -356,9 +356,9 @@ def dim_indices(size, mesh_shape, placements):
     on_dim's), for every coordinate at once: torch.chunk, one mesh dim after another in DTensorMuon's
     split_order, as its local_indices applies it for one coordinate (the test checks they agree)."""
     level = {(): torch.arange(size)}
-    for i in dd.split_order(placements):  # keys: ((mesh dim, coordinate), ...) in cut order, sorted below
+    for i in dplace.split_order(placements):  # keys: ((mesh dim, coordinate), ...) in cut order, sorted below
         level = {at + ((i, c),): chunk for at, index in level.items()
-                 for c, chunk in enumerate(dd.chunks_with_empty(index, mesh_shape[i]))}
+                 for c, chunk in enumerate(dplace.chunks_with_empty(index, mesh_shape[i]))}
     return {tuple(c for _, c in sorted(at)): index.tolist() for at, index in level.items()}
 
 
@@ -366,7 +366,7 @@ def dim_indices(size, mesh_shape, placements):
 def sized_pieces(shape, mesh_ranks, mesh_shape, placements):
     """[(key, [holder ranks], [indices along each tensor dim])] of a copy, one per distinct piece, in copy_pieces'
     order; found once for all the copies of the same shape on the same mesh with the same placements."""
-    cut = dd.sharded_dims(placements)
+    cut = dplace.sharded_dims(placements)
     per_dim = []
     for d, size in enumerate(shape):
         placed = on_dim(placements, d)
@@ -431,9 +431,9 @@ def dtensor_plan(copies, group_ns_steps, world):
             continue
         per = matrix_pieces(c.shape, c.mesh_ranks, c.mesh_shape, c.placements, c.expert_stack)
         for e in range(c.n_matrices) if c.expert_stack else [-1]:
-            matrices.append(SizedMatrix(dd.matrix_name(c, e, count[c.name]), c, per.get(e, none)))
+            matrices.append(SizedMatrix(dplan.matrix_name(c, e, count[c.name]), c, per.get(e, none)))
     ns_flops = {m.name: dm.newton_schulz_flops(m.copy.matrix_shape, group_ns_steps[m.copy.group]) for m in matrices}
-    owners = dd.assign_among_holders(ns_flops, {m.name: m.at.holders for m in matrices}, world,
+    owners = dplan.assign_among_holders(ns_flops, {m.name: m.at.holders for m in matrices}, world,
                                      shapes={m.name: tuple(m.copy.matrix_shape) for m in matrices})
     for m in matrices:
         m.owner = owners[m.name]
@@ -457,7 +457,7 @@ def dtensor_transfers(matrices):
             add(scatter, torch.full_like(at.ranks, owner), at.ranks, at.numels)
             continue
         for key, ranks, numel in at.pieces:
-            source = owner if owner in ranks else dd.rank_at(m.copy, owner, key)
+            source = owner if owner in ranks else dplan.rank_at(m.copy, owner, key)
             add(gather, [source], [owner], [numel])
             add(scatter, [owner] * len(ranks), list(ranks), [numel] * len(ranks))
     cat = lambda columns: tuple(torch.cat(c) if c else torch.zeros(0, dtype=torch.int64) for c in columns)  # noqa: E731
@@ -630,7 +630,8 @@ def lesson_cost(opt, node_of, label=None):
         traffic.all_reduce("grad presence", "world", U8, [list(range(world))], len(opt.param_by_name) + 1)
     for b in layout.buckets if dp > 1 else ():  # stage 1: ZeRO-1's reduce-scatter, bucket by bucket
         traffic.reduce_scatter("grad reduce-scatter", "DP", FP32, dp_groups, b.numel // dp)
-    if opt.strategy == "gather":
+    strategy = opt.strategy
+    if strategy.name == "gather":
         gram = opt.large_runs.gram if opt.large_runs is not None else set()
         for b in layout.buckets:
             group = opt.param_groups[b.buffer_idx]
@@ -654,21 +655,21 @@ def lesson_cost(opt, node_of, label=None):
                         flops[r] += work
     else:
         for name, owner in opt.owners.items():
-            flops[owner] += opt.ns_flops[name]
-        if opt.strategy == "owner" and world > 1:
-            exchange_at_owners(traffic, opt.routes, "world", lambda i: i)
-        if opt.strategy == "comm-free":
+            flops[owner] += strategy.ns_flops[name]
+        if strategy.name == "owner" and world > 1:
+            exchange_at_owners(traffic, strategy.routes, "world", lambda i: i)
+        if strategy.name == "comm-free":
             comm_free_cost(opt, traffic, dp, tp)
     for b in layout.buckets if dp > 1 else ():  # stage 4: the parameter all-gather
         traffic.all_gather("param all-gather", "DP", FP32, dp_groups, b.numel // dp)
     state, elements = lesson_state(opt, dp, tp)
-    single = sum(opt.ns_flops.values()) if getattr(opt, "ns_flops", None) else sum(
+    single = sum(strategy.ns_flops.values()) if getattr(strategy, "ns_flops", None) else sum(
         dm.newton_schulz_flops(layout.global_shapes[n], opt.group_of[n]["ns_steps"]) for n in opt.muon_names)
-    return Cost(label or opt.strategy, traffic, flops, state, elements, world, single)
+    return Cost(label or strategy.name, traffic, flops, state, elements, world, single)
 
 
 def exchange_at_owners(traffic, routes, axis, global_rank):
-    """gather at owner and scatter from owner, one all-to-all each (muon_owners.gather_at_owner, scatter_from_owner):
+    """gather at owner and scatter from owner, one all-to-all each (distmuon/owners.py: gather_at_owner, scatter_from_owner):
     every route's senders to its owner, the owner back to every holder. global_rank: axis index -> rank."""
     g = global_rank
     traffic.all_to_all("gather at owner", axis, BF16, *columns((g(p.rank), g(r.owner), p.stop - p.start)
@@ -685,17 +686,18 @@ def columns(transfers):
 
 def comm_free_cost(opt, traffic, dp, tp):
     """comm-free's extra phases: per chunk, the gradient reduced at the owner row and the update broadcast from
-    it over DP (muon_owners.reduce_at_owner, broadcast_from_owner); the TP exchange inside each owner row."""
+    it over DP (distmuon/owners.py: reduce_at_owner, broadcast_from_owner); the TP exchange inside each owner row."""
     numel = {n: math.prod(opt.layout.shapes[n]) for n in opt.muon_names}
     row = {n: o // tp for n, o in opt.owners.items()}
-    for chunk in opt.muon_chunks if dp > 1 else ():
+    for chunk in opt.strategy.chunks if dp > 1 else ():
         traffic.all_to_all("grad reduce at owner", "DP", FP32, *columns(
             (d * tp + t, row[n] * tp + t, numel[n]) for n in chunk for d in range(dp) for t in range(tp)))
         traffic.all_to_all("update broadcast from owner", "DP", BF16, *columns(
             (row[n] * tp + t, d * tp + t, numel[n]) for n in chunk for d in range(dp) for t in range(tp)))
     for d in range(dp) if tp > 1 else ():
         grid = virtual_grid(dp, tp, d * tp)
-        routes = mo.plan_routes(opt.muon_names, opt.owners, opt.part_of, opt.layout, grid, grid.tp)
+        routes = mo.plan_routes(opt.muon_names, opt.owners, lambda n, d: opt.strategy.part_of(opt, n, d), opt.layout,
+                                grid, grid.tp)
         exchange_at_owners(traffic, routes, "TP", lambda i, d=d: d * tp + i)
 
 
@@ -708,15 +710,15 @@ def lesson_state(opt, dp, tp):
         algorithm = group["algorithm"]
         whole = math.prod(opt.layout.shapes[name])
         for d in range(dp):
-            part = opt.part_of(name, d)
+            part = opt.strategy.part_of(opt, name, d)
             n = part.stop - part.start
             for r in range(d * tp, (d + 1) * tp):
                 state[r] += 4 * n if algorithm == "muon" else (8 * n + 4 if n else 0)
-                elements[algorithm][r] += whole if opt.strategy == "comm-free" and algorithm == "muon" else n
+                elements[algorithm][r] += whole if opt.strategy.name == "comm-free" and algorithm == "muon" else n
     return state, elements
 
 
-# 4b. DTensorMuon's step (distributed_muon_dtensor.py, section 5): the grad-presence vote over its group, one
+# 4b. DTensorMuon's step (distmuon/dtensor/, section 5): the grad-presence vote over its group, one
 # gather at owner and one scatter from owner (all-to-all over the world), Newton-Schulz on the owners.
 
 def dtensor_cost(copies, param_names, group_algorithms, group_ns_steps, world, node_of, label="DTensorMuon"):

@@ -16,17 +16,16 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # muon_forkserver.py, muon_tools.py
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
+    import muon_forkserver
 
-    muon_forkserver.start_for_command()
+    muon_forkserver.start_command()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import distmuon.collectives as collectives  # noqa: E402
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
@@ -38,10 +37,10 @@ def collectives(n, world, dp_axis):
     shard = n // world
     full, part = torch.ones(n), torch.ones(shard)
     return {
-        "Gloo's reduce-scatter (RS)": lambda: dm.reduce_scatter_single(torch.empty(shard), full,
+        "Gloo's reduce-scatter (RS)": lambda: collectives.reduce_scatter_single(torch.empty(shard), full,
                                                                         op=dist.ReduceOp.SUM),
         "RS, all-to-all + sum": lambda: dm.reduce_scatter(full, dp_axis, dm.Ledger(), "grad reduce-scatter"),
-        "all-gather (AG)": lambda: dm.all_gather_single(torch.empty(n), part),
+        "all-gather (AG)": lambda: collectives.all_gather_single(torch.empty(n), part),
         "all-to-all": lambda: dist.all_to_all_single(torch.empty(n), full),
         "all-reduce": lambda: dist.all_reduce(full),
     }
@@ -70,8 +69,8 @@ def main(argv=None):
     p = mt.OneLineParser(description="What each Gloo collective costs for the same logical bytes.")
     p.add_argument("--ranks", type=int, default=8, help="ranks (default %(default)s)")
     world = p.parse_args(argv).ranks
-    if not 2 <= world <= dm.MAX_WORLD:
-        p.error(f"--ranks must be in [2, {dm.MAX_WORLD}] (got {world})")
+    if not 2 <= world <= mt.MAX_WORLD:
+        p.error(f"--ranks must be in [2, {mt.MAX_WORLD}] (got {world})")
     with tempfile.TemporaryDirectory() as out_dir:
         mt.run_processes(rank_main, (world, mt.free_port(), out_dir), world, folders=(out_dir,))
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]

@@ -5,11 +5,10 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
-import train_gpt as tg  # noqa: E402,F401  (the GPT benchmarks import it from here)
+from examples import train_gpt as tg  # noqa: E402,F401  (the GPT benchmarks import it from here)
 
-import muon_owners as mo  # noqa: E402,F401  (train_gpt put the repository on the path)
+import distmuon.owners as mo  # noqa: E402,F401  (train_gpt put the repository on the path)
 import muon_tools as mt  # noqa: E402  (train_gpt put the repository on the path)
 
 

@@ -18,12 +18,10 @@ import statistics
 import sys
 import tempfile
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where muon_forkserver.py is
-    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
+    import muon_forkserver
 
-    muon_forkserver.start_for_command()
+    muon_forkserver.start_command()
 
 from gpt_bench import mo, mt, pyplot, tg  # noqa: E402
 from gpt_bench import main as benchmark_main  # noqa: E402

@@ -56,8 +56,10 @@ measured, a process's 2 threads are 1 after an os.fork, and the child has 1), so
 import signal
 import sys
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the runner (one line, exit 130)
+    import muon_forkserver
+
+    muon_forkserver.start_command(spawns_ranks=False)
 
 import ctypes.util  # noqa: E402
 import multiprocessing  # noqa: E402
@@ -66,7 +68,6 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import muon_tools as mt  # noqa: E402
 

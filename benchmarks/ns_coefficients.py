@@ -24,21 +24,22 @@ import sys
 import time
 from dataclasses import replace
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the runner (one line, exit 130)
+    import muon_forkserver
+
+    muon_forkserver.start_command(spawns_ranks=False)
 
 import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 import distributed_muon_cpu as dm  # noqa: E402
+import distmuon.checks as mc  # noqa: E402
 import muon_tools as mt  # noqa: E402
-import train_gpt as tg  # noqa: E402
-from gpt import muon_params  # noqa: E402
+from examples import train_gpt as tg  # noqa: E402
+from examples.gpt import muon_params  # noqa: E402
 
-CHOICES = tuple(dm.NS_COEFFICIENT_CHOICES)  # jordan, polar_express
+CHOICES = tuple(mc.NS_COEFFICIENT_CHOICES)  # jordan, polar_express
 WITHIN = 0.1  # the summary counts the singular values within this of 1
 
 
@@ -67,7 +68,7 @@ def sigmas(matrix, choice, steps):
     x = matrix.bfloat16()
     out = [x / x.norm().clamp(min=dm.NS_EPS)]
     for k in range(1, steps + 1):
-        out.append(dm.newton_schulz(matrix, k, dm.ns_coefficients_of(choice, k)))
+        out.append(dm.newton_schulz(matrix, k, mc.ns_coefficients_of(choice, k)))
     return [torch.linalg.svdvals(y.double()) for y in out]
 
 

@@ -14,12 +14,13 @@ import signal
 import statistics
 import sys
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the runner (one line, exit 130)
+    import muon_forkserver
+
+    muon_forkserver.start_command(spawns_ranks=False)
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import scaling  # noqa: E402  (its model, its timing and its launcher)
 from scaling import mt  # noqa: E402
@@ -33,8 +34,8 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=2, help="ranks (DP = N, TP = 1; default %(default)s)")
     scaling.model_arguments(p, d=128, rounds=3, rounds_help="spawns, each timing every variant")
     args = p.parse_args(argv)
-    if not 2 <= args.ranks <= scaling.dm.MAX_WORLD:
-        p.error(f"--ranks must be in [2, {scaling.dm.MAX_WORLD}]")
+    if not 2 <= args.ranks <= scaling.mt.MAX_WORLD:
+        p.error(f"--ranks must be in [2, {scaling.mt.MAX_WORLD}]")
     scaling.check_model(p, args, args.ranks)
     runs = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):  # every round times every variant: drift in the load hits them alike

@@ -72,22 +72,19 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # muon_forkserver.py, muon_tools.py
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
+    import muon_forkserver
 
-    muon_forkserver.start_for_command()
+    muon_forkserver.start_command()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distributed_muon_cpu as dm  # noqa: E402
-import distributed_muon_dtensor as dd  # noqa: E402
-import muon_owners as mo  # noqa: E402
+import distmuon.dtensor as dd  # noqa: E402
+import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 import scaling  # noqa: E402
 
@@ -97,7 +94,7 @@ TORCH = "torch.optim.Muon"
 OURS = ("owner", "comm-free")  # the lesson's ZeRO-1 strategies: their step reduces the gradients
 IN_STEP = "none: in its step"
 FSDP2_SYNC = "FSDP2 reduce-scatter"
-DTENSOR = "ours: DTensorMuon"  # distributed_muon_dtensor.py under FSDP2, synchronized as the FSDP2 peers are
+DTENSOR = "ours: DTensorMuon"  # distmuon/dtensor/ under FSDP2, synchronized as the FSDP2 peers are
 NOT_INSTALLED = "not installed"
 
 
@@ -493,8 +490,8 @@ def main(argv=None):
     p.add_argument("--without-ns", action="store_true",
                    help="time everything but Newton-Schulz: every contender's replaced by its bf16 cast")
     args = p.parse_args(argv)
-    if any(not 1 <= n <= dm.MAX_WORLD or n & (n - 1) for n in args.ranks):
-        p.error(f"--ranks must be powers of two up to {dm.MAX_WORLD} (the averaged and the summed gradient are then exact)")
+    if any(not 1 <= n <= mt.MAX_WORLD or n & (n - 1) for n in args.ranks):
+        p.error(f"--ranks must be powers of two up to {mt.MAX_WORLD} (the averaged and the summed gradient are then exact)")
     scaling.check_model(p, args, max(args.ranks))
     if any(args.d % n for n in args.ranks):
         p.error(f"--d {args.d} must be divisible by every --ranks (FSDP2's even dim-0 shards)")

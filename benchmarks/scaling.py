@@ -34,19 +34,17 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # muon_forkserver.py, muon_tools.py
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
+    import muon_forkserver
 
-    muon_forkserver.start_for_command()
+    muon_forkserver.start_command()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import distributed_muon_cpu as dm  # noqa: E402
-import muon_owners as mo  # noqa: E402
+import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 D, LAYERS, VECTORS, ROUNDS = 768, 4, 32, 5  # GPT-2 small's width; the median of 5 steps
@@ -108,7 +106,7 @@ def torch_reference(params):
 
 
 def build(variant, params, grid, variants=VARIANTS, module=mo):
-    """`variant`'s optimizer from `module`'s OPTIMIZERS (this muon_owners, or another commit's)."""
+    """`variant`'s optimizer from `module`'s OPTIMIZERS (this distmuon.owners, or another commit's)."""
     strategy, options = variants[variant]
     groups = [dict(params=[(n, p) for n, p in params.items() if p.ndim == 2], algorithm="muon"),
               dict(params=[(n, p) for n, p in params.items() if p.ndim != 2], algorithm="adamw")]
@@ -136,7 +134,7 @@ def without_newton_schulz():
 
     cast = lambda matrix, *args, **kwargs: matrix.bfloat16()  # noqa: E731
     setattr(torch_muon, TORCH_NEWTON_SCHULZ, cast)
-    dm.newton_schulz = mo.newton_schulz = cast  # the lesson's, and the one muon_owners imported for --batched-ns
+    dm.newton_schulz = mo.newton_schulz = cast  # the lesson's, and the one distmuon.owners imported for --batched-ns
 
 
 def step_ms(steppers, rounds, barrier=lambda: None):
@@ -219,8 +217,8 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH", help="write every step time")
     p.add_argument("--figure", metavar="PATH", help="write the speed-up against ranks as a PNG")
     args = p.parse_args(argv)
-    if any(not 1 <= n <= dm.MAX_WORLD for n in args.ranks):
-        p.error(f"--ranks must be in [1, {dm.MAX_WORLD}] (got {' '.join(map(str, args.ranks))})")
+    if any(not 1 <= n <= mt.MAX_WORLD for n in args.ranks):
+        p.error(f"--ranks must be in [1, {mt.MAX_WORLD}] (got {' '.join(map(str, args.ranks))})")
     check_model(p, args, max(args.ranks))
     for option, path in (("--json", args.json), ("--figure", args.figure)):
         if path:

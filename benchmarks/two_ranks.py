@@ -28,17 +28,14 @@ import time
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's logger, quiet (why: examples/train_gpt.py)
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where muon_forkserver.py is
-    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
+    import muon_forkserver
 
-    muon_forkserver.start_for_command()
+    muon_forkserver.start_command()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import scaling  # noqa: E402
 from scaling import dm, mo, mt  # noqa: E402
@@ -91,17 +88,28 @@ def load_as(name, path):
 
 
 def other_commit(directory):
-    """The module that holds OPTIMIZERS in `directory` (another commit's checkout), imported under other
-    names: [its lesson, its muon_owners.py] (before the owner strategies moved to muon_owners.py: [its lesson])."""
-    lesson = load_as("dm_before", os.path.join(directory, "distributed_muon_cpu.py"))
-    owners = os.path.join(directory, "muon_owners.py")
-    if not os.path.isfile(owners):
-        return [lesson]
-    ours, sys.modules["distributed_muon_cpu"] = sys.modules["distributed_muon_cpu"], lesson  # its own lesson
+    """The modules that hold OPTIMIZERS in `directory` (another commit's checkout), loaded beside ours: [its lesson,
+    its owner strategies] (distmuon/owners.py, or muon_owners.py before the library moved into distmuon/; before
+    the owner strategies had a file of their own: [its lesson]). While its modules load, they and not ours are the
+    library's names in sys.modules, so that they import one another; ours are put back after."""
+    ours = {n: m for n, m in sys.modules.items() if n in ("distributed_muon_cpu", "distmuon") or n.startswith("distmuon.")}
+    for name in ours:
+        del sys.modules[name]
     try:
-        return [lesson, load_as("mo_before", owners)]
+        package = os.path.join(directory, "distmuon")
+        if os.path.isdir(package):  # its package, found where it lies: its submodules are imported from there
+            spec = importlib.util.spec_from_file_location("distmuon", os.path.join(package, "__init__.py"),
+                                                          submodule_search_locations=[package])
+            sys.modules["distmuon"] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules["distmuon"])
+        lesson = load_as("distributed_muon_cpu", os.path.join(directory, "distributed_muon_cpu.py"))
+        owners = next((p for p in (os.path.join(package, "owners.py"), os.path.join(directory, "muon_owners.py"))
+                       if os.path.isfile(p)), None)
+        return [lesson] if owners is None else [lesson, load_as("mo_before", owners)]
     finally:
-        sys.modules["distributed_muon_cpu"] = ours
+        for name in [n for n in sys.modules if n in ("distributed_muon_cpu", "distmuon") or n.startswith("distmuon.")]:
+            del sys.modules[name]
+        sys.modules.update(ours)
 
 
 def rank_main(rank, world, port, out_dir, d, layers, rounds, without_ns, before):

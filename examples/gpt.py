@@ -60,10 +60,10 @@ import torch.nn as nn
 import torch.nn.functional as nnf
 from torch.profiler import record_function
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import distmuon.collectives as collectives  # noqa: E402
 import distributed_muon_cpu as dm  # noqa: E402
-import muon_large_runs as mlr  # noqa: E402
+import distmuon.large_runs as mlr  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,9 @@ def tp_all_reduce(x, tp, ledger, phase):
     with record_function(phase):
         if dist.get_backend(tp.group) == "gloo":
             flat = x.view(-1)  # TP divides its size: the last dim is d_model, whole heads per rank (check_gpt)
-            work, summed = dm.reduce_scatter_sum(flat, tp)
+            work, summed = collectives.reduce_scatter_sum(flat, tp)
             work.wait()
-            dm.all_gather_single(flat, summed(), group=tp.group)
+            collectives.all_gather_single(flat, summed(), group=tp.group)
         else:
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group)
     if ledger is not None:
@@ -182,7 +182,7 @@ class FanOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return dm.sum_in_order(grads), None
+        return collectives.sum_in_order(grads), None
 
 
 class TPContext:
@@ -251,7 +251,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x_local):
         pieces = zip(self.tpc.pieces_of(x_local, -1), self.tpc.pieces_of(self.weight, 1))
         zs = [nnf.linear(x, w) for x, w in pieces]
-        z = zs[0] if len(zs) == 1 else dm.sum_in_order(zs)  # one process: the sum g does on Gloo's ranks
+        z = zs[0] if len(zs) == 1 else collectives.sum_in_order(zs)  # one process: the sum g does on Gloo's ranks
         return self.tpc.g(z) + self.bias
 
 

@@ -49,10 +49,8 @@ import torch.nn.functional as nnf
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpt import GPT  # noqa: E402
+from examples.gpt import GPT  # noqa: E402
 
 
 @dataclass(frozen=True)

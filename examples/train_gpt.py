@@ -62,27 +62,24 @@ from dataclasses import asdict, dataclass, fields, replace
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # muon_forkserver.py, muon_tools.py
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
+    import muon_forkserver
 
-    muon_forkserver.start_for_command()
+    muon_forkserver.start_command()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 import distributed_muon_cpu as dm  # noqa: E402
-import muon_checks as mc  # noqa: E402
-import muon_large_runs as mlr  # noqa: E402
-import muon_owners as mo  # noqa: E402
+import distmuon.checks as mc  # noqa: E402
+import distmuon.large_runs as mlr  # noqa: E402
+import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 from muon_tools import bound_ratio, loss_drift, one_ulp_up  # noqa: E402
-from gpt import GPT, GPTConfig, check_gpt, param_groups, qkv_row_layouts  # noqa: E402
-from stdlib_text import load_corpus  # noqa: E402
+from examples.gpt import GPT, GPTConfig, check_gpt, param_groups, qkv_row_layouts  # noqa: E402
+from examples.stdlib_text import load_corpus  # noqa: E402
 
 # =============================================================================
 # 1. The run's configuration and its checks
@@ -122,7 +119,7 @@ class TrainConfig:
     fail_rank: int = -1  # for tests: this rank raises at step 1
     qk_clip: float = None  # tau of QK-clip (None: off)
     ns_blocks: str = "whole"  # one of mlr.NS_BLOCKS: what Newton-Schulz sees of the fused QKV
-    ns_coefficients: str = "jordan"  # one of dm.NS_COEFFICIENT_CHOICES
+    ns_coefficients: str = "jordan"  # one of mc.NS_COEFFICIENT_CHOICES
     tp_newton_schulz: str = "gather"  # one of mlr.TP_NEWTON_SCHULZ: gram orthogonalizes TP pieces where they lie
 
     def gpt(self):
@@ -133,7 +130,7 @@ class TrainConfig:
 def validate(cfg, ranks_here=None):
     """Every check that can be made before any rank starts; ValueError with one line. ranks_here: how many
     of the ranks share this machine's memory (default all of them, as when spawned; 0: do not check)."""
-    dm.check_topology(cfg.dp, cfg.tp)
+    mt.check_topology(cfg.dp, cfg.tp)
     for name in ("steps", "batch", "context", "d_model", "layers", "heads", "log_every", "val_windows"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
@@ -249,7 +246,7 @@ def set_lr(optimizers, cfg, step):
 
 def large_runs(cfg):
     """What --tp-newton-schulz, --ns-blocks and --qk-clip add, as the lesson's optimizers take it
-    (muon_large_runs.LargeRuns); None at their defaults: torch's behaviour."""
+    (distmuon.large_runs.LargeRuns); None at their defaults: torch's behaviour."""
     options = {}
     if cfg.tp_newton_schulz != "gather":
         options["tp_newton_schulz"] = cfg.tp_newton_schulz
@@ -521,7 +518,7 @@ class ReferenceOptimizers:
             groups.append(dict(g, params=params))
         self.optimizers = mt.torch_optimizers(groups)
         # one (a, b, c) per iteration swapped into torch's Newton-Schulz; Jordan's one triple leaves torch's in place
-        self.coefficients = (dm.ns_coefficients_of(cfg.ns_coefficients, dm.NS_STEPS)
+        self.coefficients = (mc.ns_coefficients_of(cfg.ns_coefficients, dm.NS_STEPS)
                              if cfg.optimizer == "muon" and cfg.ns_coefficients != "jordan" else dm.NS_COEFFICIENTS)
         # {matrix stepped whole: its Newton-Schulz input at each step}: what bounds --tp-newton-schulz gram's replay
         self.names, self.ns_inputs = {id(p): n for n, p in model.named_parameters()}, {}
@@ -988,7 +985,7 @@ def build_parser():
     p.add_argument("--ns-blocks", choices=mlr.NS_BLOCKS, default=d.ns_blocks,
                    help="Newton-Schulz of the fused QKV: whole (default, torch's), blocks (Q, K, V apart) or "
                         "heads (each head's q, k, v apart)")
-    p.add_argument("--ns-coefficients", choices=tuple(dm.NS_COEFFICIENT_CHOICES), default=d.ns_coefficients,
+    p.add_argument("--ns-coefficients", choices=tuple(mc.NS_COEFFICIENT_CHOICES), default=d.ns_coefficients,
                    help="jordan (default: torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932)")
     p.add_argument("--tp-newton-schulz", choices=mlr.TP_NEWTON_SCHULZ, default=d.tp_newton_schulz,
                    help="gather (default): TP gather -> Newton-Schulz -> TP shard; gram: TP pieces split along "
@@ -1015,7 +1012,7 @@ def main_torchrun(args):
     of the training: train_rank is the same)."""
     def prepare(world):
         cfg = config_from_args(args)
-        dm.check_topology(cfg.dp, cfg.tp, world)
+        mt.check_topology(cfg.dp, cfg.tp, world)
         # on CPUs the ranks of this node share its memory; a GPU's own memory is not checked here
         validate(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if args.device == "cpu" else 0)
         if args.json:

@@ -5,7 +5,7 @@ its own Megatron f / g): the same text (stdlib_text), the same model and initial
 the same param groups and hyperparameters (train_gpt.hyperparameters: Muon with match_rms_adamw
 on the hidden matrices, AdamW on the embeddings, AdamW without decay on norms and biases), the same
 batches and progress lines. Only the parallelism is PyTorch's own, and the optimizer is
-distributed_muon_dtensor.DTensorMuon.
+distmuon.dtensor.DTensorMuon.
 
 Launch recipes
 --------------
@@ -46,25 +46,22 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # muon_forkserver.py, muon_tools.py
 
-if __name__ == "__main__":  # a Ctrl-C while torch loads waits for muon_tools.exit_code: one line, exit 130
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    import muon_forkserver  # no torch in it: the ranks' forkserver starts importing torch now, beside this process
+if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
+    import muon_forkserver
 
-    muon_forkserver.start_for_command()
+    muon_forkserver.start_command()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import muon_tools as mt  # noqa: E402
-import distributed_muon_dtensor as dd  # noqa: E402
+import distmuon.dtensor as dd  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
-import train_gpt as tg  # noqa: E402
-from gpt import GPT, ColumnParallelLinear, RowParallelLinear, param_groups  # noqa: E402
-from stdlib_text import load_corpus  # noqa: E402
+from examples import train_gpt as tg  # noqa: E402
+from examples.gpt import GPT, ColumnParallelLinear, RowParallelLinear, param_groups  # noqa: E402
+from examples.stdlib_text import load_corpus  # noqa: E402
 
 
 # =============================================================================

@@ -48,8 +48,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import distributed_muon_cpu as dm  # noqa: E402
-import muon_large_runs as mlr  # noqa: E402,F401  (the tests import it from here)
-import muon_owners as mo  # noqa: E402,F401  (the tests import it from here)
+import distmuon.checks as mc  # noqa: E402,F401  (the tests import it from here)
+import distmuon.large_runs as mlr  # noqa: E402,F401  (the tests import it from here)
+import distmuon.owners as mo  # noqa: E402,F401  (the tests import it from here)
 import muon_tools as mt  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "distributed_muon_cpu.py")

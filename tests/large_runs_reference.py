@@ -13,7 +13,7 @@ tests/test_large_runs.py checks against this file). Importable by any test (the 
     sqrt(tau / S_h); with keys shared (GQA), its q rows times tau / S_h and the keys left alone.
 
 A layout is anything with .sizes (rows of each segment in one period), .periods (key heads) and .names (of
-the segments, "q" and "k" are clipped), such as muon_large_runs.RowLayout; the rows are computed here.
+the segments, "q" and "k" are clipped), such as distmuon.large_runs.RowLayout; the rows are computed here.
 """
 
 import contextlib

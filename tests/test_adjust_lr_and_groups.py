@@ -8,8 +8,8 @@ import torch
 from torch.optim._muon import _adjust_lr as torch_adjust_lr
 
 from conftest import dm, mo
-import muon_checks as mc
-from distributed_muon_dtensor import DTensorMuon
+import distmuon.checks as mc
+from distmuon.dtensor import DTensorMuon
 from test_optimizer_api import TinyNet, split_groups
 
 
@@ -77,7 +77,7 @@ def test_the_lessons_optimizer_checks_every_group(single_process_group, group, m
     (lambda m: [dict(split_groups(m)[0], lr=-1.0)], "param group 0 (muon): lr must be >= 0 and finite (got -1.0)"),
 ])
 def test_both_optimizers_check_named_params_with_one_function(single_process_group, make_groups, message):
-    """The lesson's DistributedMuon and DTensorMuon refuse the same groups with the same line: muon_checks.named_params."""
+    """The lesson's DistributedMuon and DTensorMuon refuse the same groups with the same line: distmuon.checks.named_params."""
     for build in (lambda groups: dm.DistributedMuon(groups, grid=single_process_group), DTensorMuon):
         with pytest.raises(ValueError) as refused:
             build(make_groups(TinyNet()))

@@ -257,6 +257,7 @@ def run_row(script, args, env, out_path, err_path):
     __main__; never returns."""
     import multiprocessing.process
     import runpy
+    import signal
 
     import torch.distributed
 
@@ -277,8 +278,8 @@ def run_row(script, args, env, out_path, err_path):
     multiprocessing.process.BaseProcess.start = started
     subprocess.Popen.__init__ = started
     # A command's first lines start its ranks' forkserver (no rank: test_interrupts checks, on real commands, that
-    # it ends with the refusal); here, where every process start is refused, it is not started.
-    muon_forkserver.start_for_command = lambda: None
+    # it ends with the refusal); here, where every process start is refused, they only block SIGINT.
+    muon_forkserver.start_command = lambda spawns_ranks=True: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     torch.distributed.init_process_group = started
     path = os.path.join(ROOT, script)
     sys.argv = [path, *args]
@@ -309,10 +310,10 @@ def harness():
 
     import torch  # noqa: F401  (imported once, before the forks)
 
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+    import distmuon.dtensor  # noqa: F401
     import distributed_muon  # noqa: F401
-    import distributed_muon_dtensor  # noqa: F401
-    import train_gpt  # noqa: F401
+    from examples import train_gpt  # noqa: F401
 
     jobs = list(enumerate(json.load(sys.stdin)))
     results = [None] * len(jobs)

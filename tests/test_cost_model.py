@@ -17,7 +17,8 @@ from conftest import BUCKET, GRIDS, ROOT, dm, grid_config, grid_run, mo, mt, sui
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import cost_model as cm  # noqa: E402
-import distributed_muon_dtensor as dd  # noqa: E402
+import distmuon.dtensor as dd  # noqa: E402
+import distmuon.dtensor.plan as dplan  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
 
 from test_strategies import BASELINE_GRIDS, LESSON_RUNS, UNEVEN  # noqa: E402  (the strategies' runs, checked here too)
@@ -99,7 +100,7 @@ def demo_copies(cfg):
 def placed_copies(run):
     """A PlacedRun's parameters as Copies: the placements it gives them, on its whole mesh."""
     ranks = tuple(range(torch.Size(run.mesh).numel()))
-    return [dd.Copy(n, g, shape, ranks, run.mesh, tuple(demo.PLACEMENT[k] for k in where), n in run.expert_stacks,
+    return [dplan.Copy(n, g, shape, ranks, run.mesh, tuple(demo.PLACEMENT[k] for k in where), n in run.expert_stacks,
                     run.dims) for g in range(len(run.groups)) for n, shape, where, group in run.params if group == g]
 
 
@@ -150,7 +151,7 @@ def test_the_sized_plan_is_plan_matrices_transfer_for_transfer():
                 for moves in (gather, scatter)]
         theirs = [collections.Counter(), collections.Counter()]
         for me in range(world):
-            planned, their_flops, their_owners = dd.plan_matrices(muon, steps, me, world)
+            planned, their_flops, their_owners = dplan.plan_matrices(muon, steps, me, world)
             assert their_owners == owners and their_flops == flops, label
             for m in planned:
                 for counter, moves in zip(theirs, (m.gather, m.scatter)):

@@ -1,4 +1,4 @@
-"""DTensorMuon (distributed_muon_dtensor.py): bit for bit against torch.optim.Muon / AdamW on every mesh,
+"""DTensorMuon (distmuon/dtensor/): bit for bit against torch.optim.Muon / AdamW on every mesh,
 expert stacks, uneven FSDP2 shards, missing gradients, clear errors, DCP checkpoints across meshes, the CLI
 (spawned and under torchrun), batched Newton-Schulz within the lesson's bound, the lesson's strategies run on
 the same matrices, and FSDP2's and the TP layers' bytes of a training step, measured, against the shapes.
@@ -6,7 +6,7 @@ the same matrices, and FSDP2's and the TP layers' bytes of a training step, meas
 One spawn of 8 Gloo ranks runs every distributed scenario one after another (each on its own
 (sub-)mesh of the first dp x tp ranks): starting 8 ranks costs ~12 s on 2 cores, a scenario ~1 s.
 Every comparison is torch.equal except two. The real FSDP2 x TP training run is checked by dtensor_demo.py's
-section 7 (the demo, its verification and its command line; the optimizer is distributed_muon_dtensor.py), with
+section 7 (the demo, its verification and its command line; the optimizer is distmuon/dtensor/), with
 the policy every real training here shares (muon_tools.py, section 12): the replay of the ranks' own gradients through torch's optimizers is torch.equal
 at every step, while each step's gradients and loss at the ranks' weights are held, against float64, to the bound
 derived from the arithmetic (4 x the one process's own fp32 error plus n u: FSDP2's and TP's sums run in another
@@ -27,7 +27,9 @@ import torch
 
 from conftest import ROOT, dm, mo, mt
 
-import distributed_muon_dtensor as dd  # noqa: E402
+import distmuon.dtensor as dd  # noqa: E402
+import distmuon.dtensor.placements as dplace  # noqa: E402
+import distmuon.dtensor.plan as dplan  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "dtensor_demo.py")  # the demo's command
@@ -49,7 +51,7 @@ RESUMED_ON = [(4, 1), (1, 4), (3, 2), (1, 1)]
 # 7 experts: TP cuts the stacks 4 | 3, then FSDP2 cuts each TP piece over dp = 3 (as w2's dim 1, 40 rows, is not a
 # multiple of 3): experts 0-1, 2-3, none | 4, 5, 6. torch's own _StridedShard split (distribute_tensor's) puts
 # expert 6 on (dp 2, tp 0) and nothing on (dp 2, tp 1): the case where the optimizer must follow FSDP2
-# (distributed_muon_dtensor.py, section 2).
+# (distmuon/dtensor/, section 2).
 UNEVEN_STRIDED = demo.DemoConfig(dp=3, tp=2, experts=7)
 # Param groups of different options (demo.PlacedRun), each as torch's own optimizer takes it: every adjust_lr_fn
 # torch accepts, Nesterov on and off, another ns_steps, Muon's eps (Newton-Schulz's: 100 is above these updates'
@@ -165,8 +167,8 @@ def test_placements_the_optimizer_does_not_know_are_refused_in_one_line():
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    assert dd.placements_problem("w", (_StridedShard(0, split_factor=2), Shard(0)), (3, 2)) is None
-    why = dd.placements_problem("w", (_StridedShard(0, split_factor=4), Shard(0)), (3, 2))
+    assert dplace.placements_problem("w", (_StridedShard(0, split_factor=2), Shard(0)), (3, 2)) is None
+    why = dplace.placements_problem("w", (_StridedShard(0, split_factor=4), Shard(0)), (3, 2))
     assert why.startswith("w: placement _StridedShard(dim=0, sf=4) on mesh dim 0: its split factor is not the "
                           "product of the later mesh dims cutting tensor dim 0 (2)")
 
@@ -275,8 +277,8 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
         for phase, parts in (("gather at owner", "senders"), ("scatter from owner", "holders")):
             planned = [0] * (dp * tp)
             for r, plan in enumerate(plans):
-                axis = plan._route_axis()
-                for route in plan.routes:
+                axis = plan.strategy.axis(plan)
+                for route in plan.strategy.routes:
                     for part in getattr(route, parts):
                         if part.rank != route.owner:
                             who = part.rank if phase == "gather at owner" else route.owner
@@ -556,12 +558,12 @@ def test_owners_are_the_lessons_lpt_restricted_to_each_matrixs_holders():
     g = torch.Generator().manual_seed(0)
     flops = {f"m{i}": int(f) for i, f in enumerate(torch.randint(1, 50, (23,), generator=g).tolist())}
     everyone = {n: tuple(range(6)) for n in flops}
-    assert dd.assign_among_holders(flops, everyone, 6) == mo.assign_owners(flops, 6)  # holding all: the lesson's
+    assert dplan.assign_among_holders(flops, everyone, 6) == mo.assign_owners(flops, 6)  # holding all: the lesson's
     shapes = {n: (f % 3, 1) for n, f in flops.items()}  # equal FLOPs in different shapes, too
-    assert dd.assign_among_holders(flops, everyone, 6, shapes=shapes) == mo.assign_owners(flops, 6, shapes)
+    assert dplan.assign_among_holders(flops, everyone, 6, shapes=shapes) == mo.assign_owners(flops, 6, shapes)
     # two holder sets, as the expert stacks of one TP column each, beside matrices everyone holds
     holders = {n: (tuple(range(6)) if i < 3 else (0, 2, 4) if i % 2 else (1, 3, 5)) for i, n in enumerate(flops)}
-    owners = dd.assign_among_holders(flops, holders, 6)
+    owners = dplan.assign_among_holders(flops, holders, 6)
     assert all(owners[n] in holders[n] for n in flops)
     per_rank = mo.load_balance(flops, owners, 6)[0]
     assert max(per_rank) - min(per_rank) <= max(flops.values())  # here: no rank a whole matrix ahead of another
@@ -582,8 +584,8 @@ def test_local_indices_match_torch_chunk_for_uneven_and_empty_shards():
     placements = (_StridedShard(0, split_factor=3), Shard(0))
     rows = (dd.local_indices((160, 40), (4, 3), placements, (3, 1)) // 40).unique().tolist()
     assert rows == list(range(96, 108))
-    assert dd.local_shape((160, 40), (4, 3), placements, (3, 1)) == (12, 40)
-    assert dd.local_shape((160, 40), (4, 3), placements, (3, 2)) == (13, 40)
+    assert dplace.local_shape((160, 40), (4, 3), placements, (3, 1)) == (12, 40)
+    assert dplace.local_shape((160, 40), (4, 3), placements, (3, 2)) == (13, 40)
 
 
 BAD_INPUT = [
@@ -798,10 +800,11 @@ def test_torchs_flattened_optimizer_state_dict_round_trips_in_one_process(tmp_pa
 
 
 def test_the_optimizer_stands_on_the_lesson_alone():
-    """distributed_muon_dtensor.py is the optimizer: importing it loads the lesson, not examples/ (no sys.path
+    """distmuon/dtensor/ is the optimizer: importing it loads the lesson, not examples/ (no sys.path
     edit) and not its demo; the demo, verification and CLI are dtensor_demo.py, which the script runs."""
-    probe = ("import sys, distributed_muon_dtensor as dd; "
-             "print(sorted(m for m in ('train_gpt', 'dtensor_demo', 'distributed_muon_cpu') if m in sys.modules), "
+    probe = ("import sys, distmuon.dtensor as dd; "
+             "print(sorted(m for m in ('examples.train_gpt', 'dtensor_demo', 'distributed_muon_cpu', 'muon_tools') "
+             "if m in sys.modules), "
              "any(p.rstrip('/').endswith('examples') for p in sys.path))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["['distributed_muon_cpu']", "False"], out.stdout

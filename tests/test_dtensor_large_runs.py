@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conftest import dm, mlr, mt
+from conftest import dm, mc, mlr, mt
 
-import distributed_muon_dtensor as dd  # noqa: E402
+import distmuon.dtensor as dd  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
 import large_runs_reference as lrr  # noqa: E402
 
@@ -339,7 +339,7 @@ def reference(case):
             {n: per_matrix(full)[n] for n in names}, [{n: g[n] for n in names} for g in grads],
             lr=options["lr"], weight_decay=options["weight_decay"], momentum=0.95,
             adjust_lr_fn=options.get("adjust_lr_fn", "original"),
-            coefficients=(dm.ns_coefficients_of("polar_express", dm.NS_STEPS)
+            coefficients=(mc.ns_coefficients_of("polar_express", dm.NS_STEPS)
                           if case.ns_coefficients == "polar_express" else None),
             layouts={n: LAYOUTS[stack_of(n)] for n in names if stack_of(n) in LAYOUTS},
             per_head=None if case.ns_blocks == "whole" else case.ns_blocks == "heads",
@@ -460,7 +460,7 @@ def test_polar_express_equals_a_per_iteration_newton_schulz_swapped_into_torch(r
     assert_identical(ranks, ref, case.label)
     jordan = reference(Case(mesh))
     assert all(not torch.equal(jordan[n], ref[n]) for n in ref)  # the coefficients mattered everywhere
-    triples = dm.ns_coefficients_of("polar_express", dm.NS_STEPS)
+    triples = mc.ns_coefficients_of("polar_express", dm.NS_STEPS)
     assert len(set(triples)) == dm.NS_STEPS  # a different polynomial at every iteration
 
 
@@ -609,7 +609,7 @@ def test_bad_options_are_refused_at_construction_in_one_line():
                (dict(row_layouts={"v": mlr.RowLayout((3, 2), 1)}),
                 "row_layouts['v'] has 1 x 5 = 5 rows; the matrix of each expert has 6"),
                (dict(row_layouts={"w": (3, 2, 2)}),
-                "row_layouts['w'] must be a RowLayout (muon_large_runs), got tuple"),
+                "row_layouts['w'] must be a RowLayout (distmuon.RowLayout), got tuple"),
                (dict(row_layouts={"w": mlr.RowLayout((3, 2, 2), 2, ("q", "k"))}),
                 "row_layouts['w']: 2 names for 3 sizes"),
                (dict(row_layouts={"w": mlr.RowLayout((7, 0), 2)}), "row_layouts['w']: sizes must be positive integers"),

@@ -9,7 +9,7 @@ README links to it), extracted and run as written, and their numbers checked aga
   * the one-process block (plain parameters, add_param_group), in this process, replayed the same way, its groups
     holding torch's defaults;
   * the table of options: every option of the installed torch's two signatures, with its default and whether it is
-    honoured (muon_checks.HONOURED) or refused;
+    honoured (distmuon.checks.HONOURED) or refused;
 and help(DTensorMuon) documents every argument."""
 
 import logging
@@ -23,10 +23,10 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import muon_checks as mc
+import distmuon.checks as mc
 from conftest import ROOT
 
-import distributed_muon_dtensor as dd  # noqa: E402
+import distmuon.dtensor as dd  # noqa: E402
 
 MARKER = "<!-- dtensor-snippet: tests/test_dtensor_snippet.py runs this block -->"
 ONE_PROCESS = "<!-- dtensor-snippet (one process): tests/test_dtensor_snippet.py runs this block -->"
@@ -108,7 +108,7 @@ def record_steps(path):
 
 def replay(records):
     """torch.optim.Muon + torch.optim.AdamW(foreach=False) from the first record's weights, each group with the
-    options it had (every honoured option of muon_checks.HONOURED) at each step, fed each record's gradients; the
+    options it had (every honoured option of distmuon.checks.HONOURED) at each step, fed each record's gradients; the
     weights before each step must be those after the previous one (through a checkpoint's resume too): the first
     step and the parameter where torch's differ from the recorded ones, or None."""
     weights = {n: t.clone() for n, t in records[0]["before"].items()}

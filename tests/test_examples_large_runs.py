@@ -28,15 +28,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import ROOT, dm, mlr, mt, suite_config, suite_specs
+from conftest import ROOT, dm, mc, mlr, mt, suite_config, suite_specs
 
-sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import compare  # noqa: E402
-import gpt  # noqa: E402
+from examples import gpt  # noqa: E402
 import ns_coefficients  # noqa: E402
-import train_gpt as tg  # noqa: E402
-from stdlib_text import load_corpus  # noqa: E402
+from examples import train_gpt as tg  # noqa: E402
+from examples.stdlib_text import load_corpus  # noqa: E402
 
 SMALL = dict(d_model=32, layers=2, heads=4, context=32, batch=8, val_windows=4, log_every=1000, timeout_s=60)
 STEPS = 3
@@ -276,6 +276,6 @@ def test_ns_coefficients_table_reports_sigma_of_real_matrices(capsys):
         ["--d-model", "16", "--layers", "1", "--heads", "1", "--train-steps", "1"]))
     (name, _, m), *_ = ns_coefficients.real_matrices(cfg, 1)
     per_k = ns_coefficients.sigmas(m, "polar_express", 2)
-    expect = torch.linalg.svdvals(dm.newton_schulz(m, 2, dm.POLAR_EXPRESS[:2]).double())
+    expect = torch.linalg.svdvals(dm.newton_schulz(m, 2, mc.POLAR_EXPRESS[:2]).double())
     assert len(per_k) == 3 and torch.equal(per_k[-1], expect)
     assert abs(per_k[0].square().sum().item() - 1) < 2**-6  # the input over its Frobenius norm (bf16: 8 bits)

@@ -26,10 +26,9 @@ from conftest import ROOT, dm, mo, mt
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
 EXAMPLES = os.path.join(ROOT, "examples")
-sys.path.insert(0, EXAMPLES)
 
-import gpt  # noqa: E402
-import train_gpt as tg  # noqa: E402
+from examples import gpt  # noqa: E402
+from examples import train_gpt as tg  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import gpt_lr_sweep as sweep  # noqa: E402
@@ -265,7 +264,7 @@ def test_a_script_without_a_main_guard_gets_multiprocessings_own_advice(tmp_path
     `if __name__ == "__main__":` guard each rank tries to start ranks. multiprocessing refuses with
     its advice; the launcher must let that through (it ended in an AttributeError in stop())."""
     script = tmp_path / "no_guard.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {EXAMPLES!r})\nimport train_gpt as tg\n"
+    script.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom examples import train_gpt as tg\n"
                       f"tg.train_many([tg.TrainConfig(dp=1, tp=2, steps=1, progress=False, **{SMALL!r})])\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import large_runs_reference as ref
-from conftest import BUCKET, STEPS, dm, mo, mlr, mt, suite_config
+from conftest import BUCKET, STEPS, dm, mc, mo, mlr, mt, suite_config
 
 GRIDS = ((4, 2), (2, 4), (1, 8))
 TAU = 100.0
@@ -237,7 +237,7 @@ def gram_figures(rows):
     for (tp, shape, seed, c, low), pieces in by_case.items():
         if (shape, seed, c, low) not in inputs:  # the same input on every TP: torch's, float64's and the bound once
             full = gram_input(shape, seed, low)
-            torch_ns = ref.newton_schulz_per_iteration(full, dm.ns_coefficients_of(c, 5), 5)
+            torch_ns = ref.newton_schulz_per_iteration(full, mc.ns_coefficients_of(c, 5), 5)
             exact = dm.newton_schulz(full.bfloat16(), 5, c, dtype=torch.float64)
             inputs[shape, seed, c, low] = (torch_ns.double(), exact, mt.gram_ns_tolerance(full, 5, c, result=torch_ns))
         torch_ns, exact, bound = inputs[shape, seed, c, low]
@@ -325,14 +325,14 @@ def test_some_heads_clip_and_some_do_not(spawned, i):
     results = demo_results(spawned, i)
     specs = mt.demo_specs(cfg)
     for step in range(cfg.steps):
-        maxima = [dm.dp_rank_max_logits(specs, cfg.seed, step + 1, d) for d in range(cfg.dp)]
+        maxima = [mt.dp_rank_max_logits(specs, cfg.seed, step + 1, d) for d in range(cfg.dp)]
         expected = {n: [math.sqrt(TAU / s) if s > TAU else 1.0
                         for s in torch.stack([m[n] for m in maxima]).amax(0).tolist()] for n in maxima[0]}
         for rank, r in enumerate(results):
-            heads = dm.N_HEADS // cfg.tp
+            heads = mt.N_HEADS // cfg.tp
             for name, got in r["qk_clip"][step].items():
                 held = range((rank % cfg.tp) * heads, (rank % cfg.tp + 1) * heads)
-                assert got == [expected[name][h] if h in held else None for h in range(dm.N_HEADS)]
+                assert got == [expected[name][h] if h in held else None for h in range(mt.N_HEADS)]
         flat = [m for ms in expected.values() for m in ms]
         assert any(m < 1 for m in flat) and any(m == 1 for m in flat)
 
@@ -342,7 +342,7 @@ def test_qk_clip_and_gram_bytes(spawned):
     (2 (W-1) pieces of 1/W of them); newton_schulz_tp sends a ring of the float32 Gram matrix per iteration."""
     for i, cfg in enumerate(spawned[0]):
         results = demo_results(spawned, i)
-        floats, world = 2 * dm.N_HEADS + 1, cfg.dp * cfg.tp  # 2 layers' QKV, every head, and the refusal
+        floats, world = 2 * mt.N_HEADS + 1, cfg.dp * cfg.tp  # 2 layers' QKV, every head, and the refusal
         for r in results:
             sent = [c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "QK-clip maxima"]
             assert sent == [2 * (world - 1) * -(-floats // world) * 4] * cfg.steps
@@ -376,7 +376,7 @@ def assert_matches_the_reference(got_by_rank, dp, tp, ns_blocks):
     """Every rank's final TP pieces and QK-clip multipliers against tests/large_runs_reference.py."""
     total = [{n: sum(dp_grads(step, d)[n] for d in range(dp)) for n in MATRICES} for step in range(1, OTHER_STEPS + 1)]
     maxima = [global_max_logits(step, dp, tp) for step in range(1, OTHER_STEPS + 1)]
-    expected, multipliers = ref.reference_muon(start_params(), total, **HYPER, coefficients=dm.POLAR_EXPRESS,
+    expected, multipliers = ref.reference_muon(start_params(), total, **HYPER, coefficients=mc.POLAR_EXPRESS,
                                                layouts=LAYOUTS, per_head=ns_blocks == "heads", tau=TAU,
                                                max_logits=maxima)
     assert any(m < 1 for ms in multipliers for v in ms.values() for m in v)
@@ -443,7 +443,7 @@ def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
     assert construct["layout of too many rows"] == "row_layouts['w'] has 4 x 4 = 16 rows; the matrix has 8"
     assert construct["two names, one size"] == "row_layouts['w']: 2 names for 1 sizes"
     assert construct["a size of 0"].startswith("row_layouts['w']: sizes must be positive integers and periods >= 1")
-    assert construct["not a RowLayout"] == "row_layouts['w'] must be a RowLayout (muon_large_runs), got tuple"
+    assert construct["not a RowLayout"] == "row_layouts['w'] must be a RowLayout (distmuon.RowLayout), got tuple"
     assert construct["layout of an unknown matrix"] == "row_layouts names v, which is not a Muon matrix"
     assert all(r["eight_tp"] == "TP 8 does not divide the 4 heads of a row layout" for r in spawned[1])
 
@@ -495,11 +495,11 @@ def test_the_lessons_reference_is_the_tests_reference():
     matrices = [s.name for s in specs if s.group == "muon"]
     start = dm.initial_params(specs, cfg.seed)
     grads = [mt.total_grads(specs, cfg.seed, step, cfg.dp) for step in range(1, cfg.steps + 1)]
-    maxima = [{n: torch.stack([dm.dp_rank_max_logits(specs, cfg.seed, step, d)[n] for d in range(cfg.dp)]).amax(0)
-               for n in mlr.transformer_row_layouts(specs)} for step in range(1, cfg.steps + 1)]
+    maxima = [{n: torch.stack([mt.dp_rank_max_logits(specs, cfg.seed, step, d)[n] for d in range(cfg.dp)]).amax(0)
+               for n in mt.transformer_row_layouts(specs)} for step in range(1, cfg.steps + 1)]
     theirs, _ = ref.reference_muon({n: start[n] for n in matrices}, [{n: g[n] for n in matrices} for g in grads],
                                    lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                                   coefficients=dm.POLAR_EXPRESS, layouts=mlr.transformer_row_layouts(specs),
+                                   coefficients=mc.POLAR_EXPRESS, layouts=mt.transformer_row_layouts(specs),
                                    per_head=True, tau=TAU, max_logits=maxima)
     assert all(torch.equal(lesson[n], theirs[n]) for n in matrices)
 
@@ -513,7 +513,7 @@ def test_polar_express_and_blocks_are_torchs_newton_schulz(seed):
         m = torch.randn(shape, generator=g)
         for steps in (3, 5, 9):
             assert torch.equal(dm.newton_schulz(m, steps, "polar_express"),
-                               ref.newton_schulz_per_iteration(m, dm.POLAR_EXPRESS, steps))
+                               ref.newton_schulz_per_iteration(m, mc.POLAR_EXPRESS, steps))
     layout = mlr.RowLayout((6, 2, 2), 3, ("q", "k", "v"))
     m = torch.randn(layout.rows, 24, generator=g)
     for per_head in (False, True):

@@ -1,7 +1,8 @@
 """The lesson reads top to bottom: nothing in sections 1-6 uses a name the file defines later (nor do the
-files of sections 7, 8 and the tooling), the flow's helpers come before the flow, the flow before the class
-that calls it, and section 6 is the whole program a rank runs. The project's modules import one another in
-layers, none from a layer above (no cycle, no import tucked into a function)."""
+files of sections 7, 8, the library's and the runner's), the flow's helpers come before the flow, the flow before
+the class that calls it, and section 6 is the whole program a rank runs; its sizes stay a sitting's read. The
+project's modules import one another in layers, none from a layer above (no cycle, no import tucked into a
+function), and the library (distmuon/ and the lesson) imports nothing from the runner."""
 
 import ast
 import builtins
@@ -12,8 +13,9 @@ import pytest
 
 from conftest import ROOT, SCRIPT
 
-CHECKS, OWNERS, LARGE_RUNS, TOOLS = (os.path.join(ROOT, name) for name in (
-    "muon_checks.py", "muon_owners.py", "muon_large_runs.py", "muon_tools.py"))
+LIBRARY = sorted(os.path.relpath(os.path.join(folder, name), ROOT) for folder, _, names in os.walk(os.path.join(ROOT, "distmuon"))
+                 for name in names if name.endswith(".py"))
+TOOLS = os.path.join(ROOT, "muon_tools.py")
 
 
 def banner_lines(source):
@@ -82,10 +84,11 @@ def test_sections_1_to_6_use_nothing_defined_later():
     assert forward_references(source, 1, len(source.splitlines())) == []
 
 
-@pytest.mark.parametrize("path", [CHECKS, OWNERS, LARGE_RUNS, TOOLS])
+@pytest.mark.parametrize("path", LIBRARY + [TOOLS])
 def test_the_files_beside_it_read_top_to_bottom_too(path):
-    """Sections 7 and 8, the checks and the tooling, each in its own file, use only what comes before them too."""
-    with open(path) as f:
+    """Sections 7 and 8, the library's other files and the runner, each in its own file, use only what comes before
+    them too."""
+    with open(os.path.join(ROOT, path)) as f:
         source = f.read()
     assert forward_references(source, 1, len(source.splitlines())) == []
 
@@ -111,8 +114,8 @@ def calls(node):
 
 def test_section_6_is_the_program_every_rank_runs():
     """`sed -n '/^# 6\\./,$p' distributed_muon_cpu.py` is the whole per-rank program: it joins the world, builds
-    the grid, the pieces and the optimizer, steps, and compares every piece with torch's (torch.equal); the file
-    ends by handing the command line to the tooling in one call."""
+    the grid, the pieces and the optimizer, steps, and compares every piece with torch's (torch.equal). Run as a
+    command, the file hands over to the runner in its first lines, before anything is defined."""
     with open(SCRIPT) as f:
         source = f.read()
     section_6 = source[source.index("\n# 6. Run it\n"):]
@@ -122,24 +125,60 @@ def test_section_6_is_the_program_every_rank_runs():
     for name in ("dist.init_process_group", "make_grid", "run_steps", "dist.gather_object", "torch_reference",
                  "check_against_torch", "dist.destroy_process_group"):
         assert name in run_rank, name
-    for name in ("initial_params", "build_optimizer", "dp_rank_grads", "opt.step", "opt.state_dict",
-                 "fresh.load_state_dict"):
+    for name in ("initial_params", "build_optimizer", "dp_rank_grads", "opt.step", "after_step"):
         assert name in run_steps, name
     assert "torch.equal" in calls(functions["check_against_torch"])
-    main = tree.body[-1]  # if __name__ == "__main__": one call of the tooling
-    assert isinstance(main, ast.If) and [c for c in calls(main) if c.startswith("muon_tools")] == ["muon_tools.main"]
+    module = ast.parse(source).body
+    main = next(n for n in module if isinstance(n, ast.If))  # if __name__ == "__main__": the runner's main
+    assert all(isinstance(n, (ast.Expr, ast.ImportFrom)) for n in module[:module.index(main)])  # docstring, __future__
+    assert [c for c in calls(main) if c.startswith("muon_tools")] == ["muon_tools.main"]
 
 
-# The project's modules, in layers: each imports only modules of the layers below it (the lesson's order:
-# the math, grid, buffer, flow and step below the strategies, below the tools and the demos).
+def test_the_lesson_is_a_sittings_read():
+    """Issue 42's targets: sections 1-5 at most 700 lines (from section 1's banner to section 6's), the gather flow's
+    function before line 450, the file at most 950 lines; section 1 opens with torch's step on one device."""
+    with open(SCRIPT) as f:
+        source = f.read()
+    banners = banner_lines(source)
+    line = {n.name: n.lineno for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert banners[6] - banners[1] <= 700
+    assert line["gather_newton_schulz_shard"] < 450
+    assert len(source.splitlines()) <= 950
+    section_1 = [n for n, at in line.items() if banners[1] < at < banners[2]]
+    assert "muon_step_" in section_1 and all(line[n] < line["muon_step_"] for n in ("newton_schulz", "adjusted_lr"))
+
+
+# The project's modules, in layers: each imports only modules of the layers below it (the lesson's order: the math,
+# grid, buffer, flow and step below the strategies, below the runner and the demos). The library is distmuon/ and the
+# lesson; the runner and the commands sit above it.
 LAYERS = [
-    ["muon_checks", "muon_forkserver"],  # what the optimizers refuse; the ranks' forkserver: nothing of the project
-    ["distributed_muon_cpu"],  # the lesson: math, grid, buffer, flow, the step, the run
-    ["muon_owners", "muon_large_runs"],  # sections 7 and 8: strategies and what large runs add
-    ["muon_tools"],  # the reference, the accounting, the launcher, the command line
-    ["distributed_muon_dtensor"],  # DTensorMuon, built on all of the above
-    ["dtensor_demo", "distributed_muon"],  # its demo; the lesson's GPU twin
+    ["distmuon.checks", "distmuon.adamw", "distmuon.collectives", "muon_forkserver"],  # nothing of the project
+    ["distributed_muon_cpu"],  # the lesson: math, grid, buffer, flow, the step, the run: the library's core
+    ["distmuon.owners", "distmuon.large_runs"],  # sections 7 and 8: strategies and what large runs add
+    ["distmuon.dtensor.placements", "distmuon.dtensor.config"],  # DTensorMuon's parts, built on all of the above
+    ["distmuon.dtensor.plan"],
+    ["distmuon.dtensor.exchange", "distmuon.dtensor.rows"],
+    ["distmuon.dtensor.optimizer"],
+    ["distmuon.dtensor.checkpoint"],
+    ["distmuon.dtensor", "distmuon"],  # the packages' names for users
+    ["muon_tools"],  # the runner: the reference, the accounting, the launcher, the command line
+    ["dtensor_demo", "distributed_muon"],  # DTensorMuon's demo; the lesson's GPU twin
 ]
+RUNNER = {"muon_tools", "muon_forkserver", "dtensor_demo", "distributed_muon"}
+LIBRARY_MODULES = {"distributed_muon_cpu"} | {p[:-3].replace(os.sep, ".").removesuffix(".__init__") for p in LIBRARY}
+
+
+def module_path(module):
+    """The file of a module of this repository: a top-level file, a package's __init__.py or a module of one."""
+    path = os.path.join(ROOT, *module.split("."))
+    return path + ".py" if os.path.exists(path + ".py") else os.path.join(path, "__init__.py")
+
+
+def module_of(name, modules):
+    """The longest of `modules` that a dotted import name is or lies in (distmuon.dtensor.plan for
+    distmuon.dtensor.plan, distmuon for distmuon.x): the module an import loads last; else its first part."""
+    parts = name.split(".")
+    return next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in modules), parts[0])
 
 
 def project_imports(path, modules):
@@ -157,9 +196,9 @@ def project_imports(path, modules):
                   and getattr(child.test.left, "id", None) == "__name__"):
                 here = "main"
             if isinstance(child, ast.Import):
-                found.extend((child.lineno, a.name.split(".")[0], here) for a in child.names)
+                found.extend((child.lineno, module_of(a.name, modules), here) for a in child.names)
             elif isinstance(child, ast.ImportFrom) and child.module:
-                found.append((child.lineno, child.module.split(".")[0], here))
+                found.append((child.lineno, module_of(child.module, modules), here))
             visit(child, here)
 
     visit(tree, "top")
@@ -168,28 +207,36 @@ def project_imports(path, modules):
 
 def test_the_modules_import_each_other_in_layers():
     """A tree of layers, no cycle: a module imports only from layers below its own, at its top, never inside a
-    function (the way a cycle is dodged). A command's `if __name__ == "__main__":` block is not part of the
-    module but the command itself, above every layer: only the lesson has one that reaches up, handing its
-    command line to the tooling (the command of a runnable lesson needs the strategies and the tooling, which
-    build on it)."""
+    function (the way a cycle is dodged). A command's `if __name__ == "__main__":` block is not part of the module
+    but the command itself, above every layer: only the lesson has one that reaches up, handing its command line to
+    the runner (its first lines: the lesson's own module never runs as that command)."""
     layer = {m: i for i, names in enumerate(LAYERS) for m in names}
     top_level = {n[:-3] for n in os.listdir(ROOT) if n.endswith(".py") and not n.endswith(".nb.py")}  # not notebooks
-    assert top_level == set(layer)  # every module of the repository's top level has its layer
+    assert top_level | LIBRARY_MODULES == set(layer)  # every module of the top level and of the library has its layer
     problems, upward_mains = [], []
     for module in sorted(layer):
-        for line, imported, where in project_imports(os.path.join(ROOT, module + ".py"), set(layer)):
+        for line, imported, where in project_imports(module_path(module), set(layer)):
             if where == "main":
                 if layer[imported] >= layer[module]:
                     upward_mains.append((module, imported))
             elif where == "function" or layer[imported] >= layer[module]:
-                problems.append(f"{module}.py:{line} imports {imported} ({where})")
+                problems.append(f"{module}:{line} imports {imported} ({where})")
     assert problems == []
     assert upward_mains == [("distributed_muon_cpu", "muon_tools")]
 
 
+def test_the_library_imports_nothing_of_the_runner():
+    """distmuon/ and the lesson (what `pip install .` installs) import no module of the runner, anywhere in them,
+    the lesson's command lines alone excepted (they are the runner's command, `python distributed_muon_cpu.py`)."""
+    modules = RUNNER | LIBRARY_MODULES
+    found = [(m, line, imported, where) for m in sorted(LIBRARY_MODULES)
+             for line, imported, where in project_imports(module_path(m), modules) if imported in RUNNER]
+    assert [(m, imported) for m, _, imported, where in found if not (m == "distributed_muon_cpu" and where == "main")] == []
+
+
 def test_the_layer_check_finds_a_cycle_and_a_tucked_import(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("import os\nimport muon_tools\n\ndef f():\n    import muon_owners\n\n"
-                    "if __name__ == '__main__':\n    import dtensor_demo\n")
-    assert project_imports(str(path), {"muon_tools", "muon_owners", "dtensor_demo"}) == [
-        (2, "muon_tools", "top"), (5, "muon_owners", "function"), (8, "dtensor_demo", "main")]
+    path.write_text("import os\nimport muon_tools\n\ndef f():\n    import distmuon.owners as mo\n\n"
+                    "if __name__ == '__main__':\n    from distmuon.dtensor.plan import Copy\n")
+    assert project_imports(str(path), {"muon_tools", "distmuon.owners", "distmuon.dtensor", "distmuon.dtensor.plan"}) == [
+        (2, "muon_tools", "top"), (5, "distmuon.owners", "function"), (8, "distmuon.dtensor.plan", "main")]

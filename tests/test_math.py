@@ -8,7 +8,8 @@ from torch.optim._muon import _adjust_lr as torch_adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import dm, mo
+from conftest import dm, mc, mo, mt
+from distmuon.adamw import adamw_
 
 SHAPES = [(1, 1), (3, 5), (5, 3), (64, 64), (384, 128), (128, 512), (8, 128), (257, 31)]
 
@@ -64,22 +65,35 @@ def test_newton_schulz_flops_match_torchs_flop_counter():
         assert dm.newton_schulz_flops(shape) == counter.get_total_flops(), shape
 
 
+@pytest.mark.parametrize("shape", [(96, 40), (40, 96), (33, 1), (1, 33), (7, 7), (257, 31)])
 @pytest.mark.parametrize("nesterov", [True, False])
-@pytest.mark.parametrize("fn", ["original", "match_rms_adamw"])
-def test_muon_steps_from_the_pieces_equal_torch_optim_muon(nesterov, fn):
-    g = torch.Generator().manual_seed(1)
-    start = torch.randn(96, 40, generator=g)
+@pytest.mark.parametrize("fn", ["original", "match_rms_adamw", "spectral_unclamped"])
+def test_the_single_device_step_is_torch_optim_muons(shape, nesterov, fn):
+    """Section 1's muon_step_, the step the lesson distributes, against torch.optim.Muon: four steps, bit for bit,
+    on tall, wide, k x 1, 1 x k and odd shapes, each seeded apart."""
+    g = torch.Generator().manual_seed(sum(shape) + 7 * nesterov)
+    start = torch.randn(shape, generator=g)
     ours, theirs = start.clone(), torch.nn.Parameter(start.clone())
     opt = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=fn)
+    group = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=fn, ns_steps=dm.NS_STEPS,
+                 ns_coefficients=dm.NS_COEFFICIENTS, eps=dm.NS_EPS)
     buf = torch.zeros_like(start)
     for _ in range(4):
         grad = torch.randn(start.shape, generator=g)
         theirs.grad = grad.clone()
         opt.step()
-        update = dm.newton_schulz(dm.muon_momentum_(buf, grad, 0.9, nesterov))
-        ours.mul_(1 - 0.02 * 0.1)
-        ours.add_(update, alpha=-dm.adjusted_lr(0.02, fn, start.shape))
+        dm.muon_step_(ours, grad, buf, group)
         assert torch.equal(ours, theirs.detach())
+    assert torch.equal(buf, opt.state[theirs]["momentum_buffer"])
+    assert not torch.equal(ours, start)
+
+
+def test_the_lessons_constants_are_torchs_defaults():
+    """Section 1's NS_COEFFICIENTS, NS_STEPS, NS_EPS are torch.optim.Muon's defaults (distmuon.checks reads them)."""
+    defaults = mc.TORCH_OPTIONS["muon"]
+    assert (dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS) == (defaults["ns_coefficients"], defaults["ns_steps"],
+                                                            defaults["eps"])
+    assert mc.NS_COEFFICIENT_CHOICES["jordan"] == dm.NS_COEFFICIENTS
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -97,7 +111,7 @@ def test_adamw_on_shards_equals_torch_optim_adamw(weight_decay):
         theirs.grad = grad.clone()
         opt.step()
         for lo, hi in zip(cuts, cuts[1:]):
-            dm.adamw_(ours[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], float(step),
+            adamw_(ours[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], float(step),
                       lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
         assert torch.equal(ours, theirs.detach()), step
 
@@ -115,14 +129,14 @@ def test_sharded_momentum_equals_whole():
 
 def test_gradient_draw_sums_exactly_in_any_order():
     specs = dm.transformer_specs()
-    per_rank = [dm.dp_rank_grads(specs, 0, 1, r) for r in range(dm.MAX_WORLD)]
+    per_rank = [dm.dp_rank_grads(specs, 0, 1, r) for r in range(mt.MAX_WORLD)]
     for name in ["embed.weight", "layers.0.mlp.fc1.weight"]:
         forward = sum(g[name] for g in per_rank)
         backward = sum(g[name] for g in reversed(per_rank))
         exact = sum(g[name].double() for g in per_rank)
         assert torch.equal(forward, backward) and torch.equal(forward.double(), exact)
         assert not torch.equal(per_rank[0][name], per_rank[1][name])  # DP ranks saw different data
-    assert math.isclose(dm.GRAD_SCALE * dm.GRAD_MAX_INT * dm.MAX_WORLD, 16.0)
+    assert math.isclose(dm.GRAD_SCALE * dm.GRAD_MAX_INT * mt.MAX_WORLD, 16.0)
 
 
 # Shapes with a small side, where bf16 baddbmm and addmm round some near-ties differently, 40 seeds

@@ -24,9 +24,8 @@ from torch.distributed.tensor import Shard
 from conftest import ROOT, dm, mt
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import gpt_moe  # noqa: E402
-import train_gpt_moe as tgm  # noqa: E402
+from examples import gpt_moe  # noqa: E402
+from examples import train_gpt_moe as tgm  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt_moe.py")
 SMALL = dict(batch=8, context=32, d_model=32, layers=2, heads=4, expert_hidden=32, log_every=2, val_windows=8,

@@ -22,8 +22,8 @@ NOTEBOOK = os.path.join(ROOT, "distributed_muon_cpu.ipynb")  # the lesson, secti
 RUNS_NOTEBOOK = os.path.join(ROOT, "distributed_muon_runs.ipynb")  # grids, strategies, the GPT
 PAIRS = {NOTEBOOK: os.path.join(ROOT, "distributed_muon_cpu.nb.py"),
          RUNS_NOTEBOOK: os.path.join(ROOT, "distributed_muon_runs.nb.py")}
-OWNERS = os.path.join(ROOT, "muon_owners.py")
-LARGE_RUNS = os.path.join(ROOT, "muon_large_runs.py")
+OWNERS = os.path.join(ROOT, "distmuon/owners.py")
+LARGE_RUNS = os.path.join(ROOT, "distmuon/large_runs.py")
 
 
 def cells(nb):

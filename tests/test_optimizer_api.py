@@ -181,6 +181,6 @@ def test_owner_options_are_checked_and_refused_by_the_gather_strategy(single_pro
 
 def test_topology_errors_name_every_factor():
     with pytest.raises(ValueError, match=r"world size 8 != DP 4 x TP 3 = 12"):
-        dm.check_topology(4, 3, 8)
+        mt.check_topology(4, 3, 8)
     with pytest.raises(ValueError, match=r"DP=0, TP=2"):
-        dm.check_topology(0, 2)
+        mt.check_topology(0, 2)

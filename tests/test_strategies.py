@@ -92,7 +92,7 @@ def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strate
     # One gather at owner and one scatter from owner per unit that has a matrix to move (rank 0's view;
     # comm-free moves TP pieces inside rank 0's DP row only), against one of each for the whole step.
     opt = mt.plan_optimizer(grid_config(dp, tp, strategy=strategy, overlap=mo.OVERLAP_DEFAULT))  # the overlapped run's
-    moving = sum(any(r.name in u.names for r in opt.routes) for u in opt._units())
+    moving = sum(any(r.name in u.names for r in opt.strategy.routes) for u in opt.strategy.units(opt))
     owner_phases = ("gather at owner", "scatter from owner")
     launches = lambda r: sum(e[0] == "launch" and e[1] in owner_phases for e in events(r, 0))
     assert moving > 1 and (launches(plain), launches(overlapped)) == (2, 2 * moving)
@@ -111,13 +111,13 @@ def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strate
 
 def demo_flops(**config):
     """Every Muon matrix's Newton-Schulz FLOPs, as the owner strategy's optimizer computes them."""
-    return mt.plan_optimizer(mt.RunConfig(strategy="owner", **config)).ns_flops
+    return mt.plan_optimizer(mt.RunConfig(strategy="owner", **config)).strategy.ns_flops
 
 
 def demo_owners(n_ranks, **config):
     """The balanced owners of the demo model's matrices, from their FLOPs and shapes."""
     plan = mt.plan_optimizer(mt.RunConfig(strategy="owner", **config))
-    return mo.assign_owners(plan.ns_flops, n_ranks, plan.layout.global_shapes)
+    return mo.assign_owners(plan.strategy.ns_flops, n_ranks, plan.layout.global_shapes)
 
 
 def test_lpt_on_the_demo_model_by_hand():

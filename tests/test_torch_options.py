@@ -5,7 +5,7 @@ defaults, add_param_group, plain parameters, and a refused step that changes not
 DistributedMuon, OwnerMuon and CommFreeMuon run every case on ONE spawn of 4 Gloo ranks (DP 2 x TP 2), each
 against torch.optim.Muon and torch.optim.AdamW(foreach=False) on one process, fed the gradients summed over
 DP (multiples of 2**-10: the sum is exact in any order, so every comparison is torch.equal). DTensorMuon's
-groups take the same options through muon_checks (tests/test_dtensor.py steps them against torch).
+groups take the same options through distmuon.checks (tests/test_dtensor.py steps them against torch).
 """
 
 import copy
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import muon_checks as mc
+import distmuon.checks as mc
 from conftest import dm, mo, mt
-from distributed_muon_dtensor import DTensorMuon
+from distmuon.dtensor import DTensorMuon
 
 DP, TP, SEED, STEPS = 2, 2, 3, 2
 SPECS = [dm.ParamSpec("w1", (8, 6), 0, "muon"), dm.ParamSpec("w2", (6, 8), 1, "muon"),

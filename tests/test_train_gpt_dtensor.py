@@ -18,8 +18,7 @@ import pytest
 from conftest import ROOT, mt
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import train_gpt_dtensor as tgd  # noqa: E402
+from examples import train_gpt_dtensor as tgd  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt_dtensor.py")
 SMALL = dict(batch=8, context=32, d_model=32, layers=2, heads=4, log_every=2, val_windows=8, progress=False)

@@ -35,13 +35,13 @@ HUNKS = [
     python distributed_muon_cpu.py                      # 8 ranks, DP=4 x TP=2, 3 steps
     python distributed_muon_cpu.py --dp 2 --tp 4 --explain   # print the virtual buffer map too
     python distributed_muon_cpu.py --dp 8 --tp 1 --steps 5 --json run.json
-    python distributed_muon_cpu.py --help               # every flag; the other strategies' and options'
+    python distributed_muon_cpu.py --help               # every flag, the other strategies' and options' too
 ''', '''Launch recipes (DP = processes / TP unless --dp says otherwise)
 --------------
     torchrun --standalone --nproc-per-node 8 distributed_muon.py --tp 2       # 8 GPUs, DP=4 x TP=2
     torchrun --standalone --nproc-per-node 8 distributed_muon.py --tp 2 --strategy owner --explain
     torchrun --standalone --nproc-per-node 4 distributed_muon.py --backend gloo --device cpu --tp 2  # no GPU
-    python distributed_muon.py --help                   # every flag; the other strategies' and options'
+    python distributed_muon.py --help                   # every flag, the other strategies' and options' too
 '''),
     ('''    device = torch.device("cpu")  # every tensor in this process's memory
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))  # over TCP
@@ -61,19 +61,11 @@ HUNKS = [
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t0) * 1e3)
 '''),
-    ('''    # Run as a command, this file hands over to its tooling, muon_tools.py, in one line: it checks the
-    # flags, prints the plan, starts DP x TP processes running run_rank, and prints the report. (The
-    # tooling imports this file as the module distributed_muon_cpu, as every other file does; no module
-    # imports the tooling.)
-    import muon_tools
-
-    sys.exit(muon_tools.main())
-''', '''    # torchrun started this process, one of DP x TP, and set its RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
-    # and MASTER_PORT: no launcher of ours. The tooling checks the flags (rank 0 says what is wrong), rank 0
-    # prints the plan, this file's run_rank runs, and rank 0 prints the report.
-    import muon_tools
-
-    sys.exit(muon_tools.main_under_torchrun(run_rank))
+    ('''if __name__ == "__main__":  # a command: the runner checks the flags, starts DP x TP ranks that run section 6, reports
+''', '''if __name__ == "__main__":  # torchrun started this process, one of DP x TP: the runner checks the flags, runs run_rank
+'''),
+    ('''    raise SystemExit(muon_tools.main())
+''', '''    raise SystemExit(muon_tools.main_under_torchrun("distributed_muon"))  # this file's run_rank, the GPUs' lesson
 '''),
 ]
 

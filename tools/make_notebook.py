@@ -28,14 +28,16 @@ import nbformat
 from nbconvert.preprocessors import ExecutePreprocessor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LESSON = ("distributed_muon_cpu.py", "muon_checks.py", "muon_forkserver.py", "muon_owners.py", "muon_large_runs.py",
-          "muon_tools.py")
-# {notebook: (its pair, what its cells import and run)}. The read-along runs the lesson, its sections 7
-# and 8, the checks and the tooling; the runs notebook runs commands too: compare.py and the trainings.
+LIBRARY = tuple(sorted(os.path.relpath(os.path.join(folder, name), ROOT)
+                      for folder, _, names in os.walk(os.path.join(ROOT, "distmuon")) for name in names
+                      if name.endswith(".py")))  # the library: the lesson's sections 7 and 8, its checks, DTensorMuon
+LESSON = ("distributed_muon_cpu.py", "muon_forkserver.py", "muon_tools.py", os.path.join("tools", "figures.py")) + LIBRARY
+# {notebook: (its pair, what its cells import and run)}. The read-along runs the lesson, the library (its sections
+# 7 and 8, the checks), the runner and the figures; the runs notebook runs commands too: compare.py and the trainings.
 NOTEBOOKS = {
     "distributed_muon_cpu.ipynb": ("distributed_muon_cpu.nb.py", LESSON),
     "distributed_muon_runs.ipynb": ("distributed_muon_runs.nb.py", LESSON + (
-        os.path.join("benchmarks", "compare.py"), "distributed_muon_dtensor.py", "dtensor_demo.py",
+        os.path.join("benchmarks", "compare.py"), "dtensor_demo.py",
         os.path.join("examples", "gpt.py"), os.path.join("examples", "stdlib_text.py"),
         os.path.join("examples", "train_gpt.py"), os.path.join("examples", "train_gpt_dtensor.py"),
         os.path.join("examples", "gpt_moe.py"), os.path.join("examples", "train_gpt_moe.py"))),
@@ -77,7 +79,17 @@ def execute(notebook, folder):
         os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
         shutil.copy(os.path.join(ROOT, name), os.path.join(folder, name))
     nb = jupytext.read(os.path.join(ROOT, pair))
-    ExecutePreprocessor(timeout=TIMEOUT_S, kernel_name="python3").preprocess(nb, {"metadata": {"path": folder}})
+    # The folder first on every path, the kernel's and the commands' it starts: the checkout's own copies (which
+    # requirements.txt's editable install puts on the path too) never stand in for a file the folder lacks.
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = folder + (os.pathsep + path if path else "")
+    try:
+        ExecutePreprocessor(timeout=TIMEOUT_S, kernel_name="python3").preprocess(nb, {"metadata": {"path": folder}})
+    finally:
+        if path is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = path
     return nb
 
 

@@ -1,17 +1,18 @@
-"""The options the optimizers take, torch's own, and what they refuse: the constructor's checks.
+"""The options the optimizers take, torch's own, and what they refuse: the constructors' and the step's checks.
 
-Beside the lesson, no part of it, and below it: it imports no file of the project.
-distributed_muon_cpu.py's DistributedMuon (and so section 7's optimizers) and distributed_muon_dtensor.py's
-DTensorMuon take their param groups' options here and check their arguments here, and the command lines
-check their flags with the same functions, so that a keyword and its flag are refused with the same words
-(`name` spells an argument either way: a keyword, or mt.flag's "--lr"). The coefficients of section 1 are
-the lesson's to read (check_ns_coefficients). Every check runs before anything moves: a refused optimizer
-was never built, and a refused step changed nothing.
+Part of the library (distmuon), below the lesson: it imports no other file of the project, and the lesson
+(distributed_muon_cpu.py), its strategies (distmuon/owners.py) and DTensorMuon (distmuon/dtensor/) check their
+arguments here, as the runner's command lines check their flags, so that a keyword and its flag are refused
+with the same words (`name` spells an argument either way: a keyword, or the runner's "--lr"). Every check runs
+before anything moves: a refused optimizer was never built, a refused add_param_group left the optimizer as it
+was, and a refused step changed nothing.
 
 A param group of algorithm "muon" takes exactly torch.optim.Muon's options, one of "adamw" exactly
 torch.optim.AdamW's, each with torch's default, read from the installed torch's signatures: a Muon group's
 `eps` is Newton-Schulz's, an AdamW group's Adam's. Each is honoured bit for bit, or refused at any value but
-torch's default, for the reason in REFUSED (tests/test_torch_options.py walks the signatures).
+torch's default, for the reason in REFUSED (tests/test_torch_options.py walks the signatures). One Muon option
+takes more than torch's one (a, b, c): ns_coefficients may give one triple per Newton-Schulz iteration, or name
+a set of them (NS_COEFFICIENT_CHOICES: Jordan's, torch's default, or Polar Express's).
 """
 
 from __future__ import annotations
@@ -32,6 +33,52 @@ def signature_options(optimizer_class):
 
 ALGORITHMS = {"muon": torch.optim.Muon, "adamw": torch.optim.AdamW}
 TORCH_OPTIONS = {algorithm: signature_options(cls) for algorithm, cls in ALGORITHMS.items()}
+# Newton-Schulz's coefficients: one (a, b, c) for every iteration (Keller Jordan's, torch.optim.Muon's default), or
+# one per iteration. Polar Express (Amsel et al., arXiv 2505.16932, Algorithm 1) picks each iteration's polynomial
+# to be optimal for the worst singular value the previous ones left: its eight triples, the first seven divided by
+# (1.01, 1.01^3, 1.01^5), its safety factor for bf16; iterations past the eighth repeat the last. (Its extra 1.01 on
+# the norm is not applied: the normalization stays torch.optim.Muon's.)
+JORDAN = TORCH_OPTIONS["muon"]["ns_coefficients"]
+_POLAR_EXPRESS = ((8.28721201814563, -23.595886519098837, 17.300387312530933),
+                  (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+                  (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+                  (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+                  (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+                  (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+                  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+                  (1.875, -1.25, 0.375))
+POLAR_EXPRESS = tuple((a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS[:-1]) + _POLAR_EXPRESS[-1:]
+NS_COEFFICIENT_CHOICES = {"jordan": JORDAN, "polar_express": POLAR_EXPRESS}
+
+
+def ns_coefficients_of(coefficients, steps):
+    """One (a, b, c) triple per iteration, as a tuple of `steps` triples: from one triple (every iteration), a
+    list of exactly `steps` triples, or a name of NS_COEFFICIENT_CHOICES (a longer list gives its first `steps`, a
+    shorter one repeats its last, as Algorithm 1 does). A ValueError says what else it got."""
+    if isinstance(coefficients, str):
+        if coefficients not in NS_COEFFICIENT_CHOICES:
+            raise ValueError(f"ns_coefficients {coefficients!r} is not one of {', '.join(NS_COEFFICIENT_CHOICES)}")
+        named = NS_COEFFICIENT_CHOICES[coefficients]
+        named = (named,) if isinstance(named[0], (int, float)) else named
+        return tuple(named[min(i, len(named) - 1)] for i in range(steps))
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not isinstance(coefficients, (tuple, list)):
+        raise ValueError(f"ns_coefficients must be one (a, b, c) triple, a name ({', '.join(NS_COEFFICIENT_CHOICES)}) "
+                         f"or {steps} triples, one per iteration (got {coefficients!r}, a {type(coefficients).__name__})")
+    coefficients = tuple(coefficients)
+    if len(coefficients) == 3 and all(number(v) for v in coefficients):
+        triples = (tuple(float(v) for v in coefficients),) * steps
+    else:
+        triples = tuple(tuple(float(v) for v in t) if isinstance(t, (tuple, list)) and len(t) == 3
+                        and all(number(v) for v in t) else None for t in coefficients)
+        if None in triples or len(triples) != steps:
+            raise ValueError(f"ns_coefficients must be one (a, b, c) triple, a name ({', '.join(NS_COEFFICIENT_CHOICES)}) "
+                             f"or {steps} triples, one per iteration (got {coefficients!r})")
+    if not all(math.isfinite(v) for t in triples for v in t):
+        raise ValueError(f"ns_coefficients must be finite (got {coefficients})")
+    return triples
+
+
 # The options honoured bit for bit; any other option of torch's signatures is refused at any value but torch's
 # default, with its reason (one a newer torch adds, with the last one, until it is honoured here).
 HONOURED = {"muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"),
@@ -70,7 +117,7 @@ def _number(name, key, value, low=0.0, high=math.inf, high_open=False, integer=F
 def check_option(name, algorithm, key, value):
     """One option of `algorithm` by torch's rule, stricter where a value would break the step: finite numbers,
     momentum below 1 (torch takes any momentum >= 0; at 1 the buffer never takes a gradient), ns_steps below 100
-    (torch's own limit, which it checks only inside the step). ns_coefficients: the lesson's check_ns_coefficients."""
+    (torch's own limit, which it checks only inside the step). ns_coefficients: check_param_group, with ns_steps."""
     if key not in HONOURED[algorithm]:
         if value not in UNSET and value != TORCH_OPTIONS[algorithm][key]:
             raise ValueError(f"{name(key)}={value!r} is refused: {refusal(algorithm, key)}")
@@ -108,6 +155,24 @@ def check_options(name, options, bucket_size=1):
             check_option(name, algorithm, key, value)
 
 
+STRATEGY_CALLS = ("plan", "bucketed", "part_of", "units", "orthogonalize")  # what the step asks a strategy
+LARGE_RUNS_CALLS = ("plan", "plan_parts", "orthogonalize_tp_piece", "clip_qk_")  # and section 8's LargeRuns
+
+
+def check_parts(*, tp_split_dims=None, strategy=None, large_runs=None):
+    """The lesson's optimizer's other arguments, each refused in one line naming it: tp_split_dims a dict of names
+    to dims (checked against the parameters when they are laid out), strategy a strategy (Gather, Owner or CommFree:
+    what the step calls), large_runs a LargeRuns."""
+    if tp_split_dims is not None and not (isinstance(tp_split_dims, dict) and all(isinstance(k, str) for k in tp_split_dims)):
+        raise ValueError(f"tp_split_dims must be a dict {{parameter name: dim}} (got {tp_split_dims!r:.80})")
+    if strategy is not None and not (all(callable(getattr(strategy, call, None)) for call in STRATEGY_CALLS)
+                                     and isinstance(getattr(strategy, "overlap", None), int)):
+        raise ValueError(f"strategy must be a strategy of the lesson's step: Gather(), distmuon.owners' Owner() or "
+                         f"CommFree() (got {strategy!r:.80})")
+    if large_runs is not None and not all(callable(getattr(large_runs, call, None)) for call in LARGE_RUNS_CALLS):
+        raise ValueError(f"large_runs must be a distmuon.LargeRuns (got {large_runs!r:.80}, a {type(large_runs).__name__})")
+
+
 def check_hyperparameters(name=str, *, bucket_size, lr, weight_decay, momentum, adjust_lr_fn):
     """The command lines' Muon flags, by the optimizers' rules (`name` spells an argument: a flag)."""
     check_options(name, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, adjust_lr_fn=adjust_lr_fn),
@@ -131,10 +196,16 @@ SCHEDULER_KEYS = ("initial_lr", "base_lr", "max_lr", "min_lr", "base_momentum", 
 
 def check_param_group(group, i):
     """A group's options (once filled) by their algorithm's rules, naming the group: at construction, and at
-    every step, where a value set or loaded since then is caught before anything moves."""
+    every step, where a value set or loaded since then is caught before anything moves. A Muon group's
+    ns_coefficients as ns_coefficients_of reads them with its ns_steps (kept as given)."""
     name = group_spelling(i, group)
     for key in TORCH_OPTIONS[group["algorithm"]]:
         check_option(name, group["algorithm"], key, group[key])
+    if group["algorithm"] == "muon":
+        try:
+            ns_coefficients_of(group["ns_coefficients"], group["ns_steps"])
+        except ValueError as e:
+            raise ValueError(f"param group {i}: {e}") from None
 
 
 def check_param_groups(param_groups):
@@ -255,3 +326,43 @@ def muon_param_groups(model, *, adamw=HEADS, muon=()):
         to_muon = name in muon or (name in linear and p.ndim == 2 and id(p) not in embedded)
         groups["muon" if to_muon else "adamw"].append((name, p))
     return [dict(params=groups[a], algorithm=a) for a in ("muon", "adamw") if groups[a]]
+
+
+def check_grid(dp, tp, world=None):
+    """Raise ValueError naming every factor when a DP x TP grid cannot exist (on a world of `world` ranks)."""
+    for name, size in (("DP", dp), ("TP", tp)):
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ValueError(f"{name} must be an integer (got {size!r}, a {type(size).__name__})")
+    if dp < 1 or tp < 1:
+        raise ValueError(f"DP and TP must be >= 1 (got DP={dp}, TP={tp})")
+    if world is not None and dp * tp != world:
+        raise ValueError(f"world size {world} != DP {dp} x TP {tp} = {dp * tp}")
+
+
+def step_problem(param_groups, param_by_name):
+    """Why this rank refuses a step (one line), or None: a group's option set or loaded since construction, or a
+    gradient of another shape, dtype or device than its parameter's."""
+    try:
+        check_param_groups(param_groups)
+    except ValueError as e:
+        return str(e)
+    for name, p in param_by_name.items():
+        g = p.grad
+        if g is not None and (g.shape != p.shape or g.dtype != p.dtype or g.device != p.device):
+            return (f"the gradient of {name} is {g.dtype} {tuple(g.shape)} on {g.device}; "
+                    f"the parameter is {p.dtype} {tuple(p.shape)} on {p.device}")
+    return None
+
+
+def check_layout(saved, here):
+    """A ZeRO-1 state_dict holds one rank's shards of one layout: refuse one saved for another (naming each key
+    that differs), since its shards would land on the wrong elements."""
+    if saved != here:
+        diff = ", ".join(f"{k} {saved.get(k) if saved else None} != {v}" for k, v in here.items()
+                         if not saved or saved.get(k) != v)
+        raise ValueError(f"state_dict was saved for another shard layout: {diff}")
+
+
+# What clip_qk_ says, on every rank, when the optimizer was built without QK-clip.
+QK_CLIP_OFF = ("QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows; the "
+               "lesson's optimizers take both in large_runs=distmuon.LargeRuns(...))")

@@ -1,7 +1,7 @@
 """What large runs add to the lesson's optimizers: fused QKV by blocks, Newton-Schulz on TP pieces, QK-clip.
 
 Section 8 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-6 and
-muon_owners.py's section 7 first.
+distmuon/owners.py's section 7 first.
 torch.optim.Muon orthogonalizes each parameter whole, with one quintic, and does nothing after the
 update. Large runs do more; each addition is an option of every optimizer of the lesson
 (DistributedMuon, OwnerMuon, CommFreeMuon; the Gram form of the gather strategy only: an owner
@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from distributed_muon_cpu import (FUSED_QKV, N_HEADS, NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce,
-                                  QK_CLIP_OFF, newton_schulz, newton_schulz_flops, ns_coefficients_of)
+from distmuon.checks import QK_CLIP_OFF, ns_coefficients_of
+from distributed_muon_cpu import NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce, newton_schulz, newton_schulz_flops
 
 # =============================================================================
 # 8. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
@@ -145,18 +145,11 @@ class RowLayout:
         return replace(self, periods=self.periods // tp)
 
 
-def transformer_row_layouts(specs, heads=N_HEADS):
-    """{name: RowLayout} of the demo's fused QKV matrices ((3d, d): q, k and v of each head, d / heads rows
-    each), laid out head by head as Megatron's are (so that a column-parallel split gives each TP rank whole heads)."""
-    return {s.name: RowLayout((s.global_shape[1] // heads,) * 3, heads, ("q", "k", "v"))
-            for s in specs if s.name.endswith(FUSED_QKV)}
-
-
 def row_layout_problem(name, rows, matrix_shape, expert_stack=False, qk_clip=False):
     """None if `rows` (a RowLayout) describes the rows of `name`'s full (out, in) matrix, else why not
     (one line); DTensorMuon asks the same of each expert's matrix."""
     if not isinstance(rows, RowLayout):
-        return f"row_layouts[{name!r}] must be a RowLayout (muon_large_runs), got {type(rows).__name__}"
+        return f"row_layouts[{name!r}] must be a RowLayout (distmuon.RowLayout), got {type(rows).__name__}"
     if not (isinstance(rows.periods, int) and rows.periods >= 1 and rows.sizes
             and all(isinstance(s, int) and s >= 1 for s in rows.sizes)):
         return f"row_layouts[{name!r}]: sizes must be positive integers and periods >= 1 (got {rows})"
@@ -442,8 +435,8 @@ class LargeRuns(Blocks):
         """Once the layout is known: {name: its blocks of rows}, and the matrices newton_schulz_tp takes."""
         if self.optimizer not in (None, optimizer):
             raise ValueError("this LargeRuns serves another optimizer already: give each optimizer its own")
-        if optimizer.strategy != "gather":
-            check_owner_tp_newton_schulz(optimizer.strategy, self.tp_newton_schulz)
+        if optimizer.strategy.name != "gather":
+            check_owner_tp_newton_schulz(optimizer.strategy.name, self.tp_newton_schulz)
         self.optimizer = optimizer
         layout, grid = optimizer.layout, optimizer.grid
         check_row_layouts(self.row_layouts, layout, optimizer.muon_names, grid.tp.size, self.qk_clip_tau is not None)

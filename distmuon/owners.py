@@ -1,39 +1,40 @@
-"""Orthogonalize each matrix once: the owner and comm-free strategies (OwnerMuon, CommFreeMuon).
+"""Orthogonalize each matrix once: the owner and comm-free strategies (Owner, CommFree; OwnerMuon, CommFreeMuon).
 
-Section 7 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-6 first.
-The gather flow of section 4 orthogonalizes a matrix on every rank that touches it. The two
-strategies here give every matrix ONE owner among the DP x TP ranks, balanced by Newton-Schulz
-FLOPs, and are section 5's optimizer with its stage 3 replaced (comm-free: stages 1 and 4 too):
+Section 7 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-6 first. The gather flow
+of section 4 orthogonalizes a matrix on every rank that touches it. The two strategies here give every matrix ONE
+owner among the DP x TP ranks, balanced by Newton-Schulz FLOPs. Each is a part that section 5's DistributedMuon
+plugs into its step (its strategy=), with stage 3 replaced (comm-free: stages 1 and 4 extended):
 
     owner      ZeRO-1 unchanged; the parts of every matrix go to its owner and back (two all-to-alls)
     comm-free  ZeRO-1 keeps Muon matrices whole: reduced at the owner row, its update broadcast
 
-and the step overlapped with its collectives (--overlap), and same-shape matrices batched
-(--batched-ns). Launch recipes (the lesson's command line):
+and two options of their own: the step overlapped with its collectives (overlap=K, --overlap), and same-shape
+matrices batched (batched_ns, --batched-ns). Launch recipes (the lesson's command line):
 
     python distributed_muon_cpu.py --strategy owner --explain   # one owner per matrix, and who owns what
     python distributed_muon_cpu.py --model thin --strategy comm-free   # 81 matrices with a small side
     python distributed_muon_cpu.py --strategy owner --overlap   # the step pipelined, collectives in flight
     python benchmarks/compare.py          # gather, owner, comm-free, AdamW ZeRO-1: bytes, FLOPs, balance, time
 
-Import it and the optimizers are real torch.optim.Optimizers, as section 5's:
-    from muon_owners import OwnerMuon, CommFreeMuon, OPTIMIZERS   # OPTIMIZERS: every strategy by name
+Import them: the optimizers are real torch.optim.Optimizers, section 5's with these parts:
+    from distmuon import OwnerMuon, CommFreeMuon   # = DistributedMuon(..., strategy=Owner(...) or CommFree(...))
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Ledger, all_gather_single,
-                                  apply_muon_update_, newton_schulz, newton_schulz_flops, ns_coefficients_of,
-                                  orthogonalize, reduce_scatter_sum, sum_in_order, tp_shard)
-# (Bound here at import: a test or benchmark that patches one of them in distributed_muon_cpu patches it
-# here too, as benchmarks/scaling.py does with newton_schulz.)
+from distmuon.collectives import all_gather_single, reduce_scatter_sum, sum_in_order
+from distmuon.checks import ns_coefficients_of
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Unit, apply_muon_update_,
+                                  newton_schulz, newton_schulz_flops, orthogonalize, tp_shard)
+# (Bound here at import: a test or benchmark that patches newton_schulz in distributed_muon_cpu patches it here
+# too, as benchmarks/scaling.py does.)
 
 # =============================================================================
 # 7. Orthogonalize each matrix once: the owner and comm-free strategies
@@ -77,9 +78,9 @@ from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, Distributed
 # exchanges that move them, collectives in flight (7.3), Newton-Schulz at the
 # owner, one matrix or one stack at a time (7.4), comm-free's reduce at and
 # broadcast from the owner row (7.5), the step overlapped with its collectives
-# (7.6), and the optimizers, OwnerMuon and CommFreeMuon: section 5's optimizer
-# with stage 3 replaced (and, for comm-free, stages 1 and 4 extended), every
-# other stage reused (7.7).
+# (7.6), and the strategies, Owner and CommFree: parts of section 5's optimizer
+# that replace its stage 3 (and, for comm-free, extend stages 1 and 4), every
+# other stage its own (7.7).
 
 
 # -----------------------------------------------------------------------------
@@ -213,34 +214,14 @@ def plan_routes(matrices, owners, part_of, layout, grid, axis):
 # torch's async_op=True returns a Work to wait on later, and every function
 # below that starts one returns a function that waits for it and returns the
 # result (later()). The tensors passed in must stay untouched until that wait.
-# What was in flight while what ran is then worth a record of its own: these
-# functions take an EventLedger, which keeps the order of launches, waits and
-# orthogonalizations.
-
-@dataclass
-class EventLedger(Ledger):
-    """Section 2's Ledger, and in order: (step, "launch" | "wait", phase) per collective, (step,
-    "newton-schulz", matrix) per orthogonalization. A launch with no wait is one of section 2's
-    collectives, over when it returns."""
-
-    events: list = field(default_factory=list)
-
-    def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
-        super().record_comm(phase, op, axis, sent_numel, received_numel, dtype)
-        self.events.append((self.step, "launch", phase))
-
-    def record_wait(self, phase):
-        self.events.append((self.step, "wait", phase))
-
-    def record_compute(self, name, shape, flops):
-        super().record_compute(name, shape, flops)
-        self.events.append((self.step, "newton-schulz", name))
-
+# What was in flight while what ran is then worth a record of its own: section
+# 2's Ledger keeps the order of launches, waits and orthogonalizations (a launch
+# with no wait is one of section 2's collectives, over when it returns).
 
 def later(work, phase, ledger, result):
     """A started collective: a function that waits for `work` (None: nothing to wait for) and
     returns result(). The wait is labelled with the phase, as the launch is, and recorded in the
-    ledger (an EventLedger: every function below that starts a collective needs one)."""
+    ledger."""
     def wait():
         if work is not None:
             with record_function(phase):
@@ -511,7 +492,7 @@ def broadcast_from_owner(orthos, numels, owners, grid, ledger, device, apply, as
 # cost on 2 cores: benchmarks/overlap.py, notes/measured/overlap_2rank_2core.txt).
 # Whether overlap is faster at all depends on having something to overlap with: a
 # core or a copy engine that is idle while messages travel (notes/08-strategies.md).
-# On one rank nothing travels, and the loop below runs with K = 0 whatever K is.
+# On one rank nothing travels: the stages run in turn, bucket by bucket, whatever K is.
 OVERLAP_DEFAULT = 2  # --overlap without a number
 
 
@@ -536,12 +517,62 @@ def reduce_scatter_async(bucket, axis, ledger, phase):
     return later(work, phase, ledger, shard)
 
 
-@dataclass(frozen=True)
-class Unit:
-    """One piece of an overlapped step: parameters whose gradients are reduced together."""
+def start_reduce(opt, unit, active):
+    """Stage 1 of a unit started (every bucket's reduce-scatter, every chunk's reduce at owner): a function that
+    waits and returns {name: this rank's part of the gradient summed over DP}, as section 5's stage 1 does."""
+    waits = [(b, reduce_scatter_async(opt._grad_bucket(b), opt.grid.dp, opt.ledger, "grad reduce-scatter"))
+             for b in unit.buckets]
+    chunks = [opt.strategy.reduce_chunk(opt, chunk, active, async_op=True) for chunk in unit.chunks]
 
-    names: tuple
-    bucket: object = None  # the ZeRO-1 bucket that holds them; None: comm-free matrices, reduced at their owners
+    def wait():
+        grads = {}
+        for bucket, shard in waits:
+            grads.update(opt._grad_parts(bucket, shard(), active))
+        for reduced in chunks:
+            grads.update(reduced())
+        return grads
+    return wait
+
+
+def start_gather(opt, unit, active):
+    """Stage 4 of a unit started: a function that waits and puts the weights in place."""
+    waits = [(b, all_gather_async(opt._param_shard(b), opt.grid.dp, opt.ledger, "param all-gather"))
+             for b in unit.buckets]
+    chunks = [opt.strategy.broadcast_chunk(opt, chunk, active, async_op=True) for chunk in unit.chunks]
+
+    def wait():
+        for bucket, gathered in waits:
+            opt._copy_in(bucket, gathered())
+        for applied in chunks:
+            applied()
+    return wait
+
+
+def overlapped_stages(opt, active, k):
+    """The stages of every unit pipelined K units deep (above), each collective started as soon as it can be: the
+    owner strategies' schedule with overlap=K, made of the same parts as section 5's stages in turn."""
+    strategy, axis, dtype, device = opt.strategy, opt.strategy.axis(opt), torch.bfloat16, opt.device
+    units = strategy.units(opt)
+    # Which matrices of each unit travel to an owner: the same on every rank of the axis, so a unit without any
+    # starts no exchange anywhere.
+    routes = [strategy.routes_of(u, active) for u in units]
+    reduced = [start_reduce(opt, u, active) for u in units]  # 1: every reduction starts now
+    gathered, scattered, gathered_params = {}, {}, []
+    for i in range(len(units) + 2 * k):
+        if i < len(units):  # unit i: 1 -> 2, then start its gather at owner
+            updates = opt._update_state(reduced[i]())
+            if routes[i]:
+                gathered[i] = gather_at_owner(updates, routes[i], axis, opt.ledger, dtype, device)
+        if i - k in gathered:  # unit i-k: 3, while later units' transfers and reductions fly
+            orthos = strategy.newton_schulz(opt, gathered.pop(i - k)())
+            scattered[i - k] = strategy.scatter(opt, orthos, routes[i - k])
+        if 0 <= i - 2 * k < len(units):  # unit i-2k: the end of 3, then start 4
+            if i - 2 * k in scattered:
+                for name, ortho_part in scattered.pop(i - 2 * k)().items():
+                    opt._apply_update(name, ortho_part)
+            gathered_params.append(start_gather(opt, units[i - 2 * k], active))
+    for wait in gathered_params:
+        wait()
 
 
 def chunk_names(names, numel, size):
@@ -556,207 +587,164 @@ def chunk_names(names, numel, size):
     return chunks + ([tuple(current)] if current else [])
 
 
-def check_owner_options(name=str, *, overlap):
-    """The owner strategies' rule for their own argument (see check_hyperparameters)."""
+def check_owner_options(name=str, *, owners=None, overlap=0, batched_ns=False):
+    """The owner strategies' own arguments, each refused in one line naming it (spelled by `name`: a keyword, or
+    the runner's flag)."""
     if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
         raise ValueError(f"{name('overlap')} must be an integer >= 0 (got {overlap!r})")
+    if not isinstance(batched_ns, bool):
+        raise ValueError(f"{name('batched_ns')} must be True or False (got {batched_ns!r})")
+    if owners is not None and not (isinstance(owners, dict) and all(isinstance(v, (list, tuple)) for v in owners.values())):
+        raise ValueError(f"{name('owners')} must be a dict {{rank: [matrix names]}} (got {owners!r:.80})")
 
 
 # -----------------------------------------------------------------------------
-# 7.7 The optimizers: OwnerMuon and CommFreeMuon
+# 7.7 The strategies: Owner and CommFree, parts of section 5's DistributedMuon
 # -----------------------------------------------------------------------------
 
-class OwnerMuon(DistributedMuon):
-    """The owner strategy: ZeRO-1 exactly as in section 5 (the same buckets, reduce-scatter,
-    momentum parts and all-gather); only stage 3 changes, to gather at owner -> Newton-Schulz
-    on the owner -> scatter from owner.
+class Owner:
+    """The owner strategy: ZeRO-1 exactly as in section 5 (the same buckets, reduce-scatter, momentum parts and
+    all-gather); stage 3 is gather at owner -> Newton-Schulz on the owner -> scatter from owner.
 
-    owners: {rank: [matrix names]} to override the balanced assignment (every Muon matrix
-        exactly once).
-    overlap: 0 (off), or K >= 1: pipeline the step bucket by bucket with asynchronous
-        collectives, Newton-Schulz K units behind the reductions (above); the same bytes in
-        more, smaller all-to-alls, and the same bits.
-    batched_ns: orthogonalize an owner's same-shape matrices in one batched call. Faster for
-        many small matrices, but not bitwise equal to torch: within BATCHED_NS_BOUND
-        (above). Off by default.
+    owners: {rank: [matrix names]} to override the balanced assignment (every Muon matrix exactly once).
+    overlap: 0 (off), or K >= 1: pipeline the step bucket by bucket with asynchronous collectives, Newton-Schulz
+        K units behind the reductions (7.6); the same bytes in more, smaller all-to-alls, and the same bits.
+    batched_ns: orthogonalize an owner's same-shape matrices in one batched call. Faster for many small
+        matrices, but not bitwise equal to torch: within BATCHED_NS_BOUND (7.4). Off by default.
     """
 
-    strategy = "owner"
+    name = "owner"
 
-    def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
-        check_owner_options(overlap=overlap)
+    def __init__(self, owners=None, overlap=0, batched_ns=False):
+        check_owner_options(owners=owners, overlap=overlap, batched_ns=batched_ns)
         self.owner_override, self.overlap, self.batched_ns = owners, overlap, batched_ns
-        super().__init__(params, **kwargs)
-        self.ledger = EventLedger()  # later() records waits (above); nothing is recorded before this line
+        self.owners = None
 
-    def _route_axis(self):
-        return self.grid.world  # parts travel across the whole grid
+    def axis(self, opt):
+        return opt.grid.world  # parts travel across the whole grid
 
-    def _plan(self):
-        world = self.grid.world.size
-        shapes, large_runs = self.layout.global_shapes, self.large_runs  # LargeRuns counts by blocks where it has them
-        self.ns_flops = {n: newton_schulz_flops(shapes[n], self.group_of[n]["ns_steps"]) if large_runs is None else
-                         large_runs.flops(n, shapes[n], self.group_of[n]["ns_steps"]) for n in self.muon_names}
-        self.owners = (check_owners(self.owner_override, self.muon_names, world) if self.owner_override is not None
-                       else assign_owners(self.ns_flops, world, self.layout.global_shapes, self.owners))
-        self.routes = plan_routes(self.muon_names, self.owners, self.part_of, self.layout, self.grid,
-                                  self._route_axis())
+    def bucketed(self, opt, name):
+        return True
 
-    def _newton_schulz_owned(self, full):
-        return newton_schulz_owned(full, self.group_of, self.ledger, self.batched_ns, self.large_runs)
+    def part_of(self, opt, name, dp_rank):
+        return opt.layout.metas[dp_rank][name].param_slice
 
-    def _stages(self, active):
-        """Without overlap, on more than one rank: each stage for every bucket, then the next
-        stage, so that stage 3 moves every matrix in one exchange each way."""
-        if self.overlap or self.grid.world.size == 1:
-            return self._overlapped_stages(active)
-        updates = self._update_state(self._reduce_grads(active))  # 1, 2
-        for name, ortho_part in self._orthogonalize(updates, active).items():  # 3
-            self._apply_update(name, ortho_part)
-        self._gather_params(active)  # 4
+    def plan(self, opt):
+        world, shapes, large_runs = opt.grid.world.size, opt.layout.global_shapes, opt.large_runs
+        steps = {n: opt.group_of[n]["ns_steps"] for n in opt.muon_names}  # LargeRuns counts by blocks where it has them
+        self.ns_flops = {n: newton_schulz_flops(shapes[n], steps[n]) if large_runs is None else
+                         large_runs.flops(n, shapes[n], steps[n]) for n in opt.muon_names}
+        self.owners = (check_owners(self.owner_override, opt.muon_names, world) if self.owner_override is not None
+                       else assign_owners(self.ns_flops, world, shapes, self.owners))
+        self.routes = plan_routes(opt.muon_names, self.owners, lambda n, d: self.part_of(opt, n, d), opt.layout,
+                                  opt.grid, self.axis(opt))
 
-    def _reduce_grads(self, active):
-        """Stage 1 for every bucket: {name: this rank's part of the gradient summed over DP}."""
-        grads = {}
-        for bucket in self.layout.buckets:
-            grads.update(self._reduce_bucket(bucket, active))
-        return grads
+    def units(self, opt):
+        """Without overlap, every bucket at once, so that stage 3 moves every matrix in one exchange each way; with
+        it (or on one rank, where nothing travels), bucket by bucket."""
+        if self.overlap or opt.grid.world.size == 1:
+            return [Unit(buckets=(b,)) for b in opt.layout.buckets]
+        return [Unit(buckets=opt.layout.buckets)]
 
-    def _orthogonalize(self, updates, active):
-        """Stage 3 for every matrix: gather at owner -> Newton-Schulz -> scatter from owner."""
-        routes = [r for r in self.routes if r.name in active]
-        return orthogonalize_at_owners(updates, routes, self._newton_schulz_owned, self._route_axis(),
-                                       self.ledger, self.device)
+    def routes_of(self, unit, active):
+        names = {n for b in unit.buckets for n in b.names} | {n for c in unit.chunks for n in c}
+        return [r for r in self.routes if r.name in names and r.name in active]
 
-    def _gather_params(self, active):
-        """Stage 4 for every bucket."""
-        for bucket in self.layout.buckets:
-            self._gather_bucket(bucket)
+    def newton_schulz(self, opt, full):
+        return newton_schulz_owned(full, opt.group_of, opt.ledger, self.batched_ns, opt.large_runs)
 
-    # -- the overlapped step -------------------------------------------------
-    def _units(self):
-        return [Unit(b.names, b) for b in self.layout.buckets]
+    def scatter(self, opt, orthos, routes):
+        """Scatter from owner, started: a function that waits and returns {name: this rank's part}."""
+        return scatter_from_owner(orthos, routes, self.axis(opt), opt.ledger, torch.bfloat16, opt.device)
 
-    def _reduce_unit(self, unit, active):
-        """Start stage 1 for a unit; returns a function that waits and returns its gradient parts."""
-        wait = reduce_scatter_async(self._grad_bucket(unit.bucket), self.grid.dp, self.ledger, "grad reduce-scatter")
-        return lambda: self._grad_parts(unit.bucket, wait(), active)
+    def orthogonalize(self, opt, unit, updates, active):
+        """Stage 3 of a unit: gather at owner -> Newton-Schulz -> scatter from owner, each waited for at once."""
+        routes = self.routes_of(unit, active)
+        if not routes:
+            return {}
+        full = gather_at_owner(updates, routes, self.axis(opt), opt.ledger, torch.bfloat16, opt.device)()
+        return self.scatter(opt, self.newton_schulz(opt, full), routes)()
 
-    def _gather_unit(self, unit, active):
-        """Start stage 4 for a unit; returns a function that waits and puts the weights in place."""
-        wait = all_gather_async(self._param_shard(unit.bucket), self.grid.dp, self.ledger, "param all-gather")
-        return lambda: self._copy_in(unit.bucket, wait())
-
-    def _overlapped_stages(self, active):
-        # On one rank nothing travels and there is nothing to overlap: K = 0 runs the units
-        # one after the other, as section 5 runs its buckets.
-        axis, dtype, device = self._route_axis(), torch.bfloat16, self.device
-        units = self._units()
-        # Which matrices of each unit travel to an owner: the same on every rank of the axis,
-        # so a unit without any starts no exchange anywhere.
-        routes = [[r for r in self.routes if r.name in u.names and r.name in active] for u in units]
-        k = self.overlap if self.grid.world.size > 1 else 0
-        # 1: with K >= 1 every reduction starts now; with K = 0 each one when its unit's turn comes
-        reduced = [self._reduce_unit(u, active) for u in units] if k else None
-        gathered, scattered, gathered_params = {}, {}, []
-        for i in range(len(units) + 2 * k):
-            if i < len(units):  # unit i: 1 -> 2, then start its gather at owner
-                updates = self._update_state((reduced[i] if k else self._reduce_unit(units[i], active))())
-                if routes[i]:
-                    gathered[i] = gather_at_owner(updates, routes[i], axis, self.ledger, dtype, device)
-            if i - k in gathered:  # unit i-k: 3, while later units' transfers and reductions fly
-                orthos = self._newton_schulz_owned(gathered.pop(i - k)())
-                scattered[i - k] = scatter_from_owner(orthos, routes[i - k], axis, self.ledger, dtype, device)
-            if 0 <= i - 2 * k < len(units):  # unit i-2k: the end of 3, then start 4
-                if i - 2 * k in scattered:
-                    for name, ortho_part in scattered.pop(i - 2 * k)().items():
-                        self._apply_update(name, ortho_part)
-                gathered_params.append(self._gather_unit(units[i - 2 * k], active))
-        for wait in gathered_params:
-            wait()
+    def overlapped_stages(self, opt, active):
+        overlapped_stages(opt, active, self.overlap)
 
 
-class CommFreeMuon(OwnerMuon):
-    """The comm-free strategy: Muon matrices sharded whole across DP, outside the buckets.
+class CommFree(Owner):
+    """The comm-free strategy: Muon matrices sharded whole across DP, outside the buckets. Stage 1 adds the
+    gradient reduce at the owner row, stage 3 exchanges TP pieces inside the owner's row only, stage 4 adds the
+    broadcast from the owner row; the matrices travel in chunks of at most bucket_size elements (7.5)."""
 
-    Stage 1 adds the gradient reduce at the owner row, stage 3 exchanges TP pieces inside
-    the owner's row only, stage 4 adds the broadcast from the owner row; the matrices
-    travel in chunks of at most bucket_size elements, which overlap pipelines.
-    """
+    name = "comm-free"
 
-    strategy = "comm-free"
+    def axis(self, opt):
+        return opt.grid.tp  # the TP pieces of a matrix meet inside the owner's row
 
-    def _bucketed(self, name):
-        return self.group_of[name]["algorithm"] != "muon"  # matrices live whole, on their owner's row
+    def bucketed(self, opt, name):
+        return opt.group_of[name]["algorithm"] != "muon"  # matrices live whole, on their owner's row
 
-    def _route_axis(self):
-        return self.grid.tp  # the TP pieces of a matrix meet inside the owner's row
+    def part_of(self, opt, name, dp_rank):
+        if self.bucketed(opt, name):
+            return super().part_of(opt, name, dp_rank)
+        on_owner_row = self.owners[name] // opt.grid.tp.size == dp_rank
+        return slice(0, math.prod(opt.layout.shapes[name]) if on_owner_row else 0)
 
-    def part_of(self, name, dp_rank):
-        if self._bucketed(name):
-            return super().part_of(name, dp_rank)
-        on_owner_row = self.owners[name] // self.grid.tp.size == dp_rank
-        return slice(0, math.prod(self.layout.shapes[name]) if on_owner_row else 0)
-
-    def _muon_grads(self, names, active):
-        return {n: zeros_if_none(self.param_by_name[n].grad, self.param_by_name[n]) for n in names if n in active}
-
-    def _apply_update(self, name, ortho_part):
-        """The owner row's update, kept until stage 4 sends it to the other DP rows (a matrix's part is all
-        of its TP piece on the owner row: section 5's _apply_update updates it whole)."""
-        super()._apply_update(name, ortho_part)
-        if not self._bucketed(name):
-            self.sent_updates[name] = ortho_part
-
-    def _apply_received(self, name, ortho):
-        """Another DP row's update of `name`, applied to this rank's own copy of its TP piece: the owner
-        row's arithmetic on the same weights."""
-        runs = self.large_runs.whole_runs.get(name) if self.large_runs is not None else None
-        apply_muon_update_(self.param_by_name[name].view(-1), ortho, self.group_of[name],
-                           self.layout.global_shapes[name], runs)
-
-    def _broadcast_updates(self, names, active, async_op=False):
-        numels = {n: self.param_by_name[n].numel() for n in names if n in active}
-        orthos = {n: self.sent_updates.pop(n) for n in numels if n in self.sent_updates}
-        return broadcast_from_owner(orthos, numels, self.owners, self.grid, self.ledger, self.device,
-                                    self._apply_received, async_op)
-
-    def _plan(self):
-        super()._plan()
-        # The matrices in chunks of at most bucket_size elements: what one reduce at owner or
-        # broadcast from owner carries, as a bucket bounds one reduce-scatter (why not one
-        # message for all of them: notes/08-strategies.md).
-        numel = {n: self.param_by_name[n].numel() for n in self.muon_names}
-        self.muon_chunks = chunk_names(self.muon_names, numel, self.bucket_size)
+    def plan(self, opt):
+        super().plan(opt)
+        # The matrices in chunks of at most bucket_size elements: what one reduce at owner or broadcast from owner
+        # carries, as a bucket bounds one reduce-scatter (why not one message for all: notes/08-strategies.md).
+        numel = {n: opt.param_by_name[n].numel() for n in opt.muon_names}
+        self.chunks = chunk_names(opt.muon_names, numel, opt.bucket_size)
         self.sent_updates = {}  # {matrix: the owner row's update}, from stage 3 to stage 4
 
-    def _reduce_grads(self, active):
-        grads = super()._reduce_grads(active)
-        for names in self.muon_chunks:
-            grads.update(reduce_at_owner(self._muon_grads(names, active), self.owners, self.grid, self.ledger,
-                                         self.device))
-        return grads
+    def units(self, opt):
+        if self.overlap or opt.grid.world.size == 1:
+            return [Unit(buckets=(b,)) for b in opt.layout.buckets] + [Unit(chunks=(c,)) for c in self.chunks]
+        return [Unit(buckets=opt.layout.buckets, chunks=tuple(self.chunks))]
 
-    def _gather_params(self, active):
-        super()._gather_params(active)
-        for names in self.muon_chunks:
-            self._broadcast_updates(names, active)
+    def scatter(self, opt, orthos, routes):
+        """Owner's scatter, and the owner row's update of each whole matrix kept until stage 4 sends it to the
+        other DP rows (a matrix's part is all of its TP piece on the owner row)."""
+        wait = super().scatter(opt, orthos, routes)
 
-    def _units(self):
-        return super()._units() + [Unit(c) for c in self.muon_chunks]
+        def kept():
+            parts = wait()
+            self.sent_updates.update((n, p) for n, p in parts.items() if not self.bucketed(opt, n))
+            return parts
+        return kept
 
-    def _reduce_unit(self, unit, active):
-        if unit.bucket is not None:
-            return super()._reduce_unit(unit, active)
-        return reduce_at_owner(self._muon_grads(unit.names, active), self.owners, self.grid, self.ledger,
-                               self.device, async_op=True)
+    def reduce_chunk(self, opt, chunk, active, async_op=False):
+        """Stage 1 for a chunk of matrices: their gradients summed at their owner rows (7.5); with async_op, started
+        (a function that waits and returns them)."""
+        grads = {n: zeros_if_none(opt.param_by_name[n].grad, opt.param_by_name[n]) for n in chunk if n in active}
+        return reduce_at_owner(grads, self.owners, opt.grid, opt.ledger, opt.device, async_op)
 
-    def _gather_unit(self, unit, active):
-        if unit.bucket is not None:
-            return super()._gather_unit(unit, active)
-        return self._broadcast_updates(unit.names, active, async_op=True)
+    def broadcast_chunk(self, opt, chunk, active, async_op=False):
+        """Stage 4 for a chunk: the owner rows' updates to every other DP row, which applies each to its own copy of
+        the weights, the owner row's arithmetic on the same weights; with async_op, started."""
+        numels = {n: opt.param_by_name[n].numel() for n in chunk if n in active}
+        orthos = {n: self.sent_updates.pop(n) for n in numels if n in self.sent_updates}
+
+        def apply(name, ortho):
+            runs = opt.large_runs.whole_runs.get(name) if opt.large_runs is not None else None
+            apply_muon_update_(opt.param_by_name[name].view(-1), ortho, opt.group_of[name],
+                               opt.layout.global_shapes[name], runs)
+        return broadcast_from_owner(orthos, numels, self.owners, opt.grid, opt.ledger, opt.device, apply, async_op)
 
 
-# Every strategy, by the name --strategy takes.
+class OwnerMuon(DistributedMuon):
+    """DistributedMuon with the owner strategy as its part (Owner's arguments, then DistributedMuon's)."""
+
+    def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
+        super().__init__(params, strategy=Owner(owners, overlap, batched_ns), **kwargs)
+
+
+class CommFreeMuon(DistributedMuon):
+    """DistributedMuon with the comm-free strategy as its part (CommFree's arguments, then DistributedMuon's)."""
+
+    def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
+        super().__init__(params, strategy=CommFree(owners, overlap, batched_ns), **kwargs)
+
+
+# Every strategy, by the name --strategy takes: the optimizer with it as its part.
 OPTIMIZERS = {"gather": DistributedMuon, "owner": OwnerMuon, "comm-free": CommFreeMuon}
 STRATEGIES = tuple(OPTIMIZERS)

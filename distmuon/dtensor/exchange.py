@@ -1,0 +1,173 @@
+"""DTensorMuon's strategy: the lesson's owner strategy on placements (gather at owner, Newton-Schulz, scatter back).
+
+Part of DTensorMuon (distmuon/dtensor/), sections 3-5 of its reading order: plan() makes the plan of section 3 (or
+takes your distributed_config's owners, section 4), orthogonalize() runs stage 3 of a step on it. It is built from
+the lesson's parts: the owners by longest-processing-time (distmuon/owners.py's lpt_order, assign_owners,
+check_owners), one all-to-all for every part of every matrix each way (send_parts), Newton-Schulz at the owner
+(newton_schulz_owned, the lesson's orthogonalize), and the Gram form on TP pieces (distmuon/large_runs.py's
+newton_schulz_tp).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+import distmuon.large_runs as mlr
+import distmuon.owners as mo
+import distributed_muon_cpu as dm
+from distmuon.dtensor.plan import covers, matrix_name, plan_matrices
+from distributed_muon_cpu import newton_schulz_flops
+
+
+class OwnerExchange:
+    """Who orthogonalizes which matrix, and the transfers that take its pieces there and back (one part of
+    DTensorMuon). After plan(): matrices (each distributed Muon matrix, its owner and this rank's transfers),
+    ns_flops and owners ({matrix: FLOPs, owner rank}), local_matrices (plain and all-Replicate parameters,
+    orthogonalized where they are) and param_of_matrix ({matrix: its parameter})."""
+
+    def __init__(self, config, batched_ns=False):
+        self.config, self.batched_ns = config, batched_ns
+
+    # -- the plan -------------------------------------------------------------
+    def plan(self, opt, copies):
+        self.param_of_matrix = {}
+        if self.config.explicit:
+            self.plan_explicit(opt)
+        else:
+            self.plan_automatic(opt, copies)
+
+    def plan_automatic(self, opt, copies):
+        muon_copies = [c for c in copies if opt.param_groups[c.group]["algorithm"] == "muon"]
+        steps = {i: g["ns_steps"] for i, g in enumerate(opt.param_groups) if g["algorithm"] == "muon"}
+        self.matrices, self.ns_flops, self.owners = plan_matrices(
+            muon_copies, steps, opt.me, opt.world, self.config.assign, opt.large_runs.flops_of, opt.large_runs.tp_dim_of)
+        outside = sorted({m.name for m in self.matrices if not set(m.holders) | {m.owner} <= set(opt.axis.ranks)})
+        if outside:
+            raise ValueError(f"matrices held by ranks outside the optimizer's group: {', '.join(outside)}")
+        # Plain tensors and all-Replicate DTensors: orthogonalized where they are, on every rank that holds them.
+        self.local_matrices = {c.name: [matrix_name(c, e if c.expert_stack else -1, 1) for e in range(c.n_matrices)]
+                               for c in muon_copies if c.local and (not c.mesh_ranks or opt.me in c.mesh_ranks)}
+        self.index = {r: i for i, r in enumerate(opt.axis.ranks)}  # global rank -> index in the optimizer's group
+        self.param_of_matrix = {m.name: m.copy.name for m in self.matrices}
+        self.param_of_matrix.update({m: name for name, names in self.local_matrices.items() for m in names})
+
+    def plan_explicit(self, opt):
+        muon = [n for n in opt.param_by_name if opt.group_of[n]["algorithm"] == "muon"]
+        self.ns_flops = {n: newton_schulz_flops(self.config.global_shapes[n], opt.group_of[n]["ns_steps"])
+                         for n in muon}
+        ranks = opt.axis.ranks
+        owned = (self.config.assign(self.ns_flops, {n: ranks for n in muon}, opt.world)
+                 if self.config.assign is not None
+                 else {r: [n for n, o in mo.assign_owners(self.ns_flops, len(ranks), self.config.global_shapes).items()
+                           if ranks[o] == r]
+                       for r in ranks})
+        self.owners = mo.check_owners(owned, muon, opt.world)
+        strangers = sorted(n for n, r in self.owners.items() if r not in ranks)
+        if strangers:
+            raise ValueError(f"bad owner assignment: owned outside the optimizer's group: {', '.join(strangers)}")
+        self.matrices, self.local_matrices, self.index = [], {}, {}
+
+    # -- stage 3 of a step ------------------------------------------------------
+    def orthogonalize(self, opt, updates):
+        """{name: bf16 update of this rank's local shard} -> {name: its orthogonalized local shard}."""
+        if self.config.explicit:
+            return self.orthogonalize_explicit(opt, updates)
+        group_of, orthos, local_full = {}, {}, {}
+        for name, matrices in self.local_matrices.items():  # no exchange: the whole matrix is here
+            if name in updates:
+                stack = updates[name].view(-1, *updates[name].shape[-2:])
+                for i, m in enumerate(matrices):
+                    local_full[m], group_of[m] = stack[i], opt.group_of[name]
+        if local_full:
+            done = self.newton_schulz(opt, local_full, group_of)
+            for name, matrices in self.local_matrices.items():
+                if name in updates:
+                    orthos[name] = torch.stack([done[m] for m in matrices]).view(updates[name].shape)
+        active = [m for m in self.matrices if m.copy.name in updates and (m.gather or m.scatter)]
+        full = self.gather_at_owners(opt, updates, active)
+        for m in active:
+            if m.owner == opt.me:
+                group_of[m.name] = opt.param_groups[m.copy.group]
+        pieces = [m for m in active if m.owner == opt.me and m.tp_dim >= 0]  # in plan order: the same on each
+        orthogonal = self.newton_schulz(opt, {n: t for n, t in full.items() if n not in {m.name for m in pieces}},
+                                        group_of)
+        for m in pieces:  # section 3c: with every rank of this row's TP group, one all-reduce per iteration
+            g = group_of[m.name]
+            with record_function("newton-schulz"):
+                orthogonal[m.name] = mlr.newton_schulz_tp(full[m.name], m.copy.shape, self.tp_axis(opt, m), opt.ledger,
+                                                          g["ns_steps"], g["ns_coefficients"], g["eps"])
+            opt.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
+        orthos.update(self.scatter_from_owners(opt, orthogonal, updates, active))
+        return orthos
+
+    def tp_axis(self, opt, m):
+        """The TP group of this rank's row of m's mesh, as the lesson's Axis (what newton_schulz_tp sums over)."""
+        group = opt.param_by_name[m.copy.name].device_mesh.get_group(m.tp_dim)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return dm.Axis("TP", len(ranks), ranks.index(opt.me), ranks, group)
+
+    def newton_schulz(self, opt, full, group_of):
+        """{matrix: full bf16 update} -> {matrix: orthogonalized}, by the lesson's newton_schulz_owned; laid-out
+        matrices block by block (torch's 2-D path, batched_ns or not: a block is its own matrix)."""
+        blocks = opt.large_runs.blocks_of(full, self.param_of_matrix)
+        return mo.newton_schulz_owned(full, group_of, opt.ledger, self.batched_ns, blocks)
+
+    def gather_at_owners(self, opt, updates, active):
+        me, dtype = opt.me, torch.bfloat16
+        transfers, receiving = [], []
+        for m in active:
+            for source, destination, numel, positions, offsets in m.gather:
+                part = updates[m.copy.name].view(-1)[positions] if source == me else None
+                transfers.append((self.index[source], self.index[destination], numel, part))
+                if destination == me:
+                    receiving.append((m, offsets))
+        parts = mo.send_parts(transfers, opt.axis, opt.ledger, "gather at owner", dtype, opt.device)()
+        full = {}
+        for (m, offsets), part in zip(receiving, parts):
+            if covers(offsets, math.prod(m.shape)):  # the whole matrix in one part (e.g. a world of one): no copy
+                full[m.name] = part.view(m.shape)
+                continue
+            if m.name not in full:
+                full[m.name] = torch.empty(m.shape, dtype=dtype, device=part.device)
+            full[m.name].view(-1)[offsets] = part
+        return full
+
+    def scatter_from_owners(self, opt, orthogonal, updates, active):
+        me, dtype = opt.me, torch.bfloat16
+        transfers, receiving = [], []
+        for m in active:
+            for source, destination, numel, offsets, positions in m.scatter:
+                part = orthogonal[m.name].reshape(-1)[offsets] if source == me else None
+                transfers.append((self.index[source], self.index[destination], numel, part))
+                if destination == me:
+                    receiving.append((m, positions))
+        parts = mo.send_parts(transfers, opt.axis, opt.ledger, "scatter from owner", dtype, opt.device)()
+        local = {}
+        for (m, positions), part in zip(receiving, parts):
+            name = m.copy.name
+            if covers(positions, updates[name].numel()):  # this rank's whole shard in one part: no copy
+                local[name] = part
+                continue
+            if name not in local:
+                local[name] = torch.empty(updates[name].numel(), dtype=dtype, device=part.device)
+            local[name][positions] = part
+        return local
+
+    def orthogonalize_explicit(self, opt, updates):
+        """Your gather, Newton-Schulz on the owners, your redistribute; shapes checked on the way, and voted on."""
+        full = self.config.gather(dict(updates), dict(self.owners))
+        wrong = [f"gather gave {n} as {tuple(full[n].shape) if n in full else None}, expected "
+                 f"{tuple(self.config.global_shapes[n])}" for n in updates if self.owners[n] == opt.me
+                 and (n not in full or tuple(full[n].shape) != tuple(self.config.global_shapes[n]))]
+        opt.refuse_on_every_rank(wrong[0] if wrong else None, "explicit checks")
+        orthogonal = mo.newton_schulz_owned({n: full[n] for n in updates if self.owners[n] == opt.me},
+                                            opt.group_of, opt.ledger, self.batched_ns)
+        local = self.config.redistribute(orthogonal, dict(self.owners))
+        wrong = [f"redistribute gave no piece of {n} the size of this rank's parameter" for n in updates
+                 if n not in local or local[n].numel() != updates[n].numel()]
+        opt.refuse_on_every_rank(wrong[0] if wrong else None, "explicit checks")
+        return {n: local[n] for n in updates}

@@ -1,0 +1,400 @@
+"""DTensorMuon: the optimizer, a torch.optim.Optimizer, built from the plan, the exchange and the rows.
+
+Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One step, as seen from one rank:
+
+  0. checks         every group's options (torch's rules, distmuon.checks) and every gradient, then the
+                    grad-presence vote: one MAX all-reduce of a flag per parameter name and one for "a rank found
+                    a problem" (then EVERY rank raises, before any tensor changes). A parameter whose grad is None
+                    on every rank is skipped, as torch skips it; one with a gradient somewhere takes zeros where it
+                    is None (never a hang: no rank enters an exchange the others skip)
+  1. on the local shard: Muon's momentum, then the update cast to bf16 (the cast Newton-Schulz does first
+                    anyway: half the bytes, no bit changed)
+  2. gather at owner     one all_to_all_single for every matrix of the step (exchange.py)
+  3. Newton-Schulz       on the owner, one 2-D matrix at a time (torch's addmm path, so torch's bits);
+                         batched_ns stacks same-shape matrices instead (opt-in; within BATCHED_NS_BOUND);
+                         ns_blocks: block by block (3b); "gram": TP pieces, each TP group together (3c)
+  4. scatter from owner  one all_to_all_single back
+  5. on the local shard: AdamW (elementwise: a shard gets the full tensor's bits); p <- p * (1 - lr * wd) -
+                         adjusted_lr * update, the adjustment from the matrix's shape (per expert: (out, in);
+                         per block: each run of rows with its block's shape, 3b)
+  (after the step, if asked: clip_qk_, one MAX all-reduce of per-head maxima)
+(The explicit form's gather and redistribute are yours: their results are checked and voted on, and the new
+momentum is kept aside until they pass.)
+
+Gradients are taken as already reduced: p.grad is a DTensor with p's placements holding the total gradient (what
+FSDP2's reduce-scatter leaves). Optimizer state lives with the shard it belongs to, as DTensors with the
+parameter's placements: the owner keeps nothing between steps, so a checkpoint reshards like the parameters
+(checkpoint.py).
+
+What large runs add (defaults: torch's behaviour; tests/test_dtensor_large_runs.py):
+    opt = DTensorMuon(groups, ns_coefficients="polar_express",       # one (a, b, c) per iteration
+                      row_layouts={"attn.qkv.weight": mlr.RowLayout((hd, hd, hd), heads, ("q", "k", "v"))},
+                      ns_blocks="blocks",                            # or "heads"
+                      qk_clip_tau=100.0, tp_newton_schulz="gram")
+    loss.backward(); opt.step(); opt.clip_qk_({"attn.qkv.weight": max_logit_per_head})
+  * ns_blocks (section 3b): each block of a laid-out matrix orthogonalized alone, on its owner, with
+    the lr adjusted by the block's own shape: bit-identical to torch.optim.Muon on the blocks as
+    separate parameters, whatever FSDP2 / TP / HSDP cut. An expert stack's layout is one expert's:
+    it applies to every expert (e.g. a fused SwiGLU gate | up).
+  * clip_qk_ (after step(), every rank): one MAX all-reduce of the per-head maxima, then each rank
+    scales the q and k rows it holds: bit-identical to torch's step then the rows times
+    sqrt(min(1, tau / S_h)). Not for expert stacks. Its docstring has the bytes.
+  * tp_newton_schulz="gram" (section 3c): a 2-D matrix whose "tp" mesh dim cuts its long side is
+    orthogonalized in TP pieces by one TP group (one Gram all-reduce per iteration) instead of
+    whole on one owner; the rest keep the gather (and torch's bits). NOT always torch's bits (the
+    Gram matrix is a float32 sum over ranks): each step's orthogonal matrix within the lesson's
+    gram_ns_tolerance, a multiple of torch's own bf16 error against the float64 iteration on that
+    step's input (derived in muon_tools.py, section 9; `python tests/test_dtensor_large_runs.py 10`: on 960
+    random shapes, 2x2 and TP 4, 926 came out torch.equal, the worst used 0.17 of the bound; with
+    nearly rank-2 gradients torch's own error, and the difference, reach 2**-3.5 of the update).
+    Bytes: each TP rank all-reduces 5 Gram matrices, ~40 m^2 (tp - 1) / tp bytes (m the short side,
+    float32), where a gathered matrix's owner receives and sends ~4 m n (tp - 1) / tp bytes of bf16:
+    Gram moves less only when n > 20 m, sent and received counted alike (distmuon/large_runs.py, 8.3).
+  * These options are the same on every rank (checked), are not part of the state dict (pass them
+    again when you resume), and need the automatic distributed_config.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import distmuon.checks as mc
+import distributed_muon_cpu as dm
+from distmuon.adamw import adamw_step_
+from distmuon.dtensor.config import DistributedConfig
+from distmuon.dtensor.exchange import OwnerExchange
+from distmuon.dtensor.placements import like_param, local_of, local_shape_problem, placements_problem
+from distmuon.dtensor.plan import describe
+from distmuon.dtensor.rows import DTensorLargeRuns
+from distributed_muon_cpu import apply_muon_update_, muon_update
+
+
+def _iterable(value):
+    """`value` as a list, or [None] (refused) where it is no iterable."""
+    try:
+        return list(value)
+    except TypeError:
+        return [None]
+
+
+def check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts):
+    """DTensorMuon's own arguments of the wrong kind, each refused in one line naming it (the large-run options by
+    the lesson's checks, once the parameters are known; the options of torch's optimizers by distmuon.checks)."""
+    if isinstance(expert_stacks, str) or not all(isinstance(n, str) for n in _iterable(expert_stacks)):
+        raise ValueError(f"expert_stacks must be a collection of parameter names (got {expert_stacks!r:.80})")
+    if distributed_config is not None and not isinstance(distributed_config, DistributedConfig):
+        raise ValueError(f"distributed_config must be a DistributedConfig (got {type(distributed_config).__name__})")
+    if not isinstance(batched_ns, bool):
+        raise ValueError(f"batched_ns must be True or False (got {batched_ns!r})")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed ProcessGroup or None (got {group!r:.80})")
+    if row_layouts is not None and not isinstance(row_layouts, dict):
+        raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got {type(row_layouts).__name__})")
+
+
+def parameters_problem(opt):
+    """Check what DTensorMuon's step relies on: the first problem as one line, or None (index the groups first)."""
+    problem = opt._index_groups()
+    if problem:
+        return problem
+    for name, p in opt.param_by_name.items():
+        if isinstance(p, DTensor):
+            why = placements_problem(name, p.placements, p.device_mesh.shape) or local_shape_problem(name, p)
+            if why:
+                return why
+        if opt.group_of[name]["algorithm"] == "muon":
+            if name in opt.expert_stacks:
+                if p.ndim != 3:
+                    return f"expert stack {name} must be 3-D (experts, out, in); it has shape {tuple(p.shape)}"
+            elif p.ndim != 2:
+                return mc.not_a_matrix(name, p.shape, expert_stacks=True)
+    unknown = sorted(opt.expert_stacks - {n for n in opt.param_by_name
+                                            if opt.group_of[n]["algorithm"] == "muon"})
+    if unknown:
+        return f"expert_stacks names no Muon parameter: {', '.join(unknown)}"
+    if opt.exchange.config.explicit:
+        if opt.expert_stacks:
+            return "an explicit distributed_config takes 2-D matrices only (no expert_stacks)"
+        muon = [n for n in opt.param_by_name if opt.group_of[n]["algorithm"] == "muon"]
+        missing = [n for n in muon if n not in opt.exchange.config.global_shapes]
+        if missing:
+            return f"global_shapes lacks Muon matrices: {', '.join(missing)}"
+    return opt.large_runs.problem(opt, opt.exchange.config.explicit)
+
+
+def swap_descriptions(opt, problem):
+    """Every rank's Copies (one all_gather_object), so that every rank makes the same plan; a problem on any rank
+    (one line, or None here) raised on every rank."""
+    mine = [describe(n, opt._group_index(n), p, n in opt.expert_stacks)
+            for n, p in opt.param_by_name.items()]
+    options = None if problem else opt.large_runs.agreed()
+    if opt.axis.size == 1:
+        everyone = [(problem, mine, options)]
+    else:
+        everyone = [None] * opt.axis.size
+        dist.all_gather_object(everyone, (problem, mine, options), group=opt.axis.group)
+    problems = [(opt.axis.ranks[i], p) for i, (p, _, _) in enumerate(everyone) if p]
+    problems += [(opt.axis.ranks[i], f"row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau differ from "
+                                      f"rank {opt.axis.ranks[0]}'s: every rank must pass the same")
+                 for i, (_, _, o) in enumerate(everyone) if not problems and o != everyone[0][2]]
+    if problems:
+        rank, why = problems[0]
+        raise ValueError(why if rank == opt.me else f"rank {rank}: {why}")
+    copies, seen = [], set()
+    for _, theirs, _ in everyone:
+        for c in theirs:
+            if (c.name, c.mesh_ranks) not in seen and (c.mesh_ranks or c in mine):
+                seen.add((c.name, c.mesh_ranks))
+                copies.append(c)
+    opt.names = sorted({c.name for _, theirs, _ in everyone for c in theirs})  # what grad presence votes on
+    return copies
+
+
+class DTensorMuon(torch.optim.Optimizer):
+    """Muon for DTensor (and plain) parameters on any mesh, AdamW for the rest; bit-identical to torch.
+
+        opt = DTensorMuon([dict(params=[(n, p) for n, p in model.named_parameters() if is_matrix(n)]),
+                           dict(params=others, algorithm="adamw", weight_decay=0.0)], lr=0.02)
+        loss.backward(); opt.step(); opt.zero_grad()       # every rank, after init_process_group
+
+    The gradient contract: after backward, p.grad is the TOTAL gradient (reduced over data parallel, as FSDP2's
+    reduce-scatter leaves it), a DTensor with p's mesh and placements (a plain tensor for a plain p); a Partial
+    gradient is refused. Checkpoints: torch's own helpers (get/set_optimizer_state_dict, dcp) work unchanged, across
+    meshes (checkpoint.py). A step that must be refused raises on EVERY rank before anything changes; a parameter
+    whose .grad is None on every rank is skipped, as torch.optim.Muon and AdamW skip it.
+    """
+
+    def __init__(self, params, *, expert_stacks=(), distributed_config=None, batched_ns=False, group=None,
+                 row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None, **options):
+        """Build the plan (collective: every rank of `group` calls it with the same parameter names).
+
+        params: as torch's optimizers take them: tensors, (name, tensor) pairs (model.named_parameters()), or param
+            groups {"params": ..., "algorithm": "muon" | "adamw", options}, "muon" if not given
+            (distmuon.muon_param_groups(model) splits a model the way Muon users do); owners are keyed by the names.
+            Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks; float32 DTensors
+            (Shard, _StridedShard or Replicate placements on any mesh) or plain tensors.
+        options (keywords): any option of torch.optim.Muon or torch.optim.AdamW, the default of every group that
+            takes it (a group's own win, then torch's defaults), by torch's rules; ns_coefficients may also be one
+            triple per iteration or "polar_express". What is not honoured bit for bit is refused.
+        expert_stacks: names of 3-D Muon parameters whose dim 0 indexes experts, each expert its own matrix.
+        distributed_config: DistributedConfig (config.py); None: automatic from the placements.
+        batched_ns: same-shape matrices in one batched call: not bitwise torch's (within BATCHED_NS_BOUND).
+        group: the process group of the exchanges (default: the world); every rank of it builds the optimizer and
+            calls step() (and add_param_group, clip_qk_) together.
+        row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau: what large runs add (this module's docstring), the
+            same on every rank: torch's behaviour by default.
+        """
+        mc.check_options(str, options)
+        check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts)
+        self.options = options
+        super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
+        config = distributed_config or DistributedConfig()
+        config.check()
+        self.ledger, self.expert_stacks = dm.Ledger(), set(expert_stacks)
+        self.exchange = OwnerExchange(config, batched_ns)  # the strategy: who orthogonalizes what, how it travels
+        self.large_runs = DTensorLargeRuns(row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau)
+        self.axis = self._axis(group)
+        self.me = self.axis.ranks[self.axis.rank]  # global ranks everywhere; the exchange maps them to the group's
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self._plan()
+
+    def add_param_group(self, param_group):
+        """torch's, each option filled and checked per the group's algorithm (distmuon.checks). Called after
+        construction (on every rank of the group alike: it is collective), the plan is made again with the new
+        group: the state of the others is kept (it lives with the parameters' shards, whoever owns what). Refused
+        (on every rank, if any rank refuses it), it leaves the optimizer as it was."""
+        before = list(self.param_groups)
+        try:
+            if not isinstance(param_group, dict):
+                raise ValueError(f"a param group must be a dict with 'params' (got {type(param_group).__name__})")
+            mc.fill_param_group(param_group, self.options, len(self.param_groups))
+            super().add_param_group(mc.name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
+            if hasattr(self, "axis"):  # torch's constructor adds the first groups, planned together after it
+                self._plan()
+        except (ValueError, TypeError):
+            self.param_groups[:] = before
+            if hasattr(self, "axis"):
+                self._plan()
+            raise
+
+    def _plan(self):
+        """Index and check the parameters, agree with every rank, plan who orthogonalizes what; create the state."""
+        self.param_by_name, self.group_of = {}, {}
+        problem = parameters_problem(self)  # local checks; raised below on every rank at once, never a hang
+        copies = swap_descriptions(self, problem)
+        self.exchange.plan(self, copies)
+        if not self.exchange.config.explicit:
+            self.large_runs.plan_rows(self, describe)
+        # Every state tensor exists from the start (zeros, step 0: what torch creates at a first step), so that
+        # torch's get/set_optimizer_state_dict find it and never run their own zero-gradient step.
+        self.init_state()
+
+    # -- construction -------------------------------------------------------
+    @staticmethod
+    def _axis(group):
+        """The exchange group as the lesson's Axis: global ranks, this rank's index, the ProcessGroup."""
+        if not dist.is_initialized():
+            return dm.Axis("world", 1, 0, (0,), None)
+        group = group or dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return dm.Axis("world", len(ranks), ranks.index(dist.get_rank()), ranks, group)
+
+    def _index_groups(self):
+        """{name: its param group} (groups found by identity, never ==) after the lesson's checks of the named
+        parameters and every group's options (mc.named_params); the first problem as one line, or None."""
+        try:
+            named = mc.named_params(self.param_groups)
+        except ValueError as e:
+            return str(e)
+        self.group_of = {name: group for name, _, group in named}
+        self.param_by_name = {name: p for name, p, _ in named}
+        return None
+
+    def _group_index(self, name):
+        return next(i for i, g in enumerate(self.param_groups) if g is self.group_of[name])
+
+    # -- what the plan says --------------------------------------------------
+    @property
+    def owners(self):
+        """{matrix: owner rank} of every distributed matrix; local ones are orthogonalized where they are."""
+        return self.exchange.owners
+
+    @property
+    def assignments(self):
+        """The same as owners: {matrix: owner rank}."""
+        return self.exchange.owners
+
+    ns_flops = property(lambda self: self.exchange.ns_flops, doc="{matrix: its Newton-Schulz FLOPs}")
+    matrices = property(lambda self: self.exchange.matrices, doc="the plan's distributed matrices (plan.Matrix)")
+    local_matrices = property(lambda self: self.exchange.local_matrices, doc="{parameter: its matrices, local}")
+    batched_ns = property(lambda self: self.exchange.batched_ns)
+    qk_clip_tau = property(lambda self: self.large_runs.qk_clip_tau,
+                           lambda self, tau: setattr(self.large_runs, "qk_clip_tau", tau))  # checked at every clip_qk_
+
+    @property
+    def device(self):
+        return self.param_groups[0]["params"][0].device
+
+    # -- state ---------------------------------------------------------------
+    def _state_of(self, name):
+        """This parameter's state, created on first use as torch does (zeros, step 0), as DTensors like p."""
+        p = self.param_by_name[name]
+        state = self.state[p]
+        if not state:
+            zeros = lambda: like_param(p, torch.zeros_like(local_of(p), memory_format=torch.contiguous_format))
+            if self.group_of[name]["algorithm"] == "muon":
+                state["momentum_buffer"] = zeros()
+            else:  # torch.optim.AdamW's: the moments, and amsgrad's running maximum
+                state.update(step=torch.tensor(0.0), exp_avg=zeros(), exp_avg_sq=zeros())
+                if self.group_of[name]["amsgrad"]:
+                    state["max_exp_avg_sq"] = zeros()
+        return state
+
+    def load_state_dict(self, state_dict):
+        """torch's load (state by position or by name, as set_optimizer_state_dict gives it), then the groups
+        re-indexed (torch replaces the group dicts) and checked."""
+        super().load_state_dict(state_dict)
+        problem = self._index_groups()
+        if problem:
+            raise ValueError(f"loaded optimizer state: {problem}")
+        self.init_state()  # a parameter the checkpoint had no state for starts from zeros
+
+    def init_state(self):
+        """Create every parameter's state now (zeros, step 0), e.g. as the target of a checkpoint load."""
+        for name in self.param_by_name:
+            self._state_of(name)
+
+    def state_bytes(self):
+        return sum(local_of(t).numel() * local_of(t).element_size()
+                   for s in self.state.values() for t in s.values() if torch.is_tensor(t))
+
+    # -- the step -----------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.ledger.step += 1
+        # Every check before anything changes, and voted on: a group's options (they may have been changed, or
+        # loaded, since construction) and every gradient; one rank's problem stops every rank, here.
+        group_problem = self._index_groups()
+        grads, problem = self._local_grads()
+        active = self._vote_on_gradients(grads, group_problem or problem)
+        updates, momenta = {}, {}
+        # Flat views of every local tensor: elementwise math does not care about shape, and an empty
+        # shard's local shape may differ between FSDP2's parameter and a gradient made by distribute_tensor.
+        flat = lambda t: local_of(t).view(-1)
+        for name in [n for n in active if self.group_of[n]["algorithm"] == "muon"]:
+            group, buffer = self.group_of[name], flat(self._state_of(name)["momentum_buffer"])
+            # Your gather / redistribute (explicit form) may fail the checks after them: the new momentum is
+            # kept aside until they pass, so that a refused step changes nothing.
+            momenta[name] = buffer.clone() if self.exchange.config.explicit else buffer
+            update = muon_update(momenta[name], grads[name].reshape(-1), group)
+            updates[name] = update.view(local_of(self.param_by_name[name]).shape)
+        orthos = self.exchange.orthogonalize(self, updates)
+        for name in [n for n in active if self.group_of[n]["algorithm"] == "adamw"]:
+            state = {k: flat(t) for k, t in self._state_of(name).items()}  # "step" too: a view, updated in place
+            adamw_step_(flat(self.param_by_name[name]), grads[name].reshape(-1), state, self.group_of[name])
+        if self.exchange.config.explicit:  # the checks passed: the new momentum now
+            for name, momentum in momenta.items():
+                flat(self.state[self.param_by_name[name]]["momentum_buffer"]).copy_(momentum)
+        for name, ortho in orthos.items():
+            shape = (self.exchange.config.global_shapes[name] if self.exchange.config.explicit
+                     else tuple(self.param_by_name[name].shape)[-2:])  # an expert's (out, in)
+            apply_muon_update_(flat(self.param_by_name[name]), ortho.reshape(-1), self.group_of[name], shape,
+                               self.large_runs.block_runs.get(name))  # blocks: each run of rows with its block's shape (3b)
+        return loss
+
+    def _local_grads(self):
+        """{name: local gradient or None} and the first problem with them (one line, or None)."""
+        grads, problem = {}, None
+        for name, p in self.param_by_name.items():
+            g = p.grad
+            if g is not None and problem is None:
+                if isinstance(p, DTensor) and not (isinstance(g, DTensor) and g.placements == p.placements
+                                                   and g.device_mesh == p.device_mesh):
+                    placements = g.placements if isinstance(g, DTensor) else "a plain tensor"
+                    problem = placements_problem(f"the gradient of {name}", g.placements, g.device_mesh.shape) \
+                        if isinstance(g, DTensor) else None
+                    problem = problem or (f"the gradient of {name} is {placements}, the parameter "
+                                          f"{p.placements}: give it the parameter's placements")
+                elif g.shape != p.shape or local_of(g).numel() != local_of(p).numel():
+                    problem = (f"the gradient of {name} has shape {tuple(g.shape)} (here {tuple(local_of(g).shape)}), "
+                               f"the parameter {tuple(p.shape)} (here {tuple(local_of(p).shape)})")
+            grads[name] = None if g is None else local_of(g)
+        return grads, problem
+
+    def _vote_on_gradients(self, grads, problem):
+        """The names to update this step, the same on every rank; raise on every rank if any found a problem."""
+        flags = torch.tensor([n in grads and grads[n] is not None for n in self.names],
+                             device=self.device)  # NCCL reduces device tensors only
+        votes = dm.vote(flags, problem, self.me, self.axis, self.ledger, "grad presence")
+        present = {n for n, v in zip(self.names, votes.tolist()) if v}
+        for name in present & set(grads):
+            if grads[name] is None:  # a gradient elsewhere but not here: zeros, as DDP's reduction would give
+                grads[name] = torch.zeros_like(local_of(self.param_by_name[name]))
+        return [n for n in self.param_by_name if n in present]
+
+    def refuse_on_every_rank(self, problem, phase):
+        """Raise on every rank of the group if any rank found a problem: the lesson's vote, with no flags."""
+        dm.vote(torch.empty(0, dtype=torch.bool, device=self.device), problem, self.me, self.axis, self.ledger, phase)
+
+    @torch.no_grad()
+    def clip_qk_(self, max_logits):
+        """Kimi K2's per-head QK-clip, after step(): collective, every rank of the group calls it. The
+        contract (max_logits, one float32 per query head of the full matrix; refusals, naming the rank; the
+        multipliers returned) is the lesson's: help(distmuon.large_runs.LargeRuns.clip_qk_), and so is its one
+        collective, mlr.exchange_max_logits: ONE all-reduce MAX over the optimizer's group of n ranks of
+        H + 1 float32 values, the heads of every parameter of clip_names in that order, then the refusing
+        rank: each rank sends and receives 2 (n - 1) x ceil((H + 1) / n) x 4 bytes (a ring's count; the
+        Ledger's phase "QK-clip maxima"), e.g. 72 B for H = 10 heads on 4 ranks. For separate W_q and W_k
+        of multi-head attention, pass the same maxima under both names (under GQA, leave W_k out: its keys
+        are shared). A head's rows are held here if any of its scaled rows is in this rank's local shard,
+        wherever FSDP2 and TP cut (section 3b); each run of them is multiplied by its head's multiplier
+        (mlr.qk_clip_scales), bit-identical to torch's step then those rows times it.
+        """
+        return self.large_runs.clip_qk_(self, max_logits, self.large_runs.options_problem())
+

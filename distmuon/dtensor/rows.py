@@ -1,0 +1,172 @@
+"""Rows of a laid-out matrix on any local piece: fused blocks and QK-clip for DTensorMuon.
+
+Part of DTensorMuon (distmuon/dtensor/), section 3b of its reading order: the lesson's RowLayout (distmuon/
+large_runs.py) names the rows of a FULL matrix; here, which of them a rank's local piece holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+import distmuon.large_runs as mlr
+from distmuon.dtensor.placements import local_indices, local_of
+
+# -----------------------------------------------------------------------------
+# 3b. Rows of a laid-out matrix: fused blocks and QK-clip, on any local piece
+# -----------------------------------------------------------------------------
+# muon_large_runs.py's RowLayout (the lesson's section 7) names the rows of a FULL matrix: a
+# fused QKV laid out head by head is periods = heads of segments (q, k, v). Two
+# additions need to know which rows a rank's LOCAL piece holds, whatever cut it
+# (FSDP2's Shard(0) or _StridedShard on dp, TP's Shard(0) or Shard(1)):
+#
+#   blocks   the owner orthogonalizes each block alone (mlr.newton_schulz_blocks:
+#            "blocks" joins a segment across heads, Q K V; "heads" takes each
+#            segment of each head), so each block's update takes the adjusted lr
+#            of its OWN (rows, cols), as torch.optim.Muon on the blocks as
+#            separate parameters would;
+#   QK-clip  after the step, the rows of query head h (its "q" rows, and its
+#            "k" rows where no other head shares them: RowLayout.qk_row_heads)
+#            are multiplied by its multiplier (section 5, clip_qk_).
+#
+# local_indices (section 2) gives each local element's global index, hence its
+# row. Consecutive local elements with the same key (its block's height, or its
+# head) make one run, and each run is ONE elementwise call on a slice of the flat
+# local tensor (the lesson's apply_muon_update_ with the block's shape, or
+# mul_): the op torch runs on each separate block, hence torch's bits; never a
+# per-row multiply by a tensor of factors.
+#
+#   fused QKV, 2 heads of (q 3, k 2, v 2) = 14 rows; TP Shard(1) keeps every row:
+#     local flat order:  q0 q0 q0 k0 k0 v0 v0 q1 q1 q1 k1 k1 v1 v1   (one row each)
+#     block heights:     6  6  6  4  4  4  4  6  6  6  4  4  4  4    4 runs, 4 add_
+#     QK-clip heads:     0  0  0  0  0  -  -  1  1  1  1  1  -  -    2 runs, 2 mul_
+# An expert stack (E, out, in) takes the layout of ONE expert's (out, in): every
+# expert is its own matrix (section 3), so its blocks are too (e.g. a fused
+# SwiGLU gate | up, orthogonalized as gate and up); QK-clip, which scales
+# attention heads, does not apply to an expert stack (refused).
+QK_SEGMENTS = mlr.QK_SEGMENTS  # the segments of a RowLayout that QK-clip scales
+
+
+def local_rows(copy, coordinate):
+    """The row (of its expert's matrix, for a stack) of every element of the local tensor at `coordinate`,
+    in local order; a plain tensor's coordinate is ()."""
+    index = local_indices(copy.shape, copy.mesh_shape, copy.placements, coordinate)
+    return (index // copy.shape[-1]) % copy.matrix_shape[0]
+
+
+def runs(keys):
+    """[(start, stop, key)] of each run of equal consecutive values of a 1-D integer tensor; keys < 0 left out."""
+    if keys.numel() == 0:
+        return []
+    change = (torch.nonzero(keys[1:] != keys[:-1]).view(-1) + 1).tolist()
+    starts, stops = [0] + change, change + [keys.numel()]
+    return [(a, b, k) for a, b, k in zip(starts, stops, keys[starts].tolist()) if k >= 0]
+
+
+
+# The options of what large runs add, as DTensorMuon takes them (its constructor's keywords: the lesson's LargeRuns
+# describes each), checked, agreed on by every rank, and applied to this rank's local pieces.
+class DTensorLargeRuns:
+    """row_layouts, ns_blocks, tp_newton_schulz and qk_clip_tau of one DTensorMuon: a part of it, as the lesson's
+    LargeRuns is of its optimizers. problem() checks them against the parameters; plan_rows() finds, on this rank's
+    local pieces, the runs of rows that take one block's lr (block_runs) or one head's QK-clip (clip_runs)."""
+
+    def __init__(self, row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None):
+        self.row_layouts, self.ns_blocks = dict(row_layouts or {}), ns_blocks
+        self.tp_newton_schulz, self.qk_clip_tau = tp_newton_schulz, qk_clip_tau
+        self.block_runs, self.clip_runs, self.clip_names = {}, {}, []
+
+    def options_problem(self):
+        """The lesson's check of ns_blocks, tp_newton_schulz and qk_clip_tau (one line), or None."""
+        try:
+            mlr.check_large_run_options(ns_blocks=self.ns_blocks, tp_newton_schulz=self.tp_newton_schulz,
+                                        qk_clip_tau=self.qk_clip_tau)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def problem(self, opt, explicit):
+        """The options checked against opt's parameters (explicit: a distributed_config of your own callables);
+        the first problem as one line, or None."""
+        why = self.options_problem()
+        if why:
+            return why
+        if explicit and (self.row_layouts or self.qk_clip_tau is not None or self.tp_newton_schulz != "gather"):
+            return ("row_layouts, qk_clip_tau and tp_newton_schulz='gram' need the automatic distributed_config: "
+                    "your gather puts each matrix together whole, and the rows of your local pieces are not known here")
+        for name, layout in self.row_layouts.items():
+            p = opt.param_by_name.get(name)
+            if p is None or opt.group_of[name]["algorithm"] != "muon":
+                return f"row_layouts names no Muon parameter: {name}"
+            why = mlr.row_layout_problem(name, layout, tuple(p.shape)[-2:], name in opt.expert_stacks,
+                                         self.qk_clip_tau is not None)
+            if why:
+                return why
+        if self.ns_blocks != "whole" and not self.row_layouts:
+            return f"ns_blocks={self.ns_blocks!r} needs row_layouts (which rows make which block)"
+        if self.qk_clip_tau is not None and not self.qk_names():
+            return f"qk_clip_tau needs row_layouts with segments named {' or '.join(QK_SEGMENTS)} (the rows it scales)"
+        return None
+
+    def qk_names(self):
+        """The parameters QK-clip scales: those laid out with a "q" or "k" segment, sorted (the same on every rank)."""
+        return sorted(n for n, layout in self.row_layouts.items() if set(layout.names) & set(QK_SEGMENTS))
+
+    def agreed(self):
+        """What every rank must agree on (compared across ranks at construction)."""
+        return (sorted(self.row_layouts.items(), key=lambda item: item[0]), self.ns_blocks, self.tp_newton_schulz,
+                self.qk_clip_tau)
+
+    def blocks_of(self, matrices, param_of_matrix):
+        """{matrix: its blocks of rows} of the matrices ns_blocks orthogonalizes block by block (the lesson's Blocks)."""
+        per_head = self.ns_blocks == "heads"
+        return mlr.Blocks({m: self.row_layouts[param_of_matrix[m]].blocks(per_head) for m in matrices
+                           if self.ns_blocks != "whole" and param_of_matrix[m] in self.row_layouts})
+
+    def flops_of(self, copy, steps):
+        """Newton-Schulz FLOPs of one matrix of `copy`: whole, or block by block (3b)."""
+        layout = self.row_layouts.get(copy.name) if self.ns_blocks != "whole" else None
+        return mlr.newton_schulz_flops_of(copy.matrix_shape, steps, layout and layout.blocks(self.ns_blocks == "heads"))
+
+    def tp_dim_of(self, copy):
+        """Section 3c: the mesh dim named "tp" if tp_newton_schulz="gram" and it cuts this 2-D matrix's long side
+        (Shard, more than one rank), else -1 (gathered whole; so are expert stacks and blocked matrices)."""
+        names = copy.mesh_dim_names
+        if (self.tp_newton_schulz != "gram" or copy.expert_stack or "tp" not in names
+                or (self.ns_blocks != "whole" and copy.name in self.row_layouts)):
+            return -1
+        d = names.index("tp")
+        p = copy.placements[d]
+        return d if type(p) is Shard and copy.mesh_shape[d] > 1 and mlr.gram_eligible(copy.shape, p.dim) else -1
+
+    def plan_rows(self, opt, describe):
+        """3b on this rank's local pieces: the runs of equal block height (blocks) and of equal head (QK-clip) of
+        every laid-out parameter, in its local flat order (describe: the plan's Copy of a parameter)."""
+        self.block_runs, self.clip_runs = {}, {}
+        self.clip_names = self.qk_names() if self.qk_clip_tau is not None else []
+        for name, layout in self.row_layouts.items():
+            p = opt.param_by_name[name]
+            coordinate = tuple(p.device_mesh.get_coordinate()) if isinstance(p, DTensor) else ()
+            rows = local_rows(describe(name, 0, p, name in opt.expert_stacks), coordinate)
+            if self.ns_blocks != "whole":
+                self.block_runs[name] = runs(torch.tensor(layout.block_heights(self.ns_blocks == "heads"))[rows])
+            if name in self.clip_names:
+                self.clip_runs[name] = runs(torch.tensor(layout.qk_row_heads())[rows])
+
+    @torch.no_grad()
+    def clip_qk_(self, opt, max_logits, problem):
+        """DTensorMuon.clip_qk_'s work (its docstring says what it takes): `problem`, a refusal of the optimizer's
+        own (one line, or None), is voted on with the maxima."""
+        heads_of = mlr.qk_heads(self.row_layouts, self.clip_names)
+        problem = problem or mlr.max_logits_problem(max_logits, heads_of)
+        maxima = mlr.exchange_max_logits(max_logits, heads_of, problem, opt.me, opt.axis, opt.ledger, opt.device)
+        out = {}
+        for name, s in maxima.items():
+            scales = mlr.qk_clip_scales(s, self.qk_clip_tau, self.row_layouts[name].shares_keys)
+            flat = local_of(opt.param_by_name[name]).view(-1)
+            for start, stop, head in self.clip_runs[name]:
+                if scales[head] != 1.0:
+                    flat[start:stop].mul_(scales[head])
+            held = {head for _, _, head in self.clip_runs[name]}
+            out[name] = [m if h in held else None for h, m in enumerate(scales)]
+        return out
