@@ -50,8 +50,8 @@ from torch.profiler import record_function
 # order, and what the optimizer refuses.
 from distmuon.adamw import adamw_state, adamw_step_
 from distmuon.collectives import all_gather_single, reduce_scatter_sum
-from distmuon.checks import (QK_CLIP_OFF, check_grid, check_layout, check_options, check_parts, fill_param_group,
-                             index_named_params, name_params, ns_coefficients_of, step_problem)
+from distmuon.checks import (ORTHOGONALIZED, QK_CLIP_OFF, check_grid, check_layout, check_options, check_parts,
+                             fill_param_group, index_named_params, name_params, ns_coefficients_of, step_problem)
 
 # =============================================================================
 # 1. Muon on one device
@@ -484,9 +484,8 @@ def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger, large_r
 
 
 def vote(flags, problem, me, axis, ledger, phase):
-    """Each flag ORed over the ranks of `axis` (one MAX all-reduce of a byte a flag, and one more byte: whether some
-    rank has a `problem`, one line or None). If one has, every rank raises before anything moves: this rank its
-    own problem, the others the (highest) rank that refused, found by one more MAX all-reduce, of the rank."""
+    """Each flag ORed over the ranks of `axis`, and one more byte: whether some rank has a `problem` (one line). If one
+    has, every rank raises before anything moves, naming that rank (found by one more MAX all-reduce, of the rank)."""
     votes = torch.cat([flags, torch.tensor([problem is not None], device=flags.device)]).to(torch.uint8)
     votes = all_reduce(votes, axis, ledger, phase, dist.ReduceOp.MAX).bool()
     if votes[-1]:
@@ -533,7 +532,8 @@ class Gather:
     overlap = 0  # the gather flow waits for each collective as it starts it
 
     def plan(self, opt):
-        pass
+        if any(g["algorithm"] == "normuon" for g in opt.param_groups):  # NorMuon's rows: at an owner (section 7)
+            raise ValueError("NorMuon's param groups need strategy Owner() or CommFree(), whose owner holds the rows")
 
     def bucketed(self, opt, name):
         return True
@@ -613,7 +613,7 @@ class DistributedMuon(torch.optim.Optimizer):
         large_runs plan on it: at construction, and again when a param group is added."""
         grid = self.grid
         self.param_by_name, self.group_of, split_dims = index_named_params(self.param_groups, self.tp_split_dims)
-        self.muon_names = [n for n in self.param_by_name if self.group_of[n]["algorithm"] == "muon"]
+        self.muon_names = [n for n in self.param_by_name if self.group_of[n]["algorithm"] in ORTHOGONALIZED]
         buffers = [[n for n in g["param_names"] if self.strategy.bucketed(self, n)] for g in self.param_groups]
         shapes = {n: tuple(p.shape) for n, p in self.param_by_name.items()}
         self.layout = plan_layout(buffers, shapes, split_dims, grid.dp.size, grid.tp.size, self.bucket_size)
@@ -682,8 +682,8 @@ class DistributedMuon(torch.optim.Optimizer):
         return grad_bucket
 
     def _grad_parts(self, bucket, grad_shard, active):
-        metas = [self.dist_metas[n] for n in bucket.names]
-        return {m.name: grad_shard[m.shard_slice] for m in metas if m.local_numel and m.name in active}
+        return {n: grad_shard[m.shard_slice] for n, m in self.dist_metas.items() if n in bucket.names and m.local_numel
+                and n in active}
 
     def _update_state(self, grads):
         """Stage 2, on this rank's parts only: AdamW updates its weights; Muon's momentum gives {matrix: its part

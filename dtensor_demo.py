@@ -135,6 +135,7 @@ class DemoConfig:
     train: bool = False  # real forward / backward through FSDP2 and TP instead of exact gradients (verify_training)
     count_comm: bool = False  # --compare: one training step's collectives, measured (CollectiveCounter, section 8)
     explicit: bool = False  # tests, in Runs: the explicit distributed_config on plain row-chunked tensors instead
+    normuon: bool = False  # the Muon group takes NorMuon (distmuon/normuon.py), checked against mt.NorMuonReference
 
 
 class MoE(nn.Module):
@@ -206,8 +207,8 @@ def param_groups(model, cfg):
     muon = [(n, p) for n, p in named if is_muon(n, p.ndim)]
     adamw = [(n, p) for n, p in named if n.startswith(("embed.", "head."))]
     no_wd = [(n, p) for n, p in named if p.ndim < 2]
-    return [dict(params=muon, algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                 adjust_lr_fn=cfg.adjust_lr_fn),
+    return [dict(params=muon, algorithm="normuon" if cfg.normuon else "muon", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                 momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn),
             dict(params=adamw, algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay),
             dict(params=no_wd, algorithm="adamw", lr=cfg.lr, weight_decay=0.0)]
 
@@ -434,8 +435,9 @@ class Reference(OneProcess):
         groups = param_groups(self.model, cfg)
         of = lambda g: [self.tensors[key] for n, p in g["params"] for key, _ in self.pieces(n, p)]
         self.optimizers = [
-            torch.optim.Muon(of(groups[0]), lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                             nesterov=True, adjust_lr_fn=cfg.adjust_lr_fn),
+            (mt.NorMuonReference if cfg.normuon else torch.optim.Muon)(
+                of(groups[0]), lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=True,
+                adjust_lr_fn=cfg.adjust_lr_fn),
             torch.optim.AdamW([dict(params=of(g), weight_decay=g["weight_decay"]) for g in groups[1:]], lr=cfg.lr,
                               foreach=False)]
 
@@ -880,13 +882,14 @@ def run_placed_reference(run):
     stacks = set(run.expert_stacks)
     pieces = lambda n, t: [t[e] for e in range(t.shape[0])] if n in stacks else [t]
     tensors = {n: [nn.Parameter(p.clone()) for p in pieces(n, t)] for n, t in placed_start(run).items()}
-    groups = {"muon": [], "adamw": []}
+    groups = {"muon": [], "normuon": [], "adamw": []}
     for i, options in enumerate(run.groups):
         options = dict(options)
         kind = options.pop("algorithm", "muon")
         mine = [p for n, _, _, g in run.params if g == i for p in tensors[n]]
         groups[kind].append(dict(options, params=mine))  # every option as the group gives it: torch's own
     optimizers = ([torch.optim.Muon(groups["muon"])] if groups["muon"] else []) + \
+                 ([mt.NorMuonReference(groups["normuon"])] if groups["normuon"] else []) + \
                  ([torch.optim.AdamW(groups["adamw"], foreach=False)] if groups["adamw"] else [])
     for step in range(1, run.steps + 1):
         for n, g in exact_grads(shapes, run.seed, step).items():

@@ -56,6 +56,7 @@ import torch.distributed as dist
 import distributed_muon_cpu as dm
 from distributed_muon_cpu import (D_MODEL, NS_COEFFICIENTS, NS_EPS, NS_STEPS, N_LAYERS, ParamSpec, adjusted_lr,
                                   dp_rank_grads, initial_params, newton_schulz, plan_grid, transformer_specs)
+import distmuon.checks as mc
 from distmuon.checks import ADJUST_LR_FNS, NS_COEFFICIENT_CHOICES, check_grid, check_hyperparameters
 from muon_forkserver import remove_at_exit, start_method, stop_forkserver
 from distmuon.owners import (BATCHED_NS_BOUND, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, check_owner_options,
@@ -101,6 +102,7 @@ class RunConfig:
     adjust_lr_fn: str = "original"
     strategy: str = "gather"  # one of STRATEGIES
     baseline: bool = False  # the AdamW ZeRO-1 baseline instead of Muon: every parameter takes AdamW
+    normuon: bool = False  # the matrices take NorMuon (distmuon/normuon.py) instead of Muon: owner or comm-free
     model: str = "transformer"  # one of MODELS: the transformer of section 6, lopsided_specs() or thin_specs()
     layers: int = N_LAYERS  # transformer layers of the demo model (5 Muon matrices each)
     d_model: int = D_MODEL  # the demo transformer's width: its matrices are d x d to 4d x d
@@ -189,7 +191,7 @@ def group_hyperparameters(cfg):
     With the AdamW ZeRO-1 baseline (--baseline) the matrices take AdamW too:
     the same parameters and layout, and no Newton-Schulz at all.
     """
-    muon = dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+    muon = dict(algorithm="normuon" if cfg.normuon else "muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
                 nesterov=True, ns_steps=cfg.ns_steps, adjust_lr_fn=cfg.adjust_lr_fn,
                 ns_coefficients=cfg.ns_coefficients)
     # One lr and weight decay for Muon and AdamW (Moonlight's practice with
@@ -279,14 +281,56 @@ def plan_optimizer(cfg, rank=0, specs=None):
     return build_optimizer(specs, cfg, grid, {s.name: dm.rank_piece(start[s.name], s, grid, "cpu") for s in specs})
 
 
+class NorMuonReference(torch.optim.Optimizer):
+    """NorMuon on one device, written from the paper (Li et al., arXiv 2510.05491) and its authors' reference code
+    (github.com/zichongli5/NorMuon, normuon.py), on torch.optim.Muon's own pieces: its momentum (lerp, Nesterov),
+    its Newton-Schulz (torch.optim._muon._zeropower_via_newtonschulz) and its lr adjustment (_adjust_lr). Then,
+    per matrix, in float32: v <- lerp(v, mean over columns of O * O, 1 - beta2), one value per row; O divided by
+    sqrt(v) + eps row by row; rescaled to O's Frobenius norm (||O|| / (||O / d|| + eps)); the step as Muon's. The
+    independent check of the library's NorMuon (distmuon/normuon.py and the strategies that distribute it)."""
+
+    def __init__(self, params, **options):
+        """params and options as torch.optim.Muon takes them (param groups too), and beta2, normuon_eps; each option's
+        default the library's (distmuon.checks.OPTIONS["normuon"]: torch.optim.Muon's, and the authors' two)."""
+        unknown = set(options) - set(mc.OPTIONS["normuon"])
+        if unknown:
+            raise TypeError(f"NorMuonReference takes no {', '.join(sorted(unknown))}")
+        super().__init__(params, dict(mc.OPTIONS["normuon"], **options))
+
+    @torch.no_grad()
+    def step(self):
+        for h in self.param_groups:
+            for p in h["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(momentum_buffer=torch.zeros_like(p), v=torch.zeros(p.shape[0], 1, device=p.device))
+                buf, v = state["momentum_buffer"], state["v"]
+                buf.lerp_(p.grad, 1 - h["momentum"])
+                update = p.grad.lerp(buf, h["momentum"]) if h["nesterov"] else buf
+                o = torch.optim._muon._zeropower_via_newtonschulz(update, h["ns_coefficients"], h["ns_steps"],
+                                                                 h["eps"]).float()
+                v.lerp_((o * o).mean(dim=-1, keepdim=True), 1 - h["beta2"])
+                o_hat = o / (v.sqrt() + h["normuon_eps"])
+                o_hat = o_hat * (o.norm() / (o_hat.norm() + h["normuon_eps"]))
+                p.mul_(1 - h["lr"] * h["weight_decay"])
+                p.add_(o_hat, alpha=-torch.optim._muon._adjust_lr(h["lr"], h["adjust_lr_fn"], p.shape))
+
+
 def torch_optimizers(groups):
     """The single-device reference for param groups as DistributedMuon takes them, with plain
-    tensors for params: torch.optim.Muon for each Muon group, torch.optim.AdamW for each AdamW one."""
+    tensors for params: torch.optim.Muon for each Muon group, torch.optim.AdamW for each AdamW one, and
+    NorMuonReference for each NorMuon one (torch has no NorMuon)."""
     optimizers = []
     for h in groups:
         if not h["params"]:
             continue
-        if h["algorithm"] == "muon":
+        if h["algorithm"] == "normuon":
+            # its coefficients: torch's default, swapped for one per iteration as torch.optim.Muon's are (below)
+            optimizers.append(NorMuonReference(h["params"], **{k: v for k, v in h.items()
+                                                                if k not in ("params", "algorithm", "ns_coefficients")}))
+        elif h["algorithm"] == "muon":
             optimizers.append(torch.optim.Muon(h["params"], lr=h["lr"], weight_decay=h["weight_decay"],
                                                momentum=h["momentum"], nesterov=h["nesterov"],
                                                ns_steps=h["ns_steps"], adjust_lr_fn=h["adjust_lr_fn"]))
@@ -349,7 +393,7 @@ def ns_inputs_recorded(optimizers, name_of, record):
 
     with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", recorded):
         yield
-    stepped = [p for opt in optimizers if isinstance(opt, torch.optim.Muon)
+    stepped = [p for opt in optimizers if isinstance(opt, (torch.optim.Muon, NorMuonReference))
                for g in opt.param_groups for p in g["params"] if p.grad is not None]
     for p, x in zip(stepped, inputs, strict=True):
         if id(p) in name_of:
@@ -548,13 +592,14 @@ def run_demo_steps(cfg, grid, device="cpu"):
     return dm.run_steps(cfg, specs, build, grid, device, after_step(cfg, specs, build))
 
 
-def verdict(checks):
+def verdict(checks, reference="torch"):
     """'PASS: 26/26 parameters bit-identical to torch' (or FAIL), with those within a derived bound
-    (--batched-ns, --tp-newton-schulz gram) said apart."""
+    (--batched-ns, --tp-newton-schulz gram) said apart; reference: what they were compared with."""
     n_same, n_within = sum(c["identical"] for c in checks), sum(c["ok"] and not c["identical"] for c in checks)
     within = f", {n_within} within their derived bound" if n_within else ""
     passed = all(c["ok"] for c in checks)
-    return passed, f"{'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to torch{within}"
+    return passed, (f"{'PASS' if passed else 'FAIL'}: {n_same}/{len(checks)} parameters bit-identical to "
+                    f"{reference}{within}")
 
 
 # =============================================================================
@@ -723,8 +768,9 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
     """Print the verification (checks from verify) and the accounting; return them all as one dict."""
     world = cfg.dp * cfg.tp
     n_same = sum(c["identical"] for c in checks)
-    passed, summary = verdict(checks)
-    reference_name = "torch.optim.AdamW" if cfg.baseline else "torch.optim.Muon / torch.optim.AdamW"
+    passed, summary = verdict(checks, "NorMuon's reference and torch" if cfg.normuon else "torch")
+    reference_name = ("torch.optim.AdamW" if cfg.baseline else
+                      "NorMuon's reference / torch.optim.AdamW" if cfg.normuon else "torch.optim.Muon / torch.optim.AdamW")
     print_fn(f"[6] Every rank's piece against {reference_name} on one device "
              f"(torch.equal): {n_same}/{len(checks)} parameters identical")
     rows = [[c["name"], "x".join(map(str, c["global_shape"])) or "scalar",
@@ -1235,6 +1281,15 @@ def validate(cfg, specs):
     if laid_out and (cfg.model != "transformer" or cfg.baseline):
         raise ValueError(f"{' and '.join(laid_out)}: no fused QKV to act on with --model {cfg.model}"
                          f"{' --baseline' if cfg.baseline else ''} (--model transformer has one, under Muon)")
+    if cfg.normuon and (cfg.strategy not in ("owner", "comm-free") or cfg.baseline):
+        raise ValueError(f"--normuon applies to --strategy owner or comm-free, whose owner holds each matrix's rows "
+                         f"(got {'--baseline' if cfg.baseline else '--strategy ' + cfg.strategy})")
+    if cfg.normuon and cfg.ns_blocks != "whole":
+        raise ValueError(f"--ns-blocks {cfg.ns_blocks} applies to Muon's matrices: NorMuon normalizes the rows of the "
+                         f"whole matrix")
+    if cfg.normuon and cfg.batched_ns:
+        raise ValueError("--batched-ns applies to Muon's matrices: NorMuon divides each row by its own RMS, which can "
+                         "magnify the batched call's rounding beyond the bound derived for Muon's update")
     if cfg.overlap and cfg.strategy not in ("owner", "comm-free"):
         raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
     if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
@@ -1315,6 +1370,9 @@ def build_parser(description, launcher="spawn", one_run=True):
                             "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP")
         p.add_argument("--baseline", action="store_true",
                        help="run the AdamW ZeRO-1 baseline instead: every parameter takes AdamW, no Muon")
+        p.add_argument("--normuon", action="store_true",
+                       help="the matrices take NorMuon (arXiv 2510.05491: each row of Muon's update normalized by its "
+                            "own second moment), checked against a single-device reference; owner or comm-free")
     p.add_argument("--model", default=d.model, choices=MODELS,
                    help="transformer (default): section 6's model; lopsided: one huge matrix among small ones; "
                         "thin: matrices with a small side (600x6, 64x1, 97x5, ...)")

@@ -1,15 +1,19 @@
 """Muon against AdamW on examples/train_gpt.py's task, over seeds: a learning-rate grid for each,
 constant and warm-up + cosine schedules, the same token budget, and how many steps Muon needs
-to reach AdamW's best validation loss, as a spread over seeds.
+to reach AdamW's best validation loss, as a spread over seeds; with --normuon-lrs, NorMuon
+(arXiv 2510.05491) beside Muon, read the same way.
 
     python benchmarks/gpt_lr_sweep.py   # (5 + 6 lrs) x 2 schedules x 5 seeds = 110 runs of 200 steps: 42 min, 2 cores
     python benchmarks/gpt_lr_sweep.py --muon-lrs 0.02 0.03 0.05 --adamw-lrs 0.001 0.002 0.003 --seeds 0 1 2 \\
         --schedules constant --json s.json --figure s.png
     python benchmarks/gpt_lr_sweep.py --from-json s.json --figure s.png   # report saved (even partial) runs again
+    python benchmarks/gpt_lr_sweep.py --normuon-lrs 0.01 0.02 0.03 0.05 --muon-lrs 0.01 0.02 0.03 0.05 \
+        --adamw-lrs 0.001 0.0014 0.002 --seeds 0 1 2   # NorMuon beside Muon: 66 runs, about 12 min on 2 cores
 
 Both optimizers get the same model, batches, steps and learning-rate schedule (Muon uses
 adjust_lr_fn "match_rms_adamw", so one lr means the same update size for both; its embeddings,
-norms and biases take AdamW at that lr). A seed sets the initial weights and the batches.
+norms and biases take AdamW at that lr; NorMuon, the same groups and options, with its own beta2 and eps
+at the authors' defaults). A seed sets the initial weights and the batches.
 
 How the comparison is read, for each schedule:
   * each optimizer's lr is the one whose final validation loss, averaged over the seeds, is
@@ -40,9 +44,15 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 from gpt_bench import mt, pyplot, tg  # noqa: E402
 from gpt_bench import main as benchmark_main  # noqa: E402
 
-COLORS = {"muon": "tab:blue", "adamw": "tab:orange"}
-LABELS = {"muon": "Muon", "adamw": "AdamW"}
+COLORS = {"muon": "tab:blue", "normuon": "tab:green", "adamw": "tab:orange"}
+LABELS = {"muon": "Muon", "normuon": "NorMuon", "adamw": "AdamW"}
+MATRIX_OPTIMIZERS = ("muon", "normuon")  # each read against AdamW's loss
 ZOOM_TOP = 3.2  # nats per byte: the plot's top, about where the default runs are by step 20
+
+
+def optimizers_in(runs):
+    """The optimizers that runs trained, in train_gpt's order."""
+    return [o for o in tg.OPTIMIZER_NAMES if any(r["optimizer"] == o for r in runs)]
 
 
 def steps_to(val, target):
@@ -63,12 +73,12 @@ def spread(values):
 def train(a, model=tg.TrainConfig(), save=None, print_fn=print):
     """Every (schedule, seed, optimizer, lr) of the grid, the model's sizes taken from `model`;
     one spawn per (seed, schedule), save(what --json holds) after each; [run dicts]."""
-    lrs = dict(muon=a.muon_lrs, adamw=a.adamw_lrs)
+    lrs = dict(muon=a.muon_lrs, normuon=a.normuon_lrs, adamw=a.adamw_lrs)
     base = replace(model, dp=a.dp, tp=a.tp, steps=a.steps, log_every=a.every, val_windows=a.val_windows,
                    progress=False)
     warmup = {"warmup-cosine": dict(warmup_steps=a.warmup_steps)}  # a constant schedule takes none (tg.validate)
     # seed by seed: an interrupted sweep has both schedules at the seeds it finished
-    groups = {(seed, schedule): [replace(base, optimizer=o, strategy="owner" if o == "muon" else "gather", lr=lr,
+    groups = {(seed, schedule): [replace(base, optimizer=o, strategy="gather" if o == "adamw" else "owner", lr=lr,
                                          schedule=schedule, seed=seed, **warmup.get(schedule, {}))
                                  for o in tg.OPTIMIZER_NAMES for lr in lrs[o]]
               for seed in a.seeds for schedule in a.schedules}
@@ -90,7 +100,7 @@ def train(a, model=tg.TrainConfig(), save=None, print_fn=print):
 
 
 def grid_of(a):
-    return dict(muon_lrs=a.muon_lrs, adamw_lrs=a.adamw_lrs, seeds=a.seeds, schedules=a.schedules, steps=a.steps,
+    return dict(muon_lrs=a.muon_lrs, normuon_lrs=a.normuon_lrs, adamw_lrs=a.adamw_lrs, seeds=a.seeds, schedules=a.schedules, steps=a.steps,
                 every=a.every, val_windows=a.val_windows, warmup_steps=a.warmup_steps, dp=a.dp, tp=a.tp)
 
 
@@ -106,21 +116,24 @@ def best_lr(runs, optimizer, seeds):
 
 
 def compare(runs, schedule):
-    """What one schedule's runs say: the tuned lrs, and per seed the target and the steps to it."""
+    """What one schedule's runs say: the tuned lrs, and per seed the target and the steps to it (ratio: AdamW's
+    steps over Muon's; ratios: over each matrix optimizer's)."""
     mine = [r for r in runs if r["schedule"] == schedule]
     seeds = sorted({r["seed"] for r in mine})
     run = {(r["optimizer"], r["lr"], r["seed"]): r for r in mine}
-    tuned = {o: best_lr(mine, o, seeds) for o in tg.OPTIMIZER_NAMES}
+    present = optimizers_in(mine)
+    tuned = {o: best_lr(mine, o, seeds) for o in present}
     per_seed = []
     for seed in seeds:
         own = {o: min((r for r in mine if r["optimizer"] == o and r["seed"] == seed), key=lambda r: r["final_val"])
-               for o in tg.OPTIMIZER_NAMES}
-        for how, pick in (("once", {o: run[o, tuned[o][0], seed] for o in tg.OPTIMIZER_NAMES}), ("per seed", own)):
+               for o in present}
+        for how, pick in (("once", {o: run[o, tuned[o][0], seed] for o in present}), ("per seed", own)):
             target = pick["adamw"]["final_val"]
-            steps = {o: steps_to(pick[o]["val"], target) for o in tg.OPTIMIZER_NAMES}
+            steps = {o: steps_to(pick[o]["val"], target) for o in present}
+            ratios = {o: steps["adamw"] / steps[o] if steps[o] else None for o in present if o in MATRIX_OPTIMIZERS}
             per_seed.append(dict(seed=seed, tuned=how, target=target, lrs={o: pick[o]["lr"] for o in pick},
                                  steps=steps, final=({o: pick[o]["final_val"] for o in pick}),
-                                 ratio=steps["adamw"] / steps["muon"] if steps["muon"] else None))
+                                 ratio=ratios.get("muon"), ratios=ratios))
     return dict(schedule=schedule, seeds=seeds, tuned={o: dict(lr=lr, bracketed=b) for o, (lr, b) in tuned.items()},
                 per_seed=per_seed)
 
@@ -129,11 +142,13 @@ def report(result, print_fn=print):
     """The tables: every run's final loss, then the steps to AdamW's best, spread over seeds."""
     runs = result["runs"]
     schedules = list(dict.fromkeys(r["schedule"] for r in runs))
+    present = optimizers_in(runs)
+    matrices = [o for o in present if o in MATRIX_OPTIMIZERS]
     for schedule in dict.fromkeys(r["schedule"] for r in runs):
         c = compare(runs, schedule)
         seeds = c["seeds"]
         rows = []
-        for o in tg.OPTIMIZER_NAMES:
+        for o in present:
             for lr in sorted({r["lr"] for r in runs if r["schedule"] == schedule and r["optimizer"] == o}):
                 finals = {r["seed"]: r["final_val"] for r in runs
                           if (r["schedule"], r["optimizer"], r["lr"]) == (schedule, o, lr)}
@@ -147,40 +162,45 @@ def report(result, print_fn=print):
         for o, t in c["tuned"].items():
             where = "bracketed (a worse lr on both sides)" if t["bracketed"] else "AT THE GRID'S EDGE (not bracketed)"
             print_fn(f"{LABELS[o]}'s best lr {t['lr']:g}: {where}")
-        rows = []
-        for how in ("once", "per seed"):
-            picks = [p for p in c["per_seed"] if p["tuned"] == how]
-            rows.append([how, " ".join(f"{p['lrs']['muon']:g}/{p['lrs']['adamw']:g}" for p in picks),
-                         spread([p["target"] for p in picks]), spread([p["steps"]["muon"] for p in picks]),
-                         spread([p["steps"]["adamw"] for p in picks]), spread([p["ratio"] for p in picks]),
-                         spread([p["final"]["adamw"] - p["final"]["muon"] for p in picks])])
-        print_fn(f"Steps to AdamW's best loss, over seeds {', '.join(map(str, seeds))} (min-median-max; "
-                 f"evaluations every {result['grid']['every']} steps):")
-        print_fn(mt.format_table(["lr tuned", "lrs Muon/AdamW per seed", "target loss", "Muon steps", "AdamW steps",
-                                  "AdamW/Muon steps", f"AdamW - Muon loss @ {steps}"], rows,
-                                 ["<", "<", ">", ">", ">", ">", ">"]))
+        for o in matrices:
+            m, rows = LABELS[o], []
+            for how in ("once", "per seed"):
+                picks = [p for p in c["per_seed"] if p["tuned"] == how]
+                rows.append([how, " ".join(f"{p['lrs'][o]:g}/{p['lrs']['adamw']:g}" for p in picks),
+                             spread([p["target"] for p in picks]), spread([p["steps"][o] for p in picks]),
+                             spread([p["steps"]["adamw"] for p in picks]), spread([p["ratios"][o] for p in picks]),
+                             spread([p["final"]["adamw"] - p["final"][o] for p in picks])])
+            print_fn(f"Steps to AdamW's best loss{'' if o == 'muon' else ', ' + m}, over seeds "
+                     f"{', '.join(map(str, seeds))} (min-median-max; evaluations every {result['grid']['every']} steps):")
+            print_fn(mt.format_table(["lr tuned", f"lrs {m}/AdamW per seed", "target loss", f"{m} steps", "AdamW steps",
+                                      f"AdamW/{m} steps", f"AdamW - {m} loss @ {steps}"], rows,
+                                     ["<", "<", ">", ">", ">", ">", ">"]))
         ms = {o: statistics.median(r["ms_step"] for r in runs
                                    if (r["schedule"], r["optimizer"], r["lr"]) == (schedule, o, c["tuned"][o]["lr"]))
-              for o in tg.OPTIMIZER_NAMES}
-        print_fn(f"Median step at the tuned lrs, median over seeds: Muon {ms['muon']:.0f} ms, AdamW "
-                 f"{ms['adamw']:.0f} ms ({ms['muon'] / ms['adamw']:.2f}x; DP={result['grid']['dp']} x TP={result['grid']['tp']}, this CPU)")
+              for o in present}
+        print_fn("Median step at the tuned lrs, median over seeds: "
+                 + ", ".join(f"{LABELS[o]} {ms[o]:.0f} ms" for o in present) + " ("
+                 + ", ".join(f"{ms[o] / ms['adamw']:.2f}x" for o in matrices)
+                 + f"; DP={result['grid']['dp']} x TP={result['grid']['tp']}, this CPU)")
     if len(schedules) > 1:
-        a = across_schedules(runs)
-        print_fn(f"\nAgainst AdamW's best final loss over {' and '.join(schedules)} (per seed, each at its tuned lr; "
-                 f"seeds {', '.join(map(str, a['seeds']))}): target {spread(a['target'])}; Muon reaches it in "
-                 + "; ".join(f"{spread(a[k])} steps ({k})" for k in schedules))
+        for o in matrices:
+            a = across_schedules(runs, o)
+            print_fn(f"\nAgainst AdamW's best final loss over {' and '.join(schedules)} (per seed, each at its tuned "
+                     f"lr; seeds {', '.join(map(str, a['seeds']))}): target {spread(a['target'])}; {LABELS[o]} reaches "
+                     "it in " + "; ".join(f"{spread(a[k])} steps ({k})" for k in schedules))
 
 
-def across_schedules(runs):
+def across_schedules(runs, optimizer="muon"):
     """Per seed, AdamW's best final loss over every schedule (each at its tuned lr) and the steps
-    Muon needs to reach it under each schedule (at its tuned lr): {"target": [...], schedule: [...]}."""
+    optimizer (Muon's or NorMuon's) needs to reach it under each schedule (at its tuned lr):
+    {"target": [...], schedule: [...]}."""
     schedules = list(dict.fromkeys(r["schedule"] for r in runs))
     compared = {k: {p["seed"]: p for p in compare(runs, k)["per_seed"] if p["tuned"] == "once"} for k in schedules}
     seeds = sorted(set.intersection(*(set(c) for c in compared.values())))
     run = {(r["schedule"], r["optimizer"], r["lr"], r["seed"]): r for r in runs}
     out = {"target": [min(compared[k][s]["final"]["adamw"] for k in schedules) for s in seeds], "seeds": seeds}
     for k in schedules:
-        out[k] = [steps_to(run[k, "muon", compared[k][s]["lrs"]["muon"], s]["val"], target)
+        out[k] = [steps_to(run[k, optimizer, compared[k][s]["lrs"][optimizer], s]["val"], target)
                   for s, target in zip(seeds, out["target"])]
     return out
 
@@ -211,12 +231,13 @@ def plot(result, path):
             ax.set_ylim(top=ZOOM_TOP)
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("validation loss (nats per byte)")
-    fig.suptitle("GPT on the standard library's sources: Muon vs AdamW, same tokens, tuned lr per optimizer")
+    fig.suptitle(f"GPT on the standard library's sources: {' vs '.join(LABELS[o] for o in optimizers_in(result['runs']))}, "
+                 "same tokens, tuned lr per optimizer")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-TRAINING_FLAGS = ("muon_lrs", "adamw_lrs", "seeds", "schedules", "warmup_steps", "val_windows", "steps", "every",
+TRAINING_FLAGS = ("muon_lrs", "normuon_lrs", "adamw_lrs", "seeds", "schedules", "warmup_steps", "val_windows", "steps", "every",
                   "dp", "tp")  # what a sweep trains with; --from-json reports runs trained with their own
 
 
@@ -254,6 +275,8 @@ def build_parser():
     # Finer grids (steps of about 1.5x) around the bests of the earlier 4-point sweep at seed 0 (Muon 0.03
     # among 0.003-0.1, AdamW 0.001 among 0.0003-0.01) and issue 21's rerun at seed 1 (AdamW 0.002).
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.03, 0.05, 0.07])
+    p.add_argument("--normuon-lrs", type=float, nargs="+", default=[],
+                   help="NorMuon's grid, run beside Muon's (default: none, no NorMuon runs)")
     p.add_argument("--adamw-lrs", type=float, nargs="+", default=[0.0007, 0.001, 0.0014, 0.002, 0.003, 0.004])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--schedules", nargs="+", choices=tg.SCHEDULES, default=list(tg.SCHEDULES))

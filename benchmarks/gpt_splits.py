@@ -22,11 +22,12 @@ from gpt_bench import mt, pyplot, tg  # noqa: E402
 from gpt_bench import main as benchmark_main  # noqa: E402
 
 SPLITS = ((8, 1), (4, 2), (2, 4), (1, 8))
+OPTIMIZERS = ("muon", "adamw")  # Muon against its baseline (NorMuon's place: gpt_lr_sweep.py --normuon-lrs)
 
 
 def measure(steps, heads, print_fn=print):
     splits = [[tg.TrainConfig(dp=dp, tp=tp, steps=steps, heads=heads, progress=False, optimizer=o,
-                              strategy="owner" if o == "muon" else "gather") for o in tg.OPTIMIZER_NAMES]
+                              strategy="owner" if o == "muon" else "gather") for o in OPTIMIZERS]
               for dp, tp in SPLITS]
     for cfg in (cfg for configs in splits for cfg in configs):  # all of them before the first rank starts
         tg.validate(cfg)
@@ -50,7 +51,7 @@ def report(rows, print_fn=print):
     print_fn("\n" + mt.format_table(["DP x TP", "optimizer", "step ms", "fwd+bwd ms", "optimizer ms",
                                      "TP bytes/rank", "optimizer bytes/rank", "total bytes/rank"],
                                     table, ["<", "<"] + [">"] * 6))
-    for o in tg.OPTIMIZER_NAMES:
+    for o in OPTIMIZERS:
         best = min((r for r in rows if r["optimizer"] == o), key=lambda r: r["step_ms"])
         print_fn(f"Fastest for {'Muon' if o == 'muon' else 'AdamW'}: {best['dp']}x{best['tp']} "
                  f"({best['step_ms']:.0f} ms per step)")

@@ -4,7 +4,7 @@
 #      AdamW on CUDA, and its step time against torch's own step on the same GPU, same model, same steps;
 #   2. Newton-Schulz GFLOP/s against one bf16 matmul of the same shapes (X @ X.T, the first product of each
 #      iteration) on the GPU, and whether CPU and GPU agree bit for bit (cpu_vs_gpu_newton_schulz.py);
-#   3. the DTensor optimizer (distributed_muon_dtensor.py) on one CUDA device under torchrun;
+#   3. the DTensor optimizer (dtensor_demo.py, distmuon/dtensor/) on one CUDA device under torchrun;
 #   4. the CPU scaling of benchmarks/scaling.py --ranks 1 2 4 8 at d = 768 on that machine's cores
 #      (issue 22's goal: owner and comm-free >= 0.85 N x on N ranks up to 8).
 # Figures go to notes/measured/*_<gpu name>.* (e.g. sibling_1gpu_h100.txt), each with its command and commit on

@@ -1,6 +1,6 @@
 """Every figure of README.md and notes/ from its command: rewrites notes/measured/ (run by benchmarks/refresh.sh).
 
-    bash benchmarks/refresh.sh                  # every part this machine can run: about 75 min on 2 cores
+    bash benchmarks/refresh.sh                  # every part this machine can run: about 90 min on 2 cores
     bash benchmarks/refresh.sh --quick          # a smoke run, about a minute on 2 cores: tiny sizes, a temporary folder
     bash benchmarks/refresh.sh --only default_4x2 gpt_default_4x2    # some parts
     bash benchmarks/refresh.sh --list           # the parts, their files and commands
@@ -87,6 +87,9 @@ NS_SHAPES = ("{python} -c \"import time, statistics, torch, distributed_muon_cpu
              "(time.perf_counter()) for _ in range(5)]) * 1e3:.1f} ms, {dm.newton_schulz_flops((r, c)) / 1e6:.1f} "
              "MFLOP') for r, c in [(512, 128), (128, 512), (384, 128), (128, 128)] for m in [torch.randn(r, c)]]\"")
 SWEEP = "--json {out}/gpt_lr_sweep_2core.json --figure {out}/gpt_lr_sweep_2core.png"
+# NorMuon beside Muon (and AdamW's target): grids around the five-seed sweep's bests, three seeds
+NORMUON_SWEEP = ("--normuon-lrs 0.01 0.02 0.03 0.05 --muon-lrs 0.01 0.02 0.03 0.05 --adamw-lrs 0.001 0.0014 0.002 "
+                 "--seeds 0 1 2 --json {out}/gpt_normuon_sweep_2core.json --figure {out}/gpt_normuon_sweep_2core.png")
 
 # In the order of the notes' chapters; the cheap ones first within each. The files named for the machine that
 # made them (*_nobf16.txt: a CPU without bf16 matrix units; h100*: the GPU machine) are not rewritten here.
@@ -133,6 +136,8 @@ PARTS = (
          data=("gpt_step_4x2_2core.json", "gpt_step_4x2_2core.png")),
     Part("gpt_lr_sweep_2core.txt", (f"{{python}} benchmarks/gpt_lr_sweep.py {SWEEP}",),
          data=("gpt_lr_sweep_2core.json", "gpt_lr_sweep_2core.png")),
+    Part("gpt_normuon_sweep_2core.txt", (f"{{python}} benchmarks/gpt_lr_sweep.py {NORMUON_SWEEP}",),
+         data=("gpt_normuon_sweep_2core.json", "gpt_normuon_sweep_2core.png")),
     Part("dtensor_default_4x2.txt", ("{python} dtensor_demo.py",)),
     Part("dtensor_batched_4x2.txt", ("{python} dtensor_demo.py --batched-ns",)),
     Part("dtensor_compare_4x2.txt", ("{python} dtensor_demo.py --compare",)),

@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from distmuon.normuon import NORMUON_OPTIONS
+
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_unclamped")  # torch.optim.Muon's, and None = "original"
 
 
@@ -33,6 +35,10 @@ def signature_options(optimizer_class):
 
 ALGORITHMS = {"muon": torch.optim.Muon, "adamw": torch.optim.AdamW}
 TORCH_OPTIONS = {algorithm: signature_options(cls) for algorithm, cls in ALGORITHMS.items()}
+# The algorithms a param group may name: torch's two, and NorMuon (distmuon/normuon.py), which takes torch.optim.Muon's
+# options and two of its own. Muon and NorMuon orthogonalize: their parameters are matrices.
+OPTIONS = dict(TORCH_OPTIONS, normuon=dict(TORCH_OPTIONS["muon"], **NORMUON_OPTIONS))
+ORTHOGONALIZED = ("muon", "normuon")
 # Newton-Schulz's coefficients: one (a, b, c) for every iteration (Keller Jordan's, torch.optim.Muon's default), or
 # one per iteration. Polar Express (Amsel et al., arXiv 2505.16932, Algorithm 1) picks each iteration's polynomial
 # to be optimal for the worst singular value the previous ones left: its eight triples, the first seven divided by
@@ -83,6 +89,7 @@ def ns_coefficients_of(coefficients, steps):
 # default, with its reason (one a newer torch adds, with the last one, until it is honoured here).
 HONOURED = {"muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"),
             "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")}
+HONOURED["normuon"] = HONOURED["muon"] + tuple(NORMUON_OPTIONS)
 REFUSED = {
     "foreach": "each rank steps its shards with torch's single-tensor AdamW, torch's own choice on the CPU; the "
                "multi-tensor kernels (foreach=True) are not implemented here",
@@ -94,7 +101,14 @@ UNSET = (None, False)  # what torch's defaults of the refused options mean here:
 
 
 def class_name(algorithm):
-    return f"torch.optim.{ALGORITHMS[algorithm].__name__}"
+    return f"torch.optim.{ALGORITHMS[algorithm].__name__}" if algorithm in ALGORITHMS else "NorMuon (distmuon.normuon)"
+
+
+def algorithm_problem(i, algorithm):
+    """Why a param group's algorithm is refused (one line naming the group), or None."""
+    if algorithm not in OPTIONS:
+        return f"param group {i}: algorithm must be 'muon', 'normuon' or 'adamw' (got {algorithm!r})"
+    return None
 
 
 def refusal(algorithm, option):
@@ -119,12 +133,16 @@ def check_option(name, algorithm, key, value):
     momentum below 1 (torch takes any momentum >= 0; at 1 the buffer never takes a gradient), ns_steps below 100
     (torch's own limit, which it checks only inside the step). ns_coefficients: check_param_group, with ns_steps."""
     if key not in HONOURED[algorithm]:
-        if value not in UNSET and value != TORCH_OPTIONS[algorithm][key]:
+        if value not in UNSET and value != OPTIONS[algorithm][key]:
             raise ValueError(f"{name(key)}={value!r} is refused: {refusal(algorithm, key)}")
     elif key in ("lr", "weight_decay", "eps"):
         _number(name, key, value)
-    elif key == "momentum":
+    elif key in ("momentum", "beta2"):
         _number(name, key, value, high=1.0, high_open=True)
+    elif key == "normuon_eps":  # a divisor's floor: zero would divide a row of zeros by zero
+        _number(name, key, value)
+        if value <= 0:
+            raise ValueError(f"{name(key)} must be > 0 (got {value})")
     elif key == "ns_steps":
         _number(name, key, value, low=1, high=100, high_open=True, integer=True)
     elif key in ("nesterov", "amsgrad", "maximize"):
@@ -142,15 +160,15 @@ def check_option(name, algorithm, key, value):
 
 def check_options(name, options, bucket_size=1):
     """Options given for every group that takes them (the constructor's keywords): each must be an option of
-    torch.optim.Muon or torch.optim.AdamW, with a value both (or the one taking it) accept; and the
+    torch.optim.Muon, torch.optim.AdamW or NorMuon, with a value every algorithm taking it accepts; and the
     optimizer's own bucket_size (elements, >= 1)."""
     _number(name, "bucket_size", bucket_size, low=1, integer=True)
     for key, value in options.items():
-        takers = [a for a in ALGORITHMS if key in TORCH_OPTIONS[a]]
+        takers = [a for a in OPTIONS if key in OPTIONS[a]]
         if not takers:  # as Python refuses an unexpected keyword argument: a TypeError
             raise TypeError(f"unexpected keyword argument {name(key)!r}: not an option of torch.optim.Muon "
-                            f"({', '.join(TORCH_OPTIONS['muon'])}) or torch.optim.AdamW "
-                            f"({', '.join(TORCH_OPTIONS['adamw'])})")
+                            f"({', '.join(TORCH_OPTIONS['muon'])}), torch.optim.AdamW "
+                            f"({', '.join(TORCH_OPTIONS['adamw'])}) or NorMuon (Muon's, {', '.join(NORMUON_OPTIONS)})")
         for algorithm in takers:
             check_option(name, algorithm, key, value)
 
@@ -199,9 +217,9 @@ def check_param_group(group, i):
     every step, where a value set or loaded since then is caught before anything moves. A Muon group's
     ns_coefficients as ns_coefficients_of reads them with its ns_steps (kept as given)."""
     name = group_spelling(i, group)
-    for key in TORCH_OPTIONS[group["algorithm"]]:
+    for key in OPTIONS[group["algorithm"]]:
         check_option(name, group["algorithm"], key, group[key])
-    if group["algorithm"] == "muon":
+    if group["algorithm"] in ORTHOGONALIZED:
         try:
             ns_coefficients_of(group["ns_coefficients"], group["ns_steps"])
         except ValueError as e:
@@ -224,18 +242,18 @@ def fill_param_group(group, options, i, extra=()):
     if not isinstance(group, dict):
         raise ValueError(f"param group {i} must be a dict with 'params' (got {type(group).__name__})")
     algorithm = group.setdefault("algorithm", "muon")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"param group {i}: algorithm must be 'muon' or 'adamw' (got {algorithm!r})")
+    if algorithm_problem(i, algorithm):
+        raise ValueError(algorithm_problem(i, algorithm))
     params = group.get("params")
     if params is not None and not torch.is_tensor(params):  # a generator (model.parameters()) is read once, here
         group["params"] = params = list(params)
     if params is None or (not torch.is_tensor(params) and not params):
         raise ValueError(f"param group {i} ({algorithm}) has no parameters")
-    unknown = sorted(set(group) - set(GROUP_KEYS) - set(TORCH_OPTIONS[algorithm]) - set(extra))
+    unknown = sorted(set(group) - set(GROUP_KEYS) - set(OPTIONS[algorithm]) - set(extra))
     if unknown:
         raise ValueError(f"param group {i} ({algorithm}): {', '.join(unknown)}: not an option of {class_name(algorithm)}, "
-                         f"which takes {', '.join(TORCH_OPTIONS[algorithm])}")
-    for key, default in TORCH_OPTIONS[algorithm].items():
+                         f"which takes {', '.join(OPTIONS[algorithm])}")
+    for key, default in OPTIONS[algorithm].items():
         group.setdefault(key, options.get(key, default))
     check_param_group(group, i)
     return group
@@ -254,11 +272,11 @@ def name_params(group, first):
 
 def named_params(param_groups):
     """[(name, tensor, its group)] after the checks every optimizer here needs (DTensorMuon's too):
-    'muon' or 'adamw' groups, their options, named float32 parameters (state is keyed by name), no
+    'muon', 'normuon' or 'adamw' groups, their options, named float32 parameters (state is keyed by name), no
     name or tensor twice."""
     for i, group in enumerate(param_groups):
-        if group.get("algorithm") not in ALGORITHMS:
-            raise ValueError(f"param group {i}: algorithm must be 'muon' or 'adamw' (got {group.get('algorithm')!r})")
+        if algorithm_problem(i, group.get("algorithm")):
+            raise ValueError(algorithm_problem(i, group.get("algorithm")))
         if "param_names" not in group:
             raise ValueError("pass named parameters: [(name, tensor), ...] (state is keyed by name)")
     check_param_groups(param_groups)
@@ -290,7 +308,7 @@ def index_named_params(param_groups, tp_split_dims):
     """({name: tensor}, {name: its group}, {name: TP split dim}) after checking what the step relies on."""
     param_by_name, group_of = {}, {}
     for name, p, group in named_params(param_groups):
-        if group["algorithm"] == "muon" and p.ndim != 2:
+        if group["algorithm"] in ORTHOGONALIZED and p.ndim != 2:
             raise ValueError(not_a_matrix(name, p.shape))
         if not p.is_contiguous():
             raise ValueError(f"{name} must be contiguous (it is viewed flat)")

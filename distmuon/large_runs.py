@@ -419,6 +419,15 @@ def check_owner_tp_newton_schulz(strategy, tp_newton_schulz):
                          f"{strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
 
 
+def check_normuon_options(normuon, blocked):
+    """NorMuon's matrices (normuon) are orthogonalized whole: their rows are normalized over the whole matrix, which
+    blocks (blocked: {name: layout}) would cut in pieces; refused in one line."""
+    both = sorted(set(normuon) & set(blocked))
+    if both:
+        raise ValueError(f"ns_blocks applies to Muon's matrices; {', '.join(both)} belong to a NorMuon group, whose "
+                         f"rows are normalized over the whole matrix")
+
+
 class LargeRuns(Blocks):
     """What large runs add, given to an optimizer of the lesson as large_runs=LargeRuns(...): the options
     are this module's docstring's keywords, each off by default (torch's behaviour), checked here at once.
@@ -440,6 +449,8 @@ class LargeRuns(Blocks):
         self.optimizer = optimizer
         layout, grid = optimizer.layout, optimizer.grid
         check_row_layouts(self.row_layouts, layout, optimizer.muon_names, grid.tp.size, self.qk_clip_tau is not None)
+        normuon = [n for n in optimizer.muon_names if optimizer.group_of[n]["algorithm"] == "normuon"]
+        check_normuon_options(normuon, self.row_layouts if self.ns_blocks != "whole" else {})
         if self.ns_blocks != "whole":
             self.blocks = {n: rows.blocks(self.ns_blocks == "heads") for n, rows in self.row_layouts.items()}
         if self.ns_blocks != "whole" and not self.row_layouts:

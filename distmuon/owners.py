@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from distmuon.collectives import all_gather_single, reduce_scatter_sum, sum_in_order
-from distmuon.checks import ns_coefficients_of
+from distmuon.checks import ORTHOGONALIZED, ns_coefficients_of
+from distmuon.normuon import batched_problem, divisor, normalized, rescale, second_moment_
 from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Unit, apply_muon_update_,
                                   newton_schulz, newton_schulz_flops, orthogonalize, tp_shard)
 # (Bound here at import: a test or benchmark that patches newton_schulz in distributed_muon_cpu patches it here
@@ -395,6 +396,50 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
 
 
 # -----------------------------------------------------------------------------
+# 7.4b NorMuon at the owner: each row's second moment, and the rows it sends
+# -----------------------------------------------------------------------------
+# A param group of algorithm "normuon" (distmuon/normuon.py) divides each row of
+# O by the root of its own second moment v, then rescales O by g to the norm it
+# had: v and g need whole rows and the whole matrix, which the owner has. So
+# the owner keeps v (its state, one float32 per row of the full matrix), updates
+# it and finds g, and sends each holder of a part the new v and g beside its
+# part of O (one all-to-all of rows + 1 float32 a matrix and holder, phase
+# "NorMuon rows"); each holder divides its part's elements by their rows'
+# divisors and multiplies by g: the owner's arithmetic, elementwise, its bits.
+
+def normuon_rows(opt, orthos):
+    """{NorMuon matrix among an owner's orthos: its new v (its state, updated here) and g, one float32 vector}."""
+    rows = {}
+    for name, ortho in orthos.items():
+        group = opt.group_of[name]
+        if group["algorithm"] == "normuon":
+            state = opt.state[opt.param_by_name[name]]
+            if "normuon_v" not in state:  # as torch creates state: zeros, at the first step
+                state["normuon_v"] = torch.zeros(ortho.shape[0], 1, device=ortho.device)
+            v = second_moment_(ortho, state["normuon_v"], group["beta2"])
+            rows[name] = torch.cat([v.view(-1), rescale(ortho, v, group["normuon_eps"]).view(1)])
+    return rows
+
+
+def full_rows(route):
+    """The rows of a routed matrix's full (TP-gathered) matrix."""
+    return route.shape[0] * (route.tp_size if route.tp_split_dim == 0 else 1)
+
+
+def part_rows(shape, tp_split_dim, tp_rank, start, stop):
+    """The row of the full matrix of every element of a part: elements [start, stop) of the flat TP piece (of
+    TP-local `shape`) that TP rank tp_rank holds."""
+    rows, cols = shape
+    local = torch.arange(start, stop) // cols
+    return local + tp_rank * rows if tp_split_dim == 0 else local
+
+
+def normalized_part(ortho_part, rows, stats, eps):
+    """NorMuon's update on a part, from the owner's v and g (stats) and the row of each of its elements."""
+    return normalized(ortho_part, divisor(stats[:-1], eps)[rows.to(stats.device)], stats[-1])
+
+
+# -----------------------------------------------------------------------------
 # 7.5 comm-free: the gradient reduced at the owner row, its update broadcast
 # -----------------------------------------------------------------------------
 
@@ -433,7 +478,8 @@ def reduce_at_owner(grads, owners, grid, ledger, device, async_op=False):
     return add_up if async_op else add_up()
 
 
-def broadcast_from_owner(orthos, numels, owners, grid, ledger, device, apply, async_op=False):
+def broadcast_from_owner(orthos, numels, owners, grid, ledger, device, apply, async_op=False,
+                         phase="update broadcast from owner", dtype=torch.bfloat16):
     """comm-free, the mirror of reduce_at_owner: the owner row's orthogonalized TP-local matrices (bf16,
     orthos: {name: flat} on the owner row, what its own update took; numels: {name: numel} of the
     matrices to move, the same on every rank) -> every other DP rank, which applies the same update to
@@ -446,8 +492,7 @@ def broadcast_from_owner(orthos, numels, owners, grid, ledger, device, apply, as
     mine = [orthos[n] for n in numels if owners[n] // tp == dp.rank]
     sends = [mine if d != dp.rank else [] for d in range(dp.size)]
     theirs = [[n for n in numels if owners[n] // tp == d] if d != dp.rank else [] for d in range(dp.size)]
-    wait = exchange(sends, [sum(numels[n] for n in names) for names in theirs], dp, ledger,
-                    "update broadcast from owner", torch.bfloat16, device)
+    wait = exchange(sends, [sum(numels[n] for n in names) for names in theirs], dp, ledger, phase, dtype, device)
 
     def apply_received():
         for names, flat in zip(theirs, wait()):
@@ -631,6 +676,10 @@ class Owner:
 
     def plan(self, opt):
         world, shapes, large_runs = opt.grid.world.size, opt.layout.global_shapes, opt.large_runs
+        if self.batched_ns:
+            problem = batched_problem([n for n in opt.muon_names if opt.group_of[n]["algorithm"] == "normuon"])
+            if problem:
+                raise ValueError(problem)
         steps = {n: opt.group_of[n]["ns_steps"] for n in opt.muon_names}  # LargeRuns counts by blocks where it has them
         self.ns_flops = {n: newton_schulz_flops(shapes[n], steps[n]) if large_runs is None else
                          large_runs.flops(n, shapes[n], steps[n]) for n in opt.muon_names}
@@ -654,8 +703,26 @@ class Owner:
         return newton_schulz_owned(full, opt.group_of, opt.ledger, self.batched_ns, opt.large_runs)
 
     def scatter(self, opt, orthos, routes):
-        """Scatter from owner, started: a function that waits and returns {name: this rank's part}."""
-        return scatter_from_owner(orthos, routes, self.axis(opt), opt.ledger, torch.bfloat16, opt.device)
+        """Scatter from owner, started: a function that waits and returns {name: this rank's part}; NorMuon's
+        matrices (7.4b) with their new v and g beside, and their parts normalized."""
+        axis = self.axis(opt)
+        parts = scatter_from_owner(orthos, routes, axis, opt.ledger, torch.bfloat16, opt.device)
+        normuon = [r for r in routes if opt.group_of[r.name]["algorithm"] == "normuon"]
+        if not normuon:
+            return lambda: self.normalized(opt, parts(), {})
+        stats = normuon_rows(opt, orthos) if any(r.owner == axis.rank for r in normuon) else {}
+        rows = send_parts([(r.owner, p.rank, full_rows(r) + 1, stats[r.name] if r.owner == axis.rank else None)
+                           for r in normuon for p in r.holders], axis, opt.ledger, "NorMuon rows", torch.float32,
+                          opt.device)
+        mine = [(r, p) for r in normuon for p in r.holders if p.rank == axis.rank]
+        return lambda: self.normalized(opt, parts(), dict(zip(mine, rows())))
+
+    def normalized(self, opt, parts, rows):
+        """NorMuon's parts, from {(route, part): its v and g}: each element divided by its row's divisor, times g."""
+        for (r, p), stats in rows.items():
+            elements = part_rows(r.shape, r.tp_split_dim, p.tp_rank, p.start, p.stop)
+            parts[r.name] = normalized_part(parts[r.name], elements, stats, opt.group_of[r.name]["normuon_eps"])
+        return parts
 
     def orthogonalize(self, opt, unit, updates, active):
         """Stage 3 of a unit: gather at owner -> Newton-Schulz -> scatter from owner, each waited for at once."""
@@ -680,7 +747,7 @@ class CommFree(Owner):
         return opt.grid.tp  # the TP pieces of a matrix meet inside the owner's row
 
     def bucketed(self, opt, name):
-        return opt.group_of[name]["algorithm"] != "muon"  # matrices live whole, on their owner's row
+        return opt.group_of[name]["algorithm"] not in ORTHOGONALIZED  # matrices live whole, on their owner's row
 
     def part_of(self, opt, name, dp_rank):
         if self.bucketed(opt, name):
@@ -694,23 +761,19 @@ class CommFree(Owner):
         # carries, as a bucket bounds one reduce-scatter (why not one message for all: notes/08-strategies.md).
         numel = {n: opt.param_by_name[n].numel() for n in opt.muon_names}
         self.chunks = chunk_names(opt.muon_names, numel, opt.bucket_size)
-        self.sent_updates = {}  # {matrix: the owner row's update}, from stage 3 to stage 4
+        self.sent_updates, self.sent_rows = {}, {}  # {matrix: the owner row's update; NorMuon's v and g}, 3 to 4
 
     def units(self, opt):
         if self.overlap or opt.grid.world.size == 1:
             return [Unit(buckets=(b,)) for b in opt.layout.buckets] + [Unit(chunks=(c,)) for c in self.chunks]
         return [Unit(buckets=opt.layout.buckets, chunks=tuple(self.chunks))]
 
-    def scatter(self, opt, orthos, routes):
-        """Owner's scatter, and the owner row's update of each whole matrix kept until stage 4 sends it to the
-        other DP rows (a matrix's part is all of its TP piece on the owner row)."""
-        wait = super().scatter(opt, orthos, routes)
-
-        def kept():
-            parts = wait()
-            self.sent_updates.update((n, p) for n, p in parts.items() if not self.bucketed(opt, n))
-            return parts
-        return kept
+    def normalized(self, opt, parts, rows):
+        """The owner row's part of each whole matrix (all of its TP piece) and, for NorMuon, its v and g, kept until
+        stage 4 sends them to the other DP rows; then Owner's normalized."""
+        self.sent_updates.update((n, p) for n, p in parts.items() if not self.bucketed(opt, n))
+        self.sent_rows.update((r.name, stats) for (r, p), stats in rows.items())
+        return super().normalized(opt, parts, rows)
 
     def reduce_chunk(self, opt, chunk, active, async_op=False):
         """Stage 1 for a chunk of matrices: their gradients summed at their owner rows (7.5); with async_op, started
@@ -723,12 +786,26 @@ class CommFree(Owner):
         the weights, the owner row's arithmetic on the same weights; with async_op, started."""
         numels = {n: opt.param_by_name[n].numel() for n in chunk if n in active}
         orthos = {n: self.sent_updates.pop(n) for n in numels if n in self.sent_updates}
+        normuon = {n: opt.layout.global_shapes[n][0] + 1 for n in numels if opt.group_of[n]["algorithm"] == "normuon"}
+        received = {n: self.sent_rows.pop(n) for n in normuon if n in self.sent_rows}  # the owner row's own
 
         def apply(name, ortho):
+            group, (tp_rank, tp) = opt.group_of[name], (opt.grid.tp.rank, opt.grid.tp.size)
+            if name in normuon:  # NorMuon: this row's whole TP piece, each element by its row (7.4b)
+                split = opt.layout.tp_split_dims[name] if tp > 1 else -1
+                rows = part_rows(opt.layout.shapes[name], split, tp_rank, 0, numels[name])
+                ortho = normalized_part(ortho, rows, received[name], group["normuon_eps"])
             runs = opt.large_runs.whole_runs.get(name) if opt.large_runs is not None else None
-            apply_muon_update_(opt.param_by_name[name].view(-1), ortho, opt.group_of[name],
-                               opt.layout.global_shapes[name], runs)
-        return broadcast_from_owner(orthos, numels, self.owners, opt.grid, opt.ledger, opt.device, apply, async_op)
+            apply_muon_update_(opt.param_by_name[name].view(-1), ortho, group, opt.layout.global_shapes[name], runs)
+        rows = broadcast_from_owner({n: received[n] for n in normuon if n in received}, normuon, self.owners,
+                                    opt.grid, opt.ledger, opt.device, received.__setitem__, True,
+                                    "NorMuon rows broadcast", torch.float32) if normuon else (lambda: None)
+        updates = broadcast_from_owner(orthos, numels, self.owners, opt.grid, opt.ledger, opt.device, apply, True)
+
+        def wait():
+            rows()
+            updates()
+        return wait if async_op else wait()
 
 
 class OwnerMuon(DistributedMuon):

@@ -84,7 +84,7 @@ from examples.stdlib_text import load_corpus  # noqa: E402
 # =============================================================================
 # 1. The run's configuration and its checks
 # =============================================================================
-OPTIMIZER_NAMES = ("muon", "adamw")
+OPTIMIZER_NAMES = ("muon", "normuon", "adamw")
 SCHEDULES = ("constant", "warmup-cosine")
 MIN_LR_FRACTION = 0.1  # where warmup-cosine ends, as a fraction of --lr (nanoGPT's min_lr = learning_rate / 10)
 PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 2, 1, 3  # steps skipped, warmed up, then traced
@@ -95,7 +95,7 @@ TIMED_FROM_STEP = 3  # medians leave out the first steps (allocations, first-tou
 class TrainConfig:
     dp: int = 4
     tp: int = 2
-    optimizer: str = "muon"  # or "adamw": AdamW ZeRO-1 on every parameter (the lesson's baseline)
+    optimizer: str = "muon"  # "normuon": NorMuon on the matrices; "adamw": AdamW ZeRO-1 on every parameter (the baseline)
     strategy: str = "owner"  # one of mo.STRATEGIES (Muon only); owner: each matrix orthogonalized once
     steps: int = 120
     lr: float = 0.01
@@ -145,6 +145,9 @@ def validate(cfg, ranks_here=None):
                          f"{cfg.schedule})")
     if cfg.strategy not in mo.STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(mo.STRATEGIES)} (got {cfg.strategy!r})")
+    if cfg.optimizer == "normuon" and cfg.strategy not in ("owner", "comm-free"):
+        raise ValueError(f"--optimizer normuon takes --strategy owner or comm-free, whose owner holds each matrix's "
+                         f"rows (got --strategy {cfg.strategy})")
     check_large_run_options(cfg)
     mc.check_hyperparameters(mt.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")
@@ -171,10 +174,13 @@ def validate(cfg, ranks_here=None):
 
 def check_large_run_options(cfg):
     """--qk-clip, --ns-blocks, --ns-coefficients and --tp-newton-schulz: their values (the lesson's checks),
-    that they are Muon's, and that gram goes with the gather strategy."""
+    that they are Muon's (NorMuon takes all but --ns-blocks: it normalizes the whole matrix's rows), and that gram
+    goes with the gather strategy."""
     mt.check_large_run_flags(ns_coefficients=cfg.ns_coefficients, ns_blocks=cfg.ns_blocks,
                              tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip, strategy=cfg.strategy)
-    if cfg.optimizer != "muon":
+    if cfg.optimizer == "normuon" and cfg.ns_blocks != "whole":
+        raise ValueError(f"--optimizer normuon takes no --ns-blocks: NorMuon normalizes the rows of the whole matrix")
+    if cfg.optimizer == "adamw":
         given = [flag for flag, on in (("--momentum", cfg.momentum != TrainConfig.momentum),
                                        ("--qk-clip", cfg.qk_clip is not None),
                                        ("--ns-blocks", cfg.ns_blocks != "whole"),
@@ -220,11 +226,11 @@ def hyperparameters(cfg):
     """The three groups' hyperparameters: Muon (or AdamW) for matrices, AdamW for embeddings,
     AdamW without weight decay for norms and biases."""
     adamw = dict(algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), eps=1e-8)
-    muon = dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=True,
+    muon = dict(algorithm="normuon" if cfg.optimizer == "normuon" else "muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=True,
                 ns_steps=dm.NS_STEPS, adjust_lr_fn="match_rms_adamw")
     if cfg.ns_coefficients != "jordan":  # the group keeps the name; torch's default stays unnamed
         muon["ns_coefficients"] = cfg.ns_coefficients
-    return (muon if cfg.optimizer == "muon" else adamw), adamw, dict(adamw, weight_decay=0.0)
+    return (adamw if cfg.optimizer == "adamw" else muon), adamw, dict(adamw, weight_decay=0.0)
 
 
 def lr_at(cfg, step):
@@ -519,7 +525,7 @@ class ReferenceOptimizers:
         self.optimizers = mt.torch_optimizers(groups)
         # one (a, b, c) per iteration swapped into torch's Newton-Schulz; Jordan's one triple leaves torch's in place
         self.coefficients = (mc.ns_coefficients_of(cfg.ns_coefficients, dm.NS_STEPS)
-                             if cfg.optimizer == "muon" and cfg.ns_coefficients != "jordan" else dm.NS_COEFFICIENTS)
+                             if cfg.optimizer != "adamw" and cfg.ns_coefficients != "jordan" else dm.NS_COEFFICIENTS)
         # {matrix stepped whole: its Newton-Schulz input at each step}: what bounds --tp-newton-schulz gram's replay
         self.names, self.ns_inputs = {id(p): n for n, p in model.named_parameters()}, {}
 
@@ -785,7 +791,8 @@ def print_verification(cfg, checks, print_fn=print):
                    "the ranks do, a + b = b + a)"}.get(
         cfg.tp, f"every fp32 sum as the ranks associate it (TP = {cfg.tp}: the reference adds TP's {cfg.tp} partial "
                 "sums left to right in rank order, as the ranks' Gloo all-reduces do)")
-    print_fn(f"Against one process ({model}, torch.optim.Muon + AdamW, the same micro-batches): "
+    matrices = {"muon": "torch.optim.Muon + ", "normuon": "NorMuon's reference (muon_tools) + torch.optim."}
+    print_fn(f"Against one process ({model}, {matrices.get(cfg.optimizer, '')}AdamW, the same micro-batches): "
              + (checks["why_inexact"] if checks["why_inexact"] else f"{in_order}, every comparison bit for bit"))
     same = sum(c["identical"] for c in checks["replay"])
     within = sum(c["ok"] and not c["identical"] for c in checks["replay"])
@@ -908,7 +915,8 @@ def schedule_words(cfg):
 def header(cfg):
     n_params = sum(p.numel() for p in GPT(cfg.gpt()).parameters())
     corpus = load_corpus()
-    what = "AdamW ZeRO-1 (every parameter)" if cfg.optimizer == "adamw" else f"Muon, {cfg.strategy} strategy"
+    what = ("AdamW ZeRO-1 (every parameter)" if cfg.optimizer == "adamw"
+            else f"{'NorMuon' if cfg.optimizer == 'normuon' else 'Muon'}, {cfg.strategy} strategy")
     options = [f"QK-clip tau {cfg.qk_clip:g}" if cfg.qk_clip is not None else "",
                f"Newton-Schulz on the QKV's {cfg.ns_blocks}" if cfg.ns_blocks != "whole" else "",
                f"{cfg.ns_coefficients} coefficients" if cfg.ns_coefficients != "jordan" else "",
@@ -956,7 +964,8 @@ def build_parser():
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel size (default %(default)s)")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
     p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZER_NAMES,
-                   help="muon (default): Muon for hidden matrices, AdamW for the rest; adamw: AdamW for all")
+                   help="muon (default): Muon for hidden matrices, AdamW for the rest; normuon: NorMuon for them "
+                        "(owner or comm-free); adamw: AdamW for all")
     p.add_argument("--strategy", choices=mo.STRATEGIES, help=f"Muon's (default {d.strategy})")
     p.add_argument("--steps", type=int, default=d.steps, help="(default %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate, the schedule's peak (default %(default)s)")

@@ -70,7 +70,7 @@ def test_the_lessons_optimizer_checks_every_group(single_process_group, group, m
      "Muon needs 2-D parameters; 2 has shape (48,): put it in a group of algorithm 'adamw' (muon_param_groups "
      "splits a model the way Muon users do)"),
     (lambda m: [dict(params=list(m.named_parameters()), algorithm="sgd")],
-     "param group 0: algorithm must be 'muon' or 'adamw' (got 'sgd')"),
+     "param group 0: algorithm must be 'muon', 'normuon' or 'adamw' (got 'sgd')"),
     (lambda m: split_groups(m) + [dict(params=[("out.weight", torch.nn.Parameter(torch.zeros(16, 48)))])],
      "parameter out.weight appears twice"),
     (lambda m: split_groups(m.double()), "hidden.weight is torch.float64; this reference keeps float32 parameters"),

@@ -70,7 +70,10 @@ def configs(dp, tp):
             tg.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, ns_blocks="heads", qk_clip=tau,
                            strategy="gather", **SMALL),
             tg.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, tp_newton_schulz="gram", qk_clip=tau,
-                           strategy="gather", **SMALL)]
+                           strategy="gather", **SMALL),
+            # NorMuon on the matrices (its reference: muon_tools.NorMuonReference), with QK-clip and Polar Express
+            tg.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, optimizer="normuon", strategy="comm-free",
+                           ns_coefficients="polar_express", qk_clip=tau, **SMALL)]
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +223,12 @@ BAD = [(["--qk-clip", "0"], "--qk-clip must be a number > 0 and finite (got 0.0)
        (["--ns-blocks", "rows"], "argument --ns-blocks: invalid choice: 'rows'"),
        (["--ns-coefficients", "newton"], "argument --ns-coefficients: invalid choice: 'newton'"),
        (["--optimizer", "adamw", "--qk-clip", "1", "--ns-blocks", "heads"],
-        "--optimizer adamw takes no --qk-clip, --ns-blocks: momentum, QK-clip and Newton-Schulz options are Muon's")]
+        "--optimizer adamw takes no --qk-clip, --ns-blocks: momentum, QK-clip and Newton-Schulz options are Muon's"),
+       (["--optimizer", "normuon", "--strategy", "gather"],
+        "--optimizer normuon takes --strategy owner or comm-free, whose owner holds each matrix's rows (got --strategy "
+        "gather)"),
+       (["--optimizer", "normuon", "--ns-blocks", "heads"],
+        "--optimizer normuon takes no --ns-blocks: NorMuon normalizes the rows of the whole matrix")]
 
 
 def test_bad_large_run_flags_are_refused_before_any_rank():

@@ -392,18 +392,22 @@ def test_the_sweep_tunes_over_seeds_and_counts_steps_to_adamws_loss():
 
 
 def test_the_sweep_runs_end_to_end_and_reports_saved_runs(tmp_path, capsys):
-    """Plumbing only, in a few seconds: a tiny model, 3 steps, 2 seeds, both schedules; then the report
-    and the figure from the saved JSON, as --from-json does after an interrupted sweep."""
+    """Plumbing only, in a few seconds: a tiny model, 3 steps, 2 seeds, both schedules, NorMuon beside Muon; then
+    the report and the figure from the saved JSON, as --from-json does after an interrupted sweep."""
     args = sweep.build_parser().parse_args(["--muon-lrs", "0.01", "0.03", "0.1", "--adamw-lrs", "0.001", "0.01",
+                                            "--normuon-lrs", "0.02", "0.05",
                                             "--seeds", "0", "1", "--steps", "3", "--every", "1", "--warmup-steps",
                                             "1", "--val-windows", "2", "--dp", "1"])
     saved = tmp_path / "sweep.json"
     tiny = tg.TrainConfig(d_model=16, layers=1, heads=1, context=16, batch=2)
     runs = sweep.train(args, tiny, save=lambda partial: mt.write_json(str(saved), partial))
-    assert len(runs) == 2 * 2 * 5 and {(r["seed"], r["schedule"]) for r in runs} == {
+    assert len(runs) == 2 * 2 * 7 and {(r["seed"], r["schedule"]) for r in runs} == {
         (s, k) for s in (0, 1) for k in tg.SCHEDULES}
     assert all([step for step, _ in r["val"]] == [1, 2, 3] for r in runs)
     figure = tmp_path / "sweep.png"
     assert sweep.main(["--from-json", str(saved), "--figure", str(figure)]) == 0
     out = capsys.readouterr().out
     assert out.count("Steps to AdamW's best loss, over seeds 0, 1") == 2 and figure.stat().st_size > 10_000
+    assert out.count("Steps to AdamW's best loss, NorMuon, over seeds 0, 1") == 2
+    assert "NorMuon reaches it in" in out and "Muon reaches it in" in out
+    assert {r["optimizer"] for r in runs} == {"muon", "normuon", "adamw"}

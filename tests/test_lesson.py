@@ -152,12 +152,14 @@ def test_the_lesson_is_a_sittings_read():
 # grid, buffer, flow and step below the strategies, below the runner and the demos). The library is distmuon/ and the
 # lesson; the runner and the commands sit above it.
 LAYERS = [
-    ["distmuon.checks", "distmuon.adamw", "distmuon.collectives", "muon_forkserver"],  # nothing of the project
+    ["distmuon.normuon", "distmuon.adamw", "distmuon.collectives", "muon_forkserver"],  # nothing of the project
+    ["distmuon.checks"],  # the options the optimizers take (NorMuon's among them) and what they refuse
     ["distributed_muon_cpu"],  # the lesson: math, grid, buffer, flow, the step, the run: the library's core
     ["distmuon.owners", "distmuon.large_runs"],  # sections 7 and 8: strategies and what large runs add
     ["distmuon.dtensor.placements", "distmuon.dtensor.config"],  # DTensorMuon's parts, built on all of the above
     ["distmuon.dtensor.plan"],
-    ["distmuon.dtensor.exchange", "distmuon.dtensor.rows"],
+    ["distmuon.dtensor.rows", "distmuon.dtensor.normuon"],
+    ["distmuon.dtensor.exchange"],
     ["distmuon.dtensor.optimizer"],
     ["distmuon.dtensor.checkpoint"],
     ["distmuon.dtensor", "distmuon"],  # the packages' names for users

@@ -133,11 +133,12 @@ def test_the_read_alongs_saved_outputs_show_each_section_at_work():
         assert (f"{name} ({split}): every rank's part put together, torch.equal with torch's Newton-Schulz on the "
                 "whole matrix: True") in text
     assert "phases of one step, in order: grad presence -> grad reduce-scatter -> DP gather" in text  # section 5
-    assert "def run_rank(cfg, specs, build_optimizer, torch_reference):" in text  # section 6: its source, then
+    assert "def run_rank(cfg, specs, build_optimizer, torch_reference, after_step=None):" in text  # section 6: its source, then
     default_run = text[text.index("Distributed Muon: 8 CPU ranks"):]  # the default run, --explain
     check_default_run_printed(default_run[:default_run.index("Result: PASS") + 60])
     assert text.count("Result: PASS") == 1
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # checks, accounting
+    # the virtual buffer (section 3) and the gather flow (section 4) drawn by tools/figures.py; checks, accounting
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4
     assert "max / mean = 1.00" in text and "def assign_owners(" in text  # section 7
     check_large_runs(text)  # section 8
     assert "usage:" not in text and "bound_ratio" not in text  # the tooling's sections left the read-along

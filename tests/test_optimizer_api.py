@@ -155,7 +155,7 @@ def test_parameters_without_gradients_are_skipped_like_torch(single_process_grou
 @pytest.mark.parametrize("make_groups,kwargs,message", [
     (lambda m: [dict(params=list(m.parameters()))], {}, r"Muon needs 2-D parameters; 2 has shape \(48,\)"),
     (lambda m: [dict(params=list(m.named_parameters()), algorithm="muon")], {}, "Muon needs 2-D parameters"),
-    (lambda m: [dict(params=list(m.named_parameters()), algorithm="sgd")], {}, r"algorithm must be 'muon' or 'adamw' \(got 'sgd'\)"),
+    (lambda m: [dict(params=list(m.named_parameters()), algorithm="sgd")], {}, r"algorithm must be 'muon', 'normuon' or 'adamw' \(got 'sgd'\)"),
     (lambda m: split_groups(m), dict(tp_split_dims={"nope.weight": 0}), "unknown parameters"),
     (lambda m: split_groups(m), dict(tp_split_dims={"hidden.weight": 2}), "out of range"),
     (lambda m: split_groups(m), dict(bucket_size=0), "bucket_size must be >= 1"),

@@ -19,6 +19,8 @@ from torch.profiler import record_function
 import distmuon.large_runs as mlr
 import distmuon.owners as mo
 import distributed_muon_cpu as dm
+from distmuon.checks import ORTHOGONALIZED
+from distmuon.dtensor.normuon import NorMuonRows
 from distmuon.dtensor.plan import covers, matrix_name, plan_matrices
 from distributed_muon_cpu import newton_schulz_flops
 
@@ -30,7 +32,7 @@ class OwnerExchange:
     orthogonalized where they are) and param_of_matrix ({matrix: its parameter})."""
 
     def __init__(self, config, batched_ns=False):
-        self.config, self.batched_ns = config, batched_ns
+        self.config, self.batched_ns, self.rows = config, batched_ns, NorMuonRows()
 
     # -- the plan -------------------------------------------------------------
     def plan(self, opt, copies):
@@ -41,8 +43,8 @@ class OwnerExchange:
             self.plan_automatic(opt, copies)
 
     def plan_automatic(self, opt, copies):
-        muon_copies = [c for c in copies if opt.param_groups[c.group]["algorithm"] == "muon"]
-        steps = {i: g["ns_steps"] for i, g in enumerate(opt.param_groups) if g["algorithm"] == "muon"}
+        muon_copies = [c for c in copies if opt.param_groups[c.group]["algorithm"] in ORTHOGONALIZED]
+        steps = {i: g["ns_steps"] for i, g in enumerate(opt.param_groups) if g["algorithm"] in ORTHOGONALIZED}
         self.matrices, self.ns_flops, self.owners = plan_matrices(
             muon_copies, steps, opt.me, opt.world, self.config.assign, opt.large_runs.flops_of, opt.large_runs.tp_dim_of)
         outside = sorted({m.name for m in self.matrices if not set(m.holders) | {m.owner} <= set(opt.axis.ranks)})
@@ -54,9 +56,10 @@ class OwnerExchange:
         self.index = {r: i for i, r in enumerate(opt.axis.ranks)}  # global rank -> index in the optimizer's group
         self.param_of_matrix = {m.name: m.copy.name for m in self.matrices}
         self.param_of_matrix.update({m: name for name, names in self.local_matrices.items() for m in names})
+        self.rows.plan(opt, self.matrices)  # NorMuon's: who holds each matrix's v
 
     def plan_explicit(self, opt):
-        muon = [n for n in opt.param_by_name if opt.group_of[n]["algorithm"] == "muon"]
+        muon = [n for n in opt.param_by_name if opt.group_of[n]["algorithm"] in ORTHOGONALIZED]
         self.ns_flops = {n: newton_schulz_flops(self.config.global_shapes[n], opt.group_of[n]["ns_steps"])
                          for n in muon}
         ranks = opt.axis.ranks
@@ -82,11 +85,15 @@ class OwnerExchange:
                 stack = updates[name].view(-1, *updates[name].shape[-2:])
                 for i, m in enumerate(matrices):
                     local_full[m], group_of[m] = stack[i], opt.group_of[name]
+        whole_normuon = {}  # NorMuon's matrices whole here: (parameter, expert, O)
         if local_full:
             done = self.newton_schulz(opt, local_full, group_of)
             for name, matrices in self.local_matrices.items():
                 if name in updates:
                     orthos[name] = torch.stack([done[m] for m in matrices]).view(updates[name].shape)
+                    if opt.group_of[name]["algorithm"] == "normuon":
+                        whole_normuon.update((m, (name, e if name in opt.expert_stacks else -1, done[m]))
+                                             for e, m in enumerate(matrices))
         active = [m for m in self.matrices if m.copy.name in updates and (m.gather or m.scatter)]
         full = self.gather_at_owners(opt, updates, active)
         for m in active:
@@ -101,8 +108,12 @@ class OwnerExchange:
                 orthogonal[m.name] = mlr.newton_schulz_tp(full[m.name], m.copy.shape, self.tp_axis(opt, m), opt.ledger,
                                                           g["ns_steps"], g["ns_coefficients"], g["eps"])
             opt.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
+        stepped = [m for m in self.matrices if m.copy.name in updates]  # empty shards too: they hold v
+        rows = self.rows.at_owners(opt, orthogonal, stepped) if self.rows.receivers else None  # NorMuon's v and g
         orthos.update(self.scatter_from_owners(opt, orthogonal, updates, active))
-        return orthos
+        if rows is None and not whole_normuon:
+            return orthos
+        return self.rows.normalized(opt, orthos, rows() if rows else {}, whole_normuon)
 
     def tp_axis(self, opt, m):
         """The TP group of this rank's row of m's mesh, as the lesson's Axis (what newton_schulz_tp sums over)."""

@@ -61,10 +61,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import distmuon.checks as mc
+import distmuon.normuon as nm
 import distributed_muon_cpu as dm
 from distmuon.adamw import adamw_step_
 from distmuon.dtensor.config import DistributedConfig
 from distmuon.dtensor.exchange import OwnerExchange
+from distmuon.dtensor.normuon import v_zeros
 from distmuon.dtensor.placements import like_param, local_of, local_shape_problem, placements_problem
 from distmuon.dtensor.plan import describe
 from distmuon.dtensor.rows import DTensorLargeRuns
@@ -104,20 +106,26 @@ def parameters_problem(opt):
             why = placements_problem(name, p.placements, p.device_mesh.shape) or local_shape_problem(name, p)
             if why:
                 return why
-        if opt.group_of[name]["algorithm"] == "muon":
+        if opt.group_of[name]["algorithm"] in mc.ORTHOGONALIZED:
             if name in opt.expert_stacks:
                 if p.ndim != 3:
                     return f"expert stack {name} must be 3-D (experts, out, in); it has shape {tuple(p.shape)}"
             elif p.ndim != 2:
                 return mc.not_a_matrix(name, p.shape, expert_stacks=True)
     unknown = sorted(opt.expert_stacks - {n for n in opt.param_by_name
-                                            if opt.group_of[n]["algorithm"] == "muon"})
+                                            if opt.group_of[n]["algorithm"] in mc.ORTHOGONALIZED})
     if unknown:
         return f"expert_stacks names no Muon parameter: {', '.join(unknown)}"
+    problem = nm.batched_problem([n for n in opt.param_by_name if opt.group_of[n]["algorithm"] == "normuon"]
+                                 if opt.exchange.batched_ns else [])
+    if problem:
+        return problem
     if opt.exchange.config.explicit:
         if opt.expert_stacks:
             return "an explicit distributed_config takes 2-D matrices only (no expert_stacks)"
-        muon = [n for n in opt.param_by_name if opt.group_of[n]["algorithm"] == "muon"]
+        if any(g["algorithm"] == "normuon" for g in opt.param_groups):
+            return "NorMuon's param groups need the automatic distributed_config: its owner keeps each matrix's rows"
+        muon = [n for n in opt.param_by_name if opt.group_of[n]["algorithm"] in mc.ORTHOGONALIZED]
         missing = [n for n in muon if n not in opt.exchange.config.global_shapes]
         if missing:
             return f"global_shapes lacks Muon matrices: {', '.join(missing)}"
@@ -284,8 +292,10 @@ class DTensorMuon(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             zeros = lambda: like_param(p, torch.zeros_like(local_of(p), memory_format=torch.contiguous_format))
-            if self.group_of[name]["algorithm"] == "muon":
+            if self.group_of[name]["algorithm"] in mc.ORTHOGONALIZED:
                 state["momentum_buffer"] = zeros()
+                if self.group_of[name]["algorithm"] == "normuon":  # one float32 per row (distmuon/dtensor/normuon.py)
+                    state["normuon_v"] = v_zeros(p, name in self.expert_stacks)
             else:  # torch.optim.AdamW's: the moments, and amsgrad's running maximum
                 state.update(step=torch.tensor(0.0), exp_avg=zeros(), exp_avg_sq=zeros())
                 if self.group_of[name]["amsgrad"]:
@@ -327,7 +337,7 @@ class DTensorMuon(torch.optim.Optimizer):
         # Flat views of every local tensor: elementwise math does not care about shape, and an empty
         # shard's local shape may differ between FSDP2's parameter and a gradient made by distribute_tensor.
         flat = lambda t: local_of(t).view(-1)
-        for name in [n for n in active if self.group_of[n]["algorithm"] == "muon"]:
+        for name in [n for n in active if self.group_of[n]["algorithm"] in mc.ORTHOGONALIZED]:
             group, buffer = self.group_of[name], flat(self._state_of(name)["momentum_buffer"])
             # Your gather / redistribute (explicit form) may fail the checks after them: the new momentum is
             # kept aside until they pass, so that a refused step changes nothing.

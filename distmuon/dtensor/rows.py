@@ -10,12 +10,13 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 import distmuon.large_runs as mlr
+from distmuon.checks import ORTHOGONALIZED
 from distmuon.dtensor.placements import local_indices, local_of
 
 # -----------------------------------------------------------------------------
 # 3b. Rows of a laid-out matrix: fused blocks and QK-clip, on any local piece
 # -----------------------------------------------------------------------------
-# muon_large_runs.py's RowLayout (the lesson's section 7) names the rows of a FULL matrix: a
+# distmuon/large_runs.py's RowLayout (the lesson's section 8) names the rows of a FULL matrix: a
 # fused QKV laid out head by head is periods = heads of segments (q, k, v). Two
 # additions need to know which rows a rank's LOCAL piece holds, whatever cut it
 # (FSDP2's Shard(0) or _StridedShard on dp, TP's Shard(0) or Shard(1)):
@@ -94,10 +95,17 @@ class DTensorLargeRuns:
         if explicit and (self.row_layouts or self.qk_clip_tau is not None or self.tp_newton_schulz != "gather"):
             return ("row_layouts, qk_clip_tau and tp_newton_schulz='gram' need the automatic distributed_config: "
                     "your gather puts each matrix together whole, and the rows of your local pieces are not known here")
+        normuon = [n for n, g in opt.group_of.items() if g["algorithm"] == "normuon"]
+        if normuon and self.tp_newton_schulz != "gather":
+            return (f"tp_newton_schulz={self.tp_newton_schulz!r} applies to Muon's matrices: NorMuon's ({normuon[0]}, "
+                    f"...) normalize the rows of the whole matrix, at its owner")
         for name, layout in self.row_layouts.items():
             p = opt.param_by_name.get(name)
-            if p is None or opt.group_of[name]["algorithm"] != "muon":
+            if p is None or opt.group_of[name]["algorithm"] not in ORTHOGONALIZED:
                 return f"row_layouts names no Muon parameter: {name}"
+            if self.ns_blocks != "whole" and opt.group_of[name]["algorithm"] == "normuon":
+                return (f"ns_blocks={self.ns_blocks!r} applies to Muon's matrices; {name} belongs to a NorMuon group, "
+                        f"whose rows are normalized over the whole matrix")
             why = mlr.row_layout_problem(name, layout, tuple(p.shape)[-2:], name in opt.expert_stacks,
                                          self.qk_clip_tau is not None)
             if why:

@@ -1,0 +1,136 @@
+"""NorMuon on placements: DTensorMuon's param groups of algorithm "normuon" (distmuon/normuon.py says what NorMuon is).
+
+Part of DTensorMuon (distmuon/dtensor/), beside its exchange (section 5). NorMuon keeps one float32 per row of each
+matrix, v, and needs the whole matrix to update it (the mean of each row's squares) and to find the rescale g (its
+Frobenius norm). The owner, which puts the whole matrix together anyway, does both; the state lives with the
+parameter as every other state here does, so that torch's checkpoint helpers reshard it:
+
+    v: a DTensor of shape (rows, 1), or (experts, rows, 1) for an expert stack, on the parameter's mesh, Replicate
+       on every mesh dim but one that cuts an expert stack's experts (dim 0), which keeps its cut: every rank of the
+       mesh holds the whole v of each matrix it has any of, empty shards included.
+    the owner     updates its v of the matrix (its own copy), finds g, and sends v and g (rows + 1 float32) to every
+                  other rank holding that v: one all-to-all for all the step's NorMuon matrices ("NorMuon rows")
+    every holder  copies the owner's v into its own, and divides each element of its part of O by its row's
+                  sqrt(v) + eps, times g: the owner's arithmetic, elementwise, its bits
+
+A matrix that is whole on every rank (a plain tensor, an all-Replicate DTensor) is orthogonalized where it is: every
+rank updates its own v the same way, and nothing moves.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+import distmuon.normuon as nm
+import distmuon.owners as mo
+from distmuon.dtensor.placements import SHARD_PLACEMENTS, local_indices, local_of, local_shape
+from distmuon.dtensor.plan import describe
+
+
+def v_placements(placements, expert_stack):
+    """v's placements: the parameter's cut of an expert stack's experts (dim 0) kept, Replicate elsewhere."""
+    return tuple(p if expert_stack and isinstance(p, SHARD_PLACEMENTS) and p.dim == 0 else Replicate()
+                 for p in placements)
+
+
+def v_zeros(p, expert_stack):
+    """NorMuon's state v for parameter p, before its first step: zeros, as a DTensor like p's (see above)."""
+    shape = tuple(p.shape[:-1]) + (1,)
+    if not isinstance(p, DTensor):
+        return torch.zeros(shape, device=p.device)
+    placements, mesh = v_placements(p.placements, expert_stack), p.device_mesh
+    local = local_shape(shape, tuple(mesh.shape), placements, tuple(mesh.get_coordinate()))
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(torch.zeros(local, device=local_of(p).device), mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+def experts_of_v(copy, coordinate):
+    """The experts (or [0] for a 2-D matrix) whose v the rank at `coordinate` of copy's mesh holds, in its order."""
+    if not copy.expert_stack:
+        return [0]
+    shape = (copy.shape[0], 1)
+    return local_indices(shape, copy.mesh_shape, v_placements(copy.placements, True), coordinate).tolist()
+
+
+def describe_of(opt, name):
+    """The plan's Copy of a parameter as this rank sees it."""
+    return describe(name, 0, opt.param_by_name[name], name in opt.expert_stacks)
+
+
+class NorMuonRows:
+    """The rows of every NorMuon matrix of a DTensorMuon: who sends v and g to whom, and the normalized parts."""
+
+    def plan(self, opt, matrices):
+        """For each distributed NorMuon matrix: the ranks (global) that hold its v, besides its owner."""
+        self.receivers = {}
+        for m in matrices:
+            if opt.param_groups[m.copy.group]["algorithm"] != "normuon":
+                continue
+            mesh = torch.tensor(m.copy.mesh_ranks).view(m.copy.mesh_shape)
+            coordinates = torch.cartesian_prod(*[torch.arange(s) for s in m.copy.mesh_shape]).view(-1, mesh.dim())
+            self.receivers[m.name] = [int(mesh[tuple(c)]) for c in coordinates.tolist()
+                                      if max(m.expert, 0) in experts_of_v(m.copy, tuple(c))]
+
+    @staticmethod
+    def v_of(opt, name, expert):
+        """This rank's v of one matrix of parameter `name`: a (rows, 1) view of its state."""
+        v = local_of(opt._state_of(name)["normuon_v"])
+        if v.dim() == 2:
+            return v
+        p = opt.param_by_name[name]
+        return v[experts_of_v(describe_of(opt, name), tuple(p.device_mesh.get_coordinate())).index(expert)]
+
+    def at_owners(self, opt, orthogonal, stepped):
+        """Start the rows exchange for the matrices of this step's parameters (stepped: the same on every rank of a
+        matrix's mesh): every NorMuon matrix this rank owns has its v updated and g found here, and both go to
+        every other rank holding its v. Returns a function that waits and returns {matrix: (v, g)}."""
+        me, transfers, receiving = opt.me, [], []
+        for m in stepped:
+            if m.name not in self.receivers:
+                continue
+            group = opt.param_groups[m.copy.group]
+            stats = None
+            if m.owner == me:
+                v = nm.second_moment_(orthogonal[m.name], self.v_of(opt, m.copy.name, m.expert), group["beta2"])
+                stats = torch.cat([v.view(-1), nm.rescale(orthogonal[m.name], v, group["normuon_eps"]).view(1)])
+            for r in self.receivers[m.name]:
+                transfers.append((opt.exchange.index[m.owner], opt.exchange.index[r], m.shape[0] + 1, stats))
+                if r == me:
+                    receiving.append(m)
+        wait = mo.send_parts(transfers, opt.axis, opt.ledger, "NorMuon rows", torch.float32, opt.device)
+        return lambda: {m.name: stats for m, stats in zip(receiving, wait())}
+
+    def normalized(self, opt, orthos, received, local_full):
+        """{parameter: this rank's local O, flat} -> NorMuon's parameters normalized, float32: every matrix's v copied
+        in from its owner's (received: {matrix: its v and g}), then each element by its row's divisor, times g.
+        local_full: {matrix: (its parameter, its expert, its full O)} of the matrices whole here, normalized here."""
+        g_of = {}
+        for m in opt.exchange.matrices:
+            if m.name in received:
+                stats = received[m.name]
+                self.v_of(opt, m.copy.name, m.expert).view(-1).copy_(stats[:-1])  # the owner's: the same bits
+                g_of[m.copy.name, max(m.expert, 0)] = stats[-1]
+        out = dict(orthos)
+        for matrix, (name, expert, full) in local_full.items():  # whole here: every rank updates its v alike
+            group = opt.group_of[name]
+            v = nm.second_moment_(full, self.v_of(opt, name, expert), group["beta2"])
+            g_of[name, max(expert, 0)] = nm.rescale(full, v, group["normuon_eps"])
+        for name in {n for n, _ in g_of}:
+            if name not in out or opt.group_of[name]["algorithm"] != "normuon":
+                continue
+            p, eps = opt.param_by_name[name], opt.group_of[name]["normuon_eps"]
+            copy = describe_of(opt, name)
+            coordinate = tuple(p.device_mesh.get_coordinate()) if isinstance(p, DTensor) else ()
+            index = local_indices(copy.shape, copy.mesh_shape, copy.placements, coordinate)
+            rows, cols = copy.matrix_shape
+            expert, row = index // (rows * cols), (index // cols) % rows
+            experts = experts_of_v(copy, coordinate)
+            slot_of = torch.full((max(experts) + 1,), -1, dtype=torch.long)
+            slot_of[experts] = torch.arange(len(experts))
+            slot = slot_of[expert]  # each element's expert, as its place among this rank's v
+            v = local_of(opt._state_of(name)["normuon_v"]).reshape(len(experts), rows)
+            g = torch.stack([g_of[name, e] for e in experts])
+            out[name] = nm.normalized(orthos[name].reshape(-1), nm.divisor(v, eps)[slot, row], g[slot])
+        return out

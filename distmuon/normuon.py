@@ -1,0 +1,72 @@
+"""NorMuon: Muon's orthogonalized update with each row (neuron) normalized by its own second moment.
+
+Part of the library (distmuon), below the lesson: it imports no other file of the project. NorMuon (Li, Liu, Liang,
+Chen, Zhao, "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491) observes that Muon's update, though
+well conditioned, leaves some rows (the weights into one output neuron) much larger than others, and keeps one Adam-
+like second moment per row to even them out. For one 2-D parameter, after Muon's momentum and Newton-Schulz:
+
+    O  = NewtonSchulz(U)                                   Muon's update, bf16 (the lesson's section 1)
+    v <- beta2 v + (1 - beta2) mean over columns of O * O  one float32 per row: the state NorMuon adds to Muon's
+    d  = sqrt(v) + eps                                     each row's divisor
+    O^ = (O / d) * g,  g = ||O||_F / (||O / d||_F + eps)   the rows evened out, the whole update's norm kept
+    P <- P (1 - lr wd) - adjusted_lr(lr, shape) O^         the rest as Muon: decay, the shape's learning rate
+
+as the authors' reference implementation does it (github.com/zichongli5/NorMuon, normuon.py, normuon_update: v is
+an exponential moving average with no bias correction; the update rescaled to the Frobenius norm it had before the
+rows were divided, then Muon's lr adjustment sqrt(max(1, rows / cols)); beta2 = 0.95 and eps = 1e-10 are its
+defaults). Two choices differ from that code, both for a bf16 update: the normalization is computed in float32 (the
+reference code multiplies the bf16 update in place, rounding it), and O / d divides, as the paper's equation writes
+it, where the code multiplies by 1 / d. The paper also states its step as an RMS-matched learning rate,
+0.2 lr sqrt(rows cols) / ||O^||_F; adjust_lr_fn="match_rms_adamw" gives 0.2 lr sqrt(max(rows, cols)) ||O||_F / ||O^||
+instead, equal where O's singular values are all 1.
+
+Distributed, the divisor and g need whole rows and the whole matrix: the rank that holds the full O (an owner)
+computes them, and every rank holding a part of the matrix gets v's new rows and g (rows + 1 float32 a matrix), from
+which normalized() gives its part of O^, bit for bit the owner's: division and multiplication are elementwise.
+"""
+
+import torch
+
+# beta2 and eps: the defaults of the authors' reference implementation (zichongli5/NorMuon, normuon.py).
+NORMUON_OPTIONS = {"beta2": 0.95, "normuon_eps": 1e-10}
+
+
+def second_moment_(ortho, v, beta2):
+    """v (rows x 1, float32, the state) <- beta2 v + (1 - beta2) mean_cols(O * O), in place; O the full bf16 update
+    (rows x cols). Returns v."""
+    o = ortho.float()
+    return v.lerp_((o * o).mean(dim=-1, keepdim=True), 1 - beta2)
+
+
+def divisor(v, eps):
+    """Each row's divisor, sqrt(v) + eps."""
+    return v.sqrt() + eps
+
+
+def rescale(ortho, v, eps):
+    """g = ||O||_F / (||O / d||_F + eps), d = sqrt(v) + eps: the factor that keeps the update's Frobenius norm (a
+    0-d float32 tensor), from the full O and its rows' second moments v."""
+    o = ortho.float()
+    return o.norm() / ((o / divisor(v, eps)).norm() + eps)
+
+
+def normalized(ortho_part, row_divisor, g):
+    """O^ on any part of the matrix: (O / d) * g elementwise, d the divisor of each element's row (broadcast or
+    gathered to the part's shape), float32."""
+    return ortho_part.float() / row_divisor * g
+
+
+def batched_problem(names):
+    """Why batched Newton-Schulz (batched_ns) is refused for NorMuon's matrices `names` (one line), or None if none:
+    its bound (BATCHED_NS_BOUND) is derived for Muon's update, and NorMuon divides each row by its own RMS, which
+    magnifies the batched call's rounding on a row that is small beside the others."""
+    if not names:
+        return None
+    return (f"batched_ns applies to Muon's matrices: NorMuon's ({', '.join(sorted(names)[:3])}) divide each row by "
+            f"its own RMS, which can magnify the batched call's rounding beyond the bound derived for Muon's update")
+
+
+def normuon_(ortho, v, beta2, eps):
+    """NorMuon's step on a full matrix: v updated in place, returns O^ (float32, O's shape)."""
+    second_moment_(ortho, v, beta2)
+    return normalized(ortho, divisor(v, eps), rescale(ortho, v, eps))
