@@ -68,20 +68,31 @@ GROUPS = ((("algorithm", "muon"), ("lr", 0.02), ("weight_decay", 0.1)),
 # b's 3 rows over 4 ranks leave rank 3 nothing of group 1's only matrix
 GROUPED = (("a", (6, 5), ("S0", "S1"), 0), ("b", (3, 7), ("S0", "R"), 1), ("c", (5, 9), ("R", "S1"), 2),
            ("d", (7,), ("S0", "R"), 3), ("e", (4, 4), ("S1", "S0"), 0))
+
+
+def placed_runs(groups):
+    """The meshes every optimizer here is held to, with param groups `groups` (GROUPS' shape: three Muon groups, then
+    an AdamW one): GROUPED on 1x1, 2x2, 4x1; HSDP by hand; expert stacks over EP, with TP inside and uneven."""
+    return {
+        **{f"groups {m}x{n}": demo.PlacedRun((m, n), ("dp", "tp"), GROUPED, groups) for m, n in [(1, 1), (2, 2), (4, 1)]},
+        # HSDP by hand: (replicate, shard, tp), as fully_shard(mesh=mesh["replicate", "shard"]) over TP leaves them
+        "hsdp by hand 2x2x2": demo.PlacedRun((2, 2, 2), ("replicate", "shard", "tp"),
+                                           (("w", (10, 6), ("R", "S0", "S1"), 0), ("v", (9, 12), ("R", "S0", "S0"), 0),
+                                            ("n", (6,), ("R", "S0", "R"), 1)), groups[:1] + groups[3:]),
+        # expert parallel: whole experts over ep, TP inside each expert (w1's rows, w2's columns)
+        "ep 2 x tp 2": demo.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
+                                                           ("w2", (4, 4, 6), ("S0", "S2"), 0)),
+                                    groups[:1], expert_stacks=("w1", "w2")),
+        "ep 4, 6 experts": demo.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0),
+                                                          ("w2", (6, 4, 5), ("S0",), 0)),
+                                        groups[:1], expert_stacks=("w1", "w2")),
+    }
+
+
 PLACED = {
-    **{f"groups {m}x{n}": demo.PlacedRun((m, n), ("dp", "tp"), GROUPED, GROUPS) for m, n in [(1, 1), (2, 2), (4, 1)]},
+    **placed_runs(GROUPS),
     "refused 4x1": demo.PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option"),
     "refused 4x1, rank 3 alone": demo.PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option@3"),
-    # HSDP by hand: (replicate, shard, tp), as fully_shard(mesh=mesh["replicate", "shard"]) over TP leaves them
-    "hsdp by hand 2x2x2": demo.PlacedRun((2, 2, 2), ("replicate", "shard", "tp"),
-                                       (("w", (10, 6), ("R", "S0", "S1"), 0), ("v", (9, 12), ("R", "S0", "S0"), 0),
-                                        ("n", (6,), ("R", "S0", "R"), 1)), GROUPS[:1] + GROUPS[3:]),
-    # expert parallel: whole experts over ep, TP inside each expert (w1's rows, w2's columns)
-    "ep 2 x tp 2": demo.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
-                                                       ("w2", (4, 4, 6), ("S0", "S2"), 0)),
-                                GROUPS[:1], expert_stacks=("w1", "w2")),
-    "ep 4, 6 experts": demo.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0), ("w2", (6, 4, 5), ("S0",), 0)),
-                                    GROUPS[:1], expert_stacks=("w1", "w2")),
 }
 
 

@@ -18,7 +18,7 @@ import torch
 import dtensor_demo as demo
 from conftest import GRIDS, dm, grid_config, grid_run, mo, mt, suite_specs
 from distmuon.dtensor import DistributedConfig, DTensorMuon
-from test_dtensor import GROUPED, GROUPS as MUON_GROUPS
+from test_dtensor import GROUPS as MUON_GROUPS, placed_runs
 
 STRATEGIES = ("owner", "comm-free")
 # every owner strategy on every grid, the 3 x 2 grid with one layer (more ranks than a row's matrices), and overlapped
@@ -99,17 +99,7 @@ def normuon(groups):
 
 
 GROUPS = normuon(MUON_GROUPS)
-PLACED = {
-    **{f"groups {m}x{n}": demo.PlacedRun((m, n), ("dp", "tp"), GROUPED, GROUPS) for m, n in [(1, 1), (2, 2), (4, 1)]},
-    "hsdp 2x2x2": demo.PlacedRun((2, 2, 2), ("replicate", "shard", "tp"),
-                                 (("w", (10, 6), ("R", "S0", "S1"), 0), ("v", (9, 12), ("R", "S0", "S0"), 0),
-                                  ("n", (6,), ("R", "S0", "R"), 1)), GROUPS[:1] + GROUPS[3:]),
-    "ep 2 x tp 2": demo.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
-                                                       ("w2", (4, 4, 6), ("S0", "S2"), 0)),
-                                GROUPS[:1], expert_stacks=("w1", "w2")),
-    "ep 4, 6 experts": demo.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0), ("w2", (6, 4, 5), ("S0",), 0)),
-                                    GROUPS[:1], expert_stacks=("w1", "w2")),
-}
+PLACED = placed_runs(GROUPS)
 
 
 @pytest.fixture(scope="module")
