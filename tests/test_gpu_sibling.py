@@ -123,6 +123,9 @@ def test_the_twin_is_the_lesson_with_its_gpu_hunks_and_nothing_else():
     assert sum(line[:1] in "<>" for line in diff.splitlines() if line) == len(changed)
     for cpu, gpu in gpu_twin.HUNKS[2:]:  # code hunks (after the docstring's two): each says why, in a comment
         assert "#" in gpu
+    for document in ("README.md", os.path.join("notes", "06-gpus.md")):  # the count they state is today's
+        with open(os.path.join(ROOT, document)) as f:
+            assert f"{len(changed)} lines" in f.read(), document
 
 
 def test_chapter_6_shows_todays_diff():
