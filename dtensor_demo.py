@@ -1270,8 +1270,7 @@ def validate(cfg):
     mt.check_topology(cfg.dp, cfg.tp)
     if cfg.steps < 1:
         raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
-    if not 0 <= cfg.seed < 2**32:
-        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
+    mt.check_seed(cfg.seed)
     mc.check_hyperparameters(mt.flag, bucket_size=1, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
     if cfg.lr == 0:

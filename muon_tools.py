@@ -1075,6 +1075,10 @@ def run_processes(fn, args, nprocs, folders=()):
 # late) and passed at 1. 5 s covers MAX_WORLD's start with room for a loaded machine; below it a run died in its
 # first second, each rank printing c10d's timeout (22 lines at --timeout 0.001).
 MIN_TIMEOUT_S = 5.0
+# The longest: torch.distributed counts a deadline in int64 nanoseconds of the steady clock (292 years): here a timeout
+# of 1e10 s ended init_process_group at once ('timed out after 10000000000000ms'), 8.64e13 s (datetime.timedelta's
+# largest) was an invalid Gloo timeout, 1e30 s no timedelta at all (OverflowError on every rank); 1e9 s worked.
+MAX_TIMEOUT_S = 1e9
 
 
 def check_launch(timeout_s, fail_rank=-1, world=1):
@@ -1085,6 +1089,9 @@ def check_launch(timeout_s, fail_rank=-1, world=1):
         raise ValueError(f"--timeout {timeout_s:g} is below the {MIN_TIMEOUT_S:g} s the ranks may need to start and "
                          f"join the world (up to {MAX_WORLD} ranks on this machine; 2.9 s measured for 64): the run "
                          f"would end before its first step")
+    if timeout_s > MAX_TIMEOUT_S:
+        raise ValueError(f"--timeout {timeout_s:g} is above {MAX_TIMEOUT_S:g} s (31 years), the longest "
+                         f"torch.distributed can count from now: its ranks would fail to join")
     if not -1 <= fail_rank < world:
         raise ValueError(f"--fail-rank must name a rank in [0, {world}) (got {fail_rank})")
 
@@ -1272,6 +1279,13 @@ def check_step_numbers(name, groups, muon_shapes):
 MUON_ONLY = ("momentum", "ns_steps", "adjust_lr_fn", "ns_coefficients", "tp_newton_schulz")
 
 
+def check_seed(seed, option="--seed"):
+    """A seed every generator of a run takes: in [0, 2**32) (torch's manual_seed takes less than 2**64, and a run
+    derives its batches' seeds from it: examples/stdlib_text.py multiplies it by 1,000,003)."""
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"{option} must be in [0, 2**32) (got {seed})")
+
+
 def check_topology(dp, tp, world=None):
     """The lesson's grid check (every factor named), and at most MAX_WORLD ranks on this machine."""
     check_grid(dp, tp, world)
@@ -1285,8 +1299,7 @@ def validate(cfg, specs):
     check_topology(cfg.dp, cfg.tp)
     if cfg.steps < 1:
         raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
-    if not 0 <= cfg.seed < 2**32:
-        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
+    check_seed(cfg.seed)
     check_hyperparameters(flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                           momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
     if cfg.lr == 0:

@@ -132,6 +132,7 @@ def validate(cfg, ranks_here=None):
     """Every check that can be made before any rank starts; ValueError with one line. ranks_here: how many
     of the ranks share this machine's memory (default all of them, as when spawned; 0: do not check)."""
     mt.check_topology(cfg.dp, cfg.tp)
+    mt.check_seed(cfg.seed)
     for name in ("steps", "batch", "context", "d_model", "layers", "heads", "log_every", "val_windows"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
