@@ -167,6 +167,14 @@ class Layer(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(h))) + self.moe(h)
 
 
+def demo_parameters(cfg):
+    """How many parameters DemoModel(cfg) has, without building it: the embedding and the head (vocab x d each),
+    and per layer its norm (2 d), fc1 and fc2 (4 d^2 + 4 d, 4 d^2 + d) and its MoE (the router, experts x d, and
+    two stacks of experts x hidden x d)."""
+    d, e, h = cfg.d, cfg.experts, cfg.expert_hidden
+    return 2 * cfg.vocab * d + cfg.layers * (2 * d + 8 * d * d + 5 * d + e * d + 2 * e * h * d)
+
+
 class DemoModel(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -1265,14 +1273,20 @@ def validate(cfg):
     mt.check_topology(cfg.dp, cfg.tp)
     if cfg.steps < 1:
         raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
-    if not 0 <= cfg.seed < 2**32:
-        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
+    mt.check_seed(cfg.seed)
     mc.check_hyperparameters(mt.flag, bucket_size=1, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
     if cfg.lr == 0:
         raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
     if cfg.layers < 1 or cfg.experts < 1:
         raise ValueError(f"--layers and --experts must be >= 1 (got {cfg.layers}, {cfg.experts})")
+    if demo_parameters(cfg) > mt.MAX_DEMO_PARAMETERS:  # every rank builds the whole model before sharding it
+        raise ValueError(f"--layers {cfg.layers} x --experts {cfg.experts}: {demo_parameters(cfg):,} parameters, more "
+                         f"than the {mt.MAX_DEMO_PARAMETERS:,} a laptop's ranks can each hold whole")
+    with torch.random.fork_rng(devices=[]):  # the seed it sets (manual_seed) undone on the way out
+        model = DemoModel(replace(cfg, layers=1))  # every layer's shapes; milliseconds ("meta" took a second)
+    groups = param_groups(model, cfg)
+    mt.check_step_numbers(mt.flag, groups, [p.shape[-2:] for _, p in groups[0]["params"]])  # each expert a matrix
     if cfg.train and (4 * cfg.d) % cfg.tp:
         raise ValueError(f"--train with TP {cfg.tp}: torch's ColwiseParallel -> RowwiseParallel forward needs TP to "
                          f"divide the hidden size {4 * cfg.d} (it takes the uneven pieces for even ones); without "

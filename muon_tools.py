@@ -57,7 +57,7 @@ import distributed_muon_cpu as dm
 from distributed_muon_cpu import (D_MODEL, NS_COEFFICIENTS, NS_EPS, NS_STEPS, N_LAYERS, ParamSpec, adjusted_lr,
                                   dp_rank_grads, initial_params, newton_schulz, plan_grid, transformer_specs)
 import distmuon.checks as mc
-from distmuon.checks import ADJUST_LR_FNS, NS_COEFFICIENT_CHOICES, check_grid, check_hyperparameters
+from distmuon.checks import ADJUST_LR_FNS, NS_COEFFICIENT_CHOICES, TORCH_OPTIONS, check_grid, check_hyperparameters
 from muon_forkserver import remove_at_exit, start_method, stop_forkserver
 from distmuon.owners import (BATCHED_NS_BOUND, OPTIMIZERS, OVERLAP_DEFAULT, STRATEGIES, check_owner_options,
                              load_balance)
@@ -1114,21 +1114,77 @@ def run_processes(fn, args, nprocs, folders=()):
 
 
 # The command line: its checks, made before any rank starts, then its parser and main().
+# The shortest --timeout a run can live with: a rank's first heartbeat comes HEARTBEAT_S after it starts, and every
+# rank must join the world (init_process_group, whose wait --timeout bounds too) before any step. Measured here (2
+# cores, idle; the launcher's clock starts once every rank is started): 8 ranks joined 0.35 s after it, 16 ranks
+# 0.7 s, 32 ranks 1.4 s and 64 (MAX_WORLD) 2.9 s; the default run failed at --timeout 0.6 (a rank's first heartbeat
+# late) and passed at 1. 5 s covers MAX_WORLD's start with room for a loaded machine; below it a run died in its
+# first second, each rank printing c10d's timeout (22 lines at --timeout 0.001).
+MIN_TIMEOUT_S = 5.0
+# The longest: torch.distributed counts a deadline in int64 nanoseconds of the steady clock (292 years): here a timeout
+# of 1e10 s ended init_process_group at once ('timed out after 10000000000000ms'), 8.64e13 s (datetime.timedelta's
+# largest) was an invalid Gloo timeout, 1e30 s no timedelta at all (OverflowError on every rank); 1e9 s worked.
+MAX_TIMEOUT_S = 1e9
+
+
 def check_launch(timeout_s, fail_rank=-1, world=1):
     """The launcher's own options, shared by every command that launches ranks (ValueError, one line)."""
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"--timeout must be > 0 seconds and finite (got {timeout_s})")
+    if timeout_s < MIN_TIMEOUT_S:
+        raise ValueError(f"--timeout {timeout_s:g} is below the {MIN_TIMEOUT_S:g} s the ranks may need to start and "
+                         f"join the world (up to {MAX_WORLD} ranks on this machine; 2.9 s measured for 64): the run "
+                         f"would end before its first step")
+    if timeout_s > MAX_TIMEOUT_S:
+        raise ValueError(f"--timeout {timeout_s:g} is above {MAX_TIMEOUT_S:g} s (31 years), the longest "
+                         f"torch.distributed can count from now: its ranks would fail to join")
     if not -1 <= fail_rank < world:
         raise ValueError(f"--fail-rank must name a rank in [0, {world}) (got {fail_rank})")
 
 
-def check_writable(path, option="--json", folder=False):
+def is_code_file(path):
+    """Whether `path` is a file of the code this process runs: its script, or a module it has imported (only the
+    files of the same name are resolved: thousands of modules are loaded with torch)."""
+    real = os.path.realpath(path)
+    files = [sys.argv[0] if sys.argv else ""] + [getattr(m, "__file__", None) for m in list(sys.modules.values())]
+    return any(isinstance(f, str) and os.path.basename(f) == os.path.basename(real) and os.path.realpath(f) == real
+               for f in files)
+
+
+def check_not_input(path, option, inputs=None):
+    """Nothing a command writes may be one of its inputs: a ValueError (one line) if `path`, which the command
+    will write (a file, or a folder it writes into), is one of `inputs` ({what it is: its path}, the files or
+    folders it reads), or a file of the code it runs (its script, a module it imported: --json muon_tools.py)."""
+    real = os.path.realpath(path)
+    for what, given in (inputs or {}).items():
+        if given and os.path.realpath(given) == real:
+            raise ValueError(f"{option} {path} is {what}, which this command reads: it would write over its own "
+                             f"input")
+    if is_code_file(real):
+        raise ValueError(f"{option} {path} is a file of the code this command runs: it would write over it")
+
+
+def check_outputs(outputs):
+    """Each output of a command names its own file: {option: path} (None or "": not given), a ValueError
+    (one line) for two that are the same file (the second written over the first)."""
+    seen = {}
+    for option, path in outputs.items():
+        if path:
+            real = os.path.realpath(path)
+            if real in seen:
+                raise ValueError(f"{option} {path} is also {seen[real]}: one output would be written over the other")
+            seen[real] = f"{option} {path}"
+
+
+def check_writable(path, option="--json", folder=False, inputs=None):
     """Raise ValueError (one line) unless `path`, a file the run will write (or with folder=True, a folder it
     will write into, made with any missing parents), can be written: checked before any rank starts by
     creating it, since only that tells (as root, os.access says yes even to /proc). What this creates it
     removes at once, so that nothing is left however the run ends (whoever writes it creates it again); a
     file already there is opened for appending, not changed. Every rank of a torchrun job may check the
-    same path: each removes only what it created (O_EXCL)."""
+    same path: each removes only what it created (O_EXCL). Nor may it be an input (check_not_input: `inputs`,
+    and the code this process runs)."""
+    check_not_input(path, option, inputs)
     parent = os.path.dirname(os.path.abspath(path))
     if not folder and os.path.isdir(path):
         raise ValueError(f"{option} {path} is a directory")
@@ -1223,8 +1279,57 @@ def check_large_run_flags(*, ns_coefficients, ns_blocks, tp_newton_schulz, qk_cl
                          f"{strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+TORCH_ADAMW_BETAS = TORCH_OPTIONS["adamw"]["betas"]
+
+
+def check_step_numbers(name, groups, muon_shapes):
+    """The numbers a float32 step cannot survive, refused before any rank starts (ValueError, one line; `name`
+    spells an option: a flag). groups: the options of a run's param groups (algorithm, lr, weight_decay; a Muon
+    group's adjust_lr_fn, an AdamW group's betas, torch's default if absent); muon_shapes: the full shapes of the
+    matrices Muon steps (a block of --ns-blocks is never adjusted above its whole matrix).
+
+    torch's step hands two scalars to float32 kernels that refuse one float32 cannot hold ("value cannot be
+    converted to type float without overflow", on every rank): Muon's adjusted lr (lr x its shape's factor:
+    adjusted_lr) and AdamW's step size lr / (1 - beta1^step), largest at step 1. Those are refused, the largest
+    first. And decoupled weight decay multiplies every weight by 1 - lr x weight_decay at every step: at
+    lr x weight_decay = 1 that erases the weights, above it flips their signs (and above 2 grows them until
+    they overflow), which is no decay: lr x weight_decay >= 1 is refused too."""
+    scalars = []
+    for group in groups:
+        lr = group["lr"]
+        if group["algorithm"] in mc.ORTHOGONALIZED:  # NorMuon's update keeps Muon's norm, and takes its lr so
+            fn, who = group.get("adjust_lr_fn") or "original", "NorMuon" if group["algorithm"] == "normuon" else "Muon"
+            scalars += [(adjusted_lr(lr, fn, shape), adjusted_lr(1.0, fn, shape),
+                         f"{who}'s lr of a {shape[0]}x{shape[1]} matrix ({fn})", lr) for shape in muon_shapes]
+        else:
+            beta1 = group.get("betas", TORCH_ADAMW_BETAS)[0]
+            scalars.append((lr / (1 - beta1), 1 / (1 - beta1), f"AdamW's first step size lr / (1 - beta1 {beta1:g})",
+                            lr))
+    if scalars:
+        value, factor, what, lr = max(scalars, key=lambda s: s[:2])
+        if not value <= FLOAT32_MAX:
+            raise ValueError(f"{name('lr')} {lr:g} overflows float32 in the step: {what} is {factor:.3g} x lr = "
+                             f"{value:.3g}, more than float32's largest number ({FLOAT32_MAX:.3g}); torch's step "
+                             f"would fail converting it on every rank")
+    for group in groups:
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        if lr * weight_decay >= 1:
+            raise ValueError(f"{name('lr')} {lr:g} x {name('weight_decay')} {weight_decay:g} = {lr * weight_decay:g} "
+                             f"is >= 1: every step multiplies each weight by 1 - lr x weight_decay = "
+                             f"{1 - lr * weight_decay:g}, which erases it (at 0) or flips its sign (below 0) instead "
+                             f"of decaying it toward 0")
+
+
 # What only Muon reads: with --baseline (AdamW for every parameter) a value other than the default changes nothing.
 MUON_ONLY = ("momentum", "ns_steps", "adjust_lr_fn", "ns_coefficients", "tp_newton_schulz")
+
+
+def check_seed(seed, option="--seed"):
+    """A seed every generator of a run takes: in [0, 2**32) (torch's manual_seed takes less than 2**64, and a run
+    derives its batches' seeds from it: examples/stdlib_text.py multiplies it by 1,000,003)."""
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"{option} must be in [0, 2**32) (got {seed})")
 
 
 def check_topology(dp, tp, world=None):
@@ -1240,8 +1345,7 @@ def validate(cfg, specs):
     check_topology(cfg.dp, cfg.tp)
     if cfg.steps < 1:
         raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
-    if not 0 <= cfg.seed < 2**32:
-        raise ValueError(f"--seed must be in [0, 2**32) (got {cfg.seed})")
+    check_seed(cfg.seed)
     check_hyperparameters(flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                           momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
     if cfg.lr == 0:
@@ -1294,6 +1398,8 @@ def validate(cfg, specs):
         raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
     if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
         raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
+    check_step_numbers(flag, group_hyperparameters(cfg).values(),
+                       [s.global_shape for s in specs if s.group == MUON_GROUP])
     check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
     names = {s.name for s in specs}
     for name, rank, step in cfg.missing_grads:
@@ -1433,7 +1539,16 @@ def leave(code, line=""):
     os._exit(code)
 
 
-def exit_code(work, show_traceback=False):
+def not_under_torchrun(torchrun_command=None):
+    """What a command meant for python says under torchrun (exit_code): one line; torchrun_command, the
+    command to run under torchrun instead, if there is one."""
+    script = os.path.basename(sys.argv[0])
+    instead = f"; under torchrun, run {torchrun_command}" if torchrun_command else ""
+    return (f"{script} runs with python, not under torchrun (RANK, WORLD_SIZE and LOCAL_RANK are set): torchrun "
+            f"would run a copy of the whole command in each of its processes; run python {script}{instead}")
+
+
+def exit_code(work, show_traceback=False, torchrun_command=None):
     """Run work() the way a command should end: its return code, or one line on stderr and
     2 (a bad flag, path or config), 1 (a rank failed), 130 (Ctrl-C) or 143 (SIGTERM).
 
@@ -1441,10 +1556,19 @@ def exit_code(work, show_traceback=False):
     then waits, and is delivered here, where it ends the command as any Ctrl-C does, not as
     a traceback out of torch's import. On the way out the mask is put back as it was: a
     command's Ctrl-C after work() waits for its end, and is dropped.
+
+    exit_code is how a command meant for python ends (one that runs under torchrun, a rank per process, ends
+    through run_under_torchrun instead): started under torchrun, it says so (rank 0 alone, as OneLineParser
+    does) and exits 2 before work(): no copy of it starts ranks or writes anything, and a forkserver's start
+    was skipped (muon_forkserver.start_command). torchrun_command: the command for torchrun, if there is one.
     """
+    command = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, ())  # blocked by a command's first lines
+    if command and under_torchrun():
+        if os.environ["RANK"] == "0":
+            print(f"error: {not_under_torchrun(torchrun_command)}", file=sys.stderr)
+        return 2
     previous = signal.signal(signal.SIGTERM, raise_interrupted)  # SIGTERM cleans up as Ctrl-C does
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
-    command = signal.SIGINT in mask  # blocked by a command's first lines: this process is that command's
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inside the try: one may be waiting
         return work()
@@ -1484,7 +1608,7 @@ def main(argv=None):
         write_json(args.json, results)
         return 0 if results["passed"] else 1
 
-    return exit_code(work, args.traceback)
+    return exit_code(work, args.traceback, torchrun_command="distributed_muon.py, the lesson's twin for torchrun")
 
 
 # Under torchrun: each process is a rank already, started and told who it is by torchrun. What our launcher

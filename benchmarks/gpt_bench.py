@@ -22,17 +22,19 @@ def pyplot():
     return plt
 
 
-def main(parser, measure, plot, argv=None):
+def main(parser, measure, plot, argv=None, inputs=lambda args: {}):
     """Add --json and --figure to parser, parse argv, run measure(args) (it prints its tables and
-    returns what --json writes), then plot(result, path) for --figure; returns the exit code."""
+    returns what --json writes), then plot(result, path) for --figure; returns the exit code.
+    inputs(args): {what: path} of the files the command reads, which neither output may be."""
     parser.add_argument("--json", metavar="PATH", help="write the figures")
     parser.add_argument("--figure", metavar="PATH", help="draw them (PNG)")
     args = parser.parse_args(argv)
 
     def work():
+        mt.check_outputs({"--json": args.json, "--figure": args.figure})
         for path, option in ((args.json, "--json"), (args.figure, "--figure")):
             if path:
-                mt.check_writable(path, option)
+                mt.check_writable(path, option, inputs=inputs(args))
         result = measure(args)
         mt.write_json(args.json, result)
         if args.figure:

@@ -28,7 +28,6 @@ rewritten after every (seed, schedule) group, so an interrupted sweep keeps what
 """
 
 import argparse
-import functools
 import json
 import os
 import signal
@@ -84,7 +83,11 @@ def train(a, model=tg.TrainConfig(), save=None, print_fn=print):
               for seed in a.seeds for schedule in a.schedules}
     for configs in groups.values():  # every configuration is checked before the first rank starts
         for cfg in configs:
-            tg.validate(cfg)
+            tg.validate(replace(cfg, lr=model.lr))  # the rest of the run, at train_gpt's own lr
+            try:
+                tg.validate(cfg)
+            except ValueError as e:  # then the lr's refusal, in train_gpt's words, said of the sweep's flag
+                raise ValueError(f"--{cfg.optimizer}-lrs {cfg.lr:g}: {e}") from None
     print_fn(tg.header(base).splitlines()[0].split(";")[0] + f"; {a.steps} steps; validation: {a.val_windows} "
              f"windows every {a.every} steps; seeds {', '.join(map(str, a.seeds))}", flush=True)
     runs = []
@@ -291,7 +294,10 @@ def build_parser():
 
 
 def main(argv=None):
-    return benchmark_main(build_parser(), functools.partial(measure, given=given_flags(argv)), plot, argv)
+    # the flags given are read once the command line is checked (with --help it never is: given_flags's parser,
+    # without defaults, could not print it)
+    return benchmark_main(build_parser(), lambda a: measure(a, given=given_flags(argv)), plot, argv,
+                          inputs=lambda a: {"--from-json's runs": a.from_json})
 
 
 if __name__ == "__main__":

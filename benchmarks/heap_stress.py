@@ -130,13 +130,13 @@ def main(argv=None):
     command = os.path.join(args.checkout, COMMAND)
     if not os.path.isfile(command):
         p.error(f"--checkout {args.checkout}: it has no {COMMAND}")
-    try:
-        commit = subprocess.run(["git", "-C", args.checkout, "log", "-1", "--format=%h"], capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:  # no git here
-        commit = ""
 
     def work():
+        try:
+            commit = subprocess.run(["git", "-C", args.checkout, "log", "-1", "--format=%h"], capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:  # no git here
+            commit = ""
         checks = malloc_check_env() if args.malloc_check else {}
         env = dict(os.environ, **checks)
         busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]

@@ -26,6 +26,13 @@ cd "$(dirname "$0")/.."
 CPU_ONLY=0; QUICK=0; OUT=notes/measured; NAME=""
 while [ $# -gt 0 ]; do
   case "$1" in
+    -h|--help) echo "usage: bash benchmarks/on_gpu.sh [--cpu-only] [--quick] [--out DIR] [--name NAME]"
+      echo "Everything that needs the GPU machine, each part time-boxed (the comments at the top of this file)."
+      echo "  --cpu-only   skip the CUDA parts (1-3), run the CPU scaling (4)"
+      echo "  --quick      tiny sizes: a plumbing check, not figures"
+      echo "  --out DIR    the folder to write the files into (default notes/measured)"
+      echo "  --name NAME  the files' suffix (default the GPU's model, e.g. h100, or cpu with --cpu-only)"
+      exit 0 ;;
     --cpu-only) CPU_ONLY=1 ;;
     --quick) QUICK=1 ;;
     --out|--name) [ $# -gt 1 ] || { echo "error: on_gpu.sh: $1 needs a value" >&2; exit 2; }
@@ -35,6 +42,13 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ -d "$OUT" ] || { echo "error: on_gpu.sh: --out $OUT is not a folder" >&2; exit 2; }
+# writable: made and removed, as muon_tools.check_writable does (as root, test -w says yes even to /proc)
+PROBE="$OUT/.on_gpu-probe-$$"
+( : > "$PROBE" ) 2>/dev/null && rm -f "$PROBE" || { echo "error: on_gpu.sh: --out $OUT cannot be written" >&2; exit 2; }
+case "$NAME" in
+  *[!A-Za-z0-9._-]*)
+    echo "error: on_gpu.sh: --name $NAME: letters, digits, '.', '_' and '-' only (it ends file names)" >&2; exit 2 ;;
+esac
 # The Python with torch: $PYTHON, else `python`, else `python3` (the device machine lent here has only python3).
 PY=${PYTHON:-$(command -v python >/dev/null && echo python || echo python3)}
 if [ "$CPU_ONLY" = 0 ] && ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then

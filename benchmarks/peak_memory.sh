@@ -4,6 +4,13 @@
 # summed PSS (shares them out: the memory the run really holds).
 #   benchmarks/peak_memory.sh python examples/train_gpt.py
 [ $# -gt 0 ] || { echo "error: no command to measure (benchmarks/peak_memory.sh COMMAND [ARGUMENT ...])" >&2; exit 2; }
+case "$1" in
+  -h|--help) echo "usage: benchmarks/peak_memory.sh COMMAND [ARGUMENT ...]"
+    echo "Runs COMMAND in a session of its own and prints the peak of its processes' summed RSS and PSS"
+    echo "(its output goes to \$PEAK_MEMORY_LOG, or nowhere)."
+    exit 0 ;;
+  -*) echo "error: peak_memory.sh: unknown option $1 (it takes a COMMAND to measure, then its arguments)" >&2; exit 2 ;;
+esac
 command -v "$1" > /dev/null || { echo "error: $1: no such command" >&2; exit 2; }
 setsid "$@" > "${PEAK_MEMORY_LOG:-/dev/null}" 2>&1 &
 sleep 0.5

@@ -220,12 +220,13 @@ def main(argv=None):
     if any(not 1 <= n <= mt.MAX_WORLD for n in args.ranks):
         p.error(f"--ranks must be in [1, {mt.MAX_WORLD}] (got {' '.join(map(str, args.ranks))})")
     check_model(p, args, max(args.ranks))
-    for option, path in (("--json", args.json), ("--figure", args.figure)):
-        if path:
-            try:
+    try:
+        mt.check_outputs({"--json": args.json, "--figure": args.figure})
+        for option, path in (("--json", args.json), ("--figure", args.figure)):
+            if path:
                 mt.check_writable(path, option)
-            except ValueError as e:
-                p.error(str(e))
+    except ValueError as e:
+        p.error(str(e))
     if args.without_ns and not hasattr(torch.optim._muon, TORCH_NEWTON_SCHULZ):
         p.error(f"--without-ns: torch {torch.__version__} has no torch.optim._muon.{TORCH_NEWTON_SCHULZ} to replace")
     torch.set_num_threads(1)

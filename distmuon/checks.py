@@ -183,6 +183,10 @@ def check_parts(*, tp_split_dims=None, strategy=None, large_runs=None):
     what the step calls), large_runs a LargeRuns."""
     if tp_split_dims is not None and not (isinstance(tp_split_dims, dict) and all(isinstance(k, str) for k in tp_split_dims)):
         raise ValueError(f"tp_split_dims must be a dict {{parameter name: dim}} (got {tp_split_dims!r:.80})")
+    for argument, value in (("strategy", strategy), ("large_runs", large_runs)):
+        if isinstance(value, type):  # the class itself has every method, unbound: the step would fail inside
+            raise ValueError(f"{argument} must be an instance, not the class {value.__name__}: give "
+                             f"{argument}={value.__name__}(...)")
     if strategy is not None and not (all(callable(getattr(strategy, call, None)) for call in STRATEGY_CALLS)
                                      and isinstance(getattr(strategy, "overlap", None), int)):
         raise ValueError(f"strategy must be a strategy of the lesson's step: Gather(), distmuon.owners' Owner() or "

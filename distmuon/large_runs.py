@@ -435,6 +435,13 @@ class LargeRuns(Blocks):
 
     def __init__(self, *, row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None):
         check_large_run_options(ns_blocks=ns_blocks, tp_newton_schulz=tp_newton_schulz, qk_clip_tau=qk_clip_tau)
+        if row_layouts is not None and not isinstance(row_layouts, dict):  # dict() would take a list of pairs
+            raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got "
+                             f"{type(row_layouts).__name__})")
+        for name, rows in (row_layouts or {}).items():  # what they describe is checked once the layout is known
+            if not isinstance(name, str) or not isinstance(rows, RowLayout):
+                raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got {name!r}: "
+                                 f"{type(rows).__name__})")
         self.row_layouts, self.ns_blocks = dict(row_layouts or {}), ns_blocks
         self.tp_newton_schulz, self.qk_clip_tau = tp_newton_schulz, qk_clip_tau
         super().__init__()

@@ -808,18 +808,27 @@ class CommFree(Owner):
         return wait if async_op else wait()
 
 
+def with_strategy(optimizer, strategy, kwargs):
+    """DistributedMuon's keywords with the strategy an OwnerMuon or CommFreeMuon is built around; one given too is
+    refused as Python refuses a keyword a function does not take (TypeError), saying what to write instead."""
+    if "strategy" in kwargs:
+        raise TypeError(f"{optimizer} takes no strategy: it is DistributedMuon(params, strategy="
+                        f"{type(strategy).__name__}(...)); for another strategy, build DistributedMuon with it")
+    return dict(kwargs, strategy=strategy)
+
+
 class OwnerMuon(DistributedMuon):
     """DistributedMuon with the owner strategy as its part (Owner's arguments, then DistributedMuon's)."""
 
     def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
-        super().__init__(params, strategy=Owner(owners, overlap, batched_ns), **kwargs)
+        super().__init__(params, **with_strategy("OwnerMuon", Owner(owners, overlap, batched_ns), kwargs))
 
 
 class CommFreeMuon(DistributedMuon):
     """DistributedMuon with the comm-free strategy as its part (CommFree's arguments, then DistributedMuon's)."""
 
     def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
-        super().__init__(params, strategy=CommFree(owners, overlap, batched_ns), **kwargs)
+        super().__init__(params, **with_strategy("CommFreeMuon", CommFree(owners, overlap, batched_ns), kwargs))
 
 
 # Every strategy, by the name --strategy takes: the optimizer with it as its part.

@@ -385,6 +385,13 @@ def qkv_row_layouts(config):
     return {f"blocks.{i}.attn.qkv.weight": layout for i in range(config.n_layers)}
 
 
+def hidden_matrix_shapes(config):
+    """The full shapes (out, in) of the hidden matrices muon_params names, as the blocks build them: QKV, the
+    attention's projection, the MLP's two (without building a model: the command line checks them)."""
+    d = config.d_model
+    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
+
+
 def muon_params(model):
     """The names of the hidden matrices, for Muon: every 2-D weight inside a block."""
     return [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]

@@ -78,7 +78,8 @@ import distmuon.large_runs as mlr  # noqa: E402
 import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 from muon_tools import bound_ratio, loss_drift, one_ulp_up  # noqa: E402
-from examples.gpt import GPT, GPTConfig, check_gpt, param_groups, qkv_row_layouts  # noqa: E402
+from examples.gpt import (GPT, GPTConfig, check_gpt, hidden_matrix_shapes, param_groups,  # noqa: E402
+                          qkv_row_layouts)
 from examples.stdlib_text import load_corpus  # noqa: E402
 
 # =============================================================================
@@ -131,6 +132,7 @@ def validate(cfg, ranks_here=None):
     """Every check that can be made before any rank starts; ValueError with one line. ranks_here: how many
     of the ranks share this machine's memory (default all of them, as when spawned; 0: do not check)."""
     mt.check_topology(cfg.dp, cfg.tp)
+    mt.check_seed(cfg.seed)
     for name in ("steps", "batch", "context", "d_model", "layers", "heads", "log_every", "val_windows"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
@@ -153,6 +155,7 @@ def validate(cfg, ranks_here=None):
                              momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")
     if cfg.lr == 0:
         raise ValueError("--lr must be > 0")
+    mt.check_step_numbers(mt.flag, hyperparameters(cfg), hidden_matrix_shapes(cfg.gpt()))
     for name, n in (("batch", cfg.batch), ("val-windows", cfg.val_windows)):
         if n % cfg.dp:
             raise ValueError(f"DP {cfg.dp} does not divide --{name} {n}: every DP rank takes the same share")

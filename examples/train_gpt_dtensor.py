@@ -91,6 +91,8 @@ def validate(cfg, on_disk=True):
         raise ValueError(f"--save-step must be in [1, --steps {cfg.steps}] (got {cfg.save_step})")
     if cfg.resume and not 0 <= cfg.resume_step < cfg.steps:
         raise ValueError(f"--resume-step must be in [0, --steps {cfg.steps}) (got {cfg.resume_step})")
+    if cfg.save:  # before --resume's own check: the same folder is refused, however it holds a checkpoint
+        mt.check_not_input(cfg.save, "--save", {"--resume's checkpoint": cfg.resume})
     if on_disk and cfg.resume and not os.path.isfile(os.path.join(cfg.resume, ".metadata")):
         raise ValueError(f"--resume {cfg.resume}: no torch.distributed.checkpoint there (no .metadata)")
     if cfg.save:

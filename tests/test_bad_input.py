@@ -10,9 +10,14 @@ anything that would start a rank (a multiprocessing or subprocess start, joining
 it with exit 3 and says so.
 Torchrun entry points run as torchrun starts each process (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE set; the parser runs before any rank joins): rank 0 prints the line, rank 3 nothing.
-The shell scripts run as they are, with bash.
+The shell scripts run as they are, with bash, all at once beside the harness.
+
+A walker finds every entry point by listing the files (ENTRY_POINTS: a new command cannot be missed) and checks
+what every command owes a user: --help (exit 0, the usage on stdout), an unknown flag (exit 2, one line), and,
+for a command meant for python, one line under torchrun instead of a copy of the command per process.
 """
 
+import glob
 import json
 import os
 import subprocess
@@ -180,6 +185,66 @@ ROWS += [
     ("benchmarks/scaling.py", ["--figure", "/proc/x.png"], "--figure /proc/x.png cannot be written", False),
     ("benchmarks/gpt_step.py", ["--traces", "/proc/traces"], "--traces /proc/traces cannot be written", False),
 ]
+# The numbers a step cannot survive, refused up front (muon_tools.check_step_numbers, check_launch); what a command
+# writes may not be one of its inputs, nor the code it runs (check_not_input), nor another of its outputs; combinations
+# that would ignore a flag; the tools as the rest.
+ROWS += [
+    ("distributed_muon_cpu.py", ["--lr", "1e308"],
+     "--lr 1e+308 overflows float32 in the step: AdamW's first step size lr / (1 - beta1 0.9) is 10 x lr = inf", False),
+    ("distributed_muon_cpu.py", ["--lr", "1e38", "--weight-decay", "0"], "10 x lr = 1e+39, more than float32's", False),
+    ("distributed_muon_cpu.py", ["--baseline", "--lr", "2e38", "--weight-decay", "0"], "10 x lr = 2e+39", False),
+    ("distributed_muon_cpu.py", ["--lr", "11"],
+     "--lr 11 x --weight-decay 0.1 = 1.1 is >= 1: every step multiplies each weight by 1 - lr x weight_decay = -0.1",
+     False),
+    ("distributed_muon_cpu.py", ["--lr", "1", "--weight-decay", "1"], "= 1 is >= 1", False),
+    ("distributed_muon_cpu.py", ["--timeout", "0.001"], "--timeout 0.001 is below the 5 s the ranks may need to start",
+     False),
+    ("distributed_muon_cpu.py", ["--timeout", "1e30"], "--timeout 1e+30 is above 1e+09 s (31 years)", False),
+    ("examples/train_gpt.py", ["--seed", "-1"], "--seed must be in [0, 2**32) (got -1)", False),
+    ("distributed_muon_cpu.py", ["--json", "muon_tools.py"], "--json muon_tools.py is a file of the code this command "
+                                                              "runs", False),
+    ("distributed_muon.py", ["--lr", "1e308", *GLOO_CPU], "--lr 1e+308 overflows float32 in the step", True),
+    ("distributed_muon.py", ["--timeout", "0.001", "--dp", "2", "--tp", "2", *GLOO_CPU],
+     "--timeout 0.001 is below the 5 s", True),
+    ("distributed_muon.py", ["--json", "distributed_muon.py", *GLOO_CPU], "is a file of the code this command runs",
+     True),
+    ("dtensor_demo.py", ["--lr", "20"], "--lr 20 x --weight-decay 0.1 = 2 is >= 1", False),
+    ("dtensor_demo.py", ["--lr", "1e308", "--dp", "2", "--tp", "2", *GLOO_CPU], "overflows float32 in the step", True),
+    ("dtensor_demo.py", ["--timeout", "1"], "--timeout 1 is below the 5 s", False),
+    ("examples/train_gpt.py", ["--lr", "1e38", "--weight-decay", "0"], "--lr 1e+38 overflows float32 in the step",
+     False),
+    ("examples/train_gpt.py", ["--lr", "10"], "--lr 10 x --weight-decay 0.1 = 1 is >= 1", False),
+    ("examples/train_gpt.py", ["--timeout", "0.5", "--dp", "2", "--tp", "2", *GLOO_CPU], "--timeout 0.5 is below",
+     True),
+    ("examples/train_gpt_dtensor.py", ["--lr", "1e308"], "--lr 1e+308 overflows float32 in the step", False),
+    ("examples/train_gpt_dtensor.py", ["--timeout", "1"], "--timeout 1 is below the 5 s", False),
+    ("examples/train_gpt_dtensor.py", ["--save", "/proc/ck", "--save-step", "2", "--resume", "/proc/ck/",
+                                       "--resume-step", "1"],
+     "--save /proc/ck is --resume's checkpoint, which this command reads: it would write over its own input", False),
+    ("benchmarks/gpt_lr_sweep.py", ["--muon-lrs", "0.02", "1e308"], "--muon-lrs 1e+308: --lr 1e+308 overflows", False),
+    ("benchmarks/gpt_lr_sweep.py", ["--adamw-lrs", "20"], "--adamw-lrs 20: --lr 20 x --weight-decay 0.1", False),
+    ("benchmarks/gpt_lr_sweep.py", ["--from-json", PROC, "--json", PROC],
+     f"--json {PROC} is --from-json's runs, which this command reads", False),
+    ("benchmarks/gpt_step.py", ["--json", PROC, "--figure", PROC], f"--figure {PROC} is also --json {PROC}", False),
+    ("benchmarks/scaling.py", ["--json", PROC, "--figure", PROC], f"--figure {PROC} is also --json {PROC}", False),
+    ("benchmarks/ns_coefficients.py", ["--lr", "1e308"], "--lr 1e+308 overflows float32 in the step", False),
+    ("tools/gpu_twin.py", ["--twin", "/nonexistent-folder/twin.py"],
+     "--twin /nonexistent-folder/twin.py: the folder /nonexistent-folder does not exist", False),
+    ("tools/gpu_twin.py", ["--twin", "distributed_muon_cpu.py"],
+     "--twin distributed_muon_cpu.py is the lesson, which this command reads: it would write over its own input",
+     False),
+    ("tools/gpu_twin.py", ["--twin", "notes/06-gpus.md"],
+     "is the chapter that shows the diff, which this command reads", False),
+    ("tools/gpu_twin.py", ["--check", "--twin", "/nonexistent/twin.py"], "--twin /nonexistent/twin.py: no such file to "
+                                                                        "check", False),
+    ("tools/gpu_twin.py", ["--twin"], "argument --twin: expected one argument", False),
+    ("tools/make_notebook.py", ["--check", "--all"], "--check makes no notebook: --all (make both) would be ignored",
+     False),
+    ("tools/figures.py", ["--out-dir", "/proc/figures"], "--out-dir /proc/figures cannot be written", False),
+    ("benchmarks/on_gpu.sh", ["--cpu-only", "--out", "/proc"], "on_gpu.sh: --out /proc cannot be written", False),
+    ("benchmarks/on_gpu.sh", ["--cpu-only", "--name", "a/b"], "on_gpu.sh: --name a/b: letters, digits", False),
+    ("benchmarks/peak_memory.sh", ["-x"], "peak_memory.sh: unknown option -x", False),
+]
 # Good input, run by the same harness: each gets as far as starting a rank, which the harness stops (exit 3). Its
 # output paths, under {tmp} (a fresh folder), were created to check them and removed at once: nothing is left there.
 CONTROLS = [("distributed_muon_cpu.py", ["--dp", "1", "--tp", "1", "--steps", "1", "--json", "{tmp}/run.json"], {}),
@@ -188,6 +253,32 @@ CONTROLS = [("distributed_muon_cpu.py", ["--dp", "1", "--tp", "1", "--steps", "1
              {}),
             ("benchmarks/compare.py", ["--overlap", "2", "--tp-newton-schulz", "gram", "--json", "{tmp}/compare.json"],
              {})]
+
+
+
+
+def entry_points():
+    """Every command of the repository, found by listing its folders: each Python file of the top level, examples/,
+    benchmarks/ and tools/ with a `if __name__ == "__main__":` block, and each shell script there."""
+    found = []
+    for folder in ("", "examples", "benchmarks", "tools"):
+        for path in sorted(glob.glob(os.path.join(ROOT, folder, "*.py"))
+                           + glob.glob(os.path.join(ROOT, folder, "*.sh"))):
+            with open(path) as f:
+                if path.endswith(".sh") or 'if __name__ == "__main__":' in f.read():
+                    found.append(os.path.relpath(path, ROOT))
+    return found
+
+
+ENTRY_POINTS = entry_points()
+# The commands with a torchrun mode (a rank per process); every other Python command is meant for python, and under
+# torchrun says so in one line (muon_tools.exit_code) instead of running a copy of itself in every process.
+TORCHRUN_MODE = {"distributed_muon.py", "dtensor_demo.py", "examples/train_gpt.py"}
+FOR_PYTHON = [s for s in ENTRY_POINTS if s.endswith(".py") and s not in TORCHRUN_MODE]
+UNKNOWN_FLAG = "--no-such-flag"
+WALKS = [(script, [flag], {}) for flag in ("--help", UNKNOWN_FLAG) for script in ENTRY_POINTS]
+WALKS += [(script, [], env) for script in FOR_PYTHON for env in (TORCHRUN_ENV, dict(TORCHRUN_ENV, RANK="3",
+                                                                                    LOCAL_RANK="3"))]
 
 
 def row_id(script, args, torchrun):
@@ -206,26 +297,31 @@ def controls_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def outcomes(controls_folder):
-    """{(script, args, rank): (exit code, stdout, stderr)} of every Python row (rank 3 too under torchrun), run by
-    one harness process: this file as a script. The CONTROLS' {tmp} is controls_folder."""
-    jobs = [(script, args, env) for script, args, _, torchrun in ROWS if not script.endswith(".sh")
+    """{(script, args, rank): (exit code, stdout, stderr)} of every row and walk (rank 3 too under torchrun): the
+    Python ones run by one harness process (this file as a script), the shell scripts with bash meanwhile, all at
+    once. The CONTROLS' {tmp} is controls_folder."""
+    jobs = [(script, args, env) for script, args, _, torchrun in ROWS
             for env in ([TORCHRUN_ENV, dict(TORCHRUN_ENV, RANK="3", LOCAL_RANK="3")] if torchrun else [{}])]
     jobs += [(script, [a.format(tmp=controls_folder) for a in args], env) for script, args, env in CONTROLS]
+    jobs = [json.loads(job) for job in dict.fromkeys(json.dumps(job) for job in jobs + WALKS)]  # each once
+    shell = [job for job in jobs if job[0].endswith(".sh")]
+    jobs = [job for job in jobs if not job[0].endswith(".sh")]
+    scripts = [subprocess.Popen(["bash", os.path.join(ROOT, script), *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT) for script, args, _ in shell]
     proc = subprocess.run([sys.executable, __file__], input=json.dumps(jobs), capture_output=True, text=True,
                           timeout=60 + ROW_TIMEOUT_S * len(jobs) // 4, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {(script, tuple(a.replace(str(controls_folder), "{tmp}") for a in args), env.get("RANK")): tuple(out)
-            for (script, args, env), out in zip(jobs, json.loads(proc.stdout))}
+    ran = {(script, tuple(a.replace(str(controls_folder), "{tmp}") for a in args), env.get("RANK")): tuple(out)
+           for (script, args, env), out in zip(jobs, json.loads(proc.stdout))}
+    for (script, args, _), p in zip(shell, scripts):
+        out, err = p.communicate(timeout=ROW_TIMEOUT_S)
+        ran[script, tuple(args), None] = (p.returncode, out, err)
+    return ran
 
 
 @pytest.mark.parametrize("script,args,message,torchrun", cases())
 def test_bad_input_is_one_line_exit_2_and_starts_no_rank(outcomes, script, args, message, torchrun):
-    if script.endswith(".sh"):
-        proc = subprocess.run(["bash", os.path.join(ROOT, script), *args], capture_output=True, text=True,
-                              timeout=ROW_TIMEOUT_S, cwd=ROOT)
-        code, out, err = proc.returncode, proc.stdout, proc.stderr
-    else:
-        code, out, err = outcomes[script, tuple(args), "0" if torchrun else None]
+    code, out, err = outcomes[script, tuple(args), "0" if torchrun else None]
     assert (code, out) == (2, ""), (code, out, err)
     assert err.startswith("error: ") and err.count("\n") == 1 and err.endswith("\n"), err
     assert message in err, err
@@ -242,12 +338,49 @@ def test_the_harness_stops_a_run_that_starts_a_rank(outcomes, controls_folder, s
     assert os.listdir(controls_folder) == []
 
 
-def test_help_is_argparses_own():
+def test_help_is_argparses_own(outcomes):
     """OneLineParser changes how a refusal ends, not --help: the usage and every option, exit 0."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--help"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and proc.stderr == ""
-    assert proc.stdout.startswith("usage: train_gpt.py [-h]") and "--context CONTEXT" in proc.stdout
+    code, out, err = outcomes["examples/train_gpt.py", ("--help",), None]
+    assert code == 0 and err == ""
+    assert out.startswith("usage: train_gpt.py [-h]") and "--context CONTEXT" in out
+
+
+def test_the_walker_finds_every_kind_of_entry_point():
+    """The listing finds the commands of each folder and kind (a file it missed would go unchecked)."""
+    assert {"distributed_muon_cpu.py", "distributed_muon.py", "examples/train_gpt.py", "benchmarks/compare.py",
+            "benchmarks/on_gpu.sh", "tools/gpu_twin.py", "tools/make_notebook.py"} <= set(ENTRY_POINTS)
+    assert "muon_tools.py" not in ENTRY_POINTS and "examples/gpt.py" not in ENTRY_POINTS  # modules, not commands
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS)
+def test_every_command_s_help_is_its_usage_on_stdout(outcomes, script):
+    """--help works for every command, whatever else it needs (torchrun, a GPU, a positional argument): the usage
+    on stdout, nothing on stderr, exit 0, no rank started."""
+    code, out, err = outcomes[script, ("--help",), None]
+    assert (code, err) == (0, "") and out.startswith("usage: "), (code, out[:500], err[-3000:])
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS)
+def test_every_command_refuses_an_unknown_flag_in_one_line(outcomes, script):
+    """An unknown flag: exit 2, one line `error: ...` on stderr (argparse's usage line left out), nothing on stdout,
+    no rank started."""
+    code, out, err = outcomes[script, (UNKNOWN_FLAG,), None]
+    assert (code, out) == (2, ""), (code, out[:500], err[-3000:])
+    assert err.startswith("error: ") and err.count("\n") == 1 and err.endswith("\n"), err
+
+
+@pytest.mark.parametrize("script", FOR_PYTHON)
+def test_a_command_for_python_says_so_under_torchrun(outcomes, script):
+    """A command meant for python (it starts its own ranks, or none) started by torchrun: rank 0 says so in one line,
+    every process exits 2, and none runs the command (a copy per process, each starting its own ranks)."""
+    code, out, err = outcomes[script, (), "0"]
+    assert (code, out) == (2, ""), (code, out[:500], err[-3000:])
+    name = os.path.basename(script)
+    assert err == (f"error: {name} runs with python, not under torchrun (RANK, WORLD_SIZE and LOCAL_RANK are set): "
+                   f"torchrun would run a copy of the whole command in each of its processes; run python {name}"
+                   + ("; under torchrun, run distributed_muon.py, the lesson's twin for torchrun"
+                      if script == "distributed_muon_cpu.py" else "") + "\n"), err
+    assert outcomes[script, (), "3"] == (2, "", "")
 
 
 # The harness: reads [(script, args, env)] as JSON on stdin, runs each in a forked process, prints
@@ -313,6 +446,8 @@ def harness():
     sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
     import distmuon.dtensor  # noqa: F401
     import distributed_muon  # noqa: F401
+    import dtensor_demo  # noqa: F401
+    import nbformat  # noqa: F401  (tools/make_notebook.py's, a second a row otherwise)
     from examples import train_gpt  # noqa: F401
 
     jobs = list(enumerate(json.load(sys.stdin)))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, SCRIPT
+from conftest import ROOT, SCRIPT, mt
 
 TRAIN_GPT = os.path.join(ROOT, "examples", "train_gpt.py")
 
@@ -151,7 +151,7 @@ def test_a_rank_that_dies_ends_the_run_naming_it(tmp_path, rank, sig):
 
 
 def test_a_rank_that_stops_responding_ends_the_run_within_the_timeout(tmp_path):
-    timeout = 3
+    timeout = int(mt.MIN_TIMEOUT_S)  # the shortest a run takes (what its ranks may need to start)
     run = Run(tmp_path, *LONG_RUN, "--timeout", str(timeout))
     os.kill(run.rank_pid(1), signal.SIGSTOP)  # alive, but never runs again: its peers wait for it
     returncode, out, err, seconds = run.finish(timeout + STOPS_WITHIN_S)
@@ -296,7 +296,7 @@ def test_a_benchmarks_own_workers_stop_with_it_and_leave_nothing(tmp_path, how):
 
 
 # Every command that ends through muon_tools (exit_code, or run_under_torchrun under torchrun): found by its text.
-COMMANDS = sorted(os.path.relpath(path, ROOT) for folder in ("", "examples", "benchmarks")
+COMMANDS = sorted(os.path.relpath(path, ROOT) for folder in ("", "examples", "benchmarks", "tools")
                   for path in glob.glob(os.path.join(ROOT, folder, "*.py"))
                   if os.path.basename(path) != "muon_tools.py" and "__name__ == \"__main__\"" in open(path).read()
                   and any(call in open(path).read() for call in ("exit_code(", "run_under_torchrun(", "benchmark_main(",
@@ -305,7 +305,8 @@ COMMANDS = sorted(os.path.relpath(path, ROOT) for folder in ("", "examples", "be
 # every other one starts its ranks' forkserver in its first lines, before its own import of torch.
 NO_RANKS = {"benchmarks/batching.py", "benchmarks/cost_model.py", "benchmarks/cpu_vs_gpu_newton_schulz.py",
             "benchmarks/heap_stress.py", "benchmarks/newton_schulz_gflops.py", "benchmarks/ns_coefficients.py",
-            "benchmarks/overlap.py", "benchmarks/refresh.py", "benchmarks/torch_step.py"}
+            "benchmarks/overlap.py", "benchmarks/refresh.py", "benchmarks/torch_step.py", "tools/figures.py",
+            "tools/gpu_twin.py", "tools/make_notebook.py"}
 # Runs a command as `python COMMAND` would, until it first imports torch; prints whether its forkserver runs then
 # (and stops it), and exits 0 if SIGINT is blocked then, 1 if not, 2 if it never imports torch. An audit hook sees
 # the import before it begins: no torch is loaded.
@@ -335,3 +336,49 @@ def test_every_command_blocks_ctrl_c_and_starts_its_forkserver_before_it_imports
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert proc.stderr == f"forkserver: {command not in NO_RANKS}\n"
+
+
+def kernels_of(tmp):
+    """The pids of the Jupyter kernels whose connection file lies under `tmp` (a kernel runs in a session of its own:
+    not in a Run's)."""
+    found = []
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"ipykernel_launcher" in argv and any(a.startswith(os.fsencode(tmp)) for a in argv):
+            found.append(int(cmdline.split("/")[2]))
+    return found
+
+
+def test_ctrl_c_while_make_notebook_runs_a_notebook_is_one_line_and_130_and_leaves_no_kernel(tmp_path):
+    """tools/make_notebook.py, interrupted while its kernel runs the cells (jupyter_client starts the kernel in a
+    session of its own, which a terminal's Ctrl-C does not reach; it had gone on running cells, 51 lines printed):
+    exit 130, one line, and nothing left: no kernel, no process, no temporary file (the kernel's connection file is in
+    TMPDIR), no notebook written. It runs a copy of the files it reads and writes (its root is its own folder's
+    parent), so that the checkout's notebooks stay as they are, whatever happens here."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import make_notebook
+
+    copy = tmp_path / "checkout"
+    notebooks = {name: open(os.path.join(ROOT, name), "rb").read() for name in make_notebook.NOTEBOOKS}
+    for name in {n for pair, code in make_notebook.NOTEBOOKS.values() for n in (pair, *code)} | set(notebooks) | {
+            *make_notebook.NEEDED, os.path.join("tools", "make_notebook.py")}:
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        (copy / name).write_bytes(open(os.path.join(ROOT, name), "rb").read())
+    run = Run(tmp_path, str(copy / "tools" / "make_notebook.py"), "--all", script=None)
+    deadline = time.monotonic() + 120
+    while not kernels_of(run.tmp):
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.proc.communicate()
+        time.sleep(0.1)
+    kernel = kernels_of(run.tmp)[0]
+    time.sleep(2)  # into the cells
+    os.killpg(run.proc.pid, signal.SIGINT)
+    returncode, out, err, seconds = run.finish(STOPS_WITHIN_S)  # asserts no process of its session is left
+    assert returncode == 130 and seconds < STOPS_WITHIN_S and out == ""
+    assert_one_line(err, "error: interrupted (SIGINT)")
+    assert not os.path.exists(f"/proc/{kernel}") or kernels_of(run.tmp) == []
+    assert os.listdir(run.tmp) == []
+    assert {name: (copy / name).read_bytes() for name in notebooks} == notebooks

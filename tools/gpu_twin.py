@@ -12,11 +12,17 @@ tests/test_gpu_sibling.py checks that the committed twin is what this makes and 
 within MAX_DIFF_LINES.
 """
 
-import argparse
 import difflib
 import os
 import subprocess
 import sys
+
+if __name__ == "__main__":  # first, before torch loads (muon_tools imports it): a Ctrl-C waits for the runner
+    import muon_forkserver
+
+    muon_forkserver.start_command(spawns_ranks=False)
+
+import muon_tools as mt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LESSON = os.path.join(ROOT, "distributed_muon_cpu.py")
@@ -96,11 +102,31 @@ def with_diff(chapter, diff):
     return chapter[:start] + diff + chapter[chapter.index("```", start):]
 
 
+# What this reads: the twin it writes may be none of them (--twin distributed_muon_cpu.py would replace the lesson).
+INPUTS = {"the lesson": LESSON, "the chapter that shows the diff": CHAPTER,
+          "this tool": os.path.abspath(__file__)}
+
+
+def check_twin(path, check):
+    """--twin, before anything is read or written (ValueError, one line): with --check a file to read; else a
+    file this can write that is none of its inputs."""
+    if check:
+        if not os.path.isfile(path):
+            raise ValueError(f"--twin {path}: no such file to check")
+    else:
+        mt.check_writable(path, "--twin", inputs=INPUTS)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Make distributed_muon.py from distributed_muon_cpu.py.")
+    parser = mt.OneLineParser(description="Make distributed_muon.py from distributed_muon_cpu.py.")
     parser.add_argument("--check", action="store_true", help="exit 1 if the committed twin differs")
     parser.add_argument("--twin", default=TWIN, help="the twin's path (default %(default)s)")
     args = parser.parse_args(argv)
+    return mt.exit_code(lambda: make_or_check(args))
+
+
+def make_or_check(args):
+    check_twin(args.twin, args.check)
     with open(LESSON) as f:
         twin = make_twin(f.read())
     if args.check:
@@ -116,15 +142,16 @@ def main(argv=None):
         if not shown:
             print("notes/06-gpus.md shows another diff than today's: run python tools/gpu_twin.py")
         return 0 if same and shown else 1
-    with open(args.twin, "w") as f:
-        f.write(twin)
     with open(LESSON) as f:
         changed = len(diff_lines(f.read(), twin))
     with open(CHAPTER) as f:
-        chapter = with_diff(f.read(), diff_text(LESSON, args.twin))
-    with open(CHAPTER, "w") as f:
-        f.write(chapter)
-    print(f"wrote distributed_muon.py ({changed} lines differ from distributed_muon_cpu.py) and its diff into "
+        chapter = f.read()
+    # each file whole or not at all (an interrupted write leaves the one before); the chapter's diff is the
+    # lesson's against the twin as written
+    mt.write_atomically(args.twin, lambda f: f.write(twin.encode()))
+    chapter = with_diff(chapter, diff_text(LESSON, args.twin))
+    mt.write_atomically(CHAPTER, lambda f: f.write(chapter.encode()))
+    print(f"wrote {os.path.relpath(args.twin)} ({changed} lines differ from distributed_muon_cpu.py) and its diff into "
           f"notes/06-gpus.md")
     return 0
 

@@ -3,7 +3,8 @@ distributed_muon_cpu.nb.py, distributed_muon_runs.ipynb (the runs) from distribu
 
     python tools/make_notebook.py              # every notebook whose saved outputs are not today's code's
     python tools/make_notebook.py --all        # both, whatever their outputs
-    python tools/make_notebook.py --check      # exit 1 if a notebook's saved outputs come from other code
+    python tools/make_notebook.py --check      # exit 1 if a notebook's saved outputs come from other code (--check
+                                               # --all is refused: --check makes nothing)
 
 Both notebooks are committed with their outputs, so that a reader who opens one (in Colab, on GitHub) sees
 what each cell printed and drew. Those outputs came from some version of the code: this writes a hash of
@@ -13,19 +14,34 @@ run this. It executes each notebook as the README runs it, headless, in a tempor
 those files (what a clone has that the notebook needs), so nothing else can slip in. On this project's
 2-core machine the read-along takes about a minute (the 8-process run of section 6), the runs about three
 (every grid of 8 ranks, compare.py, two trainings).
+
+Ctrl-C (or SIGTERM) at any moment ends it as every command of the project ends (muon_tools.exit_code: one line,
+exit 130 or 143): the kernel, which runs in a session of its own (jupyter_client starts it so) where a terminal's
+Ctrl-C does not reach it, is interrupted, and a command a cell runs with it (stop_kernel); then the kernel is
+stopped and its connection file removed, the temporary folder too, and no notebook is written (each is written
+whole, or not at all).
 """
 
-import argparse
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 
-import jupytext
-import nbformat
-from nbconvert.preprocessors import ExecutePreprocessor
+if __name__ == "__main__":  # first, before torch loads (muon_tools imports it): a Ctrl-C waits for the runner
+    import muon_forkserver
+
+    muon_forkserver.start_command(spawns_ranks=False)
+
+import nbformat  # noqa: E402
+
+import muon_tools as mt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY = tuple(sorted(os.path.relpath(os.path.join(folder, name), ROOT)
@@ -45,6 +61,9 @@ NOTEBOOKS = {
 NEEDED = ("requirements.txt",)  # what the setup cells read (mt.notebook_requirements), beside the code
 KEY = "distributed_muon"  # the notebook metadata this writes: {"made_by": ..., "sources_sha256": ...}
 TIMEOUT_S = 900  # one cell's limit: the longest, the GPT's --verify or the 8-process run, takes ~1 minute here
+# After Ctrl-C, how long the kernel's process group gets to end by itself (a command a cell runs stops its ranks and
+# removes its temporary files: within seconds, tests/test_interrupts.py) before it is killed.
+STOP_S = 10
 
 
 def sources_sha256(nb, code):
@@ -71,25 +90,98 @@ def check(notebook, path=None):
     return None
 
 
+def executor():
+    """nbconvert's ExecutePreprocessor, its kernel's own output discarded: its log ('Kernel is running over TCP
+    without encryption', 'Parent appears to have exited') would reach the terminal; the cells' output, their
+    errors included, is in the notebook, and a failing cell or a dead kernel raises here."""
+    from jupyter_core.utils import run_sync
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    class Executor(ExecutePreprocessor):
+        async def async_start_new_kernel(self, **kwargs):
+            await super().async_start_new_kernel(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs)
+
+        start_new_kernel = run_sync(async_start_new_kernel)
+
+    return Executor(timeout=TIMEOUT_S, kernel_name="python3")
+
+
+def group_members(pgid):
+    """The live processes of a process group (Linux's /proc)."""
+    members = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # state, parent, process group, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(pid))
+    return members
+
+
+def stop_kernel(ep):
+    """After Ctrl-C or SIGTERM, in this process's main thread while the kernel runs a cell in another: SIGINT to the
+    kernel's process group (its own session): the kernel interrupts the cell, and a command the cell runs ends as on
+    any Ctrl-C, its ranks stopped and its temporary files removed; once only the kernel is left, or after STOP_S,
+    SIGKILL to the group; then the kernel's connection file is removed. A kernel not started yet has nothing to
+    stop (one that starts after this ends by itself once this process is gone: ipykernel polls its parent)."""
+    ep.log.disabled = True  # the notebook's thread meets the dead kernel: nothing to say (exit_code says why)
+    km = getattr(ep, "km", None)
+    process = getattr(getattr(km, "provisioner", None), "process", None)
+    if process is None:
+        return
+    pgid = process.pid  # jupyter_client starts the kernel in a session of its own: its group is its pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGINT)
+        deadline = time.monotonic() + STOP_S
+        while set(group_members(pgid)) - {pgid} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        process.wait()
+    with contextlib.suppress(OSError, TypeError):
+        os.remove(km.connection_file)
+
+
 def execute(notebook, folder):
     """The notebook's cells from its pair, run top to bottom in `folder`, which gets a copy of what they need;
-    returns the executed notebook (not written anywhere)."""
+    returns the executed notebook (not written anywhere). The cells run in a thread of their own, nbclient's
+    (which then adds no signal handler of its own: an interrupted notebook's kernel went on running cells), while
+    this thread waits, to stop the kernel on Ctrl-C or SIGTERM (stop_kernel)."""
+    import jupytext  # its import runs pandoc: here, after the command line is checked
+
     pair, code = NOTEBOOKS[notebook]
     for name in code + NEEDED:
         os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
         shutil.copy(os.path.join(ROOT, name), os.path.join(folder, name))
     nb = jupytext.read(os.path.join(ROOT, pair))
+    ep = executor()
+    outcome = {}
+
+    def run():
+        try:
+            ep.preprocess(nb, {"metadata": {"path": folder}})
+        except BaseException as e:  # raised again in the main thread
+            outcome["error"] = e
+
     # The folder first on every path, the kernel's and the commands' it starts: the checkout's own copies (which
     # requirements.txt's editable install puts on the path too) never stand in for a file the folder lacks.
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = folder + (os.pathsep + path if path else "")
+    cells = threading.Thread(target=run, daemon=True, name="notebook")
     try:
-        ExecutePreprocessor(timeout=TIMEOUT_S, kernel_name="python3").preprocess(nb, {"metadata": {"path": folder}})
+        cells.start()
+        while cells.is_alive():
+            cells.join(0.1)
+    except BaseException:
+        stop_kernel(ep)
+        raise
     finally:
         if path is None:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = path
+    if "error" in outcome:
+        raise outcome["error"]
     return nb
 
 
@@ -97,26 +189,36 @@ def make(notebook):
     with tempfile.TemporaryDirectory(prefix="distributed-muon-notebook-") as folder:
         nb = execute(notebook, folder)
     nb.metadata[KEY] = dict(made_by="python tools/make_notebook.py", sources_sha256=sources_sha256(nb, NOTEBOOKS[notebook][1]))
-    nbformat.write(nb, os.path.join(ROOT, notebook))
+    mt.write_atomically(os.path.join(ROOT, notebook), lambda f: f.write(nbformat.writes(nb).encode()))
+
+
+def build_parser():
+    p = mt.OneLineParser(description="Execute the notebooks' pairs into the committed notebooks.")
+    p.add_argument("--check", action="store_true", help="exit 1 if a notebook's saved outputs are not today's code's")
+    p.add_argument("--all", action="store_true", help="make both notebooks, whatever their saved outputs")
+    return p
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Execute the notebooks' pairs into the committed notebooks.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if a notebook's saved outputs are not today's code's")
-    parser.add_argument("--all", action="store_true", help="make both notebooks, whatever their saved outputs")
-    args = parser.parse_args(argv)
-    stale = {name: check(name) for name in NOTEBOOKS}
-    if args.check:
-        for name, problem in stale.items():
-            print(problem or f"{name}'s outputs come from today's cells and code")
-        return 1 if any(stale.values()) else 0
-    for name in NOTEBOOKS:
-        if args.all or stale[name]:
-            make(name)
-            print(f"wrote {name}, executed")
-        else:
-            print(f"{name}: its outputs come from today's cells and code already")
-    return 0
+    args = build_parser().parse_args(argv)
+
+    def work():
+        if args.check and args.all:
+            raise ValueError("--check makes no notebook: --all (make both) would be ignored")
+        stale = {name: check(name) for name in NOTEBOOKS}
+        if args.check:
+            for name, problem in stale.items():
+                print(problem or f"{name}'s outputs come from today's cells and code")
+            return 1 if any(stale.values()) else 0
+        for name in NOTEBOOKS:
+            if args.all or stale[name]:
+                make(name)
+                print(f"wrote {name}, executed", flush=True)
+            else:
+                print(f"{name}: its outputs come from today's cells and code already", flush=True)
+        return 0
+
+    return mt.exit_code(work)
 
 
 if __name__ == "__main__":
