@@ -98,6 +98,7 @@ class Config(tgd.Config):
     expert_hidden: int = 128
     shared_expert: bool = False
     aux_loss_weight: float = 0.01
+    experts_lr: float = None  # adamw-experts: the expert stacks' AdamW lr (None: --lr, every group's)
 
     def moe(self):
         return MoEConfig(self.experts, self.top_k, self.expert_hidden, self.shared_expert, self.aux_loss_weight)
@@ -118,6 +119,11 @@ def validate(cfg, on_disk=True):
     if cfg.ep < 1 or cfg.dp % cfg.ep:
         raise ValueError(f"EP {cfg.ep} does not divide DP {cfg.dp}: an EP group is EP of the DP ranks")
     check_moe(cfg.moe(), cfg.ep)
+    if cfg.experts_lr is not None and cfg.optimizer != "adamw-experts":
+        raise ValueError(f"--experts-lr applies to --optimizer adamw-experts (got --optimizer {cfg.optimizer}): only "
+                         f"there do the expert stacks take another algorithm than the other matrices")
+    if cfg.experts_lr is not None and not (cfg.experts_lr > 0 and math.isfinite(cfg.experts_lr)):
+        raise ValueError(f"--experts-lr must be > 0 and finite (got {cfg.experts_lr})")
     if on_disk and cfg.resume:
         check_checkpoint(cfg)
 
@@ -215,9 +221,11 @@ def parallelize(model, dense, moe_mesh, ledger):
 
 def hyperparameters(cfg):
     """param_groups' hyperparameters: train_gpt's three (the matrices', the embeddings' and routers', the norms' and
-    biases') and the expert stacks' own, AdamW's, where they leave the matrices' Muon (None: they stay with it)."""
+    biases') and the expert stacks' own, AdamW's (at --experts-lr if given), where they leave the matrices' Muon (None:
+    they stay with it)."""
     matrices, adamw, no_decay = tg.hyperparameters(dense_config(cfg))
-    return matrices, adamw, no_decay, None if cfg.optimizer == "muon" else adamw
+    experts = None if cfg.optimizer == "muon" else dict(adamw, lr=cfg.experts_lr or cfg.lr)
+    return matrices, adamw, no_decay, experts
 
 
 def groups(model, cfg):
@@ -577,6 +585,8 @@ def build_parser():
                                   for name, what in OPTIMIZERS.items())
                    + " (the routers, embeddings, norms and biases take AdamW in all three; Muon-only flags, "
                      "--momentum, are refused where no matrix takes Muon)")
+    p.add_argument("--experts-lr", type=float, metavar="LR",
+                   help="--optimizer adamw-experts: the expert stacks' AdamW lr (default --lr, every group's)")
     p.add_argument("--json", metavar="PATH", help="write the run's figures")
     p.add_argument("--figure", metavar="PATH", help="draw the ledger (a PNG)")
     return p
@@ -587,7 +597,8 @@ def header(cfg):
     return (f"MoE GPT {cfg.layers} layers x d={cfg.d_model}, {cfg.heads} heads, {cfg.experts} experts of "
             f"{cfg.expert_hidden} (top-{cfg.top_k}{shared}); DP {cfg.dp} (EP {cfg.ep}) x TP {cfg.tp} = "
             f"{cfg.dp * cfg.tp} Gloo ranks, experts per EP rank {', '.join(map(str, experts_per_rank(cfg.experts, cfg.ep)))}"
-            f"; DTensorMuon: {OPTIMIZERS[cfg.optimizer]}, lr {cfg.lr:g}, torch {torch.__version__}"
+            f"; DTensorMuon: {OPTIMIZERS[cfg.optimizer]}, lr {cfg.lr:g}"
+            + (f" (the experts' {cfg.experts_lr:g})" if cfg.experts_lr is not None else "") + f", torch {torch.__version__}"
             + (f"; resumed from {cfg.resume} after step {cfg.resume_step}" if cfg.resume else ""))
 
 

@@ -39,12 +39,13 @@ STEPS = 3
 def trainings(tmp_path_factory):
     """One spawn of 8 ranks: DP 4 (EP 2) x TP 2 with 7 experts and a shared expert, 3 steps kept for --verify's
     checks, saving after step 2; then, on 4 of the ranks, the same run resumed under DP 4 (EP 4) x TP 1; then 2 steps
-    of the first with --optimizer adamw-experts, and 2 of DP 4 (EP 4) x TP 1 with adamw. With the first one's
-    verification (computed once: several tests read it)."""
+    of the first with --optimizer adamw-experts (the experts at lr 0.003, the rest at 0.01), and 2 of DP 4 (EP 4) x
+    TP 1 with adamw. With the first one's verification (computed once: several tests read it)."""
     folder = str(tmp_path_factory.mktemp("moe_dcp") / "after_step_2")
     base = tgm.Config(dp=4, ep=2, tp=2, experts=7, shared_expert=True, steps=STEPS, keep=True, **SMALL)
     configs = [replace(base, save=folder, save_step=2), replace(base, ep=4, tp=1, resume=folder, resume_step=2),
-               replace(base, optimizer="adamw-experts", steps=2), replace(base, optimizer="adamw", ep=4, tp=1, steps=2)]
+               replace(base, optimizer="adamw-experts", experts_lr=0.003, steps=2),
+               replace(base, optimizer="adamw", ep=4, tp=1, steps=2)]
     results = tgm.train_many(configs, world=8)
     return configs, results, tgm.verify(configs[0], results[0])
 
@@ -148,7 +149,8 @@ def test_saved_under_ep_2_resumed_under_ep_4_replays_bit_for_bit_through_the_che
 
 def test_adamw_on_the_experts_or_everywhere_replays_torch_adamw_on_the_whole_stacks_bit_for_bit(trainings):
     """--optimizer adamw-experts: the stacks (FSDP2 over edp = 2 on dim 1, EP 2, TP replicas) in an AdamW group of
-    their own, stepped elementwise on each rank's shard, Muon on the attention and shared-expert matrices only;
+    their own at --experts-lr, stepped elementwise on each rank's shard, Muon on the attention and shared-expert
+    matrices only;
     adamw: no Muon at all (EP 4, TP 1). torch.optim.AdamW on each whole 3-D stack (and Muon on the rest where they take
     it) replays every rank's weights bit for bit, the gradients within the bound, every routing decision the one
     process's own. The replay can fail: the same ranks' weights against --optimizer muon's torch.optim.Muon differ at
@@ -178,6 +180,9 @@ def test_adamw_on_the_experts_or_everywhere_replays_torch_adamw_on_the_whole_sta
             kinds.setdefault(type(o).__name__, set()).update(p.ndim for g in o.param_groups for p in g["params"])
         assert kinds == ({"Muon": {2}, "AdamW": {1, 2, 3}} if cfg.optimizer == "adamw-experts" else {"AdamW": {1, 2, 3}})
         assert ref.stacks == set() and ref.weights().keys() == dict(moe.named_parameters()).keys()
+        lrs = {(type(o).__name__, p.ndim, g["lr"]) for o in ref.optimizers for g in o.param_groups for p in g["params"]}
+        assert {lr for kind, ndim, lr in lrs if ndim == 3} == {0.003 if cfg.optimizer == "adamw-experts" else 0.01}
+        assert {lr for kind, ndim, lr in lrs if ndim < 3} == {0.01}
 
 
 def test_a_checkpoint_of_another_expert_count_or_optimizer_is_refused_before_any_rank(trainings, capsys, monkeypatch):
