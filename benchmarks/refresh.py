@@ -164,6 +164,10 @@ PARTS = (
                                  "--figure {out}/cost_model_h100.png",),
          data=("cost_model_h100.json", "cost_model_h100.png")),
     Part("cost_model_check_2core.txt", ("{python} benchmarks/cost_model.py --check-here",)),
+    # Chapter 13: the MoE GPT's three --optimizer values, each at its best lr over seeds
+    Part("moe_optimizers_2core.txt", ("{python} benchmarks/moe_optimizers.py --json {out}/moe_optimizers_2core.json "
+                                      "--figure {out}/moe_optimizers_2core.png",),
+         data=("moe_optimizers_2core.json", "moe_optimizers_2core.png")),
 )
 NOT_HERE = ("the GPU's files (h100_*; sibling_*, ns_gflops_* and the rest of benchmarks/on_gpu.sh's): "
             "bash benchmarks/on_gpu.sh on a machine with a GPU")
