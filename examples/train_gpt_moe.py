@@ -14,7 +14,7 @@ Launch recipes
     python examples/train_gpt_moe.py --dp 4 --ep 2 --tp 1 --experts 7 --save ckpt --save-step 20
     python examples/train_gpt_moe.py --dp 4 --ep 4 --tp 1 --experts 7 --resume ckpt --resume-step 20  # another EP
     python examples/train_gpt_moe.py --json run.json --figure ledger.png   # the run's figures, the ledger's picture
-    python examples/train_gpt_moe.py --optimizer adamw-experts --lr 0.005   # AdamW on the experts, Muon elsewhere
+    python examples/train_gpt_moe.py --optimizer adamw-experts --lr 0.015 --experts-lr 0.002   # AdamW on the experts
     python benchmarks/moe_optimizers.py          # the three --optimizer values, each at its best lr, over seeds
 
 The two meshes, over the same dp x tp ranks (rank = d * tp + t for DP rank d, TP rank t; EP borrows from DP,
@@ -598,7 +598,8 @@ def header(cfg):
             f"{cfg.expert_hidden} (top-{cfg.top_k}{shared}); DP {cfg.dp} (EP {cfg.ep}) x TP {cfg.tp} = "
             f"{cfg.dp * cfg.tp} Gloo ranks, experts per EP rank {', '.join(map(str, experts_per_rank(cfg.experts, cfg.ep)))}"
             f"; DTensorMuon: {OPTIMIZERS[cfg.optimizer]}, lr {cfg.lr:g}"
-            + (f" (the experts' {cfg.experts_lr:g})" if cfg.experts_lr is not None else "") + f", torch {torch.__version__}"
+            + (f" (the experts' {cfg.experts_lr:g})" if cfg.experts_lr is not None else "")
+            + f", torch {torch.__version__}"
             + (f"; resumed from {cfg.resume} after step {cfg.resume_step}" if cfg.resume else ""))
 
 

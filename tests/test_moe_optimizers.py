@@ -76,7 +76,8 @@ def test_the_command_at_a_tiny_size_prints_its_best_lrs_and_spreads_as_its_json_
         assert len(marked) == 1 and float(marked[0][4]) == min(means), rows  # the argmin of the printed means
         best[o] = marked[0]
         mine = [x for x in result["runs"] if x["optimizer"] == o]
-        lr = min({x["lr"] for x in mine}, key=lambda lr: statistics.fmean(x["final_val"] for x in mine if x["lr"] == lr))
+        mean = lambda lr: statistics.fmean(x["final_val"] for x in mine if x["lr"] == lr)  # noqa: E731
+        lr = min({x["lr"] for x in mine}, key=mean)
         assert float(marked[0][1]) == lr == result["comparison"]["best"][o]["lr"]
         assert all(x["final_val"] == x["val"][-1][1] and [s for s, _ in x["val"]] == [1, 2, 3] for x in mine)
     for r in table(lines, "Each optimizer at its best lr"):
