@@ -1,6 +1,6 @@
 """Every figure of README.md and notes/ from its command: rewrites notes/measured/ (run by benchmarks/refresh.sh).
 
-    bash benchmarks/refresh.sh                  # every part this machine can run: about 75 min on 2 cores
+    bash benchmarks/refresh.sh                  # every part this machine can run: ~75 min on 2 cores, + 25-45 min of moe_optimizers
     bash benchmarks/refresh.sh --quick          # a smoke run, about a minute on 2 cores: tiny sizes, a temporary folder
     bash benchmarks/refresh.sh --only default_4x2 gpt_default_4x2    # some parts
     bash benchmarks/refresh.sh --list           # the parts, their files and commands
