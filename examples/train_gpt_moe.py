@@ -80,7 +80,8 @@ from examples.stdlib_text import load_corpus  # noqa: E402
 # =============================================================================
 # --optimizer: what steps the matrices and the expert stacks (DTensorMuon either way; the routers, embeddings, norms
 # and biases take AdamW in all three, as in the dense GPT). One lr serves both algorithms (Muon's adjust_lr_fn
-# "match_rms_adamw", train_gpt.hyperparameters).
+# "match_rms_adamw", train_gpt.hyperparameters), except that with adamw-experts --experts-lr may give the expert
+# stacks their own.
 OPTIMIZERS = {"muon": "Muon on every matrix, each expert its own",
               "adamw-experts": "AdamW on the expert stacks, Muon on the other matrices",
               "adamw": "AdamW on every parameter"}
