@@ -118,6 +118,20 @@ def best_lr(runs, optimizer, seeds):
     return best, complete[0] < best < complete[-1]
 
 
+def final_losses_table(runs, optimizers, seeds, best):
+    """Every (optimizer, lr)'s final validation loss at each seed and their mean (over the seeds it ran), a row each,
+    the lr of best ({optimizer: lr}) marked "best" (benchmarks/moe_optimizers.py prints it too)."""
+    rows = []
+    for o in optimizers:
+        for lr in sorted({r["lr"] for r in runs if r["optimizer"] == o}):
+            finals = {r["seed"]: r["final_val"] for r in runs if (r["optimizer"], r["lr"]) == (o, lr)}
+            mean = statistics.fmean(finals.values())
+            rows.append([o, f"{lr:g}"] + [f"{finals[s]:.3f}" if s in finals else "" for s in seeds]
+                        + [f"{mean:.3f}", "best" if best[o] == lr else ""])
+    return mt.format_table(["optimizer", "lr"] + [f"seed {s}" for s in seeds] + ["mean", ""], rows,
+                           ["<", ">"] + [">"] * (len(seeds) + 1) + ["<"])
+
+
 def compare(runs, schedule):
     """What one schedule's runs say: the tuned lrs, and per seed the target and the steps to it (ratio: AdamW's
     steps over Muon's; ratios: over each matrix optimizer's)."""
@@ -150,18 +164,10 @@ def report(result, print_fn=print):
     for schedule in dict.fromkeys(r["schedule"] for r in runs):
         c = compare(runs, schedule)
         seeds = c["seeds"]
-        rows = []
-        for o in present:
-            for lr in sorted({r["lr"] for r in runs if r["schedule"] == schedule and r["optimizer"] == o}):
-                finals = {r["seed"]: r["final_val"] for r in runs
-                          if (r["schedule"], r["optimizer"], r["lr"]) == (schedule, o, lr)}
-                mean = statistics.fmean(finals.values())
-                rows.append([o, f"{lr:g}"] + [f"{finals[s]:.3f}" if s in finals else "" for s in seeds]
-                            + [f"{mean:.3f}", "best" if c["tuned"][o]["lr"] == lr else ""])
         steps = result["grid"]["steps"]
         print_fn(f"\nSchedule: {schedule}; validation loss at step {steps} (nats per byte)")
-        print_fn(mt.format_table(["optimizer", "lr"] + [f"seed {s}" for s in seeds] + ["mean", ""], rows,
-                                 ["<", ">"] + [">"] * (len(seeds) + 1) + ["<"]))
+        print_fn(final_losses_table([r for r in runs if r["schedule"] == schedule], present, seeds,
+                                    {o: t["lr"] for o, t in c["tuned"].items()}))
         for o, t in c["tuned"].items():
             where = "bracketed (a worse lr on both sides)" if t["bracketed"] else "AT THE GRID'S EDGE (not bracketed)"
             print_fn(f"{LABELS[o]}'s best lr {t['lr']:g}: {where}")

@@ -1,6 +1,6 @@
 """Every figure of README.md and notes/ from its command: rewrites notes/measured/ (run by benchmarks/refresh.sh).
 
-    bash benchmarks/refresh.sh                  # every part this machine can run: about 90 min on 2 cores
+    bash benchmarks/refresh.sh                  # every part this machine can run: ~75 min on 2 cores, + 20-45 min each of the NorMuon and moe_optimizers sweeps
     bash benchmarks/refresh.sh --quick          # a smoke run, about a minute on 2 cores: tiny sizes, a temporary folder
     bash benchmarks/refresh.sh --only default_4x2 gpt_default_4x2    # some parts
     bash benchmarks/refresh.sh --list           # the parts, their files and commands
@@ -169,6 +169,10 @@ PARTS = (
                                  "--figure {out}/cost_model_h100.png",),
          data=("cost_model_h100.json", "cost_model_h100.png")),
     Part("cost_model_check_2core.txt", ("{python} benchmarks/cost_model.py --check-here",)),
+    # Chapter 13: the MoE GPT's three --optimizer values, each at its best lr over seeds
+    Part("moe_optimizers_2core.txt", ("{python} benchmarks/moe_optimizers.py --json {out}/moe_optimizers_2core.json "
+                                      "--figure {out}/moe_optimizers_2core.png",),
+         data=("moe_optimizers_2core.json", "moe_optimizers_2core.png")),
 )
 NOT_HERE = ("the GPU's files (h100_*; sibling_*, ns_gflops_* and the rest of benchmarks/on_gpu.sh's): "
             "bash benchmarks/on_gpu.sh on a machine with a GPU")

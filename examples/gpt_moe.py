@@ -279,17 +279,22 @@ class MoEGPT(GPT):
         return [m.record for m in self.moe_layers()]
 
 
-def param_groups(model, muon, adamw, adamw_no_wd):
-    """Named param groups for DTensorMuon: the blocks' matrices and expert stacks with `muon`'s hyperparameters
-    (each expert its own matrix), the embeddings and the routers with `adamw`'s, norms and biases with
-    `adamw_no_wd`'s."""
+def param_groups(model, muon, adamw, adamw_no_wd, experts=None):
+    """Named param groups for DTensorMuon: the blocks' matrices with `muon`'s hyperparameters (or another algorithm's:
+    the name says what the matrices take by default), the embeddings and the routers with `adamw`'s, norms and
+    biases with `adamw_no_wd`'s. The expert stacks join the matrices' group (each expert its own Muon matrix), or,
+    given `experts` (e.g. AdamW's), a group of their own with those hyperparameters."""
     named = list(model.named_parameters())
     is_matrix = lambda n, p: n.startswith("blocks.") and p.ndim >= 2 and not n.endswith("router.weight")
-    return [dict(muon, params=[(n, p) for n, p in named if is_matrix(n, p)]),
-            dict(adamw, params=[(n, p) for n, p in named if p.ndim >= 2 and not is_matrix(n, p)]),
-            dict(adamw_no_wd, params=[(n, p) for n, p in named if p.ndim == 1])]
+    apart = lambda p: experts is not None and p.ndim == 3  # an expert stack in a group of its own
+    groups = [dict(muon, params=[(n, p) for n, p in named if is_matrix(n, p) and not apart(p)])]
+    if experts is not None:
+        groups.append(dict(experts, params=[(n, p) for n, p in named if apart(p)]))
+    return groups + [dict(adamw, params=[(n, p) for n, p in named if p.ndim >= 2 and not is_matrix(n, p)]),
+                     dict(adamw_no_wd, params=[(n, p) for n, p in named if p.ndim == 1])]
 
 
-def expert_stacks(model):
-    """The names of the 3-D expert stacks (each expert one matrix)."""
-    return {n for n, p in model.named_parameters() if p.ndim == 3}
+def muon_stacks(groups):
+    """The names of the expert stacks (3-D) that the param groups give Muon: DTensorMuon's expert_stacks, each
+    expert its own matrix (a stack that takes AdamW is stepped elementwise, whole)."""
+    return {n for g in groups if g.get("algorithm", "muon") == "muon" for n, p in g["params"] if p.ndim == 3}

@@ -4,7 +4,8 @@ The sibling of train_gpt_dtensor.py, for gpt_moe.py's model: every block's MLP i
 softmax, 3-D expert stacks, an optional shared expert, Switch Transformer's load-balance loss, dropless).
 The text, the batches, the hyperparameters and the progress lines are train_gpt's; the attention is TP as
 there; the optimizer is DTensorMuon, each expert orthogonalized as its own matrix, once in the world, the
-routers and embeddings with AdamW.
+routers and embeddings with AdamW. --optimizer adamw-experts gives the expert stacks AdamW instead (Muon keeps the
+attention and shared-expert matrices), --optimizer adamw gives every parameter AdamW (train_gpt's yardstick).
 
 Launch recipes
 --------------
@@ -13,6 +14,8 @@ Launch recipes
     python examples/train_gpt_moe.py --dp 4 --ep 2 --tp 1 --experts 7 --save ckpt --save-step 20
     python examples/train_gpt_moe.py --dp 4 --ep 4 --tp 1 --experts 7 --resume ckpt --resume-step 20  # another EP
     python examples/train_gpt_moe.py --json run.json --figure ledger.png   # the run's figures, the ledger's picture
+    python examples/train_gpt_moe.py --optimizer adamw-experts --lr 0.015 --experts-lr 0.002   # AdamW on the experts
+    python benchmarks/moe_optimizers.py          # the three --optimizer values, each at its best lr, over seeds
 
 The two meshes, over the same dp x tp ranks (rank = d * tp + t for DP rank d, TP rank t; EP borrows from DP,
 as torchtitan lays it out):
@@ -28,14 +31,17 @@ over one all_to_all_single each way per layer. So an expert's gradient sums the 
 over edp sums the rest, and it is divided by dp (set_gradient_divide_factor), as FSDP2 divides the dense ones.
 
 --verify checks the run as train_gpt_dtensor.py's (dtensor_demo.verify_training, muon_tools.py section 12):
-torch.optim.Muon on every expert as its own matrix + AdamW, fed the ranks' own total gradients, replay every
-rank's weights bit for bit at every step; each step's gradients and loss against float64 within the derived
-bound (FSDP2, TP and the all-to-all sum in other orders; the one process takes the ranks' routing decisions,
-so both compute the same branch of the routed function); the router's decisions of every token, layer and step
+torch.optim.Muon on every expert as its own matrix + AdamW (torch.optim.AdamW on each whole 3-D stack where the
+experts take AdamW), fed the ranks' own total gradients, replay every rank's weights bit for bit at every step;
+each step's gradients and loss against float64 within the derived bound (FSDP2, TP and the all-to-all sum in
+other orders; the one process takes the ranks' routing decisions, so both compute the same branch of the routed
+function); the router's decisions of every token, layer and step
 against the one process's own at the ranks' weights: identical, or each difference a near-tie the router
 probabilities' difference explains (reported); the free-running gap beside the chaos floor, never a verdict.
-Bad flags exit 2 with one line before any rank starts; the launcher is the lesson's (mt.spawn_ranks): Ctrl-C
-130, SIGTERM 143, a failing or silent rank ends the run naming it.
+Bad flags exit 2 with one line before any rank starts (a --resume checkpoint of another model or optimizer
+too, read from its metadata); the launcher is the lesson's (mt.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing
+or silent rank ends the run naming it. There is no torchrun mode: under torchrun, rank 0 says so in one line and
+every process exits 2 before anything starts.
 """
 
 import math
@@ -44,7 +50,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,32 +71,97 @@ import dtensor_demo as demo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 from examples import train_gpt as tg  # noqa: E402
 from examples import train_gpt_dtensor as tgd  # noqa: E402
-from examples.gpt_moe import MoEConfig, MoEGPT, check_moe, expert_stacks, experts_per_rank, param_groups  # noqa: E402
+from examples.gpt_moe import MoEConfig, MoEGPT, check_moe, experts_per_rank, muon_stacks, param_groups  # noqa: E402
 from examples.stdlib_text import load_corpus  # noqa: E402
 
 
 # =============================================================================
-# 1. The configuration: train_gpt_dtensor's, with EP and the experts
+# 1. The configuration: train_gpt_dtensor's, with EP, the experts and what steps them
 # =============================================================================
+# --optimizer: what steps the matrices and the expert stacks (DTensorMuon either way; the routers, embeddings, norms
+# and biases take AdamW in all three, as in the dense GPT). One lr serves both algorithms (Muon's adjust_lr_fn
+# "match_rms_adamw", train_gpt.hyperparameters), except that with adamw-experts --experts-lr may give the expert
+# stacks their own.
+OPTIMIZERS = {"muon": "Muon on every matrix, each expert its own",
+              "adamw-experts": "AdamW on the expert stacks, Muon on the other matrices",
+              "adamw": "AdamW on every parameter"}
+OPTIMIZER_NAMES = {"muon": "Muon", "adamw": "AdamW"}  # a param group's algorithm, in words
+
+
 @dataclass(frozen=True)
 class Config(tgd.Config):
+    # optimizer: train_gpt's field, here one of OPTIMIZERS
     ep: int = 2  # EP size: divides dp
     experts: int = 4
     top_k: int = 2
     expert_hidden: int = 128
     shared_expert: bool = False
     aux_loss_weight: float = 0.01
+    experts_lr: float = None  # adamw-experts: the expert stacks' AdamW lr (None: --lr, every group's)
 
     def moe(self):
         return MoEConfig(self.experts, self.top_k, self.expert_hidden, self.shared_expert, self.aux_loss_weight)
 
 
+def dense_config(cfg):
+    """cfg as the dense GPT's checks and hyperparameters read it: the optimizer of its matrices (Muon unless adamw),
+    so that they refuse Muon's options (--momentum) where no matrix takes Muon, and only there."""
+    return replace(cfg, optimizer="adamw" if cfg.optimizer == "adamw" else "muon")
+
+
 def validate(cfg, on_disk=True):
-    """train_gpt_dtensor's checks, EP's and the experts'; ValueError, one line (before any rank starts)."""
-    tgd.validate(cfg, on_disk)
+    """train_gpt_dtensor's checks, EP's and the experts', and a --resume checkpoint's (on_disk: it exists already);
+    ValueError, one line (before any rank starts)."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {cfg.optimizer!r})")
+    tgd.validate(dense_config(cfg), on_disk)
     if cfg.ep < 1 or cfg.dp % cfg.ep:
         raise ValueError(f"EP {cfg.ep} does not divide DP {cfg.dp}: an EP group is EP of the DP ranks")
     check_moe(cfg.moe(), cfg.ep)
+    if cfg.experts_lr is not None and cfg.optimizer != "adamw-experts":
+        raise ValueError(f"--experts-lr applies to --optimizer adamw-experts (got --optimizer {cfg.optimizer}): only "
+                         f"there do the expert stacks take another algorithm than the other matrices")
+    if cfg.experts_lr is not None and not (cfg.experts_lr > 0 and math.isfinite(cfg.experts_lr)):
+        raise ValueError(f"--experts-lr must be > 0 and finite (got {cfg.experts_lr})")
+    if on_disk and cfg.resume:
+        check_checkpoint(cfg)
+
+
+def check_checkpoint(cfg):
+    """The --resume checkpoint against the model and optimizer this run builds, from its metadata alone (ValueError,
+    one line): every parameter's shape (the expert count first), none missing or extra, and each parameter's state
+    of the algorithm that will step it (Muon's momentum, AdamW's moments), as a load would need them."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        saved = dcp.FileSystemReader(cfg.resume).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 (whatever the reader raises on a file that is not DCP's metadata)
+        raise ValueError(f"--resume {cfg.resume}: its .metadata cannot be read ({mt.one_line(e)})") from None
+    where = f"--resume {cfg.resume}: its checkpoint"
+    model = moe_gpt(cfg)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    held = {k.removeprefix("model."): tuple(m.size) for k, m in saved.items() if k.startswith("model.")}
+    stack = next(n for n, shape in shapes.items() if len(shape) == 3)
+    if stack in held and held[stack][0] != cfg.experts:
+        raise ValueError(f"{where} has {held[stack][0]} experts a layer ({stack} {held[stack]}), this run "
+                         f"--experts {cfg.experts}: resume with --experts {held[stack][0]}")
+    for name, shape in shapes.items():
+        if name not in held:
+            raise ValueError(f"{where} has no {name}: it was saved from another model (--shared-expert, --layers?)")
+        if held[name] != shape:
+            raise ValueError(f"{where}'s {name} is {held[name]}, this run's {shape}: resume with the sizes it was "
+                             f"saved with")
+    extra = sorted(set(held) - set(shapes))
+    if extra:
+        raise ValueError(f"{where} holds {extra[0]}, which this run's model has not: it was saved from another model")
+    state = {"muon": ("momentum_buffer", "Muon's momentum"), "adamw": ("exp_avg", "AdamW's moments")}
+    for g in groups(model, cfg):  # each algorithm's state exists from DTensorMuon's construction: always saved
+        for name, _ in g["params"]:
+            kept = [what for key, what in state.values() if f"optim.state.{name}.{key}" in saved]
+            if kept != [state[g["algorithm"]][1]]:
+                raise ValueError(f"{where} holds {' and '.join(kept) or 'no optimizer state'} for {name}, which this "
+                                 f"run steps with {OPTIMIZER_NAMES[g['algorithm']]} (--optimizer {cfg.optimizer}): "
+                                 f"resume with the --optimizer it was saved with")
 
 
 # =============================================================================
@@ -147,8 +218,24 @@ def parallelize(model, dense, moe_mesh, ledger):
     return model
 
 
+def hyperparameters(cfg):
+    """param_groups' hyperparameters: train_gpt's three (the matrices', the embeddings' and routers', the norms' and
+    biases') and the expert stacks' own, AdamW's (at --experts-lr if given), where they leave the matrices' Muon (None:
+    they stay with it)."""
+    matrices, adamw, no_decay = tg.hyperparameters(dense_config(cfg))
+    experts = None if cfg.optimizer == "muon" else dict(adamw, lr=cfg.experts_lr or cfg.lr)
+    return matrices, adamw, no_decay, experts
+
+
+def groups(model, cfg):
+    """The param groups of --optimizer (the ranks' and the one process's alike)."""
+    return param_groups(model, *hyperparameters(cfg))
+
+
 def build_optimizer(model, cfg, group=None):
-    return dd.DTensorMuon(param_groups(model, *tg.hyperparameters(cfg)), expert_stacks=expert_stacks(model), group=group)
+    """DTensorMuon over the groups; each expert of a stack that takes Muon is its own matrix."""
+    named = groups(model, cfg)
+    return dd.DTensorMuon(named, expert_stacks=muon_stacks(named), group=group)
 
 
 def exchange_bytes(opt):
@@ -252,9 +339,10 @@ def train_many(configs, world):
 # 4. The one-process reference, and the router's decisions
 # =============================================================================
 class Reference(demo.Reference):
-    """torch.optim.Muon on each expert as its own matrix (demo.Reference's pieces) + AdamW, with train_gpt's groups,
-    on the plain MoE GPT in one process; the plain model in fp32 and float64 for the loss and gradients of a whole
-    global batch (demo.OneProcess), its aux loss per DP rank's micro-batch, as the ranks compute it.
+    """torch.optim.Muon on each expert as its own matrix (demo.Reference's pieces) + torch.optim.AdamW, with the run's
+    groups (--optimizer: AdamW steps an expert stack whole, a 3-D tensor, where it takes AdamW), on the plain MoE GPT
+    in one process; the plain model in fp32 and float64 for the loss and gradients of a whole global batch
+    (demo.OneProcess), its aux loss per DP rank's micro-batch, as the ranks compute it.
 
     routing: {step: [(N, k) expert indices per layer]}, the ranks' decisions. At weights other than its own (the
     ranks', in verify_training's gradient bound) the plain models take them, so that fp32, float64 and the ranks
@@ -269,12 +357,12 @@ class Reference(demo.Reference):
         self.routing, self.own = routing or {}, None
         self.model = self.plain[torch.float32] = self.make_model()
         self.tokens_per_step = cfg.batch * cfg.context
-        self.stacks = expert_stacks(self.model)
+        model_groups = groups(self.model, cfg)
+        self.stacks = muon_stacks(model_groups)  # split into experts (pieces); a stack that takes AdamW stays whole
         self.tensors = {key: nn.Parameter(piece.clone()) for name, p in self.model.named_parameters()
                         for key, piece in self.pieces(name, p.detach())}
         of = lambda g: [self.tensors[key] for n, p in g["params"] for key, _ in self.pieces(n, p)]
-        self.optimizers = mt.torch_optimizers([dict(g, params=of(g))
-                                               for g in param_groups(self.model, *tg.hyperparameters(cfg))])
+        self.optimizers = mt.torch_optimizers([dict(g, params=of(g)) for g in model_groups])
 
     def make_model(self):
         return moe_gpt(self.cfg, micro_batches=self.cfg.dp).to(self.device)
@@ -341,9 +429,15 @@ def verify(cfg, results):
     return out
 
 
-def print_verification(out, print_fn=print):
-    tgd.print_verification(dict(out, passed=out["passed"]), lambda line: None if line.startswith("Result") else
-                           print_fn(line))
+REFERENCE_OPTIMIZERS = {"muon": "torch.optim.Muon, each expert its own matrix, + AdamW",
+                        "adamw-experts": "torch.optim.Muon + AdamW, the expert stacks AdamW's, whole",
+                        "adamw": "torch.optim.AdamW on every parameter"}
+
+
+def print_verification(cfg, out, print_fn=print):
+    print_fn(f"Against one process ({REFERENCE_OPTIMIZERS[cfg.optimizer]}; the plain model on each step's whole batch "
+             f"of {out['tokens_per_step']:,} tokens; FSDP2, TP and the all-to-all sum in other orders):")
+    print_fn(demo.training_table(out))
     n, differ = out["routing_decisions"], out["routing_differ"]
     print_fn(f"router: each token's top-k of every layer and step ({n:,} decisions) against the one process's own at "
              f"the ranks' weights: {n - len(differ):,} identical; router probabilities within "
@@ -395,7 +489,8 @@ def summarize(cfg, results):
     per_row = 4 * ACTIVATION_NUMBERS(cfg)
     group_pairs = cfg.ep * cfg.batch // cfg.dp * cfg.context * cfg.top_k  # the pairs of one EP group, per layer
     return dict(per_rank=per_rank, expert_ns_flops=flops[min(experts)] if experts else 0,
-                expert_matrices=len(experts), each_once=sorted(done) == sorted(owners) and len(done) == len(owners),
+                expert_matrices=len(experts), matrices=len(owners),
+                each_once=sorted(done) == sorted(owners) and len(done) == len(owners),
                 ns_balance=max(ns) / statistics.fmean(ns) if sum(ns) else 1.0, expert_ns_by_ep=ns_by_ep,
                 tokens_by_ep=by_ep, token_balance=max(by_ep) / statistics.fmean(by_ep),
                 rows_max=max(rows_per_layer), rows_even=group_pairs // cfg.ep, rows_worst=group_pairs,
@@ -414,14 +509,20 @@ def print_summary(cfg, s, print_fn=print):
                               "exchange sent experts", "other", "rows in/layer", "token all-to-all sent"], rows,
                              [">"] * 10))
     total = lambda kind: sum(p["exchange"][kind][0] for p in s["per_rank"])
-    print_fn(f"Newton-Schulz per expert: {s['expert_ns_flops'] / 1e6:.2f} MFLOP ({cfg.expert_hidden} x {cfg.d_model}); "
-             f"{s['expert_matrices']} expert matrices ({cfg.layers} layers x 2 stacks x {cfg.experts}), each "
-             f"orthogonalized {'once in the world (the ledgers)' if s['each_once'] else 'NOT once'}; NS FLOPs max/mean "
-             f"over ranks {s['ns_balance']:.2f}")
-    print_fn(f"Newton-Schulz of the experts per EP rank (each among the ranks holding it): "
-             f"{', '.join(f'{f / 1e6:.2f}' for f in s['expert_ns_by_ep'])} MFLOP a step")
-    print_fn(f"Expert exchange (gather at owner + scatter from owner, bf16): {kib(total('experts'))} a step over all "
-             f"ranks, {total('experts') / max(1, total('experts') + total('other')):.0%} of DTensorMuon's")
+    once = 'once in the world (the ledgers)' if s['each_once'] else 'NOT once'
+    if s["expert_matrices"]:
+        print_fn(f"Newton-Schulz per expert: {s['expert_ns_flops'] / 1e6:.2f} MFLOP ({cfg.expert_hidden} x "
+                 f"{cfg.d_model}); {s['expert_matrices']} expert matrices ({cfg.layers} layers x 2 stacks x "
+                 f"{cfg.experts}), each orthogonalized {once}; NS FLOPs max/mean over ranks {s['ns_balance']:.2f}")
+        print_fn(f"Newton-Schulz of the experts per EP rank (each among the ranks holding it): "
+                 f"{', '.join(f'{f / 1e6:.2f}' for f in s['expert_ns_by_ep'])} MFLOP a step")
+        print_fn(f"Expert exchange (gather at owner + scatter from owner, bf16): {kib(total('experts'))} a step over "
+                 f"all ranks, {total('experts') / max(1, total('experts') + total('other')):.0%} of DTensorMuon's")
+    else:  # AdamW is elementwise: each rank steps its own shard of the stacks, nothing moves
+        muon = (f"Newton-Schulz on the {s['matrices']} other matrices only, each orthogonalized {once}; NS FLOPs "
+                f"max/mean over ranks {s['ns_balance']:.2f}" if s["matrices"] else "no Newton-Schulz at all")
+        print_fn(f"The expert stacks take AdamW (--optimizer {cfg.optimizer}), on each rank's own shard: no expert "
+                 f"exchange; {muon}")
     print_fn(f"Tokens per EP rank (rows its experts took, a layer, mean over steps): "
              f"{', '.join(f'{t:.0f}' for t in s['tokens_by_ep'])}; max/mean {s['token_balance']:.2f}")
     print_fn(f"Dropless: an EP rank's experts took up to {s['rows_max']} rows in one layer ({s['rows_max'] / s['rows_even']:.2f}x "
@@ -478,6 +579,13 @@ def build_parser():
     p.add_argument("--shared-expert", action="store_true", help="gpt.py's dense MLP beside the experts, every token")
     p.add_argument("--aux-loss-weight", type=float, default=d.aux_loss_weight,
                    help="of the load-balance loss (default %(default)s, Switch Transformer's)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=d.optimizer,
+                   help="; ".join(f"{name}{' (default)' if name == d.optimizer else ''}: {what}"
+                                  for name, what in OPTIMIZERS.items())
+                   + " (the routers, embeddings, norms and biases take AdamW in all three; Muon-only flags, "
+                     "--momentum, are refused where no matrix takes Muon)")
+    p.add_argument("--experts-lr", type=float, metavar="LR",
+                   help="--optimizer adamw-experts: the expert stacks' AdamW lr (default --lr, every group's)")
     p.add_argument("--json", metavar="PATH", help="write the run's figures")
     p.add_argument("--figure", metavar="PATH", help="draw the ledger (a PNG)")
     return p
@@ -488,7 +596,9 @@ def header(cfg):
     return (f"MoE GPT {cfg.layers} layers x d={cfg.d_model}, {cfg.heads} heads, {cfg.experts} experts of "
             f"{cfg.expert_hidden} (top-{cfg.top_k}{shared}); DP {cfg.dp} (EP {cfg.ep}) x TP {cfg.tp} = "
             f"{cfg.dp * cfg.tp} Gloo ranks, experts per EP rank {', '.join(map(str, experts_per_rank(cfg.experts, cfg.ep)))}"
-            f"; DTensorMuon, lr {cfg.lr:g}, torch {torch.__version__}"
+            f"; DTensorMuon: {OPTIMIZERS[cfg.optimizer]}, lr {cfg.lr:g}"
+            + (f" (the experts' {cfg.experts_lr:g})" if cfg.experts_lr is not None else "")
+            + f", torch {torch.__version__}"
             + (f"; resumed from {cfg.resume} after step {cfg.resume_step}" if cfg.resume else ""))
 
 
@@ -497,9 +607,9 @@ def main(argv=None):
 
     def work():
         cfg = tgd.config_from_args(args, Config)
-        validate(cfg)
         if args.verify and cfg.resume:
             raise ValueError("--verify replays the run from its initial weights: it takes no --resume")
+        validate(cfg)
         for option, path in (("--json", args.json), ("--figure", args.figure)):
             if path:
                 mt.check_writable(path, option)
@@ -515,7 +625,7 @@ def main(argv=None):
         if args.verify:
             print()
             checks = verify(cfg, results)
-            print_verification(checks)
+            print_verification(cfg, checks)
             out["checks"] = {k: v for k, v in checks.items() if k != "replay_differs"}
             out["passed"] = checks["passed"]
         mt.write_json(args.json, out)

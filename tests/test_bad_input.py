@@ -184,6 +184,20 @@ ROWS += [
     ("benchmarks/gpt_step.py", ["--figure", "/proc/x.png"], "--figure /proc/x.png cannot be written", False),
     ("benchmarks/scaling.py", ["--figure", "/proc/x.png"], "--figure /proc/x.png cannot be written", False),
     ("benchmarks/gpt_step.py", ["--traces", "/proc/traces"], "--traces /proc/traces cannot be written", False),
+    ("examples/train_gpt_moe.py", ["--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'", False),
+    ("examples/train_gpt_moe.py", ["--optimizer", "adamw", "--momentum", "0.9"], "--optimizer adamw takes no --momentum",
+     False),
+    ("examples/train_gpt_moe.py", ["--experts-lr", "0.003"],
+     "--experts-lr applies to --optimizer adamw-experts (got --optimizer muon)", False),
+    ("examples/train_gpt_moe.py", ["--optimizer", "adamw-experts", "--experts-lr", "inf"],
+     "--experts-lr must be > 0 and finite (got inf)", False),
+    ("benchmarks/moe_optimizers.py", ["--optimizers", "sgd"], "argument --optimizers: invalid choice: 'sgd'", False),
+    ("benchmarks/moe_optimizers.py", ["--adamw-lrs", "0"], "--adamw-lrs must be > 0 and finite (got 0.0)", False),
+    ("benchmarks/moe_optimizers.py", ["--optimizers", "muon", "--adamw-lrs", "0.01"],
+     "--adamw-lrs would be ignored: --optimizers leaves adamw out", False),
+    ("benchmarks/moe_optimizers.py", ["--seeds", "0", "0"], "--seeds 0 0: each seed once", False),
+    ("benchmarks/moe_optimizers.py", ["--optimizers", "adamw-experts"],
+     "--optimizers adamw-experts trains its other groups at muon's best lr: give muon too", False),
 ]
 # The numbers a step cannot survive, refused up front (muon_tools.check_step_numbers, check_launch); what a command
 # writes may not be one of its inputs, nor the code it runs (check_not_input), nor another of its outputs; combinations

@@ -7,8 +7,10 @@ gradients and loss against float64 within the derived bound (FSDP2's, TP's and t
 other orders), the one process taking the ranks' routing; every routing decision against the one process's own
 at the ranks' weights (identical, or a near-tie the probabilities' difference explains); the free-running gap
 reported. One spawn of 8 ranks (DP 4 of which EP 2, x TP 2, 7 experts: EP ranks of 4 and 3) saves after step 2;
-4 of them resume under EP 4 (2, 2, 2 and 1 experts). The command line on 4 ranks (EP ranks of 2 and 1
-experts), bad flags, Ctrl-C."""
+4 of them resume under EP 4 (2, 2, 2 and 1 experts); then, in the same spawn, --optimizer adamw-experts (AdamW on
+the expert stacks) and adamw (on every parameter), each replayed through torch.optim.AdamW on the whole 3-D stacks.
+The command line on 4 ranks (EP ranks of 2 and 1 experts), bad flags, a checkpoint of another model or optimizer,
+torchrun refused, Ctrl-C."""
 
 import json
 import os
@@ -36,11 +38,14 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def trainings(tmp_path_factory):
     """One spawn of 8 ranks: DP 4 (EP 2) x TP 2 with 7 experts and a shared expert, 3 steps kept for --verify's
-    checks, saving after step 2; then, on 4 of the ranks, the same run resumed under DP 4 (EP 4) x TP 1. With
-    the first one's verification (computed once: several tests read it)."""
+    checks, saving after step 2; then, on 4 of the ranks, the same run resumed under DP 4 (EP 4) x TP 1; then 2 steps
+    of the first with --optimizer adamw-experts (the experts at lr 0.003, the rest at 0.01), and 2 of DP 4 (EP 4) x
+    TP 1 with adamw. With the first one's verification (computed once: several tests read it)."""
     folder = str(tmp_path_factory.mktemp("moe_dcp") / "after_step_2")
     base = tgm.Config(dp=4, ep=2, tp=2, experts=7, shared_expert=True, steps=STEPS, keep=True, **SMALL)
-    configs = [replace(base, save=folder, save_step=2), replace(base, ep=4, tp=1, resume=folder, resume_step=2)]
+    configs = [replace(base, save=folder, save_step=2), replace(base, ep=4, tp=1, resume=folder, resume_step=2),
+               replace(base, optimizer="adamw-experts", experts_lr=0.003, steps=2),
+               replace(base, optimizer="adamw", ep=4, tp=1, steps=2)]
     results = tgm.train_many(configs, world=8)
     return configs, results, tgm.verify(configs[0], results[0])
 
@@ -142,6 +147,78 @@ def test_saved_under_ep_2_resumed_under_ep_4_replays_bit_for_bit_through_the_che
     assert abs(mean(resumed, 0) - mean(whole, 2)) < 1e-4
 
 
+def test_adamw_on_the_experts_or_everywhere_replays_torch_adamw_on_the_whole_stacks_bit_for_bit(trainings):
+    """--optimizer adamw-experts: the stacks (FSDP2 over edp = 2 on dim 1, EP 2, TP replicas) in an AdamW group of
+    their own at --experts-lr, stepped elementwise on each rank's shard, Muon on the attention and shared-expert
+    matrices only;
+    adamw: no Muon at all (EP 4, TP 1). torch.optim.AdamW on each whole 3-D stack (and Muon on the rest where they take
+    it) replays every rank's weights bit for bit, the gradients within the bound, every routing decision the one
+    process's own. The replay can fail: the same ranks' weights against --optimizer muon's torch.optim.Muon differ at
+    every step on exactly the matrices that took AdamW (the four stacks; with adamw, the other matrices too)."""
+    configs, results, _ = trainings
+    stacks = {f"blocks.{i}.mlp.experts.{w}" for i in range(2) for w in ("w1", "w2")}
+    owned = {"adamw-experts": {f"blocks.{i}.{m}.weight" for i in range(2)
+                               for m in ("attn.qkv", "attn.proj", "mlp.shared.fc", "mlp.shared.proj")},
+             "adamw": set()}
+    for cfg, ranks in zip(configs[2:], results[2:]):
+        out = tgm.verify(cfg, ranks)
+        assert out["n_params"] == 34 and out["replay_differs"] == [] and out["replica_max_diff"] == 0, cfg.optimizer
+        assert 0 < out["bound_ratio"] <= 1 and out["routing_differ"] == [] and out["passed"], cfg.optimizer
+        assert out["routing_decisions"] == 2 * 2 * 8 * 32
+        assert all(r["expert_matrices"] == [] and set(r["owners"]) == owned[cfg.optimizer] for r in ranks)
+        assert all(r["exchange"]["experts"] == [0, 0] for r in ranks)  # AdamW moves nothing between ranks
+        heads = [r for r in ranks if r["coordinate"][2] == 0]
+        assert sum(r["losses"][-1] for r in heads) < sum(r["losses"][0] for r in heads)  # it trained
+        as_muon = tgm.verify(replace(cfg, optimizer="muon"), ranks)
+        adamw_not_muon = stacks | (owned["adamw-experts"] if cfg.optimizer == "adamw" else set())
+        assert set(as_muon["replay_differs"]) == {(step, n) for step in (1, 2) for n in adamw_not_muon}, cfg.optimizer
+        assert not as_muon["passed"]
+    moe = tgm.moe_gpt(configs[2])
+    for cfg in configs[2:]:  # the one process's optimizers: AdamW takes the stacks whole, Muon the other matrices
+        ref, kinds = tgm.Reference(cfg), {}
+        for o in ref.optimizers:  # the dimensions of the tensors each kind of torch optimizer steps
+            kinds.setdefault(type(o).__name__, set()).update(p.ndim for g in o.param_groups for p in g["params"])
+        muon = {"Muon": {2}} if cfg.optimizer == "adamw-experts" else {}
+        assert kinds == dict(muon, AdamW={1, 2, 3})
+        assert ref.stacks == set() and ref.weights().keys() == dict(moe.named_parameters()).keys()
+        lrs = {(type(o).__name__, p.ndim, g["lr"]) for o in ref.optimizers for g in o.param_groups for p in g["params"]}
+        assert {lr for kind, ndim, lr in lrs if ndim == 3} == {0.003 if cfg.optimizer == "adamw-experts" else 0.01}
+        assert {lr for kind, ndim, lr in lrs if ndim < 3} == {0.01}
+
+
+def test_a_checkpoint_of_another_expert_count_or_optimizer_is_refused_before_any_rank(trainings, capsys, monkeypatch):
+    """--resume reads the checkpoint's metadata before any rank starts: another --experts, sizes or --optimizer than
+    it was saved with is one line, exit 2; the sizes and optimizer it was saved with pass (they resumed above)."""
+    configs, _, _ = trainings
+    folder = configs[0].save
+    monkeypatch.setattr(tgm.mt, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    argv = ["--dp", "4", "--ep", "2", "--tp", "2", "--shared-expert", "--steps", "3", "--batch", "8", "--context", "32",
+            "--d-model", "32", "--layers", "2", "--heads", "4", "--expert-hidden", "32", "--val-windows", "8",
+            "--resume", folder, "--resume-step", "2"]
+    for extra, message in [
+        (["--experts", "4"], f"--resume {folder}: its checkpoint has 7 experts a layer (blocks.0.mlp.experts.w1 "
+                             f"(7, 32, 32)), this run --experts 4: resume with --experts 7"),
+        (["--experts", "7", "--expert-hidden", "16"], "its checkpoint's blocks.0.mlp.experts.w1 is (7, 32, 32), this "
+                                                      "run's (7, 16, 32): resume with the sizes it was saved with"),
+        (["--experts", "7", "--layers", "3"], "its checkpoint has no blocks.2.ln1.weight: it was saved from another "
+                                              "model"),
+        (["--experts", "7", "--optimizer", "adamw-experts"],
+         "its checkpoint holds Muon's momentum for blocks.0.mlp.experts.w1, which this run steps with AdamW "
+         "(--optimizer adamw-experts): resume with the --optimizer it was saved with"),
+        (["--experts", "7", "--optimizer", "adamw"], "holds Muon's momentum for blocks.0.attn.qkv.weight, which this "
+                                                     "run steps with AdamW (--optimizer adamw)")]:
+        code = tgm.main(argv + extra)
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, (extra, err)
+    tgm.validate(configs[1])  # what it was saved with, under another EP: no refusal
+    not_dcp = os.path.join(os.path.dirname(folder), "not_dcp")
+    os.makedirs(not_dcp)
+    with open(os.path.join(not_dcp, ".metadata"), "w") as f:
+        f.write("not a checkpoint")
+    with pytest.raises(ValueError, match=r"^--resume .*not_dcp: its .metadata cannot be read \("):
+        tgm.validate(replace(configs[1], resume=not_dcp))
+
+
 def test_command_line_on_4_ranks_with_an_ep_rank_of_fewer_experts(tmp_path):
     """--verify, --json and --figure (the ledger's picture, which the notebook of runs shows for the same command)."""
     argv = ["--dp", "2", "--ep", "2", "--tp", "2", "--experts", "3", "--steps", "2", "--batch", "8", "--context",
@@ -185,6 +262,21 @@ def test_bad_flags_exit_2_with_one_line(argv, message, tmp_path, capsys):
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_under_torchrun_rank_0_says_in_one_line_there_is_no_torchrun_mode_and_no_rank_starts(tmp_path):
+    """Each process torchrun starts would spawn ranks of its own (before: two launchers whose ranks waited on the store
+    for 20-40 s): it exits 2 before any rank or forkserver starts, rank 0 alone saying why, in one line. What else
+    the command prints is torchrun's own (its banner and its report of the exit codes), none of it this command's."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           SCRIPT, "--steps", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)))
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and proc.stdout == "" and len(ours) == 1, proc.stderr[-3000:]
+    assert ours[0].startswith("error: train_gpt_moe.py runs with python, not under torchrun"), ours
+    assert "exitcode  : 2 " in proc.stderr  # torchrun's report: rank 0's exit code
+    # no temporary folder of a launcher, no forkserver's (multiprocessing's): only torchrun's own
+    assert [name for name in os.listdir(tmp_path) if not name.startswith("torchelastic_")] == []
 
 
 def test_ctrl_c_stops_every_rank_and_leaves_nothing(tmp_path):
