@@ -439,9 +439,10 @@ class LargeRuns(Blocks):
             raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got "
                              f"{type(row_layouts).__name__})")
         for name, rows in (row_layouts or {}).items():  # what they describe is checked once the layout is known
-            if not isinstance(name, str) or not isinstance(rows, RowLayout):
-                raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got {name!r}: "
-                                 f"{type(rows).__name__})")
+            if not isinstance(name, str):
+                raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got a key {name!r})")
+            if not isinstance(rows, RowLayout):
+                raise ValueError(row_layout_problem(name, rows, None))
         self.row_layouts, self.ns_blocks = dict(row_layouts or {}), ns_blocks
         self.tp_newton_schulz, self.qk_clip_tau = tp_newton_schulz, qk_clip_tau
         super().__init__()
