@@ -1160,9 +1160,13 @@ def small_batch(cluster, print_fn):
     theirs; and, for scale, the same if every GPU orthogonalized every matrix (no owner)."""
     without, measured = MARIN_MFU
     rate = replace(cluster, train_tflops=without * cluster.peak_tflops)
-    print_fn(f"\nOne node, a small batch: {MODELS['marin-moe-d2560'].source}. Forward + backward at their measured "
-             f"{without:.1%} MFU without Newton-Schulz; DTensorMuon's exchange and Newton-Schulz added (busiest rank, "
-             f"no overlap); measured with Newton-Schulz: {measured:.1%}")
+    print_fn("\nOne node, a small batch: marin's d2560 MoE on 8 H100s, its MFU with Muon's momentum only and with "
+             "Newton-Schulz (marin-community/marin issue 6979, rows 6 and 7 of its MFU table)")
+    print_fn(f"  * shapes and batch: {MODELS['marin-moe-d2560'].source}")
+    print_fn(f"  * the forward + backward at their {without:.1%} MFU without Newton-Schulz, its FLOPs (6 x active "
+             f"parameters + attention) x tokens as their MFU counts them; Newton-Schulz adds DTensorMuon's exchange and "
+             f"the busiest rank's Newton-Schulz at {rate.ns_tflops:,.0f} TFLOP/s, no overlap; they measured "
+             f"{measured:.1%} with it; \"replicated\": every GPU orthogonalizing every matrix, no owner, for scale")
     table, out = [], []
     for seq in MARIN_SEQS:
         model = replace(MODELS["marin-moe-d2560"], seq=seq, tokens=168 * seq)
@@ -1180,7 +1184,7 @@ def small_batch(cluster, print_fn):
                       f"{model.train_flops() / 1e15:,.2f}", ms(fwd_bwd), mt.human_bytes(row.sent_max), ms(row.comm_s),
                       ms(ns), f"{predicted:.1%}", ms(every), f"{replicated:.1%}", f"{measured:.1%}"])
     print_fn(mt.format_table(["sequence", "tokens", "fwd+bwd PFLOP", "fwd+bwd ms", "sent/rank", "comm ms", "NS ms",
-                              "MFU predicted", "NS ms, every GPU all", "MFU then", "MFU measured"], table,
+                              "MFU predicted", "replicated NS ms", "MFU replicated", "MFU measured"], table,
                              ["<"] + [">"] * 10))
     return out
 
