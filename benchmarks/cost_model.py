@@ -944,7 +944,7 @@ NORMUON = ", NorMuon"  # the label of a row whose matrices take NorMuon
 def baseline_of(label):
     """The AdamW row a row is set against: torch's AdamW on the same FSDP2 shards for DTensorMuon's rows, AdamW
     ZeRO-1 on the same buffer layout for the lesson's."""
-    if label.startswith("DTensorMuon"):
+    if label.startswith("DTensorMuon") or label == "AdamW, FSDP2":
         return "AdamW, FSDP2"
     return "AdamW ZeRO-1" + (FLAT if label.endswith(FLAT) else "")
 

@@ -408,5 +408,6 @@ def test_one_table_names_every_optimizer_and_the_cluster(capsys):
     out = capsys.readouterr().out
     assert out.startswith("GPT-2 small: 0.12 B parameters") and cm.H100.name in out
     rows = [line.split("  ")[0] for line in out.splitlines()[4:]]
+    assert out.splitlines()[-1].split()[-2] == "-"  # AdamW under FSDP2 is its own baseline
     assert rows == ["gather", "gather, flat buffer", "owner", "comm-free", "AdamW ZeRO-1", "AdamW ZeRO-1, flat buffer",
                     "DTensorMuon", "AdamW, FSDP2"]
