@@ -1200,11 +1200,13 @@ def figure(results, scaling, path):
     fig, axes = plt.subplots(1, 3, figsize=(19, 6.2))
     for ax, name in zip(axes, ("Llama-3-70B-like", "DeepSeek-V3-like MoE")):
         runs = [r for r in results if r["model"] == name]
-        labels = [r["label"] for r in runs[0]["rows"]]
+        # NorMuon's rows are Muon's within a few percent, AdamW's flat buffer its bucketed one's: left to the tables
+        labels = [r["label"] for r in runs[0]["rows"] if not r["label"].endswith(NORMUON)
+                  and r["label"] != "AdamW ZeRO-1" + FLAT]
         width = 0.8 / len(labels)
         for i, label in enumerate(labels):
             steps = [next(x for x in r["rows"] if x["label"] == label)["step_s"] * 1e3 for r in runs]
-            ax.bar([j + i * width for j in range(len(runs))], steps, width, label=label)
+            ax.bar([j + i * width for j in range(len(runs))], steps, width, label=label, color=plt.cm.tab10(i))
         ax.plot([j + 0.4 - width / 2 for j in range(len(runs))], [r["fwd_bwd_s"] * 1e3 for r in runs], "k_",
                 markersize=30, label="forward + backward")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(runs))], [f"{r['gpus']} GPUs" for r in runs])
