@@ -266,6 +266,8 @@ class Cluster:
     # decay, update) and AdamW step; and how many cores the ranks share (0: a device each).
     call_us: tuple = ()  # ((op, us), ...)
     op_gbs: tuple = ()  # ((op, GB/s), ...)
+    cpu_call_us: tuple = ()  # ((op, us), ...): the CPU a call takes from the cores the ranks share (cores > 0)
+    cpu_gbs: tuple = ()  # ((op, GB/s), ...): and per byte
     ns_call_us: float = 0.0
     muon_part_us: float = 0.0
     adamw_part_us: float = 0.0
@@ -591,6 +593,12 @@ class PhaseTraffic:
 
     def seconds(self, rank, cluster):
         return sum(self.terms(rank, cluster))
+
+    def cpu_seconds(self, rank, cluster):
+        """The CPU one rank's calls of this phase take (Cluster.cpu_call_us and cpu_gbs; 0 where none measured)."""
+        gbs = dict(cluster.cpu_gbs).get(self.op)
+        return (self.calls[rank] * dict(cluster.cpu_call_us).get(self.op, 0.0) * 1e-6
+                + (max(self.sent[rank], self.received[rank]) / (gbs * 1e9) if gbs else 0.0))
 
 
 class Traffic:
@@ -1018,8 +1026,9 @@ class Row:
 
 
 def summarize(cost, cluster):
-    """A Row: communication (every phase at its slowest rank, one after another) and compute (the busiest rank's;
-    where the ranks share fewer cores than they are, at least all ranks' compute over the cores: "shared cores")."""
+    """A Row: communication (every phase at its slowest rank, one after another) and compute (the busiest rank's).
+    Where the ranks share fewer cores than they are, the step takes at least all ranks' CPU (compute and collectives)
+    over the cores: what that adds is "shared cores", counted with compute."""
     sent = [sum(t.sent[r] for t in cost.traffic.phases.values()) for r in range(cost.world)]
     received = [sum(t.received[r] for t in cost.traffic.phases.values()) for r in range(cost.world)]
     inter = sum(sum(t.link["inter"][0]) for t in cost.traffic.phases.values())
@@ -1028,11 +1037,15 @@ def summarize(cost, cluster):
     per_rank = cost.compute_seconds(cluster)
     busiest = max(range(cost.world), key=per_rank.__getitem__)
     terms.update(cost.compute_terms(busiest, cluster))
-    terms["shared cores"] = max(0.0, sum(per_rank) / cluster.cores - per_rank[busiest]) if cluster.cores else 0.0
+    # ranks sharing fewer cores: the step takes at least every rank's CPU over the cores, their compute and what their
+    # collectives take (Cluster.cpu_call_us, cpu_gbs)
+    floor = (sum(per_rank) + sum(t.cpu_seconds(r, cluster) for t in cost.traffic.phases.values()
+                                 for r in range(cost.world))) / cluster.cores if cluster.cores else 0.0
+    terms["shared cores"] = max(0.0, floor - comm - per_rank[busiest])
     compute = per_rank[busiest] + terms["shared cores"]
     return Row(cost.label, max(sent), max(received), inter / sum(sent) if sum(sent) else 0.0, max(cost.ns_flops),
                sum(cost.ns_flops) / cost.world, max(cost.state_bytes), comm, compute, comm + compute,
-               max(comm, compute), terms)
+               max(comm, per_rank[busiest], floor), terms)
 
 
 def forward_backward_seconds(s, cluster):
@@ -1253,9 +1266,9 @@ BAND = 0.25  # the issue's: predicted within 25 % of the least disturbed step
 
 
 def probe_rank(rank, world, port, out_dir):
-    """One of `world` ranks: {op: [(bytes the Ledger counts for the call, least seconds)] at each of PROBE_NUMELS}
-    of the library's own collectives (the lesson's all_gather, reduce_scatter and all_reduce, section 7's exchange),
-    the slowest rank's taken by the caller."""
+    """One of `world` ranks: {op: [(bytes the Ledger counts for the call, least seconds, least CPU seconds of the
+    process, Gloo's threads included)] at each of PROBE_NUMELS} of the library's own collectives (the lesson's
+    all_gather, reduce_scatter and all_reduce, section 7's exchange), the slowest rank's taken by the caller."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -1268,30 +1281,36 @@ def probe_rank(rank, world, port, out_dir):
                  "all_reduce": lambda: dm.all_reduce(shard.clone(), axis, ledger, "probe"),
                  "all_to_all": lambda: mo.exchange(sends, receive, axis, ledger, "probe", FP32, "cpu")()}
         for op, call in calls.items():
-            samples = []
+            samples, cpu = [], []
             for _ in range(PROBE_REPEATS):
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 call()
                 samples.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             last = ledger.comm[-1]
-            out.setdefault(op, []).append((max(last["sent"], last["received"]), min(samples)))
+            out.setdefault(op, []).append((max(last["sent"], last["received"]), min(samples), min(cpu)))
     torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
+def fit_line(points):
+    """(intercept us, GB/s) of seconds against bytes through two (bytes, seconds) points."""
+    (b0, t0), (b1, t1) = points
+    gbs = (b1 - b0) / max(t1 - t0, 1e-9) / 1e9
+    return max(t0 - b0 / (gbs * 1e9), 0.0) * 1e6, gbs
+
+
 def collective_costs(world):
-    """{op: (us a call, GB/s)} of the library's collectives on `world` ranks here: the call's fixed cost at the tiny
-    size, the bandwidth from the step between the two sizes (the slowest rank's times)."""
+    """{op: ((us a call, GB/s), (CPU us a call, CPU GB/s))} of the library's collectives on `world` ranks here, the
+    slowest rank's: the call's fixed cost at the tiny size and the bandwidth from the step between the two sizes, in
+    time and in the CPU a rank's process spends (its own and Gloo's threads: what the ranks take from each other's
+    compute where they share cores)."""
     with tempfile.TemporaryDirectory() as out_dir:
         mt.run_processes(probe_rank, (world, mt.free_port(), out_dir), world, folders=(out_dir,))
         ranks = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
-    out = {}
-    for op in ranks[0]:
-        (b0, t0), (b1, t1) = [(b, max(r[op][i][1] for r in ranks)) for i, (b, _) in enumerate(ranks[0][op])]
-        gbs = (b1 - b0) / max(t1 - t0, 1e-9) / 1e9
-        out[op] = (max(t0 - b0 / (gbs * 1e9), 0.0) * 1e6, gbs)
-    return out
+    return {op: tuple(fit_line([(b, max(r[op][i][k] for r in ranks)) for i, (b, *_) in enumerate(ranks[0][op])])
+                      for k in (1, 2)) for op in ranks[0]}
 
 
 def least_seconds(call, repeats=UNIT_REPEATS):
@@ -1332,14 +1351,17 @@ def this_machine(units, collectives, world):
     """A Cluster of this machine's measured figures for a run of `world` ranks, all on one "node" (Gloo over
     loopback): each collective's fixed cost and bandwidth (collective_costs(world)), the latency of its messages
     inside the former; the unit costs of this process (unit_costs)."""
-    call_us = tuple((op, us) for op, (us, _) in sorted(collectives.items()))
-    op_gbs = tuple((op, gbs) for op, (_, gbs) in sorted(collectives.items()))
+    call_us = tuple((op, us) for op, ((us, _), _) in sorted(collectives.items()))
+    op_gbs = tuple((op, gbs) for op, ((_, gbs), _) in sorted(collectives.items()))
+    cpu_call_us = tuple((op, us) for op, (_, (us, _)) in sorted(collectives.items()))
+    cpu_gbs = tuple((op, gbs) for op, (_, (_, gbs)) in sorted(collectives.items()))
     gbs = dict(op_gbs).get("all_to_all", 1.0)
     # the lesson's unfused ops: Muon 48 bytes an element (lerp_ 12, lerp 12, bf16 cast 6, decay 8, add_ 10),
     # torch's single-tensor AdamW 80 (mul_ 8, lerp_ 12, mul_ 8, addcmul_ 12, sqrt / div / add_ 24, addcdiv_ 16)
     return Cluster(f"this machine: {world} Gloo rank{'s' * (world > 1)} on {os.cpu_count()} cores", gpus_per_node=64,
                    intra_gbs=gbs, inter_gbs=gbs, intra_us=0.0, inter_us=0.0, train_tflops=1.0, muon_bytes=48,
-                   adamw_bytes=80, call_us=call_us, op_gbs=op_gbs, cores=os.cpu_count() or 1, **units)
+                   adamw_bytes=80, call_us=call_us, op_gbs=op_gbs, cpu_call_us=cpu_call_us, cpu_gbs=cpu_gbs,
+                   cores=os.cpu_count() or 1, **units)
 
 
 def scaling_specs(d, layers):
@@ -1406,8 +1428,9 @@ def check_here(d, layers, rounds, print_fn=print):
     print_fn(f"  * a part's elementwise step: Muon {units['muon_part_us']:.0f} us, AdamW {units['adamw_part_us']:.0f} us, "
              f"an update applied {units['apply_us']:.0f} us; fp32 lerp_ {units['hbm_gbs']:.1f} GB/s")
     for ranks in CHECK_RANKS[1:]:
-        ops = ", ".join(f"{op} {us:.0f} us + {gbs:.2f} GB/s" for (op, us), (_, gbs)
-                        in zip(machines[ranks].call_us, machines[ranks].op_gbs))
+        m = machines[ranks]
+        ops = ", ".join(f"{op} {us:.0f} us + {gbs:.2f} GB/s (CPU {cpu:.0f} us + {cpu_gbs:.2f} GB/s)"
+                        for (op, us), (_, gbs), (_, cpu), (_, cpu_gbs) in zip(m.call_us, m.op_gbs, m.cpu_call_us, m.cpu_gbs))
         print_fn(f"  * the library's collectives on {ranks} ranks, a call + its bytes: {ops}")
     print_fn(f"  * bookkeeping, fitted at d = {TINY_D} (per parameter, every rank): "
              + ", ".join(f"{v} {us:.0f} us" for v, us in param_us.items()))

@@ -361,12 +361,14 @@ def test_per_call_costs_are_priced_as_counted():
     """--check-here's terms: a collective's fixed cost per call and its op's bandwidth; Newton-Schulz calls, parts
     and the bookkeeping per parameter at their unit costs; ranks beyond the cores share them."""
     here = replace(CLUSTER, intra_us=0.0, call_us=(("all_gather", 50.0),), op_gbs=(("all_gather", 2.0),),
+                   cpu_call_us=(("all_gather", 30.0),), cpu_gbs=(("all_gather", 1.0),),
                    ns_call_us=40.0, muon_part_us=10.0, adamw_part_us=20.0, apply_us=5.0, param_us=3.0, cores=1)
     traffic = cm.Traffic(2, ONE_NODE)
     for _ in range(3):
         traffic.all_gather("p", "DP", torch.float32, [[0, 1]], 250)  # 1000 B a call, 3 calls
     assert traffic.calls_table() == {"p": [3, 3]}
     assert traffic.phases["p"].terms(0, here) == pytest.approx((0.0, 3000 / 2e9, 3 * 50e-6))
+    assert traffic.phases["p"].cpu_seconds(1, here) == pytest.approx(3 * 30e-6 + 3000 / 1e9)
     cost = cm.Cost("x", traffic, [2e7, 0], [0, 0], {"muon": [1000, 0], "adamw": [0, 10]}, 2,
                    calls=dict(ns=[1, 0], muon=[1, 0], adamw=[0, 2], apply=[0, 4], params=[7, 7]))
     terms = cost.compute_terms(0, here)
@@ -374,9 +376,12 @@ def test_per_call_costs_are_priced_as_counted():
                                    "parts": 10e-6, "bookkeeping": 21e-6})
     other = sum(cost.compute_terms(1, here).values())  # 2 AdamW parts, 4 applies, bookkeeping, its elementwise
     assert other == pytest.approx(40e-6 + 20e-6 + 21e-6 + 10 * 28 / 1000e9)
-    row = cm.summarize(cost, here)  # rank 0 the busiest; one core for two ranks: at least both ranks' work
-    assert row.compute_s == pytest.approx(sum(terms.values()) + other)
-    assert row.terms["shared cores"] == pytest.approx(other) and row.terms["calls"] == pytest.approx(150e-6)
+    row = cm.summarize(cost, here)  # rank 0 the busiest; one core for two ranks: at least both ranks' CPU
+    cpu = sum(terms.values()) + other + 2 * (3 * 30e-6 + 3000 / 1e9)
+    assert row.comm_s == pytest.approx(150e-6 + 3000 / 2e9) and row.terms["calls"] == pytest.approx(150e-6)
+    assert row.step_s == pytest.approx(cpu) and row.overlap_s == pytest.approx(cpu)
+    assert row.terms["shared cores"] == pytest.approx(cpu - row.comm_s - sum(terms.values()))
+    assert cm.summarize(cost, replace(here, cores=2)).terms["shared cores"] == 0  # a core each: no floor
 
 
 # -- the command line --------------------------------------------------------------------------------------
