@@ -699,12 +699,9 @@ class Cost:
     # stepped), "apply" (comm-free: updates applied to whole matrices another row orthogonalized), "params"
     # (parameters the step walks; set where it is priced: --check-here)
 
-    def comm_seconds(self, cluster):
-        """{phase: seconds of its slowest rank}."""
-        return {p: max(t.seconds(r, cluster) for r in range(self.world)) for p, t in self.traffic.phases.items()}
-
     def comm_terms(self, cluster):
-        """{"latency", "bandwidth", "calls": seconds}: the terms of comm_seconds, each phase's slowest rank's."""
+        """{"latency", "bandwidth", "calls": seconds} of the communication: every phase at its slowest rank, the
+        phases one after another."""
         out = dict.fromkeys(("latency", "bandwidth", "calls"), 0.0)
         for t in self.traffic.phases.values():
             slowest = max(range(self.world), key=lambda r: t.seconds(r, cluster))
