@@ -273,7 +273,9 @@ class Cluster:
     adamw_part_us: float = 0.0
     apply_us: float = 0.0  # comm-free: applying an update the owner row broadcast to a whole matrix
     param_us: float = 0.0  # the step's own bookkeeping, per parameter it walks (fitted by --check-here)
+    ns_shared: float = 1.0  # how many times longer Newton-Schulz takes when every rank runs it at once
     cores: int = 0
+    in_flight: int = 1  # collectives a rank's process group runs at once, overlapped (Gloo: its worker threads)
 
     def call_s(self, op):
         return dict(self.call_us).get(op, 0.0) * 1e-6
@@ -712,10 +714,11 @@ class Cost:
     def compute_terms(self, rank, cluster):
         """{term: seconds} of one rank's compute: Newton-Schulz's FLOPs at the bf16 rate and its calls, the
         elementwise bytes at the memory bandwidth, the fixed cost of each part stepped and the step's bookkeeping
-        per parameter (Cluster's per-call costs; 0 on a cluster that measured none)."""
+        per parameter (Cluster's per-call costs; 0 on a cluster that measured none). Newton-Schulz runs as it does
+        when every rank runs it at once (Cluster.ns_shared): in the lesson's stage 3 they do."""
         calls = {k: v[rank] for k, v in self.calls.items()}
-        return {"NS FLOPs": self.ns_flops[rank] / (cluster.ns_tflops * 1e12),
-                "NS calls": calls.get("ns", 0) * cluster.ns_call_us * 1e-6,
+        return {"NS FLOPs": self.ns_flops[rank] / (cluster.ns_tflops * 1e12) * cluster.ns_shared,
+                "NS calls": calls.get("ns", 0) * cluster.ns_call_us * 1e-6 * cluster.ns_shared,
                 "elementwise": (self.elements["muon"][rank] * cluster.muon_bytes
                                 + self.elements["adamw"][rank] * cluster.adamw_bytes) / (cluster.hbm_gbs * 1e9),
                 "parts": (calls.get("muon", 0) * cluster.muon_part_us + calls.get("adamw", 0) * cluster.adamw_part_us
@@ -1024,8 +1027,9 @@ class Row:
 
 def summarize(cost, cluster):
     """A Row: communication (every phase at its slowest rank, one after another) and compute (the busiest rank's).
-    Where the ranks share fewer cores than they are, the step takes at least all ranks' CPU (compute and collectives)
-    over the cores: what that adds is "shared cores", counted with compute."""
+    Where the ranks share cores, the step takes at least all ranks' CPU work over them (cores_floor): what that adds
+    is "shared cores", counted with compute. Overlapped: the largest of communication (cluster.in_flight collectives
+    at once), compute and that floor."""
     sent = [sum(t.sent[r] for t in cost.traffic.phases.values()) for r in range(cost.world)]
     received = [sum(t.received[r] for t in cost.traffic.phases.values()) for r in range(cost.world)]
     inter = sum(sum(t.link["inter"][0]) for t in cost.traffic.phases.values())
@@ -1036,13 +1040,26 @@ def summarize(cost, cluster):
     terms.update(cost.compute_terms(busiest, cluster))
     # ranks sharing fewer cores: the step takes at least every rank's CPU over the cores, their compute and what their
     # collectives take (Cluster.cpu_call_us, cpu_gbs)
-    floor = (sum(per_rank) + sum(t.cpu_seconds(r, cluster) for t in cost.traffic.phases.values()
-                                 for r in range(cost.world))) / cluster.cores if cluster.cores else 0.0
+    floor = cores_floor(cost, cluster)
     terms["shared cores"] = max(0.0, floor - comm - per_rank[busiest])
     compute = per_rank[busiest] + terms["shared cores"]
     return Row(cost.label, max(sent), max(received), inter / sum(sent) if sum(sent) else 0.0, max(cost.ns_flops),
                sum(cost.ns_flops) / cost.world, max(cost.state_bytes), comm, compute, comm + compute,
-               max(comm, per_rank[busiest], floor), terms)
+               max(comm / cluster.in_flight, per_rank[busiest], floor), terms)
+
+
+def cores_floor(cost, cluster):
+    """The least time every rank's CPU work takes where the ranks share cluster.cores cores (0: none shared): their
+    Newton-Schulz at the machine's rate when all run it at once (world x its own rate / ns_shared), then the rest of
+    their compute and the CPU their collectives take, over the cores."""
+    if not cluster.cores:
+        return 0.0
+    alone = replace(cluster, ns_shared=1.0)
+    ns = sum(cost.compute_terms(r, alone)["NS FLOPs"] + cost.compute_terms(r, alone)["NS calls"]
+             for r in range(cost.world))
+    rest = sum(cost.compute_seconds(alone)) - ns + sum(t.cpu_seconds(r, cluster) for t in cost.traffic.phases.values()
+                                                         for r in range(cost.world))
+    return ns * cluster.ns_shared / cost.world + rest / cluster.cores
 
 
 def forward_backward_seconds(s, cluster):
@@ -1256,16 +1273,20 @@ def figure(results, scaling, path):
 CHECK_RANKS = (1, 2, 4)
 CHECK_ROUNDS = 15  # steps of every variant, interleaved; the minimum of 15 is steadier than of 5 on a shared machine
 TINY_D = 8  # the width at which a step is its per-call costs
-PROBE_NUMELS = (1, 1 << 15)  # float32 elements a rank sends a peer: a tiny call, and a 64K-element bucket's shard
+PROBE_NUMELS = (1, 1 << 15, 1 << 17)  # float32 elements a rank sends a peer: a tiny call, a 64K-element bucket's
+# shard (the step's), and 4 times that (for the bandwidth's fit)
 PROBE_REPEATS = 25
 UNIT_REPEATS = 200
+NS_ROUNDS = 20  # rounds of Newton-Schulz on the model's shapes, alone and all at once: about 0.1 s alone at d = 128
+NS_REPEATS = 3
 BAND = 0.25  # the issue's: predicted within 25 % of the least disturbed step
 
 
-def probe_rank(rank, world, port, out_dir):
-    """One of `world` ranks: {op: [(bytes the Ledger counts for the call, least seconds, least CPU seconds of the
+def probe_rank(rank, world, port, out_dir, shapes):
+    """One of `world` ranks: {op: [(bytes the Ledger counts for the call, typical seconds, typical CPU seconds of the
     process, Gloo's threads included)] at each of PROBE_NUMELS} of the library's own collectives (the lesson's
-    all_gather, reduce_scatter and all_reduce, section 7's exchange), the slowest rank's taken by the caller."""
+    all_gather, reduce_scatter and all_reduce, section 7's exchange); and the seconds of NS_ROUNDS rounds of
+    Newton-Schulz on `shapes`, rank 0 alone, then every rank at once (sharing the cores, and their matrix units)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -1286,41 +1307,69 @@ def probe_rank(rank, world, port, out_dir):
                 samples.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
             last = ledger.comm[-1]
-            out.setdefault(op, []).append((max(last["sent"], last["received"]), min(samples), min(cpu)))
+            out.setdefault(op, []).append((max(last["sent"], last["received"]), statistics.median(samples),
+                                           statistics.median(cpu)))
+    matrices = [torch.randn(s) for s in shapes]
+
+    def rounds():
+        t0 = time.perf_counter()
+        for _ in range(NS_ROUNDS):
+            for m in matrices:
+                dm.newton_schulz(m)
+        return time.perf_counter() - t0
+
+    rounds()  # warm up (the first calls of a shape allocate)
+    alone, together = [], []
+    for _ in range(NS_REPEATS):  # the least disturbed of each
+        dist.barrier()
+        alone.append(rounds() if rank == 0 else 0.0)
+        dist.barrier()
+        together.append(rounds())
+    out["newton-schulz"] = (min(alone), min(together))
     torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
 def fit_line(points):
-    """(intercept us, GB/s) of seconds against bytes through two (bytes, seconds) points."""
-    (b0, t0), (b1, t1) = points
-    gbs = (b1 - b0) / max(t1 - t0, 1e-9) / 1e9
-    return max(t0 - b0 / (gbs * 1e9), 0.0) * 1e6, gbs
+    """(intercept us, GB/s) of seconds against bytes, least squares through (bytes, seconds) points; a slope the
+    noise made negative is none (infinite GB/s)."""
+    n = len(points)
+    mean_b, mean_t = sum(b for b, _ in points) / n, sum(t for _, t in points) / n
+    slope = (sum((b - mean_b) * (t - mean_t) for b, t in points)
+             / max(sum((b - mean_b) ** 2 for b, _ in points), 1e-30))
+    if slope <= 0:
+        return mean_t * 1e6, math.inf
+    return max(mean_t - slope * mean_b, 0.0) * 1e6, 1 / slope / 1e9
 
 
-def collective_costs(world):
-    """{op: ((us a call, GB/s), (CPU us a call, CPU GB/s))} of the library's collectives on `world` ranks here, the
-    slowest rank's: the call's fixed cost at the tiny size and the bandwidth from the step between the two sizes, in
-    time and in the CPU a rank's process spends (its own and Gloo's threads: what the ranks take from each other's
-    compute where they share cores)."""
+def collective_costs(world, shapes):
+    """({op: ((us a call, GB/s), (CPU us a call, CPU GB/s))}, Newton-Schulz's slowdown) on `world` ranks here, the
+    slowest rank's: a collective's fixed cost and its bandwidth, fitted to its typical times at PROBE_NUMELS,
+    in time and in the CPU a rank's process spends (its own and Gloo's threads: what the ranks take from each other's
+    compute where they share cores); how many times longer Newton-Schulz takes when every rank runs it at once than
+    on one rank alone (probe_rank)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mt.run_processes(probe_rank, (world, mt.free_port(), out_dir), world, folders=(out_dir,))
+        mt.run_processes(probe_rank, (world, mt.free_port(), out_dir, shapes), world, folders=(out_dir,))
         ranks = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
-    return {op: tuple(fit_line([(b, max(r[op][i][k] for r in ranks)) for i, (b, *_) in enumerate(ranks[0][op])])
-                      for k in (1, 2)) for op in ranks[0]}
+    ops = [op for op in ranks[0] if op != "newton-schulz"]
+    costs = {op: tuple(fit_line([(b, max(r[op][i][k] for r in ranks)) for i, (b, *_) in enumerate(ranks[0][op])])
+                       for k in (1, 2)) for op in ops}
+    return costs, max(r["newton-schulz"][1] for r in ranks) / ranks[0]["newton-schulz"][0]
 
 
-def least_seconds(call, repeats=UNIT_REPEATS):
+def typical_seconds(call, repeats=UNIT_REPEATS):
+    """The median seconds of `repeats` calls: a step makes many such calls, and its least disturbed run is a sum of
+    typical ones, not of the fastest."""
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         call()
         samples.append(time.perf_counter() - t0)
-    return min(samples)
+    return statistics.median(samples)
 
 
 def unit_costs(specs):
-    """This process's (one thread) per-call costs and rates, each the least of many tries, with the library's own
+    """This process's (one thread) per-call costs and rates, each the median of many calls, with the library's own
     functions: Newton-Schulz on a 2 x 2 matrix (its fixed cost) and on every matrix shape of `specs` (its rate, that
     fixed cost aside), one part's Muon step (muon_update, then apply_muon_update_) and AdamW step (adamw_step_) on one
     element, applying an update alone, and an fp32 lerp_ (12 bytes an element) for the elementwise bandwidth."""
@@ -1328,26 +1377,40 @@ def unit_costs(specs):
     group = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn=None)
     adamw = dict(lr=0.02, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     tiny = torch.randn(2, 2)
-    ns_call = least_seconds(lambda: dm.newton_schulz(tiny))
-    shapes = sorted({s.global_shape for s in specs if s.group == "muon"})
+    ns_call = typical_seconds(lambda: dm.newton_schulz(tiny))
+    shapes = ns_shapes(specs)
     flops = sum(dm.newton_schulz_flops(s) for s in shapes)
-    ns = sum(least_seconds(lambda m=torch.randn(s): dm.newton_schulz(m), 20) for s in shapes) - len(shapes) * ns_call
+    ns = sum(typical_seconds(lambda m=torch.randn(s): dm.newton_schulz(m), 20) for s in shapes) - len(shapes) * ns_call
     one, buf, p = torch.randn(1), torch.zeros(1), torch.zeros(1)
     state = dict(step=torch.tensor(0.0), exp_avg=torch.zeros(1), exp_avg_sq=torch.zeros(1))
     n = 1 << 22
     a, b = torch.randn(n), torch.randn(n)
     return dict(ns_tflops=flops / max(ns, 1e-9) / 1e12, ns_call_us=ns_call * 1e6,
-                muon_part_us=least_seconds(lambda: dm.apply_muon_update_(p, dm.muon_update(buf, one, group), group,
-                                                                         (1, 1))) * 1e6,
-                adamw_part_us=least_seconds(lambda: adamw_step_(p, one, state, adamw)) * 1e6,
-                apply_us=least_seconds(lambda: dm.apply_muon_update_(p, one, group, (1, 1))) * 1e6,
-                hbm_gbs=12 * n / least_seconds(lambda: a.lerp_(b, 0.05), 7) / 1e9)
+                muon_part_us=typical_seconds(lambda: dm.apply_muon_update_(p, dm.muon_update(buf, one, group), group,
+                                                                           (1, 1))) * 1e6,
+                adamw_part_us=typical_seconds(lambda: adamw_step_(p, one, state, adamw)) * 1e6,
+                apply_us=typical_seconds(lambda: dm.apply_muon_update_(p, one, group, (1, 1))) * 1e6,
+                hbm_gbs=12 * n / typical_seconds(lambda: a.lerp_(b, 0.05), 7) / 1e9)
 
 
-def this_machine(units, collectives, world):
+def ns_shapes(specs):
+    """The distinct shapes of the matrices Newton-Schulz takes."""
+    return sorted({s.global_shape for s in specs if s.group == "muon"})
+
+
+def gloo_threads():
+    """The worker threads on which Gloo runs a process group's collectives: torch's default, from ProcessGroupGloo's
+    options (a private field: 2, its value in torch 2.14, if it moved)."""
+    try:
+        return dist.ProcessGroupGloo._Options()._threads
+    except AttributeError:
+        return 2
+
+
+def this_machine(units, collectives, ns_shared, world):
     """A Cluster of this machine's measured figures for a run of `world` ranks, all on one "node" (Gloo over
-    loopback): each collective's fixed cost and bandwidth (collective_costs(world)), the latency of its messages
-    inside the former; the unit costs of this process (unit_costs)."""
+    loopback): each collective's fixed cost and bandwidth (collective_costs), the latency of its messages inside the
+    former; the unit costs of this process (unit_costs); Newton-Schulz's slowdown when every rank runs it at once."""
     call_us = tuple((op, us) for op, ((us, _), _) in sorted(collectives.items()))
     op_gbs = tuple((op, gbs) for op, ((_, gbs), _) in sorted(collectives.items()))
     cpu_call_us = tuple((op, us) for op, (_, (us, _)) in sorted(collectives.items()))
@@ -1358,7 +1421,7 @@ def this_machine(units, collectives, world):
     return Cluster(f"this machine: {world} Gloo rank{'s' * (world > 1)} on {os.cpu_count()} cores", gpus_per_node=64,
                    intra_gbs=gbs, inter_gbs=gbs, intra_us=0.0, inter_us=0.0, train_tflops=1.0, muon_bytes=48,
                    adamw_bytes=80, call_us=call_us, op_gbs=op_gbs, cpu_call_us=cpu_call_us, cpu_gbs=cpu_gbs,
-                   cores=os.cpu_count() or 1, **units)
+                   ns_shared=ns_shared, cores=os.cpu_count() or 1, in_flight=gloo_threads(), **units)
 
 
 def scaling_specs(d, layers):
@@ -1407,9 +1470,9 @@ def check_here(d, layers, rounds, print_fn=print):
     units = unit_costs(specs)
     measured = {1: scaling.on_one_process(d, layers, rounds)}
     tiny = scaling.on_one_process(TINY_D, layers, rounds)
-    machines = {1: this_machine(units, {}, 1)}
+    machines = {1: this_machine(units, {}, 1.0, 1)}
     for ranks in CHECK_RANKS[1:]:
-        machines[ranks] = this_machine(units, collective_costs(ranks), ranks)
+        machines[ranks] = this_machine(units, *collective_costs(ranks, ns_shapes(specs)), ranks)
         measured[ranks] = scaling.on_ranks(ranks, d, layers, rounds=rounds)
     # the bookkeeping per parameter, fitted: what each variant's least disturbed step at d = TINY_D leaves unexplained
     param_us = {}
@@ -1428,7 +1491,8 @@ def check_here(d, layers, rounds, print_fn=print):
         m = machines[ranks]
         ops = ", ".join(f"{op} {us:.0f} us + {gbs:.2f} GB/s (CPU {cpu:.0f} us + {cpu_gbs:.2f} GB/s)"
                         for (op, us), (_, gbs), (_, cpu), (_, cpu_gbs) in zip(m.call_us, m.op_gbs, m.cpu_call_us, m.cpu_gbs))
-        print_fn(f"  * the library's collectives on {ranks} ranks, a call + its bytes: {ops}")
+        print_fn(f"  * {ranks} ranks: the library's collectives, a call + its bytes: {ops}; Newton-Schulz "
+                 f"{m.ns_shared:.2f} x as long when every rank runs it at once")
     print_fn(f"  * bookkeeping, fitted at d = {TINY_D} (per parameter, every rank): "
              + ", ".join(f"{v} {us:.0f} us" for v, us in param_us.items()))
     table, errors, outside = [], [], []
@@ -1438,21 +1502,24 @@ def check_here(d, layers, rounds, print_fn=print):
             guess, times = predicted(row, ranks, variant), measured[ranks][variant]
             least, median = min(times) / 1e3, statistics.median(times) / 1e3
             errors.append((guess / least - 1, guess / median - 1))
-            if abs(guess / least - 1) > BAND:
-                outside.append((ranks, variant, least - guess, least))
+            if abs(guess / least - 1) > BAND:  # (the calls of the busiest rank: every rank makes as many here)
+                outside.append((ranks, variant, least - guess, least,
+                                max(map(sum, zip(*cost.traffic.calls_table().values())), default=0)))
             table.append([ranks, variant] + [ms(row.terms[t]) for t in TERMS]
                          + [ms(guess), ms(least), ms(median), f"{guess / least - 1:+.0%}", f"{guess / median - 1:+.0%}"])
     print_fn(mt.format_table(["ranks", "step"] + [f"{t} ms" for t in TERMS]
                              + ["predicted ms", "min ms", "median ms", "vs min", "vs median"], table,
                              [">", "<"] + [">"] * (len(TERMS) + 5)))
-    print_fn("(predicted: the sum of the terms; with --overlap on 2 or more ranks, the larger of communication "
-             "(bandwidth + calls) and compute (the rest))")
+    print_fn(f"(predicted: the sum of the terms; with --overlap on 2 or more ranks, the largest of communication "
+             f"(bandwidth + calls) over Gloo's {gloo_threads()} worker threads, compute (NS to bookkeeping), and the "
+             f"shared cores' floor)")
     for i, what in enumerate(("minimum", "median")):
         print_fn(f"|error| against the {what}: median {statistics.median(abs(e[i]) for e in errors):.0%}, largest "
                  f"{max(abs(e[i]) for e in errors):.0%}")
-    for ranks, variant, missing, least in outside:
+    for ranks, variant, missing, least, calls in outside:
+        per_call = f", {missing / calls * 1e6:+,.0f} us for each of its {calls} collective calls" if calls else ""
         print_fn(f"outside +-{BAND:.0%}: {ranks} rank{'s' * (ranks > 1)}, {variant}: {missing * 1e3:+,.1f} ms unexplained "
-                 f"({missing / least:+.0%} of its least disturbed step)")
+                 f"({missing / least:+.0%} of its least disturbed step){per_call}")
     return table
 
 

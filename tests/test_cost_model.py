@@ -287,6 +287,8 @@ def test_the_step_is_communication_plus_compute_and_overlap_the_larger():
     compute = 2e6 / 1e12 + 1000 * 24 / 1000e9
     assert row.comm_s == pytest.approx(1e-6 + 1000 / 100e9) and row.compute_s == pytest.approx(compute)
     assert row.step_s == pytest.approx(row.comm_s + compute) and row.overlap_s == pytest.approx(max(row.comm_s, compute))
+    two = cm.summarize(cost, replace(CLUSTER, in_flight=2))  # two collectives in flight at once, overlapped
+    assert two.step_s == row.step_s and two.overlap_s == pytest.approx(max(row.comm_s / 2, compute))
     assert row.ns_max == 2e6 and row.ns_mean == 1.5e6
 
 
@@ -362,7 +364,8 @@ def test_per_call_costs_are_priced_as_counted():
     and the bookkeeping per parameter at their unit costs; ranks beyond the cores share them."""
     here = replace(CLUSTER, intra_us=0.0, call_us=(("all_gather", 50.0),), op_gbs=(("all_gather", 2.0),),
                    cpu_call_us=(("all_gather", 30.0),), cpu_gbs=(("all_gather", 1.0),),
-                   ns_call_us=40.0, muon_part_us=10.0, adamw_part_us=20.0, apply_us=5.0, param_us=3.0, cores=1)
+                   ns_call_us=40.0, muon_part_us=10.0, adamw_part_us=20.0, apply_us=5.0, param_us=3.0, ns_shared=2.0,
+                   cores=1)
     traffic = cm.Traffic(2, ONE_NODE)
     for _ in range(3):
         traffic.all_gather("p", "DP", torch.float32, [[0, 1]], 250)  # 1000 B a call, 3 calls
@@ -372,12 +375,13 @@ def test_per_call_costs_are_priced_as_counted():
     cost = cm.Cost("x", traffic, [2e7, 0], [0, 0], {"muon": [1000, 0], "adamw": [0, 10]}, 2,
                    calls=dict(ns=[1, 0], muon=[1, 0], adamw=[0, 2], apply=[0, 4], params=[7, 7]))
     terms = cost.compute_terms(0, here)
-    assert terms == pytest.approx({"NS FLOPs": 2e7 / 1e12, "NS calls": 40e-6, "elementwise": 1000 * 24 / 1000e9,
+    # Newton-Schulz as when every rank runs it at once: twice as long here
+    assert terms == pytest.approx({"NS FLOPs": 2 * 2e7 / 1e12, "NS calls": 2 * 40e-6, "elementwise": 1000 * 24 / 1000e9,
                                    "parts": 10e-6, "bookkeeping": 21e-6})
     other = sum(cost.compute_terms(1, here).values())  # 2 AdamW parts, 4 applies, bookkeeping, its elementwise
     assert other == pytest.approx(40e-6 + 20e-6 + 21e-6 + 10 * 28 / 1000e9)
-    row = cm.summarize(cost, here)  # rank 0 the busiest; one core for two ranks: at least both ranks' CPU
-    cpu = sum(terms.values()) + other + 2 * (3 * 30e-6 + 3000 / 1e9)
+    row = cm.summarize(cost, here)  # rank 0 the busiest; one core for two ranks: at least both ranks' CPU (its own
+    cpu = sum(terms.values()) - 2e7 / 1e12 - 40e-6 + other + 2 * (3 * 30e-6 + 3000 / 1e9)  # Newton-Schulz alone)
     assert row.comm_s == pytest.approx(150e-6 + 3000 / 2e9) and row.terms["calls"] == pytest.approx(150e-6)
     assert row.step_s == pytest.approx(cpu) and row.overlap_s == pytest.approx(cpu)
     assert row.terms["shared cores"] == pytest.approx(cpu - row.comm_s - sum(terms.values()))
