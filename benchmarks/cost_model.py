@@ -1517,7 +1517,8 @@ def check_here(d, layers, rounds, print_fn=print):
         print_fn(f"|error| against the {what}: median {statistics.median(abs(e[i]) for e in errors):.0%}, largest "
                  f"{max(abs(e[i]) for e in errors):.0%}")
     for ranks, variant, missing, least, calls in outside:
-        per_call = f", {missing / calls * 1e6:+,.0f} us for each of its {calls} collective calls" if calls else ""
+        per_call = (f"; as the one term left, a collective's cost inside a step beyond the probe's: "
+                    f"{missing / calls * 1e6:+,.0f} us on each of its {calls} calls" if calls else "")
         print_fn(f"outside +-{BAND:.0%}: {ranks} rank{'s' * (ranks > 1)}, {variant}: {missing * 1e3:+,.1f} ms unexplained "
                  f"({missing / least:+.0%} of its least disturbed step){per_call}")
     return table

@@ -21,7 +21,8 @@ import distmuon.dtensor as dd  # noqa: E402
 import distmuon.dtensor.plan as dplan  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
 
-from test_strategies import BASELINE_GRIDS, LESSON_RUNS, OVERLAPPED, UNEVEN  # noqa: E402  (the strategies' runs, checked here too)
+# the strategies' runs, checked here too
+from test_strategies import BASELINE_GRIDS, LESSON_RUNS, OVERLAPPED, UNEVEN  # noqa: E402
 
 ONE_NODE = lambda rank: 0  # noqa: E731
 GRAM_TPS = [2, 4]
