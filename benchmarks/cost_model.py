@@ -1451,7 +1451,8 @@ def check_costs(specs, ranks):
 
 
 def predicted(row, ranks, variant):
-    """The model's step: communication + compute; with --overlap on more than one rank, the larger (a perfect pipeline)."""
+    """The model's step: communication + compute; with --overlap on more than one rank, Row.overlap_s (the largest of
+    communication over the collectives in flight at once, compute, and the shared cores' floor)."""
     import scaling
 
     return row.overlap_s if scaling.VARIANTS.get(variant, (None, {}))[1].get("overlap") and ranks > 1 else row.step_s
