@@ -4,29 +4,34 @@ Give it a model (layers, d_model, heads and KV heads, FFN width, vocabulary, exp
 node, link bandwidths and latencies, bf16 rates). It builds the layout each optimizer itself would build, on
 a virtual grid, with no process and no memory:
 
-  * the lesson's strategies, gather (and its Gram form), owner and comm-free, and the AdamW ZeRO-1 baseline:
-    the optimizer class itself, constructed as muon_tools.plan_optimizer constructs it, over parameters on
-    PyTorch's meta device; so its virtual buffer is plan_layout's, its owners assign_owners', its routes
-    plan_routes' and its chunks CommFreeMuon's own;
+  * the lesson's strategies, gather (and its Gram form, and with a flat buffer: one bucket per param group),
+    owner and comm-free (Muon's, and with --normuon NorMuon's), and the AdamW ZeRO-1 baseline: the optimizer
+    class itself, constructed as muon_tools.plan_optimizer constructs it, over parameters on PyTorch's meta
+    device; so its virtual buffer is plan_layout's, its owners assign_owners', its routes plan_routes' and its
+    chunks CommFreeMuon's own;
   * DTensorMuon over FSDP2 x TP x EP: each parameter's copies placed as fully_shard and parallelize_module
     place them (section 3: the rules, which the test checks against real FSDP2 runs), its owners by its own
     rule (assign_among_holders), each piece's size along each tensor dim by its own local_indices.
 
-From the plans it counts, for every rank, what the Ledger would count (bytes of every collective phase),
-the Newton-Schulz FLOPs, the optimizer state and the elementwise work, and it prices them: each collective
-by an alpha-beta model on the links it crosses, compute at the cluster's rates; the step without overlap
-(the sum) and with perfect overlap (the larger of communication and compute); beside AdamW's step on the
-same layout and beside the forward + backward of the same step (6 x active parameters x tokens FLOPs).
-tests/test_cost_model.py proves the bytes, FLOPs and state equal real runs' Ledgers on every grid the tests
-run; --check-here compares the times with steps measured on this machine.
+From the plans it counts, for every rank, what the Ledger would count (bytes and calls of every collective
+phase), the Newton-Schulz FLOPs and calls, the optimizer state, the elementwise work and the parts it steps,
+and it prices them: each collective by an alpha-beta model on the links it crosses (plus a fixed cost per
+call where a machine measured one), compute at the cluster's rates (plus per-call costs, likewise); the step
+without overlap (the sum) and with perfect overlap (the larger of communication and compute); beside AdamW's
+step on the same layout and beside the forward + backward of the same step ((6 x active parameters +
+attention) x tokens FLOPs). tests/test_cost_model.py proves the bytes, calls, FLOPs and state equal real
+runs' Ledgers on every grid the tests run; --check-here measures this machine's per-call costs and compares
+the times with steps measured on 1, 2 and 4 processes.
 
     python benchmarks/cost_model.py --model llama3-70b --gpus 512 --tp 8       # one table, H100 figures
-    python benchmarks/cost_model.py --model deepseek-v3 --gpus 1024 --ep 64
+    python benchmarks/cost_model.py --model deepseek-v3 --gpus 1024 --ep 64 --normuon    # and NorMuon's rows
+    python benchmarks/cost_model.py --model marin-moe-d2560 --gpus 8 --ep 1             # one node, a small batch
     python benchmarks/cost_model.py --chapter --json c.json --figure c.png    # notes/12's tables and figures
     python benchmarks/cost_model.py --check-here                              # predicted vs measured, this CPU
 
 Sections: 1. models, 2. clusters, 3. the plans (lesson and DTensor), 4. traffic and its price,
-5. one prediction, 6. tables and figures, 7. this machine, measured, 8. the command line.
+5. one prediction, 6. tables and figures (and one node's MFU against marin's), 7. this machine, measured,
+8. the command line.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ import distmuon.dtensor.plan as dplan  # noqa: E402
 import distmuon.large_runs as mlr  # noqa: E402
 import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
+from distmuon.adamw import adamw_step_  # noqa: E402
+from distmuon.checks import ORTHOGONALIZED  # noqa: E402
+from distmuon.dtensor.normuon import v_placements  # noqa: E402
 
 BF16, FP32, U8 = torch.bfloat16, torch.float32, torch.uint8
 
@@ -97,6 +105,7 @@ class Model:
     vocab: int
     tokens: int  # tokens per optimizer step (the global batch), for the forward + backward
     source: str  # where the shapes and the batch come from
+    seq: int  # tokens a sequence: attention's FLOPs grow with it
     head_dim: int = 0  # 0: d / heads
     gpt2: bool = False  # GPT-2: fused qkv, GELU MLP, biases, learned positions, head tied to the embedding
     positions: int = 1024
@@ -104,6 +113,7 @@ class Model:
     expert_ffn: int = 0
     top_k: int = 0
     shared_experts: int = 0
+    shared_ffn: int = 0  # width of the shared experts' FFN (0: shared_experts x expert_ffn)
     dense_layers: int = 0  # MoE: the first layers keep a dense FFN of width ffn
     mla: tuple = ()  # DeepSeek's latent attention: (q_lora, kv_lora, rope, nope, v_head) dims
 
@@ -143,7 +153,7 @@ class Model:
                         Param(p + "mlp.proj.weight", (d, self.ffn), "row", "muon"),
                         Param(p + "mlp.proj.bias", (d,), "replicate", "adamw_no_wd")]
             elif self.experts and i >= self.dense_layers:
-                shared = self.shared_experts * self.expert_ffn
+                shared = self.shared_ffn or self.shared_experts * self.expert_ffn
                 out += [Param(p + "moe.router.weight", (self.experts, d), None, "muon"),
                         Param(p + "moe.w1", (self.experts, self.expert_ffn, d), "expert", "muon"),
                         Param(p + "moe.w3", (self.experts, self.expert_ffn, d), "expert", "muon"),
@@ -176,26 +186,49 @@ class Model:
             active += math.prod(p.shape) * (self.top_k / self.experts if p.expert else 1)
         return int(active)
 
+    def attention_flops_per_token(self):
+        """Forward + backward FLOPs a token spends in attention's two products with the sequence (Q K^T, then the
+        weights times V), which 6 x active parameters leaves out: per layer and head, 2 seq (qk dim + v dim) in the
+        forward, three times that with the backward. With qk = v = head_dim this is 12 layers heads head_dim seq, the
+        PaLM paper's term (Chowdhery et al., arXiv 2204.02311, Appendix B: model FLOPs per token 6 N + 12 L H Q T),
+        counted over the whole sequence, causal mask or not, as PaLM and marin's levanter (lm_flops_per_token, in
+        lib/levanter/src/levanter/utils/flop_utils.py) count it. MLA: qk = nope + rope, v = v_head."""
+        hd = self.head_dim or self.d // self.heads
+        qk, v = (self.mla[3] + self.mla[2], self.mla[4]) if self.mla else (hd, hd)
+        return 6 * self.layers * self.heads * self.seq * (qk + v)
+
+    def train_flops(self):
+        """Forward + backward FLOPs of one optimizer step: (6 x active parameters + attention) x tokens."""
+        return (6 * self.active_params() + self.attention_flops_per_token()) * self.tokens
+
 
 LLAMA3 = ("Llama 3 (arXiv 2407.21783, Table 3: layers, width, FFN, heads, 8 KV heads, vocabulary 128,256); "
-          "batch: 4M tokens, Llama 3 405B's initial batch (its section 3.4.1), assumed here")
+          "batch: 4M tokens in sequences of 4,096, Llama 3 405B's initial batch (its section 3.4.1), assumed here")
 DEEPSEEK = ("DeepSeek-V3 (arXiv 2412.19437, section 4.2: 61 layers, d 7,168, MLA with 128 heads, q / kv ranks "
             "1,536 / 512, 1 shared + 256 routed experts of width 2,048, 8 active, first 3 layers dense, vocabulary "
-            "129K; batch 15,360 x 4,096 tokens at its largest)")
+            "129K; batch 15,360 x 4,096 tokens at its largest, sequences of 4K)")
 KIMI = ("Kimi K2 (arXiv 2507.20534: DeepSeek-V3's shapes with 384 experts, 64 attention heads, 1 dense layer, "
         "vocabulary 160K); batch assumed DeepSeek-V3's (not checked)")
+MARIN = ("marin-community/marin issue 6979 (its MFU table: d2560, 26 layers, 64 experts, top-4, EP1, batch 168 on one "
+         "8 x H100 node) on the d2560 shape of issue 6044 (20 heads, 5 KV heads, head_dim 128, expert width 1,280, one "
+         "shared expert of width 2,560, vocabulary 128,256); its sequences of 2,048 tokens assumed: the default of "
+         "experiments/grug/moe/launch_cw_scale.py, which the issue's launch comment names, and its row 8 moves to 4K")
 MODELS = {
-    "gpt2-small": Model("GPT-2 small", 12, 768, 12, 12, 3072, 50304, tokens=2**19, gpt2=True,
+    "gpt2-small": Model("GPT-2 small", 12, 768, 12, 12, 3072, 50304, tokens=2**19, gpt2=True, seq=1024,
                         source="GPT-2 (Radford et al., 2019), vocabulary padded to 50,304 as nanoGPT does; batch "
-                               "2^19 tokens, llm.c's GPT-2 (124M) reproduction (nanoGPT's is 491,520)"),
-    "llama3-8b": Model("Llama-3-8B-like", 32, 4096, 32, 8, 14336, 128256, tokens=2**22, source=LLAMA3),
-    "llama3-70b": Model("Llama-3-70B-like", 80, 8192, 64, 8, 28672, 128256, tokens=2**22, source=LLAMA3),
-    "deepseek-v3": Model("DeepSeek-V3-like MoE", 61, 7168, 128, 128, 18432, 129280, tokens=15360 * 4096,
+                               "2^19 tokens (512 sequences of 1,024), llm.c's GPT-2 (124M) reproduction (nanoGPT's is "
+                               "491,520)"),
+    "llama3-8b": Model("Llama-3-8B-like", 32, 4096, 32, 8, 14336, 128256, tokens=2**22, seq=4096, source=LLAMA3),
+    "llama3-70b": Model("Llama-3-70B-like", 80, 8192, 64, 8, 28672, 128256, tokens=2**22, seq=4096, source=LLAMA3),
+    "deepseek-v3": Model("DeepSeek-V3-like MoE", 61, 7168, 128, 128, 18432, 129280, tokens=15360 * 4096, seq=4096,
                          source=DEEPSEEK, experts=256, expert_ffn=2048, top_k=8, shared_experts=1, dense_layers=3,
                          mla=(1536, 512, 64, 128, 128)),
-    "kimi-k2": Model("Kimi-K2-like MoE", 61, 7168, 64, 64, 18432, 163840, tokens=15360 * 4096, source=KIMI,
+    "kimi-k2": Model("Kimi-K2-like MoE", 61, 7168, 64, 64, 18432, 163840, tokens=15360 * 4096, seq=4096, source=KIMI,
                      experts=384, expert_ffn=2048, top_k=8, shared_experts=1, dense_layers=1,
                      mla=(1536, 512, 64, 128, 128)),
+    "marin-moe-d2560": Model("marin's d2560 MoE", 26, 2560, 20, 5, 0, 128256, tokens=168 * 2048, seq=2048,
+                             source=MARIN, head_dim=128, experts=64, expert_ffn=1280, top_k=4, shared_experts=1,
+                             shared_ffn=2560),
 }
 
 
@@ -226,6 +259,26 @@ class Cluster:
     muon_bytes: int  # bytes an elementwise Muon step moves per element (momentum, cast, decay, update)
     adamw_bytes: int  # the same for AdamW
     sources: tuple = ()
+    peak_tflops: float = 0.0  # the bf16 peak MFU is counted against (0: none)
+    # Per-call costs, measured where a machine measured them (--check-here, section 7), 0 where none was: the fixed
+    # cost of one collective call by the Ledger's op name, on top of alpha per message; the bandwidth of each op
+    # where it differs from intra_gbs; one Newton-Schulz call, one part's elementwise Muon step (momentum, cast,
+    # decay, update) and AdamW step; and how many cores the ranks share (0: a device each).
+    call_us: tuple = ()  # ((op, us), ...)
+    op_gbs: tuple = ()  # ((op, GB/s), ...)
+    cpu_call_us: tuple = ()  # ((op, us), ...): the CPU a call takes from the cores the ranks share (cores > 0)
+    cpu_gbs: tuple = ()  # ((op, GB/s), ...): and per byte
+    ns_call_us: float = 0.0
+    muon_part_us: float = 0.0
+    adamw_part_us: float = 0.0
+    apply_us: float = 0.0  # comm-free: applying an update the owner row broadcast to a whole matrix
+    param_us: float = 0.0  # the step's own bookkeeping, per parameter it walks (fitted by --check-here)
+    ns_shared: float = 1.0  # how many times longer Newton-Schulz takes when every rank runs it at once
+    cores: int = 0
+    in_flight: int = 1  # collectives a rank's process group runs at once, overlapped (Gloo: its worker threads)
+
+    def call_s(self, op):
+        return dict(self.call_us).get(op, 0.0) * 1e-6
 
 
 H100_PEAK_TFLOPS = 989.4  # dense bf16, H100 SXM (NVIDIA H100 Tensor Core GPU datasheet)
@@ -233,7 +286,7 @@ H100 = Cluster(
     "H100 SXM, 8 per node (NVLink 4 inside, 8 x 400 Gb/s InfiniBand NDR between nodes)", 8,
     intra_gbs=0.8 * 450, inter_gbs=0.8 * 50, intra_us=3.0, inter_us=8.0,
     ns_tflops=0.6 * H100_PEAK_TFLOPS, train_tflops=0.4 * H100_PEAK_TFLOPS, hbm_gbs=0.8 * 3350,
-    muon_bytes=24, adamw_bytes=28,
+    muon_bytes=24, adamw_bytes=28, peak_tflops=H100_PEAK_TFLOPS,
     sources=(
         "NVLink 4: 900 GB/s per GPU both ways, 450 one way (NVIDIA H100 datasheet); 80 % of it assumed achieved",
         "network: one 400 Gb/s ConnectX-7 (50 GB/s) per GPU in a DGX H100 (NVIDIA DGX H100 datasheet); 80 % "
@@ -416,6 +469,7 @@ class SizedMatrix:
     name: str
     copy: object
     at: MatrixPieces
+    expert: int = -1  # its expert in an expert stack (-1: a 2-D parameter)
     owner: int = -1
 
 
@@ -431,7 +485,7 @@ def dtensor_plan(copies, group_ns_steps, world):
             continue
         per = matrix_pieces(c.shape, c.mesh_ranks, c.mesh_shape, c.placements, c.expert_stack)
         for e in range(c.n_matrices) if c.expert_stack else [-1]:
-            matrices.append(SizedMatrix(dplan.matrix_name(c, e, count[c.name]), c, per.get(e, none)))
+            matrices.append(SizedMatrix(dplan.matrix_name(c, e, count[c.name]), c, per.get(e, none), e))
     ns_flops = {m.name: dm.newton_schulz_flops(m.copy.matrix_shape, group_ns_steps[m.copy.group]) for m in matrices}
     owners = dplan.assign_among_holders(ns_flops, {m.name: m.at.holders for m in matrices}, world,
                                      shapes={m.name: tuple(m.copy.matrix_shape) for m in matrices})
@@ -480,17 +534,28 @@ def held(copy, world):
     return local_numels(copy.shape, copy.mesh_ranks, copy.mesh_shape, copy.placements, world)
 
 
+def v_of(copy):
+    """NorMuon's v of a copy (distmuon/dtensor/normuon.py): its shape, one float32 per row of each matrix, and its
+    placements, Replicate but where an expert stack's experts are cut."""
+    return tuple(copy.shape[:-1]) + (1,), v_placements(copy.placements, copy.expert_stack)
+
+
 def state_and_elements(copies, algorithm_of, world):
     """(state bytes per rank, {"muon", "adamw": elements per rank}) of the copies each rank holds (its own column's):
-    DTensorMuon's state is like the parameter, Muon's momentum fp32, AdamW's two moments and a 4-byte step."""
+    DTensorMuon's state is like the parameter, Muon's momentum fp32, AdamW's two moments and a 4-byte step;
+    NorMuon's v beside the momentum on every rank of the copy's mesh (the rows of the experts it holds)."""
     state, elements = torch.zeros(world, dtype=torch.int64), {"muon": torch.zeros(world, dtype=torch.int64),
                                                               "adamw": torch.zeros(world, dtype=torch.int64)}
     for c in copies:
         n, algorithm = held(c, world), algorithm_of(c)
+        kind = "muon" if algorithm in ORTHOGONALIZED else "adamw"
         on = torch.zeros(world, dtype=torch.int64)
         on[list(c.mesh_ranks or range(world))] = 1
-        state += 4 * n if algorithm == "muon" else (8 * n + 4) * on
-        elements[algorithm] += n
+        state += 4 * n if kind == "muon" else (8 * n + 4) * on
+        if algorithm == "normuon":
+            shape, placements = v_of(c)
+            state += 4 * local_numels(shape, c.mesh_ranks, c.mesh_shape, placements, world)
+        elements[kind] += n
     return state.tolist(), {k: v.tolist() for k, v in elements.items()}
 
 
@@ -512,58 +577,82 @@ class PhaseTraffic:
     sent: list
     received: list
     link: dict  # "intra" / "inter": [sent, received, messages] per rank
+    op: str = ""  # the collective, as the Ledger names it: all_gather, reduce_scatter, all_reduce, all_to_all
+    calls: list = None  # collective calls per rank
 
-    def seconds(self, rank, cluster):
-        out = 0.0
+    def terms(self, rank, cluster):
+        """(latency, bandwidth, calls) seconds of one rank in this phase: on each kind of link, alpha x messages +
+        the larger of bytes sent and received / beta (the op's own beta where the cluster measured one), the links
+        working at once (the slower counts); and the fixed cost of each collective call (Cluster.call_us)."""
+        gbs_of = dict(cluster.op_gbs)
+        best = (0.0, 0.0)
         for kind, (gbs, us) in {"intra": (cluster.intra_gbs, cluster.intra_us),
                                 "inter": (cluster.inter_gbs, cluster.inter_us)}.items():
             sent, received, messages = (x[rank] for x in self.link[kind])
-            out = max(out, messages * us * 1e-6 + max(sent, received) / (gbs * 1e9))
-        return out
+            here = (messages * us * 1e-6, max(sent, received) / (gbs_of.get(self.op, gbs) * 1e9))
+            best = max(best, here, key=sum)
+        return best + (self.calls[rank] * cluster.call_s(self.op),)
+
+    def seconds(self, rank, cluster):
+        return sum(self.terms(rank, cluster))
+
+    def cpu_seconds(self, rank, cluster):
+        """The CPU one rank's calls of this phase take (Cluster.cpu_call_us and cpu_gbs; 0 where none measured)."""
+        gbs = dict(cluster.cpu_gbs).get(self.op)
+        return (self.calls[rank] * dict(cluster.cpu_call_us).get(self.op, 0.0) * 1e-6
+                + (max(self.sent[rank], self.received[rank]) / (gbs * 1e9) if gbs else 0.0))
 
 
 class Traffic:
     def __init__(self, world, node_of):
         self.world, self.node_of, self.phases = world, node_of, {}
 
-    def _phase(self, phase, axis, dtype):
+    def _phase(self, phase, axis, dtype, op):
         if phase not in self.phases:
             zeros = lambda: [0] * self.world  # noqa: E731
             self.phases[phase] = PhaseTraffic(set(), set(), zeros(), zeros(),
-                                              {k: [zeros(), zeros(), zeros()] for k in ("intra", "inter")})
+                                              {k: [zeros(), zeros(), zeros()] for k in ("intra", "inter")}, op, zeros())
         t = self.phases[phase]
+        assert t.op == op, (phase, t.op, op)  # a phase is one collective
         t.axes.add(axis)
         t.dtypes.add(str(dtype).replace("torch.", ""))
         return t
 
-    def ring(self, phase, axis, dtype, groups, piece_numel, hops, messages=None):
+    def ring(self, phase, axis, dtype, groups, piece_numel, hops, messages=None, op="all_gather"):
         """Each group in `groups` (lists of ranks, size n > 1) runs a ring of `hops` steps of piece_numel, paying
-        the latency of `messages` steps (default: hops)."""
+        the latency of `messages` steps (default: hops): one call of `op` on each of its ranks."""
         for group in groups:
-            t = self._phase(phase, axis, dtype)
+            t = self._phase(phase, axis, dtype, op)
             sent, received, count = t.link["inter" if len({self.node_of(r) for r in group}) > 1 else "intra"]
             nbytes = hops * piece_numel * dtype.itemsize
             for r in group:
                 for column in (t.sent, t.received, sent, received):
                     column[r] += nbytes
                 count[r] += hops if messages is None else messages
+                t.calls[r] += 1
 
     def all_gather(self, phase, axis, dtype, groups, shard_numel):
         """A ring all-gather of shard_numel from each rank of each group: (n - 1) shards out and in."""
         self.ring(phase, axis, dtype, groups, shard_numel, len(groups[0]) - 1)
 
-    reduce_scatter = all_gather  # a ring reduce-scatter of n shards moves what the all-gather of one does
+    def reduce_scatter(self, phase, axis, dtype, groups, shard_numel):
+        """A ring reduce-scatter of n shards moves what the all-gather of one does."""
+        self.ring(phase, axis, dtype, groups, shard_numel, len(groups[0]) - 1, op="reduce_scatter")
 
     def all_reduce(self, phase, axis, dtype, groups, numel):
         """The Ledger's ring count of bytes; the latency of the ring's 2 (n - 1) steps or of a tree's 2 log2 n,
         whichever is fewer (NCCL picks a tree for small messages on many ranks: the grad-presence vote)."""
         n = len(groups[0])
-        self.ring(phase, axis, dtype, groups, -(-numel // n), 2 * (n - 1), min(2 * (n - 1), 2 * math.ceil(math.log2(n))))
+        self.ring(phase, axis, dtype, groups, -(-numel // n), 2 * (n - 1), min(2 * (n - 1), 2 * math.ceil(math.log2(n))),
+                  op="all_reduce")
 
-    def all_to_all(self, phase, axis, dtype, sources, destinations, numels):
+    def all_to_all(self, phase, axis, dtype, sources, destinations, numels, members=None):
         """One all-to-all: elements numels[i] from sources[i] to destinations[i] (lists of equal length); a rank's
-        parts to itself move nothing. Every rank takes part (the Ledger records its zeros too)."""
-        t = self._phase(phase, axis, dtype)
+        parts to itself move nothing. Every rank of `members` (default: all) takes part, one call each (the Ledger
+        records its zeros too)."""
+        t = self._phase(phase, axis, dtype, "all_to_all")
+        for r in range(self.world) if members is None else members:
+            t.calls[r] += 1
         src, dst, num = (torch.as_tensor(x, dtype=torch.int64) for x in (sources, destinations, numels))
         keep = (src != dst) & (num > 0)
         src, dst, nbytes = src[keep], dst[keep], num[keep] * dtype.itemsize
@@ -581,6 +670,11 @@ class Traffic:
                 t.link[name][0][r] += s
                 t.link[name][1][r] += rc
                 t.link[name][2][r] += m
+
+    def calls_table(self, phases=None):
+        """{phase: collective calls per rank} (phases: that order)."""
+        return {p: list(self.phases[p].calls) if p in self.phases else [0] * self.world
+                for p in phases or self.phases}
 
     def table(self, phases=None):
         """{phase: {"axis", "dtype", "sent", "received"}}: muon_tools.bytes_per_step's form (phases: that order)."""
@@ -603,16 +697,37 @@ class Cost:
     elements: dict  # "muon" / "adamw": elementwise elements per rank
     world: int
     single_device_flops: int = 0
+    calls: dict = field(default_factory=dict)  # per rank: "ns" (Newton-Schulz calls), "muon" / "adamw" (parts
+    # stepped), "apply" (comm-free: updates applied to whole matrices another row orthogonalized), "params"
+    # (parameters the step walks; set where it is priced: --check-here)
 
-    def comm_seconds(self, cluster):
-        """{phase: seconds of its slowest rank}."""
-        return {p: max(t.seconds(r, cluster) for r in range(self.world)) for p, t in self.traffic.phases.items()}
+    def comm_terms(self, cluster):
+        """{"latency", "bandwidth", "calls": seconds} of the communication: every phase at its slowest rank, the
+        phases one after another."""
+        out = dict.fromkeys(("latency", "bandwidth", "calls"), 0.0)
+        for t in self.traffic.phases.values():
+            slowest = max(range(self.world), key=lambda r: t.seconds(r, cluster))
+            for key, value in zip(out, t.terms(slowest, cluster)):
+                out[key] += value
+        return out
+
+    def compute_terms(self, rank, cluster):
+        """{term: seconds} of one rank's compute: Newton-Schulz's FLOPs at the bf16 rate and its calls, the
+        elementwise bytes at the memory bandwidth, the fixed cost of each part stepped and the step's bookkeeping
+        per parameter (Cluster's per-call costs; 0 on a cluster that measured none). Newton-Schulz runs as it does
+        when every rank runs it at once (Cluster.ns_shared): in the lesson's stage 3 they do."""
+        calls = {k: v[rank] for k, v in self.calls.items()}
+        return {"NS FLOPs": self.ns_flops[rank] / (cluster.ns_tflops * 1e12) * cluster.ns_shared,
+                "NS calls": calls.get("ns", 0) * cluster.ns_call_us * 1e-6 * cluster.ns_shared,
+                "elementwise": (self.elements["muon"][rank] * cluster.muon_bytes
+                                + self.elements["adamw"][rank] * cluster.adamw_bytes) / (cluster.hbm_gbs * 1e9),
+                "parts": (calls.get("muon", 0) * cluster.muon_part_us + calls.get("adamw", 0) * cluster.adamw_part_us
+                          + calls.get("apply", 0) * cluster.apply_us) * 1e-6,
+                "bookkeeping": calls.get("params", 0) * cluster.param_us * 1e-6}
 
     def compute_seconds(self, cluster):
-        """Per rank: Newton-Schulz at the bf16 rate + elementwise work at the memory bandwidth."""
-        return [f / (cluster.ns_tflops * 1e12) + (self.elements["muon"][r] * cluster.muon_bytes
-                                                  + self.elements["adamw"][r] * cluster.adamw_bytes)
-                / (cluster.hbm_gbs * 1e9) for r, f in enumerate(self.ns_flops)]
+        """Per rank: the sum of its compute_terms."""
+        return [sum(self.compute_terms(r, cluster).values()) for r in range(self.world)]
 
 
 # 4a. The lesson's step, phase by phase, from the optimizer's own plan (sections 5 and 6 of the lesson).
@@ -624,7 +739,7 @@ def lesson_cost(opt, node_of, label=None):
     traffic = Traffic(world, node_of)
     dp_groups = [[d * tp + t for d in range(dp)] for t in range(tp)]
     tp_groups = [[d * tp + t for t in range(tp)] for d in range(dp)]
-    flops = [0] * world
+    flops, ns_calls = [0] * world, [0] * world
     if world > 1:
         # one byte a parameter, and one for the vote that refuses the step (section 5)
         traffic.all_reduce("grad presence", "world", U8, [list(range(world))], len(opt.param_by_name) + 1)
@@ -653,29 +768,41 @@ def lesson_cost(opt, node_of, label=None):
                         work = dm.newton_schulz_flops(shape, steps)
                     for r in tp_groups[d]:
                         flops[r] += work
+                        ns_calls[r] += 1
     else:
         for name, owner in opt.owners.items():
             flops[owner] += strategy.ns_flops[name]
+            ns_calls[owner] += 1
         if strategy.name == "owner" and world > 1:
-            exchange_at_owners(traffic, strategy.routes, "world", lambda i: i)
+            for unit in strategy.units(opt):  # stage 3, unit by unit (a unit without a matrix moves nothing)
+                exchange_at_owners(traffic, [r for r in strategy.routes if r.name in unit.names], "world",
+                                   lambda i: i, opt)
         if strategy.name == "comm-free":
             comm_free_cost(opt, traffic, dp, tp)
     for b in layout.buckets if dp > 1 else ():  # stage 4: the parameter all-gather
         traffic.all_gather("param all-gather", "DP", FP32, dp_groups, b.numel // dp)
-    state, elements = lesson_state(opt, dp, tp)
+    state, elements, calls = lesson_state(opt, dp, tp)
     single = sum(strategy.ns_flops.values()) if getattr(strategy, "ns_flops", None) else sum(
         dm.newton_schulz_flops(layout.global_shapes[n], opt.group_of[n]["ns_steps"]) for n in opt.muon_names)
-    return Cost(label or strategy.name, traffic, flops, state, elements, world, single)
+    return Cost(label or strategy.name, traffic, flops, state, elements, world, single, dict(calls, ns=ns_calls))
 
 
-def exchange_at_owners(traffic, routes, axis, global_rank):
+def exchange_at_owners(traffic, routes, axis, global_rank, opt, members=None):
     """gather at owner and scatter from owner, one all-to-all each (distmuon/owners.py: gather_at_owner, scatter_from_owner):
-    every route's senders to its owner, the owner back to every holder. global_rank: axis index -> rank."""
+    every route's senders to its owner, the owner back to every holder; and NorMuon's rows beside the scatter
+    (section 7.4b: v and g, full rows + 1 float32, from the owner to every other holder of a part), where some
+    route is NorMuon's. global_rank: axis index -> rank; members: the ranks of the axis (default: all)."""
+    if not routes:
+        return
     g = global_rank
     traffic.all_to_all("gather at owner", axis, BF16, *columns((g(p.rank), g(r.owner), p.stop - p.start)
-                                                              for r in routes for p in r.senders))
+                                                              for r in routes for p in r.senders), members)
     traffic.all_to_all("scatter from owner", axis, BF16, *columns((g(r.owner), g(p.rank), p.stop - p.start)
-                                                                 for r in routes for p in r.holders))
+                                                                 for r in routes for p in r.holders), members)
+    normuon = [r for r in routes if opt.group_of[r.name]["algorithm"] == "normuon"]
+    if normuon:
+        traffic.all_to_all("NorMuon rows", axis, FP32, *columns((g(r.owner), g(p.rank), mo.full_rows(r) + 1)
+                                                               for r in normuon for p in r.holders), members)
 
 
 def columns(transfers):
@@ -689,33 +816,48 @@ def comm_free_cost(opt, traffic, dp, tp):
     it over DP (distmuon/owners.py: reduce_at_owner, broadcast_from_owner); the TP exchange inside each owner row."""
     numel = {n: math.prod(opt.layout.shapes[n]) for n in opt.muon_names}
     row = {n: o // tp for n, o in opt.owners.items()}
+    rows = {n: opt.layout.global_shapes[n][0] + 1 for n in opt.muon_names if opt.group_of[n]["algorithm"] == "normuon"}
     for chunk in opt.strategy.chunks if dp > 1 else ():
         traffic.all_to_all("grad reduce at owner", "DP", FP32, *columns(
             (d * tp + t, row[n] * tp + t, numel[n]) for n in chunk for d in range(dp) for t in range(tp)))
         traffic.all_to_all("update broadcast from owner", "DP", BF16, *columns(
             (row[n] * tp + t, d * tp + t, numel[n]) for n in chunk for d in range(dp) for t in range(tp)))
+        if any(n in rows for n in chunk):  # NorMuon's v and g, to the other DP rows beside the update (7.5)
+            traffic.all_to_all("NorMuon rows broadcast", "DP", FP32, *columns(
+                (row[n] * tp + t, d * tp + t, rows[n]) for n in chunk if n in rows for d in range(dp) for t in range(tp)))
     for d in range(dp) if tp > 1 else ():
         grid = virtual_grid(dp, tp, d * tp)
         routes = mo.plan_routes(opt.muon_names, opt.owners, lambda n, d: opt.strategy.part_of(opt, n, d), opt.layout,
                                 grid, grid.tp)
-        exchange_at_owners(traffic, routes, "TP", lambda i, d=d: d * tp + i)
+        for unit in opt.strategy.units(opt):  # inside row d's TP group, unit by unit
+            exchange_at_owners(traffic, [r for r in routes if r.name in unit.names], "TP", lambda i, d=d: d * tp + i,
+                               opt, [d * tp + t for t in range(tp)])
 
 
 def lesson_state(opt, dp, tp):
-    """(state bytes per rank, elementwise elements per rank): each rank's part of every parameter (part_of):
-    Muon's momentum (fp32); AdamW's two moments and its step (a 4-byte tensor) where the part is not empty.
-    comm-free's ranks also apply the other rows' updates to their whole copies of the matrices."""
-    state, elements = [0] * (dp * tp), {"muon": [0] * (dp * tp), "adamw": [0] * (dp * tp)}
+    """(state bytes, elementwise elements, parts stepped: per rank): each rank's part of every parameter (part_of):
+    Muon's momentum (fp32); AdamW's two moments and its step (a 4-byte tensor) where the part is not empty;
+    NorMuon's v at the owner (one float32 per row of the full matrix, section 7.4b). comm-free's ranks also apply
+    the other rows' updates to their whole copies of the matrices."""
+    world = dp * tp
+    state, elements = [0] * world, {"muon": [0] * world, "adamw": [0] * world}
+    calls = {k: [0] * world for k in ("muon", "adamw", "apply")}
     for name, group in opt.group_of.items():
-        algorithm = group["algorithm"]
+        kind = "muon" if group["algorithm"] in ORTHOGONALIZED else "adamw"
         whole = math.prod(opt.layout.shapes[name])
         for d in range(dp):
             part = opt.strategy.part_of(opt, name, d)
             n = part.stop - part.start
             for r in range(d * tp, (d + 1) * tp):
-                state[r] += 4 * n if algorithm == "muon" else (8 * n + 4 if n else 0)
-                elements[algorithm][r] += whole if opt.strategy.name == "comm-free" and algorithm == "muon" else n
-    return state, elements
+                state[r] += 4 * n if kind == "muon" else (8 * n + 4 if n else 0)
+                elements[kind][r] += whole if opt.strategy.name == "comm-free" and kind == "muon" else n
+                if n:
+                    calls[kind][r] += 1
+                elif opt.strategy.name == "comm-free" and kind == "muon":  # the owner row's update, applied here
+                    calls["apply"][r] += 1
+        if group["algorithm"] == "normuon":
+            state[opt.owners[name]] += 4 * opt.layout.global_shapes[name][0]
+    return state, elements, calls
 
 
 # 4b. DTensorMuon's step (distmuon/dtensor/, section 5): the grad-presence vote over its group, one
@@ -727,27 +869,42 @@ def dtensor_cost(copies, param_names, group_algorithms, group_ns_steps, world, n
     traffic = Traffic(world, node_of)
     if world > 1:
         traffic.all_reduce("grad presence", "world", U8, [list(range(world))], len(set(param_names)) + 1)
-    muon = [c for c in copies if group_algorithms[c.group] == "muon"]
+    muon = [c for c in copies if group_algorithms[c.group] in ORTHOGONALIZED]
     matrices, ns_flops, owners = dtensor_plan(muon, group_ns_steps, world)
     if world > 1:
         gather, scatter = dtensor_transfers(matrices)
         traffic.all_to_all("gather at owner", "world", BF16, *gather)
         traffic.all_to_all("scatter from owner", "world", BF16, *scatter)
-    flops = [0] * world
+        normuon = [m for m in matrices if group_algorithms[m.copy.group] == "normuon"]
+        if normuon:
+            traffic.all_to_all("NorMuon rows", "world", FP32, *columns(normuon_rows(normuon)))
+    flops, ns_calls = [0] * world, [0] * world
     for name, owner in owners.items():
         flops[owner] += ns_flops[name]
-    flops = add_local_matrices(flops, muon, group_ns_steps)
+        ns_calls[owner] += 1
+    flops = add_local_matrices(flops, muon, group_ns_steps, ns_calls)
     state, elements = state_and_elements(copies, lambda c: group_algorithms[c.group], world)
-    return Cost(label, traffic, flops, state, elements, world, sum(ns_flops.values()))
+    return Cost(label, traffic, flops, state, elements, world, sum(ns_flops.values()), dict(ns=ns_calls))
 
 
-def add_local_matrices(flops, muon_copies, group_ns_steps):
+def normuon_rows(matrices):
+    """(owner, receiver, rows + 1) of NorMuon's rows exchange (distmuon/dtensor/normuon.py, NorMuonRows): v and g of
+    each distributed matrix, from its owner to every other rank of its copy's mesh that holds its v."""
+    for m in matrices:
+        shape, placements = v_of(m.copy)
+        for _, ranks, dims in sized_pieces(shape, m.copy.mesh_ranks, m.copy.mesh_shape, placements):
+            if m.expert < 0 or m.expert in dims[0]:
+                yield from ((m.owner, r, m.copy.matrix_shape[0] + 1) for r in ranks)
+
+
+def add_local_matrices(flops, muon_copies, group_ns_steps, ns_calls):
     """Plain and all-Replicate copies: orthogonalized where they are, on every holder (no exchange)."""
     for c in muon_copies:
         if c.local:
             work = c.n_matrices * dm.newton_schulz_flops(c.matrix_shape, group_ns_steps[c.group])
             for r in c.mesh_ranks or range(len(flops)):
                 flops[r] += work
+                ns_calls[r] += c.n_matrices
     return flops
 
 
@@ -767,6 +924,7 @@ class Scenario:
     gpus: int
     tp: int = 1
     ep: int = 0  # > 0: expert stacks cut over an "ep" mesh dim of this size (MoE, DTensorMuon only)
+    normuon: bool = False  # add NorMuon's rows (owner, comm-free, DTensorMuon with "algorithm": "normuon")
 
     @property
     def dp(self):
@@ -778,8 +936,25 @@ class Scenario:
         larger for more DP ranks so that its collectives stay bandwidth-bound."""
         return max(40_000_000, 1_000_000 * self.dp)
 
+    @property
+    def flat_bucket_size(self):
+        """One bucket per buffer (a param group's TP-local parameters): ZeRO-1's flat buffer left whole, the layout
+        issue 43 calls Moonlight's (every rank whose shard touches a matrix orthogonalizes it, as with buckets, but
+        a matrix then lies in one or two DP shards). Every parameter of the model fits in it."""
+        return self.model.total_params()
+
 
 GROUPS = ("muon", "adamw", "adamw_no_wd")
+FLAT = ", flat buffer"  # the label of a row planned with Scenario.flat_bucket_size
+NORMUON = ", NorMuon"  # the label of a row whose matrices take NorMuon
+
+
+def baseline_of(label):
+    """The AdamW row a row is set against: torch's AdamW on the same FSDP2 shards for DTensorMuon's rows, AdamW
+    ZeRO-1 on the same buffer layout for the lesson's."""
+    if label.startswith("DTensorMuon") or label == "AdamW, FSDP2":
+        return "AdamW, FSDP2"
+    return "AdamW ZeRO-1" + (FLAT if label.endswith(FLAT) else "")
 
 
 def node_map(cluster):
@@ -797,23 +972,26 @@ def predict_costs(s, cluster, strategies=None):
         specs = lesson_specs(params)
         mt.check_tp_divides(specs, s.tp)
         base = mt.RunConfig(dp=s.dp, tp=s.tp, bucket_size=s.bucket_size)
-        lesson = {"gather": base, "owner": replace(base, strategy="owner"),
-                  "comm-free": replace(base, strategy="comm-free"),
-                  "gather, Gram form": replace(base, tp_newton_schulz="gram"),
-                  "AdamW ZeRO-1": replace(base, baseline=True)}
-        if s.tp == 1:
-            del lesson["gather, Gram form"]  # nothing to sum over
+        lesson = {"gather": base, "gather" + FLAT: replace(base, bucket_size=s.flat_bucket_size),
+                  "owner": replace(base, strategy="owner"), "comm-free": replace(base, strategy="comm-free")}
+        if s.normuon:
+            lesson.update({f"{k}{NORMUON}": replace(lesson[k], normuon=True) for k in ("owner", "comm-free")})
+        if s.tp > 1:  # (TP = 1: nothing to sum over)
+            lesson["gather, Gram form"] = replace(base, tp_newton_schulz="gram")
+        lesson.update({"AdamW ZeRO-1": replace(base, baseline=True),
+                       "AdamW ZeRO-1" + FLAT: replace(base, baseline=True, bucket_size=s.flat_bucket_size)})
         for label, cfg in lesson.items():
             if strategies is None or label in strategies:
                 costs[label] = lesson_cost(lesson_optimizer(specs, cfg), node_of, label)
     copies = moe_copies(params, s) if moe else placed_copies(param_order(params, GROUPS), Mesh(s.dp, s.tp),
                                                               {g: i for i, g in enumerate(GROUPS)})
-    algorithms = {i: "muon" if g == "muon" else "adamw" for i, g in enumerate(GROUPS)}
     steps = {i: dm.NS_STEPS for i in range(len(GROUPS))}
-    for label in ("DTensorMuon", "AdamW, FSDP2"):
+    for label in ("DTensorMuon",) + (("DTensorMuon" + NORMUON,) if s.normuon else ()) + ("AdamW, FSDP2",):
         if strategies is None or label in strategies:
-            costs[label] = (dtensor_cost(copies, [p.name for p in params], algorithms, steps, s.gpus, node_of)
-                            if label == "DTensorMuon" else adamw_fsdp2_cost(copies, s.gpus, node_of))
+            matrices = "normuon" if label.endswith(NORMUON) else "muon"
+            algorithms = {i: matrices if g == "muon" else "adamw" for i, g in enumerate(GROUPS)}
+            costs[label] = (adamw_fsdp2_cost(copies, s.gpus, node_of) if label == "AdamW, FSDP2" else
+                            dtensor_cost(copies, [p.name for p in params], algorithms, steps, s.gpus, node_of, label))
     return costs
 
 
@@ -844,23 +1022,49 @@ class Row:
     compute_s: float
     step_s: float
     overlap_s: float
+    terms: dict = field(default_factory=dict)  # {term: seconds}: comm's and the busiest rank's compute's
 
 
 def summarize(cost, cluster):
-    phases = cost.comm_seconds(cluster)
+    """A Row: communication (every phase at its slowest rank, one after another) and compute (the busiest rank's).
+    Where the ranks share cores, the step takes at least all ranks' CPU work over them (cores_floor): what that adds
+    is "shared cores", counted with compute. Overlapped: the largest of communication (cluster.in_flight collectives
+    at once), compute and that floor."""
     sent = [sum(t.sent[r] for t in cost.traffic.phases.values()) for r in range(cost.world)]
     received = [sum(t.received[r] for t in cost.traffic.phases.values()) for r in range(cost.world)]
     inter = sum(sum(t.link["inter"][0]) for t in cost.traffic.phases.values())
-    comm = sum(phases.values())
-    compute = max(cost.compute_seconds(cluster))
+    terms = cost.comm_terms(cluster)
+    comm = sum(terms.values())
+    per_rank = cost.compute_seconds(cluster)
+    busiest = max(range(cost.world), key=per_rank.__getitem__)
+    terms.update(cost.compute_terms(busiest, cluster))
+    # ranks sharing fewer cores: the step takes at least every rank's CPU over the cores, their compute and what their
+    # collectives take (Cluster.cpu_call_us, cpu_gbs)
+    floor = cores_floor(cost, cluster)
+    terms["shared cores"] = max(0.0, floor - comm - per_rank[busiest])
+    compute = per_rank[busiest] + terms["shared cores"]
     return Row(cost.label, max(sent), max(received), inter / sum(sent) if sum(sent) else 0.0, max(cost.ns_flops),
                sum(cost.ns_flops) / cost.world, max(cost.state_bytes), comm, compute, comm + compute,
-               max(comm, compute))
+               max(comm / cluster.in_flight, per_rank[busiest], floor), terms)
+
+
+def cores_floor(cost, cluster):
+    """The least time every rank's CPU work takes where the ranks share cluster.cores cores (0: none shared): their
+    Newton-Schulz at the machine's rate when all run it at once (world x its own rate / ns_shared), then the rest of
+    their compute and the CPU their collectives take, over the cores."""
+    if not cluster.cores:
+        return 0.0
+    alone = replace(cluster, ns_shared=1.0)
+    ns = sum(cost.compute_terms(r, alone)["NS FLOPs"] + cost.compute_terms(r, alone)["NS calls"]
+             for r in range(cost.world))
+    rest = sum(cost.compute_seconds(alone)) - ns + sum(t.cpu_seconds(r, cluster) for t in cost.traffic.phases.values()
+                                                         for r in range(cost.world))
+    return ns * cluster.ns_shared / cost.world + rest / cluster.cores
 
 
 def forward_backward_seconds(s, cluster):
-    """6 x active parameters x tokens over the GPUs at the cluster's forward + backward rate."""
-    return 6 * s.model.active_params() * s.model.tokens / (s.gpus * cluster.train_tflops * 1e12)
+    """The step's forward + backward FLOPs (Model.train_flops) over the GPUs at the cluster's forward + backward rate."""
+    return s.model.train_flops() / (s.gpus * cluster.train_tflops * 1e12)
 
 
 # =============================================================================
@@ -883,8 +1087,8 @@ def format_rows(rows, fwd_bwd):
     by = {r.label: r for r in rows}
     out = []
     for row in rows:
-        fsdp2 = row.label in ("DTensorMuon", "AdamW, FSDP2")
-        adamw = by.get("AdamW, FSDP2" if fsdp2 else "AdamW ZeRO-1")
+        adamw = by.get(baseline_of(row.label))
+        fsdp2 = adamw is not None and adamw.label == "AdamW, FSDP2"
         versus = "-" if adamw is None or adamw is row else (
             f"+{ms(row.step_s - adamw.step_s)} ms" if fsdp2 else
             f"{row.step_s / adamw.step_s:.2f}x, {(row.step_s - adamw.step_s) * 1e3:+,.1f} ms")
@@ -911,8 +1115,8 @@ def scenario_title(s, cluster):
 
 
 CHAPTER = [Scenario(MODELS["gpt2-small"], 8)] + \
-    [Scenario(MODELS[m], g, tp=8) for m in ("llama3-8b", "llama3-70b") for g in (64, 512)] + \
-    [Scenario(MODELS["deepseek-v3"], g, ep=64) for g in (256, 512, 1024, 2048)] + \
+    [Scenario(MODELS[m], g, tp=8, normuon=m == "llama3-70b") for m in ("llama3-8b", "llama3-70b") for g in (64, 512)] + \
+    [Scenario(MODELS["deepseek-v3"], g, ep=64, normuon=g == 1024) for g in (256, 512, 1024, 2048)] + \
     [Scenario(MODELS["kimi-k2"], 2048, ep=64)]
 # Newton-Schulz scaling (figure 2): the same models over more GPUs.
 SCALING = {"llama3-70b": [64, 128, 256, 512, 1024], "deepseek-v3": [256, 512, 1024, 2048]}
@@ -933,7 +1137,8 @@ def chapter(json_path=None, figure_path=None, cluster=H100, print_fn=print):
         results.append(dict(model=s.model.name, gpus=s.gpus, tp=s.tp, ep=s.ep, fwd_bwd_s=fwd_bwd,
                             rows=[vars(r) for r in rows]))
     scaling = ns_scaling(cluster, print_fn)
-    mt.write_json(json_path, dict(cluster=vars(cluster), scenarios=results, ns_scaling=scaling))
+    one_node = small_batch(cluster, print_fn)
+    mt.write_json(json_path, dict(cluster=vars(cluster), scenarios=results, ns_scaling=scaling, one_node=one_node))
     if figure_path:
         figure(results, scaling, figure_path)
     return results
@@ -963,6 +1168,54 @@ def ns_scaling(cluster, print_fn):
     return out
 
 
+# One node, a small batch: marin's MoE on 8 H100s (marin-community/marin issue 6979, its MFU table, rows 6 and 7: the
+# same run with Muon's momentum only, then with Newton-Schulz). Their MFU counts attention as Model.train_flops does.
+MARIN_MFU = (0.344, 0.307)  # without, with Newton-Schulz
+MARIN_SEQS = (2048, 4096)  # the sequence length assumed (MARIN), and the May recipe's (issue 6044), batch 168 alike
+
+
+def mfu_with(mfu_without, fwd_bwd, extra):
+    """The MFU of a step that takes `extra` seconds more than a forward + backward of fwd_bwd seconds run at
+    mfu_without: the same FLOPs over a longer time."""
+    return mfu_without * fwd_bwd / (fwd_bwd + extra)
+
+
+def small_batch(cluster, print_fn):
+    """marin's one-node, small-batch MoE (MARIN): their MFU without Newton-Schulz gives the forward + backward's time,
+    DTensorMuon's plan on their layout (EP1: FSDP over the 8 GPUs, experts too) the time Newton-Schulz adds (its
+    exchange and the busiest rank's Newton-Schulz; the momentum is in both runs), and the MFU that leaves, beside
+    theirs; and, for scale, the same if every GPU orthogonalized every matrix (no owner)."""
+    without, measured = MARIN_MFU
+    rate = replace(cluster, train_tflops=without * cluster.peak_tflops)
+    print_fn("\nOne node, a small batch: marin's d2560 MoE on 8 H100s, its MFU with Muon's momentum only and with "
+             "Newton-Schulz (marin-community/marin issue 6979, rows 6 and 7 of its MFU table)")
+    print_fn(f"  * shapes and batch: {MODELS['marin-moe-d2560'].source}")
+    print_fn(f"  * the forward + backward at their {without:.1%} MFU without Newton-Schulz, its FLOPs (6 x active "
+             f"parameters + attention) x tokens as their MFU counts them; Newton-Schulz adds DTensorMuon's exchange and "
+             f"the busiest rank's Newton-Schulz at {rate.ns_tflops:,.0f} TFLOP/s, no overlap; they measured "
+             f"{measured:.1%} with it; \"replicated\": every GPU orthogonalizing every matrix, no owner, for scale")
+    table, out = [], []
+    for seq in MARIN_SEQS:
+        model = replace(MODELS["marin-moe-d2560"], seq=seq, tokens=168 * seq)
+        s = Scenario(model, 8, ep=1)
+        fwd_bwd = forward_backward_seconds(s, rate)
+        cost = predict_costs(s, rate, ("DTensorMuon",))["DTensorMuon"]
+        row = summarize(cost, rate)
+        ns = row.ns_max / (rate.ns_tflops * 1e12)
+        every = cost.single_device_flops / (rate.ns_tflops * 1e12)
+        predicted, replicated = mfu_with(without, fwd_bwd, row.comm_s + ns), mfu_with(without, fwd_bwd, every)
+        out.append(dict(seq=seq, tokens=model.tokens, train_flops=model.train_flops(), fwd_bwd_s=fwd_bwd,
+                        comm_s=row.comm_s, ns_s=ns, every_rank_ns_s=every, mfu_predicted=predicted,
+                        mfu_every_rank=replicated, mfu_measured=measured, mfu_without=without))
+        table.append([f"{seq:,}" + (" (assumed)" if seq == MODELS["marin-moe-d2560"].seq else ""), f"{model.tokens:,}",
+                      f"{model.train_flops() / 1e15:,.2f}", ms(fwd_bwd), mt.human_bytes(row.sent_max), ms(row.comm_s),
+                      ms(ns), f"{predicted:.1%}", ms(every), f"{replicated:.1%}", f"{measured:.1%}"])
+    print_fn(mt.format_table(["sequence", "tokens", "fwd+bwd PFLOP", "fwd+bwd ms", "sent/rank", "comm ms", "NS ms",
+                              "MFU predicted", "replicated NS ms", "MFU replicated", "MFU measured"], table,
+                             ["<"] + [">"] * 10))
+    return out
+
+
 def figure(results, scaling, path):
     """Three panels: the predicted step of every optimizer for Llama-3-70B-like and the MoE at each size, and
     Newton-Schulz per rank (busiest and mean) as GPUs grow, the largest matrix dotted."""
@@ -974,11 +1227,13 @@ def figure(results, scaling, path):
     fig, axes = plt.subplots(1, 3, figsize=(19, 6.2))
     for ax, name in zip(axes, ("Llama-3-70B-like", "DeepSeek-V3-like MoE")):
         runs = [r for r in results if r["model"] == name]
-        labels = [r["label"] for r in runs[0]["rows"]]
+        # NorMuon's rows are Muon's within a few percent, AdamW's flat buffer its bucketed one's: left to the tables
+        labels = [r["label"] for r in runs[0]["rows"] if not r["label"].endswith(NORMUON)
+                  and r["label"] != "AdamW ZeRO-1" + FLAT]
         width = 0.8 / len(labels)
         for i, label in enumerate(labels):
             steps = [next(x for x in r["rows"] if x["label"] == label)["step_s"] * 1e3 for r in runs]
-            ax.bar([j + i * width for j in range(len(runs))], steps, width, label=label)
+            ax.bar([j + i * width for j in range(len(runs))], steps, width, label=label, color=plt.cm.tab10(i))
         ax.plot([j + 0.4 - width / 2 for j in range(len(runs))], [r["fwd_bwd_s"] * 1e3 for r in runs], "k_",
                 markersize=30, label="forward + backward")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(runs))], [f"{r['gpus']} GPUs" for r in runs])
@@ -1004,70 +1259,169 @@ def figure(results, scaling, path):
 
 
 # =============================================================================
-# 7. This machine, measured: the model fed its matmul rate, Gloo's bandwidth and its elementwise speed,
-#    against steps measured on 1 and 2 processes (benchmarks/scaling.py's model and timing)
+# 7. This machine, measured: the model fed what --check-here measures here (the library's own collectives, Newton-
+#    Schulz and elementwise steps, each at a tiny size and at the step's), against steps measured on 1, 2 and 4
+#    processes (benchmarks/scaling.py's model and timing)
 # =============================================================================
+# What a step costs beyond its bytes and FLOPs is mostly per call: a collective's fixed cost (Gloo's rendezvous, the
+# library's wrapper), a Newton-Schulz call's (a dozen small ops), a parameter part's elementwise step, and the step's
+# own Python around every parameter (its bookkeeping: the vote, the buffers, the loops). Each is measured here, the
+# least disturbed of many tries (the minimum, as the steps are compared by their minimum), and priced per call as the
+# plan counts the calls; the bookkeeping per parameter alone is fitted, from each optimizer's step at d = TINY_D, where
+# every size-dependent term is a few percent of it. Ranks that outnumber the cores share them ("shared cores").
 
-GLOO_SIZES = (1 << 16, 1 << 21)  # float32 elements per rank: 256 KiB and 8 MiB
+CHECK_RANKS = (1, 2, 4)
+CHECK_ROUNDS = 15  # steps of every variant, interleaved; the minimum of 15 is steadier than of 5 on a shared machine
+TINY_D = 8  # the width at which a step is its per-call costs
+PROBE_NUMELS = (1, 1 << 15, 1 << 17)  # float32 elements a rank sends a peer: a tiny call, a 64K-element bucket's
+# shard (the step's), and 4 times that (for the bandwidth's fit)
+PROBE_REPEATS = 25
+UNIT_REPEATS = 200
+NS_ROUNDS = 20  # rounds of Newton-Schulz on the model's shapes, alone and all at once: about 0.1 s alone at d = 128
+NS_REPEATS = 3
+BAND = 0.25  # the issue's: predicted within 25 % of the least disturbed step
 
 
-def gloo_rank(rank, port, out_dir, repeats=7):
-    """One of two ranks: the median seconds of an all-to-all of each of GLOO_SIZES."""
+def probe_rank(rank, world, port, out_dir, shapes):
+    """One of `world` ranks: {op: [(bytes the Ledger counts for the call, typical seconds, typical CPU seconds of the
+    process, Gloo's threads included)] at each of PROBE_NUMELS} of the library's own collectives (the lesson's
+    all_gather, reduce_scatter and all_reduce, section 7's exchange); and the seconds of NS_ROUNDS rounds of
+    Newton-Schulz on `shapes`, rank 0 alone, then every rank at once (sharing the cores, and their matrix units)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    times = []
-    for n in GLOO_SIZES:
-        full, out = torch.ones(n), torch.empty(n)
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_to_all_single(out, full)
-            samples.append(time.perf_counter() - t0)
-        times.append(statistics.median(samples))
-    torch.save(times, os.path.join(out_dir, f"{rank}.pt"))
+    axis, ledger, out = dm.make_grid(world, 1, rank).dp, dm.Ledger(), {}
+    for n in PROBE_NUMELS:
+        shard, bucket = torch.ones(n), torch.ones(n * world)
+        sends, receive = [[torch.ones(n)] if i != rank else [] for i in range(world)], [n * (i != rank) for i in range(world)]
+        calls = {"all_gather": lambda: dm.all_gather(shard, axis, ledger, "probe"),
+                 "reduce_scatter": lambda: dm.reduce_scatter(bucket, axis, ledger, "probe"),
+                 "all_reduce": lambda: dm.all_reduce(shard.clone(), axis, ledger, "probe"),
+                 "all_to_all": lambda: mo.exchange(sends, receive, axis, ledger, "probe", FP32, "cpu")()}
+        for op, call in calls.items():
+            samples, cpu = [], []
+            for _ in range(PROBE_REPEATS):
+                dist.barrier()
+                c0, t0 = time.process_time(), time.perf_counter()
+                call()
+                samples.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+            last = ledger.comm[-1]
+            out.setdefault(op, []).append((max(last["sent"], last["received"]), statistics.median(samples),
+                                           statistics.median(cpu)))
+    matrices = [torch.randn(s) for s in shapes]
+
+    def rounds():
+        t0 = time.perf_counter()
+        for _ in range(NS_ROUNDS):
+            for m in matrices:
+                dm.newton_schulz(m)
+        return time.perf_counter() - t0
+
+    rounds()  # warm up (the first calls of a shape allocate)
+    alone, together = [], []
+    for _ in range(NS_REPEATS):  # the least disturbed of each
+        dist.barrier()
+        alone.append(rounds() if rank == 0 else 0.0)
+        dist.barrier()
+        together.append(rounds())
+    out["newton-schulz"] = (min(alone), min(together))
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
-def gloo_alpha_beta():
-    """(latency s, bandwidth bytes/s) of one message between two ranks here, fitted to the all-to-alls of
-    GLOO_SIZES (each rank sends half of its buffer to the other), the slower rank's."""
+def fit_line(points):
+    """(intercept us, GB/s) of seconds against bytes, least squares through (bytes, seconds) points; a slope the
+    noise made negative is none (infinite GB/s)."""
+    n = len(points)
+    mean_b, mean_t = sum(b for b, _ in points) / n, sum(t for _, t in points) / n
+    slope = (sum((b - mean_b) * (t - mean_t) for b, t in points)
+             / max(sum((b - mean_b) ** 2 for b, _ in points), 1e-30))
+    if slope <= 0:
+        return mean_t * 1e6, math.inf
+    return max(mean_t - slope * mean_b, 0.0) * 1e6, 1 / slope / 1e9
+
+
+def collective_costs(world, shapes):
+    """({op: ((us a call, GB/s), (CPU us a call, CPU GB/s))}, Newton-Schulz's slowdown) on `world` ranks here, the
+    slowest rank's: a collective's fixed cost and its bandwidth, fitted to its typical times at PROBE_NUMELS,
+    in time and in the CPU a rank's process spends (its own and Gloo's threads: what the ranks take from each other's
+    compute where they share cores); how many times longer Newton-Schulz takes when every rank runs it at once than
+    on one rank alone (probe_rank)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mt.run_processes(gloo_rank, (mt.free_port(), out_dir), 2, folders=(out_dir,))
-        t = [max(a, b) for a, b in zip(*(torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(2)))]
-    moved = [n // 2 * 4 for n in GLOO_SIZES]
-    beta = (moved[1] - moved[0]) / max(t[1] - t[0], 1e-9)
-    return max(t[0] - moved[0] / beta, 0.0), beta
+        mt.run_processes(probe_rank, (world, mt.free_port(), out_dir, shapes), world, folders=(out_dir,))
+        ranks = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+    ops = [op for op in ranks[0] if op != "newton-schulz"]
+    costs = {op: tuple(fit_line([(b, max(r[op][i][k] for r in ranks)) for i, (b, *_) in enumerate(ranks[0][op])])
+                       for k in (1, 2)) for op in ops}
+    return costs, max(r["newton-schulz"][1] for r in ranks) / ranks[0]["newton-schulz"][0]
 
 
-def elementwise_gbs(n=1 << 22, repeats=7):
-    """GB/s of an fp32 lerp_ on this core (12 bytes an element: read two, write one)."""
-    a, b = torch.randn(n), torch.randn(n)
+def typical_seconds(call, repeats=UNIT_REPEATS):
+    """The median seconds of `repeats` calls: a step makes many such calls, and its least disturbed run is a sum of
+    typical ones, not of the fastest."""
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        a.lerp_(b, 0.05)
+        call()
         samples.append(time.perf_counter() - t0)
-    return 12 * n / statistics.median(samples) / 1e9
+    return statistics.median(samples)
 
 
-def this_machine(d):
-    """A Cluster of this machine's measured figures: its ranks all on one "node" (Gloo over loopback)."""
-    import scaling
-
+def unit_costs(specs):
+    """This process's (one thread) per-call costs and rates, each the median of many calls, with the library's own
+    functions: Newton-Schulz on a 2 x 2 matrix (its fixed cost) and on every matrix shape of `specs` (its rate, that
+    fixed cost aside), one part's Muon step (muon_update, then apply_muon_update_) and AdamW step (adamw_step_) on one
+    element, applying an update alone, and an fp32 lerp_ (12 bytes an element) for the elementwise bandwidth."""
     torch.set_num_threads(1)
-    alpha, beta = gloo_alpha_beta()
-    rate = scaling.matmul_gflops(d, torch.bfloat16)
-    gbs = elementwise_gbs()
+    group = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn=None)
+    adamw = dict(lr=0.02, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    tiny = torch.randn(2, 2)
+    ns_call = typical_seconds(lambda: dm.newton_schulz(tiny))
+    shapes = ns_shapes(specs)
+    flops = sum(dm.newton_schulz_flops(s) for s in shapes)
+    ns = sum(typical_seconds(lambda m=torch.randn(s): dm.newton_schulz(m), 20) for s in shapes) - len(shapes) * ns_call
+    one, buf, p = torch.randn(1), torch.zeros(1), torch.zeros(1)
+    state = dict(step=torch.tensor(0.0), exp_avg=torch.zeros(1), exp_avg_sq=torch.zeros(1))
+    n = 1 << 22
+    a, b = torch.randn(n), torch.randn(n)
+    return dict(ns_tflops=flops / max(ns, 1e-9) / 1e12, ns_call_us=ns_call * 1e6,
+                muon_part_us=typical_seconds(lambda: dm.apply_muon_update_(p, dm.muon_update(buf, one, group), group,
+                                                                           (1, 1))) * 1e6,
+                adamw_part_us=typical_seconds(lambda: adamw_step_(p, one, state, adamw)) * 1e6,
+                apply_us=typical_seconds(lambda: dm.apply_muon_update_(p, one, group, (1, 1))) * 1e6,
+                hbm_gbs=12 * n / typical_seconds(lambda: a.lerp_(b, 0.05), 7) / 1e9)
+
+
+def ns_shapes(specs):
+    """The distinct shapes of the matrices Newton-Schulz takes."""
+    return sorted({s.global_shape for s in specs if s.group == "muon"})
+
+
+def gloo_threads():
+    """The worker threads on which Gloo runs a process group's collectives: torch's default, from ProcessGroupGloo's
+    options (a private field: 2, its value in torch 2.14, if it moved)."""
+    try:
+        return dist.ProcessGroupGloo._Options()._threads
+    except AttributeError:
+        return 2
+
+
+def this_machine(units, collectives, ns_shared, world):
+    """A Cluster of this machine's measured figures for a run of `world` ranks, all on one "node" (Gloo over
+    loopback): each collective's fixed cost and bandwidth (collective_costs), the latency of its messages inside the
+    former; the unit costs of this process (unit_costs); Newton-Schulz's slowdown when every rank runs it at once."""
+    call_us = tuple((op, us) for op, ((us, _), _) in sorted(collectives.items()))
+    op_gbs = tuple((op, gbs) for op, ((_, gbs), _) in sorted(collectives.items()))
+    cpu_call_us = tuple((op, us) for op, (_, (us, _)) in sorted(collectives.items()))
+    cpu_gbs = tuple((op, gbs) for op, (_, (_, gbs)) in sorted(collectives.items()))
+    gbs = dict(op_gbs).get("all_to_all", 1.0)
     # the lesson's unfused ops: Muon 48 bytes an element (lerp_ 12, lerp 12, bf16 cast 6, decay 8, add_ 10),
     # torch's single-tensor AdamW 80 (mul_ 8, lerp_ 12, mul_ 8, addcmul_ 12, sqrt / div / add_ 24, addcdiv_ 16)
-    return Cluster(f"this machine: 2 Gloo ranks on {os.cpu_count()} cores", gpus_per_node=64,
-                   intra_gbs=beta / 1e9, inter_gbs=beta / 1e9, intra_us=alpha * 1e6, inter_us=alpha * 1e6,
-                   ns_tflops=rate / 1e3, train_tflops=1.0, hbm_gbs=gbs, muon_bytes=48, adamw_bytes=80,
-                   sources=(f"Gloo, 2 ranks, all-to-all fitted: {alpha * 1e6:.0f} us + {beta / 1e9:.2f} GB/s",
-                            f"bf16 matmul {d} x {d}, one thread: {rate:.1f} GFLOP/s (benchmarks/scaling.py's)",
-                            f"fp32 lerp_, one thread: {gbs:.1f} GB/s"))
+    return Cluster(f"this machine: {world} Gloo rank{'s' * (world > 1)} on {os.cpu_count()} cores", gpus_per_node=64,
+                   intra_gbs=gbs, inter_gbs=gbs, intra_us=0.0, inter_us=0.0, train_tflops=1.0, muon_bytes=48,
+                   adamw_bytes=80, call_us=call_us, op_gbs=op_gbs, cpu_call_us=cpu_call_us, cpu_gbs=cpu_gbs,
+                   ns_shared=ns_shared, cores=os.cpu_count() or 1, in_flight=gloo_threads(), **units)
 
 
 def scaling_specs(d, layers):
@@ -1079,64 +1433,132 @@ def scaling_specs(d, layers):
         [dm.ParamSpec(n, s, -1, "adamw") for n, s in vectors.items()]
 
 
+def check_costs(specs, ranks):
+    """{variant: Cost} of scaling.py's variants on `ranks` ranks (DP = ranks), and torch's step on one."""
+    import scaling
+
+    node_of = lambda r: 0  # noqa: E731  -- one machine
+    costs = {}
+    if ranks == 1:
+        costs[scaling.TORCH] = lesson_cost(lesson_optimizer(specs, mt.RunConfig(dp=1, tp=1)), node_of, scaling.TORCH)
+    for variant, (strategy, options) in scaling.VARIANTS.items():
+        # (RunConfig's bucket_size is DistributedMuon's default, which scaling.py's optimizers take)
+        cfg = mt.RunConfig(dp=ranks, tp=1, strategy=strategy, overlap=options.get("overlap", 0))
+        costs[variant] = lesson_cost(lesson_optimizer(specs, cfg), node_of, variant)
+    for cost in costs.values():  # every rank's step walks every parameter (its bookkeeping: Cluster.param_us)
+        cost.calls["params"] = [len(specs)] * cost.world
+    return costs
+
+
+def predicted(row, ranks, variant):
+    """The model's step: communication + compute; with --overlap on more than one rank, Row.overlap_s (the largest of
+    communication over the collectives in flight at once, compute, and the shared cores' floor)."""
+    import scaling
+
+    return row.overlap_s if scaling.VARIANTS.get(variant, (None, {}))[1].get("overlap") and ranks > 1 else row.step_s
+
+
+TERMS = ("bandwidth", "calls", "NS FLOPs", "NS calls", "elementwise", "parts", "bookkeeping", "shared cores")
+
+
 def check_here(d, layers, rounds, print_fn=print):
-    """Predicted against measured: torch's step in one process and every strategy of scaling.py on 1 and 2 ranks."""
+    """Predicted against measured: torch's step in one process and every strategy of scaling.py on 1, 2 and 4 ranks,
+    each term of the prediction shown."""
     import scaling
 
     load = os.getloadavg()[0]
-    cluster = this_machine(d)
-    specs = scaling_specs(d, layers)
-    one = scaling.on_one_process(d, layers, rounds)
-    two = scaling.on_ranks(2, d, layers, rounds=rounds)
-    print_fn(f"{cluster.name}; torch {torch.__version__}; {layers} layers at d = {d} (benchmarks/scaling.py's "
-             f"model), {rounds} interleaved steps, slowest rank; load average {load:.1f} at the start (other jobs "
-             f"share the cores: the median feels them, the minimum is the least disturbed step)")
-    for line in cluster.sources:
-        print_fn(f"  * {line}")
-    node_of = lambda r: 0  # noqa: E731  -- one machine
-    rows, errors = [], []
-    torch_cost = lesson_cost(lesson_optimizer(specs, mt.RunConfig(dp=1, tp=1)), node_of, "torch")
-    for ranks, measured in ((1, one), (2, two)):
-        for variant, (strategy, options) in scaling.VARIANTS.items():
-            cfg = mt.RunConfig(dp=ranks, tp=1, strategy=strategy)
-            row = summarize(lesson_cost(lesson_optimizer(specs, cfg), node_of, variant), cluster)
-            predicted = row.overlap_s if options.get("overlap") and ranks > 1 else row.step_s
-            rows.append((ranks, variant, row, predicted, measured[variant]))
-    torch_row = summarize(torch_cost, cluster)
-    rows.insert(0, (1, scaling.TORCH, torch_row, torch_row.step_s, one[scaling.TORCH]))
-    table = []
-    for ranks, variant, row, predicted, times in rows:
-        median, least = statistics.median(times) / 1e3, min(times) / 1e3
-        errors.append((abs(predicted / median - 1), abs(predicted / least - 1)))
-        table.append([ranks, variant, ms(row.comm_s), ms(row.compute_s), ms(predicted), ms(median), ms(least),
-                      f"{predicted / median - 1:+.0%}", f"{predicted / least - 1:+.0%}"])
-    print_fn(mt.format_table(["ranks", "step", "comm ms", "compute ms", "predicted ms", "median ms", "min ms",
-                              "error vs median", "vs min"], table, [">", "<"] + [">"] * 7))
-    for i, what in enumerate(("median", "minimum")):
-        print_fn(f"|error| against the {what}: median {statistics.median(e[i] for e in errors):.0%}, largest "
-                 f"{max(e[i] for e in errors):.0%}")
-    print_fn("(predicted: communication + compute; with --overlap on 2 ranks, the larger of the two)")
-    return rows
+    specs, tiny_specs = scaling_specs(d, layers), scaling_specs(TINY_D, layers)
+    units = unit_costs(specs)
+    measured = {1: scaling.on_one_process(d, layers, rounds)}
+    tiny = scaling.on_one_process(TINY_D, layers, rounds)
+    machines = {1: this_machine(units, {}, 1.0, 1)}
+    for ranks in CHECK_RANKS[1:]:
+        machines[ranks] = this_machine(units, *collective_costs(ranks, ns_shapes(specs)), ranks)
+        measured[ranks] = scaling.on_ranks(ranks, d, layers, rounds=rounds)
+    # the bookkeeping per parameter, fitted: what each variant's least disturbed step at d = TINY_D leaves unexplained
+    param_us = {}
+    for variant, cost in check_costs(tiny_specs, 1).items():
+        modeled = summarize(cost, machines[1]).step_s
+        param_us[variant] = max(min(tiny[variant]) / 1e3 - modeled, 0.0) / len(tiny_specs) * 1e6
+    print_fn(f"This machine: {os.cpu_count()} cores; torch {torch.__version__}; {layers} layers at d = {d} "
+             f"(benchmarks/scaling.py's model, {len(specs)} parameters), {rounds} interleaved steps of each, the slowest "
+             f"rank's; load average {load:.1f} at the start (other jobs share the cores: the minimum is the least "
+             f"disturbed step, the median feels them)")
+    print_fn(f"  * Newton-Schulz: {units['ns_tflops'] * 1e3:.1f} GFLOP/s on the model's shapes (bf16, one thread), "
+             f"{units['ns_call_us']:.0f} us a call (a 2 x 2 matrix)")
+    print_fn(f"  * a part's elementwise step: Muon {units['muon_part_us']:.0f} us, AdamW {units['adamw_part_us']:.0f} us, "
+             f"an update applied {units['apply_us']:.0f} us; fp32 lerp_ {units['hbm_gbs']:.1f} GB/s")
+    for ranks in CHECK_RANKS[1:]:
+        m = machines[ranks]
+        ops = ", ".join(f"{op} {us:.0f} us + {gbs:.2f} GB/s (CPU {cpu:.0f} us + {cpu_gbs:.2f} GB/s)"
+                        for (op, us), (_, gbs), (_, cpu), (_, cpu_gbs) in zip(m.call_us, m.op_gbs, m.cpu_call_us, m.cpu_gbs))
+        print_fn(f"  * {ranks} ranks: the library's collectives, a call + its bytes: {ops}; Newton-Schulz "
+                 f"{m.ns_shared:.2f} x as long when every rank runs it at once")
+    print_fn(f"  * bookkeeping, fitted at d = {TINY_D} (per parameter, every rank): "
+             + ", ".join(f"{v} {us:.0f} us" for v, us in param_us.items()))
+    table, errors, outside = [], [], []
+    for ranks in CHECK_RANKS:
+        for variant, cost in check_costs(specs, ranks).items():
+            row = summarize(cost, replace(machines[ranks], param_us=param_us[variant]))
+            guess, times = predicted(row, ranks, variant), measured[ranks][variant]
+            least, median = min(times) / 1e3, statistics.median(times) / 1e3
+            errors.append((guess / least - 1, guess / median - 1))
+            if abs(guess / least - 1) > BAND:  # (the calls of the busiest rank: every rank makes as many here)
+                outside.append((ranks, variant, least - guess, least,
+                                max(map(sum, zip(*cost.traffic.calls_table().values())), default=0)))
+            table.append([ranks, variant] + [ms(row.terms[t]) for t in TERMS]
+                         + [ms(guess), ms(least), ms(median), f"{guess / least - 1:+.0%}", f"{guess / median - 1:+.0%}"])
+    print_fn(mt.format_table(["ranks", "step"] + [f"{t} ms" for t in TERMS]
+                             + ["predicted ms", "min ms", "median ms", "vs min", "vs median"], table,
+                             [">", "<"] + [">"] * (len(TERMS) + 5)))
+    print_fn(f"(predicted: the sum of the terms; with --overlap on 2 or more ranks, the largest of communication "
+             f"(bandwidth + calls) over Gloo's {gloo_threads()} worker threads, compute (NS to bookkeeping), and the "
+             f"shared cores' floor)")
+    for i, what in enumerate(("minimum", "median")):
+        print_fn(f"|error| against the {what}: median {statistics.median(abs(e[i]) for e in errors):.0%}, largest "
+                 f"{max(abs(e[i]) for e in errors):.0%}")
+    for ranks, variant, missing, least, calls in outside:
+        per_call = (f"; as the one term left, a collective's cost inside a step beyond the probe's: "
+                    f"{missing / calls * 1e6:+,.0f} us on each of its {calls} calls" if calls else "")
+        print_fn(f"outside +-{BAND:.0%}: {ranks} rank{'s' * (ranks > 1)}, {variant}: {missing * 1e3:+,.1f} ms unexplained "
+                 f"({missing / least:+.0%} of its least disturbed step){per_call}")
+    return table
 
 
 # =============================================================================
 # 8. The command line
 # =============================================================================
 
+# The model plans every rank: here 16,384 GPUs took 41 s and 1.8 GB, 65,536 took 191 s and 4 GB. 16,384 H100s
+# is the largest training run the chapter cites (Llama 3 405B's, "The Llama 3 Herd of Models", section 3.3).
+MAX_GPUS = 16384
+PREDICTION_OPTIONS = ("model", "gpus", "tp", "ep", "normuon")  # one scenario's; --chapter and --check-here take none
+CHECK_OPTIONS = ("d", "layers", "rounds")  # --check-here's
+
+
 def main(argv=None):
     p = mt.OneLineParser(description="Predict a distributed Muon step on a cluster from the project's own plans.")
-    p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b", help="the model (default %(default)s)")
-    p.add_argument("--gpus", type=int, default=64, help="GPUs (default %(default)s)")
+    p.add_argument("--model", choices=sorted(MODELS), help="the model (default llama3-8b)")
+    p.add_argument("--gpus", type=int, help="GPUs (default 64)")
     p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default 8; 1 for an MoE)")
     p.add_argument("--ep", type=int, default=None, help="expert parallel size of an MoE (default 64)")
+    p.add_argument("--normuon", action="store_true",
+                   help="add NorMuon's rows: owner, comm-free and DTensorMuon with their matrices on NorMuon")
     p.add_argument("--chapter", action="store_true", help="every table and figure of notes/12-cost-model.md")
     p.add_argument("--json", metavar="PATH", help="--chapter: write its figures as JSON")
     p.add_argument("--figure", metavar="PATH", help="--chapter: write its three plots as a PNG")
     p.add_argument("--check-here", action="store_true", help="this machine's measured steps against the model")
-    p.add_argument("--d", type=int, default=128, help="--check-here: model width (default %(default)s)")
-    p.add_argument("--layers", type=int, default=4, help="--check-here: layers (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=5, help="--check-here: timed steps (default %(default)s)")
+    p.add_argument("--d", type=int, help="--check-here: model width (default 128)")
+    p.add_argument("--layers", type=int, help="--check-here: layers (default 4)")
+    p.add_argument("--rounds", type=int, help=f"--check-here: timed steps of each (default {CHECK_ROUNDS})")
     args = p.parse_args(argv)
+    given = lambda names: [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, False)]  # noqa: E731
+    if args.chapter and args.check_here:
+        p.error("--chapter and --check-here are two runs: give one")
+    if (args.chapter or args.check_here) and given(PREDICTION_OPTIONS):
+        p.error(f"{' '.join(given(PREDICTION_OPTIONS))}: one scenario's options, not --chapter's or --check-here's")
+    if given(CHECK_OPTIONS) and not args.check_here:
+        p.error(f"{' '.join(given(CHECK_OPTIONS))}: only with --check-here (they size its model)")
     if (args.json or args.figure) and not args.chapter:
         p.error("--json and --figure go with --chapter")
     for path, option in ((args.json, "--json"), (args.figure, "--figure")):
@@ -1149,18 +1571,28 @@ def main(argv=None):
         chapter(args.json, args.figure)
         return 0
     if args.check_here:
-        if args.d < 1 or args.layers < 1 or args.rounds < 1:
+        d, layers, rounds = (v if v is not None else default for v, default in
+                             zip((args.d, args.layers, args.rounds), (128, 4, CHECK_ROUNDS)))
+        if d < 1 or layers < 1 or rounds < 1:
             p.error("--d, --layers and --rounds must be >= 1")
-        check_here(args.d, args.layers, args.rounds)
+        import scaling
+
+        why = scaling.memory_error(d, layers, max(CHECK_RANKS))
+        if why:
+            p.error(why)
+        check_here(d, layers, rounds)
         return 0
-    model = MODELS[args.model]
+    model = MODELS[args.model or "llama3-8b"]
+    gpus = args.gpus if args.gpus is not None else 64
     tp = args.tp if args.tp is not None else (1 if model.experts else 8)
     ep = (args.ep if args.ep is not None else 64) if model.experts else 0
-    if args.gpus < 1 or tp < 1 or (model.experts and (ep < 1 or tp != 1)):
+    if gpus < 1 or tp < 1 or (model.experts and (ep < 1 or tp != 1)):
         p.error("--gpus and --tp must be >= 1; an MoE takes --ep >= 1 and no TP")
+    if gpus > MAX_GPUS:
+        p.error(f"--gpus {gpus}: at most {MAX_GPUS} (the model plans every rank: Llama 3 405B's 16,384 GPUs take 41 s)")
     if args.ep is not None and not model.experts:
-        p.error(f"--ep applies to an MoE; {args.model} is dense")
-    s = Scenario(model, args.gpus, tp=tp, ep=ep)
+        p.error(f"--ep applies to an MoE; {model.name} is dense")
+    s = Scenario(model, gpus, tp=tp, ep=ep, normuon=args.normuon)
     try:
         rows, fwd_bwd, _ = predict(s, H100)
     except ValueError as e:

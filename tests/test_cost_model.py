@@ -21,11 +21,25 @@ import distmuon.dtensor as dd  # noqa: E402
 import distmuon.dtensor.plan as dplan  # noqa: E402
 import dtensor_demo as demo  # noqa: E402
 
-from test_strategies import BASELINE_GRIDS, LESSON_RUNS, UNEVEN  # noqa: E402  (the strategies' runs, checked here too)
+# the strategies' runs, checked here too
+from test_strategies import BASELINE_GRIDS, LESSON_RUNS, OVERLAPPED, UNEVEN  # noqa: E402
 
 ONE_NODE = lambda rank: 0  # noqa: E731
 GRAM_TPS = [2, 4]
-GRID_RUNS = LESSON_RUNS + [suite_config(dp=1, tp=tp, steps=1, tp_newton_schulz="gram") for tp in GRAM_TPS]
+# NorMuon (notes/14-normuon.md) on the grids where its rows move over TP, over DP and over both, and with more ranks
+# than a row's matrices: runs of tests/test_normuon.py, so in the whole suite they cost the planning alone
+NORMUON_RUNS = [grid_config(dp, tp, strategy=s, normuon=True, **config) for s in mo.STRATEGIES if s != "gather"
+                for dp, tp, config in [(4, 2, {}), (2, 4, {}), (8, 1, {}), (3, 2, dict(layers=1))]]
+# the owner strategies overlapped (more, smaller collectives: one exchange per unit), tests/test_strategies.py's runs
+OVERLAP_RUNS = [grid_config(dp, tp, strategy=s, overlap=mo.OVERLAP_DEFAULT) for s, dp, tp in OVERLAPPED]
+GRID_RUNS = (LESSON_RUNS + NORMUON_RUNS + OVERLAP_RUNS
+             + [suite_config(dp=1, tp=tp, steps=1, tp_newton_schulz="gram") for tp in GRAM_TPS])
+
+
+def calls_per_step(ledgers, step, phases):
+    """{phase: [collective calls of each rank]} in one step: one Ledger record a call."""
+    return {p: [sum(r["step"] == step and r["phase"] == p for r in ledger["comm"]) for ledger in ledgers]
+            for p in phases}
 
 
 def assert_ledger_is_the_model(result, cfg):
@@ -35,7 +49,10 @@ def assert_ledger_is_the_model(result, cfg):
     assert result["bytes_same_every_step"]
     assert set(cost.traffic.phases) <= set(real), set(cost.traffic.phases) - set(real)
     assert cost.traffic.table(list(real)) == real  # every phase, axis, dtype, rank: sent and received
+    # and as many collective calls, each priced with its fixed cost (--check-here)
+    assert cost.traffic.calls_table(list(real)) == calls_per_step(result["ledgers"], cfg.steps, real)
     assert cost.ns_flops == result["ns_flops"]["per_rank"]
+    assert cost.calls["ns"] == [sum(c["step"] == cfg.steps for c in led["compute"]) for led in result["ledgers"]]
     assert cost.state_bytes == result["state_bytes"]
     return cost
 
@@ -68,6 +85,28 @@ def test_the_gram_form_is_the_ledger(run_grid, tp):
     cost = assert_ledger_is_the_model(run_grid(1, tp, steps=1, tp_newton_schulz="gram"),
                                       suite_config(dp=1, tp=tp, steps=1, tp_newton_schulz="gram"))
     assert sum(cost.traffic.phases["TP Gram"].sent) > 0
+
+
+@pytest.mark.parametrize("cfg", NORMUON_RUNS, ids=lambda c: f"{c.strategy}-{c.dp}x{c.tp}-{c.layers}l")
+def test_normuon_rows_and_state_are_the_ledgers(run_grid, cfg):
+    """NorMuon's v and g (rows + 1 float32 a matrix, to every other holder of a part; comm-free's owner rows also to
+    the other DP rows) and its v at the owner (state): phase by phase, rank by rank, as the runs record them."""
+    result = grid_run(run_grid, cfg.dp, cfg.tp, strategy=cfg.strategy, normuon=True, layers=cfg.layers)
+    cost = assert_ledger_is_the_model(result, cfg)
+    moved = {p for p, t in cost.traffic.phases.items() if p.startswith("NorMuon") and sum(t.sent)}
+    expected = ({"NorMuon rows"} if cfg.strategy == "owner" or cfg.tp > 1 else set()) | (
+        {"NorMuon rows broadcast"} if cfg.strategy == "comm-free" and cfg.dp > 1 else set())
+    assert moved == expected  # a test that cannot fail is a defect: these grids move NorMuon's rows
+    plain = cm.lesson_cost(cm.lesson_optimizer(mt.demo_specs(cfg), replace(cfg, normuon=False)), ONE_NODE)
+    assert sum(cost.state_bytes) > sum(plain.state_bytes)  # v: one float32 per row of each matrix, at its owner
+
+
+@pytest.mark.parametrize("cfg", OVERLAP_RUNS, ids=lambda c: f"{c.strategy}-{c.dp}x{c.tp}")
+def test_overlapped_steps_are_the_ledgers(run_grid, cfg):
+    cost = assert_ledger_is_the_model(grid_run(run_grid, cfg.dp, cfg.tp, strategy=cfg.strategy, overlap=cfg.overlap), cfg)
+    plain = cm.lesson_cost(cm.lesson_optimizer(mt.demo_specs(cfg), replace(cfg, overlap=0)), ONE_NODE)
+    assert cost.traffic.table() == plain.traffic.table()  # the same bytes, in more calls
+    assert sum(map(sum, cost.traffic.calls_table().values())) > sum(map(sum, plain.traffic.calls_table().values()))
 
 
 def test_a_wrong_plan_fails_the_comparison(run_grid):
@@ -107,20 +146,37 @@ def placed_copies(run):
 DEMO_MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (3, 2)]
 DEMO_STEPS = 1
 MUON_ONLY = ((("algorithm", "muon"),),)  # one param group, torch.optim.Muon's defaults
-PLACED = {"ep 2 x tp 2": demo.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
-                                                               ("w2", (4, 4, 6), ("S0", "S2"), 0)),
-                                        MUON_ONLY, expert_stacks=("w1", "w2"), steps=DEMO_STEPS),
-          "ep 4, 6 experts": demo.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0), ("w2", (6, 4, 5), ("S0",), 0)),
-                                            MUON_ONLY, expert_stacks=("w1", "w2"), steps=DEMO_STEPS)}
+NORMUON_ONLY = ((("algorithm", "normuon"),),)  # one param group, NorMuon's defaults
+
+
+def expert_runs(groups, prefix=""):
+    return {f"{prefix}ep 2 x tp 2": demo.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
+                                                                      ("w2", (4, 4, 6), ("S0", "S2"), 0)),
+                                               groups, expert_stacks=("w1", "w2"), steps=DEMO_STEPS),
+            f"{prefix}ep 4, 6 experts": demo.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0),
+                                                                      ("w2", (6, 4, 5), ("S0",), 0)),
+                                                   groups, expert_stacks=("w1", "w2"), steps=DEMO_STEPS)}
+
+
+# NorMuon's rows (v and g of each matrix, to every rank holding its v) and its v: on TP x FSDP2, an uneven mesh with
+# expert stacks, HSDP, and experts over ep (one rank holding none, and its v)
+PLACED = {**expert_runs(MUON_ONLY), **expert_runs(NORMUON_ONLY, "normuon ")}
+DEMO_RUNS = {**{f"{dp}x{tp}": demo.DemoConfig(dp=dp, tp=tp, steps=DEMO_STEPS) for dp, tp in DEMO_MESHES},
+             "hsdp 2x2x2": demo.DemoConfig(replicate=2, dp=2, tp=2, steps=DEMO_STEPS),
+             "normuon 4x2": demo.DemoConfig(dp=4, tp=2, steps=DEMO_STEPS, normuon=True),
+             "normuon 3x2, 7 experts": demo.DemoConfig(dp=3, tp=2, experts=7, steps=DEMO_STEPS, normuon=True),
+             "normuon hsdp 2x2x2": demo.DemoConfig(replicate=2, dp=2, tp=2, steps=DEMO_STEPS, normuon=True)}
 
 
 def case_copies():
     """{label: (copies, {group: algorithm}, world)} of every DTensor case checked here."""
-    demo_algorithms = {i: "muon" if g == "muon" else "adamw" for i, g in enumerate(cm.GROUPS)}
-    cases = {f"{dp}x{tp}": (demo_copies(demo.DemoConfig(dp=dp, tp=tp)), demo_algorithms, dp * tp)
-             for dp, tp in DEMO_MESHES}
-    cases["hsdp 2x2x2"] = (demo_copies(demo.DemoConfig(replicate=2, dp=2, tp=2)), demo_algorithms, 8)
-    cases.update({label: (placed_copies(run), {0: "muon"}, torch.Size(run.mesh).numel()) for label, run in PLACED.items()})
+    def algorithms(normuon):
+        return {i: ("normuon" if normuon else "muon") if g == "muon" else "adamw" for i, g in enumerate(cm.GROUPS)}
+
+    cases = {label: (demo_copies(cfg), algorithms(cfg.normuon), cfg.replicate * cfg.dp * cfg.tp)
+             for label, cfg in DEMO_RUNS.items()}
+    cases.update({label: (placed_copies(run), {0: dict(run.groups[0])["algorithm"]}, torch.Size(run.mesh).numel())
+                  for label, run in PLACED.items()})
     return cases
 
 
@@ -143,7 +199,7 @@ def test_the_sized_plan_is_plan_matrices_transfer_for_transfer():
     as every rank would run it."""
     moved = 0
     for label, (copies, algorithms, world) in case_copies().items():
-        muon = [c for c in copies if algorithms[c.group] == "muon"]
+        muon = [c for c in copies if algorithms[c.group] != "adamw"]
         steps = {g: dm.NS_STEPS for g in algorithms}
         matrices, flops, owners = cm.dtensor_plan(muon, steps, world)
         gather, scatter = cm.dtensor_transfers(matrices)
@@ -165,15 +221,13 @@ def test_the_sized_plan_is_plan_matrices_transfer_for_transfer():
 def dtensor_runs():
     """{label: [each rank's result]}: the demo on every DTENSOR mesh and the expert-parallel placed runs, one
     spawn of 8 ranks (each run on its own sub-mesh), DEMO_STEPS steps of exact gradients."""
-    runs = {f"{dp}x{tp}": demo.DemoConfig(dp=dp, tp=tp, steps=DEMO_STEPS) for dp, tp in DEMO_MESHES}
-    runs["hsdp 2x2x2"] = demo.DemoConfig(replicate=2, dp=2, tp=2, steps=DEMO_STEPS)
-    runs.update({label: run for label, run in PLACED.items()})
+    runs = {**DEMO_RUNS, **PLACED}
     results = mt.spawn_ranks(demo.Runs(tuple(runs.values()), timeout_s=60), demo.run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}
 
 
 def test_dtensor_bytes_flops_owners_and_state_are_the_ledgers(dtensor_runs):
-    phases = ("grad presence", "gather at owner", "scatter from owner")
+    rows_moved = 0
     for label, (copies, algorithms, world) in case_copies().items():
         ranks = sorted(dtensor_runs[label], key=lambda r: r["rank"])
         assert len(ranks) == world, label
@@ -181,7 +235,12 @@ def test_dtensor_bytes_flops_owners_and_state_are_the_ledgers(dtensor_runs):
         cost = cm.dtensor_cost(copies, names, algorithms, {g: dm.NS_STEPS for g in algorithms}, world, ONE_NODE)
         ledgers = [r["ledger"] for r in ranks]
         step = max(rec["step"] for rec in ledgers[0]["comm"])
+        phases = ("grad presence", "gather at owner", "scatter from owner") + (
+            ("NorMuon rows",) if "normuon" in algorithms.values() else ())
         assert cost.traffic.table(phases) == mt.bytes_per_step(ledgers, step, phases), label
+        assert cost.traffic.calls_table(phases) == calls_per_step(ledgers, step, phases), label
+        assert {p for rec in ledgers[0]["comm"] for p in [rec["phase"]]} <= set(phases) | {"refusal"}, label
+        rows_moved += sum(cost.traffic.phases["NorMuon rows"].sent) if "NorMuon rows" in cost.traffic.phases else 0
         assert cost.ns_flops == [sum(c["flops"] for c in led["compute"] if c["step"] == step) for led in ledgers]
         assert sum(sum(t.sent) for t in cost.traffic.phases.values()) > 0 or world == 1, label
         for r in ranks:  # torch's own placements are the ones the model assumed, parameter by parameter
@@ -190,9 +249,10 @@ def test_dtensor_bytes_flops_owners_and_state_are_the_ledgers(dtensor_runs):
                 assert placed == str(tuple(mine.placements)), (label, name)
             if "state_bytes" in r:
                 assert cost.state_bytes[r["rank"]] == r["state_bytes"], label
-        matrices, _, owners = cm.dtensor_plan([c for c in copies if algorithms[c.group] == "muon"],
+        matrices, _, owners = cm.dtensor_plan([c for c in copies if algorithms[c.group] != "adamw"],
                                               {g: dm.NS_STEPS for g in algorithms}, world)
         assert ranks[0]["owners"] == owners, label
+    assert rows_moved > 0  # the NorMuon cases move its rows
 
 
 # -- prices --------------------------------------------------------------------------------------------------
@@ -228,6 +288,8 @@ def test_the_step_is_communication_plus_compute_and_overlap_the_larger():
     compute = 2e6 / 1e12 + 1000 * 24 / 1000e9
     assert row.comm_s == pytest.approx(1e-6 + 1000 / 100e9) and row.compute_s == pytest.approx(compute)
     assert row.step_s == pytest.approx(row.comm_s + compute) and row.overlap_s == pytest.approx(max(row.comm_s, compute))
+    two = cm.summarize(cost, replace(CLUSTER, in_flight=2))  # two collectives in flight at once, overlapped
+    assert two.step_s == row.step_s and two.overlap_s == pytest.approx(max(row.comm_s / 2, compute))
     assert row.ns_max == 2e6 and row.ns_mean == 1.5e6
 
 
@@ -252,6 +314,81 @@ def test_gpt2_small_on_8_gpus_ranks_the_strategies_as_chapter_8_measures():
     assert by["DTensorMuon"].sent_max < by["owner"].sent_max and fwd_bwd > 0
 
 
+def test_attention_is_palms_term_in_the_forward_and_backward():
+    """6 x active parameters x tokens, plus attention's two products with the sequence: 12 L H Q T per token with
+    equal query and value heads (PaLM, Appendix B), 6 L H T (qk + v) with MLA's (DeepSeek-V3: 192 and 128)."""
+    llama, deepseek = cm.MODELS["llama3-70b"], cm.MODELS["deepseek-v3"]
+    assert llama.attention_flops_per_token() == 12 * 80 * 64 * 128 * 4096
+    assert deepseek.attention_flops_per_token() == 6 * 61 * 128 * 4096 * (128 + 64 + 128)
+    assert llama.train_flops() == (6 * llama.active_params() + 12 * 80 * 64 * 128 * 4096) * 2**22
+    s = cm.Scenario(llama, 64, tp=8)
+    assert cm.forward_backward_seconds(s, CLUSTER) == pytest.approx(llama.train_flops() / (64 * 1e12))
+    marin = cm.MODELS["marin-moe-d2560"]  # issue 6044's d2560 shape, 64 experts: its 2.34 B active at 256 (routers,
+    assert marin.active_params() == pytest.approx(2.34e9, rel=0.03)  # gated norms aside)
+    assert cm.mfu_with(0.344, 2.0, 0.0) == 0.344 and cm.mfu_with(0.344, 2.0, 0.25) == pytest.approx(0.344 * 2 / 2.25)
+
+
+def test_the_flat_buffer_gives_the_issues_figures():
+    """Issue 43: with one bucket per buffer, the 70B-like model at 64 GPUs moves 1.49 x AdamW ZeRO-1's bytes in the
+    gather flow and takes 3.06 x its step, not 2.99 x and 14.1 x as with Megatron's 40M-element buckets: fewer ranks
+    touch each matrix, so fewer TP gathers and Newton-Schulz calls, the same DP gather."""
+    labels = ("gather", "gather" + cm.FLAT, "AdamW ZeRO-1", "AdamW ZeRO-1" + cm.FLAT)
+    costs = cm.predict_costs(cm.Scenario(cm.MODELS["llama3-70b"], 64, tp=8), cm.H100, labels)
+    row = {k: cm.summarize(c, cm.H100) for k, c in costs.items()}
+    flat, bucketed = row["gather" + cm.FLAT], row["gather"]
+    assert flat.sent_max / row["AdamW ZeRO-1" + cm.FLAT].sent_max == pytest.approx(1.49, abs=0.005)
+    assert flat.step_s / row["AdamW ZeRO-1" + cm.FLAT].step_s == pytest.approx(3.06, abs=0.005)
+    assert bucketed.sent_max / row["AdamW ZeRO-1"].sent_max == pytest.approx(2.99, abs=0.005)
+    assert bucketed.step_s / row["AdamW ZeRO-1"].step_s == pytest.approx(14.1, abs=0.05)
+    gathered = {k: costs[k].traffic.phases["DP gather"].sent for k in labels[:2]}
+    assert sum(gathered["gather"]) == sum(gathered["gather" + cm.FLAT])  # each rank's shard of the whole buffer, once
+    assert sum(costs["gather" + cm.FLAT].calls["ns"]) < sum(costs["gather"].calls["ns"])
+
+
+def test_normuon_rows_join_a_scenario_when_asked():
+    """--normuon: owner, comm-free and DTensorMuon again with NorMuon's matrices, whose rows move besides Muon's bytes."""
+    two_layers = replace(cm.MODELS["gpt2-small"], layers=2)
+    plain = cm.predict_costs(cm.Scenario(two_layers, 8), cm.H100)
+    costs = cm.predict_costs(cm.Scenario(two_layers, 8, normuon=True), cm.H100)
+    assert set(costs) - set(plain) == {"owner, NorMuon", "comm-free, NorMuon", "DTensorMuon, NorMuon"}
+    for label in ("owner", "DTensorMuon"):
+        extra = costs[label + cm.NORMUON].traffic.phases["NorMuon rows"]
+        assert sum(extra.sent) > 0 and cm.baseline_of(label + cm.NORMUON) == cm.baseline_of(label)
+        sent = lambda c: sum(sum(t.sent) for t in c.traffic.phases.values())  # noqa: E731
+        assert sent(costs[label + cm.NORMUON]) == sent(plain[label]) + sum(extra.sent)
+    # TP = 1: comm-free's owner row holds each matrix whole; its rows go to the other DP rows beside the update
+    assert sum(costs["comm-free" + cm.NORMUON].traffic.phases["NorMuon rows broadcast"].sent) > 0
+
+
+def test_per_call_costs_are_priced_as_counted():
+    """--check-here's terms: a collective's fixed cost per call and its op's bandwidth; Newton-Schulz calls, parts
+    and the bookkeeping per parameter at their unit costs; ranks beyond the cores share them."""
+    here = replace(CLUSTER, intra_us=0.0, call_us=(("all_gather", 50.0),), op_gbs=(("all_gather", 2.0),),
+                   cpu_call_us=(("all_gather", 30.0),), cpu_gbs=(("all_gather", 1.0),),
+                   ns_call_us=40.0, muon_part_us=10.0, adamw_part_us=20.0, apply_us=5.0, param_us=3.0, ns_shared=2.0,
+                   cores=1)
+    traffic = cm.Traffic(2, ONE_NODE)
+    for _ in range(3):
+        traffic.all_gather("p", "DP", torch.float32, [[0, 1]], 250)  # 1000 B a call, 3 calls
+    assert traffic.calls_table() == {"p": [3, 3]}
+    assert traffic.phases["p"].terms(0, here) == pytest.approx((0.0, 3000 / 2e9, 3 * 50e-6))
+    assert traffic.phases["p"].cpu_seconds(1, here) == pytest.approx(3 * 30e-6 + 3000 / 1e9)
+    cost = cm.Cost("x", traffic, [2e7, 0], [0, 0], {"muon": [1000, 0], "adamw": [0, 10]}, 2,
+                   calls=dict(ns=[1, 0], muon=[1, 0], adamw=[0, 2], apply=[0, 4], params=[7, 7]))
+    terms = cost.compute_terms(0, here)
+    # Newton-Schulz as when every rank runs it at once: twice as long here
+    assert terms == pytest.approx({"NS FLOPs": 2 * 2e7 / 1e12, "NS calls": 2 * 40e-6, "elementwise": 1000 * 24 / 1000e9,
+                                   "parts": 10e-6, "bookkeeping": 21e-6})
+    other = sum(cost.compute_terms(1, here).values())  # 2 AdamW parts, 4 applies, bookkeeping, its elementwise
+    assert other == pytest.approx(40e-6 + 20e-6 + 21e-6 + 10 * 28 / 1000e9)
+    row = cm.summarize(cost, here)  # rank 0 the busiest; one core for two ranks: at least both ranks' CPU (its own
+    cpu = sum(terms.values()) - 2e7 / 1e12 - 40e-6 + other + 2 * (3 * 30e-6 + 3000 / 1e9)  # Newton-Schulz alone)
+    assert row.comm_s == pytest.approx(150e-6 + 3000 / 2e9) and row.terms["calls"] == pytest.approx(150e-6)
+    assert row.step_s == pytest.approx(cpu) and row.overlap_s == pytest.approx(cpu)
+    assert row.terms["shared cores"] == pytest.approx(cpu - row.comm_s - sum(terms.values()))
+    assert cm.summarize(cost, replace(here, cores=2)).terms["shared cores"] == 0  # a core each: no floor
+
+
 # -- the command line --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv,message", [
@@ -262,6 +399,14 @@ def test_gpt2_small_on_8_gpus_ranks_the_strategies_as_chapter_8_measures():
     (["--json", "x.json"], "--json and --figure go with --chapter"),
     (["--chapter", "--figure", "/no/such/folder/x.png"], "--figure /no/such/folder/x.png: the folder"),
     (["--model", "gpt-5"], "invalid choice"),
+    (["--chapter", "--normuon"], "--normuon: one scenario's options"),
+    (["--check-here", "--gpus", "8"], "--gpus: one scenario's options"),
+    (["--rounds", "3"], "--rounds: only with --check-here"),
+    (["--d", "64"], "--d: only with --check-here"),
+    (["--gpus", "1000000000", "--tp", "1"], "--gpus 1000000000: at most 16384"),
+    (["--chapter", "--check-here"], "two runs"),
+    (["--check-here", "--d", "0"], "must be >= 1"),
+    (["--check-here", "--d", "100000000"], "needs at least"),
 ])
 def test_bad_flags_are_refused_in_one_line_with_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -275,4 +420,6 @@ def test_one_table_names_every_optimizer_and_the_cluster(capsys):
     out = capsys.readouterr().out
     assert out.startswith("GPT-2 small: 0.12 B parameters") and cm.H100.name in out
     rows = [line.split("  ")[0] for line in out.splitlines()[4:]]
-    assert rows == ["gather", "owner", "comm-free", "AdamW ZeRO-1", "DTensorMuon", "AdamW, FSDP2"]
+    assert out.splitlines()[-1].split()[-2] == "-"  # AdamW under FSDP2 is its own baseline
+    assert rows == ["gather", "gather, flat buffer", "owner", "comm-free", "AdamW ZeRO-1", "AdamW ZeRO-1, flat buffer",
+                    "DTensorMuon", "AdamW, FSDP2"]
