@@ -65,8 +65,9 @@ bf16 matmuls run tens of times slower than fp32 and a step takes minutes: use --
 scaling.py does; or --without-ns, which times everything but Newton-Schulz (each contender's replaced by its
 bf16 cast, torch's and ours by scaling.py's): the distributed machinery alone, like for like, even where bf16
 matmuls crawl and each contender's own Newton-Schulz would decide the race (its check column then compares
-steps that are not Muon's: dtensor-muon and muonium scale their input before the function replaced, and
-differ from torch's so replaced by far more than with Newton-Schulz). Figures and ratios, never verdicts: the
+steps that are not Muon's: dtensor-muon and muonium scale their input before the function replaced, and dion's
+sum momentum is 1 / (1 - mu) times torch's average, so they differ from torch's so replaced by far more than with
+Newton-Schulz, which normalizes the scale away). Figures and ratios, never verdicts: the
 machine is shared and noisy, so every round steps every contender once, in turn (interleaved), and the ratios
 come from one run. benchmarks/peers_1gpu.py times DTensorMuon, dion and torch.optim.Muon on one GPU.
 """

@@ -65,6 +65,7 @@ class NorMuonRows:
     def plan(self, opt, matrices):
         """For each distributed NorMuon matrix: the ranks (global) that hold its v, besides its owner."""
         self.receivers, self.layouts = {}, {}  # layouts: row_layout's, made at a parameter's first step
+        self.quotients = {}  # during a step: O / d of the 2-D matrices owned here whose local part is whole rows
         for m in matrices:
             if opt.param_groups[m.copy.group]["algorithm"] != "normuon":
                 continue
@@ -87,6 +88,7 @@ class NorMuonRows:
         matrix's mesh): every NorMuon matrix this rank owns has its v updated and g found here, and both go to
         every other rank holding its v. Returns a function that waits and returns {matrix: (v, g)}."""
         me, transfers, receiving = opt.me, [], []
+        self.quotients = {}
         for m in stepped:
             if m.name not in self.receivers:
                 continue
@@ -95,7 +97,9 @@ class NorMuonRows:
             if m.owner == me:
                 o = orthogonal[m.name].float()  # once: both take it in float32 (a float32 O is used as it is)
                 v = nm.second_moment_(o, self.v_of(opt, m.copy.name, m.expert), group["beta2"])
-                stats = torch.cat([v.view(-1), nm.rescale(o, v, group["normuon_eps"]).view(1)])
+                quotient = nm.divided(o, nm.divisor(v, group["normuon_eps"]))
+                stats = torch.cat([v.view(-1), nm.rescale(o, v, group["normuon_eps"], quotient).view(1)])
+                self.keep(opt, m.copy.name, m.expert, quotient)
             for r in self.receivers[m.name]:
                 transfers.append((opt.exchange.index[m.owner], opt.exchange.index[r], m.shape[0] + 1, stats))
                 if r == me:
@@ -118,22 +122,38 @@ class NorMuonRows:
             group = opt.group_of[name]
             o = full.float()
             v = nm.second_moment_(o, self.v_of(opt, name, expert), group["beta2"])
-            g_of[name, max(expert, 0)] = nm.rescale(o, v, group["normuon_eps"])
+            quotient = nm.divided(o, nm.divisor(v, group["normuon_eps"]))
+            g_of[name, max(expert, 0)] = nm.rescale(o, v, group["normuon_eps"], quotient)
+            self.keep(opt, name, expert, quotient)
         for name in {n for n, _ in g_of}:
             if name not in out or opt.group_of[name]["algorithm"] != "normuon":
                 continue
-            if name not in self.layouts:
-                self.layouts[name] = self.row_layout(opt, name)
-            rows_here, experts, rows, cols = self.layouts[name]
+            rows_here, experts, rows, cols = self.layout(opt, name)
             eps = opt.group_of[name]["normuon_eps"]
             v = local_of(opt._state_of(name)["normuon_v"]).reshape(-1)  # this rank's v, its experts one after another
             g = torch.stack([g_of[name, e] for e in experts]).repeat_interleave(rows)  # each of those rows' g
-            if isinstance(rows_here, slice):  # whole rows, one after another: each row's divisor and g broadcast
+            if name in self.quotients:  # owned here, its O / d made for g: these rows of it are this rank's part's
+                out[name] = (self.quotients.pop(name)[rows_here] * g[rows_here, None]).reshape(-1)
+            elif isinstance(rows_here, slice):  # whole rows, one after another: each row's divisor and g broadcast
                 o = orthos[name].view(rows_here.stop - rows_here.start, cols)
                 out[name] = nm.normalized(o, nm.divisor(v[rows_here], eps)[:, None], g[rows_here, None]).view(-1)
             else:
                 out[name] = nm.normalized(orthos[name].reshape(-1), nm.divisor(v, eps)[rows_here], g[rows_here])
+        self.quotients = {}  # none outlives its step
         return out
+
+    def keep(self, opt, name, expert, quotient):
+        """Keep O / d of a whole 2-D matrix made here for its g, if this rank's part of it is whole rows one after
+        another: normalized() then takes its part's rows of it (the same division of the same elements) rather
+        than dividing them again."""
+        if expert < 0 and isinstance(self.layout(opt, name)[0], slice):
+            self.quotients[name] = quotient
+
+    def layout(self, opt, name):
+        """row_layout(opt, name), made at the parameter's first step and kept."""
+        if name not in self.layouts:
+            self.layouts[name] = self.row_layout(opt, name)
+        return self.layouts[name]
 
     @staticmethod
     def row_layout(opt, name):
