@@ -1,7 +1,8 @@
 """The peers side by side, like for like: every Muon on the package registry that runs on CPU Gloo, and
 microsoft/dion's Muon and NorMuon (installed from git), timed as *its gradient synchronization + its step*
-against ours (DTensorMuon under FSDP2 like them, with a Muon and with a NorMuon param group; the lesson's owner
-and comm-free, whose ZeRO-1 step includes its reduction), and each checked after one step against
+against ours (DTensorMuon under FSDP2 like them, with a Muon and with a NorMuon param group, and with its opt-in
+batched_ns, the batching dion does; the lesson's owner and comm-free, whose ZeRO-1 step includes its reduction),
+and each checked after one step against
 torch.optim.Muon (the NorMuon rows against muon_tools.NorMuonReference, NorMuon on torch.optim.Muon's pieces).
 
     What a data-parallel step costs, per optimizer          what is timed here
@@ -112,6 +113,7 @@ IN_STEP = "none: in its step"
 FSDP2_SYNC = "FSDP2 reduce-scatter"
 DTENSOR = "ours: DTensorMuon"  # distmuon/dtensor/ under FSDP2, synchronized as the FSDP2 peers are
 DTENSOR_NORMUON = "ours: DTensorMuon, NorMuon"  # the same with a NorMuon param group (distmuon/normuon.py)
+DTENSOR_BATCHED = "ours: DTensorMuon, batched_ns"  # same-shape matrices in one call: within a bound, not torch's bits
 NOT_INSTALLED = "not installed"
 
 
@@ -246,13 +248,14 @@ def ours(strategy):
     return build
 
 
-def dtensor_muon(algorithm):
+def dtensor_muon(algorithm, batched_ns=False):
     """DTensorMuon on FSDP2's Shard(0) parameters: the optimizer practitioners adopt, timed as the FSDP2 peers;
-    one param group of `algorithm` ("muon" or "normuon")."""
+    one param group of `algorithm` ("muon" or "normuon"); batched_ns, its opt-in batched Newton-Schulz (Muon only:
+    same-shape matrices in one call, as dion batches them; within BATCHED_NS_BOUND of torch's result, not its bits)."""
     def build(weights, world, rank):
         return fsdp2_contender(weights, world, lambda params: dd.DTensorMuon(
             [dict(params=list(params.items()), algorithm=algorithm)], lr=LR, weight_decay=WEIGHT_DECAY,
-            momentum=MOMENTUM))
+            momentum=MOMENTUM, batched_ns=batched_ns))
     return build
 
 
@@ -489,6 +492,7 @@ def contenders(peers, world, rank, without_ns=False):
     """[Entry], patches applied, [(label, status)]."""
     built = ([Entry(f"ours: {s}", IN_STEP, ours(s)) for s in OURS]
              + [Entry(DTENSOR, FSDP2_SYNC, dtensor_muon("muon")),
+                Entry(DTENSOR_BATCHED, FSDP2_SYNC, dtensor_muon("muon", batched_ns=True)),
                 Entry(DTENSOR_NORMUON, FSDP2_SYNC, dtensor_muon("normuon"), "normuon")])
     patches, status = [], []
     for peer in peers:
@@ -640,7 +644,8 @@ def beside_dion(runs):
     ours (above 1: ours the shorter); "" where dion did not run."""
     rows = []
     for world, run in sorted(runs.items()):
-        for ours, algorithm in ((DTENSOR, "Muon"), (DTENSOR_NORMUON, "NorMuon")):
+        for ours, ours_as, algorithm in ((DTENSOR, "Muon", "Muon"), (DTENSOR_BATCHED, "Muon, batched_ns", "Muon"),
+                                         (DTENSOR_NORMUON, "NorMuon", "NorMuon")):
             theirs = [next((label for label in run["times"] if label.startswith("dion ")
                             and label.endswith(f" {algorithm}, {mode}")), None) for mode in ("compiled", "eager")]
             if ours not in run["times"] or theirs == [None, None]:
@@ -651,11 +656,11 @@ def beside_dion(runs):
                 cells += ([f"{statistics.median(t[label]):.0f}", f"{min(t[label]):.0f}",
                            f"{statistics.median(t[label]) / statistics.median(t[ours]):.2f}",
                            f"{min(t[label]) / min(t[ours]):.2f}"] if label else [""] * 4)
-            rows.append([world, algorithm, *cells])
+            rows.append([world, ours_as, *cells])
     if not rows:
         return ""
     return mt.format_table(
-        ["processes", "algorithm", "ours median ms", "ours min ms", "dion compiled median ms", "min ms",
+        ["processes", "ours", "ours median ms", "ours min ms", "dion compiled median ms", "min ms",
          "dion/ours (medians)", "(minima)", "dion eager median ms", "min ms", "dion/ours (medians)", "(minima)"],
         rows, [">", "<"] + [">"] * 10)
 

@@ -28,6 +28,9 @@ def test_one_and_two_processes_ours_bit_identical_every_peer_reported(capsys):
         assert [r[0] for r in ours] == ["1", "2"] and all(r[-1] == "bit-identical" for r in ours)
     normuon = [r for r in rows if r[1:4] == peers.DTENSOR_NORMUON.split()]  # bit for bit NorMuonReference's
     assert [r[0] for r in normuon] == ["1", "2"] and all(r[-1] == "bit-identical" for r in normuon)
+    batched = [line for line in out.splitlines() if f"  {peers.DTENSOR_BATCHED}  " in line]  # torch's bits or near
+    assert len(batched) == 2 and all(re.search(r"  (bit-identical|max \|d\| \S+ \([0-9.]+% of the step\)) *$", line)
+                                     for line in batched), batched
     assert ("after one step: against torch.optim.Muon, the NorMuon rows against muon_tools.NorMuonReference"
             in out)
     for peer in peers.PEERS:
@@ -99,11 +102,12 @@ def test_dion_beside_ours_and_its_compile_times():
         return dict(times={label: dict(total=t) for label, t in times.items()}, compiling=compiling or {})
 
     compiled, eager = "dion 0.1.0 Muon, compiled", "dion 0.1.0 Muon, eager"
-    runs = {1: run({peers.DTENSOR: [10.0, 12.0, 11.0], compiled: [30.0, 22.0, 25.0], eager: [40.0, 44.0, 41.0]},
-                   {compiled: [61.25, 0.5]}),
+    runs = {1: run({peers.DTENSOR: [10.0, 12.0, 11.0], compiled: [30.0, 22.0, 25.0], eager: [40.0, 44.0, 41.0],
+                    peers.DTENSOR_BATCHED: [20.0, 5.0, 50.0]}, {compiled: [61.25, 0.5]}),
             2: run({peers.DTENSOR: [8.0, 6.0, 7.0], compiled: [7.0, 9.0, 14.0]}, {compiled: [5.0, 0.25]})}
     rows = [line.split() for line in peers.beside_dion(runs).splitlines()[2:]]
     assert rows == [["1", "Muon", "11", "10", "25", "22", "2.27", "2.20", "41", "40", "3.73", "4.00"],
+                    ["1", "Muon,", "batched_ns", "20", "5", "25", "22", "1.25", "4.40", "41", "40", "2.05", "8.00"],
                     ["2", "Muon", "7", "6", "9", "7", "1.29", "1.17"]]
     assert peers.compile_times(runs).splitlines()[1:] == [
         f"  {compiled}: 1 process 61.2, 0.5 s; 2 processes 5.0, 0.2 s"]
@@ -124,8 +128,9 @@ def test_missing_or_broken_peer_is_reported_not_raised():
     absent = peers.Peer("no-such-peer-xyz", "no_such_peer_xyz", "absent {v}", "-", lambda *a: None)
     broken = peers.Peer("torch", "no_such_module_xyz", "broken {v}", "-", lambda *a: None)
     built, patches, status = peers.contenders([absent, broken], 1, 0)
-    assert [e.label for e in built] == [f"ours: {s}" for s in peers.OURS] + [peers.DTENSOR, peers.DTENSOR_NORMUON]
-    assert [e.algorithm for e in built][-2:] == ["muon", "normuon"] and patches == []
+    assert [e.label for e in built] == [f"ours: {s}" for s in peers.OURS] + [
+        peers.DTENSOR, peers.DTENSOR_BATCHED, peers.DTENSOR_NORMUON]
+    assert [e.algorithm for e in built][-3:] == ["muon", "muon", "normuon"] and patches == []
     assert status[0] == ("no-such-peer-xyz", peers.NOT_INSTALLED)
     assert status[1][0] == f"broken {peers.installed(broken)}"
     assert status[1][1].startswith("failed: ModuleNotFoundError: No module named 'no_such_module_xyz'")
