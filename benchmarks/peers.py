@@ -368,10 +368,16 @@ def dion(cls, eager):
 
 def patch_dion():
     """dion compiles per shape and list length: its own train.py raises dynamo's recompile limit to 100 (with the
-    default, 8, its fullgraph functions end in FailOnRecompileLimitHit)."""
+    default, 8, its fullgraph functions end in FailOnRecompileLimitHit). And inductor compiles in this process, not
+    in its pool of compile workers (a pool of processes in each rank: on 4 processes here the run's memory ran out)."""
+    import torch._inductor.config
+
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DION_RECOMPILE_LIMIT)
+    torch._inductor.config.compile_threads = 1
     return [f"torch._dynamo.config.recompile_limit = {DION_RECOMPILE_LIMIT} (dion's train.py's; the default 8 "
             "ends its compiled rows in FailOnRecompileLimitHit)",
+            "torch._inductor.config.compile_threads = 1: compiled in each rank itself, without a pool of compile "
+            "workers (the same kernels; with the pools, 4 processes ran out of memory here)",
             "its eager rows: torch.compile unwrapped around their construction and step only (the compiled rows "
             "run it as shipped)"]
 
@@ -521,11 +527,14 @@ def contenders(peers, world, rank, without_ns=False):
 # 4. One run on N processes: every contender checked once, then timed in interleaved rounds
 # ----------------------------------------------------------------------------------------------
 
-def local_gradients(total, sync, world):
+def local_gradients(total, sync, world, shared):
     """What this rank's backward would hand the contender: g where a wrapper averages (DDP, FSDP2), g / N for
-    our ZeRO-1 strategies, whose step sums."""
+    our ZeRO-1 strategies, whose step sums; one copy of each kind (`shared`), read by every contender (each round
+    gives each a fresh clone): fourteen contenders at d = 768 on 4 processes held one each before, 1.6 GB a rank."""
     share = 1 / world if sync == IN_STEP else 1.0
-    return {n: g * share for n, g in total.items()}
+    if share not in shared:
+        shared[share] = total if share == 1.0 else {n: g * share for n, g in total.items()}
+    return shared[share]
 
 
 def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without_ns=False):
@@ -537,7 +546,7 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without
     weights, total = matrices(d, layers)
     references = {}  # the references' weights after one step, each made when a contender first needs it
     built, patches, status = contenders([p for p in PEERS if p.distribution in peer_names], world, rank, without_ns)
-    runners, checks, compiling = {}, {}, {}
+    runners, checks, compiling, shared = {}, {}, {}, {}
     if world == 1:
         params = {n: w.clone() for n, w in weights.items()}
         optimizer = torch_muon(params)
@@ -549,7 +558,7 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without
     for entry in built:
         try:
             contender = entry.build(weights, world, rank)
-            local = local_gradients(total, entry.sync, world)
+            local = local_gradients(total, entry.sync, world, shared)
             firsts = []
             for _ in range(2 if entry.compiles else 1):  # the check's step; a compiled one's second step too
                 dist.barrier()
