@@ -1,19 +1,25 @@
 #!/bin/bash
-# Everything that needs the GPU machine, in one command under 9 minutes (issue 22), each part time-boxed:
+# Everything that needs the GPU machine, in one command under 12 minutes (issue 22), each part time-boxed:
 #   1. the GPU sibling (distributed_muon.py) on 1 GPU under torchrun: bit-identity to torch.optim.Muon /
 #      AdamW on CUDA, and its step time against torch's own step on the same GPU, same model, same steps;
 #   2. Newton-Schulz GFLOP/s against one bf16 matmul of the same shapes (X @ X.T, the first product of each
 #      iteration) on the GPU, and whether CPU and GPU agree bit for bit (cpu_vs_gpu_newton_schulz.py);
 #   3. the DTensor optimizer (dtensor_demo.py, distmuon/dtensor/) on one CUDA device under torchrun;
 #   4. the CPU scaling of benchmarks/scaling.py --ranks 1 2 4 8 at d = 768 on that machine's cores
-#      (issue 22's goal: owner and comm-free >= 0.85 N x on N ranks up to 8).
+#      (issue 22's goal: owner and comm-free >= 0.85 N x on N ranks up to 8);
+#   5. torch.optim.Muon, DTensorMuon and microsoft/dion's Muon (compiled and eager) on 1 GPU at d = 4096, 8 layers:
+#      step times, bits against torch, Newton-Schulz's measured rate beside the cost model's 594 TFLOP/s
+#      (benchmarks/peers_1gpu.py, with $PEERS_PYTHON if set: the Python that has dion, else "not installed").
+#      The lent machine reaches no registry: carry dion as a wheel made here (`pip wheel --no-deps -w DIR
+#      git+https://github.com/microsoft/dion.git@<requirements-peers.txt's commit>`) and install it there first.
 # Figures go to notes/measured/*_<gpu name>.* (e.g. sibling_1gpu_h100.txt), each with its command and commit on
 # top, and their rows to notes/measured/INDEX.md (benchmarks/refresh.py --record);
 # a summary of every part (status, seconds, its key line) is printed at the end.
 #
 #   bash benchmarks/on_gpu.sh                      # on the GPU machine, from the repository root
-#   bash benchmarks/on_gpu.sh --cpu-only           # any machine: parts 1-3 skipped (and said so), part 4 runs
-#   bash benchmarks/on_gpu.sh --cpu-only --quick --out /tmp/x   # seconds: tiny sizes (the test's run)
+#   bash benchmarks/on_gpu.sh --cpu-only           # any machine: parts 1-3 and 5 skipped (and said so), part 4 runs
+#   bash benchmarks/on_gpu.sh --cpu-only --quick --out /tmp/x   # seconds: tiny sizes (the test's run; part 5 then
+#                                                               # runs its tiny form on the CPU)
 #   bash benchmarks/on_gpu.sh 2>&1 | tee $OUT/on_gpu.log; tar czf $OUT/measured.tgz notes/measured/*_h100*.* \
 #     notes/measured/INDEX.md   # on this workplace's lent machine: its copy has git, its only Python is python3
 #     (found below; never write a `python` over a link to it), and at most 8 files come back from $OUT; its git
@@ -60,10 +66,12 @@ if [ -z "$NAME" ]; then
 fi
 # Sizes: the sibling's steps, Newton-Schulz's shapes (d = 768's four and a large square) and scaling.py's run.
 if [ "$QUICK" = 1 ]; then
-  STEPS=3; NS_SHAPES="96x32 32x96"; SCALING="--ranks 1 --d 32 --layers 1 --rounds 1"
+  STEPS=3; NS_SHAPES="96x32 32x96"; SCALING="--ranks 1 --d 32 --layers 1 --rounds 1"; PEERS="--d 32 --layers 1 --rounds 1"
 else
   STEPS=10; NS_SHAPES="2304x768 768x768 3072x768 768x3072 8192x8192"; SCALING="--ranks 1 2 4 8 --d 768 --rounds 3"
+  PEERS="--d 4096 --layers 8 --rounds 5"
 fi
+PEERS_PY=${PEERS_PYTHON:-$PY}  # part 5: the Python that has microsoft/dion (benchmarks/requirements-peers.txt)
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 [ -n "$(git status --porcelain 2>/dev/null)" ] && COMMIT="$COMMIT+dirty"  # as benchmarks/refresh.sh writes it
 START=$SECONDS
@@ -115,10 +123,21 @@ HOST=$([ "$CPU_ONLY" = 1 ] && echo "$NAME" || echo "${NAME}host")
 part "4. CPU scaling, $(nproc) cores" 270 "$OUT/scaling_$(nproc)core_$HOST.txt" "^ +[0-9]+  comm-free  " \
   $PY benchmarks/scaling.py $SCALING --json "$OUT/scaling_$(nproc)core_$HOST.json" \
   --figure "$OUT/scaling_$(nproc)core_$HOST.png"
+# part 5 on the GPU; with --cpu-only, its tiny form (--quick) on the CPU, which checks its plumbing, or nothing
+if [ "$CPU_ONLY" = 0 ]; then
+  part "5. torch, DTensorMuon, dion on 1 GPU" 150 "$OUT/peers_1gpu_$NAME.txt" "^ours: DTensorMuon " \
+    $PEERS_PY benchmarks/peers_1gpu.py $PEERS
+elif [ "$QUICK" = 1 ]; then
+  part "5. torch, DTensorMuon, dion on 1 device" 60 "$OUT/peers_1gpu_$NAME.txt" "^ours: DTensorMuon " \
+    $PEERS_PY benchmarks/peers_1gpu.py --device cpu $PEERS
+else
+  skip "5. torch, DTensorMuon, dion on 1 GPU"
+fi
 
-echo; echo "=== Summary: $((SECONDS - START)) s in all (goal: under 540 s), files in $OUT, suffix $NAME ==="
+echo; echo "=== Summary: $((SECONDS - START)) s in all (goal: under 720 s), files in $OUT, suffix $NAME ==="
 printf '%s\n' "${SUMMARY[@]}"
-[ "$CPU_ONLY" = 1 ] && echo "CUDA parts (1-3) were SKIPPED (--cpu-only): no GPU figure was measured by this run."
+[ "$CPU_ONLY" = 1 ] && echo "CUDA parts (1-3) were SKIPPED (--cpu-only): no GPU figure was measured by this run." \
+  && echo "Part 5 $([ "$QUICK" = 1 ] && echo "ran its tiny form on the CPU" || echo "was SKIPPED") (--cpu-only)."
 # their rows in $OUT/INDEX.md (the command and commit of each file, from its header: tests/test_measured.py)
 FILES=()
 for f in "${WRITTEN[@]}"; do [ -s "$f" ] && FILES+=("$f"); done

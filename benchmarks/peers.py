@@ -1,14 +1,16 @@
-"""The peers side by side, like for like: every Muon on the package registry that runs on CPU Gloo,
-timed as *its gradient synchronization + its step* against ours (DTensorMuon under FSDP2 like them;
-the lesson's owner and comm-free, whose ZeRO-1 step includes its reduction), and each checked against
-torch.optim.Muon after one step.
+"""The peers side by side, like for like: every Muon on the package registry that runs on CPU Gloo, and
+microsoft/dion's Muon and NorMuon (installed from git), timed as *its gradient synchronization + its step*
+against ours (DTensorMuon under FSDP2 like them, with a Muon and with a NorMuon param group, and with its opt-in
+batched_ns, the batching dion does; the lesson's owner and comm-free, whose ZeRO-1 step includes its reduction),
+and each checked after one step against
+torch.optim.Muon (the NorMuon rows against muon_tools.NorMuonReference, NorMuon on torch.optim.Muon's pieces).
 
     What a data-parallel step costs, per optimizer          what is timed here
     ---------------------------------------------------     -------------------------------------
     DDP peer (muon-optimizer)    all-reduce + its step      the all-reduce DDP does (25 MiB
                                                             buckets, averaged), then step()
     FSDP2 peer (dtensor-muon,    reduce-scatter + its step  the reduce-scatter FSDP2 does (one per
-      muon-fsdp2, muonium)                                  layer, averaged), then step()
+      muon-fsdp2, muonium, dion)                            layer, averaged), then step()
     ours, FSDP2 (DTensorMuon)    reduce-scatter + its step  the same reduce-scatter, then step()
     ours, ZeRO-1 (owner,         its step                   step(): it reduces the gradients itself
       comm-free)
@@ -27,6 +29,7 @@ so that the torch this project runs on is never replaced (requirements.txt never
     /work/peers-venv/bin/python benchmarks/peers.py                     # d = 768, 1 and 2 processes
     /work/peers-venv/bin/python benchmarks/peers.py --ranks 1 2 4 --d 128   # a CPU without bf16 units
     /work/peers-venv/bin/python benchmarks/peers.py --ranks 1 2 4 --without-ns   # all but Newton-Schulz, d = 768
+    /work/peers-venv/bin/python benchmarks/peers.py --peers dion --ranks 1 2 4 --d 2048   # DTensorMuon and dion
     python benchmarks/peers.py --d 32 --rounds 2 --ranks 1              # ours only, no peer installed
 
 NVIDIA's emerging-optimizers 0.3.0 needs Python >= 3.12: the same recipe with a 3.12 python (pyenv's), whose
@@ -46,9 +49,16 @@ their files), and printed:
     torch.optim.Muon and ours, and no time goes into compiling;
   * dtensor-muon's MuonForeach moves every batch to torch.device("cuda") unconditionally: the move
     is made the identity on CPU.
+dion is timed both ways: compiled, as its users run it (torch.compile's recompile limit raised to 100 as its own
+train.py does; its first two steps, where it compiles, are printed apart from the table), and eager (its compiled
+functions unwrapped around its own construction and steps only, so that both run in one process). Its rows get a
+table of their own beside DTensorMuon's: the same reduce-scatter, then each one's step.
 Peers are configured as close to torch.optim.Muon as their options allow (lr 0.02, weight decay
 0.1, momentum 0.95, Nesterov, 5 quintic Newton-Schulz steps, lr scaled by max(1, rows/cols)^0.5);
-where they still differ, the check below says by how much.
+where they still differ, the check below says by how much. dion's nearest: its "NS5" (use_polar_express=False;
+its own five triples, Jordan's one triple being no option of it), torch's eps, the lr scaling from two param
+groups (dion_groups), and its sum momentum M = mu M + G, which no option makes torch's average (the reason its
+bits differ); its NorMuon with NorMuon's beta2 0.95 (its own epsilon, 1e-8, is fixed).
 
 Default size: scaling.py's 4 layers at d = 768 (GPT-2 small's width), as issue 22 asks, on a CPU with
 bf16 matrix units (AVX512-BF16 / AMX: this one's first line says its bf16 GFLOP/s); on one without,
@@ -56,21 +66,26 @@ bf16 matmuls run tens of times slower than fp32 and a step takes minutes: use --
 scaling.py does; or --without-ns, which times everything but Newton-Schulz (each contender's replaced by its
 bf16 cast, torch's and ours by scaling.py's): the distributed machinery alone, like for like, even where bf16
 matmuls crawl and each contender's own Newton-Schulz would decide the race (its check column then compares
-steps that are not Muon's: dtensor-muon and muonium scale their input before the function replaced, and
-differ from torch's so replaced by far more than with Newton-Schulz). Figures and ratios, never verdicts: the machine is shared and noisy, so every round
-steps every contender once, in turn (interleaved), and the ratios come from one run.
+steps that are not Muon's: dtensor-muon and muonium scale their input before the function replaced, and dion's
+sum momentum is 1 / (1 - mu) times torch's average, so they differ from torch's so replaced by far more than with
+Newton-Schulz, which normalizes the scale away). Figures and ratios, never verdicts: the
+machine is shared and noisy, so every round steps every contender once, in turn (interleaved), and the ratios
+come from one run. benchmarks/peers_1gpu.py times DTensorMuon, dion and torch.optim.Muon on one GPU.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
 import importlib.metadata
+import json
 import os
 import signal
 import statistics
 import sys
 import tempfile
 import time
+import types
 
 
 if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
@@ -83,6 +98,7 @@ import torch.distributed as dist  # noqa: E402
 
 
 import distributed_muon_cpu as dm  # noqa: E402
+import distmuon.checks as mc  # noqa: E402
 import distmuon.dtensor as dd  # noqa: E402
 import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
@@ -90,11 +106,14 @@ import scaling  # noqa: E402
 
 LR, WEIGHT_DECAY, MOMENTUM = scaling.HYPERPARAMETERS["lr"], scaling.HYPERPARAMETERS["weight_decay"], 0.95
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
+DION_RECOMPILE_LIMIT = 100  # torch._dynamo's, as microsoft/dion's train.py sets it
 TORCH = "torch.optim.Muon"
 OURS = ("owner", "comm-free")  # the lesson's ZeRO-1 strategies: their step reduces the gradients
 IN_STEP = "none: in its step"
 FSDP2_SYNC = "FSDP2 reduce-scatter"
 DTENSOR = "ours: DTensorMuon"  # distmuon/dtensor/ under FSDP2, synchronized as the FSDP2 peers are
+DTENSOR_NORMUON = "ours: DTensorMuon, NorMuon"  # the same with a NorMuon param group (distmuon/normuon.py)
+DTENSOR_BATCHED = "ours: DTensorMuon, batched_ns"  # same-shape matrices in one call: within a bound, not torch's bits
 NOT_INSTALLED = "not installed"
 
 
@@ -102,9 +121,9 @@ NOT_INSTALLED = "not installed"
 # 1. The model and the reference
 # ----------------------------------------------------------------------------------------------
 
-def matrices(d, layers):
-    """(starting weights, total gradient): {name: tensor} each, scaling.py's Muon matrices."""
-    params, grads = scaling.parameters(d, layers)
+def matrices(d, layers, device="cpu"):
+    """(starting weights, total gradient): {name: tensor} each, scaling.py's Muon matrices, on `device`."""
+    params, grads = scaling.parameters(d, layers, device)
     return ({n: p for n, p in params.items() if p.ndim == 2},
             {n: g for n, g in grads.items() if params[n].ndim == 2})
 
@@ -114,17 +133,28 @@ def torch_muon(params):
                             nesterov=True, adjust_lr_fn="original")
 
 
-def reference_step(weights, total):
-    """torch.optim.Muon's weights after one step fed the total gradient, in this process."""
+def normuon_reference(params):
+    """NorMuon's reference (torch has none): muon_tools.NorMuonReference, on torch.optim.Muon's pieces, with the
+    options above and NorMuon's defaults (beta2 0.95, eps 1e-10)."""
+    return mt.NorMuonReference(list(params.values()), lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
+                               nesterov=True, adjust_lr_fn="original")
+
+
+REFERENCES = {"muon": (TORCH, torch_muon), "normuon": ("muon_tools.NorMuonReference", normuon_reference)}
+
+
+def reference_step(weights, total, algorithm="muon"):
+    """The reference's weights (torch.optim.Muon's, or NorMuonReference's for "normuon") after one step fed the
+    total gradient, in this process."""
     params = {n: w.clone() for n, w in weights.items()}
     for n, p in params.items():
         p.grad = total[n].clone()
-    torch_muon(params).step()
+    REFERENCES[algorithm][1](params).step()
     return params
 
 
 def check(after, reference, weights):
-    """'bit-identical', else max |delta| and its size relative to the largest element of torch's step."""
+    """'bit-identical', else max |delta| and its size relative to the largest element of the reference's step."""
     if all(torch.equal(after[n], reference[n]) for n in reference):
         return "bit-identical"
     delta = max((after[n] - reference[n]).abs().max().item() for n in reference)
@@ -160,7 +190,7 @@ def fsdp2_reduce_scatter(params, local, world, mesh):
     for layer in sorted({n.rsplit(".", 1)[0] for n in params}):
         names = [n for n in params if n.rsplit(".", 1)[0] == layer]
         flat = torch.cat([local[n].chunk(world)[r].reshape(-1) for r in range(world) for n in names])
-        shard = torch.empty(flat.numel() // world)
+        shard = flat.new_empty(flat.numel() // world)
         dist.reduce_scatter_tensor(shard, flat)
         shard.div_(world)
         for n, piece in zip(names, shard.split([local[n].numel() // world for n in names])):
@@ -197,7 +227,7 @@ def fsdp2_contender(weights, world, make):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(next(iter(weights.values())).device.type, (world,))  # the weights' device, one a rank
     params = {n: torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for n, w in weights.items()}
     return Contender(params, lambda local: fsdp2_reduce_scatter(params, local, world, mesh),
                      make(params).step, lambda: full_weights(params))
@@ -218,24 +248,50 @@ def ours(strategy):
     return build
 
 
-def dtensor_muon(weights, world, rank):
-    """DTensorMuon on FSDP2's Shard(0) parameters: the optimizer practitioners adopt, timed as the FSDP2 peers."""
-    return fsdp2_contender(weights, world, lambda params: dd.DTensorMuon(
-        [dict(params=list(params.items()), algorithm="muon")], lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM))
+def dtensor_muon(algorithm, batched_ns=False):
+    """DTensorMuon on FSDP2's Shard(0) parameters: the optimizer practitioners adopt, timed as the FSDP2 peers;
+    one param group of `algorithm` ("muon" or "normuon"); batched_ns, its opt-in batched Newton-Schulz (Muon only:
+    same-shape matrices in one call, as dion batches them; within BATCHED_NS_BOUND of torch's result, not its bits)."""
+    def build(weights, world, rank):
+        return fsdp2_contender(weights, world, lambda params: dd.DTensorMuon(
+            [dict(params=list(params.items()), algorithm=algorithm)], lr=LR, weight_decay=WEIGHT_DECAY,
+            momentum=MOMENTUM, batched_ns=batched_ns))
+    return build
 
 
-def uncompiled(package):
-    """Every torch.compile'd function held by the package's loaded modules replaced by the function it
-    wraps: the patch, in one line."""
-    patched = set()
+def compiled_functions(package):
+    """[(module, attribute, its torch.compile'd function, the function that one wraps)] for every compiled function
+    held by the package's loaded modules (an alias imported into another module counts apart)."""
+    found = []
     for name, module in sorted(sys.modules.items()):
         if module is not None and (name == package or name.startswith(package + ".")):
             for attr, value in list(vars(module).items()):
                 original = getattr(value, "_torchdynamo_orig_callable", None)
                 if callable(value) and original is not None:
-                    setattr(module, attr, original)
-                    patched.add(attr)
-    return f"torch.compile unwrapped (run eagerly): {', '.join(sorted(patched))}"
+                    found.append((module, attr, value, original))
+    return found
+
+
+def uncompiled(package):
+    """Every torch.compile'd function held by the package's loaded modules replaced by the function it
+    wraps: the patch, in one line."""
+    found = compiled_functions(package)
+    for module, attr, _, original in found:
+        setattr(module, attr, original)
+    return f"torch.compile unwrapped (run eagerly): {', '.join(sorted({attr for _, attr, _, _ in found}))}"
+
+
+@contextlib.contextmanager
+def unwrapped(found):
+    """uncompiled()'s patch for the duration of the block only, then the compiled functions back: `found` from
+    compiled_functions(), so that one process runs a package both compiled and eagerly."""
+    for module, attr, _, original in found:
+        setattr(module, attr, original)
+    try:
+        yield
+    finally:
+        for module, attr, compiled, _ in found:
+            setattr(module, attr, compiled)
 
 
 def without_triton(package):
@@ -275,6 +331,55 @@ def muonium(module, weights, world, rank):
     return fsdp2_contender(weights, world, lambda params: module.Muon(
         list(params.values()), lr=LR, wd=WEIGHT_DECAY, use_cautious_wd=False, momentum=MOMENTUM,
         nesterov=True, ns_steps=5, orthogonalization_strategy="newton_schulz"))
+
+
+def dion_groups(params):
+    """torch's lr adjustment ("original": lr max(1, rows / cols) ** 0.5) from dion's options, exactly: its
+    "spectral_norm" (lr (rows / cols) ** 0.5) for the tall and square matrices, none for the wide ones."""
+    tall = [p for p in params.values() if p.shape[0] >= p.shape[1]]
+    wide = [p for p in params.values() if p.shape[0] < p.shape[1]]
+    return [dict(params=ps, adjust_lr=adjust) for ps, adjust in ((tall, "spectral_norm"), (wide, None)) if ps]
+
+
+def dion(cls, eager):
+    """microsoft/dion's Muon or NorMuon on the FSDP2 mesh, as close to torch.optim.Muon as its options go: its sum
+    momentum (M = mu M + G) with Nesterov, its "NS5" Newton-Schulz (use_polar_express=False: 5 iterations, each
+    its own (a, b, c); Jordan's one triple is no built-in option), torch's eps, torch's lr adjustment
+    (dion_groups); NorMuon's beta2 ours. Compiled (as shipped), or eager: its torch.compile'd functions unwrapped
+    around its construction (it keeps its Newton-Schulz function) and each step, only there."""
+    def build(module, weights, world, rank):
+        found = compiled_functions("dion") if eager else []
+        extra = dict(muon_beta2=mc.OPTIONS["normuon"]["beta2"]) if cls == "NorMuon" else {}
+
+        def make(params):
+            with unwrapped(found):
+                optimizer = getattr(module, cls)(
+                    dion_groups(params), distributed_mesh=next(iter(params.values())).device_mesh, lr=LR,
+                    mu=MOMENTUM, weight_decay=WEIGHT_DECAY, nesterov=True, epsilon=mc.OPTIONS["muon"]["eps"],
+                    use_polar_express=False, **extra)
+
+            def step():
+                with unwrapped(found):
+                    optimizer.step()
+            return types.SimpleNamespace(step=step)
+        return fsdp2_contender(weights, world, make)
+    return build
+
+
+def patch_dion():
+    """dion compiles per shape and list length: its own train.py raises dynamo's recompile limit to 100 (with the
+    default, 8, its fullgraph functions end in FailOnRecompileLimitHit). And inductor compiles in this process, not
+    in its pool of compile workers (a pool of processes in each rank: on 4 processes here the run's memory ran out)."""
+    import torch._inductor.config
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DION_RECOMPILE_LIMIT)
+    torch._inductor.config.compile_threads = 1
+    return [f"torch._dynamo.config.recompile_limit = {DION_RECOMPILE_LIMIT} (dion's train.py's; the default 8 "
+            "ends its compiled rows in FailOnRecompileLimitHit)",
+            "torch._inductor.config.compile_threads = 1: compiled in each rank itself, without a pool of compile "
+            "workers (the same kernels; with the pools, 4 processes ran out of memory here)",
+            "its eager rows: torch.compile unwrapped around their construction and step only (the compiled rows "
+            "run it as shipped)"]
 
 
 class BroadcastAllGather:
@@ -324,6 +429,10 @@ def no_orthogonalization(package):
     return f"{package}.orthogonalize.orthogonalize._get_orthogonalization_fn: the bf16 input returned (--without-ns)"
 
 
+DION_NOTE = ("microsoft/dion is not on the package registry: benchmarks/requirements-peers.txt says how to install it "
+             "from its git repository")
+
+
 @dataclasses.dataclass
 class Peer:
     distribution: str  # its name on the package registry
@@ -334,6 +443,8 @@ class Peer:
     patch: object = lambda: []
     note: str = ""  # why it may be absent
     without_ns: object = None  # --without-ns: replaces its Newton-Schulz by the bf16 cast, returns what it did
+    algorithm: str = "muon"  # what it computes, and so its reference (REFERENCES): "muon" or "normuon"
+    compiles: bool = False  # torch.compile'd as shipped: its first two steps reported apart (compile time)
 
 
 PEERS = [
@@ -350,20 +461,45 @@ PEERS = [
          note="its 0.3.0 needs Python >= 3.12, where the registry offers a 3.11 pip only a placeholder: run this "
               "script with a 3.12 virtual environment's python (the docstring's recipe)",
          without_ns=lambda: cast_only("emerging_optimizers.orthogonalized_optimizers.muon_utils", "newton_schulz")),
-]
+] + [Peer("dion", "dion", f"dion {{v}} {cls}, {mode}", FSDP2_SYNC, dion(cls, eager=mode == "eager"), patch_dion,
+          note=DION_NOTE, without_ns=lambda: cast_only("dion.megabatch_base", "zeropower_via_newtonschulz5"),
+          algorithm=cls.lower(), compiles=mode == "compiled")
+     for cls in ("Muon", "NorMuon") for mode in ("compiled", "eager")]
 
 
 def installed(peer):
-    """Its version, or None."""
+    """Its version (with "@" and the commit's first 7 digits where pip installed it from git), or None."""
     try:
-        return importlib.metadata.version(peer.distribution)
+        distribution = importlib.metadata.distribution(peer.distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+    return distribution.version + git_commit(distribution.read_text("direct_url.json"))
+
+
+def git_commit(direct_url):
+    """"@" and the commit's first 7 digits from pip's record of where it installed a package from (PEP 610's
+    direct_url.json), "" for one from the registry (no record) or from a folder."""
+    commit = json.loads(direct_url or "{}").get("vcs_info", {}).get("commit_id", "")
+    return f"@{commit[:7]}" if commit else ""
+
+
+@dataclasses.dataclass
+class Entry:
+    """One row of the table: its label and sync's, build(weights, world, rank) -> Contender, and what the Peer
+    says of it (its reference; whether it compiles)."""
+    label: str
+    sync: str
+    build: object
+    algorithm: str = "muon"
+    compiles: bool = False
 
 
 def contenders(peers, world, rank, without_ns=False):
-    """[(label, sync label, builder(weights, world, rank) -> Contender)], patches applied, [(label, status)]."""
-    built = [(f"ours: {s}", IN_STEP, ours(s)) for s in OURS] + [(DTENSOR, FSDP2_SYNC, dtensor_muon)]
+    """[Entry], patches applied, [(label, status)]."""
+    built = ([Entry(f"ours: {s}", IN_STEP, ours(s)) for s in OURS]
+             + [Entry(DTENSOR, FSDP2_SYNC, dtensor_muon("muon")),
+                Entry(DTENSOR_BATCHED, FSDP2_SYNC, dtensor_muon("muon", batched_ns=True)),
+                Entry(DTENSOR_NORMUON, FSDP2_SYNC, dtensor_muon("normuon"), "normuon")])
     patches, status = [], []
     for peer in peers:
         version = installed(peer)
@@ -382,7 +518,8 @@ def contenders(peers, world, rank, without_ns=False):
         except Exception as error:  # a peer that cannot even be imported here is reported, not fatal
             status.append((label, f"failed: {mt.one_line(error)}"))
             continue
-        built.append((label, peer.sync, lambda w, n, r, b=peer.build, m=module: b(m, w, n, r)))
+        built.append(Entry(label, peer.sync, lambda w, n, r, b=peer.build, m=module: b(m, w, n, r), peer.algorithm,
+                           peer.compiles))
     return built, patches, status
 
 
@@ -390,11 +527,14 @@ def contenders(peers, world, rank, without_ns=False):
 # 4. One run on N processes: every contender checked once, then timed in interleaved rounds
 # ----------------------------------------------------------------------------------------------
 
-def local_gradients(total, sync, world):
+def local_gradients(total, sync, world, shared):
     """What this rank's backward would hand the contender: g where a wrapper averages (DDP, FSDP2), g / N for
-    our ZeRO-1 strategies, whose step sums."""
+    our ZeRO-1 strategies, whose step sums; one copy of each kind (`shared`), read by every contender (each round
+    gives each a fresh clone): fourteen contenders at d = 768 on 4 processes held one each before, 1.6 GB a rank."""
     share = 1 / world if sync == IN_STEP else 1.0
-    return {n: g * share for n, g in total.items()}
+    if share not in shared:
+        shared[share] = total if share == 1.0 else {n: g * share for n, g in total.items()}
+    return shared[share]
 
 
 def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without_ns=False):
@@ -404,9 +544,9 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     weights, total = matrices(d, layers)
-    reference = reference_step(weights, total)
+    references = {}  # the references' weights after one step, each made when a contender first needs it
     built, patches, status = contenders([p for p in PEERS if p.distribution in peer_names], world, rank, without_ns)
-    runners, checks = {}, {}
+    runners, checks, compiling, shared = {}, {}, {}, {}
     if world == 1:
         params = {n: w.clone() for n, w in weights.items()}
         optimizer = torch_muon(params)
@@ -415,16 +555,27 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without
             for n, p in params.items():
                 p.grad = local[n]
         runners[TORCH] = ("-", Contender(params, torch_sync, optimizer.step, None), total)
-    for label, sync_label, build in built:
+    for entry in built:
         try:
-            contender = build(weights, world, rank)
-            local = local_gradients(total, sync_label, world)
-            contender.sync({n: g.clone() for n, g in local.items()})
-            contender.step()
-            checks[label] = check(contender.full(), reference, weights)
-            runners[label] = (sync_label, contender, local)
+            contender = entry.build(weights, world, rank)
+            local = local_gradients(total, entry.sync, world, shared)
+            firsts = []
+            for _ in range(2 if entry.compiles else 1):  # the check's step; a compiled one's second step too
+                dist.barrier()
+                t0 = time.perf_counter()
+                contender.sync({n: g.clone() for n, g in local.items()})
+                contender.step()
+                firsts.append(time.perf_counter() - t0)
+                if len(firsts) == 1:
+                    if entry.algorithm not in references:
+                        references[entry.algorithm] = reference_step(weights, total, entry.algorithm)
+                    checks[entry.label] = check(contender.full(), references[entry.algorithm], weights)
+            if entry.compiles:
+                compiling[entry.label] = firsts
+            runners[entry.label] = (entry.sync, contender, local)
         except Exception as error:  # reported in the table; every rank fails alike (same code, same data)
-            status.append((label, f"failed: {mt.one_line(error)}"))
+            status.append((entry.label, f"failed: {mt.one_line(error)}"))
+    references = {entry.label: REFERENCES[entry.algorithm][0] for entry in built}
     times = {label: dict(sync=[], step=[]) for label in runners}
     for _ in range(rounds):
         for label, (_, contender, local) in runners.items():
@@ -437,8 +588,8 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without
             t2 = time.perf_counter()
             times[label]["sync"].append((t1 - t0) * 1e3)
             times[label]["step"].append((t2 - t1) * 1e3)
-    torch.save(dict(times=times, checks=checks, patches=patches, status=status,
-                    syncs={label: s for label, (s, _, _) in runners.items()}),
+    torch.save(dict(times=times, checks=checks, patches=patches, status=status, compiling=compiling,
+                    references=references, syncs={label: s for label, (s, _, _) in runners.items()}),
                os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -450,6 +601,8 @@ def on_processes(world, d, layers, rounds, peer_names, without_ns=False):
                          folders=(out_dir,))
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     result = per_rank[0]
+    for label, firsts in result["compiling"].items():
+        result["compiling"][label] = [max(r["compiling"][label][i] for r in per_rank) for i in range(len(firsts))]
     for label, kinds in result["times"].items():
         for kind in kinds:
             kinds[kind] = [max(r["times"][label][kind][i] for r in per_rank) for i in range(rounds)]
@@ -477,16 +630,57 @@ def table(runs):
                          "(the reference)" if label == TORCH else run["checks"][label]])
     return torch_ms, mt.format_table(
         ["processes", "optimizer", "gradient sync (timed)", "sync ms", "step ms", "min ms", "median ms",
-         "time / torch's", "speed-up", "speed-up of minima", "after one step vs torch.optim.Muon"],
+         "time / torch's", "speed-up", "speed-up of minima", "after one step vs its reference"],
         rows, [">", "<", "<", ">", ">", ">", ">", ">", ">", ">", "<"])
+
+
+def compile_times(runs):
+    """The compiled rows' first two steps (sync + step, the slowest rank's), where torch.compile compiles, one line
+    a row; "" if none compiles."""
+    compiling = {}
+    for world, run in sorted(runs.items()):
+        for label, firsts in run["compiling"].items():
+            compiling.setdefault(label, []).append(f"{world} process{'es' * (world > 1)} "
+                                                   + ", ".join(f"{s:.1f}" for s in firsts) + " s")
+    if not compiling:
+        return ""
+    return ("Compiled rows: their first two steps (sync + step, the slowest rank), torch.compile compiling, "
+            "apart from the table:" + "".join(f"\n  {label}: {'; '.join(c)}" for label, c in compiling.items()))
+
+
+def beside_dion(runs):
+    """DTensorMuon's sync + step beside dion's, per process count and algorithm: ms (median, min), and dion's over
+    ours (above 1: ours the shorter); "" where dion did not run."""
+    rows = []
+    for world, run in sorted(runs.items()):
+        for ours, ours_as, algorithm in ((DTENSOR, "Muon", "Muon"), (DTENSOR_BATCHED, "Muon, batched_ns", "Muon"),
+                                         (DTENSOR_NORMUON, "NorMuon", "NorMuon")):
+            theirs = [next((label for label in run["times"] if label.startswith("dion ")
+                            and label.endswith(f" {algorithm}, {mode}")), None) for mode in ("compiled", "eager")]
+            if ours not in run["times"] or theirs == [None, None]:
+                continue
+            t = {label: run["times"][label]["total"] for label in [ours, *theirs] if label}
+            cells = [f"{statistics.median(t[ours]):.0f}", f"{min(t[ours]):.0f}"]
+            for label in theirs:
+                cells += ([f"{statistics.median(t[label]):.0f}", f"{min(t[label]):.0f}",
+                           f"{statistics.median(t[label]) / statistics.median(t[ours]):.2f}",
+                           f"{min(t[label]) / min(t[ours]):.2f}"] if label else [""] * 4)
+            rows.append([world, ours_as, *cells])
+    if not rows:
+        return ""
+    return mt.format_table(
+        ["processes", "ours", "ours median ms", "ours min ms", "dion compiled median ms", "min ms",
+         "dion/ours (medians)", "(minima)", "dion eager median ms", "min ms", "dion/ours (medians)", "(minima)"],
+        rows, [">", "<"] + [">"] * 10)
 
 
 def main(argv=None):
     p = mt.OneLineParser(description="The peers' Muon (gradient sync + step) against ours and torch's.")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="process counts, powers of two (default: 1 2)")
     scaling.model_arguments(p, rounds_help="timed steps of each optimizer")
-    p.add_argument("--peers", nargs="*", default=[peer.distribution for peer in PEERS],
-                   choices=[peer.distribution for peer in PEERS], help="peers to include (default: all)")
+    distributions = list(dict.fromkeys(peer.distribution for peer in PEERS))
+    p.add_argument("--peers", nargs="*", default=distributions, choices=distributions,
+                   help="peers to include (default: all)")
     p.add_argument("--without-ns", action="store_true",
                    help="time everything but Newton-Schulz: every contender's replaced by its bf16 cast")
     args = p.parse_args(argv)
@@ -514,6 +708,14 @@ def main(argv=None):
     print(f"{TORCH} in one process: median {torch_ms:.0f} ms; a peer's time is its gradient sync + its step, "
           "ours is its step (which reduces); on N processes, the slowest rank's\n")
     print(rows)
+    print(f"after one step: against {TORCH}, the NorMuon rows against {REFERENCES['normuon'][0]} (NorMuon on "
+          f"{TORCH}'s pieces, notes/14-normuon.md)")
+    compiling = compile_times(runs)
+    if compiling:
+        print(compiling)
+    dion_rows = beside_dion(runs)
+    if dion_rows:
+        print("\nDTensorMuon beside microsoft/dion, sync + step (the same FSDP2 reduce-scatter in both):\n" + dion_rows)
     statuses = dict(s for run in runs.values() for s in run["status"])
     patches = sorted({p for run in runs.values() for p in run["patches"]})
     print("\nPeers not run:" + ("".join(f"\n  {name}: {s}" for name, s in statuses.items()) or " none"))

@@ -89,14 +89,15 @@ def memory_error(d, layers, processes):
             f"this machine's {mt.human_bytes(mt.host_memory())} of memory")
 
 
-def parameters(d, layers):
-    """Fresh copies of the same starting parameters and gradients: (params, grads), {name: tensor} each."""
+def parameters(d, layers, device="cpu"):
+    """Fresh copies of the same starting parameters and gradients: (params, grads), {name: tensor} each, made on
+    `device` by its own generator (the same numbers on every CPU; a GPU's are its generator's)."""
     matrices, others = shapes(d, layers)
-    params = {n: torch.randn(s, generator=torch.Generator().manual_seed(k)) * 0.02
+    params = {n: torch.randn(s, generator=torch.Generator(device).manual_seed(k), device=device) * 0.02
               for k, (n, s) in enumerate(matrices.items())}
-    params.update({n: torch.zeros(s) for n, s in others.items()})
-    g = torch.Generator().manual_seed(len(params))
-    return params, {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
+    params.update({n: torch.zeros(s, device=device) for n, s in others.items()})
+    g = torch.Generator(device).manual_seed(len(params))
+    return params, {n: torch.randn(p.shape, generator=g, device=device) for n, p in params.items()}
 
 
 def torch_reference(params):

@@ -43,17 +43,25 @@ def divisor(v, eps):
     return v.sqrt() + eps
 
 
-def rescale(ortho, v, eps):
+def divided(ortho_part, row_divisor):
+    """O / d on any part of the matrix, float32: each element (a bf16 one converted to float32 as it is read, never
+    copied whole) by its row's divisor, broadcast or gathered to the part's shape."""
+    return ortho_part / row_divisor
+
+
+def rescale(ortho, v, eps, quotient=None):
     """g = ||O||_F / (||O / d||_F + eps), d = sqrt(v) + eps: the factor that keeps the update's Frobenius norm (a
-    0-d float32 tensor), from the full O and its rows' second moments v."""
+    0-d float32 tensor), from the full O and its rows' second moments v; quotient: O / d if the caller has it
+    (divided(O, divisor(v, eps)), kept for the normalization), else made here."""
     o = ortho.float()
-    return o.norm() / ((o / divisor(v, eps)).norm() + eps)
+    quotient = divided(o, divisor(v, eps)) if quotient is None else quotient
+    return o.norm() / (quotient.norm() + eps)
 
 
 def normalized(ortho_part, row_divisor, g):
     """O^ on any part of the matrix: (O / d) * g elementwise, d the divisor of each element's row (broadcast or
     gathered to the part's shape), float32."""
-    return ortho_part.float() / row_divisor * g
+    return divided(ortho_part, row_divisor) * g
 
 
 def batched_problem(names):

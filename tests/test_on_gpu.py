@@ -1,5 +1,6 @@
 """benchmarks/on_gpu.sh on a machine without a GPU: --cpu-only skips the CUDA parts and says so, the CPU
-part writes its figures with their command on top, and the scripts of the CUDA parts run on the CPU."""
+part writes its figures with their command on top, part 5 (benchmarks/peers_1gpu.py) runs its tiny form on the
+CPU, and the scripts of the CUDA parts run on the CPU."""
 
 import dataclasses
 import importlib
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
+import peers  # noqa: E402
 
 ON_GPU = os.path.join(ROOT, "benchmarks", "on_gpu.sh")
 
@@ -41,6 +43,46 @@ def test_cpu_only_quick_skips_cuda_parts_and_writes_the_scaling_figures(tmp_path
     figures = json.loads((tmp_path / f"scaling_{cores}core_cpu.json").read_text())
     assert figures["d"] == 32 and list(figures["runs"]) == ["1"]
     assert (tmp_path / f"scaling_{cores}core_cpu.png").stat().st_size > 0
+    # part 5's tiny form, on the CPU: torch.optim.Muon, DTensorMuon (bit for bit) and dion, or "not installed"
+    assert re.search(r"^5\. torch, DTensorMuon, dion on 1 device +ok +\d+ s +ours: DTensorMuon ", summary, re.M)
+    assert "Part 5 ran its tiny form on the CPU (--cpu-only)." in summary
+    check_peers_1gpu((tmp_path / "peers_1gpu_cpu.txt").read_text().splitlines())
+
+
+def check_peers_1gpu(lines):
+    """benchmarks/peers_1gpu.py's output as part 5 writes it: its command and commit on top, its rows' ratios to
+    torch's step, DTensorMuon bit for bit, dion's rows (or why not), and Newton-Schulz's rates adding up."""
+    assert lines[0].endswith("benchmarks/peers_1gpu.py --device cpu --d 32 --layers 1 --rounds 1"), lines[0]
+    assert lines[1].startswith("# commit ") and lines[-1] == "exit status 0"
+    head = next(line for line in lines if line.startswith("this CPU, 1 thread, torch "))
+    assert "1 layers at d = 32 (Muon's matrices only: 4," in head
+    rows = {line[:m.start()].strip(): m.groups() for line in lines
+            if (m := re.search(r"  +([0-9.]+)  +([0-9.]+)  +([0-9.]+)  +(.+?) *$", line))
+            and line.startswith(("torch.optim.Muon ", "ours: ", "dion "))}
+    torch_ms = float(rows["torch.optim.Muon"][0])
+    assert rows["torch.optim.Muon"][3] == "(the reference)" and rows["ours: DTensorMuon"][3] == "bit-identical"
+    for median, least, ratio, _ in rows.values():  # medians printed to 0.1 ms: the ratio within that rounding
+        assert 0 < float(least) <= float(median)
+        assert float(ratio) == pytest.approx(float(median) / torch_ms, abs=0.01 + 0.06 * float(median) / torch_ms)
+    dion = next(p for p in peers.PEERS if p.distribution == "dion")
+    python = os.environ.get("PEERS_PYTHON")
+    if python is None and peers.installed(dion) is None:  # the suite's Python ran it
+        assert any(line.startswith("  dion: not installed (") for line in lines) and not any(
+            r.startswith("dion ") for r in rows)
+    elif python is None:
+        assert sorted(r for r in rows if r.startswith("dion ")) == [
+            dion.label.format(v=peers.installed(dion)).replace("compiled", mode) for mode in ("compiled", "eager")]
+    ns = [line.split() for line in lines if re.match(r"^ *\d+ x \d+  ", line)]
+    assert [(int(r[0]), int(r[2])) for r in ns] == [(96, 32), (32, 32), (128, 32), (32, 128)]
+    assert all(r[3] == "1" for r in ns)
+    assumed = importlib.import_module("peers_1gpu").ASSUMED_TFLOPS  # the cost model's H100 rate
+    for rows_, _, cols, _, ms, tflops, share in ns:  # each to 3 significant digits
+        rate = dm.newton_schulz_flops((int(rows_), int(cols)), dm.NS_STEPS) / float(ms) / 1e9
+        assert float(tflops) == pytest.approx(rate, rel=0.01)
+        assert float(share) == pytest.approx(float(tflops) / assumed, rel=0.01)
+    total = next(line for line in lines if line.startswith("All 4 matrices: "))
+    measured = float(re.search(r", ([0-9.]+) ms at the measured rates", total)[1])
+    assert measured == pytest.approx(sum(float(r[4]) for r in ns), rel=0.01)
 
 
 def test_refuses_bad_options_and_a_missing_gpu(tmp_path):

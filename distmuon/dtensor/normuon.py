@@ -64,7 +64,8 @@ class NorMuonRows:
 
     def plan(self, opt, matrices):
         """For each distributed NorMuon matrix: the ranks (global) that hold its v, besides its owner."""
-        self.receivers = {}
+        self.receivers, self.layouts = {}, {}  # layouts: row_layout's, made at a parameter's first step
+        self.quotients = {}  # during a step: O / d of the 2-D matrices owned here whose local part is whole rows
         for m in matrices:
             if opt.param_groups[m.copy.group]["algorithm"] != "normuon":
                 continue
@@ -87,14 +88,18 @@ class NorMuonRows:
         matrix's mesh): every NorMuon matrix this rank owns has its v updated and g found here, and both go to
         every other rank holding its v. Returns a function that waits and returns {matrix: (v, g)}."""
         me, transfers, receiving = opt.me, [], []
+        self.quotients = {}
         for m in stepped:
             if m.name not in self.receivers:
                 continue
             group = opt.param_groups[m.copy.group]
             stats = None
             if m.owner == me:
-                v = nm.second_moment_(orthogonal[m.name], self.v_of(opt, m.copy.name, m.expert), group["beta2"])
-                stats = torch.cat([v.view(-1), nm.rescale(orthogonal[m.name], v, group["normuon_eps"]).view(1)])
+                o = orthogonal[m.name].float()  # once: both take it in float32 (a float32 O is used as it is)
+                v = nm.second_moment_(o, self.v_of(opt, m.copy.name, m.expert), group["beta2"])
+                quotient = nm.divided(o, nm.divisor(v, group["normuon_eps"]))
+                stats = torch.cat([v.view(-1), nm.rescale(o, v, group["normuon_eps"], quotient).view(1)])
+                self.keep(opt, m.copy.name, m.expert, quotient)
             for r in self.receivers[m.name]:
                 transfers.append((opt.exchange.index[m.owner], opt.exchange.index[r], m.shape[0] + 1, stats))
                 if r == me:
@@ -115,22 +120,61 @@ class NorMuonRows:
         out = dict(orthos)
         for matrix, (name, expert, full) in local_full.items():  # whole here: every rank updates its v alike
             group = opt.group_of[name]
-            v = nm.second_moment_(full, self.v_of(opt, name, expert), group["beta2"])
-            g_of[name, max(expert, 0)] = nm.rescale(full, v, group["normuon_eps"])
+            o = full.float()
+            v = nm.second_moment_(o, self.v_of(opt, name, expert), group["beta2"])
+            quotient = nm.divided(o, nm.divisor(v, group["normuon_eps"]))
+            g_of[name, max(expert, 0)] = nm.rescale(o, v, group["normuon_eps"], quotient)
+            self.keep(opt, name, expert, quotient)
         for name in {n for n, _ in g_of}:
             if name not in out or opt.group_of[name]["algorithm"] != "normuon":
                 continue
-            p, eps = opt.param_by_name[name], opt.group_of[name]["normuon_eps"]
-            copy = describe_of(opt, name)
-            coordinate = tuple(p.device_mesh.get_coordinate()) if isinstance(p, DTensor) else ()
-            index = local_indices(copy.shape, copy.mesh_shape, copy.placements, coordinate)
-            rows, cols = copy.matrix_shape
-            expert, row = index // (rows * cols), (index // cols) % rows
-            experts = experts_of_v(copy, coordinate)
-            slot_of = torch.full((max(experts) + 1,), -1, dtype=torch.long)
-            slot_of[experts] = torch.arange(len(experts))
-            slot = slot_of[expert]  # each element's expert, as its place among this rank's v
-            v = local_of(opt._state_of(name)["normuon_v"]).reshape(len(experts), rows)
-            g = torch.stack([g_of[name, e] for e in experts])
-            out[name] = nm.normalized(orthos[name].reshape(-1), nm.divisor(v, eps)[slot, row], g[slot])
+            rows_here, experts, rows, cols = self.layout(opt, name)
+            eps = opt.group_of[name]["normuon_eps"]
+            v = local_of(opt._state_of(name)["normuon_v"]).reshape(-1)  # this rank's v, its experts one after another
+            g = torch.stack([g_of[name, e] for e in experts]).repeat_interleave(rows)  # each of those rows' g
+            if name in self.quotients:  # owned here, its O / d made for g: these rows of it are this rank's part's
+                out[name] = (self.quotients.pop(name)[rows_here] * g[rows_here, None]).reshape(-1)
+            elif isinstance(rows_here, slice):  # whole rows, one after another: each row's divisor and g broadcast
+                o = orthos[name].view(rows_here.stop - rows_here.start, cols)
+                out[name] = nm.normalized(o, nm.divisor(v[rows_here], eps)[:, None], g[rows_here, None]).view(-1)
+            else:
+                out[name] = nm.normalized(orthos[name].reshape(-1), nm.divisor(v, eps)[rows_here], g[rows_here])
+        self.quotients = {}  # none outlives its step
         return out
+
+    def keep(self, opt, name, expert, quotient):
+        """Keep O / d of a whole 2-D matrix made here for its g, if this rank's part of it is whole rows one after
+        another: normalized() then takes its part's rows of it (the same division of the same elements) rather
+        than dividing them again."""
+        if expert < 0 and isinstance(self.layout(opt, name)[0], slice):
+            self.quotients[name] = quotient
+
+    def layout(self, opt, name):
+        """row_layout(opt, name), made at the parameter's first step and kept."""
+        if name not in self.layouts:
+            self.layouts[name] = self.row_layout(opt, name)
+        return self.layouts[name]
+
+    @staticmethod
+    def row_layout(opt, name):
+        """Where each element of this rank's local part of parameter `name` finds its row's v, from the placements
+        alone (the same at every step): (rows_here, experts, rows, cols). rows_here: the place of each element's row
+        among this rank's v, flattened; a slice when the part is whole rows one after another, as FSDP2's Shard(0)
+        cuts and a world of one give (O / d * g broadcast row by row then: the same arithmetic, element by element).
+        experts: the experts (or [0]) whose v this rank holds, in its order; rows, cols: a matrix's shape."""
+        p = opt.param_by_name[name]
+        copy = describe_of(opt, name)
+        coordinate = tuple(p.device_mesh.get_coordinate()) if isinstance(p, DTensor) else ()
+        index = local_indices(copy.shape, copy.mesh_shape, copy.placements, coordinate)
+        rows, cols = copy.matrix_shape
+        expert, row = index // (rows * cols), (index // cols) % rows
+        experts = experts_of_v(copy, coordinate)
+        slot_of = torch.full((max(experts) + 1,), -1, dtype=torch.long)
+        slot_of[experts] = torch.arange(len(experts))
+        rows_here = slot_of[expert] * rows + row  # each element's expert, as its place among this rank's v, and row
+        if rows_here.numel() % cols == 0:
+            first = rows_here[0].item() if rows_here.numel() else 0
+            count = rows_here.numel() // cols
+            if torch.equal(rows_here, torch.arange(first, first + count).repeat_interleave(cols)):
+                return slice(first, first + count), experts, rows, cols
+        return rows_here, experts, rows, cols

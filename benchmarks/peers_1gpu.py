@@ -1,0 +1,185 @@
+"""torch.optim.Muon, DTensorMuon and microsoft/dion's Muon on one device, a GPU by default, at a realistic size:
+scaling.py's layers (qkv, proj, fc, fc2) at d = 4096, 8 of them (32 matrices, 1.6 G parameters). Each one's step
+time, its weights after one step against torch.optim.Muon's (bit for bit, or by how much they differ), and
+Newton-Schulz's measured rate on these shapes beside the rate benchmarks/cost_model.py assumes for its H100
+(60 % of the bf16 peak, 594 TFLOP/s).
+
+    python benchmarks/peers_1gpu.py                         # on a GPU: benchmarks/on_gpu.sh, part 5
+    /work/peers-venv/bin/python benchmarks/peers_1gpu.py    # with dion (benchmarks/requirements-peers.txt)
+    python benchmarks/peers_1gpu.py --device cpu --d 32 --layers 1 --rounds 1   # the plumbing, on this CPU
+
+One process, in a process group of one (NCCL on a GPU, Gloo on the CPU): DTensorMuon and dion take FSDP2's
+Shard(0) DTensors on a mesh of that one device, as benchmarks/peers.py builds them (its contenders, its dion
+configuration: as close to torch.optim.Muon as dion's options go), torch.optim.Muon plain tensors. Each is fed the
+same gradient, steps once (that step is checked), then --rounds timed steps (torch.cuda.synchronize() before the
+clock is read). One optimizer at a time, never interleaved: at d = 4096 each holds 19 GB (weights, gradients,
+momentum), and a GPU is not shared as this project's CPU is. dion runs compiled, as shipped (its first two
+steps, compiling, reported apart), and eager (its torch.compile'd functions unwrapped); "not installed" where
+this Python lacks it. Figures and ratios, never verdicts.
+"""
+
+import datetime
+import os
+import statistics
+import sys
+import time
+
+if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the runner (one line, exit 130)
+    import muon_forkserver
+
+    muon_forkserver.start_command(spawns_ranks=False)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import cost_model  # noqa: E402
+import distributed_muon_cpu as dm  # noqa: E402
+import muon_tools as mt  # noqa: E402
+import newton_schulz_gflops  # noqa: E402
+import peers  # noqa: E402
+import scaling  # noqa: E402
+
+D, LAYERS, ROUNDS = 4096, 8, 5
+GPU_COPIES = 7  # fp32 copies of the matrices on the GPU at once (main's check), one more for temporaries
+ASSUMED_TFLOPS = cost_model.H100.ns_tflops  # the cost model's Newton-Schulz rate on an H100
+
+
+def build_parser():
+    p = mt.OneLineParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where to run (default %(default)s)")
+    scaling.model_arguments(p, d=D, rounds=ROUNDS, rounds_help="timed steps of each optimizer")
+    p.set_defaults(layers=LAYERS)
+    return p
+
+
+def contenders():
+    """[(label, build(weights) -> peers.Contender, compiles)], and dion's status when it does not run: torch's
+    plain Muon, DTensorMuon, dion's Muon compiled and eager (peers.PEERS' rows)."""
+    def torch_muon(weights):
+        params = {n: w.clone() for n, w in weights.items()}
+        optimizer = peers.torch_muon(params)
+
+        def sync(local):
+            for n, p in params.items():
+                p.grad = local[n]
+        return peers.Contender(params, sync, optimizer.step, lambda: peers.full_weights(params))
+
+    built = [(peers.TORCH, torch_muon, False), (peers.DTENSOR, lambda w: peers.dtensor_muon("muon")(w, 1, 0), False)]
+    dion = [p for p in peers.PEERS if p.distribution == "dion" and p.algorithm == "muon"]
+    version = peers.installed(dion[0])
+    if version is None:
+        return built, f"dion: {peers.NOT_INSTALLED} ({dion[0].note})"
+    try:
+        import dion as module
+        patches = sorted({line for peer in dion for line in peer.patch()})
+    except Exception as error:  # reported, not fatal: the others still run
+        return built, f"dion {version}: failed: {mt.one_line(error)}"
+    for peer in dion:
+        built.append((peer.label.format(v=version), lambda w, b=peer.build: b(module, w, 1, 0), peer.compiles))
+    return built, "dion: " + "; ".join(patches)
+
+
+def run(label, build, compiles, weights, total, reference, rounds, sync):
+    """One optimizer: built, stepped once and checked, (compiling: once more), then timed. A row and its compile
+    times, or its failure as one line."""
+    try:
+        contender = build(weights)
+        firsts = []
+        for _ in range(2 if compiles else 1):
+            sync()
+            t0 = time.perf_counter()
+            contender.sync({n: g.clone() for n, g in total.items()})
+            contender.step()
+            sync()
+            firsts.append(time.perf_counter() - t0)
+            if len(firsts) == 1:
+                checked = "(the reference)" if label == peers.TORCH else peers.check(contender.full(), reference,
+                                                                                        weights)
+        steps = []
+        for _ in range(rounds):
+            contender.sync({n: g.clone() for n, g in total.items()})
+            sync()
+            t0 = time.perf_counter()
+            contender.step()
+            sync()
+            steps.append((time.perf_counter() - t0) * 1e3)
+        return dict(label=label, steps=steps, check=checked, firsts=firsts if compiles else [])
+    except Exception as error:  # a failing optimizer is a row that says so, never the end of the others
+        return dict(label=label, failed=mt.one_line(error))
+
+
+def newton_schulz_rates(shapes, device, rounds, sync):
+    """[(shape, matrices of it, ms, TFLOP/s)]: torch's Newton-Schulz (its coefficients, steps, epsilon: what
+    DTensorMuon runs) of one matrix of each shape, the median of `rounds` after a warm-up."""
+    counts = {}
+    for shape in shapes:
+        counts[shape] = counts.get(shape, 0) + 1
+    rows = []
+    for shape, count in counts.items():
+        g = torch.randn(shape, generator=torch.Generator(device).manual_seed(0), device=device)
+        ms = newton_schulz_gflops.median_ms(
+            lambda: newton_schulz_gflops.torch_newton_schulz(g, dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS),
+            rounds, sync)
+        rows.append((shape, count, ms, dm.newton_schulz_flops(shape, dm.NS_STEPS) / ms / 1e9))
+    return rows
+
+
+def main(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    on_gpu = args.device == "cuda"
+    scaling.check_model(p, args, 0 if on_gpu else 1)  # sizes; and this host's memory where the run lives in it
+    if on_gpu and not torch.cuda.is_available():
+        raise ValueError("no CUDA GPU here (torch.cuda.is_available() is False); --device cpu runs on this CPU")
+    if on_gpu:  # at once: the weights, the gradient, the reference's result, one optimizer's weights, grads, momentum
+        need, has = GPU_COPIES * 4 * 12 * args.d**2 * args.layers, torch.cuda.get_device_properties(0).total_memory
+        if need > has:
+            raise ValueError(f"--d {args.d} x --layers {args.layers} needs about {mt.human_bytes(need)} of GPU memory "
+                             f"(weights, gradient, reference, one optimizer's state), more than its {mt.human_bytes(has)}")
+    torch.set_num_threads(1)  # on the CPU as benchmarks/peers.py's ranks; on a GPU the host thread only launches
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{mt.free_port()}",
+                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
+    try:
+        where = torch.cuda.get_device_name(0) if on_gpu else "this CPU, 1 thread"
+        weights, total = peers.matrices(args.d, args.layers, args.device)
+        reference = peers.reference_step(weights, total)
+        built, dion_status = contenders()
+        results = [run(*c, weights, total, reference, args.rounds, sync) for c in built]
+        rates = newton_schulz_rates([tuple(w.shape) for w in weights.values()], args.device, args.rounds, sync)
+    finally:
+        dist.destroy_process_group()
+    print(f"{where}, torch {torch.__version__}; {args.layers} layers at d = {args.d} (Muon's matrices only: "
+          f"{len(weights)}, {sum(w.numel() for w in weights.values()) / 1e6:,.1f} M parameters), median of "
+          f"{args.rounds} steps of each, one optimizer at a time\n")
+    timed = [r for r in results if "steps" in r]
+    torch_ms = statistics.median(next(r["steps"] for r in timed if r["label"] == peers.TORCH))
+    rows = [[r["label"], f"{statistics.median(r['steps']):.1f}", f"{min(r['steps']):.1f}",
+             f"{statistics.median(r['steps']) / torch_ms:.2f}", r["check"]] for r in timed]
+    print(mt.format_table(["optimizer", "step ms (median)", "min ms", "time / torch's",
+                           "after one step vs torch.optim.Muon"], rows, ["<", ">", ">", ">", "<"]))
+    for r in results:
+        if "failed" in r:
+            print(f"  {r['label']}: failed: {r['failed']}")
+        elif r["firsts"]:
+            print(f"  {r['label']}: its first two steps (sync + step, compiling) "
+                  + ", ".join(f"{s:.1f}" for s in r["firsts"]) + " s, apart from the table")
+    print(f"  {dion_status}")
+    flops = sum(dm.newton_schulz_flops(tuple(w.shape), dm.NS_STEPS) for w in weights.values())
+    measured_ms = sum(count * ms for _, count, ms, _ in rates)
+    print(f"\nNewton-Schulz alone (torch's, {dm.NS_STEPS} iterations, bf16), one matrix of each shape, median of "
+          f"{args.rounds} after a warm-up; the cost model assumes {ASSUMED_TFLOPS:.0f} TFLOP/s on an H100 "
+          f"(benchmarks/cost_model.py):")
+    print(mt.format_table(
+        ["shape", "matrices", "ms each", "TFLOP/s", "/ the assumed rate"],
+        [[f"{m} x {n}", count, f"{ms:.3g}", f"{tflops:.3g}", f"{tflops / ASSUMED_TFLOPS:.3g}"]
+         for (m, n), count, ms, tflops in rates], [">", ">", ">", ">", ">"]))
+    ours = next((statistics.median(r["steps"]) for r in timed if r["label"] == peers.DTENSOR), None)
+    print(f"All {len(weights)} matrices: {flops / 1e12:.3g} TFLOP, {measured_ms:.3g} ms at the measured rates "
+          f"({flops / measured_ms / 1e9:.3g} TFLOP/s), {flops / ASSUMED_TFLOPS / 1e9:.3g} ms at the assumed "
+          f"{ASSUMED_TFLOPS:.0f}" + (f"; DTensorMuon's step {ours:.1f} ms" if ours is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    mt.leave(mt.exit_code(main))
