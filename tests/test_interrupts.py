@@ -305,8 +305,8 @@ COMMANDS = sorted(os.path.relpath(path, ROOT) for folder in ("", "examples", "be
 # every other one starts its ranks' forkserver in its first lines, before its own import of torch.
 NO_RANKS = {"benchmarks/batching.py", "benchmarks/cost_model.py", "benchmarks/cpu_vs_gpu_newton_schulz.py",
             "benchmarks/heap_stress.py", "benchmarks/newton_schulz_gflops.py", "benchmarks/ns_coefficients.py",
-            "benchmarks/overlap.py", "benchmarks/refresh.py", "benchmarks/torch_step.py", "tools/figures.py",
-            "tools/gpu_twin.py", "tools/make_notebook.py"}
+            "benchmarks/overlap.py", "benchmarks/peers_1gpu.py", "benchmarks/refresh.py", "benchmarks/torch_step.py",
+            "tools/figures.py", "tools/gpu_twin.py", "tools/make_notebook.py"}
 # Runs a command as `python COMMAND` would, until it first imports torch; prints whether its forkserver runs then
 # (and stops it), and exits 0 if SIGINT is blocked then, 1 if not, 2 if it never imports torch. An audit hook sees
 # the import before it begins: no torch is loaded.
