@@ -72,9 +72,3 @@ def batched_problem(names):
         return None
     return (f"batched_ns applies to Muon's matrices: NorMuon's ({', '.join(sorted(names)[:3])}) divide each row by "
             f"its own RMS, which can magnify the batched call's rounding beyond the bound derived for Muon's update")
-
-
-def normuon_(ortho, v, beta2, eps):
-    """NorMuon's step on a full matrix: v updated in place, returns O^ (float32, O's shape)."""
-    second_moment_(ortho, v, beta2)
-    return normalized(ortho, divisor(v, eps), rescale(ortho, v, eps))

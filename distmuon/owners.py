@@ -416,8 +416,9 @@ def normuon_rows(opt, orthos):
             state = opt.state[opt.param_by_name[name]]
             if "normuon_v" not in state:  # as torch creates state: zeros, at the first step
                 state["normuon_v"] = torch.zeros(ortho.shape[0], 1, device=ortho.device)
-            v = second_moment_(ortho, state["normuon_v"], group["beta2"])
-            rows[name] = torch.cat([v.view(-1), rescale(ortho, v, group["normuon_eps"]).view(1)])
+            o = ortho.float()  # once: both take it in float32
+            v = second_moment_(o, state["normuon_v"], group["beta2"])
+            rows[name] = torch.cat([v.view(-1), rescale(o, v, group["normuon_eps"]).view(1)])
     return rows
 
 

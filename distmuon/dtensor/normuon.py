@@ -92,14 +92,10 @@ class NorMuonRows:
         for m in stepped:
             if m.name not in self.receivers:
                 continue
-            group = opt.param_groups[m.copy.group]
             stats = None
             if m.owner == me:
-                o = orthogonal[m.name].float()  # once: both take it in float32 (a float32 O is used as it is)
-                v = nm.second_moment_(o, self.v_of(opt, m.copy.name, m.expert), group["beta2"])
-                quotient = nm.divided(o, nm.divisor(v, group["normuon_eps"]))
-                stats = torch.cat([v.view(-1), nm.rescale(o, v, group["normuon_eps"], quotient).view(1)])
-                self.keep(opt, m.copy.name, m.expert, quotient)
+                v, g = self.updated(opt, opt.param_groups[m.copy.group], m.copy.name, m.expert, orthogonal[m.name])
+                stats = torch.cat([v.view(-1), g.view(1)])
             for r in self.receivers[m.name]:
                 transfers.append((opt.exchange.index[m.owner], opt.exchange.index[r], m.shape[0] + 1, stats))
                 if r == me:
@@ -119,12 +115,7 @@ class NorMuonRows:
                 g_of[m.copy.name, max(m.expert, 0)] = stats[-1]
         out = dict(orthos)
         for matrix, (name, expert, full) in local_full.items():  # whole here: every rank updates its v alike
-            group = opt.group_of[name]
-            o = full.float()
-            v = nm.second_moment_(o, self.v_of(opt, name, expert), group["beta2"])
-            quotient = nm.divided(o, nm.divisor(v, group["normuon_eps"]))
-            g_of[name, max(expert, 0)] = nm.rescale(o, v, group["normuon_eps"], quotient)
-            self.keep(opt, name, expert, quotient)
+            g_of[name, max(expert, 0)] = self.updated(opt, opt.group_of[name], name, expert, full)[1]
         for name in {n for n, _ in g_of}:
             if name not in out or opt.group_of[name]["algorithm"] != "normuon":
                 continue
@@ -141,6 +132,15 @@ class NorMuonRows:
                 out[name] = nm.normalized(orthos[name].reshape(-1), nm.divisor(v, eps)[rows_here], g[rows_here])
         self.quotients = {}  # none outlives its step
         return out
+
+    def updated(self, opt, group, name, expert, full):
+        """Where a matrix is whole (its owner, or every rank of a local one): its v updated from the full O and its g
+        found, O / d kept where normalized() can take its rows from it. Returns (v, g)."""
+        o = full.float()  # once: both take it in float32 (a float32 O is used as it is)
+        v = nm.second_moment_(o, self.v_of(opt, name, expert), group["beta2"])
+        quotient = nm.divided(o, nm.divisor(v, group["normuon_eps"]))
+        self.keep(opt, name, expert, quotient)
+        return v, nm.rescale(o, v, group["normuon_eps"], quotient)
 
     def keep(self, opt, name, expert, quotient):
         """Keep O / d of a whole 2-D matrix made here for its g, if this rank's part of it is whole rows one after
