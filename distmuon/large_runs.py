@@ -145,11 +145,16 @@ class RowLayout:
         return replace(self, periods=self.periods // tp)
 
 
+def not_a_row_layout(name, rows):
+    """Why `rows`, given as row_layouts[name], is refused when it is not a RowLayout (one line)."""
+    return f"row_layouts[{name!r}] must be a RowLayout (distmuon.RowLayout), got {type(rows).__name__}"
+
+
 def row_layout_problem(name, rows, matrix_shape, expert_stack=False, qk_clip=False):
     """None if `rows` (a RowLayout) describes the rows of `name`'s full (out, in) matrix, else why not
     (one line); DTensorMuon asks the same of each expert's matrix."""
     if not isinstance(rows, RowLayout):
-        return f"row_layouts[{name!r}] must be a RowLayout (distmuon.RowLayout), got {type(rows).__name__}"
+        return not_a_row_layout(name, rows)
     if not (isinstance(rows.periods, int) and rows.periods >= 1 and rows.sizes
             and all(isinstance(s, int) and s >= 1 for s in rows.sizes)):
         return f"row_layouts[{name!r}]: sizes must be positive integers and periods >= 1 (got {rows})"
@@ -411,6 +416,18 @@ def check_large_run_options(name=str, *, ns_blocks, tp_newton_schulz, qk_clip_ta
         raise ValueError(f"{name('qk_clip_tau')} must be a number > 0 and finite (got {qk_clip_tau!r})")
 
 
+def check_row_layouts_kind(row_layouts):
+    """row_layouts of the wrong kind refused in one line: None or a dict {parameter name: RowLayout}; what each layout
+    describes is checked once the parameters are known (check_row_layouts, row_layout_problem)."""
+    if row_layouts is not None and not isinstance(row_layouts, dict):  # dict() would take a list of pairs
+        raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got {type(row_layouts).__name__})")
+    for name, rows in (row_layouts or {}).items():
+        if not isinstance(name, str):
+            raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got a key {name!r})")
+        if not isinstance(rows, RowLayout):
+            raise ValueError(not_a_row_layout(name, rows))
+
+
 def check_owner_tp_newton_schulz(strategy, tp_newton_schulz):
     """The owner strategies refuse tp_newton_schulz="gram": it has every TP peer orthogonalize its own
     piece, which is the gather strategy (an owner receives the whole matrix anyway)."""
@@ -435,14 +452,7 @@ class LargeRuns(Blocks):
 
     def __init__(self, *, row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None):
         check_large_run_options(ns_blocks=ns_blocks, tp_newton_schulz=tp_newton_schulz, qk_clip_tau=qk_clip_tau)
-        if row_layouts is not None and not isinstance(row_layouts, dict):  # dict() would take a list of pairs
-            raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got "
-                             f"{type(row_layouts).__name__})")
-        for name, rows in (row_layouts or {}).items():  # what they describe is checked once the layout is known
-            if not isinstance(name, str):
-                raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got a key {name!r})")
-            if not isinstance(rows, RowLayout):
-                raise ValueError(row_layout_problem(name, rows, None))
+        check_row_layouts_kind(row_layouts)
         self.row_layouts, self.ns_blocks = dict(row_layouts or {}), ns_blocks
         self.tp_newton_schulz, self.qk_clip_tau = tp_newton_schulz, qk_clip_tau
         super().__init__()

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import distmuon.checks as mc
+import distmuon.large_runs as mlr
 import distmuon.normuon as nm
 import distributed_muon_cpu as dm
 from distmuon.adamw import adamw_step_
@@ -92,8 +93,7 @@ def check_arguments(expert_stacks, distributed_config, batched_ns, group, row_la
         raise ValueError(f"batched_ns must be True or False (got {batched_ns!r})")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"group must be a torch.distributed ProcessGroup or None (got {group!r:.80})")
-    if row_layouts is not None and not isinstance(row_layouts, dict):
-        raise ValueError(f"row_layouts must be a dict {{parameter name: RowLayout}} (got {type(row_layouts).__name__})")
+    mlr.check_row_layouts_kind(row_layouts)
 
 
 def parameters_problem(opt):
