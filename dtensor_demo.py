@@ -362,7 +362,7 @@ def run_on_mesh(cfg, rank, device):
             save_checkpoint(cfg.checkpoint, model, opt)
     named = list(model.named_parameters())
     return dict(rank=rank, params=local_params(model), where=where, losses=losses, grads=grads, weights=weights,
-                ledger=asdict(opt.ledger), comm=counter.records if counter else [], owners=opt.assignments,
+                ledger=asdict(opt.ledger), comm=counter.records if counter else [], owners=opt.owners,
                 batched_ns=opt.batched_ns, table=format_assignments(opt) if rank == 0 else "",
                 state_bytes=opt.state_bytes(), step_ms=step_ms, optimizer_places=optimizer_places(model),
                 placements={n: str(tuple(p.placements)) if isinstance(p, DTensor) else "plain" for n, p in named})
@@ -763,7 +763,7 @@ def run_explicit_rank(rank, cfg, device):
                                                       for n, t in gather(u, o).items()})
     opt = DTensorMuon([dict(params=list(params.items()), algorithm="muon", lr=cfg.lr,
                             weight_decay=cfg.weight_decay, momentum=cfg.momentum)], distributed_config=config)
-    out = dict(rank=rank, owners=opt.assignments)
+    out = dict(rank=rank, owners=opt.owners)
     for step in range(1, cfg.steps + 1):
         for name, g in exact_grads(EXPLICIT_SHAPES, cfg.seed, step).items():
             params[name].grad = rows_of(g, rank, world).clone()
@@ -874,7 +874,7 @@ def run_placed_rank(rank, run, device):
         opt.step()
     where = {n: distribute_tensor(torch.arange(math.prod(shapes[n]), device=device).view(shapes[n]), mesh,
                                   placements[n], src_data_rank=None).to_local().reshape(-1).cpu() for n in params}
-    return dict(out, params=local_params_of(params), where=where, ledger=asdict(opt.ledger), owners=opt.assignments,
+    return dict(out, params=local_params_of(params), where=where, ledger=asdict(opt.ledger), owners=opt.owners,
                 placements={n: str(tuple(p.placements)) for n, p in params.items()})
 
 

@@ -189,7 +189,7 @@ def train_rank(rank, cfg, device):
             last = now
     named = list(model.named_parameters())
     return dict(rank=rank, first=first, losses=losses, val=val, grads=grads, weights=weights,
-                params=demo.local_params(model), where=where, owners=opt.assignments,
+                params=demo.local_params(model), where=where, owners=opt.owners,
                 placements={n: str(tuple(p.placements)) for n, p in named})
 
 

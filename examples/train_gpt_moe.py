@@ -308,7 +308,7 @@ def train_rank(rank, cfg, device):
     ep_rank = dp_rank % cfg.ep
     return dict(out, rank=rank, first=first, coordinate=(dp_rank // cfg.ep, ep_rank, tp_rank),
                 experts_held=(sum(split[:ep_rank]), sum(split[:ep_rank + 1])), params=demo.local_params(model),
-                where=where, owners=opt.assignments, ns_flops=dict(opt.ns_flops),
+                where=where, owners=opt.owners, ns_flops=dict(opt.ns_flops),
                 expert_matrices=sorted(m.name for m in opt.matrices if m.copy.expert_stack),
                 exchange=exchange_bytes(opt), ledger=asdict(opt.ledger), model_ledger=asdict(ledger),
                 placements={n: str(tuple(p.placements)) for n, p in named})

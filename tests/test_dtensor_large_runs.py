@@ -264,7 +264,7 @@ def run_case(rank, case):
     where = {n: distribute_tensor(torch.arange(p.numel()).view(p.shape), p.device_mesh, p.placements,
                                        src_data_rank=None).to_local().reshape(-1) for n, p in named.items()}
     return dict(out, params={n: dd.local_of(p).detach().clone() for n, p in named.items()}, where=where,
-                ledger=asdict(opt.ledger), owners=opt.assignments,
+                ledger=asdict(opt.ledger), owners=opt.owners,
                 placements={n: str(tuple(p.placements)) for n, p in named.items()})
 
 

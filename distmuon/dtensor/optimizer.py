@@ -269,11 +269,6 @@ class DTensorMuon(torch.optim.Optimizer):
         """{matrix: owner rank} of every distributed matrix; local ones are orthogonalized where they are."""
         return self.exchange.owners
 
-    @property
-    def assignments(self):
-        """The same as owners: {matrix: owner rank}."""
-        return self.exchange.owners
-
     ns_flops = property(lambda self: self.exchange.ns_flops, doc="{matrix: its Newton-Schulz FLOPs}")
     matrices = property(lambda self: self.exchange.matrices, doc="the plan's distributed matrices (plan.Matrix)")
     local_matrices = property(lambda self: self.exchange.local_matrices, doc="{parameter: its matrices, local}")
