@@ -24,15 +24,18 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import distmuon.checks as mc
+import page_snippets
 from conftest import ROOT
 
 import distmuon.dtensor as dd  # noqa: E402
 
 MARKER = "<!-- dtensor-snippet: tests/test_dtensor_snippet.py runs this block -->"
+FSDP2 = "<!-- dtensor-snippet (FSDP2 alone): tests/test_dtensor_snippet.py runs this block -->"
 ONE_PROCESS = "<!-- dtensor-snippet (one process): tests/test_dtensor_snippet.py runs this block -->"
 PAGE = "notes/10-dtensor.md"
 HEADING = "Use it in your FSDP2 × TP training loop"
 ANCHOR = "use-it-in-your-fsdp2--tp-training-loop"  # the heading the snippets sit under
+FSDP2_STEPS = 4  # the 1-D snippet's steps (a change there must be made here)
 # The training snippet's constants (a change there must be made here): 5 steps, lr 0.02 warmed up over 4 steps by
 # LambdaLR(min(1, (step + 1) / 4)), gradients clipped to a norm of 0.27.
 STEPS, LR, WARMUP, MAX_NORM = 5, 0.02, 4, 0.27
@@ -45,16 +48,11 @@ NORM_BOUND = 2 ** -10
 
 
 def section():
-    text = open(os.path.join(ROOT, PAGE)).read()
-    heading = f"\n## {HEADING}\n"
-    assert text.count(heading) == 1
-    return text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return page_snippets.section(PAGE, HEADING)
 
 
 def snippet(marker=MARKER):
-    text = section()
-    assert text.count(marker) == 1
-    return re.match(r"\s*```python\n(.*?)```", text.split(marker, 1)[1], re.S).group(1)
+    return page_snippets.code_block(PAGE, HEADING, marker)
 
 
 def full(t):
@@ -70,13 +68,48 @@ def full(t):
         redistribute.disabled = False
 
 
-def record_steps(path):
+def record_local_grads():
+    """Make the first module fully_shard is given keep a plain copy of itself (taken before sharding) and the inputs
+    of each of its forward calls; the returned function gives, at a step, this rank's own gradient (not reduced over
+    the ranks: the plain copy at the step's weights `before`, each forward since the last step run again in this
+    process and backpropagated) and forgets those inputs."""
+    import copy
+
+    import torch.distributed.fsdp as fsdp
+
+    shard, kept, inputs = fsdp.fully_shard, {}, []
+
+    def recorded_shard(module, *args, **kwargs):
+        if not kept:
+            kept["plain"] = copy.deepcopy(module)
+            module.register_forward_pre_hook(lambda _, a, k: inputs.append((a, k)) and None, with_kwargs=True)
+        return shard(module, *args, **kwargs)
+
+    def local_grads(before):
+        plain = kept["plain"]
+        with torch.no_grad():
+            for name, p in plain.named_parameters():
+                p.copy_(before[name])
+                p.grad = None
+        with torch.enable_grad():
+            for args, kwargs in inputs:
+                plain(*args, **kwargs).backward()
+        inputs.clear()
+        return {name: p.grad for name, p in plain.named_parameters() if name in before}
+
+    fsdp.fully_shard = recorded_shard
+    return local_grads
+
+
+def record_steps(path, local_grads=False):
     """Make every DTensorMuon.step and torch.nn.utils.clip_grad_norm_ of this process leave, in `path` (torch.save),
     one record per step: each parameter's full tensor before and after, its full gradient as step() takes it and
-    as it was before clipping, the total norm, each group's options and names. Collective where the tensors are
-    DTensors (every rank records, in the same order)."""
+    as it was before clipping, the total norm, each group's options and names; with local_grads, also this rank's own
+    gradient before FSDP2 reduced it (record_local_grads). Collective where the tensors are DTensors (every rank
+    records, in the same order)."""
     records, unclipped = [], {}
     clip, step = torch.nn.utils.clip_grad_norm_, dd.DTensorMuon.step
+    local = record_local_grads() if local_grads else None
 
     @torch.no_grad()
     def recorded_clip(parameters, *args, **kwargs):
@@ -95,6 +128,8 @@ def record_steps(path):
                           unclipped={n: unclipped.pop(id(p)) for n, p in params.items() if id(p) in unclipped},
                           norm=unclipped.pop("norm", None),
                           groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+        if local:
+            record["local_grads"] = local(record["before"])
         loss = step(opt, closure)
         with torch.no_grad():
             record["after"] = {n: full(p) for n, p in params.items()}
@@ -132,23 +167,38 @@ def replay(records):
     return None
 
 
-@pytest.fixture(scope="module")
-def training(tmp_path_factory):
-    """The training snippet as written under torchrun (4 Gloo ranks), each rank's steps recorded."""
-    tmp = tmp_path_factory.mktemp("snippet")
-    (tmp / "snippet.py").write_text(snippet())
+def run_recorded(code, ranks, tmp, local_grads=False):
+    """`code` as written under torchrun (`ranks` Gloo ranks, in `tmp`), each rank's steps recorded (record_steps):
+    the finished process and every rank's records."""
+    (tmp / "snippet.py").write_text(code)
     (tmp / "recorded.py").write_text(
         "import os, runpy, sys\n"
         f"sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
         "from test_dtensor_snippet import record_steps\n"
-        "record_steps(f\"rank{os.environ['RANK']}.pt\")\n"
+        f"record_steps(f\"rank{{os.environ['RANK']}}.pt\", local_grads={local_grads!r})\n"
         "runpy.run_path('snippet.py', run_name='__main__')\n")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           "recorded.py"], capture_output=True, text=True, timeout=300, cwd=tmp,
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), "recorded.py"], capture_output=True, text=True, timeout=300, cwd=tmp,
                           env=dict(os.environ, TMPDIR=str(tmp),  # the caller's path kept after ours
                                    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, tmp, [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr
+    assert not re.search(r"^\[rank\d\]:[WE]\d{4} ", proc.stderr, re.M), proc.stderr[-3000:]  # torch's logged warnings
+    return proc, [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    """The training snippet as written under torchrun (4 Gloo ranks), each rank's steps recorded."""
+    tmp = tmp_path_factory.mktemp("snippet")
+    return (tmp, *run_recorded(snippet(), 4, tmp))
+
+
+@pytest.fixture(scope="module")
+def plain_fsdp2(tmp_path_factory):
+    """The 1-D FSDP2 snippet as written under torchrun (2 Gloo ranks), each rank's steps and own gradients recorded."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    return run_recorded(snippet(FSDP2), 2, tmp, local_grads=True)
 
 
 def test_the_readme_links_to_the_one_page_with_the_snippet():
@@ -158,14 +208,12 @@ def test_the_readme_links_to_the_one_page_with_the_snippet():
 
 
 def test_the_snippet_runs_as_written_under_torchrun(training):
-    proc, tmp, _ = training
+    tmp, proc, _ = training
     losses = dict(re.findall(r"rank (\d): loss ([\d.]+), lr", proc.stdout))
     assert sorted(losses) == ["0", "1", "2", "3"]
     assert losses["0"] == losses["1"] and losses["2"] == losses["3"]  # the TP ranks of a dp row: one loss
     assert "owners {'up.weight': 0, 'down.weight': 0}" in proc.stdout  # the snippet's assign: the lowest holder
     assert (tmp / "checkpoint" / ".metadata").is_file()
-    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr
-    assert not re.search(r"^\[rank\d\]:[WE]\d{4} ", proc.stderr, re.M), proc.stderr[-3000:]  # torch's logged warnings
 
 
 def test_the_training_loop_is_torchs_muon_and_adamw_step_for_step_through_the_resume(training):
@@ -186,6 +234,48 @@ def test_the_training_loop_is_torchs_muon_and_adamw_step_for_step_through_the_re
     nudged[3]["after"]["down.weight"] = torch.nextafter(nudged[3]["after"]["down.weight"], torch.tensor(1.0))
     assert replay(nudged) == "after step 4: down.weight"
     assert replay(records[:3]) is None and replay(records[3:]) == "after step 1: up.weight"
+
+
+def test_the_plain_fsdp2_recipe_comes_first_and_uses_no_private_api():
+    text = section()
+    assert text.index(FSDP2) < text.index(MARKER)  # the 1-D recipe before the 2-D one
+    code = snippet(FSDP2)
+    assert "fully_shard(" in code and "DTensorMuon(muon_param_groups(model)" in code
+    assert re.findall(r"\._(?!_)\w*", code) == []  # no private name of torch's or ours (dunders are not private)
+
+
+def test_the_plain_fsdp2_recipe_is_torchs_muon_and_adamw_step_for_step(plain_fsdp2):
+    proc, ranks = plain_fsdp2
+    assert sorted(re.findall(r"rank (\d): loss [\d.]+", proc.stdout)) == ["0", "1"]
+    records = ranks[0]
+    assert len(records) == FSDP2_STEPS and all(len(r) == FSDP2_STEPS for r in ranks)
+    for other in ranks[1:]:  # every rank's full tensors are rank 0's
+        for mine, theirs in zip(records, other):
+            for key in ("before", "grads", "after"):
+                assert all(torch.equal(mine[key][n], theirs[key][n]) for n in mine[key]), key
+    muon, adamw = records[0]["groups"]
+    assert muon["param_names"] == ["up.weight"]  # muon_param_groups' split: the head and the rest to AdamW
+    assert adamw["param_names"] == ["embed.weight", "up.bias", "head.weight", "head.bias"]
+    assert replay(records) is None
+    nudged = [dict(r, after=dict(r["after"])) for r in records]  # the check bites: one ulp on one weight
+    nudged[1]["after"]["up.weight"] = torch.nextafter(nudged[1]["after"]["up.weight"], torch.tensor(1.0))
+    assert replay(nudged) == "after step 2: up.weight"
+
+
+def test_fsdp2_hands_the_optimizer_the_mean_of_the_ranks_gradients(plain_fsdp2):
+    """The gradient contract the page and the README state for DTensorMuon under FSDP2's defaults: p.grad is the mean
+    over the dp ranks of each rank's own gradient (FSDP2 reduce-scatters with ReduceOp.AVG), not their sum, so the
+    loss is not to be scaled by 1/DP. Each rank's own gradient is its batch's, backpropagated again on one process
+    at the step's weights."""
+    _, ranks = plain_fsdp2
+    for k, records in enumerate(zip(*ranks)):
+        grads = records[0]["grads"]
+        for name, g in grads.items():
+            own = [r["local_grads"][name] for r in records]
+            assert not torch.equal(own[0], own[1]), (k, name)  # the ranks' batches differ
+            mean = (own[0] + own[1]) / 2  # with two ranks: one rounding, exact halving, in any order
+            assert torch.equal(g, mean), (k, name, (g - mean).abs().max())
+            assert not torch.allclose(g, own[0] + own[1]), (k, name)
 
 
 def test_the_lr_of_every_step_is_the_warm_ups_through_the_resume(training):
