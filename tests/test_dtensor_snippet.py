@@ -1,5 +1,9 @@
 """The snippets of notes/10-dtensor.md's "Use it in your FSDP2 x TP training loop" (the one page users find: the
 README links to it), extracted and run as written, and their numbers checked against torch:
+  * the plain FSDP2 recipe (fully_shard on a 1-D mesh), first on the page and with no private API, under torchrun on
+    2 Gloo ranks: its steps replayed by torch.optim.Muon + AdamW fed the ranks' gradients, torch.equal after every
+    step; and the gradient contract the page states: each p.grad FSDP2 left is the mean of the two ranks' own
+    gradients (recomputed on one process from each rank's inputs), not their sum;
   * the training loop, under torchrun on 4 Gloo CPU ranks (one spawn), with every DTensorMuon.step and
     clip_grad_norm_ recorded (full tensors, every rank) by a wrapper that then runs the snippet unchanged; its
     five steps, through the checkpoint and the fresh build that resumes it, replayed by torch.optim.Muon +
