@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-# The file the tests are read from: never fetched at test time; README.md says how to put it there.
-UPSTREAM = os.environ.get("DISTMUON_TORCH_TEST_OPTIM", os.path.join(HERE, "upstream", "test_optim.py"))
+# The file the tests are read from: never fetched at test time; README.md says how to put it there. Its name is
+# not test_*.py, so that pytest never collects it as it is (it would run every optimizer's tests).
+UPSTREAM = os.environ.get("DISTMUON_TORCH_TEST_OPTIM", os.path.join(HERE, "upstream", "pytorch_test_optim.py"))
 # The copy README.md's lists were made with (its origin and commit are stated there).
 UPSTREAM_SHA256 = "023432cde3236f3321eeadaa399f3b86add75494ac84ffa437922831459ec459"
 TENSOR_LR = "Tensor lr"  # the desc of optim_inputs_func_muon's input whose lr is a tensor
