@@ -12,7 +12,6 @@ import hashlib
 import importlib.util
 import os
 import sys
-import tempfile
 import types
 import unittest
 
@@ -118,22 +117,17 @@ def run_test(cls, name):
     return "passed", "", ""
 
 
-def start_one_rank_group():
-    """A one-rank Gloo world for DTensorMuon (a FileStore in a temporary file: no port); True if this call made it."""
-    if dist.is_initialized():
-        return False
-    store = dist.FileStore(tempfile.mktemp(prefix="torch_optim_store_"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    return True
-
-
 def main():
     torch.set_num_threads(1)
     problem = upstream_problem()
     if problem:
         sys.exit(problem)
     sys.path.insert(0, ROOT)
-    made = start_one_rank_group()
+    import muon_tools as mt
+
+    # DTensorMuon's one-rank Gloo world, made as the suite's is (tests/conftest.py, single_process_group)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{mt.free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
     columns = {
         "torch.optim.Muon": load(torch.optim.Muon, "torch"),
         "DTensorMuon": load(dtensor_muon_class(), "dtensor"),
@@ -153,8 +147,7 @@ def main():
         row = "  ".join(f"{results[c][0]:<26}" for c in columns)
         print(f"{name:<{width}}  {row}  {results['DTensorMuon'][1][:160]}")
     print(f"\n{'passed':<{width}}  " + "  ".join(f"{totals[c]:<26}" for c in columns))
-    if made:
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
