@@ -118,6 +118,7 @@ def test_the_swapped_class_is_the_one_the_tests_run():
         def __init__(self, *args, **kwargs):
             raise RuntimeError("the swapped class was constructed")
 
-    outcome, detail, _ = harness.run_test(harness.load(Muon, "refusing"), "test_optimizer_can_be_printed_Muon_cpu_float32")
-    assert torch_result("test_optimizer_can_be_printed_Muon_cpu_float32")[0] == "passed"
+    name = "test_optimizer_can_be_printed_Muon_cpu_float32"
+    outcome, detail, _ = harness.run_test(harness.load(Muon, "refusing"), name)
+    assert torch_result(name)[0] == "passed"
     assert (outcome, detail) == ("failed", "RuntimeError: the swapped class was constructed")
