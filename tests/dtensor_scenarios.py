@@ -124,7 +124,7 @@ def run_explicit_reference(run):
 # on meshes real training uses, with param groups of different options. Each is
 # checked against torch.optim.Muon / AdamW with the same groups (each expert of
 # a stack its own 2-D matrix in its stack's group):
-#   * equal-size groups (one matrix, one vector: the case that == on tensors broke);
+#   * equal-size groups (one matrix, one vector: groups told apart by identity, not by ==);
 #   * four groups with different options (every adjust_lr_fn, Nesterov on and
 #     off, ns_steps, betas and eps);
 #   * HSDP: mesh (replicate, shard, tp), each matrix (Replicate, Shard(0), Shard(1))
@@ -230,7 +230,7 @@ def run_placed_reference(run):
 # Param groups of different options (PlacedRun), each as torch's own optimizer takes it: every adjust_lr_fn
 # torch accepts, Nesterov on and off, another ns_steps, Muon's eps (Newton-Schulz's: 100 is above these updates'
 # norms, so it scales them), AdamW's betas, eps, amsgrad (a second moment that falls: beta2 0.5) and maximize;
-# groups 1, 2 and 3 hold one parameter each (equal sizes: the case that param_groups.index broke), group 3 a
+# groups 1, 2 and 3 hold one parameter each (equal sizes: a group is found by identity, not by ==), group 3 a
 # vector beside group 1's matrix. tests/test_torch_options.py checks each option changes the result.
 GROUPS = ((("algorithm", "muon"), ("lr", 0.02), ("weight_decay", 0.1)),
           (("algorithm", "muon"), ("lr", 0.03), ("weight_decay", 0.0), ("adjust_lr_fn", "spectral_unclamped"),
