@@ -238,19 +238,25 @@ def batch(cfg, step, dp_rank):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def build_on_mesh(cfg, rank, device, distributed_config=None):
-    """(mesh, model, where, opt): the demo parallelized on a mesh of the first replicate x dp x tp ranks, its
-    element_places and its DTensorMuon; None on ranks outside the mesh, which only take part in creating it
-    (DeviceMesh and new_group are collective over the whole world: the tests run many meshes in one spawn).
-    device: this rank's ("cpu"; "cuda:<local rank>" under torchrun with NCCL)."""
+def mesh_of(shape, names, device):
+    """(mesh, group): a DeviceMesh of `shape` over the first prod(shape) ranks of the world, and the process group
+    its optimizer takes (None when the mesh is the whole world). Collective over the whole world, as DeviceMesh and
+    new_group are: every rank calls it, those outside the mesh too (the tests run many meshes in one spawn)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    world = cfg.replicate * cfg.dp * cfg.tp
+    world = math.prod(shape)
+    mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(shape), mesh_dim_names=names)
+    return mesh, dist.new_group(list(range(world))) if world < dist.get_world_size() else None
+
+
+def build_on_mesh(cfg, rank, device, distributed_config=None):
+    """(mesh, model, where, opt): the demo parallelized on a mesh of the first replicate x dp x tp ranks, its
+    element_places and its DTensorMuon; None on ranks outside the mesh. device: this rank's ("cpu";
+    "cuda:<local rank>" under torchrun with NCCL)."""
     shape, names = ((cfg.dp, cfg.tp), ("dp", "tp")) if cfg.replicate == 1 else \
         ((cfg.replicate, cfg.dp, cfg.tp), ("replicate", "dp", "tp"))
-    mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(shape), mesh_dim_names=names)
-    group = dist.new_group(list(range(world))) if world < dist.get_world_size() else None
-    if rank >= world:
+    mesh, group = mesh_of(shape, names, device)
+    if rank >= math.prod(shape):
         return None
     model = parallelize(DemoModel(cfg).to(device), mesh)
     where = element_places(DemoModel(cfg), lambda m: parallelize(m, mesh), device)
@@ -305,9 +311,14 @@ def run_on_mesh(cfg, rank, device):
                 placements={n: str(tuple(p.placements)) if isinstance(p, DTensor) else "plain" for n, p in named})
 
 
+def local_copies(named):
+    """{name: a CPU copy of what this rank holds of the tensor} of (name, tensor or DTensor) pairs."""
+    return {n: local_of(t).detach().to("cpu", copy=True) for n, t in named}
+
+
 def local_params(model):
     """{name: a CPU copy of what this rank holds of the parameter}."""
-    return {n: local_of(p).detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    return local_copies(model.named_parameters())
 
 
 def optimizer_places(model):
@@ -320,7 +331,7 @@ def optimizer_places(model):
 
 def local_grads(model):
     """{name: a CPU copy of what this rank holds of the parameter's gradient} (total_grads puts them together)."""
-    return {n: local_of(p.grad).detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    return local_copies((n, p.grad) for n, p in model.named_parameters())
 
 
 def run_demo_rank(rank, cfg, device):

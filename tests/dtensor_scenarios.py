@@ -12,9 +12,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import muon_tools as mt
-from distmuon.dtensor import DistributedConfig, DTensorMuon, local_of
+from distmuon.dtensor import DistributedConfig, DTensorMuon
 from dtensor_accounting import LessonRuns, run_lesson_rank
-from dtensor_run import DemoConfig, build_on_mesh, exact_grads, give_grads, run_demo_rank
+from dtensor_run import (DemoConfig, build_on_mesh, exact_grads, give_grads, local_copies, mesh_of,
+                         run_demo_rank)
 
 # The explicit form (distmuon/dtensor/, section 4), on parallelism DTensor does not describe: plain
 # tensors, each rank keeping its torch.chunk of every matrix's rows (uneven,
@@ -94,13 +95,13 @@ def run_explicit_rank(rank, run, device):
 def refused_step(opt, params):
     """{"error": what opt.step() raised here ("" if nothing), "unchanged": whether every local parameter and
     state tensor kept its bits}: a step that must be refused, tried."""
-    before = local_params_of(params), local_state(opt)
+    before = local_copies(params.items()), local_state(opt)
     error = ""
     try:
         opt.step()
     except ValueError as e:
         error = str(e)
-    after = local_params_of(params), local_state(opt)
+    after = local_copies(params.items()), local_state(opt)
     tensors = lambda snapshot: list(snapshot[0].values()) + [t for s in snapshot[1].values() for t in s.values()]
     return dict(error=error, unchanged=all(torch.equal(a, b) for a, b in zip(tensors(before), tensors(after))))
 
@@ -163,18 +164,13 @@ def placed_start(run):
 
 def local_state(opt):
     """{name: {state key: a CPU copy of this rank's local tensor}}."""
-    return {n: {k: local_of(t).detach().to("cpu", copy=True) for k, t in opt.state[p].items()}
-            for n, p in opt.param_by_name.items()}
+    return {n: local_copies(opt.state[p].items()) for n, p in opt.param_by_name.items()}
 
 
 def run_placed_rank(rank, run, device):
     """Every rank of the run's mesh: its parameters placed, run.steps steps of exact gradients."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    world = math.prod(run.mesh)
-    mesh = DeviceMesh(torch.device(device).type, torch.arange(world).view(run.mesh), mesh_dim_names=run.dims)
-    group = dist.new_group(list(range(world))) if world < dist.get_world_size() else None
-    if rank >= world:
+    mesh, group = mesh_of(run.mesh, run.dims, device)
+    if rank >= math.prod(run.mesh):
         return None
     placements = {n: [PLACEMENT[k] for k in where] for n, _, where, _ in run.params}
     shapes = {n: shape for n, shape, _, _ in run.params}
@@ -193,12 +189,8 @@ def run_placed_rank(rank, run, device):
         opt.step()
     where = {n: distribute_tensor(torch.arange(math.prod(shapes[n]), device=device).view(shapes[n]), mesh,
                                   placements[n], src_data_rank=None).to_local().reshape(-1).cpu() for n in params}
-    return dict(out, params=local_params_of(params), where=where, ledger=asdict(opt.ledger), owners=opt.owners,
+    return dict(out, params=local_copies(params.items()), where=where, ledger=asdict(opt.ledger), owners=opt.owners,
                 placements={n: str(tuple(p.placements)) for n, p in params.items()})
-
-
-def local_params_of(params):
-    return {n: local_of(p).detach().to("cpu", copy=True) for n, p in params.items()}
 
 
 def run_placed_reference(run):
