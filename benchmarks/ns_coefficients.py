@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 import distributed_muon_cpu as dm  # noqa: E402
 import distmuon.checks as mc  # noqa: E402
 import muon_tools as mt  # noqa: E402
+from examples import gpt_verify  # noqa: E402
 from examples import train_gpt as tg  # noqa: E402
 from examples.gpt import muon_params  # noqa: E402
 
@@ -46,12 +47,12 @@ WITHIN = 0.1  # the summary counts the singular values within this of 1
 def real_matrices(cfg, train_steps):
     """[(name, source, matrix)] of every hidden matrix after train_steps steps of one-process training:
     source "gradient" (the next step's total gradient) and "update" (what Muon orthogonalizes with it)."""
-    model, optimizers = tg.reference_model(cfg, "cpu")
+    model, optimizers = gpt_verify.reference_model(cfg, "cpu")
     for step in range(1, train_steps + 1):
-        tg.accumulate_gradients(model, cfg, step, "cpu")
+        gpt_verify.accumulate_gradients(model, cfg, step, "cpu")
         optimizers.step(step)
         model.zero_grad(set_to_none=True)
-    tg.accumulate_gradients(model, cfg, train_steps + 1, "cpu")
+    gpt_verify.accumulate_gradients(model, cfg, train_steps + 1, "cpu")
     muon = next(o for o in optimizers.optimizers if isinstance(o, torch.optim.Muon))
     out = []
     for name in muon_params(model):

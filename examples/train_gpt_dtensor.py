@@ -2,7 +2,7 @@
 
 The sibling of train_gpt.py (which trains the same model with the lesson's ZeRO-1 optimizers and
 its own Megatron f / g): the same text (stdlib_text), the same model and initial weights (gpt.py),
-the same param groups and hyperparameters (train_gpt.hyperparameters: Muon with match_rms_adamw
+the same param groups and hyperparameters (gpt_hyperparameters.hyperparameters: Muon with match_rms_adamw
 on the hidden matrices, AdamW on the embeddings, AdamW without decay on norms and biases), the same
 batches and progress lines. Only the parallelism is PyTorch's own, and the optimizer is
 distmuon.dtensor.DTensorMuon.
@@ -26,8 +26,8 @@ What a rank does (mesh (dp, tp), rank = dp_rank * tp + tp_rank):
     --save / --resume: torch's recipe (dcp.save of get_model_state_dict and get_optimizer_state_dict;
               dcp.load, set_model_state_dict, set_optimizer_state_dict), on any other mesh
 
---verify checks the run as dtensor_demo.verify_training checks the demo's real training (its
-section 7, with the policy every real training here shares, muon_tools.py section 12): torch.optim.Muon +
+--verify checks the run as dtensor_verify.verify_training checks the demo's real training (with the
+policy every real training here shares, muon_tools.py section 12): torch.optim.Muon +
 AdamW fed the ranks' own total gradients replay every rank's weights bit for bit at every step (checked); at
 the ranks' own weights, the one process's fp32 and float64 gradients and loss bound the ranks' (FSDP2's and
 TP's sums run in another order: their error against float64 within mt.REALIZED_FACTOR (4) x the one
@@ -58,9 +58,12 @@ import torch.nn as nn  # noqa: E402
 
 import muon_tools as mt  # noqa: E402
 import distmuon.dtensor as dd  # noqa: E402
-import dtensor_demo as demo  # noqa: E402
+import dtensor_run  # noqa: E402
+import dtensor_verify  # noqa: E402
+from examples import gpt_verify  # noqa: E402
 from examples import train_gpt as tg  # noqa: E402
 from examples.gpt import GPT, ColumnParallelLinear, RowParallelLinear, param_groups  # noqa: E402
+from examples.gpt_hyperparameters import hyperparameters  # noqa: E402
 from examples.stdlib_text import load_corpus  # noqa: E402
 
 
@@ -75,7 +78,7 @@ class Config(tg.TrainConfig):
     save_step: int = 0
     resume: str = ""  # a folder: loaded before step resume_step + 1
     resume_step: int = 0
-    train: bool = True  # what demo.run_reference and demo.verify_training read: gradients come from the model
+    train: bool = True  # what dtensor_verify's run_reference and verify_training read: gradients come from the model
     missing_grads: tuple = ()
     halve_grad: str = ""  # tests: this parameter's gradient halved on the last TP rank after each backward
 
@@ -135,7 +138,7 @@ def parallelize(model, mesh):
 
 
 def build_optimizer(model, cfg, group=None):
-    return dd.DTensorMuon(param_groups(model, *tg.hyperparameters(cfg)), group=group)
+    return dd.DTensorMuon(param_groups(model, *hyperparameters(cfg)), group=group)
 
 
 # =============================================================================
@@ -155,7 +158,7 @@ def train_rank(rank, cfg, device):
     corpus = load_corpus()
     model = parallelize(plain_gpt(cfg).to(device), mesh)
     # where each element sits, for --verify only (another model parallelized: not part of every run's start)
-    where = demo.element_places(plain_gpt(cfg), lambda m: parallelize(m, mesh), device) if cfg.keep else None
+    where = dtensor_run.element_places(plain_gpt(cfg), lambda m: parallelize(m, mesh), device) if cfg.keep else None
     opt = build_optimizer(model, cfg, group)
     first = 1
     if cfg.resume:
@@ -165,7 +168,7 @@ def train_rank(rank, cfg, device):
     for step in range(first, cfg.steps + 1):
         x, y = (t.to(device) for t in corpus.batch(step, cfg.batch, cfg.context, cfg.seed, dp_rank, cfg.dp))
         if cfg.keep:
-            weights.append(demo.local_params(model))
+            weights.append(dtensor_run.local_params(model))
         loss = model(x, y)
         loss.backward()
         losses.append(loss.item())
@@ -173,7 +176,7 @@ def train_rank(rank, cfg, device):
             with torch.no_grad():
                 model.get_parameter(cfg.halve_grad).grad.to_local().mul_(0.5)
         if cfg.keep:  # this rank's part of the total gradient the optimizer is given
-            grads.append(demo.local_grads(model))
+            grads.append(dtensor_run.local_grads(model))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cfg.save and step == cfg.save_step:
@@ -189,7 +192,7 @@ def train_rank(rank, cfg, device):
             last = now
     named = list(model.named_parameters())
     return dict(rank=rank, first=first, losses=losses, val=val, grads=grads, weights=weights,
-                params=demo.local_params(model), where=where, owners=opt.owners,
+                params=dtensor_run.local_params(model), where=where, owners=opt.owners,
                 placements={n: str(tuple(p.placements)) for n, p in named})
 
 
@@ -239,20 +242,20 @@ def train_many(configs, world, body=None, check=validate):
 
 
 # =============================================================================
-# 4. The one-process reference (demo.verify_training's interface)
+# 4. The one-process reference (dtensor_verify.verify_training's interface)
 # =============================================================================
-class Reference(demo.OneProcess):
+class Reference(dtensor_verify.OneProcess):
     """torch.optim.Muon + AdamW (mt.torch_optimizers, the same groups) on the plain nn.Linear GPT in one process;
-    the plain model in fp32 and float64 for the loss and gradients of a whole global batch (demo.OneProcess)."""
+    the plain model in fp32 and float64 for the loss and gradients of a whole global batch (OneProcess)."""
 
-    CHAOS_PARAM = tg.CHAOS_PARAM  # train_gpt's chaos floor moves the same entry
+    CHAOS_PARAM = gpt_verify.CHAOS_PARAM  # train_gpt's chaos floor moves the same entry
 
     def __init__(self, cfg, device="cpu"):
         super().__init__(cfg, device)
         self.tokens_per_step = cfg.batch * cfg.context
         self.model = self.make_model()  # what the optimizers step
         self.optimizers = mt.torch_optimizers([dict(g, params=[p for _, p in g["params"]])
-                                               for g in param_groups(self.model, *tg.hyperparameters(cfg))])
+                                               for g in param_groups(self.model, *hyperparameters(cfg))])
 
     def make_model(self):
         return plain_gpt(self.cfg).to(self.device)
@@ -277,9 +280,9 @@ class Reference(demo.OneProcess):
 
 
 def verify(cfg, results):
-    """demo.verify_training on this model: the replay bit for bit, the gradients within the derived bound, the
+    """verify_training on this model: the replay bit for bit, the gradients within the derived bound, the
     free-running gap beside the chaos floor."""
-    return demo.verify_training(cfg, results, reference=Reference)
+    return dtensor_verify.verify_training(cfg, results, reference=Reference)
 
 
 # =============================================================================
@@ -315,7 +318,7 @@ def build_parser():
 def print_verification(out, print_fn=print):
     print_fn(f"Against one process (torch.optim.Muon + AdamW, the plain model on each step's whole batch of "
              f"{out['tokens_per_step']:,} tokens; FSDP2 and TP sum in other orders):")
-    print_fn(demo.training_table(out))
+    print_fn(dtensor_verify.training_table(out))
     print_fn(f"Result: {'PASS' if out['passed'] else 'FAIL'}")
 
 

@@ -30,7 +30,7 @@ An EP group is ep consecutive DP ranks (the same d // ep and TP rank): their tok
 over one all_to_all_single each way per layer. So an expert's gradient sums the tokens of ep DP ranks, FSDP2
 over edp sums the rest, and it is divided by dp (set_gradient_divide_factor), as FSDP2 divides the dense ones.
 
---verify checks the run as train_gpt_dtensor.py's (dtensor_demo.verify_training, muon_tools.py section 12):
+--verify checks the run as train_gpt_dtensor.py's (dtensor_verify.verify_training, muon_tools.py section 12):
 torch.optim.Muon on every expert as its own matrix + AdamW (torch.optim.AdamW on each whole 3-D stack where the
 experts take AdamW), fed the ranks' own total gradients, replay every rank's weights bit for bit at every step;
 each step's gradients and loss against float64 within the derived bound (FSDP2, TP and the all-to-all sum in
@@ -67,8 +67,11 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa
 
 import distributed_muon_cpu as dm  # noqa: E402
 import distmuon.dtensor as dd  # noqa: E402
-import dtensor_demo as demo  # noqa: E402
+import dtensor_run  # noqa: E402
+import dtensor_verify  # noqa: E402
 import muon_tools as mt  # noqa: E402
+from examples import gpt_hyperparameters  # noqa: E402
+from examples import gpt_verify  # noqa: E402
 from examples import train_gpt as tg  # noqa: E402
 from examples import train_gpt_dtensor as tgd  # noqa: E402
 from examples.gpt_moe import MoEConfig, MoEGPT, check_moe, experts_per_rank, muon_stacks, param_groups  # noqa: E402
@@ -80,7 +83,7 @@ from examples.stdlib_text import load_corpus  # noqa: E402
 # =============================================================================
 # --optimizer: what steps the matrices and the expert stacks (DTensorMuon either way; the routers, embeddings, norms
 # and biases take AdamW in all three, as in the dense GPT). One lr serves both algorithms (Muon's adjust_lr_fn
-# "match_rms_adamw", train_gpt.hyperparameters), except that with adamw-experts --experts-lr may give the expert
+# "match_rms_adamw", gpt_hyperparameters.hyperparameters), except that with adamw-experts --experts-lr may give the expert
 # stacks their own.
 OPTIMIZERS = {"muon": "Muon on every matrix, each expert its own",
               "adamw-experts": "AdamW on the expert stacks, Muon on the other matrices",
@@ -222,7 +225,7 @@ def hyperparameters(cfg):
     """param_groups' hyperparameters: train_gpt's three (the matrices', the embeddings' and routers', the norms' and
     biases') and the expert stacks' own, AdamW's (at --experts-lr if given), where they leave the matrices' Muon (None:
     they stay with it)."""
-    matrices, adamw, no_decay = tg.hyperparameters(dense_config(cfg))
+    matrices, adamw, no_decay = gpt_hyperparameters.hyperparameters(dense_config(cfg))
     experts = None if cfg.optimizer == "muon" else dict(adamw, lr=cfg.experts_lr or cfg.lr)
     return matrices, adamw, no_decay, experts
 
@@ -267,8 +270,8 @@ def train_rank(rank, cfg, device):
     corpus, ledger = load_corpus(), dm.Ledger()
     model = parallelize(moe_gpt(cfg).to(device), dense, moe_mesh, ledger)
     # where each element sits, for --verify only (another model parallelized: not part of every run's start)
-    where = demo.element_places(moe_gpt(cfg), lambda m: parallelize(m, dense, moe_mesh, dm.Ledger()), device) \
-        if cfg.keep else None
+    where = dtensor_run.element_places(moe_gpt(cfg), lambda m: parallelize(m, dense, moe_mesh, dm.Ledger()),
+                                       device) if cfg.keep else None
     opt = build_optimizer(model, cfg, group)
     first = 1
     if cfg.resume:
@@ -279,7 +282,7 @@ def train_rank(rank, cfg, device):
     for step in range(first, cfg.steps + 1):
         x, y = (t.to(device) for t in corpus.batch(step, cfg.batch, cfg.context, cfg.seed, dp_rank, cfg.dp))
         if cfg.keep:
-            out["weights"].append(demo.local_params(model))
+            out["weights"].append(dtensor_run.local_params(model))
         ledger.step = step
         model.record_routing()
         loss = model(x, y)
@@ -290,7 +293,7 @@ def train_rank(rank, cfg, device):
             with torch.no_grad():
                 model.get_parameter(cfg.halve_grad).grad.to_local().mul_(0.5)
         if cfg.keep:  # this rank's part of the total gradient the optimizer is given
-            out["grads"].append(demo.local_grads(model))
+            out["grads"].append(dtensor_run.local_grads(model))
         opt.step()
         opt.zero_grad(set_to_none=True)
         records = model.routing()
@@ -307,7 +310,7 @@ def train_rank(rank, cfg, device):
     split = experts_per_rank(cfg.experts, cfg.ep)
     ep_rank = dp_rank % cfg.ep
     return dict(out, rank=rank, first=first, coordinate=(dp_rank // cfg.ep, ep_rank, tp_rank),
-                experts_held=(sum(split[:ep_rank]), sum(split[:ep_rank + 1])), params=demo.local_params(model),
+                experts_held=(sum(split[:ep_rank]), sum(split[:ep_rank + 1])), params=dtensor_run.local_params(model),
                 where=where, owners=opt.owners, ns_flops=dict(opt.ns_flops),
                 expert_matrices=sorted(m.name for m in opt.matrices if m.copy.expert_stack),
                 exchange=exchange_bytes(opt), ledger=asdict(opt.ledger), model_ledger=asdict(ledger),
@@ -338,22 +341,22 @@ def train_many(configs, world):
 # =============================================================================
 # 4. The one-process reference, and the router's decisions
 # =============================================================================
-class Reference(demo.Reference):
-    """torch.optim.Muon on each expert as its own matrix (demo.Reference's pieces) + torch.optim.AdamW, with the run's
+class Reference(dtensor_verify.Reference):
+    """torch.optim.Muon on each expert as its own matrix (the demo's Reference) + torch.optim.AdamW, with the run's
     groups (--optimizer: AdamW steps an expert stack whole, a 3-D tensor, where it takes AdamW), on the plain MoE GPT
     in one process; the plain model in fp32 and float64 for the loss and gradients of a whole global batch
-    (demo.OneProcess), its aux loss per DP rank's micro-batch, as the ranks compute it.
+    (dtensor_verify.OneProcess), its aux loss per DP rank's micro-batch, as the ranks compute it.
 
     routing: {step: [(N, k) expert indices per layer]}, the ranks' decisions. At weights other than its own (the
     ranks', in verify_training's gradient bound) the plain models take them, so that fp32, float64 and the ranks
     compute the same branch of the routed function (a near-tie may route differently in another precision or
     order; routing_check reports that apart); at its own weights (free-running) it routes itself."""
 
-    CHAOS_PARAM = tg.CHAOS_PARAM  # train_gpt's chaos floor moves the same entry
+    CHAOS_PARAM = gpt_verify.CHAOS_PARAM  # train_gpt's chaos floor moves the same entry
     global_batch = tgd.Reference.global_batch  # every DP rank's rows of the step, in DP-rank order
 
     def __init__(self, cfg, device="cpu", routing=None):
-        demo.OneProcess.__init__(self, cfg, device)
+        dtensor_verify.OneProcess.__init__(self, cfg, device)
         self.routing, self.own = routing or {}, None
         self.model = self.plain[torch.float32] = self.make_model()
         self.tokens_per_step = cfg.batch * cfg.context
@@ -400,7 +403,7 @@ def routing_check(cfg, results):
     decisions, prob_diff, differ = 0, 0.0, []
     for s in range(cfg.steps):
         model.record_routing()
-        ref.gradients_at(demo.assemble([dict(r, params=r["weights"][s]) for r in ranks], shapes), s + 1)
+        ref.gradients_at(dtensor_verify.assemble([dict(r, params=r["weights"][s]) for r in ranks], shapes), s + 1)
         for layer, mine in enumerate(model.routing()):
             chosen = torch.cat([r["routing"][s][layer]["chosen"] for r in heads])
             probs = torch.cat([r["routing"][s][layer]["probs"] for r in heads])
@@ -421,9 +424,10 @@ def routing_check(cfg, results):
 
 
 def verify(cfg, results):
-    """demo.verify_training on this model (the replay bit for bit, the gradients within the derived bound at the
+    """verify_training on this model (the replay bit for bit, the gradients within the derived bound at the
     ranks' routing, the free-running gap beside the chaos floor), and the router's decisions (routing_check)."""
-    out = demo.verify_training(cfg, results, reference=partial(Reference, routing=ranks_routing(cfg, results)))
+    reference = partial(Reference, routing=ranks_routing(cfg, results))
+    out = dtensor_verify.verify_training(cfg, results, reference=reference)
     out.update(routing_check(cfg, results))
     out["passed"] = out["passed"] and out["routing_ok"]
     return out
@@ -437,7 +441,7 @@ REFERENCE_OPTIMIZERS = {"muon": "torch.optim.Muon, each expert its own matrix, +
 def print_verification(cfg, out, print_fn=print):
     print_fn(f"Against one process ({REFERENCE_OPTIMIZERS[cfg.optimizer]}; the plain model on each step's whole batch "
              f"of {out['tokens_per_step']:,} tokens; FSDP2, TP and the all-to-all sum in other orders):")
-    print_fn(demo.training_table(out))
+    print_fn(dtensor_verify.training_table(out))
     n, differ = out["routing_decisions"], out["routing_differ"]
     print_fn(f"router: each token's top-k of every layer and step ({n:,} decisions) against the one process's own at "
              f"the ranks' weights: {n - len(differ):,} identical; router probabilities within "

@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import cost_model as cm  # noqa: E402
 import distmuon.dtensor as dd  # noqa: E402
 import distmuon.dtensor.plan as dplan  # noqa: E402
-import dtensor_demo as demo  # noqa: E402
+from dtensor_run import DemoConfig, DemoModel, is_muon  # noqa: E402
+from dtensor_scenarios import PLACEMENT, PlacedRun, Runs, run_many_rank  # noqa: E402
 
 # the strategies' runs, checked here too
 from test_strategies import BASELINE_GRIDS, LESSON_RUNS, OVERLAPPED, UNEVEN  # noqa: E402
@@ -121,12 +122,12 @@ def test_a_wrong_plan_fails_the_comparison(run_grid):
 # -- DTensorMuon -------------------------------------------------------------------------------------------
 
 def demo_params(cfg):
-    """The demo model (dtensor_demo.DemoModel) as the cost model's Params: its TP roles are dtensor_demo.parallelize's."""
+    """The demo model (dtensor_run.DemoModel) as the cost model's Params: its TP roles are dtensor_run.parallelize's."""
     out = []
-    for n, p in demo.DemoModel(cfg).named_parameters():
+    for n, p in DemoModel(cfg).named_parameters():
         role = ("expert" if p.ndim == 3 else "col" if ".fc1." in n else "row" if n.endswith("fc2.weight")
                 else "replicate" if n.endswith("fc2.bias") else None)
-        group = "muon" if demo.is_muon(n, p.ndim) else "adamw" if n.startswith(("embed.", "head.")) else "adamw_no_wd"
+        group = "muon" if is_muon(n, p.ndim) else "adamw" if n.startswith(("embed.", "head.")) else "adamw_no_wd"
         out.append(cm.Param(n, tuple(p.shape), role, group))
     return out
 
@@ -139,7 +140,7 @@ def demo_copies(cfg):
 def placed_copies(run):
     """A PlacedRun's parameters as Copies: the placements it gives them, on its whole mesh."""
     ranks = tuple(range(torch.Size(run.mesh).numel()))
-    return [dplan.Copy(n, g, shape, ranks, run.mesh, tuple(demo.PLACEMENT[k] for k in where), n in run.expert_stacks,
+    return [dplan.Copy(n, g, shape, ranks, run.mesh, tuple(PLACEMENT[k] for k in where), n in run.expert_stacks,
                     run.dims) for g in range(len(run.groups)) for n, shape, where, group in run.params if group == g]
 
 
@@ -150,10 +151,10 @@ NORMUON_ONLY = ((("algorithm", "normuon"),),)  # one param group, NorMuon's defa
 
 
 def expert_runs(groups, prefix=""):
-    return {f"{prefix}ep 2 x tp 2": demo.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
+    return {f"{prefix}ep 2 x tp 2": PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
                                                                       ("w2", (4, 4, 6), ("S0", "S2"), 0)),
                                                groups, expert_stacks=("w1", "w2"), steps=DEMO_STEPS),
-            f"{prefix}ep 4, 6 experts": demo.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0),
+            f"{prefix}ep 4, 6 experts": PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0),
                                                                       ("w2", (6, 4, 5), ("S0",), 0)),
                                                    groups, expert_stacks=("w1", "w2"), steps=DEMO_STEPS)}
 
@@ -161,11 +162,11 @@ def expert_runs(groups, prefix=""):
 # NorMuon's rows (v and g of each matrix, to every rank holding its v) and its v: on TP x FSDP2, an uneven mesh with
 # expert stacks, HSDP, and experts over ep (one rank holding none, and its v)
 PLACED = {**expert_runs(MUON_ONLY), **expert_runs(NORMUON_ONLY, "normuon ")}
-DEMO_RUNS = {**{f"{dp}x{tp}": demo.DemoConfig(dp=dp, tp=tp, steps=DEMO_STEPS) for dp, tp in DEMO_MESHES},
-             "hsdp 2x2x2": demo.DemoConfig(replicate=2, dp=2, tp=2, steps=DEMO_STEPS),
-             "normuon 4x2": demo.DemoConfig(dp=4, tp=2, steps=DEMO_STEPS, normuon=True),
-             "normuon 3x2, 7 experts": demo.DemoConfig(dp=3, tp=2, experts=7, steps=DEMO_STEPS, normuon=True),
-             "normuon hsdp 2x2x2": demo.DemoConfig(replicate=2, dp=2, tp=2, steps=DEMO_STEPS, normuon=True)}
+DEMO_RUNS = {**{f"{dp}x{tp}": DemoConfig(dp=dp, tp=tp, steps=DEMO_STEPS) for dp, tp in DEMO_MESHES},
+             "hsdp 2x2x2": DemoConfig(replicate=2, dp=2, tp=2, steps=DEMO_STEPS),
+             "normuon 4x2": DemoConfig(dp=4, tp=2, steps=DEMO_STEPS, normuon=True),
+             "normuon 3x2, 7 experts": DemoConfig(dp=3, tp=2, experts=7, steps=DEMO_STEPS, normuon=True),
+             "normuon hsdp 2x2x2": DemoConfig(replicate=2, dp=2, tp=2, steps=DEMO_STEPS, normuon=True)}
 
 
 def case_copies():
@@ -222,7 +223,7 @@ def dtensor_runs():
     """{label: [each rank's result]}: the demo on every DTENSOR mesh and the expert-parallel placed runs, one
     spawn of 8 ranks (each run on its own sub-mesh), DEMO_STEPS steps of exact gradients."""
     runs = {**DEMO_RUNS, **PLACED}
-    results = mt.spawn_ranks(demo.Runs(tuple(runs.values()), timeout_s=60), demo.run_many_rank)
+    results = mt.spawn_ranks(Runs(tuple(runs.values()), timeout_s=60), run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}
 
 

@@ -3,16 +3,15 @@ expert stacks, uneven FSDP2 shards, missing gradients, clear errors, DCP checkpo
 (spawned and under torchrun), batched Newton-Schulz within the lesson's bound, the lesson's strategies run on
 the same matrices, and FSDP2's and the TP layers' bytes of a training step, measured, against the shapes.
 
-One spawn of 8 Gloo ranks runs every distributed scenario one after another (each on its own
-(sub-)mesh of the first dp x tp ranks): starting 8 ranks costs ~12 s on 2 cores, a scenario ~1 s.
-Every comparison is torch.equal except two. The real FSDP2 x TP training run is checked by dtensor_demo.py's
-section 7 (the demo, its verification and its command line; the optimizer is distmuon/dtensor/), with
-the policy every real training here shares (muon_tools.py, section 12): the replay of the ranks' own gradients through torch's optimizers is torch.equal
-at every step, while each step's gradients and loss at the ranks' weights are held, against float64, to the bound
-derived from the arithmetic (4 x the one process's own fp32 error plus n u: FSDP2's and TP's sums run in another
-order); the free-running losses' gap is reported beside a one-ulp chaos floor, never checked. And the Muon
-matrices of the
---batched-ns run are held to the lesson's derived bound (mt.batched_ns_tolerance).
+One spawn of 8 Gloo ranks runs every distributed scenario one after another (each on its own (sub-)mesh of the
+first dp x tp ranks; tests/dtensor_scenarios.py): starting ranks costs more than a scenario.
+Every comparison is torch.equal except two. The real FSDP2 x TP training run is checked by
+dtensor_verify.verify_training with the policy every real training here shares (muon_tools.py, section 12): the
+replay of the ranks' own gradients through torch's optimizers is torch.equal at every step, while each step's
+gradients and loss at the ranks' weights are held, against float64, to the bound derived from the arithmetic (4 x
+the one process's own fp32 error plus n u: FSDP2's and TP's sums run in another order); the free-running losses'
+gap is reported beside a one-ulp chaos floor, never checked. And the Muon matrices of the --batched-ns run are
+held to the lesson's derived bound (mt.batched_ns_tolerance).
 """
 
 import json
@@ -30,7 +29,16 @@ from conftest import ROOT, dm, mo, mt
 import distmuon.dtensor as dd  # noqa: E402
 import distmuon.dtensor.placements as dplace  # noqa: E402
 import distmuon.dtensor.plan as dplan  # noqa: E402
-import dtensor_demo as demo  # noqa: E402
+import dtensor_demo  # noqa: E402
+from collective_counter import FORWARD_BACKWARD, measured_sent, measured_table  # noqa: E402
+from dtensor_accounting import (COMPARISON_HEADER, DP_IN_STEP, DTENSOR_PHASES, LessonRuns, account,  # noqa: E402
+                                comparison_rows, lesson_accounts, lesson_config, lesson_specs, phase_bytes)
+from dtensor_run import (BATCH, SEQ, DemoConfig, DemoModel, build_optimizer, expert_stack_names,  # noqa: E402
+                         give_grads, param_groups)
+from dtensor_scenarios import (EXPLICIT_SHAPES, GROUPED, GROUPS, ExplicitRun, PlacedRun, RefusedRun,  # noqa: E402
+                               Runs, placed_runs, placed_start, rows_of, run_explicit_reference, run_many_rank,
+                               run_placed_reference)
+from dtensor_verify import run_reference, verify, verify_training  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "dtensor_demo.py")  # the demo's command
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2), (3, 2)]
@@ -52,79 +60,43 @@ RESUMED_ON = [(4, 1), (1, 4), (3, 2), (1, 1)]
 # multiple of 3): experts 0-1, 2-3, none | 4, 5, 6. torch's own _StridedShard split (distribute_tensor's) puts
 # expert 6 on (dp 2, tp 0) and nothing on (dp 2, tp 1): the case where the optimizer must follow FSDP2
 # (distmuon/dtensor/, section 2).
-UNEVEN_STRIDED = demo.DemoConfig(dp=3, tp=2, experts=7)
-# Param groups of different options (demo.PlacedRun), each as torch's own optimizer takes it: every adjust_lr_fn
-# torch accepts, Nesterov on and off, another ns_steps, Muon's eps (Newton-Schulz's: 100 is above these updates'
-# norms, so it scales them), AdamW's betas, eps, amsgrad (a second moment that falls: beta2 0.5) and maximize;
-# groups 1, 2 and 3 hold one parameter each (equal sizes: the case that param_groups.index broke), group 3 a
-# vector beside group 1's matrix. tests/test_torch_options.py checks each option changes the result.
-GROUPS = ((("algorithm", "muon"), ("lr", 0.02), ("weight_decay", 0.1)),
-          (("algorithm", "muon"), ("lr", 0.03), ("weight_decay", 0.0), ("adjust_lr_fn", "spectral_unclamped"),
-           ("nesterov", False), ("momentum", 0.9)),
-          (("algorithm", "muon"), ("lr", 0.01), ("weight_decay", 0.05), ("adjust_lr_fn", "match_rms_adamw"),
-           ("ns_steps", 3), ("eps", 100.0)),
-          (("algorithm", "adamw"), ("lr", 0.01), ("weight_decay", 0.02), ("betas", (0.8, 0.5)), ("eps", 1e-6),
-           ("amsgrad", True), ("maximize", True)))
-# b's 3 rows over 4 ranks leave rank 3 nothing of group 1's only matrix
-GROUPED = (("a", (6, 5), ("S0", "S1"), 0), ("b", (3, 7), ("S0", "R"), 1), ("c", (5, 9), ("R", "S1"), 2),
-           ("d", (7,), ("S0", "R"), 3), ("e", (4, 4), ("S1", "S0"), 0))
-
-
-def placed_runs(groups):
-    """The meshes every optimizer here is held to, with param groups `groups` (GROUPS' shape: three Muon groups, then
-    an AdamW one): GROUPED on 1x1, 2x2, 4x1; HSDP by hand; expert stacks over EP, with TP inside and uneven."""
-    return {
-        **{f"groups {m}x{n}": demo.PlacedRun((m, n), ("dp", "tp"), GROUPED, groups) for m, n in [(1, 1), (2, 2), (4, 1)]},
-        # HSDP by hand: (replicate, shard, tp), as fully_shard(mesh=mesh["replicate", "shard"]) over TP leaves them
-        "hsdp by hand 2x2x2": demo.PlacedRun((2, 2, 2), ("replicate", "shard", "tp"),
-                                           (("w", (10, 6), ("R", "S0", "S1"), 0), ("v", (9, 12), ("R", "S0", "S0"), 0),
-                                            ("n", (6,), ("R", "S0", "R"), 1)), groups[:1] + groups[3:]),
-        # expert parallel: whole experts over ep, TP inside each expert (w1's rows, w2's columns)
-        "ep 2 x tp 2": demo.PlacedRun((2, 2), ("ep", "tp"), (("w1", (4, 6, 4), ("S0", "S1"), 0),
-                                                           ("w2", (4, 4, 6), ("S0", "S2"), 0)),
-                                    groups[:1], expert_stacks=("w1", "w2")),
-        "ep 4, 6 experts": demo.PlacedRun((4,), ("ep",), (("w1", (6, 5, 4), ("S0",), 0),
-                                                          ("w2", (6, 4, 5), ("S0",), 0)),
-                                        groups[:1], expert_stacks=("w1", "w2")),
-    }
-
-
+UNEVEN_STRIDED = DemoConfig(dp=3, tp=2, experts=7)
 PLACED = {
     **placed_runs(GROUPS),
-    "refused 4x1": demo.PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option"),
-    "refused 4x1, rank 3 alone": demo.PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option@3"),
+    "refused 4x1": PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option"),
+    "refused 4x1, rank 3 alone": PlacedRun((4, 1), ("dp", "tp"), GROUPED, GROUPS, bad="option@3"),
 }
 
 
 @pytest.fixture(scope="session")
 def scenarios(checkpoint_dir, checkpoint_2x2):
     """{label: [each rank's result]} for every scenario, from ONE spawn of 8 ranks."""
-    runs = {f"{dp}x{tp}": demo.DemoConfig(dp=dp, tp=tp) for dp, tp in MESHES}
-    runs["2x2"] = demo.DemoConfig(dp=2, tp=2, checkpoint=checkpoint_2x2, checkpoint_step=1)  # torch's recipe
+    runs = {f"{dp}x{tp}": DemoConfig(dp=dp, tp=tp) for dp, tp in MESHES}
+    runs["2x2"] = DemoConfig(dp=2, tp=2, checkpoint=checkpoint_2x2, checkpoint_step=1)  # torch's recipe
     # the same runs; 4x2 saves a checkpoint, and both measure a training step's collectives (--compare's figures)
-    runs["4x2"] = demo.DemoConfig(dp=4, tp=2, checkpoint=checkpoint_dir, checkpoint_step=2, count_comm=True)
-    runs["3x2"] = demo.DemoConfig(dp=3, tp=2, count_comm=True)
-    runs["resume 4x2 -> 8x1"] = demo.DemoConfig(dp=8, tp=1, resume=checkpoint_dir, resume_step=2)
-    runs.update({f"resume 2x2 -> {dp}x{tp}": demo.DemoConfig(dp=dp, tp=tp, resume=checkpoint_2x2, resume_step=1)
+    runs["4x2"] = DemoConfig(dp=4, tp=2, checkpoint=checkpoint_dir, checkpoint_step=2, count_comm=True)
+    runs["3x2"] = DemoConfig(dp=3, tp=2, count_comm=True)
+    runs["resume 4x2 -> 8x1"] = DemoConfig(dp=8, tp=1, resume=checkpoint_dir, resume_step=2)
+    runs.update({f"resume 2x2 -> {dp}x{tp}": DemoConfig(dp=dp, tp=tp, resume=checkpoint_2x2, resume_step=1)
                  for dp, tp in RESUMED_ON})
-    runs["hsdp 2x2x2"] = demo.DemoConfig(replicate=2, dp=2, tp=2)  # real fully_shard on mesh["replicate", "dp"]
+    runs["hsdp 2x2x2"] = DemoConfig(replicate=2, dp=2, tp=2)  # real fully_shard on mesh["replicate", "dp"]
     runs["uneven strided 3x2"] = UNEVEN_STRIDED
     runs.update(PLACED)
-    runs["missing"] = demo.DemoConfig(dp=4, tp=2, missing_grads=MISSING)
-    runs["train"] = demo.DemoConfig(dp=4, tp=2, train=True)
-    runs["partial"] = demo.DemoConfig(dp=2, tp=2, bad="partial")
-    runs["assign"] = demo.DemoConfig(dp=4, tp=2, bad="assign")
-    runs["explicit"] = demo.DemoConfig(dp=8, tp=1, explicit=True)
-    runs["explicit refused"] = demo.DemoConfig(dp=8, tp=1, explicit=True, bad="gather")
-    runs["batched"] = demo.DemoConfig(dp=4, tp=2, batched_ns=True)  # the default run, with batched Newton-Schulz
-    runs["lesson 4x2"] = demo.LessonRuns(demo.DemoConfig(dp=4, tp=2))  # the lesson's owner / comm-free, these matrices
-    results = mt.spawn_ranks(demo.Runs(tuple(runs.values()), timeout_s=60), demo.run_many_rank)
+    runs["missing"] = DemoConfig(dp=4, tp=2, missing_grads=MISSING)
+    runs["train"] = DemoConfig(dp=4, tp=2, train=True)
+    runs["partial"] = RefusedRun(DemoConfig(dp=2, tp=2), "partial")
+    runs["assign"] = RefusedRun(DemoConfig(dp=4, tp=2), "assign")
+    runs["explicit"] = ExplicitRun()  # on all 8 ranks
+    runs["explicit refused"] = ExplicitRun(short_gather=True)
+    runs["batched"] = DemoConfig(dp=4, tp=2, batched_ns=True)  # the default run, with batched Newton-Schulz
+    runs["lesson 4x2"] = LessonRuns(DemoConfig(dp=4, tp=2))  # the lesson's owner / comm-free, these matrices
+    results = mt.spawn_ranks(Runs(tuple(runs.values()), timeout_s=60), run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}, runs
 
 
 @pytest.fixture(scope="session")
 def reference():
-    return demo.run_reference(demo.DemoConfig())
+    return run_reference(DemoConfig())
 
 
 @pytest.mark.parametrize("dp,tp", MESHES)
@@ -132,7 +104,7 @@ def test_every_parameter_on_every_rank_equals_torch(scenarios, reference, dp, tp
     results, runs = scenarios
     ranks = results[f"{dp}x{tp}"]
     assert len(ranks) == dp * tp
-    start = dict(demo.DemoModel(demo.DemoConfig()).named_parameters())
+    start = dict(DemoModel(DemoConfig()).named_parameters())
     for name, ref in reference.items():
         assert not torch.equal(ref, start[name].detach()), f"{name} did not move: the check would prove nothing"
     assert_identical(ranks, reference, f"{dp}x{tp}")
@@ -140,7 +112,7 @@ def test_every_parameter_on_every_rank_equals_torch(scenarios, reference, dp, tp
 
 def assert_identical(ranks, reference, label):
     """Every element of every rank equals torch's at its place, and every element is held somewhere."""
-    checks = demo.verify(None, ranks, reference)
+    checks = verify(None, ranks, reference)
     assert [c["name"] for c in checks if not c["identical"]] == [], label
     assert all(c["max_abs_diff"] == 0 for c in checks)
 
@@ -171,7 +143,7 @@ def test_uneven_strided_shards_are_where_fsdp2_puts_them_and_equal_torch(scenari
                 assert torch.equal(index, r["where"][name]), (label, r["rank"], name)
                 checked += 1
     assert checked > 500
-    assert_identical(ranks, demo.run_reference(UNEVEN_STRIDED), "uneven strided 3x2")
+    assert_identical(ranks, run_reference(UNEVEN_STRIDED), "uneven strided 3x2")
 
 
 def test_placements_the_optimizer_does_not_know_are_refused_in_one_line():
@@ -190,8 +162,8 @@ def test_each_matrix_orthogonalized_once_and_one_exchange_each_way_per_step(scen
     owners = ranks[0]["owners"]
     for r in ranks:
         assert r["owners"] == owners  # every rank made the same plan
-    model = demo.DemoModel(runs["4x2"])
-    stacks = demo.expert_stack_names(model)
+    model = DemoModel(runs["4x2"])
+    stacks = expert_stack_names(model)
     # every expert is its own matrix; the router has one copy per TP column (two 1-D dp meshes)
     expected = sum(p.shape[0] if n in stacks else 2 if "router" in n else 1
                    for n, p in model.named_parameters() if p.ndim >= 2 and not n.startswith(("embed", "head")))
@@ -219,10 +191,10 @@ def test_an_owner_always_holds_part_of_its_matrix(scenarios):
 
 def test_missing_gradients_are_skipped_as_torch_skips_them(scenarios):
     results, runs = scenarios
-    reference = demo.run_reference(runs["missing"])
+    reference = run_reference(runs["missing"])
     assert_identical(results["missing"], reference, "missing")
     # and they really were skipped: without the missing gradients the result differs
-    full = demo.run_reference(demo.DemoConfig())
+    full = run_reference(DemoConfig())
     for name, _ in MISSING:
         assert not torch.equal(reference[name], full[name])
 
@@ -234,7 +206,7 @@ def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_
     # there was something to batch: some owner orthogonalized several matrices of one shape in a step
     shapes = [[c["shape"] for c in r["ledger"]["compute"] if c["step"] == cfg.steps] for r in ranks]
     assert any(len(s) > len(set(s)) for s in shapes), shapes
-    checks = demo.verify(cfg, ranks, reference)
+    checks = verify(cfg, ranks, reference)
     assert {c["optimizer"] for c in checks} == {"Muon", "AdamW"}
     for c in checks:
         if c["optimizer"] == "Muon":  # the lesson's bound: steps x adjusted lr x 1.5 x BATCHED_NS_BOUND
@@ -254,14 +226,14 @@ def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_
         flat = holder["params"][name].clone().reshape(-1)
         flat[0] += by(flat[0])
         holder["params"][name] = flat.view(holder["params"][name].shape)
-        return {c["name"]: c for c in demo.verify(cfg, bad, reference)}[name]
+        return {c["name"]: c for c in verify(cfg, bad, reference)}[name]
 
     bound = mt.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, (160, 40))
     muon = nudged("layers.0.fc1.weight", lambda x: 2 * bound)
     assert not muon["ok"] and muon["max_abs_diff"] > muon["tolerance"] > 0
     adamw = nudged("embed.weight", lambda x: torch.nextafter(x, torch.tensor(float("inf"))) - x)
     assert not adamw["ok"] and 0 < adamw["max_abs_diff"] < 1e-6 and adamw["tolerance"] == 0
-    assert not mt.verdict(demo.verify(cfg, [dict(r, params=dict(r["params"], **{"layers.0.fc1.weight":
+    assert not mt.verdict(verify(cfg, [dict(r, params=dict(r["params"], **{"layers.0.fc1.weight":
                                                                             r["params"]["layers.0.fc1.weight"] + 1}))
                                         for r in ranks], reference))[0]
 
@@ -271,17 +243,17 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
     expert its own 2-D matrix), same 4 x 2 grid, checked against torch; their ledgers against their plans."""
     results, runs = scenarios
     lesson, ranks = runs["lesson 4x2"], results["lesson 4x2"]
-    specs = demo.lesson_specs(lesson.demo)
+    specs = lesson_specs(lesson.demo)
     muon = [s.name for s in specs if s.group == "muon"]
     assert len(muon) == 2 * (1 + 1 + 1 + 4 + 4) and "layers.1.moe.w2[3]" in muon
     assert len(specs) == 20 - 4 + 4 * 4  # the demo's 20 parameters, each of the 4 expert stacks as 4 matrices
-    accounts = demo.lesson_accounts(lesson, ranks)
+    accounts = lesson_accounts(lesson, ranks)
     dp, tp = lesson.dp, lesson.tp
     for strategy, acc in accounts.items():
         assert all(c["identical"] for c in acc["checks"]) and len(acc["checks"]) == len(specs), strategy
         assert acc["flops"]["redundancy"] == 1.0  # each matrix orthogonalized once
         # the ledger's bytes are what the lesson's plan says, computed here without process groups
-        plans = [mt.plan_optimizer(demo.lesson_config(lesson.demo, strategy), r, specs) for r in range(dp * tp)]
+        plans = [mt.plan_optimizer(lesson_config(lesson.demo, strategy), r, specs) for r in range(dp * tp)]
         table = acc["table"]
         ring = [sum((dp - 1) * (b.numel // dp) * 4 for b in plans[0].layout.buckets)] * (dp * tp)
         assert table["grad reduce-scatter"]["sent"] == ring == table["param all-gather"]["sent"], strategy
@@ -296,35 +268,35 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
                             if axis.ranks[who] == r:
                                 planned[r] += 2 * (part.stop - part.start)  # bf16
             assert table[phase]["sent"] == planned, (strategy, phase)
-    rows, per_rank = demo.comparison_rows(runs["4x2"], results["4x2"], accounts)
+    rows, per_rank = comparison_rows(runs["4x2"], results["4x2"], accounts)
     assert [r[0] for r in rows] == ["DTensorMuon", "lesson owner", "lesson comm-free"]
-    column = dict(zip(demo.COMPARISON_HEADER, zip(*rows)))
-    fsdp2 = demo.measured_sent(results["4x2"], demo.FORWARD_BACKWARD, "dp")
+    column = dict(zip(COMPARISON_HEADER, zip(*rows)))
+    fsdp2 = measured_sent(results["4x2"], FORWARD_BACKWARD, "dp")
     assert column["DP in step"] == ("0 B", mt.human_bytes(max(table_of(accounts, "owner"))),
                                     mt.human_bytes(max(table_of(accounts, "comm-free"))))
     assert column["DP in fwd/bwd"] == (mt.human_bytes(max(fsdp2)), "0 B", "0 B")  # ZeRO-1 gathers nothing there
     assert column["TP in fwd/bwd"][1:] == ("not run", "not run")
-    own_step = demo.phase_bytes(demo.account(runs["4x2"], results["4x2"])[0], demo.DTENSOR_PHASES)
+    own_step = phase_bytes(account(runs["4x2"], results["4x2"])[0], DTENSOR_PHASES)
     assert per_rank["DTensorMuon"][0] == [a + b for a, b in zip(own_step, fsdp2)]
     assert [len(sent) for sent, _ in per_rank.values()] == [8, 8, 8]
 
 
 def table_of(accounts, strategy):
     """The lesson's DP bytes in its step, per rank."""
-    return demo.phase_bytes(accounts[strategy]["table"], demo.DP_IN_STEP)
+    return phase_bytes(accounts[strategy]["table"], DP_IN_STEP)
 
 
 @pytest.fixture(scope="session")
 def training(scenarios):
-    """The real FSDP2 x TP run (4x2, 3 steps) and its three comparisons with one process (demo.verify_training)."""
+    """The real FSDP2 x TP run (4x2, 3 steps) and its three comparisons with one process (verify_training)."""
     results, runs = scenarios
-    return runs["train"], results["train"], demo.verify_training(runs["train"], results["train"])
+    return runs["train"], results["train"], verify_training(runs["train"], results["train"])
 
 
 def test_real_fsdp2_tp_training_replays_bit_for_bit_and_its_gradients_are_within_the_derived_bound(training):
     """Real forward / backward through fully_shard x parallelize_module, 3 steps on 4x2, checked by the
     bound muon_tools.py section 12 derives for sums in torch's own order (examples/train_gpt.py needs it only
-    as NCCL with TP > 2 would; this model's sums: dtensor_demo.py section 7):
+    as NCCL with TP > 2 would; this model's sums: dtensor_verify.py):
       * replay: torch.optim.Muon + AdamW fed the ranks' own total gradients (full_tensor() of every .grad)
         from the same start give every rank's weights torch.equal, at every step: the optimizer is exact;
       * at the ranks' own weights before each step, the plain model on the whole batch of 64 tokens, in fp32
@@ -337,7 +309,7 @@ def test_real_fsdp2_tp_training_replays_bit_for_bit_and_its_gradients_are_within
     assert cfg.train and (cfg.dp, cfg.tp, cfg.steps) == (4, 2, 3) and len(ranks) == 8
     assert out["replay_differs"] == [] and out["n_params"] == 20
     assert out["replica_max_diff"] == 0  # the router's two copies (one per TP column) got the same gradients
-    assert out["tokens_per_step"] == demo.BATCH * demo.SEQ * 4 and out["grad_max_rel_diff"] > 0
+    assert out["tokens_per_step"] == BATCH * SEQ * 4 and out["grad_max_rel_diff"] > 0
     assert 0 < out["ranks_grad_err"] and 0 < out["one_process_grad_err"] and 0 < out["bound_ratio"] <= 1
     floor = out["chaos_floor_loss_max_rel_diff"]
     assert out["chaos_param"] == "layers.0.fc1.weight"
@@ -362,7 +334,7 @@ def test_training_checks_fail_on_a_wrong_gradient_weight_or_loss(training):
     w = holder["weights"][1]["embed.weight"].clone()
     mt.one_ulp_up(w)
     holder["weights"][1] = dict(holder["weights"][1], **{"embed.weight": w})
-    out = demo.verify_training(cfg, bad)
+    out = verify_training(cfg, bad)
     assert not out["passed"]
     assert (1, "embed.weight") in out["replay_differs"]  # the weight: not what torch gave after step 1
     assert (2, "layers.0.fc1.weight") in out["replay_differs"]  # torch fed the wrong gradient: not the ranks' weights
@@ -370,7 +342,7 @@ def test_training_checks_fail_on_a_wrong_gradient_weight_or_loss(training):
     assert out["chaos_floor_loss_max_rel_diff"] == good["chaos_floor_loss_max_rel_diff"]  # still reported
     lossy = [dict(r, losses=list(r["losses"])) for r in ranks]
     lossy[0]["losses"][0] *= 1 + 2.0**-13
-    out = demo.verify_training(cfg, lossy)
+    out = verify_training(cfg, lossy)
     assert out["replay_differs"] == [] and out["bound_ratio"] > 1 and out["bound_worst"] == (1, "loss")
     assert not out["passed"]
 
@@ -380,7 +352,7 @@ def test_a_real_training_is_reported_in_a_table_with_its_chaos_floor(training):
     free-running gap beside the chaos floor as a ratio, and the verdict of what is checked."""
     cfg, ranks, out = training
     lines = []
-    printed = demo.report(cfg, ranks, out, lines.append)
+    printed = dtensor_demo.report(cfg, ranks, out, lines.append)
     text = "\n".join(lines)
     assert printed["passed"] and printed["checks"] is out
     assert "20/20 parameters identical after each of 3 steps" in text and "n = 64 tokens" in text
@@ -398,7 +370,7 @@ def fsdp2_tp_bytes(cfg, padded=True):
     head), again in backward, and reduce-scatters its gradients; TP all-reduces fc2's output in forward and fc1's
     input gradient in backward, and all-gathers the experts (full_tensor()) in forward. Ring counts, fp32."""
     dp, tp, f32 = cfg.dp, cfg.tp, 4
-    shapes = {n: tuple(p.shape) for n, p in demo.DemoModel(cfg).named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in DemoModel(cfg).named_parameters()}
 
     def tp_local(name, shape):  # ColwiseParallel: rows; RowwiseParallel: columns; expert parallel: experts
         cut = 1 if name.endswith("fc2.weight") else 0 if name.endswith(("fc1.weight", "fc1.bias", "moe.w1",
@@ -413,7 +385,7 @@ def fsdp2_tp_bytes(cfg, padded=True):
     units = {u: sum(shard(tp_local(n, s)) for n, s in shapes.items() if n.startswith(u))
              for u in [f"layers.{i}." for i in range(cfg.layers)] + ["embed.", "head."]}
     layers = sum(v for u, v in units.items() if u.startswith("layers."))
-    activations = 2 * (tp - 1) * math.ceil(demo.BATCH * demo.SEQ * cfg.d / tp) * f32 * cfg.layers
+    activations = 2 * (tp - 1) * math.ceil(BATCH * SEQ * cfg.d / tp) * f32 * cfg.layers
     experts = 2 * (tp - 1) * (cfg.experts // tp) * cfg.expert_hidden * cfg.d * f32 * cfg.layers  # w1 and w2
     return {("forward", "all-gather", "dp"): (dp - 1) * sum(units.values()) * f32,
             ("forward", "all-reduce", "tp"): activations,
@@ -430,11 +402,11 @@ def test_measured_fsdp2_and_tp_bytes_of_a_training_step_match_the_shapes(scenari
     the optimizer step, measured the same way, sends what its Ledger says."""
     results, runs = scenarios
     cfg, ranks = runs[label], results[label]
-    table = demo.measured_table(ranks)
+    table = measured_table(ranks)
     assert [key for key in table if key[1].startswith("not counted")] == []
     measured = {(phase, op, axis): t["sent"] for (phase, op, axis, dtype), t in table.items()
-                if phase in demo.FORWARD_BACKWARD}
-    assert {dtype for (phase, *_, dtype) in table if phase in demo.FORWARD_BACKWARD} == {"float32"}
+                if phase in FORWARD_BACKWARD}
+    assert {dtype for (phase, *_, dtype) in table if phase in FORWARD_BACKWARD} == {"float32"}
     expected = fsdp2_tp_bytes(cfg)
     assert measured == {key: [b] * len(ranks) for key, b in expected.items()}, label
     calls = {key[:3]: max(t["calls"]) for key, t in table.items()}
@@ -443,8 +415,8 @@ def test_measured_fsdp2_and_tp_bytes_of_a_training_step_match_the_shapes(scenari
     gathered = ("forward", "all-gather", "dp")
     if cfg.dp == 3:  # e.g. 40 rows over 3 ranks: shards of 14, the last holding 12; FSDP2 sends the padding
         assert fsdp2_tp_bytes(cfg, padded=False)[gathered] < expected[gathered]
-    ledger = demo.phase_bytes(demo.account(cfg, ranks)[0], demo.DTENSOR_PHASES)
-    assert demo.measured_sent(ranks, ("optimizer step",)) == ledger and min(ledger) > 0
+    ledger = phase_bytes(account(cfg, ranks)[0], DTENSOR_PHASES)
+    assert measured_sent(ranks, ("optimizer step",)) == ledger and min(ledger) > 0
     ops = {(op, axis, dtype): max(t["calls"]) for (phase, op, axis, dtype), t in table.items()
            if phase == "optimizer step"}
     assert ops == {("all-reduce", "world", "uint8"): 1, ("all-to-all", "world", "bfloat16"): 2}
@@ -485,16 +457,16 @@ def test_checkpoint_resharded_to_other_meshes_continues_bit_identical(scenarios,
 
 def test_checkpoint_of_8_ranks_loads_into_one_process_and_continues_bit_identical(scenarios, checkpoint_dir,
                                                                                   reference):
-    cfg = demo.DemoConfig()
+    cfg = DemoConfig()
     torch.set_num_threads(1)
-    model = demo.DemoModel(cfg)  # plain tensors, no process group: every matrix is local
-    opt = dd.DTensorMuon(demo.param_groups(model, cfg), expert_stacks=demo.expert_stack_names(model))
+    model = DemoModel(cfg)  # plain tensors, no process group: every matrix is local
+    opt = dd.DTensorMuon(param_groups(model, cfg), expert_stacks=expert_stack_names(model))
     named = list(model.named_parameters())
     dd.load_checkpoint(checkpoint_dir, model, opt)
     state = opt.state[opt.param_by_name["embed.weight"]]
     assert state["step"].item() == 2 and state["exp_avg"].abs().max() > 0
     assert opt.state[opt.param_by_name["layers.0.moe.w1"]]["momentum_buffer"].abs().max() > 0
-    demo.give_grads(model, cfg, 3)
+    give_grads(model, cfg, 3)
     opt.step()
     for name, p in named:
         assert torch.equal(p.detach(), reference[name]), name
@@ -519,18 +491,18 @@ def test_a_bad_owner_assignment_is_refused_naming_the_matrices(scenarios):
 
 def test_explicit_config_on_plain_row_chunks_equals_torch(scenarios):
     results, runs = scenarios
-    reference = demo.run_explicit_reference(runs["explicit"])
+    reference = run_explicit_reference(runs["explicit"])
     world = 8
     for r in results["explicit"]:
-        assert sorted(r["owners"]) == sorted(demo.EXPLICIT_SHAPES)
+        assert sorted(r["owners"]) == sorted(EXPLICIT_SHAPES)
         for name, ref in reference.items():
-            assert torch.equal(r["params"][name], demo.rows_of(ref, r["rank"], world)), (name, r["rank"])
+            assert torch.equal(r["params"][name], rows_of(ref, r["rank"], world)), (name, r["rank"])
 
 
 def plain_model_optimizer(**options):
     torch.set_num_threads(1)
-    model = demo.DemoModel(demo.DemoConfig())
-    groups = demo.param_groups(model, demo.DemoConfig())
+    model = DemoModel(DemoConfig())
+    groups = param_groups(model, DemoConfig())
     return model, groups, options
 
 
@@ -541,9 +513,9 @@ def plain_model_optimizer(**options):
      "expert_stacks names no Muon parameter: nope"),
 ])
 def test_construction_errors_name_the_parameter(stacks, message):
-    model = demo.DemoModel(demo.DemoConfig())
+    model = DemoModel(DemoConfig())
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        dd.DTensorMuon(demo.param_groups(model, demo.DemoConfig()), expert_stacks=stacks)
+        dd.DTensorMuon(param_groups(model, DemoConfig()), expert_stacks=stacks)
 
 
 @pytest.mark.parametrize("owned,message", [
@@ -552,9 +524,9 @@ def test_construction_errors_name_the_parameter(stacks, message):
     ({0: ["a.weight", "b.weight", "c.weight", "d.weight"]}, "d.weight is not a Muon matrix"),
 ])
 def test_explicit_assignment_is_validated_at_construction(owned, message):
-    params = [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in demo.EXPLICIT_SHAPES.items()]
+    params = [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in EXPLICIT_SHAPES.items()]
     config = dd.DistributedConfig(assign=lambda flops, holders, world: owned, gather=lambda u, o: u,
-                                  redistribute=lambda o, w: o, global_shapes=demo.EXPLICIT_SHAPES)
+                                  redistribute=lambda o, w: o, global_shapes=EXPLICIT_SHAPES)
     with pytest.raises(ValueError, match="bad owner assignment: .*" + message.replace("(", r"\(").replace(")", r"\)")):
         dd.DTensorMuon([dict(params=params, algorithm="muon")], distributed_config=config)
 
@@ -615,7 +587,7 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("argv,message", BAD_INPUT)
 def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
-    assert demo.main(argv) == 2
+    assert dtensor_demo.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: ")
     assert message in captured.err
@@ -625,7 +597,7 @@ def test_cli_run_passes_and_writes_json(tmp_path, scenarios, capsys):
     """main() as the command line runs it (in this process: the ranks come from the forkserver the shared spawn
     started, which saves a fresh interpreter's seconds), against the same mesh run in the shared spawn."""
     path = tmp_path / "run.json"
-    assert demo.main(["--dp", "2", "--tp", "2", "--json", str(path)]) == 0
+    assert dtensor_demo.main(["--dp", "2", "--tp", "2", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Result: PASS: 20/20 parameters bit-identical to torch" in out
     assert_same_run_as_spawned(json.loads(path.read_text()), scenarios, "2x2")
@@ -643,7 +615,7 @@ def assert_same_run_as_spawned(out, scenarios, label):
     results, runs = scenarios
     assert out["passed"] and len(out["checks"]) == 20
     assert all(c["identical"] and c["max_abs_diff"] == 0 for c in out["checks"])
-    table, same, flops = demo.account(runs[label], results[label])
+    table, same, flops = account(runs[label], results[label])
     assert out["owners"] == results[label][0]["owners"] and out["ns_flops_per_rank"] == flops
     assert out["bytes_per_step"] == json.loads(json.dumps(table)) and out["bytes_same_every_step"] == same
     sent = out["bytes_per_step"]["gather at owner"]["sent"]
@@ -690,7 +662,7 @@ def test_under_torchrun_bad_flags_or_world_size_are_refused_before_joining(monke
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(mt, "join_world", lambda *a: pytest.fail("joined the world"))
-    assert demo.main(argv) == 2
+    assert dtensor_demo.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     if rank == 0:
@@ -706,8 +678,8 @@ def test_any_param_groups_hsdp_and_expert_parallel_meshes_equal_torch(scenarios,
     torch.equal to torch.optim.Muon / AdamW with the same groups, each Newton-Schulz once across the world."""
     results, runs = scenarios
     run, ranks = runs[label], results[label]
-    reference = demo.run_placed_reference(run)
-    start = demo.placed_start(run)
+    reference = run_placed_reference(run)
+    start = placed_start(run)
     assert all(not torch.equal(reference[n], start[n]) for n in reference)  # everything moved
     assert_identical(ranks, reference, label)
     owners = ranks[0]["owners"]
@@ -790,12 +762,12 @@ def test_torchs_flattened_optimizer_state_dict_round_trips_in_one_process(tmp_pa
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
-    options, cfg = StateDictOptions(flatten_optimizer_state_dict=True), demo.DemoConfig()
+    options, cfg = StateDictOptions(flatten_optimizer_state_dict=True), DemoConfig()
     torch.set_num_threads(1)
-    built = [(model, demo.build_optimizer(model, cfg)) for model in (demo.DemoModel(cfg), demo.DemoModel(cfg))]
+    built = [(model, build_optimizer(model, cfg)) for model in (DemoModel(cfg), DemoModel(cfg))]
     saved, fresh = built
     for step in (1, 2):
-        demo.give_grads(saved[0], cfg, step)
+        give_grads(saved[0], cfg, step)
         saved[1].step()
     state = lambda m, o: {"model": m.state_dict(), "optim": get_optimizer_state_dict(m, o, options=options)}
     assert "state.embed.weight.exp_avg" in state(*saved)["optim"]
@@ -804,7 +776,7 @@ def test_torchs_flattened_optimizer_state_dict_round_trips_in_one_process(tmp_pa
     dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
     fresh[0].load_state_dict(loaded["model"])
     set_optimizer_state_dict(fresh[0], fresh[1], loaded["optim"], options=options)
-    demo.give_grads(fresh[0], cfg, 3)
+    give_grads(fresh[0], cfg, 3)
     fresh[1].step()
     for name, p in fresh[0].named_parameters():
         assert torch.equal(p.detach(), reference[name]), name
@@ -812,11 +784,12 @@ def test_torchs_flattened_optimizer_state_dict_round_trips_in_one_process(tmp_pa
 
 def test_the_optimizer_stands_on_the_lesson_alone():
     """distmuon/dtensor/ is the optimizer: importing it loads the lesson, not examples/ (no sys.path
-    edit) and not its demo; the demo, verification and CLI are dtensor_demo.py, which the script runs."""
+    edit) and not its demo (dtensor_run.py, dtensor_verify.py, dtensor_demo.py: the command)."""
     probe = ("import sys, distmuon.dtensor as dd; "
-             "print(sorted(m for m in ('examples.train_gpt', 'dtensor_demo', 'distributed_muon_cpu', 'muon_tools') "
+             "print(sorted(m for m in ('examples.train_gpt', 'dtensor_demo', 'dtensor_run', 'dtensor_verify', "
+             "'distributed_muon_cpu', 'muon_tools') "
              "if m in sys.modules), "
              "any(p.rstrip('/').endswith('examples') for p in sys.path))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["['distributed_muon_cpu']", "False"], out.stdout
-    assert not hasattr(dd, "DemoConfig") and not hasattr(dd, "verdict") and hasattr(demo, "main")
+    assert not hasattr(dd, "DemoConfig") and not hasattr(dd, "verdict") and hasattr(dtensor_demo, "main")

@@ -4,7 +4,7 @@ Express's per-iteration coefficients, and Newton-Schulz on TP pieces (tp_newton_
 One spawn of 4 Gloo ranks runs every scenario one after another, on the meshes real runs use: FSDP2 x TP 2x2
 (_StridedShard on dp, Shard(0) / Shard(1) on tp), 4x1 (FSDP2 alone), 1x4 (TP alone) and HSDP 2x1x2 (replicate x
 shard x tp). The model is built with torch's own parallelize_module (ColwiseParallel, RowwiseParallel) and
-fully_shard; every gradient is an exact multiple of 2**-10 (dtensor_demo.exact_grads), given as a DTensor with the
+fully_shard; every gradient is an exact multiple of 2**-10 (dtensor_run.exact_grads), given as a DTensor with the
 parameter's placements.
 
 References, single device, from the papers' equations (never the distributed code on one rank): the shared
@@ -34,7 +34,7 @@ import torch.nn as nn
 from conftest import dm, mc, mlr, mt
 
 import distmuon.dtensor as dd  # noqa: E402
-import dtensor_demo as demo  # noqa: E402
+from dtensor_run import exact_grads  # noqa: E402
 import large_runs_reference as lrr  # noqa: E402
 
 D = 8  # model width
@@ -193,9 +193,9 @@ def build(case, rank):
 
 
 def grads_of(case, shapes, step):
-    """{name: total gradient} of a step, multiples of 2**-10: dtensor_demo's exact gradients (full rank), or
+    """{name: total gradient} of a step, multiples of 2**-10: dtensor_run's exact gradients (full rank), or
     (case.low_rank) a rank-2 product rounded to 2**-10 plus them / 64 rounded (noise ~1/100 of the entries)."""
-    grads = demo.exact_grads(shapes, SEED, step)
+    grads = exact_grads(shapes, SEED, step)
     if not case.low_rank:
         return grads
     out = {}

@@ -1,13 +1,13 @@
 """What large runs add, in examples/ and benchmarks/: the GPT's per-head maxima and train_gpt.py's --qk-clip,
 --ns-blocks, --ns-coefficients and --tp-newton-schulz on real multi-rank runs (DP = 2 x TP = 1 and DP = 1 x
 TP = 2), checked
-against train_gpt.py's one-process reference (torch.optim.Muon + AdamW, its section 3: blocks as separate
+against train_gpt.py's one-process reference (torch.optim.Muon + AdamW, examples/gpt_verify.py: blocks as separate
 parameters, Polar Express swapped into torch's Newton-Schulz, the clip from the paper's equation; gram's
 replay within the lesson's gram_tolerance);
 their refusals; and benchmarks/compare.py's byte formulas for the Gram all-reduce against a real run's
 Ledger, benchmarks/ns_coefficients.py's table.
 
-Tolerance policy: train_gpt.py's. The replay (torch's optimizers fed the ranks' summed gradients and, with
+Tolerance policy: examples/gpt_verify.py's. The replay (torch's optimizers fed the ranks' summed gradients and, with
 --qk-clip, the ranks' maxima) is bit for bit on every grid but where gram sums a Gram matrix over TP; the
 whole run is bit for bit with TP = 1 and, the one process computing TP's two pieces apart and adding them
 as the ranks do, with TP = 2 (gram aside: its free-running weights). The reported maxima are compared with
@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import compare  # noqa: E402
 from examples import gpt  # noqa: E402
 import ns_coefficients  # noqa: E402
+from examples import gpt_verify  # noqa: E402
 from examples import train_gpt as tg  # noqa: E402
 from examples.stdlib_text import load_corpus  # noqa: E402
 
@@ -51,7 +52,7 @@ def step1_max_logits(cfg):
     model = gpt.GPT(cfg.gpt())
     model.record_max_logits()
     found = {}
-    tg.accumulate_gradients(model, cfg, 1, "cpu", found)
+    gpt_verify.accumulate_gradients(model, cfg, 1, "cpu", found)
     return sorted(torch.cat(list(found.values())).tolist())
 
 
@@ -85,13 +86,13 @@ def trained():
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_large_run_options_train_as_torch_does(trained, dp, tp):
     for cfg, results in trained[dp, tp]:
-        checks = tg.verify(cfg, results)
+        checks = gpt_verify.verify(cfg, results)
         what = f"{cfg.strategy} {cfg.ns_blocks} {cfg.ns_coefficients} {cfg.tp_newton_schulz} qk_clip={cfg.qk_clip} " \
                f"on {dp}x{tp}"
         assert checks["passed"], what
-        specs = {s.name: s for s in tg.param_specs(cfg)}
+        specs = {s.name: s for s in gpt_verify.param_specs(cfg)}
         for c in checks["replay"]:  # the optimizer: bit for bit, but where gram sums a Gram matrix over TP
-            assert c["identical"] or (tg.by_gram(cfg, specs[c["name"]]) and c["max_abs_diff"] <= c["tolerance"]), \
+            assert c["identical"] or (gpt_verify.by_gram(cfg, specs[c["name"]]) and c["max_abs_diff"] <= c["tolerance"]), \
                 (what, c)
         gram_bytes = tg.summarize(cfg, results)["bytes_per_step"].get("TP Gram", {"sent": [0]})["sent"]
         assert (max(gram_bytes) > 0) == (cfg.tp_newton_schulz == "gram" and tp > 1), what
@@ -104,9 +105,9 @@ def test_the_options_change_the_update(trained):
     """Each option does something: torch's plain reference (no option) fed the same gradients differs (gram
     does nothing at TP = 1)."""
     for cfg, results in trained[2, 1][:3]:
-        specs = tg.param_specs(cfg)
-        totals, _ = tg.total_gradients(cfg, results, specs)
-        plain = tg.reference(replace(cfg, qk_clip=None, ns_blocks="whole", ns_coefficients="jordan"),
+        specs = gpt_verify.param_specs(cfg)
+        totals, _ = gpt_verify.total_gradients(cfg, results, specs)
+        plain = gpt_verify.reference(replace(cfg, qk_clip=None, ns_blocks="whole", ns_coefficients="jordan"),
                              replay=totals)["params"]
         ranks = results[0]["params"]
         name = "blocks.0.attn.qkv.weight"
@@ -120,7 +121,7 @@ def direct_max_logits(cfg, weights, step, dtype=torch.float32):
     and k the one-process model (in dtype; with TP > 1, TP's pieces apart) computes at `weights` on step's
     micro-batches: every pair j <= i, in float64."""
     model = gpt.GPT(cfg.gpt(), as_tp=cfg.tp).to(dtype)
-    tg.load_weights(model, weights)
+    gpt_verify.load_weights(model, weights)
     g = cfg.gpt()
     hd = g.d_model // g.n_heads
     captured = {}
@@ -150,17 +151,17 @@ def direct_max_logits(cfg, weights, step, dtype=torch.float32):
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_the_reported_maxima_are_the_logits_of_q_and_k_and_heads_clip(trained, dp, tp):
     cfg, results = trained[dp, tp][0]
-    specs = tg.param_specs(cfg)
+    specs = gpt_verify.param_specs(cfg)
     by_rank = {r["rank"]: r for r in results}
     heads_per_rank = cfg.heads // tp
     clipped_any = unclipped_any = False
-    one_process, _ = tg.reference_model(cfg, "cpu")  # records its maxima: cfg has --qk-clip
+    one_process, _ = gpt_verify.reference_model(cfg, "cpu")  # records its maxima: cfg has --qk-clip
     for step in range(cfg.steps):
-        weights = tg.full_tensors(cfg, lambda t: by_rank[t]["weights"][step], specs)
-        reported = tg.ranks_max_logits(results, step)
-        tg.load_weights(one_process, weights)
+        weights = gpt_verify.full_tensors(cfg, lambda t: by_rank[t]["weights"][step], specs)
+        reported = gpt_verify.ranks_max_logits(results, step)
+        gpt_verify.load_weights(one_process, weights)
         found = {}
-        tg.accumulate_gradients(one_process, cfg, step + 1, "cpu", found)
+        gpt_verify.accumulate_gradients(one_process, cfg, step + 1, "cpu", found)
         one_process.zero_grad(set_to_none=True)
         assert all(torch.equal(found[n], reported[n]) for n in reported), step  # the reference's own, bit for bit
         exact64 = direct_max_logits(cfg, weights, step + 1, torch.float64)
@@ -198,13 +199,13 @@ def test_a_clipped_heads_q_and_k_rows_are_scaled_and_nothing_else(trained):
     head h's q and k rows times sqrt(min(1, tau / S_h)) and its v rows as they were (the QKV bias, an AdamW
     parameter, is not clipped: with it a head's logits shrink by about gamma, not exactly)."""
     cfg, results = trained[2, 1][0]
-    specs = tg.param_specs(cfg)
-    totals, _ = tg.total_gradients(cfg, results, specs)
-    unclipped = tg.reference(replace(cfg, qk_clip=None, steps=1), replay=totals[:1])
+    specs = gpt_verify.param_specs(cfg)
+    totals, _ = gpt_verify.total_gradients(cfg, results, specs)
+    unclipped = gpt_verify.reference(replace(cfg, qk_clip=None, steps=1), replay=totals[:1])
     g = cfg.gpt()
     hd = g.d_model // g.n_heads
     after = results[0]["weights"][1]  # the weights step 2 starts from: step 1's, clipped
-    for name, maxima in tg.ranks_max_logits(results, 0).items():
+    for name, maxima in gpt_verify.ranks_max_logits(results, 0).items():
         for h, s in enumerate(maxima.tolist()):
             rows = slice(3 * h * hd, (3 * h + 2) * hd)
             scale = math.sqrt(min(1.0, cfg.qk_clip / s))

@@ -3,7 +3,7 @@ torch.optim.Muon + torch.optim.AdamW, for every strategy and the AdamW baseline,
 1x1, 2x1, 4x1, 1x2 and 2x2 (and 1x4, the bound's case); the command line's errors, progress
 lines, bytes and traces; the learning-rate sweep's arithmetic and plumbing.
 
-The tolerance policy is train_gpt.py's (section 3): bit for bit wherever every fp32 sum has the
+The tolerance policy is examples/gpt_verify.py's: bit for bit wherever every fp32 sum has the
 ranks' association, which on Gloo is every grid: the DP sum adds in rank order, as the one process
 accumulates, and the TP all-reduces add TP's terms left to right in rank order (gpt.tp_all_reduce),
 as the one process computing TP's pieces apart adds them (GPT(as_tp=TP)), so the replay, each step's
@@ -28,7 +28,9 @@ from test_interrupts import assert_ctrl_c_stops_every_rank
 EXAMPLES = os.path.join(ROOT, "examples")
 
 from examples import gpt  # noqa: E402
+from examples import gpt_verify  # noqa: E402
 from examples import train_gpt as tg  # noqa: E402
+from examples.gpt_hyperparameters import MIN_LR_FRACTION, lr_at  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import gpt_lr_sweep as sweep  # noqa: E402
@@ -54,7 +56,7 @@ def trained():
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_every_strategy_trains_as_one_process_does(trained, dp, tp):
     for cfg, results in trained[dp, tp]:
-        checks = tg.verify(cfg, results)
+        checks = gpt_verify.verify(cfg, results)
         what = f"{tg.run_kind(cfg)} on {dp}x{tp}"
         assert checks["passed"], what
         # DP <= 2 everywhere here: the optimizer is exact, given the ranks' gradients
@@ -76,17 +78,17 @@ def test_the_losses_fall_and_muon_moves_every_matrix(trained):
         assert losses[-1] < losses[0] - 0.2, (tg.run_kind(cfg), losses)  # from about ln 256 = 5.5
     cfg, results = trained[2, 2][0]
     start = gpt.initial_weights(cfg.gpt())
-    final = tg.full_tensors(cfg, lambda t: results[t]["params"], tg.param_specs(cfg))
+    final = gpt_verify.full_tensors(cfg, lambda t: results[t]["params"], gpt_verify.param_specs(cfg))
     assert all(not torch.equal(final[n], start[n]) for n in gpt.muon_params(gpt.GPT(cfg.gpt())))
 
 
 def test_warmup_cosine_reaches_both_optimizers():
     cfg = tg.TrainConfig(lr=0.02, steps=200, schedule="warmup-cosine", warmup_steps=10)
-    lrs = [tg.lr_at(cfg, s) for s in range(1, 201)]
+    lrs = [lr_at(cfg, s) for s in range(1, 201)]
     assert lrs[0] == 0.002 and lrs[9] == 0.02  # linear warm-up over 10 steps
     assert all(a > b for a, b in zip(lrs[9:], lrs[10:]))  # then falls at every step
-    assert lrs[-1] == pytest.approx(0.02 * tg.MIN_LR_FRACTION, rel=1e-12)
-    assert all(tg.lr_at(tg.TrainConfig(lr=0.02), s) == 0.02 for s in (1, 100, 120))
+    assert lrs[-1] == pytest.approx(0.02 * MIN_LR_FRACTION, rel=1e-12)
+    assert all(lr_at(tg.TrainConfig(lr=0.02), s) == 0.02 for s in (1, 100, 120))
 
 
 def test_the_schedule_changes_the_training_and_the_replay_follows_it(trained):
@@ -105,8 +107,8 @@ def step1_gradients_match(cfg, results, as_tp):
     step-1 gradient bit for bit (at the initial weights, on the same micro-batches)."""
     torch.set_num_threads(1)  # as every rank and the reference
     model = gpt.GPT(cfg.gpt(), as_tp=as_tp)
-    losses = tg.accumulate_gradients(model, cfg, 1, "cpu")
-    totals, _ = tg.total_gradients(cfg, results, tg.param_specs(cfg))
+    losses = gpt_verify.accumulate_gradients(model, cfg, 1, "cpu")
+    totals, _ = gpt_verify.total_gradients(cfg, results, gpt_verify.param_specs(cfg))
     return (losses == [results[d * cfg.tp]["losses"][0] for d in range(cfg.dp)]
             and all(torch.equal(p.grad, totals[0][n]) for n, p in model.named_parameters()))
 
@@ -136,8 +138,8 @@ def test_the_checks_catch_a_wrong_weight_and_a_wrong_gradient(trained):
     name = "blocks.0.mlp.fc.weight"
     broken = copy.deepcopy(results)
     broken[3]["params"][name].view(-1)[0] += 1e-6  # one entry of one rank's piece, off by a few ulps
-    assert not tg.verify(cfg, broken)["passed"]
-    checks = tg.verify(cfg, with_a_halved_gradient(results, name))
+    assert not gpt_verify.verify(cfg, broken)["passed"]
+    checks = gpt_verify.verify(cfg, with_a_halved_gradient(results, name))
     # TP = 2: caught by the exact comparison of the step's gradients (no bound is computed)
     assert not checks["passed"] and checks["gradients_exact"] and "bound_ratio" not in checks
     assert checks["grad_max_rel_diff"] > 0.1
@@ -152,7 +154,7 @@ def test_a_grid_of_exact_sums_says_so(trained):
                                "partial sums as the ranks do, a + b = b + a)")):
         cfg, results = trained[grid][0]
         lines = []
-        tg.print_verification(cfg, tg.verify(cfg, results), lines.append)
+        gpt_verify.print_verification(cfg, gpt_verify.verify(cfg, results), lines.append)
         assert lines[0].endswith(f"{why}, every comparison bit for bit"), lines[0]
         printed = "\n".join(lines)
         assert "order than" not in printed and "bound" not in printed and "chaos" not in printed, printed
@@ -187,16 +189,16 @@ def test_tp_4_is_bit_for_bit_and_a_lost_all_reduce_fails(trained_tp4):
     at lr 0.1, where one ulp moves the losses chaotically, every comparison is torch.equal through 8 steps;
     a halved gradient, as if f's all-reduce had lost half the sum, fails."""
     cfg, results = trained_tp4
-    checks = tg.verify(cfg, results)
+    checks = gpt_verify.verify(cfg, results)
     assert checks["passed"] and checks["exact"] and checks["gradients_exact"] and "bound_ratio" not in checks
     assert checks["grad_max_rel_diff"] == checks["step_loss_max_rel_diff"] == checks["trained_loss_max_rel_diff"] == 0
     assert all(c["identical"] for c in checks["replay"] + checks["trained"]) and checks["replica_max_diff"] == 0
     lines = []
-    tg.print_verification(cfg, checks, lines.append)
+    gpt_verify.print_verification(cfg, checks, lines.append)
     assert lines[0].endswith("(TP = 4: the reference adds TP's 4 partial sums left to right in rank order, as the "
                              "ranks' Gloo all-reduces do), every comparison bit for bit"), lines[0]
     assert "chaos" not in "\n".join(lines) and lines[-1] == "Result: PASS"
-    checks = tg.verify(cfg, with_a_halved_gradient(results))
+    checks = gpt_verify.verify(cfg, with_a_halved_gradient(results))
     assert not checks["passed"] and checks["grad_max_rel_diff"] > 0.1
 
 
@@ -206,7 +208,7 @@ def test_another_order_of_tp_sums_is_held_to_the_bound_and_its_drift_reported(tr
     free-running drift is reported beside the chaos floor and never checked; a halved gradient is far beyond
     the bound."""
     cfg, results = trained_tp4
-    checks = tg.verify(cfg, results, rank_order=False)
+    checks = gpt_verify.verify(cfg, results, rank_order=False)
     assert checks["passed"] and not checks["exact"] and not checks["gradients_exact"] and checks["bound_ratio"] <= 1
     assert all(c["identical"] for c in checks["replay"]) and checks["replica_max_diff"] == 0
     # the ranks' error against float64 is of the one process's own size, and far below a bug's
@@ -214,10 +216,10 @@ def test_another_order_of_tp_sums_is_held_to_the_bound_and_its_drift_reported(tr
     floor = checks["chaos_floor_loss_max_rel_diff"]
     assert floor > 0 and checks["chaos_ratio"] == checks["trained_loss_max_rel_diff"] / floor
     lines = []
-    tg.print_verification(cfg, checks, lines.append)
+    gpt_verify.print_verification(cfg, checks, lines.append)
     assert lines[0].endswith("TP = 4 adds f's and g's 4 partial sums in the backend's own order"), lines[0]
     assert f"{checks['chaos_ratio']:.2g}x that chaos floor" in lines[3] and lines[-1] == "Result: PASS"
-    checks = tg.verify(cfg, with_a_halved_gradient(results), rank_order=False)
+    checks = gpt_verify.verify(cfg, with_a_halved_gradient(results), rank_order=False)
     assert not checks["passed"] and checks["bound_ratio"] > 100 and checks["grad_max_rel_diff"] > 0.1
 
 

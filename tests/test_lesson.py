@@ -163,10 +163,13 @@ LAYERS = [
     ["distmuon.dtensor.optimizer"],
     ["distmuon.dtensor.checkpoint"],
     ["distmuon.dtensor", "distmuon"],  # the packages' names for users
-    ["muon_tools"],  # the runner: the reference, the accounting, the launcher, the command line
-    ["dtensor_demo", "distributed_muon"],  # DTensorMuon's demo; the lesson's GPU twin
+    ["muon_tools", "collective_counter"],  # the runner: the reference, the accounting, the launcher, the command line
+    ["dtensor_run"],  # DTensorMuon's demo model and its run on a mesh
+    ["dtensor_verify", "dtensor_accounting"],  # the demo's checks against torch; its bytes beside the lesson's
+    ["dtensor_demo", "distributed_muon"],  # DTensorMuon's demo command; the lesson's GPU twin
 ]
-RUNNER = {"muon_tools", "muon_forkserver", "dtensor_demo", "distributed_muon"}
+RUNNER = {"muon_tools", "muon_forkserver", "collective_counter", "dtensor_run", "dtensor_verify", "dtensor_accounting",
+          "dtensor_demo", "distributed_muon"}
 LIBRARY_MODULES = {"distributed_muon_cpu"} | {p[:-3].replace(os.sep, ".").removesuffix(".__init__") for p in LIBRARY}
 
 

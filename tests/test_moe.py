@@ -26,6 +26,7 @@ from torch.distributed.tensor import Shard
 from conftest import ROOT, dm, mt
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
+import dtensor_verify  # noqa: E402
 from examples import gpt_moe  # noqa: E402
 from examples import train_gpt_moe as tgm  # noqa: E402
 
@@ -135,12 +136,12 @@ def test_saved_under_ep_2_resumed_under_ep_4_replays_bit_for_bit_through_the_che
     assert all(r["first"] == 3 and len(r["losses"]) == 1 for r in resumed)
     assert sorted(r["experts_held"] for r in resumed) == [(0, 2), (2, 4), (4, 6), (6, 7)]
     ref = tgm.Reference(cfg, routing=tgm.ranks_routing(cfg, resumed))
-    assert tgm.demo.replay_differs(ref, whole, steps=2) == []
-    assert tgm.demo.replay_differs(ref, resumed, steps=1, first=3) == []
+    assert dtensor_verify.replay_differs(ref, whole, steps=2) == []
+    assert dtensor_verify.replay_differs(ref, resumed, steps=1, first=3) == []
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
-    at_3 = tgm.demo.assemble([dict(r, params=r["weights"][0]) for r in resumed], shapes)
+    at_3 = dtensor_verify.assemble([dict(r, params=r["weights"][0]) for r in resumed], shapes)
     loss_3 = sum(r["losses"][0] for r in resumed) / cfg.dp
-    errors = tgm.demo.step_errors(ref, at_3, 3, loss_3, tgm.demo.total_grads(resumed, 0, shapes))
+    errors = dtensor_verify.step_errors(ref, at_3, 3, loss_3, dtensor_verify.total_grads(resumed, 0, shapes))
     assert 0 < errors["bound_ratio"] <= 1, errors
     heads = lambda rs: [r for r in rs if r["coordinate"][2] == 0]
     mean = lambda rs, s: sum(r["losses"][s] for r in heads(rs)) / cfg.dp

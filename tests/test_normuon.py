@@ -15,10 +15,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-import dtensor_demo as demo
 from conftest import GRIDS, dm, grid_config, grid_run, mo, mt, suite_specs
 from distmuon.dtensor import DistributedConfig, DTensorMuon
-from test_dtensor import GROUPS as MUON_GROUPS, placed_runs
+from dtensor_run import DemoConfig
+from dtensor_scenarios import (GROUPS as MUON_GROUPS, Runs, placed_runs, placed_start, run_many_rank,
+                               run_placed_reference)
+from dtensor_verify import run_reference, verify
 
 STRATEGIES = ("owner", "comm-free")
 # every owner strategy on every grid, the 3 x 2 grid with one layer (more ranks than a row's matrices), and overlapped
@@ -107,12 +109,12 @@ def dtensor_runs(tmp_path_factory):
     """{label: every rank's result} of DTensorMuon with NorMuon groups: ONE spawn of 8 ranks."""
     saved = str(tmp_path_factory.mktemp("normuon_checkpoint"))
     runs = dict(PLACED)
-    runs["demo 4x2"] = demo.DemoConfig(dp=4, tp=2, normuon=True)
-    runs["demo 3x2, uneven strided"] = demo.DemoConfig(dp=3, tp=2, experts=7, normuon=True)
-    runs["demo 2x2, saved"] = demo.DemoConfig(dp=2, tp=2, normuon=True, checkpoint=saved, checkpoint_step=1)
+    runs["demo 4x2"] = DemoConfig(dp=4, tp=2, normuon=True)
+    runs["demo 3x2, uneven strided"] = DemoConfig(dp=3, tp=2, experts=7, normuon=True)
+    runs["demo 2x2, saved"] = DemoConfig(dp=2, tp=2, normuon=True, checkpoint=saved, checkpoint_step=1)
     for dp, tp in [(4, 1), (1, 2)]:
-        runs[f"resumed on {dp}x{tp}"] = demo.DemoConfig(dp=dp, tp=tp, normuon=True, resume=saved, resume_step=1)
-    results = mt.spawn_ranks(demo.Runs(tuple(runs.values()), timeout_s=60), demo.run_many_rank)
+        runs[f"resumed on {dp}x{tp}"] = DemoConfig(dp=dp, tp=tp, normuon=True, resume=saved, resume_step=1)
+    results = mt.spawn_ranks(Runs(tuple(runs.values()), timeout_s=60), run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}, runs
 
 
@@ -120,7 +122,7 @@ def dtensor_runs(tmp_path_factory):
 def test_dtensor_muon_is_the_references_bits_on_every_mesh(dtensor_runs, label):
     results, runs = dtensor_runs
     run, ranks = runs[label], results[label]
-    reference, start = demo.run_placed_reference(run), demo.placed_start(run)
+    reference, start = run_placed_reference(run), placed_start(run)
     assert all(not torch.equal(reference[n], start[n]) for n in reference)
     for r in ranks:
         for name, local in r["params"].items():
@@ -136,7 +138,7 @@ def test_dtensor_muon_demo_runs_and_resumed_checkpoints_are_the_references_bits(
     on: every element the reference's, which runs all the steps in one process."""
     results, runs = dtensor_runs
     cfg = runs[label]
-    checks = demo.verify(cfg, results[label], demo.run_reference(replace(cfg, resume="", resume_step=0)))
+    checks = verify(cfg, results[label], run_reference(replace(cfg, resume="", resume_step=0)))
     assert [c["name"] for c in checks if not c["identical"]] == [], label
 
 

@@ -18,6 +18,8 @@ import pytest
 from conftest import ROOT, mt
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
+import dtensor_verify  # noqa: E402
+from examples import gpt_verify  # noqa: E402
 from examples import train_gpt_dtensor as tgd  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt_dtensor.py")
@@ -55,7 +57,7 @@ def test_fsdp2_tp_training_replays_bit_for_bit_and_its_gradients_are_within_the_
     assert 0 < out["ranks_grad_err"] and 0 < out["one_process_grad_err"] and 0 < out["bound_ratio"] <= 1
     # the free-running gap is reported beside the chaos floor, as their ratio, and decides nothing
     floor = out["chaos_floor_loss_max_rel_diff"]
-    assert out["chaos_param"] == tgd.tg.CHAOS_PARAM and out["trained_loss_max_rel_diff"] > 0
+    assert out["chaos_param"] == gpt_verify.CHAOS_PARAM and out["trained_loss_max_rel_diff"] > 0
     assert out["chaos_ratio"] == (out["trained_loss_max_rel_diff"] / floor if floor else None) and out["passed"]
     # it trained, on real text: the loss fell, and the Muon matrices are TP- and FSDP2-sharded DTensors
     losses = [r["losses"] for r in results[0] if r["rank"] == 0][0]
@@ -118,12 +120,12 @@ def test_saved_on_2x2_resumed_on_another_mesh_replays_bit_for_bit_through_the_ch
     whole, resumed, cfg = results[0], results[index], configs[index]
     assert all(r["first"] == 3 and len(r["losses"]) == 2 for r in resumed)
     ref = tgd.Reference(cfg)
-    assert tgd.demo.replay_differs(ref, whole, steps=2) == []
-    assert tgd.demo.replay_differs(ref, resumed, steps=2, first=3) == []
+    assert dtensor_verify.replay_differs(ref, whole, steps=2) == []
+    assert dtensor_verify.replay_differs(ref, resumed, steps=2, first=3) == []
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
-    at_3 = tgd.demo.assemble([dict(r, params=r["weights"][0]) for r in resumed], shapes)
+    at_3 = dtensor_verify.assemble([dict(r, params=r["weights"][0]) for r in resumed], shapes)
     loss_3 = sum(r["losses"][0] for r in resumed if r["rank"] % cfg.tp == 0) / cfg.dp
-    errors = tgd.demo.step_errors(ref, at_3, 3, loss_3, tgd.demo.total_grads(resumed, 0, shapes))
+    errors = dtensor_verify.step_errors(ref, at_3, 3, loss_3, dtensor_verify.total_grads(resumed, 0, shapes))
     assert 0 < errors["bound_ratio"] <= 1, errors
 
 
