@@ -21,7 +21,7 @@ gradients within 4 x the one process's own fp32 error against float64 plus n u o
 the free-running drift reported beside a one-ulp chaos floor. tests/test_dtensor.py and
 tests/test_train_gpt_dtensor.py run real FSDP2 x TP trainings, and tests/test_moe.py a routed MoE GPT's
 under expert parallel x FSDP2 x TP, whose reductions (FSDP2's, DTensor's, the experts' all-to-all) add
-in torch's own order: checked by dtensor_demo.py's section 7 with that bound (the replay bit for bit at
+in torch's own order: checked by dtensor_verify.py with that bound (the replay bit for bit at
 every step, each step's gradients and loss against float64 within the bound, the free-running drift
 reported beside the chaos floor; for the MoE, every routing decision against the one process's own at
 the ranks' weights: identical, or a near-tie the router probabilities' difference explains).
