@@ -53,7 +53,9 @@ LESSON = ("distributed_muon_cpu.py", "muon_forkserver.py", "muon_tools.py", os.p
 NOTEBOOKS = {
     "distributed_muon_cpu.ipynb": ("distributed_muon_cpu.nb.py", LESSON),
     "distributed_muon_runs.ipynb": ("distributed_muon_runs.nb.py", LESSON + (
-        os.path.join("benchmarks", "compare.py"), "dtensor_demo.py",
+        os.path.join("benchmarks", "compare.py"), "dtensor_demo.py", "dtensor_run.py", "dtensor_verify.py",
+        "dtensor_accounting.py", "collective_counter.py",
+        os.path.join("examples", "gpt_verify.py"), os.path.join("examples", "gpt_hyperparameters.py"),
         os.path.join("examples", "gpt.py"), os.path.join("examples", "stdlib_text.py"),
         os.path.join("examples", "train_gpt.py"), os.path.join("examples", "train_gpt_dtensor.py"),
         os.path.join("examples", "gpt_moe.py"), os.path.join("examples", "train_gpt_moe.py"))),
