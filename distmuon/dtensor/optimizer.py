@@ -238,6 +238,7 @@ class DTensorMuon(torch.optim.Optimizer):
         # Every state tensor exists from the start (zeros, step 0: what torch creates at a first step), so that
         # torch's get/set_optimizer_state_dict find it and never run their own zero-gradient step.
         self.init_state()
+        self.planned = dict(self.param_by_name)  # what the plan knows: a step refuses any other parameter
 
     # -- construction -------------------------------------------------------
     @staticmethod
@@ -298,12 +299,15 @@ class DTensorMuon(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict):
-        """torch's load (state by position or by name, as set_optimizer_state_dict gives it), then the groups
-        re-indexed (torch replaces the group dicts) and checked."""
-        super().load_state_dict(state_dict)
+        """torch's load, after the checkpoint is checked whole and matched to the parameters by name
+        (distmuon.checks.checked_state_dict: a refused load changes nothing); then the groups torch installed
+        (this optimizer's names, the checkpoint's options) re-indexed, so that the step reads them."""
+        like = {name: self._state_of(name)["momentum_buffer" if "momentum_buffer" in self._state_of(name)
+                                            else "exp_avg"] for name in self.param_by_name}
+        super().load_state_dict(mc.checked_state_dict(self.param_groups, state_dict, like))
         problem = self._index_groups()
-        if problem:
-            raise ValueError(f"loaded optimizer state: {problem}")
+        if problem:  # checked_state_dict checked every group: a failure here is a bug, said as such
+            raise AssertionError(f"loaded optimizer state passed its checks, then: {problem}")
         self.init_state()  # a parameter the checkpoint had no state for starts from zeros
 
     def init_state(self):
@@ -325,7 +329,7 @@ class DTensorMuon(torch.optim.Optimizer):
         self.ledger.step += 1
         # Every check before anything changes, and voted on: a group's options (they may have been changed, or
         # loaded, since construction) and every gradient; one rank's problem stops every rank, here.
-        group_problem = self._index_groups()
+        group_problem = self._index_groups() or mc.unplanned_problem(self.param_groups, self.planned)
         grads, problem = self._local_grads()
         active = self._vote_on_gradients(grads, group_problem or problem)
         updates, momenta = {}, {}
@@ -358,6 +362,7 @@ class DTensorMuon(torch.optim.Optimizer):
         grads, problem = {}, None
         for name, p in self.param_by_name.items():
             g = p.grad
+            problem = problem or mc.param_problem(name, p) or (g is not None and mc.gradient_problem(name, g)) or None
             if g is not None and problem is None:
                 if isinstance(p, DTensor) and not (isinstance(g, DTensor) and g.placements == p.placements
                                                    and g.device_mesh == p.device_mesh):
