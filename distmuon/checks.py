@@ -275,6 +275,14 @@ def name_params(group, first):
     return group
 
 
+def names_problem(i, group):
+    """Why a group's params and param_names do not pair up (one line), or None: zip would drop the surplus."""
+    if len(group.get("param_names", ())) != len(group["params"]):
+        return (f"param group {i} has {len(group['params'])} params and {len(group.get('param_names', ()))} "
+                f"param_names: add parameters with add_param_group")
+    return None
+
+
 def named_params(param_groups):
     """[(name, tensor, its group)] after the checks every optimizer here needs (DTensorMuon's too):
     'muon', 'normuon' or 'adamw' groups, their options, named float32 parameters (state is keyed by name), no
@@ -284,9 +292,8 @@ def named_params(param_groups):
             raise ValueError(algorithm_problem(i, group.get("algorithm")))
         if "param_names" not in group:
             raise ValueError("pass named parameters: [(name, tensor), ...] (state is keyed by name)")
-        if len(group["param_names"]) != len(group["params"]):  # zip would drop the surplus silently
-            raise ValueError(f"param group {i} has {len(group['params'])} params and {len(group['param_names'])} "
-                             f"param_names: add parameters with add_param_group")
+        if names_problem(i, group):
+            raise ValueError(names_problem(i, group))
     check_param_groups(param_groups)
     named, seen, tensors = [], set(), {}
     for group in param_groups:
@@ -395,8 +402,10 @@ def gradient_problem(name, g):
 def unplanned_problem(param_groups, planned):
     """Why a step is refused because a parameter with a gradient is not one the optimizer planned for ({name:
     tensor}), or None: a tensor put into param_groups by hand, or renamed there, would be skipped silently."""
-    for group in param_groups:
-        for name, p in zip(group.get("param_names", ()), group["params"]):
+    for i, group in enumerate(param_groups):
+        if names_problem(i, group):
+            return names_problem(i, group)
+        for name, p in zip(group["param_names"], group["params"]):
             if p.grad is not None and planned.get(name) is not p:
                 return (f"{name} has a gradient but is not a parameter this optimizer planned its step for (put "
                         f"into param_groups by hand, or renamed there): add parameters with add_param_group")
@@ -425,6 +434,9 @@ def check_layout(saved, here, state_dict=None, param_groups=None):
     """A ZeRO-1 state_dict holds one rank's shards of one layout: refuse one saved for another (naming each key
     that differs), since its shards would land on the wrong elements. Its owners are keyed by the checkpoint's
     names: read as this optimizer's (saved_names), given the state dict and the optimizer's param groups."""
+    if saved is None:
+        raise ValueError("state_dict has no ZeRO-1 layout: this optimizer loads the state_dict() of one of its own "
+                         "ranks (one rank's shards; torch.optim.Muon's and AdamW's keep whole tensors)")
     if isinstance(saved, dict) and isinstance(saved.get("owners"), dict) and state_dict is not None:
         names = saved_names(param_groups, state_dict)
         saved = dict(saved, owners={names.get(n, n): rank for n, rank in saved["owners"].items()})
@@ -557,6 +569,11 @@ def checked_state_dict(param_groups, state_dict, like, optional=()):
                       f"AdamW's too) loads into an optimizer of the same param groups")
     groups, state, first = [], {}, 0
     for i, (group, saved) in enumerate(zip(param_groups, saved_groups)):
+        algorithm = saved_algorithm(saved)
+        if algorithm != group["algorithm"]:
+            raise refused(f"param group {i}: the checkpoint's algorithm is {algorithm!r}, this optimizer's "
+                          f"{group['algorithm']!r} (a group without one is Muon's, or AdamW's where it has betas): "
+                          f"load a checkpoint of the same algorithm")
         ours, ids = group["param_names"], list(saved["params"])
         if len(ids) != len(ours):
             raise refused(f"param group {i}: the checkpoint's has {len(ids)} parameters, this optimizer's {len(ours)}")
@@ -564,11 +581,6 @@ def checked_state_dict(param_groups, state_dict, like, optional=()):
         order = saved_order(ours, theirs, first)
         if order is None:
             raise refused(f"param group {i}: {unmatched(ours, theirs)}")
-        algorithm = saved_algorithm(saved)
-        if algorithm != group["algorithm"]:
-            raise refused(f"param group {i}: the checkpoint's algorithm is {algorithm!r}, this optimizer's "
-                          f"{group['algorithm']!r} (a group without one is Muon's, or AdamW's where it has betas): "
-                          f"load a checkpoint of the same algorithm")
         if saved.get("decoupled_weight_decay", True) is not True:  # torch.optim.Adam's, which couples the decay
             raise refused(f"param group {i} is torch.optim.Adam's (decoupled_weight_decay=False), not AdamW's")
         loaded = {k: v for k, v in saved.items() if k not in ("params", "param_names", "decoupled_weight_decay")}
