@@ -749,7 +749,7 @@ class DistributedMuon(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         check_layout(state_dict.pop("layout", None), self._checkpoint_layout(), state_dict, self.param_groups)
         part_shapes = {n: (len(range(p.numel())[self.parts[n]]),) for n, p in self.param_by_name.items()}
-        super().load_state_dict(checked_state_dict(self.param_groups, state_dict, part_shapes,
+        super().load_state_dict(checked_state_dict(self.param_groups, state_dict, part_shapes, reorder=False,
                                                    optional=("momentum_buffer", "normuon_v")))  # NorMuon's v: owners'
         self.param_by_name, self.group_of, _ = index_named_params(self.param_groups, self.tp_split_dims)
 

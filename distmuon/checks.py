@@ -546,7 +546,7 @@ def state_problem(name, state, group, like, optional=()):
     return None
 
 
-def checked_state_dict(param_groups, state_dict, like, optional=()):
+def checked_state_dict(param_groups, state_dict, like, optional=(), reorder=True):
     """The state dict to hand to torch's Optimizer.load_state_dict, checked whole before anything is replaced
     (a refused load leaves the optimizer as it was); raises ValueError, one line, else.
 
@@ -556,7 +556,8 @@ def checked_state_dict(param_groups, state_dict, like, optional=()):
     saved_algorithm), its options those of the algorithm, all of them, valid; its state per parameter
     state_problem's. The groups torch installs keep this optimizer's names (the ones its plan is keyed by) and
     the checkpoint's options. like: {name: a tensor (or shape) like its state's moments}; optional: state keys
-    a parameter may lack on this rank."""
+    a parameter may lack on this rank; reorder: False where the state's layout depends on the order (ZeRO-1's
+    buckets): parameters saved in another order are refused."""
     def refused(why):
         return ValueError(f"loaded optimizer state: {why}")
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
@@ -581,6 +582,9 @@ def checked_state_dict(param_groups, state_dict, like, optional=()):
         order = saved_order(ours, theirs, first)
         if order is None:
             raise refused(f"param group {i}: {unmatched(ours, theirs)}")
+        if not reorder and order != sorted(order):
+            raise refused(f"param group {i}: the checkpoint lists its parameters in another order, and this "
+                          f"optimizer's shards depend on the order: build it with the parameters in the saved order")
         if saved.get("decoupled_weight_decay", True) is not True:  # torch.optim.Adam's, which couples the decay
             raise refused(f"param group {i} is torch.optim.Adam's (decoupled_weight_decay=False), not AdamW's")
         loaded = {k: v for k, v in saved.items() if k not in ("params", "param_names", "decoupled_weight_decay")}

@@ -273,3 +273,33 @@ def test_a_parameter_the_plan_does_not_know_is_refused_on_every_rank():
         assert mine.startswith("rank 1: extra has a gradient but is not a parameter this optimizer planned"), build
         assert theirs == "rank 1 refused the step (it raised why); nothing changed", build
         assert kept0 and kept1, build
+
+
+@pytest.mark.parametrize("build", BUILDERS)
+def test_parameters_saved_in_another_order_load_by_name_or_are_refused(single_process_group, build):
+    """A checkpoint whose groups list their parameters in the reverse order: DTensorMuon (state by parameter)
+    takes each by its name, and its next step is torch's; the lesson's ZeRO-1 optimizers, whose shards depend on
+    the order, refuse it in one line, intact."""
+    grads, start = gradients(2, seed=8), TinyNet().state_dict()
+    model, opt = ours(build, "plain", start, single_process_group)
+    saved_model = TinyNet()
+    saved_model.load_state_dict(start)
+    reversed_groups = [dict(g, params=g["params"][::-1]) for g in param_groups(saved_model, "plain")]
+    saver = BUILDERS[build](reversed_groups, single_process_group, lr=LR, weight_decay=WEIGHT_DECAY)
+    set_grads(saved_model, grads[0])
+    saver.step()
+    set_grads(model, grads[0])
+    opt.step()
+    saved = through_a_file(saver.state_dict())
+    if build == "dtensor":
+        model, opt = ours(build, "plain", unwrapped(saved_model), single_process_group)
+        opt.load_state_dict(saved)
+        set_grads(model, grads[1])
+        opt.step()
+        want, got = torch_reference(start, grads), unwrapped(model)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    else:
+        before = snapshot(opt)
+        with pytest.raises(ValueError, match="param group 0: the checkpoint lists its parameters in another order"):
+            opt.load_state_dict(saved)
+        assert_unchanged(opt, before)
