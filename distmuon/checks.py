@@ -485,13 +485,21 @@ def saved_order(ours, theirs, first):
     return None
 
 
+def names_saved(saved):
+    """A saved group's names of its parameters: its params where they are names (torch's checkpoint helpers key
+    by name), else its param_names; None where it has positions only."""
+    ids = list(saved.get("params", ()))
+    return ids if ids and all(isinstance(n, str) for n in ids) else saved.get("param_names")
+
+
 def saved_names(param_groups, state_dict):
     """{the checkpoint's name of a parameter: this optimizer's}, as checked_state_dict matches them; {} where they
     do not match (checked_state_dict says why)."""
     names, first = {}, 0
     for group, saved in zip(param_groups, state_dict.get("param_groups", ())):
+        saved = saved if isinstance(saved, dict) else {}
         ids = list(saved.get("params", ()))
-        theirs = ids if ids and all(isinstance(n, str) for n in ids) else saved.get("param_names") or ids
+        theirs = names_saved(saved) or ids
         order = saved_order(group["param_names"], theirs, first) if len(ids) == len(group["param_names"]) else None
         names.update({str(theirs[k]): ours for ours, k in zip(group["param_names"], order or ())})
         first += len(group["param_names"])
@@ -563,6 +571,8 @@ def checked_state_dict(param_groups, state_dict, like, optional=(), reorder=True
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise refused("an optimizer state dict has 'state' and 'param_groups'")
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_state, dict) or not all(isinstance(g, dict) and "params" in g for g in saved_groups):
+        raise refused("its 'state' must be a dict and each of its 'param_groups' a dict with 'params'")
     if len(saved_groups) != len(param_groups):
         raise refused(f"the checkpoint has {len(saved_groups)} param groups "
                       f"({', '.join(saved_algorithm(g) for g in saved_groups)}), this optimizer {len(param_groups)} "
@@ -578,7 +588,7 @@ def checked_state_dict(param_groups, state_dict, like, optional=(), reorder=True
         ours, ids = group["param_names"], list(saved["params"])
         if len(ids) != len(ours):
             raise refused(f"param group {i}: the checkpoint's has {len(ids)} parameters, this optimizer's {len(ours)}")
-        theirs = ids if all(isinstance(n, str) for n in ids) else saved.get("param_names")  # names, or positions
+        theirs = names_saved(saved)
         order = saved_order(ours, theirs, first)
         if order is None:
             raise refused(f"param group {i}: {unmatched(ours, theirs)}")
