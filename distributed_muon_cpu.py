@@ -49,9 +49,9 @@ from torch.profiler import record_function
 # order, and what the optimizer refuses.
 from distmuon.adamw import adamw_state, adamw_step_
 from distmuon.collectives import all_gather_single, reduce_scatter_sum
-from distmuon.checks import (ORTHOGONALIZED, QK_CLIP_OFF, check_grid, check_layout, check_options, check_parts,
-                             checked_state_dict, fill_param_group, index_named_params, name_params, ns_coefficients_of,
-                             step_problem)
+from distmuon.checks import (ORTHOGONALIZED, QK_CLIP_OFF, check_grid, check_options, check_parts,
+                             checked_zero1_state_dict, fill_param_group, index_named_params, name_params,
+                             ns_coefficients_of, step_problem)
 
 # =============================================================================
 # 1. Muon on one device
@@ -744,13 +744,8 @@ class DistributedMuon(torch.optim.Optimizer):
         return dict(super().state_dict(), layout=self._checkpoint_layout())
 
     def load_state_dict(self, state_dict):
-        """Checked whole before anything is replaced (the layout; then names, algorithms, options and shapes, by
-        checked_state_dict); the step then reads the groups torch installed, with the checkpoint's options."""
-        state_dict = dict(state_dict)
-        check_layout(state_dict.pop("layout", None), self._checkpoint_layout(), state_dict, self.param_groups)
-        part_shapes = {n: (len(range(p.numel())[self.parts[n]]),) for n, p in self.param_by_name.items()}
-        super().load_state_dict(checked_state_dict(self.param_groups, state_dict, part_shapes, reorder=False,
-                                                   optional=("momentum_buffer", "normuon_v")))  # NorMuon's v: owners'
+        """Checked whole before anything is replaced; then the step reads the groups torch installed."""
+        super().load_state_dict(checked_zero1_state_dict(self, state_dict, self._checkpoint_layout()))
         self.param_by_name, self.group_of, _ = index_named_params(self.param_groups, self.tp_split_dims)
 
     def state_bytes(self):

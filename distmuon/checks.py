@@ -275,6 +275,33 @@ def name_params(group, first):
     return group
 
 
+def local_view(p):
+    """The tensor this rank holds of `p`: a DTensor's local shard, a plain tensor itself."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def param_problem(name, p):
+    """Why a parameter cannot be stepped (one line naming it and the fix), or None: at construction and at every
+    step, before anything moves (torch's own step would fail halfway, after the momentum moved)."""
+    if p.device.type == "meta":
+        return (f"{name} is on the meta device (no values): materialize it first (model.to_empty(device=...), then "
+                f"initialize it) and build the optimizer on the real parameters")
+    if p.layout != torch.strided:
+        return f"{name} is a sparse tensor ({p.layout}): Muon and AdamW here step dense parameters"
+    if not local_view(p).is_contiguous():
+        return (f"{name} must be contiguous (it is viewed flat; its strides are {tuple(local_view(p).stride())}): "
+                f"make it contiguous before the optimizer is built, e.g. p.data = p.data.contiguous()")
+    return None
+
+
+def gradient_problem(name, g):
+    """Why a gradient cannot be stepped (one line), or None: a sparse one (torch.optim.AdamW refuses it too)."""
+    if g.layout != torch.strided:
+        return (f"the gradient of {name} is sparse ({g.layout}): Muon and AdamW here take dense gradients "
+                f"(e.g. nn.Embedding(..., sparse=False))")
+    return None
+
+
 def names_problem(i, group):
     """Why a group's params and param_names do not pair up (one line), or None: zip would drop the surplus."""
     if len(group.get("param_names", ())) != len(group["params"]):
@@ -372,33 +399,6 @@ def check_grid(dp, tp, world=None):
         raise ValueError(f"world size {world} != DP {dp} x TP {tp} = {dp * tp}")
 
 
-def local_view(p):
-    """The tensor this rank holds of `p`: a DTensor's local shard, a plain tensor itself."""
-    return p.to_local() if isinstance(p, DTensor) else p
-
-
-def param_problem(name, p):
-    """Why a parameter cannot be stepped (one line naming it and the fix), or None: at construction and at every
-    step, before anything moves (torch's own step would fail halfway, after the momentum moved)."""
-    if p.device.type == "meta":
-        return (f"{name} is on the meta device (no values): materialize it first (model.to_empty(device=...), then "
-                f"initialize it) and build the optimizer on the real parameters")
-    if p.layout != torch.strided:
-        return f"{name} is a sparse tensor ({p.layout}): Muon and AdamW here step dense parameters"
-    if not local_view(p).is_contiguous():
-        return (f"{name} must be contiguous (it is viewed flat; its strides are {tuple(local_view(p).stride())}): "
-                f"make it contiguous before the optimizer is built, e.g. p.data = p.data.contiguous()")
-    return None
-
-
-def gradient_problem(name, g):
-    """Why a gradient cannot be stepped (one line), or None: a sparse one (torch.optim.AdamW refuses it too)."""
-    if g.layout != torch.strided:
-        return (f"the gradient of {name} is sparse ({g.layout}): Muon and AdamW here take dense gradients "
-                f"(e.g. nn.Embedding(..., sparse=False))")
-    return None
-
-
 def unplanned_problem(param_groups, planned):
     """Why a step is refused because a parameter with a gradient is not one the optimizer planned for ({name:
     tensor}), or None: a tensor put into param_groups by hand, or renamed there, would be skipped silently."""
@@ -428,22 +428,6 @@ def step_problem(param_groups, param_by_name):
             return (f"the gradient of {name} is {g.dtype} {tuple(g.shape)} on {g.device}; "
                     f"the parameter is {p.dtype} {tuple(p.shape)} on {p.device}")
     return problem
-
-
-def check_layout(saved, here, state_dict=None, param_groups=None):
-    """A ZeRO-1 state_dict holds one rank's shards of one layout: refuse one saved for another (naming each key
-    that differs), since its shards would land on the wrong elements. Its owners are keyed by the checkpoint's
-    names: read as this optimizer's (saved_names), given the state dict and the optimizer's param groups."""
-    if saved is None:
-        raise ValueError("state_dict has no ZeRO-1 layout: this optimizer loads the state_dict() of one of its own "
-                         "ranks (one rank's shards; torch.optim.Muon's and AdamW's keep whole tensors)")
-    if isinstance(saved, dict) and isinstance(saved.get("owners"), dict) and state_dict is not None:
-        names = saved_names(param_groups, state_dict)
-        saved = dict(saved, owners={names.get(n, n): rank for n, rank in saved["owners"].items()})
-    if saved != here:
-        diff = ", ".join(f"{k} {saved.get(k) if saved else None} != {v}" for k, v in here.items()
-                         if not saved or saved.get(k) != v)
-        raise ValueError(f"state_dict was saved for another shard layout: {diff}")
 
 
 # What clip_qk_ says, on every rank, when the optimizer was built without QK-clip.
@@ -621,3 +605,30 @@ def checked_state_dict(param_groups, state_dict, like, optional=(), reorder=True
     if stray:
         raise refused(f"state for {', '.join(map(str, stray[:6]))}, in no param group of the checkpoint")
     return dict(state_dict, state=state, param_groups=groups)
+
+
+def check_layout(saved, here, state_dict=None, param_groups=None):
+    """A ZeRO-1 state_dict holds one rank's shards of one layout: refuse one saved for another (naming each key
+    that differs), since its shards would land on the wrong elements. Its owners are keyed by the checkpoint's
+    names: read as this optimizer's (saved_names), given the state dict and the optimizer's param groups."""
+    if saved is None:
+        raise ValueError("state_dict has no ZeRO-1 layout: this optimizer loads the state_dict() of one of its own "
+                         "ranks (one rank's shards; torch.optim.Muon's and AdamW's keep whole tensors)")
+    if isinstance(saved, dict) and isinstance(saved.get("owners"), dict) and state_dict is not None:
+        names = saved_names(param_groups, state_dict)
+        saved = dict(saved, owners={names.get(n, n): rank for n, rank in saved["owners"].items()})
+    if saved != here:
+        diff = ", ".join(f"{k} {saved.get(k) if saved else None} != {v}" for k, v in here.items()
+                         if not saved or saved.get(k) != v)
+        raise ValueError(f"state_dict was saved for another shard layout: {diff}")
+
+
+def checked_zero1_state_dict(opt, state_dict, layout):
+    """What the lesson's optimizers hand torch's load: a state_dict of one rank's ZeRO-1 shards, refused unless
+    saved for this `layout` (check_layout), then checked_state_dict's checks with each parameter's part on this
+    rank, its parameters in the saved order only (the shards depend on it; NorMuon's v lives on the owner)."""
+    state_dict = dict(state_dict)
+    check_layout(state_dict.pop("layout", None), layout, state_dict, opt.param_groups)
+    part_shapes = {n: (len(range(p.numel())[opt.parts[n]]),) for n, p in opt.param_by_name.items()}
+    return checked_state_dict(opt.param_groups, state_dict, part_shapes, optional=("momentum_buffer", "normuon_v"),
+                              reorder=False)
