@@ -53,6 +53,9 @@ dion is timed both ways: compiled, as its users run it (torch.compile's recompil
 train.py does; its first two steps, where it compiles, are printed apart from the table), and eager (its compiled
 functions unwrapped around its own construction and steps only, so that both run in one process). Its rows get a
 table of their own beside DTensorMuon's: the same reduce-scatter, then each one's step.
+torchtitan's DistMuon (build_dist_muon, installed from git) runs in two layouts, every matrix gathered whole on one
+owner (Owned) and each qkv matrix by heads (BlockShard, checked against torch.optim.Muon fed each head as a matrix),
+with the three patches CPU Gloo needs (benchmarks/peers_torchtitan.py says which and why).
 Peers are configured as close to torch.optim.Muon as their options allow (lr 0.02, weight decay
 0.1, momentum 0.95, Nesterov, 5 quintic Newton-Schulz steps, lr scaled by max(1, rows/cols)^0.5);
 where they still differ, the check below says by how much. dion's nearest: its "NS5" (use_polar_express=False;
@@ -102,6 +105,7 @@ import distmuon.checks as mc  # noqa: E402
 import distmuon.dtensor as dd  # noqa: E402
 import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
+import peers_torchtitan as titan  # noqa: E402
 import scaling  # noqa: E402
 
 LR, WEIGHT_DECAY, MOMENTUM = scaling.HYPERPARAMETERS["lr"], scaling.HYPERPARAMETERS["weight_decay"], 0.95
@@ -140,7 +144,8 @@ def normuon_reference(params):
                                nesterov=True, adjust_lr_fn="original")
 
 
-REFERENCES = {"muon": (TORCH, torch_muon), "normuon": ("muon_tools.NorMuonReference", normuon_reference)}
+REFERENCES = {"muon": (TORCH, torch_muon), "normuon": ("muon_tools.NorMuonReference", normuon_reference),
+              titan.PER_HEAD: (f"{TORCH}, each qkv head a matrix", titan.per_head_reference(torch_muon))}
 
 
 def reference_step(weights, total, algorithm="muon"):
@@ -223,11 +228,13 @@ def ddp_contender(weights, world, make):
                      lambda: full_weights(params))
 
 
-def fsdp2_contender(weights, world, make):
+def fsdp2_contender(weights, world, make, axis=None):
+    """FSDP2's Shard(0) parameters on a mesh of the weights' device, one a rank (its one axis named `axis`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh(next(iter(weights.values())).device.type, (world,))  # the weights' device, one a rank
+    mesh = init_device_mesh(next(iter(weights.values())).device.type, (world,),
+                            mesh_dim_names=(axis,) if axis else None)
     params = {n: torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for n, w in weights.items()}
     return Contender(params, lambda local: fsdp2_reduce_scatter(params, local, world, mesh),
                      make(params).step, lambda: full_weights(params))
@@ -429,6 +436,8 @@ def no_orthogonalization(package):
     return f"{package}.orthogonalize.orthogonalize._get_orthogonalization_fn: the bf16 input returned (--without-ns)"
 
 
+TORCHTITAN_NOTE = ("torchtitan's DistMuon: benchmarks/requirements-peers.txt says how to install it, from its git "
+                   "repository at the commit this script was run against")
 DION_NOTE = ("microsoft/dion is not on the package registry: benchmarks/requirements-peers.txt says how to install it "
              "from its git repository")
 
@@ -464,7 +473,12 @@ PEERS = [
 ] + [Peer("dion", "dion", f"dion {{v}} {cls}, {mode}", FSDP2_SYNC, dion(cls, eager=mode == "eager"), patch_dion,
           note=DION_NOTE, without_ns=lambda: cast_only("dion.megabatch_base", "zeropower_via_newtonschulz5"),
           algorithm=cls.lower(), compiles=mode == "compiled")
-     for cls in ("Muon", "NorMuon") for mode in ("compiled", "eager")]
+     for cls in ("Muon", "NorMuon") for mode in ("compiled", "eager")
+] + [Peer("torchtitan", "torchtitan", f"torchtitan {{v}} DistMuon, {kind}", FSDP2_SYNC,
+          titan.dist_muon(per_head, fsdp2_contender, dict(lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM)),
+          titan.patch, note=TORCHTITAN_NOTE, without_ns=titan.without_ns,
+          algorithm=titan.PER_HEAD if per_head else "muon")
+     for per_head, kind in ((False, "whole matrices"), (True, "per head"))]
 
 
 def installed(peer):
@@ -709,7 +723,8 @@ def main(argv=None):
           "ours is its step (which reduces); on N processes, the slowest rank's\n")
     print(rows)
     print(f"after one step: against {TORCH}, the NorMuon rows against {REFERENCES['normuon'][0]} (NorMuon on "
-          f"{TORCH}'s pieces, notes/14-normuon.md)")
+          f"{TORCH}'s pieces, notes/14-normuon.md), the per-head rows against {REFERENCES[titan.PER_HEAD][0]} "
+          f"({titan.head_dim(args.d)} rows)")
     compiling = compile_times(runs)
     if compiling:
         print(compiling)
