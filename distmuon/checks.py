@@ -136,6 +136,10 @@ def check_option(name, algorithm, key, value):
     if key not in HONOURED[algorithm]:
         if value not in UNSET and value != OPTIONS[algorithm][key]:
             raise ValueError(f"{name(key)}={value!r} is refused: {refusal(algorithm, key)}")
+    elif key == "lr" and torch.is_tensor(value):  # torch's Muon and AdamW take one (a scheduler fills it in place)
+        if value.numel() != 1:
+            raise ValueError(f"{name(key)}: Tensor lr must be 1-element (got shape {tuple(value.shape)})")
+        _number(name, key, value.item())
     elif key in ("lr", "weight_decay", "eps"):
         _number(name, key, value)
     elif key in ("momentum", "beta2"):
@@ -280,6 +284,16 @@ def local_view(p):
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+def viewable_flat(t):
+    """Whether t.view(-1) exists (a contiguous tensor, or one evenly strided, e.g. every other column): what the
+    step writes through. A transposed matrix is not."""
+    try:
+        t.view(-1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def param_problem(name, p):
     """Why a parameter cannot be stepped (one line naming it and the fix), or None: at construction and at every
     step, before anything moves (torch's own step would fail halfway, after the momentum moved)."""
@@ -288,9 +302,10 @@ def param_problem(name, p):
                 f"initialize it) and build the optimizer on the real parameters")
     if p.layout != torch.strided:
         return f"{name} is a sparse tensor ({p.layout}): Muon and AdamW here step dense parameters"
-    if not local_view(p).is_contiguous():
-        return (f"{name} must be contiguous (it is viewed flat; its strides are {tuple(local_view(p).stride())}): "
-                f"make it contiguous before the optimizer is built, e.g. p.data = p.data.contiguous()")
+    if not viewable_flat(local_view(p)):
+        return (f"{name} cannot be viewed flat (shape {tuple(local_view(p).shape)}, strides "
+                f"{tuple(local_view(p).stride())}), as every optimizer here steps a parameter: make it contiguous "
+                f"before the optimizer is built, e.g. p.data = p.data.contiguous()")
     return None
 
 

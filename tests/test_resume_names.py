@@ -63,12 +63,14 @@ def set_grads(model, grads):
 
 def torch_reference(start, grads, schedule=None, lr=LR):
     """TinyNet's parameters {name: tensor} after torch.optim.Muon and AdamW (torch's defaults, our weight decay)
-    fed `grads`, uninterrupted; schedule(optimizer) -> a scheduler stepped after every step."""
+    fed `grads`, uninterrupted; schedule(optimizer) -> a scheduler stepped after every step; lr: a number, or a
+    function giving each optimizer its own (a Tensor lr, which a scheduler fills in place)."""
+    lrs = (lr(), lr()) if callable(lr) else (lr, lr)
     model = TinyNet()
     model.load_state_dict(start)
     named = list(model.named_parameters())
-    ref = [torch.optim.Muon([p for n, p in named if is_matrix(n, p)], lr=lr, weight_decay=WEIGHT_DECAY),
-           torch.optim.AdamW([p for n, p in named if not is_matrix(n, p)], lr=lr, weight_decay=WEIGHT_DECAY)]
+    ref = [torch.optim.Muon([p for n, p in named if is_matrix(n, p)], lr=lrs[0], weight_decay=WEIGHT_DECAY),
+           torch.optim.AdamW([p for n, p in named if not is_matrix(n, p)], lr=lrs[1], weight_decay=WEIGHT_DECAY)]
     schedulers = [schedule(o) for o in ref] if schedule else []
     for step_grads in grads:
         set_grads(model, step_grads)
@@ -77,12 +79,12 @@ def torch_reference(start, grads, schedule=None, lr=LR):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def ours(build, kind, start, grid):
+def ours(build, kind, start, grid, lr=LR):
     """A TinyNet wrapped as `kind`, from `start`, and an optimizer `build` makes over its parameters."""
     model = TinyNet()
     model.load_state_dict(start)
     model = WRAPS[kind](model)
-    return model, BUILDERS[build](param_groups(model, kind), grid, lr=LR, weight_decay=WEIGHT_DECAY)
+    return model, BUILDERS[build](param_groups(model, kind), grid, lr=lr, weight_decay=WEIGHT_DECAY)
 
 
 def unwrapped(model):

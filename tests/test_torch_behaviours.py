@@ -1,0 +1,60 @@
+"""What torch's own optimizer tests (tests/torch_optim) ask of an optimizer beside its step, checked here against
+torch.optim.Muon and AdamW for every optimizer of this project: a Tensor lr, as torch takes and reads it."""
+
+import pytest
+import torch
+
+from test_optimizer_api import TinyNet
+from test_resume_names import BUILDERS, gradients, halving, ours, set_grads, torch_reference, unwrapped
+
+
+@pytest.mark.parametrize("build", BUILDERS)
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=["0-d", "1-d", "2-d"])
+def test_a_tensor_lr_steps_as_torchs(single_process_group, build, shape):
+    """A 1-element Tensor lr (0-d, 1-d or 2-d, as torch's test_tensor_lr gives it), halved in place by StepLR
+    after every step: three steps torch.equal to torch.optim.Muon's and AdamW's with their own such lr."""
+    lr = lambda: torch.tensor(0.02).reshape(shape)
+    grads, start = gradients(3, seed=9), TinyNet().state_dict()
+    model, opt = ours(build, "plain", start, single_process_group, lr=lr())
+    scheduler = halving(opt)
+    for step_grads in grads:
+        set_grads(model, step_grads)
+        opt.step()
+        scheduler.step()
+    assert all(torch.is_tensor(g["lr"]) and g["lr"].item() == lr().item() / 8 for g in opt.param_groups)
+    want, got = torch_reference(start, grads, schedule=halving, lr=lr), unwrapped(model)
+    assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
+
+
+@pytest.mark.parametrize("lr,message", [
+    (torch.tensor([0.1, 0.2]), r"lr: Tensor lr must be 1-element \(got shape \(2,\)\)"),
+    (torch.tensor(-1.0), r"lr must be >= 0 and finite \(got -1.0\)"),
+])
+def test_a_tensor_lr_is_checked_as_a_number(single_process_group, lr, message):
+    for build in BUILDERS:
+        with pytest.raises(ValueError, match=message):
+            ours(build, "plain", TinyNet().state_dict(), single_process_group, lr=lr)
+
+
+def strided(shape, seed):
+    """A parameter of `shape` that is not contiguous but evenly strided (every other column of a wider tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter(torch.randn(*shape[:-1], 2 * shape[-1], generator=g)[..., ::2])
+
+
+@pytest.mark.parametrize("build", BUILDERS)
+def test_an_evenly_strided_parameter_steps_as_torchs(single_process_group, build):
+    """A parameter viewable flat though not contiguous (torch's test_forloop_goes_right_direction gives one) is
+    stepped in place, torch.equal to torch.optim.Muon and AdamW on the same strided tensors."""
+    (w, b), (w_ref, b_ref) = [(strided((48, 16), 1), strided((16,), 2)) for _ in range(2)]
+    assert not w.is_contiguous() and not b.is_contiguous()
+    opt = BUILDERS[build]([dict(params=[("w", w)]), dict(params=[("b", b)], algorithm="adamw")], single_process_group)
+    ref = [torch.optim.Muon([w_ref]), torch.optim.AdamW([b_ref])]
+    g = torch.Generator().manual_seed(10)
+    for _ in range(3):
+        for p, q in ((w, w_ref), (b, b_ref)):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        for o in [opt] + ref:
+            o.step()
+    assert torch.equal(w, w_ref) and torch.equal(b, b_ref) and not w.is_contiguous()
