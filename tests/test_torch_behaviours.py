@@ -1,5 +1,9 @@
 """What torch's own optimizer tests (tests/torch_optim) ask of an optimizer beside its step, checked here against
-torch.optim.Muon and AdamW for every optimizer of this project: a Tensor lr, as torch takes and reads it."""
+torch.optim.Muon and AdamW: a Tensor lr as torch takes and reads it, and an evenly strided parameter, in every
+optimizer of this project; a deep copy of DTensorMuon that steps."""
+
+import copy
+import pickle
 
 import pytest
 import torch
@@ -58,3 +62,23 @@ def test_an_evenly_strided_parameter_steps_as_torchs(single_process_group, build
         for o in [opt] + ref:
             o.step()
     assert torch.equal(w, w_ref) and torch.equal(b, b_ref) and not w.is_contiguous()
+
+
+def test_a_deep_copy_of_dtensor_muon_steps_as_the_original(single_process_group):
+    """copy.deepcopy(opt) (torch's test_deepcopy_copies_all_public_attrs) copies the parameters and the state, and
+    the copy's step on its own parameters is the original's, torch.equal; pickling it is refused in one line that
+    says what to save instead."""
+    grads, start = gradients(2, seed=11), TinyNet().state_dict()
+    model, opt = ours("dtensor", "plain", start, single_process_group)
+    set_grads(model, grads[0])
+    opt.step()
+    twin = copy.deepcopy((model, opt))
+    assert set(twin[1].__dict__) == set(opt.__dict__) and twin[1].param_groups[0]["params"][0] is not \
+        opt.param_groups[0]["params"][0]
+    for m, o in ((model, opt), twin):
+        set_grads(m, grads[1])
+        o.step()
+    want, got, copied = torch_reference(start, grads), unwrapped(model), unwrapped(twin[0])
+    assert all(torch.equal(got[n], want[n]) and torch.equal(copied[n], want[n]) for n in want)
+    with pytest.raises(TypeError, match=r"^a DTensorMuon holds its plan and process group: save opt.state_dict\(\)"):
+        pickle.dumps(opt)

@@ -56,6 +56,8 @@ What large runs add (defaults: torch's behaviour; tests/test_dtensor_large_runs.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -207,6 +209,19 @@ class DTensorMuon(torch.optim.Optimizer):
         self.me = self.axis.ranks[self.axis.rank]  # global ranks everywhere; the exchange maps them to the group's
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._plan()
+
+    def __deepcopy__(self, memo):
+        """A copy that steps (torch's Optimizer copies only defaults, state and param_groups): every attribute,
+        parameters and state copied; the process group and device meshes shared (the copy steps on the same ranks)."""
+        shared = [self.axis.group] + [p.device_mesh for p in self.param_by_name.values() if isinstance(p, DTensor)]
+        memo.update({id(x): x for x in shared if x is not None})
+        copied = memo[id(self)] = type(self).__new__(type(self))
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
+
+    def __getstate__(self):
+        raise TypeError("a DTensorMuon holds its plan and process group: save opt.state_dict() (torch.save) or a "
+                        "torch.distributed.checkpoint (distmuon.dtensor.checkpoint) and load it into a new one")
 
     def add_param_group(self, param_group):
         """torch's, each option filled and checked per the group's algorithm (distmuon.checks). Called after
