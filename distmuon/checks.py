@@ -223,9 +223,15 @@ SCHEDULER_KEYS = ("initial_lr", "base_lr", "max_lr", "min_lr", "base_momentum", 
 
 def check_param_group(group, i):
     """A group's options (once filled) by their algorithm's rules, naming the group: at construction, and at
-    every step, where a value set or loaded since then is caught before anything moves. A Muon group's
-    ns_coefficients as ns_coefficients_of reads them with its ns_steps (kept as given)."""
+    every step, where a value set or loaded since then is caught before anything moves (a key no option of the
+    algorithm, as a scheduler cycling another algorithm's momentum writes, too). A Muon group's ns_coefficients as
+    ns_coefficients_of reads them with its ns_steps (kept as given)."""
     name = group_spelling(i, group)
+    unknown = sorted(set(group) - set(GROUP_KEYS) - set(SCHEDULER_KEYS) - set(OPTIONS[group["algorithm"]]))
+    if unknown:
+        raise ValueError(f"param group {i} ({group['algorithm']}): {', '.join(unknown)}: not an option of "
+                         f"{class_name(group['algorithm'])} (set since construction? a scheduler cycling the "
+                         f"momentum of another group's algorithm sets it: give it cycle_momentum=False)")
     for key in OPTIONS[group["algorithm"]]:
         check_option(name, group["algorithm"], key, group[key])
     if group["algorithm"] in ORTHOGONALIZED:
@@ -239,6 +245,15 @@ def check_param_groups(param_groups):
     """Every group's options (once filled), each by its algorithm's rules."""
     for i, group in enumerate(param_groups):
         check_param_group(group, i)
+
+
+def torch_defaults(param_groups, options):
+    """optimizer.defaults as torch's optimizer of these groups has them (torch's schedulers read them: OneCycleLR
+    and CyclicLR look there for a momentum or betas to cycle): its algorithm's options, the constructor's keywords
+    over torch's defaults; Muon's where the groups mix algorithms (a group without one is Muon's)."""
+    algorithms = {g["algorithm"] for g in param_groups}
+    algorithm = algorithms.pop() if len(algorithms) == 1 else "muon"
+    return {key: options.get(key, default) for key, default in OPTIONS[algorithm].items()}
 
 
 def fill_param_group(group, options, i, extra=()):

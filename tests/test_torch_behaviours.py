@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 
+from distmuon.dtensor import DTensorMuon
 from test_optimizer_api import TinyNet
 from test_resume_names import BUILDERS, gradients, halving, ours, set_grads, torch_reference, unwrapped
 
@@ -82,3 +83,47 @@ def test_a_deep_copy_of_dtensor_muon_steps_as_the_original(single_process_group)
     assert all(torch.equal(got[n], want[n]) and torch.equal(copied[n], want[n]) for n in want)
     with pytest.raises(TypeError, match=r"^a DTensorMuon holds its plan and process group: save opt.state_dict\(\)"):
         pickle.dumps(opt)
+
+
+CYCLES = {  # torch's schedulers that read optimizer.defaults for a momentum (Muon's) or betas (AdamW's) to cycle
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=4),
+    "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.05, step_size_up=2),
+}
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "adamw"])
+@pytest.mark.parametrize("schedule", CYCLES)
+def test_schedulers_that_cycle_momentum_cycle_it_as_torchs(single_process_group, schedule, algorithm):
+    """DTensorMuon's defaults are torch's optimizer's (with the constructor's options): OneCycleLR and CyclicLR
+    find the momentum (Muon) or betas (AdamW) there and cycle it, three steps torch.equal to torch.optim.Muon's
+    (or AdamW's) under the same scheduler."""
+    grads, start = gradients(3, seed=12), TinyNet().state_dict()
+    model, reference = TinyNet(), TinyNet()
+    model.load_state_dict(start)
+    reference.load_state_dict(start)
+    pick = (lambda n, p: p.ndim == 2 and n != "embed.weight") if algorithm == "muon" else (lambda n, p: p.ndim == 1)
+    torch_class = torch.optim.Muon if algorithm == "muon" else torch.optim.AdamW
+    opt = DTensorMuon([dict(params=[(n, p) for n, p in model.named_parameters() if pick(n, p)],
+                            algorithm=algorithm)], weight_decay=0.05)
+    ref = torch_class([p for n, p in reference.named_parameters() if pick(n, p)], weight_decay=0.05)
+    assert opt.defaults == {k: v for k, v in ref.defaults.items() if k != "decoupled_weight_decay"}  # AdamW's own
+    schedulers = [CYCLES[schedule](o) for o in (opt, ref)]
+    for step_grads in grads:
+        for m in (model, reference):
+            set_grads(m, step_grads)
+        for o in [opt, ref] + schedulers:
+            o.step()
+    assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_momentum_a_scheduler_gives_an_adamw_group_is_refused(single_process_group):
+    """A Muon and an AdamW group: OneCycleLR cycles the Muon group's momentum and writes one into the AdamW group too,
+    which AdamW does not take: the step refuses it in one line (never ignored), nothing moved."""
+    model, opt = ours("dtensor", "plain", TinyNet().state_dict(), single_process_group)
+    CYCLES["OneCycleLR"](opt)
+    set_grads(model, gradients(1)[0])
+    weights = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"^rank 0: param group 1 \(adamw\): momentum: not an option of torch.optim.AdamW"):
+        opt.step()
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())

@@ -200,6 +200,7 @@ class DTensorMuon(torch.optim.Optimizer):
         check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts)
         self.options = options
         super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
+        self.defaults = mc.torch_defaults(self.param_groups, options)  # torch's optimizer's, which schedulers read
         config = distributed_config or DistributedConfig()
         config.check()
         self.ledger, self.expert_stacks = dm.Ledger(), set(expert_stacks)
@@ -233,7 +234,11 @@ class DTensorMuon(torch.optim.Optimizer):
             if not isinstance(param_group, dict):
                 raise ValueError(f"a param group must be a dict with 'params' (got {type(param_group).__name__})")
             mc.fill_param_group(param_group, self.options, len(self.param_groups))
-            super().add_param_group(mc.name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
+            defaults, self.defaults = self.defaults, {}  # the group is filled per its algorithm, not from defaults
+            try:
+                super().add_param_group(mc.name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
+            finally:
+                self.defaults = defaults
             if hasattr(self, "axis"):  # torch's constructor adds the first groups, planned together after it
                 self._plan()
         except (ValueError, TypeError):
