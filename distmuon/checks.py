@@ -5,7 +5,8 @@ Part of the library (distmuon), below the lesson: it imports no other file of th
 arguments here, as the runner's command lines check their flags, so that a keyword and its flag are refused
 with the same words (`name` spells an argument either way: a keyword, or the runner's "--lr"). Every check runs
 before anything moves: a refused optimizer was never built, a refused add_param_group left the optimizer as it
-was, and a refused step changed nothing.
+was, a refused step changed nothing, and a refused load replaced nothing (checked_state_dict, at the end: a state
+dict matched to the parameters by name as torch's checkpoint helpers match them, and checked whole).
 
 A param group of algorithm "muon" takes exactly torch.optim.Muon's options, one of "adamw" exactly
 torch.optim.AdamW's, each with torch's default, read from the installed torch's signatures: a Muon group's

@@ -2,7 +2,8 @@
 
 Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One step, as seen from one rank:
 
-  0. checks         every group's options (torch's rules, distmuon.checks) and every gradient, then the
+  0. checks         every group's options (torch's rules, distmuon.checks), every parameter (one the plan does
+                    not know, with a gradient, is refused; so is one that cannot be viewed flat) and gradient, then the
                     grad-presence vote: one MAX all-reduce of a flag per parameter name and one for "a rank found
                     a problem" (then EVERY rank raises, before any tensor changes). A parameter whose grad is None
                     on every rank is skipped, as torch skips it; one with a gradient somewhere takes zeros where it
@@ -172,7 +173,8 @@ class DTensorMuon(torch.optim.Optimizer):
     The gradient contract: after backward, p.grad is the TOTAL gradient (reduced over data parallel, as FSDP2's
     reduce-scatter leaves it), a DTensor with p's mesh and placements (a plain tensor for a plain p); a Partial
     gradient is refused. Checkpoints: torch's own helpers (get/set_optimizer_state_dict, dcp) work unchanged, across
-    meshes (checkpoint.py). A step that must be refused raises on EVERY rank before anything changes; a parameter
+    meshes (checkpoint.py); load_state_dict matches parameters by name as they do (torch.compile's, activation
+    checkpointing's and DDP's prefixes dropped) and refuses, changing nothing, what does not match. A step that must be refused raises on EVERY rank before anything changes; a parameter
     whose .grad is None on every rank is skipped, as torch.optim.Muon and AdamW skip it.
     """
 
