@@ -11,7 +11,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import mo
+from conftest import mc, mo
 from distmuon.dtensor import DTensorMuon
 from test_optimizer_api import VARIANTS, TinyNet
 
@@ -207,3 +207,16 @@ def test_no_step_leaves_a_parameter_with_a_gradient_unchanged(single_process_gro
             opt.step()
             still = [n for n, p in unwrapped(model).items() if torch.equal(p, before[n])]
             assert not still, (saved_kind, resumed_kind, still)
+
+
+def test_names_are_read_as_torchs_checkpoint_helpers_read_them(single_process_group):
+    """distmuon.checks.canonical_name against torch's own reading (_get_fqns, which get/set_optimizer_state_dict
+    key the state by) of every parameter name of TinyNet wrapped by each of WRAPS and by two of them at once."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    wrapped = [WRAPS[kind](TinyNet()) for kind in WRAPS] + [
+        torch.compile(DistributedDataParallel(TinyNet())), DistributedDataParallel(WRAPS["checkpointed"](TinyNet()))]
+    names = [(model, n) for model in wrapped for n, _ in model.named_parameters()]
+    assert {n for _, n in names} > {n for n, _ in TinyNet().named_parameters()}  # some names are wrapped
+    assert all({mc.canonical_name(n)} == _get_fqns(model, n) for model, n in names), \
+        [(n, _get_fqns(model, n)) for model, n in names if {mc.canonical_name(n)} != _get_fqns(model, n)]
