@@ -625,11 +625,15 @@ def checked_state_dict(param_groups, state_dict, like, optional=(), reorder=True
         except ValueError as e:
             raise refused(e) from None
         for name, k in zip(ours, order):
-            problem = state_problem(name, saved_state.get(ids[k]), loaded, like[name], optional)
+            saved_state_of = saved_state.get(ids[k])
+            if isinstance(saved_state_of, dict) and type(saved_state_of.get("step")) in (int, float):
+                # an older torch's step, a number: a float32 tensor, as torch.optim.AdamW's __setstate__ makes it
+                saved_state_of = dict(saved_state_of, step=torch.tensor(float(saved_state_of["step"])))
+            problem = state_problem(name, saved_state_of, loaded, like[name], optional)
             if problem:
                 raise refused(f"param group {i}: {problem}")
-            if saved_state.get(ids[k]):
-                state[ids[k]] = saved_state[ids[k]]
+            if saved_state_of:
+                state[ids[k]] = saved_state_of
         groups.append(loaded)
         first += len(ours)
     stray = [k for k in saved_state if k not in {n for g in saved_groups for n in g["params"]}]

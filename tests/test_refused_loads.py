@@ -128,18 +128,29 @@ def torch_state_dicts(start, grads):
     return m, a, both, {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("which", ["muon", "adamw", "both"])
+def number_steps(sd):
+    """The state dict as an older torch saved AdamW's: each step a Python number."""
+    for state in sd["state"].values():
+        if "step" in state:
+            state["step"] = state["step"].item()
+
+
+@pytest.mark.parametrize("which", ["muon", "adamw", "both", "adamw, its steps numbers"])
 def test_torchs_own_state_dicts_load_into_the_matching_groups(single_process_group, which):
-    """torch.optim.Muon's state dict (no algorithm: Muon's) into a Muon group, AdamW's into an AdamW group, both
-    into an optimizer of both: the next step is torch's second, torch.equal."""
+    """torch.optim.Muon's state dict (no algorithm: Muon's) into a Muon group, AdamW's into an AdamW group (also
+    with its steps numbers, as an older torch saved them and torch.optim.AdamW loads them), both into an
+    optimizer of both: the next step is torch's second, torch.equal."""
     grads, start = gradients(2, seed=5), TinyNet().state_dict()
     m, a, both, after_one = torch_state_dicts(start, grads)
+    if which == "adamw, its steps numbers":
+        number_steps(a)
     model = TinyNet()
     model.load_state_dict(after_one)
     named = list(model.named_parameters())
     groups = [dict(params=[(n, p) for n, p in named if is_matrix(n, p)]),
               dict(params=[(n, p) for n, p in named if not is_matrix(n, p)], algorithm="adamw")]
-    groups, saved = {"muon": ([groups[0]], m), "adamw": ([groups[1]], a), "both": (groups, both)}[which]
+    groups, saved = {"muon": ([groups[0]], m), "adamw": ([groups[1]], a), "both": (groups, both),
+                     "adamw, its steps numbers": ([groups[1]], a)}[which]
     opt = DTensorMuon(groups, lr=LR, weight_decay=WEIGHT_DECAY)
     opt.load_state_dict(through_a_file(saved))
     set_grads(model, grads[1])
