@@ -220,3 +220,24 @@ def test_names_are_read_as_torchs_checkpoint_helpers_read_them(single_process_gr
     assert {n for _, n in names} > {n for n, _ in TinyNet().named_parameters()}  # some names are wrapped
     assert all({mc.canonical_name(n)} == _get_fqns(model, n) for model, n in names), \
         [(n, _get_fqns(model, n)) for model, n in names if {mc.canonical_name(n)} != _get_fqns(model, n)]
+
+
+@pytest.mark.parametrize("saved_kind,resumed_kind", PAIRS)
+def test_dtensor_muon_resumes_under_other_names_through_torchs_checkpoint_helpers(single_process_group, tmp_path,
+                                                                                   saved_kind, resumed_kind):
+    """DTensorMuon's own recipe (distmuon.dtensor.checkpoint: get/set_optimizer_state_dict and dcp) saved from one
+    naming, loaded into another: the third step is torch's uninterrupted third, torch.equal."""
+    from distmuon.dtensor import load_checkpoint, save_checkpoint
+
+    grads, start = gradients(3, seed=13), TinyNet().state_dict()
+    model, opt = ours("dtensor", saved_kind, start, single_process_group)
+    for step_grads in grads[:2]:
+        set_grads(model, step_grads)
+        opt.step()
+    save_checkpoint(str(tmp_path), model, opt)
+    model, opt = ours("dtensor", resumed_kind, TinyNet().state_dict(), single_process_group)  # weights from the file
+    load_checkpoint(str(tmp_path), model, opt)
+    set_grads(model, grads[2])
+    opt.step()
+    want, got = torch_reference(start, grads), unwrapped(model)
+    assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
