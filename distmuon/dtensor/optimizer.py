@@ -174,8 +174,9 @@ class DTensorMuon(torch.optim.Optimizer):
     reduce-scatter leaves it), a DTensor with p's mesh and placements (a plain tensor for a plain p); a Partial
     gradient is refused. Checkpoints: torch's own helpers (get/set_optimizer_state_dict, dcp) work unchanged, across
     meshes (checkpoint.py); load_state_dict matches parameters by name as they do (torch.compile's, activation
-    checkpointing's and DDP's prefixes dropped) and refuses, changing nothing, what does not match. A step that must be refused raises on EVERY rank before anything changes; a parameter
-    whose .grad is None on every rank is skipped, as torch.optim.Muon and AdamW skip it.
+    checkpointing's and DDP's prefixes dropped) and refuses, changing nothing, what does not match. A step that
+    must be refused raises on EVERY rank before anything changes; a parameter whose .grad is None on every rank is
+    skipped, as torch.optim.Muon and AdamW skip it.
     """
 
     def __init__(self, params, *, expert_stacks=(), distributed_config=None, batched_ns=False, group=None,
