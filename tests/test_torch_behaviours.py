@@ -124,6 +124,7 @@ def test_a_momentum_a_scheduler_gives_an_adamw_group_is_refused(single_process_g
     CYCLES["OneCycleLR"](opt)
     set_grads(model, gradients(1)[0])
     weights = {n: p.clone() for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match=r"^rank 0: param group 1 \(adamw\): momentum: not an option of torch.optim.AdamW"):
+    with pytest.raises(ValueError, match=r"^rank 0: param group 1 \(adamw\): momentum: not an option of "
+                                         r"torch.optim.AdamW"):
         opt.step()
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
