@@ -251,40 +251,54 @@ class Spawn:
     timeout_s: float = 120.0
 
 
+def unplanned_parameter(opt, model):
+    extra = torch.nn.Parameter(torch.randn(4))
+    extra.grad = torch.ones(4)
+    opt.param_groups[1]["params"].append(extra)
+    opt.param_groups[1]["param_names"].append("extra")
+
+
+ON_RANK_1 = {  # what rank 1 alone does before the step, and the line it raises
+    unplanned_parameter: "rank 1: extra has a gradient but is not a parameter this optimizer planned",
+    lambda opt, model: sparse_gradient(model): "rank 1: the gradient of embed.weight is sparse",
+}
+
+
 def refusals_rank(rank, spawn, device):
-    """On each of 2 ranks, every optimizer here: rank 1 alone puts a parameter into param_groups by hand, with a
-    gradient; each rank's refusal (or None) and whether its weights stayed as they were."""
+    """On each of 2 ranks, every optimizer here and every spoiling of ON_RANK_1, which rank 1 alone does: each
+    rank's refusal (or None) and whether its weights stayed as they were."""
     torch.set_num_threads(1)
     from distributed_muon_cpu import make_grid
 
     grid, out = make_grid(2, 1, rank), {}
     for build in BUILDERS:
-        torch.manual_seed(0)
-        model = TinyNet()
-        opt = BUILDERS[build](param_groups(model, "plain"), grid)
-        set_grads(model, gradients(1)[0])
-        if rank == 1:
-            extra = torch.nn.Parameter(torch.randn(4))
-            extra.grad = torch.ones(4)
-            opt.param_groups[1]["params"].append(extra)
-            opt.param_groups[1]["param_names"].append("extra")
-        weights = {n: p.clone() for n, p in model.named_parameters()}
-        try:
-            opt.step()
-            out[build] = None
-        except ValueError as e:
-            out[build] = str(e)
-        out[build] = (out[build], all(torch.equal(p, weights[n]) for n, p in model.named_parameters()))
+        for k, spoil in enumerate(ON_RANK_1):
+            torch.manual_seed(0)
+            model = TinyNet()
+            opt = BUILDERS[build](param_groups(model, "plain"), grid)
+            set_grads(model, gradients(1)[0])
+            if rank == 1:
+                spoil(opt, model)
+            weights = {n: p.clone() for n, p in model.named_parameters()}
+            try:
+                opt.step()
+                out[build, k] = None
+            except ValueError as e:
+                out[build, k] = str(e)
+            out[build, k] = (out[build, k], all(torch.equal(p, weights[n]) for n, p in model.named_parameters()))
     return out
 
 
-def test_a_parameter_the_plan_does_not_know_is_refused_on_every_rank():
+def test_what_one_rank_refuses_every_rank_refuses():
+    """A parameter the plan does not know, a sparse gradient: on rank 1 alone, refused on both ranks, in one line
+    naming it on rank 1 and naming rank 1 on rank 0, every weight as it was on both."""
     ranks = mt.spawn_ranks(Spawn(), refusals_rank)
     for build in BUILDERS:
-        (theirs, kept0), (mine, kept1) = ranks[0][build], ranks[1][build]
-        assert mine.startswith("rank 1: extra has a gradient but is not a parameter this optimizer planned"), build
-        assert theirs == "rank 1 refused the step (it raised why); nothing changed", build
-        assert kept0 and kept1, build
+        for k, line in enumerate(ON_RANK_1.values()):
+            (theirs, kept0), (mine, kept1) = ranks[0][build, k], ranks[1][build, k]
+            assert mine.startswith(line), (build, mine)
+            assert theirs == "rank 1 refused the step (it raised why); nothing changed", (build, theirs)
+            assert kept0 and kept1, build
 
 
 @pytest.mark.parametrize("build", BUILDERS)
