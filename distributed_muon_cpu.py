@@ -47,10 +47,11 @@ from torch.profiler import record_function
 
 # From the library, below this file: AdamW's math for what Muon does not take, Gloo's reduce-scatter in rank
 # order, and what the optimizer refuses.
-from distmuon.adamw import adamw_state, adamw_step_
+from distmuon.adamw import adamw_state, adamw_step_, scalar_lr
 from distmuon.collectives import all_gather_single, reduce_scatter_sum
-from distmuon.checks import (ORTHOGONALIZED, QK_CLIP_OFF, check_grid, check_layout, check_options, check_parts,
-                             fill_param_group, index_named_params, name_params, ns_coefficients_of, step_problem)
+from distmuon.checks import (ORTHOGONALIZED, QK_CLIP_OFF, check_grid, check_options, check_parts,
+                             checked_zero1_state_dict, fill_param_group, index_named_params, name_params,
+                             ns_coefficients_of, step_problem)
 
 # =============================================================================
 # 1. Muon on one device
@@ -125,12 +126,13 @@ def apply_muon_update_(param, ortho, group, global_shape, runs=None):
     """p <- p (1 - lr wd) - adjusted_lr(global shape) O, as torch.optim.Muon: the decay takes the unadjusted lr.
     runs: None, or section 8's [(start, stop, rows)]: elements [start, stop) lie in blocks of `rows` rows, each
     adjusted for its own shape (rows, cols), one add_ per run, as torch adjusts blocks stepped as parameters."""
-    param.mul_(1 - group["lr"] * group["weight_decay"])
+    lr = scalar_lr(group["lr"])  # a float, or a Tensor lr as torch reads it
+    param.mul_(1 - lr * group["weight_decay"])
     if runs is None:
-        param.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], global_shape))
+        param.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], global_shape))
     for start, stop, rows in runs or ():
         param[start:stop].add_(ortho[start:stop],
-                               alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], (rows, global_shape[1])))
+                               alpha=-adjusted_lr(lr, group["adjust_lr_fn"], (rows, global_shape[1])))
 
 
 def muon_step_(param, grad, momentum_buffer, group):
@@ -742,10 +744,9 @@ class DistributedMuon(torch.optim.Optimizer):
         """This rank's shard of the state, and the layout it belongs to."""
         return dict(super().state_dict(), layout=self._checkpoint_layout())
 
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        check_layout(state_dict.pop("layout", None), self._checkpoint_layout())
-        super().load_state_dict(state_dict)
+    def load_state_dict(self, state_dict):  # checked whole before anything is replaced; the step reads what loaded
+        super().load_state_dict(checked_zero1_state_dict(self, state_dict, self._checkpoint_layout()))
+        self.param_by_name, self.group_of, _ = index_named_params(self.param_groups, self.tp_split_dims)
 
     def state_bytes(self):
         """Bytes of optimizer state this rank holds (momentum; AdamW moments and steps)."""

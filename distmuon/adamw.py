@@ -39,9 +39,15 @@ def adamw_state(numel, group, device=None):
     return state
 
 
+def scalar_lr(lr):
+    """The lr a step computes with, as torch's optimizers read it (torch.optim.optimizer._to_scalar): a float as it
+    is, a 1-element Tensor lr as a 0-d tensor (its arithmetic stays a tensor's, as in torch's step)."""
+    return lr.squeeze() if torch.is_tensor(lr) else lr
+
+
 def adamw_step_(param, grad, state, group):
     """One AdamW step of a part, with its param group's options: the step count, then adamw_ on the state's moments."""
     state["step"] += 1
-    adamw_(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"].item(), lr=group["lr"],
+    adamw_(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"].item(), lr=scalar_lr(group["lr"]),
            betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
            maximize=group.get("maximize", False), max_exp_avg_sq=state.get("max_exp_avg_sq"))

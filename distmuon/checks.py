@@ -5,7 +5,8 @@ Part of the library (distmuon), below the lesson: it imports no other file of th
 arguments here, as the runner's command lines check their flags, so that a keyword and its flag are refused
 with the same words (`name` spells an argument either way: a keyword, or the runner's "--lr"). Every check runs
 before anything moves: a refused optimizer was never built, a refused add_param_group left the optimizer as it
-was, and a refused step changed nothing.
+was, a refused step changed nothing, and a refused load replaced nothing (checked_state_dict, at the end: a state
+dict matched to the parameters by name as torch's checkpoint helpers match them, and checked whole).
 
 A param group of algorithm "muon" takes exactly torch.optim.Muon's options, one of "adamw" exactly
 torch.optim.AdamW's, each with torch's default, read from the installed torch's signatures: a Muon group's
@@ -21,6 +22,7 @@ import inspect
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from distmuon.normuon import NORMUON_OPTIONS
 
@@ -135,6 +137,10 @@ def check_option(name, algorithm, key, value):
     if key not in HONOURED[algorithm]:
         if value not in UNSET and value != OPTIONS[algorithm][key]:
             raise ValueError(f"{name(key)}={value!r} is refused: {refusal(algorithm, key)}")
+    elif key == "lr" and torch.is_tensor(value):  # torch's Muon and AdamW take one (a scheduler fills it in place)
+        if value.numel() != 1:
+            raise ValueError(f"{name(key)}: Tensor lr must be 1-element (got shape {tuple(value.shape)})")
+        _number(name, key, value.item())
     elif key in ("lr", "weight_decay", "eps"):
         _number(name, key, value)
     elif key in ("momentum", "beta2"):
@@ -218,9 +224,15 @@ SCHEDULER_KEYS = ("initial_lr", "base_lr", "max_lr", "min_lr", "base_momentum", 
 
 def check_param_group(group, i):
     """A group's options (once filled) by their algorithm's rules, naming the group: at construction, and at
-    every step, where a value set or loaded since then is caught before anything moves. A Muon group's
-    ns_coefficients as ns_coefficients_of reads them with its ns_steps (kept as given)."""
+    every step, where a value set or loaded since then is caught before anything moves (a key no option of the
+    algorithm, as a scheduler cycling another algorithm's momentum writes, too). A Muon group's ns_coefficients as
+    ns_coefficients_of reads them with its ns_steps (kept as given)."""
     name = group_spelling(i, group)
+    unknown = sorted(set(group) - set(GROUP_KEYS) - set(SCHEDULER_KEYS) - set(OPTIONS[group["algorithm"]]))
+    if unknown:
+        raise ValueError(f"param group {i} ({group['algorithm']}): {', '.join(unknown)}: not an option of "
+                         f"{class_name(group['algorithm'])} (set since construction? a scheduler cycling the "
+                         f"momentum of another group's algorithm sets it: give it cycle_momentum=False)")
     for key in OPTIONS[group["algorithm"]]:
         check_option(name, group["algorithm"], key, group[key])
     if group["algorithm"] in ORTHOGONALIZED:
@@ -234,6 +246,15 @@ def check_param_groups(param_groups):
     """Every group's options (once filled), each by its algorithm's rules."""
     for i, group in enumerate(param_groups):
         check_param_group(group, i)
+
+
+def torch_defaults(param_groups, options):
+    """optimizer.defaults as torch's optimizer of these groups has them (torch's schedulers read them: OneCycleLR
+    and CyclicLR look there for a momentum or betas to cycle): its algorithm's options, the constructor's keywords
+    over torch's defaults; Muon's where the groups mix algorithms (a group without one is Muon's)."""
+    algorithms = {g["algorithm"] for g in param_groups}
+    algorithm = algorithms.pop() if len(algorithms) == 1 else "muon"
+    return {key: options.get(key, default) for key, default in OPTIONS[algorithm].items()}
 
 
 def fill_param_group(group, options, i, extra=()):
@@ -274,6 +295,52 @@ def name_params(group, first):
     return group
 
 
+def local_view(p):
+    """The tensor this rank holds of `p`: a DTensor's local shard, a plain tensor itself."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def viewable_flat(t):
+    """Whether t.view(-1) exists (a contiguous tensor, or one evenly strided, e.g. every other column): what the
+    step writes through. A transposed matrix is not."""
+    try:
+        t.view(-1)
+    except RuntimeError:
+        return False
+    return True
+
+
+def param_problem(name, p):
+    """Why a parameter cannot be stepped (one line naming it and the fix), or None: at construction and at every
+    step, before anything moves (torch's own step would fail halfway, after the momentum moved)."""
+    if p.device.type == "meta":
+        return (f"{name} is on the meta device (no values): materialize it first (model.to_empty(device=...), then "
+                f"initialize it) and build the optimizer on the real parameters")
+    if p.layout != torch.strided:
+        return f"{name} is a sparse tensor ({p.layout}): Muon and AdamW here step dense parameters"
+    if not viewable_flat(local_view(p)):
+        return (f"{name} cannot be viewed flat (shape {tuple(local_view(p).shape)}, strides "
+                f"{tuple(local_view(p).stride())}), as every optimizer here steps a parameter: make it contiguous "
+                f"before the optimizer is built, e.g. p.data = p.data.contiguous()")
+    return None
+
+
+def gradient_problem(name, g):
+    """Why a gradient cannot be stepped (one line), or None: a sparse one (torch.optim.AdamW refuses it too)."""
+    if g.layout != torch.strided:
+        return (f"the gradient of {name} is sparse ({g.layout}): Muon and AdamW here take dense gradients "
+                f"(e.g. nn.Embedding(..., sparse=False))")
+    return None
+
+
+def names_problem(i, group):
+    """Why a group's params and param_names do not pair up (one line), or None: zip would drop the surplus."""
+    if len(group.get("param_names", ())) != len(group["params"]):
+        return (f"param group {i} has {len(group['params'])} params and {len(group.get('param_names', ()))} "
+                f"param_names: add parameters with add_param_group")
+    return None
+
+
 def named_params(param_groups):
     """[(name, tensor, its group)] after the checks every optimizer here needs (DTensorMuon's too):
     'muon', 'normuon' or 'adamw' groups, their options, named float32 parameters (state is keyed by name), no
@@ -283,6 +350,8 @@ def named_params(param_groups):
             raise ValueError(algorithm_problem(i, group.get("algorithm")))
         if "param_names" not in group:
             raise ValueError("pass named parameters: [(name, tensor), ...] (state is keyed by name)")
+        if names_problem(i, group):
+            raise ValueError(names_problem(i, group))
     check_param_groups(param_groups)
     named, seen, tensors = [], set(), {}
     for group in param_groups:
@@ -294,6 +363,8 @@ def named_params(param_groups):
                                  f"twice")
             if p.dtype != torch.float32:
                 raise ValueError(f"{name} is {p.dtype}; this reference keeps float32 parameters")
+            if param_problem(name, p):
+                raise ValueError(param_problem(name, p))
             seen.add(name)
             tensors[id(p)] = name
             named.append((name, p, group))
@@ -314,8 +385,6 @@ def index_named_params(param_groups, tp_split_dims):
     for name, p, group in named_params(param_groups):
         if group["algorithm"] in ORTHOGONALIZED and p.ndim != 2:
             raise ValueError(not_a_matrix(name, p.shape))
-        if not p.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (it is viewed flat)")
         param_by_name[name], group_of[name] = p, group
     unknown = set(tp_split_dims) - set(param_by_name)
     if unknown:
@@ -361,30 +430,240 @@ def check_grid(dp, tp, world=None):
         raise ValueError(f"world size {world} != DP {dp} x TP {tp} = {dp * tp}")
 
 
+def unplanned_problem(param_groups, planned):
+    """Why a step is refused because a parameter with a gradient is not one the optimizer planned for ({name:
+    tensor}), or None: a tensor put into param_groups by hand, or renamed there, would be skipped silently."""
+    for i, group in enumerate(param_groups):
+        if names_problem(i, group):
+            return names_problem(i, group)
+        for name, p in zip(group["param_names"], group["params"]):
+            if p.grad is not None and planned.get(name) is not p:
+                return (f"{name} has a gradient but is not a parameter this optimizer planned its step for (put "
+                        f"into param_groups by hand, or renamed there): add parameters with add_param_group")
+    return None
+
+
 def step_problem(param_groups, param_by_name):
-    """Why this rank refuses a step (one line), or None: a group's option set or loaded since construction, or a
-    gradient of another shape, dtype or device than its parameter's."""
+    """Why this rank refuses a step (one line), or None: a group's option set or loaded since construction, a
+    parameter with a gradient the optimizer did not plan for, or a gradient of another shape, dtype, device or
+    layout than its parameter's."""
     try:
         check_param_groups(param_groups)
     except ValueError as e:
         return str(e)
+    problem = unplanned_problem(param_groups, param_by_name)
     for name, p in param_by_name.items():
         g = p.grad
-        if g is not None and (g.shape != p.shape or g.dtype != p.dtype or g.device != p.device):
+        problem = problem or param_problem(name, p) or (g is not None and gradient_problem(name, g)) or None
+        if problem is None and g is not None and (g.shape != p.shape or g.dtype != p.dtype or g.device != p.device):
             return (f"the gradient of {name} is {g.dtype} {tuple(g.shape)} on {g.device}; "
                     f"the parameter is {p.dtype} {tuple(p.shape)} on {p.device}")
+    return problem
+
+
+# What clip_qk_ says, on every rank, when the optimizer was built without QK-clip.
+QK_CLIP_OFF = ("QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows; the "
+               "lesson's optimizers take both in large_runs=distmuon.LargeRuns(...))")
+
+
+# -- loads: a state dict matched to the optimizer's parameters, checked whole before anything is replaced ----------
+# The components torch's get/set_optimizer_state_dict drop from a parameter's name (_get_fqns, in
+# torch/distributed/checkpoint/state_dict.py): torch.compile's and activation checkpointing's wrappers (and FSDP1's)
+# at any depth, and DDP's leading "module" (torch drops it where the module is a DDP; here, where it leads the name).
+WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+STATE_KEYS = {"muon": ("momentum_buffer",), "normuon": ("momentum_buffer", "normuon_v"),
+              "adamw": ("step", "exp_avg", "exp_avg_sq")}  # and amsgrad's max_exp_avg_sq
+MOMENTS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # each the shape of the parameter's state
+
+
+def canonical_name(name):
+    """A parameter's name as torch's checkpoint helpers key it: wrapper components dropped."""
+    parts = [part for part in str(name).split(".") if part not in WRAPPER_NAMES]
+    return ".".join(parts[1:] if len(parts) > 1 and parts[0] == "module" else parts)
+
+
+def positional(names, first):
+    """Whether `names` are positions (torch's numbering of plain tensors, as name_params gives them), not names."""
+    return [str(n) for n in names] == [str(first + k) for k in range(len(names))]
+
+
+def saved_order(ours, theirs, first):
+    """For each of our parameter names, the index of the checkpoint's parameter whose state it takes, or None.
+    By position where either side has no names (None, or positions); else by name, exactly, then as
+    canonical_name spells them."""
+    if theirs is None or list(theirs) == list(ours) or positional(theirs, first) or positional(ours, first):
+        return list(range(len(ours)))
+    for key in (str, canonical_name):
+        index = {key(n): k for k, n in enumerate(theirs)}
+        if len(index) == len(theirs) == len({key(n) for n in ours}) and set(index) == {key(n) for n in ours}:
+            return [index[key(n)] for n in ours]
     return None
 
 
-def check_layout(saved, here):
+def names_saved(saved):
+    """A saved group's names of its parameters: its params where they are names (torch's checkpoint helpers key
+    by name), else its param_names; None where it has positions only."""
+    ids = list(saved.get("params", ()))
+    return ids if ids and all(isinstance(n, str) for n in ids) else saved.get("param_names")
+
+
+def saved_names(param_groups, state_dict):
+    """{the checkpoint's name of a parameter: this optimizer's}, as checked_state_dict matches them; {} where they
+    do not match (checked_state_dict says why)."""
+    names, first = {}, 0
+    for group, saved in zip(param_groups, state_dict.get("param_groups", ())):
+        saved = saved if isinstance(saved, dict) else {}
+        ids = list(saved.get("params", ()))
+        theirs = names_saved(saved) or ids
+        order = saved_order(group["param_names"], theirs, first) if len(ids) == len(group["param_names"]) else None
+        names.update({str(theirs[k]): ours for ours, k in zip(group["param_names"], order or ())})
+        first += len(group["param_names"])
+    return names
+
+
+def unmatched(ours, theirs):
+    """One line naming the names on either side that match none on the other (canonical_name's spelling)."""
+    mine, saved = {canonical_name(n) for n in ours}, {canonical_name(n) for n in theirs}
+    lost = [n for n in theirs if canonical_name(n) not in mine] or ["(none)"]
+    new = [n for n in ours if canonical_name(n) not in saved] or ["(none)"]
+    return (f"the checkpoint's {', '.join(map(str, lost[:6]))} match no parameter here, and this optimizer's "
+            f"{', '.join(new[:6])} none of the checkpoint's (names match as torch's checkpoint helpers match them: "
+            f"{'., '.join(WRAPPER_NAMES[:2])}. anywhere and a leading module. dropped)")
+
+
+def saved_algorithm(saved):
+    """A saved group's algorithm: its own, else torch's optimizer its options are (AdamW's have betas; a group
+    without an algorithm is Muon's, as construction reads it)."""
+    return saved.get("algorithm", "adamw" if "betas" in saved else "muon")
+
+
+def tensor_problem(value, like):
+    """Why a saved state tensor cannot replace one like `like` (a tensor, or the shape kept here), or None."""
+    if not torch.is_tensor(value):
+        return f"is a {type(value).__name__}, not a tensor"
+    if torch.is_tensor(like) and isinstance(like, DTensor) != isinstance(value, DTensor):
+        return (f"is a {type(value).__name__} where this optimizer keeps a {type(like).__name__}: load across meshes "
+                f"through torch.distributed.checkpoint (distmuon.dtensor.checkpoint)")
+    if isinstance(like, DTensor) and (value.placements != like.placements or value.device_mesh != like.device_mesh):
+        return (f"was saved on another mesh or placements ({value.placements}): load across meshes through "
+                f"torch.distributed.checkpoint (distmuon.dtensor.checkpoint)")
+    shape = tuple(like.shape) if torch.is_tensor(like) else tuple(like)
+    if tuple(value.shape) != shape:
+        return f"has shape {tuple(value.shape)}, where this optimizer keeps {shape}"
+    return None
+
+
+def state_problem(name, state, group, like, optional=()):
+    """Why a parameter's saved state is refused (one line), or None: none at all (it starts from zeros, as
+    torch's), or its group's algorithm's keys, each a tensor of the shape (and placements) kept here."""
+    if not state:
+        return None
+    want = set(STATE_KEYS[group["algorithm"]]) | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+    if not isinstance(state, dict) or set(state) - want or want - set(state) - set(optional):
+        got = ", ".join(sorted(map(str, state))) if isinstance(state, dict) else type(state).__name__
+        return f"{name}: the checkpoint keeps {got}, a {group['algorithm']} parameter {', '.join(sorted(want))}"
+    for key in set(state) & (set(MOMENTS) | {"step"}):
+        problem = tensor_problem(state[key], () if key == "step" else like)
+        if problem:
+            return f"{name}: its {key} {problem}"
+    return None
+
+
+def checked_state_dict(param_groups, state_dict, like, optional=(), reorder=True):
+    """The state dict to hand to torch's Optimizer.load_state_dict, checked whole before anything is replaced
+    (a refused load leaves the optimizer as it was); raises ValueError, one line, else.
+
+    Each saved group is matched to ours by position, its parameters to ours by name (saved_order: wrapper
+    prefixes dropped as torch's checkpoint helpers drop them; by position where a side has no names), and
+    reordered to ours. Its algorithm must be ours (torch.optim.Muon's and AdamW's own state dicts have none:
+    saved_algorithm), its options those of the algorithm, all of them, valid; its state per parameter
+    state_problem's. The groups torch installs keep this optimizer's names (the ones its plan is keyed by) and
+    the checkpoint's options. like: {name: a tensor (or shape) like its state's moments}; optional: state keys
+    a parameter may lack on this rank; reorder: False where the state's layout depends on the order (ZeRO-1's
+    buckets): parameters saved in another order are refused."""
+    def refused(why):
+        return ValueError(f"loaded optimizer state: {why}")
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        raise refused("an optimizer state dict has 'state' and 'param_groups'")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_state, dict) or not all(isinstance(g, dict) and "params" in g for g in saved_groups):
+        raise refused("its 'state' must be a dict and each of its 'param_groups' a dict with 'params'")
+    if len(saved_groups) != len(param_groups):
+        raise refused(f"the checkpoint has {len(saved_groups)} param groups "
+                      f"({', '.join(saved_algorithm(g) for g in saved_groups)}), this optimizer {len(param_groups)} "
+                      f"({', '.join(g['algorithm'] for g in param_groups)}): a state dict (torch.optim.Muon's and "
+                      f"AdamW's too) loads into an optimizer of the same param groups")
+    groups, state, first = [], {}, 0
+    for i, (group, saved) in enumerate(zip(param_groups, saved_groups)):
+        algorithm = saved_algorithm(saved)
+        if algorithm != group["algorithm"]:
+            raise refused(f"param group {i}: the checkpoint's algorithm is {algorithm!r}, this optimizer's "
+                          f"{group['algorithm']!r} (a group without one is Muon's, or AdamW's where it has betas): "
+                          f"load a checkpoint of the same algorithm")
+        ours, ids = group["param_names"], list(saved["params"])
+        if len(ids) != len(ours):
+            raise refused(f"param group {i}: the checkpoint's has {len(ids)} parameters, this optimizer's {len(ours)}")
+        theirs = names_saved(saved)
+        order = saved_order(ours, theirs, first)
+        if order is None:
+            raise refused(f"param group {i}: {unmatched(ours, theirs)}")
+        if not reorder and order != sorted(order):
+            raise refused(f"param group {i}: the checkpoint lists its parameters in another order, and this "
+                          f"optimizer's shards depend on the order: build it with the parameters in the saved order")
+        if saved.get("decoupled_weight_decay", True) is not True:  # torch.optim.Adam's, which couples the decay
+            raise refused(f"param group {i} is torch.optim.Adam's (decoupled_weight_decay=False), not AdamW's")
+        loaded = {k: v for k, v in saved.items() if k not in ("params", "param_names", "decoupled_weight_decay")}
+        unknown = sorted(set(loaded) - set(GROUP_KEYS) - set(SCHEDULER_KEYS) - set(OPTIONS[algorithm]))
+        missing = [k for k in OPTIONS[algorithm] if k not in loaded]
+        if unknown or missing:
+            raise refused(f"param group {i} ({algorithm}): " + "; ".join(
+                ([f"{', '.join(unknown)}: not an option of {class_name(algorithm)}"] if unknown else []) +
+                ([f"the checkpoint lacks {', '.join(missing)}"] if missing else [])))
+        loaded.update(algorithm=algorithm, params=[ids[k] for k in order], param_names=list(ours))
+        try:
+            check_param_group(loaded, i)
+        except ValueError as e:
+            raise refused(e) from None
+        for name, k in zip(ours, order):
+            saved_state_of = saved_state.get(ids[k])
+            if isinstance(saved_state_of, dict) and type(saved_state_of.get("step")) in (int, float):
+                # an older torch's step, a number: a float32 tensor, as torch.optim.AdamW's __setstate__ makes it
+                saved_state_of = dict(saved_state_of, step=torch.tensor(float(saved_state_of["step"])))
+            problem = state_problem(name, saved_state_of, loaded, like[name], optional)
+            if problem:
+                raise refused(f"param group {i}: {problem}")
+            if saved_state_of:
+                state[ids[k]] = saved_state_of
+        groups.append(loaded)
+        first += len(ours)
+    stray = [k for k in saved_state if k not in {n for g in saved_groups for n in g["params"]}]
+    if stray:
+        raise refused(f"state for {', '.join(map(str, stray[:6]))}, in no param group of the checkpoint")
+    return dict(state_dict, state=state, param_groups=groups)
+
+
+def check_layout(saved, here, state_dict=None, param_groups=None):
     """A ZeRO-1 state_dict holds one rank's shards of one layout: refuse one saved for another (naming each key
-    that differs), since its shards would land on the wrong elements."""
+    that differs), since its shards would land on the wrong elements. Its owners are keyed by the checkpoint's
+    names: read as this optimizer's (saved_names), given the state dict and the optimizer's param groups."""
+    if saved is None:
+        raise ValueError("state_dict has no ZeRO-1 layout: this optimizer loads the state_dict() of one of its own "
+                         "ranks (one rank's shards; torch.optim.Muon's and AdamW's keep whole tensors)")
+    if isinstance(saved, dict) and isinstance(saved.get("owners"), dict) and state_dict is not None:
+        names = saved_names(param_groups, state_dict)
+        saved = dict(saved, owners={names.get(n, n): rank for n, rank in saved["owners"].items()})
     if saved != here:
         diff = ", ".join(f"{k} {saved.get(k) if saved else None} != {v}" for k, v in here.items()
                          if not saved or saved.get(k) != v)
         raise ValueError(f"state_dict was saved for another shard layout: {diff}")
 
 
-# What clip_qk_ says, on every rank, when the optimizer was built without QK-clip.
-QK_CLIP_OFF = ("QK-clip is off: construct the optimizer with qk_clip_tau (and row_layouts with q or k rows; the "
-               "lesson's optimizers take both in large_runs=distmuon.LargeRuns(...))")
+def checked_zero1_state_dict(opt, state_dict, layout):
+    """What the lesson's optimizers hand torch's load: a state_dict of one rank's ZeRO-1 shards, refused unless
+    saved for this `layout` (check_layout), then checked_state_dict's checks with each parameter's part on this
+    rank, its parameters in the saved order only (the shards depend on it; NorMuon's v lives on the owner)."""
+    state_dict = dict(state_dict)
+    check_layout(state_dict.pop("layout", None), layout, state_dict, opt.param_groups)
+    part_shapes = {n: (len(range(p.numel())[opt.parts[n]]),) for n, p in opt.param_by_name.items()}
+    return checked_state_dict(opt.param_groups, state_dict, part_shapes, optional=("momentum_buffer", "normuon_v"),
+                              reorder=False)

@@ -28,7 +28,10 @@ import torch.distributed as dist
 # load_state_dict. The optimizer's part is only to be an honest
 # torch.optim.Optimizer: its params are the model's own parameters, its state
 # exists from construction (so torch never runs its zero-gradient "init" step on
-# it), and its load re-indexes and re-checks the groups torch replaced.
+# it), and its load checks the whole state dict before torch replaces anything
+# (distmuon.checks.checked_state_dict: names matched as these helpers match them,
+# torch.compile's, activation checkpointing's and DDP's prefixes dropped), keeps
+# the optimizer's own names and steps with the loaded options.
 #
 #   {"model": get_model_state_dict(model),                 each a DTensor (or plain) parameter
 #    "optim": get_optimizer_state_dict(model, optimizer)}  {"state": {fqn: {"momentum_buffer"} or

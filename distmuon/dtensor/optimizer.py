@@ -2,7 +2,8 @@
 
 Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One step, as seen from one rank:
 
-  0. checks         every group's options (torch's rules, distmuon.checks) and every gradient, then the
+  0. checks         every group's options (torch's rules, distmuon.checks), every parameter (one the plan does
+                    not know, with a gradient, is refused; so is one that cannot be viewed flat) and gradient, then the
                     grad-presence vote: one MAX all-reduce of a flag per parameter name and one for "a rank found
                     a problem" (then EVERY rank raises, before any tensor changes). A parameter whose grad is None
                     on every rank is skipped, as torch skips it; one with a gradient somewhere takes zeros where it
@@ -55,6 +56,8 @@ What large runs add (defaults: torch's behaviour; tests/test_dtensor_large_runs.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
@@ -170,8 +173,10 @@ class DTensorMuon(torch.optim.Optimizer):
     The gradient contract: after backward, p.grad is the TOTAL gradient (reduced over data parallel, as FSDP2's
     reduce-scatter leaves it), a DTensor with p's mesh and placements (a plain tensor for a plain p); a Partial
     gradient is refused. Checkpoints: torch's own helpers (get/set_optimizer_state_dict, dcp) work unchanged, across
-    meshes (checkpoint.py). A step that must be refused raises on EVERY rank before anything changes; a parameter
-    whose .grad is None on every rank is skipped, as torch.optim.Muon and AdamW skip it.
+    meshes (checkpoint.py); load_state_dict matches parameters by name as they do (torch.compile's, activation
+    checkpointing's and DDP's prefixes dropped) and refuses, changing nothing, what does not match. A step that
+    must be refused raises on EVERY rank before anything changes; a parameter whose .grad is None on every rank is
+    skipped, as torch.optim.Muon and AdamW skip it.
     """
 
     def __init__(self, params, *, expert_stacks=(), distributed_config=None, batched_ns=False, group=None,
@@ -198,6 +203,7 @@ class DTensorMuon(torch.optim.Optimizer):
         check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts)
         self.options = options
         super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
+        self.defaults = mc.torch_defaults(self.param_groups, options)  # torch's optimizer's, which schedulers read
         config = distributed_config or DistributedConfig()
         config.check()
         self.ledger, self.expert_stacks = dm.Ledger(), set(expert_stacks)
@@ -207,6 +213,19 @@ class DTensorMuon(torch.optim.Optimizer):
         self.me = self.axis.ranks[self.axis.rank]  # global ranks everywhere; the exchange maps them to the group's
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._plan()
+
+    def __deepcopy__(self, memo):
+        """A copy that steps (torch's Optimizer copies only defaults, state and param_groups): every attribute,
+        parameters and state copied; the process group and device meshes shared (the copy steps on the same ranks)."""
+        shared = [self.axis.group] + [p.device_mesh for p in self.param_by_name.values() if isinstance(p, DTensor)]
+        memo.update({id(x): x for x in shared if x is not None})
+        copied = memo[id(self)] = type(self).__new__(type(self))
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
+
+    def __getstate__(self):
+        raise TypeError("a DTensorMuon holds its plan and process group: save opt.state_dict() (torch.save) or a "
+                        "torch.distributed.checkpoint (distmuon.dtensor.checkpoint) and load it into a new one")
 
     def add_param_group(self, param_group):
         """torch's, each option filled and checked per the group's algorithm (distmuon.checks). Called after
@@ -218,7 +237,11 @@ class DTensorMuon(torch.optim.Optimizer):
             if not isinstance(param_group, dict):
                 raise ValueError(f"a param group must be a dict with 'params' (got {type(param_group).__name__})")
             mc.fill_param_group(param_group, self.options, len(self.param_groups))
-            super().add_param_group(mc.name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
+            defaults, self.defaults = self.defaults, {}  # the group is filled per its algorithm, not from defaults
+            try:
+                super().add_param_group(mc.name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
+            finally:
+                self.defaults = defaults
             if hasattr(self, "axis"):  # torch's constructor adds the first groups, planned together after it
                 self._plan()
         except (ValueError, TypeError):
@@ -238,6 +261,7 @@ class DTensorMuon(torch.optim.Optimizer):
         # Every state tensor exists from the start (zeros, step 0: what torch creates at a first step), so that
         # torch's get/set_optimizer_state_dict find it and never run their own zero-gradient step.
         self.init_state()
+        self.planned = dict(self.param_by_name)  # what the plan knows: a step refuses any other parameter
 
     # -- construction -------------------------------------------------------
     @staticmethod
@@ -298,12 +322,15 @@ class DTensorMuon(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict):
-        """torch's load (state by position or by name, as set_optimizer_state_dict gives it), then the groups
-        re-indexed (torch replaces the group dicts) and checked."""
-        super().load_state_dict(state_dict)
+        """torch's load, after the checkpoint is checked whole and matched to the parameters by name
+        (distmuon.checks.checked_state_dict: a refused load changes nothing); then the groups torch installed
+        (this optimizer's names, the checkpoint's options) re-indexed, so that the step reads them."""
+        like = {name: self._state_of(name)["momentum_buffer" if "momentum_buffer" in self._state_of(name)
+                                            else "exp_avg"] for name in self.param_by_name}
+        super().load_state_dict(mc.checked_state_dict(self.param_groups, state_dict, like))
         problem = self._index_groups()
-        if problem:
-            raise ValueError(f"loaded optimizer state: {problem}")
+        if problem:  # checked_state_dict checked every group: a failure here is a bug, said as such
+            raise AssertionError(f"loaded optimizer state passed its checks, then: {problem}")
         self.init_state()  # a parameter the checkpoint had no state for starts from zeros
 
     def init_state(self):
@@ -325,7 +352,7 @@ class DTensorMuon(torch.optim.Optimizer):
         self.ledger.step += 1
         # Every check before anything changes, and voted on: a group's options (they may have been changed, or
         # loaded, since construction) and every gradient; one rank's problem stops every rank, here.
-        group_problem = self._index_groups()
+        group_problem = self._index_groups() or mc.unplanned_problem(self.param_groups, self.planned)
         grads, problem = self._local_grads()
         active = self._vote_on_gradients(grads, group_problem or problem)
         updates, momenta = {}, {}
@@ -358,6 +385,7 @@ class DTensorMuon(torch.optim.Optimizer):
         grads, problem = {}, None
         for name, p in self.param_by_name.items():
             g = p.grad
+            problem = problem or mc.param_problem(name, p) or (g is not None and mc.gradient_problem(name, g)) or None
             if g is not None and problem is None:
                 if isinstance(p, DTensor) and not (isinstance(g, DTensor) and g.placements == p.placements
                                                    and g.device_mesh == p.device_mesh):
