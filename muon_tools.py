@@ -37,6 +37,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
 import os
+import select
 import shutil
 import signal
 import socket
@@ -47,6 +48,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from unittest import mock
 
@@ -842,11 +844,47 @@ def one_line(error):
     return " ".join(f"{type(error).__name__}: {error}".split())
 
 
+class WriteError(OSError):
+    """An output that could not be written (a full disk, a folder gone): one line, exit 1 (exit_code)."""
+
+
 def write_atomically(path, write):
-    """Write through a temporary name, so the launcher never reads half a file."""
-    with open(path + ".partial", "wb") as f:
-        write(f)
-    os.replace(path + ".partial", path)
+    """Write the file `path` whole or not at all: write(f) fills a temporary file beside it (binary), which then
+    replaces it in one rename, so that no reader (the launcher, a user) ever sees half a file and a failed write
+    leaves what `path` held before as it was. A link is followed (its target replaced); a path that is not a
+    regular file (/dev/stdout, a pipe) is written straight. WriteError (one line) if it cannot be written."""
+    real = os.path.realpath(path)
+    partial, straight = None, os.path.exists(real) and not os.path.isfile(real)
+    try:
+        if straight:
+            with open(real, "wb") as f:
+                write(f)
+            return
+        fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(real)}.", suffix=".partial",
+                                       dir=os.path.dirname(real))
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(partial, os.stat(real).st_mode & 0o7777 if os.path.exists(real) else 0o666 & ~umask())
+        os.replace(partial, real)
+    except OSError as e:
+        kept = "; the file there before is unchanged" if not straight and os.path.exists(real) else ""
+        raise WriteError(f"{path} could not be written: {e.strerror or e}{kept}") from None
+    finally:
+        if partial is not None and os.path.exists(partial):
+            os.remove(partial)
+
+
+def save_figure(fig, path, **savefig):
+    """A matplotlib figure into `path` (its format the path's extension, PNG without one), atomically."""
+    kind = os.path.splitext(path)[1][1:].lower() or "png"
+    write_atomically(path, lambda f: fig.savefig(f, format=kind, **savefig))
+
+
+def umask():
+    """This process's umask (the permissions a new file does not get)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 HEARTBEAT_S = 0.5  # how often a rank says it is alive
@@ -1218,6 +1256,64 @@ def check_writable(path, option="--json", folder=False, inputs=None):
                 os.rmdir(folder_made)
 
 
+def read_checkpoint(path, step, option="--resume"):
+    """The state_dict_metadata of the torch.distributed.checkpoint folder `path` a run resumes from after step
+    `step`, checked before any rank starts (ValueError, one line): its .metadata there and readable; every file it
+    names there, each long enough for what it holds there (a copy or a save that did not finish); and the step its
+    optimizer saved (AdamW's `step` counters, a few scalars read from the files) equal to `step`."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ValueError(f"{option} {path}: no torch.distributed.checkpoint there (no .metadata)")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 (whatever the reader raises on a file that is not DCP's metadata)
+        raise ValueError(f"{option} {path}: its .metadata cannot be read ({one_line(e)})") from None
+    needed = {}  # file: the bytes it must hold at least
+    for item in metadata.storage_data.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        held = os.path.getsize(file) if os.path.isfile(file) else None
+        if held is None or held < size:
+            raise ValueError(f"{option} {path}: its file {name} " + ("is missing" if held is None else
+                             f"holds {held:,} bytes, its .metadata says {size:,} at least") +
+                             ": a copy or a save that did not finish")
+    counters = {k: torch.zeros(()) for k, m in metadata.state_dict_metadata.items()
+                if k.startswith("optim.state.") and k.endswith(".step") and tuple(getattr(m, "size", (1,))) == ()}
+    if counters:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+                dcp.load(counters, checkpoint_id=path, no_dist=True)
+        except Exception as e:  # noqa: BLE001 (whatever DCP raises on a file it cannot read)
+            raise ValueError(f"{option} {path}: its files cannot be read ({one_line(e)})") from None
+        saved = sorted({int(t.item()) for t in counters.values()})
+        if saved != [step]:
+            raise ValueError(f"{option}-step {step}: {path} was saved after step {saved[0]} (its optimizer's step "
+                             f"counters): resume with {option}-step {saved[0]}" if len(saved) == 1 else
+                             f"{option} {path}: its optimizer's step counters disagree "
+                             f"({', '.join(map(str, saved))}): not one training's checkpoint")
+    return metadata.state_dict_metadata
+
+
+def check_checkpoint_model(path, saved, shapes, hint="", option="--resume"):
+    """The model a checkpoint holds (`saved`: read_checkpoint's) against this run's, {parameter name: shape}:
+    none missing or extra, each of its size (ValueError, one line). hint: the flags that change the model."""
+    where = f"{option} {path}: its checkpoint"
+    held = {k.removeprefix("model."): tuple(m.size) for k, m in saved.items() if k.startswith("model.")}
+    for name, shape in shapes.items():
+        if name not in held:
+            raise ValueError(f"{where} has no {name}: it was saved from another model{f' ({hint}?)' if hint else ''}")
+        if held[name] != shape:
+            raise ValueError(f"{where}'s {name} is {held[name]}, this run's {shape}: resume with the sizes it was "
+                             f"saved with")
+    extra = sorted(set(held) - set(shapes))
+    if extra:
+        raise ValueError(f"{where} holds {extra[0]}, which this run's model has not: it was saved from another model"
+                         f"{f' ({hint}?)' if hint else ''}")
+
+
 # How a command knows it runs under torchrun (distmuon/dtensor/'s demo, examples/).
 def under_torchrun():
     """Whether this process is one rank started by torchrun: it sets RANK, WORLD_SIZE and LOCAL_RANK."""
@@ -1524,9 +1620,9 @@ def config_from_args(a):
 
 
 def write_json(path, results):
+    """`results` as JSON into `path` (if given), atomically (write_atomically)."""
     if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+        write_atomically(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
 
 
 def leave(code, line=""):
@@ -1548,9 +1644,34 @@ def not_under_torchrun(torchrun_command=None):
             f"would run a copy of the whole command in each of its processes; run python {script}{instead}")
 
 
+# How a command ends when the reader of its stdout has gone (`| head -1`): as a shell reports a command that
+# SIGPIPE ended (128 + 13), quietly; under `set -o pipefail` the pipeline then says the command did not finish
+CLOSED_STDOUT = 128 + signal.SIGPIPE
+
+
+def stdout_closed():
+    """Whether stdout is a pipe whose reading end is closed (poll reports POLLERR on the writing end)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLERR)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError):  # no stdout, or one without a file descriptor (a test's capture)
+        return False
+
+
+def closed_stdout(command):
+    """How exit_code ends once stdout's reader has gone: what is still buffered goes nowhere (not into a
+    traceback at Python's exit), a command's forkserver is stopped, and the code is CLOSED_STDOUT."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if command:
+        stop_forkserver()
+    return CLOSED_STDOUT
+
+
 def exit_code(work, show_traceback=False, torchrun_command=None):
     """Run work() the way a command should end: its return code, or one line on stderr and
-    2 (a bad flag, path or config), 1 (a rank failed), 130 (Ctrl-C) or 143 (SIGTERM).
+    2 (a bad flag, path or config), 1 (a rank failed, an output could not be written), 130 (Ctrl-C) or 143
+    (SIGTERM); or, quietly, CLOSED_STDOUT (141) when the reader of its stdout has gone.
 
     A command blocks SIGINT in its first lines, before it imports torch (seconds): a Ctrl-C
     then waits, and is delivered here, where it ends the command as any Ctrl-C does, not as
@@ -1571,17 +1692,28 @@ def exit_code(work, show_traceback=False, torchrun_command=None):
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inside the try: one may be waiting
-        return work()
+        code = work()
+        sys.stdout.flush()  # here, where a closed stdout is caught, not in Python's teardown
+        return code
+    except RankFailure as e:
+        if stdout_closed():  # the rank printing the run's lines found stdout's reader gone
+            return closed_stdout(command)
+        print(f"error: {e}", file=sys.stderr)
+        if show_traceback:
+            print(e.traceback, file=sys.stderr, end="")
+        return 1
+    except BrokenPipeError:
+        if not stdout_closed():  # another pipe than stdout: a failure like any other
+            raise
+        return closed_stdout(command)
+    except WriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except ValueError as e:
         if command:  # a forkserver started for ranks that will not come (by the command's first lines, or run())
             stop_forkserver()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RankFailure as e:
-        print(f"error: {e}", file=sys.stderr)
-        if show_traceback:
-            print(e.traceback, file=sys.stderr, end="")
-        return 1
     except (KeyboardInterrupt, Interrupted) as e:
         # 130 = 128 + SIGINT, 143 = 128 + SIGTERM, as shells and torchrun report them
         code, line = (130, "error: interrupted (SIGINT)") if isinstance(e, KeyboardInterrupt) else \
