@@ -848,6 +848,13 @@ class WriteError(OSError):
     """An output that could not be written (a full disk, a folder gone): one line, exit 1 (exit_code)."""
 
 
+def umask():
+    """This process's umask (the permissions a new file does not get)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path, write):
     """Write the file `path` whole or not at all: write(f) fills a temporary file beside it (binary), which then
     replaces it in one rename, so that no reader (the launcher, a user) ever sees half a file and a failed write
@@ -878,13 +885,6 @@ def save_figure(fig, path, **savefig):
     """A matplotlib figure into `path` (its format the path's extension, PNG without one), atomically."""
     kind = os.path.splitext(path)[1][1:].lower() or "png"
     write_atomically(path, lambda f: fig.savefig(f, format=kind, **savefig))
-
-
-def umask():
-    """This process's umask (the permissions a new file does not get)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 HEARTBEAT_S = 0.5  # how often a rank says it is alive
