@@ -179,7 +179,7 @@ def train_rank(rank, cfg, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cfg.save and step == cfg.save_step:
-            dd.save_checkpoint(cfg.save, model, opt)
+            mt.write_folder_atomically(cfg.save, lambda folder: dd.save_checkpoint(folder, model, opt), opt.axis.group)
         if step % cfg.log_every == 0 or step == cfg.steps:
             train_loss, val_loss = dp_mean(losses[-1], mesh, device), validation_loss(model, corpus, cfg, mesh,
                                                                                       dp_rank, device)

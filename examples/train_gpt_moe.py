@@ -286,7 +286,7 @@ def train_rank(rank, cfg, device):
             out["routing"].append([dict(chosen=r["chosen"], probs=r["probs"]) for r in records])
         model.record_routing(False)
         if cfg.save and step == cfg.save_step:
-            dd.save_checkpoint(cfg.save, model, opt)
+            mt.write_folder_atomically(cfg.save, lambda folder: dd.save_checkpoint(folder, model, opt), opt.axis.group)
         if step % cfg.log_every == 0 or step == cfg.steps:
             log_progress(cfg, model, corpus, dense, dp_rank, device, out, step, first, last, rank == 0)
             last = time.perf_counter()

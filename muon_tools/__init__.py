@@ -43,7 +43,7 @@ from muon_tools.accounting import (  # noqa: F401
     human_bytes, print_header, qk_clipped_heads, report, rounded_parts, total_bytes)
 from muon_tools.outputs import (  # noqa: F401
     WriteError, check_checkpoint_model, check_not_input, check_outputs, check_writable, is_code_file, one_line,
-    read_checkpoint, save_figure, umask, write_atomically, write_json)
+    read_checkpoint, save_figure, umask, write_atomically, write_folder_atomically, write_json)
 from muon_tools.launch import (  # noqa: F401
     ERRORS_LAND_S, HEARSAY, HEARTBEAT_S, Interrupted, POLL_S, RankFailure, blame, end_if_orphaned, free_port,
     hearsay, name_process, raise_interrupted, rank_errors, rank_process, run_processes, spawn_ranks, start_heartbeat,

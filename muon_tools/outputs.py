@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import warnings
 
 import torch
+import torch.distributed as dist
 
 
 def one_line(error):
@@ -54,6 +56,29 @@ def write_atomically(path, write):
     finally:
         if partial is not None and os.path.exists(partial):
             os.remove(partial)
+
+
+def write_folder_atomically(path, write, group=None):
+    """The folder `path` written whole or not at all by every rank of `group` (None: the world) at once, as
+    torch.distributed.checkpoint saves: write(folder) fills `path`.partial beside it, then rank 0 puts it in place
+    of `path` (two renames; the folder there before is removed only then). A save that fails or never ends leaves
+    the folder there before as it was; its `path`.partial, without the .metadata its last step writes, is removed
+    by the next save."""
+    partial = os.path.normpath(path) + ".partial"
+    first = dist.get_rank(group) == 0
+    if first:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier(group)
+    write(partial)
+    dist.barrier(group)  # every rank's files written
+    if first:
+        old = os.path.normpath(path) + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group)  # in place before any rank goes on (and may read it)
 
 
 def save_figure(fig, path, **savefig):

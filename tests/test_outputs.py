@@ -5,6 +5,7 @@ checked against its own metadata (files, step, sizes) before any rank starts."""
 import errno
 import os
 import resource
+import shutil
 import subprocess
 import sys
 
@@ -83,6 +84,9 @@ def test_stdout_closed_before_the_first_line_ends_quietly_with_141():
     assert (proc.returncode, proc.stderr) == (141, "")
 
 
+TRAIN = os.path.join(ROOT, "examples", "train_gpt_dtensor.py")
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A checkpoint of examples/train_gpt_dtensor.py's small GPT, saved after step 2 of 3, and the flags it was
@@ -90,8 +94,8 @@ def checkpoint(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("ckpt") / "after2")
     flags = ["--dp", "2", "--tp", "1", "--steps", "3", "--batch", "4", "--context", "16", "--d-model", "16",
              "--layers", "1", "--heads", "2", "--val-windows", "4"]
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt_dtensor.py"), *flags,
-                           "--save", folder, "--save-step", "2"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, TRAIN, *flags, "--save", folder, "--save-step", "2"], capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder, flags
 
@@ -132,3 +136,23 @@ def test_a_resume_is_checked_against_the_checkpoint_before_any_rank_starts(check
         assert (code, err.count("\n"), err.startswith("error: ")) == (2, 1, True), (argv, err)
         assert message in err, err
     tgd.validate(tgd.config_from_args(tgd.build_parser().parse_args([*resume, "--resume-step", "2"])))  # passes
+
+
+def test_a_save_that_fails_leaves_the_checkpoint_there_before_as_it_was(checkpoint, tmp_path):
+    """--save over a checkpoint (saved after step 2) after step 1, its ranks' files refused past 64 kB as a full disk
+    would refuse them: the run fails, and the folder holds the checkpoint it held, byte for byte, read whole; the
+    same save without the limit replaces it whole, nothing left beside it."""
+    folder, flags = checkpoint
+    kept = tmp_path / "kept"
+    shutil.copytree(folder, kept)
+    before = {n: (kept / n).read_bytes() for n in os.listdir(kept)}
+    assert max(len(b) for b in before.values()) > 65_536  # a rank's file is larger than the limit
+    save = [sys.executable, TRAIN, *flags, "--save", str(kept), "--save-step", "1"]
+    proc = subprocess.run(save, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size(65_536))
+    assert proc.returncode == 1 and proc.stderr.startswith("error: rank ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert {n: (kept / n).read_bytes() for n in os.listdir(kept)} == before
+    mt.read_checkpoint(str(kept), 2)
+    proc = subprocess.run(save, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mt.read_checkpoint(str(kept), 1)  # the new one, saved after step 1
+    assert files_in(tmp_path) == ["kept"]
