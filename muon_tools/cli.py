@@ -137,7 +137,7 @@ def config_from_args(a):
 
 def leave(code, line=""):
     """End this process now, without Python's interpreter shutdown: `line` on stderr, what is buffered flushed
-    (an interrupted command, below, and a torchrun process, run_under_torchrun, each say why)."""
+    (an interrupted command, below, and a torchrun process, torchrun.run_under_torchrun, each say why)."""
     if line:
         print(line, file=sys.stderr)
     sys.stdout.flush()

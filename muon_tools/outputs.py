@@ -99,7 +99,7 @@ def is_code_file(path):
 def check_not_input(path, option, inputs=None):
     """Nothing a command writes may be one of its inputs: a ValueError (one line) if `path`, which the command
     will write (a file, or a folder it writes into), is one of `inputs` ({what it is: its path}, the files or
-    folders it reads), or a file of the code it runs (its script, a module it imported: --json muon_tools.py)."""
+    folders it reads), or a file of the code it runs (its script, a module it imported: --json muon_tools/cli.py)."""
     real = os.path.realpath(path)
     for what, given in (inputs or {}).items():
         if given and os.path.realpath(given) == real:
