@@ -37,8 +37,8 @@ def write_atomically(path, write):
     replaces it in one rename, so that no reader (the launcher, a user) ever sees half a file and a failed write
     leaves what `path` held before as it was. A link is followed (its target replaced); a path that is not a
     regular file (/dev/stdout, a pipe) is written straight. WriteError (one line) if it cannot be written."""
-    real = os.path.realpath(path)
-    partial, straight = None, os.path.exists(real) and not os.path.isfile(real)
+    straight = os.path.exists(path) and not os.path.isfile(path)  # /dev/stdout: a link to a pipe, written through
+    real, partial = path if straight else os.path.realpath(path), None
     try:
         if straight:
             with open(real, "wb") as f:

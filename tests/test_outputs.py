@@ -43,6 +43,11 @@ def test_a_failed_write_leaves_the_file_there_before_as_it_was(tmp_path):
     new = tmp_path / "new.json"
     mt.write_json(str(new), [1])
     assert new.read_text() == "[\n 1\n]" and (new.stat().st_mode & 0o777) == 0o666 & ~mt.umask()
+    piped = subprocess.run([sys.executable, "-c", "import muon_tools as mt; mt.write_json('/dev/stdout', [2])"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert (piped.returncode, piped.stdout) == (0, "[\n 2\n]"), piped.stderr[-2000:]  # not a file: written through
+    with pytest.raises(mt.WriteError, match="^/dev/full could not be written: No space left on device$"):
+        mt.write_json("/dev/full", [3])
 
 
 def limit_file_size(limit):
