@@ -1254,7 +1254,7 @@ def figure(results, scaling, path):
     ax.set_title("Where Newton-Schulz stops scaling (dotted: the largest matrix)")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    mt.save_figure(fig, path, dpi=90)
     plt.close(fig)
 
 
@@ -1326,7 +1326,7 @@ def probe_rank(rank, world, port, out_dir, shapes):
         dist.barrier()
         together.append(rounds())
     out["newton-schulz"] = (min(alone), min(together))
-    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(out, f))
     dist.destroy_process_group()
 
 

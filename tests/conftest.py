@@ -46,6 +46,8 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# The shell scripts the tests run (benchmarks/*.sh) start $PYTHON: this interpreter, not whichever `python` PATH has
+os.environ["PYTHON"] = sys.executable
 
 import distributed_muon_cpu as dm  # noqa: E402
 import distmuon.checks as mc  # noqa: E402,F401  (the tests import it from here)

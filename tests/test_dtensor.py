@@ -661,7 +661,7 @@ def test_under_torchrun_bad_flags_or_world_size_are_refused_before_joining(monke
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(mt, "join_world", lambda *a: pytest.fail("joined the world"))
+    monkeypatch.setattr(mt.torchrun, "join_world", lambda *a: pytest.fail("joined the world"))
     assert dtensor_demo.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
