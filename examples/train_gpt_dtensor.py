@@ -27,7 +27,7 @@ What a rank does (mesh (dp, tp), rank = dp_rank * tp + tp_rank):
               dcp.load, set_model_state_dict, set_optimizer_state_dict), on any other mesh
 
 --verify checks the run as dtensor_verify.verify_training checks the demo's real training (with the
-policy every real training here shares, muon_tools.py section 12): torch.optim.Muon +
+policy every real training here shares, muon_tools/training_checks.py): torch.optim.Muon +
 AdamW fed the ranks' own total gradients replay every rank's weights bit for bit at every step (checked); at
 the ranks' own weights, the one process's fp32 and float64 gradients and loss bound the ranks' (FSDP2's and
 TP's sums run in another order: their error against float64 within mt.REALIZED_FACTOR (4) x the one

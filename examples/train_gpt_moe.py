@@ -30,7 +30,7 @@ An EP group is ep consecutive DP ranks (the same d // ep and TP rank): their tok
 over one all_to_all_single each way per layer. So an expert's gradient sums the tokens of ep DP ranks, FSDP2
 over edp sums the rest, and it is divided by dp (set_gradient_divide_factor), as FSDP2 divides the dense ones.
 
---verify checks the run as train_gpt_dtensor.py's (dtensor_verify.verify_training, muon_tools.py section 12):
+--verify checks the run as train_gpt_dtensor.py's (dtensor_verify.verify_training, muon_tools/training_checks.py):
 torch.optim.Muon on every expert as its own matrix + AdamW (torch.optim.AdamW on each whole 3-D stack where the
 experts take AdamW), fed the ranks' own total gradients, replay every rank's weights bit for bit at every step;
 each step's gradients and loss against float64 within the derived bound (FSDP2, TP and the all-to-all sum in
