@@ -12,8 +12,8 @@ without it (replaced by its bf16 cast, for every optimizer alike). torch.optim.M
 on a world of one (mesh 1 x 1), the model whole in one process. dion (not on the package registry:
 benchmarks/requirements-peers.txt) runs where it is installed and its mesh is 1-D; else its row says why.
 
-    python benchmarks/at_scale.py --size 67M --mesh 2x1 1x2 2x2            # every optimizer, 2 or 4 ranks
-    /work/peers-venv/bin/python benchmarks/at_scale.py --size 1B --mesh 2x1   # with dion, 1.07 B parameters
+    python benchmarks/at_scale.py --size 67M                  # every optimizer, meshes 1x1 2x1 1x2 2x2 (1 to 4 ranks)
+    /work/peers-venv/bin/python benchmarks/at_scale.py --size 1B --mesh 2x1   # with dion: 1.07 B parameters, 2 ranks
     python benchmarks/at_scale.py --plan-only                               # Llama 3 70B and 405B, the plan alone
 
 --plan-only builds, for one rank, the plan DTensorMuon builds (distmuon/dtensor/plan.py's plan_matrices) for
@@ -45,7 +45,7 @@ import distmuon.dtensor as dd  # noqa: E402
 import distmuon.dtensor.plan as dplan  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
-SIZES = {"67M": 1024, "268M": 2048, "1B": 4096}  # d of 8 blocks of (d x 4d, 4d x d): 8 d^2 parameters a block
+SIZES = {"38M": 768, "67M": 1024, "268M": 2048, "1B": 4096}  # d of 8 blocks (d x 4d, 4d x d): 8 d^2 parameters each
 BLOCKS = 8
 LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.95
 STEADY_STEPS = 3
@@ -123,12 +123,17 @@ def build_torch_muon(model):
 
 
 def build_dion(model):
-    import dion
-
+    try:
+        import dion
+    except ImportError:
+        raise ValueError("not installed (microsoft/dion is not on the package registry: "
+                         "benchmarks/requirements-peers.txt says how to install it)") from None
     import peers  # its options: the nearest dion comes to torch.optim.Muon
 
     params = dict(model.named_parameters())
-    mesh = next(iter(params.values())).device_mesh
+    mesh = getattr(next(iter(params.values())), "device_mesh", None)
+    if mesh is None:
+        raise ValueError("not run here: its distributed_mesh is the parameters' (plain tensors on a 1 x 1 mesh)")
     if mesh.ndim != 1:
         raise ValueError(f"dion takes a 1-D mesh; this one is {mesh.ndim}-D")
     return dion.Muon(peers.dion_groups(params), distributed_mesh=mesh, lr=LR, mu=MOMENTUM,
@@ -292,9 +297,10 @@ def parse_mesh(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = mt.OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=SIZES, nargs="+", default=["67M"])
-    parser.add_argument("--mesh", type=parse_mesh, nargs="+", default=[(2, 1), (1, 2), (2, 2)])
+    parser.add_argument("--mesh", type=parse_mesh, nargs="+", default=[(1, 1), (2, 1), (1, 2), (2, 2)],
+                        help="DPxTP meshes (default: 1x1 2x1 1x2 2x2; torch.optim.Muon runs on 1x1 only)")
     parser.add_argument("--optimizers", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
     parser.add_argument("--steps", type=int, default=STEADY_STEPS, help="steady steps after the first")
     parser.add_argument("--without-ns", choices=("both", "no", "only"), default="both",

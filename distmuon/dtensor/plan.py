@@ -167,24 +167,25 @@ class Matrix:
     numels: torch.Tensor = field(default=None, repr=False)  # and how many of its elements
     lines: tuple = field(default=(), repr=False)  # 3c: the long dim's ranges (start, stop) this TP piece is made of
 
-    def box(self, cut, k):
-        """Piece k's part of this matrix, as (start, stop) of each dim of the owner's matrix (`shape`)."""
-        box = list(zip(cut.starts[k, -2:].tolist(), cut.stops[k, -2:].tolist()))
+    def box(self, start, stop):
+        """A piece's part of this matrix (start, stop: its ranges of the copy's dims, lists), as (start, stop) of
+        each dim of the owner's matrix (`shape`)."""
+        box = list(zip(start[-2:], stop[-2:]))
         if self.lines:  # a TP piece: its lines one after another
             long_dim = 0 if self.copy.shape[0] > self.copy.shape[1] else 1
-            start, stop = box[long_dim]
+            begin, end = box[long_dim]
             offset = 0
             for a, b in self.lines:
-                if a <= start < b:
-                    box[long_dim] = (offset + start - a, offset + stop - a)
+                if a <= begin < b:
+                    box[long_dim] = (offset + begin - a, offset + end - a)
                     break
                 offset += b - a
         return tuple(box)
 
-    def at(self, cut, k):
-        """Where piece k's part of this matrix lies in its holder's local tensor: None (all of it) or an expert's
-        index along the local stack's dim 0."""
-        return self.expert - int(cut.starts[k, 0]) if self.expert >= 0 else None
+    def at(self, start):
+        """Where a piece's part of this matrix lies in its holder's local tensor: None (all of it) or an expert's
+        index along the local stack's dim 0 (start: the piece's starts)."""
+        return self.expert - start[0] if self.expert >= 0 else None
 
 
 def covers(box, shape):
@@ -209,9 +210,10 @@ def routes(m):
     cut = cut_of_copy(m.copy)
     replica = cut.position(m.owner)[1]
     keys = torch.nonzero(m.held).view(-1)
-    sources, numels = cut.ranks[keys, replica], m.numels[keys]
+    pieces = cut.ranks.index_select(0, keys)
+    sources, numels = pieces[:, replica], m.numels.index_select(0, keys)
     owner = torch.full_like(sources, m.owner)
-    back = cut.ranks[keys].reshape(-1)
+    back = pieces.reshape(-1)
     return ((sources, owner, numels),
             (torch.full_like(back, m.owner), back, numels.repeat_interleave(cut.ranks.shape[1])))
 
@@ -221,15 +223,18 @@ def add_transfers(m, me):
     cut = cut_of_copy(m.copy)
     replica = cut.position(m.owner)[1]
     if me == m.owner:
-        for k in torch.nonzero(m.held).view(-1).tolist():
-            source, numel, box, at = int(cut.ranks[k, replica]), int(m.numels[k]), m.box(cut, k), m.at(cut, k)
-            m.gather.append((source, me, numel, at if source == me else None, box))
-            m.scatter += [(me, r, numel, box, at if r == me else None) for r in cut.ranks[k].tolist()]
+        keys = torch.nonzero(m.held).view(-1)
+        rows = zip(cut.ranks.index_select(0, keys).tolist(), m.numels.index_select(0, keys).tolist(),
+                   cut.starts.index_select(0, keys).tolist(), cut.stops.index_select(0, keys).tolist())
+        for ranks, numel, start, stop in rows:
+            box, at = m.box(start, stop), m.at(start)
+            m.gather.append((ranks[replica], me, numel, at if ranks[replica] == me else None, box))
+            m.scatter += [(me, r, numel, box, at if r == me else None) for r in ranks]
         return
     mine = cut.position(me)
     if mine is None or not bool(m.held[mine[0]]):
         return
-    k, numel, at = mine[0], int(m.numels[mine[0]]), m.at(cut, mine[0])
+    numel, at = int(m.numels[mine[0]]), m.at(cut.starts[mine[0]].tolist())
     if mine[1] == replica:
         m.gather.append((me, m.owner, numel, at, None))
     m.scatter.append((m.owner, me, numel, None, at))
@@ -245,7 +250,7 @@ def assign_among_holders(ns_flops, holders, world, load=None, shapes=None):
     owners = {}
     for name in lpt_order(ns_flops, shapes):
         ranks = torch.unique(torch.as_tensor(holders[name], dtype=torch.int64))  # sorted: ties go to the lowest
-        rank = int(ranks[torch.argmin(load[ranks])])  # argmin: the first of equal minima
+        rank = int(ranks[torch.argmin(load.index_select(0, ranks))])  # argmin: the first of equal minima
         owners[name] = rank
         load[rank] += ns_flops[name]
     return {n: owners[n] for n in ns_flops}
