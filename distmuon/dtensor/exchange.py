@@ -110,6 +110,7 @@ class OwnerExchange:
                 orthogonal[m.name] = mlr.newton_schulz_tp(full[m.name], m.copy.shape, self.tp_axis(opt, m), opt.ledger,
                                                           g["ns_steps"], g["ns_coefficients"], g["eps"])
             opt.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
+        del full  # the matrices put together, freed before the scatter's buffers are made: a lower peak
         stepped = [m for m in self.matrices if m.copy.name in updates]  # empty shards too: they hold v
         rows = self.rows.at_owners(opt, orthogonal, stepped) if self.rows.receivers else None  # NorMuon's v and g
         orthos.update(self.scatter_from_owners(opt, orthogonal, updates, active))
