@@ -161,6 +161,8 @@ def measure(label, build, model, steps):
     """One optimizer's row: construction, memory, first and steady steps (seconds, bytes over the RSS before it)."""
     reset_peak()
     base = rss()[0]
+    if dist.is_initialized():  # every rank starts together: no rank's time waits for another's last step
+        dist.barrier()
     t0 = time.perf_counter()
     opt = build(model)
     built = time.perf_counter() - t0
@@ -237,18 +239,20 @@ def table_rows(size, dp, tp, per_rank, without_ns):
             out.append(f"{name} {row['error']}")
             continue
         worst = lambda key: max(r[key] for r in rows)  # noqa: E731
+        beside = max(r["kept"] - r["state"] for r in rows) / 1e6
         out.append(f"{name} {worst('construct_s'):9.2f} {gb(worst('construct_peak')):>10} {gb(worst('kept')):>8} "
-                   f"{gb(worst('state')):>8} {gb(worst('first_step_peak')):>10} {worst('first_s'):8.2f} "
+                   f"{gb(worst('state')):>8} {beside:9.1f} {gb(worst('first_step_peak')):>10} {worst('first_s'):8.2f} "
                    f"{worst('steady_s'):9.3f} {gb(max(r['local'] for r in per_rank)):>9}")
     return out
 
 
 HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<17} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
-          f"{'state GB':>8} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9}")
+          f"{'state GB':>8} {'plan MB':>9} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9}")
 NOTE = ("build s: construction (seconds, the slowest rank); peak GB: peak RSS over the model's (its shards and\n"
         "gradients) through construction; kept GB: RSS after it, over the model's; state GB: the optimizer's state\n"
-        "tensors; 1st peak GB: the peak through construction and the first step; 1st s, steady s: the first step and\n"
-        "the median of the next ones; params GB: this rank's parameter bytes (fp32). Memory: the largest rank's.")
+        "tensors; plan MB: what construction keeps beside its state (kept - state, in RSS's pages); 1st peak GB: the\n"
+        "peak through construction and the first step; 1st s, steady s: the first step and the median of the next\n"
+        "ones; params GB: this rank's parameter bytes (fp32). Memory: the largest rank's.")
 
 
 # =============================================================================
