@@ -24,6 +24,7 @@ Llama 3 70B and 405B placed as FSDP2 x TP 8 places them (benchmarks/cost_model.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -49,6 +50,7 @@ SIZES = {"38M": 768, "67M": 1024, "268M": 2048, "1B": 4096}  # d of 8 blocks (d 
 BLOCKS = 8
 LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.95
 STEADY_STEPS = 3
+BUILDS = 3
 
 
 # =============================================================================
@@ -157,19 +159,23 @@ def without_newton_schulz():
         pass
 
 
-def measure(label, build, model, steps):
-    """One optimizer's row: construction, memory, first and steady steps (seconds, bytes over the RSS before it)."""
-    reset_peak()
-    base = rss()[0]
-    if dist.is_initialized():  # every rank starts together: no rank's time waits for another's last step
-        dist.barrier()
-    t0 = time.perf_counter()
-    opt = build(model)
-    built = time.perf_counter() - t0
+def measure(label, build, model, steps, builds):
+    """One optimizer's row: construction (the median of `builds`, each discarded but the last), the last one's
+    memory, its first and steady steps (seconds, bytes over the RSS before it)."""
+    built = []
+    for _ in range(builds):
+        opt = None  # the last build freed before the next starts
+        reset_peak()
+        base = rss()[0]
+        if dist.is_initialized():  # every rank starts together: no rank's time waits for another's last step
+            dist.barrier()
+        t0 = time.perf_counter()
+        opt = build(model)
+        built.append(time.perf_counter() - t0)
     peak = rss()[1]
     reset_peak()  # what construction keeps: its RSS once freed memory is handed back
     now = rss()[0]
-    row = dict(label=label, construct_s=built, construct_peak=peak - base, kept=now - base,
+    row = dict(label=label, construct_s=statistics.median(built), construct_peak=peak - base, kept=now - base,
                state=sum(dd.local_of(t).numel() * dd.local_of(t).element_size() for s in opt.state.values()
                          for t in s.values() if torch.is_tensor(t)))
     times = []
@@ -189,8 +195,10 @@ def measure(label, build, model, steps):
     return row
 
 
-def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps):
+def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps, builds):
     torch.set_num_threads(1)
+    with contextlib.suppress(ImportError):  # imported before any clock starts: an import is no construction
+        import dion  # noqa: F401
     if without_ns:
         without_newton_schulz()
     from torch.distributed.device_mesh import init_device_mesh
@@ -204,7 +212,7 @@ def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps):
     rows = []
     for label in labels:
         try:
-            rows.append(measure(label, BUILDERS[label], model, steps))
+            rows.append(measure(label, BUILDERS[label], model, steps, builds))
         except Exception as error:  # every rank fails alike: the same code on the same shapes
             rows.append(dict(label=label, error=mt.one_line(error)))
             if dist.is_initialized():
@@ -213,11 +221,12 @@ def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps):
     dist.destroy_process_group()
 
 
-def on_mesh(d, dp, tp, labels, without_ns, steps):
+def on_mesh(d, dp, tp, labels, without_ns, steps, builds):
     """Every rank's rows on a dp x tp mesh (a world of dp tp processes)."""
     world = dp * tp
     with tempfile.TemporaryDirectory() as out_dir:
-        mt.run_processes(rank_main, (world, mt.free_port(), out_dir, d, dp, tp, labels, without_ns, steps), world,
+        mt.run_processes(rank_main, (world, mt.free_port(), out_dir, d, dp, tp, labels, without_ns, steps, builds),
+                         world,
                          folders=(out_dir,))
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
 
@@ -240,7 +249,7 @@ def table_rows(size, dp, tp, per_rank, without_ns):
             continue
         worst = lambda key: max(r[key] for r in rows)  # noqa: E731
         beside = max(r["kept"] - r["state"] for r in rows) / 1e6
-        out.append(f"{name} {worst('construct_s'):9.2f} {gb(worst('construct_peak')):>10} {gb(worst('kept')):>8} "
+        out.append(f"{name} {worst('construct_s'):9.3f} {gb(worst('construct_peak')):>10} {gb(worst('kept')):>8} "
                    f"{gb(worst('state')):>8} {beside:9.1f} {gb(worst('first_step_peak')):>10} {worst('first_s'):8.2f} "
                    f"{worst('steady_s'):9.3f} {gb(max(r['local'] for r in per_rank)):>9}")
     return out
@@ -248,11 +257,11 @@ def table_rows(size, dp, tp, per_rank, without_ns):
 
 HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<17} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
           f"{'state GB':>8} {'plan MB':>9} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9}")
-NOTE = ("build s: construction (seconds, the slowest rank); peak GB: peak RSS over the model's (its shards and\n"
-        "gradients) through construction; kept GB: RSS after it, over the model's; state GB: the optimizer's state\n"
-        "tensors; plan MB: what construction keeps beside its state (kept - state, in RSS's pages); 1st peak GB: the\n"
-        "peak through construction and the first step; 1st s, steady s: the first step and the median of the next\n"
-        "ones; params GB: this rank's parameter bytes (fp32). Memory: the largest rank's.")
+NOTE = ("build s: construction (seconds, the median of --builds; the slowest rank); peak GB: peak RSS over the\n"
+        "model's (its shards and gradients) through construction; kept GB: RSS after it, over the model's; state GB:\n"
+        "the optimizer's state tensors; plan MB: what construction keeps beside its state (kept - state, in RSS's\n"
+        "pages); 1st peak GB: the peak through construction and the first step; 1st s, steady s: the first step and\n"
+        "the median of the next ones; params GB: this rank's parameter bytes (fp32). Memory: the largest rank's.")
 
 
 # =============================================================================
@@ -307,6 +316,7 @@ def main(argv=None):
                         help="DPxTP meshes (default: 1x1 2x1 1x2 2x2; torch.optim.Muon runs on 1x1 only)")
     parser.add_argument("--optimizers", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
     parser.add_argument("--steps", type=int, default=STEADY_STEPS, help="steady steps after the first")
+    parser.add_argument("--builds", type=int, default=BUILDS, help="constructions, their median timed (the last kept)")
     parser.add_argument("--without-ns", choices=("both", "no", "only"), default="both",
                         help="with Newton-Schulz, without it (its bf16 cast), or both")
     parser.add_argument("--plan-only", action="store_true")
@@ -319,8 +329,8 @@ def main(argv=None):
         for dp, tp in args.mesh:
             labels = [o for o in args.optimizers if o != "torch.optim.Muon" or dp * tp == 1]
             for without_ns in {"both": (False, True), "no": (False,), "only": (True,)}[args.without_ns]:
-                for line in table_rows(size, dp, tp, on_mesh(SIZES[size], dp, tp, labels, without_ns, args.steps),
-                                       without_ns):
+                per_rank = on_mesh(SIZES[size], dp, tp, labels, without_ns, args.steps, args.builds)
+                for line in table_rows(size, dp, tp, per_rank, without_ns):
                     print(line, flush=True)
     print(NOTE)
 
