@@ -394,7 +394,7 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
 def describe(name, group_index, p, expert_stack):
     """The Copy of parameter p as this rank sees it (what the ranks swap at construction)."""
     if isinstance(p, DTensor):
-        mesh = p.device_mesh
-        return Copy(name, group_index, tuple(p.shape), tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.mesh.shape),
+        mesh, ranks = p.device_mesh, p.device_mesh.mesh  # (DeviceMesh.mesh is made anew at each call)
+        return Copy(name, group_index, tuple(p.shape), tuple(ranks.reshape(-1).tolist()), tuple(ranks.shape),
                     tuple(p.placements), expert_stack, tuple(mesh.mesh_dim_names or ()))
     return Copy(name, group_index, tuple(p.shape), (), (), (), expert_stack)
