@@ -32,7 +32,8 @@ from distmuon.dtensor.placements import local_box, local_of
 #
 # local_box (section 2) gives the rows (and experts) of the local piece, hence
 # the row of each local element. Consecutive local elements with the same key (its
-# block's height, or its head) make one run (found on the rows, never per element), and each run is ONE elementwise call on a slice of the flat
+# block's height, or its head) make one run (found on the rows, never element by
+# element), and each run is ONE elementwise call on a slice of the flat
 # local tensor (the lesson's apply_muon_update_ with the block's shape, or
 # mul_): the op torch runs on each separate block, hence torch's bits; never a
 # per-row multiply by a tensor of factors.
