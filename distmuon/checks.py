@@ -284,6 +284,13 @@ def fill_param_group(group, options, i, extra=()):
     return group
 
 
+def given_names(group):
+    """The names a group was given ((name, tensor) pairs), or None where it holds plain tensors."""
+    params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
+    return None if all(torch.is_tensor(p) for p in params) else [p[0] if isinstance(p, tuple) else None
+                                                                  for p in params]
+
+
 def name_params(group, first):
     """Plain tensors of a group, named as torch's state_dict numbers them (their index in the optimizer, from
     `first`): every optimizer here keys its layout by name. Named parameters ((name, tensor) pairs, as

@@ -228,6 +228,7 @@ class DTensorMuon(torch.optim.Optimizer):
         mc.check_options(str, options)
         check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts)
         self.options = options
+        self.given_names = []  # per group: the param_names torch's optimizer would report, or None (see state_dict)
         super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
         self.defaults = mc.torch_defaults(self.param_groups, options)  # torch's optimizer's, which schedulers read
         config = distributed_config or DistributedConfig()
@@ -270,20 +271,25 @@ class DTensorMuon(torch.optim.Optimizer):
         construction (on every rank of the group alike: it is collective), the plan is made again with the new
         group: the state of the others is kept (it lives with the parameters' shards, whoever owns what). Refused
         (on every rank, if any rank refuses it), it leaves the optimizer as it was."""
-        before = list(self.param_groups)
+        before, given_before = list(self.param_groups), list(self.given_names)
         try:
             if not isinstance(param_group, dict):
                 raise ValueError(f"a param group must be a dict with 'params' (got {type(param_group).__name__})")
             mc.fill_param_group(param_group, self.options, len(self.param_groups))
+            named = mc.given_names(param_group)
+            if self.given_names and (named is None) != (self.given_names[0] is None):  # torch's check, its words
+                raise ValueError(f"all optimizer param groups should be with/without names. cannot add param group "
+                                 f"{'without' if named is None else 'with'} names to the optimizer")
             defaults, self.defaults = self.defaults, {}  # the group is filled per its algorithm, not from defaults
             try:
                 super().add_param_group(mc.name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
             finally:
                 self.defaults = defaults
+            self.given_names.append(named)
             if hasattr(self, "axis"):  # torch's constructor adds the first groups, planned together after it
                 self._plan()
         except (ValueError, TypeError):
-            self.param_groups[:] = before
+            self.param_groups[:], self.given_names[:] = before, given_before
             if hasattr(self, "axis"):
                 self._plan()
             raise
@@ -365,11 +371,28 @@ class DTensorMuon(torch.optim.Optimizer):
         (this optimizer's names, the checkpoint's options) re-indexed, so that the step reads them."""
         like = {name: self._state_of(name)["momentum_buffer" if "momentum_buffer" in self._state_of(name)
                                             else "exp_avg"] for name in self.param_by_name}
-        super().load_state_dict(mc.checked_state_dict(self.param_groups, state_dict, like))
+        checked = mc.checked_state_dict(self.param_groups, state_dict, like)
+        super().load_state_dict(checked)
+        for i, (saved, loaded) in enumerate(zip(state_dict["param_groups"], checked["param_groups"])):
+            if "param_names" in saved:  # torch's load gives the group the checkpoint's names, in our order here
+                name_of = dict(zip(saved["params"], saved["param_names"]))
+                self.given_names[i] = [name_of[k] for k in loaded["params"]]
         problem = self._index_groups()
         if problem:  # checked_state_dict checked every group: a failure here is a bug, said as such
             raise AssertionError(f"loaded optimizer state passed its checks, then: {problem}")
         self.init_state()  # a parameter the checkpoint had no state for starts from zeros
+
+    def state_dict(self):
+        """torch's, each group's param_names as torch's optimizer has them: the names it was given (or loaded),
+        none where it was given plain tensors (the names the plan is keyed by, "0", "1", ..., stay in
+        param_groups)."""
+        state_dict = super().state_dict()
+        for group, names in zip(state_dict["param_groups"], self.given_names):
+            if names is None:
+                group.pop("param_names", None)
+            else:
+                group["param_names"] = list(names)
+        return state_dict
 
     def init_state(self):
         """Create every parameter's state now (zeros, step 0), e.g. as the target of a checkpoint load."""

@@ -89,15 +89,8 @@ SCHEDULERS = {
 }
 
 # Why DTensorMuon does not hold a case yet: where (in distmuon, on main when written; torch's lines are torch 2.14.1's).
-RENAMED_LOAD = ("the load gives the groups the saved param_names (torch/optim/optimizer.py:1035); DTensorMuon "
-                "re-indexes by them (distmuon/dtensor/optimizer.py:300-307), but its exchange's plan keeps the old "
-                "names, and the step moves nothing (no update, no weight decay)")
-INVENTED_NAMES = ("unnamed parameters get invented names '0', '1' (distmuon/checks.py:266-273), which state_dict() "
-                  "reports as param_names; torch's has none")
 DUPLICATE = ("a tensor twice in a group: torch warns and steps it twice; DTensorMuon warns, then refuses it "
              "(ValueError, distmuon/checks.py:292-294)")
-MIXED_NAMES = ("a named group beside an unnamed one is accepted: the invented names (distmuon/checks.py:266-273) pass "
-               "torch's check (torch/optim/optimizer.py:1201-1207)")
 NOT_2D = ("a 3-D parameter is refused in our words (distmuon/checks.py:303-308, from "
           "distmuon/dtensor/optimizer.py:114), not torch's 'Muon only supports 2D parameters' "
           "(torch/optim/_muon.py:135)")
@@ -106,11 +99,7 @@ ADJUST_LR_FN = ("adjust_lr_fn='arbitrary' is refused in our words (distmuon/chec
 # Each case here is held to failing (xfail, strict): one that passes fails the run until its line goes, so this
 # dict shrinks as fixes land and ends empty.
 KNOWN_GAPS = {
-    "test_state_dict_resume[named-unnamed]": f"{RENAMED_LOAD}; and torch's group keeps the saved names as "
-                                             f"param_names (torch/optim/optimizer.py:1035-1036): {INVENTED_NAMES}",
-    "test_state_dict_resume[unnamed-unnamed]": INVENTED_NAMES,
     "test_error_input[a_param_group_cannot_have_duplicate_parameters]": DUPLICATE,
-    "test_error_input[all_optimizer_param_groups_should_be_with_without_names]": MIXED_NAMES,
     "test_error_input[only_support_2D_parameters]": NOT_2D,
     "test_error_input[unsupported_adjust_lr_fn]": ADJUST_LR_FN,
 }
