@@ -1,7 +1,8 @@
 """DTensorMuon on 2 Gloo ranks, parameters sharded by distribute_tensor: float64, bfloat16 and float16 parameters
 stepped as torch.optim.Muon and AdamW step them on one process (momentum and the update added in the parameter's
-dtype, Newton-Schulz in bf16), and a pickled optimizer of the world group, whose copy steps as torch's pickled copy
-does; its pickle, unpickled in a process of one rank, is refused in one line (its group is not there)."""
+dtype, Newton-Schulz in bf16), and a pickled optimizer of the world group (plain and sharded parameters), whose
+copy steps as torch's pickled copy does; its pickle, unpickled in a process of one rank, is refused in one line
+(its group is not there)."""
 
 import pickle
 from dataclasses import dataclass
@@ -57,10 +58,31 @@ def run(optimizers, params, steps, grad_of):
             opt.step()
 
 
+def pickled_run(place, grad_of):
+    """float32 parameters placed by `place`, one step, the optimizer pickled and unpickled, two more steps of the
+    copy: (the parameters whose full tensor is not torch's pickled copy's after them, or that the copy did not move;
+    the pickle's bytes)."""
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+    ours = {n: torch.nn.Parameter(place(t)) for n, t in start(torch.float32).items()}
+    ref = {n: torch.nn.Parameter(t) for n, t in start(torch.float32).items()}
+    opt, ref_opts = DTensorMuon(groups(ours)), torchs(ref)
+    run([opt], ours, range(1), grad_of)
+    run(ref_opts, ref, range(1), lambda name, step, p: gradient(name, step, p.dtype))
+    blob = pickle.dumps(opt)
+    copy, ref_copies = pickle.loads(blob), [pickle.loads(pickle.dumps(o)) for o in ref_opts]
+    copied = dict(copy.param_by_name)
+    ref_copied = dict(zip(ref, [p for o in ref_copies for g in o.param_groups for p in g["params"]]))
+    run([copy], copied, range(1, STEPS), grad_of)
+    run(ref_copies, ref_copied, range(1, STEPS), lambda name, step, p: gradient(name, step, p.dtype))
+    wrong = [n for n in SHAPES if not torch.equal(full(copied[n]), ref_copied[n]) or
+             torch.equal(full(copied[n]), full(ours[n]))]
+    return wrong + ([] if copy.axis.group is dist.group.WORLD else ["the group"]), blob
+
+
 def ranks_body(rank, spawn, device):
     """Each dtype: DTensorMuon over sharded parameters against torch's optimizers over whole ones, on this rank
-    ({dtype: the parameters whose full tensor is not torch.equal to torch's}); then float32, pickled after a step: whether
-    its copy's next steps are torch's pickled copy's; and the pickle's bytes."""
+    ({dtype: the parameters whose full tensor is not torch.equal to torch's}); then pickled_run of plain and of
+    sharded parameters, and the plain one's pickle."""
     torch.set_num_threads(1)
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
@@ -77,21 +99,9 @@ def ranks_body(rank, spawn, device):
         run(torchs(ref), ref, range(STEPS), whole_grad)
         out[str(dtype)] = [n for n in SHAPES if not (ours[n].full_tensor().dtype == dtype and
                                                      torch.equal(ours[n].full_tensor(), ref[n]))]
-    plain = {n: torch.nn.Parameter(t) for n, t in start(torch.float32).items()}
-    ref = {n: torch.nn.Parameter(t) for n, t in start(torch.float32).items()}
-    opt, ref_opts = DTensorMuon(groups(plain)), torchs(ref)
-    run([opt], plain, range(1), whole_grad)
-    run(ref_opts, ref, range(1), whole_grad)
-    blob = pickle.dumps(opt)
-    copy, ref_copies = pickle.loads(blob), [pickle.loads(pickle.dumps(o)) for o in ref_opts]
-    copied = dict(copy.param_by_name)
-    ref_copied = dict(zip(ref, [p for o in ref_copies for g in o.param_groups for p in g["params"]]))
-    run([copy], copied, range(1, STEPS), whole_grad)
-    run(ref_copies, ref_copied, range(1, STEPS), whole_grad)
-    out["pickle"] = (copy.axis.group is dist.group.WORLD
-                     and all(torch.equal(copied[n], ref_copied[n]) and not torch.equal(copied[n], plain[n])
-                             for n in SHAPES))
-    out["blob"] = blob
+    for kind, place, grad_of in (("plain", lambda t: t, whole_grad), ("sharded", shard, sharded_grad)):
+        out[f"pickle {kind}"], blob = pickled_run(place, grad_of)
+        out.setdefault("blob", blob)  # the plain one's: a process of one rank unpickles it
     return out
 
 
@@ -105,8 +115,9 @@ def test_each_dtype_steps_as_torchs_on_two_ranks(ranks, dtype):
     assert [r[dtype] for r in ranks] == [[], []], "parameters not torch's bits, on each rank"
 
 
-def test_a_pickled_optimizer_of_the_world_steps_as_torchs_pickled_copy(ranks):
-    assert [r["pickle"] for r in ranks] == [True, True]
+@pytest.mark.parametrize("kind", ["plain", "sharded"])
+def test_a_pickled_optimizer_of_the_world_steps_as_torchs_pickled_copy(ranks, kind):
+    assert [r[f"pickle {kind}"] for r in ranks] == [[], []], "parameters not torch's pickled copy's bits, on each rank"
 
 
 def test_a_pickle_whose_group_is_not_here_is_refused(single_process_group, ranks):
