@@ -285,10 +285,12 @@ def fill_param_group(group, options, i, extra=()):
 
 
 def given_names(group):
-    """The names a group was given ((name, tensor) pairs), or None where it holds plain tensors."""
+    """The names a group was given ((name, tensor) pairs, or plain tensors beside its own param_names, as torch's
+    optimizers keep them), or None where it holds plain tensors only."""
     params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
-    return None if all(torch.is_tensor(p) for p in params) else [p[0] if isinstance(p, tuple) else None
-                                                                  for p in params]
+    if all(torch.is_tensor(p) for p in params):
+        return list(group["param_names"]) if "param_names" in group else None
+    return [p[0] if isinstance(p, tuple) else None for p in params]
 
 
 def name_params(group, first):
@@ -297,7 +299,10 @@ def name_params(group, first):
     named_parameters() gives them) are kept."""
     params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
     if params and all(torch.is_tensor(p) for p in params):
-        params = [(str(first + k), p) for k, p in enumerate(params)]
+        names = group.get("param_names") or [str(first + k) for k in range(len(params))]
+        if len(names) != len(params):
+            raise ValueError(f"a param group has {len(params)} params and {len(names)} param_names")
+        params = list(zip(names, params))
     group["params"] = params
     return group
 

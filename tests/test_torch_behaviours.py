@@ -149,3 +149,15 @@ def test_a_momentum_a_scheduler_gives_an_adamw_group_is_refused(single_process_g
                                          r"torch.optim.AdamW"):
         opt.step()
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("given", ["pairs", "param_names", "plain"])
+def test_state_dict_reports_the_names_torch_reports(single_process_group, given):
+    """param_names in state_dict() as torch.optim.Muon's: the names given as (name, tensor) pairs or as a group's
+    own param_names beside plain tensors, none for plain tensors alone (the plan's "0", "1" stay internal)."""
+    w, v = torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(3, 5))
+    group = {"pairs": dict(params=[("w", w), ("v", v)]), "param_names": dict(params=[w, v], param_names=["w", "v"]),
+             "plain": dict(params=[w, v])}[given]
+    saved = [cls([dict(group)]).state_dict()["param_groups"][0].get("param_names")
+             for cls in (DTensorMuon, torch.optim.Muon)]
+    assert saved[0] == saved[1] == (None if given == "plain" else ["w", "v"]), saved
