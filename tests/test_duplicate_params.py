@@ -4,6 +4,7 @@ entry, with one state. DTensorMuon does the same, bit for bit: on one rank, and 
 plain or sharded by distribute_tensor; Muon with and without Nesterov, float32 and bfloat16 (CASES). The lesson's ZeRO-1
 optimizers refuse it (their flat buffers would give each entry its own state), in one line, changing nothing."""
 
+import copy
 import warnings
 from dataclasses import dataclass
 
@@ -107,3 +108,25 @@ def test_the_zero1_optimizers_refuse_a_tensor_twice_changing_nothing(single_proc
     with pytest.warns(UserWarning, match=TORCH_WARNING), pytest.raises(ValueError, match="are the same tensor"):
         opt.add_param_group(dict(params=[("a", w), ("b", w)]))
     assert [list(g["params"]) for g in opt.param_groups] == groups and list(opt.param_by_name) == ["v"]
+
+
+def test_a_tensor_twice_saves_and_loads_as_torchs(single_process_group):
+    """The state dict numbers the tensor's entries as torch's does; torch's own state dict, loaded into a fresh
+    DTensorMuon, steps on as torch.optim.Muon does."""
+    torch.set_num_threads(1)
+    ours = {n: torch.nn.Parameter(t) for n, t in start(torch.float32).items() if n != "b"}
+    ref = {n: torch.nn.Parameter(t) for n, t in start(torch.float32).items() if n != "b"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = DTensorMuon([ours["w"], ours["w"], ours["other"]])
+        torchs = torch.optim.Muon([ref["w"], ref["w"], ref["other"]])
+        for step in range(2):
+            for name in ours:
+                ours[name].grad, ref[name].grad = gradient(name, step, torch.float32), gradient(name, step, torch.float32)
+            (opt if step == 0 else loaded).step()
+            torchs.step()
+            if step == 0:
+                assert opt.state_dict()["param_groups"][0]["params"] == torchs.state_dict()["param_groups"][0]["params"]
+                loaded = DTensorMuon([ours["w"], ours["w"], ours["other"]])
+                loaded.load_state_dict(copy.deepcopy(torchs.state_dict()))  # torch's load shares its tensors
+    assert all(torch.equal(ours[n], ref[n]) for n in ours)
