@@ -1,25 +1,25 @@
-"""torch.optim.Muon, DTensorMuon, microsoft/dion's Muon and torchtitan's DistMuon on one device, a GPU by default, at
-a realistic size:
-scaling.py's layers (qkv, proj, fc, fc2) at d = 4096, 8 of them (32 matrices, 1.6 G parameters). Each one's step
-time, its weights after one step against torch.optim.Muon's (bit for bit, or by how much they differ), and
-Newton-Schulz's measured rate on these shapes beside the rate benchmarks/cost_model.py assumes for its H100
-(60 % of the bf16 peak, 594 TFLOP/s).
+"""torch.optim.Muon, DTensorMuon, microsoft/dion's Muon and torchtitan's DistMuon on one device, a GPU by default,
+at a realistic size: scaling.py's layers (qkv, proj, fc, fc2) at d = 4096, 8 of them (32 matrices, 1.6 G
+parameters). Each one's step time, its weights after one step against torch.optim.Muon's (bit for bit, or by how
+much they differ), and Newton-Schulz's measured rate on these shapes beside the rate benchmarks/cost_model.py
+assumes for its H100 (60 % of the bf16 peak, 594 TFLOP/s).
 
     python benchmarks/peers_1gpu.py                         # on a GPU: benchmarks/on_gpu.sh, part 5
     /work/peers-venv/bin/python benchmarks/peers_1gpu.py    # with dion, torchtitan (benchmarks/requirements-peers.txt)
     python benchmarks/peers_1gpu.py --device cpu --d 32 --layers 1 --rounds 1   # the plumbing, on this CPU
 
-One process, in a process group of one (NCCL on a GPU, Gloo on the CPU): DTensorMuon, dion and DistMuon take FSDP2's
-Shard(0) DTensors on a mesh of that one device, as benchmarks/peers.py builds them (its contenders, its dion and
-DistMuon configurations: as close to torch.optim.Muon as their options go), torch.optim.Muon plain tensors. Each is fed the
-same gradient, steps once (that step is checked), then --rounds timed steps (torch.cuda.synchronize() before the
-clock is read). One optimizer at a time, never interleaved: at d = 4096 each holds 19 GB (weights, gradients,
-momentum), and a GPU is not shared as this project's CPU is. dion runs compiled, as shipped (its first two
-steps, compiling, reported apart), and eager (its torch.compile'd functions unwrapped); "not installed" where
-this Python lacks it. DistMuon (torchtitan/distributed/flex_shard) in both of peers.py's layouts: every matrix
-Owned() (whole, against torch.optim.Muon) and each qkv matrix by heads, BlockShard (against torch.optim.Muon fed each
-head as a matrix); on a GPU as shipped but for entering its package without torchtitan/distributed/__init__.py, on
-the CPU with peers_torchtitan.py's two CPU patches too; "not installed" likewise. Figures and ratios, never verdicts.
+One process, in a process group of one (NCCL on a GPU, Gloo on the CPU): DTensorMuon, dion and DistMuon take
+FSDP2's Shard(0) DTensors on a mesh of that one device, as benchmarks/peers.py builds them (its contenders, its
+dion and DistMuon configurations: as close to torch.optim.Muon as their options go), torch.optim.Muon plain
+tensors. Each is fed the same gradient, steps once (that step is checked), then --rounds timed steps
+(torch.cuda.synchronize() before the clock is read). One optimizer at a time, never interleaved: at d = 4096 each
+holds 19 GB (weights, gradients, momentum), and a GPU is not shared as this project's CPU is. dion runs compiled,
+as shipped (its first two steps, compiling, reported apart), and eager (its torch.compile'd functions unwrapped);
+"not installed" where this Python lacks it. DistMuon (torchtitan/distributed/flex_shard) in both of peers.py's
+layouts: every matrix Owned() (whole, against torch.optim.Muon) and each qkv matrix by heads, BlockShard (against
+torch.optim.Muon fed each head as a matrix); on a GPU as shipped but for entering its package without
+torchtitan/distributed/__init__.py, on the CPU with peers_torchtitan.py's two CPU patches too; "not installed"
+likewise. Figures and ratios, never verdicts.
 """
 
 import datetime
@@ -149,8 +149,9 @@ def main(argv=None):
     if on_gpu:  # at once: weights, gradient, the two references' results, one optimizer's weights, grads, momentum
         need, has = GPU_COPIES * 4 * 12 * args.d**2 * args.layers, torch.cuda.get_device_properties(0).total_memory
         if need > has:
-            raise ValueError(f"--d {args.d} x --layers {args.layers} needs about {mt.human_bytes(need)} of GPU memory "
-                             f"(weights, gradient, reference, one optimizer's state), more than its {mt.human_bytes(has)}")
+            raise ValueError(f"--d {args.d} x --layers {args.layers} needs about {mt.human_bytes(need)} of GPU "
+                             f"memory (weights, gradient, references, one optimizer's state), more than its "
+                             f"{mt.human_bytes(has)}")
     torch.set_num_threads(1)  # on the CPU as benchmarks/peers.py's ranks; on a GPU the host thread only launches
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{mt.free_port()}",
