@@ -518,6 +518,7 @@ class Gather:
                    "QK-clip maxima", dist.ReduceOp.MAX)
         raise ValueError(f"rank {opt.grid.rank}: {QK_CLIP_OFF}")
 
+
 # =============================================================================
 # 5. The step: DistributedMuon, with the gather strategy as its part
 # =============================================================================
