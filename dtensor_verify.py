@@ -1,6 +1,6 @@
 """The demo's runs against torch.optim.Muon / AdamW in one process: exact gradients bit for bit (verify), and a
-real FSDP2 x TP training (verify_training: its replay bit for bit, its gradients within the bound muon_tools.py
-section 12 derives, its free-running drift beside a one-ulp chaos floor). examples/train_gpt_dtensor.py and
+real FSDP2 x TP training (verify_training: its replay bit for bit, its gradients within the bound muon_tools/training_checks.py
+derives, its free-running drift beside a one-ulp chaos floor). examples/train_gpt_dtensor.py and
 train_gpt_moe.py check their trainings with it too."""
 
 import math
@@ -42,7 +42,7 @@ class OneProcess:
 
     def nudge(self):
         """Entry 0 of CHAOS_PARAM one ulp up, where torch's optimizers hold it: the chaos floor's start
-        (muon_tools.py, section 12)."""
+        (muon_tools/training_checks.py)."""
         mt.one_ulp_up(self.stepped(self.CHAOS_PARAM))
 
 
@@ -150,7 +150,7 @@ def verify(cfg, results, reference):
 
 # A real training run (cfg.train): FSDP2 x TP forward and backward on real
 # tokens, against the same model in one process on the whole batch. Checked as
-# every real training of the repository is (muon_tools.py, section 12: the
+# every real training of the repository is (muon_tools/training_checks.py: the
 # policy, the bound and the chaos floor, shared with examples/train_gpt.py):
 #
 #   replay     torch's optimizers, from the same initial weights, fed the ranks'

@@ -3,7 +3,7 @@
 No torch here, on purpose: every command calls start_command() in its first lines, before its own import of
 torch (seconds), so that the forkserver's import of it, which the ranks need, runs at the same time on another
 core instead of after it (a small run's command seconds sooner on 2 cores: notes/measured/timings.md).
-muon_tools.py's launcher (section 11) forks every rank from this forkserver; a command refused before any rank
+muon_tools/launch.py, the launcher, forks every rank from this forkserver; a command refused before any rank
 starts stops it on the way out. Beside the lesson, no part of it.
 """
 

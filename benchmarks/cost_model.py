@@ -11,7 +11,7 @@ a virtual grid, with no process and no memory:
     chunks CommFreeMuon's own;
   * DTensorMuon over FSDP2 x TP x EP: each parameter's copies placed as fully_shard and parallelize_module
     place them (section 3: the rules, which the test checks against real FSDP2 runs), its owners by its own
-    rule (assign_among_holders), each piece's size along each tensor dim by its own local_indices.
+    rule (assign_among_holders), its transfers its own: the plan is distmuon/dtensor/plan.py's plan_matrices.
 
 From the plans it counts, for every rank, what the Ledger would count (bytes and calls of every collective
 phase), the Newton-Schulz FLOPs and calls, the optimizer state, the elementwise work and the parts it steps,
@@ -59,15 +59,13 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 
 import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.dtensor as dd  # noqa: E402
-import distmuon.dtensor.placements as dplace  # noqa: E402
 import distmuon.dtensor.plan as dplan  # noqa: E402
 import distmuon.large_runs as mlr  # noqa: E402
 import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 from distmuon.adamw import adamw_step_  # noqa: E402
 from distmuon.checks import ORTHOGONALIZED  # noqa: E402
-from distmuon.dtensor.normuon import v_placements  # noqa: E402
+from distmuon.dtensor.normuon import v_holders, v_placements  # noqa: E402
 
 BF16, FP32, U8 = torch.bfloat16, torch.float32, torch.uint8
 
@@ -385,136 +383,20 @@ def param_order(params, groups):
     return [p for g in groups for p in params if p.group == g]
 
 
-# The pieces of a Copy, along each tensor dim apart: a Shard or _StridedShard cuts one dim, so a rank's local
-# tensor is the product of one index set per dim, each found by DTensorMuon's own local_indices on that dim
-# alone (what plan_matrices finds on the whole index tensor, one int64 per element: at Llama-70B's size it
-# would not fit; tests/test_cost_model.py checks the two agree).
-
-def on_dim(placements, dim):
-    """The placements as they act on tensor dim `dim` of a 1-D tensor: those that cut it, the others Replicate."""
-    return tuple((_StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0))
-                 if isinstance(p, dplace.SHARD_PLACEMENTS) and p.dim == dim else Replicate() for p in placements)
-
-
-@functools.lru_cache(maxsize=None)
-def coordinates(mesh_shape):
-    """Every coordinate of a mesh, row-major: the order of its ranks (and of copy_pieces)."""
-    return [tuple(c) for c in torch.cartesian_prod(*[torch.arange(s) for s in mesh_shape]).view(-1, len(mesh_shape))
-            .tolist()]
-
-
-@functools.lru_cache(maxsize=None)
-def dim_indices(size, mesh_shape, placements):
-    """{where the mesh dims that cut it sit: [indices held there]} along one tensor dim of `size` (placements:
-    on_dim's), for every coordinate at once: torch.chunk, one mesh dim after another in DTensorMuon's
-    split_order, as its local_indices applies it for one coordinate (the test checks they agree)."""
-    level = {(): torch.arange(size)}
-    for i in dplace.split_order(placements):  # keys: ((mesh dim, coordinate), ...) in cut order, sorted below
-        level = {at + ((i, c),): chunk for at, index in level.items()
-                 for c, chunk in enumerate(dplace.chunks_with_empty(index, mesh_shape[i]))}
-    return {tuple(c for _, c in sorted(at)): index.tolist() for at, index in level.items()}
-
-
-@functools.lru_cache(maxsize=None)
-def sized_pieces(shape, mesh_ranks, mesh_shape, placements):
-    """[(key, [holder ranks], [indices along each tensor dim])] of a copy, one per distinct piece, in copy_pieces'
-    order; found once for all the copies of the same shape on the same mesh with the same placements."""
-    cut = dplace.sharded_dims(placements)
-    per_dim = []
-    for d, size in enumerate(shape):
-        placed = on_dim(placements, d)
-        per_dim.append(([i for i, p in enumerate(placed) if not isinstance(p, Replicate)],
-                        dim_indices(size, mesh_shape, placed)))
-    pieces = {}
-    for rank, coordinate in zip(mesh_ranks, coordinates(mesh_shape)):
-        key = tuple(coordinate[i] for i in cut)
-        if key not in pieces:
-            pieces[key] = (key, [], [table[tuple(coordinate[i] for i in dims)] for dims, table in per_dim])
-        pieces[key][1].append(rank)
-    return list(pieces.values())
-
-
-def pieces_of(copy):
-    return sized_pieces(copy.shape, copy.mesh_ranks, copy.mesh_shape, copy.placements)
-
-
-@dataclass(frozen=True)
-class MatrixPieces:
-    """One matrix of a copy (an expert, or the whole 2-D parameter), as its pieces hold it."""
-    holders: tuple
-    pieces: tuple  # (key, ranks, elements of the matrix in the piece)
-    ranks: torch.Tensor  # the one holder of each piece (None if a piece has replicas), and
-    numels: torch.Tensor  # its elements
-
-
-@functools.lru_cache(maxsize=None)
-def matrix_pieces(shape, mesh_ranks, mesh_shape, placements, expert_stack):
-    """{expert (-1: the whole 2-D matrix): MatrixPieces} of a copy's matrices that some rank holds part of."""
-    per = {}
-    for key, ranks, dims in sized_pieces(shape, mesh_ranks, mesh_shape, placements):
-        rest = math.prod(len(i) for i in dims[1:]) if expert_stack else math.prod(len(i) for i in dims)
-        for e in (dims[0] if expert_stack else [-1]) if rest else []:
-            per.setdefault(e, []).append((key, tuple(ranks), rest))
-    out = {}
-    for e, pieces in per.items():
-        single = all(len(ranks) == 1 for _, ranks, _ in pieces)
-        out[e] = MatrixPieces(tuple(sorted({r for _, ranks, _ in pieces for r in ranks})), tuple(pieces),
-                              torch.tensor([ranks[0] for _, ranks, _ in pieces]) if single else None,
-                              torch.tensor([n for _, _, n in pieces]))
-    return out
-
-
-@dataclass
-class SizedMatrix:
-    name: str
-    copy: object
-    at: MatrixPieces
-    expert: int = -1  # its expert in an expert stack (-1: a 2-D parameter)
-    owner: int = -1
-
+# DTensorMuon's plan is its own: distmuon/dtensor/plan.py's plan_matrices (owners by assign_among_holders), each
+# piece a box of ranges (its Cut), every rank's transfers its routes; so the bytes priced here are the bytes the
+# optimizer moves, by construction. The plan as rank 0 makes it: the owners are the same on every rank.
 
 def dtensor_plan(copies, group_ns_steps, world):
-    """DTensorMuon's automatic plan (plan_matrices, without the Gram form) by sizes: [SizedMatrix], ns_flops,
-    owners; its owners by its own rule (assign_among_holders), over the same matrices in the same order."""
-    count = {}
-    for c in copies:
-        count[c.name] = count.get(c.name, 0) + 1
-    matrices, none = [], MatrixPieces((), (), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
-    for c in copies:
-        if c.local:
-            continue
-        per = matrix_pieces(c.shape, c.mesh_ranks, c.mesh_shape, c.placements, c.expert_stack)
-        for e in range(c.n_matrices) if c.expert_stack else [-1]:
-            matrices.append(SizedMatrix(dplan.matrix_name(c, e, count[c.name]), c, per.get(e, none), e))
-    ns_flops = {m.name: dm.newton_schulz_flops(m.copy.matrix_shape, group_ns_steps[m.copy.group]) for m in matrices}
-    owners = dplan.assign_among_holders(ns_flops, {m.name: m.at.holders for m in matrices}, world,
-                                     shapes={m.name: tuple(m.copy.matrix_shape) for m in matrices})
-    for m in matrices:
-        m.owner = owners[m.name]
-    return matrices, ns_flops, owners
+    """DTensorMuon's automatic plan (plan_matrices, without the Gram form): [dplan.Matrix], ns_flops, owners."""
+    return dplan.plan_matrices(copies, group_ns_steps, 0, world)
 
 
 def dtensor_transfers(matrices):
-    """(gather, scatter): (sources, destinations, elements) tensors of every matrix's transfers, as plan_matrices
-    routes them: a piece goes to the owner from its holder that sits where the owner sits along the Replicate
-    dims (rank_at; a piece with one holder: that one), and comes back to every holder."""
-    gather, scatter = ([], [], []), ([], [], [])
-
-    def add(into, sources, destinations, numels):
-        for column, values in zip(into, (sources, destinations, numels)):
-            column.append(torch.as_tensor(values, dtype=torch.int64))
-
-    for m in matrices:
-        at, owner = m.at, m.owner
-        if at.ranks is not None:  # no replicas: each holder sends its piece, and gets it back
-            add(gather, at.ranks, torch.full_like(at.ranks, owner), at.numels)
-            add(scatter, torch.full_like(at.ranks, owner), at.ranks, at.numels)
-            continue
-        for key, ranks, numel in at.pieces:
-            source = owner if owner in ranks else dplan.rank_at(m.copy, owner, key)
-            add(gather, [source], [owner], [numel])
-            add(scatter, [owner] * len(ranks), list(ranks), [numel] * len(ranks))
-    cat = lambda columns: tuple(torch.cat(c) if c else torch.zeros(0, dtype=torch.int64) for c in columns)  # noqa: E731
+    """(gather, scatter): (sources, destinations, elements) tensors of every rank's transfers (dplan.routes)."""
+    gather, scatter = zip(*(dplan.routes(m) for m in matrices)) if matrices else ((), ())
+    cat = lambda moves: tuple(torch.cat(c) if c else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+                              for c in zip(*moves)) if moves else (torch.zeros(0, dtype=torch.int64),) * 3
     return cat(gather), cat(scatter)
 
 
@@ -525,8 +407,9 @@ def local_numels(shape, mesh_ranks, mesh_shape, placements, world):
     out = torch.zeros(world, dtype=torch.int64)
     if not mesh_ranks:
         return out + math.prod(shape)
-    for _, ranks, dims in sized_pieces(shape, mesh_ranks, mesh_shape, placements):
-        out[list(ranks)] = math.prod(len(i) for i in dims)
+    cut = dplan.cut_of(shape, mesh_ranks, mesh_shape, placements)
+    numels = (cut.stops - cut.starts).prod(dim=1)
+    out[cut.ranks.reshape(-1)] = numels.repeat_interleave(cut.ranks.shape[1])
     return out
 
 
@@ -889,12 +772,9 @@ def dtensor_cost(copies, param_names, group_algorithms, group_ns_steps, world, n
 
 def normuon_rows(matrices):
     """(owner, receiver, rows + 1) of NorMuon's rows exchange (distmuon/dtensor/normuon.py, NorMuonRows): v and g of
-    each distributed matrix, from its owner to every other rank of its copy's mesh that holds its v."""
+    each distributed matrix, from its owner to every rank of its copy's mesh that holds its v (v_holders)."""
     for m in matrices:
-        shape, placements = v_of(m.copy)
-        for _, ranks, dims in sized_pieces(shape, m.copy.mesh_ranks, m.copy.mesh_shape, placements):
-            if m.expert < 0 or m.expert in dims[0]:
-                yield from ((m.owner, r, m.copy.matrix_shape[0] + 1) for r in ranks)
+        yield from ((m.owner, r, m.copy.matrix_shape[0] + 1) for r in v_holders(m.copy, max(m.expert, 0)).tolist())
 
 
 def add_local_matrices(flops, muon_copies, group_ns_steps, ns_calls):
@@ -1254,7 +1134,7 @@ def figure(results, scaling, path):
     ax.set_title("Where Newton-Schulz stops scaling (dotted: the largest matrix)")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    mt.save_figure(fig, path, dpi=90)
     plt.close(fig)
 
 
@@ -1326,7 +1206,7 @@ def probe_rank(rank, world, port, out_dir, shapes):
         dist.barrier()
         together.append(rounds())
     out["newton-schulz"] = (min(alone), min(together))
-    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(out, f))
     dist.destroy_process_group()
 
 

@@ -61,7 +61,7 @@ def rank_main(rank, world, port, out_dir):
                 fn()
                 samples.append((time.perf_counter() - t0) * 1e3)
             times[(n, name)] = statistics.median(samples)
-    torch.save(times, os.path.join(out_dir, f"{rank}.pt"))
+    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(times, f))
     dist.destroy_process_group()
 
 

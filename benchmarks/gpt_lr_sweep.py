@@ -243,7 +243,7 @@ def plot(result, path):
     fig.suptitle(f"GPT on the standard library's sources: {' vs '.join(LABELS[o] for o in optimizers_in(result['runs']))}, "
                  "same tokens, tuned lr per optimizer")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    mt.save_figure(fig, path, dpi=110)
 
 
 TRAINING_FLAGS = ("muon_lrs", "normuon_lrs", "adamw_lrs", "seeds", "schedules", "warmup_steps", "val_windows", "steps", "every",

@@ -79,7 +79,7 @@ def plot(rows, path):
     right.set_ylabel("MiB sent per rank per step")
     right.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    mt.save_figure(fig, path, dpi=110)
 
 
 def main(argv=None):

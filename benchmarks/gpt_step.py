@@ -96,7 +96,7 @@ def plot(runs, path):
     ax.set_xlabel("ms per step (mean over ranks)")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    mt.save_figure(fig, path, dpi=110)
 
 
 def main(argv=None):

@@ -215,7 +215,7 @@ def plot(result, path):
     fig.suptitle(f"MoE GPT, {grid['experts']} experts, DP {grid['dp']} (EP {grid['ep']}) x TP {grid['tp']}: Muon vs "
                  f"AdamW on the experts vs AdamW everywhere, same tokens")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    mt.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -82,11 +82,12 @@ WRITTEN=()  # the files this run's parts wrote, and only those, get their rows i
 # commit and its output to FILE (and the terminal), and adds a line to the summary.
 part() {
   local title=$1 limit=$2 file=$3 key=$4; shift 4
-  local t0=$SECONDS rc arg
+  local t0=$SECONDS rc arg shown=("$@")
+  [ "${shown[0]}" = "$PY" ] && shown[0]=python  # the file shows `python`, not this interpreter's path ($PYTHON)
   WRITTEN+=("$file")
   for arg in "$@"; do [[ "$arg" == "$OUT"/* ]] && WRITTEN+=("$arg"); done  # --json, --figure (1b's input: 1's)
   echo; echo "=== $title (at most ${limit} s) ==="
-  { echo "\$ $*"; echo "# commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) cores, time-boxed to ${limit} s by benchmarks/on_gpu.sh"
+  { echo "\$ ${shown[*]}"; echo "# commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) cores, time-boxed to ${limit} s by benchmarks/on_gpu.sh"
     timeout --kill-after=10 "$limit" "$@" 2>&1; echo "exit status $?"; } | tee "$file"
   rc=$(tail -1 "$file" | awk '{print $3}')
   local status="ok"

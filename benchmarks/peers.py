@@ -602,9 +602,9 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without
             t2 = time.perf_counter()
             times[label]["sync"].append((t1 - t0) * 1e3)
             times[label]["step"].append((t2 - t1) * 1e3)
-    torch.save(dict(times=times, checks=checks, patches=patches, status=status, compiling=compiling,
-                    references=references, syncs={label: s for label, (s, _, _) in runners.items()}),
-               os.path.join(out_dir, f"{rank}.pt"))
+    mine = dict(times=times, checks=checks, patches=patches, status=status, compiling=compiling,
+                references=references, syncs={label: s for label, (s, _, _) in runners.items()})
+    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(mine, f))
     dist.destroy_process_group()
 
 

@@ -170,7 +170,7 @@ def rank_main(rank, world, port, out_dir, d, layers, variants, rounds, without_n
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     times = step_ms(steppers(variants, dm.make_grid(world, 1, rank), d, layers), rounds, dist.barrier)
-    torch.save(times, os.path.join(out_dir, f"{rank}.pt"))
+    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(times, f))
     dist.destroy_process_group()
 
 
@@ -274,7 +274,7 @@ def main(argv=None):
         plt.title(f"{args.layers} layers at d = {args.d}; bf16 matmul {speed['bfloat16']:.0f} GFLOP/s here"
                   + (", without Newton-Schulz" if args.without_ns else ""))
         plt.legend()
-        plt.savefig(args.figure, dpi=100)
+        mt.save_figure(plt.gcf(), args.figure, dpi=100)
     return 0
 
 

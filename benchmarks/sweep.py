@@ -3,7 +3,7 @@
     python benchmarks/sweep.py            # about a minute on 2 cores
 
 Bytes are what each rank logically sends per step (ring counts: the lesson's Ledger,
-section 2, summed by muon_tools.py section 10); times are wall-clock on this machine, the median over the steps of the
+section 2, summed by muon_tools/accounting.py); times are wall-clock on this machine, the median over the steps of the
 slowest rank, and on 2 cores shared by 8 ranks they measure oversubscription as
 much as the algorithm: compare them with each other, not with a GPU.
 """

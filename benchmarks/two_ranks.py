@@ -141,7 +141,8 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, without_ns, before)
                 opt.step()
         splits[variant] = split_of(prof.events(), labels)
         flops[variant] = sum(c["flops"] for c in opt.ledger.compute if c["step"] == opt.ledger.step)
-    torch.save(dict(times=times, splits=splits, flops=flops), os.path.join(out_dir, f"{rank}.pt"))
+    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"),
+                        lambda f: torch.save(dict(times=times, splits=splits, flops=flops), f))
     dist.destroy_process_group()
 
 

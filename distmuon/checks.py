@@ -284,13 +284,25 @@ def fill_param_group(group, options, i, extra=()):
     return group
 
 
+def given_names(group):
+    """The names a group was given ((name, tensor) pairs, or plain tensors beside its own param_names, as torch's
+    optimizers keep them), or None where it holds plain tensors only."""
+    params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
+    if all(torch.is_tensor(p) for p in params):
+        return list(group["param_names"]) if "param_names" in group else None
+    return [p[0] if isinstance(p, tuple) else None for p in params]
+
+
 def name_params(group, first):
     """Plain tensors of a group, named as torch's state_dict numbers them (their index in the optimizer, from
     `first`): every optimizer here keys its layout by name. Named parameters ((name, tensor) pairs, as
     named_parameters() gives them) are kept."""
     params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
     if params and all(torch.is_tensor(p) for p in params):
-        params = [(str(first + k), p) for k, p in enumerate(params)]
+        names = group.get("param_names") or [str(first + k) for k in range(len(params))]
+        if len(names) != len(params):
+            raise ValueError(f"a param group has {len(params)} params and {len(names)} param_names")
+        params = list(zip(names, params))
     group["params"] = params
     return group
 
@@ -343,8 +355,8 @@ def names_problem(i, group):
 
 def named_params(param_groups):
     """[(name, tensor, its group)] after the checks every optimizer here needs (DTensorMuon's too):
-    'muon', 'normuon' or 'adamw' groups, their options, named float32 parameters (state is keyed by name), no
-    name or tensor twice."""
+    'muon', 'normuon' or 'adamw' groups, their options, named floating-point parameters (state is keyed by name),
+    no name or tensor twice. Which dtypes each optimizer steps is its own check (float32_problem, complex_problem)."""
     for i, group in enumerate(param_groups):
         if algorithm_problem(i, group.get("algorithm")):
             raise ValueError(algorithm_problem(i, group.get("algorithm")))
@@ -361,14 +373,28 @@ def named_params(param_groups):
             if id(p) in tensors:
                 raise ValueError(f"parameters {tensors[id(p)]} and {name} are the same tensor: it would be stepped "
                                  f"twice")
-            if p.dtype != torch.float32:
-                raise ValueError(f"{name} is {p.dtype}; this reference keeps float32 parameters")
+            if not (p.dtype.is_floating_point or p.dtype.is_complex):
+                raise ValueError(f"{name} is {p.dtype}: an optimizer steps floating-point parameters")
             if param_problem(name, p):
                 raise ValueError(param_problem(name, p))
             seen.add(name)
             tensors[id(p)] = name
             named.append((name, p, group))
     return named
+
+
+MUON_COMPLEX = "Muon does not support complex parameters"  # torch.optim.Muon's words, raised at its step
+
+
+def complex_problem(name, p, algorithm):
+    """Why a complex parameter cannot be stepped by its group's algorithm (one line), or None. torch.optim.Muon takes
+    one at construction and refuses it at step() (RuntimeError, MUON_COMPLEX); torch.optim.AdamW steps one through
+    view_as_real, which DTensorMuon does not: refused at construction."""
+    if not p.dtype.is_complex:
+        return None
+    if algorithm in ORTHOGONALIZED:
+        return f"{MUON_COMPLEX}: {name} is {p.dtype}"
+    return f"{name} is {p.dtype}: complex parameters of an adamw group are not implemented here"
 
 
 def not_a_matrix(name, shape, expert_stacks=False):
@@ -383,6 +409,8 @@ def index_named_params(param_groups, tp_split_dims):
     """({name: tensor}, {name: its group}, {name: TP split dim}) after checking what the step relies on."""
     param_by_name, group_of = {}, {}
     for name, p, group in named_params(param_groups):
+        if p.dtype != torch.float32:  # the ZeRO-1 optimizers' flat buffers are float32
+            raise ValueError(f"{name} is {p.dtype}; this reference keeps float32 parameters")
         if group["algorithm"] in ORTHOGONALIZED and p.ndim != 2:
             raise ValueError(not_a_matrix(name, p.shape))
         param_by_name[name], group_of[name] = p, group

@@ -61,7 +61,7 @@ from examples.stdlib_text import load_corpus
 #     order: TP = 2 keeps the ranks' bits there (two terms, a + b == b + a), TP > 2
 #     does not.
 #   * NCCL with TP > 2: each step's gradients and losses are held, against float64,
-#     to the bound derived in muon_tools.py (section 12; bound_ratio): REALIZED_FACTOR
+#     to the bound derived in muon_tools/training_checks.py (bound_ratio): REALIZED_FACTOR
 #     x the one process's own fp32 error on the step, plus one reordered reduction,
 #     n u of the largest entry, n = batch x context tokens (a micro-batch's loss: its
 #     own tokens).

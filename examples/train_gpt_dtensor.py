@@ -27,7 +27,7 @@ What a rank does (mesh (dp, tp), rank = dp_rank * tp + tp_rank):
               dcp.load, set_model_state_dict, set_optimizer_state_dict), on any other mesh
 
 --verify checks the run as dtensor_verify.verify_training checks the demo's real training (with the
-policy every real training here shares, muon_tools.py section 12): torch.optim.Muon +
+policy every real training here shares, muon_tools/training_checks.py): torch.optim.Muon +
 AdamW fed the ranks' own total gradients replay every rank's weights bit for bit at every step (checked); at
 the ranks' own weights, the one process's fp32 and float64 gradients and loss bound the ranks' (FSDP2's and
 TP's sums run in another order: their error against float64 within mt.REALIZED_FACTOR (4) x the one
@@ -96,8 +96,10 @@ def validate(cfg, on_disk=True):
         raise ValueError(f"--resume-step must be in [0, --steps {cfg.steps}) (got {cfg.resume_step})")
     if cfg.save:  # before --resume's own check: the same folder is refused, however it holds a checkpoint
         mt.check_not_input(cfg.save, "--save", {"--resume's checkpoint": cfg.resume})
-    if on_disk and cfg.resume and not os.path.isfile(os.path.join(cfg.resume, ".metadata")):
-        raise ValueError(f"--resume {cfg.resume}: no torch.distributed.checkpoint there (no .metadata)")
+    if on_disk and cfg.resume:  # the checkpoint whole, saved after --resume-step, of this model
+        shapes = {n: tuple(p.shape) for n, p in plain_gpt(cfg).named_parameters()}
+        mt.check_checkpoint_model(cfg.resume, mt.read_checkpoint(cfg.resume, cfg.resume_step), shapes,
+                                  "--layers, --d-model, --heads")
     if cfg.save:
         mt.check_writable(cfg.save, "--save", folder=True)  # DCP makes it, with its parents
 
@@ -180,7 +182,7 @@ def train_rank(rank, cfg, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cfg.save and step == cfg.save_step:
-            dd.save_checkpoint(cfg.save, model, opt)
+            mt.write_folder_atomically(cfg.save, lambda folder: dd.save_checkpoint(folder, model, opt), opt.axis.group)
         if step % cfg.log_every == 0 or step == cfg.steps:
             train_loss, val_loss = dp_mean(losses[-1], mesh, device), validation_loss(model, corpus, cfg, mesh,
                                                                                       dp_rank, device)

@@ -30,7 +30,7 @@ An EP group is ep consecutive DP ranks (the same d // ep and TP rank): their tok
 over one all_to_all_single each way per layer. So an expert's gradient sums the tokens of ep DP ranks, FSDP2
 over edp sums the rest, and it is divided by dp (set_gradient_divide_factor), as FSDP2 divides the dense ones.
 
---verify checks the run as train_gpt_dtensor.py's (dtensor_verify.verify_training, muon_tools.py section 12):
+--verify checks the run as train_gpt_dtensor.py's (dtensor_verify.verify_training, muon_tools/training_checks.py):
 torch.optim.Muon on every expert as its own matrix + AdamW (torch.optim.AdamW on each whole 3-D stack where the
 experts take AdamW), fed the ranks' own total gradients, replay every rank's weights bit for bit at every step;
 each step's gradients and loss against float64 within the derived bound (FSDP2, TP and the all-to-all sum in
@@ -117,7 +117,7 @@ def validate(cfg, on_disk=True):
     ValueError, one line (before any rank starts)."""
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {cfg.optimizer!r})")
-    tgd.validate(dense_config(cfg), on_disk)
+    tgd.validate(dense_config(cfg), on_disk=False)  # the checkpoint: check_checkpoint, this model's
     if cfg.ep < 1 or cfg.dp % cfg.ep:
         raise ValueError(f"EP {cfg.ep} does not divide DP {cfg.dp}: an EP group is EP of the DP ranks")
     check_moe(cfg.moe(), cfg.ep)
@@ -134,12 +134,7 @@ def check_checkpoint(cfg):
     """The --resume checkpoint against the model and optimizer this run builds, from its metadata alone (ValueError,
     one line): every parameter's shape (the expert count first), none missing or extra, and each parameter's state
     of the algorithm that will step it (Muon's momentum, AdamW's moments), as a load would need them."""
-    import torch.distributed.checkpoint as dcp
-
-    try:
-        saved = dcp.FileSystemReader(cfg.resume).read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001 (whatever the reader raises on a file that is not DCP's metadata)
-        raise ValueError(f"--resume {cfg.resume}: its .metadata cannot be read ({mt.one_line(e)})") from None
+    saved = mt.read_checkpoint(cfg.resume, cfg.resume_step)  # whole, and saved after --resume-step
     where = f"--resume {cfg.resume}: its checkpoint"
     model = moe_gpt(cfg)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -148,15 +143,7 @@ def check_checkpoint(cfg):
     if stack in held and held[stack][0] != cfg.experts:
         raise ValueError(f"{where} has {held[stack][0]} experts a layer ({stack} {held[stack]}), this run "
                          f"--experts {cfg.experts}: resume with --experts {held[stack][0]}")
-    for name, shape in shapes.items():
-        if name not in held:
-            raise ValueError(f"{where} has no {name}: it was saved from another model (--shared-expert, --layers?)")
-        if held[name] != shape:
-            raise ValueError(f"{where}'s {name} is {held[name]}, this run's {shape}: resume with the sizes it was "
-                             f"saved with")
-    extra = sorted(set(held) - set(shapes))
-    if extra:
-        raise ValueError(f"{where} holds {extra[0]}, which this run's model has not: it was saved from another model")
+    mt.check_checkpoint_model(cfg.resume, saved, shapes, "--shared-expert, --layers")
     state = {"muon": ("momentum_buffer", "Muon's momentum"), "adamw": ("exp_avg", "AdamW's moments")}
     for g in groups(model, cfg):  # each algorithm's state exists from DTensorMuon's construction: always saved
         for name, _ in g["params"]:
@@ -302,7 +289,7 @@ def train_rank(rank, cfg, device):
             out["routing"].append([dict(chosen=r["chosen"], probs=r["probs"]) for r in records])
         model.record_routing(False)
         if cfg.save and step == cfg.save_step:
-            dd.save_checkpoint(cfg.save, model, opt)
+            mt.write_folder_atomically(cfg.save, lambda folder: dd.save_checkpoint(folder, model, opt), opt.axis.group)
         if step % cfg.log_every == 0 or step == cfg.steps:
             log_progress(cfg, model, corpus, dense, dp_rank, device, out, step, first, last, rank == 0)
             last = time.perf_counter()
@@ -563,7 +550,7 @@ def plot_ledger(cfg, s, path):
     tokens.legend(fontsize=8)
     fig.suptitle(f"MoE GPT: {cfg.experts} experts, top-{cfg.top_k}, DP {cfg.dp} (EP {cfg.ep}) x TP {cfg.tp}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    mt.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

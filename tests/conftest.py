@@ -13,7 +13,7 @@ Every comparison in this suite but one is bit-exact (torch.equal), with no toler
 One comparison is not exact, by construction: --batched-ns stacks same-shape matrices into
 bf16 baddbmm, which rounds some near-ties unlike torch's addmm; it is held to a bound derived
 in the script (batched_ns_tolerance) and tested in test_math.py and test_strategies.py.
-Real trainings: tests/test_gpt.py (the policy of muon_tools.py's section 12, which
+Real trainings: tests/test_gpt.py (the policy of muon_tools/training_checks.py, which
 examples/train_gpt.py applies) is bit for bit on Gloo for any DP x TP: the DP reduce-scatter and
 the TP all-reduces add in rank order, and the one-process reference adds TP's pieces in that order;
 only its check of the bound path (the same run verified as NCCL would be, TP > 2) holds each step's
@@ -46,6 +46,8 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# The shell scripts the tests run (benchmarks/*.sh) start $PYTHON: this interpreter, not whichever `python` PATH has
+os.environ["PYTHON"] = sys.executable
 
 import distributed_muon_cpu as dm  # noqa: E402
 import distmuon.checks as mc  # noqa: E402,F401  (the tests import it from here)

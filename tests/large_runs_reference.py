@@ -1,6 +1,6 @@
 """Independent single-device references for what large runs add (issue 20): fused blocks, per-iteration
 Newton-Schulz coefficients (Polar Express) and QK-clip, written from the papers' equations on top of
-torch.optim.Muon itself, never from the distributed optimizers (nor from muon_tools.py's section 9, which
+torch.optim.Muon itself, never from the distributed optimizers (nor from muon_tools/reference.py, which
 tests/test_large_runs.py checks against this file). Importable by any test (the DTensor optimizer's too).
 
   * Blocks (Moonlight's Q, K, V apart, or each head apart): torch.optim.Muon with every block a separate

@@ -73,7 +73,6 @@ def test_the_lessons_optimizer_checks_every_group(single_process_group, group, m
      "param group 0: algorithm must be 'muon', 'normuon' or 'adamw' (got 'sgd')"),
     (lambda m: split_groups(m) + [dict(params=[("out.weight", torch.nn.Parameter(torch.zeros(16, 48)))])],
      "parameter out.weight appears twice"),
-    (lambda m: split_groups(m.double()), "hidden.weight is torch.float64; this reference keeps float32 parameters"),
     (lambda m: [dict(split_groups(m)[0], lr=-1.0)], "param group 0 (muon): lr must be >= 0 and finite (got -1.0)"),
 ])
 def test_both_optimizers_check_named_params_with_one_function(single_process_group, make_groups, message):
@@ -82,3 +81,11 @@ def test_both_optimizers_check_named_params_with_one_function(single_process_gro
         with pytest.raises(ValueError) as refused:
             build(make_groups(TinyNet()))
         assert str(refused.value) == message
+
+
+def test_the_lessons_zero1_optimizers_keep_float32_parameters(single_process_group):
+    """Their flat buffers are float32: a float64 model is refused in one line (DTensorMuon steps it as torch does:
+    tests/torch_optim/test_contract.py, test_dtype)."""
+    with pytest.raises(ValueError) as refused:
+        dm.DistributedMuon(split_groups(TinyNet().double()), grid=single_process_group)
+    assert str(refused.value) == "hidden.weight is torch.float64; this reference keeps float32 parameters"

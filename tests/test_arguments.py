@@ -144,12 +144,13 @@ BAD_GROUPS = {
     "a name already there": lambda t: dict(params=[("w", torch.ones(3, 3))]),
     "an option torch refuses": lambda t: dict(params=[("y", torch.ones(3, 3))], lr=-1.0),
     "a wrong algorithm": lambda t: dict(params=[("y", torch.ones(3, 3))], algorithm="sgd"),
-    "a float64 tensor": lambda t: dict(params=[("y", torch.ones(3, 3, dtype=torch.float64))]),
+    "an integer tensor": lambda t: dict(params=[("y", torch.ones(3, 3, dtype=torch.int64))]),
     "no parameters": lambda t: dict(params=[]),
     "a list, not a dict": lambda t: [("y", torch.ones(3, 3))],
     "a tensor, not a dict": lambda t: torch.ones(3, 3),
 }
-LESSON_BAD_GROUPS = {  # the lesson's optimizers take a group's own TP splits
+LESSON_BAD_GROUPS = {  # the lesson's optimizers take a group's own TP splits, and float32 parameters only
+    "a float64 tensor": lambda t: dict(params=[("y", torch.ones(3, 3, dtype=torch.float64))]),
     "a TP split of an unknown parameter": lambda t: dict(params=[("y", torch.ones(4, 4))], tp_split_dims={"z": 0}),
     "a TP split out of range": lambda t: dict(params=[("y", torch.ones(4, 4))], tp_split_dims={"y": 2}),
 }

@@ -220,8 +220,8 @@ ROWS += [
      False),
     ("distributed_muon_cpu.py", ["--timeout", "1e30"], "--timeout 1e+30 is above 1e+09 s (31 years)", False),
     ("examples/train_gpt.py", ["--seed", "-1"], "--seed must be in [0, 2**32) (got -1)", False),
-    ("distributed_muon_cpu.py", ["--json", "muon_tools.py"], "--json muon_tools.py is a file of the code this command "
-                                                              "runs", False),
+    ("distributed_muon_cpu.py", ["--json", "muon_tools/cli.py"], "--json muon_tools/cli.py is a file of the code this "
+                                                                  "command runs", False),
     ("distributed_muon.py", ["--lr", "1e308", *GLOO_CPU], "--lr 1e+308 overflows float32 in the step", True),
     ("distributed_muon.py", ["--timeout", "0.001", "--dp", "2", "--tp", "2", *GLOO_CPU],
      "--timeout 0.001 is below the 5 s", True),

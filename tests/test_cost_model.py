@@ -1,11 +1,13 @@
 """benchmarks/cost_model.py: its bytes, FLOPs and state are what real runs' Ledgers record, exactly, on every
 grid the tests run (the lesson's strategies and AdamW ZeRO-1 from the suite's own spawns, run_grid; DTensorMuon
 from one spawn of 8 ranks here: FSDP2 x TP meshes, HSDP, expert parallelism); its sizes-only DTensor plan is
-DTensorMuon's own plan_matrices, transfer for transfer; and its alpha-beta prices are the stated formulas.
+DTensorMuon's own plan_matrices (its routes are every rank's transfers); and its alpha-beta prices are the stated
+formulas.
 Its times are never checked against a clock: --check-here prints their error."""
 
 import collections
 from dataclasses import replace
+import itertools
 import os
 import sys
 
@@ -18,6 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import cost_model as cm  # noqa: E402
 import distmuon.dtensor as dd  # noqa: E402
+import distmuon.dtensor.placements as dplace  # noqa: E402
 import distmuon.dtensor.plan as dplan  # noqa: E402
 from dtensor_run import DemoConfig, DemoModel, is_muon  # noqa: E402
 from dtensor_scenarios import PLACEMENT, PlacedRun, Runs, run_many_rank  # noqa: E402
@@ -181,23 +184,41 @@ def case_copies():
     return cases
 
 
-def test_dim_indices_are_local_indices_for_every_coordinate():
-    """The per-dim, all-coordinates split is DTensorMuon's local_indices, uneven and empty shards included."""
+def chunked_indices(shape, mesh_shape, placements, coordinate):
+    """The oracle: the global flat index of each element a rank holds, by torch.chunk on a tensor of every index
+    (uneven and empty chunks as FSDP2 cuts them), one cut after another in split_order."""
+    index = torch.arange(torch.Size(shape).numel()).view(shape)
+    for i in dplace.split_order(placements):
+        chunks = list(torch.chunk(index, mesh_shape[i], dim=placements[i].dim))
+        chunks += [chunks[0].narrow(placements[i].dim, 0, 0)] * (mesh_shape[i] - len(chunks))
+        index = chunks[coordinate[i]]
+    return index.reshape(-1)
+
+
+def test_every_piece_of_the_cut_is_torch_chunks_elements():
+    """The plan's Cut (ranges per tensor dim, every rank at once) holds, for every rank, the elements torch.chunk
+    gives it, in its local order; so does local_indices (one rank, from local_box); uneven and empty shards too."""
+    checked = 0
     for copies, _, _ in case_copies().values():
         for c in copies:
             if not c.mesh_ranks:
                 continue
-            pieces = {r: dims for _, ranks, dims in cm.pieces_of(c) for r in ranks}
-            for rank, coordinate in zip(c.mesh_ranks, cm.coordinates(c.mesh_shape)):
-                index = torch.tensor(dd.local_indices(c.shape, c.mesh_shape, c.placements, coordinate).tolist())
-                grid = torch.arange(torch.Size(c.shape).numel()).view(c.shape)[torch.meshgrid(
-                    *[torch.tensor(i, dtype=torch.int64) for i in pieces[rank]], indexing="ij")]
-                assert torch.equal(grid.reshape(-1), index), (c.name, coordinate)
+            cut = dplan.cut_of_copy(c)
+            for rank, coordinate in zip(c.mesh_ranks, itertools.product(*[range(n) for n in c.mesh_shape])):
+                k, _ = cut.position(rank)
+                box = [torch.arange(a, b) for a, b in zip(cut.starts[k].tolist(), cut.stops[k].tolist())]
+                grid = torch.arange(torch.Size(c.shape).numel()).view(c.shape)[torch.meshgrid(*box, indexing="ij")]
+                expected = chunked_indices(c.shape, c.mesh_shape, c.placements, coordinate)
+                assert torch.equal(grid.reshape(-1), expected), (c.name, coordinate)
+                assert torch.equal(dd.local_indices(c.shape, c.mesh_shape, c.placements, coordinate), expected)
+                checked += expected.numel() == 0
+    assert checked > 0  # some empty shards among them
 
 
-def test_the_sized_plan_is_plan_matrices_transfer_for_transfer():
-    """Owners, FLOPs and every transfer (source, destination, elements), against DTensorMuon's own planner run
-    as every rank would run it."""
+def test_every_rank_plans_its_own_routes_and_each_matrix_is_tiled_once():
+    """Owners and FLOPs are the same on every rank; each rank's transfers (plan_matrices, as it runs on that rank)
+    are its own of routes() (what the cost model prices); and the boxes a matrix's owner receives cover each
+    element of it exactly once."""
     moved = 0
     for label, (copies, algorithms, world) in case_copies().items():
         muon = [c for c in copies if algorithms[c.group] != "adamw"]
@@ -213,6 +234,13 @@ def test_the_sized_plan_is_plan_matrices_transfer_for_transfer():
             for m in planned:
                 for counter, moves in zip(theirs, (m.gather, m.scatter)):
                     counter.update((s, d, n) for s, d, n, *_ in moves if s == me != d)
+                if m.owner == me:
+                    covered = torch.zeros(m.shape, dtype=torch.int64)
+                    for _, _, numel, _, box in m.gather:
+                        part = covered[tuple(slice(a, b) for a, b in box)]
+                        assert part.numel() == numel, (label, m.name)
+                        part += 1
+                    assert bool((covered == 1).all()), (label, m.name)
         assert ours == theirs, label
         moved += sum(ours[0].values())
     assert moved > 0  # (whole experts on their own ranks move nothing: "ep 4, 6 experts")

@@ -6,7 +6,7 @@ the same matrices, and FSDP2's and the TP layers' bytes of a training step, meas
 One spawn of 8 Gloo ranks runs every distributed scenario one after another (each on its own (sub-)mesh of the
 first dp x tp ranks; tests/dtensor_scenarios.py): starting ranks costs more than a scenario.
 Every comparison is torch.equal except two. The real FSDP2 x TP training run is checked by
-dtensor_verify.verify_training with the policy every real training here shares (muon_tools.py, section 12): the
+dtensor_verify.verify_training with the policy every real training here shares (muon_tools/training_checks.py): the
 replay of the ranks' own gradients through torch's optimizers is torch.equal at every step, while each step's
 gradients and loss at the ranks' weights are held, against float64, to the bound derived from the arithmetic (4 x
 the one process's own fp32 error plus n u: FSDP2's and TP's sums run in another order); the free-running losses'
@@ -295,7 +295,7 @@ def training(scenarios):
 
 def test_real_fsdp2_tp_training_replays_bit_for_bit_and_its_gradients_are_within_the_derived_bound(training):
     """Real forward / backward through fully_shard x parallelize_module, 3 steps on 4x2, checked by the
-    bound muon_tools.py section 12 derives for sums in torch's own order (examples/train_gpt.py needs it only
+    bound muon_tools/training_checks.py derives for sums in torch's own order (examples/train_gpt.py needs it only
     as NCCL with TP > 2 would; this model's sums: dtensor_verify.py):
       * replay: torch.optim.Muon + AdamW fed the ranks' own total gradients (full_tensor() of every .grad)
         from the same start give every rank's weights torch.equal, at every step: the optimizer is exact;
@@ -661,7 +661,7 @@ def test_under_torchrun_bad_flags_or_world_size_are_refused_before_joining(monke
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(mt, "join_world", lambda *a: pytest.fail("joined the world"))
+    monkeypatch.setattr(mt.torchrun, "join_world", lambda *a: pytest.fail("joined the world"))
     assert dtensor_demo.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""

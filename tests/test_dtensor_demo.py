@@ -1,5 +1,5 @@
 """dtensor_demo.py's command line for a real training (--train): refused before any rank starts where its
-check cannot hold; and the training checks it takes from muon_tools.py (section 12), as examples/train_gpt.py
+check cannot hold; and the training checks it takes from muon_tools/training_checks.py, as examples/train_gpt.py
 does, not from examples/. The run itself and its report are tested on the shared spawn of tests/test_dtensor.py."""
 
 import math

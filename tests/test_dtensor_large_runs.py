@@ -17,7 +17,7 @@ matrix, and torch.optim.Muon itself:
   * Polar Express: torch.optim.Muon with its Newton-Schulz (torch.optim._muon._zeropower_via_newtonschulz) swapped
     for one with one (a, b, c) per iteration and torch's op choice (torch.addmm): torch.equal;
   * Gram: torch.optim.Muon; not always bit-identical (float32 sums over ranks inside each iteration), held to the
-    lesson's gram_tolerance (muon_tools.py section 9 derives it from torch's own bf16 error on each step's input).
+    lesson's gram_tolerance (muon_tools/reference.py derives it from torch's own bf16 error on each step's input).
 
 `python tests/test_dtensor_large_runs.py [seeds]` prints the Gram sweep's figures.
 """
@@ -525,7 +525,7 @@ def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals
     Gram matrix per iteration over one TP group; the others (gate: TP cuts its short side; the expert stack) keep
     the gather and stay torch.equal. On 4x1 there is no TP: everything torch.equal.
 
-    The bound: the lesson's gram_tolerance (muon_tools.py section 9 derives it and states its assumption), from the
+    The bound: the lesson's gram_tolerance (muon_tools/reference.py derives it and states its assumption), from the
     Newton-Schulz inputs torch's own step records here. Measured (`python tests/test_dtensor_large_runs.py 10`):
     see the docstring of DTensorMuon; most matrices come out bit-identical, the others differ."""
     case, ranks = runs[Case(mesh, gram=True).label]

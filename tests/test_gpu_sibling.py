@@ -149,7 +149,7 @@ def test_under_torchrun_a_rank_without_its_gpu_says_so_itself(monkeypatch, capsy
     every rank is printed by rank 0 alone (the refusal tests of each entry point); a rank whose own GPU is
     missing prints its own line, and does not join."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a machine with 2 GPUs, 4 ranks started on it
-    monkeypatch.setattr(mt, "join_world", lambda *a: pytest.fail("joined the world"))
+    monkeypatch.setattr(mt.torchrun, "join_world", lambda *a: pytest.fail("joined the world"))
     for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3").items():
         monkeypatch.setenv(name, value)
     assert mt.run_under_torchrun("nccl", "cuda", lambda world: mt.RunConfig(dp=4, tp=1), None, None) == 2

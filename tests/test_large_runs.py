@@ -11,7 +11,7 @@ against torch's Newton-Schulz on many shapes and seeds.
 Bit-identity (torch.equal) holds for blocks, Polar Express and QK-clip: the same operations on the
 same bf16 matrices as torch.optim.Muon's on the blocks, its rows scaled by the same double. Gram does
 not (the float32 Gram sum over TP ranks runs in another order, so a bf16 rounding near a tie can go
-the other way): it is held to gram_ns_tolerance (muon_tools.py, section 9, where it is
+the other way): it is held to gram_ns_tolerance (muon_tools/reference.py, where it is
 derived: (1 + GRAM_ERROR_RATIO) x torch's own bf16 error against the float64 iteration, assuming the Gram
 path's own error is at most GRAM_ERROR_RATIO x torch's), on random and on nearly low-rank matrices; the
 assumption is checked and measured here.
@@ -488,7 +488,7 @@ def test_gram_ns_tolerance_takes_the_result_it_is_given():
 
 
 def test_the_lessons_reference_is_the_tests_reference():
-    """verify's reference (muon_tools.py, section 9) and this file's agree bit for bit on the demo's matrices."""
+    """verify's reference (muon_tools/reference.py) and this file's agree bit for bit on the demo's matrices."""
     cfg = suite_config(dp=2, tp=1, steps=STEPS, ns_coefficients="polar_express", ns_blocks="heads", qk_clip_tau=TAU)
     specs = mt.demo_specs(cfg)
     lesson = mt.reference_params(specs, cfg)

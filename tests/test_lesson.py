@@ -15,7 +15,8 @@ from conftest import ROOT, SCRIPT
 
 LIBRARY = sorted(os.path.relpath(os.path.join(folder, name), ROOT) for folder, _, names in os.walk(os.path.join(ROOT, "distmuon"))
                  for name in names if name.endswith(".py"))
-TOOLS = os.path.join(ROOT, "muon_tools.py")
+RUNNER_FILES = sorted(os.path.relpath(os.path.join(folder, name), ROOT) for folder, _, names
+                      in os.walk(os.path.join(ROOT, "muon_tools")) for name in names if name.endswith(".py"))
 
 
 def banner_lines(source):
@@ -84,7 +85,7 @@ def test_sections_1_to_6_use_nothing_defined_later():
     assert forward_references(source, 1, len(source.splitlines())) == []
 
 
-@pytest.mark.parametrize("path", LIBRARY + [TOOLS])
+@pytest.mark.parametrize("path", LIBRARY + RUNNER_FILES)
 def test_the_files_beside_it_read_top_to_bottom_too(path):
     """Sections 7 and 8, the library's other files and the runner, each in its own file, use only what comes before
     them too."""
@@ -167,7 +168,14 @@ LAYERS = [
     ["distmuon.dtensor.optimizer"],
     ["distmuon.dtensor.checkpoint"],
     ["distmuon.dtensor", "distmuon"],  # the packages' names for users
-    ["muon_tools", "collective_counter"],  # the runner: the reference, the accounting, the launcher, the command line
+    ["muon_tools.settings", "collective_counter"],  # the runner: its settings, the reference, the accounting, the launcher, the command line
+    ["muon_tools.reference"],
+    ["muon_tools.accounting", "muon_tools.outputs", "muon_tools.training_checks"],
+    ["muon_tools.launch"],
+    ["muon_tools.checks"],
+    ["muon_tools.cli"],
+    ["muon_tools.torchrun", "muon_tools.notebook"],
+    ["muon_tools"],  # the runner's names for the commands (import muon_tools as mt)
     ["dtensor_run"],  # DTensorMuon's demo model and its run on a mesh
     ["dtensor_verify", "dtensor_accounting"],  # the demo's checks against torch; its bytes beside the lesson's
     ["dtensor_demo", "distributed_muon"],  # DTensorMuon's demo command; the lesson's GPU twin
@@ -175,6 +183,7 @@ LAYERS = [
 RUNNER = {"muon_tools", "muon_forkserver", "collective_counter", "dtensor_run", "dtensor_verify", "dtensor_accounting",
           "dtensor_demo", "distributed_muon"}
 LIBRARY_MODULES = {"distributed_muon_cpu"} | {p[:-3].replace(os.sep, ".").removesuffix(".__init__") for p in LIBRARY}
+RUNNER_MODULES = {p[:-3].replace(os.sep, ".").removesuffix(".__init__") for p in RUNNER_FILES}
 
 
 def module_path(module):
@@ -221,7 +230,8 @@ def test_the_modules_import_each_other_in_layers():
     the runner (its first lines: the lesson's own module never runs as that command)."""
     layer = {m: i for i, names in enumerate(LAYERS) for m in names}
     top_level = {n[:-3] for n in os.listdir(ROOT) if n.endswith(".py") and not n.endswith(".nb.py")}  # not notebooks
-    assert top_level | LIBRARY_MODULES == set(layer)  # every module of the top level and of the library has its layer
+    assert top_level | LIBRARY_MODULES | RUNNER_MODULES == set(layer)  # every module of the top level, the library and
+    # the runner has its layer
     problems, upward_mains = [], []
     for module in sorted(layer):
         for line, imported, where in project_imports(module_path(module), set(layer)):

@@ -2,7 +2,7 @@
 stacks, a shared expert, Switch Transformer's load-balance loss, dropless) under expert parallel x FSDP2 x TP on
 Gloo ranks, trained with DTensorMuon on the standard library's text and checked against one process of
 torch.optim.Muon (each expert its own matrix) + AdamW as dtensor_demo.verify_training checks (the policy of
-muon_tools.py, section 12): the replay of the ranks' own gradients bit for bit at every step; each step's
+muon_tools/training_checks.py): the replay of the ranks' own gradients bit for bit at every step; each step's
 gradients and loss against float64 within the derived bound (FSDP2's, TP's and the all-to-all's sums run in
 other orders), the one process taking the ranks' routing; every routing decision against the one process's own
 at the ranks' weights (identical, or a near-tie the probabilities' difference explains); the free-running gap

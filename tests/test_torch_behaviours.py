@@ -65,15 +65,19 @@ def test_an_evenly_strided_parameter_steps_as_torchs(single_process_group, build
     assert torch.equal(w, w_ref) and torch.equal(b, b_ref) and not w.is_contiguous()
 
 
-def test_a_deep_copy_of_dtensor_muon_steps_as_the_original(single_process_group):
-    """copy.deepcopy(opt) (torch's test_deepcopy_copies_all_public_attrs) copies the parameters and the state, and
-    the copy's step on its own parameters is the original's, torch.equal; pickling it is refused in one line that
-    says what to save instead."""
+COPIERS = {"deepcopy": copy.deepcopy, "pickle": lambda obj: pickle.loads(pickle.dumps(obj))}
+
+
+@pytest.mark.parametrize("copier", COPIERS)
+def test_a_copy_of_dtensor_muon_steps_as_the_original(single_process_group, copier):
+    """copy.deepcopy(opt) (torch's test_deepcopy_copies_all_public_attrs) and pickling copy the parameters and the
+    state, and the copy's step on its own parameters is the original's, torch.equal (pickled: its process group
+    found again, the world)."""
     grads, start = gradients(2, seed=11), TinyNet().state_dict()
     model, opt = ours("dtensor", "plain", start, single_process_group)
     set_grads(model, grads[0])
     opt.step()
-    twin = copy.deepcopy((model, opt))
+    twin = COPIERS[copier]((model, opt))
     assert set(twin[1].__dict__) == set(opt.__dict__) and twin[1].param_groups[0]["params"][0] is not \
         opt.param_groups[0]["params"][0]
     for m, o in ((model, opt), twin):
@@ -81,8 +85,25 @@ def test_a_deep_copy_of_dtensor_muon_steps_as_the_original(single_process_group)
         o.step()
     want, got, copied = torch_reference(start, grads), unwrapped(model), unwrapped(twin[0])
     assert all(torch.equal(got[n], want[n]) and torch.equal(copied[n], want[n]) for n in want)
-    with pytest.raises(TypeError, match=r"^a DTensorMuon holds its plan and process group: save opt.state_dict\(\)"):
-        pickle.dumps(opt)
+    assert twin[1].axis.group is opt.axis.group is torch.distributed.group.WORLD
+
+
+def test_a_pickled_dtensor_muon_of_a_subgroup_finds_it_again(single_process_group):
+    """Built on a process group other than the world (of the same one rank), pickled and unpickled: the copy steps
+    on that group, as torch.optim.Muon's pickled copy steps, torch.equal."""
+    subgroup = torch.distributed.new_group([0])
+    w, w_ref = [torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(3))) for _ in range(2)]
+    copies = [pickle.loads(pickle.dumps(o)) for o in (DTensorMuon([("w", w)], group=subgroup),
+                                                      torch.optim.Muon([w_ref]))]
+    assert copies[0].axis.group is subgroup
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        grad = torch.randn(6, 4, generator=g)
+        for o in copies:
+            o.param_groups[0]["params"][0].grad = grad.clone()
+            o.step()
+    mine, theirs = (o.param_groups[0]["params"][0] for o in copies)
+    assert torch.equal(mine, theirs) and not torch.equal(mine, w)
 
 
 CYCLES = {  # torch's schedulers that read optimizer.defaults for a momentum (Muon's) or betas (AdamW's) to cycle
@@ -128,3 +149,15 @@ def test_a_momentum_a_scheduler_gives_an_adamw_group_is_refused(single_process_g
                                          r"torch.optim.AdamW"):
         opt.step()
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("given", ["pairs", "param_names", "plain"])
+def test_state_dict_reports_the_names_torch_reports(single_process_group, given):
+    """param_names in state_dict() as torch.optim.Muon's: the names given as (name, tensor) pairs or as a group's
+    own param_names beside plain tensors, none for plain tensors alone (the plan's "0", "1" stay internal)."""
+    w, v = torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(3, 5))
+    group = {"pairs": dict(params=[("w", w), ("v", v)]), "param_names": dict(params=[w, v], param_names=["w", "v"]),
+             "plain": dict(params=[w, v])}[given]
+    saved = [cls([dict(group)]).state_dict()["param_groups"][0].get("param_names")
+             for cls in (DTensorMuon, torch.optim.Muon)]
+    assert saved[0] == saved[1] == (None if given == "plain" else ["w", "v"]), saved

@@ -1,6 +1,6 @@
 """examples/train_gpt_dtensor.py: the GPT of examples/ trained with fully_shard x parallelize_module and
 DTensorMuon on the standard library's text, checked against one process of torch.optim.Muon + AdamW as
-dtensor_demo.verify_training checks (the policy of muon_tools.py, section 12): the replay of the ranks' own gradients
+dtensor_demo.verify_training checks (the policy of muon_tools/training_checks.py): the replay of the ranks' own gradients
 bit for bit at every step; each step's gradients and loss against float64 within the bound derived from the
 arithmetic (fp32 sums in another order: 4 x the one process's own error plus n u); the free-running losses'
 gap reported beside a one-ulp chaos floor, never a verdict (a chaotic lr 0.1 run passes; a wrong gradient the

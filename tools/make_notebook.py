@@ -44,10 +44,18 @@ import nbformat  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIBRARY = tuple(sorted(os.path.relpath(os.path.join(folder, name), ROOT)
-                      for folder, _, names in os.walk(os.path.join(ROOT, "distmuon")) for name in names
-                      if name.endswith(".py")))  # the library: the lesson's sections 7 and 8, its checks, DTensorMuon
-LESSON = ("distributed_muon_cpu.py", "muon_forkserver.py", "muon_tools.py", os.path.join("tools", "figures.py")) + LIBRARY
+
+
+def python_files(package):
+    """The .py files of a package folder, sorted, relative to the repository."""
+    return tuple(sorted(os.path.relpath(os.path.join(folder, name), ROOT)
+                        for folder, _, names in os.walk(os.path.join(ROOT, package)) for name in names
+                        if name.endswith(".py")))
+
+
+LIBRARY = python_files("distmuon")  # the library: the lesson's sections 7 and 8, its checks, DTensorMuon
+LESSON = ("distributed_muon_cpu.py", "muon_forkserver.py", os.path.join("tools", "figures.py")) + python_files(
+    "muon_tools") + LIBRARY
 # {notebook: (its pair, what its cells import and run)}. The read-along runs the lesson, the library (its sections
 # 7 and 8, the checks), the runner and the figures; the runs notebook runs commands too: compare.py and the trainings.
 NOTEBOOKS = {

@@ -49,7 +49,7 @@ GPU, so NCCL and CUDA were NOT run, and nothing here shows that they work.
 
 Reading order (each section opens with what it does and why), one file each:
     1. What is reused from the lesson: the math, the parameter checks, the owners, the exchanges (all of them)
-    2. Placements: where each element lives, what replaces dist_meta (placements.py)
+    2. Placements: where each element lives (one range per tensor dim), what replaces dist_meta (placements.py)
     3. The plan: matrices, their holders and owners, the transfers (plan.py)
        3b. Rows of a laid-out matrix: fused blocks and QK-clip, on any local piece (rows.py)
        3c. Newton-Schulz on TP pieces, without gathering the matrix, tp_newton_schulz="gram" (plan.py)

@@ -48,7 +48,10 @@ def checkpoint_state(model, optimizer):
     """torch's state dict of the model and its optimizer (live tensors: a DCP load writes into them)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    optim = get_optimizer_state_dict(model, optimizer)
+    for group in optim["param_groups"]:  # the fqns in "params" name the parameters; param_names exist only where the
+        group.pop("param_names", None)   # optimizer was given names, which may differ between a save and a load
+    return {"model": get_model_state_dict(model), "optim": optim}
 
 
 def save_checkpoint(path, model, optimizer):

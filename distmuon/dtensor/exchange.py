@@ -21,7 +21,7 @@ import distmuon.owners as mo
 import distributed_muon_cpu as dm
 from distmuon.checks import ORTHOGONALIZED
 from distmuon.dtensor.normuon import NorMuonRows
-from distmuon.dtensor.plan import covers, matrix_name, plan_matrices
+from distmuon.dtensor.plan import as_slices, covers, matrix_name, plan_matrices
 from distributed_muon_cpu import newton_schulz_flops
 
 
@@ -47,7 +47,9 @@ class OwnerExchange:
         steps = {i: g["ns_steps"] for i, g in enumerate(opt.param_groups) if g["algorithm"] in ORTHOGONALIZED}
         self.matrices, self.ns_flops, self.owners = plan_matrices(
             muon_copies, steps, opt.me, opt.world, self.config.assign, opt.large_runs.flops_of, opt.large_runs.tp_dim_of)
-        outside = sorted({m.name for m in self.matrices if not set(m.holders) | {m.owner} <= set(opt.axis.ranks)})
+        group = torch.tensor(opt.axis.ranks)
+        outside = sorted({m.name for m in self.matrices
+                          if not bool(torch.isin(m.holders, group).all()) or m.owner not in opt.axis.ranks})
         if outside:
             raise ValueError(f"matrices held by ranks outside the optimizer's group: {', '.join(outside)}")
         # Plain tensors and all-Replicate DTensors: orthogonalized where they are, on every rank that holds them.
@@ -108,6 +110,7 @@ class OwnerExchange:
                 orthogonal[m.name] = mlr.newton_schulz_tp(full[m.name], m.copy.shape, self.tp_axis(opt, m), opt.ledger,
                                                           g["ns_steps"], g["ns_coefficients"], g["eps"])
             opt.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
+        del full  # the matrices put together, freed before the scatter's buffers are made: a lower peak
         stepped = [m for m in self.matrices if m.copy.name in updates]  # empty shards too: they hold v
         rows = self.rows.at_owners(opt, orthogonal, stepped) if self.rows.receivers else None  # NorMuon's v and g
         orthos.update(self.scatter_from_owners(opt, orthogonal, updates, active))
@@ -128,45 +131,54 @@ class OwnerExchange:
         return mo.newton_schulz_owned(full, group_of, opt.ledger, self.batched_ns, blocks)
 
     def gather_at_owners(self, opt, updates, active):
+        """Each matrix put together at its owner: every part a view of its holder's local tensor (all of it, or one
+        expert of a stack), written into the owner's matrix as a box (a strided copy of whole runs), or taken as
+        the matrix itself where one part covers it (e.g. a world of one)."""
         me, dtype = opt.me, torch.bfloat16
         transfers, receiving = [], []
         for m in active:
-            for source, destination, numel, positions, offsets in m.gather:
-                part = updates[m.copy.name].view(-1)[positions] if source == me else None
+            for source, destination, numel, at, box in m.gather:
+                part = None
+                if source == me:
+                    local = updates[m.copy.name]
+                    part = (local if at is None else local[at]).reshape(-1)
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
-                    receiving.append((m, offsets))
+                    receiving.append((m, box))
         parts = mo.send_parts(transfers, opt.axis, opt.ledger, "gather at owner", dtype, opt.device)()
         full = {}
-        for (m, offsets), part in zip(receiving, parts):
-            if covers(offsets, math.prod(m.shape)):  # the whole matrix in one part (e.g. a world of one): no copy
+        for (m, box), part in zip(receiving, parts):
+            shape = tuple(b - a for a, b in box)
+            if covers(box, m.shape):
                 full[m.name] = part.view(m.shape)
                 continue
             if m.name not in full:
                 full[m.name] = torch.empty(m.shape, dtype=dtype, device=part.device)
-            full[m.name].view(-1)[offsets] = part
+            full[m.name][as_slices(box)].copy_(part.view(shape))
         return full
 
     def scatter_from_owners(self, opt, orthogonal, updates, active):
+        """Each holder's part of every orthogonalized matrix: a box of the owner's (a strided view, copied once
+        into the message), written as the holder's whole local tensor or one expert of its stack."""
         me, dtype = opt.me, torch.bfloat16
         transfers, receiving = [], []
         for m in active:
-            for source, destination, numel, offsets, positions in m.scatter:
-                part = orthogonal[m.name].reshape(-1)[offsets] if source == me else None
+            for source, destination, numel, box, at in m.scatter:
+                part = orthogonal[m.name][as_slices(box)].reshape(-1) if source == me else None
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
-                    receiving.append((m, positions))
+                    receiving.append((m, at))
         parts = mo.send_parts(transfers, opt.axis, opt.ledger, "scatter from owner", dtype, opt.device)()
         local = {}
-        for (m, positions), part in zip(receiving, parts):
+        for (m, at), part in zip(receiving, parts):
             name = m.copy.name
-            if covers(positions, updates[name].numel()):  # this rank's whole shard in one part: no copy
+            if at is None:  # this rank's whole local tensor in one part: no copy
                 local[name] = part
                 continue
             if name not in local:
-                local[name] = torch.empty(updates[name].numel(), dtype=dtype, device=part.device)
-            local[name][positions] = part
-        return local
+                local[name] = torch.empty(updates[name].shape, dtype=dtype, device=part.device)
+            local[name][at].view(-1).copy_(part)
+        return {name: t.reshape(-1) for name, t in local.items()}
 
     def orthogonalize_explicit(self, opt, updates):
         """Your gather, Newton-Schulz on the owners, your redistribute; shapes checked on the way, and voted on."""

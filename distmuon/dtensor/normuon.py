@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import distmuon.normuon as nm
 import distmuon.owners as mo
-from distmuon.dtensor.placements import SHARD_PLACEMENTS, local_indices, local_of, local_shape
+from distmuon.dtensor.placements import SHARD_PLACEMENTS, dim_ranges, local_box, local_of, local_shape
 from distmuon.dtensor.plan import describe
 
 
@@ -50,8 +50,18 @@ def experts_of_v(copy, coordinate):
     """The experts (or [0] for a 2-D matrix) whose v the rank at `coordinate` of copy's mesh holds, in its order."""
     if not copy.expert_stack:
         return [0]
-    shape = (copy.shape[0], 1)
-    return local_indices(shape, copy.mesh_shape, v_placements(copy.placements, True), coordinate).tolist()
+    return list(range(*local_box((copy.shape[0], 1), copy.mesh_shape, v_placements(copy.placements, True),
+                                 coordinate)[0]))
+
+
+def v_holders(copy, expert):
+    """The ranks (global, row-major over the mesh) that hold the v of one matrix of a distributed copy (expert -1:
+    the 2-D parameter): every rank of its mesh, but where a stack's experts are cut, those holding `expert`."""
+    ranks = torch.tensor(copy.mesh_ranks).view(copy.mesh_shape)
+    if not copy.expert_stack:
+        return ranks.reshape(-1)
+    start, stop = dim_ranges(copy.shape[0], copy.mesh_shape, v_placements(copy.placements, True), 0)
+    return ranks[((start <= expert) & (expert < stop)).expand(copy.mesh_shape)]
 
 
 def describe_of(opt, name):
@@ -67,12 +77,8 @@ class NorMuonRows:
         self.receivers, self.layouts = {}, {}  # layouts: row_layout's, made at a parameter's first step
         self.quotients = {}  # during a step: O / d of the 2-D matrices owned here whose local part is whole rows
         for m in matrices:
-            if opt.param_groups[m.copy.group]["algorithm"] != "normuon":
-                continue
-            mesh = torch.tensor(m.copy.mesh_ranks).view(m.copy.mesh_shape)
-            coordinates = torch.cartesian_prod(*[torch.arange(s) for s in m.copy.mesh_shape]).view(-1, mesh.dim())
-            self.receivers[m.name] = [int(mesh[tuple(c)]) for c in coordinates.tolist()
-                                      if max(m.expert, 0) in experts_of_v(m.copy, tuple(c))]
+            if opt.param_groups[m.copy.group]["algorithm"] == "normuon":
+                self.receivers[m.name] = v_holders(m.copy, max(m.expert, 0)).tolist()
 
     @staticmethod
     def v_of(opt, name, expert):
@@ -128,8 +134,12 @@ class NorMuonRows:
             elif isinstance(rows_here, slice):  # whole rows, one after another: each row's divisor and g broadcast
                 o = orthos[name].view(rows_here.stop - rows_here.start, cols)
                 out[name] = nm.normalized(o, nm.divisor(v[rows_here], eps)[:, None], g[rows_here, None]).view(-1)
-            else:
-                out[name] = nm.normalized(orthos[name].reshape(-1), nm.divisor(v, eps)[rows_here], g[rows_here])
+            else:  # a box of rows and columns (of each expert held): each row's divisor and g broadcast along its part
+                (e0, e1), (r0, r1), (c0, c1) = rows_here
+                slots = [experts.index(e) for e in range(e0, e1)]
+                row_of = lambda t: t.view(len(experts), rows)[slots, r0:r1, None]  # noqa: E731
+                o = orthos[name].view(e1 - e0, r1 - r0, c1 - c0)
+                out[name] = nm.normalized(o, row_of(nm.divisor(v, eps)), row_of(g)).view(-1)
         self.quotients = {}  # none outlives its step
         return out
 
@@ -158,23 +168,22 @@ class NorMuonRows:
     @staticmethod
     def row_layout(opt, name):
         """Where each element of this rank's local part of parameter `name` finds its row's v, from the placements
-        alone (the same at every step): (rows_here, experts, rows, cols). rows_here: the place of each element's row
-        among this rank's v, flattened; a slice when the part is whole rows one after another, as FSDP2's Shard(0)
-        cuts and a world of one give (O / d * g broadcast row by row then: the same arithmetic, element by element).
-        experts: the experts (or [0]) whose v this rank holds, in its order; rows, cols: a matrix's shape."""
+        alone (the same at every step): (rows_here, experts, rows, cols). rows_here: the rows of this rank's v that
+        its part covers, a slice when the part is whole rows one after another (as FSDP2's Shard(0) cuts and a
+        world of one give: O / d * g broadcast row by row then), else its box ((e0, e1), (r0, r1), (c0, c1)): the
+        experts (e0, e1 = 0, 1 for a 2-D matrix), rows and columns it holds. experts: the experts (or [0]) whose v
+        this rank holds, in its order; rows, cols: a matrix's shape."""
         p = opt.param_by_name[name]
         copy = describe_of(opt, name)
         coordinate = tuple(p.device_mesh.get_coordinate()) if isinstance(p, DTensor) else ()
-        index = local_indices(copy.shape, copy.mesh_shape, copy.placements, coordinate)
+        box = local_box(copy.shape, copy.mesh_shape, copy.placements, coordinate)
         rows, cols = copy.matrix_shape
-        expert, row = index // (rows * cols), (index // cols) % rows
         experts = experts_of_v(copy, coordinate)
-        slot_of = torch.full((max(experts) + 1,), -1, dtype=torch.long)
-        slot_of[experts] = torch.arange(len(experts))
-        rows_here = slot_of[expert] * rows + row  # each element's expert, as its place among this rank's v, and row
-        if rows_here.numel() % cols == 0:
-            first = rows_here[0].item() if rows_here.numel() else 0
-            count = rows_here.numel() // cols
-            if torch.equal(rows_here, torch.arange(first, first + count).repeat_interleave(cols)):
-                return slice(first, first + count), experts, rows, cols
-        return rows_here, experts, rows, cols
+        (e0, e1), (r0, r1), (c0, c1) = box if copy.expert_stack else ((0, 1),) + box
+        if (e1 - e0) * (r1 - r0) * (c1 - c0) == 0:
+            return slice(0, 0), experts, rows, cols
+        first = experts.index(e0) * rows + r0
+        if (c0, c1) == (0, cols) and (e1 - e0 == 1 or (r0, r1) == (0, rows)) and \
+                experts[experts.index(e0):experts.index(e0) + e1 - e0] == list(range(e0, e1)):
+            return slice(first, first + (e1 - e0 - 1) * rows + r1 - r0), experts, rows, cols
+        return ((e0, e1), (r0, r1), (c0, c1)), experts, rows, cols

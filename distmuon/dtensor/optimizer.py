@@ -109,6 +109,8 @@ def parameters_problem(opt):
             why = placements_problem(name, p.placements, p.device_mesh.shape) or local_shape_problem(name, p)
             if why:
                 return why
+        if opt.group_of[name]["algorithm"] not in mc.ORTHOGONALIZED and p.dtype.is_complex:
+            return mc.complex_problem(name, p, opt.group_of[name]["algorithm"])
         if opt.group_of[name]["algorithm"] in mc.ORTHOGONALIZED:
             if name in opt.expert_stacks:
                 if p.ndim != 3:
@@ -163,6 +165,29 @@ def swap_descriptions(opt, problem):
     return copies
 
 
+def unpickled_axis(name, ranks, me, kind):
+    """The exchange group of an unpickled DTensorMuon, re-found from what __getstate__ kept (kind: None, "world" or
+    the group's name): the world where it was the world, else this process's group of that name over the same
+    global ranks, else another over them (None where it had none). Refused in one line where none is found, or
+    where this is not the rank that pickled it (the plan is that rank's)."""
+    if kind is None:
+        return dm.Axis(name, 1, 0, ranks, None)
+    here = dist.get_rank() if dist.is_initialized() else None
+    if here != me:
+        raise ValueError(f"this DTensorMuon was pickled on rank {me} of the process group of ranks {list(ranks)}; "
+                         f"unpickled {'on rank ' + str(here) if dist.is_initialized() else 'with no process group'}"
+                         f": unpickle it on that rank, after init_process_group")
+    from torch.distributed.distributed_c10d import _world
+    world = dist.group.WORLD
+    others = sorted((g for g in _world.pg_group_ranks if g is not world), key=lambda g: g.group_name != kind)
+    groups = [world] + others if kind == "world" else others + [world]
+    found = next((g for g in groups if tuple(dist.get_process_group_ranks(g)) == tuple(ranks)), None)
+    if found is None:
+        raise ValueError(f"this DTensorMuon was pickled with the process group of ranks {list(ranks)}, which this "
+                         f"process does not have: create it (dist.new_group({list(ranks)})) before unpickling")
+    return dm.Axis(name, len(ranks), ranks.index(me), ranks, found)
+
+
 class DTensorMuon(torch.optim.Optimizer):
     """Muon for DTensor (and plain) parameters on any mesh, AdamW for the rest; bit-identical to torch.
 
@@ -186,8 +211,9 @@ class DTensorMuon(torch.optim.Optimizer):
         params: as torch's optimizers take them: tensors, (name, tensor) pairs (model.named_parameters()), or param
             groups {"params": ..., "algorithm": "muon" | "adamw", options}, "muon" if not given
             (distmuon.muon_param_groups(model) splits a model the way Muon users do); owners are keyed by the names.
-            Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks; float32 DTensors
-            (Shard, _StridedShard or Replicate placements on any mesh) or plain tensors.
+            Muon parameters are 2-D, or 3-D expert stacks (E, out, in) named in expert_stacks; DTensors (Shard,
+            _StridedShard or Replicate placements on any mesh) or plain tensors, of any real floating dtype, stepped
+            as torch steps it (momentum and the update added in the parameter's dtype, Newton-Schulz in bf16).
         options (keywords): any option of torch.optim.Muon or torch.optim.AdamW, the default of every group that
             takes it (a group's own win, then torch's defaults), by torch's rules; ns_coefficients may also be one
             triple per iteration or "polar_express". What is not honoured bit for bit is refused.
@@ -202,6 +228,7 @@ class DTensorMuon(torch.optim.Optimizer):
         mc.check_options(str, options)
         check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts)
         self.options = options
+        self.given_names = []  # per group: the param_names torch's optimizer would report, or None (see state_dict)
         super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
         self.defaults = mc.torch_defaults(self.param_groups, options)  # torch's optimizer's, which schedulers read
         config = distributed_config or DistributedConfig()
@@ -224,28 +251,45 @@ class DTensorMuon(torch.optim.Optimizer):
         return copied
 
     def __getstate__(self):
-        raise TypeError("a DTensorMuon holds its plan and process group: save opt.state_dict() (torch.save) or a "
-                        "torch.distributed.checkpoint (distmuon.dtensor.checkpoint) and load it into a new one")
+        """Every attribute but torch's hooks (torch's own pickle leaves them out too); the process group as its
+        ranks (re-found on unpickling: unpickled_axis)."""
+        state = {k: v for k, v in self.__dict__.items() if not k.endswith("_hooks")}
+        group = self.axis.group
+        state["axis"] = (self.axis.name, self.axis.ranks, self.me,
+                         None if group is None else "world" if group is dist.group.WORLD else group.group_name)
+        return state
+
+    def __setstate__(self, state):
+        """An unpickling, or torch's load_state_dict (which sets the state and param_groups through here)."""
+        axis = state.pop("axis", None)
+        super().__setstate__(state)  # torch's: its hooks made anew, its step patched
+        if axis is not None:
+            self.axis = unpickled_axis(*axis)
 
     def add_param_group(self, param_group):
         """torch's, each option filled and checked per the group's algorithm (distmuon.checks). Called after
         construction (on every rank of the group alike: it is collective), the plan is made again with the new
         group: the state of the others is kept (it lives with the parameters' shards, whoever owns what). Refused
         (on every rank, if any rank refuses it), it leaves the optimizer as it was."""
-        before = list(self.param_groups)
+        before, given_before = list(self.param_groups), list(self.given_names)
         try:
             if not isinstance(param_group, dict):
                 raise ValueError(f"a param group must be a dict with 'params' (got {type(param_group).__name__})")
             mc.fill_param_group(param_group, self.options, len(self.param_groups))
+            named = mc.given_names(param_group)
+            if self.given_names and (named is None) != (self.given_names[0] is None):  # torch's check, its words
+                raise ValueError(f"all optimizer param groups should be with/without names. cannot add param group "
+                                 f"{'without' if named is None else 'with'} names to the optimizer")
             defaults, self.defaults = self.defaults, {}  # the group is filled per its algorithm, not from defaults
             try:
                 super().add_param_group(mc.name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
             finally:
                 self.defaults = defaults
+            self.given_names.append(named)
             if hasattr(self, "axis"):  # torch's constructor adds the first groups, planned together after it
                 self._plan()
         except (ValueError, TypeError):
-            self.param_groups[:] = before
+            self.param_groups[:], self.given_names[:] = before, given_before
             if hasattr(self, "axis"):
                 self._plan()
             raise
@@ -327,11 +371,28 @@ class DTensorMuon(torch.optim.Optimizer):
         (this optimizer's names, the checkpoint's options) re-indexed, so that the step reads them."""
         like = {name: self._state_of(name)["momentum_buffer" if "momentum_buffer" in self._state_of(name)
                                             else "exp_avg"] for name in self.param_by_name}
-        super().load_state_dict(mc.checked_state_dict(self.param_groups, state_dict, like))
+        checked = mc.checked_state_dict(self.param_groups, state_dict, like)
+        super().load_state_dict(checked)
+        for i, (saved, loaded) in enumerate(zip(state_dict["param_groups"], checked["param_groups"])):
+            if "param_names" in saved:  # torch's load gives the group the checkpoint's names, in our order here
+                name_of = dict(zip(saved["params"], saved["param_names"]))
+                self.given_names[i] = [name_of[k] for k in loaded["params"]]
         problem = self._index_groups()
         if problem:  # checked_state_dict checked every group: a failure here is a bug, said as such
             raise AssertionError(f"loaded optimizer state passed its checks, then: {problem}")
         self.init_state()  # a parameter the checkpoint had no state for starts from zeros
+
+    def state_dict(self):
+        """torch's, each group's param_names as torch's optimizer has them: the names it was given (or loaded),
+        none where it was given plain tensors (the names the plan is keyed by, "0", "1", ..., stay in
+        param_groups)."""
+        state_dict = super().state_dict()
+        for group, names in zip(state_dict["param_groups"], self.given_names):
+            if names is None:
+                group.pop("param_names", None)
+            else:
+                group["param_names"] = list(names)
+        return state_dict
 
     def init_state(self):
         """Create every parameter's state now (zeros, step 0), e.g. as the target of a checkpoint load."""
@@ -354,7 +415,12 @@ class DTensorMuon(torch.optim.Optimizer):
         # loaded, since construction) and every gradient; one rank's problem stops every rank, here.
         group_problem = self._index_groups() or mc.unplanned_problem(self.param_groups, self.planned)
         grads, problem = self._local_grads()
-        active = self._vote_on_gradients(grads, group_problem or problem)
+        try:
+            active = self._vote_on_gradients(grads, group_problem or problem)
+        except ValueError as e:  # torch.optim.Muon refuses a complex parameter at its step with a RuntimeError
+            if (group_problem or problem or "").startswith(mc.MUON_COMPLEX):
+                raise RuntimeError(str(e)) from None
+            raise
         updates, momenta = {}, {}
         # Flat views of every local tensor: elementwise math does not care about shape, and an empty
         # shard's local shape may differ between FSDP2's parameter and a gradient made by distribute_tensor.
@@ -385,7 +451,8 @@ class DTensorMuon(torch.optim.Optimizer):
         grads, problem = {}, None
         for name, p in self.param_by_name.items():
             g = p.grad
-            problem = problem or mc.param_problem(name, p) or (g is not None and mc.gradient_problem(name, g)) or None
+            problem = problem or mc.param_problem(name, p) or (g is not None and (
+                mc.complex_problem(name, p, self.group_of[name]["algorithm"]) or mc.gradient_problem(name, g))) or None
             if g is not None and problem is None:
                 if isinstance(p, DTensor) and not (isinstance(g, DTensor) and g.placements == p.placements
                                                    and g.device_mesh == p.device_mesh):

@@ -36,10 +36,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 #
 # That is all dist_meta used to say (which rank keeps which range of which
 # matrix), and it is now a pure function of (global shape, mesh shape,
-# placements, mesh coordinate): local_indices below computes, for any rank, the
-# global flat index of each element of its local tensor, in its local order,
-# by cutting a tensor of indices as the placements cut the parameter. Replicate
-# dims copy and need no gather. A Partial placement (a pending sum) cannot be
+# placements, mesh coordinate). Every cut is torch.chunk's of a range of one
+# tensor dim, so along each dim a rank keeps ONE range (start, stop), and its
+# local tensor is the box those ranges make: local_box below finds it for one
+# rank with a few integers, dim_ranges for every rank of the mesh at once (a
+# tensor of starts and stops per dim). Nothing is sized by the tensor: the plan
+# of a 405B model on 16,384 ranks is ranges, not elements. Replicate dims copy
+# and need no gather. A Partial placement (a pending sum) cannot be
 # orthogonalized: the gradient must be reduced first, as FSDP2 and DDP do in
 # backward.
 #
@@ -93,33 +96,59 @@ def placements_problem(name, placements, mesh_shape):
     return None
 
 
-def chunks_with_empty(tensor, n, dim=0):
-    """torch.chunk into n along dim, and empty pieces where it makes fewer (the ranks past the data)."""
-    chunks = list(torch.chunk(tensor, n, dim=dim))
-    return chunks + [chunks[0].narrow(dim, 0, 0)] * (n - len(chunks))
+def chunk_range(start, stop, n, c):
+    """The range torch.chunk gives piece c of n of the range [start, stop): ceil-sized pieces first, the last ones
+    smaller or empty (the ranks past the data). Integers, or int64 tensors (every piece at once)."""
+    size = stop - start
+    chunk = -(-size // n)
+    low, high = c * chunk, (c + 1) * chunk
+    if torch.is_tensor(low):
+        return start + torch.minimum(low, size), start + torch.minimum(high, size)
+    return start + min(low, size), start + min(high, size)
 
 
-def local_index_tensor(shape, mesh_shape, placements, coordinate):
-    """The global flat index of each element the rank at `coordinate` holds, shaped as its local tensor."""
-    index = torch.arange(math.prod(shape)).view(shape)
-    for i in split_order(placements):
-        index = chunks_with_empty(index, mesh_shape[i], placements[i].dim)[coordinate[i]]
-    return index
+def cuts_of_dim(placements, dim):
+    """The mesh dims that cut tensor dim `dim`, in the order their cuts apply (split_order's)."""
+    return [i for i in split_order(placements) if placements[i].dim == dim]
+
+
+def local_box(shape, mesh_shape, placements, coordinate):
+    """The range (start, stop) of each tensor dim that the rank at `coordinate` holds: its local tensor is the box
+    they make, in row-major order."""
+    box = []
+    for d, size in enumerate(shape):
+        start, stop = 0, size
+        for i in cuts_of_dim(placements, d):
+            start, stop = chunk_range(start, stop, mesh_shape[i], coordinate[i])
+        box.append((start, stop))
+    return tuple(box)
+
+
+def dim_ranges(size, mesh_shape, placements, dim):
+    """(starts, stops) of tensor dim `dim` (of `size`) on every rank of the mesh at once: int64 tensors that
+    broadcast to mesh_shape (their size 1 along the mesh dims that do not cut it)."""
+    start, stop = torch.zeros((1,) * len(mesh_shape), dtype=torch.int64), torch.full((1,) * len(mesh_shape), size)
+    for i in cuts_of_dim(placements, dim):
+        along = [1] * len(mesh_shape)
+        along[i] = mesh_shape[i]
+        start, stop = chunk_range(start, stop, mesh_shape[i], torch.arange(mesh_shape[i]).view(along))
+    return start, stop
 
 
 def local_indices(shape, mesh_shape, placements, coordinate):
-    """Global flat indices of the elements the rank at `coordinate` holds, in its local tensor's order."""
-    return local_index_tensor(shape, mesh_shape, placements, coordinate).reshape(-1)
+    """Global flat indices of the elements the rank at `coordinate` holds, in its local tensor's order (a check's
+    tool: the optimizer itself keeps ranges, local_box's)."""
+    index, stride, box = torch.zeros((), dtype=torch.int64), 1, local_box(shape, mesh_shape, placements, coordinate)
+    for d in reversed(range(len(shape))):
+        start, stop = box[d]
+        index = (torch.arange(start, stop) * stride).view((-1,) + (1,) * index.dim()) + index
+        stride *= shape[d]
+    return index.reshape(-1)
 
 
 def local_shape(shape, mesh_shape, placements, coordinate):
-    """The shape of the local tensor local_index_tensor cuts, without building it (torch.chunk's sizes)."""
-    shape = list(shape)
-    for i in split_order(placements):
-        d, n, k = placements[i].dim, shape[placements[i].dim], mesh_shape[i]
-        size = -(-n // k)  # torch.chunk's chunk size; the last chunks are smaller, or missing (empty)
-        shape[d] = max(0, min(size, n - coordinate[i] * size))
-    return tuple(shape)
+    """The shape of the local tensor of the rank at `coordinate` (torch.chunk's sizes)."""
+    return tuple(stop - start for start, stop in local_box(shape, mesh_shape, placements, coordinate))
 
 
 def local_shape_problem(name, p):

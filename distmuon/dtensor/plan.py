@@ -7,13 +7,14 @@ the same plan.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from distmuon.dtensor.placements import local_indices, sharded_dims
+from distmuon.dtensor.placements import dim_ranges, sharded_dims
 from distmuon.owners import check_owners, lpt_order
 from distributed_muon_cpu import newton_schulz_flops
 
@@ -43,6 +44,16 @@ from distributed_muon_cpu import newton_schulz_flops
 # With Replicate dims, each piece is sent by the replica that sits where the
 # owner sits along those dims (the owner's own pieces never move), and the
 # result goes back to every replica (each keeps its own copy of the weights).
+#
+# What the plan keeps grows with this rank's share, not with the model: a piece
+# is a box, one range per tensor dim (section 2), so a copy's pieces are a few
+# integers per rank of its mesh (Cut, one for all the copies of one shape and
+# layout), a rank keeps only its own transfers (every piece's only where it owns
+# the matrix), and a transfer is the box of the owner's matrix it fills and the
+# holder's local tensor (or one expert of its stack) it comes from: a view at the
+# holder, a strided copy of whole runs at the owner, never an index per element.
+# The plan of Llama 3 405B on 16,384 ranks is seconds and megabytes
+# (benchmarks/at_scale.py --plan-only).
 #
 # Owners: the lesson's assign_owners balances over ranks 0..n-1, but a matrix
 # may only go to a rank that holds some of it (else it would travel whole to a
@@ -82,6 +93,59 @@ class Copy:
         return self.shape[0] if self.expert_stack else 1
 
 
+@dataclass(frozen=True, eq=False)
+class Cut:
+    """A distributed copy's pieces, one per coordinate of its sharded mesh dims (its key), keys in row-major order:
+    ranks[k] the ranks holding piece k (its replicas, row-major over the Replicate dims), starts[k] / stops[k] the
+    range of each tensor dim it holds (section 2: a piece is a box). Every rank of the mesh at once, in tensors of
+    pieces x dims: no element is ever listed."""
+
+    ranks: torch.Tensor  # (pieces, replicas) int64
+    starts: torch.Tensor  # (pieces, tensor dims) int64
+    stops: torch.Tensor
+    slot: dict  # {rank: (piece, replica)}, filled on demand (position)
+
+    def position(self, rank):
+        """(piece, replica) of `rank` in this cut, or None where it is off the mesh."""
+        if rank not in self.slot:
+            where = torch.nonzero(self.ranks == rank)
+            self.slot[rank] = tuple(where[0].tolist()) if where.numel() else None
+        return self.slot[rank]
+
+
+@functools.lru_cache(maxsize=None)
+def cut_of(shape, mesh_ranks, mesh_shape, placements):
+    """The Cut of a copy, found once for all the copies of one shape on one mesh with the same placements."""
+    cut = sharded_dims(placements)
+    order = list(cut) + [i for i in range(len(mesh_shape)) if i not in cut]  # sharded dims first: key-major
+    pieces = math.prod(mesh_shape[i] for i in cut)
+    ranks = torch.tensor(mesh_ranks, dtype=torch.int64).view(mesh_shape).permute(order).reshape(pieces, -1)
+    starts, stops = [], []
+    for d, size in enumerate(shape):
+        start, stop = dim_ranges(size, mesh_shape, placements, d)
+        starts.append(start.expand(mesh_shape).permute(order).reshape(pieces, -1)[:, 0])
+        stops.append(stop.expand(mesh_shape).permute(order).reshape(pieces, -1)[:, 0])
+    return Cut(ranks, torch.stack(starts, 1), torch.stack(stops, 1), {})
+
+
+def cut_of_copy(copy):
+    return cut_of(copy.shape, copy.mesh_ranks, copy.mesh_shape, copy.placements)
+
+
+@functools.lru_cache(maxsize=None)
+def matrix_pieces(shape, mesh_ranks, mesh_shape, placements, expert):
+    """(held, numels, holders) of one matrix of a copy (an expert of a stack, or the 2-D parameter: expert -1):
+    whether each piece holds some of it, how many of its elements, and the ranks that hold some, sorted."""
+    cut = cut_of(shape, mesh_ranks, mesh_shape, placements)
+    lengths = cut.stops - cut.starts
+    numels = lengths[:, -2] * lengths[:, -1]
+    held = numels > 0
+    if expert >= 0:
+        held &= (cut.starts[:, 0] <= expert) & (expert < cut.stops[:, 0])
+    numels = torch.where(held, numels, 0)
+    return held, numels, torch.sort(cut.ranks[held].reshape(-1)).values
+
+
 @dataclass
 class Matrix:
     """One Newton-Schulz input and how it travels; transfers hold only what this rank takes part in."""
@@ -89,30 +153,48 @@ class Matrix:
     name: str  # e.g. "layers.0.moe.w1[3]", or "router.weight@1,3,5,7" when copies live on several meshes
     copy: Copy
     expert: int  # -1 for a 2-D parameter
-    holders: tuple  # global ranks that hold some of it
+    holders: torch.Tensor = field(repr=False)  # global ranks that hold some of it, sorted (int64)
     owner: int = -1
     shape: tuple = ()  # what the owner puts together: the (out, in) matrix, or its TP piece (section 3c)
     tp_dim: int = -1  # section 3c: the mesh dim whose ranks orthogonalize their pieces together; -1: whole at owner
-    # positions / offsets: flat indices, a slice where they run start, start + 1, ... (as_slice)
-    gather: list = field(default_factory=list)  # (source, destination, numel, positions at source, offsets at dest.)
-    scatter: list = field(default_factory=list)  # (source, destination, numel, offsets at source, positions at dest.)
+    # gather: (source, destination, numel, at (at the source), box (at the destination)); scatter: (source,
+    # destination, numel, box (at the source), at (at the destination)). box: the (start, stop) of each dim of the
+    # part in the owner's matrix (`shape`); at: the part in its holder's local tensor, None for all of it, else its
+    # index along an expert stack's dim 0 (one expert's (rows, cols), contiguous)
+    gather: list = field(default_factory=list)
+    scatter: list = field(default_factory=list)
+    held: torch.Tensor = field(default=None, repr=False)  # whether each piece of its copy's Cut holds some of it
+    numels: torch.Tensor = field(default=None, repr=False)  # and how many of its elements
+    lines: tuple = field(default=(), repr=False)  # 3c: the long dim's ranges (start, stop) this TP piece is made of
+
+    def box(self, start, stop):
+        """A piece's part of this matrix (start, stop: its ranges of the copy's dims, lists), as (start, stop) of
+        each dim of the owner's matrix (`shape`)."""
+        box = list(zip(start[-2:], stop[-2:]))
+        if self.lines:  # a TP piece: its lines one after another
+            long_dim = 0 if self.copy.shape[0] > self.copy.shape[1] else 1
+            begin, end = box[long_dim]
+            offset = 0
+            for a, b in self.lines:
+                if a <= begin < b:
+                    box[long_dim] = (offset + begin - a, offset + end - a)
+                    break
+                offset += b - a
+        return tuple(box)
+
+    def at(self, start):
+        """Where a piece's part of this matrix lies in its holder's local tensor: None (all of it) or an expert's
+        index along the local stack's dim 0 (start: the piece's starts)."""
+        return self.expert - start[0] if self.expert >= 0 else None
 
 
-def as_slice(index):
-    """A flat index that runs start, start + 1, ..., as a slice, else itself. Why: the same elements, but a
-    slice of a flat tensor is a view and writing into one is a memcpy, where an index tensor gathers and
-    scatters element by element (the copies of a world of one took 0.7 s of a 1 s step at d = 768 before).
-    FSDP2's Shard(0) pieces, a world of one and whole experts all run so."""
-    n = index.numel()
-    start = int(index[0]) if n else 0
-    if n == 0 or (int(index[-1]) == start + n - 1 and (n == 1 or bool((index[1:] - index[:-1] == 1).all()))):
-        return slice(start, start + n)
-    return index
+def covers(box, shape):
+    """Whether a box is the whole of a matrix of that shape."""
+    return all(start == 0 and stop == size for (start, stop), size in zip(box, shape))
 
 
-def covers(index, numel):
-    """Whether a flat index (as_slice's) is every element of a tensor of numel elements, in order."""
-    return isinstance(index, slice) and index == slice(0, numel)
+def as_slices(box):
+    return tuple(slice(start, stop) for start, stop in box)
 
 
 def matrix_name(copy, expert, copies_of_name):
@@ -120,39 +202,58 @@ def matrix_name(copy, expert, copies_of_name):
     return copy.name + (f"[{expert}]" if expert >= 0 else "") + where
 
 
-def copy_pieces(copy):
-    """[(shard key, [holder ranks], global flat indices)] of a distributed copy, one per distinct piece."""
-    mesh = torch.tensor(copy.mesh_ranks).view(copy.mesh_shape)
-    cut = sharded_dims(copy.placements)
-    pieces = {}
-    for coordinate in torch.cartesian_prod(*[torch.arange(s) for s in copy.mesh_shape]).view(-1, len(copy.mesh_shape)):
-        coordinate = tuple(coordinate.tolist())
-        key = tuple(coordinate[i] for i in cut)
-        if key not in pieces:
-            pieces[key] = ([], local_indices(copy.shape, copy.mesh_shape, copy.placements, coordinate))
-        pieces[key][0].append(int(mesh[coordinate]))
-    return [(key, ranks, index) for key, (ranks, index) in pieces.items()]
+def routes(m):
+    """Every rank's transfers of matrix m (owner known): (gather, scatter), each (sources, destinations, numels)
+    int64 tensors in plan order. A piece goes to the owner from its replica that sits where the owner sits along
+    the Replicate dims (the owner itself if it holds the piece) and comes back to every replica; the transfers
+    plan_matrices gives each rank are its own of these (add_transfers: the same rule)."""
+    cut = cut_of_copy(m.copy)
+    replica = cut.position(m.owner)[1]
+    keys = torch.nonzero(m.held).view(-1)
+    pieces = cut.ranks.index_select(0, keys)
+    sources, numels = pieces[:, replica], m.numels.index_select(0, keys)
+    owner = torch.full_like(sources, m.owner)
+    back = pieces.reshape(-1)
+    return ((sources, owner, numels),
+            (torch.full_like(back, m.owner), back, numels.repeat_interleave(cut.ranks.shape[1])))
 
 
-def rank_at(copy, like, key):
-    """The rank holding piece `key` whose coordinate on the Replicate dims is that of rank `like`."""
-    mesh = torch.tensor(copy.mesh_ranks).view(copy.mesh_shape)
-    coordinate = torch.nonzero(mesh == like)[0].tolist()
-    for i, k in zip(sharded_dims(copy.placements), key):
-        coordinate[i] = k
-    return int(mesh[tuple(coordinate)])
+def add_transfers(m, me):
+    """This rank's part of routes(m): every piece's if it owns m, else its own piece's (a few Python tuples)."""
+    cut = cut_of_copy(m.copy)
+    replica = cut.position(m.owner)[1]
+    if me == m.owner:
+        keys = torch.nonzero(m.held).view(-1)
+        rows = zip(cut.ranks.index_select(0, keys).tolist(), m.numels.index_select(0, keys).tolist(),
+                   cut.starts.index_select(0, keys).tolist(), cut.stops.index_select(0, keys).tolist())
+        for ranks, numel, start, stop in rows:
+            box, at = m.box(start, stop), m.at(start)
+            m.gather.append((ranks[replica], me, numel, at if ranks[replica] == me else None, box))
+            m.scatter += [(me, r, numel, box, at if r == me else None) for r in ranks]
+        return
+    mine = cut.position(me)
+    if mine is None or not bool(m.held[mine[0]]):
+        return
+    numel, at = int(m.numels[mine[0]]), m.at(cut.starts[mine[0]].tolist())
+    if mine[1] == replica:
+        m.gather.append((me, m.owner, numel, at, None))
+    m.scatter.append((m.owner, me, numel, None, at))
 
 
 def assign_among_holders(ns_flops, holders, world, load=None, shapes=None):
-    """{matrix: owner}: the lesson's LPT (mo.assign_owners), each matrix among its own holders only."""
-    load = [0] * world if load is None else list(load)
+    """{matrix: owner}: the lesson's LPT (mo.assign_owners), each matrix among its own holders only (holders:
+    {matrix: its ranks}, any sequence or an int64 tensor). The loads are a tensor over the world: each matrix's
+    owner is the first of its least loaded holders, found at once (integers exactly; floats as Python adds them)."""
+    values = list(ns_flops.values()) + list(load or [])
+    exact = all(isinstance(v, int) for v in values) and sum(abs(v) for v in values) < 2 ** 62
+    load = torch.tensor(list(load) if load is not None else [0] * world, dtype=torch.int64 if exact else torch.float64)
     owners = {}
     for name in lpt_order(ns_flops, shapes):
-        rank = min(holders[name], key=lambda r: (load[r], r))
+        ranks = torch.unique(torch.as_tensor(holders[name], dtype=torch.int64))  # sorted: ties go to the lowest
+        rank = int(ranks[torch.argmin(load.index_select(0, ranks))])  # argmin: the first of equal minima
         owners[name] = rank
         load[rank] += ns_flops[name]
     return {n: owners[n] for n in ns_flops}
-
 
 
 # -----------------------------------------------------------------------------
@@ -185,27 +286,34 @@ def assign_among_holders(ns_flops, holders, world, load=None, shapes=None):
 # stacks and blocked matrices (3b) keep the gather.
 
 
-def tp_pieces(copy, pieces, tp_dim, copies_of_name):
-    """[(Matrix, its pieces as plan_matrices takes them)] of each TP piece of a 2-D copy cut along its long side on
-    mesh dim tp_dim, offsets in the piece's own (rows, cols); None if a piece is not whole lines (keep the gather)."""
+def tp_pieces(copy, tp_dim, copies_of_name):
+    """[Matrix] of each TP piece of a 2-D copy cut along its long side on mesh dim tp_dim (each with its pieces of
+    the copy's Cut and the long dim's ranges it is made of), or None if a piece is not whole lines (keep the gather)."""
+    cut = cut_of_copy(copy)
     rows, cols = copy.shape
     long_dim = 0 if rows > cols else 1
-    at = sharded_dims(copy.placements).index(tp_dim)
+    sharded = sharded_dims(copy.placements)
+    after = math.prod(copy.mesh_shape[i] for i in sharded[sharded.index(tp_dim) + 1:])
+    key = (torch.arange(cut.ranks.shape[0]) // after) % copy.mesh_shape[tp_dim]  # each piece's TP coordinate
+    every, numels, _ = matrix_pieces(copy.shape, copy.mesh_ranks, copy.mesh_shape, copy.placements, -1)
     out = []
     for t in range(copy.mesh_shape[tp_dim]):
-        mine = [(key, ranks, index) for key, ranks, index in pieces if key[at] == t]
-        held = torch.cat([index for _, _, index in mine])
-        lines = torch.unique(held // cols if long_dim == 0 else held % cols)
-        if held.numel() != lines.numel() * copy.shape[1 - long_dim]:
+        held = every & (key == t)
+        spans = sorted({(int(cut.starts[k, long_dim]), int(cut.stops[k, long_dim]))
+                        for k in torch.nonzero(held).view(-1).tolist()})
+        lines = []
+        for a, b in spans:  # the ranges merged where they touch
+            if lines and a <= lines[-1][1]:
+                lines[-1] = (lines[-1][0], max(lines[-1][1], b))
+            else:
+                lines.append((a, b))
+        n_lines = sum(b - a for a, b in lines)
+        if int(numels[held].sum()) != n_lines * copy.shape[1 - long_dim]:
             return None
-        position = torch.full((copy.shape[long_dim],), -1, dtype=torch.long)
-        position[lines] = torch.arange(lines.numel())
-        shape = (lines.numel(), cols) if long_dim == 0 else (rows, lines.numel())
-        offset = lambda index: (position[index // cols] * cols + index % cols if long_dim == 0
-                                else (index // cols) * shape[1] + position[index % cols])
-        holders = tuple(sorted({r for _, ranks, _ in mine for r in ranks}))
-        m = Matrix(f"{matrix_name(copy, -1, copies_of_name)}|tp{t}", copy, -1, holders, shape=shape, tp_dim=tp_dim)
-        out.append((m, [(key, ranks, torch.arange(index.numel()), offset(index)) for key, ranks, index in mine]))
+        shape = (n_lines, cols) if long_dim == 0 else (rows, n_lines)
+        out.append(Matrix(f"{matrix_name(copy, -1, copies_of_name)}|tp{t}", copy, -1,
+                          torch.sort(cut.ranks[held].reshape(-1)).values, shape=shape, tp_dim=tp_dim,
+                          held=held, numels=torch.where(held, numels, 0), lines=tuple(lines)))
     return out
 
 
@@ -222,15 +330,15 @@ def gram_owners_of(gram, group_ns_steps, world):
     load, flops, owners = [0] * world, {}, {}
     work = []
     for in_pieces in gram:
-        c = in_pieces[0][0].copy
+        c = in_pieces[0].copy
         long_dim = 0 if c.shape[0] > c.shape[1] else 1
-        cost = {m.name: gram_flops(m.shape, long_dim, group_ns_steps[c.group]) for m, _ in in_pieces}
-        work.append((-sum(cost.values()), in_pieces[0][0].name, in_pieces, cost))
+        cost = {m.name: gram_flops(m.shape, long_dim, group_ns_steps[c.group]) for m in in_pieces}
+        work.append((-sum(cost.values()), in_pieces[0].name, in_pieces, cost))
     for _, _, in_pieces, cost in sorted(work, key=lambda w: w[:2]):
-        c, tp_dim = in_pieces[0][0].copy, in_pieces[0][0].tp_dim
+        c, tp_dim = in_pieces[0].copy, in_pieces[0].tp_dim
         mesh_rows = torch.tensor(c.mesh_ranks).view(c.mesh_shape).movedim(tp_dim, -1).reshape(-1, c.mesh_shape[tp_dim])
         row = min(mesh_rows.tolist(), key=lambda ranks: max(load[r] for r in ranks))
-        for (m, _), rank in zip(in_pieces, row):
+        for m, rank in zip(in_pieces, row):
             owners[m.name], flops[m.name] = rank, cost[m.name]
             load[rank] += cost[m.name]
     return load, flops, owners
@@ -248,31 +356,19 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     copies_of_name = {}
     for c in copies:
         copies_of_name[c.name] = copies_of_name.get(c.name, 0) + 1
-    matrices, pieces_of, gram = [], {}, []
+    matrices, gram = [], []
     for c in copies:
         if c.local:
             continue
-        pieces = copy_pieces(c)
         tp_dim = tp_dim_of(c) if tp_dim_of else -1
-        in_pieces = tp_pieces(c, pieces, tp_dim, copies_of_name[c.name]) if tp_dim >= 0 else None
+        in_pieces = tp_pieces(c, tp_dim, copies_of_name[c.name]) if tp_dim >= 0 else None
         if in_pieces:
             gram.append(in_pieces)
-            pieces_of.update((m.name, p) for m, p in in_pieces)
             continue
-        per_matrix = math.prod(c.matrix_shape)
-        for e in range(c.n_matrices):
-            holders = set()
-            expert_pieces = []
-            for key, ranks, index in pieces:
-                inside = (index // per_matrix) == e if c.expert_stack else torch.ones_like(index, dtype=torch.bool)
-                positions = torch.nonzero(inside).view(-1)
-                if positions.numel():
-                    holders.update(ranks)
-                    expert_pieces.append((key, ranks, positions, index[positions] - e * per_matrix))
-            m = Matrix(matrix_name(c, e if c.expert_stack else -1, copies_of_name[c.name]), c,
-                       e if c.expert_stack else -1, tuple(sorted(holders)), shape=tuple(c.matrix_shape))
-            matrices.append(m)
-            pieces_of[m.name] = expert_pieces
+        for e in range(c.n_matrices) if c.expert_stack else [-1]:
+            held, numels, holders = matrix_pieces(c.shape, c.mesh_ranks, c.mesh_shape, c.placements, e)
+            matrices.append(Matrix(matrix_name(c, e, copies_of_name[c.name]), c, e, holders,
+                                   shape=tuple(c.matrix_shape), held=held, numels=numels))
     ns_flops = {m.name: flops_of(m.copy, group_ns_steps[m.copy.group]) for m in matrices}
     holders = {m.name: m.holders for m in matrices}
     load, gram_flops, gram_owners = gram_owners_of(gram, group_ns_steps, world)
@@ -280,35 +376,25 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
         owners = assign_among_holders(ns_flops, holders, world, load,
                                       shapes={m.name: tuple(m.copy.matrix_shape) for m in matrices})
     else:
-        owners = check_owners(assign(ns_flops, holders, world), list(ns_flops), world)
-        strangers = [f"{n} (rank {owners[n]}; holders {list(holders[n])})" for n in owners
-                     if owners[n] not in holders[n]]
+        owners = check_owners(assign(ns_flops, {n: tuple(h.tolist()) for n, h in holders.items()}, world),
+                              list(ns_flops), world)
+        strangers = [f"{n} (rank {owners[n]}; holders {holders[n].tolist()})" for n in owners
+                     if not bool((holders[n] == owners[n]).any())]
         if strangers:
             raise ValueError("bad owner assignment: owned by a rank that holds none of it: " + "; ".join(strangers))
-    matrices += [m for in_pieces in gram for m, _ in in_pieces]
+    matrices += [m for in_pieces in gram for m in in_pieces]
     ns_flops.update(gram_flops)
     owners.update(gram_owners)
     for m in matrices:
         m.owner = owners[m.name]
-        for key, ranks, positions, offsets in pieces_of.pop(m.name):
-            source = m.owner if m.owner in ranks else rank_at(m.copy, m.owner, key)
-            numel = positions.numel()
-            if me in (source, m.owner) or me in ranks:
-                positions, offsets = as_slice(positions), as_slice(offsets)
-            if me in (source, m.owner):
-                m.gather.append((source, m.owner, numel, positions if me == source else None,
-                                 offsets if me == m.owner else None))
-            for r in ranks:
-                if me in (m.owner, r):
-                    m.scatter.append((m.owner, r, numel, offsets if me == m.owner else None,
-                                      positions if me == r else None))
+        add_transfers(m, me)
     return matrices, ns_flops, owners
 
 
 def describe(name, group_index, p, expert_stack):
     """The Copy of parameter p as this rank sees it (what the ranks swap at construction)."""
     if isinstance(p, DTensor):
-        mesh = p.device_mesh
-        return Copy(name, group_index, tuple(p.shape), tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.mesh.shape),
+        mesh, ranks = p.device_mesh, p.device_mesh.mesh  # (DeviceMesh.mesh is made anew at each call)
+        return Copy(name, group_index, tuple(p.shape), tuple(ranks.reshape(-1).tolist()), tuple(ranks.shape),
                     tuple(p.placements), expert_stack, tuple(mesh.mesh_dim_names or ()))
     return Copy(name, group_index, tuple(p.shape), (), (), (), expert_stack)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import distmuon.large_runs as mlr
 from distmuon.checks import ORTHOGONALIZED
-from distmuon.dtensor.placements import local_indices, local_of
+from distmuon.dtensor.placements import local_box, local_of
 
 # -----------------------------------------------------------------------------
 # 3b. Rows of a laid-out matrix: fused blocks and QK-clip, on any local piece
@@ -30,9 +30,10 @@ from distmuon.dtensor.placements import local_indices, local_of
 #            "k" rows where no other head shares them: RowLayout.qk_row_heads)
 #            are multiplied by its multiplier (section 5, clip_qk_).
 #
-# local_indices (section 2) gives each local element's global index, hence its
-# row. Consecutive local elements with the same key (its block's height, or its
-# head) make one run, and each run is ONE elementwise call on a slice of the flat
+# local_box (section 2) gives the rows (and experts) of the local piece, hence
+# the row of each local element. Consecutive local elements with the same key (its
+# block's height, or its head) make one run (found on the rows, never element by
+# element), and each run is ONE elementwise call on a slice of the flat
 # local tensor (the lesson's apply_muon_update_ with the block's shape, or
 # mul_): the op torch runs on each separate block, hence torch's bits; never a
 # per-row multiply by a tensor of factors.
@@ -48,11 +49,17 @@ from distmuon.dtensor.placements import local_indices, local_of
 QK_SEGMENTS = mlr.QK_SEGMENTS  # the segments of a RowLayout that QK-clip scales
 
 
-def local_rows(copy, coordinate):
-    """The row (of its expert's matrix, for a stack) of every element of the local tensor at `coordinate`,
-    in local order; a plain tensor's coordinate is ()."""
-    index = local_indices(copy.shape, copy.mesh_shape, copy.placements, coordinate)
-    return (index // copy.shape[-1]) % copy.matrix_shape[0]
+def row_runs(copy, coordinate, row_keys):
+    """[(start, stop, key)] of each run of equal keys in the local flat order of the rank at `coordinate` (a plain
+    tensor's coordinate is ()): row_keys gives each row of a matrix (of one expert's, for a stack) its key; keys < 0
+    left out. Found on the local rows (every expert's in turn), each run then whole rows of the local piece."""
+    box = local_box(copy.shape, copy.mesh_shape, copy.placements, coordinate)
+    (r0, r1), (c0, c1) = box[-2:]
+    experts = box[0][1] - box[0][0] if copy.expert_stack else 1
+    width = c1 - c0
+    if width == 0:
+        return []
+    return [(a * width, b * width, k) for a, b, k in runs(row_keys[r0:r1].repeat(experts))]
 
 
 def runs(keys):
@@ -155,11 +162,12 @@ class DTensorLargeRuns:
         for name, layout in self.row_layouts.items():
             p = opt.param_by_name[name]
             coordinate = tuple(p.device_mesh.get_coordinate()) if isinstance(p, DTensor) else ()
-            rows = local_rows(describe(name, 0, p, name in opt.expert_stacks), coordinate)
+            copy = describe(name, 0, p, name in opt.expert_stacks)
             if self.ns_blocks != "whole":
-                self.block_runs[name] = runs(torch.tensor(layout.block_heights(self.ns_blocks == "heads"))[rows])
+                heights = torch.tensor(layout.block_heights(self.ns_blocks == "heads"))
+                self.block_runs[name] = row_runs(copy, coordinate, heights)
             if name in self.clip_names:
-                self.clip_runs[name] = runs(torch.tensor(layout.qk_row_heads())[rows])
+                self.clip_runs[name] = row_runs(copy, coordinate, torch.tensor(layout.qk_row_heads()))
 
     @torch.no_grad()
     def clip_qk_(self, opt, max_logits, problem):

@@ -16,16 +16,14 @@ if PROBLEM:
     pytest.skip(PROBLEM, allow_module_level=True)
 
 # Why DTensorMuon fails a test torch.optim.Muon passes (README.md: where in distmuon, and the fix).
-NAMES_KEPT = ("an optimizer built from plain tensors keys its plan by position ('0', '1', ...: its state_dict's "
-              "param_names) and keeps those names when it loads a named checkpoint; torch's takes the checkpoint's")
-ERRORS = ("6 of the 9 error inputs of optim_error_inputs_func_muon: a duplicate parameter refused (torch warns), "
-          "named and unnamed groups mixed accepted, 4 messages or error types unlike torch's")
+ERRORS = ("3 of the 9 error inputs of optim_error_inputs_func_muon (the test stops at the first): a tensor twice in "
+          "a group refused after torch's warning (torch steps it twice), a 3-D parameter and an unknown adjust_lr_fn "
+          "refused with torch's type in our words (README.md: why each stays)")
 
 # The tests torch.optim.Muon passes and DTensorMuon does not yet, with their causes. Each is held to failing (an
 # xfail, strict: one that passes fails the run until its line goes), so this dict shrinks as fixes land and ends
 # empty. Emptying it by hand shows every one of them failing.
 DTENSOR_MUON_KNOWN_GAPS = {
-    "test_can_load_from_to_named_state_dict_is_named_optim0_True_is_named_optim1_False_Muon_cpu_float32": NAMES_KEPT,
     "test_errors_Muon_cpu_float32": ERRORS,
 }
 

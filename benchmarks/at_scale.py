@@ -1,0 +1,339 @@
+"""DTensorMuon at the sizes people train: what building it and stepping it cost, beside microsoft/dion's Muon and
+torch.optim.Muon, and the plan alone at Llama 3's sizes.
+
+A model of blocks of two bias-free linears (d x 4d, 4d x d; 8 blocks: 67 M parameters at d = 1024, 268 M at 2048,
+1.07 B at 4096) on Gloo ranks, a mesh dp x tp: TP (ColwiseParallel, RowwiseParallel) inside each block where
+tp > 1, FSDP2 (fully_shard per block and at the root) over dp where dp > 1. Each rank builds the model on the meta
+device and materializes its own shards only, computes one gradient, then, for each optimizer in turn (in one
+process, the others' memory freed): its construction (seconds), the peak RSS over the model's (the model, its
+gradients) through construction and through the first step, what construction keeps (RSS after it, over the
+model's) and the state it holds, then its first step and the median of its steady steps, with Newton-Schulz and
+without it (replaced by its bf16 cast, for every optimizer alike). torch.optim.Muon takes whole tensors: it runs
+on a world of one (mesh 1 x 1), the model whole in one process. dion (not on the package registry:
+benchmarks/requirements-peers.txt) runs where it is installed and its mesh is 1-D; else its row says why.
+
+    python benchmarks/at_scale.py --size 67M                  # every optimizer, meshes 1x1 2x1 1x2 2x2 (1 to 4 ranks)
+    /work/peers-venv/bin/python benchmarks/at_scale.py --size 1B --mesh 2x1   # with dion: 1.07 B parameters, 2 ranks
+    python benchmarks/at_scale.py --plan-only                               # Llama 3 70B and 405B, the plan alone
+
+--plan-only builds, for one rank, the plan DTensorMuon builds (distmuon/dtensor/plan.py's plan_matrices) for
+Llama 3 70B and 405B placed as FSDP2 x TP 8 places them (benchmarks/cost_model.py's placed_copies), at 512 and
+16,384 ranks: shapes only, nothing allocated; seconds and the plan's size, printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts
+    import muon_forkserver
+
+    muon_forkserver.start_command(spawns_ranks="--plan-only" not in sys.argv)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import distmuon.dtensor as dd  # noqa: E402
+import distmuon.dtensor.plan as dplan  # noqa: E402
+import muon_tools as mt  # noqa: E402
+
+SIZES = {"38M": 768, "67M": 1024, "268M": 2048, "1B": 4096}  # d of 8 blocks (d x 4d, 4d x d): 8 d^2 parameters each
+BLOCKS = 8
+LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.95
+STEADY_STEPS = 3
+BUILDS = 3
+
+
+# =============================================================================
+# 1. The model and its placement
+# =============================================================================
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def placed_model(d, mesh):
+    """The blocks on the meta device, TP and FSDP2 applied as the mesh asks, then this rank's shards made."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    with torch.device("meta"):
+        model = nn.Sequential(*[Block(d) for _ in range(BLOCKS)])
+    if mesh["tp"].size() > 1:
+        for block in model:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    if mesh["dp"].size() > 1:
+        for block in model:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            dd.local_of(p).normal_(0, d ** -0.5)
+    return model
+
+
+def make_gradients(model, d):
+    x = torch.randn(4, d, generator=torch.Generator().manual_seed(0))
+    model(x).square().mean().backward()
+
+
+# =============================================================================
+# 2. Memory: RSS and its peak (Linux's VmHWM, reset through clear_refs)
+# =============================================================================
+def rss():
+    """(current, peak) resident bytes of this process."""
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def reset_peak():
+    """Free what can be freed, hand it back to the system (glibc keeps freed memory otherwise: the next
+    optimizer's RSS would count the last one's), and start the peak from here."""
+    import ctypes
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# =============================================================================
+# 3. The optimizers
+# =============================================================================
+def build_dtensor_muon(model):
+    return dd.DTensorMuon([dict(params=list(model.named_parameters()), algorithm="muon")], lr=LR,
+                          weight_decay=WEIGHT_DECAY, momentum=MOMENTUM)
+
+
+def build_torch_muon(model):
+    return torch.optim.Muon(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
+                            adjust_lr_fn="match_rms_adamw")
+
+
+def build_dion(model):
+    try:
+        import dion
+    except ImportError:
+        raise ValueError("not installed (microsoft/dion is not on the package registry: "
+                         "benchmarks/requirements-peers.txt says how to install it)") from None
+    import peers  # its options: the nearest dion comes to torch.optim.Muon
+
+    params = dict(model.named_parameters())
+    mesh = getattr(next(iter(params.values())), "device_mesh", None)
+    if mesh is None:
+        raise ValueError("not run here: its distributed_mesh is the parameters' (plain tensors on a 1 x 1 mesh)")
+    if mesh.ndim != 1:
+        raise ValueError(f"dion takes a 1-D mesh; this one is {mesh.ndim}-D")
+    return dion.Muon(peers.dion_groups(params), distributed_mesh=mesh, lr=LR, mu=MOMENTUM,
+                     weight_decay=WEIGHT_DECAY, nesterov=True, use_polar_express=False)
+
+
+BUILDERS = {"DTensorMuon": build_dtensor_muon, "dion": build_dion, "torch.optim.Muon": build_torch_muon}
+
+
+def without_newton_schulz():
+    """Every optimizer's Newton-Schulz replaced by the bf16 cast it begins with (the peers' and torch's, as
+    benchmarks/peers.py and scaling.py replace them)."""
+    import scaling
+
+    scaling.without_newton_schulz()
+    try:
+        import peers
+
+        peers.cast_only("dion.megabatch_base", "zeropower_via_newtonschulz5")
+    except ImportError:
+        pass
+
+
+def measure(label, build, model, steps, builds):
+    """One optimizer's row: construction (the median of `builds`, each discarded but the last), the last one's
+    memory, its first and steady steps (seconds, bytes over the RSS before it)."""
+    built = []
+    for _ in range(builds):
+        opt = None  # the last build freed before the next starts
+        reset_peak()
+        base = rss()[0]
+        if dist.is_initialized():  # every rank starts together: no rank's time waits for another's last step
+            dist.barrier()
+        t0 = time.perf_counter()
+        opt = build(model)
+        built.append(time.perf_counter() - t0)
+    peak = rss()[1]
+    reset_peak()  # what construction keeps: its RSS once freed memory is handed back
+    now = rss()[0]
+    row = dict(label=label, construct_s=statistics.median(built), construct_peak=peak - base, kept=now - base,
+               state=sum(dd.local_of(t).numel() * dd.local_of(t).element_size() for s in opt.state.values()
+                         for t in s.values() if torch.is_tensor(t)))
+    times = []
+    for _ in range(1 + steps):
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        if len(times) == 1:
+            row["first_step_peak"] = max(peak, rss()[1]) - base
+    row.update(first_s=times[0], steady_s=statistics.median(times[1:]) if steps else float("nan"),
+               state_after=sum(dd.local_of(t).numel() * dd.local_of(t).element_size() for s in opt.state.values()
+                               for t in s.values() if torch.is_tensor(t)))
+    del opt
+    gc.collect()
+    return row
+
+
+def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps, builds):
+    torch.set_num_threads(1)
+    with contextlib.suppress(ImportError):  # imported before any clock starts: an import is no construction
+        import dion  # noqa: F401
+    if without_ns:
+        without_newton_schulz()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=1800))
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = placed_model(d, mesh)
+    make_gradients(model, d)
+    local = sum(dd.local_of(p).numel() * 4 for p in model.parameters())
+    rows = []
+    for label in labels:
+        try:
+            rows.append(measure(label, BUILDERS[label], model, steps, builds))
+        except Exception as error:  # every rank fails alike: the same code on the same shapes
+            rows.append(dict(label=label, error=mt.one_line(error)))
+            if dist.is_initialized():
+                dist.barrier()
+    torch.save(dict(rows=rows, local=local), os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def on_mesh(d, dp, tp, labels, without_ns, steps, builds):
+    """Every rank's rows on a dp x tp mesh (a world of dp tp processes)."""
+    world = dp * tp
+    with tempfile.TemporaryDirectory() as out_dir:
+        mt.run_processes(rank_main, (world, mt.free_port(), out_dir, d, dp, tp, labels, without_ns, steps, builds),
+                         world,
+                         folders=(out_dir,))
+        return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+
+
+# =============================================================================
+# 4. The table
+# =============================================================================
+def gb(n):
+    return f"{n / 1e9:.2f}"
+
+
+def table_rows(size, dp, tp, per_rank, without_ns):
+    """One line per optimizer: the slowest rank's times, the largest rank's memory."""
+    out = []
+    for i, row in enumerate(per_rank[0]["rows"]):
+        rows = [r["rows"][i] for r in per_rank]
+        name = f"{size:>5} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<17}"
+        if "error" in row:
+            out.append(f"{name} {row['error']}")
+            continue
+        worst = lambda key: max(r[key] for r in rows)  # noqa: E731
+        beside = max(r["kept"] - r["state"] for r in rows) / 1e6
+        out.append(f"{name} {worst('construct_s'):9.3f} {gb(worst('construct_peak')):>10} {gb(worst('kept')):>8} "
+                   f"{gb(worst('state')):>8} {beside:9.1f} {gb(worst('first_step_peak')):>10} {worst('first_s'):8.2f} "
+                   f"{worst('steady_s'):9.3f} {gb(max(r['local'] for r in per_rank)):>9}")
+    return out
+
+
+HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<17} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
+          f"{'state GB':>8} {'plan MB':>9} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9}")
+NOTE = ("build s: construction (seconds, the median of --builds; the slowest rank); peak GB: peak RSS over the\n"
+        "model's (its shards and gradients) through construction; kept GB: RSS after it, over the model's; state GB:\n"
+        "the optimizer's state tensors; plan MB: what construction keeps beside its state (kept - state, in RSS's\n"
+        "pages); 1st peak GB: the peak through construction and the first step; 1st s, steady s: the first step and\n"
+        "the median of the next ones; params GB: this rank's parameter bytes (fp32). Memory: the largest rank's.")
+
+
+# =============================================================================
+# 5. The plan alone at Llama 3's sizes
+# =============================================================================
+def plan_only(print_fn=print):
+    """DTensorMuon's plan for one rank (rank 0) of Llama 3 70B and 405B on FSDP2 x TP 8: seconds and megabytes."""
+    import cost_model as cm
+
+    models = {"llama3-70b": cm.MODELS["llama3-70b"],
+              "llama3-405b": cm.Model("Llama-3-405B-like", 126, 16384, 128, 8, 53248, 128256, tokens=2**24,
+                                      seq=8192, source=cm.LLAMA3)}
+    print_fn(f"{'model':<12} {'ranks':>6} {'mesh':>9} {'matrices':>9} {'plan s':>8} {'peak MB':>8} "
+             f"{'kept MB':>8} {'local params MB':>16}")
+    for key, model in models.items():
+        for gpus in (512, 16384):
+            mesh = cm.Mesh(gpus // 8, 8)
+            params = cm.param_order(model.params(), cm.GROUPS)
+            copies = cm.placed_copies(params, mesh, {g: i for i, g in enumerate(cm.GROUPS)})
+            muon = [c for c in copies if cm.GROUPS[c.group] == "muon"]
+            steps = {i: 5 for i in range(len(cm.GROUPS))}
+            gc.collect()
+            reset_peak()
+            before = rss()[0]
+            t0 = time.perf_counter()
+            matrices, _, _ = dplan.plan_matrices(muon, steps, 0, gpus)
+            seconds = time.perf_counter() - t0
+            now, peak = rss()
+            local = sum(int(cm.held(c, gpus)[0]) * 4 for c in copies)
+            print_fn(f"{key:<12} {gpus:>6} {f'{mesh.dp}x{mesh.tp}':>9} {len(matrices):>9} {seconds:8.2f} "
+                     f"{(peak - before) / 1e6:8.1f} {(now - before) / 1e6:8.1f} {local / 1e6:16.1f}")
+            del matrices
+
+
+# =============================================================================
+# 6. The command line
+# =============================================================================
+def parse_mesh(text):
+    try:
+        dp, tp = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a mesh is DPxTP, e.g. 2x1 (got {text!r})") from None
+    if dp < 1 or tp < 1:
+        raise argparse.ArgumentTypeError(f"a mesh's sizes are positive (got {text!r})")
+    return dp, tp
+
+
+def main(argv=None):
+    parser = mt.OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=SIZES, nargs="+", default=["67M"])
+    parser.add_argument("--mesh", type=parse_mesh, nargs="+", default=[(1, 1), (2, 1), (1, 2), (2, 2)],
+                        help="DPxTP meshes (default: 1x1 2x1 1x2 2x2; torch.optim.Muon runs on 1x1 only)")
+    parser.add_argument("--optimizers", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
+    parser.add_argument("--steps", type=int, default=STEADY_STEPS, help="steady steps after the first")
+    parser.add_argument("--builds", type=int, default=BUILDS, help="constructions, their median timed (the last kept)")
+    parser.add_argument("--without-ns", choices=("both", "no", "only"), default="both",
+                        help="with Newton-Schulz, without it (its bf16 cast), or both")
+    parser.add_argument("--plan-only", action="store_true")
+    args = parser.parse_args(argv)
+    if args.plan_only:
+        plan_only()
+        return
+    print(HEADER)
+    for size in args.size:
+        for dp, tp in args.mesh:
+            labels = [o for o in args.optimizers if o != "torch.optim.Muon" or dp * tp == 1]
+            for without_ns in {"both": (False, True), "no": (False,), "only": (True,)}[args.without_ns]:
+                per_rank = on_mesh(SIZES[size], dp, tp, labels, without_ns, args.steps, args.builds)
+                for line in table_rows(size, dp, tp, per_rank, without_ns):
+                    print(line, flush=True)
+    print(NOTE)
+
+
+if __name__ == "__main__":
+    sys.exit(mt.exit_code(main))

@@ -1,0 +1,127 @@
+"""DTensorMuon on 2 Gloo ranks, parameters sharded by distribute_tensor: float64, bfloat16 and float16 parameters
+stepped as torch.optim.Muon and AdamW step them on one process (momentum and the update added in the parameter's
+dtype, Newton-Schulz in bf16), and a pickled optimizer of the world group (plain and sharded parameters), whose
+copy steps as torch's pickled copy does; its pickle, unpickled in a process of one rank, is refused in one line
+(its group is not there)."""
+
+import pickle
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import mt
+from distmuon.dtensor import DTensorMuon
+
+# Muon's matrices (a tall one split across the ranks unevenly, a wide one) and an AdamW vector, each Shard(0).
+SHAPES = {"tall.weight": (9, 4), "wide.weight": (4, 10), "bias": (6,)}
+MUON = ("tall.weight", "wide.weight")
+DTYPES = (torch.float64, torch.bfloat16, torch.float16, torch.float32)
+STEPS = 3
+
+
+@dataclass
+class Spawn:
+    dp: int = 2
+    tp: int = 1
+    timeout_s: float = 120.0
+
+
+def start(dtype):
+    """{name: the full starting tensor}, the same on every rank."""
+    return {n: torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype)
+            for i, (n, s) in enumerate(SHAPES.items())}
+
+
+def gradient(name, step, dtype):
+    """The total gradient of a parameter at a step, the same on every rank."""
+    return torch.randn(SHAPES[name], generator=torch.Generator().manual_seed(100 * step + len(name))).to(dtype)
+
+
+def groups(params):
+    """[a Muon group, an adamw group] of {name: tensor}."""
+    return [dict(params=[(n, params[n]) for n in MUON]),
+            dict(params=[(n, p) for n, p in params.items() if n not in MUON], algorithm="adamw", weight_decay=0.01)]
+
+
+def torchs(params):
+    return [torch.optim.Muon([params[n] for n in MUON]),
+            torch.optim.AdamW([p for n, p in params.items() if n not in MUON], weight_decay=0.01)]
+
+
+def run(optimizers, params, steps, grad_of):
+    for step in steps:
+        for name, p in params.items():
+            p.grad = grad_of(name, step, p)
+        for opt in optimizers:
+            opt.step()
+
+
+def pickled_run(place, grad_of):
+    """float32 parameters placed by `place`, one step, the optimizer pickled and unpickled, two more steps of the
+    copy: (the parameters whose full tensor is not torch's pickled copy's after them, or that the copy did not move;
+    the pickle's bytes)."""
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+    ours = {n: torch.nn.Parameter(place(t)) for n, t in start(torch.float32).items()}
+    ref = {n: torch.nn.Parameter(t) for n, t in start(torch.float32).items()}
+    opt, ref_opts = DTensorMuon(groups(ours)), torchs(ref)
+    run([opt], ours, range(1), grad_of)
+    run(ref_opts, ref, range(1), lambda name, step, p: gradient(name, step, p.dtype))
+    blob = pickle.dumps(opt)
+    copy, ref_copies = pickle.loads(blob), [pickle.loads(pickle.dumps(o)) for o in ref_opts]
+    copied = dict(copy.param_by_name)
+    ref_copied = dict(zip(ref, [p for o in ref_copies for g in o.param_groups for p in g["params"]]))
+    run([copy], copied, range(1, STEPS), grad_of)
+    run(ref_copies, ref_copied, range(1, STEPS), lambda name, step, p: gradient(name, step, p.dtype))
+    wrong = [n for n in SHAPES if not torch.equal(full(copied[n]), ref_copied[n]) or
+             torch.equal(full(copied[n]), full(ours[n]))]
+    return wrong + ([] if copy.axis.group is dist.group.WORLD else ["the group"]), blob
+
+
+def ranks_body(rank, spawn, device):
+    """Each dtype: DTensorMuon over sharded parameters against torch's optimizers over whole ones, on this rank
+    ({dtype: the parameters whose full tensor is not torch.equal to torch's}); then pickled_run of plain and of
+    sharded parameters, and the plain one's pickle."""
+    torch.set_num_threads(1)
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh, out = init_device_mesh("cpu", (2,)), {}
+    shard = lambda t: distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)
+    sharded_grad = lambda name, step, p: shard(gradient(name, step, p.dtype))
+    whole_grad = lambda name, step, p: gradient(name, step, p.dtype)
+    for dtype in DTYPES:
+        ours = {n: torch.nn.Parameter(shard(t)) for n, t in start(dtype).items()}
+        ref = {n: torch.nn.Parameter(t) for n, t in start(dtype).items()}
+        opt = DTensorMuon(groups(ours))
+        run([opt], ours, range(STEPS), sharded_grad)
+        run(torchs(ref), ref, range(STEPS), whole_grad)
+        out[str(dtype)] = [n for n in SHAPES if not (ours[n].full_tensor().dtype == dtype and
+                                                     torch.equal(ours[n].full_tensor(), ref[n]))]
+    for kind, place, grad_of in (("plain", lambda t: t, whole_grad), ("sharded", shard, sharded_grad)):
+        out[f"pickle {kind}"], blob = pickled_run(place, grad_of)
+        out.setdefault("blob", blob)  # the plain one's: a process of one rank unpickles it
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return mt.spawn_ranks(Spawn(), ranks_body)
+
+
+@pytest.mark.parametrize("dtype", [str(d) for d in DTYPES])
+def test_each_dtype_steps_as_torchs_on_two_ranks(ranks, dtype):
+    assert [r[dtype] for r in ranks] == [[], []], "parameters not torch's bits, on each rank"
+
+
+@pytest.mark.parametrize("kind", ["plain", "sharded"])
+def test_a_pickled_optimizer_of_the_world_steps_as_torchs_pickled_copy(ranks, kind):
+    assert [r[f"pickle {kind}"] for r in ranks] == [[], []], "parameters not torch's pickled copy's bits, on each rank"
+
+
+def test_a_pickle_whose_group_is_not_here_is_refused(single_process_group, ranks):
+    """Rank 0's pickle (a world of ranks 0 and 1), unpickled on this one-rank world: refused in one line."""
+    with pytest.raises(ValueError, match=r"^this DTensorMuon was pickled with the process group of ranks \[0, 1\], "
+                                         r"which this process does not have: create it \(dist.new_group\("):
+        pickle.loads(ranks[0]["blob"])
