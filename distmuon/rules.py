@@ -6,10 +6,12 @@ import copy
 from distmuon.checks import fill_param_group, name_params
 
 
-def add_or_refuse_group(optimizer, param_group, torch_add, options, relayout=None, prepare=None, restore=None):
+def add_or_refuse_group(optimizer, param_group, torch_add, options, relayout=None, prepare=None, restore=None,
+                        check=None):
     """torch's add_param_group, the distributed way: a group that is not a dict refused; prepare(group) (the
     optimizer's own keys taken out of it); its options filled and checked per its algorithm over `options` (the
-    constructor's keywords: fill_param_group), its parameters named (name_params) and the group added by torch_add
+    constructor's keywords: fill_param_group); check(group) (the optimizer's own refusals of the filled group, before
+    its parameters are named); its parameters named (name_params) and the group added by torch_add
     (torch.optim.Optimizer.add_param_group, bound), torch's defaults kept off it (the group is filled per its
     algorithm, not from optimizer.defaults); then relayout() (None at construction: the first groups are laid out
     together after it). Refused (ValueError, TypeError), nothing changed: the param groups, and each attribute of
@@ -21,6 +23,8 @@ def add_or_refuse_group(optimizer, param_group, torch_add, options, relayout=Non
         if prepare is not None:
             prepare(param_group)
         fill_param_group(param_group, options, len(optimizer.param_groups))
+        if check is not None:
+            check(param_group)
         defaults, optimizer.defaults = optimizer.defaults, {}
         try:
             torch_add(name_params(param_group, sum(len(g["params"]) for g in optimizer.param_groups)))
