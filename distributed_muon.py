@@ -53,8 +53,8 @@ from distmuon.rules import add_or_refuse_group, copy_sharing
 from distmuon.ledger import Ledger
 from distmuon.normuon import check_rows_held
 from distmuon.checks import (ORTHOGONALIZED, QK_CLIP_OFF, check_grid, check_options, check_parts,
-                             checked_zero1_state_dict, index_named_params, ns_coefficients_of, step_problem,
-                             torch_defaults)
+                             checked_zero1_state_dict, index_named_params, ns_coefficients_of, step_device,
+                             step_problem, torch_defaults)
 
 # =============================================================================
 # 1. Muon on one device
@@ -565,7 +565,7 @@ class DistributedMuon(torch.optim.Optimizer):
         self.options, self.tp_split_dims = options, dict(tp_split_dims or {})
         super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
         self.defaults = torch_defaults(self.param_groups, options)  # torch's optimizer's, which schedulers read
-        self.device = self.param_groups[0]["params"][0].device
+        self.device = step_device(self.param_groups)
         self._lay_out()
 
     def add_param_group(self, param_group):

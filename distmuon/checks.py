@@ -323,12 +323,13 @@ def viewable_flat(t):
     return True
 
 
-def param_problem(name, p):
+def param_problem(name, p, stepping=True):
     """Why a parameter cannot be stepped (one line naming it and the fix), or None: at construction and at every
-    step, before anything moves (torch's own step would fail halfway, after the momentum moved)."""
-    if p.device.type == "meta":
-        return (f"{name} is on the meta device (no values): materialize it first (model.to_empty(device=...), then "
-                f"initialize it) and build the optimizer on the real parameters")
+    step, before anything moves (torch's own step would fail halfway, after the momentum moved). A meta parameter
+    is refused at the step only: an optimizer built on a meta model is a plan from shapes (the cost model's)."""
+    if stepping and p.device.type == "meta":
+        return (f"{name} is on the meta device (no values): an optimizer built on meta parameters plans only; "
+                f"materialize them (model.to_empty(device=...), then initialize them) before stepping")
     if p.layout != torch.strided:
         return f"{name} is a sparse tensor ({p.layout}): Muon and AdamW here step dense parameters"
     if not viewable_flat(local_view(p)):
@@ -336,6 +337,13 @@ def param_problem(name, p):
                 f"{tuple(local_view(p).stride())}), as every optimizer here steps a parameter: make it contiguous "
                 f"before the optimizer is built, e.g. p.data = p.data.contiguous()")
     return None
+
+
+def step_device(param_groups):
+    """Where a step's flags and buffers live: the first parameter's device, or the CPU for a model on the meta device
+    (its optimizer plans only; its step is refused, and the refusal's vote needs values)."""
+    device = param_groups[0]["params"][0].device
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def gradient_problem(name, g):
@@ -375,8 +383,8 @@ def named_params(param_groups):
                 raise ValueError(f"parameter {name} appears twice")
             if not (p.dtype.is_floating_point or p.dtype.is_complex):
                 raise ValueError(f"{name} is {p.dtype}: an optimizer steps floating-point parameters")
-            if param_problem(name, p):
-                raise ValueError(param_problem(name, p))
+            if param_problem(name, p, stepping=False):
+                raise ValueError(param_problem(name, p, stepping=False))
             seen.add(name)
             named.append((name, p, group))
     return named

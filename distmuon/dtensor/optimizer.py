@@ -346,7 +346,7 @@ class DTensorMuon(torch.optim.Optimizer):
 
     @property
     def device(self):
-        return self.param_groups[0]["params"][0].device
+        return mc.step_device(self.param_groups)
 
     # -- state ---------------------------------------------------------------
     def _state_of(self, name):

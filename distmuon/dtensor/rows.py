@@ -49,6 +49,15 @@ from distmuon.dtensor.placements import local_box, local_of
 QK_SEGMENTS = mlr.QK_SEGMENTS  # the segments of a RowLayout that QK-clip scales
 
 
+def runs(keys):
+    """[(start, stop, key)] of each run of equal consecutive values of a 1-D integer tensor; keys < 0 left out."""
+    if keys.numel() == 0:
+        return []
+    change = (torch.nonzero(keys[1:] != keys[:-1]).view(-1) + 1).tolist()
+    starts, stops = [0] + change, change + [keys.numel()]
+    return [(a, b, k) for a, b, k in zip(starts, stops, keys[starts].tolist()) if k >= 0]
+
+
 def row_runs(copy, coordinate, row_keys):
     """[(start, stop, key)] of each run of equal keys in the local flat order of the rank at `coordinate` (a plain
     tensor's coordinate is ()): row_keys gives each row of a matrix (of one expert's, for a stack) its key; keys < 0
@@ -60,16 +69,6 @@ def row_runs(copy, coordinate, row_keys):
     if width == 0:
         return []
     return [(a * width, b * width, k) for a, b, k in runs(row_keys[r0:r1].repeat(experts))]
-
-
-def runs(keys):
-    """[(start, stop, key)] of each run of equal consecutive values of a 1-D integer tensor; keys < 0 left out."""
-    if keys.numel() == 0:
-        return []
-    change = (torch.nonzero(keys[1:] != keys[:-1]).view(-1) + 1).tolist()
-    starts, stops = [0] + change, change + [keys.numel()]
-    return [(a, b, k) for a, b, k in zip(starts, stops, keys[starts].tolist()) if k >= 0]
-
 
 
 # The options of what large runs add, as DTensorMuon takes them (its constructor's keywords: the lesson's LargeRuns
