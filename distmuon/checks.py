@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from distmuon.normuon import NORMUON_OPTIONS
+from distmuon.strategy import Strategy
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_unclamped")  # torch.optim.Muon's, and None = "original"
 
@@ -180,8 +181,7 @@ def check_options(name, options, bucket_size=1):
             check_option(name, algorithm, key, value)
 
 
-STRATEGY_CALLS = ("plan", "bucketed", "part_of", "units", "orthogonalize")  # what the step asks a strategy
-LARGE_RUNS_CALLS = ("plan", "plan_parts", "orthogonalize_tp_piece", "clip_qk_")  # and section 8's LargeRuns
+LARGE_RUNS_CALLS = ("plan", "plan_parts", "around", "orthogonalize_tp_piece", "clip_qk_")  # section 8's LargeRuns
 
 
 def check_parts(*, tp_split_dims=None, strategy=None, large_runs=None):
@@ -194,7 +194,7 @@ def check_parts(*, tp_split_dims=None, strategy=None, large_runs=None):
         if isinstance(value, type):  # the class itself has every method, unbound: the step would fail inside
             raise ValueError(f"{argument} must be an instance, not the class {value.__name__}: give "
                              f"{argument}={value.__name__}(...)")
-    if strategy is not None and not (all(callable(getattr(strategy, call, None)) for call in STRATEGY_CALLS)
+    if strategy is not None and not (isinstance(strategy, Strategy)  # what the step asks (distmuon.strategy)
                                      and isinstance(getattr(strategy, "overlap", None), int)):
         raise ValueError(f"strategy must be a strategy of the lesson's step: Gather(), distmuon.owners' Owner() or "
                          f"CommFree() (got {strategy!r:.80})")
