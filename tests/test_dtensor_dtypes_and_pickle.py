@@ -28,15 +28,15 @@ class Spawn:
     timeout_s: float = 120.0
 
 
-def start(dtype):
+def start(dtype, shapes=SHAPES):
     """{name: the full starting tensor}, the same on every rank."""
     return {n: torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype)
-            for i, (n, s) in enumerate(SHAPES.items())}
+            for i, (n, s) in enumerate(shapes.items())}
 
 
-def gradient(name, step, dtype):
+def gradient(name, step, dtype, shapes=SHAPES):
     """The total gradient of a parameter at a step, the same on every rank."""
-    return torch.randn(SHAPES[name], generator=torch.Generator().manual_seed(100 * step + len(name))).to(dtype)
+    return torch.randn(shapes[name], generator=torch.Generator().manual_seed(100 * step + len(name))).to(dtype)
 
 
 def groups(params):

@@ -6,12 +6,13 @@ optimizers refuse it (their flat buffers would give each entry its own state), i
 
 import copy
 import warnings
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+import test_dtensor_dtypes_and_pickle as dtypes_test
 from conftest import dm, mt
+from test_dtensor_dtypes_and_pickle import Spawn
 from distmuon.dtensor import DTensorMuon
 
 SHAPES = {"w": (9, 4), "other": (4, 10), "b": (6,)}  # w twice in the Muon group, b twice in the AdamW group
@@ -22,20 +23,12 @@ CASES = [(True, torch.float32), (True, torch.bfloat16), (False, torch.float32)]
 TORCH_WARNING = "optimizer contains a parameter group with duplicate parameters; in future, this will cause an error"
 
 
-@dataclass
-class Spawn:
-    dp: int = 2
-    tp: int = 1
-    timeout_s: float = 120.0
-
-
 def start(dtype):
-    return {n: torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype) for i, (n, s) in
-            enumerate(SHAPES.items())}
+    return dtypes_test.start(dtype, SHAPES)
 
 
 def gradient(name, step, dtype):
-    return torch.randn(SHAPES[name], generator=torch.Generator().manual_seed(100 * step + len(name))).to(dtype)
+    return dtypes_test.gradient(name, step, dtype, SHAPES)
 
 
 def steps_as_torch(nesterov, dtype, place=lambda t: t):
