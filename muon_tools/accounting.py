@@ -9,7 +9,7 @@ from dataclasses import asdict
 import torch
 
 from distmuon.large_runs import newton_schulz_flops_of
-from distmuon.owners import load_balance
+from distmuon.assignment import load_balance
 from muon_tools.settings import BASELINE, MUON_GROUP, demo_row_layouts, demo_specs, run_kind
 from muon_tools.reference import muon_groups_of, verdict
 

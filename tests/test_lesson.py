@@ -155,7 +155,7 @@ def test_the_lesson_is_a_sittings_read():
 # grid, buffer, flow and step below the strategies, below the runner and the demos). The library is distmuon/ and the
 # lesson; the runner and the commands sit above it.
 LAYERS = [
-    ["distmuon.normuon", "distmuon.adamw", "distmuon.collectives", "distmuon.ledger", "distmuon.strategy",
+    ["distmuon.normuon", "distmuon.adamw", "distmuon.collectives", "distmuon.ledger", "distmuon.strategy", "distmuon.assignment",
      "muon_forkserver"],  # nothing of the project
     ["distmuon.checks"],  # the options the optimizers take (NorMuon's among them) and what they refuse
     ["distmuon.rules"],  # what every optimizer does alike: a param group added whole or not at all, a deep copy
