@@ -3,7 +3,8 @@
 Part of DTensorMuon (distmuon/dtensor/), sections 3-5 of its reading order: plan() makes the plan of section 3 (or
 takes your distributed_config's owners, section 4), orthogonalize() runs stage 3 of a step on it. It is built from
 the lesson's parts: the owners by longest-processing-time (distmuon/owners.py's lpt_order, assign_owners,
-check_owners), one all-to-all for every part of every matrix each way (send_parts), Newton-Schulz at the owner
+check_owners), one all-to-all for every part of every matrix each way (send_parts; or per group of them:
+exchange_groups, started and finished apart so that groups can overlap), Newton-Schulz at the owner
 (newton_schulz_owned, the lesson's orthogonalize), and the Gram form on TP pieces (distmuon/large_runs.py's
 newton_schulz_tp).
 """
