@@ -241,9 +241,9 @@ for name in bucket.names:
 # `DistributedMuon.step` takes the buckets one at a time through four stages: the gradient
 # reduce-scatter over DP, momentum (and AdamW) on this rank's parts, stage 3 (the strategy's: here the
 # gather flow above) with the weight update on the parts, and the parameter all-gather that gives every
-# DP rank its whole TP pieces again. The strategy is a part of the optimizer, `Gather()` here; section 7
-# plugs in two more. Each stage is a method; the ledger names each collective's phase, as the report of
-# section 6 prints them.
+# DP rank its whole TP pieces again. The strategy is a part of the optimizer, `Gather()` here (the end of
+# section 4): `step` hands it the stages, which it runs in turn (`stages_in_turn`), and asks it for stage 3.
+# Each stage is a method; the ledger names each collective's phase, as the report of section 6 prints them.
 
 # %%
 mt.show_source(dm.DistributedMuon.step, dm.DistributedMuon.stages_in_turn, dm.Gather.orthogonalize)

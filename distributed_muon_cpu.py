@@ -20,8 +20,7 @@ Launch recipes
     python distributed_muon_cpu.py --help               # every flag, the other strategies' and options' too
 
 Reading order: 1. Muon on one device, 2. the grid and its collectives, 3. the virtual buffer, 4. the gather flow,
-5. the step (DistributedMuon, with the gather strategy as its part), 6. run it; then distmuon/owners.py (7: each
-matrix orthogonalized once) and distmuon/large_runs.py (8: what large runs add). This file is the core of the
+5. the step, 6. run it; then distmuon/owners.py (7) and distmuon/large_runs.py (8). This file is the core of the
 library (`pip install .`, then `from distmuon import DistributedMuon`); the runner, muon_tools.py, runs it.
 """
 
@@ -39,19 +38,22 @@ import datetime
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 # From the library, below this file: AdamW's math for what Muon does not take, Gloo's reduce-scatter in rank
-# order, and what the optimizer refuses.
+# order, the Ledger, a param group added whole or not at all, and what the optimizer refuses.
 from distmuon.adamw import adamw_state, adamw_step_, scalar_lr
 from distmuon.collectives import all_gather_single, reduce_scatter_sum
+from distmuon.rules import add_or_refuse_group, copy_sharing
+from distmuon.ledger import Ledger
+from distmuon.normuon import check_rows_held
 from distmuon.checks import (ORTHOGONALIZED, QK_CLIP_OFF, check_grid, check_options, check_parts,
-                             checked_zero1_state_dict, fill_param_group, index_named_params, name_params,
-                             ns_coefficients_of, step_problem)
+                             checked_zero1_state_dict, index_named_params, ns_coefficients_of, step_problem,
+                             torch_defaults)
 
 # =============================================================================
 # 1. Muon on one device
@@ -68,7 +70,7 @@ from distmuon.checks import (ORTHOGONALIZED, QK_CLIP_OFF, check_grid, check_opti
 # operation, so the result can be bit-identical: cast to bf16 (a tall matrix transposed, so that X X^T is the small
 # one), scale by the Frobenius norm (clamped by eps) so the spectral norm is <= 1, then quintic iterations
 # X <- a X + (b A + c A A) X, A = X X^T, with Keller Jordan's coefficients, 5 steps and eps = 1e-7, torch's defaults
-# (a param group may give one (a, b, c) per iteration instead: section 8).
+# (a param group's ns_coefficients may give one (a, b, c) per iteration instead).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
@@ -124,8 +126,8 @@ def muon_update(momentum_buffer, grad, group):
 
 def apply_muon_update_(param, ortho, group, global_shape, runs=None):
     """p <- p (1 - lr wd) - adjusted_lr(global shape) O, as torch.optim.Muon: the decay takes the unadjusted lr.
-    runs: None, or section 8's [(start, stop, rows)]: elements [start, stop) lie in blocks of `rows` rows, each
-    adjusted for its own shape (rows, cols), one add_ per run, as torch adjusts blocks stepped as parameters."""
+    runs: None, or [(start, stop, rows)]: elements [start, stop) lie in blocks of `rows` rows, each adjusted for
+    its own shape (rows, cols), one add_ per run, as torch adjusts blocks stepped as parameters."""
     lr = scalar_lr(group["lr"])  # a float, or a Tensor lr as torch reads it
     param.mul_(1 - lr * group["weight_decay"])
     if runs is None:
@@ -156,8 +158,8 @@ def muon_step_(param, grad, momentum_buffer, group):
 #
 # The groups are sliced from torch.arange(world).view(DP, TP). Every rank must create every group, in the same
 # order, even the groups it is not part of. Every collective goes through the functions below, which record in
-# a Ledger, in one line each, what this rank sends and receives (Gloo's profiler records no message sizes): a
-# ring's count, (n - 1) * k bytes each way for n ranks and k-byte shards, labelled with its phase.
+# a Ledger (distmuon/ledger.py), in one line each, what this rank sends and receives: a ring's count, (n - 1) * k
+# bytes each way for n ranks and k-byte shards, labelled with its phase. A vote lets every rank refuse together.
 
 @dataclass(frozen=True)
 class Axis:
@@ -197,34 +199,6 @@ def make_grid(dp, tp, rank):
                    tp=replace(plan.tp, group=groups[plan.tp.ranks]), world=replace(plan.world, group=dist.group.WORLD))
 
 
-@dataclass
-class Ledger:
-    """What this rank communicated and computed, step by step, and in what order (section 7 waits for some)."""
-
-    step: int = 0
-    comm: list = field(default_factory=list)  # dicts: step, phase, op, axis, dtype, sent, received (bytes)
-    compute: list = field(default_factory=list)  # dicts: step, name, shape, flops
-    events: list = field(default_factory=list)  # (step, "launch" | "wait" | "newton-schulz", phase or matrix)
-
-    def record_comm(self, phase, op, axis, sent_numel, received_numel, dtype):
-        size = dtype.itemsize
-        self.comm.append(dict(step=self.step, phase=phase, op=op, axis=axis.name, dtype=str(dtype).replace("torch.", ""),
-                              sent=sent_numel * size, received=received_numel * size))
-        self.events.append((self.step, "launch", phase))
-
-    def record_ring(self, phase, op, axis, shard):
-        """A ring collective of `shard`-sized pieces: (n - 1) pieces out and in."""
-        ring = (axis.size - 1) * shard.numel()
-        self.record_comm(phase, op, axis, ring, ring, shard.dtype)
-
-    def record_wait(self, phase):
-        self.events.append((self.step, "wait", phase))
-
-    def record_compute(self, name, shape, flops):
-        self.compute.append(dict(step=self.step, name=name, shape=tuple(shape), flops=flops))
-        self.events.append((self.step, "newton-schulz", name))
-
-
 def all_gather(shard, axis, ledger, phase):
     """Concatenate every rank's equal-sized 1-D shard along `axis`: (size * k,)."""
     if axis.size == 1:
@@ -256,6 +230,19 @@ def all_reduce(tensor, axis, ledger, phase, op=dist.ReduceOp.SUM):
     ring = 2 * (axis.size - 1) * -(-tensor.numel() // axis.size)
     ledger.record_comm(phase, "all_reduce", axis, ring, ring, tensor.dtype)
     return tensor
+
+
+def vote(flags, problem, me, axis, ledger, phase):
+    """Each flag ORed over the ranks of `axis`, and one more byte: whether some rank has a `problem` (one line). If one
+    has, every rank raises before anything moves, naming that rank (found by one more MAX all-reduce, of the rank)."""
+    votes = torch.cat([flags, torch.tensor([problem is not None], device=flags.device)]).to(torch.uint8)
+    votes = all_reduce(votes, axis, ledger, phase, dist.ReduceOp.MAX).bool()
+    if votes[-1]:
+        rank = torch.tensor([me + 1 if problem else 0], dtype=torch.int64, device=flags.device)
+        rank = int(all_reduce(rank, axis, ledger, "refusal", dist.ReduceOp.MAX)) - 1
+        raise ValueError(f"rank {me}: {problem}" if problem else
+                         f"rank {rank} refused the step (it raised why); nothing changed")
+    return votes[:-1]
 
 
 # =============================================================================
@@ -350,10 +337,7 @@ def build_dist_metas(buckets, bucket_ranges, shapes, global_shapes, tp_split_dim
 
 
 def global_shape_of(local_shape, tp_split_dim, tp):
-    shape = list(local_shape)
-    if tp_split_dim >= 0:
-        shape[tp_split_dim] *= tp
-    return tuple(shape)
+    return tuple(size * tp if dim == tp_split_dim else size for dim, size in enumerate(local_shape))
 
 
 @dataclass(frozen=True)
@@ -382,6 +366,19 @@ def plan_layout(buffers, shapes, tp_split_dims, dp, tp, bucket_size):
     return Layout(tuple(buckets), bucket_ranges, shapes, global_shapes, tp_split_dims, metas)
 
 
+def shard_of_bucket(parts, metas, shard_numel, dtype, device):
+    """This DP rank's shard of a bucket from its parts ({name: flat part}): zeros where it has none (padding, or a
+    parameter with no gradient). A part that fills the whole shard is the shard, not copied."""
+    present = [parts[m.name] for m in metas if m.name in parts]
+    if len(present) == 1 and present[0].numel() == shard_numel and present[0].dtype == dtype:
+        return present[0].reshape(-1)
+    shard = torch.zeros(shard_numel, dtype=dtype, device=device)
+    for meta in metas:
+        if meta.name in parts:
+            shard[meta.shard_slice] = parts[meta.name]
+    return shard
+
+
 # =============================================================================
 # 4. The gather flow
 # =============================================================================
@@ -396,7 +393,7 @@ def plan_layout(buffers, shapes, tp_split_dims, dp, tp, bucket_size):
 #
 # The DP gather is one flat all-gather per bucket (every matrix a view of it); the TP gather is per matrix,
 # along its own split dim, for the matrices this rank's DP shard touches (notes/04-bucketing.md). The gathers
-# communicate; their mirrors, the shards, are free slices. The pure part of each arrow is a function of its own.
+# communicate; their mirrors, the shards, are free slices. Last, the gather strategy: the flow bucket by bucket.
 
 def dp_gather(update_shard, dp, ledger):
     """Every DP rank's update shard -> the whole bucket: the shards joined in DP rank order."""
@@ -433,38 +430,92 @@ def dp_shard(tp_local, meta):
     return tp_local.reshape(-1)[meta.param_slice]
 
 
-def orthogonalize(name, full, group, ledger, blocks=None):
-    """Newton-Schulz of one full matrix with its param group's options, its FLOPs in the ledger: torch.optim.Muon's
-    call on the whole matrix, or block by block where `blocks` (None, or section 8's LargeRuns) names the matrix."""
-    if blocks is not None and name in blocks.blocks:
-        return blocks.orthogonalize_by_blocks(name, full, group, ledger)
+def orthogonalize(name, full, group, ledger):
+    """Newton-Schulz of one full matrix with its group's options (torch.optim.Muon's call), its FLOPs counted."""
     with record_function("newton-schulz"):
         ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"])
     ledger.record_compute(name, tuple(full.shape), newton_schulz_flops(full.shape, group["ns_steps"]))
     return ortho
 
 
-def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger, large_runs=None):
+def orthogonalize_tp_local(tp_local, meta, group, grid, ledger, newton_schulz_of=orthogonalize):
+    """The three middle arrows for one matrix: its TP-local piece -> this TP rank's piece of newton_schulz_of(full)."""
+    full = tp_gather(tp_local, meta.tp_split_dim, grid.tp, ledger)  # TP gather
+    ortho = newton_schulz_of(meta.name, full, group, ledger)  # Newton-Schulz
+    return tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
+
+
+def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger, middle=orthogonalize_tp_local):
     """The gather flow for one bucket of matrices: {name: this rank's part of the orthogonalized matrix}.
 
         DP gather  ->  TP gather  ->  Newton-Schulz  ->  TP shard  ->  DP shard
 
-    update_shard: this rank's DP shard of the bucket (bf16); metas: the matrices to orthogonalize.
-    large_runs: None (torch's way), or section 8's LargeRuns, which orthogonalizes some matrices by blocks,
-    and some on their TP pieces where they lie (no TP gather, no TP shard).
+    update_shard: this rank's DP shard of the bucket (bf16); metas: the matrices to orthogonalize; middle: the three
+    middle arrows for one matrix, (tp_local, meta, group, grid, ledger) -> its TP piece.
     """
     update_bucket = dp_gather(update_shard, grid.dp, ledger)  # DP gather: the whole bucket
-    ortho_parts = {}
-    for meta in metas:
-        tp_local = matrix_in_bucket(update_bucket, meta)
-        if large_runs is not None and meta.name in large_runs.gram:
-            tp_piece = large_runs.orthogonalize_tp_piece(tp_local, meta, group, grid, ledger)
-        else:
-            full = tp_gather(tp_local, meta.tp_split_dim, grid.tp, ledger)  # TP gather
-            ortho = orthogonalize(meta.name, full, group, ledger, large_runs)  # Newton-Schulz
-            tp_piece = tp_shard(ortho, meta.tp_split_dim, grid.tp.rank, grid.tp.size)  # TP shard: a slice
-        ortho_parts[meta.name] = dp_shard(tp_piece, meta)  # DP shard: a slice
-    return ortho_parts
+    return {meta.name: dp_shard(middle(matrix_in_bucket(update_bucket, meta), meta, group, grid, ledger), meta)
+            for meta in metas}  # the three middle arrows, then DP shard: a slice
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What the stages of a step take at once: ZeRO-1 buckets, and a strategy's own chunks of matrices, if any."""
+
+    buckets: tuple = ()
+    chunks: tuple = ()  # tuples of names outside the buckets, which stages 1 and 4 ask the strategy for
+
+    @property
+    def names(self):
+        return tuple(n for b in self.buckets for n in b.names) + tuple(n for c in self.chunks for n in c)
+
+
+class Gather:
+    """The gather strategy: the flow above, bucket by bucket; what section 5's step asks of it, typed, is
+    distmuon/strategy.py's Strategy (plan, bucketed, part_of, units, stages, orthogonalize, runs_of, clip_qk_), and a
+    strategy sees the optimizer as a StepContext. middle: the flow's three middle arrows of one matrix."""
+
+    name, owners, overlap = "gather", None, 0  # every rank that touches a matrix orthogonalizes it, in turn
+
+    def __init__(self, middle=orthogonalize_tp_local):
+        self.middle = middle
+
+    def plan(self, opt):  # refused: an algorithm whose rows only a whole matrix's holder sees
+        check_rows_held(opt.param_groups, self.name)
+
+    def bucketed(self, opt, name):
+        return True
+
+    def part_of(self, opt, name, dp_rank):
+        return opt.layout.metas[dp_rank][name].param_slice
+
+    def units(self, opt):
+        return [Unit(buckets=(b,)) for b in opt.layout.buckets]
+
+    def stages(self, opt, active):
+        opt.stages_in_turn(active)
+
+    def runs_of(self, name):
+        return None
+
+    def orthogonalize(self, opt, unit, updates, active):
+        parts = {}
+        for bucket in unit.buckets:
+            group = opt.param_groups[bucket.buffer_idx]
+            if group["algorithm"] != "muon":
+                continue
+            metas = [opt.dist_metas[n] for n in bucket.names]
+            shard = shard_of_bucket(updates, metas, bucket.numel // opt.grid.dp.size, torch.bfloat16, opt.device)
+            # Only the matrices this rank's DP shard touches (its TP peers share that shard, so they agree) and
+            # that some rank has a gradient for.
+            touched = [m for m in metas if m.local_numel and m.name in active]
+            parts.update(gather_newton_schulz_shard(shard, touched, group, opt.grid, opt.ledger, self.middle))
+        return parts
+
+    def clip_qk_(self, opt, max_logits):  # every rank still takes part in a collective, as the others may, and refuses
+        all_reduce(torch.tensor([opt.grid.rank + 1.0], device=opt.device), opt.grid.world, opt.ledger,
+                   "QK-clip maxima", dist.ReduceOp.MAX)
+        raise ValueError(f"rank {opt.grid.rank}: {QK_CLIP_OFF}")
 
 
 # =============================================================================
@@ -479,85 +530,9 @@ def gather_newton_schulz_shard(update_shard, metas, group, grid, ledger, large_r
 #   4. parts             --param all-gather (fp32)------> every rank holds its full TP-local weights
 #
 # A rank's "part" of a parameter is the range of its flat TP piece whose state it keeps (dist_meta's local range).
-# AdamW rides the same reduce-scatter and all-gather and needs no gather (elementwise). The strategy is a part of
-# the optimizer: where each matrix is orthogonalized and how its pieces travel there and back. Here, the gather
-# flow bucket by bucket (one bucket's temporaries alive at a time); section 7 plugs in two more, and an overlap.
-
-
-def vote(flags, problem, me, axis, ledger, phase):
-    """Each flag ORed over the ranks of `axis`, and one more byte: whether some rank has a `problem` (one line). If one
-    has, every rank raises before anything moves, naming that rank (found by one more MAX all-reduce, of the rank)."""
-    votes = torch.cat([flags, torch.tensor([problem is not None], device=flags.device)]).to(torch.uint8)
-    votes = all_reduce(votes, axis, ledger, phase, dist.ReduceOp.MAX).bool()
-    if votes[-1]:
-        rank = torch.tensor([me + 1 if problem else 0], dtype=torch.int64, device=flags.device)
-        rank = int(all_reduce(rank, axis, ledger, "refusal", dist.ReduceOp.MAX)) - 1
-        raise ValueError(f"rank {me}: {problem}" if problem else
-                         f"rank {rank} refused the step (it raised why); nothing changed")
-    return votes[:-1]
-
-
-def shard_of_bucket(parts, metas, shard_numel, dtype, device):
-    """This DP rank's shard of a bucket from its parts ({name: flat part}), the mirror of dp_shard: zeros where it
-    has none (padding, or a parameter with no gradient). A part that fills the whole shard is the shard, not copied."""
-    present = [parts[m.name] for m in metas if m.name in parts]
-    if len(present) == 1 and present[0].numel() == shard_numel and present[0].dtype == dtype:
-        return present[0].reshape(-1)
-    shard = torch.zeros(shard_numel, dtype=dtype, device=device)
-    for meta in metas:
-        if meta.name in parts:
-            shard[meta.shard_slice] = parts[meta.name]
-    return shard
-
-
-@dataclass(frozen=True)
-class Unit:
-    """What the stages of a step take at once: ZeRO-1 buckets (and section 7.5's chunks of whole matrices)."""
-
-    buckets: tuple = ()
-    chunks: tuple = ()  # tuples of names: comm-free's matrices, outside the buckets
-
-    @property
-    def names(self):
-        return tuple(n for b in self.buckets for n in b.names) + tuple(n for c in self.chunks for n in c)
-
-
-class Gather:
-    """The gather strategy: section 4's flow, bucket by bucket. What DistributedMuon asks a strategy: plan (owners
-    and routes, once the layout is known: none here), bucketed (whether ZeRO-1's buckets hold a parameter), part_of
-    (which slice of a flat TP piece a DP rank keeps state for), units (what the stages take at once: one bucket),
-    orthogonalize (stage 3: update parts in, orthogonalized parts out) and overlap (0: the stages run in turn)."""
-
-    name = "gather"
-    owners = None  # every rank that touches a matrix orthogonalizes it
-    overlap = 0  # the gather flow waits for each collective as it starts it
-
-    def plan(self, opt):
-        if any(g["algorithm"] == "normuon" for g in opt.param_groups):  # NorMuon's rows: at an owner (section 7)
-            raise ValueError("NorMuon's param groups need strategy Owner() or CommFree(), whose owner holds the rows")
-
-    def bucketed(self, opt, name):
-        return True
-
-    def part_of(self, opt, name, dp_rank):
-        return opt.layout.metas[dp_rank][name].param_slice
-
-    def units(self, opt):
-        return [Unit(buckets=(b,)) for b in opt.layout.buckets]
-
-    def orthogonalize(self, opt, unit, updates, active):
-        parts = {}
-        for bucket in unit.buckets:
-            group = opt.param_groups[bucket.buffer_idx]
-            if group["algorithm"] != "muon":
-                continue
-            metas = [opt.dist_metas[n] for n in bucket.names]
-            shard = shard_of_bucket(updates, metas, bucket.numel // opt.grid.dp.size, torch.bfloat16, opt.device)
-            # Only the matrices this rank's DP shard touches (its TP peers share that shard, so they agree) and
-            # that some rank has a gradient for.
-            touched = [m for m in metas if m.local_numel and m.name in active]
-            parts.update(gather_newton_schulz_shard(shard, touched, group, opt.grid, opt.ledger, opt.large_runs))
-        return parts
+# AdamW rides the same reduce-scatter and all-gather and needs no gather (elementwise). The strategy, a part of the
+# optimizer asked at fixed points (Gather's docstring), says where each matrix is orthogonalized: here, section
+# 4's flow bucket by bucket (one bucket's temporaries alive at a time).
 
 
 class DistributedMuon(torch.optim.Optimizer):
@@ -570,8 +545,8 @@ class DistributedMuon(torch.optim.Optimizer):
         it; a group's own options win, then torch's defaults. What is not honoured bit for bit is refused.
     grid: from make_grid; tp_split_dims: {name: dim} of TP-split parameters (a group added later may carry its own
         under the key "tp_split_dims"); bucket_size: largest bucket, in elements, before padding to DP.
-    strategy: a part, where each matrix is orthogonalized: Gather() (None), or section 7's Owner() or CommFree().
-    large_runs: None (torch's behaviour), or section 8's LargeRuns, one per optimizer.
+    strategy: where each matrix is orthogonalized: Gather() (None), or another with Gather's calls; large_runs:
+    None, or a part wrapped around the strategy (large_runs.around(strategy)), one per optimizer.
     Gradients are summed over DP. A parameter whose .grad is None on every rank is skipped, as torch skips it; one
     with a gradient on some ranks only gets zeros from the others, as DDP adds.
     """
@@ -584,34 +559,25 @@ class DistributedMuon(torch.optim.Optimizer):
         check_options(str, options, bucket_size=bucket_size)
         check_parts(tp_split_dims=tp_split_dims, strategy=strategy, large_runs=large_runs)
         self.grid, self.bucket_size, self.ledger = grid, bucket_size, Ledger()
-        self.strategy, self.large_runs = strategy or Gather(), large_runs
+        self.large_runs, self.strategy = large_runs, strategy or Gather()
+        self.strategy = self.strategy if large_runs is None else large_runs.around(self.strategy)
         self.options, self.tp_split_dims = options, dict(tp_split_dims or {})
         super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
+        self.defaults = torch_defaults(self.param_groups, options)  # torch's optimizer's, which schedulers read
         self.device = self.param_groups[0]["params"][0].device
         self._lay_out()
 
     def add_param_group(self, param_group):
         """torch's, each option filled and checked per the group's algorithm. After construction (on every rank
-        alike), the group joins the layout: buckets of its own, section 7's owners for its matrices, the others
-        keeping theirs. Refused, it changes nothing."""
-        before = (list(self.param_groups), dict(self.tp_split_dims))
-        try:
-            if not isinstance(param_group, dict):
-                raise ValueError(f"a param group must be a dict with 'params' (got {type(param_group).__name__})")
-            self.tp_split_dims.update(param_group.pop("tp_split_dims", {}))
-            fill_param_group(param_group, self.options, len(self.param_groups))
-            super().add_param_group(name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
-            if hasattr(self, "layout"):  # torch's constructor adds the first groups, laid out together after it
-                self._lay_out()
-        except (ValueError, TypeError):
-            self.param_groups[:], self.tp_split_dims = before
-            if hasattr(self, "layout"):
-                self._lay_out()
-            raise
+        alike), the group joins the layout: buckets of its own, the strategy's plan for its matrices, the others
+        keeping theirs. Refused, it changes nothing (distmuon.rules)."""
+        add_or_refuse_group(self, param_group, super().add_param_group, self.options,
+                            self._lay_out if hasattr(self, "layout") else None,  # at construction: laid out after it
+                            lambda group: self.tp_split_dims.update(group.pop("tp_split_dims", {})),
+                            dict(tp_split_dims=dict(self.tp_split_dims)))
 
     def _lay_out(self):
-        """Index and check every parameter, plan the layout (buckets, dist_meta) and what the strategy and
-        large_runs plan on it: at construction, and again when a param group is added."""
+        """Index and check every parameter, plan the layout (buckets, dist_meta) and the strategy's plan on it."""
         grid = self.grid
         self.param_by_name, self.group_of, split_dims = index_named_params(self.param_groups, self.tp_split_dims)
         self.muon_names = [n for n in self.param_by_name if self.group_of[n]["algorithm"] in ORTHOGONALIZED]
@@ -619,15 +585,11 @@ class DistributedMuon(torch.optim.Optimizer):
         shapes = {n: tuple(p.shape) for n, p in self.param_by_name.items()}
         self.layout = plan_layout(buffers, shapes, split_dims, grid.dp.size, grid.tp.size, self.bucket_size)
         self.dist_metas = self.layout.metas[grid.dp.rank]
-        if self.large_runs is not None:
-            self.large_runs.plan(self)
         self.strategy.plan(self)
         self.owners = self.strategy.owners  # {matrix: the rank that orthogonalizes it}; None: every one that touches it
         self.parts = {n: self.strategy.part_of(self, n, grid.dp.rank) for n in self.param_by_name}
-        if self.large_runs is not None:
-            self.large_runs.plan_parts(self)
 
-    # -- the step ------------------------------------------------------------
+    # -- the step: the stages below, run by the strategy ---------------------
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -635,22 +597,18 @@ class DistributedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.ledger.step += 1
-        active = self._vote_on_gradients()
-        if self.strategy.overlap and self.grid.world.size > 1:  # section 7.6: the stages pipelined, K units deep
-            self.strategy.overlapped_stages(self, active)
-        else:
-            self.stages_in_turn(active)
+        self.strategy.stages(self, self.vote_on_gradients())
         return loss
 
     def stages_in_turn(self, active):
         """The four stages, one unit at a time."""
         for unit in self.strategy.units(self):
-            updates = self._update_state(self._reduce(unit, active))  # 1, 2
+            updates = self.update_state(self.reduce(unit, active))  # 1, 2
             for name, ortho_part in self.strategy.orthogonalize(self, unit, updates, active).items():  # 3
-                self._apply_update(name, ortho_part)
-            self._gather(unit, active)  # 4
+                self.apply_update(name, ortho_part)
+            self.gather(unit, active)  # 4
 
-    def _vote_on_gradients(self):
+    def vote_on_gradients(self):
         """The parameters with a gradient on some rank, the same set everywhere, voted on before anything moves (had
         each rank decided alone, ranks could enter different collectives and wait forever), and every refusal."""
         flags = torch.tensor([p.grad is not None for p in self.param_by_name.values()], device=self.device)
@@ -658,18 +616,17 @@ class DistributedMuon(torch.optim.Optimizer):
                      self.ledger, "grad presence")
         return {n for n, present in zip(self.param_by_name, votes.tolist()) if present}
 
-    def _reduce(self, unit, active):
-        """Stage 1: {name: this rank's part of the gradient summed over DP}, bucket by bucket (comm-free's matrices
-        go to their owners: section 7)."""
+    def reduce(self, unit, active):
+        """Stage 1: {name: this rank's part of the gradient summed over DP}, bucket by bucket (chunks: the strategy's)."""
         grads = {}
         for bucket in unit.buckets:
-            shard = reduce_scatter(self._grad_bucket(bucket), self.grid.dp, self.ledger, "grad reduce-scatter")
-            grads.update(self._grad_parts(bucket, shard, active))
+            shard = reduce_scatter(self.grad_bucket(bucket), self.grid.dp, self.ledger, "grad reduce-scatter")
+            grads.update(self.grad_parts(bucket, shard, active))
         for chunk in unit.chunks:
             grads.update(self.strategy.reduce_chunk(self, chunk, active))
         return grads
 
-    def _grad_bucket(self, bucket):
+    def grad_bucket(self, bucket):
         """This rank's TP-local gradients laid out as the bucket (zeros where it has none, as DDP adds); a
         gradient that fills the bucket alone is used as it is, not copied."""
         grads = [self.param_by_name[n].grad for n in bucket.names]
@@ -682,11 +639,11 @@ class DistributedMuon(torch.optim.Optimizer):
                 grad_bucket[slice(*self.dist_metas[name].bucket_range)] = grad.reshape(-1)
         return grad_bucket
 
-    def _grad_parts(self, bucket, grad_shard, active):
+    def grad_parts(self, bucket, grad_shard, active):
         return {n: grad_shard[m.shard_slice] for n, m in self.dist_metas.items() if n in bucket.names and m.local_numel
                 and n in active}
 
-    def _update_state(self, grads):
+    def update_state(self, grads):
         """Stage 2, on this rank's parts only: AdamW updates its weights; Muon's momentum gives {matrix: its part
         of the Newton-Schulz input, bf16}."""
         updates = {}
@@ -704,52 +661,47 @@ class DistributedMuon(torch.optim.Optimizer):
                     updates[name] = muon_update(state["momentum_buffer"], grad, group)
         return updates
 
-    def _apply_update(self, name, ortho_part):
+    def apply_update(self, name, ortho_part):
         """The end of stage 3: Muon's weight update, on this rank's part of the matrix."""
-        runs = self.large_runs.runs.get(name) if self.large_runs is not None else None
         apply_muon_update_(self.param_by_name[name].view(-1)[self.parts[name]], ortho_part, self.group_of[name],
-                           self.layout.global_shapes[name], runs)
+                           self.layout.global_shapes[name], self.strategy.runs_of(name))
 
-    def _gather(self, unit, active):
+    def gather(self, unit, active):
         """Stage 4: the parameter all-gather; every DP rank again holds its full TP pieces."""
         for bucket in unit.buckets:
-            self._copy_in(bucket, all_gather(self._param_shard(bucket), self.grid.dp, self.ledger, "param all-gather"))
+            self.copy_in(bucket, all_gather(self.param_shard(bucket), self.grid.dp, self.ledger, "param all-gather"))
         for chunk in unit.chunks:
             self.strategy.broadcast_chunk(self, chunk, active)
 
-    def _param_shard(self, bucket):
+    def param_shard(self, bucket):
         metas = [self.dist_metas[n] for n in bucket.names]
         parts = {m.name: self.param_by_name[m.name].view(-1)[m.param_slice] for m in metas}
         return shard_of_bucket(parts, metas, bucket.numel // self.grid.dp.size, torch.float32, self.device)
 
-    def _copy_in(self, bucket, param_bucket):
+    def copy_in(self, bucket, param_bucket):
         for name in bucket.names:
             self.param_by_name[name].view(-1).copy_(param_bucket[slice(*self.dist_metas[name].bucket_range)])
 
     @torch.no_grad()
-    def clip_qk_(self, max_logits):
-        """QK-clip after step(), collective: section 8's LargeRuns.clip_qk_ says what it takes, scales and returns."""
-        if self.large_runs is None:  # off: every rank still takes part in a collective, as the others may, and refuses
-            all_reduce(torch.tensor([self.grid.rank + 1.0], device=self.device), self.grid.world, self.ledger,
-                       "QK-clip maxima", dist.ReduceOp.MAX)
-            raise ValueError(f"rank {self.grid.rank}: {QK_CLIP_OFF}")
-        return self.large_runs.clip_qk_(self, max_logits)
+    def clip_qk_(self, max_logits):  # after step(), collective: the strategy's (the gather strategy refuses it)
+        return self.strategy.clip_qk_(self, max_logits)
+
+    def __deepcopy__(self, memo):  # a copy that steps as this one does, on the same ranks: the grid shared
+        return copy_sharing(self, memo, [self.grid])
 
     # -- checkpoints: ZeRO-1's are per rank, and belong to one layout --------
     def _checkpoint_layout(self):
         return dict(dp=self.grid.dp.size, tp=self.grid.tp.size, dp_rank=self.grid.dp.rank, tp_rank=self.grid.tp.rank,
                     bucket_size=self.bucket_size, strategy=self.strategy.name, owners=self.owners)
 
-    def state_dict(self):
-        """This rank's shard of the state, and the layout it belongs to."""
+    def state_dict(self):  # this rank's shard of the state, and the layout it belongs to
         return dict(super().state_dict(), layout=self._checkpoint_layout())
 
     def load_state_dict(self, state_dict):  # checked whole before anything is replaced; the step reads what loaded
         super().load_state_dict(checked_zero1_state_dict(self, state_dict, self._checkpoint_layout()))
         self.param_by_name, self.group_of, _ = index_named_params(self.param_groups, self.tp_split_dims)
 
-    def state_bytes(self):
-        """Bytes of optimizer state this rank holds (momentum; AdamW moments and steps)."""
+    def state_bytes(self):  # bytes of optimizer state this rank holds (momentum; AdamW moments and steps)
         return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values() if torch.is_tensor(t))
 
 

@@ -7,11 +7,13 @@
 #   3. the DTensor optimizer (dtensor_demo.py, distmuon/dtensor/) on one CUDA device under torchrun;
 #   4. the CPU scaling of benchmarks/scaling.py --ranks 1 2 4 8 at d = 768 on that machine's cores
 #      (issue 22's goal: owner and comm-free >= 0.85 N x on N ranks up to 8);
-#   5. torch.optim.Muon, DTensorMuon and microsoft/dion's Muon (compiled and eager) on 1 GPU at d = 4096, 8 layers:
-#      step times, bits against torch, Newton-Schulz's measured rate beside the cost model's 594 TFLOP/s
-#      (benchmarks/peers_1gpu.py, with $PEERS_PYTHON if set: the Python that has dion, else "not installed").
-#      The lent machine reaches no registry: carry dion as a wheel made here (`pip wheel --no-deps -w DIR
-#      git+https://github.com/microsoft/dion.git@<requirements-peers.txt's commit>`) and install it there first.
+#   5. torch.optim.Muon, DTensorMuon, microsoft/dion's Muon (compiled and eager) and torchtitan's DistMuon (whole
+#      matrices, Owned; per head, BlockShard) on 1 GPU at d = 4096, 8 layers, in a one-rank NCCL group: step times,
+#      bits against torch, Newton-Schulz's measured rate beside the cost model's 594 TFLOP/s (benchmarks/
+#      peers_1gpu.py, with $PEERS_PYTHON if set: the Python that has dion and torchtitan, else "not installed").
+#      The lent machine reaches no registry: carry each as a wheel made here (`pip wheel --no-deps -w DIR
+#      git+https://github.com/microsoft/dion.git@<commit>` and `git+https://github.com/pytorch/torchtitan.git@<commit>`,
+#      the commits in benchmarks/requirements-peers.txt) and `pip install --no-deps` them there first.
 # Figures go to notes/measured/*_<gpu name>.* (e.g. sibling_1gpu_h100.txt), each with its command and commit on
 # top, and their rows to notes/measured/INDEX.md (benchmarks/refresh.py --record);
 # a summary of every part (status, seconds, its key line) is printed at the end.
@@ -71,7 +73,7 @@ else
   STEPS=10; NS_SHAPES="2304x768 768x768 3072x768 768x3072 8192x8192"; SCALING="--ranks 1 2 4 8 --d 768 --rounds 3"
   PEERS="--d 4096 --layers 8 --rounds 5"
 fi
-PEERS_PY=${PEERS_PYTHON:-$PY}  # part 5: the Python that has microsoft/dion (benchmarks/requirements-peers.txt)
+PEERS_PY=${PEERS_PYTHON:-$PY}  # part 5: the Python that has dion and torchtitan (benchmarks/requirements-peers.txt)
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 [ -n "$(git status --porcelain 2>/dev/null)" ] && COMMIT="$COMMIT+dirty"  # as benchmarks/refresh.sh writes it
 START=$SECONDS
@@ -126,13 +128,13 @@ part "4. CPU scaling, $(nproc) cores" 270 "$OUT/scaling_$(nproc)core_$HOST.txt" 
   --figure "$OUT/scaling_$(nproc)core_$HOST.png"
 # part 5 on the GPU; with --cpu-only, its tiny form (--quick) on the CPU, which checks its plumbing, or nothing
 if [ "$CPU_ONLY" = 0 ]; then
-  part "5. torch, DTensorMuon, dion on 1 GPU" 150 "$OUT/peers_1gpu_$NAME.txt" "^ours: DTensorMuon " \
+  part "5. torch, ours, dion, DistMuon, 1 GPU" 180 "$OUT/peers_1gpu_$NAME.txt" "^ours: DTensorMuon " \
     $PEERS_PY benchmarks/peers_1gpu.py $PEERS
 elif [ "$QUICK" = 1 ]; then
-  part "5. torch, DTensorMuon, dion on 1 device" 60 "$OUT/peers_1gpu_$NAME.txt" "^ours: DTensorMuon " \
+  part "5. torch, ours, dion, DistMuon, 1 device" 90 "$OUT/peers_1gpu_$NAME.txt" "^ours: DTensorMuon " \
     $PEERS_PY benchmarks/peers_1gpu.py --device cpu $PEERS
 else
-  skip "5. torch, DTensorMuon, dion on 1 GPU"
+  skip "5. torch, ours, dion, DistMuon, 1 GPU"
 fi
 
 echo; echo "=== Summary: $((SECONDS - START)) s in all (goal: under 720 s), files in $OUT, suffix $NAME ==="

@@ -1,21 +1,25 @@
-"""torch.optim.Muon, DTensorMuon and microsoft/dion's Muon on one device, a GPU by default, at a realistic size:
-scaling.py's layers (qkv, proj, fc, fc2) at d = 4096, 8 of them (32 matrices, 1.6 G parameters). Each one's step
-time, its weights after one step against torch.optim.Muon's (bit for bit, or by how much they differ), and
-Newton-Schulz's measured rate on these shapes beside the rate benchmarks/cost_model.py assumes for its H100
-(60 % of the bf16 peak, 594 TFLOP/s).
+"""torch.optim.Muon, DTensorMuon, microsoft/dion's Muon and torchtitan's DistMuon on one device, a GPU by default,
+at a realistic size: scaling.py's layers (qkv, proj, fc, fc2) at d = 4096, 8 of them (32 matrices, 1.6 G
+parameters). Each one's step time, its weights after one step against torch.optim.Muon's (bit for bit, or by how
+much they differ), and Newton-Schulz's measured rate on these shapes beside the rate benchmarks/cost_model.py
+assumes for its H100 (60 % of the bf16 peak, 594 TFLOP/s).
 
     python benchmarks/peers_1gpu.py                         # on a GPU: benchmarks/on_gpu.sh, part 5
-    /work/peers-venv/bin/python benchmarks/peers_1gpu.py    # with dion (benchmarks/requirements-peers.txt)
+    /work/peers-venv/bin/python benchmarks/peers_1gpu.py    # with dion, torchtitan (benchmarks/requirements-peers.txt)
     python benchmarks/peers_1gpu.py --device cpu --d 32 --layers 1 --rounds 1   # the plumbing, on this CPU
 
-One process, in a process group of one (NCCL on a GPU, Gloo on the CPU): DTensorMuon and dion take FSDP2's
-Shard(0) DTensors on a mesh of that one device, as benchmarks/peers.py builds them (its contenders, its dion
-configuration: as close to torch.optim.Muon as dion's options go), torch.optim.Muon plain tensors. Each is fed the
-same gradient, steps once (that step is checked), then --rounds timed steps (torch.cuda.synchronize() before the
-clock is read). One optimizer at a time, never interleaved: at d = 4096 each holds 19 GB (weights, gradients,
-momentum), and a GPU is not shared as this project's CPU is. dion runs compiled, as shipped (its first two
-steps, compiling, reported apart), and eager (its torch.compile'd functions unwrapped); "not installed" where
-this Python lacks it. Figures and ratios, never verdicts.
+One process, in a process group of one (NCCL on a GPU, Gloo on the CPU): DTensorMuon, dion and DistMuon take
+FSDP2's Shard(0) DTensors on a mesh of that one device, as benchmarks/peers.py builds them (its contenders, its
+dion and DistMuon configurations: as close to torch.optim.Muon as their options go), torch.optim.Muon plain
+tensors. Each is fed the same gradient, steps once (that step is checked), then --rounds timed steps
+(torch.cuda.synchronize() before the clock is read). One optimizer at a time, never interleaved: at d = 4096 each
+holds 19 GB (weights, gradients, momentum), and a GPU is not shared as this project's CPU is. dion runs compiled,
+as shipped (its first two steps, compiling, reported apart), and eager (its torch.compile'd functions unwrapped);
+"not installed" where this Python lacks it. DistMuon (torchtitan/distributed/flex_shard) in both of peers.py's
+layouts: every matrix Owned() (whole, against torch.optim.Muon) and each qkv matrix by heads, BlockShard (against
+torch.optim.Muon fed each head as a matrix); on a GPU as shipped but for entering its package without
+torchtitan/distributed/__init__.py, on the CPU with peers_torchtitan.py's two CPU patches too; "not installed"
+likewise. Figures and ratios, never verdicts.
 """
 
 import datetime
@@ -33,14 +37,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cost_model  # noqa: E402
+import importlib  # noqa: E402
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
 import newton_schulz_gflops  # noqa: E402
 import peers  # noqa: E402
+import peers_torchtitan as titan  # noqa: E402
 import scaling  # noqa: E402
 
 D, LAYERS, ROUNDS = 4096, 8, 5
-GPU_COPIES = 7  # fp32 copies of the matrices on the GPU at once (main's check), one more for temporaries
+GPU_COPIES = 8  # fp32 copies of the matrices on the GPU at once (main's check), one more for temporaries
+PEER_DISTRIBUTIONS = ("dion", "torchtitan")  # their Muon rows: dion's compiled and eager, DistMuon's two layouts
 ASSUMED_TFLOPS = cost_model.H100.ns_tflops  # the cost model's Newton-Schulz rate on an H100
 
 
@@ -52,9 +59,10 @@ def build_parser():
     return p
 
 
-def contenders():
-    """[(label, build(weights) -> peers.Contender, compiles)], and dion's status when it does not run: torch's
-    plain Muon, DTensorMuon, dion's Muon compiled and eager (peers.PEERS' rows)."""
+def contenders(device_type):
+    """[(label, build(weights) -> peers.Contender, compiles, algorithm)], and one line per peer distribution: its
+    patches, or why it does not run. torch's plain Muon, DTensorMuon, then peers.PEERS' Muon rows of dion (compiled,
+    eager) and torchtitan (DistMuon whole matrices, per head); NorMuon's are peers.py's alone."""
     def torch_muon(weights):
         params = {n: w.clone() for n, w in weights.items()}
         optimizer = peers.torch_muon(params)
@@ -64,24 +72,31 @@ def contenders():
                 p.grad = local[n]
         return peers.Contender(params, sync, optimizer.step, lambda: peers.full_weights(params))
 
-    built = [(peers.TORCH, torch_muon, False), (peers.DTENSOR, lambda w: peers.dtensor_muon("muon")(w, 1, 0), False)]
-    dion = [p for p in peers.PEERS if p.distribution == "dion" and p.algorithm == "muon"]
-    version = peers.installed(dion[0])
-    if version is None:
-        return built, f"dion: {peers.NOT_INSTALLED} ({dion[0].note})"
-    try:
-        import dion as module
-        patches = sorted({line for peer in dion for line in peer.patch()})
-    except Exception as error:  # reported, not fatal: the others still run
-        return built, f"dion {version}: failed: {mt.one_line(error)}"
-    for peer in dion:
-        built.append((peer.label.format(v=version), lambda w, b=peer.build: b(module, w, 1, 0), peer.compiles))
-    return built, "dion: " + "; ".join(patches)
+    built = [(peers.TORCH, torch_muon, False, "muon"),
+             (peers.DTENSOR, lambda w: peers.dtensor_muon("muon")(w, 1, 0), False, "muon")]
+    statuses = []
+    for distribution in PEER_DISTRIBUTIONS:
+        rows = [p for p in peers.PEERS if p.distribution == distribution and p.algorithm != "normuon"]
+        version = peers.installed(rows[0])
+        if version is None:
+            statuses.append(f"{distribution}: {peers.NOT_INSTALLED} ({rows[0].note})")
+            continue
+        try:
+            module = importlib.import_module(rows[0].module)
+            patches = titan.patch(device_type) if distribution == "torchtitan" else rows[0].patch()
+        except Exception as error:  # reported, not fatal: the others still run
+            statuses.append(f"{distribution} {version}: failed: {mt.one_line(error)}")
+            continue
+        for peer in rows:
+            built.append((peer.label.format(v=version), lambda w, b=peer.build, m=module: b(m, w, 1, 0),
+                          peer.compiles, peer.algorithm))
+        statuses.append(f"{distribution}: " + "; ".join(patches))
+    return built, statuses
 
 
-def run(label, build, compiles, weights, total, reference, rounds, sync):
-    """One optimizer: built, stepped once and checked, (compiling: once more), then timed. A row and its compile
-    times, or its failure as one line."""
+def run(label, build, compiles, algorithm, weights, total, references, rounds, sync):
+    """One optimizer: built, stepped once and checked against references[algorithm] (peers.REFERENCES' weights after
+    one step), (compiling: once more), then timed. A row and its compile times, or its failure as one line."""
     try:
         contender = build(weights)
         firsts = []
@@ -93,8 +108,8 @@ def run(label, build, compiles, weights, total, reference, rounds, sync):
             sync()
             firsts.append(time.perf_counter() - t0)
             if len(firsts) == 1:
-                checked = "(the reference)" if label == peers.TORCH else peers.check(contender.full(), reference,
-                                                                                        weights)
+                checked = "(the reference)" if label == peers.TORCH else peers.check(
+                    contender.full(), references[algorithm], weights)
         steps = []
         for _ in range(rounds):
             contender.sync({n: g.clone() for n, g in total.items()})
@@ -131,11 +146,12 @@ def main(argv=None):
     scaling.check_model(p, args, 0 if on_gpu else 1)  # sizes; and this host's memory where the run lives in it
     if on_gpu and not torch.cuda.is_available():
         raise ValueError("no CUDA GPU here (torch.cuda.is_available() is False); --device cpu runs on this CPU")
-    if on_gpu:  # at once: the weights, the gradient, the reference's result, one optimizer's weights, grads, momentum
+    if on_gpu:  # at once: weights, gradient, the two references' results, one optimizer's weights, grads, momentum
         need, has = GPU_COPIES * 4 * 12 * args.d**2 * args.layers, torch.cuda.get_device_properties(0).total_memory
         if need > has:
-            raise ValueError(f"--d {args.d} x --layers {args.layers} needs about {mt.human_bytes(need)} of GPU memory "
-                             f"(weights, gradient, reference, one optimizer's state), more than its {mt.human_bytes(has)}")
+            raise ValueError(f"--d {args.d} x --layers {args.layers} needs about {mt.human_bytes(need)} of GPU "
+                             f"memory (weights, gradient, references, one optimizer's state), more than its "
+                             f"{mt.human_bytes(has)}")
     torch.set_num_threads(1)  # on the CPU as benchmarks/peers.py's ranks; on a GPU the host thread only launches
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{mt.free_port()}",
@@ -143,9 +159,10 @@ def main(argv=None):
     try:
         where = torch.cuda.get_device_name(0) if on_gpu else "this CPU, 1 thread"
         weights, total = peers.matrices(args.d, args.layers, args.device)
-        reference = peers.reference_step(weights, total)
-        built, dion_status = contenders()
-        results = [run(*c, weights, total, reference, args.rounds, sync) for c in built]
+        built, statuses = contenders(args.device)
+        # each reference's weights after one step (torch's; per head where DistMuon runs), before any optimizer
+        references = {a: peers.reference_step(weights, total, a) for a in dict.fromkeys(c[3] for c in built)}
+        results = [run(*c, weights, total, references, args.rounds, sync) for c in built]
         rates = newton_schulz_rates([tuple(w.shape) for w in weights.values()], args.device, args.rounds, sync)
     finally:
         dist.destroy_process_group()
@@ -164,7 +181,10 @@ def main(argv=None):
         elif r["firsts"]:
             print(f"  {r['label']}: its first two steps (sync + step, compiling) "
                   + ", ".join(f"{s:.1f}" for s in r["firsts"]) + " s, apart from the table")
-    print(f"  {dion_status}")
+    if any(c[3] == titan.PER_HEAD for c in built):
+        print(f"  the per-head rows against {peers.REFERENCES[titan.PER_HEAD][0]} ({titan.head_dim(args.d)} rows)")
+    for status in statuses:
+        print(f"  {status}")
     flops = sum(dm.newton_schulz_flops(tuple(w.shape), dm.NS_STEPS) for w in weights.values())
     measured_ms = sum(count * ms for _, count, ms, _ in rates)
     print(f"\nNewton-Schulz alone (torch's, {dm.NS_STEPS} iterations, bf16), one matrix of each shape, median of "

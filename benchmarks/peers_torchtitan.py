@@ -5,11 +5,12 @@ it needs to run on CPU Gloo (patched at run time, printed), its two layouts, and
     per head         each qkv matrix BlockShard(dim=0, block_size=head_dim): its heads' row blocks, each its own
                      matrix (against torch.optim.Muon fed each head as a parameter); the others Owned()
 
-DistMuon is CUDA-only as shipped (pip install --no-deps, benchmarks/requirements-peers.txt). On CPU it steps once
-three things are patched: its check that its parameters live on one CUDA device (the same check, less "CUDA"), the
-stream its runtime makes (torch.cpu.Stream takes no device keyword), and the package's torchtitan/distributed/
-__init__.py, which imports ParallelDims and through it spmd_types and torchtitan's configuration, none of which
-flex_shard uses (pip's --no-deps leaves spmd_types out): the package is entered without running that file.
+DistMuon is CUDA-only as shipped (pip install --no-deps, benchmarks/requirements-peers.txt). Wherever it runs, the
+package's torchtitan/distributed/__init__.py is not run: it imports ParallelDims and through it spmd_types and
+torchtitan's configuration, none of which flex_shard uses (pip's --no-deps leaves spmd_types out). On the CPU two
+more things are patched (patch("cpu")); a CUDA device runs them as shipped (patch("cuda")): its check that its
+parameters live on one CUDA device (the same check, less "CUDA"), and the stream its runtime makes (torch.cpu.Stream
+takes no device keyword).
 """
 
 import importlib
@@ -103,18 +104,21 @@ class CpuStreamKeywords:
         return types.SimpleNamespace(**names)
 
 
-def patch():
-    """The three run-time patches, each in one line (to the imported modules, never their files)."""
+def patch(device_type="cpu"):
+    """The run-time patches for DistMuon on `device_type`, each in one line (to the imported modules, never their
+    files): the package entered without its __init__.py everywhere; on the CPU also the device check and the stream."""
     flex_shard = enter_without_init()
+    done = [f"torchtitan.distributed: entered without its __init__.py (it imports ParallelDims, spmd_types and "
+            f"torchtitan's config, which {flex_shard.__name__} does not use)"]
+    if device_type != "cpu":
+        return done
     dist_muon = importlib.import_module(f"{FLEX_SHARD}.dist_muon")
     runtime = importlib.import_module(f"{FLEX_SHARD}._optimizer_reshard_runtime")
     dist_muon.DistMuon._validate_parameter_storage = storage_on_one_device
     runtime.torch = CpuStreamKeywords()
-    return [f"torchtitan.distributed: entered without its __init__.py (it imports ParallelDims, spmd_types and "
-            f"torchtitan's config, which {flex_shard.__name__} does not use)",
-            "DistMuon._validate_parameter_storage: its check less \"the device is CUDA\" (one device per process)",
-            f"{runtime.__name__}.torch.get_device_module('cpu').Stream: the device keyword dropped (torch.cpu.Stream "
-            "takes priority only)"]
+    return done + ["DistMuon._validate_parameter_storage: its check less \"the device is CUDA\" (one device per "
+                   "process)", f"{runtime.__name__}.torch.get_device_module('cpu').Stream: the device keyword dropped "
+                   "(torch.cpu.Stream takes priority only)"]
 
 
 def without_ns():

@@ -156,7 +156,8 @@ def check_option(name, algorithm, key, value):
             raise ValueError(f"{name(key)} must be True or False (got {value!r})")
     elif key == "adjust_lr_fn":
         if value is not None and value not in ADJUST_LR_FNS:
-            raise ValueError(f"{name(key)} must be None or one of {', '.join(ADJUST_LR_FNS)} (got {value!r})")
+            raise ValueError(f"Adjust learning rate function {value} is not supported: {name(key)} must be None or "
+                             f"one of {', '.join(ADJUST_LR_FNS)} (got {value!r})")  # torch.optim.Muon's words first
     elif key == "betas":
         if not (isinstance(value, (tuple, list)) and len(value) == 2):
             raise ValueError(f"{name(key)} must be two numbers in [0, 1) (got {value!r})")
@@ -356,7 +357,9 @@ def names_problem(i, group):
 def named_params(param_groups):
     """[(name, tensor, its group)] after the checks every optimizer here needs (DTensorMuon's too):
     'muon', 'normuon' or 'adamw' groups, their options, named floating-point parameters (state is keyed by name),
-    no name or tensor twice. Which dtypes each optimizer steps is its own check (float32_problem, complex_problem)."""
+    no name twice. A tensor under two names is taken, as torch's optimizers take it (torch's add_param_group warns
+    of it; torch steps it once per entry, with one state); the ZeRO-1 optimizers refuse it (index_named_params).
+    Which dtypes each optimizer steps is its own check (float32_problem, complex_problem)."""
     for i, group in enumerate(param_groups):
         if algorithm_problem(i, group.get("algorithm")):
             raise ValueError(algorithm_problem(i, group.get("algorithm")))
@@ -365,20 +368,16 @@ def named_params(param_groups):
         if names_problem(i, group):
             raise ValueError(names_problem(i, group))
     check_param_groups(param_groups)
-    named, seen, tensors = [], set(), {}
+    named, seen = [], set()
     for group in param_groups:
         for name, p in zip(group["param_names"], group["params"]):
             if name in seen:
                 raise ValueError(f"parameter {name} appears twice")
-            if id(p) in tensors:
-                raise ValueError(f"parameters {tensors[id(p)]} and {name} are the same tensor: it would be stepped "
-                                 f"twice")
             if not (p.dtype.is_floating_point or p.dtype.is_complex):
                 raise ValueError(f"{name} is {p.dtype}: an optimizer steps floating-point parameters")
             if param_problem(name, p):
                 raise ValueError(param_problem(name, p))
             seen.add(name)
-            tensors[id(p)] = name
             named.append((name, p, group))
     return named
 
@@ -401,14 +400,21 @@ def not_a_matrix(name, shape, expert_stacks=False):
     """Why a parameter of a Muon group that is not 2-D is refused, and what to do instead (a 3-D one: name it an
     expert stack, where the optimizer takes expert_stacks)."""
     stack = ", or name it in expert_stacks (experts, out, in)" if expert_stacks and len(shape) == 3 else ""
-    return (f"Muon needs 2-D parameters; {name} has shape {tuple(shape)}: put it in a group of algorithm 'adamw' "
+    return (f"Muon only supports 2D parameters whereas we found a parameter with size: {torch.Size(shape)}. "  # torch's
+            f"Muon needs 2-D parameters; {name} has shape {tuple(shape)}: put it in a group of algorithm 'adamw' "
             f"(muon_param_groups splits a model the way Muon users do){stack}")
 
 
 def index_named_params(param_groups, tp_split_dims):
     """({name: tensor}, {name: its group}, {name: TP split dim}) after checking what the step relies on."""
-    param_by_name, group_of = {}, {}
+    param_by_name, group_of, tensors = {}, {}, {}
     for name, p, group in named_params(param_groups):
+        if id(p) in tensors:
+            raise ValueError(f"parameters {tensors[id(p)]} and {name} are the same tensor: ZeRO-1's layout gives each "
+                             f"entry its own range of the flat buffers and its own state, so it would be stepped as two "
+                             f"parameters, not once per entry with one state as torch's optimizers step it: pass it "
+                             f"once (DTensorMuon steps it as torch does)")
+        tensors[id(p)] = name
         if p.dtype != torch.float32:  # the ZeRO-1 optimizers' flat buffers are float32
             raise ValueError(f"{name} is {p.dtype}; this reference keeps float32 parameters")
         if group["algorithm"] in ORTHOGONALIZED and p.ndim != 2:

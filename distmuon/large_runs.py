@@ -25,8 +25,9 @@ DTensorMuon itself (the flags: --ns-blocks, --tp-newton-schulz, --qk-clip TAU, -
     qk_clip_tau       None (off), or a number > 0: clip_qk_(max_logits), called by every rank after step()
 
 An optimizer given a LargeRuns (ns_coefficients is not one of its options: it is section 1's, a param
-group's) calls it at three points of its step: where a matrix is orthogonalized (by blocks, or on its TP
-pieces), where its update is applied (each block's own learning-rate adjustment), and after the step
+group's) wraps its strategy in it (LargeRuns.around: WithLargeRuns, 8.5), which changes three points of the
+step: where a matrix is orthogonalized (by blocks, or on its TP pieces: the gather flow's middle arrows),
+where its update is applied (each block's own learning-rate adjustment: runs_of), and after the step
 (clip_qk_):
 
     opt = OwnerMuon(groups, grid=grid, large_runs=LargeRuns(row_layouts={"qkv.weight": RowLayout(...)},
@@ -47,7 +48,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from distmuon.checks import QK_CLIP_OFF, ns_coefficients_of
-from distributed_muon_cpu import NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce, newton_schulz, newton_schulz_flops
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, Gather, all_reduce, newton_schulz, newton_schulz_flops,
+                                  orthogonalize, orthogonalize_tp_local)
 
 # =============================================================================
 # 8. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
@@ -217,15 +219,21 @@ def newton_schulz_flops_of(shape, steps, blocks=None):
 
 
 class Blocks:
-    """{name: its blocks of rows} and what the step asks of them: section 4's orthogonalize (which section 7's
-    newton_schulz_owned calls too) hands a matrix named here to orthogonalize_by_blocks (LargeRuns is a
-    Blocks; DTensorMuon makes one for the matrices its owners hold)."""
+    """{name: its blocks of rows} and what the step asks of them: orthogonalize, in the place of section 4's (the
+    gather flow's, and section 7's newton_schulz_owned), hands a matrix named here to orthogonalize_by_blocks
+    (LargeRuns is a Blocks; DTensorMuon makes one for the matrices its owners hold)."""
 
     def __init__(self, blocks=None):
         self.blocks = dict(blocks or {})
 
     def flops(self, name, shape, steps):
         return newton_schulz_flops_of(shape, steps, self.blocks.get(name))
+
+    def orthogonalize(self, name, full, group, ledger):
+        """The lesson's orthogonalize, or block by block for a matrix named here."""
+        if name in self.blocks:
+            return self.orthogonalize_by_blocks(name, full, group, ledger)
+        return orthogonalize(name, full, group, ledger)
 
     def orthogonalize_by_blocks(self, name, full, group, ledger):
         """The full matrix `name`, orthogonalized block by block, its FLOPs counted."""
@@ -395,9 +403,10 @@ def max_logits_problem(max_logits, heads):
 # 8.5 The options, and what the optimizers call
 # -----------------------------------------------------------------------------
 # The lesson's optimizers build a LargeRuns when any option is on: it checks the
-# options at once (before the parameters), plans once the optimizer knows its
-# layout (which matrices go by blocks, which on their TP pieces, each part's runs
-# of rows), and serves the step's three calls.
+# options at once (before the parameters), wraps the optimizer's strategy
+# (WithLargeRuns), plans once the optimizer knows its layout (which matrices go by
+# blocks, which on their TP pieces, each part's runs of rows), and serves the
+# step's three calls through the strategy it wraps.
 
 
 NS_BLOCKS = ("whole", "blocks", "heads")  # torch's whole matrix; each segment with all heads joined; each head's alone
@@ -445,6 +454,31 @@ def check_normuon_options(normuon, blocked):
                          f"rows are normalized over the whole matrix")
 
 
+class WithLargeRuns:
+    """A strategy with what large runs add, wrapped around it: LargeRuns plans first (blocks, the Gram form), the
+    strategy then (its owners weigh blocks by their FLOPs), LargeRuns last (each part's runs of rows); a blocked
+    matrix's update takes its runs' lr adjustments; clip_qk_ is LargeRuns'. Every other call is the strategy's."""
+
+    def __init__(self, strategy, large_runs):
+        self.strategy, self.large_runs = strategy, large_runs
+
+    def __getattr__(self, name):  # the wrapped strategy's name, owners, routes, units, ...
+        if name.startswith("__") or "strategy" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["strategy"], name)
+
+    def plan(self, opt):
+        self.large_runs.plan(opt)
+        self.strategy.plan(opt)
+        self.large_runs.plan_parts(opt)
+
+    def runs_of(self, name):
+        return self.large_runs.runs.get(name)
+
+    def clip_qk_(self, opt, max_logits):
+        return self.large_runs.clip_qk_(opt, max_logits)
+
+
 class LargeRuns(Blocks):
     """What large runs add, given to an optimizer of the lesson as large_runs=LargeRuns(...): the options
     are this module's docstring's keywords, each off by default (torch's behaviour), checked here at once.
@@ -483,9 +517,21 @@ class LargeRuns(Blocks):
         def runs(n, part):
             return block_runs(self.row_layouts[n].block_heights(per_head), tuple(optimizer.param_by_name[n].shape),
                               optimizer.layout.tp_split_dims[n], optimizer.grid.tp.rank, part)
-        self.runs = {n: runs(n, optimizer.parts[n]) for n in self.blocks}
+        self.runs = {n: runs(n, optimizer.strategy.part_of(optimizer, n, optimizer.grid.dp.rank)) for n in self.blocks}
         # the whole TP piece's, for a comm-free rank that applies another DP row's update to its copy
         self.whole_runs = {n: runs(n, slice(0, optimizer.param_by_name[n].numel())) for n in self.blocks}
+
+    def around(self, strategy):
+        """The optimizer's strategy with what large runs add (WithLargeRuns); the gather strategy's flow with this
+        middle."""
+        return WithLargeRuns(Gather(self.middle) if strategy.name == "gather" else strategy, self)
+
+    def middle(self, tp_local, meta, group, grid, ledger):
+        """The gather flow's three middle arrows for one matrix: on its TP piece where it lies (gram), else TP
+        gather -> Newton-Schulz (by blocks where named) -> TP shard."""
+        if meta.name in self.gram:
+            return self.orthogonalize_tp_piece(tp_local, meta, group, grid, ledger)
+        return orthogonalize_tp_local(tp_local, meta, group, grid, ledger, self.orthogonalize)
 
     def orthogonalize_tp_piece(self, tp_local, meta, group, grid, ledger):
         """This TP rank's piece of the orthogonalized matrix, from its piece alone (every TP peer takes
@@ -533,3 +579,4 @@ class LargeRuns(Blocks):
             held = {head for _, _, head in runs}
             multipliers[name] = [m if h in held else None for h, m in enumerate(scales)]
         return multipliers
+

@@ -72,3 +72,11 @@ def batched_problem(names):
         return None
     return (f"batched_ns applies to Muon's matrices: NorMuon's ({', '.join(sorted(names)[:3])}) divide each row by "
             f"its own RMS, which can magnify the batched call's rounding beyond the bound derived for Muon's update")
+
+
+def check_rows_held(param_groups, strategy):
+    """A strategy whose TP peers each orthogonalize their own piece of a matrix (the gather strategy) cannot step
+    NorMuon's groups: each row is normalized over the whole matrix, which only an owner holds. Refused in one line."""
+    if any(g["algorithm"] == "normuon" for g in param_groups):
+        raise ValueError(f"NorMuon's param groups need strategy Owner() or CommFree(), whose owner holds the rows "
+                         f"(not {strategy})")

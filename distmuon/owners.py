@@ -32,7 +32,8 @@ from torch.profiler import record_function
 from distmuon.collectives import all_gather_single, reduce_scatter_sum, sum_in_order
 from distmuon.checks import ORTHOGONALIZED, ns_coefficients_of
 from distmuon.normuon import batched_problem, divisor, normalized, rescale, second_moment_
-from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Unit, apply_muon_update_,
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Gather, Unit,
+                                  apply_muon_update_,
                                   newton_schulz, newton_schulz_flops, orthogonalize, tp_shard)
 # (Bound here at import: a test or benchmark that patches newton_schulz in distributed_muon_cpu patches it here
 # too, as benchmarks/scaling.py does.)
@@ -112,7 +113,7 @@ def lpt_order(ns_flops, shapes=None):
     return order
 
 
-def assign_owners(ns_flops, n_ranks, shapes=None, kept=None):
+def assign_owners(ns_flops, n_ranks, shapes=None, kept=None, holders=None, load=None):
     """Greedy longest-processing-time: {matrix name: rank}, balanced by Newton-Schulz FLOPs.
 
     Matrices in lpt_order, each to the rank with the least work so far (ties: the
@@ -120,13 +121,17 @@ def assign_owners(ns_flops, n_ranks, shapes=None, kept=None):
     talking. LPT is within 4/3 of the best possible maximum (Graham, 1969); it cannot
     balance fewer or very uneven matrices (e.g. 10 matrices, 4 of them the largest,
     on 8 ranks). kept: {name: rank} of matrices already owned (a param group added to a
-    built optimizer: the others keep their owners, and their work counts).
+    built optimizer: the others keep their owners, and their work counts). holders:
+    {name: the ranks it may go to} (None: any; DTensorMuon's, the ranks that hold a
+    piece); load: each rank's work before these (None: none).
     """
     kept = {n: r for n, r in (kept or {}).items() if n in ns_flops}
-    load = [sum(ns_flops[n] for n, r in kept.items() if r == rank) for rank in range(n_ranks)]
+    load = [0] * n_ranks if load is None else list(load)
+    for name, rank in kept.items():
+        load[rank] += ns_flops[name]
     owners = dict(kept)
     for name in lpt_order({n: f for n, f in ns_flops.items() if n not in kept}, shapes):
-        rank = min(range(n_ranks), key=lambda r: (load[r], r))
+        rank = min(range(n_ranks) if holders is None else holders[name], key=lambda r: (load[r], r))
         owners[name] = rank
         load[rank] += ns_flops[name]
     return {n: owners[n] for n in ns_flops}
@@ -391,7 +396,8 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
                 ledger.record_compute(name, tuple(shape), newton_schulz_flops(shape, steps))
     for name, matrix in full.items():
         if name not in orthos:
-            orthos[name] = orthogonalize(name, matrix, group_of[name], ledger, blocks)
+            orthos[name] = (blocks.orthogonalize if blocks is not None else orthogonalize)(name, matrix, group_of[name],
+                                                                                         ledger)
     return orthos
 
 
@@ -566,14 +572,14 @@ def reduce_scatter_async(bucket, axis, ledger, phase):
 def start_reduce(opt, unit, active):
     """Stage 1 of a unit started (every bucket's reduce-scatter, every chunk's reduce at owner): a function that
     waits and returns {name: this rank's part of the gradient summed over DP}, as section 5's stage 1 does."""
-    waits = [(b, reduce_scatter_async(opt._grad_bucket(b), opt.grid.dp, opt.ledger, "grad reduce-scatter"))
+    waits = [(b, reduce_scatter_async(opt.grad_bucket(b), opt.grid.dp, opt.ledger, "grad reduce-scatter"))
              for b in unit.buckets]
     chunks = [opt.strategy.reduce_chunk(opt, chunk, active, async_op=True) for chunk in unit.chunks]
 
     def wait():
         grads = {}
         for bucket, shard in waits:
-            grads.update(opt._grad_parts(bucket, shard(), active))
+            grads.update(opt.grad_parts(bucket, shard(), active))
         for reduced in chunks:
             grads.update(reduced())
         return grads
@@ -582,13 +588,13 @@ def start_reduce(opt, unit, active):
 
 def start_gather(opt, unit, active):
     """Stage 4 of a unit started: a function that waits and puts the weights in place."""
-    waits = [(b, all_gather_async(opt._param_shard(b), opt.grid.dp, opt.ledger, "param all-gather"))
+    waits = [(b, all_gather_async(opt.param_shard(b), opt.grid.dp, opt.ledger, "param all-gather"))
              for b in unit.buckets]
     chunks = [opt.strategy.broadcast_chunk(opt, chunk, active, async_op=True) for chunk in unit.chunks]
 
     def wait():
         for bucket, gathered in waits:
-            opt._copy_in(bucket, gathered())
+            opt.copy_in(bucket, gathered())
         for applied in chunks:
             applied()
     return wait
@@ -606,7 +612,7 @@ def overlapped_stages(opt, active, k):
     gathered, scattered, gathered_params = {}, {}, []
     for i in range(len(units) + 2 * k):
         if i < len(units):  # unit i: 1 -> 2, then start its gather at owner
-            updates = opt._update_state(reduced[i]())
+            updates = opt.update_state(reduced[i]())
             if routes[i]:
                 gathered[i] = gather_at_owner(updates, routes[i], axis, opt.ledger, dtype, device)
         if i - k in gathered:  # unit i-k: 3, while later units' transfers and reductions fly
@@ -615,7 +621,7 @@ def overlapped_stages(opt, active, k):
         if 0 <= i - 2 * k < len(units):  # unit i-2k: the end of 3, then start 4
             if i - 2 * k in scattered:
                 for name, ortho_part in scattered.pop(i - 2 * k)().items():
-                    opt._apply_update(name, ortho_part)
+                    opt.apply_update(name, ortho_part)
             gathered_params.append(start_gather(opt, units[i - 2 * k], active))
     for wait in gathered_params:
         wait()
@@ -648,7 +654,7 @@ def check_owner_options(name=str, *, owners=None, overlap=0, batched_ns=False):
 # 7.7 The strategies: Owner and CommFree, parts of section 5's DistributedMuon
 # -----------------------------------------------------------------------------
 
-class Owner:
+class Owner(Gather):
     """The owner strategy: ZeRO-1 exactly as in section 5 (the same buckets, reduce-scatter, momentum parts and
     all-gather); stage 3 is gather at owner -> Newton-Schulz on the owner -> scatter from owner.
 
@@ -668,12 +674,6 @@ class Owner:
 
     def axis(self, opt):
         return opt.grid.world  # parts travel across the whole grid
-
-    def bucketed(self, opt, name):
-        return True
-
-    def part_of(self, opt, name, dp_rank):
-        return opt.layout.metas[dp_rank][name].param_slice
 
     def plan(self, opt):
         world, shapes, large_runs = opt.grid.world.size, opt.layout.global_shapes, opt.large_runs
@@ -733,8 +733,12 @@ class Owner:
         full = gather_at_owner(updates, routes, self.axis(opt), opt.ledger, torch.bfloat16, opt.device)()
         return self.scatter(opt, self.newton_schulz(opt, full), routes)()
 
-    def overlapped_stages(self, opt, active):
-        overlapped_stages(opt, active, self.overlap)
+    def stages(self, opt, active):
+        """With overlap (on more than one rank), the stages pipelined K units deep (7.6); else in turn."""
+        if self.overlap and opt.grid.world.size > 1:
+            overlapped_stages(opt, active, self.overlap)
+        else:
+            opt.stages_in_turn(active)
 
 
 class CommFree(Owner):

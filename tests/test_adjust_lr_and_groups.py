@@ -49,8 +49,9 @@ def test_spectral_unclamped_steps_like_torch_on_one_rank(single_process_group):
 
 
 @pytest.mark.parametrize("group,message", [
-    (dict(adjust_lr_fn="spectral"), "param group 0 (muon): adjust_lr_fn must be None or one of original, "
-                                    "match_rms_adamw, spectral_unclamped (got 'spectral')"),
+    (dict(adjust_lr_fn="spectral"), "Adjust learning rate function spectral is not supported: param group 0 (muon): "
+                                    "adjust_lr_fn must be None or one of original, match_rms_adamw, "
+                                    "spectral_unclamped (got 'spectral')"),
     (dict(lr=float("nan")), "param group 0 (muon): lr must be >= 0 and finite (got nan)"),
     (dict(momentum=-0.1), "param group 0 (muon): momentum must be in [0, 1) (got -0.1)"),
 ])
@@ -67,8 +68,9 @@ def test_the_lessons_optimizer_checks_every_group(single_process_group, group, m
 
 @pytest.mark.parametrize("make_groups,message", [
     (lambda m: [dict(params=list(m.parameters()))],
-     "Muon needs 2-D parameters; 2 has shape (48,): put it in a group of algorithm 'adamw' (muon_param_groups "
-     "splits a model the way Muon users do)"),
+     "Muon only supports 2D parameters whereas we found a parameter with size: torch.Size([48]). Muon needs 2-D "
+     "parameters; 2 has shape (48,): put it in a group of algorithm 'adamw' (muon_param_groups splits a model the "
+     "way Muon users do)"),
     (lambda m: [dict(params=list(m.named_parameters()), algorithm="sgd")],
      "param group 0: algorithm must be 'muon', 'normuon' or 'adamw' (got 'sgd')"),
     (lambda m: split_groups(m) + [dict(params=[("out.weight", torch.nn.Parameter(torch.zeros(16, 48)))])],

@@ -1,6 +1,8 @@
 """benchmarks/on_gpu.sh on a machine without a GPU: --cpu-only skips the CUDA parts and says so, the CPU
 part writes its figures with their command on top, part 5 (benchmarks/peers_1gpu.py) runs its tiny form on the
-CPU, and the scripts of the CUDA parts run on the CPU."""
+CPU, and the scripts of the CUDA parts run on the CPU. Part 5's peers (dion, torchtitan's DistMuon) run where
+$PEERS_PYTHON has them (PEERS_PYTHON=/work/peers-venv/bin/python pytest tests/test_on_gpu.py), and are refused in
+one line each where it has not (the suite's Python, the default)."""
 
 import dataclasses
 import importlib
@@ -9,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -20,12 +23,23 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import distributed_muon_cpu as dm  # noqa: E402
 import muon_tools as mt  # noqa: E402
 import peers  # noqa: E402
+import peers_torchtitan as titan  # noqa: E402
 
 ON_GPU = os.path.join(ROOT, "benchmarks", "on_gpu.sh")
 
 
 def run(*flags):
-    return subprocess.run(["bash", ON_GPU, *flags], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(["bash", ON_GPU, *flags], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def installed_in(python):
+    """{distribution: peers.installed's version, or None} for part 5's peers, as the Python `python` sees them."""
+    code = ("import json, peers; print(json.dumps({p.distribution: peers.installed(p) for p in peers.PEERS "
+            "if p.distribution in ('dion', 'torchtitan')}))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "benchmarks")]))
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 def test_cpu_only_quick_skips_cuda_parts_and_writes_the_scaling_figures(tmp_path):
@@ -44,34 +58,47 @@ def test_cpu_only_quick_skips_cuda_parts_and_writes_the_scaling_figures(tmp_path
     assert figures["d"] == 32 and list(figures["runs"]) == ["1"]
     assert (tmp_path / f"scaling_{cores}core_cpu.png").stat().st_size > 0
     # part 5's tiny form, on the CPU: torch.optim.Muon, DTensorMuon (bit for bit) and dion, or "not installed"
-    assert re.search(r"^5\. torch, DTensorMuon, dion on 1 device +ok +\d+ s +ours: DTensorMuon ", summary, re.M)
+    assert re.search(r"^5\. torch, ours, dion, DistMuon, 1 device +ok +\d+ s +ours: DTensorMuon ", summary, re.M)
     assert "Part 5 ran its tiny form on the CPU (--cpu-only)." in summary
     check_peers_1gpu((tmp_path / "peers_1gpu_cpu.txt").read_text().splitlines())
 
 
 def check_peers_1gpu(lines):
     """benchmarks/peers_1gpu.py's output as part 5 writes it: its command and commit on top, its rows' ratios to
-    torch's step, DTensorMuon bit for bit, dion's rows (or why not), and Newton-Schulz's rates adding up."""
+    torch's step, DTensorMuon bit for bit, dion's rows and DistMuon's (bit for bit, each against its reference, with
+    the CPU's patches), or one line each saying why not, and Newton-Schulz's rates adding up."""
     assert lines[0].endswith("benchmarks/peers_1gpu.py --device cpu --d 32 --layers 1 --rounds 1"), lines[0]
     assert lines[1].startswith("# commit ") and lines[-1] == "exit status 0"
     head = next(line for line in lines if line.startswith("this CPU, 1 thread, torch "))
     assert "1 layers at d = 32 (Muon's matrices only: 4," in head
     rows = {line[:m.start()].strip(): m.groups() for line in lines
             if (m := re.search(r"  +([0-9.]+)  +([0-9.]+)  +([0-9.]+)  +(.+?) *$", line))
-            and line.startswith(("torch.optim.Muon ", "ours: ", "dion "))}
+            and line.startswith(("torch.optim.Muon ", "ours: ", "dion ", "torchtitan "))}
     torch_ms = float(rows["torch.optim.Muon"][0])
     assert rows["torch.optim.Muon"][3] == "(the reference)" and rows["ours: DTensorMuon"][3] == "bit-identical"
     for median, least, ratio, _ in rows.values():  # medians printed to 0.1 ms: the ratio within that rounding
         assert 0 < float(least) <= float(median)
         assert float(ratio) == pytest.approx(float(median) / torch_ms, abs=0.01 + 0.06 * float(median) / torch_ms)
-    dion = next(p for p in peers.PEERS if p.distribution == "dion")
-    python = os.environ.get("PEERS_PYTHON")
-    if python is None and peers.installed(dion) is None:  # the suite's Python ran it
-        assert any(line.startswith("  dion: not installed (") for line in lines) and not any(
-            r.startswith("dion ") for r in rows)
-    elif python is None:
-        assert sorted(r for r in rows if r.startswith("dion ")) == [
-            dion.label.format(v=peers.installed(dion)).replace("compiled", mode) for mode in ("compiled", "eager")]
+    versions = installed_in(os.environ.get("PEERS_PYTHON") or sys.executable)  # the Python part 5 ran
+    for distribution, version in versions.items():
+        peer_rows = [p for p in peers.PEERS if p.distribution == distribution and p.algorithm != "normuon"]
+        status = [line for line in lines if line.startswith(f"  {distribution}: ")]
+        if version is None:
+            assert status == [f"  {distribution}: {peers.NOT_INSTALLED} ({peer_rows[0].note})"], status
+            assert not any(r.startswith(f"{distribution} ") for r in rows)
+            continue
+        assert sorted(r for r in rows if r.startswith(f"{distribution} ")) == sorted(
+            p.label.format(v=version) for p in peer_rows)
+        assert len(status) == 1 and "failed" not in status[0], status
+    if versions["torchtitan"] is not None:  # both layouts bit for bit, the CPU's three patches named
+        for p in peers.PEERS:
+            if p.distribution == "torchtitan":
+                assert rows[p.label.format(v=versions["torchtitan"])][3] == "bit-identical"
+        status = next(line for line in lines if line.startswith("  torchtitan: "))
+        assert status.count("; ") == 2 and "entered without its __init__.py" in status
+        assert "_validate_parameter_storage" in status and "Stream: the device keyword dropped" in status
+        assert (f"  the per-head rows against {peers.REFERENCES[titan.PER_HEAD][0]} ({titan.head_dim(32)} rows)"
+                in lines)
     ns = [line.split() for line in lines if re.match(r"^ *\d+ x \d+  ", line)]
     assert [(int(r[0]), int(r[2])) for r in ns] == [(96, 32), (32, 32), (128, 32), (32, 128)]
     assert all(r[3] == "1" for r in ns)
@@ -83,6 +110,33 @@ def check_peers_1gpu(lines):
     total = next(line for line in lines if line.startswith("All 4 matrices: "))
     measured = float(re.search(r", ([0-9.]+) ms at the measured rates", total)[1])
     assert measured == pytest.approx(sum(float(r[4]) for r in ns), rel=0.01)
+
+
+def test_distmuon_on_a_gpu_is_patched_only_where_its_package_is_entered(monkeypatch):
+    """Part 5 on a GPU runs DistMuon as shipped (its CUDA check, CUDA's stream) but for entering torchtitan.distributed
+    without its __init__.py; on the CPU the check and the stream are patched too. On stand-in modules (the suite's
+    Python has no torchtitan), whose attributes show what each device's patch replaced."""
+    def modules():
+        check, runtime_torch = object(), object()
+        fake = {titan.FLEX_SHARD: types.ModuleType(titan.FLEX_SHARD),
+                f"{titan.FLEX_SHARD}.dist_muon": types.SimpleNamespace(
+                    DistMuon=type("DistMuon", (), dict(_validate_parameter_storage=check))),
+                f"{titan.FLEX_SHARD}._optimizer_reshard_runtime": types.SimpleNamespace(
+                    torch=runtime_torch, __name__=f"{titan.FLEX_SHARD}._optimizer_reshard_runtime"),
+                "torchtitan.distributed": types.ModuleType("torchtitan.distributed")}
+        for name, module in fake.items():
+            monkeypatch.setitem(sys.modules, name, module)
+        return fake, check, runtime_torch
+
+    fake, check, runtime_torch = modules()
+    dist_muon, runtime = fake[f"{titan.FLEX_SHARD}.dist_muon"], fake[f"{titan.FLEX_SHARD}._optimizer_reshard_runtime"]
+    lines = titan.patch("cuda")
+    assert len(lines) == 1 and lines[0].startswith("torchtitan.distributed: entered without its __init__.py")
+    assert dist_muon.DistMuon._validate_parameter_storage is check and runtime.torch is runtime_torch
+    lines = titan.patch("cpu")
+    assert len(lines) == 3 and lines[0].startswith("torchtitan.distributed: entered without its __init__.py")
+    assert dist_muon.DistMuon._validate_parameter_storage is titan.storage_on_one_device
+    assert isinstance(runtime.torch, titan.CpuStreamKeywords)
 
 
 def test_refuses_bad_options_and_a_missing_gpu(tmp_path):

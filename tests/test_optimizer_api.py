@@ -1,5 +1,7 @@
 """DistributedMuon as a library: a real torch.optim.Optimizer, on one Gloo rank in this process."""
 
+import copy
+
 import pytest
 import torch
 
@@ -55,19 +57,54 @@ def test_trains_a_real_model_exactly_like_torch(single_process_group, strategy, 
 
 
 @pytest.mark.parametrize("strategy,options", VARIANTS)
+def test_a_deep_copy_has_torchs_defaults_and_steps_as_torchs_copy(single_process_group, strategy, options):
+    """optimizer.defaults are torch.optim.Muon's (schedulers read them), and copy.deepcopy of the model and the
+    optimizer together, after a step, trains on bit for bit as a copy of torch's Muon and AdamW does."""
+    torch.manual_seed(0)
+    ours, theirs = TinyNet(), TinyNet()
+    theirs.load_state_dict(ours.state_dict())
+    opt = mo.OPTIMIZERS[strategy](split_groups(ours), grid=single_process_group, bucket_size=300, lr=0.02,
+                                  weight_decay=0.1, **options)
+    muon_params = [p for n, p in theirs.named_parameters() if p.ndim == 2 and not n.startswith("embed")]
+    other_params = [p for n, p in theirs.named_parameters() if not (p.ndim == 2 and not n.startswith("embed"))]
+    ref = [torch.optim.Muon(muon_params, lr=0.02, weight_decay=0.1), torch.optim.AdamW(other_params, lr=0.02,
+                                                                                         weight_decay=0.1)]
+    assert opt.defaults == ref[0].defaults
+
+    def train(model, optimizers, steps):
+        for step in steps:
+            for o in optimizers:
+                o.zero_grad()
+            model(torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(step))).backward()
+            for o in optimizers:
+                o.step()
+    train(ours, [opt], [0])
+    train(theirs, ref, [0])
+    ours_copy, opt_copy = copy.deepcopy((ours, opt))
+    theirs_copy, ref_copy = copy.deepcopy((theirs, ref))
+    before = [p.clone() for p in ours_copy.parameters()]
+    train(ours_copy, [opt_copy], [1, 2])
+    train(theirs_copy, ref_copy, [1, 2])
+    for (name, a), b, was, original in zip(ours_copy.named_parameters(), theirs_copy.parameters(), before,
+                                          ours.parameters()):
+        assert torch.equal(a, b), name
+        assert not torch.equal(a, was) and torch.equal(original, was), name  # the copy moved, the original did not
+
+
+@pytest.mark.parametrize("strategy,options", VARIANTS)
 def test_one_rank_steps_matrix_by_matrix_as_torch_does(single_process_group, strategy, options):
     """On one rank nothing travels, so whatever the strategy or lookahead, each matrix is orthogonalized
     and applied before the next one is orthogonalized: one bucket's temporaries alive at a time, as
     torch.optim.Muon keeps one matrix's (section 5; notes/08-strategies.md measures why)."""
     model = TinyNet()
     opt = mo.OPTIMIZERS[strategy](split_groups(model), grid=single_process_group, bucket_size=300, **options)
-    apply_update, applied = opt._apply_update, []
+    apply_update, applied = opt.apply_update, []
 
     def record(name, ortho_part):  # each update applied, after how many orthogonalizations
         applied.append((name, len(opt.ledger.compute)))
         apply_update(name, ortho_part)
 
-    opt._apply_update = record
+    opt.apply_update = record
     model(torch.randint(0, 50, (2, 3))).backward()
     opt.step()
     assert [c["name"] for c in opt.ledger.compute] == ["hidden.weight", "out.weight"]

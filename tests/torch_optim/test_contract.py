@@ -88,25 +88,9 @@ SCHEDULERS = {
     "ReduceLROnPlateau": lambda opt: lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0),
 }
 
-# Why DTensorMuon does not hold a case yet: where (in distmuon; torch's lines are torch 2.14.1's). README.md says why
-# each stays.
-DUPLICATE = ("a tensor twice in a group: torch warns that this 'will cause an error' and steps it twice with one "
-             "state; DTensorMuon warns, then refuses it at construction (ValueError, distmuon/checks.py named_params), "
-             "changing nothing: a stated difference, asserted by tests/test_torch_options.py")
-NOT_2D = ("a 3-D parameter is refused as torch refuses it (ValueError, at construction) but in our words "
-          "(distmuon/checks.py not_a_matrix: 'Muon needs 2-D parameters; ...'), not torch's 'Muon only supports 2D "
-          "parameters' (torch/optim/_muon.py:135): our words are asserted whole by tests outside tests/torch_optim")
-ADJUST_LR_FN = ("adjust_lr_fn='arbitrary' is refused as torch refuses it (ValueError, at construction) but in our "
-                "words (distmuon/checks.py check_option), not torch's 'Adjust learning rate function arbitrary is not "
-                "supported' (torch/optim/_muon.py:116): our words are asserted whole by tests/test_dtensor.py")
-
 # Each case here is held to failing (xfail, strict): one that passes fails the run until its line goes, so this
 # dict shrinks as fixes land and ends empty.
-KNOWN_GAPS = {
-    "test_error_input[a_param_group_cannot_have_duplicate_parameters]": DUPLICATE,
-    "test_error_input[only_support_2D_parameters]": NOT_2D,
-    "test_error_input[unsupported_adjust_lr_fn]": ADJUST_LR_FN,
-}
+KNOWN_GAPS = {}  # {case: why DTensorMuon does not hold it yet: where in distmuon}
 CASES = set()  # every test[id] parametrized below: a gap naming none is a stale line
 
 

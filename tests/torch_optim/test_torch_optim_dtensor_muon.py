@@ -15,17 +15,10 @@ PROBLEM = harness.upstream_problem()
 if PROBLEM:
     pytest.skip(PROBLEM, allow_module_level=True)
 
-# Why DTensorMuon fails a test torch.optim.Muon passes (README.md: where in distmuon, and the fix).
-ERRORS = ("3 of the 9 error inputs of optim_error_inputs_func_muon (the test stops at the first): a tensor twice in "
-          "a group refused after torch's warning (torch steps it twice), a 3-D parameter and an unknown adjust_lr_fn "
-          "refused with torch's type in our words (README.md: why each stays)")
-
 # The tests torch.optim.Muon passes and DTensorMuon does not yet, with their causes. Each is held to failing (an
 # xfail, strict: one that passes fails the run until its line goes), so this dict shrinks as fixes land and ends
 # empty. Emptying it by hand shows every one of them failing.
-DTENSOR_MUON_KNOWN_GAPS = {
-    "test_errors_Muon_cpu_float32": ERRORS,
-}
+DTENSOR_MUON_KNOWN_GAPS = {}  # {test name: its cause (README.md: where in distmuon, and the fix)}
 
 
 @functools.cache
