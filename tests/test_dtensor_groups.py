@@ -89,3 +89,26 @@ def test_bad_overlap_or_exchange_bytes_is_refused_in_one_line(options, message):
         model = DemoModel(DemoConfig())
         DTensorMuon(param_groups(model, DemoConfig()), expert_stacks=expert_stack_names(model), **options)
     assert "\n" not in str(e.value)
+
+
+def test_plain_matrices_in_one_process_group_by_group_equal_torch():
+    """No process group: every matrix whole here, in groups that exchange nothing (and overlap=1 over them)."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(24, 40), (40, 24), (16, 16), (40, 40)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    theirs = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = DTensorMuon([(f"w{i}", p) for i, p in enumerate(ours)], lr=0.02, weight_decay=0.1, exchange_bytes=2500,
+                      overlap=1)
+    assert len(opt.exchange.exchange_groups(opt, {f"w{i}" for i in range(4)}, 2500)) == 3
+    reference = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1)
+    for step in range(2):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randint(-64, 65, a.shape, generator=g).float() / 1024
+            b.grad = a.grad.clone()
+        opt.step()
+        reference.step()
+    for i, (a, b, s) in enumerate(zip(ours, theirs, start)):
+        assert not torch.equal(a, s), f"w{i} did not move"
+        assert torch.equal(a, b), f"w{i}"
