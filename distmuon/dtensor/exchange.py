@@ -86,24 +86,27 @@ class OwnerExchange:
 
     def exchange_groups(self, opt, present, exchange_bytes):
         """The step's Muon parameters (present: the names voted present) in groups of at most exchange_bytes of bf16
-        matrices each (a larger parameter alone), every group its own exchanges: [(names, exchanged)]. The groups of
-        distributed parameters come from the plan, in its order, so every rank makes the same ones (exchanged: True);
-        the parameters orthogonalized where they are follow, in groups that move nothing (exchanged: False)."""
+        matrices each (a larger parameter alone), every group its own exchanges: [(names, exchanged, rows)]. The
+        groups of distributed parameters come from the plan, in its order, so every rank makes the same ones
+        (exchanged: True; rows: whether it has NorMuon's rows to send); the parameters orthogonalized where they are
+        follow, in groups that move nothing (exchanged and rows: False)."""
         sizes = {}
         for m in self.matrices:
             if m.copy.name in present:
                 sizes[m.copy.name] = sizes.get(m.copy.name, 0) + 2 * math.prod(m.shape)
         local = {n: 2 * opt.param_by_name[n].numel() for n in self.local_matrices
                  if n in present and n not in sizes}
-        return ([(names, True) for names in mo.chunk_names(list(sizes), sizes, exchange_bytes)]
-                + [(names, False) for names in mo.chunk_names(list(local), local, exchange_bytes)])
+        normuon = {m.copy.name for m in self.matrices if m.name in self.rows.receivers}
+        return ([(names, True, bool(normuon.intersection(names)))
+                 for names in mo.chunk_names(list(sizes), sizes, exchange_bytes)]
+                + [(names, False, False) for names in mo.chunk_names(list(local), local, exchange_bytes)])
 
     def start(self, opt, updates, exchanged=True):
         """The gather at owners of these updates' matrices, started: what finish() takes."""
         active = [m for m in self.matrices if m.copy.name in updates and (m.gather or m.scatter)]
         return active, self.gather_at_owners(opt, updates, active) if exchanged else dict
 
-    def finish(self, opt, updates, started, exchanged=True):
+    def finish(self, opt, updates, started, exchanged=True, rows=True):
         """Newton-Schulz of what start() gathered (and of the matrices whole here), the scatter from owners started:
         a function that waits and returns {name: its orthogonalized local shard}."""
         active, gathered = started
@@ -138,7 +141,7 @@ class OwnerExchange:
         del full  # the matrices put together, freed before the scatter's buffers are made: a lower peak
         stepped = [m for m in self.matrices if m.copy.name in updates]  # empty shards too: they hold v
         rows = (self.rows.at_owners(opt, orthogonal, stepped)  # NorMuon's v and g
-                if self.rows.receivers and exchanged else None)
+                if self.rows.receivers and exchanged and rows else None)
         scattered = self.scatter_from_owners(opt, orthogonal, updates, active) if exchanged else dict
         del orthogonal
 

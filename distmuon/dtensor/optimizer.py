@@ -489,12 +489,12 @@ class DTensorMuon(torch.optim.Optimizer):
         k, started, finishing = self.overlap, {}, {}
         for i in range(len(groups) + 2 * k):
             if i < len(groups):  # group i: momentum and bf16 updates, then its gather started
-                names, exchanged = groups[i]
+                names, exchanged, rows = groups[i]
                 updates = self._muon_updates([n for n in names if n in here], grads, {})
-                started[i] = (updates, exchanged, self.exchange.start(self, updates, exchanged))
+                started[i] = (updates, exchanged, rows, self.exchange.start(self, updates, exchanged))
             if i - k in started:  # group i-k: Newton-Schulz while later groups' gathers fly; its scatter started
-                updates, exchanged, gathering = started.pop(i - k)
-                finishing[i - k] = self.exchange.finish(self, updates, gathering, exchanged)
+                updates, exchanged, rows, gathering = started.pop(i - k)
+                finishing[i - k] = self.exchange.finish(self, updates, gathering, exchanged, rows)
             if i - 2 * k in finishing:  # group i-2k: its scatter waited for, its update applied
                 self._apply_orthogonalized(finishing.pop(i - 2 * k)())
         return {}
