@@ -9,12 +9,13 @@ One spawn of 8 Gloo ranks runs every scenario (tests/dtensor_scenarios.py's Runs
 import pytest
 import torch
 
-from conftest import mt
+from conftest import dm, mt
 
 from distmuon.dtensor import DTensorMuon  # noqa: E402
 from dtensor_run import DemoConfig, DemoModel, expert_stack_names, is_muon, param_groups  # noqa: E402
 from dtensor_scenarios import Runs, run_many_rank  # noqa: E402
 from dtensor_verify import run_reference  # noqa: E402
+from test_cost_model import ONE_NODE, calls_per_step, cm, demo_copies  # noqa: E402
 from test_dtensor import MESHES, assert_identical  # noqa: E402
 
 EXCHANGE_BYTES = 4000  # the demo's 40 x 40 matrices are 3200 bytes in bf16: about one parameter per group
@@ -64,6 +65,24 @@ def test_each_exchange_is_bounded_by_its_group_and_moves_what_one_exchange_moves
             assert max(max(c["sent"], c["received"]) for c in whole) > bound, phase
             for key in ("sent", "received"):
                 assert sum(c[key] for c in parts) == sum(c[key] for c in whole), (phase, key)
+
+
+@pytest.mark.parametrize("label", ["2x2, overlap 0", "normuon 4x2, overlap 1", "uneven strided 3x2, overlap 2",
+                                   "2x2, one exchange"])
+def test_the_cost_model_prices_the_groups_as_the_ledgers_record_them(grouped, label):
+    """benchmarks/cost_model.py's DTensorMuon with exchange_bytes: each phase's bytes and calls per rank, one step."""
+    cfg = GROUPED[label]
+    copies, world = demo_copies(cfg), cfg.replicate * cfg.dp * cfg.tp
+    muon = "normuon" if cfg.normuon else "muon"
+    algorithms = {i: muon if g == "muon" else "adamw" for i, g in enumerate(cm.GROUPS)}
+    cost = cm.dtensor_cost(copies, [c.name for c in copies], algorithms, {g: dm.NS_STEPS for g in algorithms}, world,
+                           ONE_NODE, exchange_bytes=cfg.exchange_bytes)
+    ledgers = [r["ledger"] for r in sorted(grouped[label], key=lambda r: r["rank"])]
+    phases = ("grad presence", "gather at owner", "scatter from owner") + (("NorMuon rows",) if cfg.normuon else ())
+    step = max(rec["step"] for rec in ledgers[0]["comm"])
+    assert cost.traffic.table(phases) == mt.bytes_per_step(ledgers, step, phases), label
+    assert cost.traffic.calls_table(phases) == calls_per_step(ledgers, step, phases), label
+    assert min(cost.traffic.calls_table(phases)["gather at owner"]) > (1 if cfg.exchange_bytes else 0), label
 
 
 def launches_before_first_wait(rank, phase):

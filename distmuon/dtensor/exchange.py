@@ -22,7 +22,7 @@ import distmuon.owners as mo
 import distributed_muon_cpu as dm
 from distmuon.checks import ORTHOGONALIZED
 from distmuon.dtensor.normuon import NorMuonRows
-from distmuon.dtensor.plan import as_slices, covers, matrix_name, plan_matrices
+from distmuon.dtensor.plan import as_slices, covers, exchange_groups, matrix_name, plan_matrices
 from distributed_muon_cpu import newton_schulz_flops
 
 
@@ -90,15 +90,11 @@ class OwnerExchange:
         groups of distributed parameters come from the plan, in its order, so every rank makes the same ones
         (exchanged: True; rows: whether it has NorMuon's rows to send); the parameters orthogonalized where they are
         follow, in groups that move nothing (exchanged and rows: False)."""
-        sizes = {}
-        for m in self.matrices:
-            if m.copy.name in present:
-                sizes[m.copy.name] = sizes.get(m.copy.name, 0) + 2 * math.prod(m.shape)
-        local = {n: 2 * opt.param_by_name[n].numel() for n in self.local_matrices
-                 if n in present and n not in sizes}
+        exchanged = exchange_groups([m for m in self.matrices if m.copy.name in present], exchange_bytes)
+        planned = {n for names in exchanged for n in names}
+        local = {n: 2 * opt.param_by_name[n].numel() for n in self.local_matrices if n in present and n not in planned}
         normuon = {m.copy.name for m in self.matrices if m.name in self.rows.receivers}
-        return ([(names, True, bool(normuon.intersection(names)))
-                 for names in mo.chunk_names(list(sizes), sizes, exchange_bytes)]
+        return ([(names, True, bool(normuon.intersection(names))) for names in exchanged]
                 + [(names, False, False) for names in mo.chunk_names(list(local), local, exchange_bytes)])
 
     def start(self, opt, updates, exchanged=True):
