@@ -11,6 +11,8 @@ model's) and the state it holds, then its first step and the median of its stead
 without it (replaced by its bf16 cast, for every optimizer alike). torch.optim.Muon takes whole tensors: it runs
 on a world of one (mesh 1 x 1), the model whole in one process. dion (not on the package registry:
 benchmarks/requirements-peers.txt) runs where it is installed and its mesh is 1-D; else its row says why.
+"DTensorMuon groups" and "DTensorMuon overlap" are DTensorMuon with exchange_bytes (and overlap): its step group by
+group, the first step's transient memory bounded by a group (notes/measured/dtensor_groups_2core.md).
 
     python benchmarks/at_scale.py --size 67M                  # every optimizer, meshes 1x1 2x1 1x2 2x2 (1 to 4 ranks)
     /work/peers-venv/bin/python benchmarks/at_scale.py --size 1B --mesh 2x1   # with dion: 1.07 B parameters, 2 ranks
