@@ -68,6 +68,8 @@ class DemoConfig:
     experts: int = 4
     expert_hidden: int = 36
     batched_ns: bool = False
+    exchange_bytes: int | None = None  # DTensorMuon's: the step group by group, at most this many bytes each
+    overlap: int = 0  # DTensorMuon's: K groups' gathers in flight while a group's Newton-Schulz runs
     timeout_s: float = mt.TIMEOUT_S
     missing_grads: tuple = ()  # (name, step): a gradient None on every rank at that step
     checkpoint: str = ""  # a folder: save after checkpoint_step
@@ -195,7 +197,8 @@ def exact_grads(shapes, seed, step):
 
 
 def build_optimizer(model, cfg):
-    return DTensorMuon(param_groups(model, cfg), expert_stacks=expert_stack_names(model), batched_ns=cfg.batched_ns)
+    return DTensorMuon(param_groups(model, cfg), expert_stacks=expert_stack_names(model), batched_ns=cfg.batched_ns,
+                       exchange_bytes=cfg.exchange_bytes, overlap=cfg.overlap)
 
 
 def element_places(model, parallelize_fn, device):
@@ -261,7 +264,8 @@ def build_on_mesh(cfg, rank, device, distributed_config=None):
     model = parallelize(DemoModel(cfg).to(device), mesh)
     where = element_places(DemoModel(cfg), lambda m: parallelize(m, mesh), device)
     opt = DTensorMuon(param_groups(model, cfg), expert_stacks=expert_stack_names(model), batched_ns=cfg.batched_ns,
-                      group=group, distributed_config=distributed_config)
+                      group=group, distributed_config=distributed_config, exchange_bytes=cfg.exchange_bytes,
+                      overlap=cfg.overlap)
     return mesh, model, where, opt
 
 

@@ -11,6 +11,8 @@ model's) and the state it holds, then its first step and the median of its stead
 without it (replaced by its bf16 cast, for every optimizer alike). torch.optim.Muon takes whole tensors: it runs
 on a world of one (mesh 1 x 1), the model whole in one process. dion (not on the package registry:
 benchmarks/requirements-peers.txt) runs where it is installed and its mesh is 1-D; else its row says why.
+"DTensorMuon groups" and "DTensorMuon overlap" are DTensorMuon with exchange_bytes (and overlap): its step group by
+group, the first step's transient memory bounded by a group (notes/measured/dtensor_groups_2core.md).
 
     python benchmarks/at_scale.py --size 67M                  # every optimizer, meshes 1x1 2x1 1x2 2x2 (1 to 4 ranks)
     /work/peers-venv/bin/python benchmarks/at_scale.py --size 1B --mesh 2x1   # with dion: 1.07 B parameters, 2 ranks
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import os
 import statistics
@@ -51,6 +54,8 @@ BLOCKS = 8
 LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.95
 STEADY_STEPS = 3
 BUILDS = 3
+EXCHANGE_BYTES = 2**23  # DTensorMuon's groups ("DTensorMuon groups", "overlap"): 8 MiB of bf16 matrices each
+OVERLAP = 2  # "DTensorMuon overlap": 2 groups' gathers in flight
 
 
 # =============================================================================
@@ -114,9 +119,9 @@ def reset_peak():
 # =============================================================================
 # 3. The optimizers
 # =============================================================================
-def build_dtensor_muon(model):
+def build_dtensor_muon(model, **options):
     return dd.DTensorMuon([dict(params=list(model.named_parameters()), algorithm="muon")], lr=LR,
-                          weight_decay=WEIGHT_DECAY, momentum=MOMENTUM)
+                          weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, **options)
 
 
 def build_torch_muon(model):
@@ -142,7 +147,11 @@ def build_dion(model):
                      weight_decay=WEIGHT_DECAY, nesterov=True, use_polar_express=False)
 
 
-BUILDERS = {"DTensorMuon": build_dtensor_muon, "dion": build_dion, "torch.optim.Muon": build_torch_muon}
+BUILDERS = {"DTensorMuon": build_dtensor_muon,
+            "DTensorMuon groups": functools.partial(build_dtensor_muon, exchange_bytes=EXCHANGE_BYTES),
+            "DTensorMuon overlap": functools.partial(build_dtensor_muon, exchange_bytes=EXCHANGE_BYTES,
+                                                     overlap=OVERLAP),
+            "dion": build_dion, "torch.optim.Muon": build_torch_muon}
 
 
 def without_newton_schulz():
@@ -243,7 +252,7 @@ def table_rows(size, dp, tp, per_rank, without_ns):
     out = []
     for i, row in enumerate(per_rank[0]["rows"]):
         rows = [r["rows"][i] for r in per_rank]
-        name = f"{size:>5} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<17}"
+        name = f"{size:>5} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<19}"
         if "error" in row:
             out.append(f"{name} {row['error']}")
             continue
@@ -255,7 +264,7 @@ def table_rows(size, dp, tp, per_rank, without_ns):
     return out
 
 
-HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<17} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
+HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<19} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
           f"{'state GB':>8} {'plan MB':>9} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9}")
 NOTE = ("build s: construction (seconds, the median of --builds; the slowest rank); peak GB: peak RSS over the\n"
         "model's (its shards and gradients) through construction; kept GB: RSS after it, over the model's; state GB:\n"
@@ -314,7 +323,8 @@ def main(argv=None):
     parser.add_argument("--size", choices=SIZES, nargs="+", default=["67M"])
     parser.add_argument("--mesh", type=parse_mesh, nargs="+", default=[(1, 1), (2, 1), (1, 2), (2, 2)],
                         help="DPxTP meshes (default: 1x1 2x1 1x2 2x2; torch.optim.Muon runs on 1x1 only)")
-    parser.add_argument("--optimizers", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
+    parser.add_argument("--optimizers", nargs="+", choices=list(BUILDERS), default=list(BUILDERS),
+                        help=f"DTensorMuon groups: exchange_bytes={EXCHANGE_BYTES}; overlap: and overlap={OVERLAP}")
     parser.add_argument("--steps", type=int, default=STEADY_STEPS, help="steady steps after the first")
     parser.add_argument("--builds", type=int, default=BUILDS, help="constructions, their median timed (the last kept)")
     parser.add_argument("--without-ns", choices=("both", "no", "only"), default="both",

@@ -10,6 +10,7 @@ import torch
 
 import distributed_muon_cpu as dm
 import distmuon.large_runs as mlr
+import distmuon.dtensor.plan as dplan
 import distmuon.owners as mo
 from distmuon.checks import ORTHOGONALIZED
 from distmuon.dtensor.normuon import v_holders
@@ -322,21 +323,24 @@ def lesson_state(opt, dp, tp):
 # 4b. DTensorMuon's step (distmuon/dtensor/, section 5): the grad-presence vote over its group, one
 # gather at owner and one scatter from owner (all-to-all over the world), Newton-Schulz on the owners.
 
-def dtensor_cost(copies, param_names, group_algorithms, group_ns_steps, world, node_of, label="DTensorMuon"):
+def dtensor_cost(copies, param_names, group_algorithms, group_ns_steps, world, node_of, label="DTensorMuon",
+                 exchange_bytes=None):
     """copies: in DTensorMuon's planning order (placed_copies); param_names: every name its ranks vote on;
-    group_algorithms / group_ns_steps: {group index: "muon" | "adamw"} / {group index: ns_steps}."""
+    group_algorithms / group_ns_steps: {group index: "muon" | "adamw"} / {group index: ns_steps}; exchange_bytes:
+    DTensorMuon's, the exchanges per group of parameters (dplan.exchange_groups) instead of one each way."""
     traffic = Traffic(world, node_of)
     if world > 1:
         traffic.all_reduce("grad presence", "world", U8, [list(range(world))], len(set(param_names)) + 1)
     muon = [c for c in copies if group_algorithms[c.group] in ORTHOGONALIZED]
     matrices, ns_flops, owners = dtensor_plan(muon, group_ns_steps, world)
     if world > 1:
-        gather, scatter = dtensor_transfers(matrices)
-        traffic.all_to_all("gather at owner", "world", BF16, *gather)
-        traffic.all_to_all("scatter from owner", "world", BF16, *scatter)
-        normuon = [m for m in matrices if group_algorithms[m.copy.group] == "normuon"]
-        if normuon:
-            traffic.all_to_all("NorMuon rows", "world", FP32, *columns(normuon_rows(normuon)))
+        for group in grouped(matrices, exchange_bytes):
+            gather, scatter = dtensor_transfers(group)
+            traffic.all_to_all("gather at owner", "world", BF16, *gather)
+            traffic.all_to_all("scatter from owner", "world", BF16, *scatter)
+            normuon = [m for m in group if group_algorithms[m.copy.group] == "normuon"]
+            if normuon:
+                traffic.all_to_all("NorMuon rows", "world", FP32, *columns(normuon_rows(normuon)))
     flops, ns_calls = [0] * world, [0] * world
     for name, owner in owners.items():
         flops[owner] += ns_flops[name]
@@ -344,6 +348,14 @@ def dtensor_cost(copies, param_names, group_algorithms, group_ns_steps, world, n
     flops = add_local_matrices(flops, muon, group_ns_steps, ns_calls)
     state, elements = state_and_elements(copies, lambda c: group_algorithms[c.group], world)
     return Cost(label, traffic, flops, state, elements, world, sum(ns_flops.values()), dict(ns=ns_calls))
+
+
+def grouped(matrices, exchange_bytes):
+    """The plan's matrices in DTensorMuon's groups (dplan.exchange_groups); one group of all of them without
+    exchange_bytes."""
+    if exchange_bytes is None:
+        return [matrices]
+    return [[m for m in matrices if m.copy.name in names] for names in dplan.exchange_groups(matrices, exchange_bytes)]
 
 
 def normuon_rows(matrices):

@@ -334,13 +334,14 @@ def test_the_table_lists_every_option_of_torchs_signatures_honoured_or_refused()
 
 
 @pytest.mark.parametrize("argument", ["params", "options", "expert_stacks", "distributed_config", "batched_ns", "group",
-                                      "row_layouts", "ns_blocks", "tp_newton_schulz", "qk_clip_tau"])
+                                      "row_layouts", "ns_blocks", "tp_newton_schulz", "qk_clip_tau", "exchange_bytes",
+                                      "overlap"])
 def test_help_documents_every_argument(argument):
     import inspect
 
     assert list(inspect.signature(dd.DTensorMuon.__init__).parameters)[1:] == [
         "params", "expert_stacks", "distributed_config", "batched_ns", "group", "row_layouts", "ns_blocks",
-        "tp_newton_schulz", "qk_clip_tau", "options"]  # options: every keyword of torch.optim.Muon and AdamW
+        "tp_newton_schulz", "qk_clip_tau", "exchange_bytes", "overlap", "options"]  # options: every keyword of torch.optim.Muon and AdamW
     assert re.search(rf"(^|[\s,]){argument}( \(keywords\))?[:,]", dd.DTensorMuon.__init__.__doc__, re.M), argument
     assert "p.grad is the TOTAL gradient" in dd.DTensorMuon.__doc__
     assert "assign: f(ns_flops, holders, world)" in dd.DistributedConfig.__doc__

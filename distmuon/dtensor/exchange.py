@@ -3,7 +3,8 @@
 Part of DTensorMuon (distmuon/dtensor/), sections 3-5 of its reading order: plan() makes the plan of section 3 (or
 takes your distributed_config's owners, section 4), orthogonalize() runs stage 3 of a step on it. It is built from
 the lesson's parts: the owners by longest-processing-time (distmuon/owners.py's lpt_order, assign_owners,
-check_owners), one all-to-all for every part of every matrix each way (send_parts), Newton-Schulz at the owner
+check_owners), one all-to-all for every part of every matrix each way (send_parts; or per group of them:
+exchange_groups, started and finished apart so that groups can overlap), Newton-Schulz at the owner
 (newton_schulz_owned, the lesson's orthogonalize), and the Gram form on TP pieces (distmuon/large_runs.py's
 newton_schulz_tp).
 """
@@ -21,7 +22,7 @@ import distmuon.owners as mo
 import distributed_muon_cpu as dm
 from distmuon.checks import ORTHOGONALIZED
 from distmuon.dtensor.normuon import NorMuonRows
-from distmuon.dtensor.plan import as_slices, covers, matrix_name, plan_matrices
+from distmuon.dtensor.plan import as_slices, covers, exchange_groups, matrix_name, plan_matrices
 from distributed_muon_cpu import newton_schulz_flops
 
 
@@ -81,6 +82,30 @@ class OwnerExchange:
         """{name: bf16 update of this rank's local shard} -> {name: its orthogonalized local shard}."""
         if self.config.explicit:
             return self.orthogonalize_explicit(opt, updates)
+        return self.finish(opt, updates, self.start(opt, updates))()
+
+    def exchange_groups(self, opt, present, exchange_bytes):
+        """The step's Muon parameters (present: the names voted present) in groups of at most exchange_bytes of bf16
+        matrices each (a larger parameter alone), every group its own exchanges: [(names, exchanged, rows)]. The
+        groups of distributed parameters come from the plan, in its order, so every rank makes the same ones
+        (exchanged: True; rows: whether it has NorMuon's rows to send); the parameters orthogonalized where they are
+        follow, in groups that move nothing (exchanged and rows: False)."""
+        exchanged = exchange_groups([m for m in self.matrices if m.copy.name in present], exchange_bytes)
+        planned = {n for names in exchanged for n in names}
+        local = {n: 2 * opt.param_by_name[n].numel() for n in self.local_matrices if n in present and n not in planned}
+        normuon = {m.copy.name for m in self.matrices if m.name in self.rows.receivers}
+        return ([(names, True, bool(normuon.intersection(names))) for names in exchanged]
+                + [(names, False, False) for names in mo.chunk_names(list(local), local, exchange_bytes)])
+
+    def start(self, opt, updates, exchanged=True):
+        """The gather at owners of these updates' matrices, started: what finish() takes."""
+        active = [m for m in self.matrices if m.copy.name in updates and (m.gather or m.scatter)]
+        return active, self.gather_at_owners(opt, updates, active) if exchanged else dict
+
+    def finish(self, opt, updates, started, exchanged=True, rows=True):
+        """Newton-Schulz of what start() gathered (and of the matrices whole here), the scatter from owners started:
+        a function that waits and returns {name: its orthogonalized local shard}."""
+        active, gathered = started
         group_of, orthos, local_full = {}, {}, {}
         for name, matrices in self.local_matrices.items():  # no exchange: the whole matrix is here
             if name in updates:
@@ -96,8 +121,7 @@ class OwnerExchange:
                     if opt.group_of[name]["algorithm"] == "normuon":
                         whole_normuon.update((m, (name, e if name in opt.expert_stacks else -1, done[m]))
                                              for e, m in enumerate(matrices))
-        active = [m for m in self.matrices if m.copy.name in updates and (m.gather or m.scatter)]
-        full = self.gather_at_owners(opt, updates, active)
+        full = gathered()
         for m in active:
             if m.owner == opt.me:
                 group_of[m.name] = opt.param_groups[m.copy.group]
@@ -112,11 +136,17 @@ class OwnerExchange:
             opt.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
         del full  # the matrices put together, freed before the scatter's buffers are made: a lower peak
         stepped = [m for m in self.matrices if m.copy.name in updates]  # empty shards too: they hold v
-        rows = self.rows.at_owners(opt, orthogonal, stepped) if self.rows.receivers else None  # NorMuon's v and g
-        orthos.update(self.scatter_from_owners(opt, orthogonal, updates, active))
-        if rows is None and not whole_normuon:
-            return orthos
-        return self.rows.normalized(opt, orthos, rows() if rows else {}, whole_normuon)
+        rows = (self.rows.at_owners(opt, orthogonal, stepped)  # NorMuon's v and g
+                if self.rows.receivers and exchanged and rows else None)
+        scattered = self.scatter_from_owners(opt, orthogonal, updates, active) if exchanged else dict
+        del orthogonal
+
+        def wait():
+            orthos.update(scattered())
+            if rows is None and not whole_normuon:
+                return orthos
+            return self.rows.normalized(opt, orthos, rows() if rows else {}, whole_normuon)
+        return wait
 
     def tp_axis(self, opt, m):
         """The TP group of this rank's row of m's mesh, as the lesson's Axis (what newton_schulz_tp sums over)."""
@@ -131,9 +161,9 @@ class OwnerExchange:
         return mo.newton_schulz_owned(full, group_of, opt.ledger, self.batched_ns, blocks)
 
     def gather_at_owners(self, opt, updates, active):
-        """Each matrix put together at its owner: every part a view of its holder's local tensor (all of it, or one
-        expert of a stack), written into the owner's matrix as a box (a strided copy of whole runs), or taken as
-        the matrix itself where one part covers it (e.g. a world of one)."""
+        """Started: a function that waits and returns each matrix put together at its owner: every part a view of
+        its holder's local tensor (all of it, or one expert of a stack), written into the owner's matrix as a box (a
+        strided copy of whole runs), or taken as the matrix itself where one part covers it (e.g. a world of one)."""
         me, dtype = opt.me, torch.bfloat16
         transfers, receiving = [], []
         for m in active:
@@ -145,21 +175,25 @@ class OwnerExchange:
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
                     receiving.append((m, box))
-        parts = mo.send_parts(transfers, opt.axis, opt.ledger, "gather at owner", dtype, opt.device)()
-        full = {}
-        for (m, box), part in zip(receiving, parts):
-            shape = tuple(b - a for a, b in box)
-            if covers(box, m.shape):
-                full[m.name] = part.view(m.shape)
-                continue
-            if m.name not in full:
-                full[m.name] = torch.empty(m.shape, dtype=dtype, device=part.device)
-            full[m.name][as_slices(box)].copy_(part.view(shape))
-        return full
+        wait = mo.send_parts(transfers, opt.axis, opt.ledger, "gather at owner", dtype, opt.device)
+
+        def assemble():
+            full = {}
+            for (m, box), part in zip(receiving, wait()):
+                shape = tuple(b - a for a, b in box)
+                if covers(box, m.shape):
+                    full[m.name] = part.view(m.shape)
+                    continue
+                if m.name not in full:
+                    full[m.name] = torch.empty(m.shape, dtype=dtype, device=part.device)
+                full[m.name][as_slices(box)].copy_(part.view(shape))
+            return full
+        return assemble
 
     def scatter_from_owners(self, opt, orthogonal, updates, active):
-        """Each holder's part of every orthogonalized matrix: a box of the owner's (a strided view, copied once
-        into the message), written as the holder's whole local tensor or one expert of its stack."""
+        """Started: a function that waits and returns each holder's part of every orthogonalized matrix: a box of
+        the owner's (a strided view, copied once into the message), written as the holder's whole local tensor or one
+        expert of its stack."""
         me, dtype = opt.me, torch.bfloat16
         transfers, receiving = [], []
         for m in active:
@@ -168,17 +202,21 @@ class OwnerExchange:
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
                     receiving.append((m, at))
-        parts = mo.send_parts(transfers, opt.axis, opt.ledger, "scatter from owner", dtype, opt.device)()
-        local = {}
-        for (m, at), part in zip(receiving, parts):
-            name = m.copy.name
-            if at is None:  # this rank's whole local tensor in one part: no copy
-                local[name] = part
-                continue
-            if name not in local:
-                local[name] = torch.empty(updates[name].shape, dtype=dtype, device=part.device)
-            local[name][at].view(-1).copy_(part)
-        return {name: t.reshape(-1) for name, t in local.items()}
+        wait = mo.send_parts(transfers, opt.axis, opt.ledger, "scatter from owner", dtype, opt.device)
+        shapes = {m.copy.name: updates[m.copy.name].shape for m, _ in receiving}
+
+        def place():
+            local = {}
+            for (m, at), part in zip(receiving, wait()):
+                name = m.copy.name
+                if at is None:  # this rank's whole local tensor in one part: no copy
+                    local[name] = part
+                    continue
+                if name not in local:
+                    local[name] = torch.empty(shapes[name], dtype=dtype, device=part.device)
+                local[name][at].view(-1).copy_(part)
+            return {name: t.reshape(-1) for name, t in local.items()}
+        return place
 
     def orthogonalize_explicit(self, opt, updates):
         """Your gather, Newton-Schulz on the owners, your redistribute; shapes checked on the way, and voted on."""

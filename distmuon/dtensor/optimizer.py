@@ -19,6 +19,10 @@ Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One ste
                          adjusted_lr * update, the adjustment from the matrix's shape (per expert: (out, in);
                          per block: each run of rows with its block's shape, 3b)
   (after the step, if asked: clip_qk_, one MAX all-reduce of per-head maxima)
+With exchange_bytes, stages 1-5 of the Muon parameters run group by group (at most that many bytes of bf16 matrices
+each, the groups the plan's, the same on every rank): one exchange each way per group, and the step's transient
+memory one group's, not the model's; with overlap=K, K groups' gathers are in flight while a group's Newton-Schulz
+runs (the lesson's overlapped_stages on groups). The same operations on the same elements: the same bits.
 (The explicit form's gather and redistribute are yours: their results are checked and voted on, and the new
 momentum is kept aside until they pass.)
 
@@ -66,6 +70,7 @@ from torch.distributed.tensor import DTensor
 import distmuon.checks as mc
 import distmuon.large_runs as mlr
 import distmuon.normuon as nm
+import distmuon.owners as mo
 import distributed_muon_cpu as dm
 from distmuon.adamw import adamw_step_
 from distmuon.dtensor.config import DistributedConfig
@@ -85,7 +90,8 @@ def _iterable(value):
         return [None]
 
 
-def check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts):
+def check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts, exchange_bytes=None,
+                    overlap=0):
     """DTensorMuon's own arguments of the wrong kind, each refused in one line naming it (the large-run options by
     the lesson's checks, once the parameters are known; the options of torch's optimizers by distmuon.checks)."""
     if isinstance(expert_stacks, str) or not all(isinstance(n, str) for n in _iterable(expert_stacks)):
@@ -97,6 +103,14 @@ def check_arguments(expert_stacks, distributed_config, batched_ns, group, row_la
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"group must be a torch.distributed ProcessGroup or None (got {group!r:.80})")
     mlr.check_row_layouts_kind(row_layouts)
+    mo.check_owner_options(overlap=overlap)  # the lesson's owner strategy's overlap, in its words
+    if exchange_bytes is not None and (isinstance(exchange_bytes, bool) or not isinstance(exchange_bytes, int)
+                                       or exchange_bytes < 1):
+        raise ValueError(f"exchange_bytes must be None or an integer >= 1 (got {exchange_bytes!r:.80})")
+    if overlap and exchange_bytes is None:
+        raise ValueError(f"overlap={overlap} needs exchange_bytes: the groups whose exchanges it keeps in flight")
+    if distributed_config is not None and distributed_config.explicit and exchange_bytes is not None:
+        raise ValueError("exchange_bytes needs the automatic distributed_config (an explicit one's gather is yours)")
 
 
 def parameters_problem(opt):
@@ -205,7 +219,8 @@ class DTensorMuon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, *, expert_stacks=(), distributed_config=None, batched_ns=False, group=None,
-                 row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None, **options):
+                 row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None, exchange_bytes=None,
+                 overlap=0, **options):
         """Build the plan (collective: every rank of `group` calls it with the same parameter names).
 
         params: as torch's optimizers take them: tensors, (name, tensor) pairs (model.named_parameters()), or param
@@ -224,10 +239,15 @@ class DTensorMuon(torch.optim.Optimizer):
             calls step() (and add_param_group, clip_qk_) together.
         row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau: what large runs add (this module's docstring), the
             same on every rank: torch's behaviour by default.
+        exchange_bytes: None (every matrix in one exchange each way), or the most bytes of bf16 matrices in one group:
+            the step goes group by group (momentum, gather, Newton-Schulz, scatter, update), so its transient memory
+            is bounded by a group, not the model; the same bits, one exchange each way per group.
+        overlap: 0 (off), or K >= 1 (with exchange_bytes): K groups' gathers in flight while a group's Newton-Schulz
+            runs; the same bits.
         """
         mc.check_options(str, options)
-        check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts)
-        self.options = options
+        check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts, exchange_bytes, overlap)
+        self.options, self.exchange_bytes, self.overlap = options, exchange_bytes, overlap
         self.given_names = []  # per group: the param_names torch's optimizer would report, or None (see state_dict)
         super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
         self.defaults = mc.torch_defaults(self.param_groups, options)  # torch's optimizer's, which schedulers read
@@ -416,35 +436,68 @@ class DTensorMuon(torch.optim.Optimizer):
         group_problem = self._index_groups() or mc.unplanned_problem(self.param_groups, self.planned)
         grads, problem = self._local_grads()
         try:
-            active = self._vote_on_gradients(grads, group_problem or problem)
+            active, present = self._vote_on_gradients(grads, group_problem or problem)
         except ValueError as e:  # torch.optim.Muon refuses a complex parameter at its step with a RuntimeError
             if (group_problem or problem or "").startswith(mc.MUON_COMPLEX):
                 raise RuntimeError(str(e)) from None
             raise
-        updates, momenta = {}, {}
         # Flat views of every local tensor: elementwise math does not care about shape, and an empty
         # shard's local shape may differ between FSDP2's parameter and a gradient made by distribute_tensor.
         flat = lambda t: local_of(t).view(-1)
-        for name in [n for n in active if self.group_of[n]["algorithm"] in mc.ORTHOGONALIZED]:
-            group, buffer = self.group_of[name], flat(self._state_of(name)["momentum_buffer"])
-            # Your gather / redistribute (explicit form) may fail the checks after them: the new momentum is
-            # kept aside until they pass, so that a refused step changes nothing.
-            momenta[name] = buffer.clone() if self.exchange.config.explicit else buffer
-            update = muon_update(momenta[name], grads[name].reshape(-1), group)
-            updates[name] = update.view(local_of(self.param_by_name[name]).shape)
-        orthos = self.exchange.orthogonalize(self, updates)
+        muon = [n for n in active if self.group_of[n]["algorithm"] in mc.ORTHOGONALIZED]
+        if self.exchange.config.explicit or self.exchange_bytes is None:  # every matrix in one exchange each way
+            momenta = {}
+            updates = self._muon_updates(muon, grads, momenta)
+            orthos = self.exchange.orthogonalize(self, updates)
+        else:
+            orthos = self._grouped_muon_steps(present, set(muon), grads)
         for name in [n for n in active if self.group_of[n]["algorithm"] == "adamw"]:
             state = {k: flat(t) for k, t in self._state_of(name).items()}  # "step" too: a view, updated in place
             adamw_step_(flat(self.param_by_name[name]), grads[name].reshape(-1), state, self.group_of[name])
         if self.exchange.config.explicit:  # the checks passed: the new momentum now
             for name, momentum in momenta.items():
                 flat(self.state[self.param_by_name[name]]["momentum_buffer"]).copy_(momentum)
+        self._apply_orthogonalized(orthos)
+        return loss
+
+    def _muon_updates(self, names, grads, momenta):
+        """{name: the bf16 update of this rank's shard} after Muon's momentum (kept in momenta; a copy of it, for
+        the explicit form, whose gather / redistribute may fail the checks after them: a refused step changes
+        nothing)."""
+        updates, flat = {}, lambda t: local_of(t).view(-1)
+        for name in names:
+            group, buffer = self.group_of[name], flat(self._state_of(name)["momentum_buffer"])
+            momenta[name] = buffer.clone() if self.exchange.config.explicit else buffer
+            update = muon_update(momenta[name], grads[name].reshape(-1), group)
+            updates[name] = update.view(local_of(self.param_by_name[name]).shape)
+        return updates
+
+    def _apply_orthogonalized(self, orthos):
+        """p <- p * (1 - lr * wd) - adjusted_lr * O for each parameter's orthogonalized shard."""
         for name, ortho in orthos.items():
             shape = (self.exchange.config.global_shapes[name] if self.exchange.config.explicit
                      else tuple(self.param_by_name[name].shape)[-2:])  # an expert's (out, in)
-            apply_muon_update_(flat(self.param_by_name[name]), ortho.reshape(-1), self.group_of[name], shape,
-                               self.large_runs.block_runs.get(name))  # blocks: each run of rows with its block's shape (3b)
-        return loss
+            apply_muon_update_(local_of(self.param_by_name[name]).view(-1), ortho.reshape(-1), self.group_of[name],
+                               shape, self.large_runs.block_runs.get(name))  # blocks: each run of rows, its shape (3b)
+
+    def _grouped_muon_steps(self, present, here, grads):
+        """Stages 1-5 of the Muon parameters group by group (exchange_bytes each; exchange.exchange_groups), K =
+        overlap groups' gathers in flight while a group's Newton-Schulz runs, its scatter waited for K groups later
+        (the lesson's overlapped_stages, on groups): the same operations on the same elements, so the same bits.
+        Returns {} (each group's update is applied as it arrives)."""
+        groups = self.exchange.exchange_groups(self, present, self.exchange_bytes)
+        k, started, finishing = self.overlap, {}, {}
+        for i in range(len(groups) + 2 * k):
+            if i < len(groups):  # group i: momentum and bf16 updates, then its gather started
+                names, exchanged, rows = groups[i]
+                updates = self._muon_updates([n for n in names if n in here], grads, {})
+                started[i] = (updates, exchanged, rows, self.exchange.start(self, updates, exchanged))
+            if i - k in started:  # group i-k: Newton-Schulz while later groups' gathers fly; its scatter started
+                updates, exchanged, rows, gathering = started.pop(i - k)
+                finishing[i - k] = self.exchange.finish(self, updates, gathering, exchanged, rows)
+            if i - 2 * k in finishing:  # group i-2k: its scatter waited for, its update applied
+                self._apply_orthogonalized(finishing.pop(i - 2 * k)())
+        return {}
 
     def _local_grads(self):
         """{name: local gradient or None} and the first problem with them (one line, or None)."""
@@ -468,7 +521,8 @@ class DTensorMuon(torch.optim.Optimizer):
         return grads, problem
 
     def _vote_on_gradients(self, grads, problem):
-        """The names to update this step, the same on every rank; raise on every rank if any found a problem."""
+        """The names to update this step here, and those present on any rank (the same on every rank); raise on every
+        rank if any found a problem."""
         flags = torch.tensor([n in grads and grads[n] is not None for n in self.names],
                              device=self.device)  # NCCL reduces device tensors only
         votes = dm.vote(flags, problem, self.me, self.axis, self.ledger, "grad presence")
@@ -476,7 +530,7 @@ class DTensorMuon(torch.optim.Optimizer):
         for name in present & set(grads):
             if grads[name] is None:  # a gradient elsewhere but not here: zeros, as DDP's reduction would give
                 grads[name] = torch.zeros_like(local_of(self.param_by_name[name]))
-        return [n for n in self.param_by_name if n in present]
+        return [n for n in self.param_by_name if n in present], present
 
     def refuse_on_every_rank(self, problem, phase):
         """Raise on every rank of the group if any rank found a problem: the lesson's vote, with no flags."""

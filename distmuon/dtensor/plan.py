@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from distmuon.dtensor.placements import dim_ranges, sharded_dims
-from distmuon.owners import check_owners, lpt_order
+from distmuon.owners import check_owners, chunk_names, lpt_order
 from distributed_muon_cpu import newton_schulz_flops
 
 # =============================================================================
@@ -398,3 +398,12 @@ def describe(name, group_index, p, expert_stack):
         return Copy(name, group_index, tuple(p.shape), tuple(ranks.reshape(-1).tolist()), tuple(ranks.shape),
                     tuple(p.placements), expert_stack, tuple(mesh.mesh_dim_names or ()))
     return Copy(name, group_index, tuple(p.shape), (), (), (), expert_stack)
+
+
+def exchange_groups(matrices, exchange_bytes):
+    """DTensorMuon's exchange_bytes: the parameters of `matrices` (in their order: the plan's, the same on every
+    rank) in groups of at most exchange_bytes of bf16 matrices each, a larger parameter alone (name tuples)."""
+    sizes = {}
+    for m in matrices:
+        sizes[m.copy.name] = sizes.get(m.copy.name, 0) + 2 * math.prod(m.shape)
+    return chunk_names(list(sizes), sizes, exchange_bytes)
