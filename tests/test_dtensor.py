@@ -28,7 +28,6 @@ from conftest import ROOT, dm, mo, mt
 
 import distmuon.dtensor as dd  # noqa: E402
 import distmuon.dtensor.placements as dplace  # noqa: E402
-import distmuon.dtensor.plan as dplan  # noqa: E402
 import dtensor_demo  # noqa: E402
 from collective_counter import FORWARD_BACKWARD, measured_sent, measured_table  # noqa: E402
 from dtensor_accounting import (COMPARISON_HEADER, DP_IN_STEP, DTENSOR_PHASES, LessonRuns, account,  # noqa: E402
@@ -542,12 +541,12 @@ def test_owners_are_the_lessons_lpt_restricted_to_each_matrixs_holders():
     g = torch.Generator().manual_seed(0)
     flops = {f"m{i}": int(f) for i, f in enumerate(torch.randint(1, 50, (23,), generator=g).tolist())}
     everyone = {n: tuple(range(6)) for n in flops}
-    assert dplan.assign_among_holders(flops, everyone, 6) == mo.assign_owners(flops, 6)  # holding all: the lesson's
+    assert mo.assign_owners(flops, 6, holders=everyone) == mo.assign_owners(flops, 6)  # holding all: the lesson's
     shapes = {n: (f % 3, 1) for n, f in flops.items()}  # equal FLOPs in different shapes, too
-    assert dplan.assign_among_holders(flops, everyone, 6, shapes=shapes) == mo.assign_owners(flops, 6, shapes)
+    assert mo.assign_owners(flops, 6, shapes, holders=everyone) == mo.assign_owners(flops, 6, shapes)
     # two holder sets, as the expert stacks of one TP column each, beside matrices everyone holds
     holders = {n: (tuple(range(6)) if i < 3 else (0, 2, 4) if i % 2 else (1, 3, 5)) for i, n in enumerate(flops)}
-    owners = dplan.assign_among_holders(flops, holders, 6)
+    owners = mo.assign_owners(flops, 6, holders=holders)
     assert all(owners[n] in holders[n] for n in flops)
     per_rank = mo.load_balance(flops, owners, 6)[0]
     assert max(per_rank) - min(per_rank) <= max(flops.values())  # here: no rank a whole matrix ahead of another

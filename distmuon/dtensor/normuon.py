@@ -83,7 +83,7 @@ class NorMuonRows:
     @staticmethod
     def v_of(opt, name, expert):
         """This rank's v of one matrix of parameter `name`: a (rows, 1) view of its state."""
-        v = local_of(opt._state_of(name)["normuon_v"])
+        v = local_of(opt.state_of(name)["normuon_v"])
         if v.dim() == 2:
             return v
         p = opt.param_by_name[name]
@@ -127,7 +127,7 @@ class NorMuonRows:
                 continue
             rows_here, experts, rows, cols = self.layout(opt, name)
             eps = opt.group_of[name]["normuon_eps"]
-            v = local_of(opt._state_of(name)["normuon_v"]).reshape(-1)  # this rank's v, its experts one after another
+            v = local_of(opt.state_of(name)["normuon_v"]).reshape(-1)  # this rank's v, its experts one after another
             g = torch.stack([g_of[name, e] for e in experts]).repeat_interleave(rows)  # each of those rows' g
             if name in self.quotients:  # owned here, its O / d made for g: these rows of it are this rank's part's
                 out[name] = (self.quotients.pop(name)[rows_here] * g[rows_here, None]).reshape(-1)

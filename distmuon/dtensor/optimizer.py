@@ -61,8 +61,6 @@ What large runs add (defaults: torch's behaviour; tests/test_dtensor_large_runs.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -79,6 +77,7 @@ from distmuon.dtensor.normuon import v_zeros
 from distmuon.dtensor.placements import like_param, local_of, local_shape_problem, placements_problem
 from distmuon.dtensor.plan import describe
 from distmuon.dtensor.rows import DTensorLargeRuns
+from distmuon.rules import add_or_refuse_group, copy_sharing
 from distributed_muon_cpu import apply_muon_update_, muon_update
 
 
@@ -114,10 +113,8 @@ def check_arguments(expert_stacks, distributed_config, batched_ns, group, row_la
 
 
 def parameters_problem(opt):
-    """Check what DTensorMuon's step relies on: the first problem as one line, or None (index the groups first)."""
-    problem = opt._index_groups()
-    if problem:
-        return problem
+    """Check what DTensorMuon's step relies on (its groups indexed: index_groups): the first problem as one line, or
+    None. Changes nothing."""
     for name, p in opt.param_by_name.items():
         if isinstance(p, DTensor):
             why = placements_problem(name, p.placements, p.device_mesh.shape) or local_shape_problem(name, p)
@@ -152,9 +149,9 @@ def parameters_problem(opt):
 
 
 def swap_descriptions(opt, problem):
-    """Every rank's Copies (one all_gather_object), so that every rank makes the same plan; a problem on any rank
-    (one line, or None here) raised on every rank."""
-    mine = [describe(n, opt._group_index(n), p, n in opt.expert_stacks)
+    """Every rank's Copies (one all_gather_object), so that every rank makes the same plan, and every parameter name
+    of any rank (what grad presence votes on); a problem on any rank (one line, or None here) raised on every rank."""
+    mine = [describe(n, opt.group_index(n), p, n in opt.expert_stacks)
             for n, p in opt.param_by_name.items()]
     options = None if problem else opt.large_runs.agreed()
     if opt.axis.size == 1:
@@ -175,8 +172,7 @@ def swap_descriptions(opt, problem):
             if (c.name, c.mesh_ranks) not in seen and (c.mesh_ranks or c in mine):
                 seen.add((c.name, c.mesh_ranks))
                 copies.append(c)
-    opt.names = sorted({c.name for _, theirs, _ in everyone for c in theirs})  # what grad presence votes on
-    return copies
+    return copies, sorted({c.name for _, theirs, _ in everyone for c in theirs})
 
 
 def unpickled_axis(name, ranks, me, kind):
@@ -264,11 +260,8 @@ class DTensorMuon(torch.optim.Optimizer):
     def __deepcopy__(self, memo):
         """A copy that steps (torch's Optimizer copies only defaults, state and param_groups): every attribute,
         parameters and state copied; the process group and device meshes shared (the copy steps on the same ranks)."""
-        shared = [self.axis.group] + [p.device_mesh for p in self.param_by_name.values() if isinstance(p, DTensor)]
-        memo.update({id(x): x for x in shared if x is not None})
-        copied = memo[id(self)] = type(self).__new__(type(self))
-        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return copied
+        return copy_sharing(self, memo, [self.axis.group] + [p.device_mesh for p in self.param_by_name.values()
+                                                              if isinstance(p, DTensor)])
 
     def __getstate__(self):
         """Every attribute but torch's hooks (torch's own pickle leaves them out too); the process group as its
@@ -291,34 +284,28 @@ class DTensorMuon(torch.optim.Optimizer):
         construction (on every rank of the group alike: it is collective), the plan is made again with the new
         group: the state of the others is kept (it lives with the parameters' shards, whoever owns what). Refused
         (on every rank, if any rank refuses it), it leaves the optimizer as it was."""
-        before, given_before = list(self.param_groups), list(self.given_names)
-        try:
-            if not isinstance(param_group, dict):
-                raise ValueError(f"a param group must be a dict with 'params' (got {type(param_group).__name__})")
-            mc.fill_param_group(param_group, self.options, len(self.param_groups))
-            named = mc.given_names(param_group)
-            if self.given_names and (named is None) != (self.given_names[0] is None):  # torch's check, its words
+        kept = []
+
+        def check(group):  # torch's check of names, its words
+            named = mc.given_names(group)
+            if self.given_names and (named is None) != (self.given_names[0] is None):
                 raise ValueError(f"all optimizer param groups should be with/without names. cannot add param group "
                                  f"{'without' if named is None else 'with'} names to the optimizer")
-            defaults, self.defaults = self.defaults, {}  # the group is filled per its algorithm, not from defaults
-            try:
-                super().add_param_group(mc.name_params(param_group, sum(len(g["params"]) for g in self.param_groups)))
-            finally:
-                self.defaults = defaults
-            self.given_names.append(named)
-            if hasattr(self, "axis"):  # torch's constructor adds the first groups, planned together after it
-                self._plan()
-        except (ValueError, TypeError):
-            self.param_groups[:], self.given_names[:] = before, given_before
-            if hasattr(self, "axis"):
-                self._plan()
-            raise
+            kept.append(named)
+
+        def add(group):
+            torch.optim.Optimizer.add_param_group(self, group)
+            self.given_names.append(kept[0])
+
+        # torch's constructor adds the first groups, planned together after it (no axis yet: no relayout)
+        add_or_refuse_group(self, param_group, add, self.options, self._plan if hasattr(self, "axis") else None,
+                            check=check, restore=dict(given_names=list(self.given_names)))
 
     def _plan(self):
         """Index and check the parameters, agree with every rank, plan who orthogonalizes what; create the state."""
         self.param_by_name, self.group_of = {}, {}
-        problem = parameters_problem(self)  # local checks; raised below on every rank at once, never a hang
-        copies = swap_descriptions(self, problem)
+        problem = self.index_groups() or parameters_problem(self)  # raised below on every rank at once, never a hang
+        copies, self.names = swap_descriptions(self, problem)
         self.exchange.plan(self, copies)
         if not self.exchange.config.explicit:
             self.large_runs.plan_rows(self, describe)
@@ -337,7 +324,7 @@ class DTensorMuon(torch.optim.Optimizer):
         ranks = tuple(dist.get_process_group_ranks(group))
         return dm.Axis("world", len(ranks), ranks.index(dist.get_rank()), ranks, group)
 
-    def _index_groups(self):
+    def index_groups(self):
         """{name: its param group} (groups found by identity, never ==) after the lesson's checks of the named
         parameters and every group's options (mc.named_params); the first problem as one line, or None."""
         try:
@@ -348,7 +335,8 @@ class DTensorMuon(torch.optim.Optimizer):
         self.param_by_name = {name: p for name, p, _ in named}
         return None
 
-    def _group_index(self, name):
+    def group_index(self, name):
+        """The index of the param group of parameter `name` (index_groups first)."""
         return next(i for i, g in enumerate(self.param_groups) if g is self.group_of[name])
 
     # -- what the plan says --------------------------------------------------
@@ -369,7 +357,7 @@ class DTensorMuon(torch.optim.Optimizer):
         return mc.step_device(self.param_groups)
 
     # -- state ---------------------------------------------------------------
-    def _state_of(self, name):
+    def state_of(self, name):
         """This parameter's state, created on first use as torch does (zeros, step 0), as DTensors like p."""
         p = self.param_by_name[name]
         state = self.state[p]
@@ -389,7 +377,7 @@ class DTensorMuon(torch.optim.Optimizer):
         """torch's load, after the checkpoint is checked whole and matched to the parameters by name
         (distmuon.checks.checked_state_dict: a refused load changes nothing); then the groups torch installed
         (this optimizer's names, the checkpoint's options) re-indexed, so that the step reads them."""
-        like = {name: self._state_of(name)["momentum_buffer" if "momentum_buffer" in self._state_of(name)
+        like = {name: self.state_of(name)["momentum_buffer" if "momentum_buffer" in self.state_of(name)
                                             else "exp_avg"] for name in self.param_by_name}
         checked = mc.checked_state_dict(self.param_groups, state_dict, like)
         super().load_state_dict(checked)
@@ -397,7 +385,7 @@ class DTensorMuon(torch.optim.Optimizer):
             if "param_names" in saved:  # torch's load gives the group the checkpoint's names, in our order here
                 name_of = dict(zip(saved["params"], saved["param_names"]))
                 self.given_names[i] = [name_of[k] for k in loaded["params"]]
-        problem = self._index_groups()
+        problem = self.index_groups()
         if problem:  # checked_state_dict checked every group: a failure here is a bug, said as such
             raise AssertionError(f"loaded optimizer state passed its checks, then: {problem}")
         self.init_state()  # a parameter the checkpoint had no state for starts from zeros
@@ -417,7 +405,7 @@ class DTensorMuon(torch.optim.Optimizer):
     def init_state(self):
         """Create every parameter's state now (zeros, step 0), e.g. as the target of a checkpoint load."""
         for name in self.param_by_name:
-            self._state_of(name)
+            self.state_of(name)
 
     def state_bytes(self):
         return sum(local_of(t).numel() * local_of(t).element_size()
@@ -433,7 +421,7 @@ class DTensorMuon(torch.optim.Optimizer):
         self.ledger.step += 1
         # Every check before anything changes, and voted on: a group's options (they may have been changed, or
         # loaded, since construction) and every gradient; one rank's problem stops every rank, here.
-        group_problem = self._index_groups() or mc.unplanned_problem(self.param_groups, self.planned)
+        group_problem = self.index_groups() or mc.unplanned_problem(self.param_groups, self.planned)
         grads, problem = self._local_grads()
         try:
             active, present = self._vote_on_gradients(grads, group_problem or problem)
@@ -452,7 +440,7 @@ class DTensorMuon(torch.optim.Optimizer):
         else:
             orthos = self._grouped_muon_steps(present, set(muon), grads)
         for name in [n for n in active if self.group_of[n]["algorithm"] == "adamw"]:
-            state = {k: flat(t) for k, t in self._state_of(name).items()}  # "step" too: a view, updated in place
+            state = {k: flat(t) for k, t in self.state_of(name).items()}  # "step" too: a view, updated in place
             adamw_step_(flat(self.param_by_name[name]), grads[name].reshape(-1), state, self.group_of[name])
         if self.exchange.config.explicit:  # the checks passed: the new momentum now
             for name, momentum in momenta.items():
@@ -466,7 +454,7 @@ class DTensorMuon(torch.optim.Optimizer):
         nothing)."""
         updates, flat = {}, lambda t: local_of(t).view(-1)
         for name in names:
-            group, buffer = self.group_of[name], flat(self._state_of(name)["momentum_buffer"])
+            group, buffer = self.group_of[name], flat(self.state_of(name)["momentum_buffer"])
             momenta[name] = buffer.clone() if self.exchange.config.explicit else buffer
             update = muon_update(momenta[name], grads[name].reshape(-1), group)
             updates[name] = update.view(local_of(self.param_by_name[name]).shape)

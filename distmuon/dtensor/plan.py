@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from distmuon.dtensor.placements import dim_ranges, sharded_dims
-from distmuon.owners import check_owners, chunk_names, lpt_order
+from distmuon.assignment import assign_owners, check_owners
+from distmuon.owners import chunk_names
 from distributed_muon_cpu import newton_schulz_flops
 
 # =============================================================================
@@ -57,8 +58,8 @@ from distributed_muon_cpu import newton_schulz_flops
 #
 # Owners: the lesson's assign_owners balances over ranks 0..n-1, but a matrix
 # may only go to a rank that holds some of it (else it would travel whole to a
-# stranger). So it is the lesson's longest-processing-time rule with the
-# candidates restricted: matrices in the lesson's lpt_order (decreasing FLOPs,
+# stranger). So it is the lesson's longest-processing-time rule (assign_owners,
+# holders= and load=) with the candidates restricted: matrices in the lesson's lpt_order (decreasing FLOPs,
 # equal FLOPs shape by shape), each to the least-loaded of ITS holders (ties:
 # the lowest rank). When every rank holds a piece of everything (FSDP2 on dims
 # the mesh divides) that is exactly the lesson's assign_owners, assignment for
@@ -240,22 +241,6 @@ def add_transfers(m, me):
     m.scatter.append((m.owner, me, numel, None, at))
 
 
-def assign_among_holders(ns_flops, holders, world, load=None, shapes=None):
-    """{matrix: owner}: the lesson's LPT (mo.assign_owners), each matrix among its own holders only (holders:
-    {matrix: its ranks}, any sequence or an int64 tensor). The loads are a tensor over the world: each matrix's
-    owner is the first of its least loaded holders, found at once (integers exactly; floats as Python adds them)."""
-    values = list(ns_flops.values()) + list(load or [])
-    exact = all(isinstance(v, int) for v in values) and sum(abs(v) for v in values) < 2 ** 62
-    load = torch.tensor(list(load) if load is not None else [0] * world, dtype=torch.int64 if exact else torch.float64)
-    owners = {}
-    for name in lpt_order(ns_flops, shapes):
-        ranks = torch.unique(torch.as_tensor(holders[name], dtype=torch.int64))  # sorted: ties go to the lowest
-        rank = int(ranks[torch.argmin(load.index_select(0, ranks))])  # argmin: the first of equal minima
-        owners[name] = rank
-        load[rank] += ns_flops[name]
-    return {n: owners[n] for n in ns_flops}
-
-
 # -----------------------------------------------------------------------------
 # 3c. Newton-Schulz on TP pieces, without gathering the matrix (tp_newton_schulz="gram")
 # -----------------------------------------------------------------------------
@@ -347,7 +332,8 @@ def gram_owners_of(gram, group_ns_steps, world):
 def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None, tp_dim_of=None):
     """Every distributed matrix of `copies`, with owners and this rank's transfers; and the owners.
 
-    assign: None for assign_among_holders, or a callable (ns_flops, holders, world) -> {rank: [names]}
+    assign: None for the lesson's assign_owners among each matrix's holders, or a callable
+        (ns_flops, holders, world) -> {rank: [names]}
         (the matrices gathered whole; TP pieces, section 3c, go to the rows of ranks gram_owners picks).
     flops_of: None, or a callable (copy, steps) -> Newton-Schulz FLOPs of one of its matrices (blocks: section 3b).
     tp_dim_of: None, or a callable copy -> the mesh dim whose TP pieces are orthogonalized in place (3c), or -1.
@@ -373,8 +359,8 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     holders = {m.name: m.holders for m in matrices}
     load, gram_flops, gram_owners = gram_owners_of(gram, group_ns_steps, world)
     if assign is None:
-        owners = assign_among_holders(ns_flops, holders, world, load,
-                                      shapes={m.name: tuple(m.copy.matrix_shape) for m in matrices})
+        owners = assign_owners(ns_flops, world, {m.name: tuple(m.copy.matrix_shape) for m in matrices},
+                               holders={n: h.tolist() for n, h in holders.items()}, load=load)
     else:
         owners = check_owners(assign(ns_flops, {n: tuple(h.tolist()) for n, h in holders.items()}, world),
                               list(ns_flops), world)
