@@ -360,7 +360,7 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     load, gram_flops, gram_owners = gram_owners_of(gram, group_ns_steps, world)
     if assign is None:
         owners = assign_owners(ns_flops, world, {m.name: tuple(m.copy.matrix_shape) for m in matrices},
-                               holders={n: h.tolist() for n, h in holders.items()}, load=load)
+                               holders={n: as_ranks(h) for n, h in holders.items()}, load=load)
     else:
         owners = check_owners(assign(ns_flops, {n: tuple(h.tolist()) for n, h in holders.items()}, world),
                               list(ns_flops), world)
@@ -375,6 +375,15 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
         m.owner = owners[m.name]
         add_transfers(m, me)
     return matrices, ns_flops, owners
+
+
+def as_ranks(holders):
+    """Sorted int64 ranks as a Python sequence: a range where they are evenly spaced (a TP column, every rank: no
+    list of 16,384 ints per matrix kept at once), else a list."""
+    step = holders[1:] - holders[:-1]
+    if len(holders) > 1 and bool((step == step[0]).all()) and int(step[0]) > 0:
+        return range(int(holders[0]), int(holders[-1]) + 1, int(step[0]))
+    return holders.tolist()
 
 
 def describe(name, group_index, p, expert_stack):
