@@ -11,7 +11,7 @@ a virtual grid, with no process and no memory:
     chunks CommFreeMuon's own;
   * DTensorMuon over FSDP2 x TP x EP: each parameter's copies placed as fully_shard and parallelize_module
     place them (section 3: the rules, which the test checks against real FSDP2 runs), its owners by its own
-    rule (assign_among_holders), its transfers its own: the plan is distmuon/dtensor/plan.py's plan_matrices.
+    rule (assign_owners(holders=, load=)), its transfers its own: the plan is distmuon/dtensor/plan.py's plan_matrices.
 
 From the plans it counts, for every rank, what the Ledger would count (bytes and calls of every collective
 phase), the Newton-Schulz FLOPs and calls, the optimizer state, the elementwise work and the parts it steps,

@@ -102,7 +102,7 @@ def param_order(params, groups):
     return [p for g in groups for p in params if p.group == g]
 
 
-# DTensorMuon's plan is its own: distmuon/dtensor/plan.py's plan_matrices (owners by assign_among_holders), each
+# DTensorMuon's plan is its own: distmuon/dtensor/plan.py's plan_matrices (owners by assign_owners(holders=, load=)), each
 # piece a box of ranges (its Cut), every rank's transfers its routes; so the bytes priced here are the bytes the
 # optimizer moves, by construction. The plan as rank 0 makes it: the owners are the same on every rank.
 
