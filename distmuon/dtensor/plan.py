@@ -329,6 +329,15 @@ def gram_owners_of(gram, group_ns_steps, world):
     return load, flops, owners
 
 
+def as_ranks(holders):
+    """Sorted int64 ranks as a Python sequence: a range where they are evenly spaced (a TP column, every rank: no
+    list of 16,384 ints per matrix kept at once), else a list."""
+    step = holders[1:] - holders[:-1]
+    if len(holders) > 1 and bool((step == step[0]).all()) and int(step[0]) > 0:
+        return range(int(holders[0]), int(holders[-1]) + 1, int(step[0]))
+    return holders.tolist()
+
+
 def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None, tp_dim_of=None):
     """Every distributed matrix of `copies`, with owners and this rank's transfers; and the owners.
 
@@ -375,15 +384,6 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
         m.owner = owners[m.name]
         add_transfers(m, me)
     return matrices, ns_flops, owners
-
-
-def as_ranks(holders):
-    """Sorted int64 ranks as a Python sequence: a range where they are evenly spaced (a TP column, every rank: no
-    list of 16,384 ints per matrix kept at once), else a list."""
-    step = holders[1:] - holders[:-1]
-    if len(holders) > 1 and bool((step == step[0]).all()) and int(step[0]) > 0:
-        return range(int(holders[0]), int(holders[-1]) + 1, int(step[0]))
-    return holders.tolist()
 
 
 def describe(name, group_index, p, expert_stack):
