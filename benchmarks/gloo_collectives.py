@@ -10,7 +10,6 @@ then each rank adds the shards it received, in rank order.
 
 import datetime
 import os
-import signal
 import statistics
 import sys
 import tempfile

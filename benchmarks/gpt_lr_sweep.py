@@ -29,8 +29,6 @@ rewritten after every (seed, schedule) group, so an interrupted sweep keeps what
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import sys
 from dataclasses import replace

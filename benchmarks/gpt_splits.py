@@ -9,8 +9,6 @@ The model has 8 heads so that TP = 8 keeps one head per rank. Times are medians 
 all-reduces (f and g) and the optimizer's collectives.
 """
 
-import os
-import signal
 import sys
 
 if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the runner; the ranks' forkserver starts

@@ -13,7 +13,6 @@ collective's time includes waiting for the slowest peer. Bytes are the ledgers' 
 """
 
 import os
-import signal
 import statistics
 import sys
 import tempfile

@@ -18,7 +18,6 @@ Orthogonal would be 1 everywhere; the paper's figure plots exactly this range.
 """
 
 import os
-import signal
 import statistics
 import sys
 import time

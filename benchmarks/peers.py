@@ -83,7 +83,6 @@ import importlib
 import importlib.metadata
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile

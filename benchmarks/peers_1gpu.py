@@ -23,9 +23,7 @@ likewise. Figures and ratios, never verdicts.
 """
 
 import datetime
-import os
 import statistics
-import sys
 import time
 
 if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the runner (one line, exit 130)

@@ -28,7 +28,6 @@ and comm-free at least 1.7x faster than torch on 2 ranks; owner at least 0.85 N 
 
 import datetime
 import os
-import signal
 import statistics
 import sys
 import tempfile

@@ -8,8 +8,6 @@ slowest rank, and on 2 cores shared by 8 ranks they measure oversubscription as
 much as the algorithm: compare them with each other, not with a GPU.
 """
 
-import os
-import signal
 import sys
 
 

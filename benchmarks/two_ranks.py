@@ -20,7 +20,6 @@ hits alike.
 
 import importlib.util
 import os
-import signal
 import statistics
 import sys
 import tempfile

@@ -25,7 +25,6 @@ computes them, and every rank holding a part of the matrix gets v's new rows and
 which normalized() gives its part of O^, bit for bit the owner's: division and multiplication are elementwise.
 """
 
-import torch
 
 # beta2 and eps: the defaults of the authors' reference implementation (zichongli5/NorMuon, normuon.py).
 NORMUON_OPTIONS = {"beta2": 0.95, "normuon_eps": 1e-10}

@@ -50,7 +50,6 @@ What large runs add (the lesson's section 8), each off by default:
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import time

@@ -39,7 +39,6 @@ The one-process model is the same nn.Linear form, unparallelized. The launcher i
 """
 
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, fields

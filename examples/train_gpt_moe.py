@@ -46,7 +46,6 @@ every process exits 2 before anything starts.
 
 import math
 import os
-import signal
 import statistics
 import sys
 import time

@@ -11,7 +11,6 @@ newton_schulz_tp).
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
