@@ -55,7 +55,10 @@ functions unwrapped around its own construction and steps only, so that both run
 table of their own beside DTensorMuon's: the same reduce-scatter, then each one's step.
 torchtitan's DistMuon (build_dist_muon, installed from git) runs in two layouts, every matrix gathered whole on one
 owner (Owned) and each qkv matrix by heads (BlockShard, checked against torch.optim.Muon fed each head as a matrix),
-with the three patches CPU Gloo needs (benchmarks/peers_torchtitan.py says which and why).
+with the three patches CPU Gloo needs (benchmarks/peers_torchtitan.py says which and why), one bucket a layer. Its
+rows get a table beside DTensorMuon's: whole matrices beside ours as it is and beside ours a layer a group with the
+next layer's gather in flight (exchange_bytes, overlap=1: what DistMuon's buckets do), per head beside ours with
+ns_blocks="heads" (each qkv head its own matrix, the same reference).
 Peers are configured as close to torch.optim.Muon as their options allow (lr 0.02, weight decay
 0.1, momentum 0.95, Nesterov, 5 quintic Newton-Schulz steps, lr scaled by max(1, rows/cols)^0.5);
 where they still differ, the check below says by how much. dion's nearest: its "NS5" (use_polar_express=False;
@@ -102,6 +105,7 @@ import torch.distributed as dist  # noqa: E402
 import distributed_muon_cpu as dm  # noqa: E402
 import distmuon.checks as mc  # noqa: E402
 import distmuon.dtensor as dd  # noqa: E402
+from distmuon import large_runs  # noqa: E402
 import distmuon.owners as mo  # noqa: E402
 import muon_tools as mt  # noqa: E402
 import peers_torchtitan as titan  # noqa: E402
@@ -117,6 +121,8 @@ FSDP2_SYNC = "FSDP2 reduce-scatter"
 DTENSOR = "ours: DTensorMuon"  # distmuon/dtensor/ under FSDP2, synchronized as the FSDP2 peers are
 DTENSOR_NORMUON = "ours: DTensorMuon, NorMuon"  # the same with a NorMuon param group (distmuon/normuon.py)
 DTENSOR_BATCHED = "ours: DTensorMuon, batched_ns"  # same-shape matrices in one call: within a bound, not torch's bits
+DTENSOR_PER_HEAD = "ours: DTensorMuon, per head"  # each qkv head its own matrix (ns_blocks="heads"), as DistMuon's
+DTENSOR_OVERLAP = "ours: DTensorMuon, by layers, overlap 1"  # a layer a group, the next one's gather in flight
 NOT_INSTALLED = "not installed"
 
 
@@ -254,14 +260,24 @@ def ours(strategy):
     return build
 
 
-def dtensor_muon(algorithm, batched_ns=False):
+def dtensor_muon(algorithm, batched_ns=False, per_head=False, overlap=0):
     """DTensorMuon on FSDP2's Shard(0) parameters: the optimizer practitioners adopt, timed as the FSDP2 peers;
     one param group of `algorithm` ("muon" or "normuon"); batched_ns, its opt-in batched Newton-Schulz (Muon only:
-    same-shape matrices in one call, as dion batches them; within BATCHED_NS_BOUND of torch's result, not its bits)."""
+    same-shape matrices in one call, as dion batches them; within BATCHED_NS_BOUND of torch's result, not its bits);
+    per_head, each qkv head its own matrix (a row layout of head_dim rows, ns_blocks="heads"), as DistMuon's
+    BlockShard; overlap K, the matrices exchanged a layer a group (exchange_bytes: one layer's bf16 bytes, as
+    DistMuon's buckets here) with K groups' gathers in flight."""
     def build(weights, world, rank):
+        options = dict(lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, batched_ns=batched_ns)
+        if per_head:
+            options.update(ns_blocks="heads", row_layouts={
+                n: large_runs.RowLayout((titan.head_dim(w.shape[1]),), w.shape[0] // titan.head_dim(w.shape[1]))
+                for n, w in weights.items() if titan.is_qkv(n)})
+        if overlap:
+            layers = {n.rsplit(".", 1)[0] for n in weights}  # every layer of the same sizes
+            options.update(exchange_bytes=2 * sum(w.numel() for w in weights.values()) // len(layers), overlap=overlap)
         return fsdp2_contender(weights, world, lambda params: dd.DTensorMuon(
-            [dict(params=list(params.items()), algorithm=algorithm)], lr=LR, weight_decay=WEIGHT_DECAY,
-            momentum=MOMENTUM, batched_ns=batched_ns))
+            [dict(params=list(params.items()), algorithm=algorithm)], **options))
     return build
 
 
@@ -512,7 +528,9 @@ def contenders(peers, world, rank, without_ns=False):
     built = ([Entry(f"ours: {s}", IN_STEP, ours(s)) for s in OURS]
              + [Entry(DTENSOR, FSDP2_SYNC, dtensor_muon("muon")),
                 Entry(DTENSOR_BATCHED, FSDP2_SYNC, dtensor_muon("muon", batched_ns=True)),
-                Entry(DTENSOR_NORMUON, FSDP2_SYNC, dtensor_muon("normuon"), "normuon")])
+                Entry(DTENSOR_NORMUON, FSDP2_SYNC, dtensor_muon("normuon"), "normuon"),
+                Entry(DTENSOR_PER_HEAD, FSDP2_SYNC, dtensor_muon("muon", per_head=True), titan.PER_HEAD),
+                Entry(DTENSOR_OVERLAP, FSDP2_SYNC, dtensor_muon("muon", overlap=1))])
     patches, status = [], []
     for peer in peers:
         version = installed(peer)
@@ -661,30 +679,62 @@ def compile_times(runs):
             "apart from the table:" + "".join(f"\n  {label}: {'; '.join(c)}" for label, c in compiling.items()))
 
 
+def medians_and_minima(times, ours, theirs):
+    """The cells comparing `theirs` with `ours` (labels in `times`, each {label: [ms]}): their median and minimum,
+    then theirs over ours of each (above 1: ours the shorter); blank cells where `theirs` is None."""
+    if theirs is None:
+        return [""] * 4
+    return [f"{statistics.median(times[theirs]):.0f}", f"{min(times[theirs]):.0f}",
+            f"{statistics.median(times[theirs]) / statistics.median(times[ours]):.2f}",
+            f"{min(times[theirs]) / min(times[ours]):.2f}"]
+
+
+def beside(runs, pairs, find, columns):
+    """One row per process count and (ours, ours_as, key) of `pairs` where ours ran and find(labels, key) names one
+    or more peer rows (None where that one did not run): ours' median and minimum ms, then each peer's cells."""
+    rows = []
+    for world, run in sorted(runs.items()):
+        totals = {label: t["total"] for label, t in run["times"].items()}
+        for ours, ours_as, key in pairs:
+            theirs = find(list(totals), key)
+            if ours not in totals or not any(theirs):
+                continue
+            cells = [f"{statistics.median(totals[ours]):.0f}", f"{min(totals[ours]):.0f}"]
+            for label in theirs:
+                cells += medians_and_minima(totals, ours, label)
+            rows.append([world, ours_as, *cells])
+    return format_beside(columns, rows) if rows else ""
+
+
+def format_beside(columns, rows):
+    return mt.format_table(columns, rows, [">", "<"] + [">"] * (len(columns) - 2))
+
+
 def beside_dion(runs):
     """DTensorMuon's sync + step beside dion's, per process count and algorithm: ms (median, min), and dion's over
     ours (above 1: ours the shorter); "" where dion did not run."""
-    rows = []
-    for world, run in sorted(runs.items()):
-        for ours, ours_as, algorithm in ((DTENSOR, "Muon", "Muon"), (DTENSOR_BATCHED, "Muon, batched_ns", "Muon"),
-                                         (DTENSOR_NORMUON, "NorMuon", "NorMuon")):
-            theirs = [next((label for label in run["times"] if label.startswith("dion ")
-                            and label.endswith(f" {algorithm}, {mode}")), None) for mode in ("compiled", "eager")]
-            if ours not in run["times"] or theirs == [None, None]:
-                continue
-            t = {label: run["times"][label]["total"] for label in [ours, *theirs] if label}
-            cells = [f"{statistics.median(t[ours]):.0f}", f"{min(t[ours]):.0f}"]
-            for label in theirs:
-                cells += ([f"{statistics.median(t[label]):.0f}", f"{min(t[label]):.0f}",
-                           f"{statistics.median(t[label]) / statistics.median(t[ours]):.2f}",
-                           f"{min(t[label]) / min(t[ours]):.2f}"] if label else [""] * 4)
-            rows.append([world, ours_as, *cells])
-    if not rows:
-        return ""
-    return mt.format_table(
-        ["processes", "ours", "ours median ms", "ours min ms", "dion compiled median ms", "min ms",
-         "dion/ours (medians)", "(minima)", "dion eager median ms", "min ms", "dion/ours (medians)", "(minima)"],
-        rows, [">", "<"] + [">"] * 10)
+    def find(labels, algorithm):
+        return [next((label for label in labels if label.startswith("dion ")
+                      and label.endswith(f" {algorithm}, {mode}")), None) for mode in ("compiled", "eager")]
+    return beside(runs, ((DTENSOR, "Muon", "Muon"), (DTENSOR_BATCHED, "Muon, batched_ns", "Muon"),
+                         (DTENSOR_NORMUON, "NorMuon", "NorMuon")), find,
+                  ["processes", "ours", "ours median ms", "ours min ms", "dion compiled median ms", "min ms",
+                   "dion/ours (medians)", "(minima)", "dion eager median ms", "min ms", "dion/ours (medians)",
+                   "(minima)"])
+
+
+def beside_torchtitan(runs):
+    """DTensorMuon's sync + step beside torchtitan's DistMuon, per process count and layout (whole matrices: ours
+    as it is and a layer a group with the next one's gather in flight, as DistMuon's buckets; per head: ours with
+    ns_blocks="heads"): ms (median, min), and DistMuon's over ours; "" where DistMuon did not run."""
+    def find(labels, kind):
+        return [next((label for label in labels if label.startswith("torchtitan ")
+                      and label.endswith(f"DistMuon, {kind}")), None)]
+    return beside(runs, ((DTENSOR, "Muon", "whole matrices"),
+                         (DTENSOR_OVERLAP, "Muon, by layers, overlap 1", "whole matrices"),
+                         (DTENSOR_PER_HEAD, "Muon, per head", "per head")), find,
+                  ["processes", "ours", "ours median ms", "ours min ms", "DistMuon median ms", "min ms",
+                   "DistMuon/ours (medians)", "(minima)"])
 
 
 def main(argv=None):
@@ -730,6 +780,10 @@ def main(argv=None):
     dion_rows = beside_dion(runs)
     if dion_rows:
         print("\nDTensorMuon beside microsoft/dion, sync + step (the same FSDP2 reduce-scatter in both):\n" + dion_rows)
+    titan_rows = beside_torchtitan(runs)
+    if titan_rows:
+        print("\nDTensorMuon beside torchtitan's DistMuon, sync + step (the same FSDP2 reduce-scatter in both; "
+              "DistMuon a bucket a layer):\n" + titan_rows)
     statuses = dict(s for run in runs.values() for s in run["status"])
     patches = sorted({p for run in runs.values() for p in run["patches"]})
     print("\nPeers not run:" + ("".join(f"\n  {name}: {s}" for name, s in statuses.items()) or " none"))

@@ -27,8 +27,9 @@ def test_one_and_two_processes_ours_bit_identical_every_peer_reported(capsys):
     for strategy in peers.OURS + (peers.DTENSOR.split()[1],):  # owner, comm-free, and DTensorMuon under FSDP2
         ours = [r for r in rows if r[1:3] == ["ours:", strategy]]
         assert [r[0] for r in ours] == ["1", "2"] and all(r[-1] == "bit-identical" for r in ours)
-    normuon = [r for r in rows if r[1:4] == peers.DTENSOR_NORMUON.split()]  # bit for bit NorMuonReference's
-    assert [r[0] for r in normuon] == ["1", "2"] and all(r[-1] == "bit-identical" for r in normuon)
+    for label in (peers.DTENSOR_NORMUON, peers.DTENSOR_PER_HEAD, peers.DTENSOR_OVERLAP):  # each its reference's bits
+        same = [r for r in rows if r[1:1 + len(label.split())] == label.split()]
+        assert [r[0] for r in same] == ["1", "2"] and all(r[-1] == "bit-identical" for r in same), label
     batched = [line for line in out.splitlines() if f"  {peers.DTENSOR_BATCHED}  " in line]  # torch's bits or near
     assert len(batched) == 2 and all(re.search(r"  (bit-identical|max \|d\| \S+ \([0-9.]+% of the step\)) *$", line)
                                      for line in batched), batched
@@ -116,6 +117,22 @@ def test_dion_beside_ours_and_its_compile_times():
     assert peers.beside_dion(ours_only) == "" and peers.compile_times(ours_only) == ""
 
 
+def test_distmuon_beside_ours_by_layout():
+    """DistMuon's whole-matrix row beside DTensorMuon's as it is and overlapped, its per-head row beside ours per
+    head: the runs' medians and minima, DistMuon's over ours; nothing where DistMuon did not run."""
+    whole, heads = "torchtitan 0.2.2 DistMuon, whole matrices", "torchtitan 0.2.2 DistMuon, per head"
+    runs = {2: dict(times={label: dict(total=t) for label, t in {
+        peers.DTENSOR: [10.0, 8.0, 9.0], peers.DTENSOR_OVERLAP: [5.0, 6.0, 4.0], peers.DTENSOR_PER_HEAD: [20.0, 30.0],
+        whole: [18.0, 16.0, 20.0], heads: [10.0, 12.0]}.items()})}
+    rows = [line.split() for line in peers.beside_torchtitan(runs).splitlines()[2:]]
+    assert rows == [["2", "Muon", "9", "8", "18", "16", "2.00", "2.00"],
+                    ["2", "Muon,", "by", "layers,", "overlap", "1", "5", "4", "18", "16", "3.60", "4.00"],
+                    ["2", "Muon,", "per", "head", "25", "20", "11", "10", "0.44", "0.50"]]
+    runs[2]["times"].pop(heads)
+    assert len(peers.beside_torchtitan(runs).splitlines()) == 4  # the per-head row gone with DistMuon's
+    assert peers.beside_torchtitan({1: dict(times={peers.DTENSOR: dict(total=[1.0])})}) == ""
+
+
 def test_check_is_bit_exact_else_relative_to_the_step():
     weights = {"w": torch.zeros(2, 2)}
     reference = {"w": torch.tensor([[0.5, -1.0], [0.25, 0.0]])}
@@ -130,8 +147,8 @@ def test_missing_or_broken_peer_is_reported_not_raised():
     broken = peers.Peer("torch", "no_such_module_xyz", "broken {v}", "-", lambda *a: None)
     built, patches, status = peers.contenders([absent, broken], 1, 0)
     assert [e.label for e in built] == [f"ours: {s}" for s in peers.OURS] + [
-        peers.DTENSOR, peers.DTENSOR_BATCHED, peers.DTENSOR_NORMUON]
-    assert [e.algorithm for e in built][-3:] == ["muon", "muon", "normuon"] and patches == []
+        peers.DTENSOR, peers.DTENSOR_BATCHED, peers.DTENSOR_NORMUON, peers.DTENSOR_PER_HEAD, peers.DTENSOR_OVERLAP]
+    assert [e.algorithm for e in built][-5:] == ["muon", "muon", "normuon", titan.PER_HEAD, "muon"] and patches == []
     assert status[0] == ("no-such-peer-xyz", peers.NOT_INSTALLED)
     assert status[1][0] == f"broken {peers.installed(broken)}"
     assert status[1][1].startswith("failed: ModuleNotFoundError: No module named 'no_such_module_xyz'")
