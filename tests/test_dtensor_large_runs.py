@@ -474,7 +474,7 @@ def test_refused_clips_raise_on_every_rank_and_change_nothing(runs):
             "NaN": "max_logits['qkv.weight'] holds NaN or +inf",
             "float64": "max_logits['qkv.weight'] must be a float32 tensor of shape (2,) (got torch.float64",
             "tau <= 0": "qk_clip_tau must be a number > 0 and finite (got 0.0)"}
-    assert not any(mt.hearsay(s) for s in said.values())  # muon_tools.blame names the culprit, not the others
+    assert not any(mt.is_secondhand(s) for s in said.values())  # culprit_failure names the culprit, not the rest
     for i, (what, culprit, _, _) in enumerate(BAD_CLIPS):
         for r in ranks:
             refusal = r["refusals"][i]
@@ -484,7 +484,7 @@ def test_refused_clips_raise_on_every_rank_and_change_nothing(runs):
             else:
                 assert refusal["error"] == f"rank {culprit} refused clip_qk_ (it raised why); nothing changed", \
                     (what, r["rank"], refusal["error"])
-                assert mt.hearsay(refusal["error"])
+                assert mt.is_secondhand(refusal["error"])
     assert_identical(ranks, reference(Case((1, 2, 2), "blocks", clip=True)), case.label)
 
 

@@ -429,7 +429,7 @@ def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
                 assert message.startswith(f"rank {rank}: {expected}"), (case, rank, message)
             else:
                 assert message == f"rank {bad_rank[case]} refused clip_qk_ (it raised why); nothing changed"
-                assert mt.hearsay(message) and not mt.hearsay(expected)  # muon_tools.blame names a culprit
+                assert mt.is_secondhand(message) and not mt.is_secondhand(expected)  # culprit_failure names a culprit
     construct = results[0]["construct"]
     assert all(construct[f"tau {t!r}"].startswith("qk_clip_tau must be a number > 0 and finite")
                for t in (0, -1.0, math.nan, math.inf, True, "100"))
