@@ -526,8 +526,8 @@ def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals
     the gather and stay torch.equal. On 4x1 there is no TP: everything torch.equal.
 
     The bound: the lesson's gram_tolerance (muon_tools/reference.py derives it and states its assumption), from the
-    Newton-Schulz inputs torch's own step records here. Measured (`python tests/test_dtensor_large_runs.py 10`):
-    see the docstring of DTensorMuon; most matrices come out bit-identical, the others differ."""
+    Newton-Schulz inputs torch's own step records here. `python tests/test_dtensor_large_runs.py 10` counts
+    how many come out bit-identical."""
     case, ranks = runs[Case(mesh, gram=True).label]
     tp = mesh[2]
     record = []

@@ -460,9 +460,9 @@ def test_gram_is_within_its_bound_on_many_shapes_and_seeds(spawned):
     assert all(f["ratio"] <= mt.GRAM_ERROR_RATIO for f in figures)  # the assumption the bound rests on
     low = [f for f in figures if f["low_rank"]]
     assert {f["tp"] for f in low} == set(LOW_RANK_TP)
-    # What the shape alone cannot bound: on nearly rank-2 inputs torch's own bf16 rounding leaves its result up to
-    # 20x the shape-only bound from the same iteration in float64 (measured on a CPU without bf16 units; on one
-    # with them the Gram path's own difference from torch exceeded it too), so another rounding order may too.
+    # What the shape alone cannot bound: on nearly rank-2 inputs torch's own bf16 rounding leaves its result above
+    # the shape-only bound from the same iteration in float64 (by how much: notes/measured/from_code_comments.md),
+    # so another rounding order may too.
     assert any(f["torch_relative"] > f["shape_only"] for f in low)
     for kind in (False, True):
         fs = [f for f in figures if f["low_rank"] == kind]
