@@ -236,12 +236,12 @@ for name in bucket.names:
           f"with torch's Newton-Schulz on the whole matrix: {torch.equal(ours, theirs)}")
 
 # %% [markdown]
-# ## 5. The step: DistributedMuon, with the gather strategy as its part
+# ## 5. The step: DistributedMuon, with the gather strategy plugged in
 #
 # `DistributedMuon.step` takes the buckets one at a time through four stages: the gradient
 # reduce-scatter over DP, momentum (and AdamW) on this rank's parts, stage 3 (the strategy's: here the
 # gather flow above) with the weight update on the parts, and the parameter all-gather that gives every
-# DP rank its whole TP pieces again. The strategy is a part of the optimizer, `Gather()` here (the end of
+# DP rank its whole TP pieces again. The strategy is plugged into the optimizer, `Gather()` here (the end of
 # section 4): `step` hands it the stages, which it runs in turn (`stages_in_turn`), and asks it for stage 3.
 # Each stage is a method; the ledger names each collective's phase, as the report of section 6 prints them.
 

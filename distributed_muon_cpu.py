@@ -51,7 +51,7 @@ from distmuon.collectives import all_gather_single, reduce_scatter_sum
 from distmuon.rules import add_or_refuse_group, copy_sharing
 from distmuon.ledger import Ledger
 from distmuon.normuon import check_rows_held
-from distmuon.checks import (ORTHOGONALIZED, QK_CLIP_OFF, check_grid, check_options, check_parts,
+from distmuon.checks import (ORTHOGONALIZED, QK_CLIP_OFF, check_grid, check_options, check_step_arguments,
                              checked_zero1_state_dict, index_named_params, ns_coefficients_of, step_device,
                              step_problem, torch_defaults)
 
@@ -519,7 +519,7 @@ class Gather:
 
 
 # =============================================================================
-# 5. The step: DistributedMuon, with the gather strategy as its part
+# 5. The step: DistributedMuon, with the gather strategy plugged in
 # =============================================================================
 # One optimizer step as seen from one rank (DP=4, TP=2), one unit (here: one bucket) at a time:
 #
@@ -530,8 +530,8 @@ class Gather:
 #   4. parts             --param all-gather (fp32)------> every rank holds its full TP-local weights
 #
 # A rank's "part" of a parameter is the range of its flat TP piece whose state it keeps (dist_meta's local range).
-# AdamW rides the same reduce-scatter and all-gather and needs no gather (elementwise). The strategy, a part of the
-# optimizer asked at fixed points (Gather's docstring), says where each matrix is orthogonalized: here, section
+# AdamW rides the same reduce-scatter and all-gather and needs no gather (elementwise). The strategy, plugged into the
+# optimizer and asked at fixed points (Gather's docstring), says where each matrix is orthogonalized: here, section
 # 4's flow bucket by bucket (one bucket's temporaries alive at a time).
 
 
@@ -546,7 +546,7 @@ class DistributedMuon(torch.optim.Optimizer):
     grid: from make_grid; tp_split_dims: {name: dim} of TP-split parameters (a group added later may carry its own
         under the key "tp_split_dims"); bucket_size: largest bucket, in elements, before padding to DP.
     strategy: where each matrix is orthogonalized: Gather() (None), or another with Gather's calls; large_runs:
-    None, or a part wrapped around the strategy (large_runs.around(strategy)), one per optimizer.
+    None, or a LargeRuns, which wraps the strategy (large_runs.around(strategy)), one per optimizer.
     Gradients are summed over DP. A parameter whose .grad is None on every rank is skipped, as torch skips it; one
     with a gradient on some ranks only gets zeros from the others, as DDP adds.
     """
@@ -557,7 +557,7 @@ class DistributedMuon(torch.optim.Optimizer):
         if not all(hasattr(grid, axis) for axis in ("rank", "dp", "tp", "world")):
             raise ValueError(f"grid must be the Grid of make_grid(dp, tp, rank) (got {type(grid).__name__})")
         check_options(str, options, bucket_size=bucket_size)
-        check_parts(tp_split_dims=tp_split_dims, strategy=strategy, large_runs=large_runs)
+        check_step_arguments(tp_split_dims=tp_split_dims, strategy=strategy, large_runs=large_runs)
         self.grid, self.bucket_size, self.ledger = grid, bucket_size, Ledger()
         self.large_runs, self.strategy = large_runs, strategy or Gather()
         self.strategy = self.strategy if large_runs is None else large_runs.around(self.strategy)

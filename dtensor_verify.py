@@ -215,7 +215,7 @@ def worse(a, b):
     return not math.isnan(b) and (math.isnan(a) or a > b)
 
 
-def worse_of(a, b):
+def worst_errors(a, b):
     """Two steps' step_errors, the largest of each figure (bound_worst goes with bound_ratio)."""
     out = {k: largest([a[k], b[k]]) for k in a if k != "bound_worst"}
     out["bound_worst"] = b["bound_worst"] if worse(b["bound_ratio"], a["bound_ratio"]) else a["bound_worst"]
@@ -281,7 +281,7 @@ def verify_training(cfg, results, device="cpu", reference=None):
     for s in range(cfg.steps):
         weights = assemble([dict(r, params=r["weights"][s]) for r in ranks], shapes)
         step = step_errors(ref, weights, s + 1, ranks_loss[s], grads[s])
-        errors = step if errors is None else worse_of(errors, step)
+        errors = step if errors is None else worst_errors(errors, step)
     differs = replay_differs(ref, ranks, cfg.steps)  # ref's optimizers have not stepped yet
     free_losses, nudged_losses = [], []
     trained = verify(None, ranks, run_reference(cfg, device, free_losses, reference))

@@ -4,7 +4,7 @@ against one addmm call per matrix (the default, torch.optim.Muon's own path), on
 results are from torch's single-matrix Newton-Schulz (they are not always bit-identical:
 bf16 baddbmm and addmm round some near-ties differently; section 1 of the script).
 
-    python benchmarks/batching.py         # about 30 s on 2 cores
+    python benchmarks/batching.py
 """
 
 import os

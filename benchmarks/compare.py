@@ -4,7 +4,7 @@ and step time, and the targets of the zero-redundancy strategies that do not dep
 machine (FLOPs and bytes). Step times are printed as figures and ratios, never as verdicts: on a
 shared 2-core machine they move from run to run.
 
-    python benchmarks/compare.py                                  # DP=4 x TP=2, the 2-layer demo, about 20 s
+    python benchmarks/compare.py                                  # DP=4 x TP=2, the 2-layer demo
     python benchmarks/compare.py --steps 5 --dp 8 --tp 1 --layers 8   # balanced owners; comm-free = AdamW bytes
     python benchmarks/compare.py --model lopsided --explain       # --explain: each run's layout, as a run prints it
 

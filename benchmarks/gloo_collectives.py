@@ -4,7 +4,7 @@ reduce-scatter, a ring all-gather and a direct all-to-all all send (N - 1) / N *
 rank. "RS, all-to-all + sum" is the script's reduce_scatter on Gloo (section 2): an all-to-all,
 then each rank adds the shards it received, in rank order.
 
-    python benchmarks/gloo_collectives.py              # 8 ranks, about 40 s on 2 cores
+    python benchmarks/gloo_collectives.py              # 8 ranks
     python benchmarks/gloo_collectives.py --ranks 2
 """
 

@@ -3,12 +3,12 @@ constant and warm-up + cosine schedules, the same token budget, and how many ste
 to reach AdamW's best validation loss, as a spread over seeds; with --normuon-lrs, NorMuon
 (arXiv 2510.05491) beside Muon, read the same way.
 
-    python benchmarks/gpt_lr_sweep.py   # (5 + 6 lrs) x 2 schedules x 5 seeds = 110 runs of 200 steps: 42 min, 2 cores
+    python benchmarks/gpt_lr_sweep.py   # (5 + 6 lrs) x 2 schedules x 5 seeds = 110 runs of 200 steps
     python benchmarks/gpt_lr_sweep.py --muon-lrs 0.02 0.03 0.05 --adamw-lrs 0.001 0.002 0.003 --seeds 0 1 2 \\
         --schedules constant --json s.json --figure s.png
     python benchmarks/gpt_lr_sweep.py --from-json s.json --figure s.png   # report saved (even partial) runs again
     python benchmarks/gpt_lr_sweep.py --normuon-lrs 0.01 0.02 0.03 0.05 --muon-lrs 0.01 0.02 0.03 0.05 \
-        --adamw-lrs 0.001 0.0014 0.002 --seeds 0 1 2   # NorMuon beside Muon: 66 runs, about 12 min on 2 cores
+        --adamw-lrs 0.001 0.0014 0.002 --seeds 0 1 2   # NorMuon beside Muon: 66 runs
 
 Both optimizers get the same model, batches, steps and learning-rate schedule (Muon uses
 adjust_lr_fn "match_rms_adamw", so one lr means the same update size for both; its embeddings,
@@ -279,8 +279,8 @@ def measure(a, given=frozenset()):
 
 def build_parser():
     p = mt.OneLineParser(description=__doc__.splitlines()[0])
-    # Finer grids (steps of about 1.5x) around the bests of the earlier 4-point sweep at seed 0 (Muon 0.03
-    # among 0.003-0.1, AdamW 0.001 among 0.0003-0.01) and issue 21's rerun at seed 1 (AdamW 0.002).
+    # Finer grids (steps of about 1.5x) around the bests of earlier, coarser sweeps (notes/measured/
+    # from_code_comments.md).
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.03, 0.05, 0.07])
     p.add_argument("--normuon-lrs", type=float, nargs="+", default=[],
                    help="NorMuon's grid, run beside Muon's (default: none, no NorMuon runs)")

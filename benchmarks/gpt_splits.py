@@ -1,7 +1,7 @@
 """Eight ranks split four ways, 8x1, 4x2, 2x4, 1x8 (DP x TP): step time and bytes per step of
 examples/train_gpt.py, Muon (owner strategy) and AdamW ZeRO-1, on the same model and batches.
 
-    python benchmarks/gpt_splits.py                        # 12 steps per run, about 3 min on 2 cores
+    python benchmarks/gpt_splits.py                        # 12 steps per run
     python benchmarks/gpt_splits.py --steps 20 --json splits.json --figure splits.png
 
 The model has 8 heads so that TP = 8 keeps one head per rank. Times are medians from step 3

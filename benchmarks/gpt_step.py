@@ -1,7 +1,7 @@
 """Where a training step's time and bytes go: examples/train_gpt.py traced with torch.profiler for
 every Muon strategy and for AdamW ZeRO-1, on the same grid, model and batches (like for like).
 
-    python benchmarks/gpt_step.py                          # DP=4 x TP=2, 8 steps each, about 2 min on 2 cores
+    python benchmarks/gpt_step.py                          # DP=4 x TP=2, 8 steps each
     python benchmarks/gpt_step.py --dp 2 --tp 2 --traces traces/ --json step.json --figure step.png
 
 Each run writes Chrome traces (open them in ui.perfetto.dev) for steps 4-6 of every rank. The

@@ -5,8 +5,7 @@ detected` and a rank killed by SIGABRT: heap corruption, cause unknown. This run
 again beside busy loops (the load) and counts how each run ended; --malloc-check runs it with glibc's
 MALLOC_CHECK_=3, which aborts at the first inconsistency it sees instead of later (glibc 2.34 and later
 honour it only with their debugging malloc preloaded, libc_malloc_debug.so.0: --malloc-check preloads it,
-and refuses to run where it is missing. Measured with glibc 2.36: a C program writing one byte past a
-24-byte block ran to its end without it and with MALLOC_CHECK_=3 alone; preloaded, free() aborted).
+and refuses to run where it is missing; what was seen with glibc 2.36: notes/measured/from_code_comments.md).
 
     python benchmarks/heap_stress.py                          # 10 runs of --verify beside 2 busy loops
     python benchmarks/heap_stress.py --runs 30 --busy 6 --malloc-check
@@ -14,43 +13,8 @@ and refuses to run where it is missing. Measured with glibc 2.36: a C program wr
     git worktree add /tmp/then 04eef11 && python benchmarks/heap_stress.py --checkout /tmp/then  # as it was
 
 It prints one line a run (exit code, seconds, the first line of stderr when it failed) and the rate.
-A rate is only what was seen: 0 in N runs bounds the rate below about 3/N (95 %), no more.
-
-Observed so far (2 cores shared with another engineer's jobs, load 4-16, torch 2.14.1, no fix applied):
-`--runs 8 --busy 2`, stopped by a timeout after 6 whole runs of 192-319 s: 0 failures (and --malloc-check,
-before it preloaded the debugging malloc, checked nothing). At commits 252d68a and 866148e (runs 3-5: the
-janitor's error handling changed in between), the machine otherwise idle:
-`--runs 5 --busy 2 --malloc-check`, heap checks on: 5 runs of 215-254 s, 0 failures, no heap message. 0 in 11
-neither reproduces the crash nor rules out 1 in 5 (0 in 11 happens 9 % of the time at that rate); no cause
-found. At commit 6fdc039, many short runs instead (each start and exit, where threads are made and left, 40 times):
-`--runs 40 --busy 2 --malloc-check -- --verify --steps 6 --val-windows 4`: 40 runs of 60-73 s, 0 failures, no
-heap message (load 5 at the end). At commit a9b6a1c, under a heavier load (eight busy loops, as near the load of
-15 the crash was seen under): `--runs 12 --busy 8 --malloc-check -- --verify --steps 6 --val-windows 4`: 12 runs of
-136-170 s, 0 failures, no heap message (load 9.9 at the end). At commit 4b99ebf (the lesson's forkserver started
-first; the examples' unchanged), the same command with --runs 6: 6 runs of 138-160 s, 0 failures, no heap message
-(load 9.8 at the end). At commit bf7ea08 (this command's own forkserver started first too), with --runs 8: 8 runs of
-127-139 s, 0 failures, no heap message (load 10.0 at the end). Most of those ran with --malloc-check, whose
-debugging malloc places blocks otherwise than glibc's own, which can hide a bug that depends on where they lie; the
-crash was seen without it. So at commit 25cee33, without it (glibc's own checks, such as the "unaligned fastbin
-chunk" one, stay on): `--runs 16 --busy 8 -- --verify --steps 6 --val-windows 4`: 16 runs of 94-174 s, 0 failures
-(load 10.0 at the end); then the crash's own command at its full length, `--runs 8 --busy 12` (load 13-14), stopped
-by SIGTERM after 3 whole runs of 644-654 s: 0 failures. At commit eee5388, on another 2-core EPYC, one with
-AVX512-BF16 (bf16 matmul 206 GFLOP/s a thread against 1.7: the ranks' phases interleave otherwise), the crash's own
-command at its full length, `--runs 20 --busy 8`, glibc's own allocator: 20 runs of 159-231 s, 0 failures (load 9.4
-at the end); then many short runs (each start and exit), `--runs 40 --busy 12 -- --verify --steps 6 --val-windows 4`:
-40 runs of 60-85 s, 0 failures (load 14.0 at the end). The rate before, at the code the crash was seen with
-(commit 04eef11, the last before issue 30's first changes; its own checkout, a git worktree, run by --checkout), on the
-same AVX512-BF16 EPYC, glibc's own allocator: `--runs 15 --busy 8 --checkout DIR` (the crash's own command at its full
-length): 15 runs of 209-303 s, 0 failures (load 9.6 at the end; 0 in 15 happens 3.5 % of the time at 1 in 5). So the
-code of then does not crash here either: 0 in 171 in all, before and after; whatever made the one crash (another
-engineer's jobs on that machine, its memory, a rarer race) is not in these runs, and no cause is found or claimed.
-What is alive in a rank when it ends (`/proc/self/task` read at the end of rank_process, in a copy, one run of
-`train_gpt_dtensor.py --steps 2`): the main thread and the heartbeat thread, 4 Gloo run loops (pt_gloo_runloop)
-and 2 Gloo TCP loops after destroy_process_group, 8 autograd threads, and rank 0's TCPStore loop. A rank forked
-by the forkserver ends in os._exit (multiprocessing's forkserver.py), so no destructor runs beside them.
-The forkserver itself holds one thread beside its main one once torch is imported: numpy's OpenBLAS thread server
-(torch imports numpy; found with gdb), idle; OpenBLAS stops it before every fork (its pthread_atfork handler:
-measured, a process's 2 threads are 1 after an os.fork, and the child has 1), so no rank starts with it.
+A rate is only what was seen: 0 in N runs bounds the rate below about 3/N (95 %), no more. The runs made so
+far, and what is alive in a rank when it ends: notes/measured/from_code_comments.md.
 """
 
 import signal

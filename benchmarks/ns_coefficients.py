@@ -4,7 +4,7 @@ iteration, at equal FLOPs: Keller Jordan's one quintic (3.4445, -4.7750, 2.0315)
 Amsel et al., arXiv 2505.16932, Algorithm 1; its Figure shows the same thing on random matrices).
 Both do the same three matmuls per iteration, so k iterations of either cost the same FLOPs.
 
-    python benchmarks/ns_coefficients.py                      # the GPT of examples/train_gpt.py, 20 steps; ~30 s
+    python benchmarks/ns_coefficients.py                      # the GPT of examples/train_gpt.py, 20 steps
     python benchmarks/ns_coefficients.py --steps 8 --train-steps 50
 
 What it does: trains examples/gpt.py (one process, TP = 1, torch.optim.Muon + AdamW, the defaults of

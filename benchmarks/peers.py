@@ -561,7 +561,7 @@ def contenders(peers, world, rank, without_ns=False):
 def local_gradients(total, sync, world, shared):
     """What this rank's backward would hand the contender: g where a wrapper averages (DDP, FSDP2), g / N for
     our ZeRO-1 strategies, whose step sums; one copy of each kind (`shared`), read by every contender (each round
-    gives each a fresh clone): fourteen contenders at d = 768 on 4 processes held one each before, 1.6 GB a rank."""
+    gives each a fresh clone), not one per contender (what that held: notes/measured/from_code_comments.md)."""
     share = 1 / world if sync == IN_STEP else 1.0
     if share not in shared:
         shared[share] = total if share == 1.0 else {n: g * share for n, g in total.items()}

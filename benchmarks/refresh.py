@@ -1,7 +1,7 @@
 """Every figure of README.md and notes/ from its command: rewrites notes/measured/ (run by benchmarks/refresh.sh).
 
-    bash benchmarks/refresh.sh                  # every part this machine can run: ~75 min on 2 cores, + 20-45 min each of the NorMuon and moe_optimizers sweeps
-    bash benchmarks/refresh.sh --quick          # a smoke run, about a minute on 2 cores: tiny sizes, a temporary folder
+    bash benchmarks/refresh.sh                  # every part this machine can run (hours: each part's time in INDEX.md)
+    bash benchmarks/refresh.sh --quick          # a smoke run: tiny sizes, a temporary folder
     bash benchmarks/refresh.sh --only default_4x2 gpt_default_4x2    # some parts
     bash benchmarks/refresh.sh --list           # the parts, their files and commands
 
@@ -43,7 +43,7 @@ import muon_tools as mt  # noqa: E402
 
 MEASURED = os.path.join(ROOT, "notes", "measured")
 INDEX = "INDEX.md"
-PART_LIMIT_S = 4 * 3600  # a part that runs longer than this has hung (the longest, the lr sweep, takes ~45 min)
+PART_LIMIT_S = 4 * 3600  # a part that runs longer than this has hung (several times the longest in INDEX.md)
 QUICK_LIMIT_S = 60
 TINY_GPT = "--steps 2 --batch 2 --context 16 --d-model 16 --layers 1 --heads 1 --val-windows 2 --log-every 1"
 

@@ -5,7 +5,7 @@ layers at d = 768 (qkv 2304x768, proj 768x768, fc 3072x768, fc2 768x3072 to Muon
 768 to AdamW. Only step() is timed, gradients preset; a step's time on N ranks is that of its
 slowest rank. Figures and ratios, never verdicts: this machine is shared and noisy.
 
-    python benchmarks/scaling.py                          # 1 and 2 ranks here (2 cores), about 5 minutes
+    python benchmarks/scaling.py                          # 1 and 2 ranks here (2 cores)
     python benchmarks/scaling.py --ranks 1 2 4 8 --json scaling.json --figure scaling.png
     python benchmarks/scaling.py --d 128                  # a CPU without bf16 units (see below)
     python benchmarks/scaling.py --without-ns --ranks 1   # everything but Newton-Schulz, at d = 768

@@ -3,7 +3,7 @@ TP = 1), the owner strategies with and without --overlap, one step of each trace
 on the thread of each rank, against half of torch's Newton-Schulz (the ideal: the NS FLOPs split
 evenly and nothing else).
 
-    python benchmarks/two_ranks.py                 # about 30 s on 2 cores
+    python benchmarks/two_ranks.py
     python benchmarks/two_ranks.py --rounds 4 --without-ns
     git worktree add /tmp/before <commit> && python benchmarks/two_ranks.py --before /tmp/before
 

@@ -184,7 +184,7 @@ def check_options(name, options, bucket_size=1):
 LARGE_RUNS_CALLS = ("plan", "plan_parts", "around", "orthogonalize_tp_piece", "clip_qk_")  # section 8's LargeRuns
 
 
-def check_parts(*, tp_split_dims=None, strategy=None, large_runs=None):
+def check_step_arguments(*, tp_split_dims=None, strategy=None, large_runs=None):
     """The lesson's optimizer's other arguments, each refused in one line naming it: tp_split_dims a dict of names
     to dims (checked against the parameters when they are laid out), strategy a strategy (Gather, Owner or CommFree:
     what the step calls), large_runs a LargeRuns."""

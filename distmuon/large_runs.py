@@ -54,7 +54,7 @@ from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, Gather, all
 # =============================================================================
 # 8. What large runs add: blocks, Polar Express, QK-clip, Newton-Schulz on TP pieces
 # =============================================================================
-# Five parts: the row layout that names a fused matrix's rows (8.1), orthogonalizing
+# Five sections: the row layout that names a fused matrix's rows (8.1), orthogonalizing
 # by its blocks (8.2), Newton-Schulz on TP pieces (8.3), QK-clip (8.4), and the
 # object the optimizers call (8.5). Polar Express is section 1's: one (a, b, c)
 # per iteration, and nothing new moves.
@@ -405,7 +405,7 @@ def max_logits_problem(max_logits, heads):
 # The lesson's optimizers build a LargeRuns when any option is on: it checks the
 # options at once (before the parameters), wraps the optimizer's strategy
 # (WithLargeRuns), plans once the optimizer knows its layout (which matrices go by
-# blocks, which on their TP pieces, each part's runs of rows), and serves the
+# blocks, which on their TP pieces, the runs of rows of each rank's part), and serves the
 # step's three calls through the strategy it wraps.
 
 
@@ -456,8 +456,9 @@ def check_normuon_options(normuon, blocked):
 
 class WithLargeRuns:
     """A strategy with what large runs add, wrapped around it: LargeRuns plans first (blocks, the Gram form), the
-    strategy then (its owners weigh blocks by their FLOPs), LargeRuns last (each part's runs of rows); a blocked
-    matrix's update takes its runs' lr adjustments; clip_qk_ is LargeRuns'. Every other call is the strategy's."""
+    strategy then (its owners weigh blocks by their FLOPs), LargeRuns last (the runs of rows of each rank's part); a
+    blocked matrix's update takes its runs' lr adjustments; clip_qk_ is LargeRuns'. Every other call is the
+    strategy's."""
 
     def __init__(self, strategy, large_runs):
         self.strategy, self.large_runs = strategy, large_runs

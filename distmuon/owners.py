@@ -2,7 +2,7 @@
 
 Section 7 of the lesson, in a file of its own: read distributed_muon_cpu.py's sections 1-6 first. The gather flow
 of section 4 orthogonalizes a matrix on every rank that touches it. The two strategies here give every matrix ONE
-owner among the DP x TP ranks, balanced by Newton-Schulz FLOPs. Each is a part that section 5's DistributedMuon
+owner among the DP x TP ranks, balanced by Newton-Schulz FLOPs. Each is a strategy that section 5's DistributedMuon
 plugs into its step (its strategy=), with stage 3 replaced (comm-free: stages 1 and 4 extended):
 
     owner      ZeRO-1 unchanged; the parts of every matrix go to its owner and back (two all-to-alls)
@@ -16,7 +16,7 @@ matrices batched (batched_ns, --batched-ns). Launch recipes (the lesson's comman
     python distributed_muon_cpu.py --strategy owner --overlap   # the step pipelined, collectives in flight
     python benchmarks/compare.py          # gather, owner, comm-free, AdamW ZeRO-1: bytes, FLOPs, balance, time
 
-Import them: the optimizers are real torch.optim.Optimizers, section 5's with these parts:
+Import them: the optimizers are real torch.optim.Optimizers, section 5's with these strategies plugged in:
     from distmuon import OwnerMuon, CommFreeMuon   # = DistributedMuon(..., strategy=Owner(...) or CommFree(...))
 """
 
@@ -77,12 +77,12 @@ from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, Distributed
 # A TP-replicated matrix (an MoE router) is the same on every TP rank, so only
 # the owner's own TP column sends its parts; every holder gets O back.
 #
-# Seven parts: who owns what (7.1), the routes of a matrix's parts (7.2), the
+# Seven sections: who owns what (7.1), the routes of a matrix's parts (7.2), the
 # exchanges that move them, collectives in flight (7.3), Newton-Schulz at the
 # owner, one matrix or one stack at a time (7.4), comm-free's reduce at and
 # broadcast from the owner row (7.5), the step overlapped with its collectives
-# (7.6), and the strategies, Owner and CommFree: parts of section 5's optimizer
-# that replace its stage 3 (and, for comm-free, extend stages 1 and 4), every
+# (7.6), and the strategies, Owner and CommFree: plugged into section 5's optimizer,
+# they replace its stage 3 (and, for comm-free, extend stages 1 and 4), every
 # other stage its own (7.7).
 
 
@@ -533,7 +533,7 @@ def start_gather(opt, unit, active):
 
 def overlapped_stages(opt, active, k):
     """The stages of every unit pipelined K units deep (above), each collective started as soon as it can be: the
-    owner strategies' schedule with overlap=K, made of the same parts as section 5's stages in turn."""
+    owner strategies' schedule with overlap=K, made of the same steps as section 5's stages in turn."""
     strategy, axis, dtype, device = opt.strategy, opt.strategy.axis(opt), torch.bfloat16, opt.device
     units = strategy.units(opt)
     # Which matrices of each unit travel to an owner: the same on every rank of the axis, so a unit without any
@@ -582,7 +582,7 @@ def check_owner_options(name=str, *, owners=None, overlap=0, batched_ns=False):
 
 
 # -----------------------------------------------------------------------------
-# 7.7 The strategies: Owner and CommFree, parts of section 5's DistributedMuon
+# 7.7 The strategies: Owner and CommFree, plugged into section 5's DistributedMuon
 # -----------------------------------------------------------------------------
 
 class Owner(Gather):
@@ -754,19 +754,19 @@ def with_strategy(optimizer, strategy, kwargs):
 
 
 class OwnerMuon(DistributedMuon):
-    """DistributedMuon with the owner strategy as its part (Owner's arguments, then DistributedMuon's)."""
+    """DistributedMuon with the owner strategy plugged in (Owner's arguments, then DistributedMuon's)."""
 
     def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
         super().__init__(params, **with_strategy("OwnerMuon", Owner(owners, overlap, batched_ns), kwargs))
 
 
 class CommFreeMuon(DistributedMuon):
-    """DistributedMuon with the comm-free strategy as its part (CommFree's arguments, then DistributedMuon's)."""
+    """DistributedMuon with the comm-free strategy plugged in (CommFree's arguments, then DistributedMuon's)."""
 
     def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
         super().__init__(params, **with_strategy("CommFreeMuon", CommFree(owners, overlap, batched_ns), kwargs))
 
 
-# Every strategy, by the name --strategy takes: the optimizer with it as its part.
+# Every strategy, by the name --strategy takes: the optimizer with it plugged in.
 OPTIMIZERS = {"gather": DistributedMuon, "owner": OwnerMuon, "comm-free": CommFreeMuon}
 STRATEGIES = tuple(OPTIMIZERS)

@@ -1,6 +1,6 @@
 """What the lesson's step (distributed_muon_cpu.py, section 5) and its strategy see of each other, typed.
 
-A strategy is a part of the optimizer that says where each matrix is orthogonalized and how its pieces travel there
+A strategy is what the optimizer plugs in to say where each matrix is orthogonalized and how its pieces travel there
 and back: the lesson's Gather (section 4), distmuon/owners.py's Owner and CommFree (section 7), each wrapped by
 distmuon/large_runs.py's WithLargeRuns when large runs' options are on (section 8). The step calls a Strategy; a
 strategy reads and calls only what a StepContext has (the optimizer is one), never an underscored attribute.

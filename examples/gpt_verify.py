@@ -57,7 +57,7 @@ from examples.stdlib_text import load_corpus
 #     them in the same order (the lesson's sum_in_order; gpt.py's FanOut for x's gradient, which
 #     autograd would add in its own order). So any TP is as exact as TP = 1:
 #     gradients, losses, trained weights, all torch.equal (measured on 1x2 to 2x4,
-#     every strategy, AdamW, lr 0.1: notes/09). NCCL's all-reduce adds in its own
+#     every strategy, AdamW, lr 0.1: notes/11-training.md). NCCL's all-reduce adds in its own
 #     order: TP = 2 keeps the ranks' bits there (two terms, a + b == b + a), TP > 2
 #     does not.
 #   * NCCL with TP > 2: each step's gradients and losses are held, against float64,
@@ -71,7 +71,7 @@ from examples.stdlib_text import load_corpus
 #     step's few different roundings change the next step's weights and so its
 #     gradient, and a training amplifies any difference chaotically: one ulp on one
 #     weight of the one-process run, with no distributed code at all, moves its
-#     losses by as much within a few steps at lr 0.1 (figures in notes/09). So the
+#     losses by as much within a few steps at lr 0.1 (figures in notes/11-training.md). So the
 #     drift of the losses is reported beside that chaos floor (the
 #     same one-process run with entry 0 of CHAOS_PARAM moved by one ulp), as a ratio,
 #     and never fails a run: the replay and the gradients are what catch a bug.

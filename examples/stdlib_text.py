@@ -1,7 +1,7 @@
 """Real text with no download: the Python standard library's own source files, as bytes.
 
-Every Python install carries its standard library's sources (here about 13 MB of
-.py files once the test suites are left out; the folder comes from
+Every Python install carries its standard library's sources (megabytes of .py files
+once the test suites are left out; the folder comes from
 sysconfig.get_paths()["stdlib"], in Colab too). Tokens are the bytes themselves
 (vocabulary 256), so there is no tokenizer to fit or download.
 
@@ -78,7 +78,7 @@ def windows(stream, starts, context):
 
 @functools.lru_cache(maxsize=2)
 def load_corpus(root=None):
-    """The corpus, read once per process (about 0.2 s here)."""
+    """The corpus, read once per process."""
     root = root or stdlib_root()
     paths = source_files(root)
     if not paths:

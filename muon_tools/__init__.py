@@ -45,9 +45,9 @@ from muon_tools.outputs import (  # noqa: F401
     WriteError, check_checkpoint_model, check_not_input, check_outputs, check_writable, is_code_file, one_line,
     read_checkpoint, save_figure, umask, write_atomically, write_folder_atomically, write_json)
 from muon_tools.launch import (  # noqa: F401
-    ERRORS_LAND_S, HEARSAY, HEARTBEAT_S, Interrupted, POLL_S, RankFailure, blame, end_if_orphaned, free_port,
-    hearsay, name_process, raise_interrupted, rank_errors, rank_process, run_processes, spawn_ranks, start_heartbeat,
-    start_method, stop, watch, worker_process)
+    ERRORS_LAND_S, HEARTBEAT_S, POLL_S, SECONDHAND, Interrupted, RankFailure, culprit_failure, end_if_orphaned,
+    free_port, is_secondhand, name_process, raise_interrupted, rank_errors, rank_process, run_processes, spawn_ranks,
+    start_heartbeat, start_method, stop, watch, worker_process)
 from muon_tools.checks import (  # noqa: F401
     FLOAT32_MAX, MAX_DEMO_PARAMETERS, MAX_LAYERS, MAX_TIMEOUT_S, MIN_TIMEOUT_S, MUON_ONLY, TORCH_ADAMW_BETAS,
     add_backend_flags, backend_flags, check_large_run_flags, check_launch, check_seed, check_step_numbers,

@@ -20,15 +20,11 @@ from muon_tools.settings import (MAX_WORLD, MODELS, MUON_GROUP, N_HEADS, RunConf
 
 # The command line: its checks, made before any rank starts, then its parser and main().
 # The shortest --timeout a run can live with: a rank's first heartbeat comes HEARTBEAT_S after it starts, and every
-# rank must join the world (init_process_group, whose wait --timeout bounds too) before any step. Measured here (2
-# cores, idle; the launcher's clock starts once every rank is started): 8 ranks joined 0.35 s after it, 16 ranks
-# 0.7 s, 32 ranks 1.4 s and 64 (MAX_WORLD) 2.9 s; the default run failed at --timeout 0.6 (a rank's first heartbeat
-# late) and passed at 1. 5 s covers MAX_WORLD's start with room for a loaded machine; below it a run died in its
-# first second, each rank printing c10d's timeout (22 lines at --timeout 0.001).
+# rank must join the world (init_process_group, whose wait --timeout bounds too) before any step: 5 s covers
+# MAX_WORLD's start with room for a loaded machine (the join times: notes/measured/from_code_comments.md).
 MIN_TIMEOUT_S = 5.0
-# The longest: torch.distributed counts a deadline in int64 nanoseconds of the steady clock (292 years): here a timeout
-# of 1e10 s ended init_process_group at once ('timed out after 10000000000000ms'), 8.64e13 s (datetime.timedelta's
-# largest) was an invalid Gloo timeout, 1e30 s no timedelta at all (OverflowError on every rank); 1e9 s worked.
+# The longest: torch.distributed counts a deadline in int64 nanoseconds of the steady clock (292 years), and larger
+# timeouts fail at the join (what each did: notes/measured/from_code_comments.md).
 MAX_TIMEOUT_S = 1e9
 
 

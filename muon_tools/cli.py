@@ -230,7 +230,7 @@ def exit_code(work, show_traceback=False, torchrun_command=None):
             (143, "error: terminated (SIGTERM)")
         line += "; every rank stopped, temporary files removed"
         if command:  # its ranks stopped and its folders removed, it ends now, and so does its forkserver
-            stop_forkserver()  # (which may still import torch: 15 s here) rather than after Python's teardown
+            stop_forkserver()  # (which may still be importing torch) rather than after Python's teardown
             leave(code, line)
         print(line, file=sys.stderr)  # an importer's process (a test's) just gets the code
         return code

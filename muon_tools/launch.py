@@ -151,21 +151,21 @@ def rank_errors(out_dir):
 # it raise the details and every other one raises "rank R refused ... (it raised why); nothing changed"
 # (distributed_muon_cpu.py's and distmuon/dtensor's refused step, clip_qk_ in distmuon/large_runs.py and
 # distmuon/dtensor/).
-HEARSAY = "(it raised why)"
+SECONDHAND = "(it raised why)"
 
 
-def hearsay(error):
-    """Whether a rank's one-line error only says that another rank found the problem (HEARSAY)."""
-    return HEARSAY in error
+def is_secondhand(error):
+    """Whether a rank's one-line error only says that another rank found the problem (SECONDHAND)."""
+    return SECONDHAND in error
 
 
-def blame(exits, out_dir):
+def culprit_failure(exits, out_dir):
     """The RankFailure that names the cause, once some rank has exited abnormally.
 
     exits: [(rank, exit code)] in the order the launcher saw them end. A rank
     killed by a signal is the cause (its peers then fail with "connection
     closed"); otherwise the rank whose error was written first is, unless it is
-    hearsay (another rank found the problem): after a vote every rank raises at
+    secondhand (another rank found the problem): after a vote every rank raises at
     once, in any order, and the first error that gives the details is the cause.
     """
     for rank, code in exits:
@@ -173,7 +173,7 @@ def blame(exits, out_dir):
             return RankFailure(f"rank {rank} was killed by {signal.Signals(-code).name}")
     errors = rank_errors(out_dir)
     if errors:
-        errors.sort(key=lambda e: hearsay(e[2]))  # stable: the details first, each kind by time
+        errors.sort(key=lambda e: is_secondhand(e[2]))  # stable: the details first, each kind by time
         _, rank, error, trace = errors[0]
         others = sorted(r for _, r, _, _ in errors[1:])
         also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
@@ -192,7 +192,7 @@ def watch(procs, heartbeats, out_dir, timeout_s):
     Every POLL_S it looks at which processes ended and at every heartbeat. A rank
     that exited with an error ends the run (its peers fail right after it; the
     launcher waits ERRORS_LAND_S for their errors, to name the first, and while
-    every error so far is hearsay (another rank found the problem), up to
+    every error so far is secondhand (another rank found the problem), up to
     timeout_s for the rank that found it); so does a rank whose heartbeat is older
     than timeout_s.
     """
@@ -209,12 +209,12 @@ def watch(procs, heartbeats, out_dir, timeout_s):
         if exits:
             def waiting_for_the_details():
                 errors = rank_errors(out_dir)
-                return time.monotonic() < now + timeout_s and errors and all(hearsay(e[2]) for e in errors)
+                return time.monotonic() < now + timeout_s and errors and all(is_secondhand(e[2]) for e in errors)
 
             while (any(p.exitcode is None for p in procs)
                    and (time.monotonic() < now + ERRORS_LAND_S or waiting_for_the_details())):
                 multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=POLL_S)
-            return blame(exits, out_dir)
+            return culprit_failure(exits, out_dir)
         if all(p.exitcode == 0 for p in procs):
             return None
 

@@ -56,11 +56,9 @@ from muon_tools.reference import bound
 # beyond the bound: the commands' tests break one and see FAIL.
 UNIT_ROUNDOFF = 2.0**-24  # fp32's u (a 24-bit significand): a rounding moves a result by at most this fraction of it
 REALIZED_FACTOR = 4  # step 3's factor, the one part not derived: two orders' errors are two draws of the same rounding,
-#                      their largest entries 2x apart at most in the runs measured (notes/09: TP = 2 against the
-#                      plain model, before its reference took the ranks' association; TP = 4 under Gloo's own
-#                      all-reduce order, before train_gpt.py's TP all-reduce took rank order); 4 leaves room for
-#                      that and stays far below what a bug does. Used only where the association is unknown
-#                      (above): FSDP2 x TP and NCCL's TP > 2.
+#                      their largest entries 2x apart at most in the runs measured (notes/measured/
+#                      from_code_comments.md); 4 leaves room for that and stays far below what a bug does. Used
+#                      only where the association is unknown (above): FSDP2 x TP and NCCL's TP > 2.
 
 
 def bound_ratio(ranks_err, one_err, n, scale):

@@ -96,7 +96,7 @@ def grid_run(run_grid, dp, tp, **config):
 @pytest.fixture(autouse=True)
 def reap_runs():
     """After every test: end what its real runs (test_interrupts.Run, in their own sessions) left alive, should the
-    test have failed before it ended them: a run of 2000 steps once went on for 40 minutes beside the suite."""
+    test have failed before it ended them, so that a long run does not go on beside the suite."""
     yield
     runs = getattr(sys.modules.get("test_interrupts"), "STARTED", [])
     for run in runs:

@@ -2,8 +2,8 @@
 process (conftest's single_process_group).
 
 Every argument of the lesson's optimizers (distributed_muon_cpu.DistributedMuon; distmuon.owners' OwnerMuon and
-CommFreeMuon, and their parts Owner and CommFree; distmuon.large_runs.LargeRuns) and of DTensorMuon, given a value
-of the wrong kind, is refused with a ValueError of one line that names it (distmuon/checks.py check_parts and
+CommFreeMuon, and their strategies Owner and CommFree; distmuon.large_runs.LargeRuns) and of DTensorMuon, given a value
+of the wrong kind, is refused with a ValueError of one line that names it (distmuon/checks.py check_step_arguments and
 check_options, distmuon/owners.py check_owner_options, distmuon/large_runs.py LargeRuns, distmuon/dtensor/
 optimizer.py check_arguments); an unknown keyword is a TypeError, as Python's own. A refused add_param_group (a
 1-D tensor in a Muon group, an unknown option, a tensor or a name already there, a value torch refuses, a non-dict,

@@ -4,8 +4,8 @@ unknown flag, a value that is not a number, a choice not offered) and the checks
 rank (sizes a run cannot use among them).
 
 Each row runs its script as `python SCRIPT ARGS` would, as __main__, in a process of its own with a timeout
-(ROW_TIMEOUT_S): forked from one harness process that imported torch once (a fresh interpreter per row costs
-~2 s, the whole table then a minute on 2 cores), as many rows at once as there are cores. In the row's process,
+(ROW_TIMEOUT_S): forked from one harness process that imported torch once (a fresh interpreter per row would
+import torch again), as many rows at once as there are cores. In the row's process,
 anything that would start a rank (a multiprocessing or subprocess start, joining a torch.distributed world) ends
 it with exit 3 and says so.
 Torchrun entry points run as torchrun starts each process (RANK, WORLD_SIZE, LOCAL_RANK,

@@ -89,16 +89,16 @@ def test_a_failing_rank_ends_the_run_with_one_line_naming_it(flags):
 def test_the_launcher_names_the_rank_that_says_why_not_one_that_heard_of_it(tmp_path):
     """After a vote every rank raises at once, in any order: `python dtensor_demo.py --tp 3` (DP 4 x TP 3) had
     rank 11 say what was wrong and the 11 others that rank 11 refused; the launcher named whichever wrote first.
-    Here the hearsay is written first, as it was then."""
+    Here the secondhand error is written first, as it was then."""
     said = "ValueError: rank 11: the gradient of layers.0.fc1.weight has shape (160, 40), the parameter (160, 40)"
     told = "ValueError: rank 11 refused the step (it raised why); nothing changed"
     for rank, when, error in [(0, 1.0, told), (11, 2.0, said), (5, 3.0, told)]:
         (tmp_path / f"rank{rank}.error").write_text(f"{when!r}\n{error}\nTraceback of rank {rank}\n")
-    failure = mt.blame([(0, 1), (11, 1), (5, 1)], str(tmp_path))
+    failure = mt.culprit_failure([(0, 1), (11, 1), (5, 1)], str(tmp_path))
     assert str(failure) == f"rank 11 failed: {said} (then ranks 0, 5 failed too)"
     assert failure.traceback == "Traceback of rank 11\n"
-    (tmp_path / "rank11.error").unlink()  # only hearsay: the first of it, as before
-    assert str(mt.blame([(0, 1), (5, 1)], str(tmp_path))) == f"rank 0 failed: {told} (then rank 5 failed too)"
+    (tmp_path / "rank11.error").unlink()  # only secondhand errors: the first of it, as before
+    assert str(mt.culprit_failure([(0, 1), (5, 1)], str(tmp_path))) == f"rank 0 failed: {told} (then rank 5 failed too)"
 
 
 def check_default_run_printed(out):

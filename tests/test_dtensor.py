@@ -707,7 +707,7 @@ def test_a_refused_step_changes_nothing_on_any_rank(scenarios, label):
     told = f"rank {max(culprits)} refused the step (it raised why); nothing changed"  # the highest refusing rank
     assert [r["error"] for r in ranks] == [f"rank {r['rank']}: {said}" if r["rank"] in culprits else told
                                            for r in ranks]
-    assert mt.hearsay(told) and not mt.hearsay(said)  # the launcher names a culprit (muon_tools.blame)
+    assert mt.is_secondhand(told) and not mt.is_secondhand(said)  # the launcher names a culprit (culprit_failure)
     assert ranks[3]["params"]["b"].numel() == 0  # rank 3 holds nothing of group 1's matrix
 
 

@@ -474,7 +474,7 @@ def test_refused_clips_raise_on_every_rank_and_change_nothing(runs):
             "NaN": "max_logits['qkv.weight'] holds NaN or +inf",
             "float64": "max_logits['qkv.weight'] must be a float32 tensor of shape (2,) (got torch.float64",
             "tau <= 0": "qk_clip_tau must be a number > 0 and finite (got 0.0)"}
-    assert not any(mt.hearsay(s) for s in said.values())  # muon_tools.blame names the culprit, not the others
+    assert not any(mt.is_secondhand(s) for s in said.values())  # culprit_failure names the culprit, not the rest
     for i, (what, culprit, _, _) in enumerate(BAD_CLIPS):
         for r in ranks:
             refusal = r["refusals"][i]
@@ -484,7 +484,7 @@ def test_refused_clips_raise_on_every_rank_and_change_nothing(runs):
             else:
                 assert refusal["error"] == f"rank {culprit} refused clip_qk_ (it raised why); nothing changed", \
                     (what, r["rank"], refusal["error"])
-                assert mt.hearsay(refusal["error"])
+                assert mt.is_secondhand(refusal["error"])
     assert_identical(ranks, reference(Case((1, 2, 2), "blocks", clip=True)), case.label)
 
 
@@ -526,8 +526,8 @@ def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals
     the gather and stay torch.equal. On 4x1 there is no TP: everything torch.equal.
 
     The bound: the lesson's gram_tolerance (muon_tools/reference.py derives it and states its assumption), from the
-    Newton-Schulz inputs torch's own step records here. Measured (`python tests/test_dtensor_large_runs.py 10`):
-    see the docstring of DTensorMuon; most matrices come out bit-identical, the others differ."""
+    Newton-Schulz inputs torch's own step records here. `python tests/test_dtensor_large_runs.py 10` counts
+    how many come out bit-identical."""
     case, ranks = runs[Case(mesh, gram=True).label]
     tp = mesh[2]
     record = []

@@ -19,7 +19,7 @@ from conftest import ROOT, SCRIPT, mt
 TRAIN_GPT = os.path.join(ROOT, "examples", "train_gpt.py")
 
 LONG_RUN = ["--dp", "2", "--tp", "2", "--steps", "2000"]  # minutes of steps: only a signal ends it early
-STOPS_WITHIN_S = 10  # what "within seconds" means on a loaded 2-core machine; it takes about 2 s here
+STOPS_WITHIN_S = 10  # what "within seconds" means on a loaded 2-core machine
 
 
 STARTED = []  # every Run of the session: a test that fails before it ends its run leaves it to conftest's reaper
@@ -272,8 +272,8 @@ def test_a_benchmarks_own_workers_stop_with_it_and_leave_nothing(tmp_path, how):
     """A benchmark that starts its own workers (muon_tools.run_processes, not the lesson's launcher): Ctrl-C once
     they run ends it as any command (exit 130, one line); a launcher killed outright, its workers end themselves
     and remove its temporary folders. No worker and no temporary file is left either way."""
-    # two_ranks.py's 2 workers step a tiny model a thousand times (over 40 s here): they still run when the signal
-    # comes, however fast the machine (gloo_collectives.py's ended within the second this waits, once in a suite here)
+    # two_ranks.py's 2 workers step a tiny model a thousand times: they still run when the signal comes, however
+    # fast the machine (a shorter benchmark's could end within the second this waits)
     run = Run(tmp_path, "--d", "64", "--layers", "1", "--rounds", "1000",
               script=os.path.join(ROOT, "benchmarks", "two_ranks.py"))
     deadline = time.monotonic() + 60

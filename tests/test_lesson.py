@@ -161,7 +161,7 @@ LAYERS = [
     ["distmuon.rules"],  # what every optimizer does alike: a param group added whole or not at all, a deep copy
     ["distributed_muon_cpu"],  # the lesson: math, grid, buffer, flow, the step, the run: the library's core
     ["distmuon.owners", "distmuon.large_runs"],  # sections 7 and 8: strategies and what large runs add
-    ["distmuon.dtensor.placements", "distmuon.dtensor.config"],  # DTensorMuon's parts, built on all of the above
+    ["distmuon.dtensor.placements", "distmuon.dtensor.config"],  # DTensorMuon's modules, built on all of the above
     ["distmuon.dtensor.plan"],
     ["distmuon.dtensor.rows", "distmuon.dtensor.normuon"],
     ["distmuon.dtensor.exchange"],

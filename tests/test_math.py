@@ -140,8 +140,7 @@ def test_gradient_draw_sums_exactly_in_any_order():
 
 
 # Shapes with a small side, where bf16 baddbmm and addmm round some near-ties differently, 40 seeds
-# each; and one ordinary shape, 384 x 128, with fewer: without bf16 matrix units (the CI machine) its
-# 4 matrices take about 0.4 s a seed.
+# each; and one ordinary shape, 384 x 128, with fewer: without bf16 matrix units (the CI machine) it is slow.
 SMALL_SIDE = [(600, 6), (6, 600), (60, 6), (6, 60), (97, 5), (5, 97), (64, 1), (1, 64), (64, 2), (2, 64),
               (257, 31)]
 SEEDS = {**{shape: range(40) for shape in SMALL_SIDE}, (384, 128): range(8)}

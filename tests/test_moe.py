@@ -266,8 +266,8 @@ def test_bad_flags_exit_2_with_one_line(argv, message, tmp_path, capsys):
 
 
 def test_under_torchrun_rank_0_says_in_one_line_there_is_no_torchrun_mode_and_no_rank_starts(tmp_path):
-    """Each process torchrun starts would spawn ranks of its own (before: two launchers whose ranks waited on the store
-    for 20-40 s): it exits 2 before any rank or forkserver starts, rank 0 alone saying why, in one line. What else
+    """Each process torchrun starts would spawn ranks of its own (two launchers, whose ranks would wait on one
+    store): it exits 2 before any rank or forkserver starts, rank 0 alone saying why, in one line. What else
     the command prints is torchrun's own (its banner and its report of the exit codes), none of it this command's."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            SCRIPT, "--steps", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path,

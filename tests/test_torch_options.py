@@ -176,8 +176,8 @@ def test_a_step_refused_on_one_rank_changes_nothing_on_any(spawned, strategy):
     assert ranks[1]["refusal"] == "rank 1: param group 0 (muon): lr must be >= 0 and finite (got -1.0)"
     assert all(r["refusal"] == "rank 1 refused the step (it raised why); nothing changed"
                for r in ranks if r["rank"] != 1)
-    # the launcher names the rank that says why, not one that heard of it (muon_tools.blame)
-    assert [mt.hearsay(r["refusal"]) for r in ranks] == [r["rank"] != 1 for r in ranks]
+    # the launcher names the rank that says why, not one that heard of it (muon_tools.culprit_failure)
+    assert [mt.is_secondhand(r["refusal"]) for r in ranks] == [r["rank"] != 1 for r in ranks]
 
 
 def test_every_option_of_torchs_signatures_is_honoured_or_refused():

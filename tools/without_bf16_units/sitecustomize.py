@@ -4,9 +4,8 @@
 
 Python imports a sitecustomize module found on its path at start-up, so every interpreter the suite starts
 (its commands, their forkservers, and the ranks forked from them) runs this. Once torch is imported it turns off
-torch's use of oneDNN, which is where a bf16 matmul on the CPU runs fast: with AVX512-BF16 206 GFLOP/s a thread
-on the 2-core EPYC of timings.md, without oneDNN 2-3 GFLOP/s, and one Newton-Schulz of a 256 x 1024 matrix 0.8 s,
-as measured on the earlier 2-core EPYC that has no such units (1.7 GFLOP/s). float32 matmuls do not use oneDNN.
+torch's use of oneDNN, which is where a bf16 matmul on the CPU runs fast (its rate with and without oneDNN:
+notes/measured/timings.md, seventh round). float32 matmuls do not use oneDNN.
 A process started with its own PYTHONPATH (not extended) escapes it and computes its bf16 matmuls with oneDNN:
 its bits then differ from this process's.
 """
