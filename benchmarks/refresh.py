@@ -124,6 +124,17 @@ PARTS = (
     # everything but Newton-Schulz (each contender's replaced by its bf16 cast), at d = 768 on any CPU
     Part("peers_without_ns_2core.txt", ("{peers_python} benchmarks/peers.py --ranks 1 2 4 --without-ns --rounds 7",),
          needs="PEERS_PYTHON"),
+    # DTensorMuon beside the two peers practitioners compare it with, microsoft/dion and torchtitan's DistMuon (its
+    # per-head and by-layers rows beside DistMuon's layouts), at d = 768 and 128, with and without Newton-Schulz
+    Part("peers_dion_torchtitan_2core.txt",
+         ("{peers_python} benchmarks/peers.py --peers dion torchtitan --ranks 1 2 4 --rounds 7",), needs="PEERS_PYTHON"),
+    Part("peers_dion_torchtitan_without_ns_2core.txt",
+         ("{peers_python} benchmarks/peers.py --peers dion torchtitan --ranks 1 2 4 --rounds 7 --without-ns",),
+         needs="PEERS_PYTHON"),
+    Part("peers_dion_torchtitan_d128_2core.txt",
+         ("{peers_python} benchmarks/peers.py --peers dion torchtitan --ranks 1 2 4 --rounds 7 --d 128",
+          "{peers_python} benchmarks/peers.py --peers dion torchtitan --ranks 1 2 4 --rounds 7 --d 128 --without-ns"),
+         needs="PEERS_PYTHON"),
     Part("gpt_default_4x2.txt", (train_gpt(""),), quick=(train_gpt(f"--dp 1 --tp 1 {TINY_GPT}"),)),
     Part("gpt_verify_2x2.txt", (train_gpt(VERIFY_SETTINGS[0]),)),
     Part("gpt_verify_settings.txt", tuple(train_gpt(s) for s in VERIFY_SETTINGS),
