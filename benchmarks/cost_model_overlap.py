@@ -76,6 +76,7 @@ class Group:
     for a group orthogonalized where it is), and each rank's Newton-Schulz FLOPs and calls."""
     names: tuple
     nbytes: int  # its matrices in bf16: what exchange_bytes bounds (one parameter may exceed it alone)
+    owned: list  # per rank: the bf16 bytes of the group's matrices it puts together (owns, or holds whole)
     traffic: Traffic
     ns_flops: list
     ns_calls: list
@@ -92,22 +93,32 @@ def dtensor_groups(copies, group_algorithms, group_ns_steps, world, node_of, exc
     local_chunks = mo.chunk_names(list(local), local, exchange_bytes) if exchange_bytes and local else []
     out = []
     for group in grouped(matrices, exchange_bytes):
-        traffic, flops, calls = Traffic(world, node_of), [0] * world, [0] * world
+        traffic, flops, calls, owned = Traffic(world, node_of), [0] * world, [0] * world, [0] * world
         if world > 1:
             exchange_group(traffic, group, group_algorithms)
         for m in group:
             flops[m.owner] += ns_flops[m.name]
             calls[m.owner] += 1
+            owned[m.owner] += 2 * math.prod(m.shape)
         names, nbytes = tuple(dict.fromkeys(m.copy.name for m in group)), sum(2 * math.prod(m.shape) for m in group)
-        if exchange_bytes is None:  # one exchange: the local matrices in the same finish
-            names, nbytes = names + tuple(local), nbytes + sum(local.values())
-            flops = add_local_matrices(flops, [c for c in muon if c.local], group_ns_steps, calls)
-        out.append(Group(names, nbytes, traffic, flops, calls))
+        whole = [c for c in muon if c.local] if exchange_bytes is None else []  # one exchange: in the same finish
+        out.append(Group(names + tuple(local) * bool(whole), nbytes + sum(local.values()) * bool(whole),
+                         add_whole(owned, whole, world), traffic, add_local_matrices(flops, whole, group_ns_steps, calls),
+                         calls))
     for chunk in local_chunks:
         flops, calls = [0] * world, [0] * world
-        flops = add_local_matrices(flops, [c for c in muon if c.local and c.name in chunk], group_ns_steps, calls)
-        out.append(Group(chunk, sum(local[n] for n in chunk), Traffic(world, node_of), flops, calls))
+        whole = [c for c in muon if c.local and c.name in chunk]
+        out.append(Group(chunk, sum(local[n] for n in chunk), add_whole([0] * world, whole, world),
+                         Traffic(world, node_of), add_local_matrices(flops, whole, group_ns_steps, calls), calls))
     return out
+
+
+def add_whole(owned, copies, world):
+    """owned (per rank) plus the bf16 bytes of the copies whole on their holders (plain: every rank)."""
+    for c in copies:
+        for r in c.mesh_ranks or range(world):
+            owned[r] += 2 * math.prod(c.shape)
+    return owned
 
 
 def slowest(phases, world, cluster):
@@ -169,8 +180,8 @@ def scenario_overlap(s, cluster, exchange_bytes, ks):
                            DTENSOR_STEPS, s.gpus, node_map(cluster), cluster, exchange_bytes, ks)
 
 
-OVERLAP_HEADER = ["exchange_bytes", "overlap K", "groups", "largest group", "comm ms", "NS ms (busiest)",
-                  "pipeline ms", "step ms", "vs one exchange"]
+OVERLAP_HEADER = ["exchange_bytes", "overlap K", "groups", "largest group", "at one owner", "comm ms",
+                  "NS ms (busiest)", "pipeline ms", "step ms", "vs one exchange"]
 
 
 def exchange_label(exchange_bytes):
@@ -183,25 +194,27 @@ def overlap_rows(s, cluster, sizes, ks):
     rows = []
     for p in [one] + [p for size in sizes for p in scenario_overlap(s, cluster, size, ks)]:
         rows.append([exchange_label(p.exchange_bytes), "-" if p.exchange_bytes is None else str(p.k),
-                     f"{len(p.groups):,}", mt.human_bytes(max(g.nbytes for g in p.groups)), ms(p.link_s), ms(p.ns_s), ms(p.schedule.total),
+                     f"{len(p.groups):,}", mt.human_bytes(max(g.nbytes for g in p.groups)),
+                     mt.human_bytes(max(max(g.owned) for g in p.groups)), ms(p.link_s), ms(p.ns_s), ms(p.schedule.total),
                      ms(p.step_s), f"{p.step_s / one.step_s:.2f}x"])
     return rows
 
 
 def format_overlap(s, cluster, sizes, ks):
-    return mt.format_table(OVERLAP_HEADER, overlap_rows(s, cluster, sizes, ks), ["<", ">"] + [">"] * 7)
+    return mt.format_table(OVERLAP_HEADER, overlap_rows(s, cluster, sizes, ks), ["<"] + [">"] * 9)
 
 
 # The chapter's table: Llama 3 8B and 70B on 64 and 512 GPUs (TP 8), K = 0, 1, 2, two group sizes.
 OVERLAP_SCENARIOS = [Scenario(MODELS[m], g, tp=8) for m in ("llama3-8b", "llama3-70b") for g in (64, 512)]
-OVERLAP_SIZES = (256 << 20, 1 << 30)
+OVERLAP_SIZES = (256 << 20, 1 << 30, 4 << 30)
 OVERLAP_KS = (0, 1, 2, 8)
 
 
 def overlap_chapter(cluster=H100, print_fn=print):
     """Every scenario of OVERLAP_SCENARIOS' table, printed."""
     print_fn(f"Cluster: {cluster.name}")
-    print_fn("DTensorMuon's step by groups: \"largest group\" its matrices in bf16 (what exchange_bytes bounds); "
+    print_fn("DTensorMuon's step by groups: \"largest group\" its matrices in bf16 (what exchange_bytes bounds), "
+             "\"at one owner\" the most of one group one rank puts together (K + 1 groups' may be in flight); "
              "\"comm ms\" every group's collectives one after another; \"pipeline ms\" the schedule's; \"step ms\" with "
              "the grad-presence vote and the busiest rank's elementwise work")
     for s in OVERLAP_SCENARIOS:
