@@ -147,10 +147,12 @@ def test_the_groups_are_the_librarys_and_each_exchange_is_its_groups_call_in_the
 
 # -- a scenario ------------------------------------------------------------------------------------------------
 
-def test_one_group_is_the_models_one_exchange_step():
+@pytest.mark.parametrize("normuon", [False, True])
+def test_one_group_is_the_models_one_exchange_step(normuon):
     """Without exchange_bytes the step is one group: the vote, the gather, the busiest rank's Newton-Schulz, the way
-    back, as summarize prices dtensor_cost's step (its compute the busiest rank's, here the same rank's)."""
-    cfg = DemoConfig(dp=4, tp=2)
+    back (NorMuon's rows and the scatter), as summarize prices dtensor_cost's step (its compute the busiest rank's,
+    here the same rank's)."""
+    cfg = DemoConfig(dp=4, tp=2, normuon=normuon)
     copies, algorithms, world = model_of(cfg)
     steps = {g: dm.NS_STEPS for g in algorithms}
     (one,) = cm.predict_overlap(copies, [c.name for c in copies], algorithms, steps, world, ONE_NODE, CLUSTER, None, [0])
