@@ -186,6 +186,11 @@ def test_llama3_8b_by_groups_more_overlap_never_slower_and_grouping_costs_what_i
     (["--chapter", "--overlap", "1"], "--overlap: one scenario's options"),
     (["--overlap-table", "--check-here"], "separate runs"),
     (["--model", "llama3-8b", "--gpus", "12", "--overlap", "1"], "TP 8 does not divide 12 GPUs"),
+    (["--check-overlap-here", "--overlap", "1"], "--overlap: one scenario's options"),
+    (["--check-overlap-here", "--exchange-bytes", "1KiB,2KiB"], "takes one --exchange-bytes"),
+    (["--check-overlap-here", "--check-here"], "separate runs"),
+    (["--overlap-table", "--d", "64"], "--d: only with --check-here or --check-overlap-here"),
+    (["--check-overlap-here", "--d", "100000000"], "needs at least"),
 ])
 def test_bad_overlap_flags_are_refused_in_one_line_with_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -207,3 +212,15 @@ def test_the_overlap_table_has_a_row_for_each_size_and_k_in_milliseconds(capsys)
                                              ["32.0", "MiB", "0"], ["32.0", "MiB", "2"]]
     step = [float(r.split()[-2].replace(",", "")) for r in rows]
     assert step[2] < step[1] and step[4] < step[3] and rows[0].endswith("1.00x")
+
+
+def test_the_check_here_times_every_variant_and_prints_the_models_prediction_beside_it():
+    """--check-overlap-here at a tiny size (d = 8: groups of 512 bytes are qkv and proj, fc, fc2): a row for one
+    exchange and for each K, measured, beside the pipeline's prediction on the same machine figures."""
+    lines = []
+    table = cm.check_overlap_here(8, 1, 2, 512, print_fn=lines.append)
+    assert [row[:3] for row in table] == [["one exchange", "-", 1]] + [["512 B", k, 3] for k in (0, 1, 2)]
+    number = lambda cell: float(cell.replace(",", ""))  # noqa: E731
+    pipeline, predicted, least = ([number(row[i]) for row in table] for i in (5, 6, 7))
+    assert pipeline[1] >= pipeline[2] >= pipeline[3] and all(p >= q for p, q in zip(predicted, pipeline))
+    assert all(t > 0 for t in least) and "vs median" in lines[1]
