@@ -58,18 +58,19 @@ from cost_model_overlap import (OVERLAP_KS, OVERLAP_SIZES, dtensor_groups, forma
                                 overlap_chapter, pipeline, predict_overlap, scenario_overlap)
 from cost_model_plans import (Mesh, dtensor_plan, dtensor_transfers, held, lesson_optimizer, param_order,  # noqa: E402
                               placed_copies)
-from cost_model_predict import (FLAT, GROUPS, NORMUON, Scenario, baseline_of, forward_backward_seconds,  # noqa: E402
-                                predict_costs, summarize)
+from cost_model_predict import (FLAT, GROUPS, NORMUON, Scenario, baseline_of, dtensor_algorithms,  # noqa: E402
+                                forward_backward_seconds, predict_costs, summarize)
 from cost_model_tables import chapter, format_rows, mfu_with, ms, predict, scenario_title  # noqa: E402
 from cost_model_traffic import Cost, Traffic, dtensor_cost, lesson_cost  # noqa: E402
 
 # The model's names as its importers (the tests, benchmarks/at_scale.py and peers_1gpu.py) use them; each is
 # defined once, in its section's module.
 __all__ = ["Cluster", "Cost", "FLAT", "GROUPS", "H100", "LLAMA3", "MODELS", "Mesh", "Model", "NORMUON", "Param",
-           "Scenario", "Traffic", "baseline_of", "chapter", "check_here", "check_overlap_here", "dtensor_cost", "dtensor_plan",
-           "dtensor_groups", "dtensor_transfers", "format_overlap", "format_rows", "forward_backward_seconds", "held", "lesson_cost", "lesson_optimizer",
-           "link_order", "main", "mfu_with", "ms", "overlap_chapter", "param_order", "pipeline", "placed_copies",
-           "predict", "predict_costs", "predict_overlap", "scenario_overlap", "scenario_title", "summarize"]
+           "Scenario", "Traffic", "baseline_of", "chapter", "check_here", "check_overlap_here", "dtensor_algorithms",
+           "dtensor_cost", "dtensor_groups", "dtensor_plan", "dtensor_transfers", "format_overlap", "format_rows",
+           "forward_backward_seconds", "held", "lesson_cost", "lesson_optimizer", "link_order", "main", "mfu_with",
+           "ms", "overlap_chapter", "param_order", "pipeline", "placed_copies", "predict", "predict_costs",
+           "predict_overlap", "scenario_overlap", "scenario_title", "summarize"]
 
 # =============================================================================
 # 8. The command line

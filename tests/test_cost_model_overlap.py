@@ -3,7 +3,7 @@ recurrence against schedules worked by hand, more overlap never slower, the grou
 ranks: DTensorMuon's exchange_groups and its Ledger, call by call), one group the model's one-exchange step, and the
 command line's refusals."""
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 import random
 
 import pytest
@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from conftest import dm, mt
 from dtensor_run import DemoConfig, build_on_mesh, give_grads
+from dtensor_scenarios import Runs
 from test_cost_model import CLUSTER, ONE_NODE, calls_per_step, cm, demo_copies
 
 # -- the recurrence, by hand ---------------------------------------------------------------------------------
@@ -81,18 +82,11 @@ SPAWNED = {"2x2, 4,000 bytes, overlap 1": DemoConfig(dp=2, tp=2, steps=1, exchan
                                                              overlap=2)}
 
 
-@dataclass(frozen=True)
-class Spawn:
-    dp: int = 4
-    tp: int = 1
-    timeout_s: float = 60
-
-
-def groups_body(rank, spawn, device):
-    """Each SPAWNED run's step on the 4 ranks: the library's own groups (exchange.exchange_groups) and the Ledger."""
+def groups_body(rank, runs, device):
+    """Each run's step on the 4 ranks: the library's own groups (exchange.exchange_groups) and the Ledger."""
     torch.set_num_threads(1)
     out = []
-    for cfg in SPAWNED.values():
+    for cfg in runs.runs:
         _, model, where, opt = build_on_mesh(cfg, rank, device)
         give_grads(model, cfg, 1, where)
         opt.step()
@@ -104,15 +98,13 @@ def groups_body(rank, spawn, device):
 
 @pytest.fixture(scope="module")
 def spawned():
-    results = mt.spawn_ranks(Spawn(), groups_body)
+    results = mt.spawn_ranks(Runs(tuple(SPAWNED.values()), dp=4, timeout_s=60), groups_body)
     return {label: [r[i] for r in results] for i, label in enumerate(SPAWNED)}
 
 
 def model_of(cfg):
-    copies, world = demo_copies(cfg), cfg.dp * cfg.tp
-    muon = "normuon" if cfg.normuon else "muon"
-    algorithms = {i: muon if g == "muon" else "adamw" for i, g in enumerate(cm.GROUPS)}
-    return copies, algorithms, world
+    """(copies, {group: algorithm}, world) of the demo as the cost model places it."""
+    return demo_copies(cfg), cm.dtensor_algorithms("DTensorMuon" + cm.NORMUON * cfg.normuon), cfg.dp * cfg.tp
 
 
 @pytest.mark.parametrize("label", list(SPAWNED))
