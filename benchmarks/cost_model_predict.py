@@ -62,8 +62,7 @@ def node_map(cluster):
 def predict_costs(s, cluster, strategies=None):
     """{label: Cost} for the scenario: the lesson's strategies and AdamW ZeRO-1 on dense models, DTensorMuon
     and AdamW under FSDP2 on every model."""
-    if s.gpus % s.tp:
-        raise ValueError(f"TP {s.tp} does not divide {s.gpus} GPUs")
+    check_layout(s)
     params, node_of, costs = s.model.params(), node_map(cluster), {}
     moe = s.model.experts > 0
     if not moe:
@@ -81,16 +80,37 @@ def predict_costs(s, cluster, strategies=None):
         for label, cfg in lesson.items():
             if strategies is None or label in strategies:
                 costs[label] = lesson_cost(lesson_optimizer(specs, cfg), node_of, label)
-    copies = moe_copies(params, s) if moe else placed_copies(param_order(params, GROUPS), Mesh(s.dp, s.tp),
-                                                              {g: i for i, g in enumerate(GROUPS)})
-    steps = {i: dm.NS_STEPS for i in range(len(GROUPS))}
+    copies = dtensor_copies(s)
     for label in ("DTensorMuon",) + (("DTensorMuon" + NORMUON,) if s.normuon else ()) + ("AdamW, FSDP2",):
         if strategies is None or label in strategies:
-            matrices = "normuon" if label.endswith(NORMUON) else "muon"
-            algorithms = {i: matrices if g == "muon" else "adamw" for i, g in enumerate(GROUPS)}
             costs[label] = (adamw_fsdp2_cost(copies, s.gpus, node_of) if label == "AdamW, FSDP2" else
-                            dtensor_cost(copies, [p.name for p in params], algorithms, steps, s.gpus, node_of, label))
+                            dtensor_cost(copies, [p.name for p in params], dtensor_algorithms(label), DTENSOR_STEPS,
+                                         s.gpus, node_of, label))
     return costs
+
+
+DTENSOR_STEPS = {i: dm.NS_STEPS for i in range(len(GROUPS))}  # DTensorMuon's ns_steps of each param group
+
+
+def dtensor_algorithms(label):
+    """{group index: algorithm} of a DTensorMuon row: its matrices on NorMuon where the label says so."""
+    matrices = "normuon" if label.endswith(NORMUON) else "muon"
+    return {i: matrices if g == "muon" else "adamw" for i, g in enumerate(GROUPS)}
+
+
+def check_layout(s):
+    if s.gpus % s.tp:
+        raise ValueError(f"TP {s.tp} does not divide {s.gpus} GPUs")
+
+
+def dtensor_copies(s):
+    """The scenario's parameters placed for DTensorMuon, in its planning order: FSDP2 x TP on a dense model, EP and
+    FSDP2 on an MoE (moe_copies)."""
+    check_layout(s)
+    params = s.model.params()
+    if s.model.experts:
+        return moe_copies(params, s)
+    return placed_copies(param_order(params, GROUPS), Mesh(s.dp, s.tp), {g: i for i, g in enumerate(GROUPS)})
 
 
 def moe_copies(params, s):

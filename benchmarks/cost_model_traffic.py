@@ -335,12 +335,7 @@ def dtensor_cost(copies, param_names, group_algorithms, group_ns_steps, world, n
     matrices, ns_flops, owners = dtensor_plan(muon, group_ns_steps, world)
     if world > 1:
         for group in grouped(matrices, exchange_bytes):
-            gather, scatter = dtensor_transfers(group)
-            traffic.all_to_all("gather at owner", "world", BF16, *gather)
-            traffic.all_to_all("scatter from owner", "world", BF16, *scatter)
-            normuon = [m for m in group if group_algorithms[m.copy.group] == "normuon"]
-            if normuon:
-                traffic.all_to_all("NorMuon rows", "world", FP32, *columns(normuon_rows(normuon)))
+            exchange_group(traffic, group, group_algorithms)
     flops, ns_calls = [0] * world, [0] * world
     for name, owner in owners.items():
         flops[owner] += ns_flops[name]
@@ -348,6 +343,17 @@ def dtensor_cost(copies, param_names, group_algorithms, group_ns_steps, world, n
     flops = add_local_matrices(flops, muon, group_ns_steps, ns_calls)
     state, elements = state_and_elements(copies, lambda c: group_algorithms[c.group], world)
     return Cost(label, traffic, flops, state, elements, world, sum(ns_flops.values()), dict(ns=ns_calls))
+
+
+def exchange_group(traffic, group, group_algorithms):
+    """One group's exchanges (distmuon/dtensor/exchange.py): its gather at owner and scatter from owner, one
+    all-to-all each over the world, and NorMuon's rows where the group has NorMuon's matrices."""
+    gather, scatter = dtensor_transfers(group)
+    traffic.all_to_all("gather at owner", "world", BF16, *gather)
+    traffic.all_to_all("scatter from owner", "world", BF16, *scatter)
+    normuon = [m for m in group if group_algorithms[m.copy.group] == "normuon"]
+    if normuon:
+        traffic.all_to_all("NorMuon rows", "world", FP32, *columns(normuon_rows(normuon)))
 
 
 def grouped(matrices, exchange_bytes):

@@ -433,7 +433,7 @@ def test_per_call_costs_are_priced_as_counted():
     (["--rounds", "3"], "--rounds: only with --check-here"),
     (["--d", "64"], "--d: only with --check-here"),
     (["--gpus", "1000000000", "--tp", "1"], "--gpus 1000000000: at most 16384"),
-    (["--chapter", "--check-here"], "two runs"),
+    (["--chapter", "--check-here"], "separate runs"),
     (["--check-here", "--d", "0"], "must be >= 1"),
     (["--check-here", "--d", "100000000"], "needs at least"),
 ])
