@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from distmuon.assignment import assign_owners, check_owners, load_balance, lpt_o
 from distmuon.collectives import all_gather_single, reduce_scatter_sum, sum_in_order
 from distmuon.checks import ORTHOGONALIZED, ns_coefficients_of
 from distmuon.normuon import batched_problem, divisor, normalized, rescale, second_moment_
+from distmuon.strategy import DECLARED
 from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Gather, Unit,
                                   apply_muon_update_,
                                   newton_schulz, newton_schulz_flops, orthogonalize, tp_shard)
@@ -597,6 +599,9 @@ class Owner(Gather):
     """
 
     name = "owner"
+    phases = ("grad presence", "grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather")
+    own_options = ("overlap", "batched_ns")  # the run's flags set these (owners= is for a caller's own assignment)
+    orthogonalizes_once = holds_rows = True  # each matrix on its owner alone, which holds it whole
 
     def __init__(self, owners=None, overlap=0, batched_ns=False):
         check_owner_options(owners=owners, overlap=overlap, batched_ns=batched_ns)
@@ -615,10 +620,17 @@ class Owner(Gather):
         steps = {n: opt.group_of[n]["ns_steps"] for n in opt.muon_names}  # LargeRuns counts by blocks where it has them
         self.ns_flops = {n: newton_schulz_flops(shapes[n], steps[n]) if large_runs is None else
                          large_runs.flops(n, shapes[n], steps[n]) for n in opt.muon_names}
-        self.owners = (check_owners(self.owner_override, opt.muon_names, world) if self.owner_override is not None
+        owned = self.assign(opt)
+        self.owners = (check_owners(owned, opt.muon_names, world) if owned is not None
                        else assign_owners(self.ns_flops, world, shapes, self.owners))
         self.routes = plan_routes(opt.muon_names, self.owners, lambda n, d: self.part_of(opt, n, d), opt.layout,
                                   opt.grid, self.axis(opt))
+
+    def assign(self, opt):
+        """{rank: [matrix names]}, checked to give every Muon matrix exactly one owner; or None: the balanced
+        assignment (7.1), the matrices already owned keeping their owners. The owners given, if any: another rule of
+        assignment is a subclass's assign."""
+        return self.owner_override
 
     def units(self, opt):
         """Without overlap, every bucket at once, so that stage 3 moves every matrix in one exchange each way; with
@@ -678,6 +690,8 @@ class CommFree(Owner):
     broadcast from the owner row; the matrices travel in chunks of at most bucket_size elements (7.5)."""
 
     name = "comm-free"
+    phases = ("grad presence", "grad reduce-scatter", "grad reduce at owner", "gather at owner", "scatter from owner",
+              "param all-gather", "update broadcast from owner")
 
     def axis(self, opt):
         return opt.grid.tp  # the TP pieces of a matrix meet inside the owner's row
@@ -754,19 +768,62 @@ def with_strategy(optimizer, strategy, kwargs):
 
 
 class OwnerMuon(DistributedMuon):
-    """DistributedMuon with the owner strategy plugged in (Owner's arguments, then DistributedMuon's)."""
+    """DistributedMuon with the owner strategy plugged in (Owner's arguments, then DistributedMuon's); a subclass
+    with another strategy_class (Owner's arguments too) plugs in that one."""
+
+    strategy_class = Owner
 
     def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
-        super().__init__(params, **with_strategy("OwnerMuon", Owner(owners, overlap, batched_ns), kwargs))
+        strategy = self.strategy_class(owners, overlap, batched_ns)
+        super().__init__(params, **with_strategy(type(self).__name__, strategy, kwargs))
 
 
-class CommFreeMuon(DistributedMuon):
+class CommFreeMuon(OwnerMuon):
     """DistributedMuon with the comm-free strategy plugged in (CommFree's arguments, then DistributedMuon's)."""
 
-    def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
-        super().__init__(params, **with_strategy("CommFreeMuon", CommFree(owners, overlap, batched_ns), kwargs))
+    strategy_class = CommFree
 
 
-# Every strategy, by the name --strategy takes: the optimizer with it plugged in.
+# Every strategy, by the name --strategy takes: the optimizer with it plugged in (register adds one).
 OPTIMIZERS = {"gather": DistributedMuon, "owner": OwnerMuon, "comm-free": CommFreeMuon}
-STRATEGIES = tuple(OPTIMIZERS)
+STRATEGIES = BUILT_IN = tuple(OPTIMIZERS)  # their names, in order; BUILT_IN: this module's, which stay
+
+
+def strategy_class(name: str) -> type:
+    """The class of the strategy OPTIMIZERS[name] plugs in: what it declares (distmuon.strategy.DECLARED) is what the
+    runner, large runs and the benchmarks read of it, never its name. KeyError for a name not registered."""
+    return OPTIMIZERS[name].strategy_class
+
+
+def strategies_where(test: Callable[[type], bool]) -> tuple:
+    """The names of the strategies whose class passes `test` (e.g. lambda s: s.holds_rows), in OPTIMIZERS' order."""
+    return tuple(name for name in OPTIMIZERS if test(strategy_class(name)))
+
+
+def register(optimizer_class: type) -> None:
+    """Add a strategy: `optimizer_class`, a DistributedMuon subclass whose strategy_class declares what DECLARED
+    names, goes into OPTIMIZERS (and STRATEGIES) under that class's name, for the runner's --strategy, checks and
+    accounting. In this process only: a spawned rank has it if what it runs registers it too. Refused in one line
+    (ValueError): not such a class, a declaration missing, or a name taken."""
+    global STRATEGIES
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, DistributedMuon)):
+        raise ValueError(f"register takes a subclass of DistributedMuon (got {optimizer_class!r:.80})")
+    cls = optimizer_class.strategy_class
+    missing = [a for a in DECLARED if not hasattr(cls, a)]
+    if missing:
+        raise ValueError(f"{optimizer_class.__name__}'s strategy_class {cls.__name__} declares no {', '.join(missing)} "
+                         f"(distmuon/strategy.py's Strategy)")
+    if cls.name in OPTIMIZERS:
+        raise ValueError(f"strategy {cls.name!r} is registered already, by {OPTIMIZERS[cls.name].__name__}")
+    OPTIMIZERS[cls.name] = optimizer_class
+    STRATEGIES = tuple(OPTIMIZERS)
+
+
+def unregister(name: str) -> None:
+    """Take a strategy that register added out again (the three of this module stay); ValueError, one line, if not."""
+    global STRATEGIES
+    if name not in OPTIMIZERS or name in BUILT_IN:
+        added = [n for n in OPTIMIZERS if n not in BUILT_IN]
+        raise ValueError(f"strategy {name!r} is not one register added (added: {', '.join(added) or 'none'})")
+    del OPTIMIZERS[name]
+    STRATEGIES = tuple(OPTIMIZERS)
