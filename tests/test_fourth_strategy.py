@@ -3,6 +3,7 @@ of Owner with a name and an owner rule of its own, its optimizer registered. It 
 the runner, whose checks and accounting take it with no edit of theirs: nothing in the house branches on a strategy's
 name, everything reads what the strategy declares."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -73,14 +74,18 @@ def test_the_runners_checks_read_its_declarations(registered):
         cfg = grid_config(DP, TP, strategy=NAME, **options)
         mt.validate(cfg, mt.demo_specs(cfg))
     assert mt.config_from_args(mt.build_parser("").parse_args(["--strategy", NAME])).strategy == NAME
-    refusals = [(dict(strategy="gather", overlap=1), f"--overlap applies to --strategy owner, comm-free or {NAME} "),
-                (dict(strategy="gather", normuon=True), f"--normuon applies to --strategy owner, comm-free or {NAME},"),
-                (dict(strategy=NAME, tp_newton_schulz="gram"),
-                 f"--tp-newton-schulz gram applies to --strategy gather: strategy {NAME} orthogonalizes")]
-    for options, refusal in refusals:
+    # each refusal names the strategies that take what was asked, this one among them where it declares so
+    refusals = [(dict(strategy="gather", overlap=1), r"--overlap applies to --strategy (.+) \(got gather\)", True),
+                (dict(strategy="gather", normuon=True), r"--normuon applies to --strategy (.+), whose owner", True),
+                (dict(strategy=NAME, tp_newton_schulz="gram"), r"--tp-newton-schulz gram applies to --strategy (.+): "
+                 rf"strategy {NAME} orthogonalizes each matrix whole", False)]
+    for options, refusal, named in refusals:
         cfg = grid_config(DP, TP, **options)
-        with pytest.raises(ValueError, match=f"^{refusal}"):
+        with pytest.raises(ValueError, match=f"^{refusal}") as refused:
             mt.validate(cfg, mt.demo_specs(cfg))
+        names = re.split(", | or ", re.match(refusal, str(refused.value)).group(1))
+        assert (NAME in names, "gather" in names) == (named, not named), names
+        assert named or names == ["gather"]
     assert NAME in mt.PHASES_OF and mt.PHASES_OF[NAME] == RoundRobin.phases
 
 
@@ -107,15 +112,16 @@ def test_register_refuses_in_one_line_and_changes_nothing(registered, optimizer_
 
 
 def test_unregister_takes_out_only_what_register_added():
+    assert mo.BUILT_IN[:3] == ("gather", "owner", "comm-free") and mo.STRATEGIES == mo.BUILT_IN
     mo.register(RoundRobinMuon)
-    assert mo.STRATEGIES == ("gather", "owner", "comm-free", NAME) and mo.strategy_class(NAME) is RoundRobin
+    assert mo.STRATEGIES == mo.BUILT_IN + (NAME,) and mo.strategy_class(NAME) is RoundRobin
     mo.unregister(NAME)
-    assert mo.STRATEGIES == ("gather", "owner", "comm-free") and NAME not in mt.PHASES_OF
+    assert mo.STRATEGIES == mo.BUILT_IN and NAME not in mt.PHASES_OF
     for name in ("owner", NAME):
         with pytest.raises(ValueError, match=f"^strategy '{name}' is not one register added"):
             mo.unregister(name)
     cfg = grid_config(DP, TP, strategy=NAME)
-    with pytest.raises(ValueError, match="^--strategy must be one of gather, owner, comm-free "):
+    with pytest.raises(ValueError, match=f"^--strategy must be one of {', '.join(mo.BUILT_IN)} "):
         mt.validate(cfg, mt.demo_specs(cfg))
 
 
