@@ -39,7 +39,7 @@ from muon_tools.reference import (  # noqa: F401
     gram_tolerance, muon_groups_of, ns_inputs_recorded, rank_program, reference_params, run_demo_steps,
     torch_newton_schulz_per_iteration, torch_optimizers, torch_reference_steps, total_grads, verdict, verify)
 from muon_tools.accounting import (  # noqa: F401
-    BASELINE_PHASES, PHASES, PHASES_OF, Phases, account, bytes_per_step, flops_per_step, format_buffer_map, format_grid, format_table,
+    PHASES, PHASES_OF, account, bytes_per_step, flops_per_step, format_buffer_map, format_grid, format_table,
     human_bytes, print_header, qk_clipped_heads, report, rounded_parts, total_bytes)
 from muon_tools.outputs import (  # noqa: F401
     WriteError, check_checkpoint_model, check_not_input, check_outputs, check_writable, is_code_file, one_line,
@@ -51,7 +51,7 @@ from muon_tools.launch import (  # noqa: F401
 from muon_tools.checks import (  # noqa: F401
     FLOAT32_MAX, MAX_DEMO_PARAMETERS, MAX_LAYERS, MAX_TIMEOUT_S, MIN_TIMEOUT_S, MUON_ONLY, TORCH_ADAMW_BETAS,
     add_backend_flags, backend_flags, check_large_run_flags, check_launch, check_seed, check_step_numbers,
-    check_topology, either, flag, host_memory, strategies_taking, under_torchrun, validate)
+    check_topology, either, flag, host_memory, under_torchrun, validate)
 from muon_tools.cli import (  # noqa: F401
     CLOSED_STDOUT, OneLineParser, build_parser, closed_stdout, config_from_args, exit_code, leave, main,
     not_under_torchrun, run, stdout_closed)
