@@ -18,6 +18,8 @@ matrices batched (batched_ns, --batched-ns). Launch recipes (the lesson's comman
 
 Import them: the optimizers are real torch.optim.Optimizers, section 5's with these strategies plugged in:
     from distmuon import OwnerMuon, CommFreeMuon   # = DistributedMuon(..., strategy=Owner(...) or CommFree(...))
+
+A strategy of your own goes at the end, beside them (OPTIMIZERS), or into register: notes/08-strategies.md.
 """
 
 from __future__ import annotations
