@@ -35,7 +35,7 @@ from torch.profiler import record_function
 from distmuon.assignment import assign_owners, check_owners, load_balance, lpt_order  # noqa: F401 (7.1's names)
 from distmuon.collectives import all_gather_single, reduce_scatter_sum, sum_in_order
 from distmuon.checks import ORTHOGONALIZED, ns_coefficients_of
-from distmuon.normuon import batched_problem, divisor, normalized, rescale, second_moment_
+from distmuon.normuon import batched_problem, full_rows, normalized_part, normuon_rows, part_rows
 from distmuon.strategy import DECLARED
 from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Gather, Unit,
                                   apply_muon_update_,
@@ -339,46 +339,11 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
 # -----------------------------------------------------------------------------
 # 7.4b NorMuon at the owner: each row's second moment, and the rows it sends
 # -----------------------------------------------------------------------------
-# A param group of algorithm "normuon" (distmuon/normuon.py) divides each row of
-# O by the root of its own second moment v, then rescales O by g to the norm it
-# had: v and g need whole rows and the whole matrix, which the owner has. So
-# the owner keeps v (its state, one float32 per row of the full matrix), updates
-# it and finds g, and sends each holder of a part the new v and g beside its
-# part of O (one all-to-all of rows + 1 float32 a matrix and holder, phase
-# "NorMuon rows"); each holder divides its part's elements by their rows'
-# divisors and multiplies by g: the owner's arithmetic, elementwise, its bits.
-
-def normuon_rows(opt, orthos):
-    """{NorMuon matrix among an owner's orthos: its new v (its state, updated here) and g, one float32 vector}."""
-    rows = {}
-    for name, ortho in orthos.items():
-        group = opt.group_of[name]
-        if group["algorithm"] == "normuon":
-            state = opt.state[opt.param_by_name[name]]
-            if "normuon_v" not in state:  # as torch creates state: zeros, at the first step
-                state["normuon_v"] = torch.zeros(ortho.shape[0], 1, device=ortho.device)
-            o = ortho.float()  # once: both take it in float32
-            v = second_moment_(o, state["normuon_v"], group["beta2"])
-            rows[name] = torch.cat([v.view(-1), rescale(o, v, group["normuon_eps"]).view(1)])
-    return rows
-
-
-def full_rows(route):
-    """The rows of a routed matrix's full (TP-gathered) matrix."""
-    return route.shape[0] * (route.tp_size if route.tp_split_dim == 0 else 1)
-
-
-def part_rows(shape, tp_split_dim, tp_rank, start, stop):
-    """The row of the full matrix of every element of a part: elements [start, stop) of the flat TP piece (of
-    TP-local `shape`) that TP rank tp_rank holds."""
-    rows, cols = shape
-    local = torch.arange(start, stop) // cols
-    return local + tp_rank * rows if tp_split_dim == 0 else local
-
-
-def normalized_part(ortho_part, rows, stats, eps):
-    """NorMuon's update on a part, from the owner's v and g (stats) and the row of each of its elements."""
-    return normalized(ortho_part, divisor(stats[:-1], eps)[rows.to(stats.device)], stats[-1])
+# A param group of algorithm "normuon" divides each row of O by the root of its own second moment v, then rescales O
+# to the norm it had: v and g need whole rows and the whole matrix, which the owner has. The owner keeps v, finds g,
+# and sends each holder of a part the new v and g beside its part of O ("NorMuon rows"); each holder normalizes its
+# part's elements by their rows, elementwise, the owner's bits (distmuon/normuon.py: normuon_rows, full_rows,
+# part_rows, normalized_part).
 
 
 # -----------------------------------------------------------------------------
