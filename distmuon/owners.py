@@ -340,10 +340,8 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
 # 7.4b NorMuon at the owner: each row's second moment, and the rows it sends
 # -----------------------------------------------------------------------------
 # A param group of algorithm "normuon" divides each row of O by the root of its own second moment v, then rescales O
-# to the norm it had: v and g need whole rows and the whole matrix, which the owner has. The owner keeps v, finds g,
-# and sends each holder of a part the new v and g beside its part of O ("NorMuon rows"); each holder normalizes its
-# part's elements by their rows, elementwise, the owner's bits (distmuon/normuon.py: normuon_rows, full_rows,
-# part_rows, normalized_part).
+# to the norm it had: whole rows and the whole matrix, which the owner has. How the owner's v and g reach each holder
+# of a part, and what it does with them: distmuon/normuon.py, "At an owner" (normuon_rows, ..., normalized_part).
 
 
 # -----------------------------------------------------------------------------
