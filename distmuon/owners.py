@@ -592,9 +592,8 @@ class Owner(Gather):
                                   opt.grid, self.axis(opt))
 
     def assign(self, opt):
-        """{rank: [matrix names]}, checked to give every Muon matrix exactly one owner; or None: the balanced
-        assignment (7.1), the matrices already owned keeping their owners. The owners given, if any: another rule of
-        assignment is a subclass's assign."""
+        """The owners by a rule of its own, {rank: [matrix names]} (checked: every Muon matrix exactly once), or None
+        for the balanced assignment (7.1; matrices already owned keep their owners). Owner's rule: the owners= given."""
         return self.owner_override
 
     def units(self, opt):
