@@ -257,10 +257,9 @@ def vote(flags, problem, me, axis, ledger, phase):
 #   |<--- DP 0 --->|<--- DP 1 --->|<--- DP 2 --->|<--- DP 3 --->|
 #   0              L              2L             3L             4L
 #
-# A parameter may straddle shards (qkv.weight: DP 0 and DP 1); a rank's state covers only its part
-# (`local_range`, maybe empty). A DistMeta per parameter and rank (the Moonshot PoC's MuonDistMeta names) says
-# where it lies: a pure function of shapes, DP and bucket size, so every rank computes the same one without
-# talking (notes/02-virtual-buffer.md).
+# A parameter may straddle shards (qkv.weight: DP 0 and DP 1); a rank's state covers only its part (`local_range`,
+# maybe empty). A DistMeta per parameter and rank (the Moonshot PoC's MuonDistMeta names) says where it lies: a pure
+# function of shapes, DP and bucket size: every rank computes the same one without talking (notes/02-virtual-buffer.md).
 
 
 @dataclass(frozen=True)
@@ -471,11 +470,12 @@ class Unit:
 
 
 class Gather:
-    """The gather strategy: the flow above, bucket by bucket; what section 5's step asks of it, typed, is
-    distmuon/strategy.py's Strategy (plan, bucketed, part_of, units, stages, orthogonalize, runs_of, clip_qk_), and a
-    strategy sees the optimizer as a StepContext. middle: the flow's three middle arrows of one matrix."""
+    """The gather strategy (a distmuon/strategy.py Strategy): the flow above by buckets; middle: its 3 middle arrows."""
 
     name, owners, overlap = "gather", None, 0  # every rank that touches a matrix orthogonalizes it, in turn
+    orthogonalizes_once = holds_rows = False  # so not once, nor by one rank that holds its whole rows (see plan)
+    own_options = ()  # no keywords of its own beyond the optimizer's
+    phases = ("grad presence", "grad reduce-scatter", "DP gather", "TP gather", "param all-gather")  # recorded in order
 
     def __init__(self, middle=orthogonalize_tp_local):
         self.middle = middle
@@ -530,9 +530,8 @@ class Gather:
 #   4. parts             --param all-gather (fp32)------> every rank holds its full TP-local weights
 #
 # A rank's "part" of a parameter is the range of its flat TP piece whose state it keeps (dist_meta's local range).
-# AdamW rides the same reduce-scatter and all-gather and needs no gather (elementwise). The strategy, plugged into the
-# optimizer and asked at fixed points (Gather's docstring), says where each matrix is orthogonalized: here, section
-# 4's flow bucket by bucket (one bucket's temporaries alive at a time).
+# AdamW rides the same reduce-scatter and all-gather and needs no gather (elementwise). The strategy plugged in (its
+# calls: distmuon/strategy.py) says where each matrix is orthogonalized: here, section 4's flow, a bucket at a time.
 
 
 class DistributedMuon(torch.optim.Optimizer):
@@ -545,11 +544,12 @@ class DistributedMuon(torch.optim.Optimizer):
         it; a group's own options win, then torch's defaults. What is not honoured bit for bit is refused.
     grid: from make_grid; tp_split_dims: {name: dim} of TP-split parameters (a group added later may carry its own
         under the key "tp_split_dims"); bucket_size: largest bucket, in elements, before padding to DP.
-    strategy: where each matrix is orthogonalized: Gather() (None), or another with Gather's calls; large_runs:
-    None, or a LargeRuns, which wraps the strategy (large_runs.around(strategy)), one per optimizer.
+    strategy: where each matrix is orthogonalized: strategy_class() (None), or another Strategy (distmuon/strategy.py);
+    large_runs: None, or a LargeRuns, which wraps the strategy (large_runs.around(strategy)), one per optimizer.
     Gradients are summed over DP. A parameter whose .grad is None on every rank is skipped, as torch skips it; one
     with a gradient on some ranks only gets zeros from the others, as DDP adds.
     """
+    strategy_class = Gather  # the strategy plugged in when none is given (a subclass plugs in its own)
 
     def __init__(self, params, *, grid, tp_split_dims=None, bucket_size=1 << 16, strategy=None, large_runs=None,
                  **options):
@@ -559,7 +559,7 @@ class DistributedMuon(torch.optim.Optimizer):
         check_options(str, options, bucket_size=bucket_size)
         check_step_arguments(tp_split_dims=tp_split_dims, strategy=strategy, large_runs=large_runs)
         self.grid, self.bucket_size, self.ledger = grid, bucket_size, Ledger()
-        self.large_runs, self.strategy = large_runs, strategy or Gather()
+        self.large_runs, self.strategy = large_runs, strategy or self.strategy_class()
         self.strategy = self.strategy if large_runs is None else large_runs.around(self.strategy)
         self.options, self.tp_split_dims = options, dict(tp_split_dims or {})
         super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm

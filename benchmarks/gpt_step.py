@@ -25,8 +25,7 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 from gpt_bench import mo, mt, pyplot, tg  # noqa: E402
 from gpt_bench import main as benchmark_main  # noqa: E402
 KINDS = mo.STRATEGIES + (mt.BASELINE,)
-LABELS = {"gather": "Muon, gather", "owner": "Muon, owner", "comm-free": "Muon, comm-free",
-          mt.BASELINE: "AdamW ZeRO-1"}
+LABELS = {**{s: f"Muon, {s}" for s in mo.STRATEGIES}, mt.BASELINE: "AdamW ZeRO-1"}
 EXCHANGES = ("DP gather", "TP gather", "gather at owner", "scatter from owner", "grad reduce at owner",
              "update broadcast from owner")
 PARTS = ("forward", "backward", "grad reduce-scatter", "exchanges", "newton-schulz", "state update",

@@ -26,7 +26,7 @@ import scaling  # noqa: E402  (its model, its timing and its launcher)
 from scaling import mt  # noqa: E402
 
 LOOKAHEADS = (0, 1, 2, 4)
-VARIANTS = {f"{s} --overlap {k}": (s, dict(overlap=k)) for s in ("owner", "comm-free") for k in LOOKAHEADS}
+VARIANTS = {f"{s} --overlap {k}": (s, dict(overlap=k)) for s in scaling.OVERLAPPED for k in LOOKAHEADS}
 
 
 def main(argv=None):

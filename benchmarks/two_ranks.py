@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 import scaling  # noqa: E402
 from scaling import dm, mo, mt  # noqa: E402
 
-VARIANTS = {v: s for v, s in scaling.VARIANTS.items() if s[0] != "gather"}
+VARIANTS = {v: s for v, s in scaling.VARIANTS.items() if mo.strategy_class(s[0]).orthogonalizes_once}
 COPIES = ("aten::cat", "aten::copy_", "aten::clone", "aten::zeros", "aten::zero_", "aten::fill_", "aten::new_zeros",
           "aten::split", "aten::empty", "aten::new_empty")
 ELEMENTWISE = ("aten::add_", "aten::mul_", "aten::lerp_", "aten::lerp", "aten::add", "aten::addcmul_",

@@ -186,8 +186,8 @@ LARGE_RUNS_CALLS = ("plan", "plan_parts", "around", "orthogonalize_tp_piece", "c
 
 def check_step_arguments(*, tp_split_dims=None, strategy=None, large_runs=None):
     """The lesson's optimizer's other arguments, each refused in one line naming it: tp_split_dims a dict of names
-    to dims (checked against the parameters when they are laid out), strategy a strategy (Gather, Owner or CommFree:
-    what the step calls), large_runs a LargeRuns."""
+    to dims (checked against the parameters when they are laid out), strategy a distmuon.strategy.Strategy (what it
+    declares and what the step calls; its overlap an integer), large_runs a LargeRuns."""
     if tp_split_dims is not None and not (isinstance(tp_split_dims, dict) and all(isinstance(k, str) for k in tp_split_dims)):
         raise ValueError(f"tp_split_dims must be a dict {{parameter name: dim}} (got {tp_split_dims!r:.80})")
     for argument, value in (("strategy", strategy), ("large_runs", large_runs)):
@@ -196,8 +196,9 @@ def check_step_arguments(*, tp_split_dims=None, strategy=None, large_runs=None):
                              f"{argument}={value.__name__}(...)")
     if strategy is not None and not (isinstance(strategy, Strategy)  # what the step asks (distmuon.strategy)
                                      and isinstance(getattr(strategy, "overlap", None), int)):
-        raise ValueError(f"strategy must be a strategy of the lesson's step: Gather(), distmuon.owners' Owner() or "
-                         f"CommFree() (got {strategy!r:.80})")
+        raise ValueError(f"strategy must be a distmuon.strategy.Strategy, as Gather() and the strategies of "
+                         f"distmuon.owners.OPTIMIZERS are: its declarations and calls, an integer overlap "
+                         f"(got {strategy!r:.80})")
     if large_runs is not None and not all(callable(getattr(large_runs, call, None)) for call in LARGE_RUNS_CALLS):
         raise ValueError(f"large_runs must be a distmuon.LargeRuns (got {large_runs!r:.80}, a {type(large_runs).__name__})")
 

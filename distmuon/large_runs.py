@@ -40,6 +40,7 @@ Launch recipes:
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 
@@ -48,7 +49,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from distmuon.checks import QK_CLIP_OFF, ns_coefficients_of
-from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, Gather, all_reduce, newton_schulz, newton_schulz_flops,
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, all_reduce, newton_schulz, newton_schulz_flops,
                                   orthogonalize, orthogonalize_tp_local)
 
 # =============================================================================
@@ -497,7 +498,7 @@ class LargeRuns(Blocks):
         """Once the layout is known: {name: its blocks of rows}, and the matrices newton_schulz_tp takes."""
         if self.optimizer not in (None, optimizer):
             raise ValueError("this LargeRuns serves another optimizer already: give each optimizer its own")
-        if optimizer.strategy.name != "gather":
+        if optimizer.strategy.orthogonalizes_once:
             check_owner_tp_newton_schulz(optimizer.strategy.name, self.tp_newton_schulz)
         self.optimizer = optimizer
         layout, grid = optimizer.layout, optimizer.grid
@@ -523,9 +524,12 @@ class LargeRuns(Blocks):
         self.whole_runs = {n: runs(n, slice(0, optimizer.param_by_name[n].numel())) for n in self.blocks}
 
     def around(self, strategy):
-        """The optimizer's strategy with what large runs add (WithLargeRuns); the gather strategy's flow with this
-        middle."""
-        return WithLargeRuns(Gather(self.middle) if strategy.name == "gather" else strategy, self)
+        """The optimizer's strategy with what large runs add (WithLargeRuns); a strategy that runs the gather flow
+        (one that does not orthogonalize each matrix once) as a copy of it with this middle."""
+        if not strategy.orthogonalizes_once:
+            strategy = copy.copy(strategy)
+            strategy.middle = self.middle
+        return WithLargeRuns(strategy, self)
 
     def middle(self, tp_local, meta, group, grid, ledger):
         """The gather flow's three middle arrows for one matrix: on its TP piece where it lies (gram), else TP

@@ -25,6 +25,7 @@ computes them, and every rank holding a part of the matrix gets v's new rows and
 which normalized() gives its part of O^, bit for bit the owner's: division and multiplication are elementwise.
 """
 
+import torch
 
 # beta2 and eps: the defaults of the authors' reference implementation (zichongli5/NorMuon, normuon.py).
 NORMUON_OPTIONS = {"beta2": 0.95, "normuon_eps": 1e-10}
@@ -61,6 +62,44 @@ def normalized(ortho_part, row_divisor, g):
     """O^ on any part of the matrix: (O / d) * g elementwise, d the divisor of each element's row (broadcast or
     gathered to the part's shape), float32."""
     return divided(ortho_part, row_divisor) * g
+
+
+# At an owner (the lesson's section 7.4b, distmuon/owners.py): the owner of a NorMuon matrix keeps v (its state, one
+# float32 per row of the full matrix), updates it and finds g, and sends each holder of a part the new v and g (rows
+# + 1 float32 a matrix and holder, phase "NorMuon rows"); each holder divides its part's elements by their rows'
+# divisors and multiplies by g: the owner's arithmetic, elementwise, its bits.
+
+def normuon_rows(opt, orthos):
+    """{NorMuon matrix among an owner's orthos: its new v (its state, updated here) and g, one float32 vector}."""
+    rows = {}
+    for name, ortho in orthos.items():
+        group = opt.group_of[name]
+        if group["algorithm"] == "normuon":
+            state = opt.state[opt.param_by_name[name]]
+            if "normuon_v" not in state:  # as torch creates state: zeros, at the first step
+                state["normuon_v"] = torch.zeros(ortho.shape[0], 1, device=ortho.device)
+            o = ortho.float()  # once: both take it in float32
+            v = second_moment_(o, state["normuon_v"], group["beta2"])
+            rows[name] = torch.cat([v.view(-1), rescale(o, v, group["normuon_eps"]).view(1)])
+    return rows
+
+
+def full_rows(route):
+    """The rows of a routed matrix's full (TP-gathered) matrix."""
+    return route.shape[0] * (route.tp_size if route.tp_split_dim == 0 else 1)
+
+
+def part_rows(shape, tp_split_dim, tp_rank, start, stop):
+    """The row of the full matrix of every element of a part: elements [start, stop) of the flat TP piece (of
+    TP-local `shape`) that TP rank tp_rank holds."""
+    rows, cols = shape
+    local = torch.arange(start, stop) // cols
+    return local + tp_rank * rows if tp_split_dim == 0 else local
+
+
+def normalized_part(ortho_part, rows, stats, eps):
+    """NorMuon's update on a part, from the owner's v and g (stats) and the row of each of its elements."""
+    return normalized(ortho_part, divisor(stats[:-1], eps)[rows.to(stats.device)], stats[-1])
 
 
 def batched_problem(names):

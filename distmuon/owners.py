@@ -18,12 +18,15 @@ matrices batched (batched_ns, --batched-ns). Launch recipes (the lesson's comman
 
 Import them: the optimizers are real torch.optim.Optimizers, section 5's with these strategies plugged in:
     from distmuon import OwnerMuon, CommFreeMuon   # = DistributedMuon(..., strategy=Owner(...) or CommFree(...))
+
+A strategy of your own goes at the end, beside them (OPTIMIZERS), or into register: notes/08-strategies.md.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +35,8 @@ from torch.profiler import record_function
 from distmuon.assignment import assign_owners, check_owners, load_balance, lpt_order  # noqa: F401 (7.1's names)
 from distmuon.collectives import all_gather_single, reduce_scatter_sum, sum_in_order
 from distmuon.checks import ORTHOGONALIZED, ns_coefficients_of
-from distmuon.normuon import batched_problem, divisor, normalized, rescale, second_moment_
+from distmuon.normuon import batched_problem, full_rows, normalized_part, normuon_rows, part_rows
+from distmuon.strategy import DECLARED
 from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Gather, Unit,
                                   apply_muon_update_,
                                   newton_schulz, newton_schulz_flops, orthogonalize, tp_shard)
@@ -335,46 +339,9 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
 # -----------------------------------------------------------------------------
 # 7.4b NorMuon at the owner: each row's second moment, and the rows it sends
 # -----------------------------------------------------------------------------
-# A param group of algorithm "normuon" (distmuon/normuon.py) divides each row of
-# O by the root of its own second moment v, then rescales O by g to the norm it
-# had: v and g need whole rows and the whole matrix, which the owner has. So
-# the owner keeps v (its state, one float32 per row of the full matrix), updates
-# it and finds g, and sends each holder of a part the new v and g beside its
-# part of O (one all-to-all of rows + 1 float32 a matrix and holder, phase
-# "NorMuon rows"); each holder divides its part's elements by their rows'
-# divisors and multiplies by g: the owner's arithmetic, elementwise, its bits.
-
-def normuon_rows(opt, orthos):
-    """{NorMuon matrix among an owner's orthos: its new v (its state, updated here) and g, one float32 vector}."""
-    rows = {}
-    for name, ortho in orthos.items():
-        group = opt.group_of[name]
-        if group["algorithm"] == "normuon":
-            state = opt.state[opt.param_by_name[name]]
-            if "normuon_v" not in state:  # as torch creates state: zeros, at the first step
-                state["normuon_v"] = torch.zeros(ortho.shape[0], 1, device=ortho.device)
-            o = ortho.float()  # once: both take it in float32
-            v = second_moment_(o, state["normuon_v"], group["beta2"])
-            rows[name] = torch.cat([v.view(-1), rescale(o, v, group["normuon_eps"]).view(1)])
-    return rows
-
-
-def full_rows(route):
-    """The rows of a routed matrix's full (TP-gathered) matrix."""
-    return route.shape[0] * (route.tp_size if route.tp_split_dim == 0 else 1)
-
-
-def part_rows(shape, tp_split_dim, tp_rank, start, stop):
-    """The row of the full matrix of every element of a part: elements [start, stop) of the flat TP piece (of
-    TP-local `shape`) that TP rank tp_rank holds."""
-    rows, cols = shape
-    local = torch.arange(start, stop) // cols
-    return local + tp_rank * rows if tp_split_dim == 0 else local
-
-
-def normalized_part(ortho_part, rows, stats, eps):
-    """NorMuon's update on a part, from the owner's v and g (stats) and the row of each of its elements."""
-    return normalized(ortho_part, divisor(stats[:-1], eps)[rows.to(stats.device)], stats[-1])
+# A param group of algorithm "normuon" divides each row of O by the root of its own second moment v, then rescales O
+# to the norm it had: whole rows and the whole matrix, which the owner has. How the owner's v and g reach each holder
+# of a part, and what it does with them: distmuon/normuon.py, "At an owner" (normuon_rows, ..., normalized_part).
 
 
 # -----------------------------------------------------------------------------
@@ -597,6 +564,9 @@ class Owner(Gather):
     """
 
     name = "owner"
+    phases = ("grad presence", "grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather")
+    own_options = ("overlap", "batched_ns")  # the run's flags set these (owners= is for a caller's own assignment)
+    orthogonalizes_once = holds_rows = True  # each matrix on its owner alone, which holds it whole
 
     def __init__(self, owners=None, overlap=0, batched_ns=False):
         check_owner_options(owners=owners, overlap=overlap, batched_ns=batched_ns)
@@ -615,10 +585,16 @@ class Owner(Gather):
         steps = {n: opt.group_of[n]["ns_steps"] for n in opt.muon_names}  # LargeRuns counts by blocks where it has them
         self.ns_flops = {n: newton_schulz_flops(shapes[n], steps[n]) if large_runs is None else
                          large_runs.flops(n, shapes[n], steps[n]) for n in opt.muon_names}
-        self.owners = (check_owners(self.owner_override, opt.muon_names, world) if self.owner_override is not None
+        owned = self.assign(opt)
+        self.owners = (check_owners(owned, opt.muon_names, world) if owned is not None
                        else assign_owners(self.ns_flops, world, shapes, self.owners))
         self.routes = plan_routes(opt.muon_names, self.owners, lambda n, d: self.part_of(opt, n, d), opt.layout,
                                   opt.grid, self.axis(opt))
+
+    def assign(self, opt):
+        """The owners by a rule of its own, {rank: [matrix names]} (checked: every Muon matrix exactly once), or None
+        for the balanced assignment (7.1; matrices already owned keep their owners). Owner's rule: the owners= given."""
+        return self.owner_override
 
     def units(self, opt):
         """Without overlap, every bucket at once, so that stage 3 moves every matrix in one exchange each way; with
@@ -678,6 +654,8 @@ class CommFree(Owner):
     broadcast from the owner row; the matrices travel in chunks of at most bucket_size elements (7.5)."""
 
     name = "comm-free"
+    phases = ("grad presence", "grad reduce-scatter", "grad reduce at owner", "gather at owner", "scatter from owner",
+              "param all-gather", "update broadcast from owner")
 
     def axis(self, opt):
         return opt.grid.tp  # the TP pieces of a matrix meet inside the owner's row
@@ -754,19 +732,62 @@ def with_strategy(optimizer, strategy, kwargs):
 
 
 class OwnerMuon(DistributedMuon):
-    """DistributedMuon with the owner strategy plugged in (Owner's arguments, then DistributedMuon's)."""
+    """DistributedMuon with the owner strategy plugged in (Owner's arguments, then DistributedMuon's); a subclass
+    with another strategy_class (Owner's arguments too) plugs in that one."""
+
+    strategy_class = Owner
 
     def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
-        super().__init__(params, **with_strategy("OwnerMuon", Owner(owners, overlap, batched_ns), kwargs))
+        strategy = self.strategy_class(owners, overlap, batched_ns)
+        super().__init__(params, **with_strategy(type(self).__name__, strategy, kwargs))
 
 
-class CommFreeMuon(DistributedMuon):
+class CommFreeMuon(OwnerMuon):
     """DistributedMuon with the comm-free strategy plugged in (CommFree's arguments, then DistributedMuon's)."""
 
-    def __init__(self, params, *, owners=None, overlap=0, batched_ns=False, **kwargs):
-        super().__init__(params, **with_strategy("CommFreeMuon", CommFree(owners, overlap, batched_ns), kwargs))
+    strategy_class = CommFree
 
 
-# Every strategy, by the name --strategy takes: the optimizer with it plugged in.
+# Every strategy, by the name --strategy takes: the optimizer with it plugged in (register adds one).
 OPTIMIZERS = {"gather": DistributedMuon, "owner": OwnerMuon, "comm-free": CommFreeMuon}
-STRATEGIES = tuple(OPTIMIZERS)
+STRATEGIES = BUILT_IN = tuple(OPTIMIZERS)  # their names, in order; BUILT_IN: this module's, which stay
+
+
+def strategy_class(name: str) -> type:
+    """The class of the strategy OPTIMIZERS[name] plugs in: what it declares (distmuon.strategy.DECLARED) is what the
+    runner, large runs and the benchmarks read of it, never its name. KeyError for a name not registered."""
+    return OPTIMIZERS[name].strategy_class
+
+
+def strategies_where(test: Callable[[type], bool]) -> tuple:
+    """The names of the strategies whose class passes `test` (e.g. lambda s: s.holds_rows), in OPTIMIZERS' order."""
+    return tuple(name for name in OPTIMIZERS if test(strategy_class(name)))
+
+
+def register(optimizer_class: type) -> None:
+    """Add a strategy: `optimizer_class`, a DistributedMuon subclass whose strategy_class declares what DECLARED
+    names, goes into OPTIMIZERS (and STRATEGIES) under that class's name, for the runner's --strategy, checks and
+    accounting. In this process only: a spawned rank has it if what it runs registers it too. Refused in one line
+    (ValueError): not such a class, a declaration missing, or a name taken."""
+    global STRATEGIES
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, DistributedMuon)):
+        raise ValueError(f"register takes a subclass of DistributedMuon (got {optimizer_class!r:.80})")
+    cls = optimizer_class.strategy_class
+    missing = [a for a in DECLARED if not hasattr(cls, a)]
+    if missing:
+        raise ValueError(f"{optimizer_class.__name__}'s strategy_class {cls.__name__} declares no {', '.join(missing)} "
+                         f"(distmuon/strategy.py's Strategy)")
+    if cls.name in OPTIMIZERS:
+        raise ValueError(f"strategy {cls.name!r} is registered already, by {OPTIMIZERS[cls.name].__name__}")
+    OPTIMIZERS[cls.name] = optimizer_class
+    STRATEGIES = tuple(OPTIMIZERS)
+
+
+def unregister(name: str) -> None:
+    """Take a strategy that register added out again (the three of this module stay); ValueError, one line, if not."""
+    global STRATEGIES
+    if name not in OPTIMIZERS or name in BUILT_IN:
+        added = [n for n in OPTIMIZERS if n not in BUILT_IN]
+        raise ValueError(f"strategy {name!r} is not one register added (added: {', '.join(added) or 'none'})")
+    del OPTIMIZERS[name]
+    STRATEGIES = tuple(OPTIMIZERS)

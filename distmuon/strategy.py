@@ -4,6 +4,11 @@ A strategy is what the optimizer plugs in to say where each matrix is orthogonal
 and back: the lesson's Gather (section 4), distmuon/owners.py's Owner and CommFree (section 7), each wrapped by
 distmuon/large_runs.py's WithLargeRuns when large runs' options are on (section 8). The step calls a Strategy; a
 strategy reads and calls only what a StepContext has (the optimizer is one), never an underscored attribute.
+
+A strategy also declares, as class attributes, what the rest of the house asks of it (the runner's checks and
+accounting, large runs, the benchmarks): nobody branches on its name. One that does not orthogonalize each matrix
+once runs section 4's gather flow, whose three middle arrows (its `middle`) large runs replace. Adding a strategy:
+notes/08-strategies.md.
 """
 
 from __future__ import annotations
@@ -39,11 +44,19 @@ class StepContext(Protocol):
     def copy_in(self, bucket: Any, param_bucket: Any) -> None: ...  # stage 4's output, into the TP pieces
 
 
+# What a strategy's class declares, read before any is built (distmuon.owners.strategy_class): Strategy's first five.
+DECLARED = ("name", "phases", "own_options", "orthogonalizes_once", "holds_rows")
+
+
 @runtime_checkable
 class Strategy(Protocol):
     """What the step asks a strategy (section 5 calls each, given the optimizer as a StepContext)."""
 
-    name: str  # "gather", "owner", "comm-free": what a checkpoint records
+    name: str  # "gather", "owner", "comm-free": what --strategy takes and a checkpoint records
+    phases: tuple  # the ledger phases its step records, in order (the runner's table of bytes per phase)
+    own_options: tuple  # its keywords that a run's flags set (its optimizer takes them too): the runner passes them
+    orthogonalizes_once: bool  # True: each matrix once, by its owner; False: by every rank that touches it
+    holds_rows: bool  # its owner holds each matrix's whole rows: NorMuon's groups need it (distmuon/normuon.py)
     owners: dict | None  # {matrix: the rank that orthogonalizes it}; None: every rank that touches it
     overlap: int  # 0: the stages in turn; K: pipelined K units deep (section 7.6)
 
@@ -56,3 +69,15 @@ class Strategy(Protocol):
     def runs_of(self, name: str) -> list | None: ...  # None: the lr adjusted for the whole matrix's shape
     def clip_qk_(self, opt: StepContext, max_logits: dict) -> dict: ...  # QK-clip after the step, or refused
 
+
+@runtime_checkable
+class ChunkStrategy(Strategy, Protocol):
+    """A strategy whose units carry chunks (Unit.chunks: matrices outside ZeRO-1's buckets, as comm-free's): the step
+    calls these two for each chunk of a unit, stage 1 and stage 4; for a strategy whose units carry none, never."""
+
+    def reduce_chunk(self, opt: StepContext, chunk: tuple, active: set, async_op: bool = False) -> Any:
+        """Stage 1: {name: this rank's part of the gradient summed over DP}; with async_op, a function that waits
+        and returns it."""
+
+    def broadcast_chunk(self, opt: StepContext, chunk: tuple, active: set, async_op: bool = False) -> Any:
+        """Stage 4: every DP rank's copy of the chunk's weights updated; with async_op, a function that waits for it."""

@@ -146,9 +146,9 @@ def validate(cfg, ranks_here=None):
                          f"{cfg.schedule})")
     if cfg.strategy not in mo.STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(mo.STRATEGIES)} (got {cfg.strategy!r})")
-    if cfg.optimizer == "normuon" and cfg.strategy not in ("owner", "comm-free"):
-        raise ValueError(f"--optimizer normuon takes --strategy owner or comm-free, whose owner holds each matrix's "
-                         f"rows (got --strategy {cfg.strategy})")
+    if cfg.optimizer == "normuon" and not mo.strategy_class(cfg.strategy).holds_rows:
+        raise ValueError(f"--optimizer normuon takes --strategy {mt.either(mo.strategies_where(lambda s: s.holds_rows))}, "
+                         f"whose owner holds each matrix's rows (got --strategy {cfg.strategy})")
     check_large_run_options(cfg)
     mc.check_hyperparameters(mt.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")

@@ -51,7 +51,7 @@ from muon_tools.launch import (  # noqa: F401
 from muon_tools.checks import (  # noqa: F401
     FLOAT32_MAX, MAX_DEMO_PARAMETERS, MAX_LAYERS, MAX_TIMEOUT_S, MIN_TIMEOUT_S, MUON_ONLY, TORCH_ADAMW_BETAS,
     add_backend_flags, backend_flags, check_large_run_flags, check_launch, check_seed, check_step_numbers,
-    check_topology, flag, host_memory, under_torchrun, validate)
+    check_topology, either, flag, host_memory, under_torchrun, validate)
 from muon_tools.cli import (  # noqa: F401
     CLOSED_STDOUT, OneLineParser, build_parser, closed_stdout, config_from_args, exit_code, leave, main,
     not_under_torchrun, run, stdout_closed)

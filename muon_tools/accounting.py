@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import asdict
 
 import torch
 
 from distmuon.large_runs import newton_schulz_flops_of
 from distmuon.assignment import load_balance
+from distmuon.owners import OPTIMIZERS, strategy_class
 from muon_tools.settings import BASELINE, MUON_GROUP, demo_row_layouts, demo_specs, run_kind
 from muon_tools.reference import muon_groups_of, verdict
 
@@ -29,14 +31,24 @@ from muon_tools.reference import muon_groups_of, verdict
 # (section 7) give each matrix one owner instead: redundancy 1, and max/mean
 # FLOPs per rank then says how well the owners are balanced.
 
-# The phases of each strategy's data path, and of the baseline's, in the order they happen.
-PHASES_OF = {
-    "gather": ("grad presence", "grad reduce-scatter", "DP gather", "TP gather", "param all-gather"),
-    "owner": ("grad presence", "grad reduce-scatter", "gather at owner", "scatter from owner", "param all-gather"),
-    "comm-free": ("grad presence", "grad reduce-scatter", "grad reduce at owner", "gather at owner",
-                  "scatter from owner", "param all-gather", "update broadcast from owner"),
-    BASELINE: ("grad presence", "grad reduce-scatter", "param all-gather"),
-}
+BASELINE_PHASES = ("grad presence", "grad reduce-scatter", "param all-gather")
+
+
+class Phases(Mapping):
+    """{run kind: the phases of its data path, in the order they happen}: each strategy's own (its class's phases,
+    every strategy of distmuon.owners.OPTIMIZERS, one registered later too), then the baseline's."""
+
+    def __getitem__(self, kind):
+        return BASELINE_PHASES if kind == BASELINE else strategy_class(kind).phases
+
+    def __iter__(self):
+        return iter((*OPTIMIZERS, BASELINE))
+
+    def __len__(self):
+        return len(OPTIMIZERS) + 1
+
+
+PHASES_OF = Phases()
 PHASES = PHASES_OF["gather"]
 
 
@@ -153,7 +165,8 @@ def print_header(cfg, plan, device_kind, backend, explain, print_fn):
     buckets = plan.layout.buckets
     used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
     n_buffers = len({b.buffer_idx for b in buckets})
-    whole = " (Muon matrices are sharded whole, outside the buckets)" if plan.strategy.name == "comm-free" else ""
+    outside = [n for n in plan.muon_names if not plan.strategy.bucketed(plan, n)]
+    whole = " (Muon matrices are sharded whole, outside the buckets)" if outside else ""
     print_fn(f"[3] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
              f"elements, {used:,} TP-local elements + {padded - used} padding per rank{whole}")
     if explain:
@@ -214,8 +227,8 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
     if flops["single_device"]:
         print_fn(f"[10] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
                  f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
-        why = ("every TP peer, and every DP rank whose shard touches a matrix, orthogonalizes it"
-               if cfg.strategy == "gather" else "each matrix is orthogonalized once, by its owner")
+        why = ("each matrix is orthogonalized once, by its owner" if strategy_class(cfg.strategy).orthogonalizes_once
+               else "every TP peer, and every DP rank whose shard touches a matrix, orthogonalizes it")
         print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
                  f"(upper bound DP x TP = {world}; {why}); max/mean per rank = {flops['max_over_mean']:.2f}\n")
     state = [r["state_bytes"] for r in results]

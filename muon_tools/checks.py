@@ -12,7 +12,7 @@ import torch
 import distmuon.checks as mc
 from distmuon.checks import NS_COEFFICIENT_CHOICES, TORCH_OPTIONS, check_grid, check_hyperparameters
 from distmuon.large_runs import check_large_run_options
-from distmuon.owners import STRATEGIES, check_owner_options
+from distmuon.owners import OPTIMIZERS, check_owner_options, strategies_where, strategy_class
 from distributed_muon_cpu import adjusted_lr
 from muon_tools.settings import (MAX_WORLD, MODELS, MUON_GROUP, N_HEADS, RunConfig, check_tp_divides, demo_row_layouts,
                                  group_hyperparameters)
@@ -90,6 +90,16 @@ MAX_DEMO_PARAMETERS = 16 * 2**20
 
 
 
+def either(names):
+    """'a', 'a or b', 'a, b or c': the strategies that take something, as a refusal names them."""
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
+def strategies_taking(option):
+    """'owner or comm-free': the strategies whose own_options hold `option` (a keyword: overlap, batched_ns)."""
+    return either(strategies_where(lambda s: option in s.own_options))
+
+
 def check_large_run_flags(*, ns_coefficients, ns_blocks, tp_newton_schulz, qk_clip_tau, strategy):
     """--ns-coefficients, --ns-blocks, --tp-newton-schulz and --qk-clip, by the optimizers' own checks spelled
     as flags, and the one combination only a strategy refuses (at construction, after the ranks started):
@@ -99,8 +109,9 @@ def check_large_run_flags(*, ns_coefficients, ns_blocks, tp_newton_schulz, qk_cl
     if ns_coefficients not in NS_COEFFICIENT_CHOICES:
         raise ValueError(f"--ns-coefficients must be one of {', '.join(NS_COEFFICIENT_CHOICES)} "
                          f"(got {ns_coefficients!r})")
-    if tp_newton_schulz != "gather" and strategy != "gather":
-        raise ValueError(f"--tp-newton-schulz {tp_newton_schulz} applies to --strategy gather: strategy "
+    if tp_newton_schulz != "gather" and strategy_class(strategy).orthogonalizes_once:
+        gathering = either(strategies_where(lambda s: not s.orthogonalizes_once))
+        raise ValueError(f"--tp-newton-schulz {tp_newton_schulz} applies to --strategy {gathering}: strategy "
                          f"{strategy} orthogonalizes each matrix whole on one owner, which receives it anyway")
 
 
@@ -177,9 +188,9 @@ def validate(cfg, specs):
         raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
     if cfg.ns_steps < 1:
         raise ValueError(f"--ns-steps must be >= 1 (got {cfg.ns_steps})")
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {cfg.strategy!r})")
-    if cfg.baseline and cfg.strategy != "gather":
+    if cfg.strategy not in OPTIMIZERS:
+        raise ValueError(f"--strategy must be one of {', '.join(OPTIMIZERS)} (got {cfg.strategy!r})")
+    if cfg.baseline and cfg.strategy != RunConfig.strategy:
         raise ValueError(f"--baseline runs AdamW for every parameter: it takes no --strategy (got {cfg.strategy})")
     muon_only = [f"{flag(k)} {getattr(cfg, k)}" for k in MUON_ONLY if getattr(cfg, k) != getattr(RunConfig, k)]
     if cfg.baseline and muon_only:
@@ -210,19 +221,19 @@ def validate(cfg, specs):
     if laid_out and (cfg.model != "transformer" or cfg.baseline):
         raise ValueError(f"{' and '.join(laid_out)}: no fused QKV to act on with --model {cfg.model}"
                          f"{' --baseline' if cfg.baseline else ''} (--model transformer has one, under Muon)")
-    if cfg.normuon and (cfg.strategy not in ("owner", "comm-free") or cfg.baseline):
-        raise ValueError(f"--normuon applies to --strategy owner or comm-free, whose owner holds each matrix's rows "
-                         f"(got {'--baseline' if cfg.baseline else '--strategy ' + cfg.strategy})")
+    if cfg.normuon and (not strategy_class(cfg.strategy).holds_rows or cfg.baseline):
+        got = "--baseline" if cfg.baseline else "--strategy " + cfg.strategy
+        raise ValueError(f"--normuon applies to --strategy {either(strategies_where(lambda s: s.holds_rows))}, whose "
+                         f"owner holds each matrix's rows (got {got})")
     if cfg.normuon and cfg.ns_blocks != "whole":
         raise ValueError(f"--ns-blocks {cfg.ns_blocks} applies to Muon's matrices: NorMuon normalizes the rows of the "
                          f"whole matrix")
     if cfg.normuon and cfg.batched_ns:
         raise ValueError("--batched-ns applies to Muon's matrices: NorMuon divides each row by its own RMS, which can "
                          "magnify the batched call's rounding beyond the bound derived for Muon's update")
-    if cfg.overlap and cfg.strategy not in ("owner", "comm-free"):
-        raise ValueError(f"--overlap applies to --strategy owner or comm-free (got {cfg.strategy})")
-    if cfg.batched_ns and cfg.strategy not in ("owner", "comm-free"):
-        raise ValueError(f"--batched-ns applies to --strategy owner or comm-free (got {cfg.strategy})")
+    for option in ("overlap", "batched_ns"):  # the strategies' own options the runner has flags for
+        if getattr(cfg, option) and option not in strategy_class(cfg.strategy).own_options:
+            raise ValueError(f"{flag(option)} applies to --strategy {strategies_taking(option)} (got {cfg.strategy})")
     check_step_numbers(flag, group_hyperparameters(cfg).values(),
                        [s.global_shape for s in specs if s.group == MUON_GROUP])
     check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)

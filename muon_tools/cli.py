@@ -13,7 +13,7 @@ from dataclasses import fields
 
 from distmuon.checks import ADJUST_LR_FNS, NS_COEFFICIENT_CHOICES
 from distmuon.large_runs import NS_BLOCKS, TP_NEWTON_SCHULZ
-from distmuon.owners import OVERLAP_DEFAULT, STRATEGIES
+from distmuon.owners import OPTIMIZERS, OVERLAP_DEFAULT
 from muon_forkserver import start_method, stop_forkserver
 from muon_tools.settings import MODELS, N_HEADS, RunConfig, demo_specs, plan_optimizer
 from muon_tools.reference import bound, rank_program
@@ -83,7 +83,7 @@ def build_parser(description, launcher="spawn", one_run=True):
     p.add_argument("--adjust-lr-fn", default=d.adjust_lr_fn,
                    help=f"one of {', '.join(ADJUST_LR_FNS)} (default %(default)s)")
     if one_run:
-        p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES,
+        p.add_argument("--strategy", default=d.strategy, choices=tuple(OPTIMIZERS),
                        help="gather (default): every rank that touches a matrix orthogonalizes it; owner: one rank "
                             "per matrix, all-to-all exchanges; comm-free: matrices sharded whole across DP")
         p.add_argument("--baseline", action="store_true",

@@ -11,7 +11,7 @@ import torch
 
 import distributed_muon_cpu as dm
 from distmuon.large_runs import LargeRuns, RowLayout
-from distmuon.owners import OPTIMIZERS
+from distmuon.owners import OPTIMIZERS, strategy_class
 from distributed_muon_cpu import D_MODEL, NS_STEPS, N_LAYERS, ParamSpec, initial_params, plan_grid, transformer_specs
 
 
@@ -50,7 +50,7 @@ class RunConfig:
     weight_decay: float = 0.1
     ns_steps: int = NS_STEPS
     adjust_lr_fn: str = "original"
-    strategy: str = "gather"  # one of STRATEGIES
+    strategy: str = "gather"  # one of distmuon.owners.OPTIMIZERS
     baseline: bool = False  # the AdamW ZeRO-1 baseline instead of Muon: every parameter takes AdamW
     normuon: bool = False  # the matrices take NorMuon (distmuon/normuon.py) instead of Muon: owner or comm-free
     model: str = "transformer"  # one of MODELS: the transformer of section 6, lopsided_specs() or thin_specs()
@@ -187,7 +187,7 @@ def build_optimizer(specs, cfg, grid, params):
     """The demo's optimizer for cfg.strategy over this rank's TP pieces `params` ({name: tensor})."""
     groups = [dict(h, params=[(s.name, params[s.name]) for s in specs if s.group == g])
               for g, h in group_hyperparameters(cfg).items()]
-    options = {} if cfg.strategy == "gather" else dict(overlap=cfg.overlap, batched_ns=cfg.batched_ns)
+    options = {k: getattr(cfg, k) for k in strategy_class(cfg.strategy).own_options}  # --overlap, --batched-ns
     row_layouts = demo_row_layouts(specs, cfg)
     if row_layouts or cfg.tp_newton_schulz != "gather":  # section 8's options: torch's run without them
         options["large_runs"] = LargeRuns(row_layouts=row_layouts, ns_blocks=cfg.ns_blocks,

@@ -123,16 +123,17 @@ def run_together_rank(rank, together, device):
     return [mt.run_demo_steps(cfg, grids[cfg.dp, cfg.tp], device) for cfg in together.runs]
 
 
-def run_together(cfgs):
+def run_together(cfgs, body=run_together_rank):
     """{cfg: what mt.run(cfg) returns} for runs of one world size, spawned once: each run's ranks do what
     mt.run's do (the lesson's run_steps), and this process checks each against torch as run_rank's rank 0
     would (mt.verify), sharing torch's reference between runs that have the same one (mt.reference_params).
-    Spawning the ranks (each imports torch) cost more than the steps of most runs here."""
+    Spawning the ranks (each imports torch) cost more than the steps of most runs here. body: what each rank
+    runs, run_together_rank's signature (one that registers a strategy first, for a strategy a test defines)."""
     together = Together(dp=cfgs[0].dp * cfgs[0].tp, tp=1, timeout_s=max(c.timeout_s for c in cfgs), runs=tuple(cfgs))
     for cfg in cfgs:
         mt.validate(cfg, mt.demo_specs(cfg))
     t0 = time.perf_counter()
-    ranks = mt.spawn_ranks(together, run_together_rank)
+    ranks = mt.spawn_ranks(together, body)
     seconds = (time.perf_counter() - t0) / len(cfgs)  # the ranks' time, shared out: a figure no test reads
     out = {}
     for i, cfg in enumerate(cfgs):
