@@ -206,7 +206,8 @@ def lesson_cost(opt, node_of, label=None):
     for b in layout.buckets if dp > 1 else ():  # stage 1: ZeRO-1's reduce-scatter, bucket by bucket
         traffic.reduce_scatter("grad reduce-scatter", "DP", FP32, dp_groups, b.numel // dp)
     strategy = opt.strategy
-    if strategy.name == "gather":
+    comm_free = isinstance(strategy, mo.CommFree)  # priced by what each strategy is, not by its name
+    if not strategy.orthogonalizes_once:  # the gather flow: every rank that touches a matrix orthogonalizes it
         gram = opt.large_runs.gram if opt.large_runs is not None else set()
         for b in layout.buckets:
             group = opt.param_groups[b.buffer_idx]
@@ -233,11 +234,11 @@ def lesson_cost(opt, node_of, label=None):
         for name, owner in opt.owners.items():
             flops[owner] += strategy.ns_flops[name]
             ns_calls[owner] += 1
-        if strategy.name == "owner" and world > 1:
+        if not comm_free and world > 1:
             for unit in strategy.units(opt):  # stage 3, unit by unit (a unit without a matrix moves nothing)
                 exchange_at_owners(traffic, [r for r in strategy.routes if r.name in unit.names], "world",
                                    lambda i: i, opt)
-        if strategy.name == "comm-free":
+        if comm_free:
             comm_free_cost(opt, traffic, dp, tp)
     for b in layout.buckets if dp > 1 else ():  # stage 4: the parameter all-gather
         traffic.all_gather("param all-gather", "DP", FP32, dp_groups, b.numel // dp)
@@ -310,10 +311,10 @@ def lesson_state(opt, dp, tp):
             n = part.stop - part.start
             for r in range(d * tp, (d + 1) * tp):
                 state[r] += 4 * n if kind == "muon" else (8 * n + 4 if n else 0)
-                elements[kind][r] += whole if opt.strategy.name == "comm-free" and kind == "muon" else n
+                elements[kind][r] += whole if isinstance(opt.strategy, mo.CommFree) and kind == "muon" else n
                 if n:
                     calls[kind][r] += 1
-                elif opt.strategy.name == "comm-free" and kind == "muon":  # the owner row's update, applied here
+                elif isinstance(opt.strategy, mo.CommFree) and kind == "muon":  # the owner row's update, applied here
                     calls["apply"][r] += 1
         if group["algorithm"] == "normuon":
             state[opt.owners[name]] += 4 * opt.layout.global_shapes[name][0]
