@@ -81,6 +81,33 @@ from distmuon.rules import add_or_refuse_group, copy_sharing
 from distributed_muon_cpu import apply_muon_update_, muon_update
 
 
+CHUNK = 2**18  # elements, a multiple of every vector width: the elementwise stages' float32 temporaries are this big
+
+
+def chunks(numel):
+    """[start, stop) of CHUNK elements each, the last one shorter: a vectorized kernel's tail falls where it would on
+    the whole (the same bits)."""
+    return [(start, min(start + CHUNK, numel)) for start in range(0, numel, CHUNK)]
+
+
+def bf16_update(buffer, grad, group):
+    """The lesson's muon_update (momentum in place, then the bf16 cast) chunk by chunk into one bf16 tensor:
+    elementwise, so the same bits, without a temporary the size of the shard (nesterov's, in the buffer's dtype)."""
+    out = torch.empty(buffer.shape, dtype=torch.bfloat16, device=buffer.device)
+    for start, stop in chunks(buffer.numel()):
+        out[start:stop] = muon_update(buffer[start:stop], grad[start:stop], group)
+    return out
+
+
+def apply_update_(param, ortho, group, global_shape, runs=None):
+    """The lesson's apply_muon_update_ chunk by chunk (each run cut at the chunk's ends): elementwise, so the same
+    bits, without the float32 copy of the whole bf16 update that an add_ of mixed dtypes makes."""
+    for start, stop in chunks(param.numel()):
+        cut = None if runs is None else [(max(a, start) - start, min(b, stop) - start, rows) for a, b, rows in runs
+                                         if a < stop and b > start]
+        apply_muon_update_(param[start:stop], ortho[start:stop], group, global_shape, cut)
+
+
 def _iterable(value):
     """`value` as a list, or [None] (refused) where it is no iterable."""
     try:
@@ -456,33 +483,35 @@ class DTensorMuon(torch.optim.Optimizer):
         for name in names:
             group, buffer = self.group_of[name], flat(self.state_of(name)["momentum_buffer"])
             momenta[name] = buffer.clone() if self.exchange.config.explicit else buffer
-            update = muon_update(momenta[name], grads[name].reshape(-1), group)
+            update = bf16_update(momenta[name], grads[name].reshape(-1), group)
             updates[name] = update.view(local_of(self.param_by_name[name]).shape)
         return updates
 
     def _apply_orthogonalized(self, orthos):
         """p <- p * (1 - lr * wd) - adjusted_lr * O for each parameter's orthogonalized shard."""
-        for name, ortho in orthos.items():
+        for name in list(orthos):
             shape = (self.exchange.config.global_shapes[name] if self.exchange.config.explicit
                      else tuple(self.param_by_name[name].shape)[-2:])  # an expert's (out, in)
-            apply_muon_update_(local_of(self.param_by_name[name]).view(-1), ortho.reshape(-1), self.group_of[name],
-                               shape, self.large_runs.block_runs.get(name))  # blocks: each run of rows, its shape (3b)
+            apply_update_(local_of(self.param_by_name[name]).view(-1), orthos.pop(name).reshape(-1),
+                          self.group_of[name], shape, self.large_runs.block_runs.get(name))  # blocks: 3b
 
     def _grouped_muon_steps(self, present, here, grads):
         """Stages 1-5 of the Muon parameters group by group (exchange_bytes each; exchange.exchange_groups), K =
         overlap groups' gathers in flight while a group's Newton-Schulz runs, its scatter waited for K groups later
         (the lesson's overlapped_stages, on groups): the same operations on the same elements, so the same bits.
-        Returns {} (each group's update is applied as it arrives)."""
+        Nothing of a group is held once its update is applied. Returns {} (each group's update is applied as it
+        arrives)."""
         groups = self.exchange.exchange_groups(self, present, self.exchange_bytes)
         k, started, finishing = self.overlap, {}, {}
         for i in range(len(groups) + 2 * k):
             if i < len(groups):  # group i: momentum and bf16 updates, then its gather started
                 names, exchanged, rows = groups[i]
-                updates = self._muon_updates([n for n in names if n in here], grads, {})
-                started[i] = (updates, exchanged, rows, self.exchange.start(self, updates, exchanged))
+                started[i] = (exchanged, rows, self.exchange.start(
+                    self, self._muon_updates([n for n in names if n in here], grads, {}), exchanged))
             if i - k in started:  # group i-k: Newton-Schulz while later groups' gathers fly; its scatter started
-                updates, exchanged, rows, gathering = started.pop(i - k)
-                finishing[i - k] = self.exchange.finish(self, updates, gathering, exchanged, rows)
+                exchanged, rows, gathering = started.pop(i - k)
+                finishing[i - k] = self.exchange.finish(self, gathering, exchanged, rows)
+                del gathering
             if i - 2 * k in finishing:  # group i-2k: its scatter waited for, its update applied
                 self._apply_orthogonalized(finishing.pop(i - 2 * k)())
         return {}
