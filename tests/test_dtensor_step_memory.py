@@ -82,3 +82,23 @@ def test_a_grouped_step_holds_what_its_design_says(dp, tp):
         assert r["peak"] <= (BY_DESIGN[dp, tp] + 0.5) * matrix, (r["rank"], r["peak"] / matrix, r["at_peak"])
         assert r["rss_peak"] <= (BY_DESIGN[dp, tp] + 1.0) * matrix, (r["rank"], r["rss_peak"] / matrix)
     assert max(r["peak"] for r in ranks) >= BY_DESIGN[dp, tp] * matrix  # what the design holds: the count sees it
+
+
+def test_what_a_rank_sends_at_construction_grows_with_its_parameters_not_with_the_world():
+    """swap_descriptions' message where the ranks' Copies differ: each mesh's ranks once, not once per parameter
+    (16,384 ranks, 500 parameters: under 0.3 MB, where the Copies as describe() makes them, a tuple of ranks each,
+    pickle to tens of MB); packed then unpacked, the same Copies."""
+    import pickle
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from distmuon.dtensor.plan import Copy
+
+    world = 2**14
+    copies = [Copy(f"{i}.w", i % 2, (4096, 1024), tuple(range(world)), (world // 8, 8),
+                   (_StridedShard(0, split_factor=8), Shard(i % 2)), False, ("dp", "tp")) for i in range(500)]
+    copies.append(Copy("bias", 1, (7,), (), (), (), False))
+    message = dopt.packed(copies)
+    assert dopt.unpacked(*message) == copies
+    assert len(pickle.dumps(message)) < 300_000 and len(pickle.dumps(copies)) > 100 * len(pickle.dumps(message))

@@ -61,6 +61,8 @@ What large runs add (defaults: torch's behaviour; tests/test_dtensor_large_runs.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -75,7 +77,7 @@ from distmuon.dtensor.config import DistributedConfig
 from distmuon.dtensor.exchange import OwnerExchange
 from distmuon.dtensor.normuon import v_zeros
 from distmuon.dtensor.placements import like_param, local_of, local_shape_problem, placements_problem
-from distmuon.dtensor.plan import describe
+from distmuon.dtensor.plan import Copy, describe
 from distmuon.dtensor.rows import DTensorLargeRuns
 from distmuon.rules import add_or_refuse_group, copy_sharing
 from distributed_muon_cpu import apply_muon_update_, muon_update
@@ -175,17 +177,48 @@ def parameters_problem(opt):
     return opt.large_runs.problem(opt, opt.exchange.config.explicit)
 
 
+def packed(copies):
+    """Copies as ([mesh], [row]): each distinct mesh (its ranks, shape and dim names) once, in order of first use, and
+    one row per Copy naming its mesh by index: what a rank sends grows with its parameters and its meshes, not with
+    the parameters times the mesh's ranks."""
+    index, meshes, rows = {}, [], []
+    for c in copies:
+        mesh = (c.mesh_ranks, c.mesh_shape, c.mesh_dim_names)
+        if mesh not in index:
+            index[mesh] = len(meshes)
+            meshes.append(mesh)
+        rows.append((c.name, c.group, c.shape, index[mesh], c.placements, c.expert_stack))
+    return meshes, rows
+
+
+def unpacked(meshes, rows):
+    """packed's inverse: the Copies, equal field by field (one tuple of ranks per mesh, shared)."""
+    return [Copy(name, group, shape, meshes[i][0], meshes[i][1], placements, expert_stack, meshes[i][2])
+            for name, group, shape, i, placements, expert_stack in rows]
+
+
 def swap_descriptions(opt, problem):
-    """Every rank's Copies (one all_gather_object), so that every rank makes the same plan, and every parameter name
-    of any rank (what grad presence votes on); a problem on any rank (one line, or None here) raised on every rank."""
+    """Every rank's Copies, so that every rank makes the same plan, and every parameter name of any rank (what grad
+    presence votes on); a problem on any rank (one line, or None here) raised on every rank. First one
+    all_gather_object of each rank's problem, options and a digest of its Copies (a few bytes a rank); where every
+    digest is the same (every rank describes the same parameters: FSDP2, TP, HSDP), every rank's Copies are this
+    rank's and nothing more moves; else a second one of every rank's Copies, packed (packed())."""
     mine = [describe(n, opt.group_index(n), p, n in opt.expert_stacks)
             for n, p in opt.param_by_name.items()]
+    mine_packed = packed(mine)
     options = None if problem else opt.large_runs.agreed()
     if opt.axis.size == 1:
         everyone = [(problem, mine, options)]
     else:
-        everyone = [None] * opt.axis.size
-        dist.all_gather_object(everyone, (problem, mine, options), group=opt.axis.group)
+        digest = hashlib.sha256(repr(mine_packed).encode()).hexdigest()
+        summaries = [None] * opt.axis.size
+        dist.all_gather_object(summaries, (problem, digest, options), group=opt.axis.group)
+        if all(d == digest for _, d, _ in summaries):
+            everyone = [(p, mine, o) for p, _, o in summaries]
+        else:
+            theirs = [None] * opt.axis.size
+            dist.all_gather_object(theirs, mine_packed, group=opt.axis.group)
+            everyone = [(p, unpacked(*t), o) for (p, _, o), t in zip(summaries, theirs)]
     problems = [(opt.axis.ranks[i], p) for i, (p, _, _) in enumerate(everyone) if p]
     problems += [(opt.axis.ranks[i], f"row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau differ from "
                                       f"rank {opt.axis.ranks[0]}'s: every rank must pass the same")
