@@ -258,19 +258,23 @@ def table_rows(size, dp, tp, per_rank, without_ns):
             continue
         worst = lambda key: max(r[key] for r in rows)  # noqa: E731
         beside = max(r["kept"] - r["state"] for r in rows) / 1e6
+        over = max((r["first_step_peak"] - r["state"]) / p["local"] for r, p in zip(rows, per_rank)) * 100
         out.append(f"{name} {worst('construct_s'):9.3f} {gb(worst('construct_peak')):>10} {gb(worst('kept')):>8} "
                    f"{gb(worst('state')):>8} {beside:9.1f} {gb(worst('first_step_peak')):>10} {worst('first_s'):8.2f} "
-                   f"{worst('steady_s'):9.3f} {gb(max(r['local'] for r in per_rank)):>9}")
+                   f"{worst('steady_s'):9.3f} {gb(max(r['local'] for r in per_rank)):>9} {over:7.1f}")
     return out
 
 
 HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<19} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
-          f"{'state GB':>8} {'plan MB':>9} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9}")
+          f"{'state GB':>8} {'plan MB':>9} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9} "
+          f"{'step %':>7}")
 NOTE = ("build s: construction (seconds, the median of --builds; the slowest rank); peak GB: peak RSS over the\n"
         "model's (its shards and gradients) through construction; kept GB: RSS after it, over the model's; state GB:\n"
         "the optimizer's state tensors; plan MB: what construction keeps beside its state (kept - state, in RSS's\n"
         "pages); 1st peak GB: the peak through construction and the first step; 1st s, steady s: the first step and\n"
-        "the median of the next ones; params GB: this rank's parameter bytes (fp32). Memory: the largest rank's.")
+        "the median of the next ones; params GB: this rank's parameter bytes (fp32); step %: the 1st peak over the\n"
+        "state, in % of params (what construction and the first step hold beside the state). Memory: the largest\n"
+        "rank's.")
 
 
 # =============================================================================
