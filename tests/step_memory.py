@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import gc
+import pickle
 import weakref
 
 import torch
@@ -78,8 +79,9 @@ class StepMemoryRun:
 
 
 def at_scale_rank(rank, cfg, device):
-    """One step of DTensorMuon on at_scale.py's model: this rank's parameter bytes, the step's peak of new storages
-    (LiveBytes) and what was alive then, and its peak RSS over the RSS before it (freed buffers handed back to the
+    """One step of DTensorMuon on at_scale.py's model: the bytes of each all_gather_object of its construction
+    (pickled), this rank's parameter bytes, the step's peak of new storages (LiveBytes) and what was alive then, and
+    its peak RSS over the RSS before it (freed buffers handed back to the
     system at once: glibc's mmap threshold fixed at 128 KiB, so that RSS is what is held, not what glibc keeps)."""
     import ctypes
 
@@ -94,7 +96,16 @@ def at_scale_rank(rank, cfg, device):
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     model = at_scale.placed_model(cfg.d, mesh)
     at_scale.make_gradients(model, cfg.d)
-    opt = at_scale.build_dtensor_muon(model, exchange_bytes=cfg.exchange_bytes)
+    gathered, all_gather_object = [], torch.distributed.all_gather_object
+
+    def recorded(output, obj, group=None):  # construction's swap of descriptions: what this rank sends
+        gathered.append(len(pickle.dumps(obj)))
+        return all_gather_object(output, obj, group=group)
+    torch.distributed.all_gather_object = recorded
+    try:
+        opt = at_scale.build_dtensor_muon(model, exchange_bytes=cfg.exchange_bytes)
+    finally:
+        torch.distributed.all_gather_object = all_gather_object
     locals_before = [at_scale.dd.local_of(p).clone() for p in model.parameters()]
     live = LiveBytes()
     at_scale.reset_peak()
@@ -105,7 +116,7 @@ def at_scale_rank(rank, cfg, device):
     params = sum(at_scale.dd.local_of(p).numel() * 4 for p in model.parameters())
     moved = sum(not torch.equal(at_scale.dd.local_of(p), b) for p, b in zip(model.parameters(), locals_before))
     return dict(rank=rank, params=params, peak=live.peak, at_peak=live.at_peak[:8], rss_peak=rss_peak, moved=moved,
-                count=len(locals_before))
+                count=len(locals_before), gathered=gathered)
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)

@@ -82,6 +82,9 @@ def test_a_grouped_step_holds_what_its_design_says(dp, tp):
         assert r["peak"] <= (BY_DESIGN[dp, tp] + 0.5) * matrix, (r["rank"], r["peak"] / matrix, r["at_peak"])
         assert r["rss_peak"] <= (BY_DESIGN[dp, tp] + 1.0) * matrix, (r["rank"], r["rss_peak"] / matrix)
     assert max(r["peak"] for r in ranks) >= BY_DESIGN[dp, tp] * matrix  # what the design holds: the count sees it
+    # construction: every rank describes the same 16 parameters, so one all_gather_object of a digest, a few bytes
+    assert all(r["gathered"] == ranks[0]["gathered"] and len(r["gathered"]) == 1 and r["gathered"][0] < 200
+               for r in ranks), [r["gathered"] for r in ranks]
 
 
 def test_what_a_rank_sends_at_construction_grows_with_its_parameters_not_with_the_world():
