@@ -9,7 +9,7 @@ Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One ste
                     on every rank is skipped, as torch skips it; one with a gradient somewhere takes zeros where it
                     is None (never a hang: no rank enters an exchange the others skip)
   1. on the local shard: Muon's momentum, then the update cast to bf16 (the cast Newton-Schulz does first
-                    anyway: half the bytes, no bit changed)
+                    anyway: half the bytes, no bit changed), chunk by chunk (CHUNK: no float32 temporary of the shard)
   2. gather at owner     one all_to_all_single for every matrix of the step (exchange.py)
   3. Newton-Schulz       on the owner, one 2-D matrix at a time (torch's addmm path, so torch's bits);
                          batched_ns stacks same-shape matrices instead (opt-in; within BATCHED_NS_BOUND);
@@ -17,7 +17,7 @@ Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One ste
   4. scatter from owner  one all_to_all_single back
   5. on the local shard: AdamW (elementwise: a shard gets the full tensor's bits); p <- p * (1 - lr * wd) -
                          adjusted_lr * update, the adjustment from the matrix's shape (per expert: (out, in);
-                         per block: each run of rows with its block's shape, 3b)
+                         per block: each run of rows with its block's shape, 3b), chunk by chunk
   (after the step, if asked: clip_qk_, one MAX all-reduce of per-head maxima)
 With exchange_bytes, stages 1-5 of the Muon parameters run group by group (at most that many bytes of bf16 matrices
 each, the groups the plan's, the same on every rank): one exchange each way per group, and the step's transient
