@@ -18,7 +18,7 @@ import distmuon.dtensor.optimizer as dopt  # noqa: E402
 from step_memory import StepMemoryRun, at_scale_rank  # noqa: E402
 
 D = 1024  # at_scale.py's blocks d x 4d and 4d x d: one matrix in bf16 is 1/16 of a rank's float32 parameters on 2
-SIZES = [1, 1000, dopt.CHUNK, 3 * dopt.CHUNK + 37]
+SIZES = [1, 1000, dopt.CHUNK, 3 * dopt.CHUNK + 37, dopt.CHUNKS * dopt.CHUNK + 5]  # the last: chunks of 2 CHUNK
 
 
 @pytest.fixture(autouse=True)

@@ -83,13 +83,15 @@ from distmuon.rules import add_or_refuse_group, copy_sharing
 from distributed_muon_cpu import apply_muon_update_, muon_update
 
 
-CHUNK = 2**18  # elements, a multiple of every vector width: the elementwise stages' float32 temporaries are this big
+CHUNK = 2**18  # elements, a multiple of every vector width: the elementwise stages' temporaries are this big,
+CHUNKS = 16  # or a multiple of it that cuts a shard into at most this many (few kernel launches on an accelerator)
 
 
 def chunks(numel):
-    """[start, stop) of CHUNK elements each, the last one shorter: a vectorized kernel's tail falls where it would on
-    the whole (the same bits)."""
-    return [(start, min(start + CHUNK, numel)) for start in range(0, numel, CHUNK)]
+    """[start, stop) of a multiple of CHUNK elements each, at most CHUNKS of them, the last one shorter: a vectorized
+    kernel's tail falls where it would on the whole (the same bits)."""
+    size = CHUNK * max(1, -(-numel // (CHUNKS * CHUNK)))
+    return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 
 def bf16_update(buffer, grad, group):
