@@ -20,7 +20,9 @@ group, the first step's transient memory bounded by a group (notes/measured/dten
 
 --plan-only builds, for one rank, the plan DTensorMuon builds (distmuon/dtensor/plan.py's plan_matrices) for
 Llama 3 70B and 405B placed as FSDP2 x TP 8 places them (benchmarks/cost_model.py's placed_copies), at 512 and
-16,384 ranks: shapes only, nothing allocated; seconds and the plan's size, printed.
+16,384 ranks: shapes only, nothing allocated; seconds and the plan's size, printed, and what rank 0 would send at
+construction where the ranks' descriptions differ: its Copies pickled as made (a tuple of ranks each) and packed
+(each mesh once: distmuon/dtensor/optimizer.py's packed; where they agree, a digest of a few bytes is all).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import datetime
 import functools
 import gc
 import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -46,6 +49,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import distmuon.dtensor as dd  # noqa: E402
+import distmuon.dtensor.optimizer as dopt  # noqa: E402
 import distmuon.dtensor.plan as dplan  # noqa: E402
 import muon_tools as mt  # noqa: E402
 
@@ -258,19 +262,23 @@ def table_rows(size, dp, tp, per_rank, without_ns):
             continue
         worst = lambda key: max(r[key] for r in rows)  # noqa: E731
         beside = max(r["kept"] - r["state"] for r in rows) / 1e6
+        over = max((r["first_step_peak"] - r["state"]) / p["local"] for r, p in zip(rows, per_rank)) * 100
         out.append(f"{name} {worst('construct_s'):9.3f} {gb(worst('construct_peak')):>10} {gb(worst('kept')):>8} "
                    f"{gb(worst('state')):>8} {beside:9.1f} {gb(worst('first_step_peak')):>10} {worst('first_s'):8.2f} "
-                   f"{worst('steady_s'):9.3f} {gb(max(r['local'] for r in per_rank)):>9}")
+                   f"{worst('steady_s'):9.3f} {gb(max(r['local'] for r in per_rank)):>9} {over:7.1f}")
     return out
 
 
 HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<19} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
-          f"{'state GB':>8} {'plan MB':>9} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9}")
+          f"{'state GB':>8} {'plan MB':>9} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9} "
+          f"{'step %':>7}")
 NOTE = ("build s: construction (seconds, the median of --builds; the slowest rank); peak GB: peak RSS over the\n"
         "model's (its shards and gradients) through construction; kept GB: RSS after it, over the model's; state GB:\n"
         "the optimizer's state tensors; plan MB: what construction keeps beside its state (kept - state, in RSS's\n"
         "pages); 1st peak GB: the peak through construction and the first step; 1st s, steady s: the first step and\n"
-        "the median of the next ones; params GB: this rank's parameter bytes (fp32). Memory: the largest rank's.")
+        "the median of the next ones; params GB: this rank's parameter bytes (fp32); step %: the 1st peak over the\n"
+        "state, in % of params (what construction and the first step hold beside the state). Memory: the largest\n"
+        "rank's.")
 
 
 # =============================================================================
@@ -284,7 +292,7 @@ def plan_only(print_fn=print):
               "llama3-405b": cm.Model("Llama-3-405B-like", 126, 16384, 128, 8, 53248, 128256, tokens=2**24,
                                       seq=8192, source=cm.LLAMA3)}
     print_fn(f"{'model':<12} {'ranks':>6} {'mesh':>9} {'matrices':>9} {'plan s':>8} {'peak MB':>8} "
-             f"{'kept MB':>8} {'local params MB':>16}")
+             f"{'kept MB':>8} {'local params MB':>16} {'Copies MB':>10} {'packed MB':>10}")
     for key, model in models.items():
         for gpus in (512, 16384):
             mesh = cm.Mesh(gpus // 8, 8)
@@ -300,8 +308,11 @@ def plan_only(print_fn=print):
             seconds = time.perf_counter() - t0
             now, peak = rss()
             local = sum(int(cm.held(c, gpus)[0]) * 4 for c in copies)
+            mine = [c for c in copies if not c.mesh_ranks or 0 in c.mesh_ranks]  # what rank 0 describes
+            described, message = (len(pickle.dumps(x)) / 1e6 for x in (mine, dopt.packed(mine)))
             print_fn(f"{key:<12} {gpus:>6} {f'{mesh.dp}x{mesh.tp}':>9} {len(matrices):>9} {seconds:8.2f} "
-                     f"{(peak - before) / 1e6:8.1f} {(now - before) / 1e6:8.1f} {local / 1e6:16.1f}")
+                     f"{(peak - before) / 1e6:8.1f} {(now - before) / 1e6:8.1f} {local / 1e6:16.1f} "
+                     f"{described:10.1f} {message:10.2f}")
             del matrices
 
 

@@ -25,6 +25,30 @@ from distmuon.dtensor.plan import as_slices, covers, exchange_groups, matrix_nam
 from distributed_muon_cpu import newton_schulz_flops
 
 
+def place_part(full, m, box, part):
+    """Write one part of matrix m (bf16, flat) at its box of the owner's matrix in full (made on the first part), or
+    take it as the matrix where it covers it."""
+    if covers(box, m.shape):
+        full[m.name] = part.view(m.shape)
+        return
+    if m.name not in full:
+        full[m.name] = torch.empty(m.shape, dtype=torch.bfloat16, device=part.device)
+    full[m.name][as_slices(box)].copy_(part.view(tuple(b - a for a, b in box)))
+
+
+class Started:
+    """A step's exchange between start() and finish(): its matrices (active), the gather in flight, the local shapes
+    of the parameters ({name: shape}) and the updates of the matrices orthogonalized where they are (whole)."""
+
+    def __init__(self, active, gathered, shapes, whole):
+        self.active, self.gathered, self.shapes, self.whole = active, gathered, shapes, whole
+
+    def take_gathered(self):
+        """Wait for the gather and let go of it (its buffers, and the parts sent): {matrix: put together here}."""
+        gathered, self.gathered = self.gathered, None
+        return gathered()
+
+
 class OwnerExchange:
     """Who orthogonalizes which matrix, and the transfers that take its pieces there and back (one part of
     DTensorMuon). After plan(): matrices (each distributed Muon matrix, its owner and this rank's transfers),
@@ -81,7 +105,7 @@ class OwnerExchange:
         """{name: bf16 update of this rank's local shard} -> {name: its orthogonalized local shard}."""
         if self.config.explicit:
             return self.orthogonalize_explicit(opt, updates)
-        return self.finish(opt, updates, self.start(opt, updates))()
+        return self.finish(opt, self.start(opt, updates))()
 
     def exchange_groups(self, opt, present, exchange_bytes):
         """The step's Muon parameters (present: the names voted present) in groups of at most exchange_bytes of bf16
@@ -97,30 +121,33 @@ class OwnerExchange:
                 + [(names, False, False) for names in mo.chunk_names(list(local), local, exchange_bytes)])
 
     def start(self, opt, updates, exchanged=True):
-        """The gather at owners of these updates' matrices, started: what finish() takes."""
+        """The gather at owners of these updates' matrices, started: what finish() takes. The updates of the matrices
+        that travel are taken out of `updates` (their bytes live on in the send buffer and at the owners only)."""
         active = [m for m in self.matrices if m.copy.name in updates and (m.gather or m.scatter)]
-        return active, self.gather_at_owners(opt, updates, active) if exchanged else dict
+        shapes = {name: update.shape for name, update in updates.items()}
+        whole = {name: updates[name] for name in self.local_matrices if name in updates}  # no exchange: kept
+        return Started(active, self.gather_at_owners(opt, updates, active) if exchanged else dict, shapes, whole)
 
-    def finish(self, opt, updates, started, exchanged=True, rows=True):
+    def finish(self, opt, started, exchanged=True, rows=True):
         """Newton-Schulz of what start() gathered (and of the matrices whole here), the scatter from owners started:
         a function that waits and returns {name: its orthogonalized local shard}."""
-        active, gathered = started
+        active, shapes, whole = started.active, started.shapes, started.whole
         group_of, orthos, local_full = {}, {}, {}
         for name, matrices in self.local_matrices.items():  # no exchange: the whole matrix is here
-            if name in updates:
-                stack = updates[name].view(-1, *updates[name].shape[-2:])
+            if name in whole:
+                stack = whole[name].view(-1, *whole[name].shape[-2:])
                 for i, m in enumerate(matrices):
                     local_full[m], group_of[m] = stack[i], opt.group_of[name]
         whole_normuon = {}  # NorMuon's matrices whole here: (parameter, expert, O)
         if local_full:
             done = self.newton_schulz(opt, local_full, group_of)
             for name, matrices in self.local_matrices.items():
-                if name in updates:
-                    orthos[name] = torch.stack([done[m] for m in matrices]).view(updates[name].shape)
+                if name in whole:
+                    orthos[name] = torch.stack([done[m] for m in matrices]).view(whole[name].shape)
                     if opt.group_of[name]["algorithm"] == "normuon":
                         whole_normuon.update((m, (name, e if name in opt.expert_stacks else -1, done[m]))
                                              for e, m in enumerate(matrices))
-        full = gathered()
+        full = started.take_gathered()  # the gather's buffers go with it: only the matrices put together stay
         for m in active:
             if m.owner == opt.me:
                 group_of[m.name] = opt.param_groups[m.copy.group]
@@ -134,10 +161,10 @@ class OwnerExchange:
                                                           g["ns_steps"], g["ns_coefficients"], g["eps"])
             opt.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
         del full  # the matrices put together, freed before the scatter's buffers are made: a lower peak
-        stepped = [m for m in self.matrices if m.copy.name in updates]  # empty shards too: they hold v
+        stepped = [m for m in self.matrices if m.copy.name in shapes]  # empty shards too: they hold v
         rows = (self.rows.at_owners(opt, orthogonal, stepped)  # NorMuon's v and g
                 if self.rows.receivers and exchanged and rows else None)
-        scattered = self.scatter_from_owners(opt, orthogonal, updates, active) if exchanged else dict
+        scattered = self.scatter_from_owners(opt, orthogonal, shapes, active) if exchanged else dict
         del orthogonal
 
         def wait():
@@ -162,37 +189,41 @@ class OwnerExchange:
     def gather_at_owners(self, opt, updates, active):
         """Started: a function that waits and returns each matrix put together at its owner: every part a view of
         its holder's local tensor (all of it, or one expert of a stack), written into the owner's matrix as a box (a
-        strided copy of whole runs), or taken as the matrix itself where one part covers it (e.g. a world of one)."""
+        strided copy of whole runs), or taken as the matrix itself where one part covers it (e.g. a world of one).
+        This rank's own parts are written before the exchange's buffers are made, and the updates that travel are
+        taken out of `updates` and let go once copied into the send buffer: the owner holds its matrix and what it
+        receives, not its update beside them."""
         me, dtype = opt.me, torch.bfloat16
-        transfers, receiving = [], []
+        full, transfers, receiving = {}, [], []
         for m in active:
             for source, destination, numel, at, box in m.gather:
                 part = None
                 if source == me:
-                    local = updates[m.copy.name]
-                    part = (local if at is None else local[at]).reshape(-1)
+                    part = (updates[m.copy.name] if at is None else updates[m.copy.name][at]).reshape(-1)
+                    if destination == me:
+                        place_part(full, m, box, part)
+                        continue
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
                     receiving.append((m, box))
+        for m in active:
+            updates.pop(m.copy.name, None)
+        part = None
         wait = mo.send_parts(transfers, opt.axis, opt.ledger, "gather at owner", dtype, opt.device)
+        for i, (source, destination, numel, _) in enumerate(transfers):
+            transfers[i] = (source, destination, numel, None)  # sent: copied into the send buffer
 
         def assemble():
-            full = {}
-            for (m, box), part in zip(receiving, wait()):
-                shape = tuple(b - a for a, b in box)
-                if covers(box, m.shape):
-                    full[m.name] = part.view(m.shape)
-                    continue
-                if m.name not in full:
-                    full[m.name] = torch.empty(m.shape, dtype=dtype, device=part.device)
-                full[m.name][as_slices(box)].copy_(part.view(shape))
+            for (m, box), received in zip(receiving, wait()):
+                place_part(full, m, box, received)
             return full
         return assemble
 
-    def scatter_from_owners(self, opt, orthogonal, updates, active):
+    def scatter_from_owners(self, opt, orthogonal, shapes, active):
         """Started: a function that waits and returns each holder's part of every orthogonalized matrix: a box of
-        the owner's (a strided view, copied once into the message), written as the holder's whole local tensor or one
-        expert of its stack."""
+        the owner's (a strided view, copied once into the message), written as the holder's whole local tensor
+        (shapes: {parameter: its local shape}) or one expert of its stack. The matrices are taken out of
+        `orthogonal` as their parts are cut."""
         me, dtype = opt.me, torch.bfloat16
         transfers, receiving = [], []
         for m in active:
@@ -201,8 +232,10 @@ class OwnerExchange:
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
                     receiving.append((m, at))
+            orthogonal.pop(m.name, None)  # kept by its parts where they are views, else freed before the send buffer
+        part = None
         wait = mo.send_parts(transfers, opt.axis, opt.ledger, "scatter from owner", dtype, opt.device)
-        shapes = {m.copy.name: updates[m.copy.name].shape for m, _ in receiving}
+        shapes = {m.copy.name: shapes[m.copy.name] for m, _ in receiving}
 
         def place():
             local = {}

@@ -9,7 +9,7 @@ Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One ste
                     on every rank is skipped, as torch skips it; one with a gradient somewhere takes zeros where it
                     is None (never a hang: no rank enters an exchange the others skip)
   1. on the local shard: Muon's momentum, then the update cast to bf16 (the cast Newton-Schulz does first
-                    anyway: half the bytes, no bit changed)
+                    anyway: half the bytes, no bit changed), chunk by chunk (CHUNK: no float32 temporary of the shard)
   2. gather at owner     one all_to_all_single for every matrix of the step (exchange.py)
   3. Newton-Schulz       on the owner, one 2-D matrix at a time (torch's addmm path, so torch's bits);
                          batched_ns stacks same-shape matrices instead (opt-in; within BATCHED_NS_BOUND);
@@ -17,7 +17,7 @@ Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One ste
   4. scatter from owner  one all_to_all_single back
   5. on the local shard: AdamW (elementwise: a shard gets the full tensor's bits); p <- p * (1 - lr * wd) -
                          adjusted_lr * update, the adjustment from the matrix's shape (per expert: (out, in);
-                         per block: each run of rows with its block's shape, 3b)
+                         per block: each run of rows with its block's shape, 3b), chunk by chunk
   (after the step, if asked: clip_qk_, one MAX all-reduce of per-head maxima)
 With exchange_bytes, stages 1-5 of the Muon parameters run group by group (at most that many bytes of bf16 matrices
 each, the groups the plan's, the same on every rank): one exchange each way per group, and the step's transient
@@ -61,6 +61,8 @@ What large runs add (defaults: torch's behaviour; tests/test_dtensor_large_runs.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -75,10 +77,39 @@ from distmuon.dtensor.config import DistributedConfig
 from distmuon.dtensor.exchange import OwnerExchange
 from distmuon.dtensor.normuon import v_zeros
 from distmuon.dtensor.placements import like_param, local_of, local_shape_problem, placements_problem
-from distmuon.dtensor.plan import describe
+from distmuon.dtensor.plan import Copy, describe
 from distmuon.dtensor.rows import DTensorLargeRuns
 from distmuon.rules import add_or_refuse_group, copy_sharing
 from distributed_muon_cpu import apply_muon_update_, muon_update
+
+
+CHUNK = 2**18  # elements, a multiple of every vector width: the elementwise stages' temporaries are this big,
+CHUNKS = 16  # or a multiple of it that cuts a shard into at most this many (few kernel launches on an accelerator)
+
+
+def chunks(numel):
+    """[start, stop) of a multiple of CHUNK elements each, at most CHUNKS of them, the last one shorter: a vectorized
+    kernel's tail falls where it would on the whole (the same bits)."""
+    size = CHUNK * max(1, -(-numel // (CHUNKS * CHUNK)))
+    return [(start, min(start + size, numel)) for start in range(0, numel, size)]
+
+
+def bf16_update(buffer, grad, group):
+    """The lesson's muon_update (momentum in place, then the bf16 cast) chunk by chunk into one bf16 tensor:
+    elementwise, so the same bits, without a temporary the size of the shard (nesterov's, in the buffer's dtype)."""
+    out = torch.empty(buffer.shape, dtype=torch.bfloat16, device=buffer.device)
+    for start, stop in chunks(buffer.numel()):
+        out[start:stop] = muon_update(buffer[start:stop], grad[start:stop], group)
+    return out
+
+
+def apply_update_(param, ortho, group, global_shape, runs=None):
+    """The lesson's apply_muon_update_ chunk by chunk (each run cut at the chunk's ends): elementwise, so the same
+    bits, without the float32 copy of the whole bf16 update that an add_ of mixed dtypes makes."""
+    for start, stop in chunks(param.numel()):
+        cut = None if runs is None else [(max(a, start) - start, min(b, stop) - start, rows) for a, b, rows in runs
+                                         if a < stop and b > start]
+        apply_muon_update_(param[start:stop], ortho[start:stop], group, global_shape, cut)
 
 
 def _iterable(value):
@@ -148,17 +179,48 @@ def parameters_problem(opt):
     return opt.large_runs.problem(opt, opt.exchange.config.explicit)
 
 
+def packed(copies):
+    """Copies as ([mesh], [row]): each distinct mesh (its ranks, shape and dim names) once, in order of first use, and
+    one row per Copy naming its mesh by index: what a rank sends grows with its parameters and its meshes, not with
+    the parameters times the mesh's ranks."""
+    index, meshes, rows = {}, [], []
+    for c in copies:
+        mesh = (c.mesh_ranks, c.mesh_shape, c.mesh_dim_names)
+        if mesh not in index:
+            index[mesh] = len(meshes)
+            meshes.append(mesh)
+        rows.append((c.name, c.group, c.shape, index[mesh], c.placements, c.expert_stack))
+    return meshes, rows
+
+
+def unpacked(meshes, rows):
+    """packed's inverse: the Copies, equal field by field (one tuple of ranks per mesh, shared)."""
+    return [Copy(name, group, shape, meshes[i][0], meshes[i][1], placements, expert_stack, meshes[i][2])
+            for name, group, shape, i, placements, expert_stack in rows]
+
+
 def swap_descriptions(opt, problem):
-    """Every rank's Copies (one all_gather_object), so that every rank makes the same plan, and every parameter name
-    of any rank (what grad presence votes on); a problem on any rank (one line, or None here) raised on every rank."""
+    """Every rank's Copies, so that every rank makes the same plan, and every parameter name of any rank (what grad
+    presence votes on); a problem on any rank (one line, or None here) raised on every rank. First one
+    all_gather_object of each rank's problem, options and a digest of its Copies (a few bytes a rank); where every
+    digest is the same (every rank describes the same parameters: FSDP2, TP, HSDP), every rank's Copies are this
+    rank's and nothing more moves; else a second one of every rank's Copies, packed (packed())."""
     mine = [describe(n, opt.group_index(n), p, n in opt.expert_stacks)
             for n, p in opt.param_by_name.items()]
+    mine_packed = packed(mine)
     options = None if problem else opt.large_runs.agreed()
     if opt.axis.size == 1:
         everyone = [(problem, mine, options)]
     else:
-        everyone = [None] * opt.axis.size
-        dist.all_gather_object(everyone, (problem, mine, options), group=opt.axis.group)
+        digest = hashlib.sha256(repr(mine_packed).encode()).hexdigest()
+        summaries = [None] * opt.axis.size
+        dist.all_gather_object(summaries, (problem, digest, options), group=opt.axis.group)
+        if all(d == digest for _, d, _ in summaries):
+            everyone = [(p, mine, o) for p, _, o in summaries]
+        else:
+            theirs = [None] * opt.axis.size
+            dist.all_gather_object(theirs, mine_packed, group=opt.axis.group)
+            everyone = [(p, unpacked(*t), o) for (p, _, o), t in zip(summaries, theirs)]
     problems = [(opt.axis.ranks[i], p) for i, (p, _, _) in enumerate(everyone) if p]
     problems += [(opt.axis.ranks[i], f"row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau differ from "
                                       f"rank {opt.axis.ranks[0]}'s: every rank must pass the same")
@@ -456,33 +518,35 @@ class DTensorMuon(torch.optim.Optimizer):
         for name in names:
             group, buffer = self.group_of[name], flat(self.state_of(name)["momentum_buffer"])
             momenta[name] = buffer.clone() if self.exchange.config.explicit else buffer
-            update = muon_update(momenta[name], grads[name].reshape(-1), group)
+            update = bf16_update(momenta[name], grads[name].reshape(-1), group)
             updates[name] = update.view(local_of(self.param_by_name[name]).shape)
         return updates
 
     def _apply_orthogonalized(self, orthos):
         """p <- p * (1 - lr * wd) - adjusted_lr * O for each parameter's orthogonalized shard."""
-        for name, ortho in orthos.items():
+        for name in list(orthos):
             shape = (self.exchange.config.global_shapes[name] if self.exchange.config.explicit
                      else tuple(self.param_by_name[name].shape)[-2:])  # an expert's (out, in)
-            apply_muon_update_(local_of(self.param_by_name[name]).view(-1), ortho.reshape(-1), self.group_of[name],
-                               shape, self.large_runs.block_runs.get(name))  # blocks: each run of rows, its shape (3b)
+            apply_update_(local_of(self.param_by_name[name]).view(-1), orthos.pop(name).reshape(-1),
+                          self.group_of[name], shape, self.large_runs.block_runs.get(name))  # blocks: 3b
 
     def _grouped_muon_steps(self, present, here, grads):
         """Stages 1-5 of the Muon parameters group by group (exchange_bytes each; exchange.exchange_groups), K =
         overlap groups' gathers in flight while a group's Newton-Schulz runs, its scatter waited for K groups later
         (the lesson's overlapped_stages, on groups): the same operations on the same elements, so the same bits.
-        Returns {} (each group's update is applied as it arrives)."""
+        Nothing of a group is held once its update is applied. Returns {} (each group's update is applied as it
+        arrives)."""
         groups = self.exchange.exchange_groups(self, present, self.exchange_bytes)
         k, started, finishing = self.overlap, {}, {}
         for i in range(len(groups) + 2 * k):
             if i < len(groups):  # group i: momentum and bf16 updates, then its gather started
                 names, exchanged, rows = groups[i]
-                updates = self._muon_updates([n for n in names if n in here], grads, {})
-                started[i] = (updates, exchanged, rows, self.exchange.start(self, updates, exchanged))
+                started[i] = (exchanged, rows, self.exchange.start(
+                    self, self._muon_updates([n for n in names if n in here], grads, {}), exchanged))
             if i - k in started:  # group i-k: Newton-Schulz while later groups' gathers fly; its scatter started
-                updates, exchanged, rows, gathering = started.pop(i - k)
-                finishing[i - k] = self.exchange.finish(self, updates, gathering, exchanged, rows)
+                exchanged, rows, gathering = started.pop(i - k)
+                finishing[i - k] = self.exchange.finish(self, gathering, exchanged, rows)
+                del gathering
             if i - 2 * k in finishing:  # group i-2k: its scatter waited for, its update applied
                 self._apply_orthogonalized(finishing.pop(i - 2 * k)())
         return {}

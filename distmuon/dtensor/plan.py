@@ -33,8 +33,8 @@ from distributed_muon_cpu import newton_schulz_flops
 # puts a parameter that TP does not split on the rank's own 1-D "dp" sub-mesh,
 # so on a 4 x 2 mesh a router weight is one DTensor on ranks {0, 2, 4, 6} and
 # another, equal but independent, on {1, 3, 5, 7}. So the ranks first swap
-# their descriptions (one all_gather_object at construction) and each plans
-# the union: a copy is keyed by (name, mesh ranks), and each copy's matrices
+# their descriptions at construction (an all_gather_object of a digest, then of
+# the descriptions where the digests differ) and each plans the union: a copy is keyed by (name, mesh ranks), and each copy's matrices
 # are orthogonalized once, by an owner among their own holders.
 #
 #   matrix W, held by 4 ranks, owner 2:                         one all_to_all_single
