@@ -76,7 +76,7 @@ __all__ = ["Cluster", "Cost", "FLAT", "GROUPS", "H100", "LLAMA3", "MODELS", "Mes
 # 8. The command line
 # =============================================================================
 
-# The model plans every rank: here 16,384 GPUs took 41 s and 1.8 GB, 65,536 took 191 s and 4 GB. 16,384 H100s
+# The model plans every rank, so its time grows with the GPUs (notes/measured/from_code_comments.md). 16,384 H100s
 # is the largest training run the chapter cites (Llama 3 405B's, "The Llama 3 Herd of Models", section 3.3).
 MAX_GPUS = 16384
 PREDICTION_OPTIONS = ("model", "gpus", "tp", "ep", "normuon")  # one scenario's; --chapter and --check-here take none

@@ -44,7 +44,7 @@ PROBE_NUMELS = (1, 1 << 15, 1 << 17)  # float32 elements a rank sends a peer: a 
 # shard (the step's), and 4 times that (for the bandwidth's fit)
 PROBE_REPEATS = 25
 UNIT_REPEATS = 200
-NS_ROUNDS = 20  # rounds of Newton-Schulz on the model's shapes, alone and all at once: about 0.1 s alone at d = 128
+NS_ROUNDS = 20  # rounds of Newton-Schulz on the model's shapes, alone and all at once
 NS_REPEATS = 3
 BAND = 0.25  # the issue's: predicted within 25 % of the least disturbed step
 

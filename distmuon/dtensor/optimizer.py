@@ -49,9 +49,8 @@ What large runs add (defaults: torch's behaviour; tests/test_dtensor_large_runs.
     whole on one owner; the rest keep the gather (and torch's bits). NOT always torch's bits (the
     Gram matrix is a float32 sum over ranks): each step's orthogonal matrix within the lesson's
     gram_ns_tolerance, a multiple of torch's own bf16 error against the float64 iteration on that
-    step's input (derived in muon_tools.py, section 9; `python tests/test_dtensor_large_runs.py 10`: on 960
-    random shapes, 2x2 and TP 4, 926 came out torch.equal, the worst used 0.17 of the bound; with
-    nearly rank-2 gradients torch's own error, and the difference, reach 2**-3.5 of the update).
+    step's input (derived in muon_tools/reference.py, gram_ns_tolerance; how often it lands on torch's bits:
+    notes/measured/from_code_comments.md).
     Bytes: each TP rank all-reduces 5 Gram matrices, ~40 m^2 (tp - 1) / tp bytes (m the short side,
     float32), where a gathered matrix's owner receives and sends ~4 m n (tp - 1) / tp bytes of bf16:
     Gram moves less only when n > 20 m, sent and received counted alike (distmuon/large_runs.py, 8.3).

@@ -54,10 +54,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 # in mesh order, except a _StridedShard, which waits for the later mesh dims
 # that cut the same tensor dim (split_order). torch's own
 # _StridedShard._split_tensor (which distribute_tensor uses) cuts the strided
-# dim first and is right only when the later cuts are even: for rank (dp 3,
-# tp 1) of that weight it gives 13 rows where FSDP2 keeps 12, rows 96-107
-# (measured with torch 2.14; pytorch/pytorch issue 168134, "gaps in uneven
-# strided shard", is open). The optimizer follows FSDP2, which holds the data,
+# dim first and is right only when the later cuts are even (pytorch/pytorch
+# issue 168134, "gaps in uneven strided shard"; the case measured:
+# notes/measured/from_code_comments.md). The optimizer follows FSDP2, which holds the data,
 # and checks at construction that every local tensor has the shape its
 # placements give it here.
 SHARD_PLACEMENTS = (Shard, _StridedShard)

@@ -74,8 +74,8 @@ def row_runs(copy, coordinate, row_keys):
 # The options of what large runs add, as DTensorMuon takes them (its constructor's keywords: the lesson's LargeRuns
 # describes each), checked, agreed on by every rank, and applied to this rank's local pieces.
 class DTensorLargeRuns:
-    """row_layouts, ns_blocks, tp_newton_schulz and qk_clip_tau of one DTensorMuon: a part of it, as the lesson's
-    LargeRuns is of its optimizers. problem() checks them against the parameters; plan_rows() finds, on this rank's
+    """row_layouts, ns_blocks, tp_newton_schulz and qk_clip_tau of one DTensorMuon, which it holds as the
+    lesson's optimizers hold a LargeRuns. problem() checks them against the parameters; plan_rows() finds, on this rank's
     local pieces, the runs of rows that take one block's lr (block_runs) or one head's QK-clip (clip_runs)."""
 
     def __init__(self, row_layouts=None, ns_blocks="whole", tp_newton_schulz="gather", qk_clip_tau=None):
