@@ -298,7 +298,8 @@ class DTensorMuon(torch.optim.Optimizer):
             same on every rank: torch's behaviour by default.
         exchange_bytes: None (every matrix in one exchange each way), or the most bytes of bf16 matrices in one group:
             the step goes group by group (momentum, gather, Newton-Schulz, scatter, update), so its transient memory
-            is bounded by a group, not the model; the same bits, one exchange each way per group.
+            is bounded by a group, not the model; the same bits, one exchange each way per group. For few ranks:
+            a group has few owners, so on many ranks one exchange is faster (notes/12-cost-model.md prices both).
         overlap: 0 (off), or K >= 1 (with exchange_bytes): K groups' gathers in flight while a group's Newton-Schulz
             runs; the same bits.
         """
