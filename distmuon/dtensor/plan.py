@@ -68,7 +68,9 @@ from distributed_muon_cpu import newton_schulz_flops
 
 @dataclass(frozen=True)
 class Copy:
-    """One DTensor (or plain tensor) parameter as the ranks that hold it see it."""
+    """One copy of a parameter: the DTensor (or plain tensor) that the ranks of one mesh hold. A parameter has one
+    copy, or one per sub-mesh where FSDP2 places it on each rank's own (the MoE router on a dp x tp mesh: one copy
+    per TP column), and each copy is stepped as a parameter of its own."""
 
     name: str
     group: int  # index of its param group
