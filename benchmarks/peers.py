@@ -707,11 +707,7 @@ def beside(runs, pairs, find, columns):
             for label in theirs:
                 cells += medians_and_minima(totals, ours, label)
             rows.append([world, ours_as, *cells])
-    return format_beside(columns, rows) if rows else ""
-
-
-def format_beside(columns, rows):
-    return muon_tools.format_table(columns, rows, [">", "<"] + [">"] * (len(columns) - 2))
+    return muon_tools.format_table(columns, rows, [">", "<"] + [">"] * (len(columns) - 2)) if rows else ""
 
 
 def beside_dion(runs):
