@@ -25,7 +25,7 @@
 #     DP gather  →  TP gather  →  Newton–Schulz  →  TP shard  →  DP shard
 #
 # This notebook reads the script along, section by section: each section prints the script's own
-# source of what it runs (`mt.show_source`, with the file's line numbers), then runs it. Section 4
+# source of what it runs (`muon_tools.show_source`, with the file's line numbers), then runs it. Section 4
 # runs the flow itself, `gather_newton_schulz_shard`, on the eight ranks of a DP 4 × TP 2 grid, each a
 # thread of this notebook's process with real Gloo process groups; section 6 starts the eight
 # processes of `python distributed_muon_cpu.py`. The same ideas, chapter by chapter, with measured
@@ -54,13 +54,13 @@ if not os.path.exists("distributed_muon_cpu.py"):  # Colab: clone the repository
                              "or upload the repository's files beside this notebook.")
         subprocess.run(["git", "clone", "--depth", "1", url, "distributed-muon"], check=True)
     os.chdir("distributed-muon")
-import muon_tools as mt  # noqa: E402  (the reference, the launcher, the report, this notebook's helpers)
+import muon_tools  # noqa: E402  (the reference, the launcher, the report, this notebook's helpers)
 
-mt.notebook_requirements()
-import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.checks as mc  # noqa: E402
-import distmuon.large_runs as mlr  # noqa: E402
-import distmuon.owners as mo  # noqa: E402
+muon_tools.notebook_requirements()
+import distributed_muon_cpu  # noqa: E402
+from distmuon import checks  # noqa: E402
+from distmuon import large_runs  # noqa: E402
+from distmuon import owners  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tools import figures  # noqa: E402  (the two pictures of sections 3 and 4, as notes/03-flow.md shows them)
@@ -76,15 +76,15 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_coun
 # of the script distributes it. Here it steps a matrix beside `torch.optim.Muon`, bit for bit:
 
 # %%
-mt.show_source(dm.muon_step_)
+muon_tools.show_source(distributed_muon_cpu.muon_step_)
 w = torch.randn(96, 32, generator=torch.Generator().manual_seed(3))
 ours, theirs = w.clone(), torch.nn.Parameter(w.clone())
-group = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, eps=dm.NS_EPS,
-             ns_coefficients=dm.NS_COEFFICIENTS, adjust_lr_fn=None)
+group = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, eps=distributed_muon_cpu.NS_EPS,
+             ns_coefficients=distributed_muon_cpu.NS_COEFFICIENTS, adjust_lr_fn=None)
 torch_muon, buffer = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1), torch.zeros(96, 32)
 for step in range(3):
     grad = torch.randn(96, 32, generator=torch.Generator().manual_seed(10 + step))
-    dm.muon_step_(ours, grad, buffer, group)
+    distributed_muon_cpu.muon_step_(ours, grad, buffer, group)
     theirs.grad = grad
     torch_muon.step()
 print(f"three steps, torch.equal with torch.optim.Muon's: {torch.equal(ours, theirs.detach())}")
@@ -96,12 +96,13 @@ print(f"three steps, torch.equal with torch.optim.Muon's: {torch.equal(ours, the
 # close to the nearest semi-orthogonal matrix: its singular values land near 1.
 
 # %%
-mt.show_source(dm.newton_schulz)
+muon_tools.show_source(distributed_muon_cpu.newton_schulz)
 
 # %%
 matrix = torch.randn(384, 128, generator=torch.Generator().manual_seed(0))
-ours = dm.newton_schulz(matrix)
-theirs = torch.optim._muon._zeropower_via_newtonschulz(matrix, dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+ours = distributed_muon_cpu.newton_schulz(matrix)
+theirs = torch.optim._muon._zeropower_via_newtonschulz(matrix, distributed_muon_cpu.NS_COEFFICIENTS,
+                                                       distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS)
 singular, singular_in = torch.linalg.svdvals(ours.float()), torch.linalg.svdvals(matrix)
 print(f"torch.equal with torch's Newton-Schulz: {torch.equal(ours, theirs)}")
 print(f"singular values of the result: {singular.min():.3f} to {singular.max():.3f} "
@@ -114,14 +115,15 @@ print(f"singular values of the result: {singular.min():.3f} to {singular.max():.
 # full (TP-gathered) shape, `sqrt(max(1, rows / cols))` by default.
 
 # %%
-mt.show_source(dm.muon_momentum_)
+muon_tools.show_source(distributed_muon_cpu.muon_momentum_)
 gen = torch.Generator().manual_seed(1)
 grad, buf = torch.randn(384 * 128, generator=gen), torch.randn(384 * 128, generator=gen)
-whole = dm.muon_momentum_(buf.clone(), grad, 0.95, True)
-halves = torch.cat([dm.muon_momentum_(b, g, 0.95, True) for b, g in zip(buf.clone().chunk(2), grad.chunk(2))])
+whole = distributed_muon_cpu.muon_momentum_(buf.clone(), grad, 0.95, True)
+halves = torch.cat([distributed_muon_cpu.muon_momentum_(b, g, 0.95, True) for b, g in zip(buf.clone().chunk(2),
+                                                                                          grad.chunk(2))])
 print(f"momentum on two halves equals momentum on the whole: {torch.equal(whole, halves)}")
 for shape in [(384, 128), (128, 128), (128, 512)]:
-    print(f"learning rate 0.02 of a {shape[0]}x{shape[1]} matrix: {dm.adjusted_lr(0.02, 'original', shape):.4f}")
+    print(f"learning rate 0.02 of a {shape[0]}x{shape[1]} matrix: {distributed_muon_cpu.adjusted_lr(0.02, 'original', shape):.4f}")
 
 # %% [markdown]
 # ## 2. The grid and its collectives
@@ -133,9 +135,9 @@ for shape in [(384, 128), (128, 128), (128, 512)]:
 # through a function like `all_gather`, which counts it in the rank's `Ledger`.
 
 # %%
-mt.show_source(dm.plan_grid, dm.all_gather)
-print(mt.format_grid(4, 2))
-grid = dm.plan_grid(4, 2, rank=5)
+muon_tools.show_source(distributed_muon_cpu.plan_grid, distributed_muon_cpu.all_gather)
+print(muon_tools.format_grid(4, 2))
+grid = distributed_muon_cpu.plan_grid(4, 2, rank=5)
 print(f"\nrank 5: DP rank {grid.dp.rank} of DP group {grid.dp.ranks}, "
       f"TP rank {grid.tp.rank} of TP group {grid.tp.ranks}")
 
@@ -145,13 +147,13 @@ print(f"\nrank 5: DP rank {grid.dp.rank} of DP group {grid.dp.ranks}, "
 # Each param group is one flat virtual buffer of TP pieces, cut into buckets, each padded to a
 # multiple of DP and split into DP equal shards. A parameter may straddle shards: each DP rank
 # keeps optimizer state for its part only, and its `DistMeta` says where that part lies: a pure
-# function of shapes, DP and the bucket size. `mt.plan_optimizer` builds the optimizer rank 0 builds
+# function of shapes, DP and the bucket size. `muon_tools.plan_optimizer` builds the optimizer rank 0 builds
 # in a run, without process groups, so this is the layout the ranks use, here on an uneven 3 × 2 grid:
 
 # %%
-mt.show_source(dm.build_dist_metas)
-plan = mt.plan_optimizer(mt.RunConfig(dp=3, tp=2))
-print(mt.format_buffer_map(plan.layout))
+muon_tools.show_source(distributed_muon_cpu.build_dist_metas)
+plan = muon_tools.plan_optimizer(muon_tools.RunConfig(dp=3, tp=2))
+print(muon_tools.format_buffer_map(plan.layout))
 
 # %% [markdown]
 # The same, drawn for a smaller run (DP 2 × TP 2, the demo at d = 16, one layer, buckets of 1,024 elements:
@@ -168,17 +170,17 @@ plt.show()
 #
 # `gather_newton_schulz_shard` is the flow for one bucket: DP gather → TP gather → Newton–Schulz →
 # TP shard → DP shard. Here it runs on every rank of the DP 4 × TP 2 grid at once: each rank is a
-# thread of this process, and each axis of its grid a real Gloo process group (`mt.on_thread_ranks`),
+# thread of this process, and each axis of its grid a real Gloo process group (`muon_tools.on_thread_ranks`),
 # so `all_gather` moves real bytes between them. Each rank starts from its DP shard of the first
 # bucket's update, cut with the script's own slices (`tp_shard`, then `dp_shard`, then
 # `shard_of_bucket`), and calls the function the ranks of section 6 call.
 
 # %%
-mt.show_source(dm.gather_newton_schulz_shard)
+muon_tools.show_source(distributed_muon_cpu.gather_newton_schulz_shard)
 
 # %%
 dp, tp = 4, 2
-plan = mt.plan_optimizer(mt.RunConfig(dp=dp, tp=tp))  # the layout every rank plans alike
+plan = muon_tools.plan_optimizer(muon_tools.RunConfig(dp=dp, tp=tp))  # the layout every rank plans alike
 bucket, group = plan.layout.buckets[0], plan.param_groups[0]
 gen = torch.Generator().manual_seed(0)
 update = {n: torch.randn(plan.layout.global_shapes[n], generator=gen).bfloat16() for n in bucket.names}
@@ -187,24 +189,27 @@ update = {n: torch.randn(plan.layout.global_shapes[n], generator=gen).bfloat16()
 def flow(grid):
     """One rank: its DP shard of the bucket's update, then the gather flow, counted in its own ledger."""
     metas = [plan.layout.metas[grid.dp.rank][n] for n in bucket.names]
-    parts = {m.name: dm.dp_shard(dm.tp_shard(update[m.name], m.tp_split_dim, grid.tp.rank, tp), m) for m in metas}
-    shard = dm.shard_of_bucket(parts, metas, bucket.numel // dp, torch.bfloat16, "cpu")
-    ledger = dm.Ledger()
-    ortho = dm.gather_newton_schulz_shard(shard, [m for m in metas if m.local_numel], group, grid, ledger)
+    parts = {m.name: distributed_muon_cpu.dp_shard(distributed_muon_cpu.tp_shard(update[m.name], m.tp_split_dim,
+                                                                                 grid.tp.rank, tp), m) for m in metas}
+    shard = distributed_muon_cpu.shard_of_bucket(parts, metas, bucket.numel // dp, torch.bfloat16, "cpu")
+    ledger = distributed_muon_cpu.Ledger()
+    ortho = distributed_muon_cpu.gather_newton_schulz_shard(shard, [m for m in metas if m.local_numel], group, grid,
+                                                            ledger)
     return dict(shard=shard, ortho=ortho, ledger=ledger)
 
 
-ranks = mt.on_thread_ranks(dp, tp, flow)
+ranks = muon_tools.on_thread_ranks(dp, tp, flow)
 print(f"bucket (0, 0): {', '.join(bucket.names)}; {bucket.numel:,} elements, each rank's shard "
       f"{bucket.numel // dp:,}\n")
 rows = []
 for r, out in enumerate(ranks):
-    received = {p: sum(c["received"] for c in out["ledger"].comm if c["phase"] == p) for p in ("DP gather", "TP gather")}
+    received = {p: sum(c["received"] for c in out["ledger"].comm if c["phase"] == p) for p in ("DP gather",
+                                                                                               "TP gather")}
     ns = [f"{c['name'].split('.')[-2]} {'x'.join(map(str, c['shape']))}" for c in out["ledger"].compute]
-    rows.append([r, tuple(out["shard"].shape), mt.human_bytes(received["DP gather"]),
-                 mt.human_bytes(received["TP gather"]), ", ".join(ns),
+    rows.append([r, tuple(out["shard"].shape), muon_tools.human_bytes(received["DP gather"]),
+                 muon_tools.human_bytes(received["TP gather"]), ", ".join(ns),
                  " ".join(str(p.numel()) for p in out["ortho"].values())])
-print(mt.format_table(["rank", "update shard", "DP gather in", "TP gather in", "Newton-Schulz on", "parts out"],
+print(muon_tools.format_table(["rank", "update shard", "DP gather in", "TP gather in", "Newton-Schulz on", "parts out"],
                       rows, [">", ">", ">", ">", "<", "<"]))
 
 # %% [markdown]
@@ -229,8 +234,9 @@ for name in bucket.names:
     meta = {(d, t): plan.layout.metas[d][name] for d in range(dp) for t in range(tp)}
     tp_locals = [torch.cat([ranks[d * tp + t]["ortho"].get(name, torch.empty(0, dtype=torch.bfloat16))
                             for d in range(dp)]).view(meta[0, t].shape) for t in range(tp)]
-    ours = dm.join_tp_pieces(tp_locals, meta[0, 0].tp_split_dim)
-    theirs = torch.optim._muon._zeropower_via_newtonschulz(update[name], dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+    ours = distributed_muon_cpu.join_tp_pieces(tp_locals, meta[0, 0].tp_split_dim)
+    theirs = torch.optim._muon._zeropower_via_newtonschulz(update[name], distributed_muon_cpu.NS_COEFFICIENTS,
+                                                           distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS)
     split = "not split" if meta[0, 0].tp_split_dim < 0 else f"split on dim {meta[0, 0].tp_split_dim}"
     print(f"{name} ({split}, {'x'.join(map(str, ours.shape))}): every rank's part put together, torch.equal "
           f"with torch's Newton-Schulz on the whole matrix: {torch.equal(ours, theirs)}")
@@ -246,8 +252,9 @@ for name in bucket.names:
 # Each stage is a method; the ledger names each collective's phase, as the report of section 6 prints them.
 
 # %%
-mt.show_source(dm.DistributedMuon.step, dm.DistributedMuon.stages_in_turn, dm.Gather.orthogonalize)
-print("phases of one step, in order:", " -> ".join(mt.PHASES_OF["gather"]))
+muon_tools.show_source(distributed_muon_cpu.DistributedMuon.step, distributed_muon_cpu.DistributedMuon.stages_in_turn,
+                       distributed_muon_cpu.Gather.orthogonalize)
+print("phases of one step, in order:", " -> ".join(muon_tools.PHASES_OF["gather"]))
 
 # %% [markdown]
 # ## 6. Run it
@@ -260,15 +267,16 @@ print("phases of one step, in order:", " -> ".join(mt.PHASES_OF["gather"]))
 # `torch.optim.AdamW` on one device, fed the summed gradients, and compares every rank's piece (`torch.equal`).
 
 # %%
-mt.show_source(dm.run_steps, dm.run_rank)
+muon_tools.show_source(distributed_muon_cpu.run_steps, distributed_muon_cpu.run_rank)
 
 # %% [markdown]
-# The notebook runs the script as a process of its own (`mt.run_program`), and fails the cell if
+# The notebook runs the script as a process of its own (`muon_tools.run_program`), and fails the cell if
 # the run fails; `--explain` adds the virtual buffer's map, `--json` writes what the report shows:
 
 # %%
 os.makedirs("runs", exist_ok=True)
-mt.run_program("distributed_muon_cpu.py", "--dp", "4", "--tp", "2", "--explain", "--json", "runs/notebook_4x2.json")
+muon_tools.run_program("distributed_muon_cpu.py", "--dp", "4", "--tp", "2", "--explain", "--json",
+                       "runs/notebook_4x2.json")
 with open("runs/notebook_4x2.json") as f:
     run = json.load(f)
 
@@ -331,11 +339,11 @@ plt.show()
 # 40 matrices spread evenly over 8 ranks.
 
 # %%
-mt.show_source(mo.assign_owners)
-plan = mt.plan_optimizer(mt.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
-per_rank, balance = mo.load_balance(plan.strategy.ns_flops, plan.owners, 8)
+muon_tools.show_source(owners.assign_owners)
+plan = muon_tools.plan_optimizer(muon_tools.RunConfig(dp=8, tp=1, layers=8, strategy="owner"))
+per_rank, balance = owners.load_balance(plan.strategy.ns_flops, plan.owners, 8)
 rows = [[r, sum(o == r for o in plan.owners.values()), f"{per_rank[r] / 1e9:.3f}"] for r in range(8)]
-print(mt.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
+print(muon_tools.format_table(["rank", "matrices owned", "Newton-Schulz GFLOP"], rows, [">", ">", ">"]))
 print(f"max / mean = {balance:.2f}")
 
 # %% [markdown]
@@ -352,16 +360,16 @@ print(f"max / mean = {balance:.2f}")
 # spans three decades, as a gradient's does, land closer to 1 in five iterations:
 
 # %%
-mt.show_source(mc.ns_coefficients_of)
+muon_tools.show_source(checks.ns_coefficients_of)
 gen = torch.Generator().manual_seed(2)
 left, _ = torch.linalg.qr(torch.randn(512, 128, generator=gen))
 right, _ = torch.linalg.qr(torch.randn(128, 128, generator=gen))
 spread = left @ torch.diag(torch.logspace(0, -3, 128)) @ right.T  # singular values 1 down to 0.001
-for name in mc.NS_COEFFICIENT_CHOICES:
-    sv = torch.linalg.svdvals(dm.newton_schulz(spread, coefficients=name).float())
-    first = mc.ns_coefficients_of(name, dm.NS_STEPS)[0]
+for name in checks.NS_COEFFICIENT_CHOICES:
+    sv = torch.linalg.svdvals(distributed_muon_cpu.newton_schulz(spread, coefficients=name).float())
+    first = checks.ns_coefficients_of(name, distributed_muon_cpu.NS_STEPS)[0]
     print(f"{name:<14} first (a, b, c) = ({first[0]:.3f}, {first[1]:.3f}, {first[2]:.3f}): "
-          f"singular values after {dm.NS_STEPS} iterations {sv.min():.3f} to {sv.max():.3f}")
+          f"singular values after {distributed_muon_cpu.NS_STEPS} iterations {sv.min():.3f} to {sv.max():.3f}")
 
 # %% [markdown]
 # **Fused blocks.** A fused QKV weight laid out head by head (q, k, v of head 0, then of head 1, …)
@@ -372,14 +380,14 @@ for name in mc.NS_COEFFICIENT_CHOICES:
 # (split on dim 0, by heads) each TP rank holds whole heads.
 
 # %%
-mt.show_source(mlr.newton_schulz_blocks)
+muon_tools.show_source(large_runs.newton_schulz_blocks)
 heads, head_dim, d_model = 4, 16, 64
-layout = mlr.RowLayout(sizes=(head_dim,) * 3, periods=heads, names=("q", "k", "v"))
+layout = large_runs.RowLayout(sizes=(head_dim,) * 3, periods=heads, names=("q", "k", "v"))
 fused = torch.randn(layout.rows, d_model, generator=gen)
 blocks = layout.blocks()  # row indices of Q, K and V across the heads
-as_blocks, as_whole = mlr.newton_schulz_blocks(fused, blocks), dm.newton_schulz(fused)
+as_blocks, as_whole = large_runs.newton_schulz_blocks(fused, blocks), distributed_muon_cpu.newton_schulz(fused)
 for name, rows in zip(layout.names, blocks):
-    alone = dm.newton_schulz(fused[rows])
+    alone = distributed_muon_cpu.newton_schulz(fused[rows])
     runs = " ".join(f"{rows[i]}-{rows[i + head_dim - 1]}" for i in range(0, len(rows), head_dim))
     print(f"{name}: rows {runs}; torch.equal with its block alone: "
           f"{torch.equal(as_blocks[rows], alone)}; max |whole - blocks| {(as_whole[rows].float() - alone.float()).abs().max():.3f}")
@@ -403,7 +411,7 @@ print(f"per head: {len(layout.blocks(per_head=True))} blocks of {head_dim} rows;
 # ```
 
 # %%
-mt.show_source(mlr.qk_clip_scales)
+muon_tools.show_source(large_runs.qk_clip_scales)
 tau = 3.0
 w_q, w_k = (torch.randn(heads * head_dim, d_model, generator=gen, dtype=torch.float64) / 8 for _ in range(2))
 tokens = torch.randn(8, d_model, generator=gen, dtype=torch.float64)
@@ -417,7 +425,7 @@ def max_logits(w_q, w_k):  # per head: max over token pairs of q.k / sqrt(head_d
 
 
 before = max_logits(w_q, w_k)
-scales = mlr.qk_clip_scales(before, tau)
+scales = large_runs.qk_clip_scales(before, tau)
 for h, s in enumerate(scales):
     rows = slice(h * head_dim, (h + 1) * head_dim)
     w_q[rows] *= s
@@ -438,20 +446,22 @@ for h in range(heads):
 #   TP 1: X₂ ─ X₂·X₂ᵀ ─┘                                   └─ X₂ ← a·X₂ + (b·A + c·A·A)·X₂
 # ```
 #
-# That is `mlr.newton_schulz_tp`, run here on the two ranks of a TP 2 grid (threads, real Gloo
+# That is `large_runs.newton_schulz_tp`, run here on the two ranks of a TP 2 grid (threads, real Gloo
 # groups, as in section 4). The identity is exact in real numbers; in float32 the sum runs in
 # another order than torch's one matmul, so now and then a near-tie rounds to the other bf16
 # neighbour, and the later iterations carry it on: close to torch's bits, usually not equal to them.
 
 # %%
-mt.show_source(mlr.newton_schulz_tp)
+muon_tools.show_source(large_runs.newton_schulz_tp)
 equal, worst = 0, 0
 for _ in range(8):
     wide = torch.randn(64, 1024, generator=gen)
-    pieces = mt.on_thread_ranks(1, 2, lambda g: mlr.newton_schulz_tp(wide.chunk(2, dim=1)[g.tp.rank], wide.shape,
-                                                                     g.tp, dm.Ledger()))
+    pieces = muon_tools.on_thread_ranks(1, 2, lambda g: large_runs.newton_schulz_tp(wide.chunk(2, dim=1)[g.tp.rank],
+                                                                                    wide.shape,
+                                                                     g.tp, distributed_muon_cpu.Ledger()))
     ours = torch.cat(pieces, dim=1)
-    theirs = torch.optim._muon._zeropower_via_newtonschulz(wide, dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+    theirs = torch.optim._muon._zeropower_via_newtonschulz(wide, distributed_muon_cpu.NS_COEFFICIENTS,
+                                                           distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS)
     top = theirs.float().abs().max()
     spacing = torch.finfo(torch.bfloat16).eps * 2 ** top.log2().floor()  # between bf16 numbers just below `top`
     equal += torch.equal(ours, theirs)

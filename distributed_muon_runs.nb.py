@@ -41,9 +41,9 @@ if not os.path.exists("distributed_muon_cpu.py"):  # Colab: clone the repository
                              "or upload the repository's files beside this notebook.")
         subprocess.run(["git", "clone", "--depth", "1", url, "distributed-muon"], check=True)
     os.chdir("distributed-muon")
-import muon_tools as mt  # noqa: E402
+import muon_tools  # noqa: E402
 
-mt.notebook_requirements()
+muon_tools.notebook_requirements()
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
@@ -62,7 +62,7 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_coun
 grids = [(8, 1), (4, 2), (2, 4), (1, 8)]
 sweep = {}  # bytes and FLOPs are the same every step: one step per grid serves
 for dp, tp in grids:
-    mt.run_program("distributed_muon_cpu.py", "--dp", str(dp), "--tp", str(tp), "--steps", "1",
+    muon_tools.run_program("distributed_muon_cpu.py", "--dp", str(dp), "--tp", str(tp), "--steps", "1",
                    "--json", f"runs/notebook_{dp}x{tp}.json")
     with open(f"runs/notebook_{dp}x{tp}.json") as f:
         sweep[(dp, tp)] = json.load(f)
@@ -96,7 +96,7 @@ plt.show()
 # grid, checks each against torch, and prints one table.
 
 # %%
-mt.run_program("benchmarks/compare.py", "--steps", "2", "--json", "runs/notebook_compare.json")
+muon_tools.run_program("benchmarks/compare.py", "--steps", "2", "--json", "runs/notebook_compare.json")
 with open("runs/notebook_compare.json") as f:
     compared = json.load(f)["runs"]
 
@@ -146,7 +146,7 @@ plt.show()
 # embeddings, norms and biases to AdamW. Below: 20 steps on DP=2 x TP=2.
 
 # %%
-mt.run_program("examples/train_gpt.py", "--dp", "2", "--tp", "2", "--steps", "20", "--log-every", "5",
+muon_tools.run_program("examples/train_gpt.py", "--dp", "2", "--tp", "2", "--steps", "20", "--log-every", "5",
             "--json", "runs/gpt_muon.json")
 with open("runs/gpt_muon.json") as f:
     run = json.load(f)
@@ -173,7 +173,7 @@ plt.show()
 # in the same order), and the two free-running trainings. `notes/11-training.md` explains why.
 
 # %%
-mt.run_program("examples/train_gpt.py", "--dp", "2", "--tp", "2", "--steps", "3", "--verify")
+muon_tools.run_program("examples/train_gpt.py", "--dp", "2", "--tp", "2", "--steps", "3", "--verify")
 
 # %% [markdown]
 # ## 4. Experts: a mixture-of-experts GPT under expert parallelism
@@ -190,7 +190,8 @@ mt.run_program("examples/train_gpt.py", "--dp", "2", "--tp", "2", "--steps", "3"
 # %%
 from IPython.display import Image  # noqa: E402
 
-mt.run_program("examples/train_gpt_moe.py", "--dp", "2", "--ep", "2", "--tp", "2", "--experts", "3", "--steps", "6",
+muon_tools.run_program("examples/train_gpt_moe.py", "--dp", "2", "--ep", "2", "--tp", "2", "--experts", "3", "--steps",
+                       "6",
                "--log-every", "3", "--layers", "2", "--d-model", "32", "--expert-hidden", "64", "--context", "64",
                "--batch", "8", "--verify", "--figure", "runs/notebook_moe.png")
 Image("runs/notebook_moe.png")

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-import distributed_muon_cpu as dm
-import muon_tools as mt
+import distributed_muon_cpu
+import muon_tools
 from collective_counter import FORWARD_BACKWARD, measured_sent, measured_table
 from distributed_muon_cpu import NS_STEPS, newton_schulz_flops
 from dtensor_run import BATCH, SEQ, DemoConfig, DemoModel, expert_stack_names, is_muon, param_groups
@@ -45,7 +45,7 @@ DTENSOR_PHASES = ("grad presence", "gather at owner", "scatter from owner")
 def account(cfg, results):
     """Bytes per phase (last step; every rank), NS FLOPs per rank (last step), and whether steps moved the same."""
     ledgers = [r["ledger"] for r in results]
-    tables = [mt.bytes_per_step(ledgers, s, DTENSOR_PHASES) for s in range(1, cfg.steps + 1)]
+    tables = [muon_tools.bytes_per_step(ledgers, s, DTENSOR_PHASES) for s in range(1, cfg.steps + 1)]
     flops = [sum(c["flops"] for c in ledger["compute"] if c["step"] == cfg.steps) for ledger in ledgers]
     return tables[-1], all(t == tables[0] for t in tables), flops
 
@@ -64,7 +64,7 @@ DP_IN_STEP = ("grad reduce-scatter", "param all-gather", "grad reduce at owner",
 
 
 def lesson_specs(cfg):
-    """This demo model's parameters as the lesson's [dm.ParamSpec]: each expert of a stack its own 2-D matrix."""
+    """This demo model's parameters as the lesson's [distributed_muon_cpu.ParamSpec]: each expert of a stack its own 2-D matrix."""
     model = DemoModel(cfg)
     stacks = expert_stack_names(model)
     specs = []
@@ -76,18 +76,18 @@ def lesson_specs(cfg):
         if split >= 0 and shape[split] % cfg.tp:
             split = -1  # the lesson splits evenly only: replicated over TP instead
         names = [f"{name}[{e}]" for e in range(p.shape[0])] if name in stacks else [name]
-        specs += [dm.ParamSpec(n, shape, split, group) for n in names]
+        specs += [distributed_muon_cpu.ParamSpec(n, shape, split, group) for n in names]
     return specs
 
 
 def lesson_config(cfg, strategy):
-    return mt.RunConfig(dp=cfg.dp, tp=cfg.tp, steps=cfg.steps, seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum,
+    return muon_tools.RunConfig(dp=cfg.dp, tp=cfg.tp, steps=cfg.steps, seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum,
                         weight_decay=cfg.weight_decay, strategy=strategy)
 
 
 @dataclass(frozen=True)
 class LessonRuns:
-    """The lesson's strategies on this demo's matrices, on the grid dp x tp (a mt.spawn_ranks cfg, or a run
+    """The lesson's strategies on this demo's matrices, on the grid dp x tp (a muon_tools.spawn_ranks cfg, or a run
     inside Runs)."""
 
     demo: DemoConfig
@@ -107,16 +107,17 @@ class LessonRuns:
 
 
 def run_lesson_rank(rank, runs, device):
-    """Every rank: the lesson's own steps (dm.run_steps, with mt.build_optimizer) on lesson_specs, one optimizer
+    """Every rank: the lesson's own steps (distributed_muon_cpu.run_steps, with muon_tools.build_optimizer) on lesson_specs, one optimizer
     per strategy; {strategy: what run_steps returned}."""
     torch.set_num_threads(1)
     cfg = runs.demo
     specs = lesson_specs(cfg)
-    grid = dm.make_grid(cfg.dp, cfg.tp, rank)
+    grid = distributed_muon_cpu.make_grid(cfg.dp, cfg.tp, rank)
     out = {}
     for strategy in runs.strategies:
         lcfg = lesson_config(cfg, strategy)
-        out[strategy] = dm.run_steps(lcfg, specs, functools.partial(mt.build_optimizer, specs, lcfg), grid, device)
+        out[strategy] = distributed_muon_cpu.run_steps(lcfg, specs, functools.partial(muon_tools.build_optimizer,
+                                                                                      specs, lcfg), grid, device)
     return dict(rank=rank, lesson=out)
 
 
@@ -128,10 +129,12 @@ def lesson_accounts(runs, results):
     for strategy in runs.strategies:
         lcfg = lesson_config(cfg, strategy)
         ledgers = [r["lesson"][strategy]["ledger"] for r in results]
-        reference = mt.reference_params(specs, lcfg)
-        checks = dm.check_against_torch(specs, [r["lesson"][strategy] for r in results], reference, cfg.tp)
-        accounts[strategy] = dict(checks=checks, table=mt.bytes_per_step(ledgers, cfg.steps, mt.PHASES_OF[strategy]),
-                                  flops=mt.flops_per_step(ledgers, specs, cfg.steps, NS_STEPS))
+        reference = muon_tools.reference_params(specs, lcfg)
+        checks = distributed_muon_cpu.check_against_torch(specs, [r["lesson"][strategy] for r in results], reference,
+                                                          cfg.tp)
+        accounts[strategy] = dict(checks=checks, table=muon_tools.bytes_per_step(ledgers, cfg.steps,
+                                                                                 muon_tools.PHASES_OF[strategy]),
+                                  flops=muon_tools.flops_per_step(ledgers, specs, cfg.steps, NS_STEPS))
     return accounts
 
 
@@ -156,10 +159,10 @@ def comparison_rows(cfg, results, accounts):
     for label, t, f, redundancy, dp_outside, tp_outside in runs:
         total = [a + b for a, b in zip(phase_bytes(t, tuple(t)), dp_outside)]
         dp_bytes = phase_bytes(t, DP_IN_STEP)
-        rows.append([label, mt.human_bytes(max(phase_bytes(t, OWNER_EXCHANGE))),
-                     mt.human_bytes(max(dp_bytes) if dp_bytes else 0), mt.human_bytes(max(dp_outside)),
-                     mt.human_bytes(max(total)), mt.human_bytes(sum(total)),
-                     mt.human_bytes(max(tp_outside)) if tp_outside else "not run", f"{max(f) / 1e9:.4f}",
+        rows.append([label, muon_tools.human_bytes(max(phase_bytes(t, OWNER_EXCHANGE))),
+                     muon_tools.human_bytes(max(dp_bytes) if dp_bytes else 0), muon_tools.human_bytes(max(dp_outside)),
+                     muon_tools.human_bytes(max(total)), muon_tools.human_bytes(sum(total)),
+                     muon_tools.human_bytes(max(tp_outside)) if tp_outside else "not run", f"{max(f) / 1e9:.4f}",
                      f"{sum(f) / len(f) / 1e9:.4f}", f"{redundancy:.2f}"])
         per_rank[label] = (total, f)
     return rows, per_rank
@@ -172,7 +175,8 @@ MEASURED_HEADER = ["phase", "collective", "mesh dim", "dtype", "calls", "sent/ra
 
 def measured_rows(results):
     """The measured training step (CollectiveCounter) as rows of MEASURED_HEADER."""
-    return [[phase, op, axis, dtype, max(t["calls"]), mt.human_bytes(max(t["sent"])), mt.human_bytes(sum(t["sent"]))]
+    return [[phase, op, axis, dtype, max(t["calls"]), muon_tools.human_bytes(max(t["sent"])),
+             muon_tools.human_bytes(sum(t["sent"]))]
             for (phase, op, axis, dtype), t in measured_table(results).items()]
 
 
@@ -184,7 +188,7 @@ def print_comparison(cfg, rows, per_rank, accounts, results, print_fn=print):
              f"as the Ledger counts (ring counts for all-gather, reduce-scatter, all-reduce; the optimizer step's "
              f"own collectives beside them, {'equal to' if counted_sent == ledger_sent else 'NOT equal to'} its "
              f"Ledger's on every rank):")
-    print_fn(mt.format_table(MEASURED_HEADER, measured_rows(results), ["<", "<", "<", "<", ">", ">", ">"]))
+    print_fn(muon_tools.format_table(MEASURED_HEADER, measured_rows(results), ["<", "<", "<", "<", ">", ">", ">"]))
     print_fn(f"\n[8] Beside the lesson's owner and comm-free strategies, run for real on THIS model's matrices "
              f"(each expert its own 2-D matrix), same mesh dp={cfg.dp} x tp={cfg.tp}, last step; bytes sent per "
              f"rank (max over ranks) unless 'all ranks':")
@@ -192,9 +196,9 @@ def print_comparison(cfg, rows, per_rank, accounts, results, print_fn=print):
         n_same = sum(c["identical"] for c in acc["checks"])
         print_fn(f"lesson {strategy} on these {len(acc['checks'])} parameters: {n_same}/{len(acc['checks'])} "
                  f"bit-identical to torch")
-    print_fn(mt.format_table(COMPARISON_HEADER, rows, ["<"] + [">"] * 9))
+    print_fn(muon_tools.format_table(COMPARISON_HEADER, rows, ["<"] + [">"] * 9))
     for label, (sent, flops) in per_rank.items():
-        print_fn(f"{label:<24} step + DP, sent per rank: {', '.join(mt.human_bytes(b) for b in sent)}")
+        print_fn(f"{label:<24} step + DP, sent per rank: {', '.join(muon_tools.human_bytes(b) for b in sent)}")
         print_fn(f"{'':<24} NS GFLOP per rank: {', '.join(f'{f / 1e9:.4f}' for f in flops)}")
     print_fn("owner exchange = gather at owner + scatter from owner (bf16, exact all-to-all counts). DP in step = "
              "ZeRO-1's grad reduce-scatter + param all-gather (fp32, ring counts), and for comm-free the matrices' "

@@ -22,8 +22,8 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 
 import torch
 
-import distmuon.checks as mc
-import muon_tools as mt
+from distmuon import checks
+import muon_tools
 from dtensor_accounting import (COMPARISON_HEADER, MEASURED_HEADER, LessonRuns, account, comparison_rows,
                                 lesson_accounts, measured_rows, print_comparison, run_lesson_rank,
                                 single_device_flops)
@@ -32,28 +32,29 @@ from dtensor_verify import run_reference, training_table, verify, verify_trainin
 
 # Spawned: every argument checked before any rank starts (exit 2, one line), dp x tp Gloo ranks started by the
 # lesson's launcher, torch's reference run here. Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) this process is
-# one rank (mt.run_under_torchrun, shared with the lesson's GPU twin and the GPT example); rank 0 gathers, checks and
+# one rank (muon_tools.run_under_torchrun, shared with the lesson's GPU twin and the GPT example); rank 0 gathers, checks and
 # prints. --compare is refused there: it spawns the lesson's strategies on Gloo ranks of its own.
 
 
 def validate(cfg):
-    mt.check_topology(cfg.dp, cfg.tp)
+    muon_tools.check_topology(cfg.dp, cfg.tp)
     if cfg.steps < 1:
         raise ValueError(f"--steps must be >= 1 (got {cfg.steps})")
-    mt.check_seed(cfg.seed)
-    mc.check_hyperparameters(mt.flag, bucket_size=1, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    muon_tools.check_seed(cfg.seed)
+    checks.check_hyperparameters(muon_tools.flag, bucket_size=1, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn=cfg.adjust_lr_fn)
     if cfg.lr == 0:
         raise ValueError("--lr must be > 0: with lr 0 no weight moves and the comparison proves nothing")
     if cfg.layers < 1 or cfg.experts < 1:
         raise ValueError(f"--layers and --experts must be >= 1 (got {cfg.layers}, {cfg.experts})")
-    if demo_parameters(cfg) > mt.MAX_DEMO_PARAMETERS:  # every rank builds the whole model before sharding it
+    if demo_parameters(cfg) > muon_tools.MAX_DEMO_PARAMETERS:  # every rank builds the whole model before sharding it
         raise ValueError(f"--layers {cfg.layers} x --experts {cfg.experts}: {demo_parameters(cfg):,} parameters, more "
-                         f"than the {mt.MAX_DEMO_PARAMETERS:,} a laptop's ranks can each hold whole")
+                         f"than the {muon_tools.MAX_DEMO_PARAMETERS:,} a laptop's ranks can each hold whole")
     with torch.random.fork_rng(devices=[]):  # the seed it sets (manual_seed) undone on the way out
         model = DemoModel(replace(cfg, layers=1))  # one layer has every layer's shapes
     groups = param_groups(model, cfg)
-    mt.check_step_numbers(mt.flag, groups, [p.shape[-2:] for _, p in groups[0]["params"]])  # each expert a matrix
+    muon_tools.check_step_numbers(muon_tools.flag, groups, [p.shape[-2:] for _,
+                                                            p in groups[0]["params"]])  # each expert a matrix
     if cfg.train and (4 * cfg.d) % cfg.tp:
         raise ValueError(f"--train with TP {cfg.tp}: torch's ColwiseParallel -> RowwiseParallel forward needs TP to "
                          f"divide the hidden size {4 * cfg.d} (it takes the uneven pieces for even ones); without "
@@ -61,12 +62,12 @@ def validate(cfg):
     if cfg.train and cfg.batched_ns:
         raise ValueError("--train checks its replay against torch bit for bit, which --batched-ns does not promise: "
                          "use one of them")
-    mt.check_launch(cfg.timeout_s)
+    muon_tools.check_launch(cfg.timeout_s)
 
 
 def build_parser():
     d = DemoConfig()
-    p = mt.OneLineParser(description="Distributed Muon for DTensor parameters (FSDP2 x TP on a 2-D mesh, "
+    p = muon_tools.OneLineParser(description="Distributed Muon for DTensor parameters (FSDP2 x TP on a 2-D mesh, "
                                             "a MoE expert stack) on CPU Gloo ranks, or one rank per process under "
                                             "torchrun, checked bit for bit against torch.optim.Muon / AdamW.")
     p.add_argument("--dp", type=int, default=d.dp, help="FSDP2 (mesh dim 'dp') size (default %(default)s)")
@@ -95,25 +96,25 @@ def build_parser():
                         "Newton-Schulz FLOPs per rank side by side")
     p.add_argument("--json", metavar="PATH", help="write the run's checks, owners, bytes and FLOPs")
     p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
-    mt.add_backend_flags(p)
+    muon_tools.add_backend_flags(p)
     return p
 
 
 def report_parameters(cfg, checks, print_fn=print):
-    """[7] of exact gradients: one row per parameter against torch; returns mt.verdict's (passed, line)."""
+    """[7] of exact gradients: one row per parameter against torch; returns muon_tools.verdict's (passed, line)."""
     print_fn("[7] Every rank's local elements against torch.optim.Muon / AdamW in one process:")
     rows = [[c["name"], "x".join(map(str, c["shape"])), c["placements"], c["optimizer"],
              f"{c['max_abs_diff']:.1e}" if c["max_abs_diff"] else "0",
              "yes" if c["identical"] else f"no, <= {c['tolerance']:.1e}" if c["ok"] else "NO"]
             for c in checks]
-    print_fn(mt.format_table(["parameter", "shape", "placements", "optimizer", "max |d|", "identical"], rows,
+    print_fn(muon_tools.format_table(["parameter", "shape", "placements", "optimizer", "max |d|", "identical"], rows,
                              ["<", ">", "<", "<", ">", ">"]) + "\n")
     if cfg.batched_ns:
         bounds = {"x".join(map(str, c["shape"][-2:])): c["tolerance"] for c in checks if c["optimizer"] == "Muon"}
         print_fn("--batched-ns: each Muon matrix is held to steps x adjusted lr x 1.5 x BATCHED_NS_BOUND (2**-5) "
                  "of torch's (the lesson's batched_ns_tolerance), every other parameter bit for bit; bounds: "
                  + ", ".join(f"{shape} {bound:.1e}" for shape, bound in bounds.items()) + "\n")
-    return mt.verdict(checks)
+    return muon_tools.verdict(checks)
 
 
 def report(cfg, results, checks, print_fn=print):
@@ -133,14 +134,16 @@ def report(cfg, results, checks, print_fn=print):
     table, same, flops = account(cfg, results)
     print_fn(f"[8] Bytes per step, counted by the ledger (exact all-to-all counts; "
              f"{'the same every step' if same else 'last step; steps differ'}):")
-    rows = [[phase, t["dtype"], mt.human_bytes(max(t["sent"])), mt.human_bytes(max(t["received"])),
-             mt.human_bytes(sum(t["sent"]))] for phase, t in table.items()]
-    max_sent, all_sent = mt.total_bytes(table)
-    rows.append(["total", "", mt.human_bytes(max_sent), mt.human_bytes(mt.total_bytes(table, "received")[0]),
-                 mt.human_bytes(all_sent)])
-    print_fn(mt.format_table(["phase", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"], rows,
+    rows = [[phase, t["dtype"], muon_tools.human_bytes(max(t["sent"])), muon_tools.human_bytes(max(t["received"])),
+             muon_tools.human_bytes(sum(t["sent"]))] for phase, t in table.items()]
+    max_sent, all_sent = muon_tools.total_bytes(table)
+    rows.append(["total", "", muon_tools.human_bytes(max_sent),
+                 muon_tools.human_bytes(muon_tools.total_bytes(table, "received")[0]),
+                 muon_tools.human_bytes(all_sent)])
+    print_fn(muon_tools.format_table(["phase", "dtype", "sent/rank (max)", "received/rank (max)", "sent, all ranks"],
+                                     rows,
                              ["<", "<", ">", ">", ">"]))
-    print_fn("per rank sent: " + ", ".join(mt.human_bytes(sum(t["sent"][r] for t in table.values()))
+    print_fn("per rank sent: " + ", ".join(muon_tools.human_bytes(sum(t["sent"][r] for t in table.values()))
                                            for r in range(world)))
     single = single_device_flops(cfg)
     print_fn(f"[8] Newton-Schulz GFLOP per rank (last step): {', '.join(f'{f / 1e9:.4f}' for f in flops)}; "
@@ -160,7 +163,7 @@ def demo_config(args):
 def print_header(cfg, ranks, print_fn=print):
     print_fn(f"DTensorMuon: {cfg.dp * cfg.tp} {ranks}, mesh dp={cfg.dp} x tp={cfg.tp} (rank = dp_rank * tp + tp_rank), "
              f"{cfg.steps} steps, torch {torch.__version__}")
-    print_fn(mt.format_grid(cfg.dp, cfg.tp) + "\n")
+    print_fn(muon_tools.format_grid(cfg.dp, cfg.tp) + "\n")
 
 
 def finish(cfg, results, ranks_s, device="cpu", print_fn=print):
@@ -179,7 +182,7 @@ def finish(cfg, results, ranks_s, device="cpu", print_fn=print):
     steps = len(results[0]["step_ms"])
     steps_s = sum(max(r["step_ms"][i] for r in results) for i in range(steps)) / 1e3
     made = "forward and backward" if cfg.train else "the exact gradients"
-    shown = mt.rounded_parts(dict(steps=steps_s, rest=ranks_s - steps_s), 1)  # tenths of a second that add up
+    shown = muon_tools.rounded_parts(dict(steps=steps_s, rest=ranks_s - steps_s), 1)  # tenths of a second that add up
     print_fn(f"Timing: ranks {sum(shown.values()):.1f} s = {steps} optimizer steps {shown['steps']:.1f} s (each its "
              f"slowest rank's) + the rest {shown['rest']:.1f} s (start, build, {made}, the copies the checks read); "
              f"torch's reference and the checks {checked_s:.1f} s")
@@ -189,22 +192,22 @@ def finish(cfg, results, ranks_s, device="cpu", print_fn=print):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if mt.under_torchrun():
+    if muon_tools.under_torchrun():
         return main_torchrun(args)
 
     def work():
-        mt.backend_flags(args)
+        muon_tools.backend_flags(args)
         cfg = demo_config(args)
         validate(cfg)
         if args.json:
-            mt.check_writable(args.json)
+            muon_tools.check_writable(args.json)
         print_header(cfg, "CPU ranks over Gloo")
         t0 = time.perf_counter()
-        results = mt.spawn_ranks(cfg, run_demo_rank)
+        results = muon_tools.spawn_ranks(cfg, run_demo_rank)
         out = finish(cfg, results, time.perf_counter() - t0)
         if args.compare:
             lesson = LessonRuns(cfg)
-            accounts = lesson_accounts(lesson, mt.spawn_ranks(lesson, run_lesson_rank))
+            accounts = lesson_accounts(lesson, muon_tools.spawn_ranks(lesson, run_lesson_rank))
             rows, per_rank = comparison_rows(cfg, results, accounts)
             print_comparison(cfg, rows, per_rank, accounts, results)
             out["comparison"] = dict(header=COMPARISON_HEADER, rows=rows, per_rank=per_rank,
@@ -214,23 +217,23 @@ def main(argv=None):
                                      lesson_bytes_per_step={s: a["table"] for s, a in accounts.items()})
             lesson_ok = all(c["identical"] for a in accounts.values() for c in a["checks"])
             out["passed"] = out["passed"] and lesson_ok
-        mt.write_json(args.json, out)
+        muon_tools.write_json(args.json, out)
         return 0 if out["passed"] else 1
 
-    return mt.exit_code(work, args.traceback)
+    return muon_tools.exit_code(work, args.traceback)
 
 
 def main_torchrun(args):
     """Under torchrun: this process is one rank; rank 0 prints, verifies and writes --json."""
     def prepare(world):
         cfg = demo_config(args)
-        mt.check_topology(cfg.dp, cfg.tp, world)
+        muon_tools.check_topology(cfg.dp, cfg.tp, world)
         validate(cfg)
         if args.compare:
             raise ValueError("--compare spawns the lesson's strategies on Gloo ranks of its own: run it without "
                              "torchrun")
         if args.json:
-            mt.check_writable(args.json)
+            muon_tools.check_writable(args.json)
         return cfg
 
     def body(cfg, rank, device):
@@ -242,11 +245,11 @@ def main_torchrun(args):
     def report_at_rank_0(cfg, gathered, device, seconds):
         out = finish(cfg, gathered, seconds, device)
         out["launcher"] = dict(launcher="torchrun", backend=args.backend, device=args.device)
-        mt.write_json(args.json, out)
+        muon_tools.write_json(args.json, out)
         return 0 if out["passed"] else 1
 
-    args.backend, args.device = mt.backend_flags(args)
-    return mt.run_under_torchrun(args.backend, args.device, prepare, body, report_at_rank_0, args.traceback)
+    args.backend, args.device = muon_tools.backend_flags(args)
+    return muon_tools.run_under_torchrun(args.backend, args.device, prepare, body, report_at_rank_0, args.traceback)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-import distributed_muon_cpu as dm
-import distmuon.owners as mo
-import muon_tools as mt
+import distributed_muon_cpu
+from distmuon import owners
+import muon_tools
 from collective_counter import CollectiveCounter
 from distmuon.dtensor import DTensorMuon, load_checkpoint, local_indices, local_of, save_checkpoint
 
@@ -70,7 +70,7 @@ class DemoConfig:
     batched_ns: bool = False
     exchange_bytes: int | None = None  # DTensorMuon's: the step group by group, at most this many bytes each
     overlap: int = 0  # DTensorMuon's: K groups' gathers in flight while a group's Newton-Schulz runs
-    timeout_s: float = mt.TIMEOUT_S
+    timeout_s: float = muon_tools.TIMEOUT_S
     missing_grads: tuple = ()  # (name, step): a gradient None on every rank at that step
     checkpoint: str = ""  # a folder: save after checkpoint_step
     checkpoint_step: int = 0
@@ -78,7 +78,7 @@ class DemoConfig:
     resume_step: int = 0
     train: bool = False  # real forward / backward through FSDP2 and TP instead of exact gradients (verify_training)
     count_comm: bool = False  # --compare: one training step's collectives, measured (CollectiveCounter)
-    normuon: bool = False  # the Muon group takes NorMuon (distmuon/normuon.py), checked against mt.NorMuonReference
+    normuon: bool = False  # the Muon group takes NorMuon (distmuon/normuon.py), checked against muon_tools.NorMuonReference
 
 
 class MoE(nn.Module):
@@ -135,10 +135,10 @@ class DemoModel(nn.Module):
 
 def format_assignments(opt):
     """DTensorMuon's assignment as a table: per rank, how many matrices, their GFLOP and their names."""
-    load, _ = mo.load_balance(opt.ns_flops, opt.owners, opt.world)
+    load, _ = owners.load_balance(opt.ns_flops, opt.owners, opt.world)
     rows = [[r, sum(o == r for o in opt.owners.values()), f"{load[r] / 1e9:.4f}",
              " ".join(n for n, o in opt.owners.items() if o == r) or "-"] for r in range(opt.world)]
-    table = mt.format_table(["rank", "matrices", "NS GFLOP", "owns"], rows, [">", ">", ">", "<"])
+    table = muon_tools.format_table(["rank", "matrices", "NS GFLOP", "owns"], rows, [">", ">", ">", "<"])
     local = sorted(n for names in opt.local_matrices.values() for n in names)
     return table + (f"\nlocal on every holder (plain or all-Replicate): {' '.join(local)}" if local else "")
 
@@ -192,7 +192,8 @@ def exact_grads(shapes, seed, step):
     grads = {}
     for i, (name, shape) in enumerate(shapes.items()):
         g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + i)
-        grads[name] = torch.randint(-dm.GRAD_MAX_INT, dm.GRAD_MAX_INT + 1, shape, generator=g).float() * dm.GRAD_SCALE
+        grads[name] = torch.randint(-distributed_muon_cpu.GRAD_MAX_INT, distributed_muon_cpu.GRAD_MAX_INT + 1, shape,
+                                    generator=g).float() * distributed_muon_cpu.GRAD_SCALE
     return grads
 
 
@@ -339,7 +340,7 @@ def local_grads(model):
 
 
 def run_demo_rank(rank, cfg, device):
-    """The body of every rank of the demo (mt.spawn_ranks, or a torchrun process): one run on the whole world."""
+    """The body of every rank of the demo (muon_tools.spawn_ranks, or a torchrun process): one run on the whole world."""
     torch.set_num_threads(1)
     return run_on_mesh(cfg, rank, device)
 

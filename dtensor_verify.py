@@ -9,7 +9,7 @@ import statistics
 import torch
 import torch.nn as nn
 
-import muon_tools as mt
+import muon_tools
 from dtensor_run import BATCH, SEQ, DemoModel, batch, exact_grads, expert_stack_names, is_muon, param_groups
 
 class OneProcess:
@@ -43,7 +43,7 @@ class OneProcess:
     def nudge(self):
         """Entry 0 of CHAOS_PARAM one ulp up, where torch's optimizers hold it: the chaos floor's start
         (muon_tools/training_checks.py)."""
-        mt.one_ulp_up(self.stepped(self.CHAOS_PARAM))
+        muon_tools.one_ulp_up(self.stepped(self.CHAOS_PARAM))
 
 
 class Reference(OneProcess):
@@ -63,7 +63,7 @@ class Reference(OneProcess):
         groups = param_groups(self.model, cfg)
         of = lambda g: [self.tensors[key] for n, p in g["params"] for key, _ in self.pieces(n, p)]
         self.optimizers = [
-            (mt.NorMuonReference if cfg.normuon else torch.optim.Muon)(
+            (muon_tools.NorMuonReference if cfg.normuon else torch.optim.Muon)(
                 of(groups[0]), lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=True,
                 adjust_lr_fn=cfg.adjust_lr_fn),
             torch.optim.AdamW([dict(params=of(g), weight_decay=g["weight_decay"]) for g in groups[1:]], lr=cfg.lr,
@@ -140,7 +140,8 @@ def verify(cfg, results, reference):
                     if r["where"][name].numel() else 0.0) for r in results)
         batched = cfg is not None and cfg.batched_ns and is_muon(name, ref.ndim)
         # the lesson's bound, per matrix (each expert of a stack: its (out, in))
-        tolerance = mt.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, ref.shape[-2:]) if batched else 0.0
+        tolerance = muon_tools.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn,
+                                                    ref.shape[-2:]) if batched else 0.0
         checks.append(dict(name=name, shape=tuple(ref.shape), placements=results[0]["placements"][name],
                            identical=same and bool(covered.all()), max_abs_diff=diff,
                            optimizer="Muon" if is_muon(name, ref.ndim) else "AdamW", tolerance=tolerance,
@@ -160,7 +161,7 @@ def verify(cfg, results, reference):
 #              optimizer is exact on a real FSDP2 x TP run.
 #   gradients  before each step, the plain model at the ranks' own weights takes
 #              the loss and gradients of the whole global batch, in fp32 and in
-#              float64: the ranks' error against float64 within mt.bound_ratio's
+#              float64: the ranks' error against float64 within muon_tools.bound_ratio's
 #              bound, REALIZED_FACTOR x the one process's + n u max |G_fp64|.
 #   trained    both runs free-running from the same start: the losses' largest
 #              relative gap, reported beside the chaos floor (the same one-process
@@ -195,7 +196,7 @@ def step_errors(ref, weights, step, ranks_loss, ranks_grads):
     n = ref.tokens_per_step
     out = dict(step_loss_max_rel_diff=abs(ranks_loss - loss) / abs(loss), ranks_loss_err=abs(ranks_loss - loss64)
                / abs(loss64), one_process_loss_err=abs(loss - loss64) / abs(loss64),
-               bound_ratio=mt.bound_ratio(abs(ranks_loss - loss64), abs(loss - loss64), n, abs(loss64)),
+               bound_ratio=muon_tools.bound_ratio(abs(ranks_loss - loss64), abs(loss - loss64), n, abs(loss64)),
                bound_worst=(step, "loss"))
     for name, g64 in grads64.items():
         scale = g64.abs().max().item()
@@ -204,7 +205,7 @@ def step_errors(ref, weights, step, ranks_loss, ranks_grads):
         figures = dict(grad_max_rel_diff=((ranks_grads[name] - grads[name]).abs().max() / grads[name].abs().max())
                        .item(), ranks_grad_err=ranks_err / scale, one_process_grad_err=one_err / scale)
         out.update((k, largest([out.get(k, 0.0), v])) for k, v in figures.items())
-        ratio = mt.bound_ratio(ranks_err, one_err, n, scale)
+        ratio = muon_tools.bound_ratio(ranks_err, one_err, n, scale)
         if worse(ratio, out["bound_ratio"]):
             out.update(bound_ratio=ratio, bound_worst=(step, name))
     return out
@@ -286,8 +287,9 @@ def verify_training(cfg, results, device="cpu", reference=None):
     free_losses, nudged_losses = [], []
     trained = verify(None, ranks, run_reference(cfg, device, free_losses, reference))
     run_reference(cfg, device, nudged_losses, reference, nudge=True)
-    drift = mt.loss_drift([[x] for x in ranks_loss], [[x] for x in free_losses])  # one loss per step: the batch's
-    floor = mt.loss_drift([[x] for x in nudged_losses], [[x] for x in free_losses])
+    drift = muon_tools.loss_drift([[x] for x in ranks_loss],
+                                  [[x] for x in free_losses])  # one loss per step: the batch's
+    floor = muon_tools.loss_drift([[x] for x in nudged_losses], [[x] for x in free_losses])
     worst = max(trained, key=lambda c: c["max_abs_diff"])
     out = dict(replay_differs=differs, replica_max_diff=replica_diff, **errors, tokens_per_step=ref.tokens_per_step,
                trained_loss_max_rel_diff=drift, chaos_floor_loss_max_rel_diff=floor, chaos_param=ref.CHAOS_PARAM,
@@ -312,7 +314,7 @@ def training_table(out):
              "PASS" if out["replica_max_diff"] == 0 else "FAIL"],
             ["gradients", "error vs float64, of each tensor's largest entry",
              f"ranks {out['ranks_grad_err']:.1e}, one process {out['one_process_grad_err']:.1e}",
-             f"{mt.REALIZED_FACTOR} x one process + n u", ""],
+             f"{muon_tools.REALIZED_FACTOR} x one process + n u", ""],
             ["losses", "error vs float64, relative",
              f"ranks {out['ranks_loss_err']:.1e}, one process {out['one_process_loss_err']:.1e}",
              f"n = {out['tokens_per_step']:,} tokens", ""],
@@ -322,7 +324,7 @@ def training_table(out):
              f"{out['trained_loss_max_rel_diff']:.1e}",
              f"chaos floor {out['chaos_floor_loss_max_rel_diff']:.1e}: {ratio:.2g}x" if ratio is not None else
              "chaos floor 0: one ulp did not reach the losses", "reported"]]
-    return (mt.format_table(["check", "what", "measured", "bound / baseline", "verdict"], rows,
+    return (muon_tools.format_table(["check", "what", "measured", "bound / baseline", "verdict"], rows,
                             ["<", "<", ">", "<", "<"])
             + f"\nchaos floor: the one-process run with entry 0 of {out['chaos_param']} one ulp up; free-running "
               f"weights: {out['trained_identical']}/{n} identical, largest |d| {out['trained_max_abs_diff']:.1e} "

@@ -48,10 +48,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-import distmuon.dtensor as dd  # noqa: E402
+from distmuon import dtensor  # noqa: E402
 import distmuon.dtensor.optimizer as dopt  # noqa: E402
-import distmuon.dtensor.plan as dplan  # noqa: E402
-import muon_tools as mt  # noqa: E402
+from distmuon.dtensor import plan  # noqa: E402
+import muon_tools  # noqa: E402
 
 SIZES = {"38M": 768, "67M": 1024, "268M": 2048, "1B": 4096}  # d of 8 blocks (d x 4d, 4d x d): 8 d^2 parameters each
 BLOCKS = 8
@@ -91,7 +91,7 @@ def placed_model(d, mesh):
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
-            dd.local_of(p).normal_(0, d ** -0.5)
+            dtensor.local_of(p).normal_(0, d ** -0.5)
     return model
 
 
@@ -124,7 +124,7 @@ def reset_peak():
 # 3. The optimizers
 # =============================================================================
 def build_dtensor_muon(model, **options):
-    return dd.DTensorMuon([dict(params=list(model.named_parameters()), algorithm="muon")], lr=LR,
+    return dtensor.DTensorMuon([dict(params=list(model.named_parameters()), algorithm="muon")], lr=LR,
                           weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, **options)
 
 
@@ -189,7 +189,7 @@ def measure(label, build, model, steps, builds):
     reset_peak()  # what construction keeps: its RSS once freed memory is handed back
     now = rss()[0]
     row = dict(label=label, construct_s=statistics.median(built), construct_peak=peak - base, kept=now - base,
-               state=sum(dd.local_of(t).numel() * dd.local_of(t).element_size() for s in opt.state.values()
+               state=sum(dtensor.local_of(t).numel() * dtensor.local_of(t).element_size() for s in opt.state.values()
                          for t in s.values() if torch.is_tensor(t)))
     times = []
     for _ in range(1 + steps):
@@ -201,7 +201,7 @@ def measure(label, build, model, steps, builds):
         if len(times) == 1:
             row["first_step_peak"] = max(peak, rss()[1]) - base
     row.update(first_s=times[0], steady_s=statistics.median(times[1:]) if steps else float("nan"),
-               state_after=sum(dd.local_of(t).numel() * dd.local_of(t).element_size() for s in opt.state.values()
+               state_after=sum(dtensor.local_of(t).numel() * dtensor.local_of(t).element_size() for s in opt.state.values()
                                for t in s.values() if torch.is_tensor(t)))
     del opt
     gc.collect()
@@ -221,13 +221,13 @@ def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps, 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = placed_model(d, mesh)
     make_gradients(model, d)
-    local = sum(dd.local_of(p).numel() * 4 for p in model.parameters())
+    local = sum(dtensor.local_of(p).numel() * 4 for p in model.parameters())
     rows = []
     for label in labels:
         try:
             rows.append(measure(label, BUILDERS[label], model, steps, builds))
         except Exception as error:  # every rank fails alike: the same code on the same shapes
-            rows.append(dict(label=label, error=mt.one_line(error)))
+            rows.append(dict(label=label, error=muon_tools.one_line(error)))
             if dist.is_initialized():
                 dist.barrier()
     torch.save(dict(rows=rows, local=local), os.path.join(out_dir, f"{rank}.pt"))
@@ -238,7 +238,8 @@ def on_mesh(d, dp, tp, labels, without_ns, steps, builds):
     """Every rank's rows on a dp x tp mesh (a world of dp tp processes)."""
     world = dp * tp
     with tempfile.TemporaryDirectory() as out_dir:
-        mt.run_processes(rank_main, (world, mt.free_port(), out_dir, d, dp, tp, labels, without_ns, steps, builds),
+        muon_tools.run_processes(rank_main, (world, muon_tools.free_port(), out_dir, d, dp, tp, labels, without_ns,
+                                             steps, builds),
                          world,
                          folders=(out_dir,))
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
@@ -286,28 +287,28 @@ NOTE = ("build s: construction (seconds, the median of --builds; the slowest ran
 # =============================================================================
 def plan_only(print_fn=print):
     """DTensorMuon's plan for one rank (rank 0) of Llama 3 70B and 405B on FSDP2 x TP 8: seconds and megabytes."""
-    import cost_model as cm
+    import cost_model
 
-    models = {"llama3-70b": cm.MODELS["llama3-70b"],
-              "llama3-405b": cm.Model("Llama-3-405B-like", 126, 16384, 128, 8, 53248, 128256, tokens=2**24,
-                                      seq=8192, source=cm.LLAMA3)}
+    models = {"llama3-70b": cost_model.MODELS["llama3-70b"],
+              "llama3-405b": cost_model.Model("Llama-3-405B-like", 126, 16384, 128, 8, 53248, 128256, tokens=2**24,
+                                      seq=8192, source=cost_model.LLAMA3)}
     print_fn(f"{'model':<12} {'ranks':>6} {'mesh':>9} {'matrices':>9} {'plan s':>8} {'peak MB':>8} "
              f"{'kept MB':>8} {'local params MB':>16} {'Copies MB':>10} {'packed MB':>10}")
     for key, model in models.items():
         for gpus in (512, 16384):
-            mesh = cm.Mesh(gpus // 8, 8)
-            params = cm.param_order(model.params(), cm.GROUPS)
-            copies = cm.placed_copies(params, mesh, {g: i for i, g in enumerate(cm.GROUPS)})
-            muon = [c for c in copies if cm.GROUPS[c.group] == "muon"]
-            steps = {i: 5 for i in range(len(cm.GROUPS))}
+            mesh = cost_model.Mesh(gpus // 8, 8)
+            params = cost_model.param_order(model.params(), cost_model.GROUPS)
+            copies = cost_model.placed_copies(params, mesh, {g: i for i, g in enumerate(cost_model.GROUPS)})
+            muon = [c for c in copies if cost_model.GROUPS[c.group] == "muon"]
+            steps = {i: 5 for i in range(len(cost_model.GROUPS))}
             gc.collect()
             reset_peak()
             before = rss()[0]
             t0 = time.perf_counter()
-            matrices, _, _ = dplan.plan_matrices(muon, steps, 0, gpus)
+            matrices, _, _ = plan.plan_matrices(muon, steps, 0, gpus)
             seconds = time.perf_counter() - t0
             now, peak = rss()
-            local = sum(int(cm.held(c, gpus)[0]) * 4 for c in copies)
+            local = sum(int(cost_model.held(c, gpus)[0]) * 4 for c in copies)
             mine = [c for c in copies if not c.mesh_ranks or 0 in c.mesh_ranks]  # what rank 0 describes
             described, message = (len(pickle.dumps(x)) / 1e6 for x in (mine, dopt.packed(mine)))
             print_fn(f"{key:<12} {gpus:>6} {f'{mesh.dp}x{mesh.tp}':>9} {len(matrices):>9} {seconds:8.2f} "
@@ -330,7 +331,7 @@ def parse_mesh(text):
 
 
 def main(argv=None):
-    parser = mt.OneLineParser(description=__doc__.split("\n\n")[0])
+    parser = muon_tools.OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=SIZES, nargs="+", default=["67M"])
     parser.add_argument("--mesh", type=parse_mesh, nargs="+", default=[(1, 1), (2, 1), (1, 2), (2, 2)],
                         help="DPxTP meshes (default: 1x1 2x1 1x2 2x2; torch.optim.Muon runs on 1x1 only)")
@@ -357,4 +358,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

@@ -22,9 +22,9 @@ import torch  # noqa: E402
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz  # noqa: E402
 
 
-import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.owners as mo  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+from distmuon import owners  # noqa: E402
+import muon_tools  # noqa: E402
 
 REPEATS = 7  # median of 7 timings of each variant
 # (shape, matrices): small ones, where batching pays; GPT-2-small-sized ones (d = 768); small-side ones
@@ -42,26 +42,28 @@ def median_ms(fn):
 
 
 def main(argv=None):
-    mt.OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
+    muon_tools.OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
     torch.set_num_threads(1)
-    print(f"Newton-Schulz, {dm.NS_STEPS} steps, bf16, 1 thread, median of {REPEATS}; torch {torch.__version__}\n")
+    print(f"Newton-Schulz, {distributed_muon_cpu.NS_STEPS} steps, bf16, 1 thread, median of {REPEATS}; torch {torch.__version__}\n")
     rows = []
     for shape, count in CASES:
         stack = torch.randn(count, *shape, generator=torch.Generator().manual_seed(count))
-        one_by_one = lambda: [dm.newton_schulz(m) for m in stack]
-        batched = lambda: mo.batched_newton_schulz(stack)
-        expected = [torch_newton_schulz(m.clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS) for m in stack]
+        one_by_one = lambda: [distributed_muon_cpu.newton_schulz(m) for m in stack]
+        batched = lambda: owners.batched_newton_schulz(stack)
+        expected = [torch_newton_schulz(m.clone(), distributed_muon_cpu.NS_COEFFICIENTS, distributed_muon_cpu.NS_STEPS,
+                                        distributed_muon_cpu.NS_EPS) for m in stack]
         got = batched()
         differing = sum(not torch.equal(b, e) for b, e in zip(got, expected))
         relative = max(((b.float() - e.float()).abs().max() / e.float().abs().max()).item()
                        for b, e in zip(got, expected))
         loop_ms, batch_ms = median_ms(one_by_one), median_ms(batched)
-        gflop = count * dm.newton_schulz_flops(shape) / 1e9
+        gflop = count * distributed_muon_cpu.newton_schulz_flops(shape) / 1e9
         rows.append([f"{shape[0]}x{shape[1]}", count, f"{gflop:.3f}", f"{loop_ms:.2f}", f"{batch_ms:.2f}",
                      f"{loop_ms / batch_ms:.2f}x", f"{differing}/{count}", f"{relative:.1e}" if relative else "0"])
-    print(mt.format_table(["shape", "matrices", "GFLOP", "one call each, ms", "one batched call, ms", "speed-up",
+    print(muon_tools.format_table(["shape", "matrices", "GFLOP", "one call each, ms", "one batched call, ms",
+                                   "speed-up",
                            "differ from torch", "max |d| / max |O|"], rows, ["<"] + [">"] * 7))
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

@@ -34,41 +34,43 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 
 import torch  # noqa: E402
 
-import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.large_runs as mlr  # noqa: E402
-import distmuon.owners as mo  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+from distmuon import large_runs  # noqa: E402
+from distmuon import owners  # noqa: E402
+import muon_tools  # noqa: E402
 
-COMPARED = mo.STRATEGIES + (mt.BASELINE,)  # every strategy, then the baseline
-LABELS = {**{s: s for s in mo.STRATEGIES}, mt.BASELINE: "AdamW ZeRO-1"}
-ONCE = mo.strategies_where(lambda s: s.orthogonalizes_once)  # redundancy 1: each matrix once, by its owner
+COMPARED = owners.STRATEGIES + (muon_tools.BASELINE,)  # every strategy, then the baseline
+LABELS = {**{s: s for s in owners.STRATEGIES}, muon_tools.BASELINE: "AdamW ZeRO-1"}
+ONCE = owners.strategies_where(lambda s: s.orthogonalizes_once)  # redundancy 1: each matrix once, by its owner
 BALANCE_TARGET = 1.10  # max/mean Newton-Schulz FLOPs per rank that the owner assignment should reach
 
 
 # Which runs take an option (each strategy's own, and the Gram form where a matrix is orthogonalized on every rank that
 # touches it): every other run keeps its default.
-TAKEN_BY = {**{k: mo.strategies_where(lambda s, k=k: k in s.own_options) for k in ("overlap", "batched_ns")},
-            "tp_newton_schulz": mo.strategies_where(lambda s: not s.orthogonalizes_once),
-            **{k: mo.STRATEGIES for k in mt.MUON_ONLY + ("ns_blocks", "qk_clip_tau") if k != "tp_newton_schulz"}}
+TAKEN_BY = {**{k: owners.strategies_where(lambda s, k=k: k in s.own_options) for k in ("overlap", "batched_ns")},
+            "tp_newton_schulz": owners.strategies_where(lambda s: not s.orthogonalizes_once),
+            **{k: owners.STRATEGIES for k in muon_tools.MUON_ONLY + ("ns_blocks",
+                                                                     "qk_clip_tau") if k != "tp_newton_schulz"}}
 
 
 def run_config(cfg, kind):
     """cfg as the run of `kind` takes it: its strategy (or the baseline), and each option of TAKEN_BY only where
     that run takes it."""
-    d = mt.RunConfig()
-    return replace(cfg, strategy="gather" if kind == mt.BASELINE else kind, baseline=kind == mt.BASELINE,
+    d = muon_tools.RunConfig()
+    return replace(cfg, strategy="gather" if kind == muon_tools.BASELINE else kind,
+                   baseline=kind == muon_tools.BASELINE,
                    **{k: getattr(cfg if kind in runs else d, k) for k, runs in TAKEN_BY.items()})
 
 
 def options_line(cfg):
     """'Options: --overlap 2 for owner and comm-free; ...' for each option away from its default, or ''."""
-    d = mt.RunConfig()
+    d = muon_tools.RunConfig()
     given = {}
     for k, runs in TAKEN_BY.items():
         if getattr(cfg, k) != getattr(d, k):
             value = "" if isinstance(getattr(cfg, k), bool) else f" {getattr(cfg, k)}"
-            given.setdefault(runs, []).append(f"{'--qk-clip' if k == 'qk_clip_tau' else mt.flag(k)}{value}")
-    runs_named = lambda runs: "every Muon run" if runs == mo.STRATEGIES else " and ".join(runs)  # noqa: E731
+            given.setdefault(runs, []).append(f"{'--qk-clip' if k == 'qk_clip_tau' else muon_tools.flag(k)}{value}")
+    runs_named = lambda runs: "every Muon run" if runs == owners.STRATEGIES else " and ".join(runs)  # noqa: E731
     return "; ".join(f"{', '.join(flags)} for {runs_named(runs)}" for runs, flags in given.items())
 
 
@@ -77,19 +79,19 @@ def compare(cfg, explain=False, print_fn=print):
     world = cfg.dp * cfg.tp
     configs = {kind: run_config(cfg, kind) for kind in COMPARED}
     for run_cfg in configs.values():  # every run's flags, before any rank starts
-        mt.validate(run_cfg, mt.demo_specs(run_cfg))
+        muon_tools.validate(run_cfg, muon_tools.demo_specs(run_cfg))
     print_fn(f"Comparing strategies: {world} CPU rank{'s' * (world != 1)} over Gloo, DP={cfg.dp} x TP={cfg.tp}, "
              f"{cfg.model} model, {cfg.steps} steps, seed {cfg.seed}, torch {torch.__version__}\n"
              + (f"Options: {options_line(cfg)}\n" if options_line(cfg) else ""))
     runs = {}
     for kind, run_cfg in configs.items():
         if explain:  # the grid, the buffer map and the owners of this run, as the run alone prints them
-            mt.print_header(run_cfg, mt.plan_optimizer(run_cfg), "CPU", "Gloo", explain, print_fn)
-        runs[kind] = result = mt.run(run_cfg, print_fn=lambda *args: None)
+            muon_tools.print_header(run_cfg, muon_tools.plan_optimizer(run_cfg), "CPU", "Gloo", explain, print_fn)
+        runs[kind] = result = muon_tools.run(run_cfg, print_fn=lambda *args: None)
         if kind in ONCE:  # for the balance target: every matrix's Newton-Schulz FLOPs, as its owners weigh them
-            result["ns_flops_by_matrix"] = mt.plan_optimizer(run_cfg).strategy.ns_flops
+            result["ns_flops_by_matrix"] = muon_tools.plan_optimizer(run_cfg).strategy.ns_flops
         failed = [c["name"] for c in result["checks"] if not c["ok"]]
-        print_fn(f"{LABELS[kind]:<13} {mt.verdict(result['checks'])[1]}"
+        print_fn(f"{LABELS[kind]:<13} {muon_tools.verdict(result['checks'])[1]}"
                  + (f" (not: {', '.join(failed)})" if failed else ""))
     balance = realistic_balance(world, cfg.ns_steps)
     print_fn("")
@@ -98,27 +100,29 @@ def compare(cfg, explain=False, print_fn=print):
                 runs=runs, realistic_balance=balance)
 
 
-def realistic_balance(n_ranks, ns_steps=dm.NS_STEPS):
+def realistic_balance(n_ranks, ns_steps=distributed_muon_cpu.NS_STEPS):
     """max/mean Newton-Schulz FLOPs of the owner assignment for GPT-2 small's matrices (12 layers, d = 768),
     from shapes alone: the demo model is too small to balance 8 ranks (see section 7)."""
-    matrices = [s for s in dm.transformer_specs(vocab=50304, d=768, n_layers=12) if s.group == mt.MUON_GROUP]
-    flops = {s.name: dm.newton_schulz_flops(s.global_shape, ns_steps) for s in matrices}
-    owners = mo.assign_owners(flops, n_ranks, {s.name: s.global_shape for s in matrices})
-    _, balance = mo.load_balance(flops, owners, n_ranks)
+    matrices = [s for s in distributed_muon_cpu.transformer_specs(vocab=50304, d=768,
+                                                                  n_layers=12) if s.group == muon_tools.MUON_GROUP]
+    flops = {s.name: distributed_muon_cpu.newton_schulz_flops(s.global_shape, ns_steps) for s in matrices}
+    owner_of = owners.assign_owners(flops, n_ranks, {s.name: s.global_shape for s in matrices})
+    _, balance = owners.load_balance(flops, owner_of, n_ranks)
     return dict(model="GPT-2 small shapes (12 layers, d = 768, with an 8-expert router)", matrices=len(flops),
                 ranks=n_ranks, max_over_mean=balance)
 
 
 def format_comparison(cfg, runs, realistic):
     world = cfg.dp * cfg.tp
-    baseline_all = runs[mt.BASELINE]["bytes_sent_all_ranks"]
-    phases = list(dict.fromkeys(p for s in COMPARED for p in mt.PHASES_OF[s]))  # in first-seen order
+    baseline_all = runs[muon_tools.BASELINE]["bytes_sent_all_ranks"]
+    phases = list(dict.fromkeys(p for s in COMPARED for p in muon_tools.PHASES_OF[s]))  # in first-seen order
     model = f"{cfg.layers}-layer transformer, d = {cfg.d_model}" if cfg.model == "transformer" else f"{cfg.model} model"
     lines = [f"[8] Bytes sent per step by all ranks, per phase (DP={cfg.dp} x TP={cfg.tp}, {model})"]
-    rows = [[p] + [mt.human_bytes(sum(runs[s]["bytes_per_step"][p]["sent"])) if p in runs[s]["bytes_per_step"]
+    rows = [[p] + [muon_tools.human_bytes(sum(runs[s]["bytes_per_step"][p]["sent"])) if p in runs[s]["bytes_per_step"]
                    else "-" for s in COMPARED] for p in phases]
-    rows.append(["total"] + [mt.human_bytes(runs[s]["bytes_sent_all_ranks"]) for s in COMPARED])
-    lines.append(mt.format_table(["phase"] + [LABELS[s] for s in COMPARED], rows, ["<"] + [">"] * len(COMPARED)))
+    rows.append(["total"] + [muon_tools.human_bytes(runs[s]["bytes_sent_all_ranks"]) for s in COMPARED])
+    lines.append(muon_tools.format_table(["phase"] + [LABELS[s] for s in COMPARED], rows,
+                                         ["<"] + [">"] * len(COMPARED)))
     lines.append("")
     lines.append(f"[8] Per strategy ({world} ranks, median of {cfg.steps} steps; ratio and extra are against "
                  f"AdamW ZeRO-1's total)")
@@ -126,14 +130,15 @@ def format_comparison(cfg, runs, realistic):
     for s in COMPARED:
         r, f = runs[s], runs[s]["ns_flops"]
         mean = sum(f["per_rank"]) / world
-        rows.append([LABELS[s], mt.human_bytes(r["bytes_sent_all_ranks"]), mt.human_bytes(r["bytes_sent_max_rank"]),
+        rows.append([LABELS[s], muon_tools.human_bytes(r["bytes_sent_all_ranks"]),
+                     muon_tools.human_bytes(r["bytes_sent_max_rank"]),
                      f"{r['bytes_sent_all_ranks'] / baseline_all:.2f}" if baseline_all else "-",
-                     mt.human_bytes(r["bytes_sent_all_ranks"] - baseline_all),
+                     muon_tools.human_bytes(r["bytes_sent_all_ranks"] - baseline_all),
                      f"{max(f['per_rank']) / 1e9:.3f}", f"{mean / 1e9:.3f}",
                      f"{f['max_over_mean']:.2f}" if f["max_over_mean"] else "-",
                      f"{f['redundancy']:.2f}" if f["redundancy"] is not None else "-",
-                     mt.human_bytes(max(r["state_bytes"])), f"{r['timings']['step_ms_median']:.0f}"])
-    lines.append(mt.format_table(["strategy", "bytes, all", "bytes/rank max", "ratio", "extra", "NS GFLOP max",
+                     muon_tools.human_bytes(max(r["state_bytes"])), f"{r['timings']['step_ms_median']:.0f}"])
+    lines.append(muon_tools.format_table(["strategy", "bytes, all", "bytes/rank max", "ratio", "extra", "NS GFLOP max",
                                "mean", "max/mean", "redundancy", "state/rank max", "step ms"],
                               rows, ["<"] + [">"] * 10))
     lines.append("")
@@ -145,7 +150,7 @@ def format_targets(cfg, runs, realistic):
     """The targets of the zero-redundancy strategies that do not depend on the machine (counts of FLOPs
     and bytes), each with what this run got and why where missed; then the step-time ratios, as figures."""
     world, yes = cfg.dp * cfg.tp, lambda ok: "met" if ok else "NOT met"
-    owner, free, gather, adamw = (runs[s] for s in ("owner", "comm-free", "gather", mt.BASELINE))
+    owner, free, gather, adamw = (runs[s] for s in ("owner", "comm-free", "gather", muon_tools.BASELINE))
     redundancy = [runs[s]["ns_flops"]["redundancy"] for s in ONCE]
     lines = [f"[8] Targets, from this run: redundancy 1.00 for {' and '.join(ONCE)}: "
              f"{yes(all(r == 1.0 for r in redundancy))} ({', '.join(f'{r:.2f}' for r in redundancy)})"]
@@ -168,9 +173,9 @@ def format_targets(cfg, runs, realistic):
     exchange = sum(sum(free["bytes_per_step"][p]["sent"]) for p in ("gather at owner", "scatter from owner"))
     # Where ZeRO-1 all-gathers the matrices' fp32 weights, comm-free broadcasts their bf16 update: half the bytes.
     saved = sum(free["bytes_per_step"]["update broadcast from owner"]["sent"])
-    less_padding = f", less the {mt.human_bytes(padding)} of padding ZeRO-1's buckets move" if padding else ""
-    lines.append(f"    comm-free extra bytes over AdamW ZeRO-1: {mt.human_bytes(extra)} = its TP exchange "
-                 f"({mt.human_bytes(exchange)}; 0 at TP = 1, here TP = {cfg.tp}) less the {mt.human_bytes(saved)} its "
+    less_padding = f", less the {muon_tools.human_bytes(padding)} of padding ZeRO-1's buckets move" if padding else ""
+    lines.append(f"    comm-free extra bytes over AdamW ZeRO-1: {muon_tools.human_bytes(extra)} = its TP exchange "
+                 f"({muon_tools.human_bytes(exchange)}; 0 at TP = 1, here TP = {cfg.tp}) less the {muon_tools.human_bytes(saved)} its "
                  f"bf16 update broadcast saves over an fp32 all-gather{less_padding}: "
                  f"{yes(extra == exchange - saved - padding)}")
     o_ms, g_ms = owner["timings"]["step_ms_median"], gather["timings"]["step_ms_median"]
@@ -197,18 +202,19 @@ def format_targets(cfg, runs, realistic):
 GRAM_BYTES, GATHER_BYTES = 4, 2  # float32 Gram and norm (newton_schulz_tp); the bf16 update (tp_gather)
 
 
-def tp_newton_schulz_costs(shape, tp_split_dim, tp, ns_steps=dm.NS_STEPS):
+def tp_newton_schulz_costs(shape, tp_split_dim, tp, ns_steps=distributed_muon_cpu.NS_STEPS):
     """What one TP rank sends per step for one matrix, and its Newton-Schulz FLOPs, both ways:
     dict(gather_bytes, gram_bytes, gather_flops, gram_flops, eligible); gram_* are None where the split
-    cuts the short side (mlr.gram_eligible: X X^T is then not a sum over the pieces)."""
+    cuts the short side (large_runs.gram_eligible: X X^T is then not a sum over the pieces)."""
     m = min(shape)
     numel = shape[0] * shape[1]
     gather_bytes = (tp - 1) * (numel // tp) * GATHER_BYTES
-    eligible = mlr.gram_eligible(shape, tp_split_dim)
-    ring = lambda k: 2 * (tp - 1) * -(-k // tp)  # noqa: E731 -- a ring all-reduce's elements, as dm.all_reduce counts
+    eligible = large_runs.gram_eligible(shape, tp_split_dim)
+    ring = lambda k: 2 * (tp - 1) * -(-k // tp)  # noqa: E731 -- a ring all-reduce's elements, as distributed_muon_cpu.all_reduce counts
     gram_bytes = (ring(1) + ns_steps * ring(m * m)) * GRAM_BYTES if eligible else None
-    gram_flops = mlr.newton_schulz_tp_flops(shape, tp, ns_steps) if eligible else None
-    return dict(gather_bytes=gather_bytes, gram_bytes=gram_bytes, gather_flops=dm.newton_schulz_flops(shape, ns_steps),
+    gram_flops = large_runs.newton_schulz_tp_flops(shape, tp, ns_steps) if eligible else None
+    return dict(gather_bytes=gather_bytes, gram_bytes=gram_bytes,
+                gather_flops=distributed_muon_cpu.newton_schulz_flops(shape, ns_steps),
                 gram_flops=gram_flops, eligible=eligible)
 
 
@@ -219,7 +225,8 @@ def split_matrices(models):
     for model, specs in models:
         seen = set()
         for s in specs:
-            if s.group == mt.MUON_GROUP and s.tp_split_dim >= 0 and (s.global_shape, s.tp_split_dim) not in seen:
+            if s.group == muon_tools.MUON_GROUP and s.tp_split_dim >= 0 and (s.global_shape,
+                                                                             s.tp_split_dim) not in seen:
                 seen.add((s.global_shape, s.tp_split_dim))
                 out.append((model, s.name.split(".", 2)[-1], s.global_shape, s.tp_split_dim))
     return out
@@ -230,13 +237,15 @@ def tp_newton_schulz_models():
     from examples.gpt import GPT, GPTConfig, muon_params
     gpt_model = GPT(GPTConfig())
     split = gpt_model.tp_split_dims()
-    gpt_specs = [dm.ParamSpec(n, tuple(gpt_model.get_parameter(n).shape), split.get(n, -1), mt.MUON_GROUP)
+    gpt_specs = [distributed_muon_cpu.ParamSpec(n, tuple(gpt_model.get_parameter(n).shape), split.get(n, -1),
+                                                muon_tools.MUON_GROUP)
                  for n in muon_params(gpt_model)]
-    return [(f"demo (d={dm.D_MODEL})", dm.transformer_specs()), (f"GPT (d={GPTConfig.d_model})", gpt_specs),
-            ("GPT-2 small (d=768)", dm.transformer_specs(vocab=50304, d=768, n_layers=1))]
+    return [(f"demo (d={distributed_muon_cpu.D_MODEL})", distributed_muon_cpu.transformer_specs()),
+            (f"GPT (d={GPTConfig.d_model})", gpt_specs),
+            ("GPT-2 small (d=768)", distributed_muon_cpu.transformer_specs(vocab=50304, d=768, n_layers=1))]
 
 
-def format_tp_newton_schulz(ns_steps=dm.NS_STEPS, tps=(2, 4, 8)):
+def format_tp_newton_schulz(ns_steps=distributed_muon_cpu.NS_STEPS, tps=(2, 4, 8)):
     """The table of --tp-newton-schulz-bytes: per matrix and TP size, bytes sent and FLOPs per TP rank."""
     rows = []
     for model, name, shape, split in split_matrices(tp_newton_schulz_models()):
@@ -245,8 +254,8 @@ def format_tp_newton_schulz(ns_steps=dm.NS_STEPS, tps=(2, 4, 8)):
                 continue
             c = tp_newton_schulz_costs(shape, split, tp, ns_steps)
             gram = c["gram_bytes"]
-            rows.append([model, name, f"{shape[0]}x{shape[1]}", split, tp, mt.human_bytes(c["gather_bytes"]),
-                         mt.human_bytes(gram) if gram is not None else "-",
+            rows.append([model, name, f"{shape[0]}x{shape[1]}", split, tp, muon_tools.human_bytes(c["gather_bytes"]),
+                         muon_tools.human_bytes(gram) if gram is not None else "-",
                          f"{gram / c['gather_bytes']:.2f}" if gram is not None else "-",
                          f"{c['gather_flops'] / 1e6:.2f}",
                          f"{c['gram_flops'] / 1e6:.2f}" if gram is not None else "-",
@@ -254,7 +263,8 @@ def format_tp_newton_schulz(ns_steps=dm.NS_STEPS, tps=(2, 4, 8)):
     lines = [f"Newton-Schulz of a TP-split matrix, per TP rank and step ({ns_steps} iterations): the TP gather "
              f"(bf16 update, {GATHER_BYTES} B) against tp_newton_schulz=\"gram\" (float32 norm + {ns_steps} "
              f"float32 Gram all-reduces); ring counts, as the Ledger's",
-             mt.format_table(["model", "matrix", "shape", "split", "TP", "gather sent", "gram sent", "gram/gather",
+             muon_tools.format_table(["model", "matrix", "shape", "split", "TP", "gather sent", "gram sent",
+                                      "gram/gather",
                               "gather MFLOP", "gram MFLOP", "fewer bytes"], rows,
                              ["<", "<", ">", ">", ">", ">", ">", ">", ">", ">", "<"])]
     flips = []
@@ -271,7 +281,7 @@ def format_tp_newton_schulz(ns_steps=dm.NS_STEPS, tps=(2, 4, 8)):
 
 
 def main(argv=None):
-    parser = mt.build_parser("Every strategy and the AdamW ZeRO-1 baseline on one grid, each checked against torch, "
+    parser = muon_tools.build_parser("Every strategy and the AdamW ZeRO-1 baseline on one grid, each checked against torch, "
                              "in one table.", one_run=False)
     parser.add_argument("--tp-newton-schulz-bytes", action="store_true",
                         help="print, without running, the bytes and FLOPs of the TP gather against "
@@ -290,12 +300,12 @@ def main(argv=None):
             print(format_tp_newton_schulz(args.ns_steps))
             return 0
         if args.json:
-            mt.check_writable(args.json)
-        results = compare(mt.config_from_args(args), explain=args.explain)
-        mt.write_json(args.json, results)
+            muon_tools.check_writable(args.json)
+        results = compare(muon_tools.config_from_args(args), explain=args.explain)
+        muon_tools.write_json(args.json, results)
         return 0 if results["passed"] else 1
 
-    return mt.exit_code(work, args.traceback)
+    return muon_tools.exit_code(work, args.traceback)
 
 
 if __name__ == "__main__":

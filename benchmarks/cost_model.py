@@ -50,7 +50,7 @@ if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the 
 
     muon_forkserver.start_command(spawns_ranks=False)
 
-import muon_tools as mt  # noqa: E402
+import muon_tools  # noqa: E402
 from cost_model_check import CHECK_RANKS, CHECK_ROUNDS, check_here  # noqa: E402
 from cost_model_check_overlap import HERE_RANKS, check_overlap_here  # noqa: E402
 from cost_model_inputs import H100, LLAMA3, MODELS, Cluster, Model, Param  # noqa: E402
@@ -108,7 +108,7 @@ def size(text):
 
 
 def main(argv=None):
-    p = mt.OneLineParser(description="Predict a distributed Muon step on a cluster from the project's own plans.")
+    p = muon_tools.OneLineParser(description="Predict a distributed Muon step on a cluster from the project's own plans.")
     p.add_argument("--model", choices=sorted(MODELS), help="the model (default llama3-8b)")
     p.add_argument("--gpus", type=int, help="GPUs (default 64)")
     p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default 8; 1 for an MoE)")
@@ -133,7 +133,8 @@ def main(argv=None):
                    help=f"DTensorMuon by groups, overlapped, on {HERE_RANKS} ranks here against the model (--exchange-bytes: "
                         f"one size, default {HERE_EXCHANGE_BYTES >> 10}KiB)")
     args = p.parse_args(argv)
-    given = lambda names: [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, False)]  # noqa: E731
+    given = lambda names: [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None,
+                                                                                                 False)]  # noqa: E731
     runs = (args.chapter, args.check_here, args.overlap_table, args.check_overlap_here)
     if sum(map(bool, runs)) > 1:
         p.error("--chapter, --check-here, --overlap-table and --check-overlap-here are separate runs: give one")
@@ -150,7 +151,7 @@ def main(argv=None):
     for path, option in ((args.json, "--json"), (args.figure, "--figure")):
         if path:
             try:
-                mt.check_writable(path, option)
+                muon_tools.check_writable(path, option)
             except ValueError as e:
                 p.error(str(e))
     if args.chapter:
@@ -203,4 +204,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

@@ -14,9 +14,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-import distributed_muon_cpu as dm
-import distmuon.owners as mo
-import muon_tools as mt
+import distributed_muon_cpu
+from distmuon import owners
+import muon_tools
 from distmuon.adamw import adamw_step_
 from cost_model_inputs import Cluster
 from cost_model_plans import lesson_optimizer
@@ -57,14 +57,14 @@ def probe_rank(rank, world, port, out_dir, shapes):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    axis, ledger, out = dm.make_grid(world, 1, rank).dp, dm.Ledger(), {}
+    axis, ledger, out = distributed_muon_cpu.make_grid(world, 1, rank).dp, distributed_muon_cpu.Ledger(), {}
     for n in PROBE_NUMELS:
         shard, bucket = torch.ones(n), torch.ones(n * world)
         sends, receive = [[torch.ones(n)] if i != rank else [] for i in range(world)], [n * (i != rank) for i in range(world)]
-        calls = {"all_gather": lambda: dm.all_gather(shard, axis, ledger, "probe"),
-                 "reduce_scatter": lambda: dm.reduce_scatter(bucket, axis, ledger, "probe"),
-                 "all_reduce": lambda: dm.all_reduce(shard.clone(), axis, ledger, "probe"),
-                 "all_to_all": lambda: mo.exchange(sends, receive, axis, ledger, "probe", FP32, "cpu")()}
+        calls = {"all_gather": lambda: distributed_muon_cpu.all_gather(shard, axis, ledger, "probe"),
+                 "reduce_scatter": lambda: distributed_muon_cpu.reduce_scatter(bucket, axis, ledger, "probe"),
+                 "all_reduce": lambda: distributed_muon_cpu.all_reduce(shard.clone(), axis, ledger, "probe"),
+                 "all_to_all": lambda: owners.exchange(sends, receive, axis, ledger, "probe", FP32, "cpu")()}
         for op, call in calls.items():
             samples, cpu = [], []
             for _ in range(PROBE_REPEATS):
@@ -82,7 +82,7 @@ def probe_rank(rank, world, port, out_dir, shapes):
         t0 = time.perf_counter()
         for _ in range(NS_ROUNDS):
             for m in matrices:
-                dm.newton_schulz(m)
+                distributed_muon_cpu.newton_schulz(m)
         return time.perf_counter() - t0
 
     rounds()  # warm up (the first calls of a shape allocate)
@@ -93,7 +93,7 @@ def probe_rank(rank, world, port, out_dir, shapes):
         dist.barrier()
         together.append(rounds())
     out["newton-schulz"] = (min(alone), min(together))
-    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(out, f))
+    muon_tools.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(out, f))
     dist.destroy_process_group()
 
 
@@ -116,7 +116,8 @@ def collective_costs(world, shapes):
     compute where they share cores); how many times longer Newton-Schulz takes when every rank runs it at once than
     on one rank alone (probe_rank)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mt.run_processes(probe_rank, (world, mt.free_port(), out_dir, shapes), world, folders=(out_dir,))
+        muon_tools.run_processes(probe_rank, (world, muon_tools.free_port(), out_dir, shapes), world,
+                                 folders=(out_dir,))
         ranks = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     ops = [op for op in ranks[0] if op != "newton-schulz"]
     costs = {op: tuple(fit_line([(b, max(r[op][i][k] for r in ranks)) for i, (b, *_) in enumerate(ranks[0][op])])
@@ -144,19 +145,21 @@ def unit_costs(specs):
     group = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn=None)
     adamw = dict(lr=0.02, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     tiny = torch.randn(2, 2)
-    ns_call = typical_seconds(lambda: dm.newton_schulz(tiny))
+    ns_call = typical_seconds(lambda: distributed_muon_cpu.newton_schulz(tiny))
     shapes = ns_shapes(specs)
-    flops = sum(dm.newton_schulz_flops(s) for s in shapes)
-    ns = sum(typical_seconds(lambda m=torch.randn(s): dm.newton_schulz(m), 20) for s in shapes) - len(shapes) * ns_call
+    flops = sum(distributed_muon_cpu.newton_schulz_flops(s) for s in shapes)
+    ns = sum(typical_seconds(lambda m=torch.randn(s): distributed_muon_cpu.newton_schulz(m),
+                             20) for s in shapes) - len(shapes) * ns_call
     one, buf, p = torch.randn(1), torch.zeros(1), torch.zeros(1)
     state = dict(step=torch.tensor(0.0), exp_avg=torch.zeros(1), exp_avg_sq=torch.zeros(1))
     n = 1 << 22
     a, b = torch.randn(n), torch.randn(n)
     return dict(ns_tflops=flops / max(ns, 1e-9) / 1e12, ns_call_us=ns_call * 1e6,
-                muon_part_us=typical_seconds(lambda: dm.apply_muon_update_(p, dm.muon_update(buf, one, group), group,
+                muon_part_us=typical_seconds(lambda: distributed_muon_cpu.apply_muon_update_(p,
+                                                                                             distributed_muon_cpu.muon_update(buf, one, group), group,
                                                                            (1, 1))) * 1e6,
                 adamw_part_us=typical_seconds(lambda: adamw_step_(p, one, state, adamw)) * 1e6,
-                apply_us=typical_seconds(lambda: dm.apply_muon_update_(p, one, group, (1, 1))) * 1e6,
+                apply_us=typical_seconds(lambda: distributed_muon_cpu.apply_muon_update_(p, one, group, (1, 1))) * 1e6,
                 hbm_gbs=12 * n / typical_seconds(lambda: a.lerp_(b, 0.05), 7) / 1e9)
 
 
@@ -196,8 +199,8 @@ def scaling_specs(d, layers):
     import scaling
 
     matrices, vectors = scaling.shapes(d, layers)
-    return [dm.ParamSpec(n, s, -1, "muon") for n, s in matrices.items()] + \
-        [dm.ParamSpec(n, s, -1, "adamw") for n, s in vectors.items()]
+    return [distributed_muon_cpu.ParamSpec(n, s, -1, "muon") for n, s in matrices.items()] + \
+        [distributed_muon_cpu.ParamSpec(n, s, -1, "adamw") for n, s in vectors.items()]
 
 
 def check_costs(specs, ranks):
@@ -207,10 +210,11 @@ def check_costs(specs, ranks):
     node_of = lambda r: 0  # noqa: E731  -- one machine
     costs = {}
     if ranks == 1:
-        costs[scaling.TORCH] = lesson_cost(lesson_optimizer(specs, mt.RunConfig(dp=1, tp=1)), node_of, scaling.TORCH)
+        costs[scaling.TORCH] = lesson_cost(lesson_optimizer(specs, muon_tools.RunConfig(dp=1, tp=1)), node_of,
+                                           scaling.TORCH)
     for variant, (strategy, options) in scaling.VARIANTS.items():
         # (RunConfig's bucket_size is DistributedMuon's default, which scaling.py's optimizers take)
-        cfg = mt.RunConfig(dp=ranks, tp=1, strategy=strategy, overlap=options.get("overlap", 0))
+        cfg = muon_tools.RunConfig(dp=ranks, tp=1, strategy=strategy, overlap=options.get("overlap", 0))
         costs[variant] = lesson_cost(lesson_optimizer(specs, cfg), node_of, variant)
     for cost in costs.values():  # every rank's step walks every parameter (its bookkeeping: Cluster.param_us)
         cost.calls["params"] = [len(specs)] * cost.world
@@ -258,7 +262,8 @@ def check_here(d, layers, rounds, print_fn=print):
     for ranks in CHECK_RANKS[1:]:
         m = machines[ranks]
         ops = ", ".join(f"{op} {us:.0f} us + {gbs:.2f} GB/s (CPU {cpu:.0f} us + {cpu_gbs:.2f} GB/s)"
-                        for (op, us), (_, gbs), (_, cpu), (_, cpu_gbs) in zip(m.call_us, m.op_gbs, m.cpu_call_us, m.cpu_gbs))
+                        for (op, us), (_, gbs), (_, cpu), (_, cpu_gbs) in zip(m.call_us, m.op_gbs, m.cpu_call_us,
+                                                                              m.cpu_gbs))
         print_fn(f"  * {ranks} ranks: the library's collectives, a call + its bytes: {ops}; Newton-Schulz "
                  f"{m.ns_shared:.2f} x as long when every rank runs it at once")
     print_fn(f"  * bookkeeping, fitted at d = {TINY_D} (per parameter, every rank): "
@@ -274,8 +279,9 @@ def check_here(d, layers, rounds, print_fn=print):
                 outside.append((ranks, variant, least - guess, least,
                                 max(map(sum, zip(*cost.traffic.calls_table().values())), default=0)))
             table.append([ranks, variant] + [ms(row.terms[t]) for t in TERMS]
-                         + [ms(guess), ms(least), ms(median), f"{guess / least - 1:+.0%}", f"{guess / median - 1:+.0%}"])
-    print_fn(mt.format_table(["ranks", "step"] + [f"{t} ms" for t in TERMS]
+                         + [ms(guess), ms(least), ms(median), f"{guess / least - 1:+.0%}",
+                            f"{guess / median - 1:+.0%}"])
+    print_fn(muon_tools.format_table(["ranks", "step"] + [f"{t} ms" for t in TERMS]
                              + ["predicted ms", "min ms", "median ms", "vs min", "vs median"], table,
                              [">", "<"] + [">"] * (len(TERMS) + 5)))
     print_fn(f"(predicted: the sum of the terms; with --overlap on 2 or more ranks, the largest of communication "

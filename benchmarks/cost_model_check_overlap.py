@@ -13,8 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-import distributed_muon_cpu as dm
-import muon_tools as mt
+import distributed_muon_cpu
+import muon_tools
 from cost_model_check import collective_costs, ns_shapes, scaling_specs, this_machine, unit_costs
 from cost_model_inputs import Param
 from cost_model_overlap import predict_overlap
@@ -60,7 +60,7 @@ def overlap_rank(rank, world, port, out_dir, shapes, exchange_bytes, rounds):
             opt.step()
             if i:
                 times[v].append(time.perf_counter() - t0)
-    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(times, f))
+    muon_tools.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(times, f))
     dist.destroy_process_group()
 
 
@@ -73,7 +73,8 @@ def check_overlap_here(d, layers, rounds, exchange_bytes, print_fn=print):
     specs = [s for s in scaling_specs(d, layers) if s.group == "muon"]
     machine = this_machine(unit_costs(specs), *collective_costs(HERE_RANKS, ns_shapes(specs)), HERE_RANKS)
     with tempfile.TemporaryDirectory() as out_dir:
-        mt.run_processes(overlap_rank, (HERE_RANKS, mt.free_port(), out_dir, matrices, exchange_bytes, rounds),
+        muon_tools.run_processes(overlap_rank, (HERE_RANKS, muon_tools.free_port(), out_dir, matrices, exchange_bytes,
+                                                rounds),
                          HERE_RANKS, folders=(out_dir,))
         ranks = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(HERE_RANKS)]
     measured = {v: [max(r[v][i] for r in ranks) for i in range(rounds)] for v in ranks[0]}  # the slowest rank's
@@ -81,7 +82,8 @@ def check_overlap_here(d, layers, rounds, exchange_bytes, print_fn=print):
                            {"muon": 0})
     predicted = {}
     for eb in (None, exchange_bytes):
-        for p in predict_overlap(copies, list(matrices), {0: "muon"}, {0: dm.NS_STEPS}, HERE_RANKS, lambda r: 0,
+        for p in predict_overlap(copies, list(matrices), {0: "muon"}, {0: distributed_muon_cpu.NS_STEPS}, HERE_RANKS,
+                                 lambda r: 0,
                                  machine, eb, (0,) if eb is None else HERE_KS):
             predicted[(eb, p.k)] = p
     print_fn(f"This machine: {os.cpu_count()} cores; torch {torch.__version__}; DTensorMuon on {HERE_RANKS} Gloo ranks "
@@ -91,10 +93,11 @@ def check_overlap_here(d, layers, rounds, exchange_bytes, print_fn=print):
     for v in variants(exchange_bytes):
         p, times = predicted[v], measured[v]
         least, median = min(times), statistics.median(times)
-        table.append(["one exchange" if v[0] is None else mt.human_bytes(v[0]), "-" if v[0] is None else v[1],
+        table.append(["one exchange" if v[0] is None else muon_tools.human_bytes(v[0]), "-" if v[0] is None else v[1],
                       len(p.groups), ms(p.link_s), ms(p.ns_s), ms(p.schedule.total), ms(p.step_s), ms(least),
                       ms(median), f"{p.step_s / least - 1:+.0%}", f"{p.step_s / median - 1:+.0%}"])
-    print_fn(mt.format_table(["exchange_bytes", "overlap K", "groups", "comm ms", "NS ms (busiest)", "pipeline ms",
+    print_fn(muon_tools.format_table(["exchange_bytes", "overlap K", "groups", "comm ms", "NS ms (busiest)",
+                                      "pipeline ms",
                               "predicted ms", "min ms", "median ms", "vs min", "vs median"], table, ["<"] + [">"] * 10))
     print_fn("(predicted: section 9's pipeline with this machine's per-call costs; it takes the link as free while "
              f"Newton-Schulz runs, which {os.cpu_count()} cores shared by the ranks' Newton-Schulz and Gloo's threads "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import distributed_muon_cpu as dm
+import distributed_muon_cpu
 
 
 # =============================================================================
@@ -175,7 +175,7 @@ def lesson_specs(params):
     if any(p.expert for p in params):
         raise ValueError("the lesson's strategies have no expert parallelism: an MoE is DTensorMuon's (--ep)")
     split = {"col": 0, "row": 1}
-    return [dm.ParamSpec(p.name, p.shape, split.get(p.tp, -1), p.group) for p in params]
+    return [distributed_muon_cpu.ParamSpec(p.name, p.shape, split.get(p.tp, -1), p.group) for p in params]
 
 
 # =============================================================================

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import distmuon.owners as mo
-import muon_tools as mt
+from distmuon import owners
+import muon_tools
 from distmuon.checks import ORTHOGONALIZED
 from cost_model_inputs import H100, MODELS
 from cost_model_plans import dtensor_plan
@@ -84,13 +84,13 @@ class Group:
 
 def dtensor_groups(copies, group_algorithms, group_ns_steps, world, node_of, exchange_bytes):
     """[Group] of DTensorMuon's step in the order it runs them (exchange.OwnerExchange.exchange_groups): the planned
-    matrices in the library's groups (dplan.exchange_groups, by the cost model's grouped), then the matrices whole on
-    their holders (plain and all-Replicate copies) chunked as the library chunks them (mo.chunk_names), exchanging
+    matrices in the library's groups (plan.exchange_groups, by the cost model's grouped), then the matrices whole on
+    their holders (plain and all-Replicate copies) chunked as the library chunks them (owners.chunk_names), exchanging
     nothing. One group of everything without exchange_bytes (orthogonalize: one exchange each way)."""
     muon = [c for c in copies if group_algorithms[c.group] in ORTHOGONALIZED]
     matrices, ns_flops, _ = dtensor_plan(muon, group_ns_steps, world)
     local = {c.name: 2 * c.n_matrices * c.matrix_shape[0] * c.matrix_shape[1] for c in muon if c.local}
-    local_chunks = mo.chunk_names(list(local), local, exchange_bytes) if exchange_bytes and local else []
+    local_chunks = owners.chunk_names(list(local), local, exchange_bytes) if exchange_bytes and local else []
     out = []
     for group in grouped(matrices, exchange_bytes):
         traffic, flops, calls, owned = Traffic(world, node_of), [0] * world, [0] * world, [0] * world
@@ -103,7 +103,8 @@ def dtensor_groups(copies, group_algorithms, group_ns_steps, world, node_of, exc
         names, nbytes = tuple(dict.fromkeys(m.copy.name for m in group)), sum(2 * math.prod(m.shape) for m in group)
         whole = [c for c in muon if c.local] if exchange_bytes is None else []  # one exchange: in the same finish
         out.append(Group(names + tuple(local) * bool(whole), nbytes + sum(local.values()) * bool(whole),
-                         add_whole(owned, whole, world), traffic, add_local_matrices(flops, whole, group_ns_steps, calls),
+                         add_whole(owned, whole, world), traffic, add_local_matrices(flops, whole, group_ns_steps,
+                                                                                     calls),
                          calls))
     for chunk in local_chunks:
         flops, calls = [0] * world, [0] * world
@@ -132,7 +133,8 @@ def group_seconds(group, cluster):
     world, phases = len(group.ns_flops), group.traffic.phases
     cost = Cost("group", group.traffic, group.ns_flops, [0] * world, {"muon": [0] * world, "adamw": [0] * world},
                 world, calls=dict(ns=group.ns_calls))
-    compute = [sum(v for term, v in cost.compute_terms(r, cluster).items() if term.startswith("NS")) for r in range(world)]
+    compute = [sum(v for term, v in cost.compute_terms(r,
+                                                       cluster).items() if term.startswith("NS")) for r in range(world)]
     back = [phases[p] for p in ("NorMuon rows", "scatter from owner") if p in phases]  # the order finish() starts them
     return (slowest([phases["gather at owner"]] if "gather at owner" in phases else [], world, cluster), compute,
             slowest(back, world, cluster))
@@ -185,7 +187,7 @@ OVERLAP_HEADER = ["exchange_bytes", "overlap K", "groups", "largest group", "at 
 
 
 def exchange_label(exchange_bytes):
-    return "one exchange" if exchange_bytes is None else mt.human_bytes(exchange_bytes)
+    return "one exchange" if exchange_bytes is None else muon_tools.human_bytes(exchange_bytes)
 
 
 def overlap_rows(s, cluster, sizes, ks):
@@ -194,14 +196,14 @@ def overlap_rows(s, cluster, sizes, ks):
     rows = []
     for p in [one] + [p for size in sizes for p in scenario_overlap(s, cluster, size, ks)]:
         rows.append([exchange_label(p.exchange_bytes), "-" if p.exchange_bytes is None else str(p.k),
-                     f"{len(p.groups):,}", mt.human_bytes(max(g.nbytes for g in p.groups)),
-                     mt.human_bytes(max(max(g.owned) for g in p.groups)), ms(p.link_s), ms(p.ns_s), ms(p.schedule.total),
+                     f"{len(p.groups):,}", muon_tools.human_bytes(max(g.nbytes for g in p.groups)),
+                     muon_tools.human_bytes(max(max(g.owned) for g in p.groups)), ms(p.link_s), ms(p.ns_s), ms(p.schedule.total),
                      ms(p.step_s), f"{p.step_s / one.step_s:.2f}x"])
     return rows
 
 
 def format_overlap(s, cluster, sizes, ks):
-    return mt.format_table(OVERLAP_HEADER, overlap_rows(s, cluster, sizes, ks), ["<"] + [">"] * 9)
+    return muon_tools.format_table(OVERLAP_HEADER, overlap_rows(s, cluster, sizes, ks), ["<"] + [">"] * 9)
 
 
 # The chapter's table: Llama 3 8B and 70B on 64 and 512 GPUs (TP 8), K = 0, 1, 2, two group sizes.

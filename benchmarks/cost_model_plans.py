@@ -12,9 +12,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-import distributed_muon_cpu as dm
-import distmuon.dtensor.plan as dplan
-import muon_tools as mt
+import distributed_muon_cpu
+from distmuon.dtensor import plan
+import muon_tools
 from distmuon.checks import ORTHOGONALIZED
 from distmuon.dtensor.normuon import v_placements
 
@@ -22,19 +22,19 @@ from distmuon.dtensor.normuon import v_placements
 # =============================================================================
 # 3. The plans
 # =============================================================================
-# 3a. The lesson's strategies. The optimizer class itself, on the grid rank 0 plans with (dm.plan_grid),
+# 3a. The lesson's strategies. The optimizer class itself, on the grid rank 0 plans with (distributed_muon_cpu.plan_grid),
 # over meta tensors: nothing is allocated, everything a rank plans is computed. The lesson's grid takes any
 # size (only the runner refuses more than MAX_WORLD ranks, each a process on this machine): a virtual grid
 # starts none.
 
 def virtual_grid(dp, tp, rank=0):
-    return dm.plan_grid(dp, tp, rank)
+    return distributed_muon_cpu.plan_grid(dp, tp, rank)
 
 
 def lesson_optimizer(specs, cfg):
     """The optimizer rank 0 of cfg's run builds (muon_tools.build_optimizer), on meta tensors."""
-    params = {s.name: torch.empty(mt.tp_local_shape(s, cfg.tp), device="meta") for s in specs}
-    return mt.build_optimizer(specs, cfg, virtual_grid(cfg.dp, cfg.tp), params)
+    params = {s.name: torch.empty(muon_tools.tp_local_shape(s, cfg.tp), device="meta") for s in specs}
+    return muon_tools.build_optimizer(specs, cfg, virtual_grid(cfg.dp, cfg.tp), params)
 
 
 # 3b. DTensorMuon over FSDP2 x TP x EP. A Copy per parameter and mesh, placed as torch places it (the rules
@@ -75,7 +75,7 @@ def fsdp_placement(tp_placement, dim, tp):
 
 
 def placed_copies(params, mesh, group_index):
-    """[dplan.Copy] of every parameter, in the order DTensorMuon's ranks swap them (rank 0's, then each further
+    """[plan.Copy] of every parameter, in the order DTensorMuon's ranks swap them (rank 0's, then each further
     rank's new copies: those of the other TP columns). group_index: {group name: its index in the optimizer}."""
     ranks = torch.arange(mesh.world).view(mesh.shape)
     rep = (Replicate(),) if mesh.replicate > 1 else ()
@@ -83,14 +83,14 @@ def placed_copies(params, mesh, group_index):
     whole, columns = [], {}
     for p in params:
         if p.tp is None:  # FSDP2 alone, on each TP column's own (replicate x) dp sub-mesh
-            columns[p] = [dplan.Copy(p.name, group_index[p.group], p.shape, tuple(ranks[..., t].reshape(-1).tolist()),
+            columns[p] = [plan.Copy(p.name, group_index[p.group], p.shape, tuple(ranks[..., t].reshape(-1).tolist()),
                                   mesh.shape[:-1], rep + (Shard(0),), False, mesh.names[:-1]) for t in range(mesh.tp)]
             continue
         on_tp = tp_of[p.tp]
         # an expert stack's dim 1 where dp divides it, unless a TP rank holds no expert (dtensor_demo.parallelize)
         every_ep_rank_has_one = mesh.ep_dim != "tp" or len(torch.arange(p.shape[0]).chunk(mesh.tp)) == mesh.tp
         dim = 1 if p.expert and p.shape[1] % mesh.dp == 0 and every_ep_rank_has_one else 0
-        whole.append(dplan.Copy(p.name, group_index[p.group], p.shape, tuple(range(mesh.world)), mesh.shape,
+        whole.append(plan.Copy(p.name, group_index[p.group], p.shape, tuple(range(mesh.world)), mesh.shape,
                              rep + (fsdp_placement(on_tp, dim, mesh.tp), on_tp), p.expert, mesh.names))
     by_name = {c.name: c for c in whole}
     first = [by_name[p.name] if p.name in by_name else columns[p][0] for p in params]
@@ -107,13 +107,13 @@ def param_order(params, groups):
 # optimizer moves, by construction. The plan as rank 0 makes it: the owners are the same on every rank.
 
 def dtensor_plan(copies, group_ns_steps, world):
-    """DTensorMuon's automatic plan (plan_matrices, without the Gram form): [dplan.Matrix], ns_flops, owners."""
-    return dplan.plan_matrices(copies, group_ns_steps, 0, world)
+    """DTensorMuon's automatic plan (plan_matrices, without the Gram form): [plan.Matrix], ns_flops, owners."""
+    return plan.plan_matrices(copies, group_ns_steps, 0, world)
 
 
 def dtensor_transfers(matrices):
-    """(gather, scatter): (sources, destinations, elements) tensors of every rank's transfers (dplan.routes)."""
-    gather, scatter = zip(*(dplan.routes(m) for m in matrices)) if matrices else ((), ())
+    """(gather, scatter): (sources, destinations, elements) tensors of every rank's transfers (plan.routes)."""
+    gather, scatter = zip(*(plan.routes(m) for m in matrices)) if matrices else ((), ())
     cat = lambda moves: tuple(torch.cat(c) if c else torch.zeros(0, dtype=torch.int64)  # noqa: E731
                               for c in zip(*moves)) if moves else (torch.zeros(0, dtype=torch.int64),) * 3
     return cat(gather), cat(scatter)
@@ -126,7 +126,7 @@ def local_numels(shape, mesh_ranks, mesh_shape, placements, world):
     out = torch.zeros(world, dtype=torch.int64)
     if not mesh_ranks:
         return out + math.prod(shape)
-    cut = dplan.cut_of(shape, mesh_ranks, mesh_shape, placements)
+    cut = plan.cut_of(shape, mesh_ranks, mesh_shape, placements)
     numels = (cut.stops - cut.starts).prod(dim=1)
     out[cut.ranks.reshape(-1)] = numels.repeat_interleave(cut.ranks.shape[1])
     return out

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import distributed_muon_cpu as dm
-import muon_tools as mt
+import distributed_muon_cpu
+import muon_tools
 from cost_model_inputs import Model, lesson_specs
 from cost_model_plans import Mesh, lesson_optimizer, param_order, placed_copies
 from cost_model_traffic import adamw_fsdp2_cost, dtensor_cost, lesson_cost
@@ -67,8 +67,8 @@ def predict_costs(s, cluster, strategies=None):
     moe = s.model.experts > 0
     if not moe:
         specs = lesson_specs(params)
-        mt.check_tp_divides(specs, s.tp)
-        base = mt.RunConfig(dp=s.dp, tp=s.tp, bucket_size=s.bucket_size)
+        muon_tools.check_tp_divides(specs, s.tp)
+        base = muon_tools.RunConfig(dp=s.dp, tp=s.tp, bucket_size=s.bucket_size)
         lesson = {"gather": base, "gather" + FLAT: replace(base, bucket_size=s.flat_bucket_size),
                   "owner": replace(base, strategy="owner"), "comm-free": replace(base, strategy="comm-free")}
         if s.normuon:
@@ -89,7 +89,7 @@ def predict_costs(s, cluster, strategies=None):
     return costs
 
 
-DTENSOR_STEPS = {i: dm.NS_STEPS for i in range(len(GROUPS))}  # DTensorMuon's ns_steps of each param group
+DTENSOR_STEPS = {i: distributed_muon_cpu.NS_STEPS for i in range(len(GROUPS))}  # DTensorMuon's ns_steps of each param group
 
 
 def dtensor_algorithms(label):

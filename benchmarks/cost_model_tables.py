@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import distributed_muon_cpu as dm
-import muon_tools as mt
+import distributed_muon_cpu
+import muon_tools
 from cost_model_inputs import H100, MODELS
 from cost_model_predict import (FLAT, NORMUON, Scenario, baseline_of, forward_backward_seconds, predict_costs,
                                 summarize)
@@ -38,12 +38,13 @@ def format_rows(rows, fwd_bwd):
         versus = "-" if adamw is None or adamw is row else (
             f"+{ms(row.step_s - adamw.step_s)} ms" if fsdp2 else
             f"{row.step_s / adamw.step_s:.2f}x, {(row.step_s - adamw.step_s) * 1e3:+,.1f} ms")
-        out.append([row.label, mt.human_bytes(row.sent_max), mt.human_bytes(row.received_max), f"{row.inter_share:.0%}",
+        out.append([row.label, muon_tools.human_bytes(row.sent_max), muon_tools.human_bytes(row.received_max),
+                    f"{row.inter_share:.0%}",
                     f"{row.ns_max / 1e9:,.0f}" if row.ns_max else "-",
-                    f"{row.ns_max / row.ns_mean:.2f}" if row.ns_mean else "-", mt.human_bytes(row.state_max),
+                    f"{row.ns_max / row.ns_mean:.2f}" if row.ns_mean else "-", muon_tools.human_bytes(row.state_max),
                     ms(row.comm_s), ms(row.compute_s), ms(row.step_s), ms(row.overlap_s), versus,
                     f"{row.step_s / (fwd_bwd + row.step_s):.1%}"])
-    return mt.format_table(HEADER, out, ["<"] + [">"] * (len(HEADER) - 1))
+    return muon_tools.format_table(HEADER, out, ["<"] + [">"] * (len(HEADER) - 1))
 
 
 def predict(s, cluster, strategies=None):
@@ -61,7 +62,8 @@ def scenario_title(s, cluster):
 
 
 CHAPTER = [Scenario(MODELS["gpt2-small"], 8)] + \
-    [Scenario(MODELS[m], g, tp=8, normuon=m == "llama3-70b") for m in ("llama3-8b", "llama3-70b") for g in (64, 512)] + \
+    [Scenario(MODELS[m], g, tp=8, normuon=m == "llama3-70b") for m in ("llama3-8b",
+                                                                       "llama3-70b") for g in (64, 512)] + \
     [Scenario(MODELS["deepseek-v3"], g, ep=64, normuon=g == 1024) for g in (256, 512, 1024, 2048)] + \
     [Scenario(MODELS["kimi-k2"], 2048, ep=64)]
 # Newton-Schulz scaling (figure 2): the same models over more GPUs.
@@ -84,7 +86,8 @@ def chapter(json_path=None, figure_path=None, cluster=H100, print_fn=print):
                             rows=[vars(r) for r in rows]))
     scaling = ns_scaling(cluster, print_fn)
     one_node = small_batch(cluster, print_fn)
-    mt.write_json(json_path, dict(cluster=vars(cluster), scenarios=results, ns_scaling=scaling, one_node=one_node))
+    muon_tools.write_json(json_path, dict(cluster=vars(cluster), scenarios=results, ns_scaling=scaling,
+                                          one_node=one_node))
     if figure_path:
         figure(results, scaling, figure_path)
     return results
@@ -102,14 +105,14 @@ def ns_scaling(cluster, print_fn):
             s = Scenario(model, g, ep=64) if model.experts else Scenario(model, g, tp=8)
             labels = ("DTensorMuon",) if model.experts else ("owner", "DTensorMuon")
             for label, cost in predict_costs(s, cluster, labels).items():
-                largest = max(dm.newton_schulz_flops(p.shape[-2:]) for p in model.params() if p.group == "muon")
+                largest = max(distributed_muon_cpu.newton_schulz_flops(p.shape[-2:]) for p in model.params() if p.group == "muon")
                 row = dict(model=model.name, gpus=g, optimizer=label, max=max(cost.ns_flops),
                            mean=sum(cost.ns_flops) / g, largest=largest)
                 out.setdefault(f"{model.name}, {label}", []).append(row)
                 rows.append([model.name, g, label, f"{row['max'] / 1e9:,.0f}", f"{row['mean'] / 1e9:,.0f}",
                              f"{row['max'] / row['mean']:.2f}", f"{largest / 1e9:,.0f}",
                              ms(row["max"] / (cluster.ns_tflops * 1e12))])
-    print_fn(mt.format_table(["model", "GPUs", "optimizer", "max", "mean", "max/mean", "largest matrix",
+    print_fn(muon_tools.format_table(["model", "GPUs", "optimizer", "max", "mean", "max/mean", "largest matrix",
                               "max ms"], rows, ["<", ">", "<", ">", ">", ">", ">", ">"]))
     return out
 
@@ -154,9 +157,10 @@ def small_batch(cluster, print_fn):
                         comm_s=row.comm_s, ns_s=ns, every_rank_ns_s=every, mfu_predicted=predicted,
                         mfu_every_rank=replicated, mfu_measured=measured, mfu_without=without))
         table.append([f"{seq:,}" + (" (assumed)" if seq == MODELS["marin-moe-d2560"].seq else ""), f"{model.tokens:,}",
-                      f"{model.train_flops() / 1e15:,.2f}", ms(fwd_bwd), mt.human_bytes(row.sent_max), ms(row.comm_s),
+                      f"{model.train_flops() / 1e15:,.2f}", ms(fwd_bwd), muon_tools.human_bytes(row.sent_max), ms(row.comm_s),
                       ms(ns), f"{predicted:.1%}", ms(every), f"{replicated:.1%}", f"{measured:.1%}"])
-    print_fn(mt.format_table(["sequence", "tokens", "fwd+bwd PFLOP", "fwd+bwd ms", "sent/rank", "comm ms", "NS ms",
+    print_fn(muon_tools.format_table(["sequence", "tokens", "fwd+bwd PFLOP", "fwd+bwd ms", "sent/rank", "comm ms",
+                                      "NS ms",
                               "MFU predicted", "replicated NS ms", "MFU replicated", "MFU measured"], table,
                              ["<"] + [">"] * 10))
     return out
@@ -200,5 +204,5 @@ def figure(results, scaling, path):
     ax.set_title("Where Newton-Schulz stops scaling (dotted: the largest matrix)")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.tight_layout()
-    mt.save_figure(fig, path, dpi=90)
+    muon_tools.save_figure(fig, path, dpi=90)
     plt.close(fig)

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-import distributed_muon_cpu as dm
-import distmuon.large_runs as mlr
-import distmuon.dtensor.plan as dplan
-import distmuon.owners as mo
+import distributed_muon_cpu
+from distmuon import large_runs
+from distmuon.dtensor import plan
+from distmuon import owners
 from distmuon.checks import ORTHOGONALIZED
 from distmuon.dtensor.normuon import v_holders
 from cost_model_plans import dtensor_plan, dtensor_transfers, state_and_elements, virtual_grid
@@ -103,7 +103,8 @@ class Traffic:
         """The Ledger's ring count of bytes; the latency of the ring's 2 (n - 1) steps or of a tree's 2 log2 n,
         whichever is fewer (NCCL picks a tree for small messages on many ranks: the grad-presence vote)."""
         n = len(groups[0])
-        self.ring(phase, axis, dtype, groups, -(-numel // n), 2 * (n - 1), min(2 * (n - 1), 2 * math.ceil(math.log2(n))),
+        self.ring(phase, axis, dtype, groups, -(-numel // n), 2 * (n - 1), min(2 * (n - 1),
+                                                                               2 * math.ceil(math.log2(n))),
                   op="all_reduce")
 
     def all_to_all(self, phase, axis, dtype, sources, destinations, numels, members=None):
@@ -118,7 +119,8 @@ class Traffic:
         src, dst, nbytes = src[keep], dst[keep], num[keep] * dtype.itemsize
         node = torch.tensor([self.node_of(r) for r in range(self.world)])
         inter = node[src] != node[dst]
-        per_rank = lambda index, values: torch.zeros(self.world, dtype=torch.int64).index_add_(0, index, values)  # noqa: E731
+        per_rank = lambda index, values: torch.zeros(self.world, dtype=torch.int64).index_add_(0, index,
+                                                                                               values)  # noqa: E731
         for name, mask in (("intra", ~inter), ("inter", inter)):
             sent, received = per_rank(src[mask], nbytes[mask]), per_rank(dst[mask], nbytes[mask])
             pairs = torch.unique(src[mask] * self.world + dst[mask])  # one message per pair of ranks
@@ -206,7 +208,7 @@ def lesson_cost(opt, node_of, label=None):
     for b in layout.buckets if dp > 1 else ():  # stage 1: ZeRO-1's reduce-scatter, bucket by bucket
         traffic.reduce_scatter("grad reduce-scatter", "DP", FP32, dp_groups, b.numel // dp)
     strategy = opt.strategy
-    comm_free = isinstance(strategy, mo.CommFree)  # priced by what each strategy is, not by its name
+    comm_free = isinstance(strategy, owners.CommFree)  # priced by what each strategy is, not by its name
     if not strategy.orthogonalizes_once:  # the gather flow: every rank that touches a matrix orthogonalizes it
         gram = opt.large_runs.gram if opt.large_runs is not None else set()
         for b in layout.buckets:
@@ -222,11 +224,11 @@ def lesson_cost(opt, node_of, label=None):
                         traffic.all_reduce("TP Gram norm", "TP", FP32, [tp_groups[d]], 1)
                         for _ in range(steps):
                             traffic.all_reduce("TP Gram", "TP", FP32, [tp_groups[d]], min(shape) ** 2)
-                        work = mlr.newton_schulz_tp_flops(shape, tp, steps)
+                        work = large_runs.newton_schulz_tp_flops(shape, tp, steps)
                     else:
                         if layout.tp_split_dims[name] >= 0 and tp > 1:
                             traffic.all_gather("TP gather", "TP", BF16, [tp_groups[d]], math.prod(layout.shapes[name]))
-                        work = dm.newton_schulz_flops(shape, steps)
+                        work = distributed_muon_cpu.newton_schulz_flops(shape, steps)
                     for r in tp_groups[d]:
                         flops[r] += work
                         ns_calls[r] += 1
@@ -244,7 +246,8 @@ def lesson_cost(opt, node_of, label=None):
         traffic.all_gather("param all-gather", "DP", FP32, dp_groups, b.numel // dp)
     state, elements, calls = lesson_state(opt, dp, tp)
     single = sum(strategy.ns_flops.values()) if getattr(strategy, "ns_flops", None) else sum(
-        dm.newton_schulz_flops(layout.global_shapes[n], opt.group_of[n]["ns_steps"]) for n in opt.muon_names)
+        distributed_muon_cpu.newton_schulz_flops(layout.global_shapes[n],
+                                                 opt.group_of[n]["ns_steps"]) for n in opt.muon_names)
     return Cost(label or strategy.name, traffic, flops, state, elements, world, single, dict(calls, ns=ns_calls))
 
 
@@ -262,7 +265,7 @@ def exchange_at_owners(traffic, routes, axis, global_rank, opt, members=None):
                                                                  for r in routes for p in r.holders), members)
     normuon = [r for r in routes if opt.group_of[r.name]["algorithm"] == "normuon"]
     if normuon:
-        traffic.all_to_all("NorMuon rows", axis, FP32, *columns((g(r.owner), g(p.rank), mo.full_rows(r) + 1)
+        traffic.all_to_all("NorMuon rows", axis, FP32, *columns((g(r.owner), g(p.rank), owners.full_rows(r) + 1)
                                                                for r in normuon for p in r.holders), members)
 
 
@@ -285,10 +288,12 @@ def comm_free_cost(opt, traffic, dp, tp):
             (row[n] * tp + t, d * tp + t, numel[n]) for n in chunk for d in range(dp) for t in range(tp)))
         if any(n in rows for n in chunk):  # NorMuon's v and g, to the other DP rows beside the update (7.5)
             traffic.all_to_all("NorMuon rows broadcast", "DP", FP32, *columns(
-                (row[n] * tp + t, d * tp + t, rows[n]) for n in chunk if n in rows for d in range(dp) for t in range(tp)))
+                (row[n] * tp + t, d * tp + t,
+                 rows[n]) for n in chunk if n in rows for d in range(dp) for t in range(tp)))
     for d in range(dp) if tp > 1 else ():
         grid = virtual_grid(dp, tp, d * tp)
-        routes = mo.plan_routes(opt.muon_names, opt.owners, lambda n, d: opt.strategy.part_of(opt, n, d), opt.layout,
+        routes = owners.plan_routes(opt.muon_names, opt.owners, lambda n, d: opt.strategy.part_of(opt, n, d),
+                                    opt.layout,
                                 grid, grid.tp)
         for unit in opt.strategy.units(opt):  # inside row d's TP group, unit by unit
             exchange_at_owners(traffic, [r for r in routes if r.name in unit.names], "TP", lambda i, d=d: d * tp + i,
@@ -311,10 +316,11 @@ def lesson_state(opt, dp, tp):
             n = part.stop - part.start
             for r in range(d * tp, (d + 1) * tp):
                 state[r] += 4 * n if kind == "muon" else (8 * n + 4 if n else 0)
-                elements[kind][r] += whole if isinstance(opt.strategy, mo.CommFree) and kind == "muon" else n
+                elements[kind][r] += whole if isinstance(opt.strategy, owners.CommFree) and kind == "muon" else n
                 if n:
                     calls[kind][r] += 1
-                elif isinstance(opt.strategy, mo.CommFree) and kind == "muon":  # the owner row's update, applied here
+                elif isinstance(opt.strategy,
+                                owners.CommFree) and kind == "muon":  # the owner row's update, applied here
                     calls["apply"][r] += 1
         if group["algorithm"] == "normuon":
             state[opt.owners[name]] += 4 * opt.layout.global_shapes[name][0]
@@ -328,17 +334,17 @@ def dtensor_cost(copies, param_names, group_algorithms, group_ns_steps, world, n
                  exchange_bytes=None):
     """copies: in DTensorMuon's planning order (placed_copies); param_names: every name its ranks vote on;
     group_algorithms / group_ns_steps: {group index: "muon" | "adamw"} / {group index: ns_steps}; exchange_bytes:
-    DTensorMuon's, the exchanges per group of parameters (dplan.exchange_groups) instead of one each way."""
+    DTensorMuon's, the exchanges per group of parameters (plan.exchange_groups) instead of one each way."""
     traffic = Traffic(world, node_of)
     if world > 1:
         traffic.all_reduce("grad presence", "world", U8, [list(range(world))], len(set(param_names)) + 1)
     muon = [c for c in copies if group_algorithms[c.group] in ORTHOGONALIZED]
-    matrices, ns_flops, owners = dtensor_plan(muon, group_ns_steps, world)
+    matrices, ns_flops, owner_of = dtensor_plan(muon, group_ns_steps, world)
     if world > 1:
         for group in grouped(matrices, exchange_bytes):
             exchange_group(traffic, group, group_algorithms)
     flops, ns_calls = [0] * world, [0] * world
-    for name, owner in owners.items():
+    for name, owner in owner_of.items():
         flops[owner] += ns_flops[name]
         ns_calls[owner] += 1
     flops = add_local_matrices(flops, muon, group_ns_steps, ns_calls)
@@ -358,11 +364,11 @@ def exchange_group(traffic, group, group_algorithms):
 
 
 def grouped(matrices, exchange_bytes):
-    """The plan's matrices in DTensorMuon's groups (dplan.exchange_groups); one group of all of them without
+    """The plan's matrices in DTensorMuon's groups (plan.exchange_groups); one group of all of them without
     exchange_bytes."""
     if exchange_bytes is None:
         return [matrices]
-    return [[m for m in matrices if m.copy.name in names] for names in dplan.exchange_groups(matrices, exchange_bytes)]
+    return [[m for m in matrices if m.copy.name in names] for names in plan.exchange_groups(matrices, exchange_bytes)]
 
 
 def normuon_rows(matrices):
@@ -376,7 +382,7 @@ def add_local_matrices(flops, muon_copies, group_ns_steps, ns_calls):
     """Plain and all-Replicate copies: orthogonalized where they are, on every holder (no exchange)."""
     for c in muon_copies:
         if c.local:
-            work = c.n_matrices * dm.newton_schulz_flops(c.matrix_shape, group_ns_steps[c.group])
+            work = c.n_matrices * distributed_muon_cpu.newton_schulz_flops(c.matrix_shape, group_ns_steps[c.group])
             for r in c.mesh_ranks or range(len(flops)):
                 flops[r] += work
                 ns_calls[r] += c.n_matrices

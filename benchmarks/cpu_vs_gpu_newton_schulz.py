@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from torch.optim._muon import _zeropower_via_newtonschulz as ns  # noqa: E402
 
 
-import muon_tools as mt  # noqa: E402
+import muon_tools  # noqa: E402
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 STEPS = 5
@@ -30,7 +30,7 @@ SHAPES = [(384, 128), (128, 128), (512, 128), (128, 512), (8, 128), (4096, 1024)
 
 
 def main(argv=None):
-    mt.OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
+    muon_tools.OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
     if not torch.cuda.is_available():
         print("error: no CUDA GPU (torch.cuda.is_available() is False); run this on a machine with one",
               file=sys.stderr)
@@ -48,4 +48,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

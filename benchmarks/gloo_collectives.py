@@ -25,8 +25,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import distmuon.collectives as collectives  # noqa: E402
-import distributed_muon_cpu as dm  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+import muon_tools  # noqa: E402
 
 REPEATS = 9
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # float32 elements per rank: 256 KiB, 4 MiB, 16 MiB
@@ -38,7 +38,8 @@ def collectives(n, world, dp_axis):
     return {
         "Gloo's reduce-scatter (RS)": lambda: collectives.reduce_scatter_single(torch.empty(shard), full,
                                                                         op=dist.ReduceOp.SUM),
-        "RS, all-to-all + sum": lambda: dm.reduce_scatter(full, dp_axis, dm.Ledger(), "grad reduce-scatter"),
+        "RS, all-to-all + sum": lambda: distributed_muon_cpu.reduce_scatter(full, dp_axis,
+                                                                            distributed_muon_cpu.Ledger(), "grad reduce-scatter"),
         "all-gather (AG)": lambda: collectives.all_gather_single(torch.empty(n), part),
         "all-to-all": lambda: dist.all_to_all_single(torch.empty(n), full),
         "all-reduce": lambda: dist.all_reduce(full),
@@ -49,7 +50,7 @@ def rank_main(rank, world, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    dp_axis = dm.make_grid(world, 1, rank).dp
+    dp_axis = distributed_muon_cpu.make_grid(world, 1, rank).dp
     times = {}
     for n in SIZES:
         for name, fn in collectives(n, world, dp_axis).items():
@@ -60,29 +61,29 @@ def rank_main(rank, world, port, out_dir):
                 fn()
                 samples.append((time.perf_counter() - t0) * 1e3)
             times[(n, name)] = statistics.median(samples)
-    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(times, f))
+    muon_tools.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(times, f))
     dist.destroy_process_group()
 
 
 def main(argv=None):
-    p = mt.OneLineParser(description="What each Gloo collective costs for the same logical bytes.")
+    p = muon_tools.OneLineParser(description="What each Gloo collective costs for the same logical bytes.")
     p.add_argument("--ranks", type=int, default=8, help="ranks (default %(default)s)")
     world = p.parse_args(argv).ranks
-    if not 2 <= world <= mt.MAX_WORLD:
-        p.error(f"--ranks must be in [2, {mt.MAX_WORLD}] (got {world})")
+    if not 2 <= world <= muon_tools.MAX_WORLD:
+        p.error(f"--ranks must be in [2, {muon_tools.MAX_WORLD}] (got {world})")
     with tempfile.TemporaryDirectory() as out_dir:
-        mt.run_processes(rank_main, (world, mt.free_port(), out_dir), world, folders=(out_dir,))
+        muon_tools.run_processes(rank_main, (world, muon_tools.free_port(), out_dir), world, folders=(out_dir,))
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     print(f"Gloo, {world} ranks on this machine, median of {REPEATS}, slowest rank; torch {torch.__version__}\n")
     names = [name for n, name in per_rank[0] if n == SIZES[0]]  # in the order they ran
     rows = []
     for n in SIZES:
-        sent = mt.human_bytes((world - 1) * n // world * 4)
-        rows.append([mt.human_bytes(n * 4), sent] +
+        sent = muon_tools.human_bytes((world - 1) * n // world * 4)
+        rows.append([muon_tools.human_bytes(n * 4), sent] +
                     [f"{max(t[(n, name)] for t in per_rank):.1f}" for name in names])
-    print(mt.format_table(["buffer/rank", "ring/direct bytes sent/rank", *(f"{x} ms" for x in names)], rows,
+    print(muon_tools.format_table(["buffer/rank", "ring/direct bytes sent/rank", *(f"{x} ms" for x in names)], rows,
                           [">"] * (2 + len(names))))
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

@@ -6,10 +6,10 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from examples import train_gpt as tg  # noqa: E402,F401  (the GPT benchmarks import it from here)
+from examples import train_gpt  # noqa: E402,F401  (the GPT benchmarks import it from here)
 
-import distmuon.owners as mo  # noqa: E402,F401  (train_gpt put the repository on the path)
-import muon_tools as mt  # noqa: E402  (train_gpt put the repository on the path)
+from distmuon import owners  # noqa: E402,F401  (train_gpt put the repository on the path)
+import muon_tools  # noqa: E402  (train_gpt put the repository on the path)
 
 
 def pyplot():
@@ -31,14 +31,14 @@ def main(parser, measure, plot, argv=None, inputs=lambda args: {}):
     args = parser.parse_args(argv)
 
     def work():
-        mt.check_outputs({"--json": args.json, "--figure": args.figure})
+        muon_tools.check_outputs({"--json": args.json, "--figure": args.figure})
         for path, option in ((args.json, "--json"), (args.figure, "--figure")):
             if path:
-                mt.check_writable(path, option, inputs=inputs(args))
+                muon_tools.check_writable(path, option, inputs=inputs(args))
         result = measure(args)
-        mt.write_json(args.json, result)
+        muon_tools.write_json(args.json, result)
         if args.figure:
             plot(result, args.figure)
         return 0
 
-    return mt.exit_code(work)
+    return muon_tools.exit_code(work)

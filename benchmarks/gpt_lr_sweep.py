@@ -38,7 +38,9 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 
     muon_forkserver.start_command()
 
-from gpt_bench import mt, pyplot, tg  # noqa: E402
+from gpt_bench import pyplot  # noqa: E402
+import muon_tools  # noqa: E402
+from examples import train_gpt  # noqa: E402
 from gpt_bench import main as benchmark_main  # noqa: E402
 
 COLORS = {"muon": "tab:blue", "normuon": "tab:green", "adamw": "tab:orange"}
@@ -49,7 +51,7 @@ ZOOM_TOP = 3.2  # nats per byte: the plot's top, about where the default runs ar
 
 def optimizers_in(runs):
     """The optimizers that runs trained, in train_gpt's order."""
-    return [o for o in tg.OPTIMIZER_NAMES if any(r["optimizer"] == o for r in runs)]
+    return [o for o in train_gpt.OPTIMIZER_NAMES if any(r["optimizer"] == o for r in runs)]
 
 
 def steps_to(val, target):
@@ -67,31 +69,31 @@ def spread(values):
     return text + (f" ({missing} never)" if missing else "")
 
 
-def train(a, model=tg.TrainConfig(), save=None, print_fn=print):
+def train(a, model=train_gpt.TrainConfig(), save=None, print_fn=print):
     """Every (schedule, seed, optimizer, lr) of the grid, the model's sizes taken from `model`;
     one spawn per (seed, schedule), save(what --json holds) after each; [run dicts]."""
     lrs = dict(muon=a.muon_lrs, normuon=a.normuon_lrs, adamw=a.adamw_lrs)
     base = replace(model, dp=a.dp, tp=a.tp, steps=a.steps, log_every=a.every, val_windows=a.val_windows,
                    progress=False)
-    warmup = {"warmup-cosine": dict(warmup_steps=a.warmup_steps)}  # a constant schedule takes none (tg.validate)
+    warmup = {"warmup-cosine": dict(warmup_steps=a.warmup_steps)}  # a constant schedule takes none (train_gpt.validate)
     # seed by seed: an interrupted sweep has both schedules at the seeds it finished
     groups = {(seed, schedule): [replace(base, optimizer=o, strategy="gather" if o == "adamw" else "owner", lr=lr,
                                          schedule=schedule, seed=seed, **warmup.get(schedule, {}))
-                                 for o in tg.OPTIMIZER_NAMES for lr in lrs[o]]
+                                 for o in train_gpt.OPTIMIZER_NAMES for lr in lrs[o]]
               for seed in a.seeds for schedule in a.schedules}
     for configs in groups.values():  # every configuration is checked before the first rank starts
         for cfg in configs:
-            tg.validate(replace(cfg, lr=model.lr))  # the rest of the run, at train_gpt's own lr
+            train_gpt.validate(replace(cfg, lr=model.lr))  # the rest of the run, at train_gpt's own lr
             try:
-                tg.validate(cfg)
+                train_gpt.validate(cfg)
             except ValueError as e:  # then the lr's refusal, in train_gpt's words, said of the sweep's flag
                 raise ValueError(f"--{cfg.optimizer}-lrs {cfg.lr:g}: {e}") from None
-    print_fn(tg.header(base).splitlines()[0].split(";")[0] + f"; {a.steps} steps; validation: {a.val_windows} "
+    print_fn(train_gpt.header(base).splitlines()[0].split(";")[0] + f"; {a.steps} steps; validation: {a.val_windows} "
              f"windows every {a.every} steps; seeds {', '.join(map(str, a.seeds))}", flush=True)
     runs = []
     for (seed, schedule), configs in groups.items():
-        for cfg, results in tg.train_many(configs):
-            summary = tg.summarize(cfg, results)
+        for cfg, results in train_gpt.train_many(configs):
+            summary = train_gpt.summarize(cfg, results)
             runs.append(dict(schedule=schedule, seed=seed, optimizer=cfg.optimizer, lr=cfg.lr,
                              val=summary["val"], final_val=summary["val"][-1][1], ms_step=summary["ms"]["step"]))
         print_fn(f"  done: {schedule}, seed {seed} ({len(configs)} runs)", flush=True)
@@ -101,7 +103,8 @@ def train(a, model=tg.TrainConfig(), save=None, print_fn=print):
 
 
 def grid_of(a):
-    return dict(muon_lrs=a.muon_lrs, normuon_lrs=a.normuon_lrs, adamw_lrs=a.adamw_lrs, seeds=a.seeds, schedules=a.schedules, steps=a.steps,
+    return dict(muon_lrs=a.muon_lrs, normuon_lrs=a.normuon_lrs, adamw_lrs=a.adamw_lrs, seeds=a.seeds,
+                schedules=a.schedules, steps=a.steps,
                 every=a.every, val_windows=a.val_windows, warmup_steps=a.warmup_steps, dp=a.dp, tp=a.tp)
 
 
@@ -126,7 +129,7 @@ def final_losses_table(runs, optimizers, seeds, best):
             mean = statistics.fmean(finals.values())
             rows.append([o, f"{lr:g}"] + [f"{finals[s]:.3f}" if s in finals else "" for s in seeds]
                         + [f"{mean:.3f}", "best" if best[o] == lr else ""])
-    return mt.format_table(["optimizer", "lr"] + [f"seed {s}" for s in seeds] + ["mean", ""], rows,
+    return muon_tools.format_table(["optimizer", "lr"] + [f"seed {s}" for s in seeds] + ["mean", ""], rows,
                            ["<", ">"] + [">"] * (len(seeds) + 1) + ["<"])
 
 
@@ -179,7 +182,8 @@ def report(result, print_fn=print):
                              spread([p["final"]["adamw"] - p["final"][o] for p in picks])])
             print_fn(f"Steps to AdamW's best loss{'' if o == 'muon' else ', ' + m}, over seeds "
                      f"{', '.join(map(str, seeds))} (min-median-max; evaluations every {result['grid']['every']} steps):")
-            print_fn(mt.format_table(["lr tuned", f"lrs {m}/AdamW per seed", "target loss", f"{m} steps", "AdamW steps",
+            print_fn(muon_tools.format_table(["lr tuned", f"lrs {m}/AdamW per seed", "target loss", f"{m} steps",
+                                              "AdamW steps",
                                       f"AdamW/{m} steps", f"AdamW - {m} loss @ {steps}"], rows,
                                      ["<", "<", ">", ">", ">", ">", ">"]))
         ms = {o: statistics.median(r["ms_step"] for r in runs
@@ -241,10 +245,11 @@ def plot(result, path):
     fig.suptitle(f"GPT on the standard library's sources: {' vs '.join(LABELS[o] for o in optimizers_in(result['runs']))}, "
                  "same tokens, tuned lr per optimizer")
     fig.tight_layout()
-    mt.save_figure(fig, path, dpi=110)
+    muon_tools.save_figure(fig, path, dpi=110)
 
 
-TRAINING_FLAGS = ("muon_lrs", "normuon_lrs", "adamw_lrs", "seeds", "schedules", "warmup_steps", "val_windows", "steps", "every",
+TRAINING_FLAGS = ("muon_lrs", "normuon_lrs", "adamw_lrs", "seeds", "schedules", "warmup_steps", "val_windows", "steps",
+                  "every",
                   "dp", "tp")  # what a sweep trains with; --from-json reports runs trained with their own
 
 
@@ -272,13 +277,13 @@ def measure(a, given=frozenset()):
         with open(a.from_json) as f:
             result = json.load(f)
     else:
-        result = dict(grid=grid_of(a), runs=train(a, save=lambda partial: mt.write_json(a.json, partial)))
+        result = dict(grid=grid_of(a), runs=train(a, save=lambda partial: muon_tools.write_json(a.json, partial)))
     report(result)
     return result
 
 
 def build_parser():
-    p = mt.OneLineParser(description=__doc__.splitlines()[0])
+    p = muon_tools.OneLineParser(description=__doc__.splitlines()[0])
     # Finer grids (steps of about 1.5x) around the bests of earlier, coarser sweeps (notes/measured/
     # from_code_comments.md).
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.03, 0.05, 0.07])
@@ -286,7 +291,7 @@ def build_parser():
                    help="NorMuon's grid, run beside Muon's (default: none, no NorMuon runs)")
     p.add_argument("--adamw-lrs", type=float, nargs="+", default=[0.0007, 0.001, 0.0014, 0.002, 0.003, 0.004])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    p.add_argument("--schedules", nargs="+", choices=tg.SCHEDULES, default=list(tg.SCHEDULES))
+    p.add_argument("--schedules", nargs="+", choices=train_gpt.SCHEDULES, default=list(train_gpt.SCHEDULES))
     p.add_argument("--warmup-steps", type=int, default=10, help="warmup-cosine's (default %(default)s)")
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--steps", type=int, default=200)

@@ -16,7 +16,9 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 
     muon_forkserver.start_command()
 
-from gpt_bench import mt, pyplot, tg  # noqa: E402
+from gpt_bench import pyplot  # noqa: E402
+import muon_tools  # noqa: E402
+from examples import train_gpt  # noqa: E402
 from gpt_bench import main as benchmark_main  # noqa: E402
 
 SPLITS = ((8, 1), (4, 2), (2, 4), (1, 8))
@@ -24,29 +26,29 @@ OPTIMIZERS = ("muon", "adamw")  # Muon against its baseline (NorMuon's place: gp
 
 
 def measure(steps, heads, print_fn=print):
-    splits = [[tg.TrainConfig(dp=dp, tp=tp, steps=steps, heads=heads, progress=False, optimizer=o,
+    splits = [[train_gpt.TrainConfig(dp=dp, tp=tp, steps=steps, heads=heads, progress=False, optimizer=o,
                               strategy="owner" if o == "muon" else "gather") for o in OPTIMIZERS]
               for dp, tp in SPLITS]
     for cfg in (cfg for configs in splits for cfg in configs):  # all of them before the first rank starts
-        tg.validate(cfg)
-    print_fn(tg.header(tg.TrainConfig(heads=heads)).splitlines()[0].split(";")[0] + f"; {steps} steps per run")
+        train_gpt.validate(cfg)
+    print_fn(train_gpt.header(train_gpt.TrainConfig(heads=heads)).splitlines()[0].split(";")[0] + f"; {steps} steps per run")
     rows = []
     for (dp, tp), configs in zip(SPLITS, splits):
-        for cfg, results in tg.train_many(configs):
-            s = tg.summarize(cfg, results)
+        for cfg, results in train_gpt.train_many(configs):
+            s = train_gpt.summarize(cfg, results)
             rows.append(dict(dp=dp, tp=tp, optimizer=cfg.optimizer, step_ms=s["ms"]["step"],
                              compute_ms=s["ms"]["forward"] + s["ms"]["backward"], optimizer_ms=s["ms"]["optimizer"],
-                             tp_bytes=sum(max(s["bytes_per_step"][p]["sent"]) for p in tg.TP_PHASES),
+                             tp_bytes=sum(max(s["bytes_per_step"][p]["sent"]) for p in train_gpt.TP_PHASES),
                              optimizer_bytes=s["optimizer_bytes_sent_max_rank"]))
     return rows
 
 
 def report(rows, print_fn=print):
     table = [[f"{r['dp']}x{r['tp']}", "Muon" if r["optimizer"] == "muon" else "AdamW", f"{r['step_ms']:.0f}",
-              f"{r['compute_ms']:.0f}", f"{r['optimizer_ms']:.0f}", mt.human_bytes(r["tp_bytes"]),
-              mt.human_bytes(r["optimizer_bytes"]), mt.human_bytes(r["tp_bytes"] + r["optimizer_bytes"])]
+              f"{r['compute_ms']:.0f}", f"{r['optimizer_ms']:.0f}", muon_tools.human_bytes(r["tp_bytes"]),
+              muon_tools.human_bytes(r["optimizer_bytes"]), muon_tools.human_bytes(r["tp_bytes"] + r["optimizer_bytes"])]
              for r in rows]
-    print_fn("\n" + mt.format_table(["DP x TP", "optimizer", "step ms", "fwd+bwd ms", "optimizer ms",
+    print_fn("\n" + muon_tools.format_table(["DP x TP", "optimizer", "step ms", "fwd+bwd ms", "optimizer ms",
                                      "TP bytes/rank", "optimizer bytes/rank", "total bytes/rank"],
                                     table, ["<", "<"] + [">"] * 6))
     for o in OPTIMIZERS:
@@ -77,11 +79,11 @@ def plot(rows, path):
     right.set_ylabel("MiB sent per rank per step")
     right.legend(fontsize=8)
     fig.tight_layout()
-    mt.save_figure(fig, path, dpi=110)
+    muon_tools.save_figure(fig, path, dpi=110)
 
 
 def main(argv=None):
-    p = mt.OneLineParser(description=__doc__.splitlines()[0])
+    p = muon_tools.OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--heads", type=int, default=8)
 

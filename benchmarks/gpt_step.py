@@ -22,10 +22,13 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 
     muon_forkserver.start_command()
 
-from gpt_bench import mo, mt, pyplot, tg  # noqa: E402
+from gpt_bench import pyplot  # noqa: E402
+from distmuon import owners  # noqa: E402
+import muon_tools  # noqa: E402
+from examples import train_gpt  # noqa: E402
 from gpt_bench import main as benchmark_main  # noqa: E402
-KINDS = mo.STRATEGIES + (mt.BASELINE,)
-LABELS = {**{s: f"Muon, {s}" for s in mo.STRATEGIES}, mt.BASELINE: "AdamW ZeRO-1"}
+KINDS = owners.STRATEGIES + (muon_tools.BASELINE,)
+LABELS = {**{s: f"Muon, {s}" for s in owners.STRATEGIES}, muon_tools.BASELINE: "AdamW ZeRO-1"}
 EXCHANGES = ("DP gather", "TP gather", "gather at owner", "scatter from owner", "grad reduce at owner",
              "update broadcast from owner")
 PARTS = ("forward", "backward", "grad reduce-scatter", "exchanges", "newton-schulz", "state update",
@@ -44,20 +47,21 @@ def split_of(time_split):
 
 
 def measure(dp, tp, steps, traces, print_fn=print):
-    configs = [tg.TrainConfig(dp=dp, tp=tp, steps=steps, optimizer="adamw" if k == mt.BASELINE else "muon",
-                              strategy="gather" if k == mt.BASELINE else k, progress=False,
+    configs = [train_gpt.TrainConfig(dp=dp, tp=tp, steps=steps,
+                                     optimizer="adamw" if k == muon_tools.BASELINE else "muon",
+                              strategy="gather" if k == muon_tools.BASELINE else k, progress=False,
                               profile=os.path.join(traces, k)) for k in KINDS]
     for cfg in configs:  # before the header: a refusal is one line
-        tg.validate(cfg)
-    print_fn(tg.header(configs[0]).splitlines()[0].split(";")[0] + f"; DP={dp} x TP={tp}, {steps} steps each")
+        train_gpt.validate(cfg)
+    print_fn(train_gpt.header(configs[0]).splitlines()[0].split(";")[0] + f"; DP={dp} x TP={tp}, {steps} steps each")
     runs = {}
-    for kind, (cfg, results) in zip(KINDS, tg.train_many(configs)):
-        summary = tg.summarize(cfg, results)
-        splits = [split_of(tg.time_split(os.path.join(cfg.profile, f"rank{r['rank']}.json"))) for r in results]
+    for kind, (cfg, results) in zip(KINDS, train_gpt.train_many(configs)):
+        summary = train_gpt.summarize(cfg, results)
+        splits = [split_of(train_gpt.time_split(os.path.join(cfg.profile, f"rank{r['rank']}.json"))) for r in results]
         mean = {p: statistics.fmean(s[p] for s in splits) for p in PARTS}
         table = summary["bytes_per_step"]
         runs[kind] = dict(split_ms=mean, step_ms=summary["ms"]["step"], optimizer_ms=summary["ms"]["optimizer"],
-                          tp_bytes=sum(max(table[p]["sent"]) for p in tg.TP_PHASES),
+                          tp_bytes=sum(max(table[p]["sent"]) for p in train_gpt.TP_PHASES),
                           optimizer_bytes=summary["optimizer_bytes_sent_max_rank"], traces=cfg.profile)
     return runs
 
@@ -69,14 +73,16 @@ def report(runs, print_fn=print):
         optimizer = sum(s[p] for p in PARTS[2:])
         rows.append([LABELS[kind]] + [f"{s[p]:.0f}" for p in PARTS] + [f"{optimizer / sum(s.values()):.0%}"])
     print_fn("\nTime per step, ms (traced steps 4-6, mean over ranks):")
-    print_fn(mt.format_table(["run"] + list(PARTS) + ["optimizer share"], rows, ["<"] + [">"] * (len(PARTS) + 1)))
-    base = runs[mt.BASELINE]
-    rows = [[LABELS[k], mt.human_bytes(r["optimizer_bytes"]), f"{r['optimizer_bytes'] / base['optimizer_bytes']:.2f}",
-             mt.human_bytes(r["tp_bytes"]), f"{r['optimizer_ms']:.0f}", f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}",
+    print_fn(muon_tools.format_table(["run"] + list(PARTS) + ["optimizer share"], rows,
+                                     ["<"] + [">"] * (len(PARTS) + 1)))
+    base = runs[muon_tools.BASELINE]
+    rows = [[LABELS[k], muon_tools.human_bytes(r["optimizer_bytes"]),
+             f"{r['optimizer_bytes'] / base['optimizer_bytes']:.2f}",
+             muon_tools.human_bytes(r["tp_bytes"]), f"{r['optimizer_ms']:.0f}", f"{r['optimizer_ms'] / base['optimizer_ms']:.2f}",
              f"{r['step_ms']:.0f}", f"{r['step_ms'] / base['step_ms']:.2f}"] for k, r in runs.items()]
     print_fn("\nLike for like: the same grid, model, batches and ZeRO-1 sharding (max over ranks; times are medians "
              "from step 3, slowest rank):")
-    print_fn(mt.format_table(["run", "optimizer bytes sent/rank", "x AdamW", "TP bytes/rank", "optimizer ms",
+    print_fn(muon_tools.format_table(["run", "optimizer bytes sent/rank", "x AdamW", "TP bytes/rank", "optimizer ms",
                               "x AdamW", "step ms", "x AdamW"], rows, ["<"] + [">"] * 7))
 
 
@@ -94,11 +100,11 @@ def plot(runs, path):
     ax.set_xlabel("ms per step (mean over ranks)")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.tight_layout()
-    mt.save_figure(fig, path, dpi=110)
+    muon_tools.save_figure(fig, path, dpi=110)
 
 
 def main(argv=None):
-    p = mt.OneLineParser(description=__doc__.splitlines()[0])
+    p = muon_tools.OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, default=4)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
@@ -106,7 +112,7 @@ def main(argv=None):
 
     def measure_and_report(a):
         if a.traces:
-            mt.check_writable(a.traces, "--traces", folder=True)
+            muon_tools.check_writable(a.traces, "--traces", folder=True)
         with tempfile.TemporaryDirectory(prefix="gpt-traces-") as scratch:
             runs = measure(a.dp, a.tp, a.steps, a.traces or scratch)
         report(runs)

@@ -33,7 +33,7 @@ import time  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import muon_tools as mt  # noqa: E402
+import muon_tools  # noqa: E402
 
 COMMAND = os.path.join("examples", "train_gpt_dtensor.py")  # in this checkout, or in --checkout DIR
 HEAP = "malloc"  # glibc's heap checks all say malloc(), free() or corrupted...: the first word of the known one
@@ -77,7 +77,7 @@ def one_run(command, flags, env):
 
 
 def main(argv=None):
-    p = mt.OneLineParser(description=__doc__.splitlines()[0])
+    p = muon_tools.OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=10, help="how many runs (default %(default)s)")
     p.add_argument("--busy", type=int, default=os.cpu_count() or 1,
                    help="busy loops beside the runs, the load (default %(default)s: one a core)")
@@ -127,7 +127,7 @@ def main(argv=None):
               f"(load: {os.getloadavg()[0]:.1f} at the end)")
         return 0
 
-    return mt.exit_code(work)
+    return muon_tools.exit_code(work)
 
 
 if __name__ == "__main__":

@@ -38,11 +38,12 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 
     muon_forkserver.start_command()
 
-from gpt_bench import mt, pyplot  # noqa: E402
+from gpt_bench import pyplot  # noqa: E402
+import muon_tools  # noqa: E402
 from gpt_bench import main as benchmark_main  # noqa: E402
 from gpt_lr_sweep import best_lr, final_losses_table  # noqa: E402
 
-from examples import train_gpt_moe as tgm  # noqa: E402
+from examples import train_gpt_moe  # noqa: E402
 
 # Grids around each optimizer's best lr at 100 steps, found by a first sweep at seed 0 (notes/13-moe.md), in steps
 # of about 1.5 x so that the best is bracketed; adamw-experts': the expert stacks' lr.
@@ -71,7 +72,7 @@ def lrs_of(a):
 def check(a):
     """Refuse (ValueError, one line) what the sweep could not use as given: an lr grid of an optimizer it does not run
     (ignored), an lr <= 0, and a seed, lr or optimizer given twice (a mean that counts a run twice)."""
-    for o in tgm.OPTIMIZERS:
+    for o in train_gpt_moe.OPTIMIZERS:
         given = given_lrs(a, o)
         if given is not None and o not in a.optimizers:
             raise ValueError(f"{lr_flag(o)} would be ignored: --optimizers leaves {o} out")
@@ -90,7 +91,7 @@ def check(a):
 def configs_of(a, seed, optimizers, muon_lr=None):
     """Every (optimizer, lr) of the grid at one seed, as train_gpt_moe.Configs (no progress lines); adamw-experts':
     its grid the experts' lr (--experts-lr), every other group at muon_lr."""
-    base = tgm.Config(steps=a.steps, log_every=a.every, seed=seed, progress=False,
+    base = train_gpt_moe.Config(steps=a.steps, log_every=a.every, seed=seed, progress=False,
                       **{name: getattr(a, name) for name in SIZES})
     return [replace(base, optimizer=o, lr=lr) if o != "adamw-experts" else
             replace(base, optimizer=o, lr=muon_lr, experts_lr=lr) for o in optimizers for lr in lrs_of(a)[o]]
@@ -109,9 +110,9 @@ def train(a, save=None, print_fn=print):
     later = [o for o in a.optimizers if o not in FIRST]
     for seed in a.seeds:  # every configuration is checked before the first rank starts (any lr of muon's for later's)
         for cfg in configs_of(a, seed, first) + configs_of(a, seed, later, lrs_of(a).get("muon", [None])[0]):
-            tgm.validate(cfg)
+            train_gpt_moe.validate(cfg)
     shown = configs_of(a, a.seeds[0], a.optimizers[:1], lrs_of(a).get("muon", [None])[0])[0]
-    print_fn(tgm.header(shown).split("; DTensorMuon")[0] + f"; {a.steps} steps of {shown.batch} x {shown.context} "
+    print_fn(train_gpt_moe.header(shown).split("; DTensorMuon")[0] + f"; {a.steps} steps of {shown.batch} x {shown.context} "
              f"tokens; validation: {a.val_windows} windows every {a.every} steps; seeds "
              f"{', '.join(map(str, a.seeds))}", flush=True)
     runs = []
@@ -119,7 +120,7 @@ def train(a, save=None, print_fn=print):
         muon_lr = best_lr(runs, "muon", a.seeds)[0] if stage and optimizers else None
         for seed in a.seeds if optimizers else ():
             configs, t0 = configs_of(a, seed, optimizers, muon_lr), time.perf_counter()
-            for cfg, results in zip(configs, tgm.train_many(configs, cfg.dp * cfg.tp)):
+            for cfg, results in zip(configs, train_gpt_moe.train_many(configs, cfg.dp * cfg.tp)):
                 val = next(r for r in results if r["rank"] == 0)["val"]
                 runs.append(dict(seed=seed, optimizer=cfg.optimizer, lr=cfg.experts_lr or cfg.lr, other_lr=cfg.lr,
                                  val=val, final_val=val[-1][1]))
@@ -164,11 +165,11 @@ def report(result, print_fn=print):
              " ".join(f"{x:.3f}" for x in b["finals"])] for o, b in best.items()]
     print_fn(f"\nEach optimizer at its best lr (the lowest mean over seeds {', '.join(map(str, seeds))}; ± the sample "
              f"standard deviation over seeds):")
-    print_fn(mt.format_table(["optimizer", "best lr", "bracketed", "val mean ± sd", "min-max",
+    print_fn(muon_tools.format_table(["optimizer", "best lr", "bracketed", "val mean ± sd", "min-max",
                               f"seeds {' '.join(map(str, seeds))}"], rows, ["<", ">", "<", ">", ">", "<"]))
     for o, b in best.items():
         other = {r["other_lr"] for r in runs if r["optimizer"] == o and r["lr"] == b["lr"]}
-        print_fn(f"  {o}: {tgm.OPTIMIZERS[o]}" + (f"; lr: the expert stacks' (AdamW), every other group's "
+        print_fn(f"  {o}: {train_gpt_moe.OPTIMIZERS[o]}" + (f"; lr: the expert stacks' (AdamW), every other group's "
                                                    f"{' '.join(f'{x:g}' for x in sorted(other))}"
                                                    if o == "adamw-experts" else ""))
     if "muon" in best:
@@ -215,14 +216,14 @@ def plot(result, path):
     fig.suptitle(f"MoE GPT, {grid['experts']} experts, DP {grid['dp']} (EP {grid['ep']}) x TP {grid['tp']}: Muon vs "
                  f"AdamW on the experts vs AdamW everywhere, same tokens")
     fig.tight_layout()
-    mt.save_figure(fig, path, dpi=110)
+    muon_tools.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
 def measure(a):
     check(a)
     t0 = time.perf_counter()
-    result = dict(grid=grid_of(a), runs=train(a, save=lambda partial: mt.write_json(a.json, partial)))
+    result = dict(grid=grid_of(a), runs=train(a, save=lambda partial: muon_tools.write_json(a.json, partial)))
     result["comparison"] = report(result)
     result["wall_s"] = time.perf_counter() - t0
     print(f"Wall time: {result['wall_s']:.0f} s ({len(result['runs'])} runs)")
@@ -230,9 +231,10 @@ def measure(a):
 
 
 def build_parser():
-    p = mt.OneLineParser(description=__doc__.splitlines()[0])
-    d = tgm.Config(dp=2, ep=2, tp=1)  # two ranks: the two cores, a rank each
-    p.add_argument("--optimizers", nargs="+", choices=tuple(tgm.OPTIMIZERS), default=list(tgm.OPTIMIZERS),
+    p = muon_tools.OneLineParser(description=__doc__.splitlines()[0])
+    d = train_gpt_moe.Config(dp=2, ep=2, tp=1)  # two ranks: the two cores, a rank each
+    p.add_argument("--optimizers", nargs="+", choices=tuple(train_gpt_moe.OPTIMIZERS),
+                   default=list(train_gpt_moe.OPTIMIZERS),
                    help="train_gpt_moe.py's --optimizer values to compare (default all three)")
     for o, lrs in LRS.items():
         what = "the expert stacks' lr grid (every other group at muon's best lr)" if o == "adamw-experts" else "lr grid"
@@ -242,7 +244,7 @@ def build_parser():
     p.add_argument("--steps", type=int, default=100, help="(default %(default)s)")
     p.add_argument("--every", type=int, default=10, help="steps between validation losses (default %(default)s)")
     for name in SIZES:
-        p.add_argument(mt.flag(name), type=int, default=getattr(d, name),
+        p.add_argument(muon_tools.flag(name), type=int, default=getattr(d, name),
                        help="train_gpt_moe.py's (default %(default)s)")
     p.set_defaults(val_windows=64)  # twice train_gpt_moe's: the losses compared are the validation's
     return p

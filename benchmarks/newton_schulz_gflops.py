@@ -27,8 +27,8 @@ if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the 
 import torch  # noqa: E402
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz  # noqa: E402
 
-import distributed_muon_cpu as dm  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+import muon_tools  # noqa: E402
 
 
 def shape_arg(text):
@@ -40,7 +40,7 @@ def shape_arg(text):
 
 
 def build_parser():
-    p = mt.OneLineParser(description=__doc__.splitlines()[0])
+    p = muon_tools.OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("shapes", nargs="+", type=shape_arg, metavar="ROWSxCOLS", help="the matrices' shapes")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where to run (default %(default)s)")
     p.add_argument("--repeats", type=int, default=10, help="timed runs of each (default %(default)s)")
@@ -75,17 +75,18 @@ def main(argv=None):
         g = torch.randn(rows_, cols, generator=torch.Generator().manual_seed(0)).to(args.device)
         x = g.bfloat16() if rows_ <= cols else g.bfloat16().T.contiguous()  # wide: X @ X.T is the small Gram
         m, n = x.shape
-        ns_ms = median_ms(lambda: torch_newton_schulz(g, dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS),
+        ns_ms = median_ms(lambda: torch_newton_schulz(g, distributed_muon_cpu.NS_COEFFICIENTS,
+                                                      distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS),
                           args.repeats, sync)
         mm_ms = median_ms(lambda: x @ x.T, args.repeats, sync)
-        ns_rate = dm.newton_schulz_flops((rows_, cols)) / ns_ms / 1e6
+        ns_rate = distributed_muon_cpu.newton_schulz_flops((rows_, cols)) / ns_ms / 1e6
         mm_rate = 2 * m * m * n / mm_ms / 1e6
         rows.append([f"{rows_}x{cols}", f"{ns_ms:.3f}", f"{ns_rate:.0f}", f"{mm_ms:.3f}", f"{mm_rate:.0f}",
                      f"{ns_rate / mm_rate:.2f}"])
-    print(mt.format_table(["shape", "NS ms", "NS GFLOP/s", "X@X.T ms", "matmul GFLOP/s", "NS / matmul"], rows,
+    print(muon_tools.format_table(["shape", "NS ms", "NS GFLOP/s", "X@X.T ms", "matmul GFLOP/s", "NS / matmul"], rows,
                           [">"] * 6))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

@@ -32,14 +32,14 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.checks as mc  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+from distmuon import checks  # noqa: E402
+import muon_tools  # noqa: E402
 from examples import gpt_verify  # noqa: E402
-from examples import train_gpt as tg  # noqa: E402
+from examples import train_gpt  # noqa: E402
 from examples.gpt import muon_params  # noqa: E402
 
-CHOICES = tuple(mc.NS_COEFFICIENT_CHOICES)  # jordan, polar_express
+CHOICES = tuple(checks.NS_COEFFICIENT_CHOICES)  # jordan, polar_express
 WITHIN = 0.1  # the summary counts the singular values within this of 1
 
 
@@ -66,9 +66,9 @@ def sigmas(matrix, choice, steps):
     """[singular values (float64) after k iterations of `choice`] for k = 0 (the normalized input, bf16
     as newton_schulz casts it) .. steps."""
     x = matrix.bfloat16()
-    out = [x / x.norm().clamp(min=dm.NS_EPS)]
+    out = [x / x.norm().clamp(min=distributed_muon_cpu.NS_EPS)]
     for k in range(1, steps + 1):
-        out.append(dm.newton_schulz(matrix, k, mc.ns_coefficients_of(choice, k)))
+        out.append(distributed_muon_cpu.newton_schulz(matrix, k, checks.ns_coefficients_of(choice, k)))
     return [torch.linalg.svdvals(y.double()) for y in out]
 
 
@@ -108,10 +108,10 @@ def format_report(cfg, train_steps, steps, table, finals, counts):
     rows = []
     for (shape, source, choice), ranges in table.items():
         rows.append([f"{shape[0]}x{shape[1]}", source, counts[shape, source], choice] + [cell(r) for r in ranges]
-                    + [f"{dm.newton_schulz_flops(shape, steps) / 1e6:.2f}"])
-    lines.append(mt.format_table(header, rows, ["<", "<", ">", "<"] + [">"] * (steps + 2)))
+                    + [f"{distributed_muon_cpu.newton_schulz_flops(shape, steps) / 1e6:.2f}"])
+    lines.append(muon_tools.format_table(header, rows, ["<", "<", ">", "<"] + [">"] * (steps + 2)))
     lines.append("")
-    for k in sorted({min(dm.NS_STEPS, steps), steps}):
+    for k in sorted({min(distributed_muon_cpu.NS_STEPS, steps), steps}):
         for choice in CHOICES:
             s = torch.cat(finals[choice, k])
             near = (s - 1).abs().le(WITHIN).double().mean().item()
@@ -122,24 +122,24 @@ def format_report(cfg, train_steps, steps, table, finals, counts):
 
 
 def build_parser():
-    p = mt.OneLineParser(description="Singular values after each Newton-Schulz choice on the GPT's real gradients.")
-    p.add_argument("--steps", type=int, default=dm.NS_STEPS,
+    p = muon_tools.OneLineParser(description="Singular values after each Newton-Schulz choice on the GPT's real gradients.")
+    p.add_argument("--steps", type=int, default=distributed_muon_cpu.NS_STEPS,
                    help="Newton-Schulz iterations shown (default %(default)s)")
     p.add_argument("--train-steps", type=int, default=20,
                    help="training steps before the gradients are taken (default %(default)s)")
-    p.add_argument("--d-model", type=int, default=tg.TrainConfig.d_model, help="(default %(default)s)")
-    p.add_argument("--layers", type=int, default=tg.TrainConfig.layers, help="(default %(default)s)")
-    p.add_argument("--heads", type=int, default=tg.TrainConfig.heads, help="(default %(default)s)")
-    p.add_argument("--lr", type=float, default=tg.TrainConfig.lr, help="(default %(default)s)")
+    p.add_argument("--d-model", type=int, default=train_gpt.TrainConfig.d_model, help="(default %(default)s)")
+    p.add_argument("--layers", type=int, default=train_gpt.TrainConfig.layers, help="(default %(default)s)")
+    p.add_argument("--heads", type=int, default=train_gpt.TrainConfig.heads, help="(default %(default)s)")
+    p.add_argument("--lr", type=float, default=train_gpt.TrainConfig.lr, help="(default %(default)s)")
     return p
 
 
 def config_of(args):
     if args.steps < 1 or args.train_steps < 0:
         raise ValueError(f"--steps must be >= 1 and --train-steps >= 0 (got {args.steps}, {args.train_steps})")
-    cfg = replace(tg.TrainConfig(), dp=1, tp=1, d_model=args.d_model, layers=args.layers, heads=args.heads,
+    cfg = replace(train_gpt.TrainConfig(), dp=1, tp=1, d_model=args.d_model, layers=args.layers, heads=args.heads,
                   lr=args.lr, steps=max(args.train_steps, 1))
-    tg.validate(cfg)
+    train_gpt.validate(cfg)
     return cfg
 
 
@@ -155,7 +155,7 @@ def main(argv=None):
         print(f"\nWall time: {time.perf_counter() - t0:.1f} s")
         return 0
 
-    return mt.exit_code(work)
+    return muon_tools.exit_code(work)
 
 
 if __name__ == "__main__":

@@ -23,19 +23,19 @@ import torch  # noqa: E402
 
 
 import scaling  # noqa: E402  (its model, its timing and its launcher)
-from scaling import mt  # noqa: E402
+import muon_tools  # noqa: E402
 
 LOOKAHEADS = (0, 1, 2, 4)
 VARIANTS = {f"{s} --overlap {k}": (s, dict(overlap=k)) for s in scaling.OVERLAPPED for k in LOOKAHEADS}
 
 
 def main(argv=None):
-    p = mt.OneLineParser(description="Step time with and without --overlap, over lookaheads.")
+    p = muon_tools.OneLineParser(description="Step time with and without --overlap, over lookaheads.")
     p.add_argument("--ranks", type=int, default=2, help="ranks (DP = N, TP = 1; default %(default)s)")
     scaling.model_arguments(p, d=128, rounds=3, rounds_help="spawns, each timing every variant")
     args = p.parse_args(argv)
-    if not 2 <= args.ranks <= scaling.mt.MAX_WORLD:
-        p.error(f"--ranks must be in [2, {scaling.mt.MAX_WORLD}]")
+    if not 2 <= args.ranks <= scaling.muon_tools.MAX_WORLD:
+        p.error(f"--ranks must be in [2, {scaling.muon_tools.MAX_WORLD}]")
     scaling.check_model(p, args, args.ranks)
     runs = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):  # every round times every variant: drift in the load hits them alike
@@ -48,10 +48,10 @@ def main(argv=None):
         off = statistics.median(runs[f"{strategy} --overlap 0"])
         median = statistics.median(runs[v])
         rows.append([strategy, options["overlap"], f"{min(runs[v]):.0f}", f"{median:.0f}", f"{median / off:.3f}"])
-    print(mt.format_table(["strategy", "K", "min ms", "median ms", "median / K = 0"], rows,
+    print(muon_tools.format_table(["strategy", "K", "min ms", "median ms", "median / K = 0"], rows,
                           ["<", ">", ">", ">", ">"]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

@@ -102,13 +102,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.checks as mc  # noqa: E402
-import distmuon.dtensor as dd  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+from distmuon import checks  # noqa: E402
+from distmuon import dtensor  # noqa: E402
 from distmuon import large_runs  # noqa: E402
-import distmuon.owners as mo  # noqa: E402
-import muon_tools as mt  # noqa: E402
-import peers_torchtitan as titan  # noqa: E402
+from distmuon import owners  # noqa: E402
+import muon_tools  # noqa: E402
+import peers_torchtitan  # noqa: E402
 import scaling  # noqa: E402
 
 LR, WEIGHT_DECAY, MOMENTUM = scaling.HYPERPARAMETERS["lr"], scaling.HYPERPARAMETERS["weight_decay"], 0.95
@@ -145,12 +145,13 @@ def torch_muon(params):
 def normuon_reference(params):
     """NorMuon's reference (torch has none): muon_tools.NorMuonReference, on torch.optim.Muon's pieces, with the
     options above and NorMuon's defaults (beta2 0.95, eps 1e-10)."""
-    return mt.NorMuonReference(list(params.values()), lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
+    return muon_tools.NorMuonReference(list(params.values()), lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
                                nesterov=True, adjust_lr_fn="original")
 
 
 REFERENCES = {"muon": (TORCH, torch_muon), "normuon": ("muon_tools.NorMuonReference", normuon_reference),
-              titan.PER_HEAD: (f"{TORCH}, each qkv head a matrix", titan.per_head_reference(torch_muon))}
+              peers_torchtitan.PER_HEAD: (f"{TORCH}, each qkv head a matrix",
+                                          peers_torchtitan.per_head_reference(torch_muon))}
 
 
 def reference_step(weights, total, algorithm="muon"):
@@ -254,7 +255,7 @@ def ours(strategy):
                 p.grad = local[n]
 
         groups = [dict(params=list(params.items()), algorithm="muon")]
-        optimizer = mo.OPTIMIZERS[strategy](groups, grid=dm.make_grid(world, 1, rank), lr=LR,
+        optimizer = owners.OPTIMIZERS[strategy](groups, grid=distributed_muon_cpu.make_grid(world, 1, rank), lr=LR,
                                             weight_decay=WEIGHT_DECAY, momentum=MOMENTUM)
         return Contender(params, sync, optimizer.step, lambda: full_weights(params))
     return build
@@ -271,12 +272,13 @@ def dtensor_muon(algorithm, batched_ns=False, per_head=False, overlap=0):
         options = dict(lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, batched_ns=batched_ns)
         if per_head:
             options.update(ns_blocks="heads", row_layouts={
-                n: large_runs.RowLayout((titan.head_dim(w.shape[1]),), w.shape[0] // titan.head_dim(w.shape[1]))
-                for n, w in weights.items() if titan.is_qkv(n)})
+                n: large_runs.RowLayout((peers_torchtitan.head_dim(w.shape[1]),),
+                                        w.shape[0] // peers_torchtitan.head_dim(w.shape[1]))
+                for n, w in weights.items() if peers_torchtitan.is_qkv(n)})
         if overlap:
             layers = {n.rsplit(".", 1)[0] for n in weights}  # every layer of the same sizes
             options.update(exchange_bytes=2 * sum(w.numel() for w in weights.values()) // len(layers), overlap=overlap)
-        return fsdp2_contender(weights, world, lambda params: dd.DTensorMuon(
+        return fsdp2_contender(weights, world, lambda params: dtensor.DTensorMuon(
             [dict(params=list(params.items()), algorithm=algorithm)], **options))
     return build
 
@@ -371,13 +373,13 @@ def dion(cls, eager):
     around its construction (it keeps its Newton-Schulz function) and each step, only there."""
     def build(module, weights, world, rank):
         found = compiled_functions("dion") if eager else []
-        extra = dict(muon_beta2=mc.OPTIONS["normuon"]["beta2"]) if cls == "NorMuon" else {}
+        extra = dict(muon_beta2=checks.OPTIONS["normuon"]["beta2"]) if cls == "NorMuon" else {}
 
         def make(params):
             with unwrapped(found):
                 optimizer = getattr(module, cls)(
                     dion_groups(params), distributed_mesh=next(iter(params.values())).device_mesh, lr=LR,
-                    mu=MOMENTUM, weight_decay=WEIGHT_DECAY, nesterov=True, epsilon=mc.OPTIONS["muon"]["eps"],
+                    mu=MOMENTUM, weight_decay=WEIGHT_DECAY, nesterov=True, epsilon=checks.OPTIONS["muon"]["eps"],
                     use_polar_express=False, **extra)
 
             def step():
@@ -490,9 +492,10 @@ PEERS = [
           algorithm=cls.lower(), compiles=mode == "compiled")
      for cls in ("Muon", "NorMuon") for mode in ("compiled", "eager")
 ] + [Peer("torchtitan", "torchtitan", f"torchtitan {{v}} DistMuon, {kind}", FSDP2_SYNC,
-          titan.dist_muon(per_head, fsdp2_contender, dict(lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM)),
-          titan.patch, note=TORCHTITAN_NOTE, without_ns=titan.without_ns,
-          algorithm=titan.PER_HEAD if per_head else "muon")
+          peers_torchtitan.dist_muon(per_head, fsdp2_contender, dict(lr=LR, weight_decay=WEIGHT_DECAY,
+                                                                     momentum=MOMENTUM)),
+          peers_torchtitan.patch, note=TORCHTITAN_NOTE, without_ns=peers_torchtitan.without_ns,
+          algorithm=peers_torchtitan.PER_HEAD if per_head else "muon")
      for per_head, kind in ((False, "whole matrices"), (True, "per head"))]
 
 
@@ -529,7 +532,7 @@ def contenders(peers, world, rank, without_ns=False):
              + [Entry(DTENSOR, FSDP2_SYNC, dtensor_muon("muon")),
                 Entry(DTENSOR_BATCHED, FSDP2_SYNC, dtensor_muon("muon", batched_ns=True)),
                 Entry(DTENSOR_NORMUON, FSDP2_SYNC, dtensor_muon("normuon"), "normuon"),
-                Entry(DTENSOR_PER_HEAD, FSDP2_SYNC, dtensor_muon("muon", per_head=True), titan.PER_HEAD),
+                Entry(DTENSOR_PER_HEAD, FSDP2_SYNC, dtensor_muon("muon", per_head=True), peers_torchtitan.PER_HEAD),
                 Entry(DTENSOR_OVERLAP, FSDP2_SYNC, dtensor_muon("muon", overlap=1))])
     patches, status = [], []
     for peer in peers:
@@ -547,7 +550,7 @@ def contenders(peers, world, rank, without_ns=False):
             if without_ns:
                 patches.append(f"{peer.distribution}: {peer.without_ns()}")
         except Exception as error:  # a peer that cannot even be imported here is reported, not fatal
-            status.append((label, f"failed: {mt.one_line(error)}"))
+            status.append((label, f"failed: {muon_tools.one_line(error)}"))
             continue
         built.append(Entry(label, peer.sync, lambda w, n, r, b=peer.build, m=module: b(m, w, n, r), peer.algorithm,
                            peer.compiles))
@@ -605,7 +608,7 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without
                 compiling[entry.label] = firsts
             runners[entry.label] = (entry.sync, contender, local)
         except Exception as error:  # reported in the table; every rank fails alike (same code, same data)
-            status.append((entry.label, f"failed: {mt.one_line(error)}"))
+            status.append((entry.label, f"failed: {muon_tools.one_line(error)}"))
     references = {entry.label: REFERENCES[entry.algorithm][0] for entry in built}
     times = {label: dict(sync=[], step=[]) for label in runners}
     for _ in range(rounds):
@@ -621,14 +624,15 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, peer_names, without
             times[label]["step"].append((t2 - t1) * 1e3)
     mine = dict(times=times, checks=checks, patches=patches, status=status, compiling=compiling,
                 references=references, syncs={label: s for label, (s, _, _) in runners.items()})
-    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(mine, f))
+    muon_tools.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(mine, f))
     dist.destroy_process_group()
 
 
 def on_processes(world, d, layers, rounds, peer_names, without_ns=False):
     """The slowest rank's times per round, and rank 0's checks, patches and statuses."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mt.run_processes(rank_main, (world, mt.free_port(), out_dir, d, layers, rounds, peer_names, without_ns), world,
+        muon_tools.run_processes(rank_main, (world, muon_tools.free_port(), out_dir, d, layers, rounds, peer_names,
+                                             without_ns), world,
                          folders=(out_dir,))
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     result = per_rank[0]
@@ -659,7 +663,7 @@ def table(runs):
                          f"{statistics.median(t['step']):.0f}", f"{min(t['total']):.0f}", f"{median:.0f}",
                          f"{median / torch_ms:.2f}", f"{torch_ms / median:.2f}x", f"{min(torch_t) / min(t['total']):.2f}x",
                          "(the reference)" if label == TORCH else run["checks"][label]])
-    return torch_ms, mt.format_table(
+    return torch_ms, muon_tools.format_table(
         ["processes", "optimizer", "gradient sync (timed)", "sync ms", "step ms", "min ms", "median ms",
          "time / torch's", "speed-up", "speed-up of minima", "after one step vs its reference"],
         rows, [">", "<", "<", ">", ">", ">", ">", ">", ">", ">", "<"])
@@ -703,11 +707,7 @@ def beside(runs, pairs, find, columns):
             for label in theirs:
                 cells += medians_and_minima(totals, ours, label)
             rows.append([world, ours_as, *cells])
-    return format_beside(columns, rows) if rows else ""
-
-
-def format_beside(columns, rows):
-    return mt.format_table(columns, rows, [">", "<"] + [">"] * (len(columns) - 2))
+    return muon_tools.format_table(columns, rows, [">", "<"] + [">"] * (len(columns) - 2)) if rows else ""
 
 
 def beside_dion(runs):
@@ -738,7 +738,7 @@ def beside_torchtitan(runs):
 
 
 def main(argv=None):
-    p = mt.OneLineParser(description="The peers' Muon (gradient sync + step) against ours and torch's.")
+    p = muon_tools.OneLineParser(description="The peers' Muon (gradient sync + step) against ours and torch's.")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="process counts, powers of two (default: 1 2)")
     scaling.model_arguments(p, rounds_help="timed steps of each optimizer")
     distributions = list(dict.fromkeys(peer.distribution for peer in PEERS))
@@ -747,8 +747,8 @@ def main(argv=None):
     p.add_argument("--without-ns", action="store_true",
                    help="time everything but Newton-Schulz: every contender's replaced by its bf16 cast")
     args = p.parse_args(argv)
-    if any(not 1 <= n <= mt.MAX_WORLD or n & (n - 1) for n in args.ranks):
-        p.error(f"--ranks must be powers of two up to {mt.MAX_WORLD} (the averaged and the summed gradient are then exact)")
+    if any(not 1 <= n <= muon_tools.MAX_WORLD or n & (n - 1) for n in args.ranks):
+        p.error(f"--ranks must be powers of two up to {muon_tools.MAX_WORLD} (the averaged and the summed gradient are then exact)")
     scaling.check_model(p, args, max(args.ranks))
     if any(args.d % n for n in args.ranks):
         p.error(f"--d {args.d} must be divisible by every --ranks (FSDP2's even dim-0 shards)")
@@ -772,8 +772,8 @@ def main(argv=None):
           "ours is its step (which reduces); on N processes, the slowest rank's\n")
     print(rows)
     print(f"after one step: against {TORCH}, the NorMuon rows against {REFERENCES['normuon'][0]} (NorMuon on "
-          f"{TORCH}'s pieces, notes/14-normuon.md), the per-head rows against {REFERENCES[titan.PER_HEAD][0]} "
-          f"({titan.head_dim(args.d)} rows)")
+          f"{TORCH}'s pieces, notes/14-normuon.md), the per-head rows against {REFERENCES[peers_torchtitan.PER_HEAD][0]} "
+          f"({peers_torchtitan.head_dim(args.d)} rows)")
     compiling = compile_times(runs)
     if compiling:
         print(compiling)
@@ -795,4 +795,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

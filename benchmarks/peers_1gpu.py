@@ -36,11 +36,11 @@ import torch.distributed as dist  # noqa: E402
 
 import cost_model  # noqa: E402
 import importlib  # noqa: E402
-import distributed_muon_cpu as dm  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+import muon_tools  # noqa: E402
 import newton_schulz_gflops  # noqa: E402
 import peers  # noqa: E402
-import peers_torchtitan as titan  # noqa: E402
+import peers_torchtitan  # noqa: E402
 import scaling  # noqa: E402
 
 D, LAYERS, ROUNDS = 4096, 8, 5
@@ -50,7 +50,7 @@ ASSUMED_TFLOPS = cost_model.H100.ns_tflops  # the cost model's Newton-Schulz rat
 
 
 def build_parser():
-    p = mt.OneLineParser(description=__doc__.splitlines()[0])
+    p = muon_tools.OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where to run (default %(default)s)")
     scaling.model_arguments(p, d=D, rounds=ROUNDS, rounds_help="timed steps of each optimizer")
     p.set_defaults(layers=LAYERS)
@@ -81,9 +81,9 @@ def contenders(device_type):
             continue
         try:
             module = importlib.import_module(rows[0].module)
-            patches = titan.patch(device_type) if distribution == "torchtitan" else rows[0].patch()
+            patches = peers_torchtitan.patch(device_type) if distribution == "torchtitan" else rows[0].patch()
         except Exception as error:  # reported, not fatal: the others still run
-            statuses.append(f"{distribution} {version}: failed: {mt.one_line(error)}")
+            statuses.append(f"{distribution} {version}: failed: {muon_tools.one_line(error)}")
             continue
         for peer in rows:
             built.append((peer.label.format(v=version), lambda w, b=peer.build, m=module: b(m, w, 1, 0),
@@ -118,7 +118,7 @@ def run(label, build, compiles, algorithm, weights, total, references, rounds, s
             steps.append((time.perf_counter() - t0) * 1e3)
         return dict(label=label, steps=steps, check=checked, firsts=firsts if compiles else [])
     except Exception as error:  # a failing optimizer is a row that says so, never the end of the others
-        return dict(label=label, failed=mt.one_line(error))
+        return dict(label=label, failed=muon_tools.one_line(error))
 
 
 def newton_schulz_rates(shapes, device, rounds, sync):
@@ -131,9 +131,11 @@ def newton_schulz_rates(shapes, device, rounds, sync):
     for shape, count in counts.items():
         g = torch.randn(shape, generator=torch.Generator(device).manual_seed(0), device=device)
         ms = newton_schulz_gflops.median_ms(
-            lambda: newton_schulz_gflops.torch_newton_schulz(g, dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS),
+            lambda: newton_schulz_gflops.torch_newton_schulz(g, distributed_muon_cpu.NS_COEFFICIENTS,
+                                                             distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS),
             rounds, sync)
-        rows.append((shape, count, ms, dm.newton_schulz_flops(shape, dm.NS_STEPS) / ms / 1e9))
+        rows.append((shape, count, ms, distributed_muon_cpu.newton_schulz_flops(shape,
+                                                                                distributed_muon_cpu.NS_STEPS) / ms / 1e9))
     return rows
 
 
@@ -147,12 +149,12 @@ def main(argv=None):
     if on_gpu:  # at once: weights, gradient, the two references' results, one optimizer's weights, grads, momentum
         need, has = GPU_COPIES * 4 * 12 * args.d**2 * args.layers, torch.cuda.get_device_properties(0).total_memory
         if need > has:
-            raise ValueError(f"--d {args.d} x --layers {args.layers} needs about {mt.human_bytes(need)} of GPU "
+            raise ValueError(f"--d {args.d} x --layers {args.layers} needs about {muon_tools.human_bytes(need)} of GPU "
                              f"memory (weights, gradient, references, one optimizer's state), more than its "
-                             f"{mt.human_bytes(has)}")
+                             f"{muon_tools.human_bytes(has)}")
     torch.set_num_threads(1)  # on the CPU as benchmarks/peers.py's ranks; on a GPU the host thread only launches
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{mt.free_port()}",
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{muon_tools.free_port()}",
                             rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
     try:
         where = torch.cuda.get_device_name(0) if on_gpu else "this CPU, 1 thread"
@@ -171,7 +173,7 @@ def main(argv=None):
     torch_ms = statistics.median(next(r["steps"] for r in timed if r["label"] == peers.TORCH))
     rows = [[r["label"], f"{statistics.median(r['steps']):.1f}", f"{min(r['steps']):.1f}",
              f"{statistics.median(r['steps']) / torch_ms:.2f}", r["check"]] for r in timed]
-    print(mt.format_table(["optimizer", "step ms (median)", "min ms", "time / torch's",
+    print(muon_tools.format_table(["optimizer", "step ms (median)", "min ms", "time / torch's",
                            "after one step vs torch.optim.Muon"], rows, ["<", ">", ">", ">", "<"]))
     for r in results:
         if "failed" in r:
@@ -179,16 +181,17 @@ def main(argv=None):
         elif r["firsts"]:
             print(f"  {r['label']}: its first two steps (sync + step, compiling) "
                   + ", ".join(f"{s:.1f}" for s in r["firsts"]) + " s, apart from the table")
-    if any(c[3] == titan.PER_HEAD for c in built):
-        print(f"  the per-head rows against {peers.REFERENCES[titan.PER_HEAD][0]} ({titan.head_dim(args.d)} rows)")
+    if any(c[3] == peers_torchtitan.PER_HEAD for c in built):
+        print(f"  the per-head rows against {peers.REFERENCES[peers_torchtitan.PER_HEAD][0]} ({peers_torchtitan.head_dim(args.d)} rows)")
     for status in statuses:
         print(f"  {status}")
-    flops = sum(dm.newton_schulz_flops(tuple(w.shape), dm.NS_STEPS) for w in weights.values())
+    flops = sum(distributed_muon_cpu.newton_schulz_flops(tuple(w.shape),
+                                                         distributed_muon_cpu.NS_STEPS) for w in weights.values())
     measured_ms = sum(count * ms for _, count, ms, _ in rates)
-    print(f"\nNewton-Schulz alone (torch's, {dm.NS_STEPS} iterations, bf16), one matrix of each shape, median of "
+    print(f"\nNewton-Schulz alone (torch's, {distributed_muon_cpu.NS_STEPS} iterations, bf16), one matrix of each shape, median of "
           f"{args.rounds} after a warm-up; the cost model assumes {ASSUMED_TFLOPS:.0f} TFLOP/s on an H100 "
           f"(benchmarks/cost_model.py):")
-    print(mt.format_table(
+    print(muon_tools.format_table(
         ["shape", "matrices", "ms each", "TFLOP/s", "/ the assumed rate"],
         [[f"{m} x {n}", count, f"{ms:.3g}", f"{tflops:.3g}", f"{tflops / ASSUMED_TFLOPS:.3g}"]
          for (m, n), count, ms, tflops in rates], [">", ">", ">", ">", ">"]))
@@ -200,4 +203,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    mt.leave(mt.exit_code(main))
+    muon_tools.leave(muon_tools.exit_code(main))

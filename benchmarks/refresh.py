@@ -39,7 +39,7 @@ if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the 
 
     muon_forkserver.start_command(spawns_ranks=False)
 
-import muon_tools as mt  # noqa: E402
+import muon_tools  # noqa: E402
 
 MEASURED = os.path.join(ROOT, "notes", "measured")
 INDEX = "INDEX.md"
@@ -111,7 +111,8 @@ PARTS = (
                                "--figure {out}/scaling_2core.png",), data=("scaling_2core.json", "scaling_2core.png"),
          quick=("{python} benchmarks/scaling.py --ranks 1 --d 32 --layers 1 --rounds 1 --json {out}/scaling_2core.json "
                 "--figure {out}/scaling_2core.png",)),
-    Part("scaling_d128_2core.txt", ("{python} benchmarks/scaling.py --d 128 --rounds 9 --json {out}/scaling_d128_2core.json"
+    Part("scaling_d128_2core.txt",
+         ("{python} benchmarks/scaling.py --d 128 --rounds 9 --json {out}/scaling_d128_2core.json"
                                     " --figure {out}/scaling_d128_2core.png",),
          data=("scaling_d128_2core.json", "scaling_d128_2core.png")),
     Part("scaling_without_ns_d768_2core.txt", ("{python} benchmarks/scaling.py --without-ns --ranks 1 2 --rounds 15 "
@@ -173,7 +174,8 @@ PARTS = (
     Part("tp_newton_schulz_bytes.txt", (compare("--tp-newton-schulz-bytes"),)),
     Part("gpt_tp_newton_schulz_4x2.txt", (train_gpt("--strategy gather --steps 40"),
                                           train_gpt("--strategy gather --steps 40 --tp-newton-schulz gram"))),
-    Part("gpt_large_options_verify_2x2.txt", (train_gpt("--dp 2 --tp 2 --lr 0.1 --steps 8 --qk-clip 1 --ns-blocks heads "
+    Part("gpt_large_options_verify_2x2.txt",
+         (train_gpt("--dp 2 --tp 2 --lr 0.1 --steps 8 --qk-clip 1 --ns-blocks heads "
                                                         "--ns-coefficients polar_express --verify"),)),
     # Chapter 12: the cost model, its tables at cluster scale and its times against this machine's
     Part("cost_model_h100.txt", ("{python} benchmarks/cost_model.py --chapter --json {out}/cost_model_h100.json "
@@ -253,7 +255,8 @@ def run_part(part, commands, out_dir, made_by, limit_s):
         body = outputs[0]
     else:
         body = "".join(f"\n$ {shown(c, out_dir)}\n{out}" for c, out in zip(commands, outputs))
-    mt.write_atomically(os.path.join(out_dir, part.text), lambda f: f.write(("\n".join(lines) + "\n" + body).encode()))
+    muon_tools.write_atomically(os.path.join(out_dir, part.text),
+                                lambda f: f.write(("\n".join(lines) + "\n" + body).encode()))
     return "ok", seconds
 
 
@@ -291,7 +294,7 @@ def read_index(path):
 def write_index(path, rows):
     text = INDEX_HEADER + "".join(f"| `{name}` | {command} | `{made}` | {how} |\n"
                                   for name, (command, made, how) in sorted(rows.items()))
-    mt.write_atomically(path, lambda f: f.write(text.encode()))
+    muon_tools.write_atomically(path, lambda f: f.write(text.encode()))
 
 
 def header_of(path):
@@ -332,7 +335,7 @@ def command_cell(commands, out_dir=MEASURED):
 
 
 def build_parser():
-    p = mt.OneLineParser(description="Rewrite notes/measured/ from the commands that make its files.")
+    p = muon_tools.OneLineParser(description="Rewrite notes/measured/ from the commands that make its files.")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes of the parts that have them, into a temporary folder (a smoke run)")
     p.add_argument("--out", metavar="DIR", help="the folder to write (default notes/measured, or a new temporary "
@@ -392,11 +395,11 @@ def main(argv=None):
                               f"refresh.sh{' --quick' if args.quick else ''}, "
                               f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, {seconds:.0f} s")
             write_index(index_path, rows)
-    print("\n" + mt.format_table(["part", "status", "s", "files"], summary, ["<", "<", ">", "<"]))
+    print("\n" + muon_tools.format_table(["part", "status", "s", "files"], summary, ["<", "<", ">", "<"]))
     print(f"Not made here: {NOT_HERE}.")
     print(f"Index: {index_path}")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

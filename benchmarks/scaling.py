@@ -42,17 +42,18 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.owners as mo  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+from distmuon import owners  # noqa: E402
+import muon_tools  # noqa: E402
 
 D, LAYERS, VECTORS, ROUNDS = 768, 4, 32, 5  # GPT-2 small's width; the median of 5 steps
 TORCH = "torch.optim.Muon + AdamW"
 HYPERPARAMETERS = dict(lr=0.02, weight_decay=0.1)  # for torch's optimizers and ours alike
 # What is timed: every strategy, and those that take overlap (the owner strategies) with their step overlapped.
-OVERLAPPED = mo.strategies_where(lambda strategy: "overlap" in strategy.own_options)
-VARIANTS = {s: (s, {}) for s in mo.STRATEGIES}
-VARIANTS.update({f"{s} --overlap {mo.OVERLAP_DEFAULT}": (s, dict(overlap=mo.OVERLAP_DEFAULT)) for s in OVERLAPPED})
+OVERLAPPED = owners.strategies_where(lambda strategy: "overlap" in strategy.own_options)
+VARIANTS = {s: (s, {}) for s in owners.STRATEGIES}
+VARIANTS.update({f"{s} --overlap {owners.OVERLAP_DEFAULT}": (s,
+                                                             dict(overlap=owners.OVERLAP_DEFAULT)) for s in OVERLAPPED})
 
 
 def shapes(d, layers):
@@ -82,10 +83,10 @@ def memory_error(d, layers, processes):
     """"" when `processes` processes at once can hold the model here, else why not (one line): each keeps at
     least the matrices' weights, gradients and momentum in fp32, 3 x 4 bytes x 12 d^2 per layer (shapes())."""
     need = processes * 3 * 4 * 12 * d * d * layers
-    if need <= mt.host_memory():
+    if need <= muon_tools.host_memory():
         return ""
-    return (f"--d {d} x --layers {layers} on {processes} processes needs at least {mt.human_bytes(need)}, more than "
-            f"this machine's {mt.human_bytes(mt.host_memory())} of memory")
+    return (f"--d {d} x --layers {layers} on {processes} processes needs at least {muon_tools.human_bytes(need)}, more than "
+            f"this machine's {muon_tools.human_bytes(muon_tools.host_memory())} of memory")
 
 
 def parameters(d, layers, device="cpu"):
@@ -105,7 +106,7 @@ def torch_reference(params):
             torch.optim.AdamW([p for p in params.values() if p.ndim != 2], **HYPERPARAMETERS, foreach=False)]
 
 
-def build(variant, params, grid, variants=VARIANTS, module=mo):
+def build(variant, params, grid, variants=VARIANTS, module=owners):
     """`variant`'s optimizer from `module`'s OPTIMIZERS (this distmuon.owners, or another commit's)."""
     strategy, options = variants[variant]
     groups = [dict(params=[(n, p) for n, p in params.items() if p.ndim == 2], algorithm="muon"),
@@ -134,7 +135,7 @@ def without_newton_schulz():
 
     cast = lambda matrix, *args, **kwargs: matrix.bfloat16()  # noqa: E731
     setattr(torch_muon, TORCH_NEWTON_SCHULZ, cast)
-    dm.newton_schulz = mo.newton_schulz = cast  # the lesson's, and the one distmuon.owners imported for --batched-ns
+    distributed_muon_cpu.newton_schulz = owners.newton_schulz = cast  # the lesson's, and the one distmuon.owners imported for --batched-ns
 
 
 def step_ms(steppers, rounds, barrier=lambda: None):
@@ -168,19 +169,19 @@ def rank_main(rank, world, port, out_dir, d, layers, variants, rounds, without_n
         without_newton_schulz()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
-    times = step_ms(steppers(variants, dm.make_grid(world, 1, rank), d, layers), rounds, dist.barrier)
-    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(times, f))
+    times = step_ms(steppers(variants, distributed_muon_cpu.make_grid(world, 1, rank), d, layers), rounds, dist.barrier)
+    muon_tools.write_atomically(os.path.join(out_dir, f"{rank}.pt"), lambda f: torch.save(times, f))
     dist.destroy_process_group()
 
 
 def on_one_process(d, layers, rounds=ROUNDS):
     """{name: step times} for torch and every variant on one rank, all in this process, interleaved."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{mt.free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{muon_tools.free_port()}", rank=0, world_size=1)
     params, grads = parameters(d, layers)
     reference = torch_reference(params)
     built = {TORCH: (lambda: [o.step() for o in reference], params, grads)}
-    built.update(steppers(VARIANTS, dm.make_grid(1, 1, 0), d, layers))
+    built.update(steppers(VARIANTS, distributed_muon_cpu.make_grid(1, 1, 0), d, layers))
     times = step_ms(built, rounds)
     dist.destroy_process_group()
     return times
@@ -189,7 +190,8 @@ def on_one_process(d, layers, rounds=ROUNDS):
 def on_ranks(world, d, layers, variants=VARIANTS, rounds=ROUNDS, without_ns=False):
     """{variant: per-step times of the slowest rank} on `world` ranks."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mt.run_processes(rank_main, (world, mt.free_port(), out_dir, d, layers, variants, rounds, without_ns), world,
+        muon_tools.run_processes(rank_main, (world, muon_tools.free_port(), out_dir, d, layers, variants, rounds,
+                                             without_ns), world,
                          folders=(out_dir,))
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
     return {v: [max(r[v][i] for r in per_rank) for i in range(rounds)] for v in variants}
@@ -203,13 +205,13 @@ def goal(n, variant, without_ns=False):
         return "<= 1.02x torch's time"
     if without_ns:
         return "-"
-    if n == 2 and mo.strategy_class(strategy).orthogonalizes_once:
+    if n == 2 and owners.strategy_class(strategy).orthogonalizes_once:
         return ">= 1.7x faster"
     return f">= {0.85 * n:.2f}x faster" if strategy == "owner" and n <= (os.cpu_count() or 1) else "-"
 
 
 def main(argv=None):
-    p = mt.OneLineParser(description="Step time of every strategy against torch's, over ranks.")
+    p = muon_tools.OneLineParser(description="Step time of every strategy against torch's, over ranks.")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts (default: 1 2)")
     model_arguments(p)
     p.add_argument("--without-ns", action="store_true",
@@ -217,14 +219,14 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH", help="write every step time")
     p.add_argument("--figure", metavar="PATH", help="write the speed-up against ranks as a PNG")
     args = p.parse_args(argv)
-    if any(not 1 <= n <= mt.MAX_WORLD for n in args.ranks):
-        p.error(f"--ranks must be in [1, {mt.MAX_WORLD}] (got {' '.join(map(str, args.ranks))})")
+    if any(not 1 <= n <= muon_tools.MAX_WORLD for n in args.ranks):
+        p.error(f"--ranks must be in [1, {muon_tools.MAX_WORLD}] (got {' '.join(map(str, args.ranks))})")
     check_model(p, args, max(args.ranks))
     try:
-        mt.check_outputs({"--json": args.json, "--figure": args.figure})
+        muon_tools.check_outputs({"--json": args.json, "--figure": args.figure})
         for option, path in (("--json", args.json), ("--figure", args.figure)):
             if path:
-                mt.check_writable(path, option)
+                muon_tools.check_writable(path, option)
     except ValueError as e:
         p.error(str(e))
     if args.without_ns and not hasattr(torch.optim._muon, TORCH_NEWTON_SCHULZ):
@@ -251,11 +253,12 @@ def main(argv=None):
             median = statistics.median(runs[n][v])
             rows.append([n, v, f"{min(runs[n][v]):.0f}", f"{median:.0f}", f"{median / min(runs[n][v]) - 1:.0%}",
                          f"{median / torch_ms:.3f}", f"{torch_ms / median:.2f}x", goal(n, v, args.without_ns)])
-    print(mt.format_table(["ranks", "strategy", "min ms", "median ms", "median/min - 1", "time / torch's",
+    print(muon_tools.format_table(["ranks", "strategy", "min ms", "median ms", "median/min - 1", "time / torch's",
                            "speed-up", "goal"], rows, [">", "<", ">", ">", ">", ">", ">", "<"]))
     print("\nGoal for every run: median/min - 1 <= 10 % (steady step times).")
     if args.json:
-        mt.write_json(args.json, dict(torch=torch.__version__, d=args.d, layers=args.layers, matmul_gflops=speed,
+        muon_tools.write_json(args.json, dict(torch=torch.__version__, d=args.d, layers=args.layers,
+                                              matmul_gflops=speed,
                                       without_ns=args.without_ns, torch_ms=one[TORCH],
                                       runs={str(n): r for n, r in runs.items()}))
     if args.figure:
@@ -273,9 +276,9 @@ def main(argv=None):
         plt.title(f"{args.layers} layers at d = {args.d}; bf16 matmul {speed['bfloat16']:.0f} GFLOP/s here"
                   + (", without Newton-Schulz" if args.without_ns else ""))
         plt.legend()
-        mt.save_figure(plt.gcf(), args.figure, dpi=100)
+        muon_tools.save_figure(plt.gcf(), args.figure, dpi=100)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

@@ -16,7 +16,7 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 
     muon_forkserver.start_command()
 
-import muon_tools as mt  # noqa: E402
+import muon_tools  # noqa: E402
 
 STEPS = 5
 
@@ -30,34 +30,36 @@ def per_rank_max(result, phase):
 
 
 def main(argv=None):
-    mt.OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
-    print(f"Grids of 8 ranks, default model, {STEPS} steps, bucket size {mt.RunConfig().bucket_size:,} elements\n")
+    muon_tools.OneLineParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
+    print(f"Grids of 8 ranks, default model, {STEPS} steps, bucket size {muon_tools.RunConfig().bucket_size:,} elements\n")
     rows = []
     for dp, tp in [(8, 1), (4, 2), (2, 4), (1, 8)]:
-        r = mt.run(mt.RunConfig(dp=dp, tp=tp, steps=STEPS), print_fn=quiet)
+        r = muon_tools.run(muon_tools.RunConfig(dp=dp, tp=tp, steps=STEPS), print_fn=quiet)
         assert r["passed"]
-        phases = [mt.human_bytes(per_rank_max(r, p)) for p in mt.PHASES]
-        total, _ = mt.total_bytes(r["bytes_per_step"])
-        rows.append([f"{dp}x{tp}", *phases, mt.human_bytes(total), f"{max(r['ns_flops']['per_rank']) / 1e9:.3f}",
+        phases = [muon_tools.human_bytes(per_rank_max(r, p)) for p in muon_tools.PHASES]
+        total, _ = muon_tools.total_bytes(r["bytes_per_step"])
+        rows.append([f"{dp}x{tp}", *phases, muon_tools.human_bytes(total),
+                     f"{max(r['ns_flops']['per_rank']) / 1e9:.3f}",
                      f"{r['ns_flops']['redundancy']:.2f}", f"{r['timings']['step_ms_median']:.0f}"])
-    header = ["DPxTP", *mt.PHASES, "total/rank", "NS GFLOP/rank (max)", "redundancy", "step ms"]
-    print(mt.format_table(header, rows, ["<"] + [">"] * (len(header) - 1)))
+    header = ["DPxTP", *muon_tools.PHASES, "total/rank", "NS GFLOP/rank (max)", "redundancy", "step ms"]
+    print(muon_tools.format_table(header, rows, ["<"] + [">"] * (len(header) - 1)))
 
     print(f"\nBucket size on DP=4 x TP=2 ({STEPS} steps): fewer, larger DP messages\n")
     rows = []
     for bucket_size in (1, 8_192, 65_536, 1 << 20):
-        r = mt.run(mt.RunConfig(dp=4, tp=2, steps=STEPS, bucket_size=bucket_size), print_fn=quiet)
+        r = muon_tools.run(muon_tools.RunConfig(dp=4, tp=2, steps=STEPS, bucket_size=bucket_size), print_fn=quiet)
         assert r["passed"]
         ledger = r["ledgers"][0]["comm"]
-        calls = {p: sum(1 for c in ledger if c["step"] == STEPS and c["phase"] == p) for p in mt.PHASES}
+        calls = {p: sum(1 for c in ledger if c["step"] == STEPS and c["phase"] == p) for p in muon_tools.PHASES}
         padding = sum(b["numel"] - b["used"] for b in r["buckets"])
         rows.append([f"{bucket_size:,}", len(r["buckets"]), padding, calls["grad reduce-scatter"], calls["DP gather"],
                      calls["TP gather"], calls["param all-gather"],
-                     mt.human_bytes(mt.total_bytes(r["bytes_per_step"])[0]),
+                     muon_tools.human_bytes(muon_tools.total_bytes(r["bytes_per_step"])[0]),
                      f"{r['ns_flops']['redundancy']:.2f}", f"{r['timings']['step_ms_median']:.0f}"])
-    print(mt.format_table(["bucket size", "buckets", "padding", "RS calls", "DP gather calls", "TP gather calls",
+    print(muon_tools.format_table(["bucket size", "buckets", "padding", "RS calls", "DP gather calls",
+                                   "TP gather calls",
                            "param AG calls", "total/rank", "redundancy", "step ms"], rows, ["<"] + [">"] * 9))
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

@@ -25,11 +25,11 @@ if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the 
 
 import torch  # noqa: E402
 
-import muon_tools as mt  # noqa: E402
+import muon_tools  # noqa: E402
 
 
 def build_parser():
-    p = mt.OneLineParser(description=__doc__.splitlines()[0])
+    p = muon_tools.OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("run", metavar="RUN.json", help="what --json wrote for the run to compare with")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where to run (default %(default)s)")
     return p
@@ -41,7 +41,7 @@ def read_run(path):
     try:
         with open(path) as f:
             run = json.load(f)
-        return mt.RunConfig(**run["config"]), run["timings"]["step_ms_median"], run["passed"]
+        return muon_tools.RunConfig(**run["config"]), run["timings"]["step_ms_median"], run["passed"]
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror}") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -54,7 +54,8 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("no CUDA GPU here (torch.cuda.is_available() is False); --device cpu runs on this CPU")
     step_ms = []
-    mt.torch_reference_steps(tuple(mt.demo_specs(cfg)), cfg, args.device, step_ms)  # the run's own reference
+    muon_tools.torch_reference_steps(tuple(muon_tools.demo_specs(cfg)), cfg, args.device,
+                                     step_ms)  # the run's own reference
     on_gpu = args.device == "cuda"
     theirs = statistics.median(step_ms)
     where = torch.cuda.get_device_name(0) if on_gpu else "this CPU, 1 thread"
@@ -66,4 +67,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

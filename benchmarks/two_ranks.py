@@ -37,9 +37,11 @@ import torch.distributed as dist  # noqa: E402
 
 
 import scaling  # noqa: E402
-from scaling import dm, mo, mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+from distmuon import owners  # noqa: E402
+import muon_tools  # noqa: E402
 
-VARIANTS = {v: s for v, s in scaling.VARIANTS.items() if mo.strategy_class(s[0]).orthogonalizes_once}
+VARIANTS = {v: s for v, s in scaling.VARIANTS.items() if owners.strategy_class(s[0]).orthogonalizes_once}
 COPIES = ("aten::cat", "aten::copy_", "aten::clone", "aten::zeros", "aten::zero_", "aten::fill_", "aten::new_zeros",
           "aten::split", "aten::empty", "aten::new_empty")
 ELEMENTWISE = ("aten::add_", "aten::mul_", "aten::lerp_", "aten::lerp", "aten::add", "aten::addcmul_",
@@ -91,7 +93,8 @@ def other_commit(directory):
     its owner strategies] (distmuon/owners.py, or muon_owners.py before the library moved into distmuon/; before
     the owner strategies had a file of their own: [its lesson]). While its modules load, they and not ours are the
     library's names in sys.modules, so that they import one another; ours are put back after."""
-    ours = {n: m for n, m in sys.modules.items() if n in ("distributed_muon_cpu", "distmuon") or n.startswith("distmuon.")}
+    ours = {n: m for n, m in sys.modules.items() if n in ("distributed_muon_cpu",
+                                                          "distmuon") or n.startswith("distmuon.")}
     for name in ours:
         del sys.modules[name]
     try:
@@ -116,20 +119,20 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, without_ns, before)
     if without_ns:
         scaling.without_newton_schulz()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    grid = dm.make_grid(world, 1, rank)
-    modules = {"": [dm, mo]} | ({BEFORE: other_commit(before)} if before else {})
+    grid = distributed_muon_cpu.make_grid(world, 1, rank)
+    modules = {"": [distributed_muon_cpu, owners]} | ({BEFORE: other_commit(before)} if before else {})
     built, others = {}, {}
     for suffix, (*rest, module) in modules.items():
         if without_ns:
             for m in rest + [module]:
-                m.newton_schulz = dm.newton_schulz
+                m.newton_schulz = distributed_muon_cpu.newton_schulz
         for variant in VARIANTS:
             params, grads = scaling.parameters(d, layers)
             (others if suffix else built)[variant + suffix] = (
                 scaling.build(variant, params, grid, VARIANTS, module), params, grads)
     times = scaling.step_ms({v: (o.step, p, g) for v, (o, p, g) in (built | others).items()}, rounds,
                             dist.barrier)
-    labels = set(mt.PHASES_OF['owner'] + mt.PHASES_OF['comm-free']) | {"newton-schulz", "state update"}
+    labels = set(muon_tools.PHASES_OF['owner'] + muon_tools.PHASES_OF['comm-free']) | {"newton-schulz", "state update"}
     splits, flops = {}, {}
     for variant, (opt, params, grads) in (built | others).items():
         for n, p in params.items():
@@ -140,7 +143,7 @@ def rank_main(rank, world, port, out_dir, d, layers, rounds, without_ns, before)
                 opt.step()
         splits[variant] = split_of(prof.events(), labels)
         flops[variant] = sum(c["flops"] for c in opt.ledger.compute if c["step"] == opt.ledger.step)
-    mt.write_atomically(os.path.join(out_dir, f"{rank}.pt"),
+    muon_tools.write_atomically(os.path.join(out_dir, f"{rank}.pt"),
                         lambda f: torch.save(dict(times=times, splits=splits, flops=flops), f))
     dist.destroy_process_group()
 
@@ -152,18 +155,18 @@ def torch_newton_schulz_ms(d, layers, repeats=3):
     matrices, _ = scaling.shapes(d, layers)
     xs = [torch.randn(s) for s in matrices.values()]
     for s in set(matrices.values()):
-        dm.newton_schulz(torch.randn(s))
+        distributed_muon_cpu.newton_schulz(torch.randn(s))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for x in xs:
-            dm.newton_schulz(x)
+            distributed_muon_cpu.newton_schulz(x)
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), sum(dm.newton_schulz_flops(s) for s in matrices.values())
+    return statistics.median(times), sum(distributed_muon_cpu.newton_schulz_flops(s) for s in matrices.values())
 
 
 def main(argv=None):
-    p = mt.OneLineParser(description=__doc__.splitlines()[0])
+    p = muon_tools.OneLineParser(description=__doc__.splitlines()[0])
     scaling.model_arguments(p, rounds=3, rounds_help="untraced interleaved steps before the traced one")
     p.add_argument("--without-ns", action="store_true", help="Newton-Schulz replaced by its bf16 cast")
     p.add_argument("--before", metavar="DIR", help="also time DIR/distributed_muon_cpu.py's variants, interleaved")
@@ -173,7 +176,8 @@ def main(argv=None):
         p.error(f"--before {a.before}: no distributed_muon_cpu.py there")
     ns_ms, ns_flops = torch_newton_schulz_ms(a.d, a.layers)
     with tempfile.TemporaryDirectory() as out_dir:
-        mt.run_processes(rank_main, (2, mt.free_port(), out_dir, a.d, a.layers, a.rounds, a.without_ns, a.before), 2,
+        muon_tools.run_processes(rank_main, (2, muon_tools.free_port(), out_dir, a.d, a.layers, a.rounds, a.without_ns,
+                                             a.before), 2,
                          folders=(out_dir,))
         ranks = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(2)]
     print(f"{a.layers} layers at d = {a.d}, DP = 2 x TP = 1, 1 thread per rank; torch {torch.__version__}"
@@ -200,9 +204,9 @@ def main(argv=None):
         rows += [[k] + [f"{r['splits'][v].get(k, 0.0):.0f}" for v in variants for r in ranks] for k in parts]
         rows += [["step (traced)"] + [f"{r['splits'][v]['step']:.0f}" for v in variants for r in ranks]]
         print()
-        print(mt.format_table(head, rows, ["<"] + [">"] * (len(head) - 1)))
+        print(muon_tools.format_table(head, rows, ["<"] + [">"] * (len(head) - 1)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(mt.exit_code(main))
+    sys.exit(muon_tools.exit_code(main))

@@ -62,8 +62,8 @@ from torch.profiler import record_function
 
 
 import distmuon.collectives as collectives  # noqa: E402
-import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.large_runs as mlr  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+from distmuon import large_runs  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def initial_weights(config):
 
 
 # -- f and g: the only TP communication ---------------------------------------
-# Both record what they move in a dm.Ledger, as the optimizer's collectives do
+# Both record what they move in a distributed_muon_cpu.Ledger, as the optimizer's collectives do
 # (Gloo's profiler records no sizes): an all-reduce of n elements over a group of
 # size s counts as a ring's 2 (s - 1) n / s sent and received per rank.
 #
@@ -127,7 +127,7 @@ def initial_weights(config):
 # another rotation of the ranks, which no one process follows once TP > 2.
 
 def tp_all_reduce(x, tp, ledger, phase):
-    """Sum x over the ranks of `tp` (a dm.Axis) in place; ReduceOp.SUM, as the optimizer reduces.
+    """Sum x over the ranks of `tp` (a distributed_muon_cpu.Axis) in place; ReduceOp.SUM, as the optimizer reduces.
     Gloo: in rank order (above); NCCL: its own all-reduce, in its own order."""
     with record_function(phase):
         if dist.get_backend(tp.group) == "gloo":
@@ -312,7 +312,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The model as one TP rank holds it: grid_tp is that rank's dm.Axis along TP (None: one process).
+    """The model as one TP rank holds it: grid_tp is that rank's distributed_muon_cpu.Axis along TP (None: one process).
 
     Every parameter starts as this rank's TP piece of initial_weights(config). One process holds the
     whole parameters; with as_tp=TP it computes as TP's ranks do (the module's docstring)."""
@@ -329,7 +329,7 @@ class GPT(nn.Module):
         split = self.tp_split_dims()
         with torch.no_grad():
             for name, p in self.named_parameters():
-                p.copy_(dm.tp_shard(full[name], split.get(name, -1), self.tpc.rank, self.tpc.size))
+                p.copy_(distributed_muon_cpu.tp_shard(full[name], split.get(name, -1), self.tpc.rank, self.tpc.size))
 
     @property
     def ledger(self):
@@ -378,10 +378,10 @@ class GPT(nn.Module):
 
 
 def qkv_row_layouts(config):
-    """{qkv weight name: mlr.RowLayout} of the FULL (TP-gathered) fused QKV matrices: head by head, each
+    """{qkv weight name: large_runs.RowLayout} of the FULL (TP-gathered) fused QKV matrices: head by head, each
     head's q, k and v rows (head_dim each), as Attention lays them out; for ns_blocks and QK-clip."""
     hd = config.d_model // config.n_heads
-    layout = mlr.RowLayout((hd, hd, hd), config.n_heads, ("q", "k", "v"))
+    layout = large_runs.RowLayout((hd, hd, hd), config.n_heads, ("q", "k", "v"))
     return {f"blocks.{i}.attn.qkv.weight": layout for i in range(config.n_layers)}
 
 
@@ -398,7 +398,7 @@ def muon_params(model):
 
 
 def param_groups(model, muon, adamw, adamw_no_wd):
-    """Named param groups for dm.DistributedMuon (and, without names, for torch's optimizers):
+    """Named param groups for distributed_muon_cpu.DistributedMuon (and, without names, for torch's optimizers):
     hidden matrices with `muon`'s hyperparameters, embeddings with `adamw`'s, norms and
     biases with `adamw_no_wd`'s (no weight decay on them, as is usual)."""
     matrices = set(muon_params(model))

@@ -3,7 +3,7 @@ rate at each step (constant, or warm-up then cosine decay as nanoGPT's train.py 
 
 import math
 
-import distributed_muon_cpu as dm
+import distributed_muon_cpu
 
 MIN_LR_FRACTION = 0.1  # where warmup-cosine ends, as a fraction of --lr (nanoGPT's min_lr = learning_rate / 10)
 
@@ -13,7 +13,7 @@ def hyperparameters(cfg):
     AdamW without weight decay for norms and biases."""
     adamw = dict(algorithm="adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), eps=1e-8)
     muon = dict(algorithm="normuon" if cfg.optimizer == "normuon" else "muon", lr=cfg.lr, weight_decay=cfg.weight_decay,
-                momentum=cfg.momentum, nesterov=True, ns_steps=dm.NS_STEPS, adjust_lr_fn="match_rms_adamw")
+                momentum=cfg.momentum, nesterov=True, ns_steps=distributed_muon_cpu.NS_STEPS, adjust_lr_fn="match_rms_adamw")
     if cfg.ns_coefficients != "jordan":  # the group keeps the name; torch's default stays unnamed
         muon["ns_coefficients"] = cfg.ns_coefficients
     return (adamw if cfg.optimizer == "adamw" else muon), adamw, dict(adamw, weight_decay=0.0)

@@ -159,7 +159,7 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The routed MLP of one block (the module's docstring). ep: this rank's EP axis (a dm.Axis; None: one
+    """The routed MLP of one block (the module's docstring). ep: this rank's EP axis (a distributed_muon_cpu.Axis; None: one
     process, every expert here); set by whoever places the experts, with the ledger its exchanges count in."""
 
     def __init__(self, d, moe, shared=None, micro_batches=1):

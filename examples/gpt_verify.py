@@ -4,11 +4,11 @@ own gradients, each step's gradients at the ranks' weights, and the free-running
 
 import torch
 
-import distributed_muon_cpu as dm
-import distmuon.checks as mc
-import distmuon.large_runs as mlr
-import distmuon.owners as mo
-import muon_tools as mt
+import distributed_muon_cpu
+from distmuon import checks
+from distmuon import large_runs
+from distmuon import owners
+import muon_tools
 from muon_tools import bound_ratio, loss_drift, one_ulp_up
 from examples.gpt import GPT, param_groups, qkv_row_layouts
 from examples.gpt_hyperparameters import hyperparameters, set_lr
@@ -119,10 +119,10 @@ class ReferenceOptimizers:
             if g["algorithm"] == "muon":
                 params += [t for pieces in self.blocks.values() for _, t in pieces]
             groups.append(dict(g, params=params))
-        self.optimizers = mt.torch_optimizers(groups)
+        self.optimizers = muon_tools.torch_optimizers(groups)
         # one (a, b, c) per iteration swapped into torch's Newton-Schulz; Jordan's one triple leaves torch's in place
-        self.coefficients = (mc.ns_coefficients_of(cfg.ns_coefficients, dm.NS_STEPS)
-                             if cfg.optimizer != "adamw" and cfg.ns_coefficients != "jordan" else dm.NS_COEFFICIENTS)
+        self.coefficients = (checks.ns_coefficients_of(cfg.ns_coefficients, distributed_muon_cpu.NS_STEPS)
+                             if cfg.optimizer != "adamw" and cfg.ns_coefficients != "jordan" else distributed_muon_cpu.NS_COEFFICIENTS)
         # {matrix stepped whole: its Newton-Schulz input at each step}: what bounds --tp-newton-schulz gram's replay
         self.names, self.ns_inputs = {id(p): n for n, p in model.named_parameters()}, {}
 
@@ -135,8 +135,8 @@ class ReferenceOptimizers:
                 for rows, t in pieces:
                     t.copy_(w[rows])
                     t.grad = w.grad[rows]
-            with mt.torch_newton_schulz_per_iteration(self.coefficients), \
-                    mt.ns_inputs_recorded(self.optimizers, self.names, self.ns_inputs):
+            with muon_tools.torch_newton_schulz_per_iteration(self.coefficients), \
+                    muon_tools.ns_inputs_recorded(self.optimizers, self.names, self.ns_inputs):
                 for opt in self.optimizers:
                     opt.step()
             for name, pieces in self.blocks.items():
@@ -154,7 +154,7 @@ class ReferenceOptimizers:
         for name, maxima in max_logits.items():
             w = self.model.get_parameter(name)
             for h, s in enumerate(maxima.tolist()):
-                mt.clip_rows_(w, slice(3 * h * hd, (3 * h + 2) * hd), s, tau)  # its q rows, then k rows
+                muon_tools.clip_rows_(w, slice(3 * h * hd, (3 * h + 2) * hd), s, tau)  # its q rows, then k rows
 
 
 def reference_model(cfg, device):
@@ -218,7 +218,8 @@ def param_specs(cfg):
     split = full.tp_split_dims()
     groups = param_groups(full, {}, {}, {})
     group_of = {n: g for g, group in zip(("muon", "adamw", "adamw_no_wd"), groups) for n, _ in group["params"]}
-    return [dm.ParamSpec(n, tuple(p.shape), split.get(n, -1), group_of[n]) for n, p in full.named_parameters()]
+    return [distributed_muon_cpu.ParamSpec(n, tuple(p.shape), split.get(n, -1), group_of[n]) for n,
+            p in full.named_parameters()]
 
 
 def full_tensors(cfg, pieces_of_rank, specs):
@@ -304,7 +305,7 @@ def by_gram(cfg, spec):
     matrix split along its long side, not taken apart by --ns-blocks)."""
     blocked = cfg.ns_blocks != "whole" and spec.name in qkv_row_layouts(cfg.gpt())
     return (cfg.tp_newton_schulz == "gram" and cfg.tp > 1 and cfg.optimizer == "muon" and spec.group == "muon"
-            and not blocked and mlr.gram_eligible(spec.global_shape, spec.tp_split_dim))
+            and not blocked and large_runs.gram_eligible(spec.global_shape, spec.tp_split_dim))
 
 
 def why_gradients_inexact(cfg, rank_order=True):
@@ -336,13 +337,14 @@ def replay_tolerance(cfg, spec, ns_inputs, rank_order=True):
     """What the replay may differ by (see the policy above): NCCL's DP sum over DP > 2, another order of it;
     --tp-newton-schulz gram, the Gram matrix summed over TP ranks (the lesson's gram_tolerance of the replay's
     Newton-Schulz inputs, ns_inputs: {name: [each step's]}; lr_at never exceeds cfg.lr)."""
-    gram = (mt.gram_tolerance(ns_inputs[spec.name], cfg.lr, "match_rms_adamw", spec.global_shape, dm.NS_STEPS,
+    gram = (muon_tools.gram_tolerance(ns_inputs[spec.name], cfg.lr, "match_rms_adamw", spec.global_shape,
+                                      distributed_muon_cpu.NS_STEPS,
                               cfg.ns_coefficients) if by_gram(cfg, spec) else 0.0)
     if cfg.dp <= 2 or rank_order:
         return gram
     if spec.group == "muon" and cfg.optimizer == "muon":
-        return gram + mt.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
-    return cfg.steps * cfg.lr * mo.BATCHED_NS_BOUND
+        return gram + muon_tools.batched_ns_tolerance(cfg.steps, cfg.lr, "match_rms_adamw", spec.global_shape)
+    return cfg.steps * cfg.lr * owners.BATCHED_NS_BOUND
 
 
 def verify(cfg, results, device="cpu", rank_order=True):
@@ -353,7 +355,7 @@ def verify(cfg, results, device="cpu", rank_order=True):
     totals, replica_diff = total_gradients(cfg, results, specs)
     logits = [ranks_max_logits(results, s) for s in range(cfg.steps)] if cfg.qk_clip is not None else None
     replay = reference(cfg, device, replay=totals, replay_max_logits=logits)
-    replayed = dm.check_against_torch(specs, results, replay["params"], cfg.tp)
+    replayed = distributed_muon_cpu.check_against_torch(specs, results, replay["params"], cfg.tp)
     for c, spec in zip(replayed, specs):
         c["tolerance"] = replay_tolerance(cfg, spec, replay["ns_inputs"], rank_order)
         c["ok"] = c["identical"] or c["max_abs_diff"] <= c["tolerance"]
@@ -363,7 +365,7 @@ def verify(cfg, results, device="cpu", rank_order=True):
                   **step_gradients(cfg, results, specs, totals, device, against_float64=bool(gradients_inexact)))
     plain = reference(cfg, device)
     ranks_losses = [[results[d * cfg.tp]["losses"][s] for d in range(cfg.dp)] for s in range(cfg.steps)]
-    checks.update(trained=dm.check_against_torch(specs, results, plain["params"], cfg.tp),
+    checks.update(trained=distributed_muon_cpu.check_against_torch(specs, results, plain["params"], cfg.tp),
                   trained_loss_max_rel_diff=loss_drift(ranks_losses, plain["losses"]))
     if gradients_inexact:
         same_function = checks["bound_ratio"] <= 1

@@ -18,7 +18,7 @@ The model is examples/gpt.py (Megatron-style TP), the text examples/stdlib_text.
 standard library's sources, bytes as tokens), the optimizer distributed_muon_cpu.py's
 (DistributedMuon and its strategies, imported, not copied), its settings examples/gpt_hyperparameters.py,
 and --verify's one process and comparison examples/gpt_verify.py. The lesson's launcher runs the
-ranks (mt.spawn_ranks): Ctrl-C, SIGTERM, a failing or silent rank end the run as there.
+ranks (muon_tools.spawn_ranks): Ctrl-C, SIGTERM, a failing or silent rank end the run as there.
 
 What a step does on each rank (DP rank d, TP rank t):
     batch     rows [d * B / DP, (d + 1) * B / DP) of the step's global batch of B windows
@@ -71,11 +71,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
-import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.checks as mc  # noqa: E402
-import distmuon.large_runs as mlr  # noqa: E402
-import distmuon.owners as mo  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+from distmuon import checks  # noqa: E402
+from distmuon import large_runs  # noqa: E402
+from distmuon import owners  # noqa: E402
+import muon_tools  # noqa: E402
 from examples.gpt import (GPT, GPTConfig, check_gpt, hidden_matrix_shapes, param_groups,  # noqa: E402
                           qkv_row_layouts)
 from examples.gpt_verify import print_verification, ranks_max_logits, snapshot, verify  # noqa: E402
@@ -96,7 +96,7 @@ class TrainConfig:
     dp: int = 4
     tp: int = 2
     optimizer: str = "muon"  # "normuon": NorMuon on the matrices; "adamw": AdamW ZeRO-1 on every parameter (the baseline)
-    strategy: str = "owner"  # one of mo.STRATEGIES (Muon only); owner: each matrix orthogonalized once
+    strategy: str = "owner"  # one of owners.STRATEGIES (Muon only); owner: each matrix orthogonalized once
     steps: int = 120
     lr: float = 0.01
     schedule: str = "constant"  # or "warmup-cosine" (see lr_at)
@@ -112,15 +112,15 @@ class TrainConfig:
     bucket_size: int = 1 << 16
     log_every: int = 20
     val_windows: int = 32
-    timeout_s: float = mt.TIMEOUT_S
+    timeout_s: float = muon_tools.TIMEOUT_S
     profile: str = ""  # a folder for Chrome traces, one per rank ("" = no profiling)
     keep: bool = False  # return every rank's gradients and weights of every step (for verification)
     progress: bool = True  # rank 0 prints a progress line every log_every steps
     fail_rank: int = -1  # for tests: this rank raises at step 1
     qk_clip: float = None  # tau of QK-clip (None: off)
-    ns_blocks: str = "whole"  # one of mlr.NS_BLOCKS: what Newton-Schulz sees of the fused QKV
-    ns_coefficients: str = "jordan"  # one of mc.NS_COEFFICIENT_CHOICES
-    tp_newton_schulz: str = "gather"  # one of mlr.TP_NEWTON_SCHULZ: gram orthogonalizes TP pieces where they lie
+    ns_blocks: str = "whole"  # one of large_runs.NS_BLOCKS: what Newton-Schulz sees of the fused QKV
+    ns_coefficients: str = "jordan"  # one of checks.NS_COEFFICIENT_CHOICES
+    tp_newton_schulz: str = "gather"  # one of large_runs.TP_NEWTON_SCHULZ: gram orthogonalizes TP pieces where they lie
 
     def gpt(self):
         return GPTConfig(context=self.context, d_model=self.d_model, n_layers=self.layers,
@@ -130,8 +130,8 @@ class TrainConfig:
 def validate(cfg, ranks_here=None):
     """Every check that can be made before any rank starts; ValueError with one line. ranks_here: how many
     of the ranks share this machine's memory (default all of them, as when spawned; 0: do not check)."""
-    mt.check_topology(cfg.dp, cfg.tp)
-    mt.check_seed(cfg.seed)
+    muon_tools.check_topology(cfg.dp, cfg.tp)
+    muon_tools.check_seed(cfg.seed)
     for name in ("steps", "batch", "context", "d_model", "layers", "heads", "log_every", "val_windows"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
@@ -144,17 +144,17 @@ def validate(cfg, ranks_here=None):
     if cfg.schedule != "warmup-cosine" and cfg.warmup_steps != TrainConfig.warmup_steps:
         raise ValueError(f"--warmup-steps {cfg.warmup_steps} applies to --schedule warmup-cosine (got --schedule "
                          f"{cfg.schedule})")
-    if cfg.strategy not in mo.STRATEGIES:
-        raise ValueError(f"--strategy must be one of {', '.join(mo.STRATEGIES)} (got {cfg.strategy!r})")
-    if cfg.optimizer == "normuon" and not mo.strategy_class(cfg.strategy).holds_rows:
-        raise ValueError(f"--optimizer normuon takes --strategy {mt.either(mo.strategies_where(lambda s: s.holds_rows))}, "
+    if cfg.strategy not in owners.STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(owners.STRATEGIES)} (got {cfg.strategy!r})")
+    if cfg.optimizer == "normuon" and not owners.strategy_class(cfg.strategy).holds_rows:
+        raise ValueError(f"--optimizer normuon takes --strategy {muon_tools.either(owners.strategies_where(lambda s: s.holds_rows))}, "
                          f"whose owner holds each matrix's rows (got --strategy {cfg.strategy})")
     check_large_run_options(cfg)
-    mc.check_hyperparameters(mt.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    checks.check_hyperparameters(muon_tools.flag, bucket_size=cfg.bucket_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")
     if cfg.lr == 0:
         raise ValueError("--lr must be > 0")
-    mt.check_step_numbers(mt.flag, hyperparameters(cfg), hidden_matrix_shapes(cfg.gpt()))
+    muon_tools.check_step_numbers(muon_tools.flag, hyperparameters(cfg), hidden_matrix_shapes(cfg.gpt()))
     for name, n in (("batch", cfg.batch), ("val-windows", cfg.val_windows)):
         if n % cfg.dp:
             raise ValueError(f"DP {cfg.dp} does not divide --{name} {n}: every DP rank takes the same share")
@@ -163,8 +163,8 @@ def validate(cfg, ranks_here=None):
                          f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE}: --steps must be >= "
                          f"{PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE} (got {cfg.steps})")
     if cfg.profile:
-        mt.check_writable(cfg.profile, "--profile", folder=True)  # the ranks make it (start_profiler)
-    mt.check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
+        muon_tools.check_writable(cfg.profile, "--profile", folder=True)  # the ranks make it (start_profiler)
+    muon_tools.check_launch(cfg.timeout_s, cfg.fail_rank, cfg.dp * cfg.tp)
     check_gpt(cfg.gpt(), cfg.tp)
     corpus = load_corpus()  # read here once, so that a missing standard library fails before any rank
     needed = cfg.val_windows * (cfg.context + 1)  # validation windows must not overlap: distinct text
@@ -178,7 +178,7 @@ def check_large_run_options(cfg):
     """--qk-clip, --ns-blocks, --ns-coefficients and --tp-newton-schulz: their values (the lesson's checks),
     that they are Muon's (NorMuon takes all but --ns-blocks: it normalizes the whole matrix's rows), and that gram
     goes with the gather strategy."""
-    mt.check_large_run_flags(ns_coefficients=cfg.ns_coefficients, ns_blocks=cfg.ns_blocks,
+    muon_tools.check_large_run_flags(ns_coefficients=cfg.ns_coefficients, ns_blocks=cfg.ns_blocks,
                              tp_newton_schulz=cfg.tp_newton_schulz, qk_clip_tau=cfg.qk_clip, strategy=cfg.strategy)
     if cfg.optimizer == "normuon" and cfg.ns_blocks != "whole":
         raise ValueError(f"--optimizer normuon takes no --ns-blocks: NorMuon normalizes the rows of the whole matrix")
@@ -216,15 +216,15 @@ def memory_lower_bound(cfg):
 def check_memory(cfg, ranks_here, budget=None):
     """Refuse, before any rank starts, sizes whose ranks_here ranks could not fit in `budget` bytes
     (default this machine's memory), by memory_lower_bound: a refused run could never have run here."""
-    budget = mt.host_memory() if budget is None else budget
+    budget = muon_tools.host_memory() if budget is None else budget
     need = ranks_here * memory_lower_bound(cfg)
     if need > budget:
         raise ValueError(f"--batch {cfg.batch} x --context {cfg.context} with --d-model {cfg.d_model} and --layers "
-                         f"{cfg.layers} needs at least {mt.human_bytes(need)} on {ranks_here} ranks here, more than "
-                         f"this machine's {mt.human_bytes(budget)} of memory")
+                         f"{cfg.layers} needs at least {muon_tools.human_bytes(need)} on {ranks_here} ranks here, more than "
+                         f"this machine's {muon_tools.human_bytes(budget)} of memory")
 
 
-def large_runs(cfg):
+def large_run_options(cfg):
     """What --tp-newton-schulz, --ns-blocks and --qk-clip add, as the lesson's optimizers take it
     (distmuon.large_runs.LargeRuns); None at their defaults: torch's behaviour."""
     options = {}
@@ -234,18 +234,18 @@ def large_runs(cfg):
         options["ns_blocks"] = cfg.ns_blocks
     if cfg.qk_clip is not None:
         options["qk_clip_tau"] = cfg.qk_clip
-    return mlr.LargeRuns(row_layouts=qkv_row_layouts(cfg.gpt()), **options) if options else None
+    return large_runs.LargeRuns(row_layouts=qkv_row_layouts(cfg.gpt()), **options) if options else None
 
 
 def build_optimizer(model, cfg, grid):
     # AdamW ZeRO-1 is the gather class with no Muon group: the lesson's baseline
-    return mo.OPTIMIZERS["gather" if cfg.optimizer == "adamw" else cfg.strategy](
+    return owners.OPTIMIZERS["gather" if cfg.optimizer == "adamw" else cfg.strategy](
         param_groups(model, *hyperparameters(cfg)), grid=grid, tp_split_dims=model.tp_split_dims(),
-        bucket_size=cfg.bucket_size, large_runs=large_runs(cfg))
+        bucket_size=cfg.bucket_size, large_runs=large_run_options(cfg))
 
 
 def run_kind(cfg):
-    return mt.BASELINE if cfg.optimizer == "adamw" else cfg.strategy
+    return muon_tools.BASELINE if cfg.optimizer == "adamw" else cfg.strategy
 
 
 # =============================================================================
@@ -256,9 +256,9 @@ def train_rank(rank, cfg, device):
     """What every rank runs once the world is joined; returns its losses, timings, bytes (and with
     cfg.keep its gradients of every step and its final weights)."""
     torch.set_num_threads(1)  # as in the lesson: the reference pins the same count
-    grid = dm.make_grid(cfg.dp, cfg.tp, rank)
+    grid = distributed_muon_cpu.make_grid(cfg.dp, cfg.tp, rank)
     corpus = load_corpus()
-    model = GPT(cfg.gpt(), grid.tp, dm.Ledger()).to(device)
+    model = GPT(cfg.gpt(), grid.tp, distributed_muon_cpu.Ledger()).to(device)
     opt = build_optimizer(model, cfg, grid)
     model.record_max_logits(cfg.qk_clip is not None)
     profiler = start_profiler(cfg, rank)
@@ -323,11 +323,11 @@ def train_each(rank, trainings, device):
 
 @dataclass(frozen=True)
 class Trainings:
-    """What mt.spawn_ranks needs (dp, tp, timeout_s), for several TrainConfigs on the same grid."""
+    """What muon_tools.spawn_ranks needs (dp, tp, timeout_s), for several TrainConfigs on the same grid."""
     configs: tuple
     dp: int
     tp: int
-    timeout_s: float = mt.TIMEOUT_S
+    timeout_s: float = muon_tools.TIMEOUT_S
 
 
 def train_many(configs):
@@ -337,7 +337,7 @@ def train_many(configs):
         raise ValueError("train_many runs configurations of one grid")
     for cfg in configs:
         validate(cfg)
-    per_rank = mt.spawn_ranks(Trainings(tuple(configs), dp, tp, max(c.timeout_s for c in configs)), train_each)
+    per_rank = muon_tools.spawn_ranks(Trainings(tuple(configs), dp, tp, max(c.timeout_s for c in configs)), train_each)
     return [(cfg, [r[i] for r in per_rank]) for i, cfg in enumerate(configs)]
 
 
@@ -412,10 +412,10 @@ def summarize(cfg, results):
     step, rank = median_step(cfg, results)
     ms = {k: results[rank]["ms"][k][step] for k in results[0]["ms"]}
     ledgers = [dict(comm=r["model_ledger"]["comm"] + r["ledger"]["comm"]) for r in results]
-    phases = TP_PHASES + mt.PHASES_OF[run_kind(cfg)]
+    phases = TP_PHASES + muon_tools.PHASES_OF[run_kind(cfg)]
     phases += tuple(dict.fromkeys(c["phase"] for r in ledgers for c in r["comm"] if c["phase"] not in phases))
-    table = mt.bytes_per_step(ledgers, cfg.steps, phases)  # with the phases options add ("QK-clip maxima")
-    sent_max, sent_all = mt.total_bytes(table)
+    table = muon_tools.bytes_per_step(ledgers, cfg.steps, phases)  # with the phases options add ("QK-clip maxima")
+    sent_max, sent_all = muon_tools.total_bytes(table)
     optimizer_sent = [sum(t["sent"][r] for p, t in table.items() if p not in TP_PHASES) for r in range(len(results))]
     out = dict(losses=losses, val=results[0]["val"], ms=ms, ms_at=dict(step=step + 1, rank=rank),
                bytes_per_step=table, bytes_sent_max_rank=sent_max,
@@ -430,18 +430,19 @@ def summarize(cfg, results):
 
 def print_summary(cfg, summary, print_fn=print):
     ms, at = summary["ms"], summary["ms_at"]
-    shown = mt.rounded_parts({k: ms[k] for k in ("forward", "backward", "optimizer")})  # whole ms
+    shown = muon_tools.rounded_parts({k: ms[k] for k in ("forward", "backward", "optimizer")})  # whole ms
     timed = timed_steps(cfg)
     print_fn(f"\nStep (the median of steps {timed[0] + 1}-{timed[-1] + 1}, each on its slowest rank: step {at['step']}, "
              f"rank {at['rank']}): {sum(shown.values())} ms = forward {shown['forward']} + backward "
              f"{shown['backward']} + optimizer {shown['optimizer']} ms (optimizer {ms['optimizer'] / ms['step']:.0%} "
              f"of the step); {summary['tokens_per_s']:,.0f} tokens/s")
-    rows = [[phase, t["axis"], t["dtype"], mt.human_bytes(max(t["sent"])), mt.human_bytes(sum(t["sent"]))]
+    rows = [[phase, t["axis"], t["dtype"], muon_tools.human_bytes(max(t["sent"])),
+             muon_tools.human_bytes(sum(t["sent"]))]
             for phase, t in summary["bytes_per_step"].items()]
-    rows.append(["total", "", "", mt.human_bytes(summary["bytes_sent_max_rank"]),
-                 mt.human_bytes(summary["bytes_sent_all_ranks"])])
+    rows.append(["total", "", "", muon_tools.human_bytes(summary["bytes_sent_max_rank"]),
+                 muon_tools.human_bytes(summary["bytes_sent_all_ranks"])])
     print_fn("Bytes per step (ring counts; last step):")
-    print_fn(mt.format_table(["phase", "axis", "dtype", "sent/rank (max)", "sent, all ranks"], rows,
+    print_fn(muon_tools.format_table(["phase", "axis", "dtype", "sent/rank (max)", "sent, all ranks"], rows,
                              ["<", "<", "<", ">", ">"]))
     if "qk_clip" in summary:
         q, heads = summary["qk_clip"], cfg.layers * cfg.heads
@@ -498,10 +499,10 @@ def header(cfg):
 def run(cfg, verify_run=False, print_fn=print):
     """Check, train on cfg.dp x cfg.tp spawned Gloo ranks, summarize (and verify); returns a dict."""
     validate(cfg)
-    mt.start_method()  # the ranks' forkserver imports torch (seconds) while this process reads the text
+    muon_tools.start_method()  # the ranks' forkserver imports torch (seconds) while this process reads the text
     print_fn(header(cfg))
     t0 = time.perf_counter()
-    results = mt.spawn_ranks(replace(cfg, keep=cfg.keep or verify_run), train_rank)
+    results = muon_tools.spawn_ranks(replace(cfg, keep=cfg.keep or verify_run), train_rank)
     wall_s = time.perf_counter() - t0
     summary = summarize(cfg, results)
     print_summary(cfg, summary, print_fn)
@@ -520,14 +521,14 @@ def run(cfg, verify_run=False, print_fn=print):
 
 def build_parser():
     d = TrainConfig()
-    p = mt.OneLineParser(description="Train a small GPT on the standard library's sources with distributed "
+    p = muon_tools.OneLineParser(description="Train a small GPT on the standard library's sources with distributed "
                                             "Muon (or AdamW) on DP x TP Gloo ranks.")
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel size (default %(default)s)")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
     p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZER_NAMES,
                    help="muon (default): Muon for hidden matrices, AdamW for the rest; normuon: NorMuon for them "
                         "(owner or comm-free); adamw: AdamW for all")
-    p.add_argument("--strategy", choices=mo.STRATEGIES, help=f"Muon's (default {d.strategy})")
+    p.add_argument("--strategy", choices=owners.STRATEGIES, help=f"Muon's (default {d.strategy})")
     p.add_argument("--steps", type=int, default=d.steps, help="(default %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate, the schedule's peak (default %(default)s)")
     p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,
@@ -542,7 +543,8 @@ def build_parser():
     p.add_argument("--layers", type=int, default=d.layers, help="(default %(default)s)")
     p.add_argument("--heads", type=int, default=d.heads, help="(default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="(default %(default)s)")
-    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines (default %(default)s)")
+    p.add_argument("--log-every", type=int, default=d.log_every,
+                   help="steps between progress lines (default %(default)s)")
     p.add_argument("--val-windows", type=int, default=d.val_windows, help="(default %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", metavar="SECONDS",
                    help="a rank silent this long, or a collective waiting this long, ends the run (default %(default)s)")
@@ -552,12 +554,12 @@ def build_parser():
     p.add_argument("--qk-clip", type=float, metavar="TAU", dest="qk_clip",
                    help="QK-clip (Kimi K2's MuonClip): after each step, shrink W_q and W_k of every head whose "
                         "largest logit passed TAU (default off)")
-    p.add_argument("--ns-blocks", choices=mlr.NS_BLOCKS, default=d.ns_blocks,
+    p.add_argument("--ns-blocks", choices=large_runs.NS_BLOCKS, default=d.ns_blocks,
                    help="Newton-Schulz of the fused QKV: whole (default, torch's), blocks (Q, K, V apart) or "
                         "heads (each head's q, k, v apart)")
-    p.add_argument("--ns-coefficients", choices=tuple(mc.NS_COEFFICIENT_CHOICES), default=d.ns_coefficients,
+    p.add_argument("--ns-coefficients", choices=tuple(checks.NS_COEFFICIENT_CHOICES), default=d.ns_coefficients,
                    help="jordan (default: torch's one quintic) or polar_express (one per iteration, arXiv 2505.16932)")
-    p.add_argument("--tp-newton-schulz", choices=mlr.TP_NEWTON_SCHULZ, default=d.tp_newton_schulz,
+    p.add_argument("--tp-newton-schulz", choices=large_runs.TP_NEWTON_SCHULZ, default=d.tp_newton_schulz,
                    help="gather (default): TP gather -> Newton-Schulz -> TP shard; gram: TP pieces split along "
                         "the long side orthogonalized where they lie, one Gram all-reduce per iteration "
                         "(--strategy gather)")
@@ -565,7 +567,7 @@ def build_parser():
                    help="train the same model in one process with torch.optim.Muon + AdamW and compare")
     p.add_argument("--json", metavar="PATH", help="write the run's figures")
     p.add_argument("--traceback", action="store_true", help="on a rank's failure, print its traceback too")
-    mt.add_backend_flags(p)
+    muon_tools.add_backend_flags(p)
     p.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p
 
@@ -582,11 +584,11 @@ def main_torchrun(args):
     of the training: train_rank is the same)."""
     def prepare(world):
         cfg = config_from_args(args)
-        mt.check_topology(cfg.dp, cfg.tp, world)
+        muon_tools.check_topology(cfg.dp, cfg.tp, world)
         # on CPUs the ranks of this node share its memory; a GPU's own memory is not checked here
         validate(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if args.device == "cpu" else 0)
         if args.json:
-            mt.check_writable(args.json)
+            muon_tools.check_writable(args.json)
         return cfg
 
     def body(cfg, rank, device):
@@ -605,27 +607,27 @@ def main_torchrun(args):
             print()
             print_verification(cfg, out["checks"])
             code = 0 if out["checks"]["passed"] else 1
-        mt.write_json(args.json, out)
+        muon_tools.write_json(args.json, out)
         return code
 
-    args.backend, args.device = mt.backend_flags(args)
-    return mt.run_under_torchrun(args.backend, args.device, prepare, body, finish, args.traceback)
+    args.backend, args.device = muon_tools.backend_flags(args)
+    return muon_tools.run_under_torchrun(args.backend, args.device, prepare, body, finish, args.traceback)
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if mt.under_torchrun():
+    if muon_tools.under_torchrun():
         return main_torchrun(args)
 
     def work():
-        mt.backend_flags(args)
+        muon_tools.backend_flags(args)
         if args.json:
-            mt.check_writable(args.json)
+            muon_tools.check_writable(args.json)
         out = run(config_from_args(args), verify_run=args.verify)
-        mt.write_json(args.json, out)
+        muon_tools.write_json(args.json, out)
         return 0 if out.get("passed", True) else 1
 
-    return mt.exit_code(work, args.traceback)
+    return muon_tools.exit_code(work, args.traceback)
 
 
 if __name__ == "__main__":

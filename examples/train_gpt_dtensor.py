@@ -30,12 +30,12 @@ What a rank does (mesh (dp, tp), rank = dp_rank * tp + tp_rank):
 policy every real training here shares, muon_tools/training_checks.py): torch.optim.Muon +
 AdamW fed the ranks' own total gradients replay every rank's weights bit for bit at every step (checked); at
 the ranks' own weights, the one process's fp32 and float64 gradients and loss bound the ranks' (FSDP2's and
-TP's sums run in another order: their error against float64 within mt.REALIZED_FACTOR (4) x the one
+TP's sums run in another order: their error against float64 within muon_tools.REALIZED_FACTOR (4) x the one
 process's plus n u, checked);
 the free-running losses' gap is reported beside the chaos floor (the one process started one ulp away),
 never a verdict.
 The one-process model is the same nn.Linear form, unparallelized. The launcher is the lesson's
-(mt.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing or silent rank ends the run naming it.
+(muon_tools.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing or silent rank ends the run naming it.
 """
 
 import os
@@ -55,12 +55,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-import muon_tools as mt  # noqa: E402
-import distmuon.dtensor as dd  # noqa: E402
+import muon_tools  # noqa: E402
+from distmuon import dtensor  # noqa: E402
 import dtensor_run  # noqa: E402
 import dtensor_verify  # noqa: E402
 from examples import gpt_verify  # noqa: E402
-from examples import train_gpt as tg  # noqa: E402
+from examples import train_gpt  # noqa: E402
 from examples.gpt import GPT, ColumnParallelLinear, RowParallelLinear, param_groups  # noqa: E402
 from examples.gpt_hyperparameters import hyperparameters  # noqa: E402
 from examples.stdlib_text import load_corpus  # noqa: E402
@@ -70,7 +70,7 @@ from examples.stdlib_text import load_corpus  # noqa: E402
 # 1. The configuration: train_gpt's, with the checkpoint's folders and steps
 # =============================================================================
 @dataclass(frozen=True)
-class Config(tg.TrainConfig):
+class Config(train_gpt.TrainConfig):
     steps: int = 40
     log_every: int = 10
     save: str = ""  # a folder: torch's checkpoint after save_step
@@ -85,22 +85,22 @@ class Config(tg.TrainConfig):
 def validate(cfg, on_disk=True):
     """train_gpt's checks (sizes, hyperparameters, the text), and the checkpoint's; ValueError, one line.
     on_disk=False: the --resume folder may not exist yet (train_many: an earlier training writes it)."""
-    tg.validate(cfg)
+    train_gpt.validate(cfg)
     for folder, step in (("save", "save_step"), ("resume", "resume_step")):
         if getattr(cfg, step) != getattr(Config, step) and not getattr(cfg, folder):
-            raise ValueError(f"{mt.flag(step)} {getattr(cfg, step)} applies to --{folder}: give the folder")
+            raise ValueError(f"{muon_tools.flag(step)} {getattr(cfg, step)} applies to --{folder}: give the folder")
     if cfg.save and not 1 <= cfg.save_step <= cfg.steps:
         raise ValueError(f"--save-step must be in [1, --steps {cfg.steps}] (got {cfg.save_step})")
     if cfg.resume and not 0 <= cfg.resume_step < cfg.steps:
         raise ValueError(f"--resume-step must be in [0, --steps {cfg.steps}) (got {cfg.resume_step})")
     if cfg.save:  # before --resume's own check: the same folder is refused, however it holds a checkpoint
-        mt.check_not_input(cfg.save, "--save", {"--resume's checkpoint": cfg.resume})
+        muon_tools.check_not_input(cfg.save, "--save", {"--resume's checkpoint": cfg.resume})
     if on_disk and cfg.resume:  # the checkpoint whole, saved after --resume-step, of this model
         shapes = {n: tuple(p.shape) for n, p in plain_gpt(cfg).named_parameters()}
-        mt.check_checkpoint_model(cfg.resume, mt.read_checkpoint(cfg.resume, cfg.resume_step), shapes,
+        muon_tools.check_checkpoint_model(cfg.resume, muon_tools.read_checkpoint(cfg.resume, cfg.resume_step), shapes,
                                   "--layers, --d-model, --heads")
     if cfg.save:
-        mt.check_writable(cfg.save, "--save", folder=True)  # DCP makes it, with its parents
+        muon_tools.check_writable(cfg.save, "--save", folder=True)  # DCP makes it, with its parents
 
 
 # =============================================================================
@@ -139,7 +139,7 @@ def parallelize(model, mesh):
 
 
 def build_optimizer(model, cfg, group=None):
-    return dd.DTensorMuon(param_groups(model, *hyperparameters(cfg)), group=group)
+    return dtensor.DTensorMuon(param_groups(model, *hyperparameters(cfg)), group=group)
 
 
 # =============================================================================
@@ -163,7 +163,7 @@ def train_rank(rank, cfg, device):
     opt = build_optimizer(model, cfg, group)
     first = 1
     if cfg.resume:
-        dd.load_checkpoint(cfg.resume, model, opt)
+        dtensor.load_checkpoint(cfg.resume, model, opt)
         first = cfg.resume_step + 1
     losses, val, grads, weights, last = [], [], [], [], time.perf_counter()
     for step in range(first, cfg.steps + 1):
@@ -181,7 +181,8 @@ def train_rank(rank, cfg, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cfg.save and step == cfg.save_step:
-            mt.write_folder_atomically(cfg.save, lambda folder: dd.save_checkpoint(folder, model, opt), opt.axis.group)
+            muon_tools.write_folder_atomically(cfg.save, lambda folder: dtensor.save_checkpoint(folder, model, opt),
+                                               opt.axis.group)
         if step % cfg.log_every == 0 or step == cfg.steps:
             train_loss, val_loss = dp_mean(losses[-1], mesh, device), validation_loss(model, corpus, cfg, mesh,
                                                                                       dp_rank, device)
@@ -189,7 +190,7 @@ def train_rank(rank, cfg, device):
             now = time.perf_counter()
             done = step - (val[-2][0] if len(val) > 1 else first - 1)
             if rank == 0 and cfg.progress:
-                print(tg.progress_line(cfg, step, train_loss, val_loss, now - last, done), flush=True)
+                print(train_gpt.progress_line(cfg, step, train_loss, val_loss, now - last, done), flush=True)
             last = now
     named = list(model.named_parameters())
     return dict(rank=rank, first=first, losses=losses, val=val, grads=grads, weights=weights,
@@ -220,7 +221,7 @@ class Trainings:
     configs: tuple
     dp: int
     tp: int = 1
-    timeout_s: float = mt.TIMEOUT_S
+    timeout_s: float = muon_tools.TIMEOUT_S
     body: Callable = None  # None: train_rank
 
 
@@ -237,7 +238,7 @@ def train_many(configs, world, body=None, check=validate):
     rank and its validate (default this file's)."""
     for cfg in configs:
         check(cfg, on_disk=False)
-    per_rank = mt.spawn_ranks(Trainings(tuple(configs), world, timeout_s=max(c.timeout_s for c in configs),
+    per_rank = muon_tools.spawn_ranks(Trainings(tuple(configs), world, timeout_s=max(c.timeout_s for c in configs),
                                         body=body), train_each)
     return [[r[i] for r in per_rank if r[i] is not None] for i in range(len(configs))]
 
@@ -246,7 +247,7 @@ def train_many(configs, world, body=None, check=validate):
 # 4. The one-process reference (dtensor_verify.verify_training's interface)
 # =============================================================================
 class Reference(dtensor_verify.OneProcess):
-    """torch.optim.Muon + AdamW (mt.torch_optimizers, the same groups) on the plain nn.Linear GPT in one process;
+    """torch.optim.Muon + AdamW (muon_tools.torch_optimizers, the same groups) on the plain nn.Linear GPT in one process;
     the plain model in fp32 and float64 for the loss and gradients of a whole global batch (OneProcess)."""
 
     CHAOS_PARAM = gpt_verify.CHAOS_PARAM  # train_gpt's chaos floor moves the same entry
@@ -255,7 +256,7 @@ class Reference(dtensor_verify.OneProcess):
         super().__init__(cfg, device)
         self.tokens_per_step = cfg.batch * cfg.context
         self.model = self.make_model()  # what the optimizers step
-        self.optimizers = mt.torch_optimizers([dict(g, params=[p for _, p in g["params"]])
+        self.optimizers = muon_tools.torch_optimizers([dict(g, params=[p for _, p in g["params"]])
                                                for g in param_groups(self.model, *hyperparameters(cfg))])
 
     def make_model(self):
@@ -291,7 +292,7 @@ def verify(cfg, results):
 # =============================================================================
 def build_parser():
     d = Config()
-    p = mt.OneLineParser(description="Train the GPT of examples/ on the standard library's text with "
+    p = muon_tools.OneLineParser(description="Train the GPT of examples/ on the standard library's text with "
                                             "fully_shard x parallelize_module and DTensorMuon on Gloo ranks.")
     for name, help_text in [("dp", "FSDP2 (mesh dim 'dp') size"), ("tp", "tensor-parallel (mesh dim 'tp') size"),
                             ("steps", "optimizer steps"), ("batch", "windows per step, all DP ranks"),
@@ -340,7 +341,7 @@ def main(argv=None):
               f"mesh dp={cfg.dp} x tp={cfg.tp}, DTensorMuon, lr {cfg.lr:g}, torch {torch.__version__}"
               + (f"; resumed from {cfg.resume} after step {cfg.resume_step}" if cfg.resume else ""), flush=True)
         t0 = time.perf_counter()
-        results = mt.spawn_ranks(cfg, train_rank)
+        results = muon_tools.spawn_ranks(cfg, train_rank)
         print(f"Wall time: {time.perf_counter() - t0:.1f} s")
         if not args.verify:
             return 0
@@ -348,7 +349,7 @@ def main(argv=None):
         print_verification(out)
         return 0 if out["passed"] else 1
 
-    return mt.exit_code(work, args.traceback)
+    return muon_tools.exit_code(work, args.traceback)
 
 
 if __name__ == "__main__":

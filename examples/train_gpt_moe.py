@@ -39,7 +39,7 @@ function); the router's decisions of every token, layer and step
 against the one process's own at the ranks' weights: identical, or each difference a near-tie the router
 probabilities' difference explains (reported); the free-running gap beside the chaos floor, never a verdict.
 Bad flags exit 2 with one line before any rank starts (a --resume checkpoint of another model or optimizer
-too, read from its metadata); the launcher is the lesson's (mt.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing
+too, read from its metadata); the launcher is the lesson's (muon_tools.spawn_ranks): Ctrl-C 130, SIGTERM 143, a failing
 or silent rank ends the run naming it. There is no torchrun mode: under torchrun, rank 0 says so in one line and
 every process exits 2 before anything starts.
 """
@@ -64,15 +64,15 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
 
-import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.dtensor as dd  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+from distmuon import dtensor  # noqa: E402
 import dtensor_run  # noqa: E402
 import dtensor_verify  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import muon_tools  # noqa: E402
 from examples import gpt_hyperparameters  # noqa: E402
 from examples import gpt_verify  # noqa: E402
-from examples import train_gpt as tg  # noqa: E402
-from examples import train_gpt_dtensor as tgd  # noqa: E402
+from examples import train_gpt  # noqa: E402
+from examples import train_gpt_dtensor  # noqa: E402
 from examples.gpt_moe import MoEConfig, MoEGPT, check_moe, experts_per_rank, muon_stacks, param_groups  # noqa: E402
 from examples.stdlib_text import load_corpus  # noqa: E402
 
@@ -91,7 +91,7 @@ OPTIMIZER_NAMES = {"muon": "Muon", "adamw": "AdamW"}  # a param group's algorith
 
 
 @dataclass(frozen=True)
-class Config(tgd.Config):
+class Config(train_gpt_dtensor.Config):
     # optimizer: train_gpt's field, here one of OPTIMIZERS
     ep: int = 2  # EP size: divides dp
     experts: int = 4
@@ -116,7 +116,7 @@ def validate(cfg, on_disk=True):
     ValueError, one line (before any rank starts)."""
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {cfg.optimizer!r})")
-    tgd.validate(dense_config(cfg), on_disk=False)  # the checkpoint: check_checkpoint, this model's
+    train_gpt_dtensor.validate(dense_config(cfg), on_disk=False)  # the checkpoint: check_checkpoint, this model's
     if cfg.ep < 1 or cfg.dp % cfg.ep:
         raise ValueError(f"EP {cfg.ep} does not divide DP {cfg.dp}: an EP group is EP of the DP ranks")
     check_moe(cfg.moe(), cfg.ep)
@@ -133,7 +133,7 @@ def check_checkpoint(cfg):
     """The --resume checkpoint against the model and optimizer this run builds, from its metadata alone (ValueError,
     one line): every parameter's shape (the expert count first), none missing or extra, and each parameter's state
     of the algorithm that will step it (Muon's momentum, AdamW's moments), as a load would need them."""
-    saved = mt.read_checkpoint(cfg.resume, cfg.resume_step)  # whole, and saved after --resume-step
+    saved = muon_tools.read_checkpoint(cfg.resume, cfg.resume_step)  # whole, and saved after --resume-step
     where = f"--resume {cfg.resume}: its checkpoint"
     model = moe_gpt(cfg)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -142,7 +142,7 @@ def check_checkpoint(cfg):
     if stack in held and held[stack][0] != cfg.experts:
         raise ValueError(f"{where} has {held[stack][0]} experts a layer ({stack} {held[stack]}), this run "
                          f"--experts {cfg.experts}: resume with --experts {held[stack][0]}")
-    mt.check_checkpoint_model(cfg.resume, saved, shapes, "--shared-expert, --layers")
+    muon_tools.check_checkpoint_model(cfg.resume, saved, shapes, "--shared-expert, --layers")
     state = {"muon": ("momentum_buffer", "Muon's momentum"), "adamw": ("exp_avg", "AdamW's moments")}
     for g in groups(model, cfg):  # each algorithm's state exists from DTensorMuon's construction: always saved
         for name, _ in g["params"]:
@@ -158,7 +158,7 @@ def check_checkpoint(cfg):
 # =============================================================================
 def moe_gpt(cfg, micro_batches=1):
     """gpt_moe.MoEGPT in one process's form, its Megatron layers as nn.Linear (the form parallelize_module takes)."""
-    return tgd.as_linear(MoEGPT(cfg.gpt(), cfg.moe(), micro_batches))
+    return train_gpt_dtensor.as_linear(MoEGPT(cfg.gpt(), cfg.moe(), micro_batches))
 
 
 def meshes(cfg, device):
@@ -175,7 +175,7 @@ def ep_axis(moe_mesh):
     """This rank's EP group as the lesson's Axis (what gpt_moe's exchanges send over)."""
     group = moe_mesh.get_group("ep")
     ranks = tuple(dist.get_process_group_ranks(group))
-    return dm.Axis("EP", len(ranks), moe_mesh.get_local_rank("ep"), ranks, group)
+    return distributed_muon_cpu.Axis("EP", len(ranks), moe_mesh.get_local_rank("ep"), ranks, group)
 
 
 def parallelize(model, dense, moe_mesh, ledger):
@@ -224,7 +224,7 @@ def groups(model, cfg):
 def build_optimizer(model, cfg, group=None):
     """DTensorMuon over the groups; each expert of a stack that takes Muon is its own matrix."""
     named = groups(model, cfg)
-    return dd.DTensorMuon(named, expert_stacks=muon_stacks(named), group=group)
+    return dtensor.DTensorMuon(named, expert_stacks=muon_stacks(named), group=group)
 
 
 def exchange_bytes(opt):
@@ -253,15 +253,16 @@ def train_rank(rank, cfg, device):
     if rank >= world:
         return None
     dp_rank, tp_rank = dense.get_coordinate()
-    corpus, ledger = load_corpus(), dm.Ledger()
+    corpus, ledger = load_corpus(), distributed_muon_cpu.Ledger()
     model = parallelize(moe_gpt(cfg).to(device), dense, moe_mesh, ledger)
     # where each element sits, for --verify only (another model parallelized: not part of every run's start)
-    where = dtensor_run.element_places(moe_gpt(cfg), lambda m: parallelize(m, dense, moe_mesh, dm.Ledger()),
+    where = dtensor_run.element_places(moe_gpt(cfg), lambda m: parallelize(m, dense, moe_mesh,
+                                                                           distributed_muon_cpu.Ledger()),
                                        device) if cfg.keep else None
     opt = build_optimizer(model, cfg, group)
     first = 1
     if cfg.resume:
-        dd.load_checkpoint(cfg.resume, model, opt)
+        dtensor.load_checkpoint(cfg.resume, model, opt)
         first = cfg.resume_step + 1
     out = dict(losses=[], aux=[], val=[], grads=[], weights=[], routing=[], received=[])
     last = time.perf_counter()
@@ -288,7 +289,8 @@ def train_rank(rank, cfg, device):
             out["routing"].append([dict(chosen=r["chosen"], probs=r["probs"]) for r in records])
         model.record_routing(False)
         if cfg.save and step == cfg.save_step:
-            mt.write_folder_atomically(cfg.save, lambda folder: dd.save_checkpoint(folder, model, opt), opt.axis.group)
+            muon_tools.write_folder_atomically(cfg.save, lambda folder: dtensor.save_checkpoint(folder, model, opt),
+                                               opt.axis.group)
         if step % cfg.log_every == 0 or step == cfg.steps:
             log_progress(cfg, model, corpus, dense, dp_rank, device, out, step, first, last, rank == 0)
             last = time.perf_counter()
@@ -306,22 +308,23 @@ def train_rank(rank, cfg, device):
 def log_progress(cfg, model, corpus, dense, dp_rank, device, out, step, first, last, printing):
     """Validate (the cross-entropy alone, in eval mode, nothing counted) and print train_gpt's progress line (train:
     the cross-entropy, as val) with the load-balance loss a layer (1 when the routing is even; means over DP ranks)."""
-    train_ce, aux = (tgd.dp_mean(v, dense, device) for v in (model.ce.item(), out["aux"][-1]))
+    train_ce, aux = (train_gpt_dtensor.dp_mean(v, dense, device) for v in (model.ce.item(), out["aux"][-1]))
     model.eval()
     with model.uncounted():
-        val = tgd.validation_loss(model, corpus, cfg, dense, dp_rank, device)
+        val = train_gpt_dtensor.validation_loss(model, corpus, cfg, dense, dp_rank, device)
     model.train()
     out["val"].append((step, val))
     now = time.perf_counter()
     done = step - (out["val"][-2][0] if len(out["val"]) > 1 else first - 1)
     if printing and cfg.progress:
-        print(tg.progress_line(cfg, step, train_ce, val, now - last, done) + f"  aux/layer {aux / cfg.layers:.3f}",
+        print(train_gpt.progress_line(cfg, step, train_ce, val, now - last,
+                                      done) + f"  aux/layer {aux / cfg.layers:.3f}",
               flush=True)
 
 
 def train_many(configs, world):
     """[every rank's result] of each Config, from one spawn of `world` ranks (train_gpt_dtensor's, with this rank)."""
-    return tgd.train_many(configs, world, body=train_rank, check=validate)
+    return train_gpt_dtensor.train_many(configs, world, body=train_rank, check=validate)
 
 
 # =============================================================================
@@ -339,7 +342,7 @@ class Reference(dtensor_verify.Reference):
     order; routing_check reports that apart); at its own weights (free-running) it routes itself."""
 
     CHAOS_PARAM = gpt_verify.CHAOS_PARAM  # train_gpt's chaos floor moves the same entry
-    global_batch = tgd.Reference.global_batch  # every DP rank's rows of the step, in DP-rank order
+    global_batch = train_gpt_dtensor.Reference.global_batch  # every DP rank's rows of the step, in DP-rank order
 
     def __init__(self, cfg, device="cpu", routing=None):
         dtensor_verify.OneProcess.__init__(self, cfg, device)
@@ -351,7 +354,7 @@ class Reference(dtensor_verify.Reference):
         self.tensors = {key: nn.Parameter(piece.clone()) for name, p in self.model.named_parameters()
                         for key, piece in self.pieces(name, p.detach())}
         of = lambda g: [self.tensors[key] for n, p in g["params"] for key, _ in self.pieces(n, p)]
-        self.optimizers = mt.torch_optimizers([dict(g, params=of(g)) for g in model_groups])
+        self.optimizers = muon_tools.torch_optimizers([dict(g, params=of(g)) for g in model_groups])
 
     def make_model(self):
         return moe_gpt(self.cfg, micro_batches=self.cfg.dp).to(self.device)
@@ -489,13 +492,13 @@ def summarize(cfg, results):
 
 
 def print_summary(cfg, s, print_fn=print):
-    kib = lambda n: mt.human_bytes(n)
+    kib = lambda n: muon_tools.human_bytes(n)
     rows = [[p["rank"], "{}/{}/{}".format(*p["coordinate"]), f"{p['experts_held'][0]}-{p['experts_held'][1] - 1}",
              p["owned_experts"], f"{p['ns_flops_experts'] / 1e6:.2f}", f"{p['ns_flops_other'] / 1e6:.2f}",
              kib(p["exchange"]["experts"][0]), kib(p["exchange"]["other"][0]), f"{p['tokens']:.0f}",
              kib(p["token_bytes"])] for p in s["per_rank"]]
     print_fn("\nWhat MoE adds to the optimizer (last step; per rank):")
-    print_fn(mt.format_table(["rank", "edp/ep/tp", "experts held", "experts owned", "NS MFLOP experts", "other",
+    print_fn(muon_tools.format_table(["rank", "edp/ep/tp", "experts held", "experts owned", "NS MFLOP experts", "other",
                               "exchange sent experts", "other", "rows in/layer", "token all-to-all sent"], rows,
                              [">"] * 10))
     total = lambda kind: sum(p["exchange"][kind][0] for p in s["per_rank"])
@@ -549,7 +552,7 @@ def plot_ledger(cfg, s, path):
     tokens.legend(fontsize=8)
     fig.suptitle(f"MoE GPT: {cfg.experts} experts, top-{cfg.top_k}, DP {cfg.dp} (EP {cfg.ep}) x TP {cfg.tp}")
     fig.tight_layout()
-    mt.save_figure(fig, path, dpi=110)
+    muon_tools.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -557,7 +560,7 @@ def plot_ledger(cfg, s, path):
 # 6. The command line
 # =============================================================================
 def build_parser():
-    p = tgd.build_parser()
+    p = train_gpt_dtensor.build_parser()
     p.description = ("Train a mixture-of-experts GPT on the standard library's text with expert parallel x "
                      "fully_shard x parallelize_module and DTensorMuon on Gloo ranks.")
     d = Config()
@@ -596,16 +599,16 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
 
     def work():
-        cfg = tgd.config_from_args(args, Config)
+        cfg = train_gpt_dtensor.config_from_args(args, Config)
         if args.verify and cfg.resume:
             raise ValueError("--verify replays the run from its initial weights: it takes no --resume")
         validate(cfg)
         for option, path in (("--json", args.json), ("--figure", args.figure)):
             if path:
-                mt.check_writable(path, option)
+                muon_tools.check_writable(path, option)
         print(header(cfg), flush=True)
         t0 = time.perf_counter()
-        results = mt.spawn_ranks(cfg, train_rank)
+        results = muon_tools.spawn_ranks(cfg, train_rank)
         print(f"Wall time: {time.perf_counter() - t0:.1f} s")
         summary = summarize(cfg, results)
         print_summary(cfg, summary)
@@ -618,12 +621,12 @@ def main(argv=None):
             print_verification(cfg, checks)
             out["checks"] = {k: v for k, v in checks.items() if k != "replay_differs"}
             out["passed"] = checks["passed"]
-        mt.write_json(args.json, out)
+        muon_tools.write_json(args.json, out)
         if args.figure:
             plot_ledger(cfg, summary, args.figure)
         return 0 if out.get("passed", True) else 1
 
-    return mt.exit_code(work, args.traceback)
+    return muon_tools.exit_code(work, args.traceback)
 
 
 if __name__ == "__main__":

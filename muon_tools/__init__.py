@@ -24,7 +24,7 @@ The launcher (spawn_ranks, run_under_torchrun, exit_code, RankFailure; its forks
 muon_forkserver.py, without torch, for a command's first lines to start), the table formatting
 (format_table, human_bytes), the parser (OneLineParser) and the checks of a command's options
 (check_launch, check_writable, flag) serve every command of the repository: distributed_muon.py,
-dtensor_demo.py, examples/ and benchmarks/ import them from here (`import muon_tools as mt`:
+dtensor_demo.py, examples/ and benchmarks/ import them from here (`import muon_tools`:
 every name below is the package's), and the training checks (bound_ratio, loss_drift, one_ulp_up) too.
 `python distributed_muon_cpu.py` runs main (cli.py); `torchrun ... distributed_muon.py` runs main_under_torchrun.
 """

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-import distmuon.checks as mc
+from distmuon import checks
 from distmuon.checks import NS_COEFFICIENT_CHOICES, TORCH_OPTIONS, check_grid, check_hyperparameters
 from distmuon.large_runs import check_large_run_options
 from distmuon.owners import OPTIMIZERS, check_owner_options, strategies_where, strategy_class
@@ -134,7 +134,7 @@ def check_step_numbers(name, groups, muon_shapes):
     scalars = []
     for group in groups:
         lr = group["lr"]
-        if group["algorithm"] in mc.ORTHOGONALIZED:  # NorMuon's update keeps Muon's norm, and takes its lr so
+        if group["algorithm"] in checks.ORTHOGONALIZED:  # NorMuon's update keeps Muon's norm, and takes its lr so
             fn, who = group.get("adjust_lr_fn") or "original", "NorMuon" if group["algorithm"] == "normuon" else "Muon"
             scalars += [(adjusted_lr(lr, fn, shape), adjusted_lr(1.0, fn, shape),
                          f"{who}'s lr of a {shape[0]}x{shape[1]} matrix ({fn})", lr) for shape in muon_shapes]

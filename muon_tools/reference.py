@@ -13,8 +13,8 @@ from unittest import mock
 
 import torch
 
-import distmuon.checks as mc
-import distributed_muon_cpu as dm
+from distmuon import checks
+import distributed_muon_cpu
 from distmuon.checks import NS_COEFFICIENT_CHOICES
 from distmuon.large_runs import gram_eligible
 from distmuon.owners import BATCHED_NS_BOUND
@@ -35,10 +35,10 @@ class NorMuonReference(torch.optim.Optimizer):
     def __init__(self, params, **options):
         """params and options as torch.optim.Muon takes them (param groups too), and beta2, normuon_eps; each option's
         default the library's (distmuon.checks.OPTIONS["normuon"]: torch.optim.Muon's, and the authors' two)."""
-        unknown = set(options) - set(mc.OPTIONS["normuon"])
+        unknown = set(options) - set(checks.OPTIONS["normuon"])
         if unknown:
             raise TypeError(f"NorMuonReference takes no {', '.join(sorted(unknown))}")
-        super().__init__(params, dict(mc.OPTIONS["normuon"], **options))
+        super().__init__(params, dict(checks.OPTIONS["normuon"], **options))
 
     @torch.no_grad()
     def step(self):
@@ -72,7 +72,8 @@ def torch_optimizers(groups):
         if h["algorithm"] == "normuon":
             # its coefficients: torch's default, swapped for one per iteration as torch.optim.Muon's are (below)
             optimizers.append(NorMuonReference(h["params"], **{k: v for k, v in h.items()
-                                                                if k not in ("params", "algorithm", "ns_coefficients")}))
+                                                                if k not in ("params", "algorithm",
+                                                                             "ns_coefficients")}))
         elif h["algorithm"] == "muon":
             optimizers.append(torch.optim.Muon(h["params"], lr=h["lr"], weight_decay=h["weight_decay"],
                                                momentum=h["momentum"], nesterov=h["nesterov"],
@@ -313,11 +314,12 @@ def verify(cfg, results, device="cpu"):
     specs = demo_specs(cfg)
     t1 = time.perf_counter()
     reference = reference_params(specs, cfg, device)
-    checks = dm.check_against_torch(specs, results, reference, cfg.tp, initial_params(specs, cfg.seed))
+    checks = distributed_muon_cpu.check_against_torch(specs, results, reference, cfg.tp,
+                                                      initial_params(specs, cfg.seed))
     return bound(cfg, checks, device), time.perf_counter() - t1
 
 
-def rank_program(cfg, run_rank=dm.run_rank):
+def rank_program(cfg, run_rank=distributed_muon_cpu.run_rank):
     """The lesson's run_rank (section 6; distributed_muon.py's own, its GPU twin) with this run's model,
     optimizer, what it adds after a step and torch's reference: what spawn_ranks starts on every rank, or a
     torchrun process calls."""
@@ -332,7 +334,7 @@ def run_demo_steps(cfg, grid, device="cpu"):
     spawn (the tests'), each checked afterwards with verify."""
     specs = demo_specs(cfg)
     build = functools.partial(build_optimizer, specs, cfg)
-    return dm.run_steps(cfg, specs, build, grid, device, after_step(cfg, specs, build))
+    return distributed_muon_cpu.run_steps(cfg, specs, build, grid, device, after_step(cfg, specs, build))
 
 
 def verdict(checks, reference="torch"):

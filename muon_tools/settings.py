@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-import distributed_muon_cpu as dm
+import distributed_muon_cpu
 from distmuon.large_runs import LargeRuns, RowLayout
 from distmuon.owners import OPTIMIZERS, strategy_class
 from distributed_muon_cpu import D_MODEL, NS_STEPS, N_LAYERS, ParamSpec, initial_params, plan_grid, transformer_specs
@@ -141,7 +141,8 @@ def group_hyperparameters(cfg):
     With the AdamW ZeRO-1 baseline (--baseline) the matrices take AdamW too:
     the same parameters and layout, and no Newton-Schulz at all.
     """
-    muon = dict(algorithm="normuon" if cfg.normuon else "muon", lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+    muon = dict(algorithm="normuon" if cfg.normuon else "muon", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                momentum=cfg.momentum,
                 nesterov=True, ns_steps=cfg.ns_steps, adjust_lr_fn=cfg.adjust_lr_fn,
                 ns_coefficients=cfg.ns_coefficients)
     # One lr and weight decay for Muon and AdamW (Moonlight's practice with
@@ -228,4 +229,5 @@ def plan_optimizer(cfg, rank=0, specs=None):
     """
     specs, grid = specs or demo_specs(cfg), plan_grid(cfg.dp, cfg.tp, rank)
     start = initial_params(specs, cfg.seed)
-    return build_optimizer(specs, cfg, grid, {s.name: dm.rank_piece(start[s.name], s, grid, "cpu") for s in specs})
+    return build_optimizer(specs, cfg, grid, {s.name: distributed_muon_cpu.rank_piece(start[s.name], s, grid,
+                                                                                      "cpu") for s in specs})

@@ -49,11 +49,11 @@ sys.path.insert(0, ROOT)
 # The shell scripts the tests run (benchmarks/*.sh) start $PYTHON: this interpreter, not whichever `python` PATH has
 os.environ["PYTHON"] = sys.executable
 
-import distributed_muon_cpu as dm  # noqa: E402
-import distmuon.checks as mc  # noqa: E402,F401  (the tests import it from here)
-import distmuon.large_runs as mlr  # noqa: E402,F401  (the tests import it from here)
-import distmuon.owners as mo  # noqa: E402,F401  (the tests import it from here)
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+from distmuon import checks  # noqa: E402,F401  (the tests import it from here)
+from distmuon import large_runs  # noqa: E402,F401  (the tests import it from here)
+from distmuon import owners  # noqa: E402,F401  (the tests import it from here)
+import muon_tools  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "distributed_muon_cpu.py")
 
@@ -72,15 +72,15 @@ SUITE_D_MODEL = 64
 
 
 def suite_config(**config):
-    """mt.RunConfig(**config), SUITE_D_MODEL wide unless config says otherwise (for --model transformer)."""
-    if config.get("model", mt.RunConfig.model) == "transformer":
+    """muon_tools.RunConfig(**config), SUITE_D_MODEL wide unless config says otherwise (for --model transformer)."""
+    if config.get("model", muon_tools.RunConfig.model) == "transformer":
         config.setdefault("d_model", SUITE_D_MODEL)
-    return mt.RunConfig(**config)
+    return muon_tools.RunConfig(**config)
 
 
 def suite_specs(**config):
     """The parameters of the suite's demo model (suite_config(**config)'s)."""
-    return mt.demo_specs(suite_config(**config))
+    return muon_tools.demo_specs(suite_config(**config))
 
 
 def grid_config(dp, tp, **config):
@@ -119,26 +119,27 @@ def run_together_rank(rank, together, device):
     grids = {}
     for cfg in together.runs:
         if (cfg.dp, cfg.tp) not in grids:
-            grids[cfg.dp, cfg.tp] = dm.make_grid(cfg.dp, cfg.tp, rank)
-    return [mt.run_demo_steps(cfg, grids[cfg.dp, cfg.tp], device) for cfg in together.runs]
+            grids[cfg.dp, cfg.tp] = distributed_muon_cpu.make_grid(cfg.dp, cfg.tp, rank)
+    return [muon_tools.run_demo_steps(cfg, grids[cfg.dp, cfg.tp], device) for cfg in together.runs]
 
 
 def run_together(cfgs, body=run_together_rank):
-    """{cfg: what mt.run(cfg) returns} for runs of one world size, spawned once: each run's ranks do what
-    mt.run's do (the lesson's run_steps), and this process checks each against torch as run_rank's rank 0
-    would (mt.verify), sharing torch's reference between runs that have the same one (mt.reference_params).
+    """{cfg: what muon_tools.run(cfg) returns} for runs of one world size, spawned once: each run's ranks do what
+    muon_tools.run's do (the lesson's run_steps), and this process checks each against torch as run_rank's rank 0
+    would (muon_tools.verify), sharing torch's reference between runs that have the same one (muon_tools.reference_params).
     Spawning the ranks (each imports torch) cost more than the steps of most runs here. body: what each rank
     runs, run_together_rank's signature (one that registers a strategy first, for a strategy a test defines)."""
     together = Together(dp=cfgs[0].dp * cfgs[0].tp, tp=1, timeout_s=max(c.timeout_s for c in cfgs), runs=tuple(cfgs))
     for cfg in cfgs:
-        mt.validate(cfg, mt.demo_specs(cfg))
+        muon_tools.validate(cfg, muon_tools.demo_specs(cfg))
     t0 = time.perf_counter()
-    ranks = mt.spawn_ranks(together, body)
+    ranks = muon_tools.spawn_ranks(together, body)
     seconds = (time.perf_counter() - t0) / len(cfgs)  # the ranks' time, shared out: a figure no test reads
     out = {}
     for i, cfg in enumerate(cfgs):
-        checks, reference_s = mt.verify(cfg, [r[i] for r in ranks])
-        out[cfg] = mt.report(cfg, mt.plan_optimizer(cfg), [r[i] for r in ranks], checks, seconds, reference_s,
+        checks, reference_s = muon_tools.verify(cfg, [r[i] for r in ranks])
+        out[cfg] = muon_tools.report(cfg, muon_tools.plan_optimizer(cfg), [r[i] for r in ranks], checks, seconds,
+                                     reference_s,
                              print_fn=lambda *a, **k: None)
     return out
 
@@ -154,10 +155,10 @@ def planned_runs():
 
 @pytest.fixture(scope="session")
 def run_grid():
-    """run_grid(dp, tp, **config) -> what mt.run returns for suite_config(dp=dp, tp=tp, **config), each run once per
+    """run_grid(dp, tp, **config) -> what muon_tools.run returns for suite_config(dp=dp, tp=tp, **config), each run once per
     session. A configuration some collected module names in GRID_RUNS runs at the first request of any of its
     world size, with every other such configuration of that size, in one spawn (run_together); any other in a
-    spawn of its own (mt.run)."""
+    spawn of its own (muon_tools.run)."""
     cache = {}
 
     def run(dp, tp, **overrides):
@@ -167,7 +168,7 @@ def run_grid():
             if cfg in planned:
                 cache.update(run_together(planned))
             else:
-                cache[cfg] = mt.run(cfg, print_fn=lambda *a, **k: None)
+                cache[cfg] = muon_tools.run(cfg, print_fn=lambda *a, **k: None)
         return cache[cfg]
 
     return run
@@ -177,16 +178,16 @@ def run_grid():
 def single_process_group():
     """A world of one Gloo rank inside the test process, for the optimizer's API."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{mt.free_port()}", rank=0, world_size=1,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{muon_tools.free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
-    yield dm.make_grid(1, 1, 0)
+    yield distributed_muon_cpu.make_grid(1, 1, 0)
     dist.destroy_process_group()
 
 
 def layout_metas(dp, tp, bucket_size, **config):
     """Every DP rank's dist_meta for the demo model, from the layout the run's optimizer plans."""
     cfg = suite_config(dp=dp, tp=tp, bucket_size=bucket_size, **config)
-    return mt.plan_optimizer(cfg).layout.metas
+    return muon_tools.plan_optimizer(cfg).layout.metas
 
 
 def presence_bytes(n_params, world):

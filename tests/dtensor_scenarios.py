@@ -1,7 +1,7 @@
 """The DTensor tests' runs beyond the demo's own: the explicit distributed_config on plain row-chunked tensors,
 parameters placed by hand on any mesh with param groups of any options, refused steps, and Runs: many runs, each
 on its own (sub-)mesh, in one spawn of ranks (starting ranks costs more than a small run). Each has its reference:
-torch.optim.Muon / AdamW (or NorMuon's, mt.NorMuonReference) in one process."""
+torch.optim.Muon / AdamW (or NorMuon's, muon_tools.NorMuonReference) in one process."""
 
 import math
 from dataclasses import asdict, dataclass, replace
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-import muon_tools as mt
+import muon_tools
 from distmuon.dtensor import DistributedConfig, DTensorMuon
 from dtensor_accounting import LessonRuns, run_lesson_rank
 from dtensor_run import (DemoConfig, build_on_mesh, exact_grads, give_grads, local_copies, mesh_of,
@@ -208,7 +208,7 @@ def run_placed_reference(run):
         mine = [p for n, _, _, g in run.params if g == i for p in tensors[n]]
         groups[kind].append(dict(options, params=mine))  # every option as the group gives it: torch's own
     optimizers = ([torch.optim.Muon(groups["muon"])] if groups["muon"] else []) + \
-                 ([mt.NorMuonReference(groups["normuon"])] if groups["normuon"] else []) + \
+                 ([muon_tools.NorMuonReference(groups["normuon"])] if groups["normuon"] else []) + \
                  ([torch.optim.AdamW(groups["adamw"], foreach=False)] if groups["adamw"] else [])
     for step in range(1, run.steps + 1):
         for n, g in exact_grads(shapes, run.seed, step).items():
@@ -292,7 +292,7 @@ class Runs:
     runs: tuple
     dp: int = 8
     tp: int = 1
-    timeout_s: float = mt.TIMEOUT_S
+    timeout_s: float = muon_tools.TIMEOUT_S
 
 
 RANK_BODIES = {DemoConfig: run_demo_rank, LessonRuns: run_lesson_rank, ExplicitRun: run_explicit_rank,

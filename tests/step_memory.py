@@ -106,15 +106,15 @@ def at_scale_rank(rank, cfg, device):
         opt = at_scale.build_dtensor_muon(model, exchange_bytes=cfg.exchange_bytes)
     finally:
         torch.distributed.all_gather_object = all_gather_object
-    locals_before = [at_scale.dd.local_of(p).clone() for p in model.parameters()]
+    locals_before = [at_scale.dtensor.local_of(p).clone() for p in model.parameters()]
     live = LiveBytes()
     at_scale.reset_peak()
     before = at_scale.rss()[0]
     with live:
         opt.step()
     rss_peak = at_scale.rss()[1] - before
-    params = sum(at_scale.dd.local_of(p).numel() * 4 for p in model.parameters())
-    moved = sum(not torch.equal(at_scale.dd.local_of(p), b) for p, b in zip(model.parameters(), locals_before))
+    params = sum(at_scale.dtensor.local_of(p).numel() * 4 for p in model.parameters())
+    moved = sum(not torch.equal(at_scale.dtensor.local_of(p), b) for p, b in zip(model.parameters(), locals_before))
     return dict(rank=rank, params=params, peak=live.peak, at_peak=live.at_peak[:8], rss_peak=rss_peak, moved=moved,
                 count=len(locals_before), gathered=gathered)
 

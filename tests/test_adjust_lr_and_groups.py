@@ -7,17 +7,18 @@ import pytest
 import torch
 from torch.optim._muon import _adjust_lr as torch_adjust_lr
 
-from conftest import dm, mo
-import distmuon.checks as mc
+import distributed_muon_cpu
+from distmuon import owners
+from distmuon import checks
 from distmuon.dtensor import DTensorMuon
 from test_optimizer_api import TinyNet, split_groups
 
 
-@pytest.mark.parametrize("fn", mc.ADJUST_LR_FNS + (None,))
+@pytest.mark.parametrize("fn", checks.ADJUST_LR_FNS + (None,))
 @pytest.mark.parametrize("shape", [(384, 128), (128, 512), (128, 128), (8, 128)])
 def test_every_adjust_lr_fn_torch_accepts_is_torchs(fn, shape):
-    assert dm.adjusted_lr(0.02, fn, shape) == torch_adjust_lr(0.02, fn, torch.Size(shape))
-    assert set(mc.ADJUST_LR_FNS) == {"original", "match_rms_adamw", "spectral_unclamped"}
+    assert distributed_muon_cpu.adjusted_lr(0.02, fn, shape) == torch_adjust_lr(0.02, fn, torch.Size(shape))
+    assert set(checks.ADJUST_LR_FNS) == {"original", "match_rms_adamw", "spectral_unclamped"}
 
 
 def test_spectral_unclamped_steps_like_torch_on_one_rank(single_process_group):
@@ -29,7 +30,7 @@ def test_spectral_unclamped_steps_like_torch_on_one_rank(single_process_group):
     theirs.load_state_dict(ours.state_dict())
     groups = split_groups(ours)
     (hidden, _), (out, _) = groups[0]["params"]
-    opt = mo.OPTIMIZERS["owner"]([dict(params=[groups[0]["params"][0]], adjust_lr_fn="spectral_unclamped"),
+    opt = owners.OPTIMIZERS["owner"]([dict(params=[groups[0]["params"][0]], adjust_lr_fn="spectral_unclamped"),
                                   dict(params=[groups[0]["params"][1]]), groups[1]],
                                  grid=single_process_group, bucket_size=300, lr=0.02)
     named = dict(theirs.named_parameters())
@@ -45,7 +46,7 @@ def test_spectral_unclamped_steps_like_torch_on_one_rank(single_process_group):
         for o in ref:
             o.step()
         assert all(torch.equal(p, named[n]) for n, p in ours.named_parameters()), step
-    assert dm.adjusted_lr(0.02, "spectral_unclamped", (16, 48)) < 0.02
+    assert distributed_muon_cpu.adjusted_lr(0.02, "spectral_unclamped", (16, 48)) < 0.02
 
 
 @pytest.mark.parametrize("group,message", [
@@ -59,11 +60,11 @@ def test_the_lessons_optimizer_checks_every_group(single_process_group, group, m
     groups = split_groups(TinyNet())
     groups[0].update(group)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        mo.OPTIMIZERS["gather"](groups, grid=single_process_group)
+        owners.OPTIMIZERS["gather"](groups, grid=single_process_group)
     groups = split_groups(TinyNet())
     groups[1].update(betas=(0.9, 1.0))
     with pytest.raises(ValueError, match=r"param group 1 \(adamw\): betas must be in \[0, 1\) \(got 1.0\)"):
-        mo.OPTIMIZERS["gather"](groups, grid=single_process_group)
+        owners.OPTIMIZERS["gather"](groups, grid=single_process_group)
 
 
 @pytest.mark.parametrize("make_groups,message", [
@@ -79,7 +80,7 @@ def test_the_lessons_optimizer_checks_every_group(single_process_group, group, m
 ])
 def test_both_optimizers_check_named_params_with_one_function(single_process_group, make_groups, message):
     """The lesson's DistributedMuon and DTensorMuon refuse the same groups with the same line: distmuon.checks.named_params."""
-    for build in (lambda groups: dm.DistributedMuon(groups, grid=single_process_group), DTensorMuon):
+    for build in (lambda groups: distributed_muon_cpu.DistributedMuon(groups, grid=single_process_group), DTensorMuon):
         with pytest.raises(ValueError) as refused:
             build(make_groups(TinyNet()))
         assert str(refused.value) == message
@@ -89,5 +90,5 @@ def test_the_lessons_zero1_optimizers_keep_float32_parameters(single_process_gro
     """Their flat buffers are float32: a float64 model is refused in one line (DTensorMuon steps it as torch does:
     tests/torch_optim/test_contract.py, test_dtype)."""
     with pytest.raises(ValueError) as refused:
-        dm.DistributedMuon(split_groups(TinyNet().double()), grid=single_process_group)
+        distributed_muon_cpu.DistributedMuon(split_groups(TinyNet().double()), grid=single_process_group)
     assert str(refused.value) == "hidden.weight is torch.float64; this reference keeps float32 parameters"

@@ -18,10 +18,13 @@ import math
 import pytest
 import torch
 
-from conftest import dm, mlr, mo
+import distributed_muon_cpu
+from distmuon import large_runs
+from distmuon import owners
 from distmuon.dtensor import DistributedConfig, DTensorMuon
 
-LESSON = {"DistributedMuon": dm.DistributedMuon, "OwnerMuon": mo.OwnerMuon, "CommFreeMuon": mo.CommFreeMuon}
+LESSON = {"DistributedMuon": distributed_muon_cpu.DistributedMuon, "OwnerMuon": owners.OwnerMuon,
+          "CommFreeMuon": owners.CommFreeMuon}
 
 
 def tensors(seed=0):
@@ -52,7 +55,7 @@ LESSON_ARGUMENTS = [("grid", "world"), ("grid", None), ("tp_split_dims", ["w"]),
 OWNER_ARGUMENTS = [("owners", [1, 2]), ("owners", {0: "w"}), ("overlap", -1), ("overlap", True), ("overlap", 1.5),
                    ("batched_ns", "no"), ("batched_ns", 1)]
 LARGE_RUNS_ARGUMENTS = [("row_layouts", ["w"]), ("row_layouts", "w"), ("row_layouts", {"w": 3}),
-                        ("row_layouts", {0: mlr.RowLayout((2,))}), ("ns_blocks", "rows"), ("ns_blocks", None),
+                        ("row_layouts", {0: large_runs.RowLayout((2,))}), ("ns_blocks", "rows"), ("ns_blocks", None),
                         ("tp_newton_schulz", "ring"), ("qk_clip_tau", 0), ("qk_clip_tau", "1"), ("qk_clip_tau", True),
                         ("qk_clip_tau", math.nan)]
 DTENSOR_ARGUMENTS = [("expert_stacks", "w"), ("expert_stacks", [1]), ("distributed_config", {}),
@@ -73,7 +76,7 @@ def cases(arguments, constructors):
 
 @pytest.mark.parametrize("cls,argument,value", cases(LESSON_ARGUMENTS + OPTIONS, LESSON)
                          + cases(OWNER_ARGUMENTS, ["OwnerMuon", "CommFreeMuon"])
-                         + cases([("strategy", "owner"), ("strategy", mo.OwnerMuon)], ["DistributedMuon"]))
+                         + cases([("strategy", "owner"), ("strategy", owners.OwnerMuon)], ["DistributedMuon"]))
 def test_the_lessons_optimizers_refuse_an_argument_of_the_wrong_kind_naming_it(single_process_group, cls, argument,
                                                                                value):
     kwargs = dict(dict(grid=single_process_group), **{argument: value})
@@ -81,19 +84,21 @@ def test_the_lessons_optimizers_refuse_an_argument_of_the_wrong_kind_naming_it(s
 
 
 def test_large_runs_and_strategy_must_be_instances_not_classes(single_process_group):
-    assert_refused_naming("large_runs", lambda: dm.DistributedMuon(groups(tensors()), grid=single_process_group,
-                                                                   large_runs=mlr.LargeRuns))
-    assert_refused_naming("strategy", lambda: dm.DistributedMuon(groups(tensors()), grid=single_process_group,
-                                                                 strategy=mo.Owner))
+    assert_refused_naming("large_runs", lambda: distributed_muon_cpu.DistributedMuon(groups(tensors()),
+                                                                                     grid=single_process_group,
+                                                                   large_runs=large_runs.LargeRuns))
+    assert_refused_naming("strategy", lambda: distributed_muon_cpu.DistributedMuon(groups(tensors()),
+                                                                                   grid=single_process_group,
+                                                                 strategy=owners.Owner))
 
 
 @pytest.mark.parametrize("cls", ["OwnerMuon", "CommFreeMuon"])
 def test_an_optimizer_built_around_its_strategy_refuses_another(single_process_group, cls):
     with pytest.raises(TypeError, match=f"^{cls} takes no strategy: it is DistributedMuon"):
-        getattr(mo, cls)(groups(tensors()), grid=single_process_group, strategy=dm.Gather())
+        getattr(owners, cls)(groups(tensors()), grid=single_process_group, strategy=distributed_muon_cpu.Gather())
 
 
-@pytest.mark.parametrize("cls", [mo.Owner, mo.CommFree], ids=["Owner", "CommFree"])
+@pytest.mark.parametrize("cls", [owners.Owner, owners.CommFree], ids=["Owner", "CommFree"])
 @pytest.mark.parametrize("argument,value", OWNER_ARGUMENTS, ids=[f"{a}={v!r}" for a, v in OWNER_ARGUMENTS])
 def test_the_owner_strategies_refuse_an_argument_of_the_wrong_kind_naming_it(cls, argument, value):
     assert_refused_naming(argument, lambda: cls(**{argument: value}))
@@ -103,7 +108,7 @@ def test_the_owner_strategies_refuse_an_argument_of_the_wrong_kind_naming_it(cls
 def test_large_runs_refuses_an_argument_of_the_wrong_kind_naming_it(argument, value):
     """At once, before any optimizer is given it (row_layouts a dict of RowLayout: a list of pairs was taken by
     dict(), a string's characters too)."""
-    assert_refused_naming(argument, lambda: mlr.LargeRuns(**{argument: value}))
+    assert_refused_naming(argument, lambda: large_runs.LargeRuns(**{argument: value}))
 
 
 @pytest.mark.parametrize("argument,value", DTENSOR_ARGUMENTS + OPTIONS,
@@ -117,7 +122,7 @@ def test_an_unknown_keyword_is_a_type_error_naming_it(single_process_group, buil
     """As Python refuses an unexpected keyword argument (an option of neither torch.optim.Muon nor AdamW)."""
     with pytest.raises(TypeError, match="unexpected keyword argument 'momentun'"):
         if build == "lesson":
-            dm.DistributedMuon(groups(tensors()), grid=single_process_group, momentun=0.9)
+            distributed_muon_cpu.DistributedMuon(groups(tensors()), grid=single_process_group, momentun=0.9)
         else:
             DTensorMuon(groups(tensors()), momentun=0.9)
 
@@ -125,14 +130,14 @@ def test_an_unknown_keyword_is_a_type_error_naming_it(single_process_group, buil
 def test_the_arguments_a_refusal_names_are_taken_when_right(single_process_group):
     """The control: the same constructors take the right kinds (so the refusals above are of the values)."""
     t = tensors()
-    dm.DistributedMuon(groups(t), grid=single_process_group, tp_split_dims={"w": 0}, bucket_size=40,
-                       large_runs=mlr.LargeRuns(row_layouts={"w": mlr.RowLayout((2, 2), 2, ("q", "k"))},
+    distributed_muon_cpu.DistributedMuon(groups(t), grid=single_process_group, tp_split_dims={"w": 0}, bucket_size=40,
+                       large_runs=large_runs.LargeRuns(row_layouts={"w": large_runs.RowLayout((2, 2), 2, ("q", "k"))},
                                                 ns_blocks="blocks", qk_clip_tau=10.0),
                        ns_coefficients="polar_express", lr=0.02, betas=(0.9, 0.95))
-    mo.OwnerMuon(groups(tensors()), grid=single_process_group, owners={0: ["w", "v"]}, overlap=2, batched_ns=True)
-    mo.CommFreeMuon(groups(tensors()), grid=single_process_group, overlap=1)
+    owners.OwnerMuon(groups(tensors()), grid=single_process_group, owners={0: ["w", "v"]}, overlap=2, batched_ns=True)
+    owners.CommFreeMuon(groups(tensors()), grid=single_process_group, overlap=1)
     DTensorMuon(groups(tensors()), expert_stacks=(), distributed_config=DistributedConfig(), batched_ns=False,
-                group=None, row_layouts={"w": mlr.RowLayout((4, 4), 1, ("q", "k"))}, ns_blocks="heads",
+                group=None, row_layouts={"w": large_runs.RowLayout((4, 4), 1, ("q", "k"))}, ns_blocks="heads",
                 qk_clip_tau=5.0, ns_coefficients=[(3.4445, -4.775, 2.0315)] * 5)
 
 
@@ -171,13 +176,13 @@ def plan_of(opt):
 
 
 BUILDS = {
-    "DistributedMuon": lambda grid: lesson(dm.DistributedMuon, grid),
+    "DistributedMuon": lambda grid: lesson(distributed_muon_cpu.DistributedMuon, grid),
     "DistributedMuon with LargeRuns": lambda grid: lambda t: lesson(  # a LargeRuns serves one optimizer
-        dm.DistributedMuon, grid, large_runs=mlr.LargeRuns(row_layouts={"w": mlr.RowLayout((2, 2), 2, ("q", "k"))},
+        distributed_muon_cpu.DistributedMuon, grid, large_runs=large_runs.LargeRuns(row_layouts={"w": large_runs.RowLayout((2, 2), 2, ("q", "k"))},
                                                            ns_blocks="heads"))(t),
-    "OwnerMuon": lambda grid: lesson(mo.OwnerMuon, grid),
-    "OwnerMuon, overlapped": lambda grid: lesson(mo.OwnerMuon, grid, overlap=2),
-    "CommFreeMuon": lambda grid: lesson(mo.CommFreeMuon, grid),
+    "OwnerMuon": lambda grid: lesson(owners.OwnerMuon, grid),
+    "OwnerMuon, overlapped": lambda grid: lesson(owners.OwnerMuon, grid, overlap=2),
+    "CommFreeMuon": lambda grid: lesson(owners.CommFreeMuon, grid),
     "DTensorMuon": lambda grid: lambda t: DTensorMuon(groups(t)),
 }
 

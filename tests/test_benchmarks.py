@@ -8,7 +8,10 @@ import sys
 
 import torch
 
-from conftest import ROOT, SUITE_D_MODEL, dm, mo, mt
+from conftest import ROOT, SUITE_D_MODEL
+import distributed_muon_cpu
+from distmuon import owners
+import muon_tools
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -48,11 +51,11 @@ def test_compare_prints_one_table_of_the_jsons_figures(tmp_path):
     rows, targets = compare_summary(proc.stdout)
     assert list(results["runs"]) == list(compare.COMPARED) and results["passed"]
     for kind, run in results["runs"].items():
-        assert mt.run_kind(mt.RunConfig(**run["config"])) == kind and run["passed"]
+        assert muon_tools.run_kind(muon_tools.RunConfig(**run["config"])) == kind and run["passed"]
         row = " ".join(rows[compare.LABELS[kind]])
-        assert mt.human_bytes(run["bytes_sent_all_ranks"]) in row  # the summary shows the JSON's numbers
+        assert muon_tools.human_bytes(run["bytes_sent_all_ranks"]) in row  # the summary shows the JSON's numbers
         assert f"{run['timings']['step_ms_median']:.0f}" == row.split()[-1]
-    for strategy in mo.STRATEGIES[1:]:
+    for strategy in owners.STRATEGIES[1:]:
         assert results["runs"][strategy]["ns_flops"]["redundancy"] == 1.0
     assert results["realistic_balance"]["max_over_mean"] <= 1.10
     owner, gather = (results["runs"][s]["timings"]["step_ms_median"] for s in ("owner", "gather"))
@@ -90,8 +93,9 @@ def test_scaling_without_ns_replaces_newton_schulz_in_torch_and_here_alike(singl
     params, grads = scaling.parameters(16, 1)
     with_ns, _ = step_both(params, grads)
     monkeypatch.setattr(torch_muon, scaling.TORCH_NEWTON_SCHULZ, getattr(torch_muon, scaling.TORCH_NEWTON_SCHULZ))
-    monkeypatch.setattr(dm, "newton_schulz", dm.newton_schulz)  # all three restored after the test
-    monkeypatch.setattr(mo, "newton_schulz", mo.newton_schulz)
+    monkeypatch.setattr(distributed_muon_cpu, "newton_schulz",
+                        distributed_muon_cpu.newton_schulz)  # all three restored after the test
+    monkeypatch.setattr(owners, "newton_schulz", owners.newton_schulz)
     scaling.without_newton_schulz()
     theirs, ours = step_both(params, grads)
     assert all(torch.equal(theirs[n], ours[n]) for n in params)  # the same work on both sides
@@ -116,7 +120,8 @@ def test_two_ranks_splits_every_phase_and_each_rank_orthogonalizes_half(capsys):
         flops = [float(x) for x in rows["NS GFLOP"]]
         for i in range(0, 8, 2):  # each variant: rank 0 and rank 1, each about half
             assert abs(flops[i] + flops[i + 1] - total) <= 0.01 * total and min(flops[i:i + 2]) > 0.3 * total
-        for phase in mt.PHASES_OF["owner"] + mt.PHASES_OF["comm-free"] + ("newton-schulz", "state update"):
+        for phase in muon_tools.PHASES_OF["owner"] + muon_tools.PHASES_OF["comm-free"] + ("newton-schulz",
+                                                                                          "state update"):
             assert phase in rows, phase
         assert all(float(x) > 0 for x in rows["step (traced)"])
 

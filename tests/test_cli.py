@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from conftest import SCRIPT, dm, mt
+from conftest import SCRIPT
+import distributed_muon_cpu
+import muon_tools
 
 BAD_INPUT = [
     (["--dp", "0"], "DP and TP must be >= 1 (got DP=0, TP=2)"),
@@ -45,20 +47,21 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("argv,message", BAD_INPUT)
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
-    assert mt.main(argv) == 2
+    assert muon_tools.main(argv) == 2
     err = capsys.readouterr().err
     assert err == f"error: {err[len('error: '):]}" and err.count("\n") == 1
     assert message in err
 
 
 def test_tp_that_divides_some_but_not_all_parameters_names_the_first():
-    specs = dm.transformer_specs()
+    specs = distributed_muon_cpu.transformer_specs()
     with pytest.raises(ValueError, match=r"TP 5 does not divide embed.weight dim 0 \(size 512"):
-        mt.check_tp_divides(specs, 5)
-    specs = [dm.ParamSpec("a", (6, 4), 0, "muon"), dm.ParamSpec("b", (4, 6), 1, "muon"),
-             dm.ParamSpec("c", (6, 5), 1, "muon")]
+        muon_tools.check_tp_divides(specs, 5)
+    specs = [distributed_muon_cpu.ParamSpec("a", (6, 4), 0, "muon"),
+             distributed_muon_cpu.ParamSpec("b", (4, 6), 1, "muon"),
+             distributed_muon_cpu.ParamSpec("c", (6, 5), 1, "muon")]
     with pytest.raises(ValueError, match=r"TP 2 does not divide c dim 1 \(size 5"):
-        mt.check_tp_divides(specs, 2)
+        muon_tools.check_tp_divides(specs, 2)
 
 
 def run_script(*argv, timeout=120):
@@ -94,11 +97,12 @@ def test_the_launcher_names_the_rank_that_says_why_not_one_that_heard_of_it(tmp_
     told = "ValueError: rank 11 refused the step (it raised why); nothing changed"
     for rank, when, error in [(0, 1.0, told), (11, 2.0, said), (5, 3.0, told)]:
         (tmp_path / f"rank{rank}.error").write_text(f"{when!r}\n{error}\nTraceback of rank {rank}\n")
-    failure = mt.culprit_failure([(0, 1), (11, 1), (5, 1)], str(tmp_path))
+    failure = muon_tools.culprit_failure([(0, 1), (11, 1), (5, 1)], str(tmp_path))
     assert str(failure) == f"rank 11 failed: {said} (then ranks 0, 5 failed too)"
     assert failure.traceback == "Traceback of rank 11\n"
     (tmp_path / "rank11.error").unlink()  # only secondhand errors: the first of it, as before
-    assert str(mt.culprit_failure([(0, 1), (5, 1)], str(tmp_path))) == f"rank 0 failed: {told} (then rank 5 failed too)"
+    assert str(muon_tools.culprit_failure([(0, 1), (5, 1)],
+                                          str(tmp_path))) == f"rank 0 failed: {told} (then rank 5 failed too)"
 
 
 def check_default_run_printed(out):
@@ -106,7 +110,7 @@ def check_default_run_printed(out):
     its saved outputs with this)."""
     assert "DP=4 x TP=2" in out
     assert "(padding)" in out and "bucket (0, 0)" in out  # --explain's map
-    n = len(dm.transformer_specs())
+    n = len(distributed_muon_cpu.transformer_specs())
     assert f"Result: PASS: {n}/{n} parameters bit-identical to torch" in out
 
 
@@ -118,17 +122,17 @@ def test_the_default_run_as_a_user_runs_it_passes_and_its_json_is_what_it_printe
     check_default_run_printed(out)
     with open(tmp_path / "run.json") as f:
         results = json.load(f)
-    n = len(dm.transformer_specs())
+    n = len(distributed_muon_cpu.transformer_specs())
     assert results["passed"] and all(c["identical"] for c in results["checks"]) and len(results["checks"]) == n
-    default = mt.RunConfig()
+    default = muon_tools.RunConfig()
     assert {k: results["config"][k] for k in ("dp", "tp", "steps", "d_model", "layers", "strategy")} == \
         dict(dp=4, tp=2, steps=default.steps, d_model=default.d_model, layers=default.layers, strategy="gather")
-    assert set(results["bytes_per_step"]) == set(mt.PHASES)
+    assert set(results["bytes_per_step"]) == set(muon_tools.PHASES)
     assert len(results["ns_flops"]["per_rank"]) == 8 and len(results["ledgers"]) == 8
     assert len(results["timings"]["step_ms_slowest_rank"]) == results["config"]["steps"]
     for phase, row in results["bytes_per_step"].items():  # the printed table shows the JSON's numbers
         line = next(line for line in out.splitlines() if line.startswith(phase))
-        assert mt.human_bytes(max(row["sent"])) in line
+        assert muon_tools.human_bytes(max(row["sent"])) in line
 
 
 def test_help():
@@ -143,8 +147,8 @@ def test_help():
 def test_explain_lists_the_owners():
     """--explain prints from the plan, before any rank starts: the launcher's own call, without the ranks."""
     printed = []
-    cfg = mt.RunConfig(strategy="owner", dp=2, tp=1)
-    mt.print_header(cfg, mt.plan_optimizer(cfg), "CPU", "Gloo", True, printed.append)
+    cfg = muon_tools.RunConfig(strategy="owner", dp=2, tp=1)
+    muon_tools.print_header(cfg, muon_tools.plan_optimizer(cfg), "CPU", "Gloo", True, printed.append)
     out = "\n".join(printed)
     assert "[7] Owners: 10 matrices on 2 ranks" in out
     owns = [line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"]) and "weight" in line]

@@ -14,14 +14,17 @@ import sys
 import pytest
 import torch
 
-from conftest import BUCKET, GRIDS, ROOT, dm, grid_config, grid_run, mo, mt, suite_config
+from conftest import BUCKET, GRIDS, ROOT, grid_config, grid_run, suite_config
+import distributed_muon_cpu
+from distmuon import owners
+import muon_tools
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import cost_model as cm  # noqa: E402
-import distmuon.dtensor as dd  # noqa: E402
-import distmuon.dtensor.placements as dplace  # noqa: E402
-import distmuon.dtensor.plan as dplan  # noqa: E402
+import cost_model  # noqa: E402
+from distmuon import dtensor  # noqa: E402
+from distmuon.dtensor import placements  # noqa: E402
+from distmuon.dtensor import plan  # noqa: E402
 from dtensor_run import DemoConfig, DemoModel, is_muon  # noqa: E402
 from dtensor_scenarios import PLACEMENT, PlacedRun, Runs, run_many_rank  # noqa: E402
 
@@ -32,10 +35,10 @@ ONE_NODE = lambda rank: 0  # noqa: E731
 GRAM_TPS = [2, 4]
 # NorMuon (notes/14-normuon.md) on the grids where its rows move over TP, over DP and over both, and with more ranks
 # than a row's matrices: runs of tests/test_normuon.py, so in the whole suite they cost the planning alone
-NORMUON_RUNS = [grid_config(dp, tp, strategy=s, normuon=True, **config) for s in mo.STRATEGIES if s != "gather"
+NORMUON_RUNS = [grid_config(dp, tp, strategy=s, normuon=True, **config) for s in owners.STRATEGIES if s != "gather"
                 for dp, tp, config in [(4, 2, {}), (2, 4, {}), (8, 1, {}), (3, 2, dict(layers=1))]]
 # the owner strategies overlapped (more, smaller collectives: one exchange per unit), tests/test_strategies.py's runs
-OVERLAP_RUNS = [grid_config(dp, tp, strategy=s, overlap=mo.OVERLAP_DEFAULT) for s, dp, tp in OVERLAPPED]
+OVERLAP_RUNS = [grid_config(dp, tp, strategy=s, overlap=owners.OVERLAP_DEFAULT) for s, dp, tp in OVERLAPPED]
 GRID_RUNS = (LESSON_RUNS + NORMUON_RUNS + OVERLAP_RUNS
              + [suite_config(dp=1, tp=tp, steps=1, tp_newton_schulz="gram") for tp in GRAM_TPS])
 
@@ -48,7 +51,7 @@ def calls_per_step(ledgers, step, phases):
 
 def assert_ledger_is_the_model(result, cfg):
     """The model of cfg's optimizer (built on meta tensors, no process) against the run's Ledgers."""
-    cost = cm.lesson_cost(cm.lesson_optimizer(mt.demo_specs(cfg), cfg), ONE_NODE)
+    cost = cost_model.lesson_cost(cost_model.lesson_optimizer(muon_tools.demo_specs(cfg), cfg), ONE_NODE)
     real = result["bytes_per_step"]
     assert result["bytes_same_every_step"]
     assert set(cost.traffic.phases) <= set(real), set(cost.traffic.phases) - set(real)
@@ -61,7 +64,7 @@ def assert_ledger_is_the_model(result, cfg):
     return cost
 
 
-@pytest.mark.parametrize("strategy", mo.STRATEGIES)
+@pytest.mark.parametrize("strategy", owners.STRATEGIES)
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_lesson_strategies_bytes_flops_and_state_are_the_ledgers(run_grid, dp, tp, strategy):
     cost = assert_ledger_is_the_model(grid_run(run_grid, dp, tp, strategy=strategy),
@@ -70,7 +73,7 @@ def test_lesson_strategies_bytes_flops_and_state_are_the_ledgers(run_grid, dp, t
         assert sum(cost.traffic.phases["grad presence"].sent) > 0
 
 
-@pytest.mark.parametrize("strategy", mo.STRATEGIES)
+@pytest.mark.parametrize("strategy", owners.STRATEGIES)
 @pytest.mark.parametrize("dp,tp,config", UNEVEN)
 def test_uneven_cases_are_the_ledgers(run_grid, dp, tp, config, strategy):
     assert_ledger_is_the_model(grid_run(run_grid, dp, tp, strategy=strategy, **config),
@@ -101,14 +104,17 @@ def test_normuon_rows_and_state_are_the_ledgers(run_grid, cfg):
     expected = ({"NorMuon rows"} if cfg.strategy == "owner" or cfg.tp > 1 else set()) | (
         {"NorMuon rows broadcast"} if cfg.strategy == "comm-free" and cfg.dp > 1 else set())
     assert moved == expected  # a test that cannot fail is a defect: these grids move NorMuon's rows
-    plain = cm.lesson_cost(cm.lesson_optimizer(mt.demo_specs(cfg), replace(cfg, normuon=False)), ONE_NODE)
+    plain = cost_model.lesson_cost(cost_model.lesson_optimizer(muon_tools.demo_specs(cfg), replace(cfg,
+                                                                                                   normuon=False)), ONE_NODE)
     assert sum(cost.state_bytes) > sum(plain.state_bytes)  # v: one float32 per row of each matrix, at its owner
 
 
 @pytest.mark.parametrize("cfg", OVERLAP_RUNS, ids=lambda c: f"{c.strategy}-{c.dp}x{c.tp}")
 def test_overlapped_steps_are_the_ledgers(run_grid, cfg):
-    cost = assert_ledger_is_the_model(grid_run(run_grid, cfg.dp, cfg.tp, strategy=cfg.strategy, overlap=cfg.overlap), cfg)
-    plain = cm.lesson_cost(cm.lesson_optimizer(mt.demo_specs(cfg), replace(cfg, overlap=0)), ONE_NODE)
+    cost = assert_ledger_is_the_model(grid_run(run_grid, cfg.dp, cfg.tp, strategy=cfg.strategy, overlap=cfg.overlap),
+                                      cfg)
+    plain = cost_model.lesson_cost(cost_model.lesson_optimizer(muon_tools.demo_specs(cfg), replace(cfg, overlap=0)),
+                                   ONE_NODE)
     assert cost.traffic.table() == plain.traffic.table()  # the same bytes, in more calls
     assert sum(map(sum, cost.traffic.calls_table().values())) > sum(map(sum, plain.traffic.calls_table().values()))
 
@@ -131,19 +137,20 @@ def demo_params(cfg):
         role = ("expert" if p.ndim == 3 else "col" if ".fc1." in n else "row" if n.endswith("fc2.weight")
                 else "replicate" if n.endswith("fc2.bias") else None)
         group = "muon" if is_muon(n, p.ndim) else "adamw" if n.startswith(("embed.", "head.")) else "adamw_no_wd"
-        out.append(cm.Param(n, tuple(p.shape), role, group))
+        out.append(cost_model.Param(n, tuple(p.shape), role, group))
     return out
 
 
 def demo_copies(cfg):
-    mesh = cm.Mesh(cfg.dp, cfg.tp, cfg.replicate)
-    return cm.placed_copies(cm.param_order(demo_params(cfg), cm.GROUPS), mesh, {g: i for i, g in enumerate(cm.GROUPS)})
+    mesh = cost_model.Mesh(cfg.dp, cfg.tp, cfg.replicate)
+    return cost_model.placed_copies(cost_model.param_order(demo_params(cfg), cost_model.GROUPS), mesh,
+                                    {g: i for i, g in enumerate(cost_model.GROUPS)})
 
 
 def placed_copies(run):
     """A PlacedRun's parameters as Copies: the placements it gives them, on its whole mesh."""
     ranks = tuple(range(torch.Size(run.mesh).numel()))
-    return [dplan.Copy(n, g, shape, ranks, run.mesh, tuple(PLACEMENT[k] for k in where), n in run.expert_stacks,
+    return [plan.Copy(n, g, shape, ranks, run.mesh, tuple(PLACEMENT[k] for k in where), n in run.expert_stacks,
                     run.dims) for g in range(len(run.groups)) for n, shape, where, group in run.params if group == g]
 
 
@@ -175,7 +182,8 @@ DEMO_RUNS = {**{f"{dp}x{tp}": DemoConfig(dp=dp, tp=tp, steps=DEMO_STEPS) for dp,
 def case_copies():
     """{label: (copies, {group: algorithm}, world)} of every DTensor case checked here."""
     def algorithms(normuon):
-        return {i: ("normuon" if normuon else "muon") if g == "muon" else "adamw" for i, g in enumerate(cm.GROUPS)}
+        return {i: ("normuon" if normuon else "muon") if g == "muon" else "adamw" for i,
+                g in enumerate(cost_model.GROUPS)}
 
     cases = {label: (demo_copies(cfg), algorithms(cfg.normuon), cfg.replicate * cfg.dp * cfg.tp)
              for label, cfg in DEMO_RUNS.items()}
@@ -184,13 +192,13 @@ def case_copies():
     return cases
 
 
-def chunked_indices(shape, mesh_shape, placements, coordinate):
+def chunked_indices(shape, mesh_shape, where, coordinate):
     """The oracle: the global flat index of each element a rank holds, by torch.chunk on a tensor of every index
     (uneven and empty chunks as FSDP2 cuts them), one cut after another in split_order."""
     index = torch.arange(torch.Size(shape).numel()).view(shape)
-    for i in dplace.split_order(placements):
-        chunks = list(torch.chunk(index, mesh_shape[i], dim=placements[i].dim))
-        chunks += [chunks[0].narrow(placements[i].dim, 0, 0)] * (mesh_shape[i] - len(chunks))
+    for i in placements.split_order(where):
+        chunks = list(torch.chunk(index, mesh_shape[i], dim=where[i].dim))
+        chunks += [chunks[0].narrow(where[i].dim, 0, 0)] * (mesh_shape[i] - len(chunks))
         index = chunks[coordinate[i]]
     return index.reshape(-1)
 
@@ -203,14 +211,14 @@ def test_every_piece_of_the_cut_is_torch_chunks_elements():
         for c in copies:
             if not c.mesh_ranks:
                 continue
-            cut = dplan.cut_of_copy(c)
+            cut = plan.cut_of_copy(c)
             for rank, coordinate in zip(c.mesh_ranks, itertools.product(*[range(n) for n in c.mesh_shape])):
                 k, _ = cut.position(rank)
                 box = [torch.arange(a, b) for a, b in zip(cut.starts[k].tolist(), cut.stops[k].tolist())]
                 grid = torch.arange(torch.Size(c.shape).numel()).view(c.shape)[torch.meshgrid(*box, indexing="ij")]
                 expected = chunked_indices(c.shape, c.mesh_shape, c.placements, coordinate)
                 assert torch.equal(grid.reshape(-1), expected), (c.name, coordinate)
-                assert torch.equal(dd.local_indices(c.shape, c.mesh_shape, c.placements, coordinate), expected)
+                assert torch.equal(dtensor.local_indices(c.shape, c.mesh_shape, c.placements, coordinate), expected)
                 checked += expected.numel() == 0
     assert checked > 0  # some empty shards among them
 
@@ -222,14 +230,14 @@ def test_every_rank_plans_its_own_routes_and_each_matrix_is_tiled_once():
     moved = 0
     for label, (copies, algorithms, world) in case_copies().items():
         muon = [c for c in copies if algorithms[c.group] != "adamw"]
-        steps = {g: dm.NS_STEPS for g in algorithms}
-        matrices, flops, owners = cm.dtensor_plan(muon, steps, world)
-        gather, scatter = cm.dtensor_transfers(matrices)
+        steps = {g: distributed_muon_cpu.NS_STEPS for g in algorithms}
+        matrices, flops, owners = cost_model.dtensor_plan(muon, steps, world)
+        gather, scatter = cost_model.dtensor_transfers(matrices)
         ours = [collections.Counter(t for t in zip(*(x.tolist() for x in moves)) if t[0] != t[1])
                 for moves in (gather, scatter)]
         theirs = [collections.Counter(), collections.Counter()]
         for me in range(world):
-            planned, their_flops, their_owners = dplan.plan_matrices(muon, steps, me, world)
+            planned, their_flops, their_owners = plan.plan_matrices(muon, steps, me, world)
             assert their_owners == owners and their_flops == flops, label
             for m in planned:
                 for counter, moves in zip(theirs, (m.gather, m.scatter)):
@@ -251,7 +259,7 @@ def dtensor_runs():
     """{label: [each rank's result]}: the demo on every DTENSOR mesh and the expert-parallel placed runs, one
     spawn of 8 ranks (each run on its own sub-mesh), DEMO_STEPS steps of exact gradients."""
     runs = {**DEMO_RUNS, **PLACED}
-    results = mt.spawn_ranks(Runs(tuple(runs.values()), timeout_s=60), run_many_rank)
+    results = muon_tools.spawn_ranks(Runs(tuple(runs.values()), timeout_s=60), run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}
 
 
@@ -261,12 +269,13 @@ def test_dtensor_bytes_flops_owners_and_state_are_the_ledgers(dtensor_runs):
         ranks = sorted(dtensor_runs[label], key=lambda r: r["rank"])
         assert len(ranks) == world, label
         names = [c.name for c in copies]
-        cost = cm.dtensor_cost(copies, names, algorithms, {g: dm.NS_STEPS for g in algorithms}, world, ONE_NODE)
+        cost = cost_model.dtensor_cost(copies, names, algorithms,
+                                       {g: distributed_muon_cpu.NS_STEPS for g in algorithms}, world, ONE_NODE)
         ledgers = [r["ledger"] for r in ranks]
         step = max(rec["step"] for rec in ledgers[0]["comm"])
         phases = ("grad presence", "gather at owner", "scatter from owner") + (
             ("NorMuon rows",) if "normuon" in algorithms.values() else ())
-        assert cost.traffic.table(phases) == mt.bytes_per_step(ledgers, step, phases), label
+        assert cost.traffic.table(phases) == muon_tools.bytes_per_step(ledgers, step, phases), label
         assert cost.traffic.calls_table(phases) == calls_per_step(ledgers, step, phases), label
         assert {p for rec in ledgers[0]["comm"] for p in [rec["phase"]]} <= set(phases) | {"refusal"}, label
         rows_moved += sum(cost.traffic.phases["NorMuon rows"].sent) if "NorMuon rows" in cost.traffic.phases else 0
@@ -278,20 +287,20 @@ def test_dtensor_bytes_flops_owners_and_state_are_the_ledgers(dtensor_runs):
                 assert placed == str(tuple(mine.placements)), (label, name)
             if "state_bytes" in r:
                 assert cost.state_bytes[r["rank"]] == r["state_bytes"], label
-        matrices, _, owners = cm.dtensor_plan([c for c in copies if algorithms[c.group] != "adamw"],
-                                              {g: dm.NS_STEPS for g in algorithms}, world)
+        matrices, _, owners = cost_model.dtensor_plan([c for c in copies if algorithms[c.group] != "adamw"],
+                                              {g: distributed_muon_cpu.NS_STEPS for g in algorithms}, world)
         assert ranks[0]["owners"] == owners, label
     assert rows_moved > 0  # the NorMuon cases move its rows
 
 
 # -- prices --------------------------------------------------------------------------------------------------
 
-CLUSTER = cm.Cluster("test", gpus_per_node=2, intra_gbs=100.0, inter_gbs=10.0, intra_us=1.0, inter_us=10.0,
+CLUSTER = cost_model.Cluster("test", gpus_per_node=2, intra_gbs=100.0, inter_gbs=10.0, intra_us=1.0, inter_us=10.0,
                      ns_tflops=1.0, train_tflops=1.0, hbm_gbs=1000.0, muon_bytes=24, adamw_bytes=28)
 
 
 def test_a_ring_pays_its_slowest_link_and_an_all_to_all_each_link_apart():
-    traffic = cm.Traffic(4, lambda r: r // 2)  # ranks 0, 1 on node 0; 2, 3 on node 1
+    traffic = cost_model.Traffic(4, lambda r: r // 2)  # ranks 0, 1 on node 0; 2, 3 on node 1
     traffic.all_gather("inside", "TP", torch.bfloat16, [[0, 1], [2, 3]], 1000)
     traffic.all_gather("across", "DP", torch.float32, [[0, 2], [1, 3]], 1000)
     inside, across = traffic.phases["inside"], traffic.phases["across"]
@@ -310,21 +319,21 @@ def test_a_ring_pays_its_slowest_link_and_an_all_to_all_each_link_apart():
 
 
 def test_the_step_is_communication_plus_compute_and_overlap_the_larger():
-    traffic = cm.Traffic(2, ONE_NODE)
+    traffic = cost_model.Traffic(2, ONE_NODE)
     traffic.all_gather("p", "DP", torch.float32, [[0, 1]], 250)  # 1000 B: 1 us + 10 ns
-    cost = cm.Cost("x", traffic, [2e6, 1e6], [0, 0], {"muon": [1000, 0], "adamw": [0, 0]}, 2)
-    row = cm.summarize(cost, CLUSTER)
+    cost = cost_model.Cost("x", traffic, [2e6, 1e6], [0, 0], {"muon": [1000, 0], "adamw": [0, 0]}, 2)
+    row = cost_model.summarize(cost, CLUSTER)
     compute = 2e6 / 1e12 + 1000 * 24 / 1000e9
     assert row.comm_s == pytest.approx(1e-6 + 1000 / 100e9) and row.compute_s == pytest.approx(compute)
     assert row.step_s == pytest.approx(row.comm_s + compute) and row.overlap_s == pytest.approx(max(row.comm_s, compute))
-    two = cm.summarize(cost, replace(CLUSTER, in_flight=2))  # two collectives in flight at once, overlapped
+    two = cost_model.summarize(cost, replace(CLUSTER, in_flight=2))  # two collectives in flight at once, overlapped
     assert two.step_s == row.step_s and two.overlap_s == pytest.approx(max(row.comm_s / 2, compute))
     assert row.ns_max == 2e6 and row.ns_mean == 1.5e6
 
 
 def test_the_chapters_models_have_their_published_sizes():
     """The shapes are the models': Llama 3 8B and 70B, DeepSeek-V3's 671 B (37 B active), GPT-2's 124 M."""
-    sizes = {name: (m.total_params(), m.active_params()) for name, m in cm.MODELS.items()}
+    sizes = {name: (m.total_params(), m.active_params()) for name, m in cost_model.MODELS.items()}
     assert sizes["gpt2-small"][0] == pytest.approx(124.5e6, rel=0.01)  # nanoGPT's 124M with a 50,304 vocabulary
     assert sizes["llama3-8b"][0] == pytest.approx(8.03e9, rel=0.005)
     assert sizes["llama3-70b"][0] == pytest.approx(70.6e9, rel=0.005)
@@ -334,8 +343,8 @@ def test_the_chapters_models_have_their_published_sizes():
 def test_gpt2_small_on_8_gpus_ranks_the_strategies_as_chapter_8_measures():
     """GPT-2 small's shapes (2 of its layers) at DP 8: comm-free moves fewer bytes than AdamW ZeRO-1 (chapter 8's rule at TP = 1), the owner
     strategies orthogonalize each matrix once (no more FLOPs than gather), DTensorMuon's step moves the least."""
-    two_layers = replace(cm.MODELS["gpt2-small"], layers=2)  # the same shapes, fewer of them: a cheap plan
-    rows, fwd_bwd, costs = cm.predict(cm.Scenario(two_layers, 8), cm.H100)
+    two_layers = replace(cost_model.MODELS["gpt2-small"], layers=2)  # the same shapes, fewer of them: a cheap plan
+    rows, fwd_bwd, costs = cost_model.predict(cost_model.Scenario(two_layers, 8), cost_model.H100)
     by = {r.label: r for r in rows}
     assert by["comm-free"].sent_max < by["AdamW ZeRO-1"].sent_max < by["gather"].sent_max
     assert sum(costs["owner"].ns_flops) == sum(costs["comm-free"].ns_flops) == costs["owner"].single_device_flops
@@ -346,47 +355,49 @@ def test_gpt2_small_on_8_gpus_ranks_the_strategies_as_chapter_8_measures():
 def test_attention_is_palms_term_in_the_forward_and_backward():
     """6 x active parameters x tokens, plus attention's two products with the sequence: 12 L H Q T per token with
     equal query and value heads (PaLM, Appendix B), 6 L H T (qk + v) with MLA's (DeepSeek-V3: 192 and 128)."""
-    llama, deepseek = cm.MODELS["llama3-70b"], cm.MODELS["deepseek-v3"]
+    llama, deepseek = cost_model.MODELS["llama3-70b"], cost_model.MODELS["deepseek-v3"]
     assert llama.attention_flops_per_token() == 12 * 80 * 64 * 128 * 4096
     assert deepseek.attention_flops_per_token() == 6 * 61 * 128 * 4096 * (128 + 64 + 128)
     assert llama.train_flops() == (6 * llama.active_params() + 12 * 80 * 64 * 128 * 4096) * 2**22
-    s = cm.Scenario(llama, 64, tp=8)
-    assert cm.forward_backward_seconds(s, CLUSTER) == pytest.approx(llama.train_flops() / (64 * 1e12))
-    marin = cm.MODELS["marin-moe-d2560"]  # issue 6044's d2560 shape, 64 experts: its 2.34 B active at 256 (routers,
+    s = cost_model.Scenario(llama, 64, tp=8)
+    assert cost_model.forward_backward_seconds(s, CLUSTER) == pytest.approx(llama.train_flops() / (64 * 1e12))
+    marin = cost_model.MODELS["marin-moe-d2560"]  # issue 6044's d2560 shape, 64 experts: its 2.34 B active at 256 (routers,
     assert marin.active_params() == pytest.approx(2.34e9, rel=0.03)  # gated norms aside)
-    assert cm.mfu_with(0.344, 2.0, 0.0) == 0.344 and cm.mfu_with(0.344, 2.0, 0.25) == pytest.approx(0.344 * 2 / 2.25)
+    assert cost_model.mfu_with(0.344, 2.0, 0.0) == 0.344 and cost_model.mfu_with(0.344, 2.0,
+                                                                                 0.25) == pytest.approx(0.344 * 2 / 2.25)
 
 
 def test_the_flat_buffer_gives_the_issues_figures():
     """Issue 43: with one bucket per buffer, the 70B-like model at 64 GPUs moves 1.49 x AdamW ZeRO-1's bytes in the
     gather flow and takes 3.06 x its step, not 2.99 x and 14.1 x as with Megatron's 40M-element buckets: fewer ranks
     touch each matrix, so fewer TP gathers and Newton-Schulz calls, the same DP gather."""
-    labels = ("gather", "gather" + cm.FLAT, "AdamW ZeRO-1", "AdamW ZeRO-1" + cm.FLAT)
-    costs = cm.predict_costs(cm.Scenario(cm.MODELS["llama3-70b"], 64, tp=8), cm.H100, labels)
-    row = {k: cm.summarize(c, cm.H100) for k, c in costs.items()}
-    flat, bucketed = row["gather" + cm.FLAT], row["gather"]
-    assert flat.sent_max / row["AdamW ZeRO-1" + cm.FLAT].sent_max == pytest.approx(1.49, abs=0.005)
-    assert flat.step_s / row["AdamW ZeRO-1" + cm.FLAT].step_s == pytest.approx(3.06, abs=0.005)
+    labels = ("gather", "gather" + cost_model.FLAT, "AdamW ZeRO-1", "AdamW ZeRO-1" + cost_model.FLAT)
+    costs = cost_model.predict_costs(cost_model.Scenario(cost_model.MODELS["llama3-70b"], 64, tp=8), cost_model.H100,
+                                     labels)
+    row = {k: cost_model.summarize(c, cost_model.H100) for k, c in costs.items()}
+    flat, bucketed = row["gather" + cost_model.FLAT], row["gather"]
+    assert flat.sent_max / row["AdamW ZeRO-1" + cost_model.FLAT].sent_max == pytest.approx(1.49, abs=0.005)
+    assert flat.step_s / row["AdamW ZeRO-1" + cost_model.FLAT].step_s == pytest.approx(3.06, abs=0.005)
     assert bucketed.sent_max / row["AdamW ZeRO-1"].sent_max == pytest.approx(2.99, abs=0.005)
     assert bucketed.step_s / row["AdamW ZeRO-1"].step_s == pytest.approx(14.1, abs=0.05)
     gathered = {k: costs[k].traffic.phases["DP gather"].sent for k in labels[:2]}
-    assert sum(gathered["gather"]) == sum(gathered["gather" + cm.FLAT])  # each rank's shard of the whole buffer, once
-    assert sum(costs["gather" + cm.FLAT].calls["ns"]) < sum(costs["gather"].calls["ns"])
+    assert sum(gathered["gather"]) == sum(gathered["gather" + cost_model.FLAT])  # each rank's shard of the whole buffer, once
+    assert sum(costs["gather" + cost_model.FLAT].calls["ns"]) < sum(costs["gather"].calls["ns"])
 
 
 def test_normuon_rows_join_a_scenario_when_asked():
     """--normuon: owner, comm-free and DTensorMuon again with NorMuon's matrices, whose rows move besides Muon's bytes."""
-    two_layers = replace(cm.MODELS["gpt2-small"], layers=2)
-    plain = cm.predict_costs(cm.Scenario(two_layers, 8), cm.H100)
-    costs = cm.predict_costs(cm.Scenario(two_layers, 8, normuon=True), cm.H100)
+    two_layers = replace(cost_model.MODELS["gpt2-small"], layers=2)
+    plain = cost_model.predict_costs(cost_model.Scenario(two_layers, 8), cost_model.H100)
+    costs = cost_model.predict_costs(cost_model.Scenario(two_layers, 8, normuon=True), cost_model.H100)
     assert set(costs) - set(plain) == {"owner, NorMuon", "comm-free, NorMuon", "DTensorMuon, NorMuon"}
     for label in ("owner", "DTensorMuon"):
-        extra = costs[label + cm.NORMUON].traffic.phases["NorMuon rows"]
-        assert sum(extra.sent) > 0 and cm.baseline_of(label + cm.NORMUON) == cm.baseline_of(label)
+        extra = costs[label + cost_model.NORMUON].traffic.phases["NorMuon rows"]
+        assert sum(extra.sent) > 0 and cost_model.baseline_of(label + cost_model.NORMUON) == cost_model.baseline_of(label)
         sent = lambda c: sum(sum(t.sent) for t in c.traffic.phases.values())  # noqa: E731
-        assert sent(costs[label + cm.NORMUON]) == sent(plain[label]) + sum(extra.sent)
+        assert sent(costs[label + cost_model.NORMUON]) == sent(plain[label]) + sum(extra.sent)
     # TP = 1: comm-free's owner row holds each matrix whole; its rows go to the other DP rows beside the update
-    assert sum(costs["comm-free" + cm.NORMUON].traffic.phases["NorMuon rows broadcast"].sent) > 0
+    assert sum(costs["comm-free" + cost_model.NORMUON].traffic.phases["NorMuon rows broadcast"].sent) > 0
 
 
 def test_per_call_costs_are_priced_as_counted():
@@ -396,13 +407,13 @@ def test_per_call_costs_are_priced_as_counted():
                    cpu_call_us=(("all_gather", 30.0),), cpu_gbs=(("all_gather", 1.0),),
                    ns_call_us=40.0, muon_part_us=10.0, adamw_part_us=20.0, apply_us=5.0, param_us=3.0, ns_shared=2.0,
                    cores=1)
-    traffic = cm.Traffic(2, ONE_NODE)
+    traffic = cost_model.Traffic(2, ONE_NODE)
     for _ in range(3):
         traffic.all_gather("p", "DP", torch.float32, [[0, 1]], 250)  # 1000 B a call, 3 calls
     assert traffic.calls_table() == {"p": [3, 3]}
     assert traffic.phases["p"].terms(0, here) == pytest.approx((0.0, 3000 / 2e9, 3 * 50e-6))
     assert traffic.phases["p"].cpu_seconds(1, here) == pytest.approx(3 * 30e-6 + 3000 / 1e9)
-    cost = cm.Cost("x", traffic, [2e7, 0], [0, 0], {"muon": [1000, 0], "adamw": [0, 10]}, 2,
+    cost = cost_model.Cost("x", traffic, [2e7, 0], [0, 0], {"muon": [1000, 0], "adamw": [0, 10]}, 2,
                    calls=dict(ns=[1, 0], muon=[1, 0], adamw=[0, 2], apply=[0, 4], params=[7, 7]))
     terms = cost.compute_terms(0, here)
     # Newton-Schulz as when every rank runs it at once: twice as long here
@@ -410,12 +421,13 @@ def test_per_call_costs_are_priced_as_counted():
                                    "parts": 10e-6, "bookkeeping": 21e-6})
     other = sum(cost.compute_terms(1, here).values())  # 2 AdamW parts, 4 applies, bookkeeping, its elementwise
     assert other == pytest.approx(40e-6 + 20e-6 + 21e-6 + 10 * 28 / 1000e9)
-    row = cm.summarize(cost, here)  # rank 0 the busiest; one core for two ranks: at least both ranks' CPU (its own
+    row = cost_model.summarize(cost,
+                               here)  # rank 0 the busiest; one core for two ranks: at least both ranks' CPU (its own
     cpu = sum(terms.values()) - 2e7 / 1e12 - 40e-6 + other + 2 * (3 * 30e-6 + 3000 / 1e9)  # Newton-Schulz alone)
     assert row.comm_s == pytest.approx(150e-6 + 3000 / 2e9) and row.terms["calls"] == pytest.approx(150e-6)
     assert row.step_s == pytest.approx(cpu) and row.overlap_s == pytest.approx(cpu)
     assert row.terms["shared cores"] == pytest.approx(cpu - row.comm_s - sum(terms.values()))
-    assert cm.summarize(cost, replace(here, cores=2)).terms["shared cores"] == 0  # a core each: no floor
+    assert cost_model.summarize(cost, replace(here, cores=2)).terms["shared cores"] == 0  # a core each: no floor
 
 
 # -- the command line --------------------------------------------------------------------------------------
@@ -439,15 +451,15 @@ def test_per_call_costs_are_priced_as_counted():
 ])
 def test_bad_flags_are_refused_in_one_line_with_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cm.main(argv)
+        cost_model.main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
 def test_one_table_names_every_optimizer_and_the_cluster(capsys):
-    assert cm.main(["--model", "gpt2-small", "--gpus", "8", "--tp", "1"]) == 0
+    assert cost_model.main(["--model", "gpt2-small", "--gpus", "8", "--tp", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("GPT-2 small: 0.12 B parameters") and cm.H100.name in out
+    assert out.startswith("GPT-2 small: 0.12 B parameters") and cost_model.H100.name in out
     rows = [line.split("  ")[0] for line in out.splitlines()[4:]]
     assert out.splitlines()[-1].split()[-2] == "-"  # AdamW under FSDP2 is its own baseline
     assert rows == ["gather", "gather, flat buffer", "owner", "comm-free", "AdamW ZeRO-1", "AdamW ZeRO-1, flat buffer",

@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import dm, mt
+import distributed_muon_cpu
+import muon_tools
 from dtensor_run import DemoConfig, build_on_mesh, give_grads
 from dtensor_scenarios import Runs
-from test_cost_model import CLUSTER, ONE_NODE, calls_per_step, cm, demo_copies
+from test_cost_model import CLUSTER, ONE_NODE, calls_per_step, demo_copies
+import cost_model
 
 # -- the recurrence, by hand ---------------------------------------------------------------------------------
 
@@ -21,18 +23,21 @@ ONE_RANK = [[3.0], [1.0], [2.0]]  # Newton-Schulz seconds of 3 groups on one ran
 
 
 def totals(gather, compute, back, ks):
-    return [cm.pipeline(gather, compute, back, k).total for k in ks]
+    return [cost_model.pipeline(gather, compute, back, k).total for k in ks]
 
 
 def test_the_step_issues_gathers_k_groups_ahead_of_each_way_back():
     """optimizer.py's loop: iteration j starts group j's gather, then group j-K's Newton-Schulz and its way back."""
-    assert cm.link_order(3, 0) == [("gather", 0), ("back", 0), ("gather", 1), ("back", 1), ("gather", 2), ("back", 2)]
-    assert cm.link_order(3, 1) == [("gather", 0), ("gather", 1), ("back", 0), ("gather", 2), ("back", 1), ("back", 2)]
-    assert cm.link_order(3, 5) == [("gather", 0), ("gather", 1), ("gather", 2), ("back", 0), ("back", 1), ("back", 2)]
+    assert cost_model.link_order(3, 0) == [("gather", 0), ("back", 0), ("gather", 1), ("back", 1), ("gather", 2),
+                                           ("back", 2)]
+    assert cost_model.link_order(3, 1) == [("gather", 0), ("gather", 1), ("back", 0), ("gather", 2), ("back", 1),
+                                           ("back", 2)]
+    assert cost_model.link_order(3, 5) == [("gather", 0), ("gather", 1), ("gather", 2), ("back", 0), ("back", 1),
+                                           ("back", 2)]
 
 
 def test_without_overlap_the_step_is_every_groups_gather_newton_schulz_and_way_back_in_turn():
-    s = cm.pipeline([1, 2, 1], ONE_RANK, [1, 1, 2], 0)
+    s = cost_model.pipeline([1, 2, 1], ONE_RANK, [1, 1, 2], 0)
     assert s.gather_end == [1, 7, 10] and s.ns_end == [4, 8, 12] and s.back_end == [5, 9, 14]
     assert s.total == (1 + 3 + 1) + (2 + 1 + 1) + (1 + 2 + 2)
 
@@ -45,7 +50,7 @@ def test_one_group_in_flight_hides_the_gathers_behind_newton_schulz_or_newton_sc
     link = [1.0] * 3
     for c, by_hand in ((2.0, [12, 8, 8]), (3.0, [15, 11, 11]), (0.5, [7.5, 6, 6]), (1.5, [10.5, 7, 6.5])):
         assert totals(link, [[c]] * 3, link, (0, 1, 2)) == pytest.approx(by_hand), c
-    assert cm.pipeline(link, [[1.5]] * 3, link, 1).gather_end == [1, 2, 4.5]
+    assert cost_model.pipeline(link, [[1.5]] * 3, link, 1).gather_end == [1, 2, 4.5]
 
 
 def test_each_rank_runs_its_own_groups_newton_schulz_while_another_rank_runs_an_earlier_groups():
@@ -54,8 +59,8 @@ def test_each_rank_runs_its_own_groups_newton_schulz_while_another_rank_runs_an_
     step ends at 10 s, where the slowest owner of each group taken as one device would end at 11."""
     compute, link = [[3.0, 0.0], [0.0, 3.0], [3.0, 0.0]], [1.0] * 3
     assert totals(link, compute, link, (0, 1)) == pytest.approx([15, 10])
-    assert cm.pipeline(link, compute, link, 1).ns_end == [4, 5, 9]
-    assert cm.pipeline(link, [[3.0]] * 3, link, 1).total == 11  # one device doing all three
+    assert cost_model.pipeline(link, compute, link, 1).ns_end == [4, 5, 9]
+    assert cost_model.pipeline(link, [[3.0]] * 3, link, 1).total == 11  # one device doing all three
 
 
 def test_more_overlap_is_never_slower_and_no_faster_than_the_link_or_the_busiest_rank():
@@ -98,21 +103,21 @@ def groups_body(rank, runs, device):
 
 @pytest.fixture(scope="module")
 def spawned():
-    results = mt.spawn_ranks(Runs(tuple(SPAWNED.values()), dp=4, timeout_s=60), groups_body)
+    results = muon_tools.spawn_ranks(Runs(tuple(SPAWNED.values()), dp=4, timeout_s=60), groups_body)
     return {label: [r[i] for r in results] for i, label in enumerate(SPAWNED)}
 
 
 def model_of(cfg):
     """(copies, {group: algorithm}, world) of the demo as the cost model places it."""
-    return demo_copies(cfg), cm.dtensor_algorithms("DTensorMuon" + cm.NORMUON * cfg.normuon), cfg.dp * cfg.tp
+    return demo_copies(cfg), cost_model.dtensor_algorithms("DTensorMuon" + cost_model.NORMUON * cfg.normuon), cfg.dp * cfg.tp
 
 
 @pytest.mark.parametrize("label", list(SPAWNED))
 def test_the_groups_are_the_librarys_and_each_exchange_is_its_groups_call_in_the_ledger(spawned, label):
     cfg = SPAWNED[label]
     copies, algorithms, world = model_of(cfg)
-    steps = {g: dm.NS_STEPS for g in algorithms}
-    groups = cm.dtensor_groups(copies, algorithms, steps, world, ONE_NODE, cfg.exchange_bytes)
+    steps = {g: distributed_muon_cpu.NS_STEPS for g in algorithms}
+    groups = cost_model.dtensor_groups(copies, algorithms, steps, world, ONE_NODE, cfg.exchange_bytes)
     ranks = spawned[label]
     theirs = [tuple(names) for names, exchanged, _ in ranks[0]["groups"] if exchanged]
     assert [g.names for g in groups] == theirs and len(theirs) > 3, label
@@ -126,8 +131,8 @@ def test_the_groups_are_the_librarys_and_each_exchange_is_its_groups_call_in_the
         modelled = [[(t.sent[r], t.received[r]) for g in groups for t in [g.traffic.phases.get(phase)] if t]
                     for r in range(world)]
         assert calls == modelled, (label, phase)
-    # every group's bytes together: the Ledger's table of the step (mt.bytes_per_step), and its calls
-    real, calls = mt.bytes_per_step(ledgers, 1, phases), calls_per_step(ledgers, 1, phases)
+    # every group's bytes together: the Ledger's table of the step (muon_tools.bytes_per_step), and its calls
+    real, calls = muon_tools.bytes_per_step(ledgers, 1, phases), calls_per_step(ledgers, 1, phases)
     for phase in phases:
         parts = [g.traffic.phases[phase] for g in groups if phase in g.traffic.phases]
         for key in ("sent", "received"):
@@ -146,9 +151,11 @@ def test_one_group_is_the_models_one_exchange_step(normuon):
     here the same rank's)."""
     cfg = DemoConfig(dp=4, tp=2, normuon=normuon)
     copies, algorithms, world = model_of(cfg)
-    steps = {g: dm.NS_STEPS for g in algorithms}
-    (one,) = cm.predict_overlap(copies, [c.name for c in copies], algorithms, steps, world, ONE_NODE, CLUSTER, None, [0])
-    row = cm.summarize(cm.dtensor_cost(copies, [c.name for c in copies], algorithms, steps, world, ONE_NODE), CLUSTER)
+    steps = {g: distributed_muon_cpu.NS_STEPS for g in algorithms}
+    (one,) = cost_model.predict_overlap(copies, [c.name for c in copies], algorithms, steps, world, ONE_NODE, CLUSTER,
+                                        None, [0])
+    row = cost_model.summarize(cost_model.dtensor_cost(copies, [c.name for c in copies], algorithms, steps, world,
+                                                       ONE_NODE), CLUSTER)
     assert len(one.groups) == 1 and one.vote_s > 0 and one.elementwise_s > 0
     assert one.vote_s + one.schedule.total == pytest.approx(row.comm_s + row.ns_max / (CLUSTER.ns_tflops * 1e12))
     assert one.step_s == pytest.approx(row.step_s)
@@ -157,14 +164,14 @@ def test_one_group_is_the_models_one_exchange_step(normuon):
 def test_llama3_8b_by_groups_more_overlap_never_slower_and_grouping_costs_what_it_serializes():
     """On the H100 cluster: each K no slower than the one before it, K = 0 the sum of every group's collectives and
     slowest owner, and the busiest rank's Newton-Schulz the same however the matrices are grouped."""
-    s = cm.Scenario(replace(cm.MODELS["llama3-8b"], layers=4), 64, tp=8)
-    one = cm.scenario_overlap(s, cm.H100, None, [0])[0]
-    predictions = cm.scenario_overlap(s, cm.H100, 256 << 20, range(5))  # 8 groups
+    s = cost_model.Scenario(replace(cost_model.MODELS["llama3-8b"], layers=4), 64, tp=8)
+    one = cost_model.scenario_overlap(s, cost_model.H100, None, [0])[0]
+    predictions = cost_model.scenario_overlap(s, cost_model.H100, 256 << 20, range(5))  # 8 groups
     steps = [p.step_s for p in predictions]
     assert all(b <= a for a, b in zip(steps, steps[1:])) and steps[-1] < steps[2] < steps[1] < steps[0]
     p0 = predictions[0]
     assert p0.schedule.total == pytest.approx(p0.link_s + sum(
-        max(g.ns_flops) / (cm.H100.ns_tflops * 1e12) for g in p0.groups))
+        max(g.ns_flops) / (cost_model.H100.ns_tflops * 1e12) for g in p0.groups))
     assert p0.ns_s == pytest.approx(one.ns_s) and len(p0.groups) > 1
     assert sum(g.nbytes for g in p0.groups) == one.groups[0].nbytes
 
@@ -186,14 +193,14 @@ def test_llama3_8b_by_groups_more_overlap_never_slower_and_grouping_costs_what_i
 ])
 def test_bad_overlap_flags_are_refused_in_one_line_with_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cm.main(argv)
+        cost_model.main(argv)
     captured = capsys.readouterr()
     assert exit_.value.code == 2 and captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
     assert message in captured.err and not captured.out, captured.err
 
 
 def test_the_overlap_table_has_a_row_for_each_size_and_k_in_milliseconds(capsys):
-    assert cm.main(["--model", "gpt2-small", "--gpus", "8", "--tp", "1", "--overlap", "0,2",
+    assert cost_model.main(["--model", "gpt2-small", "--gpus", "8", "--tp", "1", "--overlap", "0,2",
                     "--exchange-bytes", "8MiB,32MiB"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("GPT-2 small: 0.12 B parameters") and "DTensorMuon by groups" in lines[1]
@@ -210,7 +217,7 @@ def test_the_check_here_times_every_variant_and_prints_the_models_prediction_bes
     """--check-overlap-here at a tiny size (d = 8: groups of 512 bytes are qkv and proj, fc, fc2): a row for one
     exchange and for each K, measured, beside the pipeline's prediction on the same machine figures."""
     lines = []
-    table = cm.check_overlap_here(8, 1, 2, 512, print_fn=lines.append)
+    table = cost_model.check_overlap_here(8, 1, 2, 512, print_fn=lines.append)
     assert [row[:3] for row in table] == [["one exchange", "-", 1]] + [["512 B", k, 3] for k in (0, 1, 2)]
     number = lambda cell: float(cell.replace(",", ""))  # noqa: E731
     pipeline, predicted, least = ([number(row[i]) for row in table] for i in (5, 6, 7))

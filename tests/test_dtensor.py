@@ -11,7 +11,7 @@ replay of the ranks' own gradients through torch's optimizers is torch.equal at 
 gradients and loss at the ranks' weights are held, against float64, to the bound derived from the arithmetic (4 x
 the one process's own fp32 error plus n u: FSDP2's and TP's sums run in another order); the free-running losses'
 gap is reported beside a one-ulp chaos floor, never checked. And the Muon matrices of the --batched-ns run are
-held to the lesson's derived bound (mt.batched_ns_tolerance).
+held to the lesson's derived bound (muon_tools.batched_ns_tolerance).
 """
 
 import json
@@ -24,10 +24,13 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, dm, mo, mt
+from conftest import ROOT
+import distributed_muon_cpu
+from distmuon import owners
+import muon_tools
 
-import distmuon.dtensor as dd  # noqa: E402
-import distmuon.dtensor.placements as dplace  # noqa: E402
+from distmuon import dtensor  # noqa: E402
+from distmuon.dtensor import placements  # noqa: E402
 import dtensor_demo  # noqa: E402
 from collective_counter import FORWARD_BACKWARD, measured_sent, measured_table  # noqa: E402
 from dtensor_accounting import (COMPARISON_HEADER, DP_IN_STEP, DTENSOR_PHASES, LessonRuns, account,  # noqa: E402
@@ -89,7 +92,7 @@ def scenarios(checkpoint_dir, checkpoint_2x2):
     runs["explicit refused"] = ExplicitRun(short_gather=True)
     runs["batched"] = DemoConfig(dp=4, tp=2, batched_ns=True)  # the default run, with batched Newton-Schulz
     runs["lesson 4x2"] = LessonRuns(DemoConfig(dp=4, tp=2))  # the lesson's owner / comm-free, these matrices
-    results = mt.spawn_ranks(Runs(tuple(runs.values()), timeout_s=60), run_many_rank)
+    results = muon_tools.spawn_ranks(Runs(tuple(runs.values()), timeout_s=60), run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}, runs
 
 
@@ -149,8 +152,8 @@ def test_placements_the_optimizer_does_not_know_are_refused_in_one_line():
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    assert dplace.placements_problem("w", (_StridedShard(0, split_factor=2), Shard(0)), (3, 2)) is None
-    why = dplace.placements_problem("w", (_StridedShard(0, split_factor=4), Shard(0)), (3, 2))
+    assert placements.placements_problem("w", (_StridedShard(0, split_factor=2), Shard(0)), (3, 2)) is None
+    why = placements.placements_problem("w", (_StridedShard(0, split_factor=4), Shard(0)), (3, 2))
     assert why.startswith("w: placement _StridedShard(dim=0, sf=4) on mesh dim 0: its split factor is not the "
                           "product of the later mesh dims cutting tensor dim 0 (2)")
 
@@ -210,12 +213,12 @@ def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_
     for c in checks:
         if c["optimizer"] == "Muon":  # the lesson's bound: steps x adjusted lr x 1.5 x BATCHED_NS_BOUND
             rows, cols = c["shape"][-2:]
-            bound = cfg.steps * cfg.lr * max(1, rows / cols) ** 0.5 * 1.5 * mo.BATCHED_NS_BOUND
+            bound = cfg.steps * cfg.lr * max(1, rows / cols) ** 0.5 * 1.5 * owners.BATCHED_NS_BOUND
             assert c["tolerance"] == pytest.approx(bound) and c["tolerance"] > 0, c
             assert c["max_abs_diff"] <= c["tolerance"] and c["ok"], c
         else:  # AdamW is untouched by batching: bit for bit
             assert c["identical"] and c["max_abs_diff"] == 0 and c["tolerance"] == 0, c
-    passed, line = mt.verdict(checks)
+    passed, line = muon_tools.verdict(checks)
     assert passed and line.startswith("PASS: "), line
 
     # and the check bites: a Muon element past its bound, or an AdamW element one ulp off, fails
@@ -227,12 +230,12 @@ def test_batched_newton_schulz_within_the_lessons_bound_and_everything_else_bit_
         holder["params"][name] = flat.view(holder["params"][name].shape)
         return {c["name"]: c for c in verify(cfg, bad, reference)}[name]
 
-    bound = mt.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, (160, 40))
+    bound = muon_tools.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, (160, 40))
     muon = nudged("layers.0.fc1.weight", lambda x: 2 * bound)
     assert not muon["ok"] and muon["max_abs_diff"] > muon["tolerance"] > 0
     adamw = nudged("embed.weight", lambda x: torch.nextafter(x, torch.tensor(float("inf"))) - x)
     assert not adamw["ok"] and 0 < adamw["max_abs_diff"] < 1e-6 and adamw["tolerance"] == 0
-    assert not mt.verdict(verify(cfg, [dict(r, params=dict(r["params"], **{"layers.0.fc1.weight":
+    assert not muon_tools.verdict(verify(cfg, [dict(r, params=dict(r["params"], **{"layers.0.fc1.weight":
                                                                             r["params"]["layers.0.fc1.weight"] + 1}))
                                         for r in ranks], reference))[0]
 
@@ -252,7 +255,7 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
         assert all(c["identical"] for c in acc["checks"]) and len(acc["checks"]) == len(specs), strategy
         assert acc["flops"]["redundancy"] == 1.0  # each matrix orthogonalized once
         # the ledger's bytes are what the lesson's plan says, computed here without process groups
-        plans = [mt.plan_optimizer(lesson_config(lesson.demo, strategy), r, specs) for r in range(dp * tp)]
+        plans = [muon_tools.plan_optimizer(lesson_config(lesson.demo, strategy), r, specs) for r in range(dp * tp)]
         table = acc["table"]
         ring = [sum((dp - 1) * (b.numel // dp) * 4 for b in plans[0].layout.buckets)] * (dp * tp)
         assert table["grad reduce-scatter"]["sent"] == ring == table["param all-gather"]["sent"], strategy
@@ -271,9 +274,9 @@ def test_lesson_strategies_run_on_the_same_matrices_and_their_bytes_match_their_
     assert [r[0] for r in rows] == ["DTensorMuon", "lesson owner", "lesson comm-free"]
     column = dict(zip(COMPARISON_HEADER, zip(*rows)))
     fsdp2 = measured_sent(results["4x2"], FORWARD_BACKWARD, "dp")
-    assert column["DP in step"] == ("0 B", mt.human_bytes(max(table_of(accounts, "owner"))),
-                                    mt.human_bytes(max(table_of(accounts, "comm-free"))))
-    assert column["DP in fwd/bwd"] == (mt.human_bytes(max(fsdp2)), "0 B", "0 B")  # ZeRO-1 gathers nothing there
+    assert column["DP in step"] == ("0 B", muon_tools.human_bytes(max(table_of(accounts, "owner"))),
+                                    muon_tools.human_bytes(max(table_of(accounts, "comm-free"))))
+    assert column["DP in fwd/bwd"] == (muon_tools.human_bytes(max(fsdp2)), "0 B", "0 B")  # ZeRO-1 gathers nothing there
     assert column["TP in fwd/bwd"][1:] == ("not run", "not run")
     own_step = phase_bytes(account(runs["4x2"], results["4x2"])[0], DTENSOR_PHASES)
     assert per_rank["DTensorMuon"][0] == [a + b for a, b in zip(own_step, fsdp2)]
@@ -331,7 +334,7 @@ def test_training_checks_fail_on_a_wrong_gradient_weight_or_loss(training):
     bad[0]["grads"][1] = dict(grads, **{"layers.0.fc1.weight": g})
     holder = next(r for r in bad if r["weights"][1]["embed.weight"].numel())
     w = holder["weights"][1]["embed.weight"].clone()
-    mt.one_ulp_up(w)
+    muon_tools.one_ulp_up(w)
     holder["weights"][1] = dict(holder["weights"][1], **{"embed.weight": w})
     out = verify_training(cfg, bad)
     assert not out["passed"]
@@ -459,9 +462,9 @@ def test_checkpoint_of_8_ranks_loads_into_one_process_and_continues_bit_identica
     cfg = DemoConfig()
     torch.set_num_threads(1)
     model = DemoModel(cfg)  # plain tensors, no process group: every matrix is local
-    opt = dd.DTensorMuon(param_groups(model, cfg), expert_stacks=expert_stack_names(model))
+    opt = dtensor.DTensorMuon(param_groups(model, cfg), expert_stacks=expert_stack_names(model))
     named = list(model.named_parameters())
-    dd.load_checkpoint(checkpoint_dir, model, opt)
+    dtensor.load_checkpoint(checkpoint_dir, model, opt)
     state = opt.state[opt.param_by_name["embed.weight"]]
     assert state["step"].item() == 2 and state["exp_avg"].abs().max() > 0
     assert opt.state[opt.param_by_name["layers.0.moe.w1"]]["momentum_buffer"].abs().max() > 0
@@ -515,7 +518,7 @@ def plain_model_optimizer(**options):
 def test_construction_errors_name_the_parameter(stacks, message):
     model = DemoModel(DemoConfig())
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        dd.DTensorMuon(param_groups(model, DemoConfig()), expert_stacks=stacks)
+        dtensor.DTensorMuon(param_groups(model, DemoConfig()), expert_stacks=stacks)
 
 
 @pytest.mark.parametrize("owned,message", [
@@ -525,30 +528,31 @@ def test_construction_errors_name_the_parameter(stacks, message):
 ])
 def test_explicit_assignment_is_validated_at_construction(owned, message):
     params = [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in EXPLICIT_SHAPES.items()]
-    config = dd.DistributedConfig(assign=lambda flops, holders, world: owned, gather=lambda u, o: u,
+    config = dtensor.DistributedConfig(assign=lambda flops, holders, world: owned, gather=lambda u, o: u,
                                   redistribute=lambda o, w: o, global_shapes=EXPLICIT_SHAPES)
     with pytest.raises(ValueError, match="bad owner assignment: .*" + message.replace("(", r"\(").replace(")", r"\)")):
-        dd.DTensorMuon([dict(params=params, algorithm="muon")], distributed_config=config)
+        dtensor.DTensorMuon([dict(params=params, algorithm="muon")], distributed_config=config)
 
 
 def test_explicit_config_needs_all_three_parts():
     params = [("a.weight", torch.nn.Parameter(torch.zeros(3, 2)))]
     with pytest.raises(ValueError, match="needs gather, redistribute and global_shapes together"):
-        dd.DTensorMuon([dict(params=params)], distributed_config=dd.DistributedConfig(gather=lambda u, o: u))
+        dtensor.DTensorMuon([dict(params=params)], distributed_config=dtensor.DistributedConfig(gather=lambda u, o: u))
 
 
 def test_owners_are_the_lessons_lpt_restricted_to_each_matrixs_holders():
     g = torch.Generator().manual_seed(0)
     flops = {f"m{i}": int(f) for i, f in enumerate(torch.randint(1, 50, (23,), generator=g).tolist())}
     everyone = {n: tuple(range(6)) for n in flops}
-    assert mo.assign_owners(flops, 6, holders=everyone) == mo.assign_owners(flops, 6)  # holding all: the lesson's
+    assert owners.assign_owners(flops, 6, holders=everyone) == owners.assign_owners(flops,
+                                                                                    6)  # holding all: the lesson's
     shapes = {n: (f % 3, 1) for n, f in flops.items()}  # equal FLOPs in different shapes, too
-    assert mo.assign_owners(flops, 6, shapes, holders=everyone) == mo.assign_owners(flops, 6, shapes)
+    assert owners.assign_owners(flops, 6, shapes, holders=everyone) == owners.assign_owners(flops, 6, shapes)
     # two holder sets, as the expert stacks of one TP column each, beside matrices everyone holds
     holders = {n: (tuple(range(6)) if i < 3 else (0, 2, 4) if i % 2 else (1, 3, 5)) for i, n in enumerate(flops)}
-    owners = mo.assign_owners(flops, 6, holders=holders)
-    assert all(owners[n] in holders[n] for n in flops)
-    per_rank = mo.load_balance(flops, owners, 6)[0]
+    owner_of = owners.assign_owners(flops, 6, holders=holders)
+    assert all(owner_of[n] in holders[n] for n in flops)
+    per_rank = owners.load_balance(flops, owner_of, 6)[0]
     assert max(per_rank) - min(per_rank) <= max(flops.values())  # here: no rank a whole matrix ahead of another
 
 
@@ -557,18 +561,18 @@ def test_local_indices_match_torch_chunk_for_uneven_and_empty_shards():
     from torch.distributed.tensor.placement_types import _StridedShard
 
     # (10, 8) on mesh (3, 2): TP cuts rows 5 | 5, then FSDP2 cuts each half 2, 2, 1 (the picture in section 2)
-    placements = (_StridedShard(0, split_factor=2), Shard(0))
-    rows = {c: (dd.local_indices((10, 8), (3, 2), placements, c) // 8).unique().tolist()
+    where = (_StridedShard(0, split_factor=2), Shard(0))
+    rows = {c: (dtensor.local_indices((10, 8), (3, 2), where, c) // 8).unique().tolist()
             for c in [(d, t) for d in range(3) for t in range(2)]}
     assert rows == {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4], (0, 1): [5, 6], (1, 1): [7, 8], (2, 1): [9]}
-    assert dd.local_indices((2, 8), (4,), (Shard(0),), (3,)).numel() == 0  # 2 rows over 4 ranks: rank 3 empty
+    assert dtensor.local_indices((2, 8), (4,), (Shard(0),), (3,)).numel() == 0  # 2 rows over 4 ranks: rank 3 empty
     # (160, 40) ColwiseParallel over tp = 3 (rows 0-53 | 54-107 | 108-159), FSDP2 over dp = 4 (section 2's example):
     # (dp 3, tp 1) keeps rows 96-107 (torch's _StridedShard split gives 13 rows there, not these)
-    placements = (_StridedShard(0, split_factor=3), Shard(0))
-    rows = (dd.local_indices((160, 40), (4, 3), placements, (3, 1)) // 40).unique().tolist()
+    where = (_StridedShard(0, split_factor=3), Shard(0))
+    rows = (dtensor.local_indices((160, 40), (4, 3), where, (3, 1)) // 40).unique().tolist()
     assert rows == list(range(96, 108))
-    assert dplace.local_shape((160, 40), (4, 3), placements, (3, 1)) == (12, 40)
-    assert dplace.local_shape((160, 40), (4, 3), placements, (3, 2)) == (13, 40)
+    assert placements.local_shape((160, 40), (4, 3), where, (3, 1)) == (12, 40)
+    assert placements.local_shape((160, 40), (4, 3), where, (3, 2)) == (13, 40)
 
 
 BAD_INPUT = [
@@ -661,7 +665,7 @@ def test_under_torchrun_bad_flags_or_world_size_are_refused_before_joining(monke
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(mt.torchrun, "join_world", lambda *a: pytest.fail("joined the world"))
+    monkeypatch.setattr(muon_tools.torchrun, "join_world", lambda *a: pytest.fail("joined the world"))
     assert dtensor_demo.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -707,7 +711,7 @@ def test_a_refused_step_changes_nothing_on_any_rank(scenarios, label):
     told = f"rank {max(culprits)} refused the step (it raised why); nothing changed"  # the highest refusing rank
     assert [r["error"] for r in ranks] == [f"rank {r['rank']}: {said}" if r["rank"] in culprits else told
                                            for r in ranks]
-    assert mt.is_secondhand(told) and not mt.is_secondhand(said)  # the launcher names a culprit (culprit_failure)
+    assert muon_tools.is_secondhand(told) and not muon_tools.is_secondhand(said)  # the launcher names a culprit (culprit_failure)
     assert ranks[3]["params"]["b"].numel() == 0  # rank 3 holds nothing of group 1's matrix
 
 
@@ -728,18 +732,19 @@ def test_hsdp_replicas_get_identical_updates_and_newton_schulz_runs_once_per_mat
 
 def test_equal_size_groups_in_one_process_and_every_group_checked_at_construction():
     a, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))
-    dd.DTensorMuon([dict(params=[("a", a)]), dict(params=[("b", b)], algorithm="adamw")])  # == on tensors: gone
+    dtensor.DTensorMuon([dict(params=[("a", a)]), dict(params=[("b", b)], algorithm="adamw")])  # == on tensors: gone
     for group, message in [(dict(adjust_lr_fn="bogus"), "param group 1 (muon): adjust_lr_fn must be None or one of"),
                            (dict(lr=-1.0), "param group 1 (muon): lr must be >= 0"),
                            (dict(momentum=1.0), "param group 1 (muon): momentum must be in [0, 1)"),
                            (dict(ns_steps=100), "param group 1 (muon): ns_steps must be in [1, 100)"),
-                           (dict(algorithm="adamw", betas=(0.9, 1.0)), "param group 1 (adamw): betas must be in [0, 1)"),
+                           (dict(algorithm="adamw", betas=(0.9, 1.0)),
+                            "param group 1 (adamw): betas must be in [0, 1)"),
                            (dict(algorithm="adamw", eps=-1e-8), "param group 1 (adamw): eps must be >= 0"),
                            (dict(algorithm="adamw", weight_decay=float("inf")), "param group 1 (adamw): weight_decay")]:
         c = torch.nn.Parameter(torch.randn(3, 3) if group.get("algorithm") != "adamw" else torch.randn(3))
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-            dd.DTensorMuon([dict(params=[("a", a)]), dict(group, params=[("c", c)])])
-    dd.DTensorMuon([dict(params=[("a", a)], adjust_lr_fn="spectral_unclamped")])  # torch's third choice
+            dtensor.DTensorMuon([dict(params=[("a", a)]), dict(group, params=[("c", c)])])
+    dtensor.DTensorMuon([dict(params=[("a", a)], adjust_lr_fn="spectral_unclamped")])  # torch's third choice
 
 
 def test_explicit_gather_that_gives_a_wrong_shape_is_refused_on_every_rank_with_nothing_changed(scenarios):
@@ -785,11 +790,11 @@ def test_torchs_flattened_optimizer_state_dict_round_trips_in_one_process(tmp_pa
 def test_the_optimizer_stands_on_the_lesson_alone():
     """distmuon/dtensor/ is the optimizer: importing it loads the lesson, not examples/ (no sys.path
     edit) and not its demo (dtensor_run.py, dtensor_verify.py, dtensor_demo.py: the command)."""
-    probe = ("import sys, distmuon.dtensor as dd; "
+    probe = ("import sys, distmuon.dtensor; "
              "print(sorted(m for m in ('examples.train_gpt', 'dtensor_demo', 'dtensor_run', 'dtensor_verify', "
              "'distributed_muon_cpu', 'muon_tools') "
              "if m in sys.modules), "
              "any(p.rstrip('/').endswith('examples') for p in sys.path))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["['distributed_muon_cpu']", "False"], out.stdout
-    assert not hasattr(dd, "DemoConfig") and not hasattr(dd, "verdict") and hasattr(dtensor_demo, "main")
+    assert not hasattr(dtensor, "DemoConfig") and not hasattr(dtensor, "verdict") and hasattr(dtensor_demo, "main")

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import mt
+import muon_tools
 from distmuon.dtensor import DTensorMuon
 
 # Muon's matrices (a tall one split across the ranks unevenly, a wide one) and an AdamW vector, each Shard(0).
@@ -107,7 +107,7 @@ def ranks_body(rank, spawn, device):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return mt.spawn_ranks(Spawn(), ranks_body)
+    return muon_tools.spawn_ranks(Spawn(), ranks_body)
 
 
 @pytest.mark.parametrize("dtype", [str(d) for d in DTYPES])

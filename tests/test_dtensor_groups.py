@@ -9,13 +9,15 @@ One spawn of 8 Gloo ranks runs every scenario (tests/dtensor_scenarios.py's Runs
 import pytest
 import torch
 
-from conftest import dm, mt
+import distributed_muon_cpu
+import muon_tools
 
 from distmuon.dtensor import DTensorMuon  # noqa: E402
 from dtensor_run import DemoConfig, DemoModel, expert_stack_names, is_muon, param_groups  # noqa: E402
 from dtensor_scenarios import Runs, run_many_rank  # noqa: E402
 from dtensor_verify import run_reference  # noqa: E402
-from test_cost_model import ONE_NODE, calls_per_step, cm, demo_copies  # noqa: E402
+from test_cost_model import ONE_NODE, calls_per_step, demo_copies  # noqa: E402
+import cost_model  # noqa: E402
 from test_dtensor import MESHES, assert_identical  # noqa: E402
 
 EXCHANGE_BYTES = 4000  # the demo's 40 x 40 matrices are 3200 bytes in bf16: about one parameter per group
@@ -33,7 +35,7 @@ GROUPED.update({
 
 @pytest.fixture(scope="module")
 def grouped():
-    results = mt.spawn_ranks(Runs(tuple(GROUPED.values()), timeout_s=60), run_many_rank)
+    results = muon_tools.spawn_ranks(Runs(tuple(GROUPED.values()), timeout_s=60), run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(GROUPED)}
 
 
@@ -74,13 +76,14 @@ def test_the_cost_model_prices_the_groups_as_the_ledgers_record_them(grouped, la
     cfg = GROUPED[label]
     copies, world = demo_copies(cfg), cfg.replicate * cfg.dp * cfg.tp
     muon = "normuon" if cfg.normuon else "muon"
-    algorithms = {i: muon if g == "muon" else "adamw" for i, g in enumerate(cm.GROUPS)}
-    cost = cm.dtensor_cost(copies, [c.name for c in copies], algorithms, {g: dm.NS_STEPS for g in algorithms}, world,
+    algorithms = {i: muon if g == "muon" else "adamw" for i, g in enumerate(cost_model.GROUPS)}
+    cost = cost_model.dtensor_cost(copies, [c.name for c in copies], algorithms,
+                                   {g: distributed_muon_cpu.NS_STEPS for g in algorithms}, world,
                            ONE_NODE, exchange_bytes=cfg.exchange_bytes)
     ledgers = [r["ledger"] for r in sorted(grouped[label], key=lambda r: r["rank"])]
     phases = ("grad presence", "gather at owner", "scatter from owner") + (("NorMuon rows",) if cfg.normuon else ())
     step = max(rec["step"] for rec in ledgers[0]["comm"])
-    assert cost.traffic.table(phases) == mt.bytes_per_step(ledgers, step, phases), label
+    assert cost.traffic.table(phases) == muon_tools.bytes_per_step(ledgers, step, phases), label
     assert cost.traffic.calls_table(phases) == calls_per_step(ledgers, step, phases), label
     assert min(cost.traffic.calls_table(phases)["gather at owner"]) > (1 if cfg.exchange_bytes else 0), label
 

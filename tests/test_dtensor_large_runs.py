@@ -31,11 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conftest import dm, mc, mlr, mt
+import distributed_muon_cpu
+from distmuon import checks
+from distmuon import large_runs
+import muon_tools
 
-import distmuon.dtensor as dd  # noqa: E402
+from distmuon import dtensor  # noqa: E402
 from dtensor_run import exact_grads  # noqa: E402
-import large_runs_reference as lrr  # noqa: E402
+import large_runs_reference  # noqa: E402
 
 D = 8  # model width
 # Row layouts of the FULL matrices. The fused QKV has GQA-like heights (q 3, k 2, v 2 rows per head), so its blocks
@@ -43,11 +46,11 @@ D = 8  # model width
 # heads of 2 query heads: QK-clip scales its q rows by gamma) and W_k as multi-head attention's (by sqrt(gamma), the
 # same maxima: a check of each rule, not one model); W_o is laid out only to have
 # a laid-out matrix that TP cuts by columns (RowwiseParallel); each expert of the stack is a fused SwiGLU gate | up.
-LAYOUTS = {"qkv.weight": mlr.RowLayout((3, 2, 2), 2, ("q", "k", "v")),
-           "wq.weight": mlr.RowLayout((3, 3), 2, ("q", "q")),
-           "wk.weight": mlr.RowLayout((3,), 4, ("k",)),
-           "wo.weight": mlr.RowLayout((3, 2), 2, ("a", "b")),
-           "experts": mlr.RowLayout((3, 3), 1, ("gate", "up"))}
+LAYOUTS = {"qkv.weight": large_runs.RowLayout((3, 2, 2), 2, ("q", "k", "v")),
+           "wq.weight": large_runs.RowLayout((3, 3), 2, ("q", "q")),
+           "wk.weight": large_runs.RowLayout((3,), 4, ("k",)),
+           "wo.weight": large_runs.RowLayout((3, 2), 2, ("a", "b")),
+           "experts": large_runs.RowLayout((3, 3), 1, ("gate", "up"))}
 HEADS = {"qkv.weight": 2, "wq.weight": 4, "wk.weight": 4}  # the parameters QK-clip scales
 TAU = 20.0
 GROUPS = (dict(lr=0.02, weight_decay=0.1), dict(lr=0.03, weight_decay=0.05, adjust_lr_fn="spectral_unclamped"))
@@ -112,7 +115,7 @@ def tp_plan(case):
 class Case:
     mesh: tuple  # (replicate, dp, tp)
     ns_blocks: str = "whole"
-    ns_coefficients: object = dm.NS_COEFFICIENTS
+    ns_coefficients: object = distributed_muon_cpu.NS_COEFFICIENTS
     clip: bool = False
     gram: bool = False
     bad: str = ""  # "clip": refused clip_qk_ calls between the steps; "layouts": rank 1 passes other row_layouts
@@ -184,8 +187,8 @@ def build(case, rank):
               for i, options in enumerate(GROUPS)]
     layouts = dict(LAYOUTS) if case.ns_blocks != "whole" or case.clip else {}
     if case.bad == "layouts" and rank == 1:
-        layouts["wo.weight"] = mlr.RowLayout((2, 3), 2, ("a", "b"))
-    opt = dd.DTensorMuon(groups, expert_stacks={"experts"} if case.sweep < 0 else (),
+        layouts["wo.weight"] = large_runs.RowLayout((2, 3), 2, ("a", "b"))
+    opt = dtensor.DTensorMuon(groups, expert_stacks={"experts"} if case.sweep < 0 else (),
                          ns_coefficients=case.ns_coefficients,
                          row_layouts=layouts, ns_blocks=case.ns_blocks, qk_clip_tau=TAU if case.clip else None,
                          tp_newton_schulz="gram" if case.gram else "gather")
@@ -215,8 +218,8 @@ def give_grads(named, case, step):
 
 
 def snapshot(opt, named):
-    return [dd.local_of(p).detach().clone() for p in named.values()] + \
-        [dd.local_of(t).clone() for s in opt.state.values() for t in s.values()]
+    return [dtensor.local_of(p).detach().clone() for p in named.values()] + \
+        [dtensor.local_of(t).clone() for s in opt.state.values() for t in s.values()]
 
 
 BAD_CLIPS = [  # (what, the rank that passes it or -1 for every rank, the max_logits it passes, tau set on it)
@@ -237,7 +240,7 @@ def run_case(rank, case):
         return dict(out, error=str(e))
     first = 1
     if case.resume:
-        dd.load_checkpoint(case.resume, model, opt)
+        dtensor.load_checkpoint(case.resume, model, opt)
         first = 2
     for step in range(first, STEPS + 1):
         give_grads(named, case, step)
@@ -245,7 +248,7 @@ def run_case(rank, case):
         if case.clip:
             out["scales"].append(opt.clip_qk_(max_logits(rank, step)))
         if case.save and step == 1:
-            dd.save_checkpoint(case.save, model, opt)
+            dtensor.save_checkpoint(case.save, model, opt)
         if case.bad == "clip" and step == 1:
             for what, culprit, bad, tau in BAD_CLIPS:
                 before, error = snapshot(opt, named), ""
@@ -263,7 +266,7 @@ def run_case(rank, case):
 
     where = {n: distribute_tensor(torch.arange(p.numel()).view(p.shape), p.device_mesh, p.placements,
                                        src_data_rank=None).to_local().reshape(-1) for n, p in named.items()}
-    return dict(out, params={n: dd.local_of(p).detach().clone() for n, p in named.items()}, where=where,
+    return dict(out, params={n: dtensor.local_of(p).detach().clone() for n, p in named.items()}, where=where,
                 ledger=asdict(opt.ledger), owners=opt.owners,
                 placements={n: str(tuple(p.placements)) for n, p in named.items()})
 
@@ -295,7 +298,7 @@ def runs(tmp_path_factory):
               Case((1, 2, 2), "blocks", clip=True, save=saved)]
     cases += [Case(mesh, "blocks", clip=True, resume=saved) for mesh in [(1, 4, 1), (1, 1, 4)]]
     cases += [Case(mesh, gram=True, sweep=seed, low_rank=low) for mesh, seed, low in SWEPT]
-    results = mt.spawn_ranks(Spawn(tuple(cases)), run_cases)
+    results = muon_tools.spawn_ranks(Spawn(tuple(cases)), run_cases)
     runs = {}
     for i, case in enumerate(cases):
         label = case.label + (" saved" if case.save else "")
@@ -335,11 +338,11 @@ def reference(case):
     out = {}
     for i, options in enumerate(GROUPS):
         names = [n for n in per_matrix(full) if group_of(stack_of(n)) == i]
-        result, _ = lrr.reference_muon(
+        result, _ = large_runs_reference.reference_muon(
             {n: per_matrix(full)[n] for n in names}, [{n: g[n] for n in names} for g in grads],
             lr=options["lr"], weight_decay=options["weight_decay"], momentum=0.95,
             adjust_lr_fn=options.get("adjust_lr_fn", "original"),
-            coefficients=(mc.ns_coefficients_of("polar_express", dm.NS_STEPS)
+            coefficients=(checks.ns_coefficients_of("polar_express", distributed_muon_cpu.NS_STEPS)
                           if case.ns_coefficients == "polar_express" else None),
             layouts={n: LAYOUTS[stack_of(n)] for n in names if stack_of(n) in LAYOUTS},
             per_head=None if case.ns_blocks == "whole" else case.ns_blocks == "heads",
@@ -397,7 +400,8 @@ def assert_identical(ranks, ref, label):
 
 # -- the checks ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("ns_blocks,coefficients", [("blocks", dm.NS_COEFFICIENTS), ("heads", "polar_express")])
+@pytest.mark.parametrize("ns_blocks,coefficients", [("blocks", distributed_muon_cpu.NS_COEFFICIENTS),
+                                                    ("heads", "polar_express")])
 def test_blocks_and_qk_clip_equal_torch_on_the_blocks_then_the_clip(runs, mesh, ns_blocks, coefficients):
     """Each block of rows orthogonalized alone with its own adjusted lr, wherever FSDP2 and TP cut it, then QK-clip
     with the maxima of every rank: torch.equal to torch.optim.Muon on the blocks as separate parameters, then the
@@ -419,7 +423,7 @@ def test_blocks_and_qk_clip_equal_torch_on_the_blocks_then_the_clip(runs, mesh, 
         expected = {n: g if LAYOUTS[n].shares_keys else [math.sqrt(x) for x in g] for n, g in gammas.items()}
         held = [{n: held_heads(r, n) for n in HEADS} for r in ranks]
         for r, mine in zip(ranks, held):
-            lrr.assert_qk_multipliers(r["scales"][step], expected, mine)
+            large_runs_reference.assert_qk_multipliers(r["scales"][step], expected, mine)
         assert all(set().union(*(mine[n] for mine in held)) == set(range(h)) for n, h in HEADS.items())
         assert any(len(mine[n]) < h for mine in held for n, h in HEADS.items())  # the None pattern is exercised
         multipliers = [m for n in HEADS for m in expected[n]]
@@ -436,9 +440,9 @@ def test_blocks_and_qk_clip_equal_torch_on_the_blocks_then_the_clip(runs, mesh, 
 def test_blocks_differ_in_height_so_in_lr_and_the_meshes_cut_them_everywhere(runs):
     """What the blocks runs exercised: blocks of different heights in one matrix (different adjusted lr per run of
     rows), FSDP2's _StridedShard x TP's Shard(0), TP's Shard(1), HSDP's Replicate, expert parallel."""
-    heights = {len(rows) for rows in lrr.block_rows(LAYOUTS["qkv.weight"], False)}
+    heights = {len(rows) for rows in large_runs_reference.block_rows(LAYOUTS["qkv.weight"], False)}
     assert heights == {6, 4}
-    lrs = {dm.adjusted_lr(0.03, "spectral_unclamped", (h, D)) for h in heights}
+    lrs = {distributed_muon_cpu.adjusted_lr(0.03, "spectral_unclamped", (h, D)) for h in heights}
     assert len(lrs) == 2
     p = runs[Case((1, 2, 2), "blocks", clip=True).label][1][0]["placements"]
     assert p["qkv.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
@@ -460,8 +464,8 @@ def test_polar_express_equals_a_per_iteration_newton_schulz_swapped_into_torch(r
     assert_identical(ranks, ref, case.label)
     jordan = reference(Case(mesh))
     assert all(not torch.equal(jordan[n], ref[n]) for n in ref)  # the coefficients mattered everywhere
-    triples = mc.ns_coefficients_of("polar_express", dm.NS_STEPS)
-    assert len(set(triples)) == dm.NS_STEPS  # a different polynomial at every iteration
+    triples = checks.ns_coefficients_of("polar_express", distributed_muon_cpu.NS_STEPS)
+    assert len(set(triples)) == distributed_muon_cpu.NS_STEPS  # a different polynomial at every iteration
 
 
 def test_refused_clips_raise_on_every_rank_and_change_nothing(runs):
@@ -474,7 +478,7 @@ def test_refused_clips_raise_on_every_rank_and_change_nothing(runs):
             "NaN": "max_logits['qkv.weight'] holds NaN or +inf",
             "float64": "max_logits['qkv.weight'] must be a float32 tensor of shape (2,) (got torch.float64",
             "tau <= 0": "qk_clip_tau must be a number > 0 and finite (got 0.0)"}
-    assert not any(mt.is_secondhand(s) for s in said.values())  # culprit_failure names the culprit, not the rest
+    assert not any(muon_tools.is_secondhand(s) for s in said.values())  # culprit_failure names the culprit, not the rest
     for i, (what, culprit, _, _) in enumerate(BAD_CLIPS):
         for r in ranks:
             refusal = r["refusals"][i]
@@ -484,7 +488,7 @@ def test_refused_clips_raise_on_every_rank_and_change_nothing(runs):
             else:
                 assert refusal["error"] == f"rank {culprit} refused clip_qk_ (it raised why); nothing changed", \
                     (what, r["rank"], refusal["error"])
-                assert mt.is_secondhand(refusal["error"])
+                assert muon_tools.is_secondhand(refusal["error"])
     assert_identical(ranks, reference(Case((1, 2, 2), "blocks", clip=True)), case.label)
 
 
@@ -515,7 +519,8 @@ def gram_bound(record, name, shape):
     assert len(inputs) == STEPS
     lr, adjust = group["lr"], group.get("adjust_lr_fn", "original")
     moved = sum(out.float().abs().max().item() for _, n, _, out in record if n == name)
-    return mt.gram_tolerance(inputs, lr, adjust, shape), dm.adjusted_lr(lr, adjust, shape) * moved
+    return muon_tools.gram_tolerance(inputs, lr, adjust, shape), distributed_muon_cpu.adjusted_lr(lr, adjust,
+                                                                                                  shape) * moved
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -556,7 +561,7 @@ def test_gram_newton_schulz_on_tp_pieces_is_within_its_bound_and_the_rest_equals
         grams = [c["sent"] for c in step_1 if c["phase"] == "TP Gram"]
         assert all(c["op"] == "all_reduce" and c["dtype"] == "float32" for c in step_1 if "Gram" in c["phase"])
         assert sorted(grams) == sorted(2 * (tp - 1) * -(-min(ref[n].shape) ** 2 // tp) * 4 for n in mine
-                                       for _ in range(dm.NS_STEPS))
+                                       for _ in range(distributed_muon_cpu.NS_STEPS))
         assert len([c for c in step_1 if c["phase"] == "TP Gram norm"]) == len(mine)
     whole = runs[Case(mesh, ns_coefficients="polar_express").label][1]  # the same matrices, gathered whole
     sent = lambda rs: sum(c["sent"] for r in rs for c in r["ledger"]["comm"]
@@ -587,15 +592,15 @@ def test_gram_on_many_shapes_and_seeds_is_within_its_bound(runs, mesh, seed, low
 
 def shape_only_tolerance(name, shape):
     group = GROUPS[group_of(name)]
-    return mt.batched_ns_tolerance(STEPS, group["lr"], group.get("adjust_lr_fn", "original"), shape,
-                                   lrr.shape_only_gram_bound(shape))
+    return muon_tools.batched_ns_tolerance(STEPS, group["lr"], group.get("adjust_lr_fn", "original"), shape,
+                                   large_runs_reference.shape_only_gram_bound(shape))
 
 
 def test_bad_options_are_refused_at_construction_in_one_line():
     """Every option of issue 20 checked before anything is planned (here one process, plain tensors; on a group the
     problem is swapped with the descriptions, so every rank raises it: the "layouts" run above)."""
     w, v = nn.Parameter(torch.randn(14, D)), nn.Parameter(torch.randn(2, 6, D))
-    explicit = dd.DistributedConfig(gather=lambda u, o: u, redistribute=lambda o, w: o,
+    explicit = dtensor.DistributedConfig(gather=lambda u, o: u, redistribute=lambda o, w: o,
                                     global_shapes={"w": (14, D), "v": (6, D)})
     qkv = LAYOUTS["qkv.weight"]
     refused = [(dict(ns_blocks="rows"), "ns_blocks must be one of whole, blocks, heads (got 'rows')"),
@@ -604,19 +609,20 @@ def test_bad_options_are_refused_at_construction_in_one_line():
                   f"qk_clip_tau must be a number > 0 and finite (got {tau!r})")
                  for tau in (0.0, -1.0, math.nan, math.inf, True, "20")],
                (dict(row_layouts={"x": qkv}), "row_layouts names no Muon parameter: x"),
-               (dict(row_layouts={"w": mlr.RowLayout((3, 2, 2), 3, ("q", "k", "v"))}),
+               (dict(row_layouts={"w": large_runs.RowLayout((3, 2, 2), 3, ("q", "k", "v"))}),
                 "row_layouts['w'] has 3 x 7 = 21 rows; the matrix has 14"),
-               (dict(row_layouts={"v": mlr.RowLayout((3, 2), 1)}),
+               (dict(row_layouts={"v": large_runs.RowLayout((3, 2), 1)}),
                 "row_layouts['v'] has 1 x 5 = 5 rows; the matrix of each expert has 6"),
                (dict(row_layouts={"w": (3, 2, 2)}),
                 "row_layouts['w'] must be a RowLayout (distmuon.RowLayout), got tuple"),
-               (dict(row_layouts={"w": mlr.RowLayout((3, 2, 2), 2, ("q", "k"))}),
+               (dict(row_layouts={"w": large_runs.RowLayout((3, 2, 2), 2, ("q", "k"))}),
                 "row_layouts['w']: 2 names for 3 sizes"),
-               (dict(row_layouts={"w": mlr.RowLayout((7, 0), 2)}), "row_layouts['w']: sizes must be positive integers"),
+               (dict(row_layouts={"w": large_runs.RowLayout((7, 0), 2)}),
+                "row_layouts['w']: sizes must be positive integers"),
                (dict(ns_blocks="blocks"), "ns_blocks='blocks' needs row_layouts (which rows make which block)"),
-               (dict(qk_clip_tau=1.0, row_layouts={"w": mlr.RowLayout((7,), 2, ("a",))}),
+               (dict(qk_clip_tau=1.0, row_layouts={"w": large_runs.RowLayout((7,), 2, ("a",))}),
                 "qk_clip_tau needs row_layouts with segments named q or k (the rows it scales)"),
-               (dict(qk_clip_tau=1.0, row_layouts={"w": qkv, "v": mlr.RowLayout((3, 3), 1, ("q", "k"))}),
+               (dict(qk_clip_tau=1.0, row_layouts={"w": qkv, "v": large_runs.RowLayout((3, 3), 1, ("q", "k"))}),
                 "row_layouts['v']: QK-clip scales attention heads, not the experts of an expert stack"),
                *[(dict(option, distributed_config=explicit),
                   "row_layouts, qk_clip_tau and tp_newton_schulz='gram' need the automatic distributed_config")
@@ -625,10 +631,11 @@ def test_bad_options_are_refused_at_construction_in_one_line():
         stacks = {"v"} if "distributed_config" not in options else ()
         params = [("w", w), ("v", v)] if stacks else [("w", w)]
         with pytest.raises(ValueError) as raised:
-            dd.DTensorMuon([dict(params=params)], expert_stacks=stacks, **options)
+            dtensor.DTensorMuon([dict(params=params)], expert_stacks=stacks, **options)
         assert str(raised.value).startswith(message) and "\n" not in str(raised.value), (options, str(raised.value))
-    opt = dd.DTensorMuon([dict(params=[("w", w)])], row_layouts={"w": qkv}, ns_blocks="heads")
-    with pytest.raises(ValueError, match=r"^rank 0: QK-clip is off: construct the optimizer with qk_clip_tau \(and row_"):
+    opt = dtensor.DTensorMuon([dict(params=[("w", w)])], row_layouts={"w": qkv}, ns_blocks="heads")
+    with pytest.raises(ValueError,
+                       match=r"^rank 0: QK-clip is off: construct the optimizer with qk_clip_tau \(and row_"):
         opt.clip_qk_({})
 
 
@@ -637,7 +644,7 @@ def measure(seeds):
     difference / the shape-only bound gram_tolerance replaced."""
     cases = [Case(mesh, gram=True, sweep=seed, low_rank=low) for seed in range(1, seeds + 1)
              for mesh in [(1, 2, 2), (1, 1, 4)] for low in (False, True)]
-    results = mt.spawn_ranks(Spawn(tuple(cases)), run_cases)
+    results = muon_tools.spawn_ranks(Spawn(tuple(cases)), run_cases)
     rows = {}
     for i, case in enumerate(cases):
         record = []
@@ -653,7 +660,8 @@ def measure(seeds):
               f"{sorted(x[0] for x in r)[len(r) // 2]:.3f}", f"{max(x[1] for x in r):.3f}",
               f"2**{math.log2(max(x[2] for x in r)):.2f}", f"{max(x[3] for x in r):.2f}"]
              for (mesh, low), r in rows.items()]
-    print(mt.format_table(["mesh", "gradients", "matrices", "torch.equal", "max diff/bound", "median diff/bound",
+    print(muon_tools.format_table(["mesh", "gradients", "matrices", "torch.equal", "max diff/bound",
+                                   "median diff/bound",
                            "max bound/update", "max diff/update", "max diff/shape-only bound"], table,
                           ["<", "<", ">", ">", ">", ">", ">", ">", ">"]))
 

@@ -27,11 +27,11 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import distmuon.checks as mc
+from distmuon import checks
 import page_snippets
 from conftest import ROOT
 
-import distmuon.dtensor as dd  # noqa: E402
+from distmuon import dtensor  # noqa: E402
 
 MARKER = "<!-- dtensor-snippet: tests/test_dtensor_snippet.py runs this block -->"
 FSDP2 = "<!-- dtensor-snippet (FSDP2 alone): tests/test_dtensor_snippet.py runs this block -->"
@@ -111,7 +111,7 @@ def record_steps(path, local_grads=False):
     gradient before FSDP2 reduced it (record_local_grads). Collective where the tensors are DTensors (every rank
     records, in the same order)."""
     records, unclipped = [], {}
-    clip, step = torch.nn.utils.clip_grad_norm_, dd.DTensorMuon.step
+    clip, step = torch.nn.utils.clip_grad_norm_, dtensor.DTensorMuon.step
     local = record_local_grads() if local_grads else None
 
     @torch.no_grad()
@@ -140,8 +140,8 @@ def record_steps(path, local_grads=False):
         torch.save(records, path)
         return loss
 
-    torch.nn.utils.clip_grad_norm_, dd.DTensorMuon.step = recorded_clip, recorded_step
-    return lambda: setattr(dd.DTensorMuon, "step", step) or setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    torch.nn.utils.clip_grad_norm_, dtensor.DTensorMuon.step = recorded_clip, recorded_step
+    return lambda: setattr(dtensor.DTensorMuon, "step", step) or setattr(torch.nn.utils, "clip_grad_norm_", clip)
 
 
 def replay(records):
@@ -155,14 +155,14 @@ def replay(records):
         muon = group["algorithm"] == "muon"
         cls, extra = (torch.optim.Muon, {}) if muon else (torch.optim.AdamW, dict(foreach=False))
         optimizers.append(cls([weights[n] for n in group["param_names"]],
-                              **{k: group[k] for k in mc.HONOURED[group["algorithm"]]}, **extra))
+                              **{k: group[k] for k in checks.HONOURED[group["algorithm"]]}, **extra))
     for k, record in enumerate(records):
         for name, w in weights.items():
             if not torch.equal(w, record["before"][name]):
                 return f"before step {k + 1}: {name}"
             w.grad = record["grads"][name].clone()
         for opt, group in zip(optimizers, record["groups"]):
-            opt.param_groups[0].update({o: group[o] for o in mc.HONOURED[group["algorithm"]]})
+            opt.param_groups[0].update({o: group[o] for o in checks.HONOURED[group["algorithm"]]})
             opt.step()
         for name, w in weights.items():
             if not torch.equal(w, record["after"][name]):
@@ -317,19 +317,19 @@ def test_the_one_process_snippet_runs_as_written_with_torchs_defaults(tmp_path):
     muon, adamw = records[0]["groups"]
     assert (muon["param_names"], adamw["param_names"]) == (["0", "1"], ["2", "3"])  # numbered as torch's state_dict
     for group in (muon, adamw):
-        assert {k: group[k] for k in mc.TORCH_OPTIONS[group["algorithm"]]} == mc.TORCH_OPTIONS[group["algorithm"]]
-    assert dd.DTensorMuon.step.__name__ == "step"  # restored: other tests' optimizers step unrecorded
+        assert {k: group[k] for k in checks.TORCH_OPTIONS[group["algorithm"]]} == checks.TORCH_OPTIONS[group["algorithm"]]
+    assert dtensor.DTensorMuon.step.__name__ == "step"  # restored: other tests' optimizers step unrecorded
 
 
 def test_the_table_lists_every_option_of_torchs_signatures_honoured_or_refused():
     rows = re.findall(r"^\| (Muon|AdamW) \| `(\w+)` \| `(.*?)` \| (honoured|refused)", section(), re.M)
     listed = {(a.lower(), option): (default, verdict) for a, option, default, verdict in rows}
     assert len(listed) == len(rows)
-    assert listed == {(a, option): (repr(default), "honoured" if option in mc.HONOURED[a] else "refused")
-                      for a, options in mc.TORCH_OPTIONS.items() for option, default in options.items()}
+    assert listed == {(a, option): (repr(default), "honoured" if option in checks.HONOURED[a] else "refused")
+                      for a, options in checks.TORCH_OPTIONS.items() for option, default in options.items()}
     for (a, option), (_, verdict) in listed.items():
         if verdict == "refused":
-            assert mc.refusal(a, option) == mc.REFUSED[option]  # a reason the page's row gives
+            assert checks.refusal(a, option) == checks.REFUSED[option]  # a reason the page's row gives
 
 
 @pytest.mark.parametrize("argument", ["params", "options", "expert_stacks", "distributed_config", "batched_ns", "group",
@@ -338,9 +338,9 @@ def test_the_table_lists_every_option_of_torchs_signatures_honoured_or_refused()
 def test_help_documents_every_argument(argument):
     import inspect
 
-    assert list(inspect.signature(dd.DTensorMuon.__init__).parameters)[1:] == [
+    assert list(inspect.signature(dtensor.DTensorMuon.__init__).parameters)[1:] == [
         "params", "expert_stacks", "distributed_config", "batched_ns", "group", "row_layouts", "ns_blocks",
         "tp_newton_schulz", "qk_clip_tau", "exchange_bytes", "overlap", "options"]  # options: every keyword of torch.optim.Muon and AdamW
-    assert re.search(rf"(^|[\s,]){argument}( \(keywords\))?[:,]", dd.DTensorMuon.__init__.__doc__, re.M), argument
-    assert "p.grad is the TOTAL gradient" in dd.DTensorMuon.__doc__
-    assert "assign: f(ns_flops, holders, world)" in dd.DistributedConfig.__doc__
+    assert re.search(rf"(^|[\s,]){argument}( \(keywords\))?[:,]", dtensor.DTensorMuon.__init__.__doc__, re.M), argument
+    assert "p.grad is the TOTAL gradient" in dtensor.DTensorMuon.__doc__
+    assert "assign: f(ns_flops, holders, world)" in dtensor.DistributedConfig.__doc__

@@ -7,7 +7,9 @@ has the arithmetic and the RSS at 268 M).
 import pytest
 import torch
 
-from conftest import ROOT, dm, mt
+from conftest import ROOT
+import distributed_muon_cpu
+import muon_tools
 
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -38,7 +40,7 @@ def test_the_update_chunk_by_chunk_is_the_lessons_on_the_whole_shard(numel, dtyp
     grad, buffer = (torch.randn(numel, generator=g).to(dtype) for _ in range(2))
     group = dict(momentum=0.95, nesterov=nesterov)
     whole_buffer, chunked_buffer = buffer.clone(), buffer.clone()
-    whole = dm.muon_update(whole_buffer, grad, group)
+    whole = distributed_muon_cpu.muon_update(whole_buffer, grad, group)
     chunked = dopt.bf16_update(chunked_buffer, grad, group)
     assert chunked.dtype == torch.bfloat16 and torch.equal(chunked, whole)
     assert torch.equal(chunked_buffer, whole_buffer) and not torch.equal(chunked_buffer, buffer)
@@ -56,7 +58,7 @@ def test_the_update_applied_chunk_by_chunk_is_the_lessons_on_the_whole_shard(num
     runs = [(a, min(a + 3 * 128 * cols, numel), 128 if a % 2 else 64)
             for a in range(0, numel, 3 * 128 * cols)] if blocks else None
     whole, chunked = param.clone(), param.clone()
-    dm.apply_muon_update_(whole, ortho, group, (numel // cols or 1, cols), runs)
+    distributed_muon_cpu.apply_muon_update_(whole, ortho, group, (numel // cols or 1, cols), runs)
     dopt.apply_update_(chunked, ortho, group, (numel // cols or 1, cols), runs)
     assert torch.equal(chunked, whole) and not torch.equal(chunked, param)
 
@@ -77,7 +79,7 @@ def test_a_grouped_step_holds_what_its_design_says(dp, tp):
     (1 x 2) counted, 3.4 and 3.9 in RSS (a group's bf16 updates and exchange buffers kept into the next group's,
     nesterov's float32 temporary and the mixed-dtype add_'s float32 copy)."""
     matrix = 4 * D * D * 2
-    ranks = mt.spawn_ranks(StepMemoryRun(dp=dp, tp=tp, d=D, exchange_bytes=2**20), at_scale_rank)
+    ranks = muon_tools.spawn_ranks(StepMemoryRun(dp=dp, tp=tp, d=D, exchange_bytes=2**20), at_scale_rank)
     for r in ranks:
         assert r["params"] == 16 * matrix and r["moved"] == r["count"]  # every parameter stepped
         assert r["peak"] <= (BY_DESIGN[dp, tp] + 0.75) * matrix, (r["rank"], r["peak"] / matrix, r["at_peak"])

@@ -10,8 +10,9 @@ import warnings
 import pytest
 import torch
 
-import test_dtensor_dtypes_and_pickle as dtypes_test
-from conftest import dm, mt
+import test_dtensor_dtypes_and_pickle
+import distributed_muon_cpu
+import muon_tools
 from test_dtensor_dtypes_and_pickle import Spawn
 from distmuon.dtensor import DTensorMuon
 
@@ -24,11 +25,11 @@ TORCH_WARNING = "optimizer contains a parameter group with duplicate parameters;
 
 
 def start(dtype):
-    return dtypes_test.start(dtype, SHAPES)
+    return test_dtensor_dtypes_and_pickle.start(dtype, SHAPES)
 
 
 def gradient(name, step, dtype):
-    return dtypes_test.gradient(name, step, dtype, SHAPES)
+    return test_dtensor_dtypes_and_pickle.gradient(name, step, dtype, SHAPES)
 
 
 def steps_as_torch(nesterov, dtype, place=lambda t: t):
@@ -73,7 +74,7 @@ def ranks_body(rank, spawn, device):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return mt.spawn_ranks(Spawn(), ranks_body)
+    return muon_tools.spawn_ranks(Spawn(), ranks_body)
 
 
 @pytest.mark.parametrize("nesterov,dtype", CASES)
@@ -95,8 +96,8 @@ def test_the_zero1_optimizers_refuse_a_tensor_twice_changing_nothing(single_proc
     with pytest.warns(UserWarning, match=TORCH_WARNING), pytest.raises(
             ValueError, match=r"^parameters a and b are the same tensor: ZeRO-1's layout gives each entry its own "
                               r"range of the flat buffers .* pass it once \(DTensorMuon steps it as torch does\)$"):
-        dm.DistributedMuon([dict(params=[("a", w), ("b", w)])], grid=single_process_group)
-    opt = dm.DistributedMuon([dict(params=[("v", v)])], grid=single_process_group)
+        distributed_muon_cpu.DistributedMuon([dict(params=[("a", w), ("b", w)])], grid=single_process_group)
+    opt = distributed_muon_cpu.DistributedMuon([dict(params=[("v", v)])], grid=single_process_group)
     groups = [list(g["params"]) for g in opt.param_groups]
     with pytest.warns(UserWarning, match=TORCH_WARNING), pytest.raises(ValueError, match="are the same tensor"):
         opt.add_param_group(dict(params=[("a", w), ("b", w)]))
@@ -115,7 +116,8 @@ def test_a_tensor_twice_saves_and_loads_as_torchs(single_process_group):
         torchs = torch.optim.Muon([ref["w"], ref["w"], ref["other"]])
         for step in range(2):
             for name in ours:
-                ours[name].grad, ref[name].grad = gradient(name, step, torch.float32), gradient(name, step, torch.float32)
+                ours[name].grad, ref[name].grad = gradient(name, step, torch.float32), gradient(name, step,
+                                                                                                torch.float32)
             (opt if step == 0 else loaded).step()
             torchs.step()
             if step == 0:

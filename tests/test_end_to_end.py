@@ -4,8 +4,9 @@ import math
 
 import pytest
 
-from conftest import (BUCKET, GRIDS, dm, grid_config, grid_run, layout_metas, mt, presence_bytes, run_together,
-                      suite_specs)
+from conftest import BUCKET, GRIDS, grid_config, grid_run, layout_metas, presence_bytes, run_together, suite_specs
+import distributed_muon_cpu
+import muon_tools
 
 GRID_RUNS = [grid_config(dp, tp) for dp, tp in GRIDS + [(3, 2)]]
 
@@ -34,25 +35,26 @@ def test_uneven_grid_pads_and_straddles(run_grid):
 
 def test_the_run_actually_changes_the_parameters():
     # Guards against a comparison that passes because nothing moved.
-    cfg = mt.RunConfig(dp=1, tp=1, steps=1)
-    specs = dm.transformer_specs()
-    before = dm.initial_params(specs, cfg.seed)
-    after = mt.reference_params(specs, cfg)
+    cfg = muon_tools.RunConfig(dp=1, tp=1, steps=1)
+    specs = distributed_muon_cpu.transformer_specs()
+    before = distributed_muon_cpu.initial_params(specs, cfg.seed)
+    after = muon_tools.reference_params(specs, cfg)
     assert all(not after[s.name].equal(before[s.name]) for s in specs)
 
 
 def test_comparison_detects_a_single_flipped_bit():
     """check_against_torch, rank 0's check in the lesson's run_rank, on two TP ranks' pieces of torch's result."""
-    specs = dm.transformer_specs()[:3]
-    reference = dm.initial_params(specs, 0)
+    specs = distributed_muon_cpu.transformer_specs()[:3]
+    reference = distributed_muon_cpu.initial_params(specs, 0)
     start = {n: t - 1 for n, t in reference.items()}  # torch moved every entry by 1
-    ranks = [dict(rank=r, params={s.name: dm.tp_shard(reference[s.name], s.tp_split_dim, r, 2).clone() for s in specs})
+    ranks = [dict(rank=r, params={s.name: distributed_muon_cpu.tp_shard(reference[s.name], s.tp_split_dim, r,
+                                                                        2).clone() for s in specs})
              for r in range(2)]
     assert all(c["identical"] and c["max_abs_diff"] == 0 and c["max_abs_update"] == 1
-               for c in dm.check_against_torch(specs, ranks, reference, 2, start))
+               for c in distributed_muon_cpu.check_against_torch(specs, ranks, reference, 2, start))
     flat = ranks[1]["params"]["layers.0.attn.qkv.weight"].view(-1)
     flat[5] = flat[5].nextafter(flat[5] + 1)  # one ulp
-    rows = {c["name"]: c for c in dm.check_against_torch(specs, ranks, reference, 2, start)}
+    rows = {c["name"]: c for c in distributed_muon_cpu.check_against_torch(specs, ranks, reference, 2, start)}
     assert not rows["layers.0.attn.qkv.weight"]["identical"] and rows["layers.0.attn.qkv.weight"]["max_abs_diff"] > 0
     assert rows["embed.weight"]["identical"]
 
@@ -71,7 +73,7 @@ def expected_per_rank(specs, dp, tp, buckets):
         touched = [n for n, m in metas[dp_rank].items() if spec[n].group == "muon" and m.local_numel]
         tp_gather = sum((tp - 1) * math.prod(metas[dp_rank][n].shape) * 2
                         for n in touched if spec[n].tp_split_dim >= 0)
-        flops = sum(dm.newton_schulz_flops(spec[n].global_shape) for n in touched)
+        flops = sum(distributed_muon_cpu.newton_schulz_flops(spec[n].global_shape) for n in touched)
         out.append(({"grad presence": presence_bytes(len(specs), dp * tp), "grad reduce-scatter": rs,
                      "DP gather": dp_gather, "TP gather": tp_gather, "param all-gather": rs}, flops))
     return out
@@ -87,7 +89,7 @@ def test_bytes_and_flops_match_sizes(run_grid, dp, tp):
         assert row["sent"] == [e[0][phase] for e in expected], phase
         assert row["received"] == row["sent"]  # ring count: symmetric
     assert result["ns_flops"]["per_rank"] == [e[1] for e in expected]
-    single = sum(dm.newton_schulz_flops(s.global_shape) for s in specs if s.group == "muon")
+    single = sum(distributed_muon_cpu.newton_schulz_flops(s.global_shape) for s in specs if s.group == "muon")
     assert result["ns_flops"]["single_device"] == single
     assert result["ns_flops"]["redundancy"] == pytest.approx(sum(e[1] for e in expected) / single, rel=1e-12)
 
@@ -107,10 +109,10 @@ def test_no_bytes_on_one_rank(run_grid):
 
 def test_runs_spawned_together_are_what_the_commands_launcher_returns():
     """The suite spawns the runs of one world size together (conftest.run_together); the command's launcher,
-    mt.run, spawns each alone. Two runs in one spawn: the second is mt.run's, clocks aside."""
+    muon_tools.run, spawns each alone. Two runs in one spawn: the second is muon_tools.run's, clocks aside."""
     first, second = (grid_config(dp, tp, strategy=s) for dp, tp, s in ((2, 1, "gather"), (1, 2, "owner")))
     together = run_together([first, second])[second]
-    alone = mt.run(second, print_fn=lambda *a, **k: None)
+    alone = muon_tools.run(second, print_fn=lambda *a, **k: None)
     assert together.keys() == alone.keys() and together["passed"]
     assert {k: v for k, v in together.items() if k != "timings"} == {k: v for k, v in alone.items() if k != "timings"}
     assert len(together["timings"]["step_ms_slowest_rank"]) == len(alone["timings"]["step_ms_slowest_rank"]) == 2

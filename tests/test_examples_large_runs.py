@@ -28,7 +28,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import ROOT, dm, mc, mlr, mt, suite_config, suite_specs
+from conftest import ROOT, suite_config, suite_specs
+import distributed_muon_cpu
+from distmuon import checks
+from distmuon import large_runs
+import muon_tools
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -36,7 +40,7 @@ import compare  # noqa: E402
 from examples import gpt  # noqa: E402
 import ns_coefficients  # noqa: E402
 from examples import gpt_verify  # noqa: E402
-from examples import train_gpt as tg  # noqa: E402
+from examples import train_gpt  # noqa: E402
 from examples.stdlib_text import load_corpus  # noqa: E402
 
 SMALL = dict(d_model=32, layers=2, heads=4, context=32, batch=8, val_windows=4, log_every=1000, timeout_s=60)
@@ -63,24 +67,25 @@ def tau_between(cfg):
 
 
 def configs(dp, tp):
-    base = tg.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, **SMALL)
+    base = train_gpt.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, **SMALL)
     tau = tau_between(base)
-    return [tg.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, qk_clip=tau, **SMALL),
-            tg.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, ns_blocks="blocks", ns_coefficients="polar_express",
+    return [train_gpt.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, qk_clip=tau, **SMALL),
+            train_gpt.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, ns_blocks="blocks",
+                                  ns_coefficients="polar_express",
                            **SMALL),
-            tg.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, ns_blocks="heads", qk_clip=tau,
+            train_gpt.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, ns_blocks="heads", qk_clip=tau,
                            strategy="gather", **SMALL),
-            tg.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, tp_newton_schulz="gram", qk_clip=tau,
+            train_gpt.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, tp_newton_schulz="gram", qk_clip=tau,
                            strategy="gather", **SMALL),
             # NorMuon on the matrices (its reference: muon_tools.NorMuonReference), with QK-clip and Polar Express
-            tg.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, optimizer="normuon", strategy="comm-free",
+            train_gpt.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, optimizer="normuon", strategy="comm-free",
                            ns_coefficients="polar_express", qk_clip=tau, **SMALL)]
 
 
 @pytest.fixture(scope="module")
 def trained():
     """{(dp, tp): [(config, every rank's result)]}: one spawn per grid."""
-    return {(dp, tp): tg.train_many(configs(dp, tp)) for dp, tp in GRIDS}
+    return {(dp, tp): train_gpt.train_many(configs(dp, tp)) for dp, tp in GRIDS}
 
 
 @pytest.mark.parametrize("dp,tp", GRIDS)
@@ -92,9 +97,10 @@ def test_large_run_options_train_as_torch_does(trained, dp, tp):
         assert checks["passed"], what
         specs = {s.name: s for s in gpt_verify.param_specs(cfg)}
         for c in checks["replay"]:  # the optimizer: bit for bit, but where gram sums a Gram matrix over TP
-            assert c["identical"] or (gpt_verify.by_gram(cfg, specs[c["name"]]) and c["max_abs_diff"] <= c["tolerance"]), \
+            assert c["identical"] or (gpt_verify.by_gram(cfg,
+                                                         specs[c["name"]]) and c["max_abs_diff"] <= c["tolerance"]), \
                 (what, c)
-        gram_bytes = tg.summarize(cfg, results)["bytes_per_step"].get("TP Gram", {"sent": [0]})["sent"]
+        gram_bytes = train_gpt.summarize(cfg, results)["bytes_per_step"].get("TP Gram", {"sent": [0]})["sent"]
         assert (max(gram_bytes) > 0) == (cfg.tp_newton_schulz == "gram" and tp > 1), what
         assert checks["gradients_exact"] and checks["grad_max_rel_diff"] == checks["step_loss_max_rel_diff"] == 0, what
         if not (cfg.tp_newton_schulz == "gram" and tp > 1):  # gram's own sums aside, the whole run is exact
@@ -191,7 +197,7 @@ def test_the_reported_maxima_are_the_logits_of_q_and_k_and_heads_clip(trained, d
 
     counted = [sum(multiplier(s, n, h) < 1 for n in results[0]["clipped"][s] for h in range(cfg.heads))
                for s in range(cfg.steps)]
-    assert tg.summarize(cfg, results)["qk_clip"]["heads_clipped"] == counted  # what the run prints
+    assert train_gpt.summarize(cfg, results)["qk_clip"]["heads_clipped"] == counted  # what the run prints
 
 
 def test_a_clipped_heads_q_and_k_rows_are_scaled_and_nothing_else(trained):
@@ -249,12 +255,12 @@ def test_gram_bytes_formula_is_what_a_real_run_sends(run_grid, tp):
     """compare.tp_newton_schulz_costs against the Ledgers of real runs of the lesson's demo (DP = 1, so every
     TP-split matrix goes through each rank): the TP gather of tp_newton_schulz="gather", the Gram and norm
     all-reduces of "gram", every rank, summed over the matrices."""
-    specs = [s for s in suite_specs() if s.group == mt.MUON_GROUP and s.tp_split_dim >= 0]
-    assert specs and all(mlr.gram_eligible(s.global_shape, s.tp_split_dim) for s in specs)
+    specs = [s for s in suite_specs() if s.group == muon_tools.MUON_GROUP and s.tp_split_dim >= 0]
+    assert specs and all(large_runs.gram_eligible(s.global_shape, s.tp_split_dim) for s in specs)
     costs = [compare.tp_newton_schulz_costs(s.global_shape, s.tp_split_dim, tp) for s in specs]
     runs = {way: run_grid(1, tp, steps=1, tp_newton_schulz=way) for way in ("gather", "gram")}
-    unsplit = sum(dm.newton_schulz_flops(s.global_shape) for s in suite_specs()
-                  if s.group == mt.MUON_GROUP and s.tp_split_dim < 0)  # the routers: whole on every rank either way
+    unsplit = sum(distributed_muon_cpu.newton_schulz_flops(s.global_shape) for s in suite_specs()
+                  if s.group == muon_tools.MUON_GROUP and s.tp_split_dim < 0)  # the routers: whole on every rank either way
     for way, run in runs.items():
         assert run["passed"], way
         assert run["ns_flops"]["per_rank"] == [sum(c[f"{way}_flops"] for c in costs) + unsplit] * tp, way
@@ -285,6 +291,6 @@ def test_ns_coefficients_table_reports_sigma_of_real_matrices(capsys):
         ["--d-model", "16", "--layers", "1", "--heads", "1", "--train-steps", "1"]))
     (name, _, m), *_ = ns_coefficients.real_matrices(cfg, 1)
     per_k = ns_coefficients.sigmas(m, "polar_express", 2)
-    expect = torch.linalg.svdvals(dm.newton_schulz(m, 2, mc.POLAR_EXPRESS[:2]).double())
+    expect = torch.linalg.svdvals(distributed_muon_cpu.newton_schulz(m, 2, checks.POLAR_EXPRESS[:2]).double())
     assert len(per_k) == 3 and torch.equal(per_k[-1], expect)
     assert abs(per_k[0].square().sum().item() - 1) < 2**-6  # the input over its Frobenius norm (bf16: 8 bits)

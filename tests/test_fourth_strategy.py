@@ -8,7 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import dm, grid_config, mlr, mo, mt, run_together, run_together_rank
+from conftest import grid_config, run_together, run_together_rank
+import distributed_muon_cpu
+from distmuon import large_runs
+from distmuon import owners
+import muon_tools
 from distmuon.strategy import DECLARED, ChunkStrategy, Strategy
 from test_strategies import assert_identical
 
@@ -16,7 +20,7 @@ NAME = "round-robin"
 DP, TP = 3, 2  # uneven DP, TP-split matrices
 
 
-class RoundRobin(mo.Owner):
+class RoundRobin(owners.Owner):
     """The owner strategy with the matrices dealt out in turn from the last rank down, not balanced by FLOPs."""
 
     name = NAME
@@ -26,7 +30,7 @@ class RoundRobin(mo.Owner):
         return {world - 1 - r: opt.muon_names[r::world] for r in range(world)}
 
 
-class RoundRobinMuon(mo.OwnerMuon):
+class RoundRobinMuon(owners.OwnerMuon):
     """OwnerMuon with RoundRobin plugged in."""
 
     strategy_class = RoundRobin
@@ -34,20 +38,20 @@ class RoundRobinMuon(mo.OwnerMuon):
 
 def round_robin_rank(rank, together, device):
     """A rank of run_together: a spawned process imports this module afresh, so it registers the strategy first."""
-    mo.register(RoundRobinMuon)
+    owners.register(RoundRobinMuon)
     return run_together_rank(rank, together, device)
 
 
 @pytest.fixture
 def registered():
-    mo.register(RoundRobinMuon)
+    owners.register(RoundRobinMuon)
     yield
-    mo.unregister(NAME)
+    owners.unregister(NAME)
 
 
 # The plain step, the overlapped one, NorMuon (its owner holds the rows) and the fused QKV by heads (large runs wrap it)
 RUNS = [grid_config(DP, TP, strategy=NAME, **options)
-        for options in ({}, dict(overlap=mo.OVERLAP_DEFAULT), dict(normuon=True), dict(ns_blocks="heads"))]
+        for options in ({}, dict(overlap=owners.OVERLAP_DEFAULT), dict(normuon=True), dict(ns_blocks="heads"))]
 
 
 def test_a_fourth_strategy_runs_through_the_runner_bit_for_bit(registered):
@@ -57,23 +61,23 @@ def test_a_fourth_strategy_runs_through_the_runner_bit_for_bit(registered):
     plain = results[RUNS[0]]
     # its own rule, not the balanced one: the test tells the strategies apart
     world = DP * TP
-    names = mt.plan_optimizer(RUNS[0]).muon_names
+    names = muon_tools.plan_optimizer(RUNS[0]).muon_names
     assert plain["owners"] == {n: world - 1 - i % world for i, n in enumerate(names)}
-    assert plain["owners"] != mt.plan_optimizer(replace(RUNS[0], strategy="owner")).owners
+    assert plain["owners"] != muon_tools.plan_optimizer(replace(RUNS[0], strategy="owner")).owners
     # the accounting reads its declarations: its phases, in order, each moving bytes; each matrix orthogonalized once
     assert list(plain["bytes_per_step"]) == list(RoundRobin.phases)
     assert all(sum(t["sent"]) > 0 for t in plain["bytes_per_step"].values())
     assert plain["ns_flops"]["redundancy"] == 1.0
     printed = []
-    mt.print_header(RUNS[0], mt.plan_optimizer(RUNS[0]), "CPU", "Gloo", True, printed.append)
+    muon_tools.print_header(RUNS[0], muon_tools.plan_optimizer(RUNS[0]), "CPU", "Gloo", True, printed.append)
     assert f"strategy {NAME}" in printed[0] and any(line.startswith("[7] Owners: 10 matrices") for line in printed)
 
 
 def test_the_runners_checks_read_its_declarations(registered):
     for options in ({}, dict(overlap=1), dict(batched_ns=True), dict(normuon=True)):  # accepted, as owner's are
         cfg = grid_config(DP, TP, strategy=NAME, **options)
-        mt.validate(cfg, mt.demo_specs(cfg))
-    assert mt.config_from_args(mt.build_parser("").parse_args(["--strategy", NAME])).strategy == NAME
+        muon_tools.validate(cfg, muon_tools.demo_specs(cfg))
+    assert muon_tools.config_from_args(muon_tools.build_parser("").parse_args(["--strategy", NAME])).strategy == NAME
     # each refusal names the strategies that take what was asked, this one among them where it declares so
     refusals = [(dict(strategy="gather", overlap=1), r"--overlap applies to --strategy (.+) \(got gather\)", True),
                 (dict(strategy="gather", normuon=True), r"--normuon applies to --strategy (.+), whose owner", True),
@@ -82,14 +86,14 @@ def test_the_runners_checks_read_its_declarations(registered):
     for options, refusal, named in refusals:
         cfg = grid_config(DP, TP, **options)
         with pytest.raises(ValueError, match=f"^{refusal}") as refused:
-            mt.validate(cfg, mt.demo_specs(cfg))
+            muon_tools.validate(cfg, muon_tools.demo_specs(cfg))
         names = re.split(", | or ", re.match(refusal, str(refused.value)).group(1))
         assert (NAME in names, "gather" in names) == (named, not named), names
         assert named or names == ["gather"]
-    assert NAME in mt.PHASES_OF and mt.PHASES_OF[NAME] == RoundRobin.phases
+    assert NAME in muon_tools.PHASES_OF and muon_tools.PHASES_OF[NAME] == RoundRobin.phases
 
 
-class Unnamed(mo.Owner):
+class Unnamed(owners.Owner):
     pass
 
 
@@ -99,55 +103,55 @@ class Undeclared:  # a strategy class that declares nothing
 
 @pytest.mark.parametrize("optimizer_class,refusal", [
     (RoundRobinMuon, f"strategy '{NAME}' is registered already, by RoundRobinMuon"),
-    (type("OwnerAgain", (mo.OwnerMuon,), dict(strategy_class=Unnamed)), "strategy 'owner' is registered already"),
-    (type("Bare", (mo.OwnerMuon,), dict(strategy_class=Undeclared)),
+    (type("OwnerAgain", (owners.OwnerMuon,), dict(strategy_class=Unnamed)), "strategy 'owner' is registered already"),
+    (type("Bare", (owners.OwnerMuon,), dict(strategy_class=Undeclared)),
      f"Bare's strategy_class Undeclared declares no {', '.join(DECLARED)} "),
     (RoundRobin, "register takes a subclass of DistributedMuon"),
 ])
 def test_register_refuses_in_one_line_and_changes_nothing(registered, optimizer_class, refusal):
-    before = dict(mo.OPTIMIZERS)
+    before = dict(owners.OPTIMIZERS)
     with pytest.raises(ValueError, match=f"^{refusal}"):
-        mo.register(optimizer_class)
-    assert mo.OPTIMIZERS == before and mo.STRATEGIES == tuple(before)
+        owners.register(optimizer_class)
+    assert owners.OPTIMIZERS == before and owners.STRATEGIES == tuple(before)
 
 
 def test_unregister_takes_out_only_what_register_added():
-    assert mo.BUILT_IN[:3] == ("gather", "owner", "comm-free") and mo.STRATEGIES == mo.BUILT_IN
-    mo.register(RoundRobinMuon)
-    assert mo.STRATEGIES == mo.BUILT_IN + (NAME,) and mo.strategy_class(NAME) is RoundRobin
-    mo.unregister(NAME)
-    assert mo.STRATEGIES == mo.BUILT_IN and NAME not in mt.PHASES_OF
+    assert owners.BUILT_IN[:3] == ("gather", "owner", "comm-free") and owners.STRATEGIES == owners.BUILT_IN
+    owners.register(RoundRobinMuon)
+    assert owners.STRATEGIES == owners.BUILT_IN + (NAME,) and owners.strategy_class(NAME) is RoundRobin
+    owners.unregister(NAME)
+    assert owners.STRATEGIES == owners.BUILT_IN and NAME not in muon_tools.PHASES_OF
     for name in ("owner", NAME):
         with pytest.raises(ValueError, match=f"^strategy '{name}' is not one register added"):
-            mo.unregister(name)
+            owners.unregister(name)
     cfg = grid_config(DP, TP, strategy=NAME)
-    with pytest.raises(ValueError, match=f"^--strategy must be one of {', '.join(mo.BUILT_IN)} "):
-        mt.validate(cfg, mt.demo_specs(cfg))
+    with pytest.raises(ValueError, match=f"^--strategy must be one of {', '.join(owners.BUILT_IN)} "):
+        muon_tools.validate(cfg, muon_tools.demo_specs(cfg))
 
 
-@pytest.mark.parametrize("name", mo.STRATEGIES)
+@pytest.mark.parametrize("name", owners.STRATEGIES)
 def test_every_strategy_declares_what_it_is_asked_and_is_what_it_declares(name):
     """Its class declares DECLARED; its planned optimizer's strategy is a Strategy, a ChunkStrategy wherever its units
     carry chunks (the step calls reduce_chunk and broadcast_chunk for them), with owners where it orthogonalizes each
     matrix once; wrapped by large runs, it declares the same."""
-    cls = mo.strategy_class(name)
+    cls = owners.strategy_class(name)
     assert all(hasattr(cls, a) for a in DECLARED) and cls.name == name
-    opt = mt.plan_optimizer(mt.RunConfig(strategy=name))
+    opt = muon_tools.plan_optimizer(muon_tools.RunConfig(strategy=name))
     assert isinstance(opt.strategy, Strategy) and type(opt.strategy) is cls
     assert isinstance(opt.strategy, ChunkStrategy) == any(u.chunks for u in opt.strategy.units(opt))
     assert (opt.owners is not None) == cls.orthogonalizes_once
-    wrapped = mlr.LargeRuns().around(cls())
+    wrapped = large_runs.LargeRuns().around(cls())
     assert [getattr(wrapped, a) for a in DECLARED] == [getattr(cls, a) for a in DECLARED]
 
 
-class Relabelled(dm.Gather):
+class Relabelled(distributed_muon_cpu.Gather):
     """The gather strategy under another name: a strategy that runs the gather flow, as Gather does."""
 
     name = "relabelled"
 
 
 def test_large_runs_give_their_middle_to_any_strategy_that_runs_the_gather_flow():
-    large_runs = mlr.LargeRuns()
-    wrapped = large_runs.around(Relabelled())
-    assert type(wrapped.strategy) is Relabelled and wrapped.middle == large_runs.middle
+    wrapper = large_runs.LargeRuns()
+    wrapped = wrapper.around(Relabelled())
+    assert type(wrapped.strategy) is Relabelled and wrapped.middle == wrapper.middle
     assert not hasattr(large_runs.around(RoundRobin()), "middle")  # an owner's Newton-Schulz is its own

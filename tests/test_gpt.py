@@ -22,18 +22,21 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import ROOT, dm, mo, mt
+from conftest import ROOT
+import distributed_muon_cpu
+from distmuon import owners
+import muon_tools
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
 EXAMPLES = os.path.join(ROOT, "examples")
 
 from examples import gpt  # noqa: E402
 from examples import gpt_verify  # noqa: E402
-from examples import train_gpt as tg  # noqa: E402
+from examples import train_gpt  # noqa: E402
 from examples.gpt_hyperparameters import MIN_LR_FRACTION, lr_at  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import gpt_lr_sweep as sweep  # noqa: E402
+import gpt_lr_sweep  # noqa: E402
 
 TRAIN = os.path.join(EXAMPLES, "train_gpt.py")
 # A GPT small enough for a test, with every kind of parameter: 2 layers, 2 heads (TP = 2 keeps one each).
@@ -41,7 +44,7 @@ SMALL = dict(d_model=32, layers=2, heads=2, context=32, batch=8, val_windows=4, 
 SMALL_FLAGS = ["--d-model", "32", "--layers", "2", "--heads", "2", "--context", "32", "--batch", "8",
                "--val-windows", "4"]
 STEPS = 3
-KINDS = [dict(strategy=s) for s in mo.STRATEGIES] + [dict(optimizer="adamw", strategy="gather"),
+KINDS = [dict(strategy=s) for s in owners.STRATEGIES] + [dict(optimizer="adamw", strategy="gather"),
                                                     dict(strategy="owner", schedule="warmup-cosine", warmup_steps=1)]
 GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 
@@ -49,7 +52,7 @@ GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 @pytest.fixture(scope="module")
 def trained():
     """{(dp, tp): [(config, results of every rank)] for every KIND}: one spawn per grid."""
-    return {(dp, tp): tg.train_many([tg.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, **SMALL, **kind)
+    return {(dp, tp): train_gpt.train_many([train_gpt.TrainConfig(dp=dp, tp=tp, steps=STEPS, keep=True, **SMALL, **kind)
                                      for kind in KINDS]) for dp, tp in GRIDS}
 
 
@@ -57,7 +60,7 @@ def trained():
 def test_every_strategy_trains_as_one_process_does(trained, dp, tp):
     for cfg, results in trained[dp, tp]:
         checks = gpt_verify.verify(cfg, results)
-        what = f"{tg.run_kind(cfg)} on {dp}x{tp}"
+        what = f"{train_gpt.run_kind(cfg)} on {dp}x{tp}"
         assert checks["passed"], what
         # DP <= 2 everywhere here: the optimizer is exact, given the ranks' gradients
         assert all(c["identical"] for c in checks["replay"]), what
@@ -74,8 +77,8 @@ def test_the_losses_fall_and_muon_moves_every_matrix(trained):
     for cfg, results in trained[2, 2]:
         if cfg.schedule != "constant":
             continue  # warm-up and decay within 3 steps: a smaller fall
-        losses = tg.summarize(cfg, results)["losses"]
-        assert losses[-1] < losses[0] - 0.2, (tg.run_kind(cfg), losses)  # from about ln 256 = 5.5
+        losses = train_gpt.summarize(cfg, results)["losses"]
+        assert losses[-1] < losses[0] - 0.2, (train_gpt.run_kind(cfg), losses)  # from about ln 256 = 5.5
     cfg, results = trained[2, 2][0]
     start = gpt.initial_weights(cfg.gpt())
     final = gpt_verify.full_tensors(cfg, lambda t: results[t]["params"], gpt_verify.param_specs(cfg))
@@ -83,12 +86,12 @@ def test_the_losses_fall_and_muon_moves_every_matrix(trained):
 
 
 def test_warmup_cosine_reaches_both_optimizers():
-    cfg = tg.TrainConfig(lr=0.02, steps=200, schedule="warmup-cosine", warmup_steps=10)
+    cfg = train_gpt.TrainConfig(lr=0.02, steps=200, schedule="warmup-cosine", warmup_steps=10)
     lrs = [lr_at(cfg, s) for s in range(1, 201)]
     assert lrs[0] == 0.002 and lrs[9] == 0.02  # linear warm-up over 10 steps
     assert all(a > b for a, b in zip(lrs[9:], lrs[10:]))  # then falls at every step
     assert lrs[-1] == pytest.approx(0.02 * MIN_LR_FRACTION, rel=1e-12)
-    assert all(lr_at(tg.TrainConfig(lr=0.02), s) == 0.02 for s in (1, 100, 120))
+    assert all(lr_at(train_gpt.TrainConfig(lr=0.02), s) == 0.02 for s in (1, 100, 120))
 
 
 def test_the_schedule_changes_the_training_and_the_replay_follows_it(trained):
@@ -166,7 +169,7 @@ def test_a_chaotic_training_on_2x2_is_bit_for_bit(tmp_path, capsys):
     chaotically. The one process adds TP's two pieces as the ranks do: the free-running training has the
     ranks' every bit, weights and losses, through 8 steps; no chaos floor is needed."""
     out = tmp_path / "run.json"
-    assert tg.main(["--dp", "2", "--tp", "2", "--lr", "0.1", "--steps", "8", *SMALL_FLAGS, "--verify",
+    assert train_gpt.main(["--dp", "2", "--tp", "2", "--lr", "0.1", "--steps", "8", *SMALL_FLAGS, "--verify",
                     "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     checks = json.loads(out.read_text())["checks"]
@@ -180,8 +183,8 @@ def test_a_chaotic_training_on_2x2_is_bit_for_bit(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def trained_tp4():
     """DP = 1 x TP = 4 at lr 0.1 (4 heads: one each), 8 steps: four terms in every TP sum."""
-    cfg = tg.TrainConfig(dp=1, tp=4, steps=8, lr=0.1, keep=True, **dict(SMALL, heads=4))
-    return tg.train_many([cfg])[0]
+    cfg = train_gpt.TrainConfig(dp=1, tp=4, steps=8, lr=0.1, keep=True, **dict(SMALL, heads=4))
+    return train_gpt.train_many([cfg])[0]
 
 
 def test_tp_4_is_bit_for_bit_and_a_lost_all_reduce_fails(trained_tp4):
@@ -212,7 +215,7 @@ def test_another_order_of_tp_sums_is_held_to_the_bound_and_its_drift_reported(tr
     assert checks["passed"] and not checks["exact"] and not checks["gradients_exact"] and checks["bound_ratio"] <= 1
     assert all(c["identical"] for c in checks["replay"]) and checks["replica_max_diff"] == 0
     # the ranks' error against float64 is of the one process's own size, and far below a bug's
-    assert checks["ranks_grad_err"] <= mt.REALIZED_FACTOR * checks["one_process_grad_err"] + 2.0**-13
+    assert checks["ranks_grad_err"] <= muon_tools.REALIZED_FACTOR * checks["one_process_grad_err"] + 2.0**-13
     floor = checks["chaos_floor_loss_max_rel_diff"]
     assert floor > 0 and checks["chaos_ratio"] == checks["trained_loss_max_rel_diff"] / floor
     lines = []
@@ -240,8 +243,8 @@ def tp_terms(tp):
 
 
 def all_reduce_rank(rank, run, device):
-    tp = dm.make_grid(run.dp, run.tp, rank).tp
-    mine, ledger = tp_terms(run.tp)[tp.rank], dm.Ledger()
+    tp = distributed_muon_cpu.make_grid(run.dp, run.tp, rank).tp
+    mine, ledger = tp_terms(run.tp)[tp.rank], distributed_muon_cpu.Ledger()
     native = mine.clone()
     torch.distributed.all_reduce(native, group=tp.group)
     return dict(summed=gpt.tp_all_reduce(mine.clone(), tp, ledger, "TP all-reduce (forward)"), native=native,
@@ -253,7 +256,7 @@ def test_the_gloo_tp_all_reduce_adds_in_rank_order():
     all-reduce; Gloo's own all_reduce gives other bits for the same terms (what the rank order is for)."""
     terms = tp_terms(4)
     left_to_right = ((terms[0] + terms[1]) + terms[2]) + terms[3]
-    results = mt.spawn_ranks(AllReduceRun(), all_reduce_rank)
+    results = muon_tools.spawn_ranks(AllReduceRun(), all_reduce_rank)
     assert all(torch.equal(r["summed"], left_to_right) for r in results)
     assert any(not torch.equal(r["native"], left_to_right) for r in results)
     ring = 2 * (4 - 1) * left_to_right.numel() // 4 * 4  # bytes: 2 (n - 1) / n of the fp32 tensor
@@ -266,8 +269,8 @@ def test_a_script_without_a_main_guard_gets_multiprocessings_own_advice(tmp_path
     `if __name__ == "__main__":` guard each rank tries to start ranks. multiprocessing refuses with
     its advice; the launcher must let that through (it ended in an AttributeError in stop())."""
     script = tmp_path / "no_guard.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom examples import train_gpt as tg\n"
-                      f"tg.train_many([tg.TrainConfig(dp=1, tp=2, steps=1, progress=False, **{SMALL!r})])\n")
+    script.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom examples import train_gpt\n"
+                      f"train_gpt.train_many([train_gpt.TrainConfig(dp=1, tp=2, steps=1, progress=False, **{SMALL!r})])\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "if __name__ == '__main__':" in proc.stderr and "AttributeError" not in proc.stderr, proc.stderr[-2000:]
@@ -277,7 +280,7 @@ def test_a_script_without_a_main_guard_gets_multiprocessings_own_advice(tmp_path
 def test_bytes_per_step_are_what_f_g_and_zero1_move(trained):
     """A ring all-reduce of n fp32 elements over 2 ranks sends 2 * (2 - 1) / 2 * n * 4 bytes."""
     cfg, results = trained[2, 2][3]  # the AdamW baseline: f and g, then ZeRO-1's two collectives
-    table = tg.summarize(cfg, results)["bytes_per_step"]
+    table = train_gpt.summarize(cfg, results)["bytes_per_step"]
     activation = cfg.batch // cfg.dp * cfg.context * cfg.d_model  # one micro-batch of the residual stream
     per_layer = 2  # attention-out and MLP-out each end with g; QKV and MLP-in each start with f
     assert max(table["TP all-reduce (forward)"]["sent"]) == cfg.layers * per_layer * activation * 4
@@ -320,7 +323,7 @@ def test_the_command_line_trains_prints_progress_and_writes_traces(tmp_path):
     (dict(forward=10.5, backward=10.5), 0, 21),  # round() alone: 10 + 10 (to even)
 ])
 def test_printed_parts_add_up_to_the_printed_total(parts, digits, shown):
-    rounded = mt.rounded_parts(parts, digits)
+    rounded = muon_tools.rounded_parts(parts, digits)
     assert round(sum(rounded.values()), digits) == shown == round(sum(parts.values()), digits)
     assert all(abs(rounded[k] - parts[k]) < 10 ** -digits for k in parts)
     assert sum(round(v, digits) for v in parts.values()) != shown  # what it is for
@@ -334,15 +337,16 @@ def test_printed_parts_add_up_to_the_printed_total(parts, digits, shown):
      "error: --optimizer adamw takes no --strategy (got comm-free): strategies are Muon's"),
     (["--lr", "-1"], "error: --lr must be >= 0 and finite (got -1.0)"),
     (["--steps", "4", "--profile", "x"], "error: --profile traces steps 4 to 6: --steps must be >= 6 (got 4)"),
-    (["--json", "/nonexistent/run.json"], "error: --json /nonexistent/run.json: the folder /nonexistent does not exist"),
+    (["--json", "/nonexistent/run.json"],
+     "error: --json /nonexistent/run.json: the folder /nonexistent does not exist"),
     (["--context", "100000", "--steps", "1"], "error: --val-windows 32 x (--context 100000 + 1) = 3,200,032 bytes, "
                                               "more than the "),  # the text's size depends on the Python
     (["--schedule", "warmup-cosine", "--steps", "10", "--warmup-steps", "10"],
      "error: --warmup-steps must be >= 0 and below --steps 10 (got 10)"),
 ])
 def test_bad_flags_are_refused_before_any_rank_starts(capsys, monkeypatch, argv, message):
-    monkeypatch.setattr(mt, "spawn_ranks", lambda *a: pytest.fail("a rank was started"))
-    assert tg.main(argv) == 2
+    monkeypatch.setattr(muon_tools, "spawn_ranks", lambda *a: pytest.fail("a rank was started"))
+    assert train_gpt.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(message), err
 
@@ -376,7 +380,7 @@ def test_the_sweep_tunes_over_seeds_and_counts_steps_to_adamws_loss():
             sweep_run("muon", 0.1, 0, [3.5, 3.4, 3.3]), sweep_run("muon", 0.1, 1, [3.5, 3.4, 3.3]),
             sweep_run("adamw", 0.001, 0, [3.1, 2.9, 2.7]), sweep_run("adamw", 0.001, 1, [3.1, 3.0, 2.55]),
             sweep_run("adamw", 0.003, 0, [3.2, 2.95, 2.65]), sweep_run("adamw", 0.003, 1, [3.2, 3.1, 2.75])]
-    c = sweep.compare(runs, "constant")
+    c = gpt_lr_sweep.compare(runs, "constant")
     # tuned once: the lowest mean final loss; Muon's 0.03 has a worse lr on both sides, AdamW's 0.001 does not
     assert c["tuned"] == dict(muon=dict(lr=0.03, bracketed=True), adamw=dict(lr=0.001, bracketed=False))
     once = [p for p in c["per_seed"] if p["tuned"] == "once"]
@@ -384,30 +388,30 @@ def test_the_sweep_tunes_over_seeds_and_counts_steps_to_adamws_loss():
         (2.7, 20, 30, 1.5), (2.55, 30, 30, 1.0)]
     own = [p for p in c["per_seed"] if p["tuned"] == "per seed"]  # seed 0's best AdamW is 0.003
     assert [(p["lrs"]["adamw"], p["target"], p["steps"]["muon"]) for p in own] == [(0.003, 2.65, 20), (0.001, 2.55, 30)]
-    assert sweep.spread([20, None, 30, 25]) == "20-25-30 (1 never)"
+    assert gpt_lr_sweep.spread([20, None, 30, 25]) == "20-25-30 (1 never)"
     # another schedule whose AdamW ends lower at seed 1 only: the target per seed is the lower of the two
     runs += [sweep_run(o, lr, seed, losses, "warmup-cosine") for o, lr, seed, losses in (
         ("muon", 0.03, 0, [2.6, 2.4, 2.2]), ("muon", 0.03, 1, [2.7, 2.5, 2.45]),
         ("adamw", 0.001, 0, [3.0, 2.8, 2.75]), ("adamw", 0.001, 1, [3.0, 2.6, 2.5]))]
-    across = sweep.across_schedules(runs)
+    across = gpt_lr_sweep.across_schedules(runs)
     assert across == dict(seeds=[0, 1], target=[2.7, 2.5], constant=[20, 30], **{"warmup-cosine": [10, 20]})
 
 
 def test_the_sweep_runs_end_to_end_and_reports_saved_runs(tmp_path, capsys):
     """Plumbing only, in a few seconds: a tiny model, 3 steps, 2 seeds, both schedules, NorMuon beside Muon; then
     the report and the figure from the saved JSON, as --from-json does after an interrupted sweep."""
-    args = sweep.build_parser().parse_args(["--muon-lrs", "0.01", "0.03", "0.1", "--adamw-lrs", "0.001", "0.01",
+    args = gpt_lr_sweep.build_parser().parse_args(["--muon-lrs", "0.01", "0.03", "0.1", "--adamw-lrs", "0.001", "0.01",
                                             "--normuon-lrs", "0.02", "0.05",
                                             "--seeds", "0", "1", "--steps", "3", "--every", "1", "--warmup-steps",
                                             "1", "--val-windows", "2", "--dp", "1"])
-    saved = tmp_path / "sweep.json"
-    tiny = tg.TrainConfig(d_model=16, layers=1, heads=1, context=16, batch=2)
-    runs = sweep.train(args, tiny, save=lambda partial: mt.write_json(str(saved), partial))
+    saved = tmp_path / "gpt_lr_sweep.json"
+    tiny = train_gpt.TrainConfig(d_model=16, layers=1, heads=1, context=16, batch=2)
+    runs = gpt_lr_sweep.train(args, tiny, save=lambda partial: muon_tools.write_json(str(saved), partial))
     assert len(runs) == 2 * 2 * 7 and {(r["seed"], r["schedule"]) for r in runs} == {
-        (s, k) for s in (0, 1) for k in tg.SCHEDULES}
+        (s, k) for s in (0, 1) for k in train_gpt.SCHEDULES}
     assert all([step for step, _ in r["val"]] == [1, 2, 3] for r in runs)
-    figure = tmp_path / "sweep.png"
-    assert sweep.main(["--from-json", str(saved), "--figure", str(figure)]) == 0
+    figure = tmp_path / "gpt_lr_sweep.png"
+    assert gpt_lr_sweep.main(["--from-json", str(saved), "--figure", str(figure)]) == 0
     out = capsys.readouterr().out
     assert out.count("Steps to AdamW's best loss, over seeds 0, 1") == 2 and figure.stat().st_size > 10_000
     assert out.count("Steps to AdamW's best loss, NorMuon, over seeds 0, 1") == 2

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, SCRIPT, SUITE_D_MODEL, mt
+from conftest import ROOT, SCRIPT, SUITE_D_MODEL
+import muon_tools
 
 SIBLING = os.path.join(ROOT, "distributed_muon.py")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -56,7 +57,7 @@ def test_an_error_on_any_rank_is_reported_by_that_rank(tmp_path):
 # only if the interpreter shuts down; then the joined rank ends (finish's code 3) or its body fails (1).
 ONE_RANK = """
 import atexit, sys
-import muon_tools as mt
+import muon_tools
 
 def body(cfg, rank, device):
     atexit.register(print, "interpreter shut down")
@@ -68,7 +69,7 @@ def finish(cfg, gathered, device, seconds):
     print(f"finish saw {gathered}")
     return 3
 
-sys.exit(mt.run_under_torchrun("gloo", "cpu", lambda world: mt.RunConfig(dp=1, tp=1), body, finish))
+sys.exit(muon_tools.run_under_torchrun("gloo", "cpu", lambda world: muon_tools.RunConfig(dp=1, tp=1), body, finish))
 """
 
 
@@ -81,7 +82,7 @@ def test_a_joined_rank_ends_without_interpreter_shutdown():
     procs = {how: subprocess.Popen([sys.executable, "-c", ONE_RANK, how], cwd=ROOT, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    env=dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(mt.free_port())))
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(muon_tools.free_port())))
              for how in ("finish", "fail")}
     (out, err), code = procs["finish"].communicate(timeout=120), procs["finish"].returncode
     assert (code, out) == (3, "finish saw [0]\n"), err
@@ -149,9 +150,10 @@ def test_under_torchrun_a_rank_without_its_gpu_says_so_itself(monkeypatch, capsy
     every rank is printed by rank 0 alone (the refusal tests of each entry point); a rank whose own GPU is
     missing prints its own line, and does not join."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a machine with 2 GPUs, 4 ranks started on it
-    monkeypatch.setattr(mt.torchrun, "join_world", lambda *a: pytest.fail("joined the world"))
+    monkeypatch.setattr(muon_tools.torchrun, "join_world", lambda *a: pytest.fail("joined the world"))
     for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3").items():
         monkeypatch.setenv(name, value)
-    assert mt.run_under_torchrun("nccl", "cuda", lambda world: mt.RunConfig(dp=4, tp=1), None, None) == 2
+    assert muon_tools.run_under_torchrun("nccl", "cuda", lambda world: muon_tools.RunConfig(dp=4, tp=1), None,
+                                         None) == 2
     assert capsys.readouterr().err == ("error: rank 3: no CUDA device for LOCAL_RANK 3 here (2 GPUs): use "
                                        "--backend gloo --device cpu\n")

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, SCRIPT, mt
+from conftest import ROOT, SCRIPT
+import muon_tools
 
 TRAIN_GPT = os.path.join(ROOT, "examples", "train_gpt.py")
 
@@ -151,7 +152,7 @@ def test_a_rank_that_dies_ends_the_run_naming_it(tmp_path, rank, sig):
 
 
 def test_a_rank_that_stops_responding_ends_the_run_within_the_timeout(tmp_path):
-    timeout = int(mt.MIN_TIMEOUT_S)  # the shortest a run takes (what its ranks may need to start)
+    timeout = int(muon_tools.MIN_TIMEOUT_S)  # the shortest a run takes (what its ranks may need to start)
     run = Run(tmp_path, *LONG_RUN, "--timeout", str(timeout))
     os.kill(run.rank_pid(1), signal.SIGSTOP)  # alive, but never runs again: its peers wait for it
     returncode, out, err, seconds = run.finish(timeout + STOPS_WITHIN_S)

@@ -23,8 +23,13 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-import large_runs_reference as ref
-from conftest import BUCKET, STEPS, dm, mc, mo, mlr, mt, suite_config
+import large_runs_reference
+from conftest import BUCKET, STEPS, suite_config
+import distributed_muon_cpu
+from distmuon import checks
+from distmuon import owners
+from distmuon import large_runs
+import muon_tools
 
 GRIDS = ((4, 2), (2, 4), (1, 8))
 TAU = 100.0
@@ -37,14 +42,14 @@ def demo_configs():
     for dp, tp in GRIDS:
         base = suite_config(dp=dp, tp=tp, steps=STEPS, bucket_size=BUCKET, ns_coefficients="polar_express",
                             ns_blocks="blocks" if (dp, tp) == (2, 4) else "heads", qk_clip_tau=TAU, timeout_s=180)
-        configs += [replace(base, strategy=s) for s in mo.STRATEGIES]
+        configs += [replace(base, strategy=s) for s in owners.STRATEGIES]
         # gram at the command's width: at the suite's, the 4 x 2 run's Gram sums all rounded as torch's did
         # (measured), and the run would not show the bound at work
-        configs.append(replace(base, tp_newton_schulz="gram", d_model=dm.D_MODEL))
+        configs.append(replace(base, tp_newton_schulz="gram", d_model=distributed_muon_cpu.D_MODEL))
     return tuple(configs)
 
 
-PER_GRID = len(mo.STRATEGIES) + 1  # demo_configs' runs of one grid: every strategy, then the gather with gram
+PER_GRID = len(owners.STRATEGIES) + 1  # demo_configs' runs of one grid: every strategy, then the gather with gram
 
 
 # -- the other layouts: an optimizer over matrices laid out otherwise ------------------------------
@@ -53,9 +58,9 @@ PER_GRID = len(mo.STRATEGIES) + 1  # demo_configs' runs of one grid: every strat
 # attention (4 heads: k x sqrt(gamma)).
 HD = 4
 MATRICES = {
-    "gqa.qkv": ((64, 32), 0, mlr.RowLayout((HD, HD, HD, HD), 4, ("q", "q", "k", "v"))),
-    "sep.q": ((32, 64), 1, mlr.RowLayout((HD, HD), 4, ("q", "q"))),
-    "sep.k": ((16, 48), -1, mlr.RowLayout((HD,), 4, ("k",))),
+    "gqa.qkv": ((64, 32), 0, large_runs.RowLayout((HD, HD, HD, HD), 4, ("q", "q", "k", "v"))),
+    "sep.q": ((32, 64), 1, large_runs.RowLayout((HD, HD), 4, ("q", "q"))),
+    "sep.k": ((16, 48), -1, large_runs.RowLayout((HD,), 4, ("k",))),
     "plain": ((24, 40), 1, None),
     "tall": ((80, 16), 0, None),
 }
@@ -66,7 +71,7 @@ OTHER_STEPS, OTHER_BUCKET = 2, 700  # small buckets: parts straddle DP shards an
 
 def other_runs():
     """(grid, strategy, ns_blocks): every strategy on 4 x 2 by blocks and on 2 x 4 by heads."""
-    return tuple(((dp, tp), s, "blocks" if tp == 2 else "heads") for dp, tp in GRIDS[:2] for s in mo.STRATEGIES)
+    return tuple(((dp, tp), s, "blocks" if tp == 2 else "heads") for dp, tp in GRIDS[:2] for s in owners.STRATEGIES)
 
 
 def start_params():
@@ -113,11 +118,12 @@ def build(grid, strategy, ns_blocks, **options):
     """An optimizer of `strategy` over LAYOUTS' matrices; options: LargeRuns' keywords (QK-clip at TAU unless
     given), the rest of HYPER."""
     tp = grid.tp.size
-    params = {n: dm.tp_shard(p, MATRICES[n][1], grid.tp.rank, tp).contiguous() for n, p in start_params().items()}
+    params = {n: distributed_muon_cpu.tp_shard(p, MATRICES[n][1], grid.tp.rank, tp).contiguous() for n,
+              p in start_params().items()}
     groups = [dict(params=list(params.items()), algorithm="muon", ns_coefficients="polar_express")]
     large = {k: options.pop(k) for k in ("qk_clip_tau", "tp_newton_schulz") if k in options}
-    large_runs = mlr.LargeRuns(row_layouts=LAYOUTS, ns_blocks=ns_blocks, **dict(dict(qk_clip_tau=TAU), **large))
-    opt = mo.OPTIMIZERS[strategy](groups, grid=grid, bucket_size=OTHER_BUCKET, large_runs=large_runs,
+    wrapper = large_runs.LargeRuns(row_layouts=LAYOUTS, ns_blocks=ns_blocks, **dict(dict(qk_clip_tau=TAU), **large))
+    opt = owners.OPTIMIZERS[strategy](groups, grid=grid, bucket_size=OTHER_BUCKET, large_runs=wrapper,
                                   tp_split_dims={n: d for n, (_, d, _) in MATRICES.items() if d >= 0},
                                   **dict(HYPER, **options))
     return params, opt
@@ -129,7 +135,7 @@ def other_run(grid, strategy, ns_blocks, **options):
     for step in range(1, OTHER_STEPS + 1):
         grads = dp_grads(step, grid.dp.rank)
         for n, p in params.items():
-            p.grad = dm.tp_shard(grads[n], MATRICES[n][1], grid.tp.rank, grid.tp.size).contiguous()
+            p.grad = distributed_muon_cpu.tp_shard(grads[n], MATRICES[n][1], grid.tp.rank, grid.tp.size).contiguous()
         opt.step()
         multipliers.append(opt.clip_qk_(reported_max_logits(step, grid.dp.rank, grid.tp.rank, grid.tp.size)))
     return dict(params=params, multipliers=multipliers)
@@ -163,30 +169,30 @@ def refusals(grid, rank):
         clip[case] = (message, all(torch.equal(before[n], p) for n, p in params.items()))
     _, off = build(grid, "gather", "heads", qk_clip_tau=None)
     clip["QK-clip off"] = (attempt(lambda: off.clip_qk_(good)), True)
-    plain = dm.DistributedMuon([dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid)
+    plain = distributed_muon_cpu.DistributedMuon([dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid)
     # no LargeRuns at all: still refused on every rank after the world's exchange (its second item: it ran)
     clip["no large-run option"] = (attempt(lambda: plain.clip_qk_(good)),
                                    [c["phase"] for c in plain.ledger.comm] == ["QK-clip maxima"])
     construct = {f"tau {tau!r}": attempt(lambda tau=tau: build(grid, "gather", "heads", qk_clip_tau=tau))
                  for tau in (0, -1.0, math.nan, math.inf, True, "100")}
     construct["ns_blocks rows"] = attempt(lambda: build(grid, "gather", "rows"))
-    construct["blocks without a layout"] = attempt(lambda: dm.DistributedMuon(
+    construct["blocks without a layout"] = attempt(lambda: distributed_muon_cpu.DistributedMuon(
         [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid,
-        large_runs=mlr.LargeRuns(ns_blocks="blocks")))
+        large_runs=large_runs.LargeRuns(ns_blocks="blocks")))
     construct["tp_newton_schulz ring"] = attempt(lambda: build(grid, "gather", "heads", tp_newton_schulz="ring"))
     for s in ("owner", "comm-free"):
         construct[f"gram with {s}"] = attempt(lambda s=s: build(grid, s, "heads", tp_newton_schulz="gram"))
-    construct["layout of too many rows"] = attempt(lambda: dm.DistributedMuon(
+    construct["layout of too many rows"] = attempt(lambda: distributed_muon_cpu.DistributedMuon(
         [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid,
-        large_runs=mlr.LargeRuns(row_layouts={"w": mlr.RowLayout((4,), 4, ("q",))})))
-    construct["layout of an unknown matrix"] = attempt(lambda: dm.DistributedMuon(
+        large_runs=large_runs.LargeRuns(row_layouts={"w": large_runs.RowLayout((4,), 4, ("q",))})))
+    construct["layout of an unknown matrix"] = attempt(lambda: distributed_muon_cpu.DistributedMuon(
         [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid,
-        large_runs=mlr.LargeRuns(row_layouts={"v": mlr.RowLayout((4,), 2, ("q",))})))
-    for case, rows in (("two names, one size", mlr.RowLayout((4,), 2, ("q", "k"))),
-                       ("a size of 0", mlr.RowLayout((0, 8), 1, ("q", "k"))), ("not a RowLayout", (4, 4))):
-        construct[case] = attempt(lambda rows=rows: dm.DistributedMuon(
+        large_runs=large_runs.LargeRuns(row_layouts={"v": large_runs.RowLayout((4,), 2, ("q",))})))
+    for case, rows in (("two names, one size", large_runs.RowLayout((4,), 2, ("q", "k"))),
+                       ("a size of 0", large_runs.RowLayout((0, 8), 1, ("q", "k"))), ("not a RowLayout", (4, 4))):
+        construct[case] = attempt(lambda rows=rows: distributed_muon_cpu.DistributedMuon(
             [dict(params=[("w", torch.zeros(8, 4))], algorithm="muon")], grid=grid,
-            large_runs=mlr.LargeRuns(row_layouts={"w": rows})))
+            large_runs=large_runs.LargeRuns(row_layouts={"w": rows})))
     return dict(clip=clip, construct=construct)
 
 
@@ -221,8 +227,9 @@ def gram_measure(grid):
         return out
     for shape, seed, coefficients, low_rank in gram_cases(grid.tp.size):
         split = 1 if shape[0] <= shape[1] else 0
-        ledger = dm.Ledger()
-        piece = mlr.newton_schulz_tp(dm.tp_shard(gram_input(shape, seed, low_rank), split, grid.tp.rank, grid.tp.size),
+        ledger = distributed_muon_cpu.Ledger()
+        piece = large_runs.newton_schulz_tp(distributed_muon_cpu.tp_shard(gram_input(shape, seed, low_rank), split,
+                                                                          grid.tp.rank, grid.tp.size),
                                     shape, grid.tp, ledger, 5, coefficients)
         sent = sum(r["sent"] for r in ledger.comm if r["phase"] == "TP Gram")
         out.append(((grid.tp.size, shape, seed, coefficients, low_rank), grid.tp.rank, piece, sent))
@@ -240,15 +247,16 @@ def gram_figures(rows):
     for (tp, shape, seed, c, low), pieces in by_case.items():
         if (shape, seed, c, low) not in inputs:  # the same input on every TP: torch's, float64's and the bound once
             full = gram_input(shape, seed, low)
-            torch_ns = ref.newton_schulz_per_iteration(full, mc.ns_coefficients_of(c, 5), 5)
-            exact = dm.newton_schulz(full.bfloat16(), 5, c, dtype=torch.float64)
-            inputs[shape, seed, c, low] = (torch_ns.double(), exact, mt.gram_ns_tolerance(full, 5, c, result=torch_ns))
+            torch_ns = large_runs_reference.newton_schulz_per_iteration(full, checks.ns_coefficients_of(c, 5), 5)
+            exact = distributed_muon_cpu.newton_schulz(full.bfloat16(), 5, c, dtype=torch.float64)
+            inputs[shape, seed, c, low] = (torch_ns.double(), exact, muon_tools.gram_ns_tolerance(full, 5, c,
+                                                                                                  result=torch_ns))
         torch_ns, exact, bound = inputs[shape, seed, c, low]
         ours = torch.cat([pieces[t] for t in range(tp)], dim=1 if shape[0] <= shape[1] else 0).double()
         diff = (ours - torch_ns).abs().max().item()
         top = torch_ns.abs().max().item()
         out.append(dict(tp=tp, low_rank=low, diff=diff, bound=bound, relative=diff / top,
-                        shape_only=ref.shape_only_gram_bound(shape),
+                        shape_only=large_runs_reference.shape_only_gram_bound(shape),
                         torch_relative=(torch_ns - exact).abs().max().item() / top,
                         ratio=(ours - exact).abs().max().item() / (torch_ns - exact).abs().max().item()))
     return out
@@ -265,8 +273,8 @@ class Jobs:
 
 
 def rank_jobs(rank, jobs, device):
-    grids = {g: dm.make_grid(*g, rank) for g in GRIDS}
-    demo = [mt.run_demo_steps(cfg, grids[cfg.dp, cfg.tp], device) for cfg in jobs.runs]
+    grids = {g: distributed_muon_cpu.make_grid(*g, rank) for g in GRIDS}
+    demo = [muon_tools.run_demo_steps(cfg, grids[cfg.dp, cfg.tp], device) for cfg in jobs.runs]
     others = [other_run(grids[g], s, b) for g, s, b in other_runs()]
     refused = refusals(grids[(4, 2)], rank)
     eight_tp = attempt(lambda: build(grids[(1, 8)], "gather", "heads"))  # 4 heads cannot split in 8
@@ -277,7 +285,7 @@ def rank_jobs(rank, jobs, device):
 @pytest.fixture(scope="module")
 def spawned():
     configs = demo_configs()
-    return configs, mt.spawn_ranks(Jobs(runs=configs), rank_jobs)
+    return configs, muon_tools.spawn_ranks(Jobs(runs=configs), rank_jobs)
 
 
 def demo_results(spawned, i):
@@ -294,8 +302,8 @@ def test_demo_runs_match_torch(spawned, i):
     gram-orthogonalized matrices within their bound, bit-identical or not (which of them land on torch's bits
     depends on the CPU's bf16 rounding: chapter 9 shows some that do), every other matrix bit-identical."""
     cfg = spawned[0][i]
-    checks, _ = mt.verify(cfg, demo_results(spawned, i))
-    gram = mt.gram_names(mt.demo_specs(cfg), cfg)
+    checks, _ = muon_tools.verify(cfg, demo_results(spawned, i))
+    gram = muon_tools.gram_names(muon_tools.demo_specs(cfg), cfg)
     assert [c["name"] for c in checks if not c["ok"]] == []
     assert [c["name"] for c in checks if not c["identical"] and c["name"] not in gram] == []
     assert all(c["max_abs_update"] > 0 for c in checks)
@@ -312,10 +320,10 @@ def test_the_options_change_the_result(spawned, i):
     torch's coefficients, the reference differs from what the ranks computed."""
     cfg = spawned[0][i]
     final = demo_results(spawned, i)
-    specs = mt.demo_specs(cfg)
+    specs = muon_tools.demo_specs(cfg)
     for other in (replace(cfg, qk_clip_tau=None), replace(cfg, ns_blocks="whole"),
                   replace(cfg, ns_coefficients="jordan")):
-        reference = mt.reference_params(specs, other)["layers.0.attn.qkv.weight"]
+        reference = muon_tools.reference_params(specs, other)["layers.0.attn.qkv.weight"]
         ours = torch.cat([final[t]["params"]["layers.0.attn.qkv.weight"] for t in range(cfg.tp)])  # DP rank 0's TP row
         assert not torch.equal(reference, ours)
 
@@ -326,16 +334,16 @@ def test_some_heads_clip_and_some_do_not(spawned, i):
     demo's heads include both kinds at every step; a head's rows are on every rank of its TP column."""
     cfg = spawned[0][i]
     results = demo_results(spawned, i)
-    specs = mt.demo_specs(cfg)
+    specs = muon_tools.demo_specs(cfg)
     for step in range(cfg.steps):
-        maxima = [mt.dp_rank_max_logits(specs, cfg.seed, step + 1, d) for d in range(cfg.dp)]
+        maxima = [muon_tools.dp_rank_max_logits(specs, cfg.seed, step + 1, d) for d in range(cfg.dp)]
         expected = {n: [math.sqrt(TAU / s) if s > TAU else 1.0
                         for s in torch.stack([m[n] for m in maxima]).amax(0).tolist()] for n in maxima[0]}
         for rank, r in enumerate(results):
-            heads = mt.N_HEADS // cfg.tp
+            heads = muon_tools.N_HEADS // cfg.tp
             for name, got in r["qk_clip"][step].items():
                 held = range((rank % cfg.tp) * heads, (rank % cfg.tp + 1) * heads)
-                assert got == [expected[name][h] if h in held else None for h in range(mt.N_HEADS)]
+                assert got == [expected[name][h] if h in held else None for h in range(muon_tools.N_HEADS)]
         flat = [m for ms in expected.values() for m in ms]
         assert any(m < 1 for m in flat) and any(m == 1 for m in flat)
 
@@ -345,14 +353,14 @@ def test_qk_clip_and_gram_bytes(spawned):
     (2 (W-1) pieces of 1/W of them); newton_schulz_tp sends a ring of the float32 Gram matrix per iteration."""
     for i, cfg in enumerate(spawned[0]):
         results = demo_results(spawned, i)
-        floats, world = 2 * mt.N_HEADS + 1, cfg.dp * cfg.tp  # 2 layers' QKV, every head, and the refusal
+        floats, world = 2 * muon_tools.N_HEADS + 1, cfg.dp * cfg.tp  # 2 layers' QKV, every head, and the refusal
         for r in results:
             sent = [c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "QK-clip maxima"]
             assert sent == [2 * (world - 1) * -(-floats // world) * 4] * cfg.steps
             grams = {c["sent"] for c in r["ledger"]["comm"] if c["phase"] == "TP Gram"}
             if cfg.tp_newton_schulz == "gram":
-                gram = mt.gram_names(mt.demo_specs(cfg), cfg)
-                sides = {min(s.global_shape) for s in mt.demo_specs(cfg) if s.name in gram}
+                gram = muon_tools.gram_names(muon_tools.demo_specs(cfg), cfg)
+                sides = {min(s.global_shape) for s in muon_tools.demo_specs(cfg) if s.name in gram}
                 assert grams and grams <= {2 * (cfg.tp - 1) * -(-m * m // cfg.tp) * 4 for m in sides}
             else:
                 assert grams == set()
@@ -362,12 +370,12 @@ def test_gram_replaces_the_tp_gather(spawned):
     """With gram, a rank gathers across TP only the matrices laid out by blocks (and runs ns_steps Gram
     all-reduces for every other TP-split matrix its DP shard touches); without it, every TP-split matrix."""
     for i, cfg in enumerate(spawned[0]):
-        specs = mt.demo_specs(cfg)
+        specs = muon_tools.demo_specs(cfg)
         split = [s.name for s in specs if s.group == "muon" and s.tp_split_dim >= 0]
-        gram = mt.gram_names(specs, cfg)
+        gram = muon_tools.gram_names(specs, cfg)
         assert bool(gram) == (cfg.tp_newton_schulz == "gram")
         for rank, r in enumerate(demo_results(spawned, i)):
-            metas = mt.plan_optimizer(cfg, rank).dist_metas
+            metas = muon_tools.plan_optimizer(cfg, rank).dist_metas
             touched = lambda names: sum(metas[n].local_numel > 0 for n in names)
             count = lambda phase: sum(c["phase"] == phase for c in r["ledger"]["comm"])
             if cfg.strategy == "gather":
@@ -379,18 +387,20 @@ def assert_matches_the_reference(got_by_rank, dp, tp, ns_blocks):
     """Every rank's final TP pieces and QK-clip multipliers against tests/large_runs_reference.py."""
     total = [{n: sum(dp_grads(step, d)[n] for d in range(dp)) for n in MATRICES} for step in range(1, OTHER_STEPS + 1)]
     maxima = [global_max_logits(step, dp, tp) for step in range(1, OTHER_STEPS + 1)]
-    expected, multipliers = ref.reference_muon(start_params(), total, **HYPER, coefficients=mc.POLAR_EXPRESS,
+    expected, multipliers = large_runs_reference.reference_muon(start_params(), total, **HYPER,
+                                                                coefficients=checks.POLAR_EXPRESS,
                                                layouts=LAYOUTS, per_head=ns_blocks == "heads", tau=TAU,
                                                max_logits=maxima)
     assert any(m < 1 for ms in multipliers for v in ms.values() for m in v)
     assert any(m == 1 for ms in multipliers for v in ms.values() for m in v)
     for rank, got in enumerate(got_by_rank):
         for name, (_, split, _) in MATRICES.items():
-            assert torch.equal(got["params"][name], dm.tp_shard(expected[name], split, rank % tp, tp)), (rank, name)
+            assert torch.equal(got["params"][name], distributed_muon_cpu.tp_shard(expected[name], split, rank % tp,
+                                                                                  tp)), (rank, name)
         for step, ms in enumerate(got["multipliers"]):  # heads held: the TP piece's under a split by rows, else all
             held = {n: {h for h in range(layout.query_heads) if MATRICES[n][1] != 0
                         or h // (layout.query_heads // tp) == rank % tp} for n, layout in LAYOUTS.items()}
-            ref.assert_qk_multipliers(ms, multipliers[step], held)
+            large_runs_reference.assert_qk_multipliers(ms, multipliers[step], held)
 
 
 @pytest.mark.parametrize("j", range(len(other_runs())), ids=[f"{g[0]}x{g[1]}-{s}-{b}" for g, s, b in other_runs()])
@@ -432,7 +442,7 @@ def test_bad_input_is_refused_on_every_rank_before_any_change(spawned):
                 assert message.startswith(f"rank {rank}: {expected}"), (case, rank, message)
             else:
                 assert message == f"rank {bad_rank[case]} refused clip_qk_ (it raised why); nothing changed"
-                assert mt.is_secondhand(message) and not mt.is_secondhand(expected)  # culprit_failure names a culprit
+                assert muon_tools.is_secondhand(message) and not muon_tools.is_secondhand(expected)  # culprit_failure names a culprit
     construct = results[0]["construct"]
     assert all(construct[f"tau {t!r}"].startswith("qk_clip_tau must be a number > 0 and finite")
                for t in (0, -1.0, math.nan, math.inf, True, "100"))
@@ -460,7 +470,7 @@ def test_gram_is_within_its_bound_on_many_shapes_and_seeds(spawned):
     figures = gram_figures(rows)
     assert len(figures) == sum(len(gram_cases(tp)) for _, tp in GRIDS)
     assert all(f["diff"] <= f["bound"] for f in figures)
-    assert all(f["ratio"] <= mt.GRAM_ERROR_RATIO for f in figures)  # the assumption the bound rests on
+    assert all(f["ratio"] <= muon_tools.GRAM_ERROR_RATIO for f in figures)  # the assumption the bound rests on
     low = [f for f in figures if f["low_rank"]]
     assert {f["tp"] for f in low} == set(LOW_RANK_TP)
     # What the shape alone cannot bound: on nearly rank-2 inputs torch's own bf16 rounding leaves its result above
@@ -483,26 +493,28 @@ def test_gram_ns_tolerance_takes_the_result_it_is_given():
     """result= is used, not recomputed beside: given another matrix than newton_schulz's, the tolerance is that
     matrix's distance from the float64 iteration."""
     x = gram_input((16, 128), 0, False)
-    exact = dm.newton_schulz(x.bfloat16(), 5, "jordan", dtype=torch.float64)
+    exact = distributed_muon_cpu.newton_schulz(x.bfloat16(), 5, "jordan", dtype=torch.float64)
     other = torch.zeros_like(x, dtype=torch.bfloat16)
-    given = mt.gram_ns_tolerance(x, 5, "jordan", result=other)
-    assert given == (1 + mt.GRAM_ERROR_RATIO) * exact.abs().max().item()
-    assert given != mt.gram_ns_tolerance(x, 5, "jordan")
+    given = muon_tools.gram_ns_tolerance(x, 5, "jordan", result=other)
+    assert given == (1 + muon_tools.GRAM_ERROR_RATIO) * exact.abs().max().item()
+    assert given != muon_tools.gram_ns_tolerance(x, 5, "jordan")
 
 
 def test_the_lessons_reference_is_the_tests_reference():
     """verify's reference (muon_tools/reference.py) and this file's agree bit for bit on the demo's matrices."""
     cfg = suite_config(dp=2, tp=1, steps=STEPS, ns_coefficients="polar_express", ns_blocks="heads", qk_clip_tau=TAU)
-    specs = mt.demo_specs(cfg)
-    lesson = mt.reference_params(specs, cfg)
+    specs = muon_tools.demo_specs(cfg)
+    lesson = muon_tools.reference_params(specs, cfg)
     matrices = [s.name for s in specs if s.group == "muon"]
-    start = dm.initial_params(specs, cfg.seed)
-    grads = [mt.total_grads(specs, cfg.seed, step, cfg.dp) for step in range(1, cfg.steps + 1)]
-    maxima = [{n: torch.stack([mt.dp_rank_max_logits(specs, cfg.seed, step, d)[n] for d in range(cfg.dp)]).amax(0)
-               for n in mt.transformer_row_layouts(specs)} for step in range(1, cfg.steps + 1)]
-    theirs, _ = ref.reference_muon({n: start[n] for n in matrices}, [{n: g[n] for n in matrices} for g in grads],
+    start = distributed_muon_cpu.initial_params(specs, cfg.seed)
+    grads = [muon_tools.total_grads(specs, cfg.seed, step, cfg.dp) for step in range(1, cfg.steps + 1)]
+    maxima = [{n: torch.stack([muon_tools.dp_rank_max_logits(specs, cfg.seed, step,
+                                                             d)[n] for d in range(cfg.dp)]).amax(0)
+               for n in muon_tools.transformer_row_layouts(specs)} for step in range(1, cfg.steps + 1)]
+    theirs, _ = large_runs_reference.reference_muon({n: start[n] for n in matrices},
+                                                    [{n: g[n] for n in matrices} for g in grads],
                                    lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                                   coefficients=mc.POLAR_EXPRESS, layouts=mt.transformer_row_layouts(specs),
+                                   coefficients=checks.POLAR_EXPRESS, layouts=muon_tools.transformer_row_layouts(specs),
                                    per_head=True, tau=TAU, max_logits=maxima)
     assert all(torch.equal(lesson[n], theirs[n]) for n in matrices)
 
@@ -515,33 +527,36 @@ def test_polar_express_and_blocks_are_torchs_newton_schulz(seed):
     for shape in [(7, 13), (64, 5), (33, 96), (128, 128), (1, 40), (96, 3)]:
         m = torch.randn(shape, generator=g)
         for steps in (3, 5, 9):
-            assert torch.equal(dm.newton_schulz(m, steps, "polar_express"),
-                               ref.newton_schulz_per_iteration(m, mc.POLAR_EXPRESS, steps))
-    layout = mlr.RowLayout((6, 2, 2), 3, ("q", "k", "v"))
+            assert torch.equal(distributed_muon_cpu.newton_schulz(m, steps, "polar_express"),
+                               large_runs_reference.newton_schulz_per_iteration(m, checks.POLAR_EXPRESS, steps))
+    layout = large_runs.RowLayout((6, 2, 2), 3, ("q", "k", "v"))
     m = torch.randn(layout.rows, 24, generator=g)
     for per_head in (False, True):
-        out = mlr.newton_schulz_blocks(m, layout.blocks(per_head))
-        for rows in ref.block_rows(layout, per_head):
-            assert torch.equal(out[rows], torch.optim._muon._zeropower_via_newtonschulz(m[rows], dm.NS_COEFFICIENTS,
+        out = large_runs.newton_schulz_blocks(m, layout.blocks(per_head))
+        for rows in large_runs_reference.block_rows(layout, per_head):
+            assert torch.equal(out[rows], torch.optim._muon._zeropower_via_newtonschulz(m[rows],
+                                                                                        distributed_muon_cpu.NS_COEFFICIENTS,
                                                                                         5, 1e-7))
 
 
 def test_the_command_line_takes_the_flags_and_reports_them(spawned):
     """The four flags reach RunConfig, and the report of a run with them says what moved."""
-    args = mt.build_parser("test").parse_args(["--ns-coefficients", "polar_express", "--ns-blocks", "heads",
+    args = muon_tools.build_parser("test").parse_args(["--ns-coefficients", "polar_express", "--ns-blocks", "heads",
                                                "--tp-newton-schulz", "gram", "--qk-clip", "100"])
-    cfg = mt.config_from_args(args)
+    cfg = muon_tools.config_from_args(args)
     assert (cfg.ns_coefficients, cfg.ns_blocks, cfg.tp_newton_schulz, cfg.qk_clip_tau) == ("polar_express", "heads",
                                                                                            "gram", 100.0)
-    i = spawned[0].index(replace(cfg, steps=STEPS, bucket_size=BUCKET, timeout_s=180))  # a gram run: the command's width
+    i = spawned[0].index(replace(cfg, steps=STEPS, bucket_size=BUCKET,
+                                 timeout_s=180))  # a gram run: the command's width
     results = demo_results(spawned, i)
     lines = []
-    checks, _ = mt.verify(spawned[0][i], results)
-    out = mt.report(spawned[0][i], mt.plan_optimizer(spawned[0][i]), results, checks, 1.0, 1.0, print_fn=lines.append)
+    checks, _ = muon_tools.verify(spawned[0][i], results)
+    out = muon_tools.report(spawned[0][i], muon_tools.plan_optimizer(spawned[0][i]), results, checks, 1.0, 1.0,
+                            print_fn=lines.append)
     text = "\n".join(lines)
     assert out["passed"] and "[8] QK-clip, tau 100: heads clipped per step" in text
     assert "TP Gram " in text and "QK-clip maxima" in text
     within = sum(c["ok"] and not c["identical"] for c in checks)  # gram's matrices off torch's bits, on this CPU
-    assert text.splitlines()[-1] == f"Result: {mt.verdict(checks)[1]}"
+    assert text.splitlines()[-1] == f"Result: {muon_tools.verdict(checks)[1]}"
     assert ("within their derived bound" in text) == (within > 0)
     assert out["qk_clip"] and all(0 < m < 1 for step in out["qk_clip"] for m in step.values())

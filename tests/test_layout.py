@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from conftest import dm, mt
+import distributed_muon_cpu
+import muon_tools
 
 
 def plan(numels, dp, bucket_size, groups=1):
@@ -13,7 +14,8 @@ def plan(numels, dp, bucket_size, groups=1):
     names = [f"p{i}" for i in range(len(numels))]
     buffers = [[n for j, n in enumerate(names) if j % groups == g] for g in range(groups)]
     shapes = {n: (k,) for n, k in zip(names, numels)}
-    return dm.plan_layout([b for b in buffers if b], shapes, {n: -1 for n in names}, dp, 1, bucket_size)
+    return distributed_muon_cpu.plan_layout([b for b in buffers if b], shapes, {n: -1 for n in names}, dp, 1,
+                                            bucket_size)
 
 
 def layout(numels, dp, bucket_size, groups=1):
@@ -93,17 +95,21 @@ def test_bucket_size_closes_buckets_and_oversized_parameters_stand_alone():
 
 
 def test_transformer_tp_shapes():
-    specs = {s.name: s for s in dm.transformer_specs()}
-    assert mt.tp_local_shape(specs["layers.0.attn.qkv.weight"], 4) == (3 * dm.D_MODEL // 4, dm.D_MODEL)
-    assert mt.tp_local_shape(specs["layers.0.mlp.fc2.weight"], 4) == (dm.D_MODEL, dm.D_MODEL)
-    assert mt.tp_local_shape(specs["layers.0.router.weight"], 4) == (dm.N_EXPERTS, dm.D_MODEL)
+    specs = {s.name: s for s in distributed_muon_cpu.transformer_specs()}
+    assert muon_tools.tp_local_shape(specs["layers.0.attn.qkv.weight"], 4) == (3 * distributed_muon_cpu.D_MODEL // 4,
+                                                                               distributed_muon_cpu.D_MODEL)
+    assert muon_tools.tp_local_shape(specs["layers.0.mlp.fc2.weight"], 4) == (distributed_muon_cpu.D_MODEL,
+                                                                              distributed_muon_cpu.D_MODEL)
+    assert muon_tools.tp_local_shape(specs["layers.0.router.weight"], 4) == (distributed_muon_cpu.N_EXPERTS,
+                                                                             distributed_muon_cpu.D_MODEL)
     for s in specs.values():
-        assert dm.global_shape_of(mt.tp_local_shape(s, 2), s.tp_split_dim, 2) == s.global_shape
+        assert distributed_muon_cpu.global_shape_of(muon_tools.tp_local_shape(s, 2), s.tp_split_dim,
+                                                    2) == s.global_shape
     assert math.prod(specs["logit_scale"].global_shape) == 1
 
 
 def test_explain_map_names_owners_and_padding():
-    text = mt.format_buffer_map(plan([3, 2], dp=4, bucket_size=100))  # used 5, padded to 8, shards of 2
+    text = muon_tools.format_buffer_map(plan([3, 2], dp=4, bucket_size=100))  # used 5, padded to 8, shards of 2
     lines = text.splitlines()
     assert lines[0] == "bucket (0, 0): 5 elements + 3 padding = 8; DP shard = 2 elements"
     assert lines[1].split()[-2:] == ["DP0[0:2]", "DP1[2:3]"]

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import ROOT, SCRIPT
 
-LIBRARY = sorted(os.path.relpath(os.path.join(folder, name), ROOT) for folder, _, names in os.walk(os.path.join(ROOT, "distmuon"))
+LIBRARY = sorted(os.path.relpath(os.path.join(folder, name), ROOT) for folder, _,
+                 names in os.walk(os.path.join(ROOT, "distmuon"))
                  for name in names if name.endswith(".py"))
 RUNNER_FILES = sorted(os.path.relpath(os.path.join(folder, name), ROOT) for folder, _, names
                       in os.walk(os.path.join(ROOT, "muon_tools")) for name in names if name.endswith(".py"))
@@ -29,7 +30,8 @@ def defined_names(node):
     """The module-level names a top-level statement defines."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return {node.name}
-    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))
+    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(node) if isinstance(n, (ast.Import,
+                                                                                             ast.ImportFrom))
                 for a in n.names}
     return imported | {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
@@ -109,7 +111,8 @@ def test_the_flow_comes_before_the_class_that_calls_it():
 def calls(node):
     """The dotted names a function calls: dist.init_process_group, make_grid, opt.step, ..."""
     def dotted(f):
-        return f.id if isinstance(f, ast.Name) else f"{dotted(f.value)}.{f.attr}" if isinstance(f, ast.Attribute) else "?"
+        return f.id if isinstance(f, ast.Name) else f"{dotted(f.value)}.{f.attr}" if isinstance(f,
+                                                                                                ast.Attribute) else "?"
     return [dotted(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)]
 
 
@@ -155,7 +158,8 @@ def test_the_lesson_is_a_sittings_read():
 # grid, buffer, flow and step below the strategies, below the runner and the demos). The library is distmuon/ and the
 # lesson; the runner and the commands sit above it.
 LAYERS = [
-    ["distmuon.normuon", "distmuon.adamw", "distmuon.collectives", "distmuon.ledger", "distmuon.strategy", "distmuon.assignment",
+    ["distmuon.normuon", "distmuon.adamw", "distmuon.collectives", "distmuon.ledger", "distmuon.strategy",
+     "distmuon.assignment",
      "muon_forkserver"],  # nothing of the project
     ["distmuon.checks"],  # the options the optimizers take (NorMuon's among them) and what they refuse
     ["distmuon.rules"],  # what every optimizer does alike: a param group added whole or not at all, a deep copy
@@ -168,14 +172,15 @@ LAYERS = [
     ["distmuon.dtensor.optimizer"],
     ["distmuon.dtensor.checkpoint"],
     ["distmuon.dtensor", "distmuon"],  # the packages' names for users
-    ["muon_tools.settings", "collective_counter"],  # the runner: its settings, the reference, the accounting, the launcher, the command line
+    ["muon_tools.settings",
+     "collective_counter"],  # the runner: its settings, the reference, the accounting, the launcher, the command line
     ["muon_tools.reference"],
     ["muon_tools.accounting", "muon_tools.outputs", "muon_tools.training_checks"],
     ["muon_tools.launch"],
     ["muon_tools.checks"],
     ["muon_tools.cli"],
     ["muon_tools.torchrun", "muon_tools.notebook"],
-    ["muon_tools"],  # the runner's names for the commands (import muon_tools as mt)
+    ["muon_tools"],  # the runner's names for the commands (import muon_tools)
     ["dtensor_run"],  # DTensorMuon's demo model and its run on a mesh
     ["dtensor_verify", "dtensor_accounting"],  # the demo's checks against torch; its bytes beside the lesson's
     ["dtensor_demo", "distributed_muon"],  # DTensorMuon's demo command; the lesson's GPU twin
@@ -215,8 +220,8 @@ def project_imports(path, modules):
                 here = "main"
             if isinstance(child, ast.Import):
                 found.extend((child.lineno, module_of(a.name, modules), here) for a in child.names)
-            elif isinstance(child, ast.ImportFrom) and child.module:
-                found.append((child.lineno, module_of(child.module, modules), here))
+            elif isinstance(child, ast.ImportFrom) and child.module:  # from a.b import c: a.b.c where it is a module
+                found.extend((child.lineno, module_of(f"{child.module}.{a.name}", modules), here) for a in child.names)
             visit(child, here)
 
     visit(tree, "top")
@@ -250,12 +255,14 @@ def test_the_library_imports_nothing_of_the_runner():
     modules = RUNNER | LIBRARY_MODULES
     found = [(m, line, imported, where) for m in sorted(LIBRARY_MODULES)
              for line, imported, where in project_imports(module_path(m), modules) if imported in RUNNER]
-    assert [(m, imported) for m, _, imported, where in found if not (m == "distributed_muon_cpu" and where == "main")] == []
+    assert [(m, imported) for m, _, imported,
+            where in found if not (m == "distributed_muon_cpu" and where == "main")] == []
 
 
 def test_the_layer_check_finds_a_cycle_and_a_tucked_import(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("import os\nimport muon_tools\n\ndef f():\n    import distmuon.owners as mo\n\n"
+    path.write_text("import os\nimport muon_tools\n\ndef f():\n    from distmuon import owners\n\n"
                     "if __name__ == '__main__':\n    from distmuon.dtensor.plan import Copy\n")
-    assert project_imports(str(path), {"muon_tools", "distmuon.owners", "distmuon.dtensor", "distmuon.dtensor.plan"}) == [
+    assert project_imports(str(path), {"muon_tools", "distmuon.owners", "distmuon.dtensor",
+                                       "distmuon.dtensor.plan"}) == [
         (2, "muon_tools", "top"), (5, "distmuon.owners", "function"), (8, "distmuon.dtensor.plan", "main")]

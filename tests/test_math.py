@@ -8,7 +8,10 @@ from torch.optim._muon import _adjust_lr as torch_adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import dm, mc, mo, mt
+import distributed_muon_cpu
+from distmuon import checks
+from distmuon import owners
+import muon_tools
 from distmuon.adamw import adamw_
 
 SHAPES = [(1, 1), (3, 5), (5, 3), (64, 64), (384, 128), (128, 512), (8, 128), (257, 31)]
@@ -24,8 +27,9 @@ def one_thread():
 def test_newton_schulz_is_torchs(shape, dtype):
     g = torch.Generator().manual_seed(sum(shape))
     matrix = torch.randn(shape, generator=g).to(dtype)
-    expected = torch_newton_schulz(matrix.clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
-    got = dm.newton_schulz(matrix)
+    expected = torch_newton_schulz(matrix.clone(), distributed_muon_cpu.NS_COEFFICIENTS, distributed_muon_cpu.NS_STEPS,
+                                   distributed_muon_cpu.NS_EPS)
+    got = distributed_muon_cpu.newton_schulz(matrix)
     assert got.dtype == torch.bfloat16 and got.shape == matrix.shape
     assert torch.equal(got, expected)
 
@@ -35,34 +39,34 @@ def test_newton_schulz_steps_and_coefficients(steps):
     matrix = torch.randn(48, 80, generator=torch.Generator().manual_seed(steps))
     coefficients = (2.0, -1.5, 0.5)
     expected = torch_newton_schulz(matrix, coefficients, steps, 1e-5)
-    assert torch.equal(dm.newton_schulz(matrix, steps, coefficients, 1e-5), expected)
+    assert torch.equal(distributed_muon_cpu.newton_schulz(matrix, steps, coefficients, 1e-5), expected)
 
 
 def test_newton_schulz_does_not_modify_a_bf16_input():
     matrix = torch.randn(16, 32).bfloat16()
     before = matrix.clone()
-    dm.newton_schulz(matrix)
+    distributed_muon_cpu.newton_schulz(matrix)
     assert torch.equal(matrix, before)
 
 
 def test_newton_schulz_orthogonalizes():
     # Not a bit-identity check: a sanity check that the math does what Muon needs.
     # The quintic iteration leaves singular values roughly in [0.5, 1.5] (Keller Jordan).
-    s = torch.linalg.svdvals(dm.newton_schulz(torch.randn(64, 256)).float())
+    s = torch.linalg.svdvals(distributed_muon_cpu.newton_schulz(torch.randn(64, 256)).float())
     assert s.min() > 0.5 and s.max() < 1.5
 
 
 @pytest.mark.parametrize("fn", ["original", "match_rms_adamw"])
 @pytest.mark.parametrize("shape", [(384, 128), (128, 512), (128, 128), (8, 128)])
 def test_adjusted_lr_is_torchs(fn, shape):
-    assert dm.adjusted_lr(0.02, fn, shape) == torch_adjust_lr(0.02, fn, torch.Size(shape))
+    assert distributed_muon_cpu.adjusted_lr(0.02, fn, shape) == torch_adjust_lr(0.02, fn, torch.Size(shape))
 
 
 def test_newton_schulz_flops_match_torchs_flop_counter():
     for shape in SHAPES:
         with FlopCounterMode(display=False) as counter:
-            dm.newton_schulz(torch.randn(shape))
-        assert dm.newton_schulz_flops(shape) == counter.get_total_flops(), shape
+            distributed_muon_cpu.newton_schulz(torch.randn(shape))
+        assert distributed_muon_cpu.newton_schulz_flops(shape) == counter.get_total_flops(), shape
 
 
 @pytest.mark.parametrize("shape", [(96, 40), (40, 96), (33, 1), (1, 33), (7, 7), (257, 31)])
@@ -75,14 +79,15 @@ def test_the_single_device_step_is_torch_optim_muons(shape, nesterov, fn):
     start = torch.randn(shape, generator=g)
     ours, theirs = start.clone(), torch.nn.Parameter(start.clone())
     opt = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=fn)
-    group = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=fn, ns_steps=dm.NS_STEPS,
-                 ns_coefficients=dm.NS_COEFFICIENTS, eps=dm.NS_EPS)
+    group = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=fn,
+                 ns_steps=distributed_muon_cpu.NS_STEPS,
+                 ns_coefficients=distributed_muon_cpu.NS_COEFFICIENTS, eps=distributed_muon_cpu.NS_EPS)
     buf = torch.zeros_like(start)
     for _ in range(4):
         grad = torch.randn(start.shape, generator=g)
         theirs.grad = grad.clone()
         opt.step()
-        dm.muon_step_(ours, grad, buf, group)
+        distributed_muon_cpu.muon_step_(ours, grad, buf, group)
         assert torch.equal(ours, theirs.detach())
     assert torch.equal(buf, opt.state[theirs]["momentum_buffer"])
     assert not torch.equal(ours, start)
@@ -90,10 +95,11 @@ def test_the_single_device_step_is_torch_optim_muons(shape, nesterov, fn):
 
 def test_the_lessons_constants_are_torchs_defaults():
     """Section 1's NS_COEFFICIENTS, NS_STEPS, NS_EPS are torch.optim.Muon's defaults (distmuon.checks reads them)."""
-    defaults = mc.TORCH_OPTIONS["muon"]
-    assert (dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS) == (defaults["ns_coefficients"], defaults["ns_steps"],
+    defaults = checks.TORCH_OPTIONS["muon"]
+    assert (distributed_muon_cpu.NS_COEFFICIENTS, distributed_muon_cpu.NS_STEPS,
+            distributed_muon_cpu.NS_EPS) == (defaults["ns_coefficients"], defaults["ns_steps"],
                                                             defaults["eps"])
-    assert mc.NS_COEFFICIENT_CHOICES["jordan"] == dm.NS_COEFFICIENTS
+    assert checks.NS_COEFFICIENT_CHOICES["jordan"] == distributed_muon_cpu.NS_COEFFICIENTS
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -121,22 +127,23 @@ def test_sharded_momentum_equals_whole():
     buf_whole, buf_parts = torch.randn(777, generator=g), None
     buf_parts = buf_whole.clone()
     grad = torch.randn(777, generator=g)
-    whole = dm.muon_momentum_(buf_whole, grad, 0.95, True)
-    parts = torch.cat([dm.muon_momentum_(buf_parts[lo:hi], grad[lo:hi], 0.95, True)
+    whole = distributed_muon_cpu.muon_momentum_(buf_whole, grad, 0.95, True)
+    parts = torch.cat([distributed_muon_cpu.muon_momentum_(buf_parts[lo:hi], grad[lo:hi], 0.95, True)
                        for lo, hi in [(0, 5), (5, 300), (300, 777)]])
     assert torch.equal(whole, parts) and torch.equal(buf_whole, buf_parts)
 
 
 def test_gradient_draw_sums_exactly_in_any_order():
-    specs = dm.transformer_specs()
-    per_rank = [dm.dp_rank_grads(specs, 0, 1, r) for r in range(mt.MAX_WORLD)]
+    specs = distributed_muon_cpu.transformer_specs()
+    per_rank = [distributed_muon_cpu.dp_rank_grads(specs, 0, 1, r) for r in range(muon_tools.MAX_WORLD)]
     for name in ["embed.weight", "layers.0.mlp.fc1.weight"]:
         forward = sum(g[name] for g in per_rank)
         backward = sum(g[name] for g in reversed(per_rank))
         exact = sum(g[name].double() for g in per_rank)
         assert torch.equal(forward, backward) and torch.equal(forward.double(), exact)
         assert not torch.equal(per_rank[0][name], per_rank[1][name])  # DP ranks saw different data
-    assert math.isclose(dm.GRAD_SCALE * dm.GRAD_MAX_INT * mt.MAX_WORLD, 16.0)
+    assert math.isclose(distributed_muon_cpu.GRAD_SCALE * distributed_muon_cpu.GRAD_MAX_INT * muon_tools.MAX_WORLD,
+                        16.0)
 
 
 # Shapes with a small side, where bf16 baddbmm and addmm round some near-ties differently, 40 seeds
@@ -155,9 +162,10 @@ def owned_matrices(shape, seed):
 
 
 def orthogonalize_owned(full, batched):
-    group = dict(ns_steps=dm.NS_STEPS, ns_coefficients=dm.NS_COEFFICIENTS, eps=dm.NS_EPS)
-    ledger = dm.Ledger()
-    orthos = mo.newton_schulz_owned(full, {n: group for n in full}, ledger, batched=batched)
+    group = dict(ns_steps=distributed_muon_cpu.NS_STEPS, ns_coefficients=distributed_muon_cpu.NS_COEFFICIENTS,
+                 eps=distributed_muon_cpu.NS_EPS)
+    ledger = distributed_muon_cpu.Ledger()
+    orthos = owners.newton_schulz_owned(full, {n: group for n in full}, ledger, batched=batched)
     assert sorted(r["name"] for r in ledger.compute) == sorted(full)  # each matrix counted once
     return orthos
 
@@ -168,7 +176,8 @@ def test_owner_newton_schulz_is_torchs_on_every_seed(shape):
     for seed in SEEDS[shape]:
         full = owned_matrices(shape, seed)
         for name, ortho in orthogonalize_owned(full, batched=False).items():
-            expected = torch_newton_schulz(full[name].clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+            expected = torch_newton_schulz(full[name].clone(), distributed_muon_cpu.NS_COEFFICIENTS,
+                                           distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS)
             assert torch.equal(ortho, expected), (shape, seed, name)
 
 
@@ -181,7 +190,8 @@ def test_batched_newton_schulz_is_within_its_bound():
         for seed in seeds:
             full = owned_matrices(shape, seed)
             for name, ortho in orthogonalize_owned(full, batched=True).items():
-                expected = torch_newton_schulz(full[name].clone(), dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS)
+                expected = torch_newton_schulz(full[name].clone(), distributed_muon_cpu.NS_COEFFICIENTS,
+                                               distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS)
                 relative = ((ortho.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
                 worst = max(worst, relative)
-    assert worst <= mo.BATCHED_NS_BOUND
+    assert worst <= owners.BATCHED_NS_BOUND

@@ -7,7 +7,9 @@ sum over the DP ranks that have a gradient, or None where none has one.
 
 import pytest
 
-from conftest import BUCKET, layout_metas, mo, mt, suite_config
+from conftest import BUCKET, layout_metas, suite_config
+from distmuon import owners
+import muon_tools
 
 # (name, DP rank or -1 for every rank, step); the run has 3 steps (mid-run and the last step apart) and
 # resumes from a state_dict after step 2.
@@ -22,7 +24,7 @@ MISSING = (
     ("lm_head.weight", 1, 2),  # some ranks only: AdamW
 )
 # every strategy and the baseline on the uneven 3 x 2 grid, and the exchanges of the owner strategies elsewhere
-RUNS = [(dict(strategy=s), 3, 2) for s in mo.STRATEGIES] + [(dict(baseline=True), 3, 2),
+RUNS = [(dict(strategy=s), 3, 2) for s in owners.STRATEGIES] + [(dict(baseline=True), 3, 2),
                                                              (dict(strategy="owner"), 8, 1),
                                                              (dict(strategy="comm-free"), 2, 4)]
 AT = dict(steps=3, bucket_size=BUCKET)  # 3 steps: MISSING's steps 2 and 3 apart
@@ -45,6 +47,6 @@ def test_missing_gradients_match_torch(run_grid, run, dp, tp):
 
 
 def test_a_missing_gradient_outside_the_run_is_refused():
-    cfg = mt.RunConfig(missing_grads=(("embed.weight", 4, 1),))  # DP is 4: ranks 0..3
+    cfg = muon_tools.RunConfig(missing_grads=(("embed.weight", 4, 1),))  # DP is 4: ranks 0..3
     with pytest.raises(ValueError, match=r"missing gradient \(embed.weight, DP rank 4, step 1\)"):
-        mt.validate(cfg, mt.demo_specs(cfg))
+        muon_tools.validate(cfg, muon_tools.demo_specs(cfg))

@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as nnf
 from torch.distributed.tensor import Shard
 
-from conftest import ROOT, dm, mt
+from conftest import ROOT
+import distributed_muon_cpu
+import muon_tools
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
 import dtensor_verify  # noqa: E402
 from examples import gpt_moe  # noqa: E402
-from examples import train_gpt_moe as tgm  # noqa: E402
+from examples import train_gpt_moe  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt_moe.py")
 SMALL = dict(batch=8, context=32, d_model=32, layers=2, heads=4, expert_hidden=32, log_every=2, val_windows=8,
@@ -43,12 +45,12 @@ def trainings(tmp_path_factory):
     of the first with --optimizer adamw-experts (the experts at lr 0.003, the rest at 0.01), and 2 of DP 4 (EP 4) x
     TP 1 with adamw. With the first one's verification (computed once: several tests read it)."""
     folder = str(tmp_path_factory.mktemp("moe_dcp") / "after_step_2")
-    base = tgm.Config(dp=4, ep=2, tp=2, experts=7, shared_expert=True, steps=STEPS, keep=True, **SMALL)
+    base = train_gpt_moe.Config(dp=4, ep=2, tp=2, experts=7, shared_expert=True, steps=STEPS, keep=True, **SMALL)
     configs = [replace(base, save=folder, save_step=2), replace(base, ep=4, tp=1, resume=folder, resume_step=2),
                replace(base, optimizer="adamw-experts", experts_lr=0.003, steps=2),
                replace(base, optimizer="adamw", ep=4, tp=1, steps=2)]
-    results = tgm.train_many(configs, world=8)
-    return configs, results, tgm.verify(configs[0], results[0])
+    results = train_gpt_moe.train_many(configs, world=8)
+    return configs, results, train_gpt_moe.verify(configs[0], results[0])
 
 
 def test_eight_ranks_replay_bit_for_bit_route_as_one_process_and_stay_within_the_bound(trainings):
@@ -71,9 +73,9 @@ def test_eight_ranks_replay_bit_for_bit_route_as_one_process_and_stay_within_the
 
 def test_each_expert_is_orthogonalized_once_in_the_world_and_the_ledgers_count_both_exchanges(trainings):
     configs, results, _ = trainings
-    cfg, s = configs[0], tgm.summarize(configs[0], results[0])
+    cfg, s = configs[0], train_gpt_moe.summarize(configs[0], results[0])
     assert s["each_once"] and s["expert_matrices"] == 2 * 2 * 7
-    assert s["expert_ns_flops"] == dm.newton_schulz_flops((32, 32))
+    assert s["expert_ns_flops"] == distributed_muon_cpu.newton_schulz_flops((32, 32))
     for p in s["per_rank"]:  # the plan's bytes are what DTensorMuon's all-to-alls sent (its ledger)
         assert p["optimizer_sent_ledger"] == p["exchange"]["experts"][0] + p["exchange"]["other"][0]
     assert all(p["exchange"]["experts"][0] > 0 for p in s["per_rank"])  # FSDP2 cuts each expert over edp = 2
@@ -101,7 +103,7 @@ def test_a_weight_one_ulp_off_a_wrong_expert_gradient_or_a_wrong_route_fails(tra
     name, stack = "blocks.1.mlp.experts.w2", "blocks.0.mlp.experts.w1"
     holder = next(r for r in bad if r["weights"][1][name].numel())
     w = holder["weights"][1][name].clone()
-    mt.one_ulp_up(w)
+    muon_tools.one_ulp_up(w)
     holder["weights"][1] = dict(holder["weights"][1], **{name: w})
     per_expert = (max(r["where"][stack].max().item() for r in bad if r["where"][stack].numel()) + 1) \
         // configs[0].experts  # elements of one expert of the stack
@@ -109,7 +111,7 @@ def test_a_weight_one_ulp_off_a_wrong_expert_gradient_or_a_wrong_route_fails(tra
         g = r["grads"][1][stack].clone()
         g.view(-1)[r["where"][stack] < per_expert] *= 0.5
         r["grads"][1] = dict(r["grads"][1], **{stack: g})
-    out = tgm.verify(configs[0], bad)
+    out = train_gpt_moe.verify(configs[0], bad)
     assert (1, name) in out["replay_differs"] and (2, stack) in out["replay_differs"] and not out["passed"]
     assert out["bound_ratio"] > 1000 and out["bound_worst"] == (2, stack)
 
@@ -121,8 +123,9 @@ def test_a_weight_one_ulp_off_a_wrong_expert_gradient_or_a_wrong_route_fails(tra
     chosen = record["chosen"].clone()
     chosen[token, 1] = record["probs"][token].argmin()
     rank0["routing"][0][0] = dict(record, chosen=chosen)
-    check = tgm.routing_check(configs[0], routed)
-    assert [(d["step"], d["layer"], d["token"], d["near_tie"]) for d in check["routing_differ"]] == [(1, 0, token, False)]
+    check = train_gpt_moe.routing_check(configs[0], routed)
+    assert [(d["step"], d["layer"], d["token"],
+             d["near_tie"]) for d in check["routing_differ"]] == [(1, 0, token, False)]
     assert not check["routing_replicas_agree"] and not check["routing_ok"]
 
 
@@ -135,7 +138,7 @@ def test_saved_under_ep_2_resumed_under_ep_4_replays_bit_for_bit_through_the_che
     whole, resumed, cfg = results[0], results[1], configs[1]
     assert all(r["first"] == 3 and len(r["losses"]) == 1 for r in resumed)
     assert sorted(r["experts_held"] for r in resumed) == [(0, 2), (2, 4), (4, 6), (6, 7)]
-    ref = tgm.Reference(cfg, routing=tgm.ranks_routing(cfg, resumed))
+    ref = train_gpt_moe.Reference(cfg, routing=train_gpt_moe.ranks_routing(cfg, resumed))
     assert dtensor_verify.replay_differs(ref, whole, steps=2) == []
     assert dtensor_verify.replay_differs(ref, resumed, steps=1, first=3) == []
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
@@ -162,7 +165,7 @@ def test_adamw_on_the_experts_or_everywhere_replays_torch_adamw_on_the_whole_sta
                                for m in ("attn.qkv", "attn.proj", "mlp.shared.fc", "mlp.shared.proj")},
              "adamw": set()}
     for cfg, ranks in zip(configs[2:], results[2:]):
-        out = tgm.verify(cfg, ranks)
+        out = train_gpt_moe.verify(cfg, ranks)
         assert out["n_params"] == 34 and out["replay_differs"] == [] and out["replica_max_diff"] == 0, cfg.optimizer
         assert 0 < out["bound_ratio"] <= 1 and out["routing_differ"] == [] and out["passed"], cfg.optimizer
         assert out["routing_decisions"] == 2 * 2 * 8 * 32
@@ -170,13 +173,13 @@ def test_adamw_on_the_experts_or_everywhere_replays_torch_adamw_on_the_whole_sta
         assert all(r["exchange"]["experts"] == [0, 0] for r in ranks)  # AdamW moves nothing between ranks
         heads = [r for r in ranks if r["coordinate"][2] == 0]
         assert sum(r["losses"][-1] for r in heads) < sum(r["losses"][0] for r in heads)  # it trained
-        as_muon = tgm.verify(replace(cfg, optimizer="muon"), ranks)
+        as_muon = train_gpt_moe.verify(replace(cfg, optimizer="muon"), ranks)
         adamw_not_muon = stacks | (owned["adamw-experts"] if cfg.optimizer == "adamw" else set())
         assert set(as_muon["replay_differs"]) == {(step, n) for step in (1, 2) for n in adamw_not_muon}, cfg.optimizer
         assert not as_muon["passed"]
-    moe = tgm.moe_gpt(configs[2])
+    moe = train_gpt_moe.moe_gpt(configs[2])
     for cfg in configs[2:]:  # the one process's optimizers: AdamW takes the stacks whole, Muon the other matrices
-        ref, kinds = tgm.Reference(cfg), {}
+        ref, kinds = train_gpt_moe.Reference(cfg), {}
         for o in ref.optimizers:  # the dimensions of the tensors each kind of torch optimizer steps
             kinds.setdefault(type(o).__name__, set()).update(p.ndim for g in o.param_groups for p in g["params"])
         muon = {"Muon": {2}} if cfg.optimizer == "adamw-experts" else {}
@@ -192,7 +195,7 @@ def test_a_checkpoint_of_another_expert_count_or_optimizer_is_refused_before_any
     it was saved with is one line, exit 2; the sizes and optimizer it was saved with pass (they resumed above)."""
     configs, _, _ = trainings
     folder = configs[0].save
-    monkeypatch.setattr(tgm.mt, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(train_gpt_moe.mt, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
     argv = ["--dp", "4", "--ep", "2", "--tp", "2", "--shared-expert", "--steps", "3", "--batch", "8", "--context", "32",
             "--d-model", "32", "--layers", "2", "--heads", "4", "--expert-hidden", "32", "--val-windows", "8",
             "--resume", folder, "--resume-step", "2"]
@@ -208,16 +211,16 @@ def test_a_checkpoint_of_another_expert_count_or_optimizer_is_refused_before_any
          "(--optimizer adamw-experts): resume with the --optimizer it was saved with"),
         (["--experts", "7", "--optimizer", "adamw"], "holds Muon's momentum for blocks.0.attn.qkv.weight, which this "
                                                      "run steps with AdamW (--optimizer adamw)")]:
-        code = tgm.main(argv + extra)
+        code = train_gpt_moe.main(argv + extra)
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, (extra, err)
-    tgm.validate(configs[1])  # what it was saved with, under another EP: no refusal
+    train_gpt_moe.validate(configs[1])  # what it was saved with, under another EP: no refusal
     not_dcp = os.path.join(os.path.dirname(folder), "not_dcp")
     os.makedirs(not_dcp)
     with open(os.path.join(not_dcp, ".metadata"), "w") as f:
         f.write("not a checkpoint")
     with pytest.raises(ValueError, match=r"^--resume .*not_dcp: its .metadata cannot be read \("):
-        tgm.validate(replace(configs[1], resume=not_dcp))
+        train_gpt_moe.validate(replace(configs[1], resume=not_dcp))
 
 
 def test_command_line_on_4_ranks_with_an_ep_rank_of_fewer_experts(tmp_path):
@@ -251,14 +254,15 @@ def test_command_line_on_4_ranks_with_an_ep_rank_of_fewer_experts(tmp_path):
                                                    "so EP rank 3 would hold none"),
     (["--experts", "1", "--ep", "1", "--top-k", "1"], "--experts must be >= 2 (got 1): one expert routes nothing"),
     (["--aux-loss-weight", "-1"], "--aux-loss-weight must be >= 0 and finite (got -1.0)"),
-    (["--verify", "--resume", "{checkpoint}"], "--verify replays the run from its initial weights: it takes no --resume"),
+    (["--verify", "--resume", "{checkpoint}"],
+     "--verify replays the run from its initial weights: it takes no --resume"),
     (["--ep", "two"], "argument --ep: invalid int value: 'two'"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, tmp_path, capsys):
     (tmp_path / ".metadata").write_bytes(b"")  # what --resume looks for before any rank starts
     argv = [a.replace("{checkpoint}", str(tmp_path)) for a in argv]
     try:
-        code = tgm.main(argv)
+        code = train_gpt_moe.main(argv)
     except SystemExit as e:  # argparse's own refusals
         code = e.code
     err = capsys.readouterr().err

@@ -15,7 +15,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import GRIDS, dm, grid_config, grid_run, mo, mt, suite_specs
+from conftest import GRIDS, grid_config, grid_run, suite_specs
+import distributed_muon_cpu
+from distmuon import owners
+import muon_tools
 from distmuon.dtensor import DistributedConfig, DTensorMuon
 from dtensor_run import DemoConfig
 from dtensor_scenarios import (GROUPS as MUON_GROUPS, Runs, placed_runs, placed_start, run_many_rank,
@@ -26,7 +29,7 @@ STRATEGIES = ("owner", "comm-free")
 # every owner strategy on every grid, the 3 x 2 grid with one layer (more ranks than a row's matrices), and overlapped
 GRID_RUNS = ([grid_config(dp, tp, strategy=s, normuon=True) for dp, tp in GRIDS for s in STRATEGIES]
              + [grid_config(3, 2, strategy=s, normuon=True, layers=1) for s in STRATEGIES]
-             + [grid_config(4, 2, strategy=s, normuon=True, overlap=mo.OVERLAP_DEFAULT) for s in STRATEGIES])
+             + [grid_config(4, 2, strategy=s, normuon=True, overlap=owners.OVERLAP_DEFAULT) for s in STRATEGIES])
 
 
 @pytest.mark.parametrize("cfg", GRID_RUNS, ids=lambda c: f"{c.strategy}-{c.dp}x{c.tp}-{c.layers}l-k{c.overlap}")
@@ -42,8 +45,8 @@ def test_normuon_is_not_muon(run_grid):
     cfg = grid_config(4, 2, strategy="owner", normuon=True)
     result = grid_run(run_grid, 4, 2, strategy="owner", normuon=True)
     specs = suite_specs()
-    muon = mt.reference_params(specs, replace(cfg, normuon=False))
-    normuon = mt.reference_params(specs, cfg)
+    muon = muon_tools.reference_params(specs, replace(cfg, normuon=False))
+    normuon = muon_tools.reference_params(specs, cfg)
     for s in specs:
         assert torch.equal(muon[s.name], normuon[s.name]) == (s.group != "muon"), s.name
     assert result["passed"]
@@ -55,12 +58,12 @@ def test_the_rows_it_sends_are_v_and_g_of_each_matrix(run_grid):
     for strategy in STRATEGIES:
         cfg = grid_config(4, 2, strategy=strategy, normuon=True)
         result = grid_run(run_grid, 4, 2, strategy=strategy, normuon=True)
-        opt = mt.plan_optimizer(cfg)
+        opt = muon_tools.plan_optimizer(cfg)
         specs = {s.name: s for s in suite_specs()}
         rows = {n: specs[n].global_shape[0] + 1 for n in opt.muon_names}
         planned = [0] * 8
         for r in range(8):
-            plan = mt.plan_optimizer(cfg, r)
+            plan = muon_tools.plan_optimizer(cfg, r)
             axis = plan.strategy.axis(plan)
             for route in plan.strategy.routes:
                 if axis.ranks[route.owner] == r:
@@ -82,10 +85,11 @@ def test_the_reference_balances_the_rows_and_keeps_the_updates_norm():
         grad = torch.randn(shape, generator=g)
         start = w.detach().clone()
         w.grad = grad
-        mt.NorMuonReference([w], lr=1.0, weight_decay=0.0, momentum=0.9, adjust_lr_fn="spectral_unclamped").step()
+        muon_tools.NorMuonReference([w], lr=1.0, weight_decay=0.0, momentum=0.9,
+                                    adjust_lr_fn="spectral_unclamped").step()
         update = (start - w.detach()) / math.sqrt(shape[0] / shape[1])
         o = torch.optim._muon._zeropower_via_newtonschulz(grad.lerp(torch.zeros(shape).lerp_(grad, 0.1), 0.9),
-                                                          dm.NS_COEFFICIENTS, dm.NS_STEPS, dm.NS_EPS).float()
+                                                          distributed_muon_cpu.NS_COEFFICIENTS, distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS).float()
         rms = update.square().mean(dim=1).sqrt()
         assert (rms.max() - rms.min()) / rms.mean() < 1e-5, shape
         assert math.isclose(update.norm().item(), o.norm().item(), rel_tol=1e-5), shape
@@ -114,7 +118,7 @@ def dtensor_runs(tmp_path_factory):
     runs["demo 2x2, saved"] = DemoConfig(dp=2, tp=2, normuon=True, checkpoint=saved, checkpoint_step=1)
     for dp, tp in [(4, 1), (1, 2)]:
         runs[f"resumed on {dp}x{tp}"] = DemoConfig(dp=dp, tp=tp, normuon=True, resume=saved, resume_step=1)
-    results = mt.spawn_ranks(Runs(tuple(runs.values()), timeout_s=60), run_many_rank)
+    results = muon_tools.spawn_ranks(Runs(tuple(runs.values()), timeout_s=60), run_many_rank)
     return {label: [r[i] for r in results if r[i] is not None] for i, label in enumerate(runs)}, runs
 
 
@@ -144,16 +148,17 @@ def test_dtensor_muon_demo_runs_and_resumed_checkpoints_are_the_references_bits(
 
 def test_refusals_in_one_line():
     """What NorMuon cannot take, refused before anything is built, naming why."""
-    grid = dm.plan_grid(1, 1, 0)
+    grid = distributed_muon_cpu.plan_grid(1, 1, 0)
     w = torch.nn.Parameter(torch.zeros(8, 4))
     cases = {
-        "gather": (lambda: dm.DistributedMuon([dict(params=[("w", w)], algorithm="normuon")], grid=grid),
+        "gather": (lambda: distributed_muon_cpu.DistributedMuon([dict(params=[("w", w)], algorithm="normuon")],
+                                                                grid=grid),
                    "NorMuon's param groups need strategy Owner() or CommFree()"),
-        "beta2": (lambda: mo.OwnerMuon([dict(params=[("w", w)], algorithm="normuon", beta2=1.0)], grid=grid),
+        "beta2": (lambda: owners.OwnerMuon([dict(params=[("w", w)], algorithm="normuon", beta2=1.0)], grid=grid),
                   "param group 0 (normuon): beta2 must be in [0, 1) (got 1.0)"),
-        "eps": (lambda: mo.OwnerMuon([dict(params=[("w", w)], algorithm="normuon", normuon_eps=0.0)], grid=grid),
+        "eps": (lambda: owners.OwnerMuon([dict(params=[("w", w)], algorithm="normuon", normuon_eps=0.0)], grid=grid),
                 "param group 0 (normuon): normuon_eps must be > 0 (got 0.0)"),
-        "an option of none": (lambda: mo.OwnerMuon([dict(params=[("w", w)], algorithm="normuon", betas=(0.9, 0.9))],
+        "an option of none": (lambda: owners.OwnerMuon([dict(params=[("w", w)], algorithm="normuon", betas=(0.9, 0.9))],
                                                    grid=grid),
                               "param group 0 (normuon): betas: not an option of NorMuon"),
         "explicit": (lambda: DTensorMuon([dict(params=[("w", w)], algorithm="normuon")], distributed_config=
@@ -162,7 +167,7 @@ def test_refusals_in_one_line():
                      "NorMuon's param groups need the automatic distributed_config"),
         "gram": (lambda: DTensorMuon([dict(params=[("w", w)], algorithm="normuon")], tp_newton_schulz="gram"),
                  "tp_newton_schulz='gram' applies to Muon's matrices"),
-        "batched, lesson": (lambda: mo.CommFreeMuon([dict(params=[("w", w)], algorithm="normuon")], grid=grid,
+        "batched, lesson": (lambda: owners.CommFreeMuon([dict(params=[("w", w)], algorithm="normuon")], grid=grid,
                                                     batched_ns=True),
                             "batched_ns applies to Muon's matrices: NorMuon's (w) divide each row by its own RMS"),
         "batched, DTensor": (lambda: DTensorMuon([dict(params=[("w", w)], algorithm="normuon")], batched_ns=True),
@@ -173,22 +178,24 @@ def test_refusals_in_one_line():
             build()
         assert str(refused.value).startswith(message) and "\n" not in str(refused.value), (case, refused.value)
     with pytest.raises(ValueError, match="^--normuon applies to --strategy owner or comm-free"):
-        mt.validate(mt.RunConfig(normuon=True), mt.demo_specs(mt.RunConfig()))
+        muon_tools.validate(muon_tools.RunConfig(normuon=True), muon_tools.demo_specs(muon_tools.RunConfig()))
     with pytest.raises(ValueError, match="^--ns-blocks heads applies to Muon's matrices"):
-        mt.validate(mt.RunConfig(normuon=True, strategy="owner", ns_blocks="heads"), mt.demo_specs(mt.RunConfig()))
+        muon_tools.validate(muon_tools.RunConfig(normuon=True, strategy="owner", ns_blocks="heads"),
+                            muon_tools.demo_specs(muon_tools.RunConfig()))
     with pytest.raises(ValueError, match="^--batched-ns applies to Muon's matrices: NorMuon divides each row"):
-        mt.validate(mt.RunConfig(normuon=True, strategy="owner", batched_ns=True), mt.demo_specs(mt.RunConfig()))
+        muon_tools.validate(muon_tools.RunConfig(normuon=True, strategy="owner", batched_ns=True),
+                            muon_tools.demo_specs(muon_tools.RunConfig()))
 
 
 def test_a_refused_param_group_changes_nothing():
     """add_param_group of a NorMuon group that batched_ns refuses leaves the optimizer as it was, and it still steps."""
-    grid = dm.plan_grid(1, 1, 0)
+    grid = distributed_muon_cpu.plan_grid(1, 1, 0)
     w, extra = torch.nn.Parameter(torch.ones(8, 4)), torch.nn.Parameter(torch.ones(6, 4))
-    opt = mo.OwnerMuon([dict(params=[("w", w)], algorithm="muon")], grid=grid, batched_ns=True)
-    groups, owners = len(opt.param_groups), dict(opt.owners)
+    opt = owners.OwnerMuon([dict(params=[("w", w)], algorithm="muon")], grid=grid, batched_ns=True)
+    groups, owner_of = len(opt.param_groups), dict(opt.owners)
     with pytest.raises(ValueError, match="^batched_ns applies to Muon's matrices"):
         opt.add_param_group(dict(params=[("extra", extra)], algorithm="normuon"))
-    assert (len(opt.param_groups), opt.owners, list(opt.param_by_name)) == (groups, owners, ["w"])
+    assert (len(opt.param_groups), opt.owners, list(opt.param_by_name)) == (groups, owner_of, ["w"])
     w.grad = torch.full_like(w, 2.0**-3)
     opt.step()
     assert not torch.equal(w, torch.ones(8, 4)) and extra.grad is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import page_snippets
-from conftest import mt
+import muon_tools
 from distmuon import DTensorMuon
 
 PAGE, HEADING = "notes/14-normuon.md", "The step as computed"
@@ -91,7 +91,7 @@ def test_the_pages_function_is_the_librarys_normuon_bit_for_bit(library):
 
 
 def test_the_pages_function_is_the_suites_reference(library):
-    reference, _ = run_optimizer(lambda groups: mt.NorMuonReference(groups))
+    reference, _ = run_optimizer(lambda groups: muon_tools.NorMuonReference(groups))
     assert first_difference(run_page(page_step())[0], reference) is None
 
 

@@ -32,7 +32,8 @@ def cells(nb):
 
 def headings(path):
     nb = nbformat.read(path, as_version=4)
-    return [m for c in nb.cells if c.cell_type == "markdown" for m in re.findall(r"^## (\d+)\. (.+)$", c.source, flags=re.M)]
+    return [m for c in nb.cells if c.cell_type == "markdown" for m in re.findall(r"^## (\d+)\. (.+)$", c.source,
+                                                                                 flags=re.M)]
 
 
 @pytest.mark.parametrize("notebook", list(PAIRS))
@@ -74,17 +75,17 @@ def test_notebook_sections_are_the_scripts_in_order():
 
 
 def test_each_section_shows_the_scripts_own_source_before_it_runs_it():
-    """Sections 1-8 each print the source of what they run (mt.show_source), not a paraphrase of it."""
+    """Sections 1-8 each print the source of what they run (muon_tools.show_source), not a paraphrase of it."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
     shown, section = {}, None
     for c in nb.cells:
         if c.cell_type == "markdown" and re.match(r"^## (\d+)\.", c.source):
             section = int(re.match(r"^## (\d+)\.", c.source).group(1))
-        elif c.cell_type == "code" and "mt.show_source(" in c.source:
+        elif c.cell_type == "code" and "muon_tools.show_source(" in c.source:
             shown.setdefault(section, []).append(c.source)
     assert sorted(shown) == list(range(1, 9))
-    assert any("dm.gather_newton_schulz_shard" in src for src in shown[4])  # the flow itself
-    assert any("dm.run_rank" in src for src in shown[6])
+    assert any("distributed_muon_cpu.gather_newton_schulz_shard" in src for src in shown[4])  # the flow itself
+    assert any("distributed_muon_cpu.run_rank" in src for src in shown[6])
 
 
 def printed(path):
@@ -129,7 +130,8 @@ def test_the_read_alongs_saved_outputs_show_each_section_at_work():
     assert [int(r) for r, _ in table] == list(range(8))  # every rank: its shard in, the DP gather's 3 x 16.5 KiB
     assert [float(t) for _, t in table] == [48.0] * 4 + [64.0] * 2 + [16.0] * 2  # what its TP gathers brought
     for name, split in (("layers.0.attn.qkv.weight", "split on dim 0, 384x128"),
-                        ("layers.0.attn.proj.weight", "split on dim 1, 128x128"), ("layers.0.router.weight", "not split, 8x128")):
+                        ("layers.0.attn.proj.weight", "split on dim 1, 128x128"), ("layers.0.router.weight",
+                                                                                   "not split, 8x128")):
         assert (f"{name} ({split}): every rank's part put together, torch.equal with torch's Newton-Schulz on the "
                 "whole matrix: True") in text
     assert "phases of one step, in order: grad presence -> grad reduce-scatter -> DP gather" in text  # section 5

@@ -20,10 +20,10 @@ from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import distributed_muon_cpu as dm  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+import muon_tools  # noqa: E402
 import peers  # noqa: E402
-import peers_torchtitan as titan  # noqa: E402
+import peers_torchtitan  # noqa: E402
 
 ON_GPU = os.path.join(ROOT, "benchmarks", "on_gpu.sh")
 
@@ -97,14 +97,15 @@ def check_peers_1gpu(lines):
         status = next(line for line in lines if line.startswith("  torchtitan: "))
         assert status.count("; ") == 2 and "entered without its __init__.py" in status
         assert "_validate_parameter_storage" in status and "Stream: the device keyword dropped" in status
-        assert (f"  the per-head rows against {peers.REFERENCES[titan.PER_HEAD][0]} ({titan.head_dim(32)} rows)"
+        assert (f"  the per-head rows against {peers.REFERENCES[peers_torchtitan.PER_HEAD][0]} ({peers_torchtitan.head_dim(32)} rows)"
                 in lines)
     ns = [line.split() for line in lines if re.match(r"^ *\d+ x \d+  ", line)]
     assert [(int(r[0]), int(r[2])) for r in ns] == [(96, 32), (32, 32), (128, 32), (32, 128)]
     assert all(r[3] == "1" for r in ns)
     assumed = importlib.import_module("peers_1gpu").ASSUMED_TFLOPS  # the cost model's H100 rate
     for rows_, _, cols, _, ms, tflops, share in ns:  # each to 3 significant digits
-        rate = dm.newton_schulz_flops((int(rows_), int(cols)), dm.NS_STEPS) / float(ms) / 1e9
+        rate = distributed_muon_cpu.newton_schulz_flops((int(rows_), int(cols)),
+                                                        distributed_muon_cpu.NS_STEPS) / float(ms) / 1e9
         assert float(tflops) == pytest.approx(rate, rel=0.01)
         assert float(share) == pytest.approx(float(tflops) / assumed, rel=0.01)
     total = next(line for line in lines if line.startswith("All 4 matrices: "))
@@ -118,25 +119,25 @@ def test_distmuon_on_a_gpu_is_patched_only_where_its_package_is_entered(monkeypa
     Python has no torchtitan), whose attributes show what each device's patch replaced."""
     def modules():
         check, runtime_torch = object(), object()
-        fake = {titan.FLEX_SHARD: types.ModuleType(titan.FLEX_SHARD),
-                f"{titan.FLEX_SHARD}.dist_muon": types.SimpleNamespace(
+        fake = {peers_torchtitan.FLEX_SHARD: types.ModuleType(peers_torchtitan.FLEX_SHARD),
+                f"{peers_torchtitan.FLEX_SHARD}.dist_muon": types.SimpleNamespace(
                     DistMuon=type("DistMuon", (), dict(_validate_parameter_storage=check))),
-                f"{titan.FLEX_SHARD}._optimizer_reshard_runtime": types.SimpleNamespace(
-                    torch=runtime_torch, __name__=f"{titan.FLEX_SHARD}._optimizer_reshard_runtime"),
+                f"{peers_torchtitan.FLEX_SHARD}._optimizer_reshard_runtime": types.SimpleNamespace(
+                    torch=runtime_torch, __name__=f"{peers_torchtitan.FLEX_SHARD}._optimizer_reshard_runtime"),
                 "torchtitan.distributed": types.ModuleType("torchtitan.distributed")}
         for name, module in fake.items():
             monkeypatch.setitem(sys.modules, name, module)
         return fake, check, runtime_torch
 
     fake, check, runtime_torch = modules()
-    dist_muon, runtime = fake[f"{titan.FLEX_SHARD}.dist_muon"], fake[f"{titan.FLEX_SHARD}._optimizer_reshard_runtime"]
-    lines = titan.patch("cuda")
+    dist_muon, runtime = fake[f"{peers_torchtitan.FLEX_SHARD}.dist_muon"], fake[f"{peers_torchtitan.FLEX_SHARD}._optimizer_reshard_runtime"]
+    lines = peers_torchtitan.patch("cuda")
     assert len(lines) == 1 and lines[0].startswith("torchtitan.distributed: entered without its __init__.py")
     assert dist_muon.DistMuon._validate_parameter_storage is check and runtime.torch is runtime_torch
-    lines = titan.patch("cpu")
+    lines = peers_torchtitan.patch("cpu")
     assert len(lines) == 3 and lines[0].startswith("torchtitan.distributed: entered without its __init__.py")
-    assert dist_muon.DistMuon._validate_parameter_storage is titan.storage_on_one_device
-    assert isinstance(runtime.torch, titan.CpuStreamKeywords)
+    assert dist_muon.DistMuon._validate_parameter_storage is peers_torchtitan.storage_on_one_device
+    assert isinstance(runtime.torch, peers_torchtitan.CpuStreamKeywords)
 
 
 def test_refuses_bad_options_and_a_missing_gpu(tmp_path):
@@ -161,17 +162,18 @@ def test_the_cuda_parts_own_scripts_run_on_the_cpu(tmp_path, capsys):
     assert lines[0].startswith("this CPU, 1 thread, torch ") and lines[0].endswith("median of 2 after one warm-up")
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[3:]}
     assert list(rows) == ["96x32", "32x96"]
-    ns_flops, mm_flops = dm.newton_schulz_flops((96, 32)), 2 * 32 * 32 * 96  # X @ X.T of the wide (32, 96)
+    ns_flops, mm_flops = distributed_muon_cpu.newton_schulz_flops((96,
+                                                                   32)), 2 * 32 * 32 * 96  # X @ X.T of the wide (32, 96)
     for ns_ms, ns_rate, mm_ms, mm_rate, ratio in rows.values():  # ms printed to 3 decimals: 10 % covers it
         assert ns_ms > 0 and mm_ms > 0
         assert ns_rate == pytest.approx(ns_flops / ns_ms / 1e6, rel=0.1, abs=1)
         assert mm_rate == pytest.approx(mm_flops / mm_ms / 1e6, rel=0.1, abs=1)
         assert ratio == pytest.approx(ns_flops / ns_ms / (mm_flops / mm_ms), rel=0.1)
 
-    cfg = mt.RunConfig(dp=2, tp=1, steps=2, model="thin", ns_coefficients="polar_express")
+    cfg = muon_tools.RunConfig(dp=2, tp=1, steps=2, model="thin", ns_coefficients="polar_express")
     step_ms = []  # what torch_step.py times is the run's own reference, its options included, bit for bit
-    timed, _ = mt.torch_reference_steps(tuple(mt.demo_specs(cfg)), cfg, "cpu", step_ms)
-    reference = mt.reference_params(mt.demo_specs(cfg), cfg)
+    timed, _ = muon_tools.torch_reference_steps(tuple(muon_tools.demo_specs(cfg)), cfg, "cpu", step_ms)
+    reference = muon_tools.reference_params(muon_tools.demo_specs(cfg), cfg)
     assert len(step_ms) == 2 and all(t > 0 for t in step_ms)
     assert timed.keys() == reference.keys() and all(torch.equal(timed[n], reference[n]) for n in reference)
     run = tmp_path / "run.json"

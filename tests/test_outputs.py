@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT, mt
-from examples import train_gpt_dtensor as tgd  # noqa: E402
+from conftest import ROOT
+import muon_tools
+from examples import train_gpt_dtensor  # noqa: E402
 
 OLD = b"the results of an earlier run\n" * 2000  # 60,000 bytes
 
@@ -32,22 +33,22 @@ def test_a_failed_write_leaves_the_file_there_before_as_it_was(tmp_path):
         f.write(b"{\"half\": ")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    with pytest.raises(mt.WriteError) as e:
-        mt.write_atomically(str(path), half_then_full)
+    with pytest.raises(muon_tools.WriteError) as e:
+        muon_tools.write_atomically(str(path), half_then_full)
     assert str(e.value) == f"{path} could not be written: No space left on device; the file there before is unchanged"
     assert path.read_bytes() == OLD and files_in(tmp_path) == ["run.json"]
     (tmp_path / "link.json").symlink_to(path)
-    mt.write_json(str(tmp_path / "link.json"), {"new": 1})
+    muon_tools.write_json(str(tmp_path / "link.json"), {"new": 1})
     assert path.read_text() == '{\n "new": 1\n}' and (path.stat().st_mode & 0o777) == 0o640
     assert (tmp_path / "link.json").is_symlink() and files_in(tmp_path) == ["link.json", "run.json"]
     new = tmp_path / "new.json"
-    mt.write_json(str(new), [1])
-    assert new.read_text() == "[\n 1\n]" and (new.stat().st_mode & 0o777) == 0o666 & ~mt.umask()
-    piped = subprocess.run([sys.executable, "-c", "import muon_tools as mt; mt.write_json('/dev/stdout', [2])"],
+    muon_tools.write_json(str(new), [1])
+    assert new.read_text() == "[\n 1\n]" and (new.stat().st_mode & 0o777) == 0o666 & ~muon_tools.umask()
+    piped = subprocess.run([sys.executable, "-c", "import muon_tools; muon_tools.write_json('/dev/stdout', [2])"],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert (piped.returncode, piped.stdout) == (0, "[\n 2\n]"), piped.stderr[-2000:]  # not a file: written through
-    with pytest.raises(mt.WriteError, match="^/dev/full could not be written: No space left on device$"):
-        mt.write_json("/dev/full", [3])
+    with pytest.raises(muon_tools.WriteError, match="^/dev/full could not be written: No space left on device$"):
+        muon_tools.write_json("/dev/full", [3])
 
 
 def limit_file_size(limit):
@@ -76,7 +77,7 @@ def test_stdout_closed_by_its_reader_ends_quietly_with_141():
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("Distributed Muon: 2 CPU ranks")
     proc.stdout.close()
-    assert (proc.wait(timeout=300), proc.stderr.read()) == (141, "") and mt.CLOSED_STDOUT == 141
+    assert (proc.wait(timeout=300), proc.stderr.read()) == (141, "") and muon_tools.CLOSED_STDOUT == 141
 
 
 def test_stdout_closed_before_the_first_line_ends_quietly_with_141():
@@ -107,8 +108,8 @@ def checkpoint(tmp_path_factory):
 
 def refusal(capsys, monkeypatch, argv):
     """(exit code, stderr) of examples/train_gpt_dtensor.py's main(argv), which must start no rank."""
-    monkeypatch.setattr(tgd.mt, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
-    code = tgd.main(argv)
+    monkeypatch.setattr(train_gpt_dtensor.mt, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    code = train_gpt_dtensor.main(argv)
     return code, capsys.readouterr().err
 
 
@@ -140,7 +141,7 @@ def test_a_resume_is_checked_against_the_checkpoint_before_any_rank_starts(check
         code, err = refusal(capsys, monkeypatch, argv)
         assert (code, err.count("\n"), err.startswith("error: ")) == (2, 1, True), (argv, err)
         assert message in err, err
-    tgd.validate(tgd.config_from_args(tgd.build_parser().parse_args([*resume, "--resume-step", "2"])))  # passes
+    train_gpt_dtensor.validate(train_gpt_dtensor.config_from_args(train_gpt_dtensor.build_parser().parse_args([*resume, "--resume-step", "2"])))  # passes
 
 
 def test_a_save_that_fails_leaves_the_checkpoint_there_before_as_it_was(checkpoint, tmp_path):
@@ -156,8 +157,8 @@ def test_a_save_that_fails_leaves_the_checkpoint_there_before_as_it_was(checkpoi
     proc = subprocess.run(save, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size(65_536))
     assert proc.returncode == 1 and proc.stderr.startswith("error: rank ") and proc.stderr.count("\n") == 1, proc.stderr
     assert {n: (kept / n).read_bytes() for n in os.listdir(kept)} == before
-    mt.read_checkpoint(str(kept), 2)
+    muon_tools.read_checkpoint(str(kept), 2)
     proc = subprocess.run(save, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    mt.read_checkpoint(str(kept), 1)  # the new one, saved after step 1
+    muon_tools.read_checkpoint(str(kept), 1)  # the new one, saved after step 1
     assert files_in(tmp_path) == ["kept"]

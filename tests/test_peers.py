@@ -16,7 +16,7 @@ from conftest import ROOT
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import peers  # noqa: E402
-import peers_torchtitan as titan  # noqa: E402
+import peers_torchtitan  # noqa: E402
 
 
 def test_one_and_two_processes_ours_bit_identical_every_peer_reported(capsys):
@@ -148,7 +148,8 @@ def test_missing_or_broken_peer_is_reported_not_raised():
     built, patches, status = peers.contenders([absent, broken], 1, 0)
     assert [e.label for e in built] == [f"ours: {s}" for s in peers.OURS] + [
         peers.DTENSOR, peers.DTENSOR_BATCHED, peers.DTENSOR_NORMUON, peers.DTENSOR_PER_HEAD, peers.DTENSOR_OVERLAP]
-    assert [e.algorithm for e in built][-5:] == ["muon", "muon", "normuon", titan.PER_HEAD, "muon"] and patches == []
+    assert [e.algorithm for e in built][-5:] == ["muon", "muon", "normuon", peers_torchtitan.PER_HEAD,
+                                                 "muon"] and patches == []
     assert status[0] == ("no-such-peer-xyz", peers.NOT_INSTALLED)
     assert status[1][0] == f"broken {peers.installed(broken)}"
     assert status[1][1].startswith("failed: ModuleNotFoundError: No module named 'no_such_module_xyz'")
@@ -157,10 +158,11 @@ def test_missing_or_broken_peer_is_reported_not_raised():
 def test_per_head_reference_is_torch_muon_on_each_head():
     """torchtitan's per-head rows' reference: torch.optim.Muon stepping each qkv head (head_dim rows) as a parameter
     of its own, written back in order; the other matrices as the whole-matrix reference steps them."""
-    assert [titan.head_dim(d) for d in (768, 128, 96, 8)] == [64, 64, 32, 8]
+    assert [peers_torchtitan.head_dim(d) for d in (768, 128, 96, 8)] == [64, 64, 32, 8]
     weights, total = peers.matrices(32, 1)
-    per_head, whole = peers.reference_step(weights, total, titan.PER_HEAD), peers.reference_step(weights, total)
-    qkv, rows = "layers.0.qkv", titan.head_dim(32)
+    per_head, whole = peers.reference_step(weights, total,
+                                           peers_torchtitan.PER_HEAD), peers.reference_step(weights, total)
+    qkv, rows = "layers.0.qkv", peers_torchtitan.head_dim(32)
     heads = {i: torch.nn.Parameter(w.clone()) for i, w in enumerate(weights[qkv].split(rows))}
     for head, g in zip(heads.values(), total[qkv].split(rows)):
         head.grad = g.clone()
@@ -175,7 +177,7 @@ def test_torchtitan_runtime_gets_a_cpu_stream_from_cudas_keywords():
     torch, gets one from CUDA's (device, priority) and torch's own CPU module otherwise."""
     with pytest.raises(TypeError):
         torch.cpu.Stream(device=torch.device("cpu"), priority=0)
-    handle = titan.CpuStreamKeywords().get_device_module(torch.device("cpu"))
+    handle = peers_torchtitan.CpuStreamKeywords().get_device_module(torch.device("cpu"))
     assert isinstance(handle.Stream(device=torch.device("cpu"), priority=0), torch.cpu.Stream)
     assert handle.Event is torch.cpu.Event and handle.current_stream is torch.cpu.current_stream
-    assert titan.CpuStreamKeywords().float32 is torch.float32
+    assert peers_torchtitan.CpuStreamKeywords().float32 is torch.float32

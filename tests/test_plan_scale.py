@@ -15,13 +15,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from conftest import ROOT
 
-import distmuon.dtensor as dd
-import distmuon.dtensor.plan as dplan
+from distmuon import dtensor
+from distmuon.dtensor import plan
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import at_scale  # noqa: E402
-import cost_model as cm  # noqa: E402
+import cost_model  # noqa: E402
 
 MB = 2 ** 20
 
@@ -44,7 +44,7 @@ def test_construction_does_not_grow_with_the_model(single_process_group):
     at_scale.reset_peak()
     before = at_scale.rss()[0]
     t0 = time.perf_counter()
-    opt = dd.DTensorMuon([dict(params=params)], lr=0.02)
+    opt = dtensor.DTensorMuon([dict(params=params)], lr=0.02)
     seconds = time.perf_counter() - t0
     grew = at_scale.rss()[1] - before
     assert len(opt.matrices) == 16 and all(m.gather[0][2] == 2 ** 30 for m in opt.matrices)
@@ -59,13 +59,13 @@ def test_the_plan_kept_is_a_tiny_fraction_of_the_local_parameters():
     col = (_StridedShard(0, split_factor=2), Shard(0))
     row = (Shard(0), Shard(1))
     d = 4096
-    copies = [dplan.Copy(f"{i}.{name}", 0, shape, ranks, mesh_shape, where, False, ("dp", "tp"))
+    copies = [plan.Copy(f"{i}.{name}", 0, shape, ranks, mesh_shape, where, False, ("dp", "tp"))
               for i in range(8) for name, shape, where in (("up", (4 * d, d), col), ("down", (d, 4 * d), row))]
     local_bytes = 4 * sum(torch.Size(c.shape).numel() for c in copies) / len(ranks)  # fp32, even shards
     for me in ranks:
         at_scale.reset_peak()
         before = at_scale.rss()[0]
-        matrices, _, owners = dplan.plan_matrices(copies, {0: 5}, me, 4)
+        matrices, _, owners = plan.plan_matrices(copies, {0: 5}, me, 4)
         grew = at_scale.rss()[1] - before
         kept = len(pickle.dumps([(m.gather, m.scatter) for m in matrices]))
         assert kept < local_bytes / 1000 and grew < 64 * MB, (me, kept, grew / MB)
@@ -74,11 +74,11 @@ def test_the_plan_kept_is_a_tiny_fraction_of_the_local_parameters():
 
 
 def test_llama3_70b_plans_for_16384_ranks_in_seconds():
-    params = cm.param_order(cm.MODELS["llama3-70b"].params(), cm.GROUPS)
-    copies = cm.placed_copies(params, cm.Mesh(2048, 8), {g: i for i, g in enumerate(cm.GROUPS)})
-    muon = [c for c in copies if cm.GROUPS[c.group] == "muon"]
+    params = cost_model.param_order(cost_model.MODELS["llama3-70b"].params(), cost_model.GROUPS)
+    copies = cost_model.placed_copies(params, cost_model.Mesh(2048, 8), {g: i for i, g in enumerate(cost_model.GROUPS)})
+    muon = [c for c in copies if cost_model.GROUPS[c.group] == "muon"]
     t0 = time.perf_counter()
-    matrices, _, owners = dplan.plan_matrices(muon, {i: 5 for i in range(len(cm.GROUPS))}, 0, 16384)
+    matrices, _, owners = plan.plan_matrices(muon, {i: 5 for i in range(len(cost_model.GROUPS))}, 0, 16384)
     assert time.perf_counter() - t0 < 60
     assert len(matrices) == 80 * 7 and set(owners.values()) <= set(range(16384))
     assert len(set(owners.values())) == len(matrices)  # more ranks than matrices: each its own owner

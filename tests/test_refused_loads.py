@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import mt
+import muon_tools
 from distmuon.dtensor import DTensorMuon
 from test_optimizer_api import TinyNet
 from test_resume_names import (BUILDERS, LR, WEIGHT_DECAY, gradients, is_matrix, ours, param_groups, set_grads,
@@ -304,7 +304,7 @@ def refusals_rank(rank, spawn, device):
 def test_what_one_rank_refuses_every_rank_refuses():
     """A parameter the plan does not know, a sparse gradient: on rank 1 alone, refused on both ranks, in one line
     naming it on rank 1 and naming rank 1 on rank 0, every weight as it was on both."""
-    ranks = mt.spawn_ranks(Spawn(), refusals_rank)
+    ranks = muon_tools.spawn_ranks(Spawn(), refusals_rank)
     for build in BUILDERS:
         for k, line in enumerate(ON_RANK_1.values()):
             (theirs, kept0), (mine, kept1) = ranks[0][build, k], ranks[1][build, k]

@@ -11,7 +11,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import mc, mo
+from distmuon import checks
+from distmuon import owners
 from distmuon.dtensor import DTensorMuon
 from test_optimizer_api import VARIANTS, TinyNet
 
@@ -19,7 +20,7 @@ LR, WEIGHT_DECAY = 0.02, 0.1
 # Every optimizer here: DTensorMuon, and the lesson's with each strategy (owner and comm-free also overlapped).
 BUILDERS = {"dtensor": lambda groups, grid, **kw: DTensorMuon(groups, **kw)}
 BUILDERS.update({f"{s}{options}": (lambda groups, grid, s=s, options=options, **kw:
-                                   mo.OPTIMIZERS[s](groups, grid=grid, bucket_size=300, **options, **kw))
+                                   owners.OPTIMIZERS[s](groups, grid=grid, bucket_size=300, **options, **kw))
                  for s, options in VARIANTS})
 # How a model's parameters get their names: wrapped three ways, plain, or no names at all (torch numbers them).
 WRAPS = {
@@ -218,8 +219,8 @@ def test_names_are_read_as_torchs_checkpoint_helpers_read_them(single_process_gr
         torch.compile(DistributedDataParallel(TinyNet())), DistributedDataParallel(WRAPS["checkpointed"](TinyNet()))]
     names = [(model, n) for model in wrapped for n, _ in model.named_parameters()]
     assert {n for _, n in names} > {n for n, _ in TinyNet().named_parameters()}  # some names are wrapped
-    assert all({mc.canonical_name(n)} == _get_fqns(model, n) for model, n in names), \
-        [(n, _get_fqns(model, n)) for model, n in names if {mc.canonical_name(n)} != _get_fqns(model, n)]
+    assert all({checks.canonical_name(n)} == _get_fqns(model, n) for model, n in names), \
+        [(n, _get_fqns(model, n)) for model, n in names if {checks.canonical_name(n)} != _get_fqns(model, n)]
 
 
 @pytest.mark.parametrize("saved_kind,resumed_kind", PAIRS)

@@ -5,7 +5,10 @@ import math
 
 import pytest
 
-from conftest import BUCKET, GRIDS, STEPS, dm, grid_config, grid_run, layout_metas, mo, mt, presence_bytes, suite_specs
+from conftest import BUCKET, GRIDS, STEPS, grid_config, grid_run, layout_metas, presence_bytes, suite_specs
+import distributed_muon_cpu
+from distmuon import owners
+import muon_tools
 # (dp, tp, config): more ranks than matrices (1 layer: 5 matrices on 8 ranks), one huge
 # matrix among small ones (the lopsided model), and both on the uneven 3 x 2 grid.
 UNEVEN = [(8, 1, dict(layers=1)), (4, 2, dict(layers=1)), (8, 1, dict(model="lopsided")),
@@ -19,13 +22,15 @@ THIN_STEPS = 4  # more steps, more Newton-Schulz inputs: each of THIN_GRIDS catc
 # (with fewer, the 8 x 1 grid can give torch's bits on every matrix: notes/measured/from_code_comments.md)
 THIN = dict(steps=THIN_STEPS, bucket_size=BUCKET, model="thin")
 # every strategy on every grid and uneven case, and AdamW ZeRO-1: test_cost_model's runs too
-LESSON_RUNS = ([grid_config(dp, tp, strategy=s) for dp, tp in GRIDS for s in mo.STRATEGIES]
-               + [grid_config(dp, tp, strategy=s, **config) for dp, tp, config in UNEVEN for s in mo.STRATEGIES]
+LESSON_RUNS = ([grid_config(dp, tp, strategy=s) for dp, tp in GRIDS for s in owners.STRATEGIES]
+               + [grid_config(dp, tp, strategy=s, **config) for dp, tp, config in UNEVEN for s in owners.STRATEGIES]
                + [grid_config(dp, tp, baseline=True) for dp, tp in BASELINE_GRIDS])
 GRID_RUNS = (LESSON_RUNS + [grid_config(dp, tp, baseline=True) for dp, tp in AGAINST_ZERO1]
-             + [grid_config(dp, tp, strategy=s, overlap=o) for s, dp, tp in OVERLAPPED for o in (0, mo.OVERLAP_DEFAULT)]
-             + [mt.RunConfig(dp=dp, tp=tp, strategy=s, **THIN) for dp, tp in THIN_GRIDS for s in mo.STRATEGIES]
-             + [mt.RunConfig(dp=4, tp=2, strategy=s, batched_ns=True, **THIN) for s in ZERO_REDUNDANCY])
+             + [grid_config(dp, tp, strategy=s, overlap=o) for s, dp, tp in OVERLAPPED for o in (0,
+                                                                                                 owners.OVERLAP_DEFAULT)]
+             + [muon_tools.RunConfig(dp=dp, tp=tp, strategy=s, **THIN) for dp,
+                tp in THIN_GRIDS for s in owners.STRATEGIES]
+             + [muon_tools.RunConfig(dp=4, tp=2, strategy=s, batched_ns=True, **THIN) for s in ZERO_REDUNDANCY])
 
 
 def strategy_run(run_grid, dp, tp, strategy, **config):
@@ -86,12 +91,13 @@ def newton_schulz_before_a_reduction_arrives(ev, phase):
 @pytest.mark.parametrize("strategy,dp,tp", OVERLAPPED)
 def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strategy, dp, tp):
     plain = strategy_run(run_grid, dp, tp, strategy)
-    overlapped = strategy_run(run_grid, dp, tp, strategy, overlap=mo.OVERLAP_DEFAULT)
+    overlapped = strategy_run(run_grid, dp, tp, strategy, overlap=owners.OVERLAP_DEFAULT)
     assert_identical(overlapped)
     assert overlapped["bytes_per_step"] == plain["bytes_per_step"]
     # One gather at owner and one scatter from owner per unit that has a matrix to move (rank 0's view;
     # comm-free moves TP pieces inside rank 0's DP row only), against one of each for the whole step.
-    opt = mt.plan_optimizer(grid_config(dp, tp, strategy=strategy, overlap=mo.OVERLAP_DEFAULT))  # the overlapped run's
+    opt = muon_tools.plan_optimizer(grid_config(dp, tp, strategy=strategy,
+                                                overlap=owners.OVERLAP_DEFAULT))  # the overlapped run's
     moving = sum(any(r.name in u.names for r in opt.strategy.routes) for u in opt.strategy.units(opt))
     owner_phases = ("gather at owner", "scatter from owner")
     launches = lambda r: sum(e[0] == "launch" and e[1] in owner_phases for e in events(r, 0))
@@ -111,13 +117,13 @@ def test_overlap_changes_the_schedule_and_not_the_bits_or_bytes(run_grid, strate
 
 def demo_flops(**config):
     """Every Muon matrix's Newton-Schulz FLOPs, as the owner strategy's optimizer computes them."""
-    return mt.plan_optimizer(mt.RunConfig(strategy="owner", **config)).strategy.ns_flops
+    return muon_tools.plan_optimizer(muon_tools.RunConfig(strategy="owner", **config)).strategy.ns_flops
 
 
 def demo_owners(n_ranks, **config):
     """The balanced owners of the demo model's matrices, from their FLOPs and shapes."""
-    plan = mt.plan_optimizer(mt.RunConfig(strategy="owner", **config))
-    return mo.assign_owners(plan.strategy.ns_flops, n_ranks, plan.layout.global_shapes)
+    plan = muon_tools.plan_optimizer(muon_tools.RunConfig(strategy="owner", **config))
+    return owners.assign_owners(plan.strategy.ns_flops, n_ranks, plan.layout.global_shapes)
 
 
 def test_lpt_on_the_demo_model_by_hand():
@@ -140,7 +146,7 @@ def test_equal_flops_in_different_shapes_are_shared_out_shape_by_shape():
     assert all(owners[f"layers.{i}.mlp.fc1.weight"] != owners[f"layers.{i}.mlp.fc2.weight"] for i in range(4))
     assert all(len({owners[n] for n in owners if n.startswith(f"layers.{i}.")}) == 2 for i in range(4))
     # In model order (fc1, fc2, fc1, ...) LPT alone gives rank 0 every fc1 and rank 1 every fc2.
-    in_model_order = mo.assign_owners(demo_flops(layers=4), 2)
+    in_model_order = owners.assign_owners(demo_flops(layers=4), 2)
     assert {in_model_order[f"layers.{i}.mlp.fc{j}.weight"] for i in range(4) for j in (1, 2)} == {0, 1}
     assert len({in_model_order[f"layers.{i}.mlp.fc1.weight"] for i in range(4)}) == 1
 
@@ -148,18 +154,18 @@ def test_equal_flops_in_different_shapes_are_shared_out_shape_by_shape():
 def test_every_matrix_has_exactly_one_owner_and_balance_improves_with_more_matrices():
     for layers, ranks in [(1, 8), (2, 8), (8, 8), (24, 6)]:
         flops = demo_flops(layers=layers)
-        owners = mo.assign_owners(flops, ranks)
-        assert list(owners) == list(flops) and all(0 <= r < ranks for r in owners.values())
-        per_rank, balance = mo.load_balance(flops, owners, ranks)
+        owner_of = owners.assign_owners(flops, ranks)
+        assert list(owner_of) == list(flops) and all(0 <= r < ranks for r in owner_of.values())
+        per_rank, balance = owners.load_balance(flops, owner_of, ranks)
         assert sum(per_rank) == sum(flops.values())
         # LPT's bound (Graham): max <= 4/3 of the optimum, itself >= max(mean, largest matrix).
         assert max(per_rank) <= 4 / 3 * max(sum(per_rank) / ranks, max(flops.values()))
-    assert mo.load_balance(demo_flops(layers=8), mo.assign_owners(demo_flops(layers=8), 8), 8)[1] == 1.0
+    assert owners.load_balance(demo_flops(layers=8), owners.assign_owners(demo_flops(layers=8), 8), 8)[1] == 1.0
 
 
 def test_a_huge_matrix_cannot_be_balanced():
     flops = demo_flops(model="lopsided")
-    per_rank, balance = mo.load_balance(flops, mo.assign_owners(flops, 8), 8)
+    per_rank, balance = owners.load_balance(flops, owners.assign_owners(flops, 8), 8)
     assert max(per_rank) == flops["huge.weight"] and balance > 4
 
 
@@ -212,7 +218,7 @@ def test_owner_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
     assert_exchange_bytes(table, gather, scatter)
     for phase in ("grad reduce-scatter", "param all-gather"):  # ZeRO-1 itself is untouched
         assert table[phase] == gather_result["bytes_per_step"][phase]
-    flops = [sum(dm.newton_schulz_flops(specs[n].global_shape) for n, o in owners.items() if o == r)
+    flops = [sum(distributed_muon_cpu.newton_schulz_flops(specs[n].global_shape) for n, o in owners.items() if o == r)
              for r in range(dp * tp)]
     assert result["ns_flops"]["per_rank"] == flops and result["ns_flops"]["redundancy"] == 1.0
     assert result["state_bytes"] == gather_result["state_bytes"]  # the same momentum shards
@@ -221,7 +227,7 @@ def test_owner_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
 @pytest.mark.parametrize("dp,tp", GRIDS)
 def test_comm_free_bytes_flops_and_state_match_sizes(run_grid, dp, tp):
     result, gather_result, specs, owners = runs_to_check(run_grid, dp, tp, "comm-free")
-    local = {n: math.prod(mt.tp_local_shape(specs[n], tp)) for n in owners}
+    local = {n: math.prod(muon_tools.tp_local_shape(specs[n], tp)) for n in owners}
     row = {n: o // tp for n, o in owners.items()}
     table = result["bytes_per_step"]
     reduce_sent = [sum(4 * local[n] for n in owners if row[n] != r // tp) for r in range(dp * tp)]
@@ -280,7 +286,7 @@ def test_bit_identical_on_small_side_matrices(run_grid, dp, tp, strategy):
     result = thin_run(run_grid, dp, tp, strategy)
     assert_identical(result)
     if strategy != "gather":  # both cases the batched path got wrong: one matrix alone, several of a shape
-        shapes = {s.name: s.global_shape for s in mt.thin_specs()}
+        shapes = {s.name: s.global_shape for s in muon_tools.thin_specs()}
         owned = [[n for n, o in result["owners"].items() if o == r] for r in range(dp * tp)]
         assert any(len(names) == 1 for names in owned)
         assert any(len(names) > len({shapes[n] for n in names}) for names in owned)
@@ -289,14 +295,14 @@ def test_bit_identical_on_small_side_matrices(run_grid, dp, tp, strategy):
 @pytest.mark.parametrize("strategy", ZERO_REDUNDANCY)
 def test_batched_newton_schulz_stays_within_its_derived_bound(run_grid, strategy):
     result = thin_run(run_grid, 4, 2, strategy, batched_ns=True)
-    specs = {s.name: s for s in mt.thin_specs()}
-    cfg = mt.RunConfig(dp=4, tp=2, steps=THIN_STEPS, model="thin", strategy=strategy, batched_ns=True)
+    specs = {s.name: s for s in muon_tools.thin_specs()}
+    cfg = muon_tools.RunConfig(dp=4, tp=2, steps=THIN_STEPS, model="thin", strategy=strategy, batched_ns=True)
     for c in result["checks"]:
         if c["optimizer"] == "AdamW":
             assert c["identical"], c["name"]  # batching touches Newton-Schulz only
         else:
             shape = specs[c["name"]].global_shape
-            assert c["tolerance"] == mt.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, shape) > 0
+            assert c["tolerance"] == muon_tools.batched_ns_tolerance(cfg.steps, cfg.lr, cfg.adjust_lr_fn, shape) > 0
             assert c["max_abs_diff"] <= c["tolerance"], c["name"]
     # Not bitwise: on this grid and seed some matrices differ (which: notes/measured/from_code_comments.md).
     assert not all(c["identical"] for c in result["checks"]) and result["passed"]

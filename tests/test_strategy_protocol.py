@@ -8,18 +8,22 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, dm, mlr, mo
+from conftest import ROOT
+import distributed_muon_cpu
+from distmuon import large_runs
+from distmuon import owners
 from distmuon.strategy import StepContext, Strategy
 
 
 def test_every_strategy_is_a_strategy_and_every_optimizer_a_step_context(single_process_group):
-    for name, optimizer in mo.OPTIMIZERS.items():
-        for large_runs in (None, mlr.LargeRuns()):
+    for name, optimizer in owners.OPTIMIZERS.items():
+        for wrapper in (None, large_runs.LargeRuns()):
             opt = optimizer([dict(params=[("w", torch.zeros(4, 3, requires_grad=True))])],
-                            grid=single_process_group, large_runs=large_runs)
-            assert isinstance(opt, StepContext) and isinstance(opt.strategy, Strategy), (name, large_runs)
+                            grid=single_process_group, large_runs=wrapper)
+            assert isinstance(opt, StepContext) and isinstance(opt.strategy, Strategy), (name, wrapper)
             assert opt.strategy.name == name
-    assert not isinstance(object(), Strategy) and not isinstance(dm.Gather(), StepContext)  # the check can fail
+    assert not isinstance(object(), Strategy) and not isinstance(distributed_muon_cpu.Gather(),
+                                                                 StepContext)  # the check can fail
 
 
 @pytest.mark.parametrize("path", ["distmuon/owners.py", "distmuon/large_runs.py"])

@@ -14,15 +14,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import distmuon.checks as mc
-from conftest import dm, mo, mt
+from distmuon import checks
+import distributed_muon_cpu
+from distmuon import owners
+import muon_tools
 from distmuon.dtensor import DTensorMuon
 
 DP, TP, SEED, STEPS = 2, 2, 3, 2
-SPECS = [dm.ParamSpec("w1", (8, 6), 0, "muon"), dm.ParamSpec("w2", (6, 8), 1, "muon"),
-         dm.ParamSpec("w3", (5, 4), -1, "muon"), dm.ParamSpec("b1", (8,), 0, "adamw"),
-         dm.ParamSpec("s", (), -1, "adamw")]
-ADDED = [dm.ParamSpec("w4", (4, 6), 1, "muon")]  # the matrix add_param_group brings, with an lr of its own
+SPECS = [distributed_muon_cpu.ParamSpec("w1", (8, 6), 0, "muon"), distributed_muon_cpu.ParamSpec("w2", (6, 8), 1,
+                                                                                                 "muon"),
+         distributed_muon_cpu.ParamSpec("w3", (5, 4), -1, "muon"), distributed_muon_cpu.ParamSpec("b1", (8,), 0,
+                                                                                                  "adamw"),
+         distributed_muon_cpu.ParamSpec("s", (), -1, "adamw")]
+ADDED = [distributed_muon_cpu.ParamSpec("w4", (4, 6), 1,
+                                        "muon")]  # the matrix add_param_group brings, with an lr of its own
 # One case per honoured option: a value other than torch's default (tests below check the list is complete and
 # that each value changes the result). Muon's eps of 100 is above every update's norm here: it scales them;
 # amsgrad needs a second moment that falls, which betas (0.9, 0.5) gives it within three steps.
@@ -49,7 +54,7 @@ def groups_of(case, params, drop_option=False):
 
 
 def exact_grads(step, dp_rank):
-    return dm.dp_rank_grads(SPECS + ADDED, SEED, step, dp_rank)
+    return distributed_muon_cpu.dp_rank_grads(SPECS + ADDED, SEED, step, dp_rank)
 
 
 @dataclass(frozen=True)
@@ -61,10 +66,10 @@ class Spawn:
 
 def run_case(grid, strategy, case):
     """One case on this rank: {"params": its pieces after the steps} (and the refusal's record)."""
-    pieces = {s.name: dm.rank_piece(t, s, grid, "cpu") for s, t in zip(SPECS + ADDED,
-                                                                      dm.initial_params(SPECS + ADDED, SEED).values())}
+    pieces = {s.name: distributed_muon_cpu.rank_piece(t, s, grid, "cpu") for s, t in zip(SPECS + ADDED,
+                                                                      distributed_muon_cpu.initial_params(SPECS + ADDED, SEED).values())}
     splits = {s.name: s.tp_split_dim for s in SPECS + ADDED if s.tp_split_dim >= 0}
-    build = lambda groups, **options: mo.OPTIMIZERS[strategy](groups, grid=grid, bucket_size=32, **options)
+    build = lambda groups, **options: owners.OPTIMIZERS[strategy](groups, grid=grid, bucket_size=32, **options)
 
     def added():  # the matrix and the AdamW group join after the first step, as the fresh optimizer rebuilds it
         opt.add_param_group(dict(params=[("w4", pieces["w4"])], lr=0.03, tp_split_dims={"w4": 1}))
@@ -77,13 +82,14 @@ def run_case(grid, strategy, case):
     else:
         groups, options = groups_of(case, pieces)
         opt = build(groups[:1] if case[0] == "added" else groups,
-                    tp_split_dims={n: d for n, d in splits.items() if n in ("w1", "w2") or case[0] != "added" and n != "w4"},
+                    tp_split_dims={n: d for n, d in splits.items() if n in ("w1",
+                                                                            "w2") or case[0] != "added" and n != "w4"},
                     **options)
     out = {}
     for step in range(1, STEPS + 2):
         grads = exact_grads(step, grid.dp.rank)
         for s in SPECS + ADDED:
-            pieces[s.name].grad = dm.rank_piece(grads[s.name], s, grid, "cpu")
+            pieces[s.name].grad = distributed_muon_cpu.rank_piece(grads[s.name], s, grid, "cpu")
         if case[0] == "refused" and step == 2:
             if grid.rank == 1:
                 opt.param_groups[0]["lr"] = -1.0  # a bad option, set on one rank only after construction
@@ -116,13 +122,13 @@ def same(a, b):
 
 def run_cases(rank, spawn, device):
     torch.set_num_threads(1)
-    grid = dm.make_grid(DP, TP, rank)
-    return {(strategy, case): run_case(grid, strategy, case) for strategy in mo.STRATEGIES for case in CASES}
+    grid = distributed_muon_cpu.make_grid(DP, TP, rank)
+    return {(strategy, case): run_case(grid, strategy, case) for strategy in owners.STRATEGIES for case in CASES}
 
 
 @pytest.fixture(scope="module")
 def spawned():
-    ranks = mt.spawn_ranks(Spawn(), run_cases)
+    ranks = muon_tools.spawn_ranks(Spawn(), run_cases)
     return {key: [r[key] for r in ranks] for key in ranks[0]}
 
 
@@ -130,10 +136,10 @@ def torch_run(case, drop_option=False):
     """{name: full tensor} after the case's steps of torch.optim.Muon / AdamW(foreach=False) on one process, fed
     each step's gradient summed over DP; drop_option: the case's option left at torch's default."""
     torch.set_num_threads(1)
-    full = {n: torch.nn.Parameter(t) for n, t in dm.initial_params(SPECS + ADDED, SEED).items()}
+    full = {n: torch.nn.Parameter(t) for n, t in distributed_muon_cpu.initial_params(SPECS + ADDED, SEED).items()}
     groups, options = groups_of(case, full, drop_option)
-    muon_options = {k: v for k, v in options.items() if k in mc.TORCH_OPTIONS["muon"]}
-    adamw_options = {k: v for k, v in options.items() if k in mc.TORCH_OPTIONS["adamw"]}
+    muon_options = {k: v for k, v in options.items() if k in checks.TORCH_OPTIONS["muon"]}
+    adamw_options = {k: v for k, v in options.items() if k in checks.TORCH_OPTIONS["adamw"]}
     strip = lambda g: {k: v for k, v in g.items() if k != "algorithm"} | dict(params=[p for _, p in g["params"]])
     muon = torch.optim.Muon([strip(groups[0])], **muon_options)
     adamw = None if case[0] in ("added", "plain") else torch.optim.AdamW([strip(groups[1])], foreach=False,
@@ -151,25 +157,26 @@ def torch_run(case, drop_option=False):
     return {n: p.detach() for n, p in full.items()}
 
 
-@pytest.mark.parametrize("strategy", mo.STRATEGIES)
+@pytest.mark.parametrize("strategy", owners.STRATEGIES)
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_every_case_steps_as_torch_does(spawned, strategy, case):
     ranks = spawned[strategy, case]
     specs = SPECS + (ADDED if case[0] == "added" else [])
-    checks = dm.check_against_torch(specs, ranks, torch_run(case), TP)
+    checks = distributed_muon_cpu.check_against_torch(specs, ranks, torch_run(case), TP)
     assert [c["name"] for c in checks if not c["identical"]] == []
     if case[0] == "option":  # the option changes the result: an option ignored would fail above
         moved = [s for s in SPECS if s.group == case[1]]
-        ignored = dm.check_against_torch(moved, ranks, torch_run(case, drop_option=True), TP)
+        ignored = distributed_muon_cpu.check_against_torch(moved, ranks, torch_run(case, drop_option=True), TP)
         assert not all(c["identical"] for c in ignored), case
     if case[0] in ("added", "plain"):
         untouched = [s.name for s in SPECS + ADDED if s not in specs or s.group == "adamw" and case[0] == "plain"]
-        start = dm.initial_params(SPECS + ADDED, SEED)
-        assert all(torch.equal(r["params"][n], dm.rank_piece(start[n], s, dm.plan_grid(DP, TP, r["rank"]), "cpu"))
+        start = distributed_muon_cpu.initial_params(SPECS + ADDED, SEED)
+        assert all(torch.equal(r["params"][n], distributed_muon_cpu.rank_piece(start[n], s,
+                                                                               distributed_muon_cpu.plan_grid(DP, TP, r["rank"]), "cpu"))
                    for r in ranks for s in SPECS + ADDED for n in [s.name] if n in untouched)
 
 
-@pytest.mark.parametrize("strategy", mo.STRATEGIES)
+@pytest.mark.parametrize("strategy", owners.STRATEGIES)
 def test_a_step_refused_on_one_rank_changes_nothing_on_any(spawned, strategy):
     ranks = spawned[strategy, ("refused",)]
     assert all(r["unchanged"] for r in ranks)  # parameters, momentum buffers, AdamW moments and step counts
@@ -177,28 +184,28 @@ def test_a_step_refused_on_one_rank_changes_nothing_on_any(spawned, strategy):
     assert all(r["refusal"] == "rank 1 refused the step (it raised why); nothing changed"
                for r in ranks if r["rank"] != 1)
     # the launcher names the rank that says why, not one that heard of it (muon_tools.culprit_failure)
-    assert [mt.is_secondhand(r["refusal"]) for r in ranks] == [r["rank"] != 1 for r in ranks]
+    assert [muon_tools.is_secondhand(r["refusal"]) for r in ranks] == [r["rank"] != 1 for r in ranks]
 
 
 def test_every_option_of_torchs_signatures_is_honoured_or_refused():
     """The walk over the installed torch's signatures: an option a newer torch adds fails here until it is
     honoured (with a case above) or refused with a reason."""
-    for algorithm, options in mc.TORCH_OPTIONS.items():
+    for algorithm, options in checks.TORCH_OPTIONS.items():
         assert options == {n: p.default for n, p in __import__("inspect").signature(
-            mc.ALGORITHMS[algorithm].__init__).parameters.items() if n not in ("self", "params")}
+            checks.ALGORITHMS[algorithm].__init__).parameters.items() if n not in ("self", "params")}
         honoured = {k for a, k, _ in OPTION_CASES if a == algorithm}
-        assert honoured == set(mc.HONOURED[algorithm])
+        assert honoured == set(checks.HONOURED[algorithm])
         for option in set(options) - honoured:
-            assert option in mc.REFUSED, option
+            assert option in checks.REFUSED, option
             with pytest.raises(ValueError, match=rf"^param group 0 \({algorithm}\): {option}=True is refused: "):
-                mc.fill_param_group(dict(params=[torch.zeros(2, 2)], algorithm=algorithm, **{option: True}), {}, 0)
+                checks.fill_param_group(dict(params=[torch.zeros(2, 2)], algorithm=algorithm, **{option: True}), {}, 0)
 
 
 def test_the_defaults_are_torchs():
-    assert mc.TORCH_OPTIONS["muon"]["lr"] == mc.TORCH_OPTIONS["adamw"]["lr"] == 1e-3
-    group = mc.fill_param_group(dict(params=[torch.zeros(3)], algorithm="adamw"), {}, 0)
+    assert checks.TORCH_OPTIONS["muon"]["lr"] == checks.TORCH_OPTIONS["adamw"]["lr"] == 1e-3
+    group = checks.fill_param_group(dict(params=[torch.zeros(3)], algorithm="adamw"), {}, 0)
     assert group["weight_decay"] == 0.01 and group["eps"] == 1e-8 and group["amsgrad"] is False
-    group = mc.fill_param_group(dict(params=[torch.zeros(3, 3)]), dict(lr=0.5, betas=(0.5, 0.5)), 0)
+    group = checks.fill_param_group(dict(params=[torch.zeros(3, 3)]), dict(lr=0.5, betas=(0.5, 0.5)), 0)
     assert (group["algorithm"], group["lr"], group["weight_decay"], group["eps"]) == ("muon", 0.5, 0.1, 1e-7)
     assert "betas" not in group  # the AdamW option goes to AdamW groups only
 
@@ -211,14 +218,14 @@ def test_muon_param_groups_splits_a_model_as_muon_users_do():
             self.block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
             self.lm_head = torch.nn.Linear(4, 10, bias=False)
 
-    muon, adamw = mc.muon_param_groups(Net())
+    muon, adamw = checks.muon_param_groups(Net())
     assert [n for n, _ in muon["params"]] == ["block.0.weight", "block.2.weight"] and muon["algorithm"] == "muon"
     assert [n for n, _ in adamw["params"]] == ["embed.weight", "block.0.bias", "block.1.weight", "block.1.bias",
                                                "block.2.bias", "lm_head.weight"]
-    muon, _ = mc.muon_param_groups(Net(), adamw=(), muon=("embed.weight",))
+    muon, _ = checks.muon_param_groups(Net(), adamw=(), muon=("embed.weight",))
     assert [n for n, _ in muon["params"]] == ["embed.weight", "block.0.weight", "block.2.weight", "lm_head.weight"]
     with pytest.raises(ValueError, match="muon names no parameter of the model: nope"):
-        mc.muon_param_groups(Net(), muon=("nope",))
+        checks.muon_param_groups(Net(), muon=("nope",))
 
 
 def one_rank_refusals(build):
@@ -255,11 +262,11 @@ REFUSALS = {
     "a bool momentum": "param group 0 (muon): momentum must be a number (got True, a bool)",
     "two coefficients": "param group 0: ns_coefficients must be one (a, b, c) triple, a name (jordan, "
                         "polar_express) or 5 triples, one per iteration (got (3.4445, -4.775))",
-    "foreach": "param group 0 (adamw): foreach=True is refused: " + mc.REFUSED["foreach"],
+    "foreach": "param group 0 (adamw): foreach=True is refused: " + checks.REFUSED["foreach"],
     "a project name for torch's eps": "param group 0 (muon): ns_eps: not an option of torch.optim.Muon, which takes "
-                                      + ", ".join(mc.TORCH_OPTIONS["muon"]),
+                                      + ", ".join(checks.TORCH_OPTIONS["muon"]),
     "an AdamW option in a Muon group": "param group 0 (muon): betas: not an option of torch.optim.Muon, which takes "
-                                       + ", ".join(mc.TORCH_OPTIONS["muon"]),
+                                       + ", ".join(checks.TORCH_OPTIONS["muon"]),
     "a vector in a Muon group": "Muon only supports 2D parameters whereas we found a parameter with size: "
                                 "torch.Size([3]). Muon needs 2-D parameters; v has shape (3,): put it in a group of "
                                 "algorithm 'adamw' (muon_param_groups splits a model the way Muon users do)",
@@ -268,23 +275,26 @@ REFUSALS = {
 
 @pytest.mark.parametrize("family", ["lesson", "dtensor"])
 def test_bad_constructor_arguments_are_refused_in_one_line_naming_them(single_process_group, family):
-    build = ((lambda groups: dm.DistributedMuon(groups, grid=single_process_group)) if family == "lesson"
+    build = ((lambda groups: distributed_muon_cpu.DistributedMuon(groups,
+                                                                  grid=single_process_group)) if family == "lesson"
              else DTensorMuon)
     # DTensorMuon takes a tensor twice, as torch does (torch warns): tests/test_duplicate_params.py
     assert one_rank_refusals(build) == dict(REFUSALS, **{"the same tensor twice": None} if family == "dtensor" else {})
     if family == "lesson":
         with pytest.raises(ValueError, match=r"^grid must be the Grid of make_grid\(dp, tp, rank\) \(got NoneType\)$"):
-            dm.DistributedMuon([torch.nn.Parameter(torch.zeros(2, 2))], grid=None)
+            distributed_muon_cpu.DistributedMuon([torch.nn.Parameter(torch.zeros(2, 2))], grid=None)
     with pytest.raises(TypeError, match="unexpected keyword argument 'nesterow'"):
         build([torch.nn.Parameter(torch.zeros(2, 2))], **dict(nesterow=False)) if family == "dtensor" else \
-            dm.DistributedMuon([torch.nn.Parameter(torch.zeros(2, 2))], grid=single_process_group, nesterow=False)
+            distributed_muon_cpu.DistributedMuon([torch.nn.Parameter(torch.zeros(2, 2))], grid=single_process_group,
+                                                 nesterow=False)
 
 
 @pytest.mark.parametrize("family", ["lesson", "dtensor"])
 def test_a_group_given_as_a_generator_keeps_every_parameter(single_process_group, family):
     """torch reads a group's params once, whatever iterable they come in: model.parameters() in a group, and in
     add_param_group, keeps every tensor (a check for emptiness once used the generator up), and each steps."""
-    build = ((lambda groups: dm.DistributedMuon(groups, grid=single_process_group)) if family == "lesson"
+    build = ((lambda groups: distributed_muon_cpu.DistributedMuon(groups,
+                                                                  grid=single_process_group)) if family == "lesson"
              else DTensorMuon)
     body, head = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), torch.nn.Linear(2, 2)
     opt = build([dict(params=(p for p in body.parameters() if p.ndim == 2)),

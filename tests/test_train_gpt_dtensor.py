@@ -15,12 +15,13 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import ROOT, mt
+from conftest import ROOT
+import muon_tools
 from test_interrupts import assert_ctrl_c_stops_every_rank
 
 import dtensor_verify  # noqa: E402
 from examples import gpt_verify  # noqa: E402
-from examples import train_gpt_dtensor as tgd  # noqa: E402
+from examples import train_gpt_dtensor  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt_dtensor.py")
 SMALL = dict(batch=8, context=32, d_model=32, layers=2, heads=4, log_every=2, val_windows=8, progress=False)
@@ -35,17 +36,17 @@ def trainings(tmp_path_factory):
     resumed from that checkpoint on 4x1 and on 1x4 (steps 3 and 4); and the 2x2 run again with HALVED's
     gradient halved on the last TP rank after every backward (a wrong gradient, which the optimizer takes)."""
     folder = str(tmp_path_factory.mktemp("gpt_dcp") / "after_step_2")
-    base = tgd.Config(dp=2, tp=2, steps=4, keep=True, **SMALL)
+    base = train_gpt_dtensor.Config(dp=2, tp=2, steps=4, keep=True, **SMALL)
     configs = [replace(base, save=folder, save_step=2)] + [
         replace(base, dp=dp, tp=tp, resume=folder, resume_step=2) for dp, tp in ((4, 1), (1, 4))] + [
         replace(base, halve_grad=HALVED)]
-    return configs, tgd.train_many(configs, world=4)
+    return configs, train_gpt_dtensor.train_many(configs, world=4)
 
 
 @pytest.fixture(scope="module")
 def verified(trainings):
     configs, results = trainings
-    return tgd.verify(configs[0], results[0])
+    return train_gpt_dtensor.verify(configs[0], results[0])
 
 
 def test_fsdp2_tp_training_replays_bit_for_bit_and_its_gradients_are_within_the_derived_bound(trainings, verified):
@@ -74,14 +75,14 @@ def test_a_weight_one_ulp_off_or_a_gradient_the_optimizer_did_not_take_fails_the
     bad = [dict(r, grads=list(r["grads"]), weights=list(r["weights"])) for r in results[0]]
     holder = next(r for r in bad if r["weights"][1]["blocks.1.mlp.proj.weight"].numel())
     w = holder["weights"][1]["blocks.1.mlp.proj.weight"].clone()
-    mt.one_ulp_up(w)
+    muon_tools.one_ulp_up(w)
     holder["weights"][1] = dict(holder["weights"][1], **{"blocks.1.mlp.proj.weight": w})
     largest = max(r["grads"][1]["wpe"].abs().max() for r in bad)
     for r in bad:  # wpe's entry 0, in every rank's part that holds it (its copies alike)
         g = r["grads"][1]["wpe"].clone()
         g.view(-1)[r["where"]["wpe"] == 0] += 2 * largest
         r["grads"][1] = dict(r["grads"][1], wpe=g)
-    out = tgd.verify(configs[0], bad)
+    out = train_gpt_dtensor.verify(configs[0], bad)
     assert (1, "blocks.1.mlp.proj.weight") in out["replay_differs"]
     assert (2, "wpe") in out["replay_differs"] and not out["passed"]
     assert out["chaos_floor_loss_max_rel_diff"] == verified["chaos_floor_loss_max_rel_diff"]
@@ -95,7 +96,7 @@ def test_copies_of_a_gradient_that_disagree_fail_the_replica_check(trainings):
     g = bad[0]["grads"][1]["wpe"].clone()
     g.view(-1)[0] += 0.5
     bad[0]["grads"][1] = dict(bad[0]["grads"][1], wpe=g)
-    out = tgd.verify(configs[0], bad)
+    out = train_gpt_dtensor.verify(configs[0], bad)
     assert out["replica_max_diff"] == pytest.approx(0.5, rel=1e-3) and not out["passed"]
 
 
@@ -104,7 +105,7 @@ def test_a_wrong_gradient_the_optimizer_takes_passes_the_replay_and_fails_the_bo
     given (the replay stays bit for bit), and the gradients at the ranks' weights are off by a fraction of the
     largest entry, thousands of times the bound, at that parameter."""
     configs, results = trainings
-    out = tgd.verify(configs[3], results[3])
+    out = train_gpt_dtensor.verify(configs[3], results[3])
     assert out["replay_differs"] == [] and out["replica_max_diff"] == 0
     assert out["ranks_grad_err"] > 0.1 and out["bound_ratio"] > 1000 and out["bound_worst"][1] == HALVED
     assert not out["passed"]
@@ -119,7 +120,7 @@ def test_saved_on_2x2_resumed_on_another_mesh_replays_bit_for_bit_through_the_ch
     configs, results = trainings
     whole, resumed, cfg = results[0], results[index], configs[index]
     assert all(r["first"] == 3 and len(r["losses"]) == 2 for r in resumed)
-    ref = tgd.Reference(cfg)
+    ref = train_gpt_dtensor.Reference(cfg)
     assert dtensor_verify.replay_differs(ref, whole, steps=2) == []
     assert dtensor_verify.replay_differs(ref, resumed, steps=2, first=3) == []
     shapes = {n: tuple(t.shape) for n, t in ref.weights().items()}
@@ -159,7 +160,7 @@ def test_command_line_at_a_chaotic_lr_passes_and_reports_the_gap_beside_the_chao
     (["--lr", "-1"], "--lr must be >= 0"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
-    assert tgd.main(argv) == 2
+    assert train_gpt_dtensor.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 

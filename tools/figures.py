@@ -24,12 +24,12 @@ if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the 
 
 import torch  # noqa: E402
 
-import distributed_muon_cpu as dm  # noqa: E402
-import muon_tools as mt  # noqa: E402
+import distributed_muon_cpu  # noqa: E402
+import muon_tools  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(ROOT, "notes", "figures")
-RUN = mt.RunConfig(dp=2, tp=2, d_model=16, layers=1, bucket_size=1024)
+RUN = muon_tools.RunConfig(dp=2, tp=2, d_model=16, layers=1, bucket_size=1024)
 STAGES = ("its DP shard", "DP gather", "TP gather", "Newton-Schulz", "TP shard", "DP shard")
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
            "tab:cyan", "tab:gray")
@@ -37,7 +37,7 @@ COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:
 
 def layout_of(cfg=RUN):
     """The layout every rank of cfg's run plans (the optimizer rank 0 builds: buckets and every DP rank's metas)."""
-    return mt.plan_optimizer(cfg).layout
+    return muon_tools.plan_optimizer(cfg).layout
 
 
 def draw_virtual_buffer(layout, fig, buffer_idx=0):
@@ -97,18 +97,21 @@ def flow_holdings(cfg=RUN, bucket_index=0):
 
     def rank(grid):
         metas = [layout.metas[grid.dp.rank][n] for n in bucket.names]
-        parts = {m.name: dm.dp_shard(dm.tp_shard(ids[m.name], m.tp_split_dim, grid.tp.rank, grid.tp.size), m)
+        parts = {m.name: distributed_muon_cpu.dp_shard(distributed_muon_cpu.tp_shard(ids[m.name], m.tp_split_dim,
+                                                                                     grid.tp.rank, grid.tp.size), m)
                  for m in metas}
-        shard = dm.shard_of_bucket(parts, metas, bucket.numel // grid.dp.size, torch.float64, "cpu")
-        ledger, touched = dm.Ledger(), [m for m in metas if m.local_numel]
-        whole_bucket = dm.dp_gather(shard, grid.dp, ledger)
-        tp_locals = [dm.matrix_in_bucket(whole_bucket, m) for m in metas]
-        fulls = [dm.tp_gather(dm.matrix_in_bucket(whole_bucket, m), m.tp_split_dim, grid.tp, ledger) for m in touched]
-        pieces = [dm.tp_shard(f, m.tp_split_dim, grid.tp.rank, grid.tp.size) for f, m in zip(fulls, touched)]
-        own = [dm.dp_shard(p, m) for p, m in zip(pieces, touched)]
+        shard = distributed_muon_cpu.shard_of_bucket(parts, metas, bucket.numel // grid.dp.size, torch.float64, "cpu")
+        ledger, touched = distributed_muon_cpu.Ledger(), [m for m in metas if m.local_numel]
+        whole_bucket = distributed_muon_cpu.dp_gather(shard, grid.dp, ledger)
+        tp_locals = [distributed_muon_cpu.matrix_in_bucket(whole_bucket, m) for m in metas]
+        fulls = [distributed_muon_cpu.tp_gather(distributed_muon_cpu.matrix_in_bucket(whole_bucket, m), m.tp_split_dim,
+                                                grid.tp, ledger) for m in touched]
+        pieces = [distributed_muon_cpu.tp_shard(f, m.tp_split_dim, grid.tp.rank, grid.tp.size) for f,
+                  m in zip(fulls, touched)]
+        own = [distributed_muon_cpu.dp_shard(p, m) for p, m in zip(pieces, touched)]
         return [masks(*parts.values()), masks(*tp_locals), masks(*fulls), masks(*fulls), masks(*pieces), masks(*own)]
 
-    return bucket, mt.on_thread_ranks(cfg.dp, cfg.tp, rank)
+    return bucket, muon_tools.on_thread_ranks(cfg.dp, cfg.tp, rank)
 
 
 def draw_flow(bucket, holdings, fig):
@@ -147,12 +150,12 @@ def draw_flow(bucket, holdings, fig):
 
 
 def main(argv=None):
-    p = mt.OneLineParser(description="Draw the lesson's virtual buffer and gather-flow figures into notes/figures.")
+    p = muon_tools.OneLineParser(description="Draw the lesson's virtual buffer and gather-flow figures into notes/figures.")
     p.add_argument("--out-dir", default=OUT_DIR, help="the folder to write them into (default %(default)s)")
     args = p.parse_args(argv)
 
     def work():
-        mt.check_writable(args.out_dir, "--out-dir", folder=True)
+        muon_tools.check_writable(args.out_dir, "--out-dir", folder=True)
         from matplotlib import pyplot
 
         os.makedirs(args.out_dir, exist_ok=True)
@@ -160,16 +163,16 @@ def main(argv=None):
         fig = pyplot.figure(figsize=(11, 2.2))
         draw_virtual_buffer(layout, fig)
         written = [os.path.join(args.out_dir, "virtual_buffer.png")]
-        mt.write_atomically(written[-1], lambda f: fig.savefig(f, format="png", dpi=110))
+        muon_tools.write_atomically(written[-1], lambda f: fig.savefig(f, format="png", dpi=110))
         bucket, holdings = flow_holdings()
         fig = pyplot.figure(figsize=(12, 1.5 * len(holdings) + 0.8))
         draw_flow(bucket, holdings, fig)
         written.append(os.path.join(args.out_dir, "flow.png"))
-        mt.write_atomically(written[-1], lambda f: fig.savefig(f, format="png", dpi=110))
+        muon_tools.write_atomically(written[-1], lambda f: fig.savefig(f, format="png", dpi=110))
         print("wrote " + " and ".join(os.path.relpath(w) for w in written))
         return 0
 
-    return mt.exit_code(work)
+    return muon_tools.exit_code(work)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ if __name__ == "__main__":  # first, before torch loads (muon_tools imports it):
 
     muon_forkserver.start_command(spawns_ranks=False)
 
-import muon_tools as mt  # noqa: E402
+import muon_tools  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LESSON = os.path.join(ROOT, "distributed_muon_cpu.py")
@@ -114,15 +114,15 @@ def check_twin(path, check):
         if not os.path.isfile(path):
             raise ValueError(f"--twin {path}: no such file to check")
     else:
-        mt.check_writable(path, "--twin", inputs=INPUTS)
+        muon_tools.check_writable(path, "--twin", inputs=INPUTS)
 
 
 def main(argv=None):
-    parser = mt.OneLineParser(description="Make distributed_muon.py from distributed_muon_cpu.py.")
+    parser = muon_tools.OneLineParser(description="Make distributed_muon.py from distributed_muon_cpu.py.")
     parser.add_argument("--check", action="store_true", help="exit 1 if the committed twin differs")
     parser.add_argument("--twin", default=TWIN, help="the twin's path (default %(default)s)")
     args = parser.parse_args(argv)
-    return mt.exit_code(lambda: make_or_check(args))
+    return muon_tools.exit_code(lambda: make_or_check(args))
 
 
 def make_or_check(args):
@@ -148,9 +148,9 @@ def make_or_check(args):
         chapter = f.read()
     # each file whole or not at all (an interrupted write leaves the one before); the chapter's diff is the
     # lesson's against the twin as written
-    mt.write_atomically(args.twin, lambda f: f.write(twin.encode()))
+    muon_tools.write_atomically(args.twin, lambda f: f.write(twin.encode()))
     chapter = with_diff(chapter, diff_text(LESSON, args.twin))
-    mt.write_atomically(CHAPTER, lambda f: f.write(chapter.encode()))
+    muon_tools.write_atomically(CHAPTER, lambda f: f.write(chapter.encode()))
     print(f"wrote {os.path.relpath(args.twin)} ({changed} lines differ from distributed_muon_cpu.py) and its diff into "
           f"notes/06-gpus.md")
     return 0

@@ -41,7 +41,7 @@ if __name__ == "__main__":  # first, before torch loads (muon_tools imports it):
 
 import nbformat  # noqa: E402
 
-import muon_tools as mt  # noqa: E402
+import muon_tools  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,7 +68,7 @@ NOTEBOOKS = {
         os.path.join("examples", "train_gpt.py"), os.path.join("examples", "train_gpt_dtensor.py"),
         os.path.join("examples", "gpt_moe.py"), os.path.join("examples", "train_gpt_moe.py"))),
 }
-NEEDED = ("requirements.txt",)  # what the setup cells read (mt.notebook_requirements), beside the code
+NEEDED = ("requirements.txt",)  # what the setup cells read (muon_tools.notebook_requirements), beside the code
 KEY = "distributed_muon"  # the notebook metadata this writes: {"made_by": ..., "sources_sha256": ...}
 TIMEOUT_S = 900  # one cell's limit: the longest, the GPT's --verify or the 8-process run, takes ~1 minute here
 # After Ctrl-C, how long the kernel's process group gets to end by itself (a command a cell runs stops its ranks and
@@ -198,12 +198,13 @@ def execute(notebook, folder):
 def make(notebook):
     with tempfile.TemporaryDirectory(prefix="distributed-muon-notebook-") as folder:
         nb = execute(notebook, folder)
-    nb.metadata[KEY] = dict(made_by="python tools/make_notebook.py", sources_sha256=sources_sha256(nb, NOTEBOOKS[notebook][1]))
-    mt.write_atomically(os.path.join(ROOT, notebook), lambda f: f.write(nbformat.writes(nb).encode()))
+    nb.metadata[KEY] = dict(made_by="python tools/make_notebook.py", sources_sha256=sources_sha256(nb,
+                                                                                                   NOTEBOOKS[notebook][1]))
+    muon_tools.write_atomically(os.path.join(ROOT, notebook), lambda f: f.write(nbformat.writes(nb).encode()))
 
 
 def build_parser():
-    p = mt.OneLineParser(description="Execute the notebooks' pairs into the committed notebooks.")
+    p = muon_tools.OneLineParser(description="Execute the notebooks' pairs into the committed notebooks.")
     p.add_argument("--check", action="store_true", help="exit 1 if a notebook's saved outputs are not today's code's")
     p.add_argument("--all", action="store_true", help="make both notebooks, whatever their saved outputs")
     return p
@@ -228,7 +229,7 @@ def main(argv=None):
                 print(f"{name}: its outputs come from today's cells and code already", flush=True)
         return 0
 
-    return mt.exit_code(work)
+    return muon_tools.exit_code(work)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-import distmuon.large_runs as mlr
-import distmuon.owners as mo
-import distributed_muon_cpu as dm
+from distmuon import large_runs
+from distmuon import owners
+import distributed_muon_cpu
 from distmuon.checks import ORTHOGONALIZED
 from distmuon.dtensor.normuon import NorMuonRows
 from distmuon.dtensor.plan import as_slices, covers, exchange_groups, matrix_name, plan_matrices
@@ -91,10 +91,11 @@ class OwnerExchange:
         ranks = opt.axis.ranks
         owned = (self.config.assign(self.ns_flops, {n: ranks for n in muon}, opt.world)
                  if self.config.assign is not None
-                 else {r: [n for n, o in mo.assign_owners(self.ns_flops, len(ranks), self.config.global_shapes).items()
+                 else {r: [n for n, o in owners.assign_owners(self.ns_flops, len(ranks),
+                                                              self.config.global_shapes).items()
                            if ranks[o] == r]
                        for r in ranks})
-        self.owners = mo.check_owners(owned, muon, opt.world)
+        self.owners = owners.check_owners(owned, muon, opt.world)
         strangers = sorted(n for n, r in self.owners.items() if r not in ranks)
         if strangers:
             raise ValueError(f"bad owner assignment: owned outside the optimizer's group: {', '.join(strangers)}")
@@ -118,7 +119,7 @@ class OwnerExchange:
         local = {n: 2 * opt.param_by_name[n].numel() for n in self.local_matrices if n in present and n not in planned}
         normuon = {m.copy.name for m in self.matrices if m.name in self.rows.receivers}
         return ([(names, True, bool(normuon.intersection(names))) for names in exchanged]
-                + [(names, False, False) for names in mo.chunk_names(list(local), local, exchange_bytes)])
+                + [(names, False, False) for names in owners.chunk_names(list(local), local, exchange_bytes)])
 
     def start(self, opt, updates, exchanged=True):
         """The gather at owners of these updates' matrices, started: what finish() takes. The updates of the matrices
@@ -157,7 +158,8 @@ class OwnerExchange:
         for m in pieces:  # section 3c: with every rank of this row's TP group, one all-reduce per iteration
             g = group_of[m.name]
             with record_function("newton-schulz"):
-                orthogonal[m.name] = mlr.newton_schulz_tp(full[m.name], m.copy.shape, self.tp_axis(opt, m), opt.ledger,
+                orthogonal[m.name] = large_runs.newton_schulz_tp(full[m.name], m.copy.shape, self.tp_axis(opt, m),
+                                                                 opt.ledger,
                                                           g["ns_steps"], g["ns_coefficients"], g["eps"])
             opt.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
         del full  # the matrices put together, freed before the scatter's buffers are made: a lower peak
@@ -178,13 +180,13 @@ class OwnerExchange:
         """The TP group of this rank's row of m's mesh, as the lesson's Axis (what newton_schulz_tp sums over)."""
         group = opt.param_by_name[m.copy.name].device_mesh.get_group(m.tp_dim)
         ranks = tuple(dist.get_process_group_ranks(group))
-        return dm.Axis("TP", len(ranks), ranks.index(opt.me), ranks, group)
+        return distributed_muon_cpu.Axis("TP", len(ranks), ranks.index(opt.me), ranks, group)
 
     def newton_schulz(self, opt, full, group_of):
         """{matrix: full bf16 update} -> {matrix: orthogonalized}, by the lesson's newton_schulz_owned; laid-out
         matrices block by block (torch's 2-D path, batched_ns or not: a block is its own matrix)."""
         blocks = opt.large_runs.blocks_of(full, self.param_of_matrix)
-        return mo.newton_schulz_owned(full, group_of, opt.ledger, self.batched_ns, blocks)
+        return owners.newton_schulz_owned(full, group_of, opt.ledger, self.batched_ns, blocks)
 
     def gather_at_owners(self, opt, updates, active):
         """Started: a function that waits and returns each matrix put together at its owner: every part a view of
@@ -209,7 +211,7 @@ class OwnerExchange:
         for m in active:
             updates.pop(m.copy.name, None)
         part = None
-        wait = mo.send_parts(transfers, opt.axis, opt.ledger, "gather at owner", dtype, opt.device)
+        wait = owners.send_parts(transfers, opt.axis, opt.ledger, "gather at owner", dtype, opt.device)
         for i, (source, destination, numel, _) in enumerate(transfers):
             transfers[i] = (source, destination, numel, None)  # sent: copied into the send buffer
 
@@ -234,7 +236,7 @@ class OwnerExchange:
                     receiving.append((m, at))
             orthogonal.pop(m.name, None)  # kept by its parts where they are views, else freed before the send buffer
         part = None
-        wait = mo.send_parts(transfers, opt.axis, opt.ledger, "scatter from owner", dtype, opt.device)
+        wait = owners.send_parts(transfers, opt.axis, opt.ledger, "scatter from owner", dtype, opt.device)
         shapes = {m.copy.name: shapes[m.copy.name] for m, _ in receiving}
 
         def place():
@@ -257,7 +259,7 @@ class OwnerExchange:
                  f"{tuple(self.config.global_shapes[n])}" for n in updates if self.owners[n] == opt.me
                  and (n not in full or tuple(full[n].shape) != tuple(self.config.global_shapes[n]))]
         opt.refuse_on_every_rank(wrong[0] if wrong else None, "explicit checks")
-        orthogonal = mo.newton_schulz_owned({n: full[n] for n in updates if self.owners[n] == opt.me},
+        orthogonal = owners.newton_schulz_owned({n: full[n] for n in updates if self.owners[n] == opt.me},
                                             opt.group_of, opt.ledger, self.batched_ns)
         local = self.config.redistribute(orthogonal, dict(self.owners))
         wrong = [f"redistribute gave no piece of {n} the size of this rank's parameter" for n in updates

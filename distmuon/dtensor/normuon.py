@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-import distmuon.normuon as nm
-import distmuon.owners as mo
+from distmuon import normuon
+from distmuon import owners
 from distmuon.dtensor.placements import SHARD_PLACEMENTS, dim_ranges, local_box, local_of, local_shape
 from distmuon.dtensor.plan import describe
 
@@ -106,7 +106,7 @@ class NorMuonRows:
                 transfers.append((opt.exchange.index[m.owner], opt.exchange.index[r], m.shape[0] + 1, stats))
                 if r == me:
                     receiving.append(m)
-        wait = mo.send_parts(transfers, opt.axis, opt.ledger, "NorMuon rows", torch.float32, opt.device)
+        wait = owners.send_parts(transfers, opt.axis, opt.ledger, "NorMuon rows", torch.float32, opt.device)
         return lambda: {m.name: stats for m, stats in zip(receiving, wait())}
 
     def normalized(self, opt, orthos, received, local_full):
@@ -133,13 +133,14 @@ class NorMuonRows:
                 out[name] = (self.quotients.pop(name)[rows_here] * g[rows_here, None]).reshape(-1)
             elif isinstance(rows_here, slice):  # whole rows, one after another: each row's divisor and g broadcast
                 o = orthos[name].view(rows_here.stop - rows_here.start, cols)
-                out[name] = nm.normalized(o, nm.divisor(v[rows_here], eps)[:, None], g[rows_here, None]).view(-1)
+                out[name] = normuon.normalized(o, normuon.divisor(v[rows_here], eps)[:, None], g[rows_here,
+                                                                                                 None]).view(-1)
             else:  # a box of rows and columns (of each expert held): each row's divisor and g broadcast along its part
                 (e0, e1), (r0, r1), (c0, c1) = rows_here
                 slots = [experts.index(e) for e in range(e0, e1)]
                 row_of = lambda t: t.view(len(experts), rows)[slots, r0:r1, None]  # noqa: E731
                 o = orthos[name].view(e1 - e0, r1 - r0, c1 - c0)
-                out[name] = nm.normalized(o, row_of(nm.divisor(v, eps)), row_of(g)).view(-1)
+                out[name] = normuon.normalized(o, row_of(normuon.divisor(v, eps)), row_of(g)).view(-1)
         self.quotients = {}  # none outlives its step
         return out
 
@@ -147,10 +148,10 @@ class NorMuonRows:
         """Where a matrix is whole (its owner, or every rank of a local one): its v updated from the full O and its g
         found, O / d kept where normalized() can take its rows from it. Returns (v, g)."""
         o = full.float()  # once: both take it in float32 (a float32 O is used as it is)
-        v = nm.second_moment_(o, self.v_of(opt, name, expert), group["beta2"])
-        quotient = nm.divided(o, nm.divisor(v, group["normuon_eps"]))
+        v = normuon.second_moment_(o, self.v_of(opt, name, expert), group["beta2"])
+        quotient = normuon.divided(o, normuon.divisor(v, group["normuon_eps"]))
         self.keep(opt, name, expert, quotient)
-        return v, nm.rescale(o, v, group["normuon_eps"], quotient)
+        return v, normuon.rescale(o, v, group["normuon_eps"], quotient)
 
     def keep(self, opt, name, expert, quotient):
         """Keep O / d of a whole 2-D matrix made here for its g, if this rank's part of it is whole rows one after

@@ -33,7 +33,7 @@ parameter's placements: the owner keeps nothing between steps, so a checkpoint r
 
 What large runs add (defaults: torch's behaviour; tests/test_dtensor_large_runs.py):
     opt = DTensorMuon(groups, ns_coefficients="polar_express",       # one (a, b, c) per iteration
-                      row_layouts={"attn.qkv.weight": mlr.RowLayout((hd, hd, hd), heads, ("q", "k", "v"))},
+                      row_layouts={"attn.qkv.weight": large_runs.RowLayout((hd, hd, hd), heads, ("q", "k", "v"))},
                       ns_blocks="blocks",                            # or "heads"
                       qk_clip_tau=100.0, tp_newton_schulz="gram")
     loss.backward(); opt.step(); opt.clip_qk_({"attn.qkv.weight": max_logit_per_head})
@@ -66,11 +66,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import distmuon.checks as mc
-import distmuon.large_runs as mlr
-import distmuon.normuon as nm
-import distmuon.owners as mo
-import distributed_muon_cpu as dm
+from distmuon import checks
+from distmuon import large_runs
+from distmuon import normuon
+from distmuon import owners
+import distributed_muon_cpu
 from distmuon.adamw import adamw_step_
 from distmuon.dtensor.config import DistributedConfig
 from distmuon.dtensor.exchange import OwnerExchange
@@ -131,8 +131,8 @@ def check_arguments(expert_stacks, distributed_config, batched_ns, group, row_la
         raise ValueError(f"batched_ns must be True or False (got {batched_ns!r})")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"group must be a torch.distributed ProcessGroup or None (got {group!r:.80})")
-    mlr.check_row_layouts_kind(row_layouts)
-    mo.check_owner_options(overlap=overlap)  # the lesson's owner strategy's overlap, in its words
+    large_runs.check_row_layouts_kind(row_layouts)
+    owners.check_owner_options(overlap=overlap)  # the lesson's owner strategy's overlap, in its words
     if exchange_bytes is not None and (isinstance(exchange_bytes, bool) or not isinstance(exchange_bytes, int)
                                        or exchange_bytes < 1):
         raise ValueError(f"exchange_bytes must be None or an integer >= 1 (got {exchange_bytes!r:.80})")
@@ -150,19 +150,19 @@ def parameters_problem(opt):
             why = placements_problem(name, p.placements, p.device_mesh.shape) or local_shape_problem(name, p)
             if why:
                 return why
-        if opt.group_of[name]["algorithm"] not in mc.ORTHOGONALIZED and p.dtype.is_complex:
-            return mc.complex_problem(name, p, opt.group_of[name]["algorithm"])
-        if opt.group_of[name]["algorithm"] in mc.ORTHOGONALIZED:
+        if opt.group_of[name]["algorithm"] not in checks.ORTHOGONALIZED and p.dtype.is_complex:
+            return checks.complex_problem(name, p, opt.group_of[name]["algorithm"])
+        if opt.group_of[name]["algorithm"] in checks.ORTHOGONALIZED:
             if name in opt.expert_stacks:
                 if p.ndim != 3:
                     return f"expert stack {name} must be 3-D (experts, out, in); it has shape {tuple(p.shape)}"
             elif p.ndim != 2:
-                return mc.not_a_matrix(name, p.shape, expert_stacks=True)
+                return checks.not_a_matrix(name, p.shape, expert_stacks=True)
     unknown = sorted(opt.expert_stacks - {n for n in opt.param_by_name
-                                            if opt.group_of[n]["algorithm"] in mc.ORTHOGONALIZED})
+                                            if opt.group_of[n]["algorithm"] in checks.ORTHOGONALIZED})
     if unknown:
         return f"expert_stacks names no Muon parameter: {', '.join(unknown)}"
-    problem = nm.batched_problem([n for n in opt.param_by_name if opt.group_of[n]["algorithm"] == "normuon"]
+    problem = normuon.batched_problem([n for n in opt.param_by_name if opt.group_of[n]["algorithm"] == "normuon"]
                                  if opt.exchange.batched_ns else [])
     if problem:
         return problem
@@ -171,7 +171,7 @@ def parameters_problem(opt):
             return "an explicit distributed_config takes 2-D matrices only (no expert_stacks)"
         if any(g["algorithm"] == "normuon" for g in opt.param_groups):
             return "NorMuon's param groups need the automatic distributed_config: its owner keeps each matrix's rows"
-        muon = [n for n in opt.param_by_name if opt.group_of[n]["algorithm"] in mc.ORTHOGONALIZED]
+        muon = [n for n in opt.param_by_name if opt.group_of[n]["algorithm"] in checks.ORTHOGONALIZED]
         missing = [n for n in muon if n not in opt.exchange.config.global_shapes]
         if missing:
             return f"global_shapes lacks Muon matrices: {', '.join(missing)}"
@@ -242,7 +242,7 @@ def unpickled_axis(name, ranks, me, kind):
     global ranks, else another over them (None where it had none). Refused in one line where none is found, or
     where this is not the rank that pickled it (the plan is that rank's)."""
     if kind is None:
-        return dm.Axis(name, 1, 0, ranks, None)
+        return distributed_muon_cpu.Axis(name, 1, 0, ranks, None)
     here = dist.get_rank() if dist.is_initialized() else None
     if here != me:
         raise ValueError(f"this DTensorMuon was pickled on rank {me} of the process group of ranks {list(ranks)}; "
@@ -256,7 +256,7 @@ def unpickled_axis(name, ranks, me, kind):
     if found is None:
         raise ValueError(f"this DTensorMuon was pickled with the process group of ranks {list(ranks)}, which this "
                          f"process does not have: create it (dist.new_group({list(ranks)})) before unpickling")
-    return dm.Axis(name, len(ranks), ranks.index(me), ranks, found)
+    return distributed_muon_cpu.Axis(name, len(ranks), ranks.index(me), ranks, found)
 
 
 class DTensorMuon(torch.optim.Optimizer):
@@ -303,15 +303,15 @@ class DTensorMuon(torch.optim.Optimizer):
         overlap: 0 (off), or K >= 1 (with exchange_bytes): K groups' gathers in flight while a group's Newton-Schulz
             runs; the same bits.
         """
-        mc.check_options(str, options)
+        checks.check_options(str, options)
         check_arguments(expert_stacks, distributed_config, batched_ns, group, row_layouts, exchange_bytes, overlap)
         self.options, self.exchange_bytes, self.overlap = options, exchange_bytes, overlap
         self.given_names = []  # per group: the param_names torch's optimizer would report, or None (see state_dict)
         super().__init__(params, {})  # each group's options are filled by add_param_group, per its algorithm
-        self.defaults = mc.torch_defaults(self.param_groups, options)  # torch's optimizer's, which schedulers read
+        self.defaults = checks.torch_defaults(self.param_groups, options)  # torch's optimizer's, which schedulers read
         config = distributed_config or DistributedConfig()
         config.check()
-        self.ledger, self.expert_stacks = dm.Ledger(), set(expert_stacks)
+        self.ledger, self.expert_stacks = distributed_muon_cpu.Ledger(), set(expert_stacks)
         self.exchange = OwnerExchange(config, batched_ns)  # the strategy: who orthogonalizes what, how it travels
         self.large_runs = DTensorLargeRuns(row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau)
         self.axis = self._axis(group)
@@ -349,7 +349,7 @@ class DTensorMuon(torch.optim.Optimizer):
         kept = []
 
         def check(group):  # torch's check of names, its words
-            named = mc.given_names(group)
+            named = checks.given_names(group)
             if self.given_names and (named is None) != (self.given_names[0] is None):
                 raise ValueError(f"all optimizer param groups should be with/without names. cannot add param group "
                                  f"{'without' if named is None else 'with'} names to the optimizer")
@@ -381,16 +381,16 @@ class DTensorMuon(torch.optim.Optimizer):
     def _axis(group):
         """The exchange group as the lesson's Axis: global ranks, this rank's index, the ProcessGroup."""
         if not dist.is_initialized():
-            return dm.Axis("world", 1, 0, (0,), None)
+            return distributed_muon_cpu.Axis("world", 1, 0, (0,), None)
         group = group or dist.group.WORLD
         ranks = tuple(dist.get_process_group_ranks(group))
-        return dm.Axis("world", len(ranks), ranks.index(dist.get_rank()), ranks, group)
+        return distributed_muon_cpu.Axis("world", len(ranks), ranks.index(dist.get_rank()), ranks, group)
 
     def index_groups(self):
         """{name: its param group} (groups found by identity, never ==) after the lesson's checks of the named
-        parameters and every group's options (mc.named_params); the first problem as one line, or None."""
+        parameters and every group's options (checks.named_params); the first problem as one line, or None."""
         try:
-            named = mc.named_params(self.param_groups)
+            named = checks.named_params(self.param_groups)
         except ValueError as e:
             return str(e)
         self.group_of = {name: group for name, _, group in named}
@@ -416,7 +416,7 @@ class DTensorMuon(torch.optim.Optimizer):
 
     @property
     def device(self):
-        return mc.step_device(self.param_groups)
+        return checks.step_device(self.param_groups)
 
     # -- state ---------------------------------------------------------------
     def state_of(self, name):
@@ -425,7 +425,7 @@ class DTensorMuon(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             zeros = lambda: like_param(p, torch.zeros_like(local_of(p), memory_format=torch.contiguous_format))
-            if self.group_of[name]["algorithm"] in mc.ORTHOGONALIZED:
+            if self.group_of[name]["algorithm"] in checks.ORTHOGONALIZED:
                 state["momentum_buffer"] = zeros()
                 if self.group_of[name]["algorithm"] == "normuon":  # one float32 per row (distmuon/dtensor/normuon.py)
                     state["normuon_v"] = v_zeros(p, name in self.expert_stacks)
@@ -441,7 +441,7 @@ class DTensorMuon(torch.optim.Optimizer):
         (this optimizer's names, the checkpoint's options) re-indexed, so that the step reads them."""
         like = {name: self.state_of(name)["momentum_buffer" if "momentum_buffer" in self.state_of(name)
                                             else "exp_avg"] for name in self.param_by_name}
-        checked = mc.checked_state_dict(self.param_groups, state_dict, like)
+        checked = checks.checked_state_dict(self.param_groups, state_dict, like)
         super().load_state_dict(checked)
         for i, (saved, loaded) in enumerate(zip(state_dict["param_groups"], checked["param_groups"])):
             if "param_names" in saved:  # torch's load gives the group the checkpoint's names, in our order here
@@ -483,18 +483,18 @@ class DTensorMuon(torch.optim.Optimizer):
         self.ledger.step += 1
         # Every check before anything changes, and voted on: a group's options (they may have been changed, or
         # loaded, since construction) and every gradient; one rank's problem stops every rank, here.
-        group_problem = self.index_groups() or mc.unplanned_problem(self.param_groups, self.planned)
+        group_problem = self.index_groups() or checks.unplanned_problem(self.param_groups, self.planned)
         grads, problem = self._local_grads()
         try:
             active, present = self._vote_on_gradients(grads, group_problem or problem)
         except ValueError as e:  # torch.optim.Muon refuses a complex parameter at its step with a RuntimeError
-            if (group_problem or problem or "").startswith(mc.MUON_COMPLEX):
+            if (group_problem or problem or "").startswith(checks.MUON_COMPLEX):
                 raise RuntimeError(str(e)) from None
             raise
         # Flat views of every local tensor: elementwise math does not care about shape, and an empty
         # shard's local shape may differ between FSDP2's parameter and a gradient made by distribute_tensor.
         flat = lambda t: local_of(t).view(-1)
-        muon = [n for n in active if self.group_of[n]["algorithm"] in mc.ORTHOGONALIZED]
+        muon = [n for n in active if self.group_of[n]["algorithm"] in checks.ORTHOGONALIZED]
         if self.exchange.config.explicit or self.exchange_bytes is None:  # every matrix in one exchange each way
             momenta = {}
             updates = self._muon_updates(muon, grads, momenta)
@@ -556,8 +556,9 @@ class DTensorMuon(torch.optim.Optimizer):
         grads, problem = {}, None
         for name, p in self.param_by_name.items():
             g = p.grad
-            problem = problem or mc.param_problem(name, p) or (g is not None and (
-                mc.complex_problem(name, p, self.group_of[name]["algorithm"]) or mc.gradient_problem(name, g))) or None
+            problem = problem or checks.param_problem(name, p) or (g is not None and (
+                checks.complex_problem(name, p,
+                                       self.group_of[name]["algorithm"]) or checks.gradient_problem(name, g))) or None
             if g is not None and problem is None:
                 if isinstance(p, DTensor) and not (isinstance(g, DTensor) and g.placements == p.placements
                                                    and g.device_mesh == p.device_mesh):
@@ -577,7 +578,7 @@ class DTensorMuon(torch.optim.Optimizer):
         rank if any found a problem."""
         flags = torch.tensor([n in grads and grads[n] is not None for n in self.names],
                              device=self.device)  # NCCL reduces device tensors only
-        votes = dm.vote(flags, problem, self.me, self.axis, self.ledger, "grad presence")
+        votes = distributed_muon_cpu.vote(flags, problem, self.me, self.axis, self.ledger, "grad presence")
         present = {n for n, v in zip(self.names, votes.tolist()) if v}
         for name in present & set(grads):
             if grads[name] is None:  # a gradient elsewhere but not here: zeros, as DDP's reduction would give
@@ -586,21 +587,22 @@ class DTensorMuon(torch.optim.Optimizer):
 
     def refuse_on_every_rank(self, problem, phase):
         """Raise on every rank of the group if any rank found a problem: the lesson's vote, with no flags."""
-        dm.vote(torch.empty(0, dtype=torch.bool, device=self.device), problem, self.me, self.axis, self.ledger, phase)
+        distributed_muon_cpu.vote(torch.empty(0, dtype=torch.bool, device=self.device), problem, self.me, self.axis,
+                                  self.ledger, phase)
 
     @torch.no_grad()
     def clip_qk_(self, max_logits):
         """Kimi K2's per-head QK-clip, after step(): collective, every rank of the group calls it. The
         contract (max_logits, one float32 per query head of the full matrix; refusals, naming the rank; the
         multipliers returned) is the lesson's: help(distmuon.large_runs.LargeRuns.clip_qk_), and so is its one
-        collective, mlr.exchange_max_logits: ONE all-reduce MAX over the optimizer's group of n ranks of
+        collective, large_runs.exchange_max_logits: ONE all-reduce MAX over the optimizer's group of n ranks of
         H + 1 float32 values, the heads of every parameter of clip_names in that order, then the refusing
         rank: each rank sends and receives 2 (n - 1) x ceil((H + 1) / n) x 4 bytes (a ring's count; the
         Ledger's phase "QK-clip maxima"), e.g. 72 B for H = 10 heads on 4 ranks. For separate W_q and W_k
         of multi-head attention, pass the same maxima under both names (under GQA, leave W_k out: its keys
         are shared). A head's rows are held here if any of its scaled rows is in this rank's local shard,
         wherever FSDP2 and TP cut (section 3b); each run of them is multiplied by its head's multiplier
-        (mlr.qk_clip_scales), bit-identical to torch's step then those rows times it.
+        (large_runs.qk_clip_scales), bit-identical to torch's step then those rows times it.
         """
         return self.large_runs.clip_qk_(self, max_logits, self.large_runs.options_problem())
 

@@ -68,7 +68,9 @@ from distributed_muon_cpu import newton_schulz_flops
 
 @dataclass(frozen=True)
 class Copy:
-    """One DTensor (or plain tensor) parameter as the ranks that hold it see it."""
+    """One copy of a parameter: the DTensor (or plain tensor) that the ranks of one mesh hold. A parameter has one
+    copy, or one per sub-mesh where FSDP2 places it on each rank's own (the MoE router on a dp x tp mesh: one copy
+    per TP column), and each copy is stepped as a parameter of its own."""
 
     name: str
     group: int  # index of its param group
@@ -244,7 +246,7 @@ def add_transfers(m, me):
 # 3c. Newton-Schulz on TP pieces, without gathering the matrix (tp_newton_schulz="gram")
 # -----------------------------------------------------------------------------
 # When TP cuts a matrix along its LONG side (the columns of a wide one, the rows
-# of a tall one: mlr.gram_eligible), Newton-Schulz needs only the small Gram matrix
+# of a tall one: large_runs.gram_eligible), Newton-Schulz needs only the small Gram matrix
 # X X^T = sum_t X_t X_t^T of the (transposed-if-tall) X: the lesson's
 # newton_schulz_tp all-reduces it over the TP ranks once per iteration, and each
 # rank updates its own columns. Here the TP dim is the mesh dim named "tp"

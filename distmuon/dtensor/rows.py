@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-import distmuon.large_runs as mlr
+from distmuon import large_runs
 from distmuon.checks import ORTHOGONALIZED
 from distmuon.dtensor.placements import local_box, local_of
 
@@ -21,7 +21,7 @@ from distmuon.dtensor.placements import local_box, local_of
 # additions need to know which rows a rank's LOCAL piece holds, whatever cut it
 # (FSDP2's Shard(0) or _StridedShard on dp, TP's Shard(0) or Shard(1)):
 #
-#   blocks   the owner orthogonalizes each block alone (mlr.newton_schulz_blocks:
+#   blocks   the owner orthogonalizes each block alone (large_runs.newton_schulz_blocks:
 #            "blocks" joins a segment across heads, Q K V; "heads" takes each
 #            segment of each head), so each block's update takes the adjusted lr
 #            of its OWN (rows, cols), as torch.optim.Muon on the blocks as
@@ -46,7 +46,7 @@ from distmuon.dtensor.placements import local_box, local_of
 # expert is its own matrix (section 3), so its blocks are too (e.g. a fused
 # SwiGLU gate | up, orthogonalized as gate and up); QK-clip, which scales
 # attention heads, does not apply to an expert stack (refused).
-QK_SEGMENTS = mlr.QK_SEGMENTS  # the segments of a RowLayout that QK-clip scales
+QK_SEGMENTS = large_runs.QK_SEGMENTS  # the segments of a RowLayout that QK-clip scales
 
 
 def runs(keys):
@@ -86,7 +86,7 @@ class DTensorLargeRuns:
     def options_problem(self):
         """The lesson's check of ns_blocks, tp_newton_schulz and qk_clip_tau (one line), or None."""
         try:
-            mlr.check_large_run_options(ns_blocks=self.ns_blocks, tp_newton_schulz=self.tp_newton_schulz,
+            large_runs.check_large_run_options(ns_blocks=self.ns_blocks, tp_newton_schulz=self.tp_newton_schulz,
                                         qk_clip_tau=self.qk_clip_tau)
         except ValueError as e:
             return str(e)
@@ -112,7 +112,7 @@ class DTensorLargeRuns:
             if self.ns_blocks != "whole" and opt.group_of[name]["algorithm"] == "normuon":
                 return (f"ns_blocks={self.ns_blocks!r} applies to Muon's matrices; {name} belongs to a NorMuon group, "
                         f"whose rows are normalized over the whole matrix")
-            why = mlr.row_layout_problem(name, layout, tuple(p.shape)[-2:], name in opt.expert_stacks,
+            why = large_runs.row_layout_problem(name, layout, tuple(p.shape)[-2:], name in opt.expert_stacks,
                                          self.qk_clip_tau is not None)
             if why:
                 return why
@@ -134,13 +134,14 @@ class DTensorLargeRuns:
     def blocks_of(self, matrices, param_of_matrix):
         """{matrix: its blocks of rows} of the matrices ns_blocks orthogonalizes block by block (the lesson's Blocks)."""
         per_head = self.ns_blocks == "heads"
-        return mlr.Blocks({m: self.row_layouts[param_of_matrix[m]].blocks(per_head) for m in matrices
+        return large_runs.Blocks({m: self.row_layouts[param_of_matrix[m]].blocks(per_head) for m in matrices
                            if self.ns_blocks != "whole" and param_of_matrix[m] in self.row_layouts})
 
     def flops_of(self, copy, steps):
         """Newton-Schulz FLOPs of one matrix of `copy`: whole, or block by block (3b)."""
         layout = self.row_layouts.get(copy.name) if self.ns_blocks != "whole" else None
-        return mlr.newton_schulz_flops_of(copy.matrix_shape, steps, layout and layout.blocks(self.ns_blocks == "heads"))
+        return large_runs.newton_schulz_flops_of(copy.matrix_shape, steps,
+                                                 layout and layout.blocks(self.ns_blocks == "heads"))
 
     def tp_dim_of(self, copy):
         """Section 3c: the mesh dim named "tp" if tp_newton_schulz="gram" and it cuts this 2-D matrix's long side
@@ -151,7 +152,7 @@ class DTensorLargeRuns:
             return -1
         d = names.index("tp")
         p = copy.placements[d]
-        return d if type(p) is Shard and copy.mesh_shape[d] > 1 and mlr.gram_eligible(copy.shape, p.dim) else -1
+        return d if type(p) is Shard and copy.mesh_shape[d] > 1 and large_runs.gram_eligible(copy.shape, p.dim) else -1
 
     def plan_rows(self, opt, describe):
         """3b on this rank's local pieces: the runs of equal block height (blocks) and of equal head (QK-clip) of
@@ -172,12 +173,12 @@ class DTensorLargeRuns:
     def clip_qk_(self, opt, max_logits, problem):
         """DTensorMuon.clip_qk_'s work (its docstring says what it takes): `problem`, a refusal of the optimizer's
         own (one line, or None), is voted on with the maxima."""
-        heads_of = mlr.qk_heads(self.row_layouts, self.clip_names)
-        problem = problem or mlr.max_logits_problem(max_logits, heads_of)
-        maxima = mlr.exchange_max_logits(max_logits, heads_of, problem, opt.me, opt.axis, opt.ledger, opt.device)
+        heads_of = large_runs.qk_heads(self.row_layouts, self.clip_names)
+        problem = problem or large_runs.max_logits_problem(max_logits, heads_of)
+        maxima = large_runs.exchange_max_logits(max_logits, heads_of, problem, opt.me, opt.axis, opt.ledger, opt.device)
         out = {}
         for name, s in maxima.items():
-            scales = mlr.qk_clip_scales(s, self.qk_clip_tau, self.row_layouts[name].shares_keys)
+            scales = large_runs.qk_clip_scales(s, self.qk_clip_tau, self.row_layouts[name].shares_keys)
             flat = local_of(opt.param_by_name[name]).view(-1)
             for start, stop, head in self.clip_runs[name]:
                 if scales[head] != 1.0:

@@ -71,9 +71,9 @@ def _optim_package_stand_in():
 def load(optim_cls, label, without_inputs=()):
     """The upstream module executed with optim_db's Muon entry holding optim_cls (and its optim inputs less those
     whose desc is in without_inputs); returns its CPU test class. optim_db is restored afterwards."""
-    from torch.testing._internal import common_optimizers as co
-    index = next(i for i, info in enumerate(co.optim_db) if info.name == "Muon")
-    original = co.optim_db[index]
+    from torch.testing._internal import common_optimizers
+    index = next(i for i, info in enumerate(common_optimizers.optim_db) if info.name == "Muon")
+    original = common_optimizers.optim_db[index]
     entry = copy.copy(original)
     entry.optim_cls = optim_cls
     if without_inputs:
@@ -82,14 +82,14 @@ def load(optim_cls, label, without_inputs=()):
             i for i in inputs(device, dtype) if i.desc not in without_inputs]
     stand_ins = _optim_package_stand_in()
     saved = {name: sys.modules.get(name) for name in stand_ins}
-    co.optim_db[index] = entry
+    common_optimizers.optim_db[index] = entry
     sys.modules.update(stand_ins)
     try:
         spec = importlib.util.spec_from_file_location(f"torch_test_optim_{label}", UPSTREAM)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
-        co.optim_db[index] = original
+        common_optimizers.optim_db[index] = original
         for name, was in saved.items():
             if was is None:
                 sys.modules.pop(name, None)
@@ -123,10 +123,10 @@ def main():
     if problem:
         sys.exit(problem)
     sys.path.insert(0, ROOT)
-    import muon_tools as mt
+    import muon_tools
 
     # DTensorMuon's one-rank Gloo world, made as the suite's is (tests/conftest.py, single_process_group)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{mt.free_port()}", rank=0, world_size=1,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{muon_tools.free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     columns = {
         "torch.optim.Muon": load(torch.optim.Muon, "torch"),
