@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import distributed_muon_cpu  # noqa: E402
-from distmuon import owners  # noqa: E402
+from distmuon import large_runs, owners  # noqa: E402
 import muon_tools  # noqa: E402
 
 D, LAYERS, VECTORS, ROUNDS = 768, 4, 32, 5  # GPT-2 small's width; the median of 5 steps
@@ -135,7 +135,8 @@ def without_newton_schulz():
 
     cast = lambda matrix, *args, **kwargs: matrix.bfloat16()  # noqa: E731
     setattr(torch_muon, TORCH_NEWTON_SCHULZ, cast)
-    distributed_muon_cpu.newton_schulz = owners.newton_schulz = cast  # the lesson's, and the one distmuon.owners imported for --batched-ns
+    # the lesson's, and the ones distmuon.owners (--batched-ns) and distmuon.large_runs (blocks, heads) imported
+    distributed_muon_cpu.newton_schulz = owners.newton_schulz = large_runs.newton_schulz = cast
 
 
 def step_ms(steppers, rounds, barrier=lambda: None):

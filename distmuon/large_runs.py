@@ -204,11 +204,14 @@ def check_row_layouts(row_layouts, layout, muon_names, tp, qk_clip):
 
 def newton_schulz_blocks(full, blocks, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
     """Newton-Schulz of each block of rows alone, put back where its rows were (bf16, full's shape).
-    A block is copied out contiguous, as the separate parameter it stands for would be."""
+    A block is contiguous, as the separate parameter it stands for would be: a run of rows is a view of
+    (contiguous) full, other rows are copied out."""
     out = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
+    full = full.contiguous()
     for rows in blocks:
-        index = torch.tensor(rows, device=full.device)
-        out[index] = newton_schulz(full[index], steps, coefficients, eps)
+        at = (slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1))
+              else torch.tensor(rows, device=full.device))
+        out[at] = newton_schulz(full[at], steps, coefficients, eps)
     return out
 
 
