@@ -49,7 +49,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from distmuon import dtensor  # noqa: E402
-import distmuon.dtensor.optimizer as dopt  # noqa: E402
+from distmuon.dtensor.optimizer import packed  # noqa: E402
 from distmuon.dtensor import plan  # noqa: E402
 import muon_tools  # noqa: E402
 
@@ -310,7 +310,7 @@ def plan_only(print_fn=print):
             now, peak = rss()
             local = sum(int(cost_model.held(c, gpus)[0]) * 4 for c in copies)
             mine = [c for c in copies if not c.mesh_ranks or 0 in c.mesh_ranks]  # what rank 0 describes
-            described, message = (len(pickle.dumps(x)) / 1e6 for x in (mine, dopt.packed(mine)))
+            described, message = (len(pickle.dumps(x)) / 1e6 for x in (mine, packed(mine)))
             print_fn(f"{key:<12} {gpus:>6} {f'{mesh.dp}x{mesh.tp}':>9} {len(matrices):>9} {seconds:8.2f} "
                      f"{(peak - before) / 1e6:8.1f} {(now - before) / 1e6:8.1f} {local / 1e6:16.1f} "
                      f"{described:10.1f} {message:10.2f}")

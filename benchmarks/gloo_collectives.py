@@ -24,7 +24,7 @@ if __name__ == "__main__":  # first, before torch loads: Ctrl-C waits for the ru
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import distmuon.collectives as collectives  # noqa: E402
+from distmuon import collectives  # noqa: E402
 import distributed_muon_cpu  # noqa: E402
 import muon_tools  # noqa: E402
 
@@ -32,7 +32,7 @@ REPEATS = 9
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # float32 elements per rank: 256 KiB, 4 MiB, 16 MiB
 
 
-def collectives(n, world, dp_axis):
+def timed_collectives(n, world, dp_axis):
     shard = n // world
     full, part = torch.ones(n), torch.ones(shard)
     return {
@@ -53,7 +53,7 @@ def rank_main(rank, world, port, out_dir):
     dp_axis = distributed_muon_cpu.make_grid(world, 1, rank).dp
     times = {}
     for n in SIZES:
-        for name, fn in collectives(n, world, dp_axis).items():
+        for name, fn in timed_collectives(n, world, dp_axis).items():
             samples = []
             for _ in range(REPEATS):
                 dist.barrier()

@@ -61,7 +61,7 @@ import torch.nn.functional as nnf
 from torch.profiler import record_function
 
 
-import distmuon.collectives as collectives  # noqa: E402
+from distmuon import collectives  # noqa: E402
 import distributed_muon_cpu  # noqa: E402
 from distmuon import large_runs  # noqa: E402
 

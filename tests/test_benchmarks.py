@@ -142,3 +142,14 @@ def test_heap_stress_runs_the_command_of_the_checkout_it_is_given(tmp_path):
     for line in lines[1:3]:
         assert line.split()[2:4] == ["exit", "3"] and line.endswith("the other checkout got ['--steps', '1']"), line
     assert lines[3].startswith("Failed: 2 of 2; of which heap corruption or SIGABRT: 0 ")
+
+
+def test_gloo_collectives_times_every_collective_on_two_ranks():
+    """Its table has every collective's time at each size, each a positive number (a name that shadowed the
+    collectives module left its first column failing on every rank)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gloo_collectives.py"), "--ranks", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().endswith(tuple("0123456789"))
+            and ("KiB" in line or "MiB" in line)]
+    assert len(rows) == 3 and all(len(r) == 9 and all(float(x) > 0 for x in r[4:]) for r in rows), proc.stdout

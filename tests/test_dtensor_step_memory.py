@@ -7,20 +7,20 @@ has the arithmetic and the RSS at 268 M).
 import pytest
 import torch
 
+import os
+import sys
+
 from conftest import ROOT
 import distributed_muon_cpu
 import muon_tools
 
-import os  # noqa: E402
-import sys  # noqa: E402
-
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import distmuon.dtensor.optimizer as dopt  # noqa: E402
+from distmuon.dtensor.optimizer import CHUNK, CHUNKS, apply_update_, bf16_update, packed, unpacked  # noqa: E402
 from step_memory import StepMemoryRun, at_scale_rank  # noqa: E402
 
 D = 1024  # at_scale.py's blocks d x 4d and 4d x d: one matrix in bf16 is 1/16 of a rank's float32 parameters on 2
-SIZES = [1, 1000, dopt.CHUNK, 3 * dopt.CHUNK + 37, dopt.CHUNKS * dopt.CHUNK + 5]  # the last: chunks of 2 CHUNK
+SIZES = [1, 1000, CHUNK, 3 * CHUNK + 37, CHUNKS * CHUNK + 5]  # the last: chunks of 2 CHUNK
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,7 @@ def test_the_update_chunk_by_chunk_is_the_lessons_on_the_whole_shard(numel, dtyp
     group = dict(momentum=0.95, nesterov=nesterov)
     whole_buffer, chunked_buffer = buffer.clone(), buffer.clone()
     whole = distributed_muon_cpu.muon_update(whole_buffer, grad, group)
-    chunked = dopt.bf16_update(chunked_buffer, grad, group)
+    chunked = bf16_update(chunked_buffer, grad, group)
     assert chunked.dtype == torch.bfloat16 and torch.equal(chunked, whole)
     assert torch.equal(chunked_buffer, whole_buffer) and not torch.equal(chunked_buffer, buffer)
 
@@ -59,7 +59,7 @@ def test_the_update_applied_chunk_by_chunk_is_the_lessons_on_the_whole_shard(num
             for a in range(0, numel, 3 * 128 * cols)] if blocks else None
     whole, chunked = param.clone(), param.clone()
     distributed_muon_cpu.apply_muon_update_(whole, ortho, group, (numel // cols or 1, cols), runs)
-    dopt.apply_update_(chunked, ortho, group, (numel // cols or 1, cols), runs)
+    apply_update_(chunked, ortho, group, (numel // cols or 1, cols), runs)
     assert torch.equal(chunked, whole) and not torch.equal(chunked, param)
 
 
@@ -105,6 +105,6 @@ def test_what_a_rank_sends_at_construction_grows_with_its_parameters_not_with_th
     copies = [Copy(f"{i}.w", i % 2, (4096, 1024), tuple(range(world)), (world // 8, 8),
                    (_StridedShard(0, split_factor=8), Shard(i % 2)), False, ("dp", "tp")) for i in range(500)]
     copies.append(Copy("bias", 1, (7,), (), (), (), False))
-    message = dopt.packed(copies)
-    assert dopt.unpacked(*message) == copies
+    message = packed(copies)
+    assert unpacked(*message) == copies
     assert len(pickle.dumps(message)) < 300_000 and len(pickle.dumps(copies)) > 100 * len(pickle.dumps(message))
