@@ -285,22 +285,22 @@ with open("runs/notebook_4x2.json") as f:
 # size of the change:
 
 # %%
-checks = run["checks"]
-names = [c["name"] for c in checks]
+compared = run["checks"]
+names = [c["name"] for c in compared]
 fig, ax = plt.subplots(figsize=(11, 4))
-ax.bar(range(len(checks)), [c["max_abs_update"] for c in checks], color="tab:blue", label="max |update| (3 steps)")
-diffs = [c["max_abs_diff"] for c in checks]
+ax.bar(range(len(compared)), [c["max_abs_update"] for c in compared], color="tab:blue", label="max |update| (3 steps)")
+diffs = [c["max_abs_diff"] for c in compared]
 ax.scatter([i for i, d in enumerate(diffs) if d > 0], [d for d in diffs if d > 0], color="red", zorder=3,
            label="max |Δ| vs torch (where not 0)")
 ax.set_yscale("log")
-ax.set_xticks(range(len(checks)), names, rotation=75, fontsize=7)
-n_same = sum(c["identical"] for c in checks)
-ax.set_title(f"max |Δ| against torch.optim.Muon / AdamW: {n_same}/{len(checks)} parameters bit-identical "
+ax.set_xticks(range(len(compared)), names, rotation=75, fontsize=7)
+n_same = sum(c["identical"] for c in compared)
+ax.set_title(f"max |Δ| against torch.optim.Muon / AdamW: {n_same}/{len(compared)} parameters bit-identical "
              f"(Δ = 0 is not drawn on a log axis)")
 ax.legend(loc="lower left", framealpha=1)
 plt.tight_layout()
 plt.show()
-assert n_same == len(checks), "some parameter differs from torch"
+assert n_same == len(compared), "some parameter differs from torch"
 
 # %% [markdown]
 # What the run moved and computed, from every rank's ledger: the bytes of each phase (counted as
