@@ -58,7 +58,7 @@ def test_the_hash_reads_every_program_the_runs_notebook_runs():
     """A program the runs notebook starts, left out of what make_notebook hashes, would let its saved outputs
     go stale unnoticed."""
     with open(PAIRS[RUNS_NOTEBOOK]) as f:
-        programs = set(re.findall(r'mt\.run_program\("([^"]+)"', f.read()))
+        programs = set(re.findall(r'muon_tools\.run_program\("([^"]+)"', f.read()))
     assert programs == {"distributed_muon_cpu.py", "benchmarks/compare.py", "examples/train_gpt.py",
                         "examples/train_gpt_moe.py"}
     assert programs <= set(make_notebook.NOTEBOOKS[os.path.basename(RUNS_NOTEBOOK)][1])
