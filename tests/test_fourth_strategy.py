@@ -154,4 +154,4 @@ def test_large_runs_give_their_middle_to_any_strategy_that_runs_the_gather_flow(
     wrapper = large_runs.LargeRuns()
     wrapped = wrapper.around(Relabelled())
     assert type(wrapped.strategy) is Relabelled and wrapped.middle == wrapper.middle
-    assert not hasattr(large_runs.around(RoundRobin()), "middle")  # an owner's Newton-Schulz is its own
+    assert not hasattr(wrapper.around(RoundRobin()), "middle")  # an owner's Newton-Schulz is its own

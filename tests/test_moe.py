@@ -195,7 +195,7 @@ def test_a_checkpoint_of_another_expert_count_or_optimizer_is_refused_before_any
     it was saved with is one line, exit 2; the sizes and optimizer it was saved with pass (they resumed above)."""
     configs, _, _ = trainings
     folder = configs[0].save
-    monkeypatch.setattr(train_gpt_moe.mt, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(train_gpt_moe.muon_tools, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
     argv = ["--dp", "4", "--ep", "2", "--tp", "2", "--shared-expert", "--steps", "3", "--batch", "8", "--context", "32",
             "--d-model", "32", "--layers", "2", "--heads", "4", "--expert-hidden", "32", "--val-windows", "8",
             "--resume", folder, "--resume-step", "2"]

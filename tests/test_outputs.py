@@ -108,7 +108,7 @@ def checkpoint(tmp_path_factory):
 
 def refusal(capsys, monkeypatch, argv):
     """(exit code, stderr) of examples/train_gpt_dtensor.py's main(argv), which must start no rank."""
-    monkeypatch.setattr(train_gpt_dtensor.mt, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(train_gpt_dtensor.muon_tools, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
     code = train_gpt_dtensor.main(argv)
     return code, capsys.readouterr().err
 

@@ -139,12 +139,12 @@ def test_lpt_on_the_demo_model_by_hand():
 def test_equal_flops_in_different_shapes_are_shared_out_shape_by_shape():
     # fc1 (4d x d) and fc2 (d x 4d) have equal FLOPs but not equal times on every machine
     # (notes/measured/ns_shapes_2core.txt): each rank must get its share of each shape.
-    owners = demo_owners(2, layers=4)
+    owner_of = demo_owners(2, layers=4)
     for kind in ("mlp.fc1", "mlp.fc2", "attn.qkv", "attn.proj", "router"):
-        assert sorted(owners[f"layers.{i}.{kind}.weight"] for i in range(4)) == [0, 0, 1, 1], kind
+        assert sorted(owner_of[f"layers.{i}.{kind}.weight"] for i in range(4)) == [0, 0, 1, 1], kind
     # and in a snake: each layer's matrices are split between the ranks, not layers bunched on one
-    assert all(owners[f"layers.{i}.mlp.fc1.weight"] != owners[f"layers.{i}.mlp.fc2.weight"] for i in range(4))
-    assert all(len({owners[n] for n in owners if n.startswith(f"layers.{i}.")}) == 2 for i in range(4))
+    assert all(owner_of[f"layers.{i}.mlp.fc1.weight"] != owner_of[f"layers.{i}.mlp.fc2.weight"] for i in range(4))
+    assert all(len({owner_of[n] for n in owner_of if n.startswith(f"layers.{i}.")}) == 2 for i in range(4))
     # In model order (fc1, fc2, fc1, ...) LPT alone gives rank 0 every fc1 and rank 1 every fc2.
     in_model_order = owners.assign_owners(demo_flops(layers=4), 2)
     assert {in_model_order[f"layers.{i}.mlp.fc{j}.weight"] for i in range(4) for j in (1, 2)} == {0, 1}
