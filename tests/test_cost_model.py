@@ -450,10 +450,17 @@ def test_per_call_costs_are_priced_as_counted():
     (["--check-here", "--d", "100000000"], "needs at least"),
 ])
 def test_bad_flags_are_refused_in_one_line_with_exit_2(argv, message, capsys):
+    assert_refused(argv, message, capsys)
+
+
+def assert_refused(argv, message, capsys):
+    """cost_model's command refuses argv before it runs anything: exit 2, one line on stderr naming `message`."""
     with pytest.raises(SystemExit) as exit_:
         cost_model.main(argv)
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not captured.out, captured.out
 
 
 def test_one_table_names_every_optimizer_and_the_cluster(capsys):
