@@ -119,8 +119,7 @@ muon_tools.show_source(distributed_muon_cpu.muon_momentum_)
 gen = torch.Generator().manual_seed(1)
 grad, buf = torch.randn(384 * 128, generator=gen), torch.randn(384 * 128, generator=gen)
 whole = distributed_muon_cpu.muon_momentum_(buf.clone(), grad, 0.95, True)
-halves = torch.cat([distributed_muon_cpu.muon_momentum_(b, g, 0.95, True) for b, g in zip(buf.clone().chunk(2),
-                                                                                          grad.chunk(2))])
+halves = torch.cat([distributed_muon_cpu.muon_momentum_(b, g, 0.95, True) for b, g in zip(buf.clone().chunk(2), grad.chunk(2))])
 print(f"momentum on two halves equals momentum on the whole: {torch.equal(whole, halves)}")
 for shape in [(384, 128), (128, 128), (128, 512)]:
     print(f"learning rate 0.02 of a {shape[0]}x{shape[1]} matrix: {distributed_muon_cpu.adjusted_lr(0.02, 'original', shape):.4f}")
@@ -189,12 +188,11 @@ update = {n: torch.randn(plan.layout.global_shapes[n], generator=gen).bfloat16()
 def flow(grid):
     """One rank: its DP shard of the bucket's update, then the gather flow, counted in its own ledger."""
     metas = [plan.layout.metas[grid.dp.rank][n] for n in bucket.names]
-    parts = {m.name: distributed_muon_cpu.dp_shard(distributed_muon_cpu.tp_shard(update[m.name], m.tp_split_dim,
-                                                                                 grid.tp.rank, tp), m) for m in metas}
+    parts = {m.name: distributed_muon_cpu.dp_shard(distributed_muon_cpu.tp_shard(update[m.name], m.tp_split_dim, grid.tp.rank, tp), m)
+             for m in metas}
     shard = distributed_muon_cpu.shard_of_bucket(parts, metas, bucket.numel // dp, torch.bfloat16, "cpu")
     ledger = distributed_muon_cpu.Ledger()
-    ortho = distributed_muon_cpu.gather_newton_schulz_shard(shard, [m for m in metas if m.local_numel], group, grid,
-                                                            ledger)
+    ortho = distributed_muon_cpu.gather_newton_schulz_shard(shard, [m for m in metas if m.local_numel], group, grid, ledger)
     return dict(shard=shard, ortho=ortho, ledger=ledger)
 
 
@@ -203,8 +201,7 @@ print(f"bucket (0, 0): {', '.join(bucket.names)}; {bucket.numel:,} elements, eac
       f"{bucket.numel // dp:,}\n")
 rows = []
 for r, out in enumerate(ranks):
-    received = {p: sum(c["received"] for c in out["ledger"].comm if c["phase"] == p) for p in ("DP gather",
-                                                                                               "TP gather")}
+    received = {p: sum(c["received"] for c in out["ledger"].comm if c["phase"] == p) for p in ("DP gather", "TP gather")}
     ns = [f"{c['name'].split('.')[-2]} {'x'.join(map(str, c['shape']))}" for c in out["ledger"].compute]
     rows.append([r, tuple(out["shard"].shape), muon_tools.human_bytes(received["DP gather"]),
                  muon_tools.human_bytes(received["TP gather"]), ", ".join(ns),
@@ -456,12 +453,11 @@ muon_tools.show_source(large_runs.newton_schulz_tp)
 equal, worst = 0, 0
 for _ in range(8):
     wide = torch.randn(64, 1024, generator=gen)
-    pieces = muon_tools.on_thread_ranks(1, 2, lambda g: large_runs.newton_schulz_tp(wide.chunk(2, dim=1)[g.tp.rank],
-                                                                                    wide.shape,
-                                                                     g.tp, distributed_muon_cpu.Ledger()))
+    pieces = muon_tools.on_thread_ranks(1, 2, lambda g: large_runs.newton_schulz_tp(
+        wide.chunk(2, dim=1)[g.tp.rank], wide.shape, g.tp, distributed_muon_cpu.Ledger()))
     ours = torch.cat(pieces, dim=1)
-    theirs = torch.optim._muon._zeropower_via_newtonschulz(wide, distributed_muon_cpu.NS_COEFFICIENTS,
-                                                           distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS)
+    theirs = torch.optim._muon._zeropower_via_newtonschulz(wide, distributed_muon_cpu.NS_COEFFICIENTS, distributed_muon_cpu.NS_STEPS,
+                                                           distributed_muon_cpu.NS_EPS)
     top = theirs.float().abs().max()
     spacing = torch.finfo(torch.bfloat16).eps * 2 ** top.log2().floor()  # between bf16 numbers just below `top`
     equal += torch.equal(ours, theirs)

@@ -116,8 +116,7 @@ def run_lesson_rank(rank, runs, device):
     out = {}
     for strategy in runs.strategies:
         lcfg = lesson_config(cfg, strategy)
-        out[strategy] = distributed_muon_cpu.run_steps(lcfg, specs, functools.partial(muon_tools.build_optimizer,
-                                                                                      specs, lcfg), grid, device)
+        out[strategy] = distributed_muon_cpu.run_steps(lcfg, specs, functools.partial(muon_tools.build_optimizer, specs, lcfg), grid, device)
     return dict(rank=rank, lesson=out)
 
 
@@ -130,10 +129,8 @@ def lesson_accounts(runs, results):
         lcfg = lesson_config(cfg, strategy)
         ledgers = [r["lesson"][strategy]["ledger"] for r in results]
         reference = muon_tools.reference_params(specs, lcfg)
-        checks = distributed_muon_cpu.check_against_torch(specs, [r["lesson"][strategy] for r in results], reference,
-                                                          cfg.tp)
-        accounts[strategy] = dict(checks=checks, table=muon_tools.bytes_per_step(ledgers, cfg.steps,
-                                                                                 muon_tools.PHASES_OF[strategy]),
+        checks = distributed_muon_cpu.check_against_torch(specs, [r["lesson"][strategy] for r in results], reference, cfg.tp)
+        accounts[strategy] = dict(checks=checks, table=muon_tools.bytes_per_step(ledgers, cfg.steps, muon_tools.PHASES_OF[strategy]),
                                   flops=muon_tools.flops_per_step(ledgers, specs, cfg.steps, NS_STEPS))
     return accounts
 

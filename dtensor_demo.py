@@ -53,8 +53,7 @@ def validate(cfg):
     with torch.random.fork_rng(devices=[]):  # the seed it sets (manual_seed) undone on the way out
         model = DemoModel(replace(cfg, layers=1))  # one layer has every layer's shapes
     groups = param_groups(model, cfg)
-    muon_tools.check_step_numbers(muon_tools.flag, groups, [p.shape[-2:] for _,
-                                                            p in groups[0]["params"]])  # each expert a matrix
+    muon_tools.check_step_numbers(muon_tools.flag, groups, [p.shape[-2:] for _, p in groups[0]["params"]])  # each expert a matrix
     if cfg.train and (4 * cfg.d) % cfg.tp:
         raise ValueError(f"--train with TP {cfg.tp}: torch's ColwiseParallel -> RowwiseParallel forward needs TP to "
                          f"divide the hidden size {4 * cfg.d} (it takes the uneven pieces for even ones); without "

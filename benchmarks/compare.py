@@ -49,8 +49,7 @@ BALANCE_TARGET = 1.10  # max/mean Newton-Schulz FLOPs per rank that the owner as
 # touches it): every other run keeps its default.
 TAKEN_BY = {**{k: owners.strategies_where(lambda s, k=k: k in s.own_options) for k in ("overlap", "batched_ns")},
             "tp_newton_schulz": owners.strategies_where(lambda s: not s.orthogonalizes_once),
-            **{k: owners.STRATEGIES for k in muon_tools.MUON_ONLY + ("ns_blocks",
-                                                                     "qk_clip_tau") if k != "tp_newton_schulz"}}
+            **{k: owners.STRATEGIES for k in muon_tools.MUON_ONLY + ("ns_blocks", "qk_clip_tau") if k != "tp_newton_schulz"}}
 
 
 def run_config(cfg, kind):
@@ -103,8 +102,7 @@ def compare(cfg, explain=False, print_fn=print):
 def realistic_balance(n_ranks, ns_steps=distributed_muon_cpu.NS_STEPS):
     """max/mean Newton-Schulz FLOPs of the owner assignment for GPT-2 small's matrices (12 layers, d = 768),
     from shapes alone: the demo model is too small to balance 8 ranks (see section 7)."""
-    matrices = [s for s in distributed_muon_cpu.transformer_specs(vocab=50304, d=768,
-                                                                  n_layers=12) if s.group == muon_tools.MUON_GROUP]
+    matrices = [s for s in distributed_muon_cpu.transformer_specs(vocab=50304, d=768, n_layers=12) if s.group == muon_tools.MUON_GROUP]
     flops = {s.name: distributed_muon_cpu.newton_schulz_flops(s.global_shape, ns_steps) for s in matrices}
     owner_of = owners.assign_owners(flops, n_ranks, {s.name: s.global_shape for s in matrices})
     _, balance = owners.load_balance(flops, owner_of, n_ranks)
@@ -225,8 +223,7 @@ def split_matrices(models):
     for model, specs in models:
         seen = set()
         for s in specs:
-            if s.group == muon_tools.MUON_GROUP and s.tp_split_dim >= 0 and (s.global_shape,
-                                                                             s.tp_split_dim) not in seen:
+            if s.group == muon_tools.MUON_GROUP and s.tp_split_dim >= 0 and (s.global_shape, s.tp_split_dim) not in seen:
                 seen.add((s.global_shape, s.tp_split_dim))
                 out.append((model, s.name.split(".", 2)[-1], s.global_shape, s.tp_split_dim))
     return out

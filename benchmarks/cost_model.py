@@ -133,8 +133,7 @@ def main(argv=None):
                    help=f"DTensorMuon by groups, overlapped, on {HERE_RANKS} ranks here against the model (--exchange-bytes: "
                         f"one size, default {HERE_EXCHANGE_BYTES >> 10}KiB)")
     args = p.parse_args(argv)
-    given = lambda names: [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None,
-                                                                                                 False)]  # noqa: E731
+    given = lambda names: [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, False)]  # noqa: E731
     runs = (args.chapter, args.check_here, args.overlap_table, args.check_overlap_here)
     if sum(map(bool, runs)) > 1:
         p.error("--chapter, --check-here, --overlap-table and --check-overlap-here are separate runs: give one")

@@ -155,9 +155,8 @@ def unit_costs(specs):
     n = 1 << 22
     a, b = torch.randn(n), torch.randn(n)
     return dict(ns_tflops=flops / max(ns, 1e-9) / 1e12, ns_call_us=ns_call * 1e6,
-                muon_part_us=typical_seconds(lambda: distributed_muon_cpu.apply_muon_update_(p,
-                                                                                             distributed_muon_cpu.muon_update(buf, one, group), group,
-                                                                           (1, 1))) * 1e6,
+                muon_part_us=typical_seconds(lambda: distributed_muon_cpu.apply_muon_update_(
+                    p, distributed_muon_cpu.muon_update(buf, one, group), group, (1, 1))) * 1e6,
                 adamw_part_us=typical_seconds(lambda: adamw_step_(p, one, state, adamw)) * 1e6,
                 apply_us=typical_seconds(lambda: distributed_muon_cpu.apply_muon_update_(p, one, group, (1, 1))) * 1e6,
                 hbm_gbs=12 * n / typical_seconds(lambda: a.lerp_(b, 0.05), 7) / 1e9)
@@ -262,8 +261,7 @@ def check_here(d, layers, rounds, print_fn=print):
     for ranks in CHECK_RANKS[1:]:
         m = machines[ranks]
         ops = ", ".join(f"{op} {us:.0f} us + {gbs:.2f} GB/s (CPU {cpu:.0f} us + {cpu_gbs:.2f} GB/s)"
-                        for (op, us), (_, gbs), (_, cpu), (_, cpu_gbs) in zip(m.call_us, m.op_gbs, m.cpu_call_us,
-                                                                              m.cpu_gbs))
+                        for (op, us), (_, gbs), (_, cpu), (_, cpu_gbs) in zip(m.call_us, m.op_gbs, m.cpu_call_us, m.cpu_gbs))
         print_fn(f"  * {ranks} ranks: the library's collectives, a call + its bytes: {ops}; Newton-Schulz "
                  f"{m.ns_shared:.2f} x as long when every rank runs it at once")
     print_fn(f"  * bookkeeping, fitted at d = {TINY_D} (per parameter, every rank): "

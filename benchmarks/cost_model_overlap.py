@@ -103,8 +103,7 @@ def dtensor_groups(copies, group_algorithms, group_ns_steps, world, node_of, exc
         names, nbytes = tuple(dict.fromkeys(m.copy.name for m in group)), sum(2 * math.prod(m.shape) for m in group)
         whole = [c for c in muon if c.local] if exchange_bytes is None else []  # one exchange: in the same finish
         out.append(Group(names + tuple(local) * bool(whole), nbytes + sum(local.values()) * bool(whole),
-                         add_whole(owned, whole, world), traffic, add_local_matrices(flops, whole, group_ns_steps,
-                                                                                     calls),
+                         add_whole(owned, whole, world), traffic, add_local_matrices(flops, whole, group_ns_steps, calls),
                          calls))
     for chunk in local_chunks:
         flops, calls = [0] * world, [0] * world

@@ -62,8 +62,7 @@ def scenario_title(s, cluster):
 
 
 CHAPTER = [Scenario(MODELS["gpt2-small"], 8)] + \
-    [Scenario(MODELS[m], g, tp=8, normuon=m == "llama3-70b") for m in ("llama3-8b",
-                                                                       "llama3-70b") for g in (64, 512)] + \
+    [Scenario(MODELS[m], g, tp=8, normuon=m == "llama3-70b") for m in ("llama3-8b", "llama3-70b") for g in (64, 512)] + \
     [Scenario(MODELS["deepseek-v3"], g, ep=64, normuon=g == 1024) for g in (256, 512, 1024, 2048)] + \
     [Scenario(MODELS["kimi-k2"], 2048, ep=64)]
 # Newton-Schulz scaling (figure 2): the same models over more GPUs.

@@ -103,8 +103,7 @@ class Traffic:
         """The Ledger's ring count of bytes; the latency of the ring's 2 (n - 1) steps or of a tree's 2 log2 n,
         whichever is fewer (NCCL picks a tree for small messages on many ranks: the grad-presence vote)."""
         n = len(groups[0])
-        self.ring(phase, axis, dtype, groups, -(-numel // n), 2 * (n - 1), min(2 * (n - 1),
-                                                                               2 * math.ceil(math.log2(n))),
+        self.ring(phase, axis, dtype, groups, -(-numel // n), 2 * (n - 1), min(2 * (n - 1), 2 * math.ceil(math.log2(n))),
                   op="all_reduce")
 
     def all_to_all(self, phase, axis, dtype, sources, destinations, numels, members=None):
@@ -119,8 +118,7 @@ class Traffic:
         src, dst, nbytes = src[keep], dst[keep], num[keep] * dtype.itemsize
         node = torch.tensor([self.node_of(r) for r in range(self.world)])
         inter = node[src] != node[dst]
-        per_rank = lambda index, values: torch.zeros(self.world, dtype=torch.int64).index_add_(0, index,
-                                                                                               values)  # noqa: E731
+        per_rank = lambda index, values: torch.zeros(self.world, dtype=torch.int64).index_add_(0, index, values)  # noqa: E731
         for name, mask in (("intra", ~inter), ("inter", inter)):
             sent, received = per_rank(src[mask], nbytes[mask]), per_rank(dst[mask], nbytes[mask])
             pairs = torch.unique(src[mask] * self.world + dst[mask])  # one message per pair of ranks

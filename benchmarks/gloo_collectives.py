@@ -38,8 +38,8 @@ def timed_collectives(n, world, dp_axis):
     return {
         "Gloo's reduce-scatter (RS)": lambda: collectives.reduce_scatter_single(torch.empty(shard), full,
                                                                         op=dist.ReduceOp.SUM),
-        "RS, all-to-all + sum": lambda: distributed_muon_cpu.reduce_scatter(full, dp_axis,
-                                                                            distributed_muon_cpu.Ledger(), "grad reduce-scatter"),
+        "RS, all-to-all + sum": lambda: distributed_muon_cpu.reduce_scatter(full, dp_axis, distributed_muon_cpu.Ledger(),
+                                                           "grad reduce-scatter"),
         "all-gather (AG)": lambda: collectives.all_gather_single(torch.empty(n), part),
         "all-to-all": lambda: dist.all_to_all_single(torch.empty(n), full),
         "all-reduce": lambda: dist.all_reduce(full),

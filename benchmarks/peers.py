@@ -492,8 +492,7 @@ PEERS = [
           algorithm=cls.lower(), compiles=mode == "compiled")
      for cls in ("Muon", "NorMuon") for mode in ("compiled", "eager")
 ] + [Peer("torchtitan", "torchtitan", f"torchtitan {{v}} DistMuon, {kind}", FSDP2_SYNC,
-          peers_torchtitan.dist_muon(per_head, fsdp2_contender, dict(lr=LR, weight_decay=WEIGHT_DECAY,
-                                                                     momentum=MOMENTUM)),
+          peers_torchtitan.dist_muon(per_head, fsdp2_contender, dict(lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM)),
           peers_torchtitan.patch, note=TORCHTITAN_NOTE, without_ns=peers_torchtitan.without_ns,
           algorithm=peers_torchtitan.PER_HEAD if per_head else "muon")
      for per_head, kind in ((False, "whole matrices"), (True, "per head"))]

@@ -131,11 +131,10 @@ def newton_schulz_rates(shapes, device, rounds, sync):
     for shape, count in counts.items():
         g = torch.randn(shape, generator=torch.Generator(device).manual_seed(0), device=device)
         ms = newton_schulz_gflops.median_ms(
-            lambda: newton_schulz_gflops.torch_newton_schulz(g, distributed_muon_cpu.NS_COEFFICIENTS,
-                                                             distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS),
+            lambda: newton_schulz_gflops.torch_newton_schulz(g, distributed_muon_cpu.NS_COEFFICIENTS, distributed_muon_cpu.NS_STEPS,
+                                                             distributed_muon_cpu.NS_EPS),
             rounds, sync)
-        rows.append((shape, count, ms, distributed_muon_cpu.newton_schulz_flops(shape,
-                                                                                distributed_muon_cpu.NS_STEPS) / ms / 1e9))
+        rows.append((shape, count, ms, distributed_muon_cpu.newton_schulz_flops(shape, distributed_muon_cpu.NS_STEPS) / ms / 1e9))
     return rows
 
 
@@ -185,8 +184,7 @@ def main(argv=None):
         print(f"  the per-head rows against {peers.REFERENCES[peers_torchtitan.PER_HEAD][0]} ({peers_torchtitan.head_dim(args.d)} rows)")
     for status in statuses:
         print(f"  {status}")
-    flops = sum(distributed_muon_cpu.newton_schulz_flops(tuple(w.shape),
-                                                         distributed_muon_cpu.NS_STEPS) for w in weights.values())
+    flops = sum(distributed_muon_cpu.newton_schulz_flops(tuple(w.shape), distributed_muon_cpu.NS_STEPS) for w in weights.values())
     measured_ms = sum(count * ms for _, count, ms, _ in rates)
     print(f"\nNewton-Schulz alone (torch's, {distributed_muon_cpu.NS_STEPS} iterations, bf16), one matrix of each shape, median of "
           f"{args.rounds} after a warm-up; the cost model assumes {ASSUMED_TFLOPS:.0f} TFLOP/s on an H100 "

@@ -52,8 +52,7 @@ HYPERPARAMETERS = dict(lr=0.02, weight_decay=0.1)  # for torch's optimizers and 
 # What is timed: every strategy, and those that take overlap (the owner strategies) with their step overlapped.
 OVERLAPPED = owners.strategies_where(lambda strategy: "overlap" in strategy.own_options)
 VARIANTS = {s: (s, {}) for s in owners.STRATEGIES}
-VARIANTS.update({f"{s} --overlap {owners.OVERLAP_DEFAULT}": (s,
-                                                             dict(overlap=owners.OVERLAP_DEFAULT)) for s in OVERLAPPED})
+VARIANTS.update({f"{s} --overlap {owners.OVERLAP_DEFAULT}": (s, dict(overlap=owners.OVERLAP_DEFAULT)) for s in OVERLAPPED})
 
 
 def shapes(d, layers):

@@ -93,8 +93,7 @@ def other_commit(directory):
     its owner strategies] (distmuon/owners.py, or muon_owners.py before the library moved into distmuon/; before
     the owner strategies had a file of their own: [its lesson]). While its modules load, they and not ours are the
     library's names in sys.modules, so that they import one another; ours are put back after."""
-    ours = {n: m for n, m in sys.modules.items() if n in ("distributed_muon_cpu",
-                                                          "distmuon") or n.startswith("distmuon.")}
+    ours = {n: m for n, m in sys.modules.items() if n in ("distributed_muon_cpu", "distmuon") or n.startswith("distmuon.")}
     for name in ours:
         del sys.modules[name]
     try:

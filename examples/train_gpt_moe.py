@@ -256,8 +256,7 @@ def train_rank(rank, cfg, device):
     corpus, ledger = load_corpus(), distributed_muon_cpu.Ledger()
     model = parallelize(moe_gpt(cfg).to(device), dense, moe_mesh, ledger)
     # where each element sits, for --verify only (another model parallelized: not part of every run's start)
-    where = dtensor_run.element_places(moe_gpt(cfg), lambda m: parallelize(m, dense, moe_mesh,
-                                                                           distributed_muon_cpu.Ledger()),
+    where = dtensor_run.element_places(moe_gpt(cfg), lambda m: parallelize(m, dense, moe_mesh, distributed_muon_cpu.Ledger()),
                                        device) if cfg.keep else None
     opt = build_optimizer(model, cfg, group)
     first = 1

@@ -165,7 +165,7 @@ def print_header(cfg, plan, device_kind, backend, explain, print_fn):
     buckets = plan.layout.buckets
     used, padded = sum(b.used for b in buckets), sum(b.numel for b in buckets)
     n_buffers = len({b.buffer_idx for b in buckets})
-    outside = [n for n in plan.muon_names if not plan.strategy.bucketed(plan, n)]
+    outside = any(not plan.strategy.bucketed(plan, n) for n in plan.muon_names)
     whole = " (Muon matrices are sharded whole, outside the buckets)" if outside else ""
     print_fn(f"[3] Virtual buffer: {n_buffers} param groups, {len(buckets)} buckets of <= {cfg.bucket_size:,} "
              f"elements, {used:,} TP-local elements + {padded - used} padding per rank{whole}")

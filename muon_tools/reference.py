@@ -72,8 +72,7 @@ def torch_optimizers(groups):
         if h["algorithm"] == "normuon":
             # its coefficients: torch's default, swapped for one per iteration as torch.optim.Muon's are (below)
             optimizers.append(NorMuonReference(h["params"], **{k: v for k, v in h.items()
-                                                                if k not in ("params", "algorithm",
-                                                                             "ns_coefficients")}))
+                                                                if k not in ("params", "algorithm", "ns_coefficients")}))
         elif h["algorithm"] == "muon":
             optimizers.append(torch.optim.Muon(h["params"], lr=h["lr"], weight_decay=h["weight_decay"],
                                                momentum=h["momentum"], nesterov=h["nesterov"],

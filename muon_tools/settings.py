@@ -229,5 +229,4 @@ def plan_optimizer(cfg, rank=0, specs=None):
     """
     specs, grid = specs or demo_specs(cfg), plan_grid(cfg.dp, cfg.tp, rank)
     start = initial_params(specs, cfg.seed)
-    return build_optimizer(specs, cfg, grid, {s.name: distributed_muon_cpu.rank_piece(start[s.name], s, grid,
-                                                                                      "cpu") for s in specs})
+    return build_optimizer(specs, cfg, grid, {s.name: distributed_muon_cpu.rank_piece(start[s.name], s, grid, "cpu") for s in specs})

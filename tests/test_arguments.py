@@ -84,12 +84,10 @@ def test_the_lessons_optimizers_refuse_an_argument_of_the_wrong_kind_naming_it(s
 
 
 def test_large_runs_and_strategy_must_be_instances_not_classes(single_process_group):
-    assert_refused_naming("large_runs", lambda: distributed_muon_cpu.DistributedMuon(groups(tensors()),
-                                                                                     grid=single_process_group,
-                                                                   large_runs=large_runs.LargeRuns))
-    assert_refused_naming("strategy", lambda: distributed_muon_cpu.DistributedMuon(groups(tensors()),
-                                                                                   grid=single_process_group,
-                                                                 strategy=owners.Owner))
+    assert_refused_naming("large_runs", lambda: distributed_muon_cpu.DistributedMuon(groups(tensors()), grid=single_process_group,
+                                                                     large_runs=large_runs.LargeRuns))
+    assert_refused_naming("strategy", lambda: distributed_muon_cpu.DistributedMuon(groups(tensors()), grid=single_process_group,
+                                                                   strategy=owners.Owner))
 
 
 @pytest.mark.parametrize("cls", ["OwnerMuon", "CommFreeMuon"])
@@ -178,8 +176,8 @@ def plan_of(opt):
 BUILDS = {
     "DistributedMuon": lambda grid: lesson(distributed_muon_cpu.DistributedMuon, grid),
     "DistributedMuon with LargeRuns": lambda grid: lambda t: lesson(  # a LargeRuns serves one optimizer
-        distributed_muon_cpu.DistributedMuon, grid, large_runs=large_runs.LargeRuns(row_layouts={"w": large_runs.RowLayout((2, 2), 2, ("q", "k"))},
-                                                           ns_blocks="heads"))(t),
+        distributed_muon_cpu.DistributedMuon, grid, large_runs=large_runs.LargeRuns(
+            row_layouts={"w": large_runs.RowLayout((2, 2), 2, ("q", "k"))}, ns_blocks="heads"))(t),
     "OwnerMuon": lambda grid: lesson(owners.OwnerMuon, grid),
     "OwnerMuon, overlapped": lambda grid: lesson(owners.OwnerMuon, grid, overlap=2),
     "CommFreeMuon": lambda grid: lesson(owners.CommFreeMuon, grid),

@@ -121,8 +121,7 @@ def test_two_ranks_splits_every_phase_and_each_rank_orthogonalizes_half(capsys):
         flops = [float(x) for x in rows["NS GFLOP"]]
         for i in range(0, 8, 2):  # each variant: rank 0 and rank 1, each about half
             assert abs(flops[i] + flops[i + 1] - total) <= 0.01 * total and min(flops[i:i + 2]) > 0.3 * total
-        for phase in muon_tools.PHASES_OF["owner"] + muon_tools.PHASES_OF["comm-free"] + ("newton-schulz",
-                                                                                          "state update"):
+        for phase in muon_tools.PHASES_OF["owner"] + muon_tools.PHASES_OF["comm-free"] + ("newton-schulz", "state update"):
             assert phase in rows, phase
         assert all(float(x) > 0 for x in rows["step (traced)"])
 

@@ -104,8 +104,7 @@ def test_normuon_rows_and_state_are_the_ledgers(run_grid, cfg):
     expected = ({"NorMuon rows"} if cfg.strategy == "owner" or cfg.tp > 1 else set()) | (
         {"NorMuon rows broadcast"} if cfg.strategy == "comm-free" and cfg.dp > 1 else set())
     assert moved == expected  # a test that cannot fail is a defect: these grids move NorMuon's rows
-    plain = cost_model.lesson_cost(cost_model.lesson_optimizer(muon_tools.demo_specs(cfg), replace(cfg,
-                                                                                                   normuon=False)), ONE_NODE)
+    plain = cost_model.lesson_cost(cost_model.lesson_optimizer(muon_tools.demo_specs(cfg), replace(cfg, normuon=False)), ONE_NODE)
     assert sum(cost.state_bytes) > sum(plain.state_bytes)  # v: one float32 per row of each matrix, at its owner
 
 
@@ -363,8 +362,7 @@ def test_attention_is_palms_term_in_the_forward_and_backward():
     assert cost_model.forward_backward_seconds(s, CLUSTER) == pytest.approx(llama.train_flops() / (64 * 1e12))
     marin = cost_model.MODELS["marin-moe-d2560"]  # issue 6044's d2560 shape, 64 experts: its 2.34 B active at 256 (routers,
     assert marin.active_params() == pytest.approx(2.34e9, rel=0.03)  # gated norms aside)
-    assert cost_model.mfu_with(0.344, 2.0, 0.0) == 0.344 and cost_model.mfu_with(0.344, 2.0,
-                                                                                 0.25) == pytest.approx(0.344 * 2 / 2.25)
+    assert cost_model.mfu_with(0.344, 2.0, 0.0) == 0.344 and cost_model.mfu_with(0.344, 2.0, 0.25) == pytest.approx(0.344 * 2 / 2.25)
 
 
 def test_the_flat_buffer_gives_the_issues_figures():

@@ -544,8 +544,7 @@ def test_owners_are_the_lessons_lpt_restricted_to_each_matrixs_holders():
     g = torch.Generator().manual_seed(0)
     flops = {f"m{i}": int(f) for i, f in enumerate(torch.randint(1, 50, (23,), generator=g).tolist())}
     everyone = {n: tuple(range(6)) for n in flops}
-    assert owners.assign_owners(flops, 6, holders=everyone) == owners.assign_owners(flops,
-                                                                                    6)  # holding all: the lesson's
+    assert owners.assign_owners(flops, 6, holders=everyone) == owners.assign_owners(flops, 6)  # holding all: the lesson's
     shapes = {n: (f % 3, 1) for n, f in flops.items()}  # equal FLOPs in different shapes, too
     assert owners.assign_owners(flops, 6, shapes, holders=everyone) == owners.assign_owners(flops, 6, shapes)
     # two holder sets, as the expert stacks of one TP column each, beside matrices everyone holds

@@ -40,8 +40,7 @@ def test_training_checks_bound_drift_and_one_ulp():
     bound = 4 * one_err + n * 2.0**-24 * scale  # 2**-18 + 2**-10
     assert muon_tools.bound_ratio(bound, one_err, n, scale) == 1.0
     assert muon_tools.bound_ratio(math.nextafter(bound, math.inf), one_err, n, scale) > 1
-    assert muon_tools.bound_ratio(bound / 2, one_err, n, scale) == 0.5 and muon_tools.bound_ratio(bound, one_err, 0,
-                                                                                                  0.0) == 2 ** 8 + 1
+    assert muon_tools.bound_ratio(bound / 2, one_err, n, scale) == 0.5 and muon_tools.bound_ratio(bound, one_err, 0, 0.0) == 2 ** 8 + 1
     assert not muon_tools.bound_ratio(math.nan, one_err, n, scale) <= 1
     assert muon_tools.bound_ratio(0.0, 0.0, n, 0.0) == 0.0 and muon_tools.bound_ratio(2.0**-60, 0.0, n, 0.0) == math.inf
 

@@ -519,8 +519,7 @@ def gram_bound(record, name, shape):
     assert len(inputs) == STEPS
     lr, adjust = group["lr"], group.get("adjust_lr_fn", "original")
     moved = sum(out.float().abs().max().item() for _, n, _, out in record if n == name)
-    return muon_tools.gram_tolerance(inputs, lr, adjust, shape), distributed_muon_cpu.adjusted_lr(lr, adjust,
-                                                                                                  shape) * moved
+    return muon_tools.gram_tolerance(inputs, lr, adjust, shape), distributed_muon_cpu.adjusted_lr(lr, adjust, shape) * moved
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -116,8 +116,7 @@ def test_a_tensor_twice_saves_and_loads_as_torchs(single_process_group):
         torchs = torch.optim.Muon([ref["w"], ref["w"], ref["other"]])
         for step in range(2):
             for name in ours:
-                ours[name].grad, ref[name].grad = gradient(name, step, torch.float32), gradient(name, step,
-                                                                                                torch.float32)
+                ours[name].grad, ref[name].grad = gradient(name, step, torch.float32), gradient(name, step, torch.float32)
             (opt if step == 0 else loaded).step()
             torchs.step()
             if step == 0:

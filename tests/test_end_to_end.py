@@ -47,8 +47,7 @@ def test_comparison_detects_a_single_flipped_bit():
     specs = distributed_muon_cpu.transformer_specs()[:3]
     reference = distributed_muon_cpu.initial_params(specs, 0)
     start = {n: t - 1 for n, t in reference.items()}  # torch moved every entry by 1
-    ranks = [dict(rank=r, params={s.name: distributed_muon_cpu.tp_shard(reference[s.name], s.tp_split_dim, r,
-                                                                        2).clone() for s in specs})
+    ranks = [dict(rank=r, params={s.name: distributed_muon_cpu.tp_shard(reference[s.name], s.tp_split_dim, r, 2).clone() for s in specs})
              for r in range(2)]
     assert all(c["identical"] and c["max_abs_diff"] == 0 and c["max_abs_update"] == 1
                for c in distributed_muon_cpu.check_against_torch(specs, ranks, reference, 2, start))

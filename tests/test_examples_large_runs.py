@@ -97,8 +97,7 @@ def test_large_run_options_train_as_torch_does(trained, dp, tp):
         assert checks["passed"], what
         specs = {s.name: s for s in gpt_verify.param_specs(cfg)}
         for c in checks["replay"]:  # the optimizer: bit for bit, but where gram sums a Gram matrix over TP
-            assert c["identical"] or (gpt_verify.by_gram(cfg,
-                                                         specs[c["name"]]) and c["max_abs_diff"] <= c["tolerance"]), \
+            assert c["identical"] or (gpt_verify.by_gram(cfg, specs[c["name"]]) and c["max_abs_diff"] <= c["tolerance"]), \
                 (what, c)
         gram_bytes = train_gpt.summarize(cfg, results)["bytes_per_step"].get("TP Gram", {"sent": [0]})["sent"]
         assert (max(gram_bytes) > 0) == (cfg.tp_newton_schulz == "gram" and tp > 1), what

@@ -228,9 +228,9 @@ def gram_measure(grid):
     for shape, seed, coefficients, low_rank in gram_cases(grid.tp.size):
         split = 1 if shape[0] <= shape[1] else 0
         ledger = distributed_muon_cpu.Ledger()
-        piece = large_runs.newton_schulz_tp(distributed_muon_cpu.tp_shard(gram_input(shape, seed, low_rank), split,
-                                                                          grid.tp.rank, grid.tp.size),
-                                    shape, grid.tp, ledger, 5, coefficients)
+        piece = large_runs.newton_schulz_tp(
+            distributed_muon_cpu.tp_shard(gram_input(shape, seed, low_rank), split, grid.tp.rank, grid.tp.size),
+            shape, grid.tp, ledger, 5, coefficients)
         sent = sum(r["sent"] for r in ledger.comm if r["phase"] == "TP Gram")
         out.append(((grid.tp.size, shape, seed, coefficients, low_rank), grid.tp.rank, piece, sent))
     return out
@@ -249,8 +249,7 @@ def gram_figures(rows):
             full = gram_input(shape, seed, low)
             torch_ns = large_runs_reference.newton_schulz_per_iteration(full, checks.ns_coefficients_of(c, 5), 5)
             exact = distributed_muon_cpu.newton_schulz(full.bfloat16(), 5, c, dtype=torch.float64)
-            inputs[shape, seed, c, low] = (torch_ns.double(), exact, muon_tools.gram_ns_tolerance(full, 5, c,
-                                                                                                  result=torch_ns))
+            inputs[shape, seed, c, low] = (torch_ns.double(), exact, muon_tools.gram_ns_tolerance(full, 5, c, result=torch_ns))
         torch_ns, exact, bound = inputs[shape, seed, c, low]
         ours = torch.cat([pieces[t] for t in range(tp)], dim=1 if shape[0] <= shape[1] else 0).double()
         diff = (ours - torch_ns).abs().max().item()
@@ -387,16 +386,14 @@ def assert_matches_the_reference(got_by_rank, dp, tp, ns_blocks):
     """Every rank's final TP pieces and QK-clip multipliers against tests/large_runs_reference.py."""
     total = [{n: sum(dp_grads(step, d)[n] for d in range(dp)) for n in MATRICES} for step in range(1, OTHER_STEPS + 1)]
     maxima = [global_max_logits(step, dp, tp) for step in range(1, OTHER_STEPS + 1)]
-    expected, multipliers = large_runs_reference.reference_muon(start_params(), total, **HYPER,
-                                                                coefficients=checks.POLAR_EXPRESS,
+    expected, multipliers = large_runs_reference.reference_muon(start_params(), total, **HYPER, coefficients=checks.POLAR_EXPRESS,
                                                layouts=LAYOUTS, per_head=ns_blocks == "heads", tau=TAU,
                                                max_logits=maxima)
     assert any(m < 1 for ms in multipliers for v in ms.values() for m in v)
     assert any(m == 1 for ms in multipliers for v in ms.values() for m in v)
     for rank, got in enumerate(got_by_rank):
         for name, (_, split, _) in MATRICES.items():
-            assert torch.equal(got["params"][name], distributed_muon_cpu.tp_shard(expected[name], split, rank % tp,
-                                                                                  tp)), (rank, name)
+            assert torch.equal(got["params"][name], distributed_muon_cpu.tp_shard(expected[name], split, rank % tp, tp)), (rank, name)
         for step, ms in enumerate(got["multipliers"]):  # heads held: the TP piece's under a split by rows, else all
             held = {n: {h for h in range(layout.query_heads) if MATRICES[n][1] != 0
                         or h // (layout.query_heads // tp) == rank % tp} for n, layout in LAYOUTS.items()}
@@ -508,8 +505,7 @@ def test_the_lessons_reference_is_the_tests_reference():
     matrices = [s.name for s in specs if s.group == "muon"]
     start = distributed_muon_cpu.initial_params(specs, cfg.seed)
     grads = [muon_tools.total_grads(specs, cfg.seed, step, cfg.dp) for step in range(1, cfg.steps + 1)]
-    maxima = [{n: torch.stack([muon_tools.dp_rank_max_logits(specs, cfg.seed, step,
-                                                             d)[n] for d in range(cfg.dp)]).amax(0)
+    maxima = [{n: torch.stack([muon_tools.dp_rank_max_logits(specs, cfg.seed, step, d)[n] for d in range(cfg.dp)]).amax(0)
                for n in muon_tools.transformer_row_layouts(specs)} for step in range(1, cfg.steps + 1)]
     theirs, _ = large_runs_reference.reference_muon({n: start[n] for n in matrices},
                                                     [{n: g[n] for n in matrices} for g in grads],
@@ -534,8 +530,7 @@ def test_polar_express_and_blocks_are_torchs_newton_schulz(seed):
     for per_head in (False, True):
         out = large_runs.newton_schulz_blocks(m, layout.blocks(per_head))
         for rows in large_runs_reference.block_rows(layout, per_head):
-            assert torch.equal(out[rows], torch.optim._muon._zeropower_via_newtonschulz(m[rows],
-                                                                                        distributed_muon_cpu.NS_COEFFICIENTS,
+            assert torch.equal(out[rows], torch.optim._muon._zeropower_via_newtonschulz(m[rows], distributed_muon_cpu.NS_COEFFICIENTS,
                                                                                         5, 1e-7))
 
 

@@ -96,12 +96,10 @@ def test_bucket_size_closes_buckets_and_oversized_parameters_stand_alone():
 
 def test_transformer_tp_shapes():
     specs = {s.name: s for s in distributed_muon_cpu.transformer_specs()}
-    assert muon_tools.tp_local_shape(specs["layers.0.attn.qkv.weight"], 4) == (3 * distributed_muon_cpu.D_MODEL // 4,
-                                                                               distributed_muon_cpu.D_MODEL)
-    assert muon_tools.tp_local_shape(specs["layers.0.mlp.fc2.weight"], 4) == (distributed_muon_cpu.D_MODEL,
-                                                                              distributed_muon_cpu.D_MODEL)
-    assert muon_tools.tp_local_shape(specs["layers.0.router.weight"], 4) == (distributed_muon_cpu.N_EXPERTS,
-                                                                             distributed_muon_cpu.D_MODEL)
+    d_model = distributed_muon_cpu.D_MODEL
+    assert muon_tools.tp_local_shape(specs["layers.0.attn.qkv.weight"], 4) == (3 * d_model // 4, d_model)
+    assert muon_tools.tp_local_shape(specs["layers.0.mlp.fc2.weight"], 4) == (distributed_muon_cpu.D_MODEL, distributed_muon_cpu.D_MODEL)
+    assert muon_tools.tp_local_shape(specs["layers.0.router.weight"], 4) == (distributed_muon_cpu.N_EXPERTS, distributed_muon_cpu.D_MODEL)
     for s in specs.values():
         assert distributed_muon_cpu.global_shape_of(muon_tools.tp_local_shape(s, 2), s.tp_split_dim,
                                                     2) == s.global_shape

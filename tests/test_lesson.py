@@ -30,8 +30,7 @@ def defined_names(node):
     """The module-level names a top-level statement defines."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return {node.name}
-    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(node) if isinstance(n, (ast.Import,
-                                                                                             ast.ImportFrom))
+    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in n.names}
     return imported | {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
@@ -111,8 +110,7 @@ def test_the_flow_comes_before_the_class_that_calls_it():
 def calls(node):
     """The dotted names a function calls: dist.init_process_group, make_grid, opt.step, ..."""
     def dotted(f):
-        return f.id if isinstance(f, ast.Name) else f"{dotted(f.value)}.{f.attr}" if isinstance(f,
-                                                                                                ast.Attribute) else "?"
+        return f.id if isinstance(f, ast.Name) else f"{dotted(f.value)}.{f.attr}" if isinstance(f, ast.Attribute) else "?"
     return [dotted(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)]
 
 

@@ -89,7 +89,8 @@ def test_the_reference_balances_the_rows_and_keeps_the_updates_norm():
                                     adjust_lr_fn="spectral_unclamped").step()
         update = (start - w.detach()) / math.sqrt(shape[0] / shape[1])
         o = torch.optim._muon._zeropower_via_newtonschulz(grad.lerp(torch.zeros(shape).lerp_(grad, 0.1), 0.9),
-                                                          distributed_muon_cpu.NS_COEFFICIENTS, distributed_muon_cpu.NS_STEPS, distributed_muon_cpu.NS_EPS).float()
+                                                          distributed_muon_cpu.NS_COEFFICIENTS, distributed_muon_cpu.NS_STEPS,
+                                                          distributed_muon_cpu.NS_EPS).float()
         rms = update.square().mean(dim=1).sqrt()
         assert (rms.max() - rms.min()) / rms.mean() < 1e-5, shape
         assert math.isclose(update.norm().item(), o.norm().item(), rel_tol=1e-5), shape
@@ -151,8 +152,7 @@ def test_refusals_in_one_line():
     grid = distributed_muon_cpu.plan_grid(1, 1, 0)
     w = torch.nn.Parameter(torch.zeros(8, 4))
     cases = {
-        "gather": (lambda: distributed_muon_cpu.DistributedMuon([dict(params=[("w", w)], algorithm="normuon")],
-                                                                grid=grid),
+        "gather": (lambda: distributed_muon_cpu.DistributedMuon([dict(params=[("w", w)], algorithm="normuon")], grid=grid),
                    "NorMuon's param groups need strategy Owner() or CommFree()"),
         "beta2": (lambda: owners.OwnerMuon([dict(params=[("w", w)], algorithm="normuon", beta2=1.0)], grid=grid),
                   "param group 0 (normuon): beta2 must be in [0, 1) (got 1.0)"),

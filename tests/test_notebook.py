@@ -32,8 +32,7 @@ def cells(nb):
 
 def headings(path):
     nb = nbformat.read(path, as_version=4)
-    return [m for c in nb.cells if c.cell_type == "markdown" for m in re.findall(r"^## (\d+)\. (.+)$", c.source,
-                                                                                 flags=re.M)]
+    return [m for c in nb.cells if c.cell_type == "markdown" for m in re.findall(r"^## (\d+)\. (.+)$", c.source, flags=re.M)]
 
 
 @pytest.mark.parametrize("notebook", list(PAIRS))
@@ -130,8 +129,7 @@ def test_the_read_alongs_saved_outputs_show_each_section_at_work():
     assert [int(r) for r, _ in table] == list(range(8))  # every rank: its shard in, the DP gather's 3 x 16.5 KiB
     assert [float(t) for _, t in table] == [48.0] * 4 + [64.0] * 2 + [16.0] * 2  # what its TP gathers brought
     for name, split in (("layers.0.attn.qkv.weight", "split on dim 0, 384x128"),
-                        ("layers.0.attn.proj.weight", "split on dim 1, 128x128"), ("layers.0.router.weight",
-                                                                                   "not split, 8x128")):
+                        ("layers.0.attn.proj.weight", "split on dim 1, 128x128"), ("layers.0.router.weight", "not split, 8x128")):
         assert (f"{name} ({split}): every rank's part put together, torch.equal with torch's Newton-Schulz on the "
                 "whole matrix: True") in text
     assert "phases of one step, in order: grad presence -> grad reduce-scatter -> DP gather" in text  # section 5

@@ -104,8 +104,7 @@ def check_peers_1gpu(lines):
     assert all(r[3] == "1" for r in ns)
     assumed = importlib.import_module("peers_1gpu").ASSUMED_TFLOPS  # the cost model's H100 rate
     for rows_, _, cols, _, ms, tflops, share in ns:  # each to 3 significant digits
-        rate = distributed_muon_cpu.newton_schulz_flops((int(rows_), int(cols)),
-                                                        distributed_muon_cpu.NS_STEPS) / float(ms) / 1e9
+        rate = distributed_muon_cpu.newton_schulz_flops((int(rows_), int(cols)), distributed_muon_cpu.NS_STEPS) / float(ms) / 1e9
         assert float(tflops) == pytest.approx(rate, rel=0.01)
         assert float(share) == pytest.approx(float(tflops) / assumed, rel=0.01)
     total = next(line for line in lines if line.startswith("All 4 matrices: "))
@@ -162,8 +161,7 @@ def test_the_cuda_parts_own_scripts_run_on_the_cpu(tmp_path, capsys):
     assert lines[0].startswith("this CPU, 1 thread, torch ") and lines[0].endswith("median of 2 after one warm-up")
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[3:]}
     assert list(rows) == ["96x32", "32x96"]
-    ns_flops, mm_flops = distributed_muon_cpu.newton_schulz_flops((96,
-                                                                   32)), 2 * 32 * 32 * 96  # X @ X.T of the wide (32, 96)
+    ns_flops, mm_flops = distributed_muon_cpu.newton_schulz_flops((96, 32)), 2 * 32 * 32 * 96  # X @ X.T of the wide (32, 96)
     for ns_ms, ns_rate, mm_ms, mm_rate, ratio in rows.values():  # ms printed to 3 decimals: 10 % covers it
         assert ns_ms > 0 and mm_ms > 0
         assert ns_rate == pytest.approx(ns_flops / ns_ms / 1e6, rel=0.1, abs=1)

@@ -26,8 +26,7 @@ LESSON_RUNS = ([grid_config(dp, tp, strategy=s) for dp, tp in GRIDS for s in own
                + [grid_config(dp, tp, strategy=s, **config) for dp, tp, config in UNEVEN for s in owners.STRATEGIES]
                + [grid_config(dp, tp, baseline=True) for dp, tp in BASELINE_GRIDS])
 GRID_RUNS = (LESSON_RUNS + [grid_config(dp, tp, baseline=True) for dp, tp in AGAINST_ZERO1]
-             + [grid_config(dp, tp, strategy=s, overlap=o) for s, dp, tp in OVERLAPPED for o in (0,
-                                                                                                 owners.OVERLAP_DEFAULT)]
+             + [grid_config(dp, tp, strategy=s, overlap=o) for s, dp, tp in OVERLAPPED for o in (0, owners.OVERLAP_DEFAULT)]
              + [muon_tools.RunConfig(dp=dp, tp=tp, strategy=s, **THIN) for dp,
                 tp in THIN_GRIDS for s in owners.STRATEGIES]
              + [muon_tools.RunConfig(dp=4, tp=2, strategy=s, batched_ns=True, **THIN) for s in ZERO_REDUNDANCY])

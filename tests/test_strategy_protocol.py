@@ -22,8 +22,7 @@ def test_every_strategy_is_a_strategy_and_every_optimizer_a_step_context(single_
                             grid=single_process_group, large_runs=wrapper)
             assert isinstance(opt, StepContext) and isinstance(opt.strategy, Strategy), (name, wrapper)
             assert opt.strategy.name == name
-    assert not isinstance(object(), Strategy) and not isinstance(distributed_muon_cpu.Gather(),
-                                                                 StepContext)  # the check can fail
+    assert not isinstance(object(), Strategy) and not isinstance(distributed_muon_cpu.Gather(), StepContext)  # the check can fail
 
 
 @pytest.mark.parametrize("path", ["distmuon/owners.py", "distmuon/large_runs.py"])

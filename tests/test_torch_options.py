@@ -21,10 +21,8 @@ import muon_tools
 from distmuon.dtensor import DTensorMuon
 
 DP, TP, SEED, STEPS = 2, 2, 3, 2
-SPECS = [distributed_muon_cpu.ParamSpec("w1", (8, 6), 0, "muon"), distributed_muon_cpu.ParamSpec("w2", (6, 8), 1,
-                                                                                                 "muon"),
-         distributed_muon_cpu.ParamSpec("w3", (5, 4), -1, "muon"), distributed_muon_cpu.ParamSpec("b1", (8,), 0,
-                                                                                                  "adamw"),
+SPECS = [distributed_muon_cpu.ParamSpec("w1", (8, 6), 0, "muon"), distributed_muon_cpu.ParamSpec("w2", (6, 8), 1, "muon"),
+         distributed_muon_cpu.ParamSpec("w3", (5, 4), -1, "muon"), distributed_muon_cpu.ParamSpec("b1", (8,), 0, "adamw"),
          distributed_muon_cpu.ParamSpec("s", (), -1, "adamw")]
 ADDED = [distributed_muon_cpu.ParamSpec("w4", (4, 6), 1,
                                         "muon")]  # the matrix add_param_group brings, with an lr of its own
@@ -66,8 +64,8 @@ class Spawn:
 
 def run_case(grid, strategy, case):
     """One case on this rank: {"params": its pieces after the steps} (and the refusal's record)."""
-    pieces = {s.name: distributed_muon_cpu.rank_piece(t, s, grid, "cpu") for s, t in zip(SPECS + ADDED,
-                                                                      distributed_muon_cpu.initial_params(SPECS + ADDED, SEED).values())}
+    start = distributed_muon_cpu.initial_params(SPECS + ADDED, SEED)
+    pieces = {s.name: distributed_muon_cpu.rank_piece(start[s.name], s, grid, "cpu") for s in SPECS + ADDED}
     splits = {s.name: s.tp_split_dim for s in SPECS + ADDED if s.tp_split_dim >= 0}
     build = lambda groups, **options: owners.OPTIMIZERS[strategy](groups, grid=grid, bucket_size=32, **options)
 
@@ -82,8 +80,7 @@ def run_case(grid, strategy, case):
     else:
         groups, options = groups_of(case, pieces)
         opt = build(groups[:1] if case[0] == "added" else groups,
-                    tp_split_dims={n: d for n, d in splits.items() if n in ("w1",
-                                                                            "w2") or case[0] != "added" and n != "w4"},
+                    tp_split_dims={n: d for n, d in splits.items() if n in ("w1", "w2") or case[0] != "added" and n != "w4"},
                     **options)
     out = {}
     for step in range(1, STEPS + 2):
@@ -171,8 +168,8 @@ def test_every_case_steps_as_torch_does(spawned, strategy, case):
     if case[0] in ("added", "plain"):
         untouched = [s.name for s in SPECS + ADDED if s not in specs or s.group == "adamw" and case[0] == "plain"]
         start = distributed_muon_cpu.initial_params(SPECS + ADDED, SEED)
-        assert all(torch.equal(r["params"][n], distributed_muon_cpu.rank_piece(start[n], s,
-                                                                               distributed_muon_cpu.plan_grid(DP, TP, r["rank"]), "cpu"))
+        assert all(torch.equal(r["params"][n],
+                               distributed_muon_cpu.rank_piece(start[n], s, distributed_muon_cpu.plan_grid(DP, TP, r["rank"]), "cpu"))
                    for r in ranks for s in SPECS + ADDED for n in [s.name] if n in untouched)
 
 
@@ -275,8 +272,7 @@ REFUSALS = {
 
 @pytest.mark.parametrize("family", ["lesson", "dtensor"])
 def test_bad_constructor_arguments_are_refused_in_one_line_naming_them(single_process_group, family):
-    build = ((lambda groups: distributed_muon_cpu.DistributedMuon(groups,
-                                                                  grid=single_process_group)) if family == "lesson"
+    build = ((lambda groups: distributed_muon_cpu.DistributedMuon(groups, grid=single_process_group)) if family == "lesson"
              else DTensorMuon)
     # DTensorMuon takes a tensor twice, as torch does (torch warns): tests/test_duplicate_params.py
     assert one_rank_refusals(build) == dict(REFUSALS, **{"the same tensor twice": None} if family == "dtensor" else {})
@@ -293,8 +289,7 @@ def test_bad_constructor_arguments_are_refused_in_one_line_naming_them(single_pr
 def test_a_group_given_as_a_generator_keeps_every_parameter(single_process_group, family):
     """torch reads a group's params once, whatever iterable they come in: model.parameters() in a group, and in
     add_param_group, keeps every tensor (a check for emptiness once used the generator up), and each steps."""
-    build = ((lambda groups: distributed_muon_cpu.DistributedMuon(groups,
-                                                                  grid=single_process_group)) if family == "lesson"
+    build = ((lambda groups: distributed_muon_cpu.DistributedMuon(groups, grid=single_process_group)) if family == "lesson"
              else DTensorMuon)
     body, head = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), torch.nn.Linear(2, 2)
     opt = build([dict(params=(p for p in body.parameters() if p.ndim == 2)),

@@ -97,9 +97,9 @@ def flow_holdings(cfg=RUN, bucket_index=0):
 
     def rank(grid):
         metas = [layout.metas[grid.dp.rank][n] for n in bucket.names]
-        parts = {m.name: distributed_muon_cpu.dp_shard(distributed_muon_cpu.tp_shard(ids[m.name], m.tp_split_dim,
-                                                                                     grid.tp.rank, grid.tp.size), m)
-                 for m in metas}
+        tp_pieces = {m.name: distributed_muon_cpu.tp_shard(ids[m.name], m.tp_split_dim, grid.tp.rank, grid.tp.size)
+                     for m in metas}
+        parts = {m.name: distributed_muon_cpu.dp_shard(tp_pieces[m.name], m) for m in metas}
         shard = distributed_muon_cpu.shard_of_bucket(parts, metas, bucket.numel // grid.dp.size, torch.float64, "cpu")
         ledger, touched = distributed_muon_cpu.Ledger(), [m for m in metas if m.local_numel]
         whole_bucket = distributed_muon_cpu.dp_gather(shard, grid.dp, ledger)

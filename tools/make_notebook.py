@@ -198,8 +198,7 @@ def execute(notebook, folder):
 def make(notebook):
     with tempfile.TemporaryDirectory(prefix="distributed-muon-notebook-") as folder:
         nb = execute(notebook, folder)
-    nb.metadata[KEY] = dict(made_by="python tools/make_notebook.py", sources_sha256=sources_sha256(nb,
-                                                                                                   NOTEBOOKS[notebook][1]))
+    nb.metadata[KEY] = dict(made_by="python tools/make_notebook.py", sources_sha256=sources_sha256(nb, NOTEBOOKS[notebook][1]))
     muon_tools.write_atomically(os.path.join(ROOT, notebook), lambda f: f.write(nbformat.writes(nb).encode()))
 
 

@@ -92,8 +92,7 @@ class OwnerExchange:
         owned = (self.config.assign(self.ns_flops, {n: ranks for n in muon}, opt.world)
                  if self.config.assign is not None
                  else {r: [n for n, o in owners.assign_owners(self.ns_flops, len(ranks),
-                                                              self.config.global_shapes).items()
-                           if ranks[o] == r]
+                                                              self.config.global_shapes).items() if ranks[o] == r]
                        for r in ranks})
         self.owners = owners.check_owners(owned, muon, opt.world)
         strangers = sorted(n for n, r in self.owners.items() if r not in ranks)
@@ -159,8 +158,8 @@ class OwnerExchange:
             g = group_of[m.name]
             with record_function("newton-schulz"):
                 orthogonal[m.name] = large_runs.newton_schulz_tp(full[m.name], m.copy.shape, self.tp_axis(opt, m),
-                                                                 opt.ledger,
-                                                          g["ns_steps"], g["ns_coefficients"], g["eps"])
+                                                                 opt.ledger, g["ns_steps"], g["ns_coefficients"],
+                                                                 g["eps"])
             opt.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
         del full  # the matrices put together, freed before the scatter's buffers are made: a lower peak
         stepped = [m for m in self.matrices if m.copy.name in shapes]  # empty shards too: they hold v

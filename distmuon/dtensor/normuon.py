@@ -133,8 +133,7 @@ class NorMuonRows:
                 out[name] = (self.quotients.pop(name)[rows_here] * g[rows_here, None]).reshape(-1)
             elif isinstance(rows_here, slice):  # whole rows, one after another: each row's divisor and g broadcast
                 o = orthos[name].view(rows_here.stop - rows_here.start, cols)
-                out[name] = normuon.normalized(o, normuon.divisor(v[rows_here], eps)[:, None], g[rows_here,
-                                                                                                 None]).view(-1)
+                out[name] = normuon.normalized(o, normuon.divisor(v[rows_here], eps)[:, None], g[rows_here, None]).view(-1)
             else:  # a box of rows and columns (of each expert held): each row's divisor and g broadcast along its part
                 (e0, e1), (r0, r1), (c0, c1) = rows_here
                 slots = [experts.index(e) for e in range(e0, e1)]

@@ -206,11 +206,11 @@ def swap_descriptions(opt, problem):
     rank's and nothing more moves; else a second one of every rank's Copies, packed (packed())."""
     mine = [describe(n, opt.group_index(n), p, n in opt.expert_stacks)
             for n, p in opt.param_by_name.items()]
-    mine_packed = packed(mine)
     options = None if problem else opt.large_runs.agreed()
     if opt.axis.size == 1:
         everyone = [(problem, mine, options)]
     else:
+        mine_packed = packed(mine)
         digest = hashlib.sha256(repr(mine_packed).encode()).hexdigest()
         summaries = [None] * opt.axis.size
         dist.all_gather_object(summaries, (problem, digest, options), group=opt.axis.group)
@@ -298,8 +298,9 @@ class DTensorMuon(torch.optim.Optimizer):
             same on every rank: torch's behaviour by default.
         exchange_bytes: None (every matrix in one exchange each way), or the most bytes of bf16 matrices in one group:
             the step goes group by group (momentum, gather, Newton-Schulz, scatter, update), so its transient memory
-            is bounded by a group, not the model; the same bits, one exchange each way per group. For few ranks:
-            a group has few owners, so on many ranks one exchange is faster (notes/12-cost-model.md prices both).
+            is bounded by a group, not the model; the same bits, one exchange each way per group. Meant for few
+            ranks: a group has few owners, so on many ranks one exchange is faster (notes/12-cost-model.md prices
+            both).
         overlap: 0 (off), or K >= 1 (with exchange_bytes): K groups' gathers in flight while a group's Newton-Schulz
             runs; the same bits.
         """
@@ -557,8 +558,8 @@ class DTensorMuon(torch.optim.Optimizer):
         for name, p in self.param_by_name.items():
             g = p.grad
             problem = problem or checks.param_problem(name, p) or (g is not None and (
-                checks.complex_problem(name, p,
-                                       self.group_of[name]["algorithm"]) or checks.gradient_problem(name, g))) or None
+                checks.complex_problem(name, p, self.group_of[name]["algorithm"])
+                or checks.gradient_problem(name, g))) or None
             if g is not None and problem is None:
                 if isinstance(p, DTensor) and not (isinstance(g, DTensor) and g.placements == p.placements
                                                    and g.device_mesh == p.device_mesh):
