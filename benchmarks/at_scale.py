@@ -17,6 +17,8 @@ group, the first step's transient memory bounded by a group (notes/measured/dten
     python benchmarks/at_scale.py --size 67M                  # every optimizer, meshes 1x1 2x1 1x2 2x2 (1 to 4 ranks)
     /work/peers-venv/bin/python benchmarks/at_scale.py --size 1B --mesh 2x1   # with dion: 1.07 B parameters, 2 ranks
     python benchmarks/at_scale.py --plan-only                               # Llama 3 70B and 405B, the plan alone
+    /work/peers-venv/bin/python benchmarks/at_scale.py --size 67M --mesh 2x1 --optimizers DTensorMuon dion \
+        --without-ns only --interleave --builds 7        # construction alone, the two built in turn, 7 rounds
 
 --plan-only builds, for one rank, the plan DTensorMuon builds (distmuon/dtensor/plan.py's plan_matrices) for
 Llama 3 70B and 405B placed as FSDP2 x TP 8 places them (benchmarks/cost_model.py's placed_copies), at 512 and
@@ -208,7 +210,37 @@ def measure(label, build, model, steps, builds):
     return row
 
 
-def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps, builds):
+def measured(label, model, steps, builds):
+    """measure's row, or the error every rank met (the same code on the same shapes)."""
+    try:
+        return measure(label, BUILDERS[label], model, steps, builds)
+    except Exception as error:
+        if dist.is_initialized():
+            dist.barrier()
+        return dict(label=label, error=muon_tools.one_line(error))
+
+
+def interleaved(labels, model, rounds):
+    """Construction alone, the optimizers built in turn round by round (the order reversed every other round: A B,
+    B A, ...), so that whatever else loads the machine hits each alike: one row per optimizer, its seconds per round
+    (each build freed before the next starts)."""
+    rows = {label: dict(label=label, builds=[]) for label in labels}
+    for r in range(rounds):
+        for label in [x for x in (labels if r % 2 == 0 else labels[::-1]) if "error" not in rows[x]]:
+            reset_peak()  # the last build was freed: its memory handed back before this one starts
+            if dist.is_initialized():
+                dist.barrier()
+            try:
+                t0 = time.perf_counter()
+                opt = BUILDERS[label](model)
+                rows[label]["builds"].append(time.perf_counter() - t0)
+                del opt
+            except Exception as error:  # every rank fails alike: the same code on the same shapes
+                rows[label] = dict(label=label, error=muon_tools.one_line(error))
+    return list(rows.values())
+
+
+def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps, builds, interleave=False):
     torch.set_num_threads(1)
     with contextlib.suppress(ImportError):  # imported before any clock starts: an import is no construction
         import dion  # noqa: F401
@@ -222,24 +254,18 @@ def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps, 
     model = placed_model(d, mesh)
     make_gradients(model, d)
     local = sum(dtensor.local_of(p).numel() * 4 for p in model.parameters())
-    rows = []
-    for label in labels:
-        try:
-            rows.append(measure(label, BUILDERS[label], model, steps, builds))
-        except Exception as error:  # every rank fails alike: the same code on the same shapes
-            rows.append(dict(label=label, error=muon_tools.one_line(error)))
-            if dist.is_initialized():
-                dist.barrier()
+    rows = interleaved(labels, model, builds) if interleave else [measured(label, model, steps, builds)
+                                                                   for label in labels]
     torch.save(dict(rows=rows, local=local), os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
-def on_mesh(d, dp, tp, labels, without_ns, steps, builds):
+def on_mesh(d, dp, tp, labels, without_ns, steps, builds, interleave=False):
     """Every rank's rows on a dp x tp mesh (a world of dp tp processes)."""
     world = dp * tp
     with tempfile.TemporaryDirectory() as out_dir:
         muon_tools.run_processes(rank_main, (world, muon_tools.free_port(), out_dir, d, dp, tp, labels, without_ns,
-                                             steps, builds),
+                                             steps, builds, interleave),
                          world,
                          folders=(out_dir,))
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
@@ -268,6 +294,34 @@ def table_rows(size, dp, tp, per_rank, without_ns):
                    f"{gb(worst('state')):>8} {beside:9.1f} {gb(worst('first_step_peak')):>10} {worst('first_s'):8.2f} "
                    f"{worst('steady_s'):9.3f} {gb(max(r['local'] for r in per_rank)):>9} {over:7.1f}")
     return out
+
+
+def interleaved_rows(size, dp, tp, per_rank, without_ns):
+    """One line per optimizer built round by round: each round's slowest rank, their median and minimum, and the
+    median over rounds of its build over the last optimizer's in the same round."""
+    rounds = {}
+    for i, row in enumerate(per_rank[0]["rows"]):
+        if "error" not in row:
+            rounds[row["label"]] = [max(times) for times in zip(*(r["rows"][i]["builds"] for r in per_rank))]
+    base = list(rounds)[-1] if rounds else None
+    out = []
+    for row in per_rank[0]["rows"]:
+        name = f"{size:>5} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<19}"
+        if "error" in row:
+            out.append(f"{name} {row['error']}")
+            continue
+        times = rounds[row["label"]]
+        ratio = statistics.median(t / b for t, b in zip(times, rounds[base]))
+        out.append(f"{name} {len(times):>6} {statistics.median(times):10.3f} {min(times):9.3f} {ratio:9.3f} "
+                   f"{base}")
+    return out
+
+
+INTERLEAVED_HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<19} {'rounds':>6} {'median s':>10} {'min s':>9} "
+                      f"{'ratio':>9} over")
+INTERLEAVED_NOTE = ("--interleave: construction alone, the optimizers built in turn round by round (the order reversed\n"
+                    "every other round); a round's time is its slowest rank's; median s and min s over the rounds;\n"
+                    "ratio: the median over rounds of this optimizer's build over the named one's in the same round.")
 
 
 HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<19} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
@@ -337,24 +391,34 @@ def main(argv=None):
                         help="DPxTP meshes (default: 1x1 2x1 1x2 2x2; torch.optim.Muon runs on 1x1 only)")
     parser.add_argument("--optimizers", nargs="+", choices=list(BUILDERS), default=list(BUILDERS),
                         help=f"DTensorMuon groups: exchange_bytes={EXCHANGE_BYTES}; overlap: and overlap={OVERLAP}")
-    parser.add_argument("--steps", type=int, default=STEADY_STEPS, help="steady steps after the first")
-    parser.add_argument("--builds", type=int, default=BUILDS, help="constructions, their median timed (the last kept)")
+    parser.add_argument("--steps", type=int, default=None, help=f"steady steps after the first (default {STEADY_STEPS})")
+    parser.add_argument("--builds", type=int, default=BUILDS,
+                        help="constructions, their median timed (the last kept); with --interleave, the rounds")
+    parser.add_argument("--interleave", action="store_true",
+                        help="construction alone: the optimizers built in turn, --builds rounds, no step")
     parser.add_argument("--without-ns", choices=("both", "no", "only"), default="both",
                         help="with Newton-Schulz, without it (its bf16 cast), or both")
     parser.add_argument("--plan-only", action="store_true")
     args = parser.parse_args(argv)
+    if args.builds < 1 or (args.steps is not None and args.steps < 0):
+        parser.error(f"--builds must be >= 1 and --steps >= 0 (got {args.builds}, {args.steps})")
+    if args.interleave and args.steps is not None:
+        parser.error(f"--interleave times construction alone: --steps {args.steps} would change nothing")
+    if args.plan_only and args.interleave:
+        parser.error("--plan-only builds no optimizer: --interleave would change nothing")
     if args.plan_only:
         plan_only()
         return
-    print(HEADER)
+    steps = STEADY_STEPS if args.steps is None else args.steps
+    print(INTERLEAVED_HEADER if args.interleave else HEADER)
     for size in args.size:
         for dp, tp in args.mesh:
             labels = [o for o in args.optimizers if o != "torch.optim.Muon" or dp * tp == 1]
             for without_ns in {"both": (False, True), "no": (False,), "only": (True,)}[args.without_ns]:
-                per_rank = on_mesh(SIZES[size], dp, tp, labels, without_ns, args.steps, args.builds)
-                for line in table_rows(size, dp, tp, per_rank, without_ns):
+                per_rank = on_mesh(SIZES[size], dp, tp, labels, without_ns, steps, args.builds, args.interleave)
+                for line in (interleaved_rows if args.interleave else table_rows)(size, dp, tp, per_rank, without_ns):
                     print(line, flush=True)
-    print(NOTE)
+    print(INTERLEAVED_NOTE if args.interleave else NOTE)
 
 
 if __name__ == "__main__":

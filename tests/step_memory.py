@@ -79,9 +79,9 @@ class StepMemoryRun:
 
 
 def at_scale_rank(rank, cfg, device):
-    """One step of DTensorMuon on at_scale.py's model: the bytes of each all_gather_object of its construction
-    (pickled), this rank's parameter bytes, the step's peak of new storages (LiveBytes) and what was alive then, and
-    its peak RSS over the RSS before it (freed buffers handed back to the
+    """One step of DTensorMuon on at_scale.py's model: the bytes of each all-gather of its construction (an
+    all_gather's tensor, an all_gather_object's pickle), this rank's parameter bytes, the step's peak of new storages
+    (LiveBytes) and what was alive then, and its peak RSS over the RSS before it (freed buffers handed back to the
     system at once: glibc's mmap threshold fixed at 128 KiB, so that RSS is what is held, not what glibc keeps)."""
     import ctypes
 
@@ -96,16 +96,20 @@ def at_scale_rank(rank, cfg, device):
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     model = at_scale.placed_model(cfg.d, mesh)
     at_scale.make_gradients(model, cfg.d)
-    gathered, all_gather_object = [], torch.distributed.all_gather_object
+    gathered, all_gather, all_gather_object = [], torch.distributed.all_gather, torch.distributed.all_gather_object
 
-    def recorded(output, obj, group=None):  # construction's swap of descriptions: what this rank sends
+    def recorded(output, tensor, *args, **kwargs):  # construction's swap of descriptions: what this rank sends
+        gathered.append(tensor.numel() * tensor.element_size())
+        return all_gather(output, tensor, *args, **kwargs)
+
+    def recorded_object(output, obj, group=None):
         gathered.append(len(pickle.dumps(obj)))
         return all_gather_object(output, obj, group=group)
-    torch.distributed.all_gather_object = recorded
+    torch.distributed.all_gather, torch.distributed.all_gather_object = recorded, recorded_object
     try:
         opt = at_scale.build_dtensor_muon(model, exchange_bytes=cfg.exchange_bytes)
     finally:
-        torch.distributed.all_gather_object = all_gather_object
+        torch.distributed.all_gather, torch.distributed.all_gather_object = all_gather, all_gather_object
     locals_before = [at_scale.dtensor.local_of(p).clone() for p in model.parameters()]
     live = LiveBytes()
     at_scale.reset_peak()

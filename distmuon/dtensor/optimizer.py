@@ -200,26 +200,66 @@ def unpacked(meshes, rows):
 
 def swap_descriptions(opt, problem):
     """Every rank's Copies, so that every rank makes the same plan, and every parameter name of any rank (what grad
-    presence votes on); a problem on any rank (one line, or None here) raised on every rank. First one
-    all_gather_object of each rank's problem, options and a digest of its Copies (a few bytes a rank); where every
-    digest is the same (every rank describes the same parameters: FSDP2, TP, HSDP), every rank's Copies are this
-    rank's and nothing more moves; else a second one of every rank's Copies, packed (packed())."""
-    mine = [describe(n, opt.group_index(n), p, n in opt.expert_stacks)
-            for n, p in opt.param_by_name.items()]
-    options = None if problem else opt.large_runs.agreed()
-    if opt.axis.size == 1:
-        everyone = [(problem, mine, options)]
-    else:
-        mine_packed = packed(mine)
-        digest = hashlib.sha256(repr(mine_packed).encode()).hexdigest()
+    presence votes on); a problem on any rank (one line, or None here) raised on every rank (DescriptionSwap, started
+    and finished at once)."""
+    return DescriptionSwap(opt, problem).finish()
+
+
+class DescriptionSwap:
+    """swap_descriptions in two halves, so that what a rank does between them (its state made) overlaps the
+    collective and the wait for the slowest rank. Started: one all_gather of a fixed-size tensor, not waited for
+    (async_op): a flag "I have a problem" and a digest of this rank's Copies and options (33 bytes a rank). Finished:
+    where no rank has a problem and every digest is the same (every rank describes the same parameters: FSDP2, TP,
+    HSDP), every rank's Copies are this rank's and nothing more moves; else (every rank sees the same tensor, so
+    every rank goes this way) one all_gather_object of each rank's problem, options and a digest of its Copies, and
+    where those digests differ a second one of every rank's Copies, packed (packed()): the texts raised, and the
+    Copies agreed, are the same as when everything is gathered."""
+
+    def __init__(self, opt, problem):
+        self.opt, self.problem, self.work = opt, problem, None
+        self.mine = [describe(n, opt.group_index(n), p, n in opt.expert_stacks) for n, p in opt.param_by_name.items()]
+        self.options = None if problem else opt.large_runs.agreed()
+        if opt.axis.size > 1:
+            self.mine_packed = packed(self.mine)
+            digest = hashlib.sha256(repr((self.mine_packed, self.options)).encode()).digest()
+            # where all_gather_object's bytes would travel: the CPU on Gloo, the accelerator on NCCL
+            device = torch.device(dist.distributed_c10d._get_object_coll_device(opt.axis.group))
+            sent = torch.tensor([problem is not None, *digest], dtype=torch.uint8, device=device)
+            self.received = [torch.empty_like(sent) for _ in range(opt.axis.size)]
+            self.work = dist.all_gather(self.received, sent, group=opt.axis.group, async_op=True)
+
+    def settle(self):
+        """Wait for the collective if it is still in flight (a rank that stops early leaves none behind)."""
+        if self.work is not None:
+            work, self.work = self.work, None
+            work.wait()
+
+    def finish(self):
+        """(Copies every rank plans with, every parameter name of any rank); raises on every rank if any has a
+        problem, or if the ranks' options differ."""
+        opt, mine, options = self.opt, self.mine, self.options
+        if opt.axis.size == 1:
+            return agreed_copies(opt, mine, [(self.problem, mine, options)])
+        self.settle()
+        flags = torch.stack(self.received).cpu()
+        if self.problem is None and bool((flags == flags[opt.axis.rank]).all()):
+            return agreed_copies(opt, mine, [(None, mine, options)] * opt.axis.size)
+        digest = hashlib.sha256(repr(self.mine_packed).encode()).hexdigest()
         summaries = [None] * opt.axis.size
-        dist.all_gather_object(summaries, (problem, digest, options), group=opt.axis.group)
+        dist.all_gather_object(summaries, (self.problem, digest, options), group=opt.axis.group)
         if all(d == digest for _, d, _ in summaries):
             everyone = [(p, mine, o) for p, _, o in summaries]
         else:
             theirs = [None] * opt.axis.size
-            dist.all_gather_object(theirs, mine_packed, group=opt.axis.group)
+            dist.all_gather_object(theirs, self.mine_packed, group=opt.axis.group)
             everyone = [(p, unpacked(*t), o) for (p, _, o), t in zip(summaries, theirs)]
+        return agreed_copies(opt, mine, everyone)
+
+
+def agreed_copies(opt, mine, everyone):
+    """From every rank's (problem, Copies, options): the first problem raised (naming its rank where it is not this
+    one), or the options that differ from the first rank's; else the Copies every rank plans with (each parameter
+    once per mesh; a plain tensor's only where this rank has it) and every parameter name of any rank."""
     problems = [(opt.axis.ranks[i], p) for i, (p, _, _) in enumerate(everyone) if p]
     problems += [(opt.axis.ranks[i], f"row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau differ from "
                                       f"rank {opt.axis.ranks[0]}'s: every rank must pass the same")
@@ -368,13 +408,26 @@ class DTensorMuon(torch.optim.Optimizer):
         """Index and check the parameters, agree with every rank, plan who orthogonalizes what; create the state."""
         self.param_by_name, self.group_of = {}, {}
         problem = self.index_groups() or parameters_problem(self)  # raised below on every rank at once, never a hang
-        copies, self.names = swap_descriptions(self, problem)
-        self.exchange.plan(self, copies)
-        if not self.exchange.config.explicit:
-            self.large_runs.plan_rows(self, describe)
+        swap = DescriptionSwap(self, problem)  # started: the state is made while it travels
         # Every state tensor exists from the start (zeros, step 0: what torch creates at a first step), so that
-        # torch's get/set_optimizer_state_dict find it and never run their own zero-gradient step.
-        self.init_state()
+        # torch's get/set_optimizer_state_dict find it and never run their own zero-gradient step. Made before the
+        # ranks agree; refused, the state made here goes again (a refused add_param_group changes nothing).
+        fresh = {p: p in self.state for p in self.param_by_name.values() if not self.state.get(p)}
+        try:
+            if problem is None:
+                self.init_state()
+            copies, self.names = swap.finish()
+            self.exchange.plan(self, copies)
+            if not self.exchange.config.explicit:
+                self.large_runs.plan_rows(self, describe)
+        except BaseException:
+            swap.settle()
+            for p, had_entry in fresh.items():
+                if had_entry:
+                    self.state[p].clear()
+                else:
+                    self.state.pop(p, None)
+            raise
         self.planned = dict(self.param_by_name)  # what the plan knows: a step refuses any other parameter
 
     # -- construction -------------------------------------------------------
