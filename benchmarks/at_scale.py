@@ -400,8 +400,10 @@ def main(argv=None):
                         help="with Newton-Schulz, without it (its bf16 cast), or both")
     parser.add_argument("--plan-only", action="store_true")
     args = parser.parse_args(argv)
-    if args.builds < 1 or (args.steps is not None and args.steps < 0):
-        parser.error(f"--builds must be >= 1 and --steps >= 0 (got {args.builds}, {args.steps})")
+    if args.builds < 1:
+        parser.error(f"--builds must be >= 1 (got {args.builds})")
+    if args.steps is not None and args.steps < 0:
+        parser.error(f"--steps must be >= 0 (got {args.steps})")
     if args.interleave and args.steps is not None:
         parser.error(f"--interleave times construction alone: --steps {args.steps} would change nothing")
     if args.plan_only and args.interleave:
