@@ -242,8 +242,8 @@ class DescriptionSwap:
             return agreed_copies(opt, mine, [(self.problem, mine, options)])
         self.settle()
         flags = torch.stack(self.received).cpu()
-        if self.problem is None and bool((flags == flags[opt.axis.rank]).all()):
-            return agreed_copies(opt, mine, [(None, mine, options)] * opt.axis.size)
+        if self.problem is None and bool((flags == flags[opt.axis.rank]).all()):  # every rank's are this one's
+            return agreed_copies(opt, mine, [(None, mine, options)])
         digest = hashlib.sha256(repr(self.mine_packed).encode()).hexdigest()
         summaries = [None] * opt.axis.size
         dist.all_gather_object(summaries, (self.problem, digest, options), group=opt.axis.group)
