@@ -319,9 +319,10 @@ def interleaved_rows(size, dp, tp, per_rank, without_ns):
 
 INTERLEAVED_HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<19} {'rounds':>6} {'median s':>10} {'min s':>9} "
                       f"{'ratio':>9} over")
-INTERLEAVED_NOTE = ("--interleave: construction alone, the optimizers built in turn round by round (the order reversed\n"
-                    "every other round); a round's time is its slowest rank's; median s and min s over the rounds;\n"
-                    "ratio: the median over rounds of this optimizer's build over the named one's in the same round.")
+INTERLEAVED_NOTE = ("--interleave: construction alone, the optimizers built in turn round by round (the order\n"
+                    "reversed every other round); a round's time is its slowest rank's; median s and min s over the\n"
+                    "rounds; ratio: the median over rounds of this optimizer's build over the named one's in the same\n"
+                    "round.")
 
 
 HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<19} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
@@ -391,7 +392,8 @@ def main(argv=None):
                         help="DPxTP meshes (default: 1x1 2x1 1x2 2x2; torch.optim.Muon runs on 1x1 only)")
     parser.add_argument("--optimizers", nargs="+", choices=list(BUILDERS), default=list(BUILDERS),
                         help=f"DTensorMuon groups: exchange_bytes={EXCHANGE_BYTES}; overlap: and overlap={OVERLAP}")
-    parser.add_argument("--steps", type=int, default=None, help=f"steady steps after the first (default {STEADY_STEPS})")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"steady steps after the first (default {STEADY_STEPS})")
     parser.add_argument("--builds", type=int, default=BUILDS,
                         help="constructions, their median timed (the last kept); with --interleave, the rounds")
     parser.add_argument("--interleave", action="store_true",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import muon_tools
 from distmuon import checks
-from distmuon.dtensor import DTensorMuon, like_param, local_of
+from distmuon.dtensor import DTensorMuon
 from test_arguments import plan_of
 
 
@@ -80,19 +80,6 @@ def construction_rank(rank, spawn, device):
     out["differing"] = dict(gathers=stop(), names=opt.names, owners=opt.owners,
                             local=opt.local_matrices, held=sorted(n for n, p in opt.param_by_name.items()
                                                                   if opt.state[p]))
-    # the state as like_param makes it (p's mesh, placements, shape, strides; zeros, contiguous here): uneven shards
-    # (5 rows over 2 ranks), an AdamW vector, a transposed matrix (whose global strides are not contiguous)
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    g = torch.Generator().manual_seed(3)
-    odd = [("odd", distribute_tensor(torch.randn(5, 3, generator=g), mesh, [Shard(0)])),
-           ("t", distribute_tensor(torch.randn(6, 4, generator=g).t(), mesh, [Shard(0)]))]
-    vector = [("b", distribute_tensor(torch.randn(5, generator=g), mesh, [Shard(0)]))]
-    opt = DTensorMuon([dict(params=odd), dict(params=vector, algorithm="adamw", amsgrad=True)], lr=0.02)
-    out["like_param"] = {f"{n} {k}": (t._spec == like_param(p, torch.zeros(local_of(p).shape))._spec
-                                      and t.requires_grad is False and local_of(t).is_contiguous()
-                                      and not local_of(t).any(), tuple(t.stride()) == tuple(p.stride()))
-                         for n, p in odd + vector for k, t in opt.state[p].items() if k != "step"}
     # a problem on rank 1 alone (its expert_stacks name no parameter), with Copies equal to rank 0's
     stacks = ("nope",) if rank == 1 else ()
     out["problem"] = refusal(lambda: DTensorMuon(shared(mesh), lr=0.02, expert_stacks=stacks))
@@ -127,14 +114,6 @@ def test_ranks_with_different_parameters_gather_their_copies_and_plan_alike(rank
         assert d["names"] == ["own0", "own1", "v", "w"]  # every rank's names: what the gradient vote runs on
         assert d["local"] == {f"own{rank}": [f"own{rank}"]} and d["held"] == sorted([f"own{rank}", "v", "w"])
     assert ranks[0]["differing"]["owners"] == ranks[1]["differing"]["owners"]
-
-
-def test_the_state_is_made_as_like_param_makes_it(ranks):
-    """Its mesh, placements, shape and strides p's (a transposed p's too), zeros, contiguous, no gradient."""
-    expected = {"odd momentum_buffer", "t momentum_buffer", "b exp_avg", "b exp_avg_sq", "b max_exp_avg_sq"}
-    for r in ranks:
-        assert set(r["like_param"]) == expected and all(r["like_param"][k] == (True, True) for k in expected), \
-            r["like_param"]
 
 
 def test_a_problem_on_one_rank_is_raised_on_every_rank_naming_it(ranks):

@@ -478,10 +478,7 @@ class DTensorMuon(torch.optim.Optimizer):
         p = self.param_by_name[name]
         state = self.state[p]
         if not state:
-            if isinstance(p, DTensor) and not p.is_contiguous():  # its strides kept, as like_param keeps them
-                zeros = lambda: like_param(p, torch.zeros_like(local_of(p), memory_format=torch.contiguous_format))
-            else:  # DTensor's own dispatch: p's mesh, placements, shape and strides, without from_local's cost
-                zeros = lambda: torch.zeros_like(p, memory_format=torch.contiguous_format)
+            zeros = lambda: like_param(p, torch.zeros_like(local_of(p), memory_format=torch.contiguous_format))
             if self.group_of[name]["algorithm"] in checks.ORTHOGONALIZED:
                 state["momentum_buffer"] = zeros()
                 if self.group_of[name]["algorithm"] == "normuon":  # one float32 per row (distmuon/dtensor/normuon.py)
