@@ -34,7 +34,7 @@ from torch.profiler import record_function
 
 from distmuon.assignment import assign_owners, check_owners, load_balance, lpt_order  # noqa: F401 (7.1's names)
 from distmuon.collectives import all_gather_single, reduce_scatter_sum, sum_in_order
-from distmuon.checks import ORTHOGONALIZED, ns_coefficients_of
+from distmuon.checks import ORTHOGONALIZED
 from distmuon.normuon import batched_problem, full_rows, normalized_part, normuon_rows, part_rows
 from distmuon.strategy import DECLARED
 from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Gather, Unit,
@@ -321,11 +321,11 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
             if blocks is not None and name in blocks.blocks:
                 continue
             g = group_of[name]
-            stacks.setdefault((matrix.shape, g["ns_steps"], ns_coefficients_of(g["ns_coefficients"], g["ns_steps"]),
-                               g["eps"]), []).append(name)
-        for (shape, steps, coefficients, eps), names in stacks.items():
+            key = (matrix.shape, g["ns_steps"], repr(g["ns_coefficients"]), g["eps"])  # options as the group has them
+            stacks.setdefault(key, (g, []))[1].append(name)
+        for (shape, steps, _, eps), (g, names) in stacks.items():
             with record_function("newton-schulz"):
-                stack = batched_newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
+                stack = batched_newton_schulz(torch.stack([full[n] for n in names]), steps, g["ns_coefficients"], eps)
             orthos.update(zip(names, stack.unbind(0)))
             for name in names:
                 ledger.record_compute(name, tuple(shape), newton_schulz_flops(shape, steps))

@@ -74,7 +74,8 @@ import distributed_muon_cpu
 from distmuon.adamw import adamw_step_
 from distmuon.dtensor.config import DistributedConfig
 from distmuon.dtensor.exchange import OwnerExchange
-from distmuon.dtensor.normuon import v_zeros
+from distmuon.dtensor.explicit import ExplicitExchange
+from distmuon.dtensor.normuon import NorMuonRows, v_zeros
 from distmuon.dtensor.placements import like_param, local_of, local_shape_problem, placements_problem
 from distmuon.dtensor.plan import Copy, describe
 from distmuon.dtensor.rows import DTensorLargeRuns
@@ -313,7 +314,9 @@ class DTensorMuon(torch.optim.Optimizer):
         config = distributed_config or DistributedConfig()
         config.check()
         self.ledger, self.expert_stacks = distributed_muon_cpu.Ledger(), set(expert_stacks)
-        self.exchange = OwnerExchange(config, batched_ns)  # the strategy: who orthogonalizes what, how it travels
+        # the strategy (who orthogonalizes what, how it travels), and NorMuon's rows beside it (normuon.py)
+        self.exchange = (ExplicitExchange if config.explicit else OwnerExchange)(config, batched_ns)
+        self.normuon_rows = NorMuonRows()
         self.large_runs = DTensorLargeRuns(row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau)
         self.axis = self._axis(group)
         self.me = self.axis.ranks[self.axis.rank]  # global ranks everywhere; the exchange maps them to the group's
@@ -370,6 +373,7 @@ class DTensorMuon(torch.optim.Optimizer):
         problem = self.index_groups() or parameters_problem(self)  # raised below on every rank at once, never a hang
         copies, self.names = swap_descriptions(self, problem)
         self.exchange.plan(self, copies)
+        self.normuon_rows.plan(self, self.exchange.matrices)
         if not self.exchange.config.explicit:
             self.large_runs.plan_rows(self, describe)
         # Every state tensor exists from the start (zeros, step 0: what torch creates at a first step), so that

@@ -190,15 +190,6 @@ class Matrix:
         return self.expert - start[0] if self.expert >= 0 else None
 
 
-def covers(box, shape):
-    """Whether a box is the whole of a matrix of that shape."""
-    return all(start == 0 and stop == size for (start, stop), size in zip(box, shape))
-
-
-def as_slices(box):
-    return tuple(slice(start, stop) for start, stop in box)
-
-
 def matrix_name(copy, expert, copies_of_name):
     where = "@" + ",".join(map(str, copy.mesh_ranks)) if copies_of_name > 1 else ""
     return copy.name + (f"[{expert}]" if expert >= 0 else "") + where
