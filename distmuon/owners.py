@@ -162,18 +162,30 @@ def plan_routes(matrices, owners, part_of, layout, grid, axis):
 def later(work, phase, ledger, result):
     """A started collective: a function that waits for `work` (None: nothing to wait for) and
     returns result(). The wait is labelled with the phase, as the launch is, and recorded in the
-    ledger."""
+    ledger; once waited for, the Work is let go, and with it the buffers it held (a send buffer)."""
+    pending = [work]
+
     def wait():
-        if work is not None:
+        if pending[0] is not None:
             with record_function(phase):
-                work.wait()
+                pending[0].wait()
             ledger.record_wait(phase)
+            pending[0] = None
         return result()
     return wait
 
 
 def concat(tensors, dtype, device):
-    return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
+    """The tensors' elements one after another, in one new 1-D tensor. 1-D tensors by torch.cat; a tensor of more
+    dims (a strided view of a matrix) is copied straight into its place, with no flat copy of its own first."""
+    if all(t.dim() == 1 for t in tensors):
+        return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
+    out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+    start = 0
+    for t in tensors:
+        out[start:start + t.numel()].view(t.shape).copy_(t)
+        start += t.numel()
+    return out
 
 
 def exchange(sends, receive_numels, axis, ledger, phase, dtype, device):
@@ -205,7 +217,7 @@ def send_parts(transfers, axis, ledger, phase, dtype, device):
     """Move many parts in one all-to-all. transfers: (source, destination, numel, part) along `axis`,
     in an order every rank agrees on; `part` is the tensor on its source rank (None elsewhere).
 
-    A part a rank sends to itself is handed over as it is: no copy and no message.
+    A part a rank sends to itself is handed over as it is (its shape too): no copy and no message.
     On a group of one nothing else exists, and no collective is called.
     Returns a function that waits and returns, in that order, the parts this rank receives.
     """
@@ -226,7 +238,7 @@ def send_parts(transfers, axis, ledger, phase, dtype, device):
             if destination != me:
                 continue
             if source == me:
-                parts.append(part.reshape(-1))
+                parts.append(part)
             else:
                 parts.append(received[source][offset[source]:][:numel])
                 offset[source] += numel

@@ -200,7 +200,7 @@ class OwnerExchange:
         transfers, receiving = [], []
         for m in active:
             for source, destination, numel, box, at in m.scatter:
-                part = orthogonal[m.name][as_slices(box)].reshape(-1) if source == me else None
+                part = orthogonal[m.name][as_slices(box)] if source == me else None  # a view, copied once
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
                     receiving.append((m, at))
@@ -218,7 +218,7 @@ class OwnerExchange:
                     continue
                 if name not in local:
                     local[name] = torch.empty(shapes[name], dtype=dtype, device=part.device)
-                local[name][at].view(-1).copy_(part)
+                local[name][at].copy_(part.view(local[name][at].shape) if part.dim() == 1 else part)
             return {name: t.reshape(-1) for name, t in local.items()}
         return place
 
