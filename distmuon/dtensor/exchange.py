@@ -40,6 +40,12 @@ def place_part(full, m, box, part):
     full[m.name][as_slices(box)].copy_(part.view(tuple(b - a for a, b in box)))
 
 
+def flat_if_contiguous(box):
+    """A box of a matrix as a flat view where its elements lie one after another (rows), else as it is (a strided
+    view, columns): either way no copy here; the exchange copies it once, into its message."""
+    return box.view(-1) if box.is_contiguous() else box
+
+
 class Started:
     """A step's exchange between start() and finish(): its matrices (active), the gather in flight, the local shapes
     of the parameters ({name: shape}) and the updates of the matrices orthogonalized where they are (whole)."""
@@ -200,7 +206,7 @@ class OwnerExchange:
         transfers, receiving = [], []
         for m in active:
             for source, destination, numel, box, at in m.scatter:
-                part = orthogonal[m.name][as_slices(box)] if source == me else None  # a view, copied once
+                part = flat_if_contiguous(orthogonal[m.name][as_slices(box)]) if source == me else None
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
                     receiving.append((m, at))
