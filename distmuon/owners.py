@@ -37,11 +37,9 @@ from distmuon.collectives import all_gather_single, reduce_scatter_sum, sum_in_o
 from distmuon.checks import ORTHOGONALIZED
 from distmuon.normuon import batched_problem, full_rows, normalized_part, normuon_rows, part_rows
 from distmuon.strategy import DECLARED
-from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Gather, Unit,
-                                  apply_muon_update_,
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Gather, Unit, apply_muon_update_,
                                   newton_schulz, newton_schulz_flops, orthogonalize, tp_shard)
-# (Bound here at import: a test or benchmark that patches newton_schulz in distributed_muon_cpu patches it here
-# too, as benchmarks/scaling.py does.)
+# (Bound here at import: whoever patches distributed_muon_cpu.newton_schulz patches it here too, as scaling.py does.)
 
 # =============================================================================
 # 7. Orthogonalize each matrix once: the owner and comm-free strategies
@@ -163,25 +161,23 @@ def later(work, phase, ledger, result):
     """A started collective: a function that waits for `work` (None: nothing to wait for) and
     returns result(). The wait is labelled with the phase, as the launch is, and recorded in the
     ledger; once waited for, the Work is let go, and with it the buffers it held (a send buffer)."""
-    pending = [work]
+    pending = [work] if work is not None else []
 
     def wait():
-        if pending[0] is not None:
+        if pending:
             with record_function(phase):
-                pending[0].wait()
+                pending.pop().wait()
             ledger.record_wait(phase)
-            pending[0] = None
         return result()
     return wait
 
 
 def concat(tensors, dtype, device):
-    """The tensors' elements one after another, in one new 1-D tensor. 1-D tensors by torch.cat; a tensor of more
-    dims (a strided view of a matrix) is copied straight into its place, with no flat copy of its own first."""
-    if all(t.dim() == 1 for t in tensors):
-        return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
-    out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
-    start = 0
+    """The tensors' elements one after another, in one new 1-D tensor, each copied once (a strided view of a matrix
+    straight into its place, with no flat copy of its own first)."""
+    if tensors and all(t.dim() == 1 for t in tensors):
+        return torch.cat(tensors)
+    out, start = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device), 0
     for t in tensors:
         out[start:start + t.numel()].view(t.shape).copy_(t)
         start += t.numel()
@@ -352,8 +348,7 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
 # 7.4b NorMuon at the owner: each row's second moment, and the rows it sends
 # -----------------------------------------------------------------------------
 # A param group of algorithm "normuon" divides each row of O by the root of its own second moment v, then rescales O
-# to the norm it had: whole rows and the whole matrix, which the owner has. How the owner's v and g reach each holder
-# of a part, and what it does with them: distmuon/normuon.py, "At an owner" (normuon_rows, ..., normalized_part).
+# to the norm it had: whole rows and the whole matrix, which the owner has (distmuon/normuon.py, "At an owner").
 
 
 # -----------------------------------------------------------------------------
