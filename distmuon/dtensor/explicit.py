@@ -3,7 +3,7 @@ redistribute.
 
 Part of DTensorMuon (distmuon/dtensor/): where distributed_config has gather and redistribute, this takes the place
 of the owner exchange (exchange.py) whole, with its interface: plan() finds the owners (your assign, or the lesson's
-longest-processing-time over Newton-Schulz FLOPs), orthogonalize() runs stage 3 of a step through your callables,
+longest-processing-time over Newton-Schulz FLOPs), start() and finish() run stage 3 of a step through your callables,
 their results checked and voted on (a refused step changes nothing: DTensorMuon keeps the new momentum aside until
 they pass).
 """
@@ -39,9 +39,23 @@ class ExplicitExchange:
             raise ValueError(f"bad owner assignment: owned outside the optimizer's group: {', '.join(strangers)}")
         self.matrices, self.local_matrices, self.index, self.param_of_matrix = [], {}, {}, {}
 
+    def exchange_groups(self, opt, present, exchange_bytes):
+        """One group: the step's Muon parameters (exchange_bytes is the automatic form's)."""
+        names = [n for n in opt.param_by_name if n in present and opt.group_of[n]["algorithm"] in ORTHOGONALIZED]
+        return [(names, True, False)] if names else []
+
+    def start(self, opt, updates, exchanged=True):
+        """Nothing starts before your gather: the updates, for finish()."""
+        return updates
+
+    def finish(self, opt, updates, exchanged=True, rows=True):
+        """{name: bf16 update of this rank's local piece} -> a function that returns {name: its orthogonalized local
+        piece}: your gather, Newton-Schulz on the owners, your redistribute; shapes checked on the way, and voted
+        on."""
+        orthogonal = self.orthogonalize(opt, updates)
+        return lambda: orthogonal
+
     def orthogonalize(self, opt, updates):
-        """{name: bf16 update of this rank's local piece} -> {name: its orthogonalized local piece}: your gather,
-        Newton-Schulz on the owners, your redistribute; shapes checked on the way, and voted on."""
         full = self.config.gather(dict(updates), dict(self.owners))
         wrong = [f"gather gave {n} as {tuple(full[n].shape) if n in full else None}, expected "
                  f"{tuple(self.config.global_shapes[n])}" for n in updates if self.owners[n] == opt.me
