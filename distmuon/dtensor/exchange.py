@@ -121,7 +121,8 @@ class OwnerExchange:
         """The scatter from owners of done ({matrix: O} of every matrix whole here) started, with NorMuon's v and g
         (opt.normuon_rows) where this group has any: a function that waits and returns {name: its orthogonalized
         local shard}, NorMuon's parts normalized. The matrices orthogonalized where they are need no scatter."""
-        orthos = {name: torch.stack([done[m] for m in matrices]).view(started.whole[name].shape)
+        orthos = {name: (done[matrices[0]] if len(matrices) == 1 and name not in opt.expert_stacks
+                         else torch.stack([done[m] for m in matrices]).view(started.whole[name].shape))
                   for name, matrices in self.local_matrices.items() if name in started.whole}
         normuon_here = {m: done[m] for name in orthos if opt.group_of[name]["algorithm"] == "normuon"
                         for m in self.local_matrices[name]}  # NorMuon's matrices whole here: normalized here

@@ -97,6 +97,9 @@ def chunks(numel):
 def bf16_update(buffer, grad, group):
     """The lesson's muon_update (momentum in place, then the bf16 cast) chunk by chunk into one bf16 tensor:
     elementwise, so the same bits, without a temporary the size of the shard (nesterov's, in the buffer's dtype)."""
+    if buffer.numel() <= CHUNK:  # one chunk: the whole shard at once (a new tensor, never the buffer)
+        update = muon_update(buffer, grad, group)
+        return update.clone() if update.data_ptr() == buffer.data_ptr() else update
     out = torch.empty(buffer.shape, dtype=torch.bfloat16, device=buffer.device)
     for start, stop in chunks(buffer.numel()):
         out[start:stop] = muon_update(buffer[start:stop], grad[start:stop], group)
@@ -106,6 +109,8 @@ def bf16_update(buffer, grad, group):
 def apply_update_(param, ortho, group, global_shape, runs=None):
     """The lesson's apply_muon_update_ chunk by chunk (each run cut at the chunk's ends): elementwise, so the same
     bits, without the float32 copy of the whole bf16 update that an add_ of mixed dtypes makes."""
+    if param.numel() <= CHUNK:  # one chunk: the lesson's call as it is
+        return apply_muon_update_(param, ortho, group, global_shape, runs)
     for start, stop in chunks(param.numel()):
         cut = None if runs is None else [(max(a, start) - start, min(b, stop) - start, rows) for a, b, rows in runs
                                          if a < stop and b > start]
