@@ -114,7 +114,8 @@ class OwnerExchange:
     def finish(self, opt, started, exchanged=True, rows=True):
         """Newton-Schulz of what start() gathered and of the matrices whole here, then the scatter from owners
         started: a function that waits and returns {name: its orthogonalized local shard} (NorMuon's rows beside,
-        if rows: this group has any)."""
+        if rows: this group has any). Read right to left, as the lesson's Owner.orthogonalize: scatter(Newton-Schulz
+        here(started))."""
         return self.scatter(opt, started, self.newton_schulz_here(opt, started), exchanged, rows)
 
     def scatter(self, opt, started, done, exchanged=True, rows=True):
@@ -205,7 +206,7 @@ class OwnerExchange:
         me, dtype = opt.me, torch.bfloat16
         transfers, receiving = [], []
         for m in active:
-            for source, destination, numel, box, at in m.scatter:
+            for source, destination, numel, at, box in m.scatter:
                 part = flat_if_contiguous(orthogonal[m.name][as_slices(box)]) if source == me else None
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
