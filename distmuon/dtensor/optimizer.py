@@ -543,6 +543,8 @@ class DTensorMuon(torch.optim.Optimizer):
         nothing of a group is held after it. momenta: as _muon_updates keeps them."""
         groups = self.exchange.exchange_groups(self, present, self.exchange_bytes)
         k, started, finishing = self.overlap, {}, {}
+        # iteration i:   start group i  |  finish group i-k  |  apply group i-2k   (k = 0: all three on group i)
+        #   k = 1:  i = 0: start 0;  i = 1: start 1, finish 0;  i = 2: start 2, finish 1, apply 0;  ...
         for i in range(len(groups) + 2 * k):
             if i < len(groups):  # group i: momentum and bf16 updates, then its gather started
                 names, exchanged, rows = groups[i]
