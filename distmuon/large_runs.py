@@ -528,8 +528,13 @@ class LargeRuns(Blocks):
 
     def around(self, strategy):
         """The optimizer's strategy with what large runs add (WithLargeRuns); a strategy that runs the gather flow
-        (one that does not orthogonalize each matrix once) as a copy of it with this middle."""
+        (one that does not orthogonalize each matrix once) as a copy of it with this middle. One with a middle of its
+        own is refused (ValueError): this middle would replace it."""
         if not strategy.orthogonalizes_once:
+            if getattr(strategy, "middle", orthogonalize_tp_local) is not orthogonalize_tp_local:
+                raise ValueError(f"strategy {strategy.name!r} has a middle of its own, which large runs (row_layouts, "
+                                 f"ns_blocks, tp_newton_schulz, qk_clip_tau) would replace with the gather flow's: "
+                                 f"leave them off, or declare orthogonalizes_once and handle them in the strategy")
             strategy = copy.copy(strategy)
             strategy.middle = self.middle
         return WithLargeRuns(strategy, self)

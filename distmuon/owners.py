@@ -34,14 +34,12 @@ from torch.profiler import record_function
 
 from distmuon.assignment import assign_owners, check_owners, load_balance, lpt_order  # noqa: F401 (7.1's names)
 from distmuon.collectives import all_gather_single, reduce_scatter_sum, sum_in_order
-from distmuon.checks import ORTHOGONALIZED, ns_coefficients_of
+from distmuon.checks import ORTHOGONALIZED
 from distmuon.normuon import batched_problem, full_rows, normalized_part, normuon_rows, part_rows
 from distmuon.strategy import DECLARED
-from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Gather, Unit,
-                                  apply_muon_update_,
+from distributed_muon_cpu import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, DistributedMuon, Gather, Unit, apply_muon_update_,
                                   newton_schulz, newton_schulz_flops, orthogonalize, tp_shard)
-# (Bound here at import: a test or benchmark that patches newton_schulz in distributed_muon_cpu patches it here
-# too, as benchmarks/scaling.py does.)
+# (Bound here at import: whoever patches distributed_muon_cpu.newton_schulz patches it here too, as scaling.py does.)
 
 # =============================================================================
 # 7. Orthogonalize each matrix once: the owner and comm-free strategies
@@ -162,18 +160,28 @@ def plan_routes(matrices, owners, part_of, layout, grid, axis):
 def later(work, phase, ledger, result):
     """A started collective: a function that waits for `work` (None: nothing to wait for) and
     returns result(). The wait is labelled with the phase, as the launch is, and recorded in the
-    ledger."""
+    ledger; once waited for, the Work is let go, and with it the buffers it held (a send buffer)."""
+    pending = [work] if work is not None else []
+
     def wait():
-        if work is not None:
+        if pending:
             with record_function(phase):
-                work.wait()
+                pending.pop().wait()
             ledger.record_wait(phase)
         return result()
     return wait
 
 
 def concat(tensors, dtype, device):
-    return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype, device=device)
+    """The tensors' elements one after another, in one new 1-D tensor, each copied once (a strided view of a matrix
+    straight into its place, with no flat copy of its own first)."""
+    if tensors and all(t.dim() == 1 for t in tensors):
+        return torch.cat(tensors)
+    out, start = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device), 0
+    for t in tensors:
+        out[start:start + t.numel()].view(t.shape).copy_(t)
+        start += t.numel()
+    return out
 
 
 def exchange(sends, receive_numels, axis, ledger, phase, dtype, device):
@@ -205,7 +213,7 @@ def send_parts(transfers, axis, ledger, phase, dtype, device):
     """Move many parts in one all-to-all. transfers: (source, destination, numel, part) along `axis`,
     in an order every rank agrees on; `part` is the tensor on its source rank (None elsewhere).
 
-    A part a rank sends to itself is handed over as it is: no copy and no message.
+    A part a rank sends to itself is handed over as it is (its shape too): no copy and no message.
     On a group of one nothing else exists, and no collective is called.
     Returns a function that waits and returns, in that order, the parts this rank receives.
     """
@@ -226,7 +234,7 @@ def send_parts(transfers, axis, ledger, phase, dtype, device):
             if destination != me:
                 continue
             if source == me:
-                parts.append(part.reshape(-1))
+                parts.append(part)
             else:
                 parts.append(received[source][offset[source]:][:numel])
                 offset[source] += numel
@@ -321,11 +329,11 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
             if blocks is not None and name in blocks.blocks:
                 continue
             g = group_of[name]
-            stacks.setdefault((matrix.shape, g["ns_steps"], ns_coefficients_of(g["ns_coefficients"], g["ns_steps"]),
-                               g["eps"]), []).append(name)
-        for (shape, steps, coefficients, eps), names in stacks.items():
+            key = (matrix.shape, g["ns_steps"], repr(g["ns_coefficients"]), g["eps"])  # options as the group has them
+            stacks.setdefault(key, (g, []))[1].append(name)
+        for (shape, steps, _, eps), (g, names) in stacks.items():
             with record_function("newton-schulz"):
-                stack = batched_newton_schulz(torch.stack([full[n] for n in names]), steps, coefficients, eps)
+                stack = batched_newton_schulz(torch.stack([full[n] for n in names]), steps, g["ns_coefficients"], eps)
             orthos.update(zip(names, stack.unbind(0)))
             for name in names:
                 ledger.record_compute(name, tuple(shape), newton_schulz_flops(shape, steps))
@@ -340,8 +348,7 @@ def newton_schulz_owned(full, group_of, ledger, batched=False, blocks=None):
 # 7.4b NorMuon at the owner: each row's second moment, and the rows it sends
 # -----------------------------------------------------------------------------
 # A param group of algorithm "normuon" divides each row of O by the root of its own second moment v, then rescales O
-# to the norm it had: whole rows and the whole matrix, which the owner has. How the owner's v and g reach each holder
-# of a part, and what it does with them: distmuon/normuon.py, "At an owner" (normuon_rows, ..., normalized_part).
+# to the norm it had: whole rows and the whole matrix, which the owner has (distmuon/normuon.py, "At an owner").
 
 
 # -----------------------------------------------------------------------------

@@ -65,9 +65,10 @@ def test_the_update_applied_chunk_by_chunk_is_the_lessons_on_the_whole_shard(num
 
 # The most a grouped step holds by design, in bf16 matrices (d x 4d), groups of one matrix, without Newton-Schulz:
 # FSDP2's Shard(0) pieces are row blocks, views of the owner's matrix M: M and half of it (this rank's own update
-# while it is written into M, then the part received); TP's Shard(1) pieces are column blocks, copied out of M
-# for the scatter: M and both halves, before M goes.
-BY_DESIGN = {(2, 1): 1.5, (1, 2): 2.0}
+# while it is written into M, then the part received); TP's Shard(1) pieces are column blocks of M, each a strided
+# view copied once, into the send buffer (the other half) or, after the wait, into this rank's update (its own
+# half): M and half of it too.
+BY_DESIGN = {(2, 1): 1.5, (1, 2): 1.5}
 
 
 @pytest.mark.parametrize("dp, tp", list(BY_DESIGN))
@@ -77,7 +78,8 @@ def test_a_grouped_step_holds_what_its_design_says(dp, tp):
     buffers back at once) at most 1.25 matrices more than BY_DESIGN (that, the chunks' temporaries, the process's
     own). One matrix is 1/16 of a rank's float32 parameters here, so 1.5 is 9.4 %. Before: 2.5 (2 x 1) and 3.5
     (1 x 2) counted, 3.4 and 3.9 in RSS (a group's bf16 updates and exchange buffers kept into the next group's,
-    nesterov's float32 temporary and the mixed-dtype add_'s float32 copy)."""
+    nesterov's float32 temporary and the mixed-dtype add_'s float32 copy); then 2.0 on 1 x 2 (both column blocks
+    copied out of M, then the send buffer made from one of them)."""
     matrix = 4 * D * D * 2
     ranks = muon_tools.spawn_ranks(StepMemoryRun(dp=dp, tp=tp, d=D, exchange_bytes=2**20), at_scale_rank)
     for r in ranks:

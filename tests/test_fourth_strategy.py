@@ -155,3 +155,14 @@ def test_large_runs_give_their_middle_to_any_strategy_that_runs_the_gather_flow(
     wrapped = wrapper.around(Relabelled())
     assert type(wrapped.strategy) is Relabelled and wrapped.middle == wrapper.middle
     assert not hasattr(wrapper.around(RoundRobin()), "middle")  # an owner's Newton-Schulz is its own
+
+
+def test_large_runs_refuse_a_gather_flow_strategy_with_a_middle_of_its_own():
+    """Its middle would be replaced by the gather flow's without a word: refused, and the strategy left as it was."""
+    def own_middle(tp_local, meta, group, grid, ledger):
+        return distributed_muon_cpu.orthogonalize_tp_local(tp_local, meta, group, grid, ledger)
+
+    strategy = Relabelled(middle=own_middle)
+    with pytest.raises(ValueError, match=r"^strategy 'relabelled' has a middle of its own, which large runs "):
+        large_runs.LargeRuns().around(strategy)
+    assert strategy.middle is own_middle

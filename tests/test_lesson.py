@@ -166,7 +166,7 @@ LAYERS = [
     ["distmuon.dtensor.placements", "distmuon.dtensor.config"],  # DTensorMuon's modules, built on all of the above
     ["distmuon.dtensor.plan"],
     ["distmuon.dtensor.rows", "distmuon.dtensor.normuon"],
-    ["distmuon.dtensor.exchange"],
+    ["distmuon.dtensor.exchange", "distmuon.dtensor.explicit"],
     ["distmuon.dtensor.optimizer"],
     ["distmuon.dtensor.checkpoint"],
     ["distmuon.dtensor", "distmuon"],  # the packages' names for users

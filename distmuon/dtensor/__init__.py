@@ -40,10 +40,12 @@ Reading order (each section opens with what it does and why), one file each:
     2. Placements: where each element lives (one range per tensor dim), what replaces dist_meta (placements.py)
     3. The plan: matrices, their holders and owners, the transfers (plan.py)
        3b. Rows of a laid-out matrix: fused blocks and QK-clip, on any local piece (rows.py)
-       3c. Newton-Schulz on TP pieces, without gathering the matrix, tp_newton_schulz="gram" (plan.py)
-    4. The configuration: automatic from placements, or your own callables (config.py)
-    5. The optimizer (optimizer.py: DTensorMuon, a torch.optim.Optimizer) and its strategy, the lesson's owner
-       strategy on placements (exchange.py)
+       3c. Newton-Schulz on TP pieces, without gathering the matrix, tp_newton_schulz="gram" (plan.py; its step:
+           rows.py)
+    4. The configuration: automatic from placements, or your own callables (config.py; your own callables'
+       strategy: explicit.py)
+    5. The optimizer (optimizer.py: DTensorMuon, a torch.optim.Optimizer) and its parts: its strategy, the lesson's
+       owner strategy on placements (exchange.py), and NorMuon's rows beside it (normuon.py)
     6. Checkpoints through torch.distributed.checkpoint, across meshes (checkpoint.py)
 """
 

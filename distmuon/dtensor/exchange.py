@@ -1,28 +1,32 @@
 """DTensorMuon's strategy: the lesson's owner strategy on placements (gather at owner, Newton-Schulz, scatter back).
 
-Part of DTensorMuon (distmuon/dtensor/), sections 3-5 of its reading order: plan() makes the plan of section 3 (or
-takes your distributed_config's owners, section 4), orthogonalize() runs stage 3 of a step on it. It is built from
-the lesson's parts: the owners by longest-processing-time (distmuon/owners.py's lpt_order, assign_owners,
-check_owners), one all-to-all for every part of every matrix each way (send_parts; or per group of them:
-exchange_groups, started and finished apart so that groups can overlap), Newton-Schulz at the owner
-(newton_schulz_owned, the lesson's orthogonalize), and the Gram form on TP pieces (distmuon/large_runs.py's
-newton_schulz_tp).
+Part of DTensorMuon (distmuon/dtensor/), sections 3 and 5 of its reading order: plan() makes the plan of section 3,
+start() and finish() run stage 3 of a step on it, a group of matrices at a time (exchange_groups). It is built from the lesson's parts: the owners by
+longest-processing-time (distmuon/owners.py's assign_owners), one all-to-all for every part of every matrix each way
+(send_parts; or per group of them: exchange_groups, started and finished apart so that groups can overlap) and
+Newton-Schulz at the owner (newton_schulz_owned, the lesson's orthogonalize). What later sections add comes from the
+optimizer's other parts, each in its own module: the Gram form on TP pieces (opt.large_runs, rows.py, 3c) and
+NorMuon's rows (opt.normuon_rows, normuon.py). Your own gather and redistribute (section 4) replace this strategy
+whole: explicit.py.
 """
 
 from __future__ import annotations
 
-
 import torch
-import torch.distributed as dist
-from torch.profiler import record_function
 
-from distmuon import large_runs
 from distmuon import owners
-import distributed_muon_cpu
 from distmuon.checks import ORTHOGONALIZED
-from distmuon.dtensor.normuon import NorMuonRows
-from distmuon.dtensor.plan import as_slices, covers, exchange_groups, matrix_name, plan_matrices
-from distributed_muon_cpu import newton_schulz_flops
+from distmuon.dtensor.plan import exchange_groups, matrix_name, plan_matrices
+
+
+def covers(box, shape):
+    """Whether a box ((start, stop) along each dim) is the whole of a matrix of that shape."""
+    return all(start == 0 and stop == size for (start, stop), size in zip(box, shape))
+
+
+def as_slices(box):
+    """A box as the slices that index it."""
+    return tuple(slice(start, stop) for start, stop in box)
 
 
 def place_part(full, m, box, part):
@@ -34,6 +38,12 @@ def place_part(full, m, box, part):
     if m.name not in full:
         full[m.name] = torch.empty(m.shape, dtype=torch.bfloat16, device=part.device)
     full[m.name][as_slices(box)].copy_(part.view(tuple(b - a for a, b in box)))
+
+
+def flat_if_contiguous(box):
+    """A box of a matrix as a flat view where its elements lie one after another (rows), else as it is (a strided
+    view, columns): either way no copy here; the exchange copies it once, into its message."""
+    return box.view(-1) if box.is_contiguous() else box
 
 
 class Started:
@@ -56,17 +66,10 @@ class OwnerExchange:
     orthogonalized where they are) and param_of_matrix ({matrix: its parameter})."""
 
     def __init__(self, config, batched_ns=False):
-        self.config, self.batched_ns, self.rows = config, batched_ns, NorMuonRows()
+        self.config, self.batched_ns = config, batched_ns
 
     # -- the plan -------------------------------------------------------------
     def plan(self, opt, copies):
-        self.param_of_matrix = {}
-        if self.config.explicit:
-            self.plan_explicit(opt)
-        else:
-            self.plan_automatic(opt, copies)
-
-    def plan_automatic(self, opt, copies):
         muon_copies = [c for c in copies if opt.param_groups[c.group]["algorithm"] in ORTHOGONALIZED]
         steps = {i: g["ns_steps"] for i, g in enumerate(opt.param_groups) if g["algorithm"] in ORTHOGONALIZED}
         self.matrices, self.ns_flops, self.owners = plan_matrices(
@@ -82,44 +85,24 @@ class OwnerExchange:
         self.index = {r: i for i, r in enumerate(opt.axis.ranks)}  # global rank -> index in the optimizer's group
         self.param_of_matrix = {m.name: m.copy.name for m in self.matrices}
         self.param_of_matrix.update({m: name for name, names in self.local_matrices.items() for m in names})
-        self.rows.plan(opt, self.matrices)  # NorMuon's: who holds each matrix's v
-
-    def plan_explicit(self, opt):
-        muon = [n for n in opt.param_by_name if opt.group_of[n]["algorithm"] in ORTHOGONALIZED]
-        self.ns_flops = {n: newton_schulz_flops(self.config.global_shapes[n], opt.group_of[n]["ns_steps"])
-                         for n in muon}
-        ranks = opt.axis.ranks
-        owned = (self.config.assign(self.ns_flops, {n: ranks for n in muon}, opt.world)
-                 if self.config.assign is not None
-                 else {r: [n for n, o in owners.assign_owners(self.ns_flops, len(ranks),
-                                                              self.config.global_shapes).items() if ranks[o] == r]
-                       for r in ranks})
-        self.owners = owners.check_owners(owned, muon, opt.world)
-        strangers = sorted(n for n, r in self.owners.items() if r not in ranks)
-        if strangers:
-            raise ValueError(f"bad owner assignment: owned outside the optimizer's group: {', '.join(strangers)}")
-        self.matrices, self.local_matrices, self.index = [], {}, {}
-
-    # -- stage 3 of a step ------------------------------------------------------
-    def orthogonalize(self, opt, updates):
-        """{name: bf16 update of this rank's local shard} -> {name: its orthogonalized local shard}."""
-        if self.config.explicit:
-            return self.orthogonalize_explicit(opt, updates)
-        return self.finish(opt, self.start(opt, updates))()
 
     def exchange_groups(self, opt, present, exchange_bytes):
-        """The step's Muon parameters (present: the names voted present) in groups of at most exchange_bytes of bf16
-        matrices each (a larger parameter alone), every group its own exchanges: [(names, exchanged, rows)]. The
-        groups of distributed parameters come from the plan, in its order, so every rank makes the same ones
-        (exchanged: True; rows: whether it has NorMuon's rows to send); the parameters orthogonalized where they are
-        follow, in groups that move nothing (exchanged and rows: False)."""
+        """The step's Muon parameters (present: the names voted present), every group its own exchanges:
+        [(names, exchanged, rows)]. exchange_bytes None: one group of them all (rows: whether any has NorMuon's rows
+        to send). Else groups of at most exchange_bytes of bf16 matrices each (a larger parameter alone): those of
+        distributed parameters from the plan, in its order, so every rank makes the same ones (exchanged: True); the
+        parameters orthogonalized where they are follow, in groups that move nothing (exchanged and rows: False)."""
+        normuon = {m.copy.name for m in self.matrices if m.name in opt.normuon_rows.receivers}
+        if exchange_bytes is None:
+            names = [n for n in opt.param_by_name if n in present and opt.group_of[n]["algorithm"] in ORTHOGONALIZED]
+            return [(names, True, bool(normuon))] if names else []
         exchanged = exchange_groups([m for m in self.matrices if m.copy.name in present], exchange_bytes)
         planned = {n for names in exchanged for n in names}
         local = {n: 2 * opt.param_by_name[n].numel() for n in self.local_matrices if n in present and n not in planned}
-        normuon = {m.copy.name for m in self.matrices if m.name in self.rows.receivers}
         return ([(names, True, bool(normuon.intersection(names))) for names in exchanged]
                 + [(names, False, False) for names in owners.chunk_names(list(local), local, exchange_bytes)])
 
+    # -- stage 3 of a step: start(updates), then finish(started)() -------------------
     def start(self, opt, updates, exchanged=True):
         """The gather at owners of these updates' matrices, started: what finish() takes. The updates of the matrices
         that travel are taken out of `updates` (their bytes live on in the send buffer and at the owners only)."""
@@ -129,57 +112,52 @@ class OwnerExchange:
         return Started(active, self.gather_at_owners(opt, updates, active) if exchanged else dict, shapes, whole)
 
     def finish(self, opt, started, exchanged=True, rows=True):
-        """Newton-Schulz of what start() gathered (and of the matrices whole here), the scatter from owners started:
-        a function that waits and returns {name: its orthogonalized local shard}."""
-        active, shapes, whole = started.active, started.shapes, started.whole
-        group_of, orthos, local_full = {}, {}, {}
-        for name, matrices in self.local_matrices.items():  # no exchange: the whole matrix is here
-            if name in whole:
-                stack = whole[name].view(-1, *whole[name].shape[-2:])
-                for i, m in enumerate(matrices):
-                    local_full[m], group_of[m] = stack[i], opt.group_of[name]
-        whole_normuon = {}  # NorMuon's matrices whole here: (parameter, expert, O)
-        if local_full:
-            done = self.newton_schulz(opt, local_full, group_of)
-            for name, matrices in self.local_matrices.items():
-                if name in whole:
-                    orthos[name] = torch.stack([done[m] for m in matrices]).view(whole[name].shape)
-                    if opt.group_of[name]["algorithm"] == "normuon":
-                        whole_normuon.update((m, (name, e if name in opt.expert_stacks else -1, done[m]))
-                                             for e, m in enumerate(matrices))
-        full = started.take_gathered()  # the gather's buffers go with it: only the matrices put together stay
-        for m in active:
-            if m.owner == opt.me:
-                group_of[m.name] = opt.param_groups[m.copy.group]
-        pieces = [m for m in active if m.owner == opt.me and m.tp_dim >= 0]  # in plan order: the same on each
-        orthogonal = self.newton_schulz(opt, {n: t for n, t in full.items() if n not in {m.name for m in pieces}},
-                                        group_of)
-        for m in pieces:  # section 3c: with every rank of this row's TP group, one all-reduce per iteration
-            g = group_of[m.name]
-            with record_function("newton-schulz"):
-                orthogonal[m.name] = large_runs.newton_schulz_tp(full[m.name], m.copy.shape, self.tp_axis(opt, m),
-                                                                 opt.ledger, g["ns_steps"], g["ns_coefficients"],
-                                                                 g["eps"])
-            opt.ledger.record_compute(m.name, m.shape, self.ns_flops[m.name])
-        del full  # the matrices put together, freed before the scatter's buffers are made: a lower peak
-        stepped = [m for m in self.matrices if m.copy.name in shapes]  # empty shards too: they hold v
-        rows = (self.rows.at_owners(opt, orthogonal, stepped)  # NorMuon's v and g
-                if self.rows.receivers and exchanged and rows else None)
-        scattered = self.scatter_from_owners(opt, orthogonal, shapes, active) if exchanged else dict
-        del orthogonal
+        """Newton-Schulz of what start() gathered and of the matrices whole here, then the scatter from owners
+        started: a function that waits and returns {name: its orthogonalized local shard} (NorMuon's rows beside,
+        if rows: this group has any). Read right to left, as the lesson's Owner.orthogonalize: scatter(Newton-Schulz
+        here(started))."""
+        return self.scatter(opt, started, self.newton_schulz_here(opt, started), exchanged, rows)
+
+    def scatter(self, opt, started, done, exchanged=True, rows=True):
+        """The scatter from owners of done ({matrix: O} of every matrix whole here) started, with NorMuon's v and g
+        (opt.normuon_rows) where this group has any: a function that waits and returns {name: its orthogonalized
+        local shard}, NorMuon's parts normalized. The matrices orthogonalized where they are need no scatter."""
+        orthos = {name: (done[matrices[0]] if len(matrices) == 1 and name not in opt.expert_stacks
+                         else torch.stack([done[m] for m in matrices]).view(started.whole[name].shape))
+                  for name, matrices in self.local_matrices.items() if name in started.whole}
+        normuon_here = {m: done[m] for name in orthos if opt.group_of[name]["algorithm"] == "normuon"
+                        for m in self.local_matrices[name]}  # NorMuon's matrices whole here: normalized here
+        stepped = [m for m in self.matrices if m.copy.name in started.shapes]  # empty shards too: they hold v
+        normuon_rows = opt.normuon_rows
+        travelling = (normuon_rows.at_owners(opt, done, stepped)  # NorMuon's v and g
+                      if normuon_rows.receivers and exchanged and rows else None)
+        scattered = self.scatter_from_owners(opt, done, started.shapes, started.active) if exchanged else dict
+        del done
 
         def wait():
             orthos.update(scattered())
-            if rows is None and not whole_normuon:
-                return orthos
-            return self.rows.normalized(opt, orthos, rows() if rows else {}, whole_normuon)
+            return normuon_rows.normalized(opt, orthos, travelling() if travelling else {}, normuon_here)
         return wait
 
-    def tp_axis(self, opt, m):
-        """The TP group of this rank's row of m's mesh, as the lesson's Axis (what newton_schulz_tp sums over)."""
-        group = opt.param_by_name[m.copy.name].device_mesh.get_group(m.tp_dim)
-        ranks = tuple(dist.get_process_group_ranks(group))
-        return distributed_muon_cpu.Axis("TP", len(ranks), ranks.index(opt.me), ranks, group)
+    def newton_schulz_here(self, opt, started):
+        """{matrix: O} of every matrix whole here: those the gather put together at this owner (waited for; TP
+        pieces, tp_newton_schulz="gram" (3c), with their TP group, by opt.large_runs) and the matrices of
+        started.whole, orthogonalized where they are. The gather's buffers are let go, and the matrices once
+        orthogonalized."""
+        full = started.take_gathered()  # the gather's buffers go with it: only the matrices put together stay
+        owned = [m for m in started.active if m.owner == opt.me]
+        group_of = {m.name: opt.param_groups[m.copy.group] for m in owned}
+        for name, matrices in self.local_matrices.items():  # no exchange: the whole matrix is here
+            if name in started.whole:
+                stack = started.whole[name].view(-1, *started.whole[name].shape[-2:])
+                for i, m in enumerate(matrices):
+                    full[m], group_of[m] = stack[i], opt.group_of[name]
+        pieces = [m for m in owned if m.tp_dim >= 0]  # in plan order: the same on each rank of a TP group
+        gathered_pieces = {m.name: full.pop(m.name) for m in pieces}
+        done = self.newton_schulz(opt, full, group_of)
+        if pieces:
+            done.update(opt.large_runs.newton_schulz_pieces(opt, gathered_pieces, pieces, group_of, self.ns_flops))
+        return done
 
     def newton_schulz(self, opt, full, group_of):
         """{matrix: full bf16 update} -> {matrix: orthogonalized}, by the lesson's newton_schulz_owned; laid-out
@@ -228,8 +206,8 @@ class OwnerExchange:
         me, dtype = opt.me, torch.bfloat16
         transfers, receiving = [], []
         for m in active:
-            for source, destination, numel, box, at in m.scatter:
-                part = orthogonal[m.name][as_slices(box)].reshape(-1) if source == me else None
+            for source, destination, numel, at, box in m.scatter:
+                part = flat_if_contiguous(orthogonal[m.name][as_slices(box)]) if source == me else None
                 transfers.append((self.index[source], self.index[destination], numel, part))
                 if destination == me:
                     receiving.append((m, at))
@@ -247,21 +225,7 @@ class OwnerExchange:
                     continue
                 if name not in local:
                     local[name] = torch.empty(shapes[name], dtype=dtype, device=part.device)
-                local[name][at].view(-1).copy_(part)
+                local[name][at].copy_(part.view(local[name][at].shape) if part.dim() == 1 else part)
             return {name: t.reshape(-1) for name, t in local.items()}
         return place
 
-    def orthogonalize_explicit(self, opt, updates):
-        """Your gather, Newton-Schulz on the owners, your redistribute; shapes checked on the way, and voted on."""
-        full = self.config.gather(dict(updates), dict(self.owners))
-        wrong = [f"gather gave {n} as {tuple(full[n].shape) if n in full else None}, expected "
-                 f"{tuple(self.config.global_shapes[n])}" for n in updates if self.owners[n] == opt.me
-                 and (n not in full or tuple(full[n].shape) != tuple(self.config.global_shapes[n]))]
-        opt.refuse_on_every_rank(wrong[0] if wrong else None, "explicit checks")
-        orthogonal = owners.newton_schulz_owned({n: full[n] for n in updates if self.owners[n] == opt.me},
-                                            opt.group_of, opt.ledger, self.batched_ns)
-        local = self.config.redistribute(orthogonal, dict(self.owners))
-        wrong = [f"redistribute gave no piece of {n} the size of this rank's parameter" for n in updates
-                 if n not in local or local[n].numel() != updates[n].numel()]
-        opt.refuse_on_every_rank(wrong[0] if wrong else None, "explicit checks")
-        return {n: local[n] for n in updates}

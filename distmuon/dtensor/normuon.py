@@ -109,10 +109,16 @@ class NorMuonRows:
         wait = owners.send_parts(transfers, opt.axis, opt.ledger, "NorMuon rows", torch.float32, opt.device)
         return lambda: {m.name: stats for m, stats in zip(receiving, wait())}
 
-    def normalized(self, opt, orthos, received, local_full):
+    def normalized(self, opt, orthos, received, whole_here):
         """{parameter: this rank's local O, flat} -> NorMuon's parameters normalized, float32: every matrix's v copied
         in from its owner's (received: {matrix: its v and g}), then each element by its row's divisor, times g.
-        local_full: {matrix: (its parameter, its expert, its full O)} of the matrices whole here, normalized here."""
+        whole_here: {matrix: its full O} of NorMuon's matrices whole here (opt.exchange.local_matrices), normalized
+        here. Without either, orthos as it is."""
+        local_full = {m: (name, e if name in opt.expert_stacks else -1, whole_here[m])
+                      for name, matrices in opt.exchange.local_matrices.items()
+                      for e, m in enumerate(matrices) if m in whole_here}
+        if not received and not local_full:
+            return orthos
         g_of = {}
         for m in opt.exchange.matrices:
             if m.name in received:

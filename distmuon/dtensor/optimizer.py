@@ -74,7 +74,8 @@ import distributed_muon_cpu
 from distmuon.adamw import adamw_step_
 from distmuon.dtensor.config import DistributedConfig
 from distmuon.dtensor.exchange import OwnerExchange
-from distmuon.dtensor.normuon import v_zeros
+from distmuon.dtensor.explicit import ExplicitExchange
+from distmuon.dtensor.normuon import NorMuonRows, v_zeros
 from distmuon.dtensor.placements import like_param, local_of, local_shape_problem, placements_problem
 from distmuon.dtensor.plan import Copy, describe
 from distmuon.dtensor.rows import DTensorLargeRuns
@@ -96,6 +97,9 @@ def chunks(numel):
 def bf16_update(buffer, grad, group):
     """The lesson's muon_update (momentum in place, then the bf16 cast) chunk by chunk into one bf16 tensor:
     elementwise, so the same bits, without a temporary the size of the shard (nesterov's, in the buffer's dtype)."""
+    if buffer.numel() <= CHUNK:  # one chunk: the whole shard at once (a new tensor, never the buffer)
+        update = muon_update(buffer, grad, group)
+        return update.clone() if update.data_ptr() == buffer.data_ptr() else update
     out = torch.empty(buffer.shape, dtype=torch.bfloat16, device=buffer.device)
     for start, stop in chunks(buffer.numel()):
         out[start:stop] = muon_update(buffer[start:stop], grad[start:stop], group)
@@ -105,6 +109,8 @@ def bf16_update(buffer, grad, group):
 def apply_update_(param, ortho, group, global_shape, runs=None):
     """The lesson's apply_muon_update_ chunk by chunk (each run cut at the chunk's ends): elementwise, so the same
     bits, without the float32 copy of the whole bf16 update that an add_ of mixed dtypes makes."""
+    if param.numel() <= CHUNK:  # one chunk: the lesson's call as it is
+        return apply_muon_update_(param, ortho, group, global_shape, runs)
     for start, stop in chunks(param.numel()):
         cut = None if runs is None else [(max(a, start) - start, min(b, stop) - start, rows) for a, b, rows in runs
                                          if a < stop and b > start]
@@ -353,7 +359,9 @@ class DTensorMuon(torch.optim.Optimizer):
         config = distributed_config or DistributedConfig()
         config.check()
         self.ledger, self.expert_stacks = distributed_muon_cpu.Ledger(), set(expert_stacks)
-        self.exchange = OwnerExchange(config, batched_ns)  # the strategy: who orthogonalizes what, how it travels
+        # the strategy (who orthogonalizes what, how it travels), and NorMuon's rows beside it (normuon.py)
+        self.exchange = (ExplicitExchange if config.explicit else OwnerExchange)(config, batched_ns)
+        self.normuon_rows = NorMuonRows()
         self.large_runs = DTensorLargeRuns(row_layouts, ns_blocks, tp_newton_schulz, qk_clip_tau)
         self.axis = self._axis(group)
         self.me = self.axis.ranks[self.axis.rank]  # global ranks everywhere; the exchange maps them to the group's
@@ -418,6 +426,7 @@ class DTensorMuon(torch.optim.Optimizer):
                 self.init_state()
             copies, self.names = swap.finish()
             self.exchange.plan(self, copies)
+            self.normuon_rows.plan(self, self.exchange.matrices)
             if not self.exchange.config.explicit:
                 self.large_runs.plan_rows(self, describe)
         except BaseException:
@@ -549,30 +558,25 @@ class DTensorMuon(torch.optim.Optimizer):
         # shard's local shape may differ between FSDP2's parameter and a gradient made by distribute_tensor.
         flat = lambda t: local_of(t).view(-1)
         muon = [n for n in active if self.group_of[n]["algorithm"] in checks.ORTHOGONALIZED]
-        if self.exchange.config.explicit or self.exchange_bytes is None:  # every matrix in one exchange each way
-            momenta = {}
-            updates = self._muon_updates(muon, grads, momenta)
-            orthos = self.exchange.orthogonalize(self, updates)
-        else:
-            orthos = self._grouped_muon_steps(present, set(muon), grads)
+        momenta = {}  # the explicit form's new momentum, kept aside until its checks pass
+        self._muon_steps(present, set(muon), grads, momenta)
         for name in [n for n in active if self.group_of[n]["algorithm"] == "adamw"]:
             state = {k: flat(t) for k, t in self.state_of(name).items()}  # "step" too: a view, updated in place
             adamw_step_(flat(self.param_by_name[name]), grads[name].reshape(-1), state, self.group_of[name])
-        if self.exchange.config.explicit:  # the checks passed: the new momentum now
-            for name, momentum in momenta.items():
-                flat(self.state[self.param_by_name[name]]["momentum_buffer"]).copy_(momentum)
-        self._apply_orthogonalized(orthos)
+        for name, momentum in momenta.items():  # the checks passed: the new momentum now
+            flat(self.state[self.param_by_name[name]]["momentum_buffer"]).copy_(momentum)
         return loss
 
     def _muon_updates(self, names, grads, momenta):
-        """{name: the bf16 update of this rank's shard} after Muon's momentum (kept in momenta; a copy of it, for
-        the explicit form, whose gather / redistribute may fail the checks after them: a refused step changes
-        nothing)."""
+        """{name: the bf16 update of this rank's shard} after Muon's momentum: in place, or, for the explicit form,
+        whose gather / redistribute may fail the checks after them (a refused step changes nothing), in a copy kept
+        in momenta."""
         updates, flat = {}, lambda t: local_of(t).view(-1)
         for name in names:
             group, buffer = self.group_of[name], flat(self.state_of(name)["momentum_buffer"])
-            momenta[name] = buffer.clone() if self.exchange.config.explicit else buffer
-            update = bf16_update(momenta[name], grads[name].reshape(-1), group)
+            if self.exchange.config.explicit:
+                buffer = momenta[name] = buffer.clone()
+            update = bf16_update(buffer, grads[name].reshape(-1), group)
             updates[name] = update.view(local_of(self.param_by_name[name]).shape)
         return updates
 
@@ -584,26 +588,27 @@ class DTensorMuon(torch.optim.Optimizer):
             apply_update_(local_of(self.param_by_name[name]).view(-1), orthos.pop(name).reshape(-1),
                           self.group_of[name], shape, self.large_runs.block_runs.get(name))  # blocks: 3b
 
-    def _grouped_muon_steps(self, present, here, grads):
-        """Stages 1-5 of the Muon parameters group by group (exchange_bytes each; exchange.exchange_groups), K =
-        overlap groups' gathers in flight while a group's Newton-Schulz runs, its scatter waited for K groups later
-        (the lesson's overlapped_stages, on groups): the same operations on the same elements, so the same bits.
-        Nothing of a group is held once its update is applied. Returns {} (each group's update is applied as it
-        arrives)."""
+    def _muon_steps(self, present, here, grads, momenta):
+        """Stages 1-5 of the Muon parameters (here: those with a gradient here), group by group (exchange.
+        exchange_groups: one group of them all without exchange_bytes), K = overlap groups' gathers in flight while a
+        group's Newton-Schulz runs, its scatter waited for K groups later (the lesson's overlapped_stages, on groups):
+        the same operations on the same elements, so the same bits. Each group's update is applied as it arrives, and
+        nothing of a group is held after it. momenta: as _muon_updates keeps them."""
         groups = self.exchange.exchange_groups(self, present, self.exchange_bytes)
         k, started, finishing = self.overlap, {}, {}
+        # iteration i:   start group i  |  finish group i-k  |  apply group i-2k   (k = 0: all three on group i)
+        #   k = 1:  i = 0: start 0;  i = 1: start 1, finish 0;  i = 2: start 2, finish 1, apply 0;  ...
         for i in range(len(groups) + 2 * k):
             if i < len(groups):  # group i: momentum and bf16 updates, then its gather started
                 names, exchanged, rows = groups[i]
                 started[i] = (exchanged, rows, self.exchange.start(
-                    self, self._muon_updates([n for n in names if n in here], grads, {}), exchanged))
+                    self, self._muon_updates([n for n in names if n in here], grads, momenta), exchanged))
             if i - k in started:  # group i-k: Newton-Schulz while later groups' gathers fly; its scatter started
                 exchanged, rows, gathering = started.pop(i - k)
                 finishing[i - k] = self.exchange.finish(self, gathering, exchanged, rows)
                 del gathering
             if i - 2 * k in finishing:  # group i-2k: its scatter waited for, its update applied
                 self._apply_orthogonalized(finishing.pop(i - 2 * k)())
-        return {}
 
     def _local_grads(self):
         """{name: local gradient or None} and the first problem with them (one line, or None)."""

@@ -159,10 +159,10 @@ class Matrix:
     owner: int = -1
     shape: tuple = ()  # what the owner puts together: the (out, in) matrix, or its TP piece (section 3c)
     tp_dim: int = -1  # section 3c: the mesh dim whose ranks orthogonalize their pieces together; -1: whole at owner
-    # gather: (source, destination, numel, at (at the source), box (at the destination)); scatter: (source,
-    # destination, numel, box (at the source), at (at the destination)). box: the (start, stop) of each dim of the
-    # part in the owner's matrix (`shape`); at: the part in its holder's local tensor, None for all of it, else its
-    # index along an expert stack's dim 0 (one expert's (rows, cols), contiguous)
+    # gather and scatter alike: (source, destination, numel, at, box), at the holder's end and box at the owner's:
+    # at, the part in its holder's local tensor (None for all of it, else its index along an expert stack's dim 0:
+    # one expert's (rows, cols), contiguous); box, the (start, stop) of each dim of the part in the owner's matrix
+    # (`shape`). Each only where this rank is that end (else None).
     gather: list = field(default_factory=list)
     scatter: list = field(default_factory=list)
     held: torch.Tensor = field(default=None, repr=False)  # whether each piece of its copy's Cut holds some of it
@@ -188,15 +188,6 @@ class Matrix:
         """Where a piece's part of this matrix lies in its holder's local tensor: None (all of it) or an expert's
         index along the local stack's dim 0 (start: the piece's starts)."""
         return self.expert - start[0] if self.expert >= 0 else None
-
-
-def covers(box, shape):
-    """Whether a box is the whole of a matrix of that shape."""
-    return all(start == 0 and stop == size for (start, stop), size in zip(box, shape))
-
-
-def as_slices(box):
-    return tuple(slice(start, stop) for start, stop in box)
 
 
 def matrix_name(copy, expert, copies_of_name):
@@ -231,7 +222,7 @@ def add_transfers(m, me):
         for ranks, numel, start, stop in rows:
             box, at = m.box(start, stop), m.at(start)
             m.gather.append((ranks[replica], me, numel, at if ranks[replica] == me else None, box))
-            m.scatter += [(me, r, numel, box, at if r == me else None) for r in ranks]
+            m.scatter += [(me, r, numel, at if r == me else None, box) for r in ranks]
         return
     mine = cut.position(me)
     if mine is None or not bool(m.held[mine[0]]):
@@ -239,7 +230,7 @@ def add_transfers(m, me):
     numel, at = int(m.numels[mine[0]]), m.at(cut.starts[mine[0]].tolist())
     if mine[1] == replica:
         m.gather.append((me, m.owner, numel, at, None))
-    m.scatter.append((m.owner, me, numel, None, at))
+    m.scatter.append((m.owner, me, numel, at, None))
 
 
 # -----------------------------------------------------------------------------

@@ -7,9 +7,12 @@ large_runs.py) names the rows of a FULL matrix; here, which of them a rank's loc
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.profiler import record_function
 
 from distmuon import large_runs
+import distributed_muon_cpu
 from distmuon.checks import ORTHOGONALIZED
 from distmuon.dtensor.placements import local_box, local_of
 
@@ -69,6 +72,13 @@ def row_runs(copy, coordinate, row_keys):
     if width == 0:
         return []
     return [(a * width, b * width, k) for a, b, k in runs(row_keys[r0:r1].repeat(experts))]
+
+
+def tp_axis(opt, m):
+    """The TP group of this rank's row of matrix m's mesh, as the lesson's Axis (what newton_schulz_tp sums over)."""
+    group = opt.param_by_name[m.copy.name].device_mesh.get_group(m.tp_dim)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return distributed_muon_cpu.Axis("TP", len(ranks), ranks.index(opt.me), ranks, group)
 
 
 # The options of what large runs add, as DTensorMuon takes them (its constructor's keywords: the lesson's LargeRuns
@@ -153,6 +163,20 @@ class DTensorLargeRuns:
         d = names.index("tp")
         p = copy.placements[d]
         return d if type(p) is Shard and copy.mesh_shape[d] > 1 and large_runs.gram_eligible(copy.shape, p.dim) else -1
+
+    def newton_schulz_pieces(self, opt, full, pieces, group_of, ns_flops):
+        """Section 3c: each TP piece this rank owns (pieces: the plan's matrices, in plan order, the same on every
+        rank of a TP group; full: {matrix: its piece, put together here}) orthogonalized with every rank of its TP
+        row, one Gram all-reduce per iteration (the lesson's newton_schulz_tp): {matrix: this piece's O}."""
+        orthogonal = {}
+        for m in pieces:
+            g = group_of[m.name]
+            with record_function("newton-schulz"):
+                orthogonal[m.name] = large_runs.newton_schulz_tp(full[m.name], m.copy.shape, tp_axis(opt, m),
+                                                                 opt.ledger, g["ns_steps"], g["ns_coefficients"],
+                                                                 g["eps"])
+            opt.ledger.record_compute(m.name, m.shape, ns_flops[m.name])
+        return orthogonal
 
     def plan_rows(self, opt, describe):
         """3b on this rank's local pieces: the runs of equal block height (blocks) and of equal head (QK-clip) of
