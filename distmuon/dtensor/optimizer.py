@@ -228,8 +228,9 @@ class DescriptionSwap:
         if opt.axis.size > 1:
             self.mine_packed = packed(self.mine)
             digest = hashlib.sha256(repr((self.mine_packed, self.options)).encode()).digest()
-            # where all_gather_object's bytes would travel: the CPU on Gloo, the accelerator on NCCL
-            device = torch.device(dist.distributed_c10d._get_object_coll_device(opt.axis.group))
+            # where all_gather_object's bytes would travel: the current accelerator on NCCL, else the CPU
+            device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(opt.axis.group) == "nccl"
+                      else torch.device("cpu"))
             sent = torch.tensor([problem is not None, *digest], dtype=torch.uint8, device=device)
             self.received = [torch.empty_like(sent) for _ in range(opt.axis.size)]
             self.work = dist.all_gather(self.received, sent, group=opt.axis.group, async_op=True)
