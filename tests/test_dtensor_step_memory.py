@@ -93,7 +93,7 @@ def test_a_grouped_step_holds_what_its_design_says(dp, tp):
 
 
 def test_what_a_rank_sends_at_construction_grows_with_its_parameters_not_with_the_world():
-    """swap_descriptions' message where the ranks' Copies differ: each mesh's ranks once, not once per parameter
+    """The swap of descriptions' message (DescriptionSwap) where the ranks' Copies differ: each mesh's ranks once, not once per parameter
     (16,384 ranks, 500 parameters: under 0.3 MB, where the Copies as describe() makes them, a tuple of ranks each,
     pickle to tens of MB); packed then unpacked, the same Copies."""
     import pickle

@@ -204,15 +204,30 @@ def unpacked(meshes, rows):
             for name, group, shape, i, placements, expert_stack in rows]
 
 
-def swap_descriptions(opt, problem):
-    """Every rank's Copies, so that every rank makes the same plan, and every parameter name of any rank (what grad
-    presence votes on); a problem on any rank (one line, or None here) raised on every rank (DescriptionSwap, started
-    and finished at once)."""
-    return DescriptionSwap(opt, problem).finish()
+def agreed_copies(opt, mine, everyone):
+    """From every rank's (problem, Copies, options): the first problem raised (naming its rank where it is not this
+    one), or the options that differ from the first rank's; else the Copies every rank plans with (each parameter
+    once per mesh; a plain tensor's only where this rank has it) and every parameter name of any rank."""
+    problems = [(opt.axis.ranks[i], p) for i, (p, _, _) in enumerate(everyone) if p]
+    problems += [(opt.axis.ranks[i], f"row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau differ from "
+                                      f"rank {opt.axis.ranks[0]}'s: every rank must pass the same")
+                 for i, (_, _, o) in enumerate(everyone) if not problems and o != everyone[0][2]]
+    if problems:
+        rank, why = problems[0]
+        raise ValueError(why if rank == opt.me else f"rank {rank}: {why}")
+    copies, seen = [], set()
+    for _, theirs, _ in everyone:
+        for c in theirs:
+            if (c.name, c.mesh_ranks) not in seen and (c.mesh_ranks or c in mine):
+                seen.add((c.name, c.mesh_ranks))
+                copies.append(c)
+    return copies, sorted({c.name for _, theirs, _ in everyone for c in theirs})
 
 
 class DescriptionSwap:
-    """swap_descriptions in two halves, so that what a rank does between them (its state made) overlaps the
+    """The ranks' swap of descriptions: every rank's Copies, so that every rank makes the same plan, and every
+    parameter name of any rank (what grad presence votes on); a problem on any rank (one line, or None here) raised
+    on every rank. In two halves, so that what a rank does between them (its state made) overlaps the
     collective and the wait for the slowest rank. Started: one all_gather of a fixed-size tensor, not waited for
     (async_op): a flag "I have a problem" and a digest of this rank's Copies and options (33 bytes a rank). Finished:
     where no rank has a problem and every digest is the same (every rank describes the same parameters: FSDP2, TP,
@@ -261,26 +276,6 @@ class DescriptionSwap:
             dist.all_gather_object(theirs, self.mine_packed, group=opt.axis.group)
             everyone = [(p, unpacked(*t), o) for (p, _, o), t in zip(summaries, theirs)]
         return agreed_copies(opt, mine, everyone)
-
-
-def agreed_copies(opt, mine, everyone):
-    """From every rank's (problem, Copies, options): the first problem raised (naming its rank where it is not this
-    one), or the options that differ from the first rank's; else the Copies every rank plans with (each parameter
-    once per mesh; a plain tensor's only where this rank has it) and every parameter name of any rank."""
-    problems = [(opt.axis.ranks[i], p) for i, (p, _, _) in enumerate(everyone) if p]
-    problems += [(opt.axis.ranks[i], f"row_layouts, ns_blocks, tp_newton_schulz or qk_clip_tau differ from "
-                                      f"rank {opt.axis.ranks[0]}'s: every rank must pass the same")
-                 for i, (_, _, o) in enumerate(everyone) if not problems and o != everyone[0][2]]
-    if problems:
-        rank, why = problems[0]
-        raise ValueError(why if rank == opt.me else f"rank {rank}: {why}")
-    copies, seen = [], set()
-    for _, theirs, _ in everyone:
-        for c in theirs:
-            if (c.name, c.mesh_ranks) not in seen and (c.mesh_ranks or c in mine):
-                seen.add((c.name, c.mesh_ranks))
-                copies.append(c)
-    return copies, sorted({c.name for _, theirs, _ in everyone for c in theirs})
 
 
 def unpickled_axis(name, ranks, me, kind):
