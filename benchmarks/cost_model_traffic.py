@@ -192,7 +192,34 @@ class Cost:
 
 # 4a. The lesson's step, phase by phase, from the optimizer's own plan (sections 5 and 6 of the lesson).
 
+# The calls that move or orthogonalize a strategy's data: the model prices them as the lesson's classes run them.
+DATA_PATH = ("bucketed", "part_of", "units", "stages", "orthogonalize", "newton_schulz", "scatter", "normalized",
+             "reduce_chunk", "broadcast_chunk")
+
+
+def unpriced(strategy):
+    """Why the model cannot price this strategy's step (one line), or None: it prices the gather flow (the lesson's
+    middle, or large runs'), the owner's exchanges and comm-free's, each as the lesson's class runs it; a strategy
+    that runs its data another way (a call of DATA_PATH, or the gather flow's middle, of its own) would be priced
+    as its base, wrongly."""
+    inner = getattr(strategy, "strategy", strategy)  # large runs wrap it (large_runs.WithLargeRuns)
+    base = next(c for c in (owners.CommFree, owners.Owner, distributed_muon_cpu.Gather, object) if isinstance(inner, c))
+    own = [n for n in DATA_PATH if hasattr(base, n) and getattr(type(inner), n) is not getattr(base, n)]
+    middle = getattr(inner, "middle", None)
+    if middle is not None and middle is not distributed_muon_cpu.orthogonalize_tp_local and \
+            getattr(middle, "__func__", None) is not large_runs.LargeRuns.middle:
+        own.append("middle")
+    if base is object or own:
+        why = f"its own {', '.join(own)}" if own else "no base the model knows"
+        return (f"the cost model prices the gather flow, the owner's exchanges and comm-free's; strategy "
+                f"{inner.name!r} has {why}: price it by its own branch here")
+    return None
+
+
 def lesson_cost(opt, node_of, label=None):
+    why = unpriced(opt.strategy)
+    if why:
+        raise ValueError(why)
     grid, layout = opt.grid, opt.layout
     dp, tp = grid.dp.size, grid.tp.size
     world = dp * tp

@@ -469,3 +469,30 @@ def test_one_table_names_every_optimizer_and_the_cluster(capsys):
     assert out.splitlines()[-1].split()[-2] == "-"  # AdamW under FSDP2 is its own baseline
     assert rows == ["gather", "gather, flat buffer", "owner", "comm-free", "AdamW ZeRO-1", "AdamW ZeRO-1, flat buffer",
                     "DTensorMuon", "AdamW, FSDP2"]
+
+
+class OwnScatter(owners.Owner):
+    """The owner strategy with a scatter of its own: a data path the model does not know."""
+
+    name = "own-scatter"
+
+    def scatter(self, opt, orthos, routes):
+        return super().scatter(opt, orthos, routes)
+
+
+@pytest.mark.parametrize("strategy", ["owner", "gather"])
+def test_the_model_refuses_a_strategy_whose_data_path_it_does_not_know(strategy):
+    """Priced as its base, it would be priced wrongly and say nothing: refused in one line, naming what is its own.
+    The built-in strategies, and one that only assigns owners its own way (tests/test_fourth_strategy.py), are
+    priced."""
+    cfg = grid_config(4, 2, strategy=strategy)
+    opt = cost_model.lesson_optimizer(muon_tools.demo_specs(cfg), cfg)
+    assert cost_model.lesson_cost(opt, ONE_NODE).traffic.phases
+    if strategy == "owner":
+        opt.strategy.__class__ = OwnScatter
+        own = "scatter"
+    else:
+        opt.strategy.middle = lambda tp_local, meta, group, grid, ledger: None
+        own = "middle"
+    with pytest.raises(ValueError, match=rf"^the cost model prices .* has its own {own}: price it by its own branch"):
+        cost_model.lesson_cost(opt, ONE_NODE)
