@@ -86,7 +86,7 @@ def dtensor_groups(copies, group_algorithms, group_ns_steps, world, node_of, exc
     """[Group] of DTensorMuon's step in the order it runs them (exchange.OwnerExchange.exchange_groups): the planned
     matrices in the library's groups (plan.exchange_groups, by the cost model's grouped), then the matrices whole on
     their holders (plain and all-Replicate copies) chunked as the library chunks them (owners.chunk_names), exchanging
-    nothing. One group of everything without exchange_bytes (orthogonalize: one exchange each way)."""
+    nothing. One group of everything without exchange_bytes (one exchange each way)."""
     muon = [c for c in copies if group_algorithms[c.group] in ORTHOGONALIZED]
     matrices, ns_flops, _ = dtensor_plan(muon, group_ns_steps, world)
     local = {c.name: 2 * c.n_matrices * c.matrix_shape[0] * c.matrix_shape[1] for c in muon if c.local}

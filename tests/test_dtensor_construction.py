@@ -2,7 +2,9 @@
 started before the state is made and finished after it. Where the ranks agree, one all_gather of 33 bytes a rank and
 no all_gather_object; where their parameter lists differ, the Copies gathered and every rank plans the same; a
 problem on one rank raised on every rank, naming it; and a construction or add_param_group refused by another rank's
-problem leaves no state behind (the state made while the agreement travelled goes again).
+problem leaves no state behind (the state made while the agreement travelled goes again). And a step where only one
+rank has a Muon matrix (a plain one of its own): every rank runs the step's one exchange, so none waits for a peer
+that skipped it, and the matrix steps as torch.optim.Muon steps it.
 """
 
 from dataclasses import dataclass
@@ -91,6 +93,19 @@ def construction_rank(rank, spawn, device):
     out["add_unchanged"] = plan_of(opt) == before and extra not in opt.state
     opt.add_param_group(dict(params=[("x", torch.randn(6, 6))]))  # a valid one after it, on every rank
     out["added"] = sorted(n for n, p in opt.param_by_name.items() if opt.state[p])
+    # one exchange, a Muon matrix on rank 1 alone: rank 0 has nothing of Muon to send, and runs the exchange anyway
+    g = torch.Generator().manual_seed(3)
+    bias, solo = torch.nn.Parameter(torch.randn(4, generator=g)), torch.nn.Parameter(torch.randn(6, 5, generator=g))
+    groups = [dict(params=[("b", bias)], algorithm="adamw")] + ([dict(params=[("solo", solo)])] if rank == 1 else [])
+    opt = DTensorMuon(groups, lr=0.02)
+    reference = torch.optim.Muon([torch.nn.Parameter(solo.detach().clone())], lr=0.02)
+    bias.grad = torch.full_like(bias, 2.0**-10)
+    solo.grad = reference.param_groups[0]["params"][0].grad = torch.arange(30.0).view(6, 5) * 2.0**-10
+    before = solo.detach().clone()
+    opt.step()
+    reference.step()
+    out["solo"] = dict(moved=not torch.equal(solo.detach(), before),
+                       torch=torch.equal(solo.detach(), reference.param_groups[0]["params"][0].detach()))
     return out
 
 
@@ -126,3 +141,8 @@ def test_an_add_param_group_refused_by_another_rank_leaves_no_state_behind(ranks
     assert [r["add"] for r in ranks] == [f"rank 1: {why}", why]
     assert all(r["add_unchanged"] for r in ranks)  # rank 0 made x's state, then the agreement refused it
     assert all(r["added"] == ["v", "w", "x"] for r in ranks)
+
+
+def test_a_muon_matrix_on_one_rank_alone_steps_and_no_rank_waits_for_another(ranks):
+    assert ranks[1]["solo"] == dict(moved=True, torch=True)
+    assert not ranks[0]["solo"]["moved"]  # not rank 0's parameter: it never stepped it

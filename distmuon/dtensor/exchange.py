@@ -1,13 +1,13 @@
 """DTensorMuon's strategy: the lesson's owner strategy on placements (gather at owner, Newton-Schulz, scatter back).
 
 Part of DTensorMuon (distmuon/dtensor/), sections 3 and 5 of its reading order: plan() makes the plan of section 3,
-start() and finish() run stage 3 of a step on it, a group of matrices at a time (exchange_groups). It is built from the lesson's parts: the owners by
-longest-processing-time (distmuon/owners.py's assign_owners), one all-to-all for every part of every matrix each way
-(send_parts; or per group of them: exchange_groups, started and finished apart so that groups can overlap) and
-Newton-Schulz at the owner (newton_schulz_owned, the lesson's orthogonalize). What later sections add comes from the
-optimizer's other parts, each in its own module: the Gram form on TP pieces (opt.large_runs, rows.py, 3c) and
-NorMuon's rows (opt.normuon_rows, normuon.py). Your own gather and redistribute (section 4) replace this strategy
-whole: explicit.py.
+start() and finish() run stage 3 of a step on it (all matrices at once, or a group at a time: exchange_groups). It
+is built from the lesson's parts: the owners by longest-processing-time (distmuon/owners.py's assign_owners), one
+all-to-all for every part of every matrix each way (send_parts; per group of them, started and finished apart so
+that groups can overlap) and Newton-Schulz at the owner (newton_schulz_owned, the lesson's orthogonalize). What
+later sections add comes from the optimizer's other parts, each in its own module: the Gram form on TP pieces
+(opt.large_runs, rows.py, 3c) and NorMuon's rows (opt.normuon_rows, normuon.py). Your own gather and redistribute
+(section 4) replace this strategy whole: explicit.py.
 """
 
 from __future__ import annotations
@@ -87,18 +87,15 @@ class OwnerExchange:
         self.param_of_matrix.update({m: name for name, names in self.local_matrices.items() for m in names})
 
     def exchange_groups(self, opt, present, exchange_bytes):
-        """The step's Muon parameters (present: the names voted present), every group its own exchanges:
-        [(names, exchanged, rows)]. exchange_bytes None: one group of them all (rows: whether any has NorMuon's rows
-        to send). Else groups of at most exchange_bytes of bf16 matrices each (a larger parameter alone): those of
-        distributed parameters from the plan, in its order, so every rank makes the same ones (exchanged: True); the
-        parameters orthogonalized where they are follow, in groups that move nothing (exchanged and rows: False)."""
-        normuon = {m.copy.name for m in self.matrices if m.name in opt.normuon_rows.receivers}
-        if exchange_bytes is None:
-            names = [n for n in opt.param_by_name if n in present and opt.group_of[n]["algorithm"] in ORTHOGONALIZED]
-            return [(names, True, bool(normuon))] if names else []
+        """The step's Muon parameters (present: the names voted present) in groups of at most exchange_bytes of bf16
+        matrices each (a larger parameter alone), every group its own exchanges: [(names, exchanged, rows)]. The
+        groups of distributed parameters come from the plan, in its order, so every rank makes the same ones
+        (exchanged: True; rows: whether it has NorMuon's rows to send); the parameters orthogonalized where they are
+        follow, in groups that move nothing (exchanged and rows: False)."""
         exchanged = exchange_groups([m for m in self.matrices if m.copy.name in present], exchange_bytes)
         planned = {n for names in exchanged for n in names}
         local = {n: 2 * opt.param_by_name[n].numel() for n in self.local_matrices if n in present and n not in planned}
+        normuon = {m.copy.name for m in self.matrices if m.name in opt.normuon_rows.receivers}
         return ([(names, True, bool(normuon.intersection(names))) for names in exchanged]
                 + [(names, False, False) for names in owners.chunk_names(list(local), local, exchange_bytes)])
 

@@ -39,11 +39,6 @@ class ExplicitExchange:
             raise ValueError(f"bad owner assignment: owned outside the optimizer's group: {', '.join(strangers)}")
         self.matrices, self.local_matrices, self.index, self.param_of_matrix = [], {}, {}, {}
 
-    def exchange_groups(self, opt, present, exchange_bytes):
-        """One group: the step's Muon parameters (exchange_bytes is the automatic form's)."""
-        names = [n for n in opt.param_by_name if n in present and opt.group_of[n]["algorithm"] in ORTHOGONALIZED]
-        return [(names, True, False)] if names else []
-
     def start(self, opt, updates, exchanged=True):
         """Nothing starts before your gather: the updates, for finish()."""
         return updates

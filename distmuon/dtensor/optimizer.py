@@ -555,7 +555,7 @@ class DTensorMuon(torch.optim.Optimizer):
         flat = lambda t: local_of(t).view(-1)
         muon = [n for n in active if self.group_of[n]["algorithm"] in checks.ORTHOGONALIZED]
         momenta = {}  # the explicit form's new momentum, kept aside until its checks pass
-        self._muon_steps(present, set(muon), grads, momenta)
+        self._muon_steps(present, muon, grads, momenta)
         for name in [n for n in active if self.group_of[n]["algorithm"] == "adamw"]:
             state = {k: flat(t) for k, t in self.state_of(name).items()}  # "step" too: a view, updated in place
             adamw_step_(flat(self.param_by_name[name]), grads[name].reshape(-1), state, self.group_of[name])
@@ -584,13 +584,16 @@ class DTensorMuon(torch.optim.Optimizer):
             apply_update_(local_of(self.param_by_name[name]).view(-1), orthos.pop(name).reshape(-1),
                           self.group_of[name], shape, self.large_runs.block_runs.get(name))  # blocks: 3b
 
-    def _muon_steps(self, present, here, grads, momenta):
-        """Stages 1-5 of the Muon parameters (here: those with a gradient here), group by group (exchange.
-        exchange_groups: one group of them all without exchange_bytes), K = overlap groups' gathers in flight while a
-        group's Newton-Schulz runs, its scatter waited for K groups later (the lesson's overlapped_stages, on groups):
-        the same operations on the same elements, so the same bits. Each group's update is applied as it arrives, and
-        nothing of a group is held after it. momenta: as _muon_updates keeps them."""
-        groups = self.exchange.exchange_groups(self, present, self.exchange_bytes)
+    def _muon_steps(self, present, muon, grads, momenta):
+        """Stages 1-5 of the Muon parameters (muon: those with a gradient here), group by group: without exchange_bytes
+        one group of them all, which every rank runs (its exchanges too, with nothing of its own to send); else
+        exchange.exchange_groups'. K = overlap groups' gathers in flight while a group's Newton-Schulz runs, its
+        scatter waited for K groups later (the lesson's overlapped_stages, on groups): the same operations on the same
+        elements, so the same bits. Each group's update is applied as it arrives, and nothing of a group is held after
+        it. momenta: as _muon_updates keeps them."""
+        groups = ([(muon, True, True)] if self.exchange_bytes is None
+                  else self.exchange.exchange_groups(self, present, self.exchange_bytes))
+        here = set(muon)
         k, started, finishing = self.overlap, {}, {}
         # iteration i:   start group i  |  finish group i-k  |  apply group i-2k   (k = 0: all three on group i)
         #   k = 1:  i = 0: start 0;  i = 1: start 1, finish 0;  i = 2: start 2, finish 1, apply 0;  ...
