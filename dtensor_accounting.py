@@ -116,7 +116,8 @@ def run_lesson_rank(rank, runs, device):
     out = {}
     for strategy in runs.strategies:
         lcfg = lesson_config(cfg, strategy)
-        out[strategy] = distributed_muon_cpu.run_steps(lcfg, specs, functools.partial(muon_tools.build_optimizer, specs, lcfg), grid, device)
+        build = functools.partial(muon_tools.build_optimizer, specs, lcfg)
+        out[strategy] = distributed_muon_cpu.run_steps(lcfg, specs, build, grid, device)
     return dict(rank=rank, lesson=out)
 
 

@@ -15,9 +15,10 @@ rows of the files it makes. The commit is taken once, before the first part, so 
 writes do not make the next part's "+dirty".
 
 Parts that cannot run here are skipped, and said so: the GPU's (bash benchmarks/on_gpu.sh, on a
-machine with one; then `refresh.sh --record FILE ...` adds its files' rows to the index from their headers), and the peers' (benchmarks/peers.py needs its own virtual environment: set
-PEERS_PYTHON to its python). --quick runs the parts that have tiny sizes (a plumbing check, not
-figures) into a temporary folder (or --out DIR), and skips the others, saying so.
+machine with one; then `refresh.sh --record FILE ...` adds its files' rows to the index from their headers),
+and the peers' (benchmarks/peers.py needs its own virtual environment: set PEERS_PYTHON to its python).
+--quick runs the parts that have tiny sizes (a plumbing check, not figures) into a temporary folder (or --out DIR),
+and skips the others, saying so.
 """
 
 import dataclasses

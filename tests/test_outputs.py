@@ -141,7 +141,8 @@ def test_a_resume_is_checked_against_the_checkpoint_before_any_rank_starts(check
         code, err = refusal(capsys, monkeypatch, argv)
         assert (code, err.count("\n"), err.startswith("error: ")) == (2, 1, True), (argv, err)
         assert message in err, err
-    train_gpt_dtensor.validate(train_gpt_dtensor.config_from_args(train_gpt_dtensor.build_parser().parse_args([*resume, "--resume-step", "2"])))  # passes
+    args = train_gpt_dtensor.build_parser().parse_args([*resume, "--resume-step", "2"])
+    train_gpt_dtensor.validate(train_gpt_dtensor.config_from_args(args))  # passes
 
 
 def test_a_save_that_fails_leaves_the_checkpoint_there_before_as_it_was(checkpoint, tmp_path):
