@@ -271,6 +271,26 @@ def on_mesh(d, dp, tp, labels, without_ns, steps, builds, interleave=False):
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
 
 
+def fresh_rounds(d, dp, tp, labels, without_ns, rounds):
+    """--fresh: every build the first of its own processes, as a training's one construction is (the model made and
+    one gradient computed first, torch's caches as a training leaves them), the optimizers in turn round by round
+    (the order reversed every other round): every rank's rows as on_mesh gives them, each row's builds one a round."""
+    merged = None
+    for r in range(rounds):
+        for label in labels if r % 2 == 0 else labels[::-1]:
+            if merged is not None and "error" in merged[0]["rows"][labels.index(label)]:
+                continue  # it failed in an earlier round: the same code on the same shapes fails again
+            per_rank = on_mesh(d, dp, tp, [label], without_ns, 0, 1, interleave=True)
+            if merged is None:
+                merged = [dict(rows=[dict(label=x, builds=[]) for x in labels], local=one["local"]) for one in per_rank]
+            for into, one in zip(merged, per_rank):
+                row = one["rows"][0]
+                into["rows"][labels.index(label)] = (row if "error" in row else
+                                                     dict(label=label, builds=into["rows"][labels.index(label)]["builds"]
+                                                          + row["builds"]))
+    return merged
+
+
 # =============================================================================
 # 4. The table
 # =============================================================================
@@ -323,6 +343,8 @@ INTERLEAVED_NOTE = ("--interleave: construction alone, the optimizers built in t
                     "reversed every other round); a round's time is its slowest rank's; median s and min s over the\n"
                     "rounds; ratio: the median over rounds of this optimizer's build over the named one's in the same\n"
                     "round.")
+FRESH_NOTE = ("--fresh: each build the first in processes of its own, after the model and one gradient (a training's\n"
+              "one construction); otherwise each round's builds follow one another in the same processes.")
 
 
 HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<19} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
@@ -398,6 +420,8 @@ def main(argv=None):
                         help="constructions, their median timed (the last kept); with --interleave, the rounds")
     parser.add_argument("--interleave", action="store_true",
                         help="construction alone: the optimizers built in turn, --builds rounds, no step")
+    parser.add_argument("--fresh", action="store_true",
+                        help="with --interleave: each build the first in processes of its own (as in a training)")
     parser.add_argument("--without-ns", choices=("both", "no", "only"), default="both",
                         help="with Newton-Schulz, without it (its bf16 cast), or both")
     parser.add_argument("--plan-only", action="store_true")
@@ -408,6 +432,8 @@ def main(argv=None):
         parser.error(f"--steps must be >= 0 (got {args.steps})")
     if args.interleave and args.steps is not None:
         parser.error(f"--interleave times construction alone: --steps {args.steps} would change nothing")
+    if args.fresh and not args.interleave:
+        parser.error("--fresh is a way to --interleave: give both")
     if args.plan_only and args.interleave:
         parser.error("--plan-only builds no optimizer: --interleave would change nothing")
     if args.plan_only:
@@ -419,10 +445,11 @@ def main(argv=None):
         for dp, tp in args.mesh:
             labels = [o for o in args.optimizers if o != "torch.optim.Muon" or dp * tp == 1]
             for without_ns in {"both": (False, True), "no": (False,), "only": (True,)}[args.without_ns]:
-                per_rank = on_mesh(SIZES[size], dp, tp, labels, without_ns, steps, args.builds, args.interleave)
+                per_rank = (fresh_rounds(SIZES[size], dp, tp, labels, without_ns, args.builds) if args.fresh else
+                            on_mesh(SIZES[size], dp, tp, labels, without_ns, steps, args.builds, args.interleave))
                 for line in (interleaved_rows if args.interleave else table_rows)(size, dp, tp, per_rank, without_ns):
                     print(line, flush=True)
-    print(INTERLEAVED_NOTE if args.interleave else NOTE)
+    print(INTERLEAVED_NOTE + ("\n" + FRESH_NOTE if args.fresh else "") if args.interleave else NOTE)
 
 
 if __name__ == "__main__":

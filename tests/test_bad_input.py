@@ -120,6 +120,7 @@ ROWS = [
      "--interleave times construction alone: --steps 0 would change nothing", False),
     ("benchmarks/at_scale.py", ["--plan-only", "--interleave"],
      "--plan-only builds no optimizer: --interleave would change nothing", False),
+    ("benchmarks/at_scale.py", ["--fresh"], "--fresh is a way to --interleave: give both", False),
     ("benchmarks/sweep.py", ["--bogus"], "unrecognized arguments: --bogus", False),
     ("benchmarks/cpu_vs_gpu_newton_schulz.py", ["--bogus"], "unrecognized arguments: --bogus", False),
     ("benchmarks/newton_schulz_gflops.py", ["96x"],

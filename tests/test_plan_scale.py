@@ -82,3 +82,26 @@ def test_llama3_70b_plans_for_16384_ranks_in_seconds():
     assert time.perf_counter() - t0 < 60
     assert len(matrices) == 80 * 7 and set(owners.values()) <= set(range(16384))
     assert len(set(owners.values())) == len(matrices)  # more ranks than matrices: each its own owner
+
+
+def test_as_ranks_is_a_range_exactly_where_the_ranks_are_evenly_spaced():
+    """Both ways of as_ranks (Python's ints for a few ranks, tensor ops for many) give the ranks themselves, a range
+    exactly where they are evenly spaced and increasing."""
+    cases = [[5], [0, 1], [3, 7, 11], [0, 2, 3], [4, 4], list(range(0, 640, 10)), list(range(0, 650, 10)),
+             list(range(0, 650, 10))[:-1] + [641], list(range(3, 3 + 1000))]
+    for ranks in cases:
+        got = plan.as_ranks(torch.tensor(ranks, dtype=torch.int64))
+        even = len(ranks) > 1 and ranks[1] > ranks[0] and all(b - a == ranks[1] - ranks[0]
+                                                              for a, b in zip(ranks, ranks[1:]))
+        assert list(got) == ranks and isinstance(got, range) == even, (ranks[:4], len(ranks), got)
+
+
+def test_describe_reads_each_mesh_once_and_gives_the_same_copies(single_process_group):
+    """describe with a dict of meshes (as the optimizer's construction calls it) gives the Copies it gives without
+    one, field by field, and keeps one entry per mesh."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    params = meta_blocks(mesh, ([Shard(0), Shard(0)], [Shard(0), Shard(1)]), 3, 8)
+    meshes = {}
+    with_dict = [plan.describe(n, 0, p, False, meshes) for n, p in params]
+    assert with_dict == [plan.describe(n, 0, p, False) for n, p in params] and len(meshes) == 1
+    assert with_dict[0].mesh_ranks == (0,) and with_dict[0].mesh_shape == (1, 1)

@@ -74,9 +74,9 @@ class OwnerExchange:
         steps = {i: g["ns_steps"] for i, g in enumerate(opt.param_groups) if g["algorithm"] in ORTHOGONALIZED}
         self.matrices, self.ns_flops, self.owners = plan_matrices(
             muon_copies, steps, opt.me, opt.world, self.config.assign, opt.large_runs.flops_of, opt.large_runs.tp_dim_of)
-        group = torch.tensor(opt.axis.ranks)
-        outside = sorted({m.name for m in self.matrices
-                          if not bool(torch.isin(m.holders, group).all()) or m.owner not in opt.axis.ranks})
+        group = torch.tensor(opt.axis.ranks) if len(opt.axis.ranks) < opt.world else None  # the world holds them all
+        outside = sorted({m.name for m in self.matrices if group is not None and (
+            not bool(torch.isin(m.holders, group).all()) or m.owner not in opt.axis.ranks)})
         if outside:
             raise ValueError(f"matrices held by ranks outside the optimizer's group: {', '.join(outside)}")
         # Plain tensors and all-Replicate DTensors: orthogonalized where they are, on every rank that holds them.

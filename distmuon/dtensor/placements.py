@@ -5,6 +5,7 @@ Part of DTensorMuon (distmuon/dtensor/), section 2 of its reading order (the pac
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -145,8 +146,9 @@ def local_indices(shape, mesh_shape, placements, coordinate):
     return index.reshape(-1)
 
 
+@functools.lru_cache(maxsize=4096)  # construction checks every parameter: most share a few (shape, placements)
 def local_shape(shape, mesh_shape, placements, coordinate):
-    """The shape of the local tensor of the rank at `coordinate` (torch.chunk's sizes)."""
+    """The shape of the local tensor of the rank at `coordinate` (torch.chunk's sizes); tuples, as it is cached."""
     return tuple(stop - start for start, stop in local_box(shape, mesh_shape, placements, coordinate))
 
 
@@ -155,7 +157,7 @@ def local_shape_problem(name, p):
     coordinate = p.device_mesh.get_coordinate()
     if coordinate is None:  # this rank is not on the parameter's mesh
         return None
-    expected = local_shape(tuple(p.shape), tuple(p.device_mesh.shape), p.placements, coordinate)
+    expected = local_shape(tuple(p.shape), tuple(p.device_mesh.shape), tuple(p.placements), tuple(coordinate))
     if tuple(p.to_local().shape) != expected:
         return (f"{name}: the local tensor on rank {dist.get_rank()} has shape {tuple(p.to_local().shape)}, where "
                 f"placements {tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)} put {expected} "

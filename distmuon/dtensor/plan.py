@@ -324,8 +324,14 @@ def gram_owners_of(gram, group_ns_steps, world):
 def as_ranks(holders):
     """Sorted int64 ranks as a Python sequence: a range where they are evenly spaced (a TP column, every rank: no
     list of 16,384 ints per matrix kept at once), else a list."""
+    if len(holders) <= 64:  # a few ranks: Python's ints, faster than tensor ops on them
+        ranks = holders.tolist()
+        step = ranks[1] - ranks[0] if len(ranks) > 1 else 0
+        if step > 0 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
+            return range(ranks[0], ranks[-1] + 1, step)
+        return ranks
     step = holders[1:] - holders[:-1]
-    if len(holders) > 1 and bool((step == step[0]).all()) and int(step[0]) > 0:
+    if bool((step == step[0]).all()) and int(step[0]) > 0:
         return range(int(holders[0]), int(holders[-1]) + 1, int(step[0]))
     return holders.tolist()
 
@@ -378,12 +384,21 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     return matrices, ns_flops, owners
 
 
-def describe(name, group_index, p, expert_stack):
-    """The Copy of parameter p as this rank sees it (what the ranks swap at construction)."""
+def describe(name, group_index, p, expert_stack, meshes=None):
+    """The Copy of parameter p as this rank sees it (what the ranks swap at construction). meshes: a dict in which
+    the caller's calls keep what each mesh says of itself (DeviceMesh.mesh is made anew at each call: once a mesh,
+    not once a parameter)."""
     if isinstance(p, DTensor):
-        mesh, ranks = p.device_mesh, p.device_mesh.mesh  # (DeviceMesh.mesh is made anew at each call)
-        return Copy(name, group_index, tuple(p.shape), tuple(ranks.reshape(-1).tolist()), tuple(ranks.shape),
-                    tuple(p.placements), expert_stack, tuple(mesh.mesh_dim_names or ()))
+        mesh = p.device_mesh
+        known = meshes.get(id(mesh)) if meshes is not None else None
+        if known is None:
+            ranks = mesh.mesh
+            known = (mesh, tuple(ranks.reshape(-1).tolist()), tuple(ranks.shape), tuple(mesh.mesh_dim_names or ()))
+            if meshes is not None:
+                meshes[id(mesh)] = known  # the mesh kept with it: its id is not reused while the dict lives
+        _, mesh_ranks, mesh_shape, dim_names = known
+        return Copy(name, group_index, tuple(p.shape), mesh_ranks, mesh_shape, tuple(p.placements), expert_stack,
+                    dim_names)
     return Copy(name, group_index, tuple(p.shape), (), (), (), expert_stack)
 
 
