@@ -153,8 +153,17 @@ def build_dion(model):
                      weight_decay=WEIGHT_DECAY, nesterov=True, use_polar_express=False)
 
 
+def build_rounds(model):
+    """DTensorMuon by groups of one matrix a rank: exchange_bytes is the world's size times the largest matrix's bf16
+    bytes, so that each group is one matrix for every rank to orthogonalize (the plan's owners of equal matrices
+    take turns in its order), each owner holding one matrix at a time while all of them work."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return build_dtensor_muon(model, exchange_bytes=world * 2 * max(p.numel() for p in model.parameters()))
+
+
 BUILDERS = {"DTensorMuon": build_dtensor_muon,
             "DTensorMuon groups": functools.partial(build_dtensor_muon, exchange_bytes=EXCHANGE_BYTES),
+            "DTensorMuon rounds": build_rounds,
             "DTensorMuon overlap": functools.partial(build_dtensor_muon, exchange_bytes=EXCHANGE_BYTES,
                                                      overlap=OVERLAP),
             "dion": build_dion, "torch.optim.Muon": build_torch_muon}
@@ -413,7 +422,8 @@ def main(argv=None):
     parser.add_argument("--mesh", type=parse_mesh, nargs="+", default=[(1, 1), (2, 1), (1, 2), (2, 2)],
                         help="DPxTP meshes (default: 1x1 2x1 1x2 2x2; torch.optim.Muon runs on 1x1 only)")
     parser.add_argument("--optimizers", nargs="+", choices=list(BUILDERS), default=list(BUILDERS),
-                        help=f"DTensorMuon groups: exchange_bytes={EXCHANGE_BYTES}; overlap: and overlap={OVERLAP}")
+                        help=f"DTensorMuon groups: exchange_bytes={EXCHANGE_BYTES}; overlap: and overlap={OVERLAP}; "
+                             f"rounds: exchange_bytes of one matrix a rank")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"steady steps after the first (default {STEADY_STEPS})")
     parser.add_argument("--builds", type=int, default=BUILDS,
