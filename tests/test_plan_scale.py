@@ -3,11 +3,13 @@
 fraction of the local parameter bytes on a 2 x 2 mesh whose TP pieces are not contiguous, and Llama 3 70B planned
 for 16,384 ranks (benchmarks/at_scale.py --plan-only prints 405B's)."""
 
+import math
 import os
 import pickle
 import sys
 import time
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -105,3 +107,21 @@ def test_describe_reads_each_mesh_once_and_gives_the_same_copies(single_process_
     with_dict = [plan.describe(n, 0, p, False, meshes) for n, p in params]
     assert with_dict == [plan.describe(n, 0, p, False) for n, p in params] and len(meshes) == 1
     assert with_dict[0].mesh_ranks == (0,) and with_dict[0].mesh_shape == (1, 1)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 2), (2, 2)])
+def test_one_matrix_a_rank_gives_every_rank_one_matrix_in_every_group(mesh_shape):
+    """DTensorMuon's exchange_bytes recipe (its docstring; at_scale.py's "DTensorMuon rounds"): the world's size
+    times the largest matrix's bf16 bytes makes every group of at_scale.py's model (8 blocks, FSDP2 x TP as it places
+    them) one matrix for each rank to orthogonalize."""
+    ranks, d = tuple(range(math.prod(mesh_shape))), 64
+    dp, tp = mesh_shape
+    col = (_StridedShard(0, split_factor=tp) if dp > 1 and tp > 1 else Shard(0), Shard(0))
+    row = (Shard(0), Shard(1) if tp > 1 else Shard(0))
+    copies = [plan.Copy(f"{i}.{name}", 0, shape, ranks, mesh_shape, where, False, ("dp", "tp"))
+              for i in range(8) for name, shape, where in (("up", (4 * d, d), col), ("down", (d, 4 * d), row))]
+    matrices, _, owners = plan.plan_matrices(copies, {0: 5}, 0, len(ranks))
+    groups = plan.exchange_groups(matrices, len(ranks) * 2 * 4 * d * d)
+    assert len(groups) == 16 // len(ranks)
+    for names in groups:
+        assert sorted(owners[n] for n in names) == list(ranks), (names, [owners[n] for n in names])

@@ -342,9 +342,11 @@ class DTensorMuon(torch.optim.Optimizer):
             same on every rank: torch's behaviour by default.
         exchange_bytes: None (every matrix in one exchange each way), or the most bytes of bf16 matrices in one group:
             the step goes group by group (momentum, gather, Newton-Schulz, scatter, update), so its transient memory
-            is bounded by a group, not the model; the same bits, one exchange each way per group. Meant for few
-            ranks: a group has few owners, so on many ranks one exchange is faster (notes/12-cost-model.md prices
-            both).
+            is bounded by a group, not the model; the same bits, one exchange each way per group. A group of one
+            matrix has one owner, whom the others wait for: the world's size times the largest matrix's bf16 bytes
+            gives every rank one matrix a group instead (the plan's owners of equal matrices take turns), as fast as
+            one exchange with Newton-Schulz at a fifth of its memory (notes/10-dtensor.md, "At the sizes you train";
+            notes/12-cost-model.md prices groups at cluster scale).
         overlap: 0 (off), or K >= 1 (with exchange_bytes): K groups' gathers in flight while a group's Newton-Schulz
             runs; the same bits.
         """
@@ -410,6 +412,7 @@ class DTensorMuon(torch.optim.Optimizer):
         add_or_refuse_group(self, param_group, add, self.options, self._plan if hasattr(self, "axis") else None,
                             check=check, restore=dict(given_names=list(self.given_names)))
 
+    @torch.no_grad()  # nothing here is differentiated: a parameter's to_local() records no autograd node
     def _plan(self):
         """Index and check the parameters, agree with every rank, plan who orthogonalizes what; create the state."""
         self.param_by_name, self.group_of = {}, {}
