@@ -199,7 +199,7 @@ def routes(m):
     """Every rank's transfers of matrix m (owner known): (gather, scatter), each (sources, destinations, numels)
     int64 tensors in plan order. A piece goes to the owner from its replica that sits where the owner sits along
     the Replicate dims (the owner itself if it holds the piece) and comes back to every replica; the transfers
-    plan_matrices gives each rank are its own of these (add_transfers: the same rule)."""
+    plan_matrices gives each rank are its own of these (transfers_of: the same rule)."""
     cut = cut_of_copy(m.copy)
     replica = cut.position(m.owner)[1]
     keys = torch.nonzero(m.held).view(-1)
@@ -211,26 +211,37 @@ def routes(m):
             (torch.full_like(back, m.owner), back, numels.repeat_interleave(cut.ranks.shape[1])))
 
 
-def add_transfers(m, me):
-    """This rank's part of routes(m): every piece's if it owns m, else its own piece's (a few Python tuples)."""
+def transfers_of(m, me):
+    """This rank's part of routes(m), (gather, scatter): every piece's if it owns m, else its own piece's (a few
+    Python tuples)."""
     cut = cut_of_copy(m.copy)
     replica = cut.position(m.owner)[1]
+    gather, scatter = [], []
     if me == m.owner:
         keys = torch.nonzero(m.held).view(-1)
         rows = zip(cut.ranks.index_select(0, keys).tolist(), m.numels.index_select(0, keys).tolist(),
                    cut.starts.index_select(0, keys).tolist(), cut.stops.index_select(0, keys).tolist())
         for ranks, numel, start, stop in rows:
             box, at = m.box(start, stop), m.at(start)
-            m.gather.append((ranks[replica], me, numel, at if ranks[replica] == me else None, box))
-            m.scatter += [(me, r, numel, at if r == me else None, box) for r in ranks]
-        return
+            gather.append((ranks[replica], me, numel, at if ranks[replica] == me else None, box))
+            scatter += [(me, r, numel, at if r == me else None, box) for r in ranks]
+        return gather, scatter
     mine = cut.position(me)
     if mine is None or not bool(m.held[mine[0]]):
-        return
+        return gather, scatter
     numel, at = int(m.numels[mine[0]]), m.at(cut.starts[mine[0]].tolist())
     if mine[1] == replica:
-        m.gather.append((me, m.owner, numel, at, None))
-    m.scatter.append((m.owner, me, numel, at, None))
+        gather.append((me, m.owner, numel, at, None))
+    scatter.append((m.owner, me, numel, at, None))
+    return gather, scatter
+
+
+def once(memo, key, make):
+    """make(), once per key of one plan: the matrices of one layout share their pieces (matrix_pieces is cached),
+    hence their holders' ranks, and their transfers where they share an owner too."""
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 # -----------------------------------------------------------------------------
@@ -365,9 +376,11 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     ns_flops = {m.name: flops_of(m.copy, group_ns_steps[m.copy.group]) for m in matrices}
     holders = {m.name: m.holders for m in matrices}
     load, gram_flops, gram_owners = gram_owners_of(gram, group_ns_steps, world)
+    memo = {}  # within this plan, where every matrix (and so the id of its pieces' tensors) is alive
     if assign is None:
         owners = assign_owners(ns_flops, world, {m.name: tuple(m.copy.matrix_shape) for m in matrices},
-                               holders={n: as_ranks(h) for n, h in holders.items()}, load=load)
+                               holders={n: once(memo, id(h), lambda h=h: as_ranks(h)) for n, h in holders.items()},
+                               load=load)
     else:
         owners = check_owners(assign(ns_flops, {n: tuple(h.tolist()) for n, h in holders.items()}, world),
                               list(ns_flops), world)
@@ -380,7 +393,8 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     owners.update(gram_owners)
     for m in matrices:
         m.owner = owners[m.name]
-        add_transfers(m, me)
+        gather, scatter = once(memo, (id(m.held), m.owner, m.expert, m.lines), lambda m=m: transfers_of(m, me))
+        m.gather, m.scatter = list(gather), list(scatter)
     return matrices, ns_flops, owners
 
 
