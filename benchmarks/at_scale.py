@@ -293,10 +293,11 @@ def fresh_rounds(d, dp, tp, labels, without_ns, rounds):
             if merged is None:
                 merged = [dict(rows=[dict(label=x, builds=[]) for x in labels], local=one["local"]) for one in per_rank]
             for into, one in zip(merged, per_rank):
-                row = one["rows"][0]
-                into["rows"][labels.index(label)] = (row if "error" in row else
-                                                     dict(label=label, builds=into["rows"][labels.index(label)]["builds"]
-                                                          + row["builds"]))
+                row, slot = one["rows"][0], labels.index(label)
+                if "error" in row:
+                    into["rows"][slot] = row
+                else:
+                    into["rows"][slot]["builds"] += row["builds"]
     return merged
 
 
