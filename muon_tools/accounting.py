@@ -228,7 +228,8 @@ def report(cfg, plan, results, checks, ranks_s, ref_s, backend="gloo", print_fn=
         print_fn(f"[10] Newton-Schulz FLOPs per step: single device {flops['single_device'] / 1e9:.3f} GFLOP; "
                  f"per rank {', '.join(f'{f / 1e9:.3f}' for f in flops['per_rank'])} GFLOP")
         why = ("each matrix is orthogonalized once, by its owner" if strategy_class(cfg.strategy).orthogonalizes_once
-               else "every TP peer, and every DP rank whose shard touches a matrix, orthogonalizes it")
+               else "a matrix is orthogonalized on several ranks: in the gather flow, every TP peer and every DP rank "
+                    "whose shard touches it")  # a strategy of its own may orthogonalize on fewer: the sum says
         print_fn(f"    redundancy = sum over ranks / single device = {flops['redundancy']:.2f} "
                  f"(upper bound DP x TP = {world}; {why}); max/mean per rank = {flops['max_over_mean']:.2f}\n")
     state = [r["state_bytes"] for r in results]
