@@ -345,8 +345,8 @@ class DTensorMuon(torch.optim.Optimizer):
             is bounded by a group, not the model; the same bits, one exchange each way per group. A group of one
             matrix has one owner, whom the others wait for: the world's size times the largest matrix's bf16 bytes
             gives every rank one matrix a group instead (the plan's owners of equal matrices take turns), as fast as
-            one exchange with Newton-Schulz at a fifth of its memory (notes/10-dtensor.md, "At the sizes you train";
-            notes/12-cost-model.md prices groups at cluster scale).
+            one exchange with Newton-Schulz at a fifth to a third of its memory (notes/10-dtensor.md, "At the sizes
+            you train"; notes/12-cost-model.md prices groups at cluster scale).
         overlap: 0 (off), or K >= 1 (with exchange_bytes): K groups' gathers in flight while a group's Newton-Schulz
             runs; the same bits.
         """
