@@ -12,13 +12,15 @@ without it (replaced by its bf16 cast, for every optimizer alike). torch.optim.M
 on a world of one (mesh 1 x 1), the model whole in one process. dion (not on the package registry:
 benchmarks/requirements-peers.txt) runs where it is installed and its mesh is 1-D; else its row says why.
 "DTensorMuon groups" and "DTensorMuon overlap" are DTensorMuon with exchange_bytes (and overlap): its step group by
-group, the first step's transient memory bounded by a group (notes/measured/dtensor_groups_2core.md).
+group, the first step's transient memory bounded by a group (notes/measured/dtensor_groups_2core.md). "DTensorMuon
+rounds" sets exchange_bytes to one matrix a rank (build_rounds): every rank orthogonalizes in every group.
 
     python benchmarks/at_scale.py --size 67M                  # every optimizer, meshes 1x1 2x1 1x2 2x2 (1 to 4 ranks)
     /work/peers-venv/bin/python benchmarks/at_scale.py --size 1B --mesh 2x1   # with dion: 1.07 B parameters, 2 ranks
     python benchmarks/at_scale.py --plan-only                               # Llama 3 70B and 405B, the plan alone
     /work/peers-venv/bin/python benchmarks/at_scale.py --size 67M --mesh 2x1 --optimizers DTensorMuon dion \
         --without-ns only --interleave --builds 7        # construction alone, the two built in turn, 7 rounds
+    ... --interleave --fresh --builds 7                  # each build the first of its own processes, as in a training
 
 --plan-only builds, for one rank, the plan DTensorMuon builds (distmuon/dtensor/plan.py's plan_matrices) for
 Llama 3 70B and 405B placed as FSDP2 x TP 8 places them (benchmarks/cost_model.py's placed_copies), at 512 and
