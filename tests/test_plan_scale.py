@@ -125,3 +125,21 @@ def test_one_matrix_a_rank_gives_every_rank_one_matrix_in_every_group(mesh_shape
     assert len(groups) == 16 // len(ranks)
     for names in groups:
         assert sorted(owners[n] for n in names) == list(ranks), (names, [owners[n] for n in names])
+
+
+def test_an_owner_of_many_pieces_reads_its_transfers_as_the_routes_of_every_rank_say():
+    """Past plan.FEW pieces an owner keeps its transfers as tensors (OwnedPieces), read as tuples: they are the
+    routes every rank's plan agrees on (plan.routes, tensor ops over the whole cut), each box as many elements as
+    its piece, the boxes the whole matrix, and a pickled plan reads the same."""
+    world, shape = 2 * plan.FEW + 3, (4 * plan.FEW + 7, 96)  # uneven: the last pieces smaller, some empty
+    copy = plan.Copy("w", 0, shape, tuple(range(world)), (world,), (Shard(0),), False, ("dp",))
+    (m,), _, owners = plan.plan_matrices([copy], {0: 5}, 0, world)
+    assert owners["w"] == 0 and isinstance(m.gather, plan.OwnedPieces) and isinstance(m.scatter, plan.OwnedPieces)
+    (sources, _, numels), (_, destinations, back_numels) = plan.routes(m)
+    gather, scatter = list(m.gather), list(m.scatter)
+    assert [t[0] for t in gather] == sources.tolist() and [t[2] for t in gather] == numels.tolist()
+    assert [t[1] for t in scatter] == destinations.tolist() and [t[2] for t in scatter] == back_numels.tolist()
+    assert len(m.gather) == len(gather) < world and len(m.scatter) == len(scatter)  # the empty pieces move nothing
+    assert all(math.prod(b - a for a, b in box) == numel for _, _, numel, _, box in gather)
+    assert sum(t[2] for t in gather) == math.prod(shape) and m.gather[0] == gather[0]
+    assert pickle.loads(pickle.dumps(m)).gather == gather and m.gather + m.scatter == gather + scatter

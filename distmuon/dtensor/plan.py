@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -163,8 +164,8 @@ class Matrix:
     # at, the part in its holder's local tensor (None for all of it, else its index along an expert stack's dim 0:
     # one expert's (rows, cols), contiguous); box, the (start, stop) of each dim of the part in the owner's matrix
     # (`shape`). Each only where this rank is that end (else None).
-    gather: list = field(default_factory=list)
-    scatter: list = field(default_factory=list)
+    gather: Sequence = field(default_factory=list)  # an owner's: OwnedPieces, read as this list would be
+    scatter: Sequence = field(default_factory=list)
     held: torch.Tensor = field(default=None, repr=False)  # whether each piece of its copy's Cut holds some of it
     numels: torch.Tensor = field(default=None, repr=False)  # and how many of its elements
     lines: tuple = field(default=(), repr=False)  # 3c: the long dim's ranges (start, stop) this TP piece is made of
@@ -211,21 +212,59 @@ def routes(m):
             (torch.full_like(back, m.owner), back, numels.repeat_interleave(cut.ranks.shape[1])))
 
 
-def transfers_of(m, me):
-    """This rank's part of routes(m), (gather, scatter): every piece's if it owns m, else its own piece's (a few
-    Python tuples)."""
-    cut = cut_of_copy(m.copy)
-    replica = cut.position(m.owner)[1]
-    gather, scatter = [], []
-    if me == m.owner:
-        keys = torch.nonzero(m.held).view(-1)
+FEW = 64  # pieces (or ranks) that the plan lists as Python objects; more are kept as tensors (a choice, not measured)
+
+
+class OwnedPieces(Sequence):
+    """An owner's transfers of its matrix m, one way (gather, or scatter): one a piece (the gather, from the replica
+    where the owner sits) or one a replica of every piece (the scatter), as transfers_of says. Kept as the plan's
+    tensors and made into tuples as they are read: an owner of a matrix in 13,312 pieces (Llama 3 405B on 16,384
+    ranks) keeps one index tensor, not 26,624 tuples of boxes (6 MB)."""
+
+    def __init__(self, m, me, keys, replica, scatter):
+        self.m, self.me, self.keys, self.replica, self.scatter = m, me, keys, replica, scatter
+
+    def __len__(self):
+        return len(self.keys) * (cut_of_copy(self.m.copy).ranks.shape[1] if self.scatter else 1)
+
+    def __iter__(self):
+        m, me, keys, replica = self.m, self.me, self.keys, self.replica
+        cut = cut_of_copy(m.copy)
         rows = zip(cut.ranks.index_select(0, keys).tolist(), m.numels.index_select(0, keys).tolist(),
                    cut.starts.index_select(0, keys).tolist(), cut.stops.index_select(0, keys).tolist())
         for ranks, numel, start, stop in rows:
             box, at = m.box(start, stop), m.at(start)
-            gather.append((ranks[replica], me, numel, at if ranks[replica] == me else None, box))
-            scatter += [(me, r, numel, at if r == me else None, box) for r in ranks]
-        return gather, scatter
+            if self.scatter:
+                yield from ((me, r, numel, at if r == me else None, box) for r in ranks)
+            else:
+                yield ranks[replica], me, numel, at if ranks[replica] == me else None, box
+
+    def __getitem__(self, i):
+        return list(self)[i]
+
+    def __eq__(self, other):
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __add__(self, other):  # m.gather + m.scatter: the list of both, as with lists
+        return list(self) + list(other)
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    def __repr__(self):  # as the list it reads as (a Matrix's repr shows its transfers)
+        return repr(list(self))
+
+
+def transfers_of(m, me):
+    """This rank's part of routes(m), (gather, scatter): every piece's if it owns m (OwnedPieces), else its own
+    piece's (a Python tuple or two)."""
+    cut = cut_of_copy(m.copy)
+    replica = cut.position(m.owner)[1]
+    if me == m.owner:
+        keys = torch.nonzero(m.held).view(-1)
+        ways = OwnedPieces(m, me, keys, replica, False), OwnedPieces(m, me, keys, replica, True)
+        return ways if len(keys) > FEW else tuple(list(way) for way in ways)  # a few: listed once, read every step
+    gather, scatter = [], []
     mine = cut.position(me)
     if mine is None or not bool(m.held[mine[0]]):
         return gather, scatter
@@ -335,7 +374,7 @@ def gram_owners_of(gram, group_ns_steps, world):
 def as_ranks(holders):
     """Sorted int64 ranks as a Python sequence: a range where they are evenly spaced (a TP column, every rank: no
     list of 16,384 ints per matrix kept at once), else a list."""
-    if len(holders) <= 64:  # a few ranks: Python's ints, faster than tensor ops on them
+    if len(holders) <= FEW:  # Python's ints, faster than tensor ops on them
         ranks = holders.tolist()
         step = ranks[1] - ranks[0] if len(ranks) > 1 else 0
         if step > 0 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
@@ -393,8 +432,7 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     owners.update(gram_owners)
     for m in matrices:
         m.owner = owners[m.name]
-        gather, scatter = once(memo, (id(m.held), m.owner, m.expert, m.lines), lambda m=m: transfers_of(m, me))
-        m.gather, m.scatter = list(gather), list(scatter)
+        m.gather, m.scatter = once(memo, (id(m.held), m.owner, m.expert, m.lines), lambda m=m: transfers_of(m, me))
     return matrices, ns_flops, owners
 
 
