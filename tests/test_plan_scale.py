@@ -98,15 +98,17 @@ def test_as_ranks_is_a_range_exactly_where_the_ranks_are_evenly_spaced():
         assert list(got) == ranks and isinstance(got, range) == even, (ranks[:4], len(ranks), got)
 
 
-def test_describe_reads_each_mesh_once_and_gives_the_same_copies(single_process_group):
-    """describe with a dict of meshes (as the optimizer's construction calls it) gives the Copies it gives without
-    one, field by field, and keeps one entry per mesh."""
+def test_describe_reads_each_mesh_once_and_gives_what_the_mesh_says(single_process_group):
+    """describe reads a mesh's ranks once (plan.mesh_description, kept while the mesh lives), and its Copies say
+    what DeviceMesh.mesh and the dim names say, for every parameter on the mesh."""
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     params = meta_blocks(mesh, ([Shard(0), Shard(0)], [Shard(0), Shard(1)]), 3, 8)
-    meshes = {}
-    with_dict = [plan.describe(n, 0, p, False, meshes) for n, p in params]
-    assert with_dict == [plan.describe(n, 0, p, False) for n, p in params] and len(meshes) == 1
-    assert with_dict[0].mesh_ranks == (0,) and with_dict[0].mesh_shape == (1, 1)
+    copies = [plan.describe(n, 0, p, False) for n, p in params]
+    assert plan.mesh_description(mesh) is plan.mesh_description(mesh) and mesh in plan.MESHES
+    assert all((c.mesh_ranks, c.mesh_shape, c.mesh_dim_names) == (tuple(mesh.mesh.reshape(-1).tolist()),
+                                                                  tuple(mesh.mesh.shape), ("dp", "tp"))
+               for c in copies)
+    assert [c.placements for c in copies] == [tuple(p.placements) for _, p in params]
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 2), (2, 2)])

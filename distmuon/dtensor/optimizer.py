@@ -238,8 +238,8 @@ class DescriptionSwap:
 
     def __init__(self, opt, problem):
         self.opt, self.problem, self.work = opt, problem, None
-        meshes, index = {}, {id(g): i for i, g in enumerate(opt.param_groups)}
-        self.mine = [describe(n, index[id(opt.group_of[n])], p, n in opt.expert_stacks, meshes)
+        index = {id(g): i for i, g in enumerate(opt.param_groups)}  # each group's index, found once
+        self.mine = [describe(n, index[id(opt.group_of[n])], p, n in opt.expert_stacks)
                      for n, p in opt.param_by_name.items()]
         self.options = None if problem else opt.large_runs.agreed()
         if opt.axis.size > 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -221,15 +222,14 @@ class OwnedPieces(Sequence):
     tensors and made into tuples as they are read: an owner of a matrix in 13,312 pieces (Llama 3 405B on 16,384
     ranks) keeps one index tensor, not 26,624 tuples of boxes (6 MB)."""
 
-    def __init__(self, m, me, keys, replica, scatter):
-        self.m, self.me, self.keys, self.replica, self.scatter = m, me, keys, replica, scatter
+    def __init__(self, m, cut, me, keys, replica, scatter):
+        self.m, self.cut, self.me, self.keys, self.replica, self.scatter = m, cut, me, keys, replica, scatter
 
     def __len__(self):
-        return len(self.keys) * (cut_of_copy(self.m.copy).ranks.shape[1] if self.scatter else 1)
+        return len(self.keys) * (self.cut.ranks.shape[1] if self.scatter else 1)
 
     def __iter__(self):
-        m, me, keys, replica = self.m, self.me, self.keys, self.replica
-        cut = cut_of_copy(m.copy)
+        m, cut, me, keys, replica = self.m, self.cut, self.me, self.keys, self.replica
         rows = zip(cut.ranks.index_select(0, keys).tolist(), m.numels.index_select(0, keys).tolist(),
                    cut.starts.index_select(0, keys).tolist(), cut.stops.index_select(0, keys).tolist())
         for ranks, numel, start, stop in rows:
@@ -262,7 +262,7 @@ def transfers_of(m, me):
     replica = cut.position(m.owner)[1]
     if me == m.owner:
         keys = torch.nonzero(m.held).view(-1)
-        ways = OwnedPieces(m, me, keys, replica, False), OwnedPieces(m, me, keys, replica, True)
+        ways = OwnedPieces(m, cut, me, keys, replica, False), OwnedPieces(m, cut, me, keys, replica, True)
         return ways if len(keys) > FEW else tuple(list(way) for way in ways)  # a few: listed once, read every step
     gather, scatter = [], []
     mine = cut.position(me)
@@ -436,19 +436,23 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     return matrices, ns_flops, owners
 
 
-def describe(name, group_index, p, expert_stack, meshes=None):
-    """The Copy of parameter p as this rank sees it (what the ranks swap at construction). meshes: a dict in which
-    the caller's calls keep what each mesh says of itself (DeviceMesh.mesh is made anew at each call: once a mesh,
-    not once a parameter)."""
+MESHES = weakref.WeakKeyDictionary()  # DeviceMesh -> mesh_description(it), while the mesh lives
+
+
+def mesh_description(mesh):
+    """(its ranks row-major, its shape, its dim names) of a DeviceMesh, read once a mesh (DeviceMesh.mesh is made anew
+    at each call): equal meshes, by DeviceMesh's own ==, have the same ranks, shape and names."""
+    known = MESHES.get(mesh)
+    if known is None:
+        ranks = mesh.mesh
+        known = MESHES[mesh] = (tuple(ranks.reshape(-1).tolist()), tuple(ranks.shape), tuple(mesh.mesh_dim_names or ()))
+    return known
+
+
+def describe(name, group_index, p, expert_stack):
+    """The Copy of parameter p as this rank sees it (what the ranks swap at construction)."""
     if isinstance(p, DTensor):
-        mesh = p.device_mesh
-        known = meshes.get(id(mesh)) if meshes is not None else None
-        if known is None:
-            ranks = mesh.mesh
-            known = (mesh, tuple(ranks.reshape(-1).tolist()), tuple(ranks.shape), tuple(mesh.mesh_dim_names or ()))
-            if meshes is not None:
-                meshes[id(mesh)] = known  # the mesh kept with it: its id is not reused while the dict lives
-        _, mesh_ranks, mesh_shape, dim_names = known
+        mesh_ranks, mesh_shape, dim_names = mesh_description(p.device_mesh)
         return Copy(name, group_index, tuple(p.shape), mesh_ranks, mesh_shape, tuple(p.placements), expert_stack,
                     dim_names)
     return Copy(name, group_index, tuple(p.shape), (), (), (), expert_stack)
