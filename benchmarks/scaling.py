@@ -44,6 +44,7 @@ import torch.distributed as dist  # noqa: E402
 
 import distributed_muon_cpu  # noqa: E402
 from distmuon import large_runs, owners  # noqa: E402
+from distmuon.dtensor import exchange  # noqa: E402
 import muon_tools  # noqa: E402
 
 D, LAYERS, VECTORS, ROUNDS = 768, 4, 32, 5  # GPT-2 small's width; the median of 5 steps
@@ -134,8 +135,10 @@ def without_newton_schulz():
 
     cast = lambda matrix, *args, **kwargs: matrix.bfloat16()  # noqa: E731
     setattr(torch_muon, TORCH_NEWTON_SCHULZ, cast)
-    # the lesson's, and the ones distmuon.owners (--batched-ns) and distmuon.large_runs (blocks, heads) imported
+    # the lesson's, the ones distmuon.owners (--batched-ns) and distmuon.large_runs (blocks, heads) imported, and the
+    # one DTensorMuon's owners run over the matrices its gather made
     distributed_muon_cpu.newton_schulz = owners.newton_schulz = large_runs.newton_schulz = cast
+    exchange.newton_schulz_overwriting = cast
 
 
 def step_ms(steppers, rounds, barrier=lambda: None):

@@ -173,8 +173,10 @@ def later(work, phase, ledger, result):
 
 
 def concat(tensors, dtype, device):
-    """The tensors' elements one after another, in one new 1-D tensor, each copied once (a strided view of a matrix
-    straight into its place, with no flat copy of its own first)."""
+    """The tensors' elements one after another, in one 1-D tensor: a lone flat one as it is, else a new one, each copied
+    once (a strided view of a matrix straight into its place, with no flat copy of its own first)."""
+    if len(tensors) == 1 and tensors[0].dim() == 1 and tensors[0].is_contiguous() and tensors[0].dtype == dtype:
+        return tensors[0]  # one part to send (e.g. the one other rank's of 2): no copy of it beside it
     if tensors and all(t.dim() == 1 for t in tensors):
         return torch.cat(tensors)
     out, start = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device), 0
@@ -186,13 +188,11 @@ def concat(tensors, dtype, device):
 
 def exchange(sends, receive_numels, axis, ledger, phase, dtype, device):
     """All-to-all with uneven sizes, started: sends[i], a list of 1-D tensors, goes to rank i of
-    `axis`, all of them copied once into one send buffer.
+    `axis`, all of them in one send buffer (concat).
 
-    receive_numels[i] is how much rank i sends here (every rank knows the whole
-    plan, so nobody has to ask). Returns a function that waits and returns one
-    1-D tensor per source rank. Each piece goes straight to its destination, so
-    the byte count is exact: what a rank sends to the others, and receives from them.
-    """
+    receive_numels[i] is how much rank i sends here (every rank knows the whole plan, so nobody has to ask).
+    Returns a function that waits and returns one 1-D tensor per source rank. Each piece goes straight to its
+    destination, so the byte count is exact: what a rank sends to the others, and receives from them."""
     send = concat([t for ts in sends for t in ts], dtype, device)
     received = send.new_empty(sum(receive_numels))
     split_sizes = [sum(t.numel() for t in ts) for ts in sends]

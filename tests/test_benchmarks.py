@@ -11,6 +11,7 @@ import torch
 from conftest import ROOT, SUITE_D_MODEL
 import distributed_muon_cpu
 from distmuon import large_runs, owners
+from distmuon.dtensor import exchange
 import muon_tools
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -94,9 +95,10 @@ def test_scaling_without_ns_replaces_newton_schulz_in_torch_and_here_alike(singl
     with_ns, _ = step_both(params, grads)
     monkeypatch.setattr(torch_muon, scaling.TORCH_NEWTON_SCHULZ, getattr(torch_muon, scaling.TORCH_NEWTON_SCHULZ))
     monkeypatch.setattr(distributed_muon_cpu, "newton_schulz",
-                        distributed_muon_cpu.newton_schulz)  # all four restored after the test
+                        distributed_muon_cpu.newton_schulz)  # all five restored after the test
     monkeypatch.setattr(owners, "newton_schulz", owners.newton_schulz)
     monkeypatch.setattr(large_runs, "newton_schulz", large_runs.newton_schulz)
+    monkeypatch.setattr(exchange, "newton_schulz_overwriting", exchange.newton_schulz_overwriting)
     scaling.without_newton_schulz()
     theirs, ours = step_both(params, grads)
     assert all(torch.equal(theirs[n], ours[n]) for n in params)  # the same work on both sides

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from torch.profiler import record_function
+
 from distmuon import owners
-from distmuon.checks import ORTHOGONALIZED
+from distmuon.checks import ORTHOGONALIZED, ns_coefficients_of
+from distributed_muon_cpu import newton_schulz_flops
 from distmuon.dtensor.plan import exchange_groups, matrix_name, plan_matrices
 
 
@@ -40,6 +43,27 @@ def place_part(full, m, box, part):
     full[m.name][as_slices(box)].copy_(part.view(tuple(b - a for a, b in box)))
 
 
+def newton_schulz_overwriting(matrix, steps, coefficients, eps):
+    """The lesson's newton_schulz of a bf16 matrix that the caller gives up, written over it: the same operations in
+    the same order on the same layouts, hence the same bits (tests/test_dtensor_step_memory.py), but the normalization
+    in place and each iteration's product X <- a X + poly X written (addmm's out=) into the buffer the last one read
+    from, `matrix` and one more in turn. So two matrices at the peak beside the small Gram matrix and its polynomial
+    (one of each alive), not three (the input, the last iterate, the next). The result lies in `matrix`'s storage or in the other buffer."""
+    tall = matrix.size(-2) > matrix.size(-1)
+    x = matrix.mT if tall else matrix  # Newton-Schulz orients it wide, as the lesson does
+    x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
+    buffers = (None, matrix.view(x.shape))  # the next iterate's: a new one first, then the input's storage, in turn
+    for a, b, c in ns_coefficients_of(coefficients, steps):
+        gram = x @ x.mT
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        del gram  # not alive beside the next one
+        out = buffers[0] if buffers[0] is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        x = torch.addmm(x, poly, x, beta=a, out=out)
+        del poly
+        buffers = (buffers[1], out)
+    return x.mT if tall else x
+
+
 def flat_if_contiguous(box):
     """A box of a matrix as a flat view where its elements lie one after another (rows), else as it is (a strided
     view, columns): either way no copy here; the exchange copies it once, into its message."""
@@ -48,10 +72,11 @@ def flat_if_contiguous(box):
 
 class Started:
     """A step's exchange between start() and finish(): its matrices (active), the gather in flight, the local shapes
-    of the parameters ({name: shape}) and the updates of the matrices orthogonalized where they are (whole)."""
+    of the parameters ({name: shape}), the updates of the matrices orthogonalized where they are (whole), and the
+    matrices the gather takes as this rank's own update (lent: not its to overwrite; the others it made)."""
 
-    def __init__(self, active, gathered, shapes, whole):
-        self.active, self.gathered, self.shapes, self.whole = active, gathered, shapes, whole
+    def __init__(self, active, gathered, shapes, whole, lent=()):
+        self.active, self.gathered, self.shapes, self.whole, self.lent = active, gathered, shapes, whole, lent
 
     def take_gathered(self):
         """Wait for the gather and let go of it (its buffers, and the parts sent): {matrix: put together here}."""
@@ -106,7 +131,9 @@ class OwnerExchange:
         active = [m for m in self.matrices if m.copy.name in updates and (m.gather or m.scatter)]
         shapes = {name: update.shape for name, update in updates.items()}
         whole = {name: updates[name] for name in self.local_matrices if name in updates}  # no exchange: kept
-        return Started(active, self.gather_at_owners(opt, updates, active) if exchanged else dict, shapes, whole)
+        lent = {m.name for m in active if m.owner == opt.me and len(m.gather) == 1  # one part: is it this rank's?
+                and m.gather[0][0] == opt.me and covers(m.gather[0][4], m.shape)}
+        return Started(active, self.gather_at_owners(opt, updates, active) if exchanged else dict, shapes, whole, lent)
 
     def finish(self, opt, started, exchanged=True, rows=True):
         """Newton-Schulz of what start() gathered and of the matrices whole here, then the scatter from owners
@@ -151,16 +178,27 @@ class OwnerExchange:
                     full[m], group_of[m] = stack[i], opt.group_of[name]
         pieces = [m for m in owned if m.tp_dim >= 0]  # in plan order: the same on each rank of a TP group
         gathered_pieces = {m.name: full.pop(m.name) for m in pieces}
-        done = self.newton_schulz(opt, full, group_of)
+        made = [m.name for m in owned if m.name in full and m.name not in started.lent]
+        done = self.newton_schulz(opt, full, group_of, made)
         if pieces:
             done.update(opt.large_runs.newton_schulz_pieces(opt, gathered_pieces, pieces, group_of, self.ns_flops))
         return done
 
-    def newton_schulz(self, opt, full, group_of):
+    def newton_schulz(self, opt, full, group_of, made=()):
         """{matrix: full bf16 update} -> {matrix: orthogonalized}, by the lesson's newton_schulz_owned; laid-out
-        matrices block by block (torch's 2-D path, batched_ns or not: a block is its own matrix)."""
+        matrices block by block (torch's 2-D path, batched_ns or not: a block is its own matrix). The matrices the
+        gather made (made: names), one at a time, written over themselves (newton_schulz_overwriting: torch's bits),
+        unless batched_ns stacks them or they go block by block."""
         blocks = opt.large_runs.blocks_of(full, self.param_of_matrix)
-        return owners.newton_schulz_owned(full, group_of, opt.ledger, self.batched_ns, blocks)
+        over = [] if self.batched_ns else [n for n in made if n not in blocks.blocks]
+        over = {n: full.pop(n) for n in over}
+        done = owners.newton_schulz_owned(full, group_of, opt.ledger, self.batched_ns, blocks)
+        for name in list(over):
+            g, shape = group_of[name], tuple(over[name].shape)
+            with record_function("newton-schulz"):
+                done[name] = newton_schulz_overwriting(over.pop(name), g["ns_steps"], g["ns_coefficients"], g["eps"])
+            opt.ledger.record_compute(name, shape, newton_schulz_flops(shape, g["ns_steps"]))
+        return done
 
     def gather_at_owners(self, opt, updates, active):
         """Started: a function that waits and returns each matrix put together at its owner: every part a view of
