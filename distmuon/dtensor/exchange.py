@@ -48,7 +48,8 @@ def newton_schulz_overwriting(matrix, steps, coefficients, eps):
     the same order on the same layouts, hence the same bits (tests/test_dtensor_step_memory.py), but the normalization
     in place and each iteration's product X <- a X + poly X written (addmm's out=) into the buffer the last one read
     from, `matrix` and one more in turn. So two matrices at the peak beside the small Gram matrix and its polynomial
-    (one of each alive), not three (the input, the last iterate, the next). The result lies in `matrix`'s storage or in the other buffer."""
+    (one of each alive), not three (the input, the last iterate, the next). The result lies in `matrix`'s storage or
+    in the other buffer."""
     tall = matrix.size(-2) > matrix.size(-1)
     x = matrix.mT if tall else matrix  # Newton-Schulz orients it wide, as the lesson does
     x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
