@@ -374,15 +374,37 @@ NOTE = ("build s: construction (seconds, the median of --builds; the slowest ran
 # =============================================================================
 # 5. The plan alone at Llama 3's sizes
 # =============================================================================
+def plan_kept_bytes(make):
+    """What the plan that make() returns keeps: the Python objects it leaves allocated (tracemalloc, over what was
+    allocated before) and the storages of the tensors its matrices hold (an owner's OwnedPieces, 3c's pieces)."""
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    matrices = make()
+    gc.collect()
+    python = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    storages = {}
+    for m in matrices:
+        for holder in (m, m.gather, m.scatter):
+            for t in getattr(holder, "__dict__", {}).values():
+                if isinstance(t, torch.Tensor):
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return python + sum(storages.values())
+
+
 def plan_only(print_fn=print):
-    """DTensorMuon's plan for one rank (rank 0) of Llama 3 70B and 405B on FSDP2 x TP 8: seconds and megabytes."""
+    """DTensorMuon's plan for one rank (rank 0) of Llama 3 70B and 405B on FSDP2 x TP 8: seconds, the peak RSS of
+    making it, and what it keeps (plan_kept_bytes, a second making of it: tracemalloc slows it), in MB."""
     import cost_model
 
     models = {"llama3-70b": cost_model.MODELS["llama3-70b"],
               "llama3-405b": cost_model.Model("Llama-3-405B-like", 126, 16384, 128, 8, 53248, 128256, tokens=2**24,
                                       seq=8192, source=cost_model.LLAMA3)}
     print_fn(f"{'model':<12} {'ranks':>6} {'mesh':>9} {'matrices':>9} {'plan s':>8} {'peak MB':>8} "
-             f"{'kept MB':>8} {'local params MB':>16} {'Copies MB':>10} {'packed MB':>10}")
+             f"{'kept MB':>8} {'local params MB':>16} {'kept %':>7} {'Copies MB':>10} {'packed MB':>10}")
     for key, model in models.items():
         for gpus in (512, 16384):
             mesh = cost_model.Mesh(gpus // 8, 8)
@@ -395,15 +417,16 @@ def plan_only(print_fn=print):
             before = rss()[0]
             t0 = time.perf_counter()
             matrices, _, _ = plan.plan_matrices(muon, steps, 0, gpus)
-            seconds = time.perf_counter() - t0
-            now, peak = rss()
+            seconds, n_matrices = time.perf_counter() - t0, len(matrices)
+            peak = rss()[1]
+            del matrices
+            kept = plan_kept_bytes(lambda: plan.plan_matrices(muon, steps, 0, gpus)[0])
             local = sum(int(cost_model.held(c, gpus)[0]) * 4 for c in copies)
             mine = [c for c in copies if not c.mesh_ranks or 0 in c.mesh_ranks]  # what rank 0 describes
             described, message = (len(pickle.dumps(x)) / 1e6 for x in (mine, packed(mine)))
-            print_fn(f"{key:<12} {gpus:>6} {f'{mesh.dp}x{mesh.tp}':>9} {len(matrices):>9} {seconds:8.2f} "
-                     f"{(peak - before) / 1e6:8.1f} {(now - before) / 1e6:8.1f} {local / 1e6:16.1f} "
+            print_fn(f"{key:<12} {gpus:>6} {f'{mesh.dp}x{mesh.tp}':>9} {n_matrices:>9} {seconds:8.2f} "
+                     f"{(peak - before) / 1e6:8.1f} {kept / 1e6:8.2f} {local / 1e6:16.1f} {100 * kept / local:7.2f} "
                      f"{described:10.1f} {message:10.2f}")
-            del matrices
 
 
 # =============================================================================

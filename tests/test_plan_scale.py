@@ -75,15 +75,27 @@ def test_the_plan_kept_is_a_tiny_fraction_of_the_local_parameters():
         assert mine and all(len(m.gather) == 4 for m in mine)  # every piece of what it owns, as one box each
 
 
-def test_llama3_70b_plans_for_16384_ranks_in_seconds():
+def test_llama3_70b_plans_for_16384_ranks_in_seconds_and_keeps_what_this_rank_steps():
+    """The plan of rank 0: each matrix keeps its transfers, not every piece's holders and sizes; the owner of one matrix
+    of 14,336 pieces one table of them (5 int32 each: 287 KB); the caches of the cuts are let go. What it keeps in all
+    (at_scale.plan_kept_bytes, under 1 MB; 0.61 MB measured) is then 2.5 % of the rank's 24.8 MB of parameters."""
     params = cost_model.param_order(cost_model.MODELS["llama3-70b"].params(), cost_model.GROUPS)
     copies = cost_model.placed_copies(params, cost_model.Mesh(2048, 8), {g: i for i, g in enumerate(cost_model.GROUPS)})
     muon = [c for c in copies if cost_model.GROUPS[c.group] == "muon"]
+    made = []
     t0 = time.perf_counter()
-    matrices, _, owners = plan.plan_matrices(muon, {i: 5 for i in range(len(cost_model.GROUPS))}, 0, 16384)
+    kept = at_scale.plan_kept_bytes(lambda: made.append(plan.plan_matrices(
+        muon, {i: 5 for i in range(len(cost_model.GROUPS))}, 0, 16384)) or made[0][0])
     assert time.perf_counter() - t0 < 60
+    matrices, _, owners = made[0]
     assert len(matrices) == 80 * 7 and set(owners.values()) <= set(range(16384))
     assert len(set(owners.values())) == len(matrices)  # more ranks than matrices: each its own owner
+    (owned,) = [m for m in matrices if m.owner == 0]
+    assert isinstance(owned.gather, plan.OwnedPieces) and owned.gather.table.shape == (14336, 5)
+    assert owned.gather.table.dtype == torch.int32 and owned.scatter.table is owned.gather.table
+    assert all(m.held is None and m.numels is None and m.holders is None for m in matrices)
+    assert plan.cut_of.cache_info().currsize == 0 and plan.matrix_pieces.cache_info().currsize == 0
+    assert 5 * 4 * 14336 < kept < MB, kept
 
 
 def test_as_ranks_is_a_range_exactly_where_the_ranks_are_evenly_spaced():

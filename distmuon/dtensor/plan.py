@@ -204,9 +204,11 @@ def routes(m):
     plan_matrices gives each rank are its own of these (transfers_of: the same rule)."""
     cut = cut_of_copy(m.copy)
     replica = cut.position(m.owner)[1]
-    keys = torch.nonzero(m.held).view(-1)
+    held, numels = (m.held, m.numels) if m.held is not None else matrix_pieces(
+        m.copy.shape, m.copy.mesh_ranks, m.copy.mesh_shape, m.copy.placements, m.expert)[:2]
+    keys = torch.nonzero(held).view(-1)
     pieces = cut.ranks.index_select(0, keys)
-    sources, numels = pieces[:, replica], m.numels.index_select(0, keys)
+    sources, numels = pieces[:, replica], numels.index_select(0, keys)
     owner = torch.full_like(sources, m.owner)
     back = pieces.reshape(-1)
     return ((sources, owner, numels),
@@ -218,22 +220,28 @@ FEW = 64  # pieces (or ranks) that the plan lists as Python objects; more are ke
 
 class OwnedPieces(Sequence):
     """An owner's transfers of its matrix m, one way (gather, or scatter): one a piece (the gather, from the replica
-    where the owner sits) or one a replica of every piece (the scatter), as transfers_of says. Kept as the plan's
-    tensors and made into tuples as they are read: an owner of a matrix in 13,312 pieces (Llama 3 405B on 16,384
-    ranks) keeps one index tensor, not 26,624 tuples of boxes (6 MB)."""
+    where the owner sits) or one a replica of every piece (the scatter), as transfers_of says. Kept as one table of
+    the pieces that hold some of m (their ranks, then their starts and stops: int32 where they fit) and made into
+    tuples as they are read: an owner of a matrix in 13,312 pieces (Llama 3 405B on 16,384 ranks) keeps that table,
+    not 26,624 tuples of boxes (6 MB), nor the cut of every rank of the mesh."""
 
-    def __init__(self, m, cut, me, keys, replica, scatter):
-        self.m, self.cut, self.me, self.keys, self.replica, self.scatter = m, cut, me, keys, replica, scatter
+    def __init__(self, m, cut, me, keys, replica, scatter, table=None):
+        if table is None:
+            table = torch.cat([cut.ranks, cut.starts, cut.stops], 1).index_select(0, keys)
+            table = table.to(torch.int32) if int(table.max()) < 2**31 else table
+        self.m, self.me, self.table, self.replicas, self.replica, self.scatter = (
+            m, me, table, cut.ranks.shape[1], replica, scatter)
 
     def __len__(self):
-        return len(self.keys) * (self.cut.ranks.shape[1] if self.scatter else 1)
+        return len(self.table) * (self.replicas if self.scatter else 1)
 
     def __iter__(self):
-        m, cut, me, keys, replica = self.m, self.cut, self.me, self.keys, self.replica
-        rows = zip(cut.ranks.index_select(0, keys).tolist(), m.numels.index_select(0, keys).tolist(),
-                   cut.starts.index_select(0, keys).tolist(), cut.stops.index_select(0, keys).tolist())
-        for ranks, numel, start, stop in rows:
+        m, me, replica, replicas = self.m, self.me, self.replica, self.replicas
+        dims = (self.table.shape[1] - replicas) // 2
+        for row in self.table.tolist():
+            ranks, start, stop = row[:replicas], row[replicas:replicas + dims], row[replicas + dims:]
             box, at = m.box(start, stop), m.at(start)
+            numel = (stop[-2] - start[-2]) * (stop[-1] - start[-1])  # of m: one expert's, in a stack
             if self.scatter:
                 yield from ((me, r, numel, at if r == me else None, box) for r in ranks)
             else:
@@ -262,7 +270,8 @@ def transfers_of(m, me):
     replica = cut.position(m.owner)[1]
     if me == m.owner:
         keys = torch.nonzero(m.held).view(-1)
-        ways = OwnedPieces(m, cut, me, keys, replica, False), OwnedPieces(m, cut, me, keys, replica, True)
+        gather = OwnedPieces(m, cut, me, keys, replica, False)
+        ways = gather, OwnedPieces(m, cut, me, keys, replica, True, gather.table)
         return ways if len(keys) > FEW else tuple(list(way) for way in ways)  # a few: listed once, read every step
     gather, scatter = [], []
     mine = cut.position(me)
@@ -386,14 +395,19 @@ def as_ranks(holders):
     return holders.tolist()
 
 
-def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None, tp_dim_of=None):
-    """Every distributed matrix of `copies`, with owners and this rank's transfers; and the owners.
+def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None, tp_dim_of=None, group=None):
+    """Every distributed matrix of `copies`, with owners and this rank's transfers; and the owners. What each matrix
+    keeps is what this rank's steps read: its transfers (an owner's in OwnedPieces), not every piece's holders and
+    sizes (holders, held, numels: None after the plan, but for the TP pieces of 3c; routes() finds them again), and
+    the caches of the cuts are emptied: what construction keeps grows with this rank's share.
 
     assign: None for the lesson's assign_owners among each matrix's holders, or a callable
         (ns_flops, holders, world) -> {rank: [names]}
         (the matrices gathered whole; TP pieces, section 3c, go to the rows of ranks gram_owners picks).
     flops_of: None, or a callable (copy, steps) -> Newton-Schulz FLOPs of one of its matrices (blocks: section 3b).
     tp_dim_of: None, or a callable copy -> the mesh dim whose TP pieces are orthogonalized in place (3c), or -1.
+    group: None, or the global ranks of the optimizer's group (fewer than the world): a matrix held or owned by a
+        rank outside it is refused.
     """
     flops_of = flops_of or (lambda c, steps: newton_schulz_flops(c.matrix_shape, steps))
     copies_of_name = {}
@@ -433,6 +447,16 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     for m in matrices:
         m.owner = owners[m.name]
         m.gather, m.scatter = once(memo, (id(m.held), m.owner, m.expert, m.lines), lambda m=m: transfers_of(m, me))
+    inside = torch.tensor(group) if group is not None else None
+    outside = sorted({m.name for m in matrices if inside is not None and (
+        not bool(torch.isin(m.holders, inside).all()) or m.owner not in group)})
+    if outside:
+        raise ValueError(f"matrices held by ranks outside the optimizer's group: {', '.join(outside)}")
+    for m in matrices:
+        if not m.lines:
+            m.holders = m.held = m.numels = None
+    cut_of.cache_clear()
+    matrix_pieces.cache_clear()
     return matrices, ns_flops, owners
 
 
