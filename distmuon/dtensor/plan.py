@@ -117,9 +117,24 @@ class Cut:
         return self.slot[rank]
 
 
-@functools.lru_cache(maxsize=None)
+def kept_while_few(make):
+    """make, remembered by its arguments: once for all the copies of one shape on one mesh with the same placements.
+    What is about many ranks (more than FEW pieces) is let go at the end of each plan (forget_many), the rest kept
+    for the process (a training on a few ranks that builds its optimizer again finds its cuts made)."""
+    made = {}
+
+    @functools.wraps(make)
+    def remembered(*key):
+        if key not in made:
+            made[key] = make(*key)
+        return made[key]
+    remembered.made = made
+    return remembered
+
+
+@kept_while_few
 def cut_of(shape, mesh_ranks, mesh_shape, placements):
-    """The Cut of a copy, found once for all the copies of one shape on one mesh with the same placements."""
+    """The Cut of a copy (kept_while_few)."""
     cut = sharded_dims(placements)
     order = list(cut) + [i for i in range(len(mesh_shape)) if i not in cut]  # sharded dims first: key-major
     pieces = math.prod(mesh_shape[i] for i in cut)
@@ -136,7 +151,7 @@ def cut_of_copy(copy):
     return cut_of(copy.shape, copy.mesh_ranks, copy.mesh_shape, copy.placements)
 
 
-@functools.lru_cache(maxsize=None)
+@kept_while_few
 def matrix_pieces(shape, mesh_ranks, mesh_shape, placements, expert):
     """(held, numels, holders) of one matrix of a copy (an expert of a stack, or the 2-D parameter: expert -1):
     whether each piece holds some of it, how many of its elements, and the ranks that hold some, sorted."""
@@ -399,7 +414,7 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     """Every distributed matrix of `copies`, with owners and this rank's transfers; and the owners. What each matrix
     keeps is what this rank's steps read: its transfers (an owner's in OwnedPieces), not every piece's holders and
     sizes (holders, held, numels: None after the plan, but for the TP pieces of 3c; routes() finds them again), and
-    the caches of the cuts are emptied: what construction keeps grows with this rank's share.
+    the cuts of many pieces are let go (forget_many): what construction keeps grows with this rank's share.
 
     assign: None for the lesson's assign_owners among each matrix's holders, or a callable
         (ns_flops, holders, world) -> {rank: [names]}
@@ -455,9 +470,15 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     for m in matrices:
         if not m.lines:
             m.holders = m.held = m.numels = None
-    cut_of.cache_clear()
-    matrix_pieces.cache_clear()
+    forget_many()
     return matrices, ns_flops, owners
+
+
+def forget_many():
+    """Let go of the cuts (and their pieces) of more than FEW pieces that the plans made (kept_while_few)."""
+    for made, pieces in ((cut_of.made, lambda cut: len(cut.ranks)), (matrix_pieces.made, lambda held: len(held[0]))):
+        for key in [key for key, value in made.items() if pieces(value) > FEW]:
+            del made[key]
 
 
 MESHES = weakref.WeakKeyDictionary()  # DeviceMesh -> mesh_description(it), while the mesh lives
