@@ -395,18 +395,20 @@ def plan_kept_bytes(make):
     return python + sum(storages.values())
 
 
-def plan_only(print_fn=print):
-    """DTensorMuon's plan for one rank (rank 0) of Llama 3 70B and 405B on FSDP2 x TP 8: seconds, the peak RSS of
-    making it, and what it keeps (plan_kept_bytes, a second making of it: tracemalloc slows it), in MB."""
+def plan_only(print_fn=print, names=("llama3-70b", "llama3-405b"), worlds=(512, 16384)):
+    """DTensorMuon's plan for one rank (rank 0) of Llama 3 70B and 405B (names) on FSDP2 x TP 8 over each of `worlds`
+    ranks: seconds, the peak RSS of making it, and what it keeps (plan_kept_bytes, a second making of it: tracemalloc
+    slows it), in MB."""
     import cost_model
 
     models = {"llama3-70b": cost_model.MODELS["llama3-70b"],
               "llama3-405b": cost_model.Model("Llama-3-405B-like", 126, 16384, 128, 8, 53248, 128256, tokens=2**24,
                                       seq=8192, source=cost_model.LLAMA3)}
+    models = {name: models[name] for name in names}
     print_fn(f"{'model':<12} {'ranks':>6} {'mesh':>9} {'matrices':>9} {'plan s':>8} {'peak MB':>8} "
              f"{'kept MB':>8} {'local params MB':>16} {'kept %':>7} {'Copies MB':>10} {'packed MB':>10}")
     for key, model in models.items():
-        for gpus in (512, 16384):
+        for gpus in worlds:
             mesh = cost_model.Mesh(gpus // 8, 8)
             params = cost_model.param_order(model.params(), cost_model.GROUPS)
             copies = cost_model.placed_copies(params, mesh, {g: i for i, g in enumerate(cost_model.GROUPS)})

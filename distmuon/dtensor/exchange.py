@@ -4,7 +4,8 @@ Part of DTensorMuon (distmuon/dtensor/), sections 3 and 5 of its reading order: 
 start() and finish() run stage 3 of a step on it (all matrices at once, or a group at a time: exchange_groups). It
 is built from the lesson's parts: the owners by longest-processing-time (distmuon/owners.py's assign_owners), one
 all-to-all for every part of every matrix each way (send_parts; per group of them, started and finished apart so
-that groups can overlap) and Newton-Schulz at the owner (newton_schulz_owned, the lesson's orthogonalize). What
+that groups can overlap) and Newton-Schulz at the owner (newton_schulz_owned, the lesson's orthogonalize; over a
+matrix the gather made, newton_schulz_overwriting: its operations and bits, one matrix less at the peak). What
 later sections add comes from the optimizer's other parts, each in its own module: the Gram form on TP pieces
 (opt.large_runs, rows.py, 3c) and NorMuon's rows (opt.normuon_rows, normuon.py). Your own gather and redistribute
 (section 4) replace this strategy whole: explicit.py.

@@ -51,12 +51,13 @@ from distributed_muon_cpu import newton_schulz_flops
 # What the plan keeps grows with this rank's share, not with the model: a piece
 # is a box, one range per tensor dim (section 2), so a copy's pieces are a few
 # integers per rank of its mesh (Cut, one for all the copies of one shape and
-# layout), a rank keeps only its own transfers (every piece's only where it owns
-# the matrix), and a transfer is the box of the owner's matrix it fills and the
-# holder's local tensor (or one expert of its stack) it comes from: a view at the
-# holder, a strided copy of whole runs at the owner, never an index per element.
-# The plan of Llama 3 405B on 16,384 ranks is seconds and megabytes
-# (benchmarks/at_scale.py --plan-only).
+# layout, let go after the plan where it has many), a rank keeps only its own
+# transfers (every piece's only where it owns the matrix: one table of them), and
+# a transfer is the box of the owner's matrix it fills and the holder's local
+# tensor (or one expert of its stack) it comes from: a view at the holder, a
+# strided copy of whole runs at the owner, never an index per element. The plan
+# of Llama 3 405B for one of 16,384 ranks takes a second and keeps under a
+# megabyte (benchmarks/at_scale.py --plan-only).
 #
 # Owners: the lesson's assign_owners balances over ranks 0..n-1, but a matrix
 # may only go to a rank that holds some of it (else it would travel whole to a
