@@ -411,6 +411,13 @@ def as_ranks(holders):
     return holders.tolist()
 
 
+def forget_many():
+    """Let go of the cuts (and their pieces) of more than FEW pieces that the plans made (kept_while_few)."""
+    for made, pieces in ((cut_of.made, lambda cut: len(cut.ranks)), (matrix_pieces.made, lambda held: len(held[0]))):
+        for key in [key for key, value in made.items() if pieces(value) > FEW]:
+            del made[key]
+
+
 def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None, tp_dim_of=None, group=None):
     """Every distributed matrix of `copies`, with owners and this rank's transfers; and the owners. What each matrix
     keeps is what this rank's steps read: its transfers (an owner's in OwnedPieces), not every piece's holders and
@@ -473,13 +480,6 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
             m.holders = m.held = m.numels = None
     forget_many()
     return matrices, ns_flops, owners
-
-
-def forget_many():
-    """Let go of the cuts (and their pieces) of more than FEW pieces that the plans made (kept_while_few)."""
-    for made, pieces in ((cut_of.made, lambda cut: len(cut.ranks)), (matrix_pieces.made, lambda held: len(held[0]))):
-        for key in [key for key, value in made.items() if pieces(value) > FEW]:
-            del made[key]
 
 
 MESHES = weakref.WeakKeyDictionary()  # DeviceMesh -> mesh_description(it), while the mesh lives
