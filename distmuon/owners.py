@@ -187,8 +187,8 @@ def concat(tensors, dtype, device):
 
 
 def exchange(sends, receive_numels, axis, ledger, phase, dtype, device):
-    """All-to-all with uneven sizes, started: sends[i], a list of 1-D tensors, goes to rank i of
-    `axis`, all of them in one send buffer (concat).
+    """All-to-all with uneven sizes, started: sends[i], a list of 1-D tensors, goes to rank i of `axis`, all of them
+    in one send buffer (concat; a lone one is that buffer itself: it is read until the wait, so left unchanged).
 
     receive_numels[i] is how much rank i sends here (every rank knows the whole plan, so nobody has to ask).
     Returns a function that waits and returns one 1-D tensor per source rank. Each piece goes straight to its

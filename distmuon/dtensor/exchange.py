@@ -74,11 +74,10 @@ def flat_if_contiguous(box):
 
 class Started:
     """A step's exchange between start() and finish(): its matrices (active), the gather in flight, the local shapes
-    of the parameters ({name: shape}), the updates of the matrices orthogonalized where they are (whole), and the
-    matrices the gather takes as this rank's own update (lent: not its to overwrite; the others it made)."""
+    of the parameters ({name: shape}) and the updates of the matrices orthogonalized where they are (whole)."""
 
-    def __init__(self, active, gathered, shapes, whole, lent=()):
-        self.active, self.gathered, self.shapes, self.whole, self.lent = active, gathered, shapes, whole, lent
+    def __init__(self, active, gathered, shapes, whole):
+        self.active, self.gathered, self.shapes, self.whole = active, gathered, shapes, whole
 
     def take_gathered(self):
         """Wait for the gather and let go of it (its buffers, and the parts sent): {matrix: put together here}."""
@@ -130,9 +129,7 @@ class OwnerExchange:
         active = [m for m in self.matrices if m.copy.name in updates and (m.gather or m.scatter)]
         shapes = {name: update.shape for name, update in updates.items()}
         whole = {name: updates[name] for name in self.local_matrices if name in updates}  # no exchange: kept
-        lent = {m.name for m in active if m.owner == opt.me and len(m.gather) == 1  # one part: is it this rank's?
-                and m.gather[0][0] == opt.me and covers(m.gather[0][4], m.shape)}
-        return Started(active, self.gather_at_owners(opt, updates, active) if exchanged else dict, shapes, whole, lent)
+        return Started(active, self.gather_at_owners(opt, updates, active) if exchanged else dict, shapes, whole)
 
     def finish(self, opt, started, exchanged=True, rows=True):
         """Newton-Schulz of what start() gathered and of the matrices whole here, then the scatter from owners
@@ -177,7 +174,7 @@ class OwnerExchange:
                     full[m], group_of[m] = stack[i], opt.group_of[name]
         pieces = [m for m in owned if m.tp_dim >= 0]  # in plan order: the same on each rank of a TP group
         gathered_pieces = {m.name: full.pop(m.name) for m in pieces}
-        made = [m.name for m in owned if m.name in full and m.name not in started.lent]
+        made = [m.name for m in owned if m.name in full]  # its own, or its own update's (bf16_update: never the state)
         done = self.newton_schulz(opt, full, group_of, made)
         if pieces:
             done.update(opt.large_runs.newton_schulz_pieces(opt, gathered_pieces, pieces, group_of, self.ns_flops))
