@@ -5,7 +5,7 @@ start() and finish() run stage 3 of a step on it (all matrices at once, or a gro
 is built from the lesson's parts: the owners by longest-processing-time (distmuon/owners.py's assign_owners), one
 all-to-all for every part of every matrix each way (send_parts; per group of them, started and finished apart so
 that groups can overlap) and Newton-Schulz at the owner (newton_schulz_owned, the lesson's orthogonalize; over a
-matrix the gather made, newton_schulz_overwriting: its operations and bits, one matrix less at the peak). What
+matrix put together there, newton_schulz_overwriting: its operations and bits, one matrix less at the peak). What
 later sections add comes from the optimizer's other parts, each in its own module: the Gram form on TP pieces
 (opt.large_runs, rows.py, 3c) and NorMuon's rows (opt.normuon_rows, normuon.py). Your own gather and redistribute
 (section 4) replace this strategy whole: explicit.py.
@@ -14,7 +14,6 @@ later sections add comes from the optimizer's other parts, each in its own modul
 from __future__ import annotations
 
 import torch
-
 from torch.profiler import record_function
 
 from distmuon import owners
@@ -182,9 +181,9 @@ class OwnerExchange:
 
     def newton_schulz(self, opt, full, group_of, made=()):
         """{matrix: full bf16 update} -> {matrix: orthogonalized}, by the lesson's newton_schulz_owned; laid-out
-        matrices block by block (torch's 2-D path, batched_ns or not: a block is its own matrix). The matrices the
-        gather made (made: names), one at a time, written over themselves (newton_schulz_overwriting: torch's bits),
-        unless batched_ns stacks them or they go block by block."""
+        matrices block by block (torch's 2-D path, batched_ns or not: a block is its own matrix). The matrices put
+        together here (made: names), one at a time, written over themselves (newton_schulz_overwriting: torch's
+        bits), unless batched_ns stacks them or they go block by block."""
         blocks = opt.large_runs.blocks_of(full, self.param_of_matrix)
         over = [] if self.batched_ns else [n for n in made if n not in blocks.blocks]
         over = {n: full.pop(n) for n in over}

@@ -12,7 +12,7 @@ Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One ste
                     anyway: half the bytes, no bit changed), chunk by chunk (CHUNK: no float32 temporary of the shard)
   2. gather at owner     one all_to_all_single for every matrix of the step (exchange.py)
   3. Newton-Schulz       on the owner, one 2-D matrix at a time (torch's addmm path, so torch's bits), written over
-                         the matrix the gather made (exchange.py: two of its size at the peak, not three);
+                         the matrix put together there (exchange.py: two of its size at the peak, not three);
                          batched_ns stacks same-shape matrices instead (opt-in; within BATCHED_NS_BOUND);
                          ns_blocks: block by block (3b); "gram": TP pieces, each TP group together (3c)
   4. scatter from owner  one all_to_all_single back
