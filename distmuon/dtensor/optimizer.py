@@ -17,7 +17,7 @@ Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One ste
                          ns_blocks: block by block (3b); "gram": TP pieces, each TP group together (3c)
   4. scatter from owner  one all_to_all_single back
   5. on the local shard: AdamW (elementwise: a shard gets the full tensor's bits, float32 and float64; 16-bit
-                         parameters within a step of their dtype: notes/10-dtensor.md); p <- p * (1 - lr * wd) -
+                         ones where shards are multiples of 64 elements: notes/10-dtensor.md); p <- p * (1 - lr * wd) -
                          adjusted_lr * update, the adjustment from the matrix's shape (per expert: (out, in);
                          per block: each run of rows with its block's shape, 3b), chunk by chunk
   (after the step, if asked: clip_qk_, one MAX all-reduce of per-head maxima)
