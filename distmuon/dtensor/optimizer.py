@@ -240,9 +240,8 @@ class DescriptionSwap:
 
     def __init__(self, opt, problem):
         self.opt, self.problem, self.work = opt, problem, None
-        index = {id(g): i for i, g in enumerate(opt.param_groups)}  # each group's index, found once
-        self.mine = [describe(n, index[id(opt.group_of[n])], p, n in opt.expert_stacks)
-                     for n, p in opt.param_by_name.items()]
+        index = opt.group_indices()
+        self.mine = [describe(n, index[n], p, n in opt.expert_stacks) for n, p in opt.param_by_name.items()]
         self.options = None if problem else opt.large_runs.agreed()
         if opt.axis.size > 1:
             self.mine_packed = packed(self.mine)
@@ -347,7 +346,7 @@ class DTensorMuon(torch.optim.Optimizer):
             is bounded by a group, not the model; the same bits, one exchange each way per group. A group of one
             matrix has one owner, whom the others wait for: the world's size times the largest matrix's bf16 bytes
             gives every rank one matrix a group instead (the plan's owners of equal matrices take turns), as fast as
-            one exchange with Newton-Schulz at a fifth to a third of its memory (notes/10-dtensor.md, "At the sizes
+            one exchange with Newton-Schulz at a sixth to a quarter of its memory (notes/10-dtensor.md, "At the sizes
             you train"; notes/12-cost-model.md prices groups at cluster scale).
         overlap: 0 (off), or K >= 1 (with exchange_bytes): K groups' gathers in flight while a group's Newton-Schulz
             runs; the same bits.
@@ -463,9 +462,11 @@ class DTensorMuon(torch.optim.Optimizer):
         self.param_by_name = {name: p for name, p, _ in named}
         return None
 
-    def group_index(self, name):
-        """The index of the param group of parameter `name` (index_groups first)."""
-        return next(i for i, g in enumerate(self.param_groups) if g is self.group_of[name])
+    def group_indices(self):
+        """{parameter name: the index of its param group} (index_groups first), each group found by identity, once:
+        never param_groups.index(group), whose == compares the groups' tensors."""
+        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        return {name: index[id(group)] for name, group in self.group_of.items()}
 
     # -- what the plan says --------------------------------------------------
     @property

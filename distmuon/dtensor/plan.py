@@ -118,6 +118,14 @@ class Cut:
         return self.slot[rank]
 
 
+def once(memo, key, make):
+    """make(), once per key of memo: in one plan, the matrices of one layout share their pieces (matrix_pieces),
+    hence their holders' ranks, and their transfers where they share an owner too; across plans, kept_while_few."""
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def kept_while_few(make):
     """make, remembered by its arguments: once for all the copies of one shape on one mesh with the same placements.
     What is about many ranks (more than FEW pieces) is let go at the end of each plan (forget_many), the rest kept
@@ -126,9 +134,7 @@ def kept_while_few(make):
 
     @functools.wraps(make)
     def remembered(*key):
-        if key not in made:
-            made[key] = make(*key)
-        return made[key]
+        return once(made, key, lambda: make(*key))
     remembered.made = made
     return remembered
 
@@ -298,14 +304,6 @@ def transfers_of(m, me):
         gather.append((me, m.owner, numel, at, None))
     scatter.append((m.owner, me, numel, at, None))
     return gather, scatter
-
-
-def once(memo, key, make):
-    """make(), once per key of one plan: the matrices of one layout share their pieces (matrix_pieces is cached),
-    hence their holders' ranks, and their transfers where they share an owner too."""
-    if key not in memo:
-        memo[key] = make()
-    return memo[key]
 
 
 # -----------------------------------------------------------------------------
