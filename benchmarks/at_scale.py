@@ -2,7 +2,8 @@
 torch.optim.Muon, and the plan alone at Llama 3's sizes.
 
 A model of blocks of two bias-free linears (d x 4d, 4d x d; 8 blocks: 67 M parameters at d = 1024, 268 M at 2048,
-1.07 B at 4096) on Gloo ranks, a mesh dp x tp: TP (ColwiseParallel, RowwiseParallel) inside each block where
+1.07 B at 4096; --blocks 32: as many parameters in 32 blocks of d / 2, each matrix a quarter of the size, a model as
+deep as Llama 3 8B's 32 layers: its largest matrix 1/64 of the parameters, not 1/16) on Gloo ranks, a mesh dp x tp: TP (ColwiseParallel, RowwiseParallel) inside each block where
 tp > 1, FSDP2 (fully_shard per block and at the root) over dp where dp > 1. Each rank builds the model on the meta
 device and materializes its own shards only, computes one gradient, then, for each optimizer in turn (in one
 process, the others' memory freed): its construction (seconds), the peak RSS over the model's (the model, its
@@ -17,6 +18,7 @@ rounds" sets exchange_bytes to one matrix a rank (build_rounds): every rank orth
 
     python benchmarks/at_scale.py --size 67M                  # every optimizer, meshes 1x1 2x1 1x2 2x2 (1 to 4 ranks)
     /work/peers-venv/bin/python benchmarks/at_scale.py --size 1B --mesh 2x1   # with dion: 1.07 B parameters, 2 ranks
+    python benchmarks/at_scale.py --size 268M --mesh 2x2 --blocks 32        # 32 blocks of d = 1024
     python benchmarks/at_scale.py --plan-only                               # Llama 3 70B and 405B, the plan alone
     /work/peers-venv/bin/python benchmarks/at_scale.py --size 67M --mesh 2x1 --optimizers DTensorMuon dion \
         --without-ns only --interleave --builds 7        # construction alone, the two built in turn, 7 rounds
@@ -59,6 +61,7 @@ import muon_tools  # noqa: E402
 
 SIZES = {"38M": 768, "67M": 1024, "268M": 2048, "1B": 4096}  # d of 8 blocks (d x 4d, 4d x d): 8 d^2 parameters each
 BLOCKS = 8
+DEEP_BLOCKS = 32  # --blocks 32: 4 times the blocks at half the d, the same 8 d^2 BLOCKS parameters (Llama 3 8B: 32 layers)
 LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.95
 STEADY_STEPS = 3
 BUILDS = 3
@@ -78,13 +81,18 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
-def placed_model(d, mesh):
-    """The blocks on the meta device, TP and FSDP2 applied as the mesh asks, then this rank's shards made."""
+def shape_of(size, blocks=BLOCKS):
+    """(d, blocks) of a --size: SIZES's d at BLOCKS blocks, d / 2 at 4 times as many (the same parameters)."""
+    return {BLOCKS: SIZES[size], DEEP_BLOCKS: SIZES[size] // 2}[blocks], blocks
+
+
+def placed_model(d, mesh, blocks=BLOCKS):
+    """`blocks` blocks on the meta device, TP and FSDP2 applied as the mesh asks, then this rank's shards made."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     with torch.device("meta"):
-        model = nn.Sequential(*[Block(d) for _ in range(BLOCKS)])
+        model = nn.Sequential(*[Block(d) for _ in range(blocks)])
     if mesh["tp"].size() > 1:
         for block in model:
             parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -185,6 +193,23 @@ def without_newton_schulz():
         pass
 
 
+def warm_up(d):
+    """What a process sets up once, whichever optimizer comes first, done before any is measured: oneDNN's bf16
+    matmuls on a d x 4d matrix (one Newton-Schulz iteration: its kernels and their caches) and Gloo's all-to-all
+    (its buffers). A training has run its own matmuls and collectives by the time it steps; without this the first
+    optimizer of the list would be charged for them. Returns the RSS it added (bytes)."""
+    import distributed_muon_cpu
+
+    before = rss()[0]
+    distributed_muon_cpu.newton_schulz(torch.randn(d, 4 * d).bfloat16(), steps=1)
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        dist.all_to_all_single(torch.empty(world * d), torch.zeros(world * d))
+        dist.barrier()
+    reset_peak()
+    return rss()[0] - before
+
+
 def measure(label, build, model, steps, builds):
     """One optimizer's row: construction (the median of `builds`, each discarded but the last), the last one's
     memory, its first and steady steps (seconds, bytes over the RSS before it)."""
@@ -251,7 +276,7 @@ def interleaved(labels, model, rounds):
     return list(rows.values())
 
 
-def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps, builds, interleave=False):
+def rank_main(rank, world, port, out_dir, shape, dp, tp, labels, without_ns, steps, builds, interleave=False):
     torch.set_num_threads(1)
     with contextlib.suppress(ImportError):  # imported before any clock starts: an import is no construction
         import dion  # noqa: F401
@@ -262,27 +287,29 @@ def rank_main(rank, world, port, out_dir, d, dp, tp, labels, without_ns, steps, 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=1800))
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = placed_model(d, mesh)
+    d, blocks = shape
+    model = placed_model(d, mesh, blocks)
     make_gradients(model, d)
     local = sum(dtensor.local_of(p).numel() * 4 for p in model.parameters())
+    warm = warm_up(d)
     rows = interleaved(labels, model, builds) if interleave else [measured(label, model, steps, builds)
                                                                    for label in labels]
-    torch.save(dict(rows=rows, local=local), os.path.join(out_dir, f"{rank}.pt"))
+    torch.save(dict(rows=rows, local=local, warm=warm), os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
-def on_mesh(d, dp, tp, labels, without_ns, steps, builds, interleave=False):
-    """Every rank's rows on a dp x tp mesh (a world of dp tp processes)."""
+def on_mesh(shape, dp, tp, labels, without_ns, steps, builds, interleave=False):
+    """Every rank's rows on a dp x tp mesh (a world of dp tp processes), the model shape_of's (d, blocks)."""
     world = dp * tp
     with tempfile.TemporaryDirectory() as out_dir:
-        muon_tools.run_processes(rank_main, (world, muon_tools.free_port(), out_dir, d, dp, tp, labels, without_ns,
+        muon_tools.run_processes(rank_main, (world, muon_tools.free_port(), out_dir, shape, dp, tp, labels, without_ns,
                                              steps, builds, interleave),
                          world,
                          folders=(out_dir,))
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
 
 
-def fresh_rounds(d, dp, tp, labels, without_ns, rounds):
+def fresh_rounds(shape, dp, tp, labels, without_ns, rounds):
     """--fresh: every build the first of its own processes, as a training's one construction is (the model made and
     one gradient computed first, torch's caches as a training leaves them), the optimizers in turn round by round
     (the order reversed every other round): every rank's rows as on_mesh gives them, each row's builds one a round."""
@@ -291,7 +318,7 @@ def fresh_rounds(d, dp, tp, labels, without_ns, rounds):
         for label in labels if r % 2 == 0 else labels[::-1]:
             if merged is not None and "error" in merged[0]["rows"][labels.index(label)]:
                 continue  # it failed in an earlier round: the same code on the same shapes fails again
-            per_rank = on_mesh(d, dp, tp, [label], without_ns, 0, 1, interleave=True)
+            per_rank = on_mesh(shape, dp, tp, [label], without_ns, 0, 1, interleave=True)
             if merged is None:
                 merged = [dict(rows=[dict(label=x, builds=[]) for x in labels], local=one["local"]) for one in per_rank]
             for into, one in zip(merged, per_rank):
@@ -315,7 +342,7 @@ def table_rows(size, dp, tp, per_rank, without_ns):
     out = []
     for i, row in enumerate(per_rank[0]["rows"]):
         rows = [r["rows"][i] for r in per_rank]
-        name = f"{size:>5} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<19}"
+        name = f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<19}"
         if "error" in row:
             out.append(f"{name} {row['error']}")
             continue
@@ -325,6 +352,8 @@ def table_rows(size, dp, tp, per_rank, without_ns):
         out.append(f"{name} {worst('construct_s'):9.3f} {gb(worst('construct_peak')):>10} {gb(worst('kept')):>8} "
                    f"{gb(worst('state')):>8} {beside:9.1f} {gb(worst('first_step_peak')):>10} {worst('first_s'):8.2f} "
                    f"{worst('steady_s'):9.3f} {gb(max(r['local'] for r in per_rank)):>9} {over:7.1f}")
+    warm = max(r["warm"] for r in per_rank) / 1e6
+    out.append(f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  (warm-up: {warm:.1f} MB, before them all)")
     return out
 
 
@@ -338,7 +367,7 @@ def interleaved_rows(size, dp, tp, per_rank, without_ns):
     base = list(rounds)[-1] if rounds else None
     out = []
     for row in per_rank[0]["rows"]:
-        name = f"{size:>5} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<19}"
+        name = f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<19}"
         if "error" in row:
             out.append(f"{name} {row['error']}")
             continue
@@ -349,7 +378,7 @@ def interleaved_rows(size, dp, tp, per_rank, without_ns):
     return out
 
 
-INTERLEAVED_HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<19} {'rounds':>6} {'median s':>10} {'min s':>9} "
+INTERLEAVED_HEADER = (f"{'size':>7} mesh {'NS':>5}  {'optimizer':<19} {'rounds':>6} {'median s':>10} {'min s':>9} "
                       f"{'ratio':>9} over")
 INTERLEAVED_NOTE = ("--interleave: construction alone, the optimizers built in turn round by round (the order\n"
                     "reversed every other round); a round's time is its slowest rank's; median s and min s over the\n"
@@ -359,7 +388,7 @@ FRESH_NOTE = ("--fresh: each build the first in processes of its own, after the 
               "one construction); otherwise each round's builds follow one another in the same processes.")
 
 
-HEADER = (f"{'size':>5} mesh {'NS':>5}  {'optimizer':<19} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
+HEADER = (f"{'size':>7} mesh {'NS':>5}  {'optimizer':<19} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
           f"{'state GB':>8} {'plan MB':>9} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9} "
           f"{'step %':>7}")
 NOTE = ("build s: construction (seconds, the median of --builds; the slowest rank); peak GB: peak RSS over the\n"
@@ -368,7 +397,9 @@ NOTE = ("build s: construction (seconds, the median of --builds; the slowest ran
         "pages); 1st peak GB: the peak through construction and the first step; 1st s, steady s: the first step and\n"
         "the median of the next ones; params GB: this rank's parameter bytes (fp32); step %: the 1st peak over the\n"
         "state, in % of params (what construction and the first step hold beside the state). Memory: the largest\n"
-        "rank's.")
+        "rank's. size: the parameters, /32 where --blocks 32 holds them in 32 blocks. warm-up: the RSS that one\n"
+        "bf16 Newton-Schulz iteration and one all-to-all added to each process before any optimizer (at_scale.py's\n"
+        "warm_up: oneDNN's and Gloo's, once per process; the largest rank's), so that the first one is not charged.")
 
 
 # =============================================================================
@@ -462,6 +493,8 @@ def main(argv=None):
                         help="with --interleave: each build the first in processes of its own (as in a training)")
     parser.add_argument("--without-ns", choices=("both", "no", "only"), default="both",
                         help="with Newton-Schulz, without it (its bf16 cast), or both")
+    parser.add_argument("--blocks", type=int, choices=(BLOCKS, DEEP_BLOCKS), default=None,
+                        help=f"{BLOCKS} blocks of SIZES's d (default), or {DEEP_BLOCKS} of d / 2: the same parameters")
     parser.add_argument("--plan-only", action="store_true")
     args = parser.parse_args(argv)
     if args.builds < 1:
@@ -474,18 +507,22 @@ def main(argv=None):
         parser.error("--fresh is a way to --interleave: give both")
     if args.plan_only and args.interleave:
         parser.error("--plan-only builds no optimizer: --interleave would change nothing")
+    if args.plan_only and args.blocks is not None:
+        parser.error(f"--plan-only plans Llama 3's shapes: --blocks {args.blocks} would change nothing")
     if args.plan_only:
         plan_only()
         return
     steps = STEADY_STEPS if args.steps is None else args.steps
     print(INTERLEAVED_HEADER if args.interleave else HEADER)
+    blocks = args.blocks or BLOCKS
     for size in args.size:
+        shape, label = shape_of(size, blocks), size if blocks == BLOCKS else f"{size}/{blocks}"
         for dp, tp in args.mesh:
             labels = [o for o in args.optimizers if o != "torch.optim.Muon" or dp * tp == 1]
             for without_ns in {"both": (False, True), "no": (False,), "only": (True,)}[args.without_ns]:
-                per_rank = (fresh_rounds(SIZES[size], dp, tp, labels, without_ns, args.builds) if args.fresh else
-                            on_mesh(SIZES[size], dp, tp, labels, without_ns, steps, args.builds, args.interleave))
-                for line in (interleaved_rows if args.interleave else table_rows)(size, dp, tp, per_rank, without_ns):
+                per_rank = (fresh_rounds(shape, dp, tp, labels, without_ns, args.builds) if args.fresh else
+                            on_mesh(shape, dp, tp, labels, without_ns, steps, args.builds, args.interleave))
+                for line in (interleaved_rows if args.interleave else table_rows)(label, dp, tp, per_rank, without_ns):
                     print(line, flush=True)
     print(INTERLEAVED_NOTE + ("\n" + FRESH_NOTE if args.fresh else "") if args.interleave else NOTE)
 

@@ -121,6 +121,8 @@ ROWS = [
     ("benchmarks/at_scale.py", ["--plan-only", "--interleave"],
      "--plan-only builds no optimizer: --interleave would change nothing", False),
     ("benchmarks/at_scale.py", ["--fresh"], "--fresh is a way to --interleave: give both", False),
+    ("benchmarks/at_scale.py", ["--plan-only", "--blocks", "32"],
+     "--plan-only plans Llama 3's shapes: --blocks 32 would change nothing", False),
     ("benchmarks/sweep.py", ["--bogus"], "unrecognized arguments: --bogus", False),
     ("benchmarks/cpu_vs_gpu_newton_schulz.py", ["--bogus"], "unrecognized arguments: --bogus", False),
     ("benchmarks/newton_schulz_gflops.py", ["96x"],
