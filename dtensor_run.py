@@ -68,7 +68,7 @@ class DemoConfig:
     experts: int = 4
     expert_hidden: int = 36
     batched_ns: bool = False
-    exchange_bytes: int | None = None  # DTensorMuon's: the step group by group, at most this many bytes each
+    exchange_bytes: int | str | None = None  # DTensorMuon's: the step group by group, at most this many bytes each
     overlap: int = 0  # DTensorMuon's: K groups' gathers in flight while a group's Newton-Schulz runs
     timeout_s: float = muon_tools.TIMEOUT_S
     missing_grads: tuple = ()  # (name, step): a gradient None on every rank at that step

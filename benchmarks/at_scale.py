@@ -3,8 +3,8 @@ torch.optim.Muon, and the plan alone at Llama 3's sizes.
 
 A model of blocks of two bias-free linears (d x 4d, 4d x d; 8 blocks: 67 M parameters at d = 1024, 268 M at 2048,
 1.07 B at 4096; --blocks 32: as many parameters in 32 blocks of d / 2, each matrix a quarter of the size, a model as
-deep as Llama 3 8B's 32 layers: its largest matrix 1/64 of the parameters, not 1/16) on Gloo ranks, a mesh dp x tp: TP (ColwiseParallel, RowwiseParallel) inside each block where
-tp > 1, FSDP2 (fully_shard per block and at the root) over dp where dp > 1. Each rank builds the model on the meta
+deep as Llama 3 8B's 32 layers: its largest matrix 1/64 of the parameters, not 1/16) on Gloo ranks, a mesh dp x tp:
+TP (ColwiseParallel, RowwiseParallel) inside each block where tp > 1, FSDP2 (fully_shard per block and at the root) over dp where dp > 1. Each rank builds the model on the meta
 device and materializes its own shards only, computes one gradient, then, for each optimizer in turn (in one
 process, the others' memory freed): its construction (seconds), the peak RSS over the model's (the model, its
 gradients) through construction and through the first step, what construction keeps (RSS after it, over the
@@ -14,7 +14,7 @@ on a world of one (mesh 1 x 1), the model whole in one process. dion (not on the
 benchmarks/requirements-peers.txt) runs where it is installed and its mesh is 1-D; else its row says why.
 "DTensorMuon groups" and "DTensorMuon overlap" are DTensorMuon with exchange_bytes (and overlap): its step group by
 group, the first step's transient memory bounded by a group (notes/measured/dtensor_groups_2core.md). "DTensorMuon
-rounds" sets exchange_bytes to one matrix a rank (build_rounds): every rank orthogonalizes in every group.
+rounds" is exchange_bytes="rounds": one matrix for each rank a group, every rank orthogonalizing in every group.
 
     python benchmarks/at_scale.py --size 67M                  # every optimizer, meshes 1x1 2x1 1x2 2x2 (1 to 4 ranks)
     /work/peers-venv/bin/python benchmarks/at_scale.py --size 1B --mesh 2x1   # with dion: 1.07 B parameters, 2 ranks
@@ -61,7 +61,7 @@ import muon_tools  # noqa: E402
 
 SIZES = {"38M": 768, "67M": 1024, "268M": 2048, "1B": 4096}  # d of 8 blocks (d x 4d, 4d x d): 8 d^2 parameters each
 BLOCKS = 8
-DEEP_BLOCKS = 32  # --blocks 32: 4 times the blocks at half the d, the same 8 d^2 BLOCKS parameters (Llama 3 8B: 32 layers)
+DEEP_BLOCKS = 32  # --blocks 32: 4 times the blocks at half the d, as many parameters (Llama 3 8B: 32 layers)
 LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.95
 STEADY_STEPS = 3
 BUILDS = 3
@@ -163,17 +163,9 @@ def build_dion(model):
                      weight_decay=WEIGHT_DECAY, nesterov=True, use_polar_express=False)
 
 
-def build_rounds(model):
-    """DTensorMuon by groups of one matrix a rank: exchange_bytes is the world's size times the largest matrix's bf16
-    bytes, so that each group is one matrix for every rank to orthogonalize (the plan's owners of equal matrices
-    take turns in its order), each owner holding one matrix at a time while all of them work."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return build_dtensor_muon(model, exchange_bytes=world * 2 * max(p.numel() for p in model.parameters()))
-
-
 BUILDERS = {"DTensorMuon": build_dtensor_muon,
             "DTensorMuon groups": functools.partial(build_dtensor_muon, exchange_bytes=EXCHANGE_BYTES),
-            "DTensorMuon rounds": build_rounds,
+            "DTensorMuon rounds": functools.partial(build_dtensor_muon, exchange_bytes="rounds"),
             "DTensorMuon overlap": functools.partial(build_dtensor_muon, exchange_bytes=EXCHANGE_BYTES,
                                                      overlap=OVERLAP),
             "dion": build_dion, "torch.optim.Muon": build_torch_muon}
@@ -482,7 +474,7 @@ def main(argv=None):
                         help="DPxTP meshes (default: 1x1 2x1 1x2 2x2; torch.optim.Muon runs on 1x1 only)")
     parser.add_argument("--optimizers", nargs="+", choices=list(BUILDERS), default=list(BUILDERS),
                         help=f"DTensorMuon groups: exchange_bytes={EXCHANGE_BYTES}; overlap: and overlap={OVERLAP}; "
-                             f"rounds: exchange_bytes of one matrix a rank")
+                             f"rounds: exchange_bytes='rounds' (one matrix for each rank a group)")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"steady steps after the first (default {STEADY_STEPS})")
     parser.add_argument("--builds", type=int, default=BUILDS,

@@ -51,6 +51,7 @@ if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the 
     muon_forkserver.start_command(spawns_ranks=False)
 
 import muon_tools  # noqa: E402
+from distmuon.dtensor.plan import ROUNDS  # noqa: E402
 from cost_model_check import CHECK_RANKS, CHECK_ROUNDS, check_here  # noqa: E402
 from cost_model_check_overlap import HERE_RANKS, check_overlap_here  # noqa: E402
 from cost_model_inputs import H100, LLAMA3, MODELS, Cluster, Model, Param  # noqa: E402
@@ -93,14 +94,17 @@ def comma_list(kind, minimum, what):
             values = [kind(item) for item in text.split(",")]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {what}") from None
-        if any(v < minimum for v in values):
+        if any(not isinstance(v, str) and v < minimum for v in values):  # a str: a name (rounds)
             raise argparse.ArgumentTypeError(f"{text!r}: each must be >= {minimum}")
         return values
     return parse
 
 
 def size(text):
-    """Bytes: an integer, or one with KiB, MiB or GiB after it (256MiB)."""
+    """Bytes: an integer, or one with KiB, MiB or GiB after it (256MiB); or "rounds" (DTensorMuon's exchange_bytes:
+    one matrix for each rank a group)."""
+    if text == ROUNDS:
+        return text
     for unit, factor in UNITS.items():
         if text.endswith(unit) and text[:len(text) - len(unit)].isdigit():
             return int(text[:len(text) - len(unit)]) * factor
@@ -125,8 +129,9 @@ def main(argv=None):
     p.add_argument("--overlap", type=comma_list(int, 0, "integers"), metavar="K[,K...]",
                    help="DTensorMuon by groups: its step at each overlap=K (default "
                         f"{','.join(map(str, OVERLAP_KS))}), one scenario")
-    p.add_argument("--exchange-bytes", type=comma_list(size, 1, "sizes (4096, 256MiB, 1GiB)"), metavar="N[,N...]",
-                   help="DTensorMuon by groups: its exchange_bytes (default 256MiB,1GiB)")
+    p.add_argument("--exchange-bytes", type=comma_list(size, 1, "sizes (4096, 256MiB, 1GiB, rounds)"),
+                   metavar="N[,N...]", help="DTensorMuon by groups: its exchange_bytes (default 256MiB,1GiB; rounds: one "
+                                            "matrix for each rank a group)")
     p.add_argument("--overlap-table", action="store_true",
                    help="DTensorMuon by groups and overlapped: notes/12-cost-model.md's table")
     p.add_argument("--check-overlap-here", action="store_true",

@@ -17,7 +17,7 @@ import distributed_muon_cpu
 import muon_tools
 from cost_model_check import collective_costs, ns_shapes, scaling_specs, this_machine, unit_costs
 from cost_model_inputs import Param
-from cost_model_overlap import predict_overlap
+from cost_model_overlap import exchange_label, predict_overlap
 from cost_model_plans import Mesh, placed_copies
 from cost_model_tables import ms
 
@@ -93,7 +93,7 @@ def check_overlap_here(d, layers, rounds, exchange_bytes, print_fn=print):
     for v in variants(exchange_bytes):
         p, times = predicted[v], measured[v]
         least, median = min(times), statistics.median(times)
-        table.append(["one exchange" if v[0] is None else muon_tools.human_bytes(v[0]), "-" if v[0] is None else v[1],
+        table.append([exchange_label(v[0]), "-" if v[0] is None else v[1],
                       len(p.groups), ms(p.link_s), ms(p.ns_s), ms(p.schedule.total), ms(p.step_s), ms(least),
                       ms(median), f"{p.step_s / least - 1:+.0%}", f"{p.step_s / median - 1:+.0%}"])
     print_fn(muon_tools.format_table(["exchange_bytes", "overlap K", "groups", "comm ms", "NS ms (busiest)",

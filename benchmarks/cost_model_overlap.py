@@ -15,7 +15,7 @@ from cost_model_inputs import H100, MODELS
 from cost_model_plans import dtensor_plan
 from cost_model_predict import (DTENSOR_STEPS, Scenario, dtensor_algorithms, dtensor_copies, node_map)
 from cost_model_tables import ms, scenario_title
-from cost_model_traffic import Cost, Traffic, add_local_matrices, dtensor_cost, exchange_group, grouped
+from cost_model_traffic import Cost, Traffic, add_local_matrices, dtensor_cost, exchange_group, exchange_limit, grouped
 
 
 # =============================================================================
@@ -89,6 +89,7 @@ def dtensor_groups(copies, group_algorithms, group_ns_steps, world, node_of, exc
     nothing. One group of everything without exchange_bytes (one exchange each way)."""
     muon = [c for c in copies if group_algorithms[c.group] in ORTHOGONALIZED]
     matrices, ns_flops, _ = dtensor_plan(muon, group_ns_steps, world)
+    exchange_bytes = exchange_limit(exchange_bytes, matrices, muon, world)
     local = {c.name: 2 * c.n_matrices * c.matrix_shape[0] * c.matrix_shape[1] for c in muon if c.local}
     local_chunks = owners.chunk_names(list(local), local, exchange_bytes) if exchange_bytes and local else []
     out = []
@@ -186,7 +187,8 @@ OVERLAP_HEADER = ["exchange_bytes", "overlap K", "groups", "largest group", "at 
 
 
 def exchange_label(exchange_bytes):
-    return "one exchange" if exchange_bytes is None else muon_tools.human_bytes(exchange_bytes)
+    return ("one exchange" if exchange_bytes is None else exchange_bytes if isinstance(exchange_bytes, str)
+            else muon_tools.human_bytes(exchange_bytes))
 
 
 def overlap_rows(s, cluster, sizes, ks):

@@ -135,9 +135,9 @@ def test_describe_reads_each_mesh_once_and_gives_what_the_mesh_says(single_proce
 
 @pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 2), (2, 2)])
 def test_one_matrix_a_rank_gives_every_rank_one_matrix_in_every_group(mesh_shape):
-    """DTensorMuon's exchange_bytes recipe (its docstring; at_scale.py's "DTensorMuon rounds"): the world's size
-    times the largest matrix's bf16 bytes makes every group of at_scale.py's model (8 blocks, FSDP2 x TP as it places
-    them) one matrix for each rank to orthogonalize."""
+    """DTensorMuon's exchange_bytes="rounds" (plan.exchange_limit): the world's size times the largest matrix's bf16
+    bytes, which makes every group of at_scale.py's model (8 blocks, FSDP2 x TP as it places them) one matrix for each
+    rank to orthogonalize."""
     ranks, d = tuple(range(math.prod(mesh_shape))), 64
     dp, tp = mesh_shape
     col = (_StridedShard(0, split_factor=tp) if dp > 1 and tp > 1 else Shard(0), Shard(0))
@@ -145,7 +145,9 @@ def test_one_matrix_a_rank_gives_every_rank_one_matrix_in_every_group(mesh_shape
     copies = [plan.Copy(f"{i}.{name}", 0, shape, ranks, mesh_shape, where, False, ("dp", "tp"))
               for i in range(8) for name, shape, where in (("up", (4 * d, d), col), ("down", (d, 4 * d), row))]
     matrices, _, owners = plan.plan_matrices(copies, {0: 5}, 0, len(ranks))
-    groups = plan.exchange_groups(matrices, len(ranks) * 2 * 4 * d * d)
+    limit = plan.exchange_limit("rounds", [m.shape for m in matrices], len(ranks))
+    assert limit == len(ranks) * 2 * 4 * d * d and plan.exchange_limit(12345, [m.shape for m in matrices], 4) == 12345
+    groups = plan.exchange_groups(matrices, limit)
     assert len(groups) == 16 // len(ranks)
     for names in groups:
         assert sorted(owners[n] for n in names) == list(ranks), (names, [owners[n] for n in names])

@@ -19,7 +19,7 @@ from torch.profiler import record_function
 from distmuon import owners
 from distmuon.checks import ORTHOGONALIZED, ns_coefficients_of
 from distributed_muon_cpu import newton_schulz_flops
-from distmuon.dtensor.plan import exchange_groups, matrix_name, plan_matrices
+from distmuon.dtensor.plan import exchange_groups, exchange_limit, matrix_name, plan_matrices
 
 
 def covers(box, shape):
@@ -113,7 +113,10 @@ class OwnerExchange:
         matrices each (a larger parameter alone), every group its own exchanges: [(names, exchanged, rows)]. The
         groups of distributed parameters come from the plan, in its order, so every rank makes the same ones
         (exchanged: True; rows: whether it has NorMuon's rows to send); the parameters orthogonalized where they are
-        follow, in groups that move nothing (exchanged and rows: False)."""
+        follow, in groups that move nothing (exchanged and rows: False). exchange_bytes "rounds": exchange_limit's, from
+        the plan's matrices (the same on every rank: so are the groups), else from those whole here."""
+        shapes = [m.shape for m in self.matrices] or [opt.param_by_name[n].shape[-2:] for n in self.local_matrices]
+        exchange_bytes = exchange_limit(exchange_bytes, shapes, len(opt.axis.ranks))
         exchanged = exchange_groups([m for m in self.matrices if m.copy.name in present], exchange_bytes)
         planned = {n for names in exchanged for n in names}
         local = {n: 2 * opt.param_by_name[n].numel() for n in self.local_matrices if n in present and n not in planned}

@@ -502,6 +502,19 @@ def describe(name, group_index, p, expert_stack):
     return Copy(name, group_index, tuple(p.shape), (), (), (), expert_stack)
 
 
+ROUNDS = "rounds"  # DTensorMuon's exchange_bytes="rounds": one matrix for each rank a group
+
+
+def exchange_limit(exchange_bytes, matrix_shapes, world):
+    """DTensorMuon's exchange_bytes in bytes: as given, or for ROUNDS the world's size times the largest matrix's bf16
+    bytes (matrix_shapes: every matrix it orthogonalizes), so that each group is one matrix for every rank where the
+    matrices are alike (the plan's owners of equal matrices take turns): each owner holds one matrix at a time while
+    all of them work."""
+    if exchange_bytes != ROUNDS:
+        return exchange_bytes
+    return world * 2 * max((math.prod(shape) for shape in matrix_shapes), default=1)
+
+
 def exchange_groups(matrices, exchange_bytes):
     """DTensorMuon's exchange_bytes: the parameters of `matrices` (in their order: the plan's, the same on every
     rank) in groups of at most exchange_bytes of bf16 matrices each, a larger parameter alone (name tuples)."""
