@@ -14,7 +14,7 @@ on a world of one (mesh 1 x 1), the model whole in one process. dion (not on the
 benchmarks/requirements-peers.txt) runs where it is installed and its mesh is 1-D; else its row says why.
 "DTensorMuon groups" and "DTensorMuon overlap" are DTensorMuon with exchange_bytes (and overlap): its step group by
 group, the first step's transient memory bounded by a group (notes/measured/dtensor_groups_2core.md). "DTensorMuon
-rounds" is exchange_bytes="rounds": one matrix for each rank a group, every rank orthogonalizing in every group.
+per owner" is exchange_bytes="one_per_owner": groups in which each owner has one matrix, every owner at work in each.
 
     python benchmarks/at_scale.py --size 67M                  # every optimizer, meshes 1x1 2x1 1x2 2x2 (1 to 4 ranks)
     /work/peers-venv/bin/python benchmarks/at_scale.py --size 1B --mesh 2x1   # with dion: 1.07 B parameters, 2 ranks
@@ -165,7 +165,7 @@ def build_dion(model):
 
 BUILDERS = {"DTensorMuon": build_dtensor_muon,
             "DTensorMuon groups": functools.partial(build_dtensor_muon, exchange_bytes=EXCHANGE_BYTES),
-            "DTensorMuon rounds": functools.partial(build_dtensor_muon, exchange_bytes="rounds"),
+            "DTensorMuon per owner": functools.partial(build_dtensor_muon, exchange_bytes="one_per_owner"),
             "DTensorMuon overlap": functools.partial(build_dtensor_muon, exchange_bytes=EXCHANGE_BYTES,
                                                      overlap=OVERLAP),
             "dion": build_dion, "torch.optim.Muon": build_torch_muon}
@@ -334,7 +334,7 @@ def table_rows(size, dp, tp, per_rank, without_ns):
     out = []
     for i, row in enumerate(per_rank[0]["rows"]):
         rows = [r["rows"][i] for r in per_rank]
-        name = f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<19}"
+        name = f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<21}"
         if "error" in row:
             out.append(f"{name} {row['error']}")
             continue
@@ -359,7 +359,7 @@ def interleaved_rows(size, dp, tp, per_rank, without_ns):
     base = list(rounds)[-1] if rounds else None
     out = []
     for row in per_rank[0]["rows"]:
-        name = f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<19}"
+        name = f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<21}"
         if "error" in row:
             out.append(f"{name} {row['error']}")
             continue
@@ -370,7 +370,7 @@ def interleaved_rows(size, dp, tp, per_rank, without_ns):
     return out
 
 
-INTERLEAVED_HEADER = (f"{'size':>7} mesh {'NS':>5}  {'optimizer':<19} {'rounds':>6} {'median s':>10} {'min s':>9} "
+INTERLEAVED_HEADER = (f"{'size':>7} mesh {'NS':>5}  {'optimizer':<21} {'rounds':>6} {'median s':>10} {'min s':>9} "
                       f"{'ratio':>9} over")
 INTERLEAVED_NOTE = ("--interleave: construction alone, the optimizers built in turn round by round (the order\n"
                     "reversed every other round); a round's time is its slowest rank's; median s and min s over the\n"
@@ -380,7 +380,7 @@ FRESH_NOTE = ("--fresh: each build the first in processes of its own, after the 
               "one construction); otherwise each round's builds follow one another in the same processes.")
 
 
-HEADER = (f"{'size':>7} mesh {'NS':>5}  {'optimizer':<19} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
+HEADER = (f"{'size':>7} mesh {'NS':>5}  {'optimizer':<21} {'build s':>9} {'peak GB':>10} {'kept GB':>8} "
           f"{'state GB':>8} {'plan MB':>9} {'1st peak GB':>10} {'1st s':>8} {'steady s':>9} {'params GB':>9} "
           f"{'step %':>7}")
 NOTE = ("build s: construction (seconds, the median of --builds; the slowest rank); peak GB: peak RSS over the\n"
@@ -474,7 +474,7 @@ def main(argv=None):
                         help="DPxTP meshes (default: 1x1 2x1 1x2 2x2; torch.optim.Muon runs on 1x1 only)")
     parser.add_argument("--optimizers", nargs="+", choices=list(BUILDERS), default=list(BUILDERS),
                         help=f"DTensorMuon groups: exchange_bytes={EXCHANGE_BYTES}; overlap: and overlap={OVERLAP}; "
-                             f"rounds: exchange_bytes='rounds' (one matrix for each rank a group)")
+                             f"per owner: exchange_bytes='one_per_owner' (each owner one matrix a group)")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"steady steps after the first (default {STEADY_STEPS})")
     parser.add_argument("--builds", type=int, default=BUILDS,

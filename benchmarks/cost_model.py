@@ -51,7 +51,7 @@ if __name__ == "__main__":  # first, before torch loads: a Ctrl-C waits for the 
     muon_forkserver.start_command(spawns_ranks=False)
 
 import muon_tools  # noqa: E402
-from distmuon.dtensor.plan import ROUNDS  # noqa: E402
+from distmuon.dtensor.plan import ONE_PER_OWNER  # noqa: E402
 from cost_model_check import CHECK_RANKS, CHECK_ROUNDS, check_here  # noqa: E402
 from cost_model_check_overlap import HERE_RANKS, check_overlap_here  # noqa: E402
 from cost_model_inputs import H100, LLAMA3, MODELS, Cluster, Model, Param  # noqa: E402
@@ -94,16 +94,16 @@ def comma_list(kind, minimum, what):
             values = [kind(item) for item in text.split(",")]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {what}") from None
-        if any(not isinstance(v, str) and v < minimum for v in values):  # a str: a name (rounds)
+        if any(not isinstance(v, str) and v < minimum for v in values):  # a str: a name (one_per_owner)
             raise argparse.ArgumentTypeError(f"{text!r}: each must be >= {minimum}")
         return values
     return parse
 
 
 def size(text):
-    """Bytes: an integer, or one with KiB, MiB or GiB after it (256MiB); or "rounds" (DTensorMuon's exchange_bytes:
-    one matrix for each rank a group)."""
-    if text == ROUNDS:
+    """Bytes: an integer, or one with KiB, MiB or GiB after it (256MiB); or one_per_owner (DTensorMuon's
+    exchange_bytes: groups in which each owner has one matrix)."""
+    if text == ONE_PER_OWNER:
         return text
     for unit, factor in UNITS.items():
         if text.endswith(unit) and text[:len(text) - len(unit)].isdigit():
@@ -129,9 +129,9 @@ def main(argv=None):
     p.add_argument("--overlap", type=comma_list(int, 0, "integers"), metavar="K[,K...]",
                    help="DTensorMuon by groups: its step at each overlap=K (default "
                         f"{','.join(map(str, OVERLAP_KS))}), one scenario")
-    p.add_argument("--exchange-bytes", type=comma_list(size, 1, "sizes (4096, 256MiB, 1GiB, rounds)"),
-                   metavar="N[,N...]", help="DTensorMuon by groups: its exchange_bytes (default 256MiB,1GiB; rounds: one "
-                                            "matrix for each rank a group)")
+    p.add_argument("--exchange-bytes", type=comma_list(size, 1, "sizes (4096, 256MiB, 1GiB, one_per_owner)"),
+                   metavar="N[,N...]", help="DTensorMuon by groups: its exchange_bytes (default 256MiB,1GiB; "
+                                            "one_per_owner: groups in which each owner has one matrix)")
     p.add_argument("--overlap-table", action="store_true",
                    help="DTensorMuon by groups and overlapped: notes/12-cost-model.md's table")
     p.add_argument("--check-overlap-here", action="store_true",

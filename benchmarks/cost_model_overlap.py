@@ -89,9 +89,9 @@ def dtensor_groups(copies, group_algorithms, group_ns_steps, world, node_of, exc
     nothing. One group of everything without exchange_bytes (one exchange each way)."""
     muon = [c for c in copies if group_algorithms[c.group] in ORTHOGONALIZED]
     matrices, ns_flops, _ = dtensor_plan(muon, group_ns_steps, world)
-    exchange_bytes = exchange_limit(exchange_bytes, matrices, muon, world)
     local = {c.name: 2 * c.n_matrices * c.matrix_shape[0] * c.matrix_shape[1] for c in muon if c.local}
-    local_chunks = owners.chunk_names(list(local), local, exchange_bytes) if exchange_bytes and local else []
+    limit = exchange_limit(exchange_bytes, muon, world)
+    local_chunks = owners.chunk_names(list(local), local, limit) if exchange_bytes and local else []
     out = []
     for group in grouped(matrices, exchange_bytes):
         traffic, flops, calls, owned = Traffic(world, node_of), [0] * world, [0] * world, [0] * world

@@ -365,7 +365,6 @@ def dtensor_cost(copies, param_names, group_algorithms, group_ns_steps, world, n
         traffic.all_reduce("grad presence", "world", U8, [list(range(world))], len(set(param_names)) + 1)
     muon = [c for c in copies if group_algorithms[c.group] in ORTHOGONALIZED]
     matrices, ns_flops, owner_of = dtensor_plan(muon, group_ns_steps, world)
-    exchange_bytes = exchange_limit(exchange_bytes, matrices, muon, world)
     if world > 1:
         for group in grouped(matrices, exchange_bytes):
             exchange_group(traffic, group, group_algorithms)
@@ -389,11 +388,10 @@ def exchange_group(traffic, group, group_algorithms):
         traffic.all_to_all("NorMuon rows", "world", FP32, *columns(normuon_rows(normuon)))
 
 
-def exchange_limit(exchange_bytes, matrices, muon, world):
-    """DTensorMuon's exchange_bytes in bytes (plan.exchange_limit), as the library's exchange_groups takes it: "rounds"
-    from the plan's matrices, else from those whole on their holders (muon: the orthogonalized copies)."""
-    shapes = [m.shape for m in matrices] or [c.matrix_shape for c in muon if c.local]
-    return plan.exchange_limit(exchange_bytes, shapes, world)
+def exchange_limit(exchange_bytes, muon, world):
+    """DTensorMuon's exchange_bytes in bytes for the matrices whole on their holders (plan.exchange_limit), as the
+    library's exchange_groups takes it (muon: the orthogonalized copies)."""
+    return plan.exchange_limit(exchange_bytes, [c.matrix_shape for c in muon if c.local], world)
 
 
 def grouped(matrices, exchange_bytes):

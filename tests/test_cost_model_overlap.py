@@ -198,7 +198,7 @@ def test_bad_overlap_flags_are_refused_in_one_line_with_exit_2(argv, message, ca
 
 def test_the_overlap_table_has_a_row_for_each_size_and_k_in_milliseconds(capsys):
     assert cost_model.main(["--model", "gpt2-small", "--gpus", "8", "--tp", "1", "--overlap", "0,2",
-                    "--exchange-bytes", "8MiB,32MiB,rounds"]) == 0
+                    "--exchange-bytes", "8MiB,32MiB,one_per_owner"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("GPT-2 small: 0.12 B parameters") and "DTensorMuon by groups" in lines[1]
     header, rule, *rows = lines[2:]
@@ -206,11 +206,11 @@ def test_the_overlap_table_has_a_row_for_each_size_and_k_in_milliseconds(capsys)
     assert set(rule.replace(" ", "")) == {"-"} and len({len(r) for r in [header, rule] + rows}) == 1  # aligned
     cells = [re.split(r" {2,}", r.strip()) for r in rows]
     assert [c[:2] for c in cells] == [["one exchange", "-"], ["8.0 MiB", "0"], ["8.0 MiB", "2"], ["32.0 MiB", "0"],
-                                      ["32.0 MiB", "2"], ["rounds", "0"], ["rounds", "2"]]
+                                      ["32.0 MiB", "2"], ["one_per_owner", "0"], ["one_per_owner", "2"]]
     step = [float(r.split()[-2].replace(",", "")) for r in rows]
     assert step[2] < step[1] and step[4] < step[3] and step[6] < step[5] and rows[0].endswith("1.00x")
     groups = {c[0]: int(c[2].replace(",", "")) for c in cells}
-    assert groups["8.0 MiB"] > groups["32.0 MiB"] > groups["one exchange"] == 1 and groups["rounds"] > 1
+    assert groups["8.0 MiB"] > groups["32.0 MiB"] > groups["one exchange"] == 1 and groups["one_per_owner"] > 1
 
 
 def test_the_check_here_times_every_variant_and_prints_the_models_prediction_beside_it():

@@ -29,7 +29,8 @@ GROUPED.update({
     "hsdp 2x2x2, overlap 1": DemoConfig(replicate=2, dp=2, tp=2, exchange_bytes=EXCHANGE_BYTES, overlap=1),
     "uneven strided 3x2, overlap 2": DemoConfig(dp=3, tp=2, experts=7, exchange_bytes=EXCHANGE_BYTES, overlap=2),
     "normuon 4x2, overlap 1": DemoConfig(dp=4, tp=2, normuon=True, exchange_bytes=EXCHANGE_BYTES, overlap=1),
-    "2x2, rounds": DemoConfig(dp=2, tp=2, exchange_bytes="rounds"),  # one matrix for each rank a group
+    "2x2, one per owner": DemoConfig(dp=2, tp=2, exchange_bytes="one_per_owner"),
+    "uneven strided 3x2, one per owner": DemoConfig(dp=3, tp=2, experts=7, exchange_bytes="one_per_owner"),
     "2x2, one exchange": DemoConfig(dp=2, tp=2),  # what the groups are measured against
 })
 
@@ -71,7 +72,8 @@ def test_each_exchange_is_bounded_by_its_group_and_moves_what_one_exchange_moves
 
 
 @pytest.mark.parametrize("label", ["2x2, overlap 0", "normuon 4x2, overlap 1", "uneven strided 3x2, overlap 2",
-                                   "2x2, rounds", "2x2, one exchange"])
+                                   "2x2, one per owner", "uneven strided 3x2, one per owner",
+                                   "2x2, one exchange"])
 def test_the_cost_model_prices_the_groups_as_the_ledgers_record_them(grouped, label):
     """benchmarks/cost_model.py's DTensorMuon with exchange_bytes: each phase's bytes and calls per rank, one step."""
     cfg = GROUPED[label]
@@ -104,9 +106,10 @@ def test_overlap_keeps_k_more_gathers_in_flight(grouped, label, k):
     (dict(overlap=-1, exchange_bytes=100), "overlap must be an integer >= 0 (got -1)"),
     (dict(overlap=True, exchange_bytes=100), "overlap must be an integer >= 0 (got True)"),
     (dict(overlap=2), "overlap=2 needs exchange_bytes"),
-    (dict(exchange_bytes=0), "exchange_bytes must be None, 'rounds' or an integer >= 1 (got 0)"),
-    (dict(exchange_bytes=1.5), "exchange_bytes must be None, 'rounds' or an integer >= 1 (got 1.5)"),
-    (dict(exchange_bytes="round"), "exchange_bytes must be None, 'rounds' or an integer >= 1 (got 'round')"),
+    (dict(exchange_bytes=0), "exchange_bytes must be None, 'one_per_owner' or an integer >= 1 (got 0)"),
+    (dict(exchange_bytes=1.5), "exchange_bytes must be None, 'one_per_owner' or an integer >= 1 (got 1.5)"),
+    (dict(exchange_bytes="one per owner"),
+     "exchange_bytes must be None, 'one_per_owner' or an integer >= 1 (got 'one per owner')"),
 ])
 def test_bad_overlap_or_exchange_bytes_is_refused_in_one_line(options, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")) as e:

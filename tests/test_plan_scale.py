@@ -134,10 +134,10 @@ def test_describe_reads_each_mesh_once_and_gives_what_the_mesh_says(single_proce
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 2), (2, 2)])
-def test_one_matrix_a_rank_gives_every_rank_one_matrix_in_every_group(mesh_shape):
-    """DTensorMuon's exchange_bytes="rounds" (plan.exchange_limit): the world's size times the largest matrix's bf16
-    bytes, which makes every group of at_scale.py's model (8 blocks, FSDP2 x TP as it places them) one matrix for each
-    rank to orthogonalize."""
+def test_one_per_owner_gives_every_rank_one_matrix_in_every_group(mesh_shape):
+    """DTensorMuon's exchange_bytes="one_per_owner" on at_scale.py's model (8 blocks, FSDP2 x TP as it places them):
+    every group one matrix for each rank to orthogonalize, the groups that the world's size times the largest matrix's
+    bf16 bytes makes (the plan's owners of equal matrices take turns)."""
     ranks, d = tuple(range(math.prod(mesh_shape))), 64
     dp, tp = mesh_shape
     col = (_StridedShard(0, split_factor=tp) if dp > 1 and tp > 1 else Shard(0), Shard(0))
@@ -145,12 +145,35 @@ def test_one_matrix_a_rank_gives_every_rank_one_matrix_in_every_group(mesh_shape
     copies = [plan.Copy(f"{i}.{name}", 0, shape, ranks, mesh_shape, where, False, ("dp", "tp"))
               for i in range(8) for name, shape, where in (("up", (4 * d, d), col), ("down", (d, 4 * d), row))]
     matrices, _, owners = plan.plan_matrices(copies, {0: 5}, 0, len(ranks))
-    limit = plan.exchange_limit("rounds", [m.shape for m in matrices], len(ranks))
+    limit = plan.exchange_limit("one_per_owner", [m.shape for m in matrices], len(ranks))
     assert limit == len(ranks) * 2 * 4 * d * d and plan.exchange_limit(12345, [m.shape for m in matrices], 4) == 12345
-    groups = plan.exchange_groups(matrices, limit)
-    assert len(groups) == 16 // len(ranks)
+    groups = plan.exchange_groups(matrices, "one_per_owner")
+    assert len(groups) == 16 // len(ranks) and groups == plan.exchange_groups(matrices, limit)
     for names in groups:
         assert sorted(owners[n] for n in names) == list(ranks), (names, [owners[n] for n in names])
+
+
+def test_one_per_owner_never_gives_an_owner_two_matrices_in_a_group_and_takes_every_parameter_once():
+    """Matrices of four sizes (a GPT block's qkv, proj, fc, fc2) and an expert stack of more experts than ranks, on 4
+    ranks: no owner twice in a group, each parameter in one group, as many groups as the busiest owner has matrices
+    (the stack's, which has two matrices of one owner, in a group alone)."""
+    ranks, d = (0, 1, 2, 3), 32
+    shapes = {"qkv": (3 * d, d), "proj": (d, d), "fc": (4 * d, d), "fc2": (d, 4 * d)}
+    copies = [plan.Copy(f"{i}.{name}", 0, shape, ranks, (4,), (Shard(0),), False, ("dp",))
+              for i in range(5) for name, shape in shapes.items()]
+    copies.append(plan.Copy("experts", 0, (6, d, d), ranks, (4,), (Shard(0),), True, ("dp",)))
+    matrices, _, owners = plan.plan_matrices(copies, {0: 5}, 0, len(ranks))
+    groups = plan.exchange_groups(matrices, "one_per_owner")
+    assert sorted(n for names in groups for n in names) == sorted(c.name for c in copies)
+    of = {}
+    for m in matrices:
+        of.setdefault(m.copy.name, []).append(m.owner)
+    assert ("experts",) in groups and len(set(of["experts"])) < len(of["experts"])
+    for names in groups:
+        used = [o for n in names for o in of[n]]
+        assert names == ("experts",) or len(used) == len(set(used)), (names, used)
+    busiest = max(sum(1 for m in matrices if m.owner == r and m.copy.name != "experts") for r in ranks)
+    assert len(groups) == busiest + 1
 
 
 def test_an_owner_of_many_pieces_reads_its_transfers_as_the_routes_of_every_rank_say():

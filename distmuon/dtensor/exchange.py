@@ -113,11 +113,10 @@ class OwnerExchange:
         matrices each (a larger parameter alone), every group its own exchanges: [(names, exchanged, rows)]. The
         groups of distributed parameters come from the plan, in its order, so every rank makes the same ones
         (exchanged: True; rows: whether it has NorMuon's rows to send); the parameters orthogonalized where they are
-        follow, in groups that move nothing (exchanged and rows: False). exchange_bytes "rounds": exchange_limit's, from
-        the plan's matrices (the same on every rank: so are the groups), else from those whole here."""
-        shapes = [m.shape for m in self.matrices] or [opt.param_by_name[n].shape[-2:] for n in self.local_matrices]
-        exchange_bytes = exchange_limit(exchange_bytes, shapes, len(opt.axis.ranks))
+        follow, in groups that move nothing (exchanged and rows: False), of exchange_limit's bytes."""
         exchanged = exchange_groups([m for m in self.matrices if m.copy.name in present], exchange_bytes)
+        shapes = [opt.param_by_name[n].shape[-2:] for n in self.local_matrices]
+        exchange_bytes = exchange_limit(exchange_bytes, shapes, len(opt.axis.ranks))
         planned = {n for names in exchanged for n in names}
         local = {n: 2 * opt.param_by_name[n].numel() for n in self.local_matrices if n in present and n not in planned}
         normuon = {m.copy.name for m in self.matrices if m.name in opt.normuon_rows.receivers}

@@ -22,8 +22,8 @@ Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One ste
                          per block: each run of rows with its block's shape, 3b), chunk by chunk
   (after the step, if asked: clip_qk_, one MAX all-reduce of per-head maxima)
 With exchange_bytes, stages 1-5 of the Muon parameters run group by group (at most that many bytes of bf16 matrices
-each, the groups the plan's, the same on every rank): one exchange each way per group, and the step's transient
-memory one group's, not the model's; with overlap=K, K groups' gathers are in flight while a group's Newton-Schulz
+each, or "one_per_owner": one matrix of each owner; the groups the plan's, the same on every rank): one exchange each
+way per group, and the step's transient memory one group's, not the model's; with overlap=K, K groups' gathers are in flight while a group's Newton-Schulz
 runs (the lesson's overlapped_stages on groups). The same operations on the same elements: the same bits.
 (The explicit form's gather and redistribute are yours: their results are checked and voted on, and the new
 momentum is kept aside until they pass.)
@@ -79,7 +79,7 @@ from distmuon.dtensor.exchange import OwnerExchange
 from distmuon.dtensor.explicit import ExplicitExchange
 from distmuon.dtensor.normuon import NorMuonRows, v_zeros
 from distmuon.dtensor.placements import like_param, local_of, local_shape_problem, placements_problem
-from distmuon.dtensor.plan import ROUNDS, Copy, describe
+from distmuon.dtensor.plan import ONE_PER_OWNER, Copy, describe
 from distmuon.dtensor.rows import DTensorLargeRuns
 from distmuon.rules import add_or_refuse_group, copy_sharing
 from distributed_muon_cpu import apply_muon_update_, muon_update
@@ -141,9 +141,10 @@ def check_arguments(expert_stacks, distributed_config, batched_ns, group, row_la
         raise ValueError(f"group must be a torch.distributed ProcessGroup or None (got {group!r:.80})")
     large_runs.check_row_layouts_kind(row_layouts)
     owners.check_owner_options(overlap=overlap)  # the lesson's owner strategy's overlap, in its words
-    named = exchange_bytes is None or isinstance(exchange_bytes, str) and exchange_bytes == ROUNDS
+    named = exchange_bytes is None or isinstance(exchange_bytes, str) and exchange_bytes == ONE_PER_OWNER
     if not named and (isinstance(exchange_bytes, bool) or not isinstance(exchange_bytes, int) or exchange_bytes < 1):
-        raise ValueError(f"exchange_bytes must be None, {ROUNDS!r} or an integer >= 1 (got {exchange_bytes!r:.80})")
+        raise ValueError(f"exchange_bytes must be None, {ONE_PER_OWNER!r} or an integer >= 1 "
+                         f"(got {exchange_bytes!r:.80})")
     if overlap and exchange_bytes is None:
         raise ValueError(f"overlap={overlap} needs exchange_bytes: the groups whose exchanges it keeps in flight")
     if distributed_config is not None and distributed_config.explicit and exchange_bytes is not None:
@@ -344,11 +345,10 @@ class DTensorMuon(torch.optim.Optimizer):
         exchange_bytes: None (every matrix in one exchange each way), or the most bytes of bf16 matrices in one group:
             the step goes group by group (momentum, gather, Newton-Schulz, scatter, update), so its transient memory
             is bounded by a group, not the model; the same bits, one exchange each way per group. A group of one
-            matrix has one owner, whom the others wait for: "rounds" (plan.exchange_limit) is the group's size in
-            ranks times the largest matrix's bf16 bytes, one matrix for every rank a group (the plan's owners of equal
-            matrices take turns), as fast as one exchange with Newton-Schulz, holding about 2.5 of the largest matrix
-            in bf16 beside the state (notes/10-dtensor.md, "At the sizes you train"; notes/12-cost-model.md prices
-            groups at cluster scale).
+            matrix has one owner, whom the others wait for: "one_per_owner" (plan.one_per_owner) makes groups in
+            which each owner has one matrix, all of them at work in each group while they have matrices left; on 2
+            to 4 ranks here as fast as one exchange, holding about 2.5 of the largest matrix in bf16 beside the state
+            (notes/10-dtensor.md, "At the sizes you train"; notes/12-cost-model.md prices groups on a cluster).
         overlap: 0 (off), or K >= 1 (with exchange_bytes): K groups' gathers in flight while a group's Newton-Schulz
             runs; the same bits.
         """

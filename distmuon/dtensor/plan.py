@@ -502,22 +502,44 @@ def describe(name, group_index, p, expert_stack):
     return Copy(name, group_index, tuple(p.shape), (), (), (), expert_stack)
 
 
-ROUNDS = "rounds"  # DTensorMuon's exchange_bytes="rounds": one matrix for each rank a group
+ONE_PER_OWNER = "one_per_owner"  # DTensorMuon's exchange_bytes="one_per_owner": a group, one matrix of each owner
 
 
 def exchange_limit(exchange_bytes, matrix_shapes, world):
-    """DTensorMuon's exchange_bytes in bytes: as given, or for ROUNDS the world's size times the largest matrix's bf16
-    bytes (matrix_shapes: every matrix it orthogonalizes), so that each group is one matrix for every rank where the
-    matrices are alike (the plan's owners of equal matrices take turns): each owner holds one matrix at a time while
-    all of them work."""
-    if exchange_bytes != ROUNDS:
+    """DTensorMuon's exchange_bytes in bytes, for the matrices orthogonalized where they are (no owner: every holder
+    does them): as given, or for ONE_PER_OWNER the world's size times the largest matrix's bf16 bytes (matrix_shapes:
+    theirs), as many as a group of equal matrices, one for each rank, would hold."""
+    if exchange_bytes != ONE_PER_OWNER:
         return exchange_bytes
     return world * 2 * max((math.prod(shape) for shape in matrix_shapes), default=1)
 
 
+def one_per_owner(matrices):
+    """The parameters of `matrices` (the plan's, in its order: the same on every rank) in groups where no owner has
+    two matrices, each in the first group that it fits (name tuples): an owner holds one matrix at a time, and every
+    owner with matrices left has one in each group. A parameter with two matrices of one owner (an expert stack on
+    fewer ranks than experts) makes a group alone."""
+    owners_of = {}
+    for m in matrices:
+        owners_of.setdefault(m.copy.name, []).append(m.owner)
+    groups = []  # [names, the owners they use] (None: a parameter alone)
+    for name, owners in owners_of.items():
+        need = set(owners)
+        fits = len(need) == len(owners) and next((g for g in groups if g[1] is not None and not g[1] & need), None)
+        if fits:
+            fits[0].append(name)
+            fits[1].update(need)
+        else:
+            groups.append([[name], need if len(need) == len(owners) else None])
+    return [tuple(names) for names, _ in groups]
+
+
 def exchange_groups(matrices, exchange_bytes):
     """DTensorMuon's exchange_bytes: the parameters of `matrices` (in their order: the plan's, the same on every
-    rank) in groups of at most exchange_bytes of bf16 matrices each, a larger parameter alone (name tuples)."""
+    rank) in groups of at most exchange_bytes of bf16 matrices each, a larger parameter alone, or one_per_owner's
+    groups (name tuples)."""
+    if exchange_bytes == ONE_PER_OWNER:
+        return one_per_owner(matrices)
     sizes = {}
     for m in matrices:
         sizes[m.copy.name] = sizes.get(m.copy.name, 0) + 2 * math.prod(m.shape)
