@@ -23,8 +23,9 @@ Part of DTensorMuon (distmuon/dtensor/), section 5 of its reading order. One ste
   (after the step, if asked: clip_qk_, one MAX all-reduce of per-head maxima)
 With exchange_bytes, stages 1-5 of the Muon parameters run group by group (at most that many bytes of bf16 matrices
 each, or "one_per_owner": one matrix of each owner; the groups the plan's, the same on every rank): one exchange each
-way per group, and the step's transient memory one group's, not the model's; with overlap=K, K groups' gathers are in flight while a group's Newton-Schulz
-runs (the lesson's overlapped_stages on groups). The same operations on the same elements: the same bits.
+way per group, and the step's transient memory one group's, not the model's; with overlap=K, K groups' gathers are
+in flight while a group's Newton-Schulz runs (the lesson's overlapped_stages on groups). The same operations on the
+same elements: the same bits.
 (The explicit form's gather and redistribute are yours: their results are checked and voted on, and the new
 momentum is kept aside until they pass.)
 
