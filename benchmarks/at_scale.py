@@ -185,19 +185,29 @@ def without_newton_schulz():
         pass
 
 
-def warm_up(d):
+def warm_up(d, mesh=None, labels=()):
     """What a process sets up once, whichever optimizer comes first, done before any is measured: oneDNN's bf16
-    matmuls on a d x 4d matrix (one Newton-Schulz iteration: its kernels and their caches) and Gloo's all-to-all
-    (its buffers). A training has run its own matmuls and collectives by the time it steps; without this the first
-    optimizer of the list would be charged for them. Returns the RSS it added (bytes)."""
+    matmuls on the model's two shapes (one Newton-Schulz iteration each: their kernels and caches), Gloo's all-to-all
+    (its buffers); then each optimizer of `labels` built and stepped once on a model of d = 16 (2 blocks) on the same
+    mesh, which pages in the library code its operators run (file-backed, shared by the processes: 2.0 MB of
+    RssFile at DTensorMuon's first construction, 0.7 MB at its first step, and not one byte of RssAnon more,
+    notes/measured/at_scale_2core.md). A training has run its own matmuls and collectives by the time it steps;
+    without this the first optimizer of the list would be charged for them. Returns the RSS it added (bytes)."""
     import distributed_muon_cpu
 
     before = rss()[0]
-    distributed_muon_cpu.newton_schulz(torch.randn(d, 4 * d).bfloat16(), steps=1)
+    for shape in ((d, 4 * d), (4 * d, d)):  # wide, and tall (orthogonalized through its transpose)
+        distributed_muon_cpu.newton_schulz(torch.randn(shape).bfloat16(), steps=1)
     if dist.is_initialized():
         world = dist.get_world_size()
         dist.all_to_all_single(torch.empty(world * d), torch.zeros(world * d))
         dist.barrier()
+    if labels:
+        tiny = placed_model(16, mesh, 2)
+        for label in labels:
+            make_gradients(tiny, 16)
+            with contextlib.suppress(ValueError):  # e.g. dion on a 2-D mesh: its row says why
+                BUILDERS[label](tiny).step()
     reset_peak()
     return rss()[0] - before
 
@@ -283,7 +293,7 @@ def rank_main(rank, world, port, out_dir, shape, dp, tp, labels, without_ns, ste
     model = placed_model(d, mesh, blocks)
     make_gradients(model, d)
     local = sum(dtensor.local_of(p).numel() * 4 for p in model.parameters())
-    warm = warm_up(d)
+    warm = warm_up(d, mesh, () if interleave else labels)  # --interleave: construction as a training meets it
     rows = interleaved(labels, model, builds) if interleave else [measured(label, model, steps, builds)
                                                                    for label in labels]
     torch.save(dict(rows=rows, local=local, warm=warm), os.path.join(out_dir, f"{rank}.pt"))
@@ -390,8 +400,9 @@ NOTE = ("build s: construction (seconds, the median of --builds; the slowest ran
         "the median of the next ones; params GB: this rank's parameter bytes (fp32); step %: the 1st peak over the\n"
         "state, in % of params (what construction and the first step hold beside the state). Memory: the largest\n"
         "rank's. size: the parameters, /32 where --blocks 32 holds them in 32 blocks. warm-up: the RSS that one\n"
-        "bf16 Newton-Schulz iteration and one all-to-all added to each process before any optimizer (at_scale.py's\n"
-        "warm_up: oneDNN's and Gloo's, once per process; the largest rank's), so that the first one is not charged.")
+        "bf16 Newton-Schulz iteration, one all-to-all and each optimizer built and stepped on a model of d = 16 added\n"
+        "to each process before any was measured (at_scale.py's warm_up: the code and buffers a process pages in\n"
+        "once; the largest rank's), so that the first one is not charged for them.")
 
 
 # =============================================================================
