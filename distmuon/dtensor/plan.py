@@ -516,22 +516,27 @@ def exchange_limit(exchange_bytes, matrix_shapes, world):
 
 def one_per_owner(matrices):
     """The parameters of `matrices` (the plan's, in its order: the same on every rank) in groups where no owner has
-    two matrices, each in the first group that it fits (name tuples): an owner holds one matrix at a time, and every
-    owner with matrices left has one in each group. A parameter with two matrices of one owner (an expert stack on
-    fewer ranks than experts) makes a group alone."""
+    two matrices (name tuples): each parameter in the first group after the last one that holds a matrix of any of
+    its owners. So an owner holds one matrix at a time, and an owner's k-th matrix goes in group k where each
+    parameter has one owner: every owner with matrices left works in each group. A parameter with two matrices of
+    one owner (an expert stack on fewer ranks than experts) makes a group alone. One pass: a step makes them."""
     owners_of = {}
     for m in matrices:
         owners_of.setdefault(m.copy.name, []).append(m.owner)
-    groups = []  # [names, the owners they use] (None: a parameter alone)
+    groups, alone, next_free = [], set(), {}  # next_free: owner -> the first group it can join
     for name, owners in owners_of.items():
-        need = set(owners)
-        fits = len(need) == len(owners) and next((g for g in groups if g[1] is not None and not g[1] & need), None)
-        if fits:
-            fits[0].append(name)
-            fits[1].update(need)
-        else:
-            groups.append([[name], need if len(need) == len(owners) else None])
-    return [tuple(names) for names, _ in groups]
+        if len(set(owners)) < len(owners):
+            alone.add(len(groups))
+            groups.append([name])
+            continue
+        i = max(next_free.get(o, 0) for o in owners)
+        while i in alone:
+            i += 1
+        if i == len(groups):
+            groups.append([])
+        groups[i].append(name)
+        next_free.update((o, i + 1) for o in owners)
+    return [tuple(names) for names in groups]
 
 
 def exchange_groups(matrices, exchange_bytes):
