@@ -31,6 +31,8 @@ GROUPED.update({
     "normuon 4x2, overlap 1": DemoConfig(dp=4, tp=2, normuon=True, exchange_bytes=EXCHANGE_BYTES, overlap=1),
     "2x2, one per owner": DemoConfig(dp=2, tp=2, exchange_bytes="one_per_owner"),
     "uneven strided 3x2, one per owner": DemoConfig(dp=3, tp=2, experts=7, exchange_bytes="one_per_owner"),
+    "normuon hsdp 2x2x2, one per owner, overlap 1": DemoConfig(replicate=2, dp=2, tp=2, normuon=True,
+                                                             exchange_bytes="one_per_owner", overlap=1),
     "2x2, one exchange": DemoConfig(dp=2, tp=2),  # what the groups are measured against
 })
 
@@ -73,7 +75,7 @@ def test_each_exchange_is_bounded_by_its_group_and_moves_what_one_exchange_moves
 
 @pytest.mark.parametrize("label", ["2x2, overlap 0", "normuon 4x2, overlap 1", "uneven strided 3x2, overlap 2",
                                    "2x2, one per owner", "uneven strided 3x2, one per owner",
-                                   "2x2, one exchange"])
+                                   "normuon hsdp 2x2x2, one per owner, overlap 1", "2x2, one exchange"])
 def test_the_cost_model_prices_the_groups_as_the_ledgers_record_them(grouped, label):
     """benchmarks/cost_model.py's DTensorMuon with exchange_bytes: each phase's bytes and calls per rank, one step."""
     cfg = GROUPED[label]
