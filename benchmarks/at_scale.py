@@ -196,6 +196,7 @@ def warm_up(d, mesh=None, labels=()):
     without this the first optimizer of the list would be charged for them. Returns the RSS it added (bytes)."""
     import distributed_muon_cpu
 
+    reset_peak()  # what glibc kept of the model's making handed back first: the warm-up's own RSS after it
     before = rss()[0]
     for shape in ((d, 4 * d), (4 * d, d)):  # wide, and tall (orthogonalized through its transpose)
         distributed_muon_cpu.newton_schulz(torch.randn(shape).bfloat16(), steps=1)
