@@ -430,10 +430,10 @@ def dp_shard(tp_local, meta):
     return tp_local.reshape(-1)[meta.param_slice]
 
 
-def orthogonalize(name, full, group, ledger):
-    """Newton-Schulz of one full matrix with its group's options (torch.optim.Muon's call), its FLOPs counted."""
+def orthogonalize(name, full, group, ledger, ns_function=None):
+    """Newton-Schulz of one full matrix with its group's options (or ns_function, given the same), its FLOPs counted."""
     with record_function("newton-schulz"):
-        ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"])
+        ortho = (ns_function or newton_schulz)(full, group["ns_steps"], group["ns_coefficients"], group["eps"])
     ledger.record_compute(name, tuple(full.shape), newton_schulz_flops(full.shape, group["ns_steps"]))
     return ortho
 

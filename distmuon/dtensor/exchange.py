@@ -14,11 +14,10 @@ later sections add comes from the optimizer's other parts, each in its own modul
 from __future__ import annotations
 
 import torch
-from torch.profiler import record_function
 
 from distmuon import owners
 from distmuon.checks import ORTHOGONALIZED, ns_coefficients_of
-from distributed_muon_cpu import newton_schulz_flops
+from distributed_muon_cpu import orthogonalize
 from distmuon.dtensor.plan import exchange_groups, exchange_limit, matrix_name, plan_matrices
 
 
@@ -191,10 +190,7 @@ class OwnerExchange:
         over = {n: full.pop(n) for n in over}
         done = owners.newton_schulz_owned(full, group_of, opt.ledger, self.batched_ns, blocks)
         for name in list(over):
-            g, shape = group_of[name], tuple(over[name].shape)
-            with record_function("newton-schulz"):
-                done[name] = newton_schulz_overwriting(over.pop(name), g["ns_steps"], g["ns_coefficients"], g["eps"])
-            opt.ledger.record_compute(name, shape, newton_schulz_flops(shape, g["ns_steps"]))
+            done[name] = orthogonalize(name, over.pop(name), group_of[name], opt.ledger, newton_schulz_overwriting)
         return done
 
     def gather_at_owners(self, opt, updates, active):
