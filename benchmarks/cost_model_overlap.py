@@ -9,13 +9,14 @@ import math
 from dataclasses import dataclass
 
 from distmuon import owners
+from distmuon.dtensor import plan
 import muon_tools
 from distmuon.checks import ORTHOGONALIZED
 from cost_model_inputs import H100, MODELS
 from cost_model_plans import dtensor_plan
 from cost_model_predict import (DTENSOR_STEPS, Scenario, dtensor_algorithms, dtensor_copies, node_map)
 from cost_model_tables import ms, scenario_title
-from cost_model_traffic import Cost, Traffic, add_local_matrices, dtensor_cost, exchange_group, exchange_limit, grouped
+from cost_model_traffic import Cost, Traffic, add_local_matrices, dtensor_cost, exchange_group, grouped
 
 
 # =============================================================================
@@ -90,7 +91,7 @@ def dtensor_groups(copies, group_algorithms, group_ns_steps, world, node_of, exc
     muon = [c for c in copies if group_algorithms[c.group] in ORTHOGONALIZED]
     matrices, ns_flops, _ = dtensor_plan(muon, group_ns_steps, world)
     local = {c.name: 2 * c.n_matrices * c.matrix_shape[0] * c.matrix_shape[1] for c in muon if c.local}
-    limit = exchange_limit(exchange_bytes, muon, world)
+    limit = plan.exchange_limit(exchange_bytes, [c.matrix_shape for c in muon if c.local], world)  # as the library's
     local_chunks = owners.chunk_names(list(local), local, limit) if exchange_bytes and local else []
     out = []
     for group in grouped(matrices, exchange_bytes):

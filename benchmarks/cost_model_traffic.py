@@ -388,12 +388,6 @@ def exchange_group(traffic, group, group_algorithms):
         traffic.all_to_all("NorMuon rows", "world", FP32, *columns(normuon_rows(normuon)))
 
 
-def exchange_limit(exchange_bytes, muon, world):
-    """DTensorMuon's exchange_bytes in bytes for the matrices whole on their holders (plan.exchange_limit), as the
-    library's exchange_groups takes it (muon: the orthogonalized copies)."""
-    return plan.exchange_limit(exchange_bytes, [c.matrix_shape for c in muon if c.local], world)
-
-
 def grouped(matrices, exchange_bytes):
     """The plan's matrices in DTensorMuon's groups (plan.exchange_groups); one group of all of them without
     exchange_bytes."""
