@@ -341,12 +341,17 @@ def gb(n):
     return f"{n / 1e9:.2f}"
 
 
+def row_start(size, dp, tp, without_ns):
+    """What every line of a mesh's rows begins with: the size, the mesh, with or without Newton-Schulz."""
+    return f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  "
+
+
 def table_rows(size, dp, tp, per_rank, without_ns):
     """One line per optimizer: the slowest rank's times, the largest rank's memory."""
     out = []
     for i, row in enumerate(per_rank[0]["rows"]):
         rows = [r["rows"][i] for r in per_rank]
-        name = f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<21}"
+        name = f"{row_start(size, dp, tp, without_ns)}{row['label']:<21}"
         if "error" in row:
             out.append(f"{name} {row['error']}")
             continue
@@ -357,7 +362,7 @@ def table_rows(size, dp, tp, per_rank, without_ns):
                    f"{gb(worst('state')):>8} {beside:9.1f} {gb(worst('first_step_peak')):>10} {worst('first_s'):8.2f} "
                    f"{worst('steady_s'):9.3f} {gb(max(r['local'] for r in per_rank)):>9} {over:7.1f}")
     warm = max(r["warm"] for r in per_rank) / 1e6
-    out.append(f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  (warm-up: {warm:.1f} MB, before them all)")
+    out.append(f"{row_start(size, dp, tp, without_ns)}(warm-up: {warm:.1f} MB, before them all)")
     return out
 
 
@@ -371,7 +376,7 @@ def interleaved_rows(size, dp, tp, per_rank, without_ns):
     base = list(rounds)[-1] if rounds else None
     out = []
     for row in per_rank[0]["rows"]:
-        name = f"{size:>7} {dp}x{tp} {'no NS' if without_ns else 'NS':>5}  {row['label']:<21}"
+        name = f"{row_start(size, dp, tp, without_ns)}{row['label']:<21}"
         if "error" in row:
             out.append(f"{name} {row['error']}")
             continue
