@@ -28,8 +28,9 @@ per owner" is exchange_bytes="one_per_owner": groups in which each owner has one
 --plan-only builds, for one rank, the plan DTensorMuon builds (distmuon/dtensor/plan.py's plan_matrices) for
 Llama 3 70B and 405B placed as FSDP2 x TP 8 places them (benchmarks/cost_model.py's placed_copies), at 512 and
 16,384 ranks: shapes only, nothing allocated; seconds and the plan's size, printed, and what rank 0 would send at
-construction where the ranks' descriptions differ: its Copies pickled as made (a tuple of ranks each) and packed
-(each mesh once: distmuon/dtensor/optimizer.py's packed; where they agree, a digest of a few bytes is all).
+construction where the ranks' descriptions differ: its Copies pickled as made (their meshes' ranks as describe
+keeps them: plan.ranks_of, a range where evenly spaced) and packed (each mesh once: distmuon/dtensor/optimizer.py's
+packed; where they agree, a digest of a few bytes is all).
 """
 
 from __future__ import annotations
@@ -416,14 +417,16 @@ NOTE = ("build s: construction (seconds, the median of --builds; the slowest ran
 # 5. The plan alone at Llama 3's sizes
 # =============================================================================
 def plan_kept_bytes(make):
-    """What the plan that make() returns keeps: the Python objects it leaves allocated (tracemalloc, over what was
-    allocated before) and the storages of the tensors its matrices hold (an owner's OwnedPieces, 3c's pieces)."""
+    """What the plan that make() returns keeps (plan_matrices' matrices, FLOPs and owners, all that DTensorMuon
+    keeps of it): the Python objects it leaves allocated (tracemalloc, over what was allocated before) and the
+    storages of the tensors its matrices hold (3c's pieces)."""
     import tracemalloc
 
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    matrices = make()
+    kept = make()
+    matrices = kept[0]
     gc.collect()
     python = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
@@ -463,7 +466,7 @@ def plan_only(print_fn=print, names=("llama3-70b", "llama3-405b"), worlds=(512, 
             seconds, n_matrices = time.perf_counter() - t0, len(matrices)
             peak = rss()[1]
             del matrices
-            kept = plan_kept_bytes(lambda: plan.plan_matrices(muon, steps, 0, gpus)[0])
+            kept = plan_kept_bytes(lambda: plan.plan_matrices(muon, steps, 0, gpus))
             local = sum(int(cost_model.held(c, gpus)[0]) * 4 for c in copies)
             mine = [c for c in copies if not c.mesh_ranks or 0 in c.mesh_ranks]  # what rank 0 describes
             described, message = (len(pickle.dumps(x)) / 1e6 for x in (mine, packed(mine)))

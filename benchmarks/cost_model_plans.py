@@ -78,19 +78,20 @@ def placed_copies(params, mesh, group_index):
     """[plan.Copy] of every parameter, in the order DTensorMuon's ranks swap them (rank 0's, then each further
     rank's new copies: those of the other TP columns). group_index: {group name: its index in the optimizer}."""
     ranks = torch.arange(mesh.world).view(mesh.shape)
+    world, column = plan.ranks_of(ranks), [plan.ranks_of(ranks[..., t]) for t in range(mesh.tp)]  # as describe's
     rep = (Replicate(),) if mesh.replicate > 1 else ()
     tp_of = {"col": Shard(0), "row": Shard(1), "replicate": Replicate(), "expert": Shard(0)}
     whole, columns = [], {}
     for p in params:
         if p.tp is None:  # FSDP2 alone, on each TP column's own (replicate x) dp sub-mesh
-            columns[p] = [plan.Copy(p.name, group_index[p.group], p.shape, tuple(ranks[..., t].reshape(-1).tolist()),
+            columns[p] = [plan.Copy(p.name, group_index[p.group], p.shape, column[t],
                                   mesh.shape[:-1], rep + (Shard(0),), False, mesh.names[:-1]) for t in range(mesh.tp)]
             continue
         on_tp = tp_of[p.tp]
         # an expert stack's dim 1 where dp divides it, unless a TP rank holds no expert (dtensor_demo.parallelize)
         every_ep_rank_has_one = mesh.ep_dim != "tp" or len(torch.arange(p.shape[0]).chunk(mesh.tp)) == mesh.tp
         dim = 1 if p.expert and p.shape[1] % mesh.dp == 0 and every_ep_rank_has_one else 0
-        whole.append(plan.Copy(p.name, group_index[p.group], p.shape, tuple(range(mesh.world)), mesh.shape,
+        whole.append(plan.Copy(p.name, group_index[p.group], p.shape, world, mesh.shape,
                              rep + (fsdp_placement(on_tp, dim, mesh.tp), on_tp), p.expert, mesh.names))
     by_name = {c.name: c for c in whole}
     first = [by_name[p.name] if p.name in by_name else columns[p][0] for p in params]

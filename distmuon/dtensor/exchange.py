@@ -103,7 +103,8 @@ class OwnerExchange:
         # Plain tensors and all-Replicate DTensors: orthogonalized where they are, on every rank that holds them.
         self.local_matrices = {c.name: [matrix_name(c, e if c.expert_stack else -1, 1) for e in range(c.n_matrices)]
                                for c in muon_copies if c.local and (not c.mesh_ranks or opt.me in c.mesh_ranks)}
-        self.index = {r: i for i, r in enumerate(opt.axis.ranks)}  # global rank -> index in the optimizer's group
+        ranks = opt.axis.ranks  # global rank -> index in the optimizer's group (a range's own index: O(1))
+        self.index = ranks.index if isinstance(ranks, range) else {r: i for i, r in enumerate(ranks)}.__getitem__
         self.param_of_matrix = {m.name: m.copy.name for m in self.matrices}
         self.param_of_matrix.update({m: name for name, names in self.local_matrices.items() for m in names})
 
@@ -210,7 +211,7 @@ class OwnerExchange:
                     if destination == me:
                         place_part(full, m, box, part)
                         continue
-                transfers.append((self.index[source], self.index[destination], numel, part))
+                transfers.append((self.index(source), self.index(destination), numel, part))
                 if destination == me:
                     receiving.append((m, box))
         for m in active:
@@ -236,7 +237,7 @@ class OwnerExchange:
         for m in active:
             for source, destination, numel, at, box in m.scatter:
                 part = flat_if_contiguous(orthogonal[m.name][as_slices(box)]) if source == me else None
-                transfers.append((self.index[source], self.index[destination], numel, part))
+                transfers.append((self.index(source), self.index(destination), numel, part))
                 if destination == me:
                     receiving.append((m, at))
             orthogonal.pop(m.name, None)  # kept by its parts where they are views, else freed before the send buffer

@@ -103,7 +103,7 @@ class NorMuonRows:
                 v, g = self.updated(opt, opt.param_groups[m.copy.group], m.copy.name, m.expert, orthogonal[m.name])
                 stats = torch.cat([v.view(-1), g.view(1)])
             for r in self.receivers[m.name]:
-                transfers.append((opt.exchange.index[m.owner], opt.exchange.index[r], m.shape[0] + 1, stats))
+                transfers.append((opt.exchange.index(m.owner), opt.exchange.index(r), m.shape[0] + 1, stats))
                 if r == me:
                     receiving.append(m)
         wait = owners.send_parts(transfers, opt.axis, opt.ledger, "NorMuon rows", torch.float32, opt.device)

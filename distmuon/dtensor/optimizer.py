@@ -80,7 +80,7 @@ from distmuon.dtensor.exchange import OwnerExchange
 from distmuon.dtensor.explicit import ExplicitExchange
 from distmuon.dtensor.normuon import NorMuonRows, v_zeros
 from distmuon.dtensor.placements import like_param, local_of, local_shape_problem, placements_problem
-from distmuon.dtensor.plan import ONE_PER_OWNER, Copy, describe
+from distmuon.dtensor.plan import ONE_PER_OWNER, Copy, describe, ranks_of
 from distmuon.dtensor.rows import DTensorLargeRuns
 from distmuon.rules import add_or_refuse_group, copy_sharing
 from distributed_muon_cpu import apply_muon_update_, muon_update
@@ -450,7 +450,7 @@ class DTensorMuon(torch.optim.Optimizer):
         if not dist.is_initialized():
             return distributed_muon_cpu.Axis("world", 1, 0, (0,), None)
         group = group or dist.group.WORLD
-        ranks = tuple(dist.get_process_group_ranks(group))
+        ranks = ranks_of(dist.get_process_group_ranks(group))
         return distributed_muon_cpu.Axis("world", len(ranks), ranks.index(dist.get_rank()), ranks, group)
 
     def index_groups(self):

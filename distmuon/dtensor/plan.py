@@ -52,12 +52,14 @@ from distributed_muon_cpu import newton_schulz_flops
 # is a box, one range per tensor dim (section 2), so a copy's pieces are a few
 # integers per rank of its mesh (Cut, one for all the copies of one shape and
 # layout, let go after the plan where it has many), a rank keeps only its own
-# transfers (every piece's only where it owns the matrix: one table of them), and
-# a transfer is the box of the owner's matrix it fills and the holder's local
-# tensor (or one expert of its stack) it comes from: a view at the holder, a
-# strided copy of whole runs at the owner, never an index per element. The plan
-# of Llama 3 405B for one of 16,384 ranks takes a second and keeps under a
-# megabyte (benchmarks/at_scale.py --plan-only).
+# transfers (its piece, one tuple for a layout; every piece's only where it owns
+# the matrix, made again from the Cut as they are read), and a transfer is the
+# box of the owner's matrix it fills and the holder's local tensor (or one
+# expert of its stack) it comes from: a view at the holder, a strided copy of
+# whole runs at the owner, never an index per element. A mesh's ranks are a
+# range where evenly spaced (ranks_of). The plan of Llama 3 70B for one of
+# 16,384 ranks takes under a second and keeps 0.16 MB, 0.65 % of the rank's
+# 24.8 MB of parameters (benchmarks/at_scale.py --plan-only).
 #
 # Owners: the lesson's assign_owners balances over ranks 0..n-1, but a matrix
 # may only go to a rank that holds some of it (else it would travel whole to a
@@ -78,7 +80,7 @@ class Copy:
     name: str
     group: int  # index of its param group
     shape: tuple  # global shape
-    mesh_ranks: tuple  # global ranks of its mesh, row-major; () for a plain tensor (local)
+    mesh_ranks: tuple  # global ranks of its mesh, row-major (ranks_of: a range where evenly spaced); () if local
     mesh_shape: tuple
     placements: tuple
     expert_stack: bool
@@ -145,7 +147,9 @@ def cut_of(shape, mesh_ranks, mesh_shape, placements):
     cut = sharded_dims(placements)
     order = list(cut) + [i for i in range(len(mesh_shape)) if i not in cut]  # sharded dims first: key-major
     pieces = math.prod(mesh_shape[i] for i in cut)
-    ranks = torch.tensor(mesh_ranks, dtype=torch.int64).view(mesh_shape).permute(order).reshape(pieces, -1)
+    ranks = (torch.arange(mesh_ranks.start, mesh_ranks.stop, mesh_ranks.step) if isinstance(mesh_ranks, range)
+             else torch.tensor(mesh_ranks, dtype=torch.int64))
+    ranks = ranks.view(mesh_shape).permute(order).reshape(pieces, -1)
     starts, stops = [], []
     for d, size in enumerate(shape):
         start, stop = dim_ranges(size, mesh_shape, placements, d)
@@ -163,13 +167,19 @@ def matrix_pieces(shape, mesh_ranks, mesh_shape, placements, expert):
     """(held, numels, holders) of one matrix of a copy (an expert of a stack, or the 2-D parameter: expert -1):
     whether each piece holds some of it, how many of its elements, and the ranks that hold some, sorted."""
     cut = cut_of(shape, mesh_ranks, mesh_shape, placements)
+    held, numels = held_by(cut, expert)
+    return held, numels, torch.sort(cut.ranks[held].reshape(-1)).values
+
+
+def held_by(cut, expert):
+    """(held, numels) of one matrix of a copy (expert: as matrix_pieces'), from its Cut: whether each piece holds
+    some of it, and how many of its elements."""
     lengths = cut.stops - cut.starts
     numels = lengths[:, -2] * lengths[:, -1]
     held = numels > 0
     if expert >= 0:
         held &= (cut.starts[:, 0] <= expert) & (expert < cut.stops[:, 0])
-    numels = torch.where(held, numels, 0)
-    return held, numels, torch.sort(cut.ranks[held].reshape(-1)).values
+    return held, torch.where(held, numels, 0)
 
 
 @dataclass
@@ -183,15 +193,37 @@ class Matrix:
     owner: int = -1
     shape: tuple = ()  # what the owner puts together: the (out, in) matrix, or its TP piece (section 3c)
     tp_dim: int = -1  # section 3c: the mesh dim whose ranks orthogonalize their pieces together; -1: whole at owner
-    # gather and scatter alike: (source, destination, numel, at, box), at the holder's end and box at the owner's:
-    # at, the part in its holder's local tensor (None for all of it, else its index along an expert stack's dim 0:
-    # one expert's (rows, cols), contiguous); box, the (start, stop) of each dim of the part in the owner's matrix
-    # (`shape`). Each only where this rank is that end (else None).
-    gather: Sequence = field(default_factory=list)  # an owner's: OwnedPieces, read as this list would be
-    scatter: Sequence = field(default_factory=list)
     held: torch.Tensor = field(default=None, repr=False)  # whether each piece of its copy's Cut holds some of it
     numels: torch.Tensor = field(default=None, repr=False)  # and how many of its elements
     lines: tuple = field(default=(), repr=False)  # 3c: the long dim's ranges (start, stop) this TP piece is made of
+    # What gather and scatter read (transfers_of): where this rank owns it, both (owned); else, where it holds
+    # some of it, its piece (me, numel, at, sends), one tuple for every matrix of one layout.
+    owned: tuple = None
+    piece: tuple = None
+
+    # gather and scatter alike: (source, destination, numel, at, box), at the holder's end and box at the owner's:
+    # at, the part in its holder's local tensor (None for all of it, else its index along an expert stack's dim 0:
+    # one expert's (rows, cols), contiguous); box, the (start, stop) of each dim of the part in the owner's matrix
+    # (`shape`). Each only where this rank is that end (else None). An owner's in OwnedPieces, read as a list.
+    @property
+    def gather(self):
+        """This rank's transfers that bring m to its owner."""
+        if self.owned is not None:
+            return self.owned[0]
+        if self.piece is None or not self.piece[3]:
+            return ()
+        me, numel, at, _ = self.piece
+        return ((me, self.owner, numel, at, None),)
+
+    @property
+    def scatter(self):
+        """This rank's transfers that bring the orthogonalized m back from its owner."""
+        if self.owned is not None:
+            return self.owned[1]
+        if self.piece is None:
+            return ()
+        me, numel, at, _ = self.piece
+        return ((self.owner, me, numel, at, None),)
 
     def box(self, start, stop):
         """A piece's part of this matrix (start, stop: its ranges of the copy's dims, lists), as (start, stop) of
@@ -242,25 +274,31 @@ FEW = 64  # pieces (or ranks) that the plan lists as Python objects; more are ke
 
 class OwnedPieces(Sequence):
     """An owner's transfers of its matrix m, one way (gather, or scatter): one a piece (the gather, from the replica
-    where the owner sits) or one a replica of every piece (the scatter), as transfers_of says. Kept as one table of
-    the pieces that hold some of m (their ranks, then their starts and stops: int32 where they fit) and made into
-    tuples as they are read: an owner of a matrix in 13,312 pieces (Llama 3 405B on 16,384 ranks) keeps that table,
-    not 26,624 tuples of boxes (6 MB), nor the cut of every rank of the mesh."""
+    where the owner sits) or one a replica of every piece (the scatter), as transfers_of says. Made into tuples as
+    they are read, from the Cut of m's copy made again, which says which pieces hold some of m (the ranges of each
+    dim, section 2: a fraction of a millisecond at 16,384 pieces, beside the tuples themselves). So the owner of a
+    matrix in 13,312 pieces (Llama 3 405B on 16,384 ranks) keeps a few integers, not a table of the pieces
+    (266 KB) nor 26,624 tuples of boxes (6 MB)."""
 
-    def __init__(self, m, cut, me, keys, replica, scatter, table=None):
-        if table is None:
-            table = torch.cat([cut.ranks, cut.starts, cut.stops], 1).index_select(0, keys)
-            table = table.to(torch.int32) if int(table.max()) < 2**31 else table
-        self.m, self.me, self.table, self.replicas, self.replica, self.scatter = (
-            m, me, table, cut.ranks.shape[1], replica, scatter)
+    def __init__(self, m, me, pieces, replica, scatter):
+        self.m, self.me, self.pieces, self.replica, self.scatter = m, me, pieces, replica, scatter
+        self.replicas = self.cut().ranks.shape[1]
+
+    def cut(self):
+        """The Cut of m's copy: the one kept where it is (kept_while_few), else made again and not kept."""
+        c = self.m.copy
+        key = (c.shape, c.mesh_ranks, c.mesh_shape, c.placements)
+        return cut_of.made.get(key) or cut_of.__wrapped__(*key)
 
     def __len__(self):
-        return len(self.table) * (self.replicas if self.scatter else 1)
+        return self.pieces * (self.replicas if self.scatter else 1)
 
     def __iter__(self):
-        m, me, replica, replicas = self.m, self.me, self.replica, self.replicas
-        dims = (self.table.shape[1] - replicas) // 2
-        for row in self.table.tolist():
+        m, me, replica, replicas, cut = self.m, self.me, self.replica, self.replicas, self.cut()
+        held = m.held if m.lines else held_by(cut, m.expert)[0]  # a TP piece (3c) keeps its own
+        table = torch.cat([cut.ranks, cut.starts, cut.stops], 1).index_select(0, torch.nonzero(held).view(-1))
+        dims = cut.starts.shape[1]
+        for row in table.tolist():
             ranks, start, stop = row[:replicas], row[replicas:replicas + dims], row[replicas + dims:]
             box, at = m.box(start, stop), m.at(start)
             numel = (stop[-2] - start[-2]) * (stop[-1] - start[-1])  # of m: one expert's, in a stack
@@ -286,24 +324,19 @@ class OwnedPieces(Sequence):
 
 
 def transfers_of(m, me):
-    """This rank's part of routes(m), (gather, scatter): every piece's if it owns m (OwnedPieces), else its own
-    piece's (a Python tuple or two)."""
+    """This rank's part of routes(m), for Matrix.gather and .scatter: (owned, piece). Where it owns m, every
+    piece's, both ways (OwnedPieces; listed where there are a few: read every step); else, where it holds some of
+    m, its own piece (me, numel, at, sends: whether it is the replica that sends it)."""
     cut = cut_of_copy(m.copy)
     replica = cut.position(m.owner)[1]
     if me == m.owner:
-        keys = torch.nonzero(m.held).view(-1)
-        gather = OwnedPieces(m, cut, me, keys, replica, False)
-        ways = gather, OwnedPieces(m, cut, me, keys, replica, True, gather.table)
-        return ways if len(keys) > FEW else tuple(list(way) for way in ways)  # a few: listed once, read every step
-    gather, scatter = [], []
+        pieces = int(m.held.sum())
+        ways = OwnedPieces(m, me, pieces, replica, False), OwnedPieces(m, me, pieces, replica, True)
+        return (ways if len(ways[0]) > FEW else tuple(list(way) for way in ways)), None
     mine = cut.position(me)
     if mine is None or not bool(m.held[mine[0]]):
-        return gather, scatter
-    numel, at = int(m.numels[mine[0]]), m.at(cut.starts[mine[0]].tolist())
-    if mine[1] == replica:
-        gather.append((me, m.owner, numel, at, None))
-    scatter.append((m.owner, me, numel, at, None))
-    return gather, scatter
+        return None, None
+    return None, (me, int(m.numels[mine[0]]), m.at(cut.starts[mine[0]].tolist()), mine[1] == replica)
 
 
 # -----------------------------------------------------------------------------
@@ -409,6 +442,13 @@ def as_ranks(holders):
     return holders.tolist()
 
 
+def ranks_of(ranks):
+    """Global ranks (of a mesh, row-major, or of a process group) as a range where they are evenly spaced and
+    increasing, else a tuple: what a Copy or an Axis keeps of 16,384 ranks is 48 bytes, not 16,384 Python ints."""
+    ranks = as_ranks(torch.as_tensor(ranks, dtype=torch.int64).reshape(-1))
+    return ranks if isinstance(ranks, range) else tuple(ranks)
+
+
 def forget_many():
     """Let go of the cuts (and their pieces) of more than FEW pieces that the plans made (kept_while_few)."""
     for made, pieces in ((cut_of.made, lambda cut: len(cut.ranks)), (matrix_pieces.made, lambda held: len(held[0]))):
@@ -467,7 +507,9 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
     owners.update(gram_owners)
     for m in matrices:
         m.owner = owners[m.name]
-        m.gather, m.scatter = once(memo, (id(m.held), m.owner, m.expert, m.lines), lambda m=m: transfers_of(m, me))
+        sender = cut_of_copy(m.copy).position(m.owner)[1]  # the replica whose pieces go to the owner
+        key = (id(m.held), m.owner if m.owner == me else -1, sender, m.expert, m.lines)  # a piece: one a layout
+        m.owned, m.piece = once(memo, key, lambda m=m: transfers_of(m, me))
     inside = torch.tensor(group) if group is not None else None
     outside = sorted({m.name for m in matrices if inside is not None and (
         not bool(torch.isin(m.holders, inside).all()) or m.owner not in group)})
@@ -484,12 +526,12 @@ MESHES = weakref.WeakKeyDictionary()  # DeviceMesh -> mesh_description(it), whil
 
 
 def mesh_description(mesh):
-    """(its ranks row-major, its shape, its dim names) of a DeviceMesh, read once a mesh (DeviceMesh.mesh is made anew
+    """(its ranks row-major (ranks_of), its shape, its dim names) of a DeviceMesh, read once a mesh (DeviceMesh.mesh is made anew
     at each call): equal meshes, by DeviceMesh's own ==, have the same ranks, shape and names."""
     known = MESHES.get(mesh)
     if known is None:
         ranks = mesh.mesh
-        known = MESHES[mesh] = (tuple(ranks.reshape(-1).tolist()), tuple(ranks.shape), tuple(mesh.mesh_dim_names or ()))
+        known = MESHES[mesh] = (ranks_of(ranks), tuple(ranks.shape), tuple(mesh.mesh_dim_names or ()))
     return known
 
 
