@@ -162,6 +162,17 @@ def cut_of_copy(copy):
     return cut_of(copy.shape, copy.mesh_ranks, copy.mesh_shape, copy.placements)
 
 
+def held_by(cut, expert):
+    """(held, numels) of one matrix of a copy (one expert of a stack, or the 2-D parameter: expert -1), from its
+    Cut: whether each piece holds some of it, and how many of its elements."""
+    lengths = cut.stops - cut.starts
+    numels = lengths[:, -2] * lengths[:, -1]
+    held = numels > 0
+    if expert >= 0:
+        held &= (cut.starts[:, 0] <= expert) & (expert < cut.stops[:, 0])
+    return held, torch.where(held, numels, 0)
+
+
 @kept_while_few
 def matrix_pieces(shape, mesh_ranks, mesh_shape, placements, expert):
     """(held, numels, holders) of one matrix of a copy (an expert of a stack, or the 2-D parameter: expert -1):
@@ -169,17 +180,6 @@ def matrix_pieces(shape, mesh_ranks, mesh_shape, placements, expert):
     cut = cut_of(shape, mesh_ranks, mesh_shape, placements)
     held, numels = held_by(cut, expert)
     return held, numels, torch.sort(cut.ranks[held].reshape(-1)).values
-
-
-def held_by(cut, expert):
-    """(held, numels) of one matrix of a copy (expert: as matrix_pieces'), from its Cut: whether each piece holds
-    some of it, and how many of its elements."""
-    lengths = cut.stops - cut.starts
-    numels = lengths[:, -2] * lengths[:, -1]
-    held = numels > 0
-    if expert >= 0:
-        held &= (cut.starts[:, 0] <= expert) & (expert < cut.stops[:, 0])
-    return held, torch.where(held, numels, 0)
 
 
 @dataclass
