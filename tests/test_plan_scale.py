@@ -3,6 +3,7 @@
 fraction of the local parameter bytes on a 2 x 2 mesh whose TP pieces are not contiguous, and Llama 3 70B planned
 for 16,384 ranks (benchmarks/at_scale.py --plan-only prints 405B's)."""
 
+import gc
 import math
 import os
 import pickle
@@ -230,3 +231,33 @@ def test_a_plan_is_the_same_whether_a_mesh_s_ranks_are_a_range_or_a_tuple():
         planned = plan.plan_matrices(as_range, {0: 5}, me, 8)[0]
         assert read(planned) == read(plan.plan_matrices(as_tuple, {0: 5}, me, 8)[0]) and len(planned) == 7
         assert sum(len(m.gather) for m in planned) > 0 or me < 2  # every rank of the mesh takes part
+
+
+def test_the_exchange_pauses_the_garbage_collector_for_its_loops_only(single_process_group):
+    """The exchange's loops over parts run with Python's cyclic collector off (exchange.gc_paused), and leave it as
+    they found it, on or off, raised through or not, also around a whole step (a 1 x 1 mesh, torch's bits)."""
+    from distmuon.dtensor import exchange
+
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            with exchange.gc_paused():
+                assert not gc.isenabled()
+            assert gc.isenabled() == enabled
+            with pytest.raises(KeyError), exchange.gc_paused():
+                raise KeyError("inside")
+            assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    weight = torch.randn(12, 8)
+    grad = torch.randint(-8, 8, (12, 8)) / 1024
+    p = torch.nn.Parameter(DTensor.from_local(weight.clone(), mesh, [Shard(0), Shard(0)], run_check=False))
+    p.grad = DTensor.from_local(grad.clone(), mesh, [Shard(0), Shard(0)], run_check=False)
+    reference = torch.nn.Parameter(weight.clone())
+    reference.grad = grad.clone()
+    dtensor.DTensorMuon([("w", p)], lr=0.02).step()
+    torch.optim.Muon([reference], lr=0.02).step()
+    assert gc.isenabled() and torch.equal(p.to_local(), reference.detach())
+    assert not torch.equal(reference.detach(), weight)
