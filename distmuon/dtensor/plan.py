@@ -280,9 +280,9 @@ class OwnedPieces(Sequence):
     matrix in 13,312 pieces (Llama 3 405B on 16,384 ranks) keeps a few integers, not a table of the pieces
     (266 KB) nor 26,624 tuples of boxes (6 MB)."""
 
-    def __init__(self, m, me, pieces, replica, scatter):
-        self.m, self.me, self.pieces, self.replica, self.scatter = m, me, pieces, replica, scatter
-        self.replicas = self.cut().ranks.shape[1]
+    def __init__(self, m, me, pieces, replicas, replica, scatter):
+        self.m, self.me, self.pieces, self.replicas, self.replica, self.scatter = (
+            m, me, pieces, replicas, replica, scatter)
 
     def cut(self):
         """The Cut of m's copy: the one kept where it is (kept_while_few), else made again and not kept."""
@@ -290,15 +290,17 @@ class OwnedPieces(Sequence):
         key = (c.shape, c.mesh_ranks, c.mesh_shape, c.placements)
         return cut_of.made.get(key) or cut_of.__wrapped__(*key)
 
-    def __len__(self):
-        return self.pieces * (self.replicas if self.scatter else 1)
+    def rows(self):
+        """Each piece that holds some of m: its ranks, then its starts and stops (Python's ints), from the Cut."""
+        m, cut = self.m, self.cut()
+        held = m.held if m.held is not None else held_by(cut, m.expert)[0]  # the plan's, or a TP piece's (3c)
+        return torch.cat([cut.ranks, cut.starts, cut.stops], 1).index_select(0, torch.nonzero(held).view(-1)).tolist()
 
-    def __iter__(self):
-        m, me, replica, replicas, cut = self.m, self.me, self.replica, self.replicas, self.cut()
-        held = m.held if m.lines else held_by(cut, m.expert)[0]  # a TP piece (3c) keeps its own
-        table = torch.cat([cut.ranks, cut.starts, cut.stops], 1).index_select(0, torch.nonzero(held).view(-1))
-        dims = cut.starts.shape[1]
-        for row in table.tolist():
+    def transfers(self, rows):
+        """The transfers of these rows (rows()), one way."""
+        m, me, replica, replicas = self.m, self.me, self.replica, self.replicas
+        dims = (len(rows[0]) - replicas) // 2 if rows else 0
+        for row in rows:
             ranks, start, stop = row[:replicas], row[replicas:replicas + dims], row[replicas + dims:]
             box, at = m.box(start, stop), m.at(start)
             numel = (stop[-2] - start[-2]) * (stop[-1] - start[-1])  # of m: one expert's, in a stack
@@ -306,6 +308,12 @@ class OwnedPieces(Sequence):
                 yield from ((me, r, numel, at if r == me else None, box) for r in ranks)
             else:
                 yield ranks[replica], me, numel, at if ranks[replica] == me else None, box
+
+    def __len__(self):
+        return self.pieces * (self.replicas if self.scatter else 1)
+
+    def __iter__(self):
+        return self.transfers(self.rows())
 
     def __getitem__(self, i):
         return list(self)[i]
@@ -330,9 +338,12 @@ def transfers_of(m, me):
     cut = cut_of_copy(m.copy)
     replica = cut.position(m.owner)[1]
     if me == m.owner:
-        pieces = int(m.held.sum())
-        ways = OwnedPieces(m, me, pieces, replica, False), OwnedPieces(m, me, pieces, replica, True)
-        return (ways if len(ways[0]) > FEW else tuple(list(way) for way in ways)), None
+        pieces, replicas = int(m.held.sum()), cut.ranks.shape[1]
+        ways = tuple(OwnedPieces(m, me, pieces, replicas, replica, scatter) for scatter in (False, True))
+        if pieces > FEW:
+            return ways, None
+        rows = ways[0].rows()  # a few: listed once, both ways, and read every step
+        return tuple(list(way.transfers(rows)) for way in ways), None
     mine = cut.position(me)
     if mine is None or not bool(m.held[mine[0]]):
         return None, None
@@ -526,8 +537,9 @@ MESHES = weakref.WeakKeyDictionary()  # DeviceMesh -> mesh_description(it), whil
 
 
 def mesh_description(mesh):
-    """(its ranks row-major (ranks_of), its shape, its dim names) of a DeviceMesh, read once a mesh (DeviceMesh.mesh is made anew
-    at each call): equal meshes, by DeviceMesh's own ==, have the same ranks, shape and names."""
+    """(its ranks row-major (ranks_of), its shape, its dim names) of a DeviceMesh, read once a mesh
+    (DeviceMesh.mesh is made anew at each call): equal meshes, by DeviceMesh's own ==, have the same ranks, shape
+    and names."""
     known = MESHES.get(mesh)
     if known is None:
         ranks = mesh.mesh
