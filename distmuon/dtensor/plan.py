@@ -331,12 +331,12 @@ class OwnedPieces(Sequence):
         return repr(list(self))
 
 
-def transfers_of(m, me):
+def transfers_of(m, me, replica):
     """This rank's part of routes(m), for Matrix.gather and .scatter: (owned, piece). Where it owns m, every
     piece's, both ways (OwnedPieces; listed where there are a few: read every step); else, where it holds some of
-    m, its own piece (me, numel, at, sends: whether it is the replica that sends it)."""
+    m, its own piece (me, numel, at, sends: whether it is the replica that sends it, the one where the owner sits,
+    `replica`)."""
     cut = cut_of_copy(m.copy)
-    replica = cut.position(m.owner)[1]
     if me == m.owner:
         pieces, replicas = int(m.held.sum()), cut.ranks.shape[1]
         ways = tuple(OwnedPieces(m, me, pieces, replicas, replica, scatter) for scatter in (False, True))
@@ -520,7 +520,7 @@ def plan_matrices(copies, group_ns_steps, me, world, assign=None, flops_of=None,
         m.owner = owners[m.name]
         sender = cut_of_copy(m.copy).position(m.owner)[1]  # the replica whose pieces go to the owner
         key = (id(m.held), m.owner if m.owner == me else -1, sender, m.expert, m.lines)  # a piece: one a layout
-        m.owned, m.piece = once(memo, key, lambda m=m: transfers_of(m, me))
+        m.owned, m.piece = once(memo, key, lambda m=m, sender=sender: transfers_of(m, me, sender))
     inside = torch.tensor(group) if group is not None else None
     outside = sorted({m.name for m in matrices if inside is not None and (
         not bool(torch.isin(m.holders, inside).all()) or m.owner not in group)})
